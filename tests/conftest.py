@@ -1,0 +1,42 @@
+"""Shared fixtures. The real embedded model runs in the default suite: it is small and comes from PyPI."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+# Never touch the user's cache: every test session gets its own profile store.
+_SESSION_CACHE = tempfile.mkdtemp(prefix="trimkit-test-cache-")
+os.environ["TRIMKIT_CACHE_DIR"] = _SESSION_CACHE
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    import trimkit
+
+    return trimkit.default_model_path()
+
+
+@pytest.fixture(scope="session")
+def llm(model_path):
+    """One real llama.cpp context for the session (Gemma-3-270M, n_ctx 4096)."""
+    from llama_cpp import Llama
+
+    return Llama(model_path=model_path, n_ctx=4096, verbose=False, chat_format="gemma")
+
+
+@pytest.fixture(scope="session")
+def quick_profile(llm):
+    """A quick calibration of the real model, measured once per session."""
+    import trimkit
+
+    return trimkit.calibrate(llm, quick=True)
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch):
+    """A fresh, empty profile store for one test."""
+    monkeypatch.setenv("TRIMKIT_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"

@@ -1,0 +1,107 @@
+"""trimkit — keep a local LLM's time to first token inside a budget, and leave decode alone.
+
+Quick start::
+
+    import trimkit
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=trimkit.default_model_path(), n_ctx=8192, verbose=False)
+    chat = trimkit.wrap(llm, ttft_budget_s=1.0)      # calibrates once (stored), then trims to the budget
+    out = chat.create_chat_completion(messages=[...], rag_chunks=[...], max_tokens=64)
+    print(chat.last_report)                           # predicted vs measured TTFT, what was trimmed, decode untouched
+
+See ``docs/`` for the quickstart, the two phases, and the CLI reference.
+"""
+
+from trimkit.backends.base import Backend, Measurement, TimedStream
+from trimkit.backends.fake import FakeBackend, FakeClock
+from trimkit.backends.llama import LlamaBackend, PrefixSnapshot
+from trimkit.calibration import calibrate
+from trimkit.costmodel import CostModel, ErrorStats, PrefillSample
+from trimkit.diagnose import Diagnosis, diagnose
+from trimkit.errors import (
+    BackendError,
+    CalibrationError,
+    ContextTooSmallError,
+    InfeasibleBudgetError,
+    InvalidBudgetError,
+    InvalidChunkError,
+    InvalidInputError,
+    InvalidMessageError,
+    InvalidNumberError,
+    ModelError,
+    ModelNotFoundError,
+    NotGGUFError,
+    ProfileError,
+    ServerError,
+    ServerUnreachableError,
+    StreamInterruptedError,
+    TransientServerError,
+    TrimkitError,
+)
+from trimkit.messages import DEFAULT_RAG_CHUNK_TEMPLATE, DEFAULT_RAG_TEMPLATE, Chunk
+from trimkit.model import check_model_path, default_model_path
+from trimkit.profile import LiveProfile, Profile, ProfileKey, load_profile, save_profile
+from trimkit.report import DECODE_UNTOUCHED, Report
+from trimkit.tokens import PromptTokenizer, TiktokenTokenizer
+from trimkit.wrapper import ReportingStream, TrimmedLlama, Trimmer, place_chunks, wrap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    # the main entry points
+    "wrap",
+    "calibrate",
+    "diagnose",
+    "default_model_path",
+    # values
+    "Chunk",
+    "Profile",
+    "ProfileKey",
+    "LiveProfile",
+    "CostModel",
+    "PrefillSample",
+    "ErrorStats",
+    "Report",
+    "Diagnosis",
+    "Measurement",
+    "DECODE_UNTOUCHED",
+    "DEFAULT_RAG_TEMPLATE",
+    "DEFAULT_RAG_CHUNK_TEMPLATE",
+    # wrappers and backends
+    "Trimmer",
+    "TrimmedLlama",
+    "ReportingStream",
+    "place_chunks",
+    "Backend",
+    "TimedStream",
+    "LlamaBackend",
+    "PrefixSnapshot",
+    "FakeBackend",
+    "FakeClock",
+    "PromptTokenizer",
+    "TiktokenTokenizer",
+    "check_model_path",
+    "load_profile",
+    "save_profile",
+    # errors
+    "TrimkitError",
+    "InvalidInputError",
+    "InvalidMessageError",
+    "InvalidChunkError",
+    "InvalidBudgetError",
+    "InvalidNumberError",
+    "ModelError",
+    "ModelNotFoundError",
+    "NotGGUFError",
+    "ContextTooSmallError",
+    "ProfileError",
+    "CalibrationError",
+    "InfeasibleBudgetError",
+    "BackendError",
+    "ServerError",
+    "TransientServerError",
+    "ServerUnreachableError",
+    "StreamInterruptedError",
+]

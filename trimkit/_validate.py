@@ -1,0 +1,58 @@
+"""Small validators shared by the value classes (attrs ``validator=`` hooks and plain calls)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from trimkit.errors import InvalidBudgetError, InvalidNumberError
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def positive_finite(value: Any, name: str, *, error: type[Exception] = InvalidNumberError) -> float:
+    """Return ``value`` as a float if it is a finite number > 0, else raise ``error``."""
+    if not _is_real(value):
+        raise error(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if math.isnan(value) or math.isinf(value):
+        raise error(f"{name} must be finite, got {value!r}")
+    if value <= 0:
+        raise error(f"{name} must be > 0, got {value!r}")
+    return float(value)
+
+
+def non_negative_finite(value: Any, name: str) -> float:
+    if not _is_real(value):
+        raise InvalidNumberError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if math.isnan(value) or math.isinf(value) or value < 0:
+        raise InvalidNumberError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def count(value: Any, name: str, *, minimum: int = 0) -> int:
+    """Return ``value`` if it is an int >= ``minimum`` (bools are refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidNumberError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise InvalidNumberError(f"{name} must be >= {minimum}, got {value!r}")
+    return value
+
+
+def budget(value: Any, name: str = "ttft_budget_s") -> float:
+    """Validate a TTFT budget in seconds: a finite number > 0."""
+    return positive_finite(value, name, error=InvalidBudgetError)
+
+
+def attrs_positive_finite(instance: Any, attribute: Any, value: Any) -> None:
+    positive_finite(value, attribute.name)
+
+
+def attrs_non_negative(instance: Any, attribute: Any, value: Any) -> None:
+    non_negative_finite(value, attribute.name)
+
+
+def attrs_optional_budget(instance: Any, attribute: Any, value: Any) -> None:
+    if value is not None:
+        budget(value, attribute.name)

@@ -1,0 +1,217 @@
+"""The seam between trimkit and a model engine.
+
+A :class:`Backend` does four things: tokenize a chat prompt as the engine will
+(:attr:`Backend.tokenizer`), say how many of its tokens the engine will reuse from its KV cache
+(:meth:`Backend.predict_cached_tokens`), send a chat request while timing it
+(:meth:`Backend.send`), and run calibration probes (:meth:`Backend.measure_prefill` and friends).
+Adapters wrap the client the user already has; :class:`~trimkit.backends.fake.FakeBackend`
+is a deterministic stand-in for unit tests of everything above this seam.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from trimkit.profile import ProfileKey
+from trimkit.tokens import PromptTokenizer
+
+__all__ = ["Measurement", "TimedStream", "Backend", "Clock"]
+
+Clock = Callable[[], float]
+
+
+@attrs.frozen
+class Measurement:
+    """What one request measured. ``None`` means the engine did not say.
+
+    ``ttft_s`` is client-side: from sending the request to the first streamed chunk carrying
+    content (not a bare role delta); ``first_output_s`` is send → first chunk of any output,
+    which differs only when the model stops without content. ``engine_prefill_s`` / ``engine_decode_s`` are the engine's
+    own timings where it reports them (llama.cpp perf counters, server ``timings``).
+    """
+
+    ttft_s: float | None
+    total_s: float
+    first_output_s: float | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    evaluated_tokens: int | None = None
+    engine_prefill_s: float | None = None
+    completion_tokens: int | None = None
+    engine_decode_s: float | None = None
+    client_decode_s: float | None = None
+    timing_source: str = "client"
+    finish_reason: str | None = None
+    truncated_tokens: int = 0
+    server: Mapping[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Streaming speed after the first token: engine timings if known, else client-side."""
+        n = self.completion_tokens
+        if n is None or n < 2:
+            return None
+        if self.engine_decode_s and self.engine_decode_s > 0:
+            # engine decode steps exclude the first token, which belongs to the prefill
+            return (n - 1) / self.engine_decode_s if self.timing_source == "llama_perf" else n / self.engine_decode_s
+        if self.client_decode_s and self.client_decode_s > 0:
+            return (n - 1) / self.client_decode_s
+        return None
+
+    @property
+    def time_per_output_token_s(self) -> float | None:
+        tps = self.decode_tokens_per_s
+        return 1.0 / tps if tps else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = attrs.asdict(self)
+        d["server"] = dict(self.server)
+        d["decode_tokens_per_s"] = self.decode_tokens_per_s
+        d["time_per_output_token_s"] = self.time_per_output_token_s
+        return d
+
+
+class TimedStream:
+    """Wraps a stream of response chunks, timing the first content chunk and the end.
+
+    Iterate it exactly like the underlying stream. When it is exhausted ``finish(self)`` is
+    called once to build the :class:`Measurement` (the backend reads engine timings there);
+    ``on_done`` callbacks then receive it. If the underlying stream raises, ``on_error`` is
+    called with the exception and the exception propagates (translated by ``on_error`` if it
+    returns one).
+    """
+
+    def __init__(
+        self,
+        chunks: Iterator[Any],
+        *,
+        started: float | None,
+        clock: Clock,
+        content_of: Callable[[Any], str | None],  # text of a chunk; "" for a finish chunk; None for a role delta
+        finish: Callable[[TimedStream], Measurement],
+        on_error: Callable[[BaseException], BaseException | None] | None = None,
+    ) -> None:
+        self._chunks = chunks
+        self.started = started
+        self.clock = clock
+        self._content_of = content_of
+        self._finish = finish
+        self._on_error = on_error
+        self.first_content_at: float | None = None
+        self.first_output_at: float | None = None  # first chunk beyond a bare role delta (content or finish)
+        self.last_chunk_at: float | None = None
+        self.ended_at: float | None = None
+        self.n_chunks = 0
+        self.n_content_chunks = 0
+        self.text_parts: list[str] = []
+        self.last_chunk: Any = None
+        self.measurement: Measurement | None = None
+        self.on_done: list[Callable[[Measurement], None]] = []
+
+    def __iter__(self) -> TimedStream:
+        return self
+
+    def __next__(self) -> Any:
+        if self.started is None:
+            self.started = self.clock()  # lazily-evaluated engines start work on the first next()
+        try:
+            chunk = next(self._chunks)
+        except StopIteration:
+            self._complete()
+            raise
+        except BaseException as exc:
+            self.ended_at = self.clock()
+            translated = self._on_error(exc) if self._on_error else None
+            if translated is not None and translated is not exc:
+                raise translated from exc
+            raise
+        now = self.clock()
+        self.n_chunks += 1
+        self.last_chunk_at = now
+        self.last_chunk = chunk
+        text = self._content_of(chunk)
+        if text is not None and self.first_output_at is None:
+            self.first_output_at = now
+        if text:
+            self.n_content_chunks += 1
+            self.text_parts.append(text)
+            if self.first_content_at is None:
+                self.first_content_at = now
+        return chunk
+
+    @property
+    def first_output_s(self) -> float | None:
+        """Send → first chunk beyond a bare role delta, even if it carries no text (the model
+        may stop at once); a fallback when no content ever arrives."""
+        return None if self.first_output_at is None or self.started is None else self.first_output_at - self.started
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_content_at is None or self.started is None else self.first_content_at - self.started
+
+    def _complete(self) -> None:
+        if self.measurement is not None:
+            return
+        self.ended_at = self.clock()
+        self.measurement = self._finish(self)
+        for cb in self.on_done:
+            cb(self.measurement)
+
+    def close(self) -> None:
+        close = getattr(self._chunks, "close", None)
+        if close:
+            close()
+
+    def drain(self) -> Measurement:
+        for _ in self:
+            pass
+        assert self.measurement is not None
+        return self.measurement
+
+
+class Backend(abc.ABC):
+    """A model engine as trimkit sees it. Subclass to support a new engine."""
+
+    #: short name, e.g. "llama_cpp", "openai_http", "fake"
+    name: str = "backend"
+    tokenizer: PromptTokenizer
+    clock: Clock = time.perf_counter
+
+    @property
+    @abc.abstractmethod
+    def n_ctx(self) -> int:
+        """Context window in tokens."""
+
+    @abc.abstractmethod
+    def profile_key(self) -> ProfileKey:
+        """Everything that changes prefill timings for this engine and its settings."""
+
+    @abc.abstractmethod
+    def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``prompt_tokens`` the engine will reuse from its KV cache."""
+
+    @abc.abstractmethod
+    def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> TimedStream:
+        """Send a chat request as a stream; the returned :class:`TimedStream` yields the engine's
+        own chunk objects and produces a :class:`Measurement` when exhausted."""
+
+    # -- calibration probes -------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Pay one-off costs (first eval after load) before measuring."""
+
+    @abc.abstractmethod
+    def measure_prefill(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """Seconds to evaluate ``new_tokens`` fresh tokens after ``cached_tokens`` cached ones."""
+
+    @abc.abstractmethod
+    def measure_decode(self, n_tokens: int = 32) -> float:
+        """Decode speed in tokens/s over ``n_tokens`` single-token steps."""
+
+    @abc.abstractmethod
+    def measure_first_token_overhead(self) -> float:
+        """Seconds a short real request spends before its first content chunk beyond prefill."""

@@ -1,0 +1,1256 @@
+"""Backend for an OpenAI-compatible HTTP endpoint: llama.cpp server, llama-cpp-python's server,
+vLLM, SGLang, Ollama's ``/v1``, LM Studio.
+
+Use :class:`OpenAIHTTPBackend` with a base URL (requests go out through ``httpx``, the SSE
+stream is parsed here and chunks are plain dicts shaped like OpenAI's), or
+:meth:`OpenAIHTTPBackend.from_openai_client` with the user's ``openai.OpenAI`` /
+``openai.AsyncOpenAI`` client (chat requests go through that client, so its configuration is
+honoured, and the stream yields its own chunk objects).
+
+What the backend learns from the server, once, on first need (:meth:`server_info`): which
+engine it is, its version, ``n_ctx``, and whether it has a tokenizer endpoint (llama.cpp's
+``/tokenize`` + ``/apply-template``, llama-cpp-python's ``/extras/tokenize``). Without one it
+counts with tiktoken and keeps a running correction ratio from the ``usage.prompt_tokens`` the
+server returns (:attr:`OpenAIHTTPBackend.token_count_correction`).
+
+Faults: connection refused / timeouts / 429 / 502 / 503 / 504 are retried with exponential
+backoff inside ``retry_deadline_s``, and only before the first chunk arrives. Other error
+statuses raise :class:`~trimkit.errors.ServerError` at once with the server's message; a stream
+that breaks after its first chunk raises :class:`~trimkit.errors.StreamInterruptedError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import httpx
+import tenacity
+
+from trimkit.backends.base import Backend, Clock, Measurement, TimedStream
+from trimkit.backends.server_timings import (
+    ServerStats,
+    as_mapping,
+    build_measurement,
+    detect_truncation,
+    field_of,
+    has_server_stats,
+    parse_server_stats,
+)
+from trimkit.errors import (
+    BackendError,
+    ContextTooSmallError,
+    CalibrationError,
+    InvalidInputError,
+    ServerError,
+    ServerUnreachableError,
+    StreamInterruptedError,
+    TransientServerError,
+    TrimkitError,
+)
+from trimkit.profile import ProfileKey
+from trimkit.tokens import PromptTokenizer, chatml_render, common_prefix_len
+
+__all__ = [
+    "OpenAIHTTPBackend",
+    "AsyncTimedStream",
+    "ServerInfo",
+    "SSEDecoder",
+    "TRANSIENT_STATUSES",
+    "stream_chunk_content",
+    "assemble_chat_completion",
+]
+
+log = logging.getLogger("trimkit")
+
+#: HTTP statuses worth retrying (before the first chunk only).
+TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
+
+_END = object()  # a stream that ended before its first event
+
+
+# -- SSE --------------------------------------------------------------------------------------
+class SSEDecoder:
+    """Turns the lines of a ``text/event-stream`` into decoded JSON events.
+
+    Feed lines one at a time; :meth:`feed` returns an event's JSON when a blank line ends it
+    (``None`` otherwise). ``data: [DONE]`` sets :attr:`done`. Comments (``: ping``) are skipped;
+    an ``error`` event, or a data object with ``error`` and no ``choices``, raises
+    :class:`~trimkit.errors.ServerError` with the server's message.
+    """
+
+    def __init__(self) -> None:
+        self._data: list[str] = []
+        self._event = ""
+        self.done = False
+
+    def feed(self, line: str) -> Any:
+        if not line:
+            return self._dispatch()
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        if value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        return None
+
+    def flush(self) -> Any:
+        """The event left pending when the stream ends without a final blank line."""
+        return self._dispatch()
+
+    def _dispatch(self) -> Any:
+        event, self._event = self._event, ""
+        if not self._data:
+            return None
+        payload = "\n".join(self._data)
+        self._data = []
+        if payload.strip() == "[DONE]":
+            self.done = True
+            return None
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            raise ServerError(f"the server sent an unreadable stream event: {payload[:200]!r}", status=200, server_message=payload[:500]) from None
+        if event == "error" or (isinstance(obj, Mapping) and "error" in obj and "choices" not in obj):
+            message = _error_message(obj)
+            raise ServerError(f"the server reported an error mid-stream: {message}", status=200, server_message=message)
+        return obj
+
+
+def _iter_events(lines: Iterable[str], decoder: SSEDecoder) -> Iterator[Any]:
+    for line in lines:
+        event = decoder.feed(line)
+        if event is not None:
+            yield event
+        if decoder.done:
+            return
+    event = decoder.flush()
+    if event is not None:
+        yield event
+
+
+async def _aiter_events(lines: AsyncIterator[str], decoder: SSEDecoder) -> AsyncIterator[Any]:
+    async for line in lines:
+        event = decoder.feed(line)
+        if event is not None:
+            yield event
+        if decoder.done:
+            return
+    event = decoder.flush()
+    if event is not None:
+        yield event
+
+
+# -- chunks -----------------------------------------------------------------------------------
+def stream_chunk_content(chunk: Any) -> str | None:
+    """The generated text a chat or completion chunk carries (dict or ``openai`` object):
+    ``""`` for a finish chunk without text, ``None`` for a bare role delta or a usage-only
+    chunk. Tool calls and reasoning count as content: they are the first generated tokens."""
+    choices = field_of(chunk, "choices")
+    if not choices:
+        return None
+    choice = choices[0]
+    for holder in (field_of(choice, "delta"), field_of(choice, "message")):
+        if holder is None:
+            continue
+        for key in ("content", "reasoning_content", "reasoning"):
+            text = field_of(holder, key)
+            if text:
+                return text
+        if field_of(holder, "tool_calls") or field_of(holder, "function_call"):
+            return "<tool_call>"
+    text = field_of(choice, "text")
+    if text:
+        return text
+    return "" if field_of(choice, "finish_reason") else None
+
+
+def _any_choice(chunk: Any) -> str | None:
+    """Completion probes: the first chunk with a choice marks the first token (its text may be
+    an empty piece of a multi-byte character)."""
+    return "·" if field_of(chunk, "choices") else None
+
+
+def _finish_reason(chunk: Any) -> str | None:
+    choices = field_of(chunk, "choices")
+    return field_of(choices[0], "finish_reason") if choices else None
+
+
+def assemble_chat_completion(chunks: Sequence[Any], stats_chunk: Any = None) -> dict[str, Any]:
+    """Rebuild a non-streaming ``chat.completion`` dict from the chunks of a finished stream
+    (dicts or ``openai`` objects): content and tool-call pieces joined per choice, the last
+    finish reason, and ``usage`` if the server reported it (else ``None``)."""
+    dicts = [d for d in (as_mapping(c) for c in chunks) if d is not None]
+    first = dicts[0] if dicts else {}
+    choices: dict[int, dict[str, Any]] = {}
+    for d in dicts:
+        for ch in d.get("choices") or []:
+            idx = ch.get("index", 0) or 0
+            acc = choices.setdefault(idx, {"index": idx, "parts": [], "tools": {}, "finish_reason": None, "role": "assistant"})
+            delta = ch.get("delta") or ch.get("message") or {}
+            if delta.get("role"):
+                acc["role"] = delta["role"]
+            if delta.get("content"):
+                acc["parts"].append(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                slot = acc["tools"].setdefault(call.get("index", len(acc["tools"])), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                slot["id"] = call.get("id") or slot["id"]
+                fn = call.get("function") or {}
+                slot["function"]["name"] += fn.get("name") or ""
+                slot["function"]["arguments"] += fn.get("arguments") or ""
+            if ch.get("finish_reason"):
+                acc["finish_reason"] = ch["finish_reason"]
+    out_choices = []
+    for idx in sorted(choices):
+        acc = choices[idx]
+        message: dict[str, Any] = {"role": acc["role"], "content": "".join(acc["parts"]) if acc["parts"] or not acc["tools"] else None}
+        if acc["tools"]:
+            message["tool_calls"] = [acc["tools"][k] for k in sorted(acc["tools"])]
+        out_choices.append({"index": idx, "message": message, "finish_reason": acc["finish_reason"], "logprobs": None})
+    stats = as_mapping(stats_chunk) or {}
+    return {
+        "id": first.get("id", ""),
+        "object": "chat.completion",
+        "created": first.get("created", int(time.time())),
+        "model": first.get("model", ""),
+        "system_fingerprint": first.get("system_fingerprint"),
+        "choices": out_choices,
+        "usage": stats.get("usage"),
+    }
+
+
+# -- errors -----------------------------------------------------------------------------------
+def _error_message(body: Any) -> str:
+    """The human message in an error body: ``{"error": {"message"}}``, ``{"error": "..."}``,
+    ``{"detail": ...}``, ``{"message": ...}`` or the text itself."""
+    if isinstance(body, (str, bytes)):
+        text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+        try:
+            body = json.loads(text)
+        except ValueError:
+            return text.strip()[:1000]
+    if isinstance(body, Mapping):
+        err = body.get("error")
+        if isinstance(err, Mapping):
+            return str(err.get("message") or err)
+        if err:
+            return str(err)
+        for key in ("detail", "message"):
+            if body.get(key):
+                return str(body[key])
+    return str(body)[:1000]
+
+
+def _retry_after_s(headers: Any) -> float | None:
+    try:
+        value = headers.get("retry-after") if headers is not None else None
+        return max(float(value), 0.0) if value is not None else None
+    except (TypeError, ValueError):
+        return None  # an HTTP date: rare from model servers; the backoff applies
+
+
+def _status_error(status: int, body: Any, headers: Any = None) -> ServerError:
+    message = _error_message(body)
+    cls = TransientServerError if status in TRANSIENT_STATUSES else ServerError
+    err = cls(f"the server answered HTTP {status}: {message}", status=status, server_message=message)
+    err.retry_after_s = _retry_after_s(headers)  # type: ignore[attr-defined]
+    return err
+
+
+def _unreachable(exc: BaseException, url: str) -> ServerUnreachableError:
+    kind = "timed out" if isinstance(exc, httpx.TimeoutException) else "could not be reached"
+    return ServerUnreachableError(f"{url} {kind}: {type(exc).__name__}: {exc}")
+
+
+def _translate_client_error(exc: BaseException, url: str) -> TrimkitError | None:
+    """An ``openai`` client exception as a trimkit error (``None`` if it is not one)."""
+    if isinstance(exc, TrimkitError):
+        return None
+    if isinstance(exc, httpx.TransportError):
+        return _unreachable(exc, url)
+    try:
+        import openai
+    except ImportError:  # pragma: no cover - a client without openai installed
+        return None
+    if isinstance(exc, openai.APIStatusError):
+        response = getattr(exc, "response", None)
+        body = exc.body if exc.body is not None else exc.message
+        return _status_error(exc.status_code, body, getattr(response, "headers", None))
+    if isinstance(exc, openai.APIConnectionError):  # includes APITimeoutError
+        return _unreachable(exc, url)
+    return None
+
+
+def _is_transport_failure(exc: BaseException) -> bool:
+    if isinstance(exc, (httpx.TransportError, OSError)):
+        return True
+    try:
+        import openai
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(exc, openai.APIError)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def _normalize_base_url(base_url: Any) -> tuple[str, str]:
+    """``(base_url, root)``: the OpenAI base (``.../v1``) without a trailing slash, and the
+    server root where llama.cpp's own endpoints live. Raises InvalidInputError for a bad URL."""
+    if not isinstance(base_url, (str, httpx.URL)):
+        raise InvalidInputError(f"base_url must be a str, got {type(base_url).__name__}")
+    try:
+        url = httpx.URL(str(base_url).strip())
+    except Exception as exc:
+        raise InvalidInputError(f"invalid base_url {base_url!r}: {exc}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise InvalidInputError(f"base_url must be an http(s) URL with a host, e.g. http://127.0.0.1:8080/v1; got {str(base_url)!r}")
+    base = str(url.copy_with(query=None, fragment=None)).rstrip("/")
+    root = base[: -len("/v1")] if base.endswith("/v1") else base
+    return base, root
+
+
+def _client_is_async(client: Any) -> bool:
+    create = client.chat.completions.create
+    if inspect.iscoroutinefunction(inspect.unwrap(create)):
+        return True
+    return type(client).__name__.startswith("Async")
+
+
+def _default_probe_text() -> str:
+    """Real English text for calibration prompts: the packaged corpus, else a generated one."""
+    try:
+        from trimkit.backends.llama import _probe_text
+
+        return _probe_text()
+    except (OSError, ImportError):
+        import random
+
+        rng = random.Random(20240601)
+        subjects = ["The engineer", "A small model", "The server", "Every request", "The old library", "A careful reader",
+                    "The cache", "Our team", "The river", "A quiet village", "The committee", "The first draft"]
+        verbs = ["reads", "measures", "describes", "remembers", "ignores", "explains", "compares", "follows", "rebuilds", "questions"]
+        objects = ["the long report", "each number in turn", "the history of the valley", "what the budget allows",
+                   "the weather of last spring", "a map of the harbour", "the cost of waiting", "the next chapter",
+                   "every token it was given", "the letters from home"]
+        tails = ["before the evening train.", "with some patience.", "because nobody else would.", "and then rests.",
+                 "while the tea grows cold.", "in plain words.", "as the rules require.", "for the second time."]
+        sentences = [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} {rng.choice(tails)}" for _ in range(3000)]
+        return " ".join(sentences)
+
+
+@attrs.frozen
+class ServerInfo:
+    """What the backend learned about the server (probed once, see :meth:`OpenAIHTTPBackend.server_info`)."""
+
+    engine: str = "unknown"  # "llama.cpp", "llama-cpp-python", "vllm", "sglang", "ollama", "unknown"
+    engine_version: str = ""
+    model_ids: tuple[str, ...] = ()
+    n_ctx: int | None = None
+    n_batch: int | None = None
+    tokenize_endpoint: str | None = None  # "/tokenize", "/extras/tokenize" or None
+    apply_template: bool = False
+    bos_prefix: tuple[int, ...] = ()  # what /extras/tokenize prepends to every text
+
+
+@attrs.define
+class _Opened:
+    """A stream opened up to its first event."""
+
+    first: Any
+    rest: Any  # iterator or async iterator of chunks
+    close: Callable[[], Any]
+    done: Callable[[], bool]  # did the server end the stream properly ([DONE])?
+
+
+@attrs.define
+class _StreamState:
+    hide_usage_chunk: bool = False
+    stats_chunk: Any = None
+    finish_reason: str | None = None
+    chunks: list[Any] | None = None  # filled when the response is to be assembled
+
+
+class AsyncTimedStream(TimedStream):
+    """:class:`TimedStream` over an async iterator: ``async for`` it; the timing, ``finish`` and
+    ``on_done`` behave exactly as in the sync stream."""
+
+    def __init__(self, chunks: AsyncIterator[Any], **kwargs: Any) -> None:
+        super().__init__(iter(()), **kwargs)
+        self._achunks = chunks
+
+    def __aiter__(self) -> AsyncTimedStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.started is None:
+            self.started = self.clock()
+        try:
+            chunk = await self._achunks.__anext__()
+        except StopAsyncIteration:
+            self._complete()
+            raise
+        except BaseException as exc:
+            self.ended_at = self.clock()
+            translated = self._on_error(exc) if self._on_error else None
+            if translated is not None and translated is not exc:
+                raise translated from exc
+            raise
+        # record the chunk through the sync path so both streams time it identically
+        self._chunks = iter((chunk,))
+        return TimedStream.__next__(self)
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._achunks, "aclose", None)
+        if aclose:
+            await aclose()
+
+    async def adrain(self) -> Measurement:
+        async for _ in self:
+            pass
+        assert self.measurement is not None
+        return self.measurement
+
+
+class OpenAIHTTPBackend(Backend):
+    """An OpenAI-compatible endpoint. Use when the model is served by llama.cpp server, vLLM,
+    SGLang, Ollama or llama-cpp-python's server rather than loaded in-process.
+
+    ``retry_deadline_s`` bounds the total time spent retrying a request that has not yet
+    produced a chunk (set it from the TTFT budget); it can be changed on the instance or per
+    call. ``cache_block_tokens`` is the engine's prefix-cache granularity: ``None`` picks 16
+    for vLLM (its KV block size) and 1 elsewhere.
+    """
+
+    name = "openai_http"
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 300.0,
+        connect_timeout_s: float = 5.0,
+        retry_deadline_s: float = 30.0,
+        max_attempts: int = 10,
+        retry_backoff_s: float = 0.1,
+        retry_backoff_max_s: float = 2.0,
+        n_ctx: int | None = None,
+        n_batch: int | None = None,
+        cache_block_tokens: int | None = None,
+        headers: Mapping[str, str] | None = None,
+        http_client: httpx.Client | None = None,
+        async_http_client: httpx.AsyncClient | None = None,
+        client: Any = None,
+        clock: Clock = time.perf_counter,
+    ) -> None:
+        self.base_url, self.root_url = _normalize_base_url(base_url)
+        for value, label in ((timeout_s, "timeout_s"), (connect_timeout_s, "connect_timeout_s"), (retry_deadline_s, "retry_deadline_s")):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise InvalidInputError(f"{label} must be a number > 0, got {value!r}")
+        if cache_block_tokens is not None and (isinstance(cache_block_tokens, bool) or not isinstance(cache_block_tokens, int) or cache_block_tokens < 1):
+            raise InvalidInputError(f"cache_block_tokens must be an int >= 1, got {cache_block_tokens!r}")
+        if client is not None and not callable(getattr(getattr(getattr(client, "chat", None), "completions", None), "create", None)):
+            raise InvalidInputError("client must look like openai.OpenAI: it needs .chat.completions.create")
+        self.model = model
+        self.timeout_s = float(timeout_s)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.retry_deadline_s = float(retry_deadline_s)
+        self.max_attempts = int(max_attempts)
+        self.retry_backoff_s = float(retry_backoff_s)
+        self.retry_backoff_max_s = float(retry_backoff_max_s)
+        self.clock = clock
+        self._n_ctx_arg = n_ctx
+        self._n_batch_arg = n_batch
+        self._block_arg = cache_block_tokens
+        self._headers = {"Accept": "application/json", **(headers or {})}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._own_http = http_client is None
+        self.http = http_client or httpx.Client(headers=self._headers, timeout=self._timeout())
+        self._async_http = async_http_client
+        self.client = client
+        self.client_is_async = client is not None and _client_is_async(client)
+        self._lock = threading.RLock()
+        self._info: ServerInfo | None = None
+        self._tokenizer: PromptTokenizer | None = None
+        self._include_usage = True  # cleared if the server refuses stream_options
+        # cache and count evidence, learned from what the server reported
+        self._last_prompt: list[int] | None = None
+        self.prefix_reuse: bool | None = None  # None: the server never said how much it reused
+        self._reuse_warned = False
+        self._correction = 1.0
+        self._correction_samples = 0
+        self._probe_seq = 0
+        self._probe_words: list[str] | None = None
+        self._probe_cache: dict[tuple[int, int], tuple[str, list[int]]] = {}
+
+    @classmethod
+    def from_openai_client(cls, client: Any, *, model: str | None = None, **kwargs: Any) -> OpenAIHTTPBackend:
+        """Wrap an ``openai.OpenAI`` or ``openai.AsyncOpenAI`` client (anything with
+        ``.chat.completions.create`` and ``.base_url``). Chat requests go through it; side
+        requests (tokenize, server facts, calibration probes) use its ``base_url`` and ``api_key``."""
+        base_url = getattr(client, "base_url", None)
+        if base_url is None:
+            raise InvalidInputError("the client has no base_url; pass OpenAIHTTPBackend(base_url, client=client)")
+        kwargs.setdefault("api_key", getattr(client, "api_key", None))
+        return cls(str(base_url), model=model, client=client, **kwargs)
+
+    from_client = from_openai_client
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._own_http:
+            self.http.close()
+
+    def __enter__(self) -> OpenAIHTTPBackend:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- low-level requests ---------------------------------------------------------------------
+    def _timeout(self, remaining_s: float | None = None) -> httpx.Timeout:
+        connect = self.connect_timeout_s if remaining_s is None else max(min(self.connect_timeout_s, remaining_s), 0.05)
+        return httpx.Timeout(self.timeout_s, connect=connect)
+
+    def _retry_kwargs(self, deadline_s: float) -> dict[str, Any]:
+        expo = tenacity.wait_exponential(multiplier=self.retry_backoff_s, min=self.retry_backoff_s, max=self.retry_backoff_max_s)
+
+        def wait(state: tenacity.RetryCallState) -> float:
+            exc = state.outcome.exception() if state.outcome else None
+            retry_after = getattr(exc, "retry_after_s", None)
+            base = expo(state)
+            return max(base, retry_after) if retry_after else base
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            log.info("trimkit: attempt %d failed (%s); retrying in %.2f s", state.attempt_number, exc, state.upcoming_sleep)
+
+        return dict(
+            stop=tenacity.stop_after_attempt(self.max_attempts) | tenacity.stop_before_delay(deadline_s),
+            wait=wait,
+            retry=tenacity.retry_if_exception_type((TransientServerError, ServerUnreachableError)),
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+
+    def _with_retries(self, attempt: Callable[[float], Any], deadline_s: float | None = None) -> Any:
+        """Run ``attempt(remaining_s)`` until it succeeds, a non-transient error, or the deadline."""
+        deadline_s = self.retry_deadline_s if deadline_s is None else deadline_s
+        start = time.monotonic()
+        retrying = tenacity.Retrying(**self._retry_kwargs(deadline_s))
+        try:
+            for try_ in retrying:
+                with try_:
+                    return attempt(deadline_s - (time.monotonic() - start))
+        except ServerUnreachableError as exc:
+            raise ServerUnreachableError(f"{exc} (gave up after {retrying.statistics.get('attempt_number', 1)} attempts in {time.monotonic() - start:.1f} s)") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _awith_retries(self, attempt: Callable[[float], Any], deadline_s: float | None = None) -> Any:
+        deadline_s = self.retry_deadline_s if deadline_s is None else deadline_s
+        start = time.monotonic()
+        retrying = tenacity.AsyncRetrying(**self._retry_kwargs(deadline_s))
+        try:
+            async for try_ in retrying:
+                with try_:
+                    return await attempt(deadline_s - (time.monotonic() - start))
+        except ServerUnreachableError as exc:
+            raise ServerUnreachableError(f"{exc} (gave up after {retrying.statistics.get('attempt_number', 1)} attempts in {time.monotonic() - start:.1f} s)") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _request_json(self, method: str, url: str, body: Any = None, *, remaining_s: float | None = None, missing_ok: bool = False) -> Any:
+        """One side request. Returns the JSON body; ``None`` for 404/405/501 when ``missing_ok``
+        (an endpoint this server does not have)."""
+        try:
+            resp = self.http.request(method, url, json=body, headers=self._headers, timeout=self._timeout(remaining_s))
+        except httpx.TransportError as exc:
+            raise _unreachable(exc, url) from exc
+        if missing_ok and resp.status_code in (404, 405, 501):
+            return None
+        if resp.status_code >= 400:
+            if missing_ok and resp.status_code in (400, 422) and url.startswith(self.root_url) and not url.startswith(self.base_url):
+                return None  # a root endpoint of another engine, refused
+            raise _status_error(resp.status_code, resp.text, resp.headers)
+        try:
+            return resp.json()
+        except ValueError:
+            if missing_ok:
+                return None
+            raise ServerError(f"{url} answered with non-JSON: {resp.text[:200]!r}", status=resp.status_code, server_message=resp.text[:500]) from None
+
+    # -- server facts -------------------------------------------------------------------------
+    def server_info(self, *, deadline_s: float | None = None) -> ServerInfo:
+        """Probe the server once (``/v1/models``, ``/props``, ``/version``, tokenizer endpoints);
+        cached. The first request is retried like a chat request (a server still starting)."""
+        with self._lock:
+            if self._info is None:
+                self._info = self._probe_server(deadline_s)
+            return self._info
+
+    def _probe_server(self, deadline_s: float | None) -> ServerInfo:
+        models = self._with_retries(lambda rem: self._request_json("GET", self.base_url + "/models", remaining_s=rem, missing_ok=True), deadline_s)
+        entries = [m for m in (models or {}).get("data", []) if isinstance(m, Mapping)] if isinstance(models, Mapping) else []
+        owned_by = str(entries[0].get("owned_by", "")).lower() if entries else ""
+        n_ctx: int | None = None
+        for m in entries[:1]:
+            meta = m.get("meta") if isinstance(m.get("meta"), Mapping) else {}
+            for value in (m.get("max_model_len"), meta.get("n_ctx")):
+                if isinstance(value, int) and value > 0:
+                    n_ctx = value
+                    break
+        version = ""
+        props = self._request_json("GET", self.root_url + "/props", missing_ok=True)
+        if isinstance(props, Mapping):
+            settings = props.get("default_generation_settings")
+            for value in ((settings or {}).get("n_ctx") if isinstance(settings, Mapping) else None, props.get("n_ctx")):
+                if isinstance(value, int) and value > 0:
+                    n_ctx = value
+                    break
+            if props.get("build_info"):
+                version = f"llama.cpp {props['build_info']}"
+        ver = self._request_json("GET", self.root_url + "/version", missing_ok=True)
+        if not version and isinstance(ver, Mapping) and ver.get("version"):
+            version = str(ver["version"])
+        tokenize_endpoint, bos_prefix = None, ()
+        probe = self._request_json("POST", self.root_url + "/tokenize", {"content": "", "add_special": True, "parse_special": True}, missing_ok=True)
+        if isinstance(probe, Mapping) and isinstance(probe.get("tokens"), list):
+            tokenize_endpoint = "/tokenize"
+        else:
+            body = {"input": ""} | ({"model": self.model} if self.model else {})
+            probe = self._request_json("POST", self.root_url + "/extras/tokenize", body, missing_ok=True)
+            if isinstance(probe, Mapping) and isinstance(probe.get("tokens"), list):
+                tokenize_endpoint = "/extras/tokenize"
+                bos_prefix = tuple(int(t) for t in probe["tokens"])
+        apply_template = False
+        if tokenize_endpoint == "/tokenize":
+            rendered = self._request_json("POST", self.root_url + "/apply-template", {"messages": [{"role": "user", "content": "x"}]}, missing_ok=True)
+            apply_template = isinstance(rendered, Mapping) and isinstance(rendered.get("prompt"), str)
+        if not version and tokenize_endpoint == "/extras/tokenize":
+            spec = self._request_json("GET", self.root_url + "/openapi.json", missing_ok=True)
+            info = spec.get("info") if isinstance(spec, Mapping) else None
+            if isinstance(info, Mapping) and info.get("version"):
+                version = f"{info.get('title', 'server')} {info['version']}"
+        if "vllm" in owned_by:
+            engine = "vllm"
+        elif "sglang" in owned_by:
+            engine = "sglang"
+        elif "llamacpp" in owned_by or tokenize_endpoint == "/tokenize":
+            engine = "llama.cpp"
+        elif tokenize_endpoint == "/extras/tokenize":
+            engine = "llama-cpp-python"
+        elif owned_by in ("library", "ollama"):
+            engine = "ollama"
+        else:
+            engine = "unknown"
+        info = ServerInfo(
+            engine=engine,
+            engine_version=version,
+            model_ids=tuple(str(m.get("id")) for m in entries if m.get("id")),
+            n_ctx=n_ctx,
+            n_batch=None,
+            tokenize_endpoint=tokenize_endpoint,
+            apply_template=apply_template,
+            bos_prefix=bos_prefix,
+        )
+        log.debug("trimkit: server %s is %s", self.base_url, info)
+        return info
+
+    @property
+    def model_name(self) -> str | None:
+        """The model to ask for: the constructor's, else the server's first listed model."""
+        if self.model:
+            return self.model
+        ids = self.server_info().model_ids
+        return ids[0] if ids else None
+
+    @property
+    def n_ctx(self) -> int:
+        return self.server_info().n_ctx or self._n_ctx_arg or 4096
+
+    @property
+    def cache_block_tokens(self) -> int:
+        if self._block_arg is not None:
+            return self._block_arg
+        return 16 if self.server_info().engine == "vllm" else 1
+
+    def profile_key(self) -> ProfileKey:
+        info = self.server_info()
+        return ProfileKey(
+            backend=self.name,
+            model=f"{self.base_url}|{self.model_name}",
+            n_ctx=self.n_ctx,
+            n_batch=info.n_batch or self._n_batch_arg or 512,
+            engine_version=info.engine_version or info.engine,
+            cpu="remote",
+            extra=f"engine={info.engine}",
+        )
+
+    # -- tokens -----------------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> PromptTokenizer:  # type: ignore[override]
+        """The server's tokenizer where it has an endpoint for it (``exact``), else tiktoken.
+        The chat template is the server's (``/apply-template``) or a ChatML estimate; the name says which."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._build_tokenizer()
+            return self._tokenizer
+
+    @property
+    def prompt_count_exact(self) -> bool:
+        """True when prompt token counts are the server's own (tokenizer and chat template)."""
+        info = self.server_info()
+        return info.tokenize_endpoint is not None and info.apply_template
+
+    def _server_tokenize(self, text: str, *, whole_prompt: bool) -> list[int]:
+        info = self.server_info()
+        if info.tokenize_endpoint == "/tokenize":
+            out = self._request_json("POST", self.root_url + "/tokenize", {"content": text, "add_special": whole_prompt, "parse_special": True})
+            tokens = [int(t) for t in out["tokens"]]
+            if whole_prompt and len(tokens) > 1 and tokens[0] == tokens[1] and text.startswith(("<s>", "<bos>", "<|begin_of_text|>")):
+                tokens = tokens[1:]  # the template wrote BOS and the tokenizer added another
+            return tokens
+        body = {"input": text} | ({"model": self.model} if self.model else {})
+        tokens = [int(t) for t in self._request_json("POST", self.root_url + "/extras/tokenize", body)["tokens"]]
+        prefix = list(info.bos_prefix)
+        if not whole_prompt and prefix and tokens[: len(prefix)] == prefix:
+            tokens = tokens[len(prefix) :]
+        return tokens
+
+    def _build_tokenizer(self) -> PromptTokenizer:
+        info = self.server_info()
+        if info.tokenize_endpoint is None:
+            return PromptTokenizer.estimate()
+        backend = self
+
+        class _ServerTokenizer:
+            exact = True
+            name = f"server{info.tokenize_endpoint}:{info.engine}"
+
+            def encode(self, text: str) -> list[int]:
+                return backend._server_tokenize(text, whole_prompt=False)
+
+        def encode_prompt(text: str) -> list[int]:
+            return self._server_tokenize(text, whole_prompt=True)
+
+        if info.apply_template:
+            def render(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
+                body: dict[str, Any] = {"messages": list(messages)}
+                if tools:
+                    body["tools"] = tools
+                return str(self._request_json("POST", self.root_url + "/apply-template", body)["prompt"])
+
+            return PromptTokenizer(_ServerTokenizer(), render, encode_prompt=encode_prompt, name=_ServerTokenizer.name + "+server template")
+        return PromptTokenizer(_ServerTokenizer(), chatml_render, encode_prompt=encode_prompt, name=_ServerTokenizer.name + "+chatml(estimate)")
+
+    @property
+    def token_count_correction(self) -> float:
+        """Running ratio of the server's ``usage.prompt_tokens`` to trimkit's count (1.0 until
+        the server reports one). Multiply an estimated count by it."""
+        return self._correction
+
+    def corrected_count(self, counted_tokens: int) -> int:
+        return int(round(counted_tokens * self._correction))
+
+    # -- cache --------------------------------------------------------------------------------------
+    def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
+        """The longest common prefix with the last prompt sent, rounded down to the engine's
+        cache block, leaving at least one token to evaluate; 0 once the server has shown it does
+        not reuse prefixes. ``prefix_reuse`` is None while the server has never reported a cached
+        count (then the prediction assumes the usual engine behaviour)."""
+        with self._lock:
+            last = self._last_prompt
+            reuse = self.prefix_reuse
+        if reuse is False or not last or not prompt_tokens:
+            return 0
+        lcp = min(common_prefix_len(last, prompt_tokens), len(prompt_tokens) - 1)
+        block = self.cache_block_tokens
+        return (lcp // block) * block
+
+    def _learn(self, sent: list[int] | None, predicted_cached: int, stats: ServerStats, truncated: int) -> None:
+        with self._lock:
+            if stats.cached_tokens is not None:
+                if stats.cached_tokens > 0:
+                    self.prefix_reuse = True
+                elif predicted_cached >= max(32, 2 * self.cache_block_tokens):
+                    if not self._reuse_warned:
+                        log.warning("trimkit: %s reused no cached tokens although %d matched the previous prompt "
+                                    "(sliding-window model or prefix caching off?); predicting no reuse from now on",
+                                    self.base_url, predicted_cached)
+                        self._reuse_warned = True
+                    self.prefix_reuse = False
+            if sent is not None and stats.prompt_tokens and not truncated:
+                ratio = stats.prompt_tokens / max(len(sent), 1)
+                self._correction_samples += 1
+                alpha = max(1.0 / self._correction_samples, 0.2)
+                self._correction = (1 - alpha) * self._correction + alpha * ratio
+            self._last_prompt = list(sent) if sent is not None else None
+
+    def _measure(
+        self,
+        stats: ServerStats,
+        *,
+        ttft_s: float | None,
+        total_s: float,
+        client_decode_s: float | None,
+        sent: list[int] | None,
+        first_output_s: float | None = None,
+        predicted_cached: int,
+        finish_reason: str | None,
+        content_chunks: int | None,
+    ) -> Measurement:
+        exact = self._tokenizer is not None and self.prompt_count_exact
+        sent_n = len(sent) if sent is not None else None
+        if exact or sent_n is None:
+            truncated = detect_truncation(sent_n, stats, predicted_cached=predicted_cached)
+        else:  # an estimated count: compare its corrected value, and flag only a clear shortfall
+            expected = self.corrected_count(sent_n)
+            truncated = detect_truncation(expected, stats, predicted_cached=predicted_cached, tolerance_tokens=max(32, expected // 4))
+        self._learn(sent, predicted_cached, stats, truncated)
+        extra: dict[str, Any] = {
+            "predicted_cached_tokens": predicted_cached,
+            "prompt_count_exact": exact,
+            "token_count_correction": self._correction,
+        }
+        if stats.completion_tokens is None and content_chunks:
+            extra["completion_tokens_from"] = "content chunks (server did not report)"
+        m = build_measurement(stats, ttft_s=ttft_s, total_s=total_s, first_output_s=first_output_s, client_decode_s=client_decode_s, sent_tokens=sent_n,
+                              finish_reason=finish_reason, truncated_tokens=truncated, extra=extra)
+        if m.completion_tokens is None and content_chunks:
+            m = attrs.evolve(m, completion_tokens=content_chunks)
+        return m
+
+    # -- requests -------------------------------------------------------------------------------------
+    def _chat_body(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, stream: bool) -> tuple[dict[str, Any], bool]:
+        body: dict[str, Any] = {"messages": list(messages), **params, "stream": stream}
+        model = self._known_model(params)
+        if model:
+            body["model"] = model
+        hide = False
+        if stream and "stream_options" not in params and self._include_usage:
+            body["stream_options"] = {"include_usage": True}
+            hide = True
+        elif not stream:
+            body.pop("stream_options", None)
+        return body, hide
+
+    def _known_model(self, params: Mapping[str, Any]) -> str | None:
+        """The model to name in a request, without probing (the client form needs one: probe)."""
+        if params.get("model") or self.model:
+            return params.get("model") or self.model
+        if self.client is not None or self._info is not None:
+            return self.model_name
+        return None  # the URL form may leave it out: single-model servers serve their model
+
+    def _prepare(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], prompt_tokens: Sequence[int] | None,
+                 deadline_s: float | None) -> tuple[list[int], int]:
+        """Count the prompt and predict its cached prefix. Probing the server, when needed
+        (tokenizer, cache block), waits for a server still starting, within ``deadline_s``."""
+        if not isinstance(params, Mapping):
+            raise InvalidInputError(f"params must be a mapping, got {type(params).__name__}")
+        if prompt_tokens is None or self._block_arg is None:
+            self.server_info(deadline_s=deadline_s)
+        sent = list(prompt_tokens) if prompt_tokens is not None else self.tokenizer.prompt_tokens(messages, params.get("tools"))
+        return sent, self.predict_cached_tokens(sent)
+
+    def _observe(self, chunk: Any, state: _StreamState) -> bool:
+        """Record what a chunk says; False for the usage-only chunk trimkit asked for itself."""
+        if state.chunks is not None:
+            state.chunks.append(chunk)
+        if has_server_stats(chunk):
+            state.stats_chunk = chunk
+        reason = _finish_reason(chunk)
+        if reason:
+            state.finish_reason = reason
+        if state.hide_usage_chunk and not field_of(chunk, "choices") and field_of(chunk, "usage") is not None:
+            return False
+        return True
+
+    def _on_error(self, ts_ref: list[TimedStream]) -> Callable[[BaseException], BaseException | None]:
+        def on_error(exc: BaseException) -> BaseException | None:
+            if isinstance(exc, TrimkitError) or not _is_transport_failure(exc):
+                return None
+            n = ts_ref[0].n_chunks if ts_ref else 0
+            return StreamInterruptedError(f"the stream from {self.base_url} broke after {n} chunks: {type(exc).__name__}: {exc}")
+        return on_error
+
+    def _check_end(self, opened: _Opened, state: _StreamState, n_seen: int) -> None:
+        if not opened.done() and state.finish_reason is None:
+            raise StreamInterruptedError(f"the stream from {self.base_url} ended after {n_seen} chunks without a finish reason or [DONE]")
+
+    def _empty_stream_error(self) -> ServerError:
+        message = "the server closed the stream without sending a chunk (llama-cpp-python does this when the prompt exceeds its context window)"
+        return ServerError(message, status=200, server_message="empty stream")
+
+    # sync openers ---------------------------------------------------------------------------------
+    def _open_url(self, path: str, body: Mapping[str, Any]) -> Callable[[float], _Opened]:
+        url = self.base_url + path
+
+        def attempt(remaining_s: float) -> _Opened:
+            request = self.http.build_request("POST", url, json=body, headers={**self._headers, "Accept": "text/event-stream"}, timeout=self._timeout(remaining_s))
+            try:
+                resp = self.http.send(request, stream=True)
+            except httpx.TransportError as exc:
+                raise _unreachable(exc, url) from exc
+            try:
+                if resp.status_code >= 400:
+                    resp.read()
+                    raise _status_error(resp.status_code, resp.text, resp.headers)
+                if resp.headers.get("content-type", "").startswith("application/json"):
+                    resp.read()  # the server ignored stream=true: one whole response
+                    return _Opened(resp.json(), iter(()), resp.close, lambda: True)
+                decoder = SSEDecoder()
+                events = _iter_events(resp.iter_lines(), decoder)
+                first = next(events, _END)
+            except httpx.TransportError as exc:
+                resp.close()
+                raise _unreachable(exc, url) from exc
+            except BaseException:
+                resp.close()
+                raise
+            return _Opened(first, events, resp.close, lambda: decoder.done)
+
+        return attempt
+
+    def _open_client(self, body: Mapping[str, Any]) -> Callable[[float], _Opened]:
+        def attempt(remaining_s: float) -> _Opened:
+            try:
+                stream = self.client.chat.completions.create(**body)
+                it = iter(stream)
+                first = next(it, _END)
+            except Exception as exc:
+                translated = _translate_client_error(exc, self.base_url)
+                if translated is not None:
+                    raise translated from exc
+                raise
+            return _Opened(first, it, getattr(stream, "close", lambda: None), lambda: False)
+
+        return attempt
+
+    def _open_with_fallback(self, make: Callable[[dict[str, Any]], Callable[[float], _Opened]], body: dict[str, Any], state: _StreamState, deadline_s: float | None) -> _Opened:
+        try:
+            return self._with_retries(make(body), deadline_s)
+        except ServerError as exc:
+            if "stream_options" not in body or exc.status not in (400, 422) or "stream_options" not in exc.server_message:
+                raise
+            log.info("trimkit: %s refuses stream_options; streaming without usage", self.base_url)
+            self._include_usage = False
+            state.hide_usage_chunk = False
+            body = {k: v for k, v in body.items() if k != "stream_options"}
+            return self._with_retries(make(body), deadline_s)
+
+    def _chunks(self, opener: Callable[[], _Opened], state: _StreamState) -> Iterator[Any]:
+        opened = opener()
+        n = 0
+        try:
+            if opened.first is _END:
+                raise self._empty_stream_error()
+            for chunk in itertools.chain((opened.first,), opened.rest):
+                n += 1
+                if self._observe(chunk, state):
+                    yield chunk
+            self._check_end(opened, state, n)
+        finally:
+            opened.close()
+
+    def _timed(self, chunks: Any, state: _StreamState, sent: list[int] | None, predicted: int, *, content_of: Callable[[Any], str | None] = stream_chunk_content, cls: type[TimedStream] = TimedStream) -> Any:
+        ref: list[TimedStream] = []
+
+        def finish(ts: TimedStream) -> Measurement:
+            client_decode = None
+            if ts.first_content_at is not None and ts.last_chunk_at is not None:
+                client_decode = ts.last_chunk_at - ts.first_content_at
+            return self._measure(
+                parse_server_stats(state.stats_chunk),
+                ttft_s=ts.ttft_s,
+                first_output_s=ts.first_output_s,
+                total_s=(ts.ended_at or self.clock()) - (ts.started or 0.0),
+                client_decode_s=client_decode,
+                sent=sent,
+                predicted_cached=predicted,
+                finish_reason=state.finish_reason,
+                content_chunks=ts.n_content_chunks,
+            )
+
+        ts = cls(chunks, started=None, clock=self.clock, content_of=content_of, finish=finish, on_error=self._on_error(ref))
+        ref.append(ts)
+        return ts
+
+    def _stream(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], prompt_tokens: Sequence[int] | None,
+                retry_deadline_s: float | None, *, collect: bool = False, is_async: bool = False) -> tuple[Any, _StreamState]:
+        if self.client is not None and self.client_is_async != is_async:
+            raise InvalidInputError(f"this backend wraps a{'n async' if self.client_is_async else ' sync'} client: "
+                                    f"use {'asend()/acomplete()' if self.client_is_async else 'send()/complete()'}")
+        deadline = self.retry_deadline_s if retry_deadline_s is None else retry_deadline_s
+        sent, predicted = self._prepare(messages, params, prompt_tokens, deadline)
+        body, hide = self._chat_body(messages, params, stream=True)
+        state = _StreamState(hide_usage_chunk=hide, chunks=[] if collect else None)
+        if is_async:
+            return self._timed(self._achunks(body, state, deadline), state, sent, predicted, cls=AsyncTimedStream), state
+        make = self._open_client if self.client is not None else (lambda b: self._open_url("/chat/completions", b))
+        chunks = self._chunks(lambda: self._open_with_fallback(make, body, state, deadline), state)
+        return self._timed(chunks, state, sent, predicted), state
+
+    def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
+             retry_deadline_s: float | None = None) -> TimedStream:
+        """Stream a chat request. The request goes out on the first ``next()`` (that is when
+        the TTFT clock starts); it is retried on transient failures until ``retry_deadline_s``
+        but never after the first chunk. Yields plain dicts (URL form) or the client's own
+        chunk objects; the usage-only chunk trimkit adds with ``stream_options`` is not yielded."""
+        return self._stream(messages, params, prompt_tokens, retry_deadline_s)[0]
+
+    def complete(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
+                 measure_ttft: bool = True, retry_deadline_s: float | None = None) -> tuple[Any, Measurement]:
+        """A non-streaming chat request: ``(response, measurement)``. The response is a
+        ``chat.completion`` dict (URL form) or the client's own ``ChatCompletion``.
+
+        With ``measure_ttft`` (default) the request is streamed and the response assembled from
+        the chunks, so TTFT is measured; its ``usage`` is what the stream reported (None from
+        servers that report none while streaming). With ``measure_ttft=False`` it is sent with
+        ``stream=False`` as asked: ``ttft_s`` is None and only the server's numbers are measured.
+        """
+        if measure_ttft:
+            ts, state = self._stream(messages, params, prompt_tokens, retry_deadline_s, collect=True)
+            m = ts.drain()
+            return self._as_client_response(assemble_chat_completion(state.chunks or [], state.stats_chunk)), m
+        if self.client_is_async:
+            raise InvalidInputError("this backend wraps an async client: use acomplete()")
+        deadline = self.retry_deadline_s if retry_deadline_s is None else retry_deadline_s
+        sent, predicted = self._prepare(messages, params, prompt_tokens, deadline)
+        body, _ = self._chat_body(messages, params, stream=False)
+
+        def attempt(remaining_s: float) -> Any:
+            if self.client is None:
+                return self._request_json("POST", self.base_url + "/chat/completions", body, remaining_s=remaining_s)
+            try:
+                return self.client.chat.completions.create(**body)
+            except Exception as exc:
+                translated = _translate_client_error(exc, self.base_url)
+                if translated is not None:
+                    raise translated from exc
+                raise
+
+        start = self.clock()
+        response = self._with_retries(attempt, deadline)
+        m = self._measure(parse_server_stats(response), ttft_s=None, total_s=self.clock() - start, client_decode_s=None, sent=sent,
+                          predicted_cached=predicted, finish_reason=_finish_reason(response), content_chunks=None)
+        return response, m
+
+    def _as_client_response(self, response: dict[str, Any]) -> Any:
+        """The assembled dict as the wrapped client's own ``ChatCompletion`` type (dict for the URL form)."""
+        if self.client is None:
+            return response
+        try:
+            from openai.types.chat import ChatCompletion
+        except ImportError:  # pragma: no cover
+            return response
+        try:
+            return ChatCompletion.model_validate(response)
+        except Exception:
+            return ChatCompletion.model_construct(**response)
+
+    # async -------------------------------------------------------------------------------------------
+    def _aopen_url(self, path: str, body: Mapping[str, Any], client: httpx.AsyncClient) -> Callable[[float], Any]:
+        url = self.base_url + path
+
+        async def attempt(remaining_s: float) -> _Opened:
+            request = client.build_request("POST", url, json=body, headers={**self._headers, "Accept": "text/event-stream"}, timeout=self._timeout(remaining_s))
+            try:
+                resp = await client.send(request, stream=True)
+            except httpx.TransportError as exc:
+                raise _unreachable(exc, url) from exc
+            try:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    raise _status_error(resp.status_code, resp.text, resp.headers)
+                decoder = SSEDecoder()
+                events = _aiter_events(resp.aiter_lines(), decoder)
+                first = await anext(events, _END)
+            except httpx.TransportError as exc:
+                await resp.aclose()
+                raise _unreachable(exc, url) from exc
+            except BaseException:
+                await resp.aclose()
+                raise
+            return _Opened(first, events, resp.aclose, lambda: decoder.done)
+
+        return attempt
+
+    def _aopen_client(self, body: Mapping[str, Any]) -> Callable[[float], Any]:
+        async def attempt(remaining_s: float) -> _Opened:
+            try:
+                stream = await self.client.chat.completions.create(**body)
+                it = stream.__aiter__()
+                first = await anext(it, _END)
+            except Exception as exc:
+                translated = _translate_client_error(exc, self.base_url)
+                if translated is not None:
+                    raise translated from exc
+                raise
+            return _Opened(first, it, stream.close, lambda: False)
+
+        return attempt
+
+    async def _achunks(self, body: dict[str, Any], state: _StreamState, deadline_s: float) -> AsyncIterator[Any]:
+        own_client = None
+        if self.client is not None:
+            attempt = self._aopen_client(body)
+        else:
+            client = self._async_http
+            if client is None:  # one per stream: an AsyncClient is bound to its event loop
+                client = own_client = httpx.AsyncClient(headers=self._headers, timeout=self._timeout())
+            attempt = self._aopen_url("/chat/completions", body, client)
+        opened: _Opened | None = None
+        n = 0
+        try:
+            opened = await self._awith_retries(attempt, deadline_s)
+            if opened.first is _END:
+                raise self._empty_stream_error()
+            if self._observe(opened.first, state):
+                yield opened.first
+            n = 1
+            async for chunk in opened.rest:
+                n += 1
+                if self._observe(chunk, state):
+                    yield chunk
+            self._check_end(opened, state, n)
+        finally:
+            if opened is not None:
+                await opened.close()
+            if own_client is not None:
+                await own_client.aclose()
+
+    async def asend(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
+                    retry_deadline_s: float | None = None) -> AsyncTimedStream:
+        """:meth:`send` for asyncio, through the wrapped ``openai.AsyncOpenAI`` client, the
+        ``async_http_client`` given, or a fresh ``httpx.AsyncClient`` per stream (an AsyncClient
+        is bound to its event loop). Side requests (tokenize, server facts) run in a worker thread."""
+        return (await asyncio.to_thread(self._stream, messages, params, prompt_tokens, retry_deadline_s, is_async=True))[0]
+
+    async def acomplete(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
+                        retry_deadline_s: float | None = None) -> tuple[Any, Measurement]:
+        """Async :meth:`complete`, streamed and assembled so TTFT is measured."""
+        ts, state = await asyncio.to_thread(self._stream, messages, params, prompt_tokens, retry_deadline_s, collect=True, is_async=True)
+        m = await ts.adrain()
+        return self._as_client_response(assemble_chat_completion(state.chunks or [], state.stats_chunk)), m
+
+    # -- calibration probes ------------------------------------------------------------------------------
+    def _probe_prompt(self, n_tokens: int, offset: int) -> tuple[str, list[int]]:
+        """Real text starting at word ``offset`` of the probe corpus whose prompt tokenization
+        (as the server counts it, BOS included) is ``n_tokens`` long, or as close as word
+        boundaries allow. Longer probes at the same offset extend shorter ones."""
+        key = (n_tokens, offset)
+        if key in self._probe_cache:
+            return self._probe_cache[key]
+        if self._probe_words is None:
+            self._probe_words = _default_probe_text().split()
+        words = self._probe_words
+        rotated = words[offset % len(words) :] + words[: offset % len(words)]
+        encode = self.tokenizer.encode_prompt
+
+        def text_of(k: int) -> str:
+            reps = k // len(rotated) + 1
+            return " ".join((rotated * reps)[:k])
+
+        lo, hi = 1, max(2, int(n_tokens * 1.0) + 2)
+        while len(encode(text_of(hi))) < n_tokens:
+            lo, hi = hi, hi * 2
+        while lo < hi:  # the most words whose tokenization fits n_tokens
+            mid = (lo + hi + 1) // 2
+            if len(encode(text_of(mid))) <= n_tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        text = text_of(lo)
+        result = (text, encode(text))
+        self._probe_cache[key] = result
+        return result
+
+    def _next_probe_offset(self) -> int:
+        self._probe_seq += 1
+        return self._probe_seq * 7919  # a different leading text for every cold probe
+
+    def _probe_request(self, text: str, tokens: list[int], *, max_tokens: int = 1, extra: Mapping[str, Any] | None = None) -> Measurement:
+        """One streamed ``/v1/completions`` request with raw prompt text; TTFT at the first chunk."""
+        body: dict[str, Any] = {"prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "stream": True, **(extra or {})}
+        model = self._known_model({})
+        if model:
+            body["model"] = model
+        hide = self._include_usage
+        if hide:
+            body["stream_options"] = {"include_usage": True}
+        state = _StreamState(hide_usage_chunk=hide)
+        predicted = self.predict_cached_tokens(tokens)
+        chunks = self._chunks(lambda: self._open_with_fallback(lambda b: self._open_url("/completions", b), body, state, None), state)
+        return self._timed(chunks, state, tokens, predicted, content_of=_any_choice).drain()
+
+    def _check_fits(self, n_tokens: int) -> None:
+        if n_tokens + 2 > self.n_ctx:
+            raise ContextTooSmallError(f"a probe of {n_tokens} tokens does not fit the server's n_ctx={self.n_ctx}")
+
+    def warm_up(self) -> None:
+        """One short completion and one short chat request: pays the server's first-eval costs."""
+        text, tokens = self._probe_prompt(min(64, self.n_ctx // 4), self._next_probe_offset())
+        self._probe_request(text, tokens)
+        if not self.client_is_async:
+            self.send([{"role": "user", "content": "Hello."}], {"max_tokens": 1}).drain()
+
+    def measure_prefill(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """Seconds to prefill ``new_tokens`` after ``cached_tokens`` the server has cached: the
+        server's own prompt time where it reports one, else the client TTFT of a one-token
+        completion. A cached probe first sends the prefix alone, then prefix + new tokens."""
+        if new_tokens < 1 or cached_tokens < 0:
+            raise InvalidInputError(f"new_tokens must be >= 1 and cached_tokens >= 0, got {new_tokens}, {cached_tokens}")
+        self._check_fits(new_tokens + cached_tokens)
+        offset = self._next_probe_offset()
+        if cached_tokens:
+            self._probe_request(*self._probe_prompt(cached_tokens, offset))
+        text, tokens = self._probe_prompt(cached_tokens + new_tokens, offset)
+        m = self._probe_request(text, tokens)
+        if cached_tokens and m.cached_tokens is not None and m.cached_tokens < cached_tokens - max(self.cache_block_tokens, 8):
+            log.info("trimkit: depth probe: the server reused %d of the %d primed tokens", m.cached_tokens, cached_tokens)
+        seconds = m.engine_prefill_s if m.engine_prefill_s is not None else m.ttft_s
+        if seconds is None or seconds <= 0:
+            raise CalibrationError(f"the server at {self.base_url} sent no token for a prefill probe")
+        return seconds
+
+    def measure_decode(self, n_tokens: int = 32) -> float:
+        """Decode tokens/s over ``n_tokens`` generated tokens: the server's numbers where it
+        reports them, else client-side chunk timing (one token per chunk)."""
+        text, tokens = self._probe_prompt(64, self._next_probe_offset())
+        m = self._probe_request(text, tokens, max_tokens=n_tokens, extra={"ignore_eos": True})
+        speed = m.decode_tokens_per_s
+        if not speed:
+            raise CalibrationError(f"the server at {self.base_url} produced too few tokens to measure decode speed")
+        return speed
+
+    def measure_first_token_overhead(self) -> float:
+        """Median over three short chat requests of client TTFT minus prefill (the server's
+        prefill time, else a completion probe of the same length measured the same way)."""
+        gaps = []
+        words = (self._probe_words or _default_probe_text().split())
+        for i in range(3):
+            start = (self._next_probe_offset()) % max(len(words) - 40, 1)
+            msgs = [{"role": "user", "content": f"Probe {i}: " + " ".join(words[start : start + 30])}]
+            m = self.send(msgs, {"max_tokens": 2, "temperature": 0.0}).drain()
+            first = m.ttft_s if m.ttft_s is not None else m.first_output_s  # the model may stop at once
+            if first is None:
+                continue
+            prefill = m.engine_prefill_s
+            if prefill is None:
+                prefill = self.measure_prefill(max(m.prompt_tokens or 1, 1))
+            gaps.append(max(first - prefill, 0.0))
+        gaps.sort()
+        return gaps[len(gaps) // 2] if gaps else 0.0

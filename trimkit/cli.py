@@ -1,0 +1,279 @@
+"""The ``trimkit`` command line: calibrate, diagnose, demo.
+
+Every sub-command's ``--help`` is its documentation. Errors reach you as one line on stderr and
+a non-zero exit status (2 for bad input, 1 for engine failures), never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError
+
+__all__ = ["main", "build_parser", "open_llama"]
+
+EMBEDDED = "embedded default model (Gemma-3-270M Q4_K_M)"
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0: {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return value
+
+
+def open_llama(model: str | None, n_ctx: int, chat_format: str | None = None, **kwargs: Any) -> Any:
+    """A ``llama_cpp.Llama`` for ``model`` (a GGUF path; None = the embedded model), checked first."""
+    from llama_cpp import Llama
+
+    from trimkit.model import check_model_path, default_model_path
+
+    if model is None:
+        path = default_model_path()
+        # the embedded GGUF carries no chat template; llama-cpp-python would fall back to llama-2
+        chat_format = chat_format or "gemma"
+    else:
+        path = str(check_model_path(model))
+    return Llama(model_path=path, n_ctx=n_ctx, verbose=False, chat_format=chat_format, **kwargs)
+
+
+class _Bar:
+    """tqdm progress bar as a calibration progress callback."""
+
+    def __init__(self, desc: str, enabled: bool) -> None:
+        self._bar = None
+        self._desc = desc
+        self._enabled = enabled
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        if not self._enabled:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=self._desc, unit="step", file=sys.stderr, leave=False)
+        self._bar.set_postfix_str(label, refresh=False)
+        self._bar.update(done - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def profile_lines(profile: Any) -> list[str]:
+    """The profile as a table a person can read."""
+    key = profile.key
+    out = [
+        f"profile for {key.model}",
+        f"  n_ctx={key.n_ctx} n_batch={key.n_batch} threads={key.n_threads}/{key.n_threads_batch} "
+        f"flash_attn={key.flash_attn} gpu_layers={key.n_gpu_layers} · {key.engine_version} · {key.cpu}",
+        f"  {'prompt tokens':>13} {'cached':>7} {'measured':>10} {'predicted':>10} {'error':>8} {'ms/token':>9}",
+    ]
+    for r in profile.table():
+        out.append(
+            f"  {r['new_tokens']:>13,} {r['cached_tokens']:>7,} {r['measured_s']:>9.3f}s {r['predicted_s']:>9.3f}s "
+            f"{r['error_pct']:>+7.1f}% {r['ms_per_token']:>9.2f}"
+        )
+    m = profile.model
+    out += [
+        f"  model ({m.name}): T(n|k) = {m.overhead_s * 1000:.1f} ms + {m.per_token_s * 1000:.3f} ms·n + "
+        f"{m.depth_s * 1e6:.3f} µs·(n·k + n²/2)" + (f" + {m.per_batch_s * 1000:.1f} ms·⌈n/{m.n_batch}⌉" if m.per_batch_s else ""),
+        f"  held-out error (leave one probe out): median {profile.error.median_pct:.1f} %, p90 {profile.error.p90_pct:.1f} %",
+        f"  first-token overhead {profile.first_token_s * 1000:.1f} ms · decode {profile.decode_tokens_per_s:.1f} tokens/s "
+        f"(the stream; trimming does not change it)",
+        f"  calibrated in {profile.calibration_wall_s:.1f} s ({'quick' if profile.quick else 'full'})",
+    ]
+    return out
+
+
+def plot_profile(profile: Any, path: str, budget_s: float | None = None) -> str:
+    """Measured prefill time against prompt length, with the fitted curve (and a budget line)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InvalidInputError("--plot needs matplotlib: pip install 'trimkit[plot]'") from None
+    cold = [s for s in profile.samples if s.cached_tokens == 0]
+    deep = [s for s in profile.samples if s.cached_tokens > 0]
+    top = max(s.new_tokens + s.cached_tokens for s in profile.samples)
+    xs = list(range(1, top + 1, max(top // 200, 1)))
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    ax.plot([s.new_tokens for s in cold], [s.seconds for s in cold], "o", label="measured (cold prompt)", alpha=0.8)
+    ax.plot(xs, [profile.model.prefill_s(x) for x in xs], "-", label=f"fitted cost model ({profile.model.name})")
+    for k in sorted({s.cached_tokens for s in deep}):
+        pts = [s for s in deep if s.cached_tokens == k]
+        ax.plot([s.new_tokens for s in pts], [s.seconds for s in pts], "s", label=f"measured, after {k:,} cached tokens")
+        ax.plot(xs, [profile.model.prefill_s(x, k) for x in xs], ":", alpha=0.6)
+    if budget_s:
+        ax.axhline(budget_s - profile.first_token_s, color="red", ls="--", label=f"prefill share of a {budget_s:g} s TTFT budget")
+    ax.set_xlabel("prompt tokens evaluated (n)")
+    ax.set_ylabel("prefill time (s)")
+    ax.set_title(f"Prefill cost on this host — {profile.key.model.split(':')[0]}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from trimkit.calibration import calibrate
+
+    if args.url:
+        from trimkit.backends.http import OpenAIHTTPBackend
+
+        if not args.model:
+            raise InvalidInputError("--url needs --model NAME (the model name the server serves)")
+        target: Any = OpenAIHTTPBackend(args.url, model=args.model)
+    else:
+        target = open_llama(args.model, args.n_ctx)
+    bar = _Bar("calibrating", enabled=not args.json and sys.stderr.isatty() or args.progress)
+    try:
+        profile = calibrate(target, quick=args.quick, recalibrate=args.recalibrate, progress=bar)
+    finally:
+        bar.close()
+    if args.json:
+        print(json.dumps(profile.to_dict(), indent=1))
+    else:
+        print("\n".join(profile_lines(profile)))
+    if args.plot:
+        plot_profile(profile, args.plot, args.budget)
+        if not args.json:
+            print(f"  plot written to {args.plot}")
+    return 0
+
+
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from trimkit.diagnose import diagnose
+
+    if args.prompt_file:
+        from pathlib import Path
+
+        from trimkit.wrapper import wrap
+
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise InvalidInputError(f"cannot read --prompt-file: {exc}") from None
+        if not text.strip():
+            raise InvalidInputError("--prompt-file is empty")
+        llm = open_llama(args.model, args.n_ctx)
+        chat = wrap(llm)
+        chat.create_chat_completion(messages=[{"role": "user", "content": text}], max_tokens=args.output_tokens)
+        report = chat.last_report
+        print(report)
+        ttft = report.measured_ttft_s
+        tps = report.decode_tokens_per_s or chat.profile.decode_tokens_per_s
+        d = diagnose(ttft, tps, report.prompt_tokens, args.output_tokens)
+    else:
+        missing = [n for n in ("ttft", "tokens_per_s") if getattr(args, n) is None]
+        if missing:
+            raise InvalidNumberError(
+                "diagnose needs either --ttft S --tokens-per-s N [--prompt-tokens N] or --prompt-file F [--model PATH]"
+            )
+        d = diagnose(args.ttft, args.tokens_per_s, args.prompt_tokens, args.output_tokens)
+    if args.json:
+        print(json.dumps(d.to_dict(), indent=1))
+    else:
+        print(d)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from trimkit.demo import run_demo
+
+    return run_demo(model=args.model, budget_s=args.budget, turns=args.turns, n_ctx=args.n_ctx, quick=not args.full, json_path=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from trimkit import __version__
+
+    p = argparse.ArgumentParser(
+        prog="trimkit",
+        description="Keep a local LLM's time to first token inside a budget by trimming what is prefilled. "
+        "Prefill (the wait) grows with the prompt; decode (the stream) does not — trimkit changes only the first.",
+    )
+    p.add_argument("--version", action="version", version=f"trimkit {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log trimkit's INFO lines to stderr")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("calibrate", help="measure prefill cost on this host and print the profile",
+                       description="Measure prefill time at a spread of prompt lengths and depths, fit the cost model, "
+                       "store the profile in the user cache (reused next time unless --recalibrate) and print it.")
+    c.add_argument("--model", help=f"GGUF model path (default: {EMBEDDED}); with --url, the served model's name")
+    c.add_argument("--url", help="calibrate an OpenAI-compatible server instead, e.g. http://127.0.0.1:8080/v1")
+    c.add_argument("--n-ctx", type=_positive_int, default=8192, help="context window (default 8192)")
+    c.add_argument("--quick", action="store_true", help="fewer, shorter probes (≤ 1024 tokens): seconds, less accurate at depth")
+    c.add_argument("--recalibrate", action="store_true", help="measure again even if a stored profile matches")
+    c.add_argument("--json", action="store_true", help="print the profile as JSON")
+    c.add_argument("--plot", metavar="FILE.png", help="draw measured prefill time vs prompt length with the fitted curve")
+    c.add_argument("--budget", type=_positive_float, help="with --plot: draw a TTFT budget line (seconds)")
+    c.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
+    c.set_defaults(func=_cmd_calibrate)
+
+    d = sub.add_parser("diagnose", help="name the slow phase (the wait or the stream) and the cure that fits",
+                       description="Give measured numbers (--ttft, --tokens-per-s, --prompt-tokens) or run one prompt "
+                       "(--prompt-file, --model) and learn which phase dominates and what helps it.")
+    d.add_argument("--ttft", type=_positive_float, help="measured time to first token, seconds")
+    d.add_argument("--tokens-per-s", type=_positive_float, help="measured decode speed, tokens/s")
+    d.add_argument("--prompt-tokens", type=_positive_int, help="prompt length in tokens")
+    d.add_argument("--output-tokens", type=_positive_int, default=256, help="typical answer length in tokens (default 256)")
+    d.add_argument("--prompt-file", help="run this prompt on --model and diagnose the measured request")
+    d.add_argument("--model", help=f"GGUF model path for --prompt-file (default: {EMBEDDED})")
+    d.add_argument("--n-ctx", type=_positive_int, default=8192, help="context window for --prompt-file (default 8192)")
+    d.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    d.set_defaults(func=_cmd_diagnose)
+
+    m = sub.add_parser("demo", help="see the two phases and a TTFT budget held, on the embedded model",
+                       description="Calibrates (or reuses the stored profile), shows a long and a short prompt "
+                       "(the wait vs the stream), then a multi-turn RAG chat kept under a TTFT budget.")
+    m.add_argument("--model", help=f"GGUF model path (default: {EMBEDDED})")
+    m.add_argument("--budget", type=_positive_float, default=1.0, help="TTFT budget in seconds for the chat part (default 1.0)")
+    m.add_argument("--turns", type=_positive_int, default=3, help="chat turns under the budget (default 3)")
+    m.add_argument("--n-ctx", type=_positive_int, default=8192, help="context window (default 8192)")
+    m.add_argument("--full", action="store_true", help="full calibration instead of quick")
+    m.add_argument("--json", metavar="FILE", help="also write every report as JSON to FILE")
+    m.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args) or 0)
+    except TrimkitError as exc:
+        print(f"trimkit: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+    except KeyboardInterrupt:
+        print("trimkit: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # an engine failure we did not anticipate: still one line
+        print(f"trimkit: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The prefill cost model: how long the engine takes to evaluate ``n`` new prompt tokens after
+``k`` tokens already in the KV cache.
+
+DESIGN.md's model is ``T(n | k) = b + a·n + c·(n·k + n²/2)``: a fixed overhead, a per-token
+cost, and a depth (attention) term that grows with how deep in the context the new tokens sit.
+llama.cpp evaluates prompts in ``n_batch`` chunks, each with its own fixed cost, so trimkit also
+fits a variant with a per-chunk term ``d·ceil(n / n_batch)`` and keeps whichever predicts the
+held-out samples better (leave-one-probe-out cross-validation). Coefficients are fitted by
+non-negative least squares on *relative* error, so a 32-token prompt matters as much as a
+4096-token one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from trimkit._validate import attrs_non_negative, count
+
+__all__ = ["PrefillSample", "CostModel", "ErrorStats", "fit_cost_model", "cross_validate", "error_stats"]
+
+
+@attrs.frozen
+class PrefillSample:
+    """One measurement: ``new_tokens`` evaluated after ``cached_tokens``, taking ``seconds``."""
+
+    new_tokens: int = attrs.field(validator=lambda i, a, v: count(v, a.name, minimum=1))
+    cached_tokens: int = attrs.field(validator=lambda i, a, v: count(v, a.name, minimum=0))
+    seconds: float = attrs.field(converter=float, validator=attrs_non_negative)
+    source: str = "calibration"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"new_tokens": self.new_tokens, "cached_tokens": self.cached_tokens, "seconds": self.seconds, "source": self.source}
+
+
+@attrs.frozen
+class CostModel:
+    """Fitted prefill coefficients. ``prefill_s(n, k)`` is the predicted prefill time in seconds."""
+
+    overhead_s: float = attrs.field(converter=float, validator=attrs_non_negative)
+    per_token_s: float = attrs.field(converter=float, validator=attrs_non_negative)
+    depth_s: float = attrs.field(converter=float, validator=attrs_non_negative)
+    per_batch_s: float = attrs.field(default=0.0, converter=float, validator=attrs_non_negative)
+    n_batch: int = attrs.field(default=512, validator=lambda i, a, v: count(v, a.name, minimum=1))
+
+    @property
+    def name(self) -> str:
+        return "batched" if self.per_batch_s > 0 else "design"
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        n = max(int(new_tokens), 0)
+        if n == 0:
+            return 0.0
+        k = max(int(cached_tokens), 0)
+        return (
+            self.overhead_s
+            + self.per_token_s * n
+            + self.depth_s * (n * k + n * n / 2.0)
+            + self.per_batch_s * math.ceil(n / self.n_batch)
+        )
+
+    def max_new_tokens(self, seconds: float, cached_tokens: int = 0, limit: int = 1 << 20) -> int:
+        """The most new tokens whose prefill fits in ``seconds`` after ``cached_tokens`` (binary search)."""
+        if self.prefill_s(1, cached_tokens) > seconds:
+            return 0
+        lo, hi = 1, 2
+        while hi < limit and self.prefill_s(hi, cached_tokens) <= seconds:
+            lo, hi = hi, hi * 2
+        hi = min(hi, limit)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.prefill_s(mid, cached_tokens) <= seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def to_dict(self) -> dict[str, object]:
+        return attrs.asdict(self)
+
+
+def _features(s: PrefillSample, n_batch: int, batched: bool) -> list[float]:
+    n, k = s.new_tokens, s.cached_tokens
+    row = [1.0, float(n), n * k + n * n / 2.0]
+    if batched:
+        row.append(float(math.ceil(n / n_batch)))
+    return row
+
+
+def _nnls_small(rows: Sequence[Sequence[float]], target: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """Exact non-negative least squares for a handful of variables: try every active set."""
+    import numpy as np
+
+    A = np.asarray(rows, dtype=float) * np.asarray(weights, dtype=float)[:, None]
+    y = np.asarray(target, dtype=float) * np.asarray(weights, dtype=float)
+    # scale columns so that tiny depth coefficients are not lost to conditioning
+    scale = np.where(np.abs(A).max(axis=0) > 0, np.abs(A).max(axis=0), 1.0)
+    As = A / scale
+    m = As.shape[1]
+    best: tuple[float, list[float]] | None = None
+    for r in range(m, 0, -1):
+        for subset in itertools.combinations(range(m), r):
+            cols = list(subset)
+            coef, *_ = np.linalg.lstsq(As[:, cols], y, rcond=None)
+            if np.any(coef < 0):
+                continue
+            full = np.zeros(m)
+            full[cols] = coef
+            resid = float(np.sum((As @ full - y) ** 2))
+            if best is None or resid < best[0] - 1e-18:
+                best = (resid, list(full / scale))
+    if best is None:
+        return [0.0] * m
+    return best[1]
+
+
+def fit_cost_model(samples: Iterable[PrefillSample], *, n_batch: int = 512, batched: bool = False) -> CostModel:
+    """Fit a :class:`CostModel` (``batched`` adds the per-``n_batch``-chunk term)."""
+    data = [s for s in samples if s.seconds > 0]
+    if not data:
+        raise ValueError("no samples with a positive time to fit")
+    rows = [_features(s, n_batch, batched) for s in data]
+    target = [s.seconds for s in data]
+    weights = [1.0 / s.seconds for s in data]
+    coef = _nnls_small(rows, target, weights)
+    return CostModel(
+        overhead_s=coef[0],
+        per_token_s=coef[1],
+        depth_s=coef[2],
+        per_batch_s=coef[3] if batched else 0.0,
+        n_batch=n_batch,
+    )
+
+
+@attrs.frozen
+class ErrorStats:
+    """Absolute percentage errors of predictions against measurements."""
+
+    median_pct: float
+    p90_pct: float
+    max_pct: float
+    n: int
+
+    def to_dict(self) -> dict[str, object]:
+        return attrs.asdict(self)
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    pos = q * (len(sorted_values) - 1)
+    lo = math.floor(pos)
+    hi = math.ceil(pos)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def error_stats(pairs: Iterable[tuple[float, float]]) -> ErrorStats:
+    """``pairs`` of (predicted, measured) → median / p90 / max absolute percentage error."""
+    errs = sorted(abs(p - m) / m * 100.0 for p, m in pairs if m > 0)
+    if not errs:
+        return ErrorStats(float("nan"), float("nan"), float("nan"), 0)
+    return ErrorStats(_quantile(errs, 0.5), _quantile(errs, 0.9), errs[-1], len(errs))
+
+
+def cross_validate(samples: Sequence[PrefillSample], *, n_batch: int, batched: bool) -> ErrorStats:
+    """Leave-one-probe-out error: every probe (new, cached) is predicted by a fit without it."""
+    groups: dict[tuple[int, int], list[PrefillSample]] = {}
+    for s in samples:
+        groups.setdefault((s.new_tokens, s.cached_tokens), []).append(s)
+    if len(groups) < 4:
+        model = fit_cost_model(samples, n_batch=n_batch, batched=batched)
+        return error_stats((model.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in samples)
+    pairs: list[tuple[float, float]] = []
+    for key, held in groups.items():
+        rest = [s for k, g in groups.items() if k != key for s in g]
+        model = fit_cost_model(rest, n_batch=n_batch, batched=batched)
+        pairs.extend((model.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in held)
+    return error_stats(pairs)

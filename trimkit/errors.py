@@ -1,0 +1,143 @@
+"""trimkit's exceptions: one tree, rooted at :class:`TrimkitError`.
+
+Catch ``TrimkitError`` to handle anything trimkit raises on purpose. Each error also
+subclasses the builtin it naturally is, so code that already catches ``ValueError`` or
+``FileNotFoundError`` keeps working::
+
+    TrimkitError
+    ├── InvalidInputError (ValueError)          bad argument, raised before anything is sent
+    │   ├── InvalidMessageError                 a message without role/content, unknown role, not a list
+    │   ├── InvalidChunkError                   a RAG chunk without text
+    │   ├── InvalidBudgetError                  a TTFT budget that is zero, negative, NaN or infinite
+    │   └── InvalidNumberError                  a time or count that is non-positive or non-finite
+    ├── ModelError (ValueError)
+    │   ├── ModelNotFoundError (FileNotFoundError)   the model path does not exist
+    │   └── NotGGUFError                        the file is not a GGUF model
+    ├── ContextTooSmallError (ValueError)       n_ctx cannot hold a calibration probe / the minimal prompt
+    ├── ProfileError                            a stored profile cannot be used (recovered from, with a warning)
+    ├── CalibrationError (RuntimeError)         calibration could not measure (e.g. no samples)
+    ├── InfeasibleBudgetError                   even the minimal prompt cannot meet the budget
+    │                                           (carries ``.plan`` and ``.report``)
+    └── BackendError (RuntimeError)             the model engine or server failed
+        ├── ServerError                         the server answered with an error (``.status``, ``.server_message``)
+        │   └── TransientServerError            502/503/504/429: retried before it is raised
+        ├── ServerUnreachableError (ConnectionError)  connection refused / DNS / timeout after retries
+        └── StreamInterruptedError              the stream broke mid-response (carries ``.report``)
+
+Dependency errors (httpx, llama_cpp) are translated into these at the boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "TrimkitError",
+    "InvalidInputError",
+    "InvalidMessageError",
+    "InvalidChunkError",
+    "InvalidBudgetError",
+    "InvalidNumberError",
+    "ModelError",
+    "ModelNotFoundError",
+    "NotGGUFError",
+    "ContextTooSmallError",
+    "ProfileError",
+    "CalibrationError",
+    "InfeasibleBudgetError",
+    "BackendError",
+    "ServerError",
+    "TransientServerError",
+    "ServerUnreachableError",
+    "StreamInterruptedError",
+]
+
+
+class TrimkitError(Exception):
+    """Base of every error trimkit raises on purpose."""
+
+
+class InvalidInputError(TrimkitError, ValueError):
+    """An argument is invalid. Raised before any request is sent; nothing was changed."""
+
+
+class InvalidMessageError(InvalidInputError):
+    """A chat message list is malformed (not a list, a message without role or content, ...)."""
+
+
+class InvalidChunkError(InvalidInputError):
+    """A RAG chunk is malformed (no text, wrong type, bad score)."""
+
+
+class InvalidBudgetError(InvalidInputError):
+    """A TTFT budget is zero, negative, NaN or infinite."""
+
+
+class InvalidNumberError(InvalidInputError):
+    """A time or count is non-positive, non-finite or of the wrong type."""
+
+
+class ModelError(TrimkitError, ValueError):
+    """The model file cannot be used."""
+
+
+class ModelNotFoundError(ModelError, FileNotFoundError):
+    """The model path does not exist."""
+
+
+class NotGGUFError(ModelError):
+    """The file exists but is not a GGUF model (wrong magic bytes)."""
+
+
+class ContextTooSmallError(TrimkitError, ValueError):
+    """The context window (n_ctx) is too small for what was asked."""
+
+
+class ProfileError(TrimkitError):
+    """A stored calibration profile is unreadable or invalid."""
+
+
+class CalibrationError(TrimkitError, RuntimeError):
+    """Calibration could not produce a usable profile."""
+
+
+class InfeasibleBudgetError(TrimkitError):
+    """Even the minimal prompt (system + last user message) cannot meet the TTFT budget.
+
+    Raised only with ``on_infeasible="raise"``. ``.plan`` holds the plan (with the best
+    achievable TTFT); ``.report`` the report of what would have been sent.
+    """
+
+    def __init__(self, message: str, *, plan: Any = None, report: Any = None) -> None:
+        super().__init__(message)
+        self.plan = plan
+        self.report = report
+
+
+class BackendError(TrimkitError, RuntimeError):
+    """The model engine or server failed."""
+
+
+class ServerError(BackendError):
+    """The server answered with an error status. ``.status`` and ``.server_message`` say what."""
+
+    def __init__(self, message: str, *, status: int | None = None, server_message: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.server_message = server_message
+
+
+class TransientServerError(ServerError):
+    """A server error worth retrying (429, 502, 503, 504). Raised once retries are exhausted."""
+
+
+class ServerUnreachableError(BackendError, ConnectionError):
+    """The server could not be reached (refused, unresolvable, timed out) after retries."""
+
+
+class StreamInterruptedError(BackendError):
+    """The response stream broke before it finished. ``.report`` keeps what was sent."""
+
+    def __init__(self, message: str, *, report: Any = None) -> None:
+        super().__init__(message)
+        self.report = report

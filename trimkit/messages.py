@@ -1,0 +1,207 @@
+"""Chat messages and RAG chunks: validation, turns, and where chunks go in the prompt.
+
+trimkit takes OpenAI-style message dicts exactly as ``llama_cpp.Llama.create_chat_completion``
+does, and never mutates them. Validation happens here, before anything is planned or sent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from trimkit.errors import InvalidChunkError, InvalidMessageError
+
+__all__ = [
+    "Chunk",
+    "ROLES",
+    "DEFAULT_RAG_TEMPLATE",
+    "validate_messages",
+    "coerce_chunks",
+    "message_text",
+    "turn_spans",
+    "last_user_index",
+    "render_rag_question",
+]
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+SYSTEM_ROLES = frozenset({"system", "developer"})
+
+#: How retrieved chunks are placed into the last user message. Chunks come before the question
+#: (DESIGN.md: stable → volatile layout, the question last). Override with ``rag_template=``:
+#: a format string with ``{chunks}`` and ``{question}``; each chunk is rendered with
+#: ``rag_chunk_template`` (fields ``{id}``, ``{text}``, ``{n}``) and joined by a blank line.
+DEFAULT_RAG_TEMPLATE = "Use the following retrieved context to answer.\n\n{chunks}\n\nQuestion: {question}"
+DEFAULT_RAG_CHUNK_TEMPLATE = "[{id}] {text}"
+
+
+def _check_score(instance: Any, attribute: Any, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidChunkError(f"chunk score must be a finite number or None, got {value!r}")
+
+
+def _check_text(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, str):
+        raise InvalidChunkError(f"chunk text must be a str, got {type(value).__name__}")
+    if not value.strip():
+        raise InvalidChunkError("chunk text is empty")
+
+
+@attrs.frozen
+class Chunk:
+    """One retrieved passage for RAG.
+
+    ``score`` is the caller's relevance (higher is more relevant); without it trimkit scores
+    chunks against the question itself (BM25). ``id`` names the chunk in reports; plain strings
+    passed as chunks get ``chunk-<index>``.
+    """
+
+    text: str = attrs.field(validator=_check_text)
+    score: float | None = attrs.field(default=None, validator=_check_score)
+    id: str | None = attrs.field(default=None)
+    metadata: Mapping[str, Any] = attrs.field(factory=dict, eq=False, hash=False)
+
+
+def coerce_chunks(chunks: Any) -> tuple[Chunk, ...]:
+    """Validate ``rag_chunks`` (strings, :class:`Chunk`, or dicts with ``text``) into Chunks with ids."""
+    if chunks is None:
+        return ()
+    if isinstance(chunks, (str, bytes, Mapping)) or not isinstance(chunks, Sequence):
+        raise InvalidChunkError(f"rag_chunks must be a list of str or Chunk, got {type(chunks).__name__}")
+    out: list[Chunk] = []
+    seen: set[str] = set()
+    for i, c in enumerate(chunks):
+        if isinstance(c, Chunk):
+            chunk = c if c.id is not None else attrs.evolve(c, id=f"chunk-{i}")
+        elif isinstance(c, str):
+            try:
+                chunk = Chunk(text=c, id=f"chunk-{i}")
+            except InvalidChunkError as exc:
+                raise InvalidChunkError(f"rag_chunks[{i}]: {exc}") from None
+        elif isinstance(c, Mapping):
+            if "text" not in c:
+                raise InvalidChunkError(f"rag_chunks[{i}] has no 'text'")
+            try:
+                chunk = Chunk(text=c["text"], score=c.get("score"), id=str(c.get("id", f"chunk-{i}")))
+            except InvalidChunkError as exc:
+                raise InvalidChunkError(f"rag_chunks[{i}]: {exc}") from None
+        else:
+            raise InvalidChunkError(f"rag_chunks[{i}] must be str, Chunk or dict, got {type(c).__name__}")
+        assert chunk.id is not None
+        if chunk.id in seen:
+            chunk = attrs.evolve(chunk, id=f"{chunk.id}#{i}")
+        seen.add(chunk.id)  # type: ignore[arg-type]
+        out.append(chunk)
+    return tuple(out)
+
+
+def message_text(message: Mapping[str, Any]) -> str:
+    """The text a message contributes to the prompt (content, text parts, tool calls)."""
+    content = message.get("content")
+    parts: list[str] = []
+    if isinstance(content, str):
+        parts.append(content)
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+    tool_calls = message.get("tool_calls")
+    if tool_calls:
+        for call in tool_calls:
+            fn = call.get("function", {}) if isinstance(call, Mapping) else {}
+            parts.append(f"{fn.get('name', '')}({fn.get('arguments', '')})")
+    if message.get("function_call"):
+        fc = message["function_call"]
+        parts.append(f"{fc.get('name', '')}({fc.get('arguments', '')})")
+    return "\n".join(parts)
+
+
+def validate_messages(messages: Any) -> None:
+    """Raise :class:`InvalidMessageError` unless ``messages`` is a usable chat message list.
+
+    Rules: a non-empty list of dicts; each has a known ``role``; ``content`` is a str or a list
+    of parts, and may be None only for an assistant message carrying ``tool_calls`` or
+    ``function_call``; there is at least one user message.
+    """
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise InvalidMessageError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    if len(messages) == 0:
+        raise InvalidMessageError("messages is empty: at least one user message is needed")
+    has_user = False
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise InvalidMessageError(f"messages[{i}] must be a dict, got {type(m).__name__}")
+        role = m.get("role")
+        if role is None:
+            raise InvalidMessageError(f"messages[{i}] has no 'role'")
+        if role not in ROLES:
+            raise InvalidMessageError(f"messages[{i}] has unknown role {role!r} (expected one of {sorted(ROLES)})")
+        if "content" not in m:
+            raise InvalidMessageError(f"messages[{i}] ({role}) has no 'content'")
+        content = m["content"]
+        if content is None:
+            if not (role == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
+                raise InvalidMessageError(f"messages[{i}] ({role}) has content None")
+        elif isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, Mapping) or "type" not in part:
+                    raise InvalidMessageError(f"messages[{i}].content[{j}] must be a dict with a 'type'")
+        elif not isinstance(content, str):
+            raise InvalidMessageError(
+                f"messages[{i}] ({role}) content must be str, list of parts or None, got {type(content).__name__}"
+            )
+        if role == "user":
+            has_user = True
+    if not has_user:
+        raise InvalidMessageError("messages has no user message")
+
+
+def last_user_index(messages: Sequence[Mapping[str, Any]]) -> int:
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("role") == "user":
+            return i
+    raise InvalidMessageError("messages has no user message")
+
+
+def turn_spans(messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, int]]:
+    """Split the non-system history into turns: ``[start, end)`` index spans.
+
+    A turn starts at a user message and runs to the next user message, so an assistant reply
+    with ``tool_calls`` and the ``tool`` results that answer it always share a turn — dropping
+    or summarizing whole turns never orphans a tool result. Messages before the first user
+    message (other than system ones) form a turn of their own.
+    """
+    spans: list[tuple[int, int]] = []
+    start: int | None = None
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role in SYSTEM_ROLES:
+            if start is not None:
+                spans.append((start, i))
+                start = None
+            continue
+        if role == "user" and start is not None:
+            spans.append((start, i))
+            start = i
+        elif start is None:
+            start = i
+    if start is not None:
+        spans.append((start, len(messages)))
+    return spans
+
+
+def render_rag_question(
+    question: str,
+    chunks: Sequence[Chunk],
+    template: str = DEFAULT_RAG_TEMPLATE,
+    chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
+) -> str:
+    """The last user message's new content with ``chunks`` placed before the question."""
+    if not chunks:
+        return question
+    body = "\n\n".join(chunk_template.format(id=c.id, text=c.text, n=n + 1) for n, c in enumerate(chunks))
+    return template.format(chunks=body, question=question)

@@ -1,0 +1,251 @@
+"""The per-request report: what trimkit predicted, what it measured, what it changed, and that
+decode was left untouched. ``str(report)`` is for people; ``report.to_dict()`` for programs."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from trimkit.backends.base import Measurement
+from trimkit.diagnose import STREAM_CURES, WAIT_CURES
+
+__all__ = ["Report", "DECODE_UNTOUCHED"]
+
+DECODE_UNTOUCHED = (
+    "decode untouched by trimkit: it changes only what is prefilled; max_tokens, temperature, stop and "
+    "every other generation parameter passed through unchanged"
+)
+
+
+def _fmt_s(value: float | None) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:.3f} s"
+
+
+def _fmt_n(value: int | None) -> str:
+    return "n/a" if value is None else f"{value:,}"
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if hasattr(value, "to_dict"):
+        return _json_safe(value.to_dict())
+    if attrs.has(type(value)):
+        return _json_safe(attrs.asdict(value))
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value)
+
+
+@attrs.frozen
+class Report:
+    """One request, end to end.
+
+    ``predicted_ttft_s`` is the prediction for the prompt actually sent;
+    ``predicted_ttft_before_s`` the prediction for the prompt as the caller gave it.
+    ``cached_tokens`` / ``evaluated_tokens`` are the engine's word when it gives one.
+    """
+
+    backend: str
+    measurement: Measurement
+    prompt_tokens: int
+    predicted_ttft_s: float | None
+    ttft_budget_s: float | None = None
+    predicted_ttft_before_s: float | None = None
+    prompt_tokens_before: int | None = None
+    cached_tokens_predicted: int = 0
+    actions: tuple[Any, ...] = ()
+    feasible: bool | None = None
+    passthrough: bool = True
+    planning_s: float | None = None
+    profile_error_pct: float | None = None
+    warnings: tuple[str, ...] = ()
+    decode_params: Mapping[str, Any] = attrs.field(factory=dict)
+    model: str = ""
+
+    # -- derived figures ------------------------------------------------------------------------
+    @property
+    def measured_ttft_s(self) -> float | None:
+        m = self.measurement
+        return m.ttft_s if m.ttft_s is not None else m.first_output_s
+
+    @property
+    def ttft_error_pct(self) -> float | None:
+        """(predicted − measured) / measured, in percent."""
+        measured = self.measured_ttft_s
+        if measured is None or self.predicted_ttft_s is None or measured <= 0:
+            return None
+        return (self.predicted_ttft_s - measured) / measured * 100.0
+
+    @property
+    def budget_met(self) -> bool | None:
+        if self.ttft_budget_s is None or self.measured_ttft_s is None:
+            return None
+        return self.measured_ttft_s <= self.ttft_budget_s
+
+    @property
+    def cached_tokens(self) -> int | None:
+        return self.measurement.cached_tokens
+
+    @property
+    def evaluated_tokens(self) -> int | None:
+        return self.measurement.evaluated_tokens
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        return self.measurement.decode_tokens_per_s
+
+    @property
+    def time_per_output_token_s(self) -> float | None:
+        return self.measurement.time_per_output_token_s
+
+    @property
+    def completion_tokens(self) -> int | None:
+        return self.measurement.completion_tokens
+
+    @property
+    def stream_s(self) -> float | None:
+        """Time spent streaming after the first token."""
+        m = self.measurement
+        if m.engine_decode_s is not None:
+            return m.engine_decode_s
+        return m.client_decode_s
+
+    @property
+    def dominant_phase(self) -> str | None:
+        """"prefill" when the wait before the first token is longer than the stream after it."""
+        ttft = self.measured_ttft_s
+        stream = self.stream_s
+        if ttft is None:
+            return None
+        if stream is None:
+            return "prefill"
+        return "prefill" if ttft >= stream else "decode"
+
+    @property
+    def advice(self) -> tuple[str, ...]:
+        phase = self.dominant_phase
+        if phase is None:
+            return ()
+        return WAIT_CURES if phase == "prefill" else STREAM_CURES
+
+    @property
+    def trimmed(self) -> bool:
+        return not self.passthrough
+
+    @property
+    def decode_untouched(self) -> str:
+        return DECODE_UNTOUCHED
+
+    # -- output ---------------------------------------------------------------------------------
+    def lines(self) -> list[str]:
+        m = self.measurement
+        out = [f"trimkit report — {self.backend}" + (f" ({self.model})" if self.model else "")]
+        if self.ttft_budget_s is not None:
+            met = self.budget_met
+            verdict = "n/a" if met is None else ("met" if met else "MISSED")
+            feas = "" if self.feasible in (None, True) else " — infeasible: even the minimal prompt cannot fit; sent the best achievable"
+            out.append(f"  budget     {self.ttft_budget_s:.3f} s → {verdict}{feas}")
+        pred = _fmt_s(self.predicted_ttft_s)
+        if self.predicted_ttft_before_s is not None and self.trimmed:
+            pred += f" (before trimming {_fmt_s(self.predicted_ttft_before_s)})"
+        err = self.ttft_error_pct
+        err_s = f" · error {err:+.1f} %" if err is not None else ""
+        label = "measured" if m.ttft_s is not None else "measured (first chunk, no content)"
+        out.append(f"  TTFT       predicted {pred} · {label} {_fmt_s(self.measured_ttft_s)}{err_s}")
+        if m.engine_prefill_s is not None:
+            out.append(f"  prefill    {_fmt_s(m.engine_prefill_s)} engine-measured ({m.timing_source})")
+        tok = f"  prompt     {_fmt_n(self.prompt_tokens)} tokens"
+        if self.prompt_tokens_before is not None and self.prompt_tokens_before != self.prompt_tokens:
+            tok += f" (before trimming {_fmt_n(self.prompt_tokens_before)})"
+        tok += f" · reused from cache {_fmt_n(m.cached_tokens)} (predicted {_fmt_n(self.cached_tokens_predicted)}) · evaluated {_fmt_n(m.evaluated_tokens)}"
+        out.append(tok)
+        if self.actions:
+            out.append("  trimming")
+            for a in self.actions:
+                out.append(f"    - {getattr(a, 'strategy', '?')}: {getattr(a, 'summary', a)}")
+        elif self.ttft_budget_s is not None:
+            out.append("  trimming   none (under budget: request passed through unchanged)")
+        tps = self.decode_tokens_per_s
+        tpot = self.time_per_output_token_s
+        if tps is not None:
+            out.append(
+                f"  decode     {tps:.1f} tokens/s ({tpot * 1000:.1f} ms per output token), "
+                f"{_fmt_n(self.completion_tokens)} tokens — untouched by trimkit"
+            )
+        else:
+            out.append(f"  decode     {_fmt_n(self.completion_tokens)} output tokens (too few to time) — untouched by trimkit")
+        phase = self.dominant_phase
+        if phase is not None:
+            what = "the wait (prefill): trimming and caching help it" if phase == "prefill" else (
+                "the stream (decode): only a smaller/faster model, lower-bit quantization, more bandwidth or GPU offload help it"
+            )
+            out.append(f"  dominant   {what}")
+        if m.truncated_tokens:
+            out.append(f"  WARNING    the engine evaluated {m.truncated_tokens:,} fewer prompt tokens than were sent: it truncated the prompt")
+        for w in self.warnings:
+            out.append(f"  warning    {w}")
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def log_line(self) -> str:
+        """One line for ``logging`` (INFO)."""
+        parts = [f"backend={self.backend}"]
+        if self.ttft_budget_s is not None:
+            parts.append(f"budget={self.ttft_budget_s:.3f}s met={self.budget_met}")
+        parts.append(f"ttft_pred={_fmt_s(self.predicted_ttft_s)} ttft_meas={_fmt_s(self.measured_ttft_s)}")
+        parts.append(f"prompt={self.prompt_tokens} before={self.prompt_tokens_before} cached={self.cached_tokens} evaluated={self.evaluated_tokens}")
+        parts.append(f"actions={len(self.actions)}")
+        tps = self.decode_tokens_per_s
+        parts.append(f"decode={tps:.1f}tok/s(untouched)" if tps else "decode=n/a(untouched)")
+        return "trimkit: " + " ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "backend": self.backend,
+            "model": self.model,
+            "ttft_budget_s": self.ttft_budget_s,
+            "budget_met": self.budget_met,
+            "feasible": self.feasible,
+            "predicted_ttft_s": self.predicted_ttft_s,
+            "predicted_ttft_before_s": self.predicted_ttft_before_s,
+            "measured_ttft_s": self.measured_ttft_s,
+            "ttft_error_pct": self.ttft_error_pct,
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_before": self.prompt_tokens_before,
+            "cached_tokens_predicted": self.cached_tokens_predicted,
+            "cached_tokens": self.cached_tokens,
+            "evaluated_tokens": self.evaluated_tokens,
+            "passthrough": self.passthrough,
+            "actions": [a for a in self.actions],
+            "planning_s": self.planning_s,
+            "profile_error_pct": self.profile_error_pct,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "time_per_output_token_s": self.time_per_output_token_s,
+            "completion_tokens": self.completion_tokens,
+            "decode_untouched": DECODE_UNTOUCHED,
+            "decode_params": dict(self.decode_params),
+            "dominant_phase": self.dominant_phase,
+            "advice": list(self.advice),
+            "warnings": list(self.warnings),
+            "measurement": self.measurement.to_dict(),
+        }
+        return _json_safe(d)
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+
+def summarize_params(params: Mapping[str, Any], exclude: Sequence[str] = ("messages",)) -> dict[str, Any]:
+    """The decode parameters of a call, for the report (values that are not JSON become their repr)."""
+    return {k: v for k, v in params.items() if k not in exclude}

