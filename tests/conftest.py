@@ -40,3 +40,7 @@ def isolated_cache(tmp_path, monkeypatch):
     """A fresh, empty profile store for one test."""
     monkeypatch.setenv("TRIMKIT_CACHE_DIR", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+# the real OpenAI-compatible server on loopback (python -m llama_cpp.server), one per session
+from tests._server import llama_server  # noqa: E402,F401

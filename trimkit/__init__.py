@@ -15,7 +15,7 @@ See ``docs/`` for the quickstart, the two phases, and the CLI reference.
 
 from trimkit.backends.base import Backend, Measurement, TimedStream
 from trimkit.backends.fake import FakeBackend, FakeClock
-from trimkit.backends.llama import LlamaBackend, PrefixSnapshot
+from trimkit.backends.llama import LlamaBackend, PrefixSnapshot, llama_summarizer
 from trimkit.calibration import calibrate
 from trimkit.costmodel import CostModel, ErrorStats, PrefillSample
 from trimkit.diagnose import Diagnosis, diagnose
@@ -43,6 +43,9 @@ from trimkit.messages import DEFAULT_RAG_CHUNK_TEMPLATE, DEFAULT_RAG_TEMPLATE, C
 from trimkit.model import check_model_path, default_model_path
 from trimkit.profile import LiveProfile, Profile, ProfileKey, load_profile, save_profile
 from trimkit.report import DECODE_UNTOUCHED, Report
+from trimkit.planner import Action, Plan, PlanState, plan
+from trimkit.strategies import Strategy, cap_rag_chunks, chain, default_strategies, drop_oldest_turns, reuse_prefix, summarize_history
+from trimkit.summarize import ExtractiveSummarizer, PromptSummarizer, Summary, SummaryCache, next_summary_job, summary_job
 from trimkit.tokens import PromptTokenizer, TiktokenTokenizer
 from trimkit.wrapper import ReportingStream, TrimmedLlama, Trimmer, place_chunks, wrap
 
@@ -55,6 +58,25 @@ __all__ = [
     "calibrate",
     "diagnose",
     "default_model_path",
+    "plan",
+    # planning and strategies
+    "Plan",
+    "Action",
+    "PlanState",
+    "Strategy",
+    "chain",
+    "default_strategies",
+    "reuse_prefix",
+    "cap_rag_chunks",
+    "summarize_history",
+    "drop_oldest_turns",
+    "Summary",
+    "SummaryCache",
+    "ExtractiveSummarizer",
+    "PromptSummarizer",
+    "llama_summarizer",
+    "summary_job",
+    "next_summary_job",
     # values
     "Chunk",
     "Profile",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from trimkit.errors import InvalidBudgetError, InvalidNumberError
@@ -20,6 +21,15 @@ def positive_finite(value: Any, name: str, *, error: type[Exception] = InvalidNu
         raise error(f"{name} must be finite, got {value!r}")
     if value <= 0:
         raise error(f"{name} must be > 0, got {value!r}")
+    return float(value)
+
+
+def real_float(value: Any) -> float:
+    """attrs converter: a real number (int, float, numpy scalar) as a float; bools, strings and
+    None are refused with :class:`InvalidNumberError` instead of being coerced (``float(True)``
+    is 1.0, ``float("x")`` a bare ValueError). Range checks are left to the validator."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidNumberError(f"expected a number, got {type(value).__name__} {value!r}")
     return float(value)
 
 

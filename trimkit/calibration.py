@@ -46,8 +46,9 @@ def calibration_probes(n_ctx: int, *, quick: bool = False) -> list[Probe]:
 
     Cold prompts at geometric lengths (small ones repeated: they are cheap and noisy), then
     depth probes — new tokens after a long cached prefix — which pin down the attention term
-    without paying for a very long cold prompt. Lengths stop at 4096 tokens (1024 when
-    ``quick``) or ~90 % of ``n_ctx``, whichever is smaller.
+    without paying for a very long cold prompt. Cold lengths stop at 2048 tokens (1024 when
+    ``quick``) and no probe reaches past ~90 % of ``n_ctx`` (new + cached tokens). The probes
+    are distinct: in a small context the short depth probe is shrunk rather than repeated.
     """
     if n_ctx < MIN_N_CTX:
         raise ContextTooSmallError(f"n_ctx={n_ctx} is too small to calibrate (need at least {MIN_N_CTX} tokens)")
@@ -63,9 +64,11 @@ def calibration_probes(n_ctx: int, *, quick: bool = False) -> list[Probe]:
     if k < 64:
         probes.append(Probe(max(16, cap // 2), 0, 2))
         k = probes[-1].new_tokens
-    for n in (128 if quick else 256, deep):
-        n = min(n, cap - k)
-        if n >= 16:
+    room = cap - k
+    # two depth probes of different lengths; where the room is short the long one takes all of
+    # it and the short one half (min(short, room) would make both the same probe)
+    for n in (min(128 if quick else 256, room // 2), min(deep, room)):
+        if n >= 16 and Probe(n, k, 1) not in probes:
             probes.append(Probe(n, k, 1))
     return probes
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from trimkit._validate import attrs_non_negative, count
+from trimkit._validate import attrs_non_negative, count, real_float
 
 __all__ = ["PrefillSample", "CostModel", "ErrorStats", "fit_cost_model", "cross_validate", "error_stats"]
 
@@ -29,7 +29,7 @@ class PrefillSample:
 
     new_tokens: int = attrs.field(validator=lambda i, a, v: count(v, a.name, minimum=1))
     cached_tokens: int = attrs.field(validator=lambda i, a, v: count(v, a.name, minimum=0))
-    seconds: float = attrs.field(converter=float, validator=attrs_non_negative)
+    seconds: float = attrs.field(converter=real_float, validator=attrs_non_negative)
     source: str = "calibration"
 
     def to_dict(self) -> dict[str, object]:
@@ -40,10 +40,10 @@ class PrefillSample:
 class CostModel:
     """Fitted prefill coefficients. ``prefill_s(n, k)`` is the predicted prefill time in seconds."""
 
-    overhead_s: float = attrs.field(converter=float, validator=attrs_non_negative)
-    per_token_s: float = attrs.field(converter=float, validator=attrs_non_negative)
-    depth_s: float = attrs.field(converter=float, validator=attrs_non_negative)
-    per_batch_s: float = attrs.field(default=0.0, converter=float, validator=attrs_non_negative)
+    overhead_s: float = attrs.field(converter=real_float, validator=attrs_non_negative)
+    per_token_s: float = attrs.field(converter=real_float, validator=attrs_non_negative)
+    depth_s: float = attrs.field(converter=real_float, validator=attrs_non_negative)
+    per_batch_s: float = attrs.field(default=0.0, converter=real_float, validator=attrs_non_negative)
     n_batch: int = attrs.field(default=512, validator=lambda i, a, v: count(v, a.name, minimum=1))
 
     @property

@@ -83,7 +83,7 @@ def run_demo(*, model: str | None = None, budget_s: float = 1.0, turns: int = 3,
 
     def retrieved(question: str) -> list[Any]:
         # a retriever would hand over its top 12; we use the library's own BM25 for that here
-        return [c for c, _score in rank_chunks(question, chunk_texts)[:12]]
+        return list(rank_chunks(chunk_texts, question)[:12])
 
     _rule(f"3. A RAG chat: {len(history)} earlier messages + 12 retrieved chunks")
     q0 = questions[0]["question"]

@@ -7,6 +7,7 @@ does, and never mutates them. Validation happens here, before anything is planne
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,6 +38,14 @@ DEFAULT_RAG_TEMPLATE = "Use the following retrieved context to answer.\n\n{chunk
 DEFAULT_RAG_CHUNK_TEMPLATE = "[{id}] {text}"
 
 
+def _score_to_float(value: Any) -> Any:
+    """Retrievers return numpy scores (FAISS: float32): keep them as plain floats. Anything that
+    is not a real number is left for :func:`_check_score` to refuse."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
 def _check_score(instance: Any, attribute: Any, value: Any) -> None:
     if value is None:
         return
@@ -61,7 +70,7 @@ class Chunk:
     """
 
     text: str = attrs.field(validator=_check_text)
-    score: float | None = attrs.field(default=None, validator=_check_score)
+    score: float | None = attrs.field(default=None, converter=_score_to_float, validator=_check_score)
     id: str | None = attrs.field(default=None)
     metadata: Mapping[str, Any] = attrs.field(factory=dict, eq=False, hash=False)
 
@@ -86,14 +95,19 @@ def coerce_chunks(chunks: Any) -> tuple[Chunk, ...]:
             if "text" not in c:
                 raise InvalidChunkError(f"rag_chunks[{i}] has no 'text'")
             try:
-                chunk = Chunk(text=c["text"], score=c.get("score"), id=str(c.get("id", f"chunk-{i}")))
+                cid = c.get("id")
+                chunk = Chunk(text=c["text"], score=c.get("score"), id=f"chunk-{i}" if cid is None else str(cid))
             except InvalidChunkError as exc:
                 raise InvalidChunkError(f"rag_chunks[{i}]: {exc}") from None
         else:
             raise InvalidChunkError(f"rag_chunks[{i}] must be str, Chunk or dict, got {type(c).__name__}")
         assert chunk.id is not None
         if chunk.id in seen:
-            chunk = attrs.evolve(chunk, id=f"{chunk.id}#{i}")
+            # "a#2" may itself be taken (ids "a#2", "a", "a"): extend until the id is unique
+            unique = f"{chunk.id}#{i}"
+            while unique in seen:
+                unique += f"#{i}"
+            chunk = attrs.evolve(chunk, id=unique)
         seen.add(chunk.id)  # type: ignore[arg-type]
         out.append(chunk)
     return tuple(out)
@@ -138,7 +152,7 @@ def validate_messages(messages: Any) -> None:
         role = m.get("role")
         if role is None:
             raise InvalidMessageError(f"messages[{i}] has no 'role'")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a list role would make `in` raise TypeError
             raise InvalidMessageError(f"messages[{i}] has unknown role {role!r} (expected one of {sorted(ROLES)})")
         if "content" not in m:
             raise InvalidMessageError(f"messages[{i}] ({role}) has no 'content'")

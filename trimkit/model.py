@@ -39,7 +39,8 @@ def check_model_path(path: str | os.PathLike[str]) -> Path:
 
 
 def model_identity(path: str | os.PathLike[str]) -> str:
-    """A cheap identity for a model file: size plus a hash of its first and last MiB.
+    """A cheap identity for a model file: size plus a hash of its first and last MiB (the two
+    overlap for a file under 2 MiB, so every byte of it is read).
 
     Changes when the file is replaced by another model or quantization; does not read the
     whole file (a multi-GB model would take seconds).
@@ -50,7 +51,7 @@ def model_identity(path: str | os.PathLike[str]) -> str:
     h.update(str(size).encode())
     with p.open("rb") as fh:
         h.update(fh.read(1 << 20))
-        if size > (2 << 20):
+        if size > (1 << 20):
             fh.seek(size - (1 << 20))
             h.update(fh.read(1 << 20))
     return f"{p.name}:{size}:{h.hexdigest()[:16]}"

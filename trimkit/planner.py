@@ -177,6 +177,9 @@ class _Context:
             self.chunk_separator = tokenizer.count("\n\n")
         self._system_overhead: int | None = None
         self.correction = 0
+        self.prefix_tokens = [0]  # prefix_tokens[i]: tokens before the caller's message i
+        for n in self.base:
+            self.prefix_tokens.append(self.prefix_tokens[-1] + n)
         self.caller_layout: Layout = tuple((i, n) for i, n in enumerate(self.base)) + (("tail", self.tail),)
         self.knowledge: list[tuple[Layout, int]] = [(self.caller_layout, cached_tokens)]
         self.probed: dict[tuple[Hashable, ...], int] = {}
@@ -242,6 +245,28 @@ class _Context:
         return max(0, min(cached, total - 1))  # llama.cpp always evaluates at least one token
 
     def estimate(self, c: Candidate) -> Estimate:
+        if len(self.knowledge) > 1:  # probes are known: compare whole layouts
+            return self.estimate_by_layout(c)
+        # only the caller's cached_tokens is known: the prompt is shared up to the first edit
+        n = len(self.base)
+        total = self.prefix_tokens[n] + self.tail + self.correction
+        first_edit = n + 1
+        if c.summary is not None:
+            total += self.summary_tokens(c.summary)
+            first_edit = 0
+        if c.kept_chunks:
+            total += self.chunk_tokens(c.kept_chunks)
+            first_edit = min(first_edit, self.last_user)
+        gone = c.gone
+        if gone:
+            total -= sum(self.base[i] for i in gone)
+            first_edit = min(first_edit, min(gone))
+        shared = self.prefix_tokens[first_edit] if first_edit <= n else self.prefix_tokens[n] + self.tail
+        cached = max(0, min(self.knowledge[0][1], shared, total - 1))
+        return Estimate(total, cached, self.profile.predict_ttft_s(total - cached, cached) + c.extra_s)
+
+    def estimate_by_layout(self, c: Candidate) -> Estimate:
+        """:meth:`estimate` the general way, through the candidate's layout."""
         layout = self.layout(c)
         total = sum(n for _, n in layout) + self.correction
         cached = self.cached_for(layout, total)
@@ -267,6 +292,8 @@ class _Context:
 
     def exact_tokens(self, c: Candidate) -> int:
         """The candidate's prompt counted through the template (cached per message)."""
+        if not c.kept_chunks and not c.gone and c.summary is None:
+            return self.prefix_tokens[-1] + self.tail  # the caller's request, counted at the start
         return self.tokenizer.segment_counts(self.build(c), self.tools).total  # type: ignore[no-any-return]
 
     def probe(self, c: Candidate) -> int | None:
@@ -337,11 +364,10 @@ class PlanState:
     ctx: _Context = attrs.field(repr=False)
     candidate: Candidate
     actions: tuple[Action, ...] = ()
-    prediction: Estimate = attrs.field(default=None)
+    prediction: Estimate = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        if self.prediction is None:
-            object.__setattr__(self, "prediction", self.ctx.estimate(self.candidate))
+        object.__setattr__(self, "prediction", self.ctx.estimate(self.candidate))
 
     @classmethod
     def start(
@@ -427,6 +453,16 @@ class PlanState:
     @property
     def fits(self) -> bool:
         return self.prediction.ttft_s <= self.ctx.target_s
+
+    @property
+    def last_user_index(self) -> int:
+        """Index of the last user message in the caller's list (chunks go there)."""
+        return self.ctx.last_user
+
+    @property
+    def caller_cached_tokens(self) -> int:
+        """The ``cached_tokens`` the caller passed (for ``messages`` as given)."""
+        return self.ctx.knowledge[0][1]
 
     def message_tokens(self, index: int) -> int:
         """Tokens of the caller's message ``index`` as rendered (its template wrapper included)."""
@@ -547,6 +583,9 @@ class Plan:
     inline_s: float = 0.0
     planning_s: float = 0.0
     tokenizer: str = ""
+    #: the caller's messages as given (not a copy; never modified) — what
+    #: :func:`~trimkit.summarize.next_summary_job` summarizes after the response
+    request_messages: Sequence[Mapping[str, Any]] = attrs.field(default=(), repr=False, eq=False)
 
     @property
     def target_s(self) -> float:
@@ -581,10 +620,10 @@ class Plan:
         }
 
     def __str__(self) -> str:
-        if self.passthrough:
-            verdict = "passthrough"
-        elif not self.feasible:
+        if not self.feasible:
             verdict = "INFEASIBLE (minimal prompt, best achievable)"
+        elif self.passthrough:
+            verdict = "passthrough"
         else:
             verdict = "minimal prompt" if self.minimal else "trimmed"
         lines = [
@@ -605,20 +644,12 @@ def _default_strategies() -> Any:
     return default_strategies()
 
 
-def _run(state: PlanState, strategies: Sequence[Any]) -> PlanState:
-    for strategy in strategies:
-        if state.fits:
-            break
-        state = strategy(state) or state
-    return state
-
-
 def _refill_chunks(state: PlanState, exact_tokens: int) -> tuple[PlanState, int]:
     """Re-add chunks that ``cap_rag_chunks`` dropped, most relevant first, where they fit after all.
 
     Chunks are capped before history is trimmed, so trimming history may leave room for some;
-    and additive estimates can be a token or two pessimistic. Exact counts decide, and only
-    chunks within a few tokens of fitting are counted exactly.
+    and additive estimates can be a token or two pessimistic. Chunks that may fit by estimate
+    are added, one exact count confirms, and the least relevant go again until it fits.
     """
     ctx = state.ctx
     c = state.candidate
@@ -632,20 +663,24 @@ def _refill_chunks(state: PlanState, exact_tokens: int) -> tuple[PlanState, int]
     allowance = state.token_allowance(cached, c.extra_s)
     if allowance is None:
         return state, exact_tokens
-    readded: list[str] = []
-    tokens_before = exact_tokens
+    # add every chunk that might fit by estimate, then let exact counts back off the least relevant
+    tentative: list[Chunk] = []
+    base_chunk_tokens = ctx.chunk_tokens(c.kept_chunks)
     for ch in dropped:
-        kept_ids.add(ch.id)
-        kept = tuple(x for x in ctx.chunks if x.id in kept_ids)  # placement stays most relevant first
-        delta = ctx.chunk_tokens(kept) - ctx.chunk_tokens(c.kept_chunks)
+        ids = kept_ids | {x.id for x in tentative} | {ch.id}
+        delta = ctx.chunk_tokens([x for x in ctx.chunks if x.id in ids]) - base_chunk_tokens
         if exact_tokens + delta - _CHUNK_TOLERANCE_TOKENS <= allowance:
-            trial = attrs.evolve(c, kept_chunks=kept)
-            exact = ctx.exact_tokens(trial)
-            if _predict(ctx, exact, ctx.cached_for(ctx.layout(trial), exact), c.extra_s) <= ctx.target_s:
-                c, exact_tokens = trial, exact
-                readded.append(str(ch.id))
-                continue
-        kept_ids.discard(ch.id)
+            tentative.append(ch)
+    tokens_before = exact_tokens
+    while tentative:
+        ids = kept_ids | {x.id for x in tentative}
+        trial = attrs.evolve(c, kept_chunks=tuple(x for x in ctx.chunks if x.id in ids))  # most relevant first
+        exact = ctx.exact_tokens(trial)
+        if _predict(ctx, exact, ctx.cached_for(ctx.layout(trial), exact), c.extra_s) <= ctx.target_s:
+            c, exact_tokens = trial, exact
+            break
+        tentative.pop()
+    readded = [str(x.id) for x in tentative]
     if not readded:
         return state, exact_tokens
     action = Action(
@@ -668,9 +703,7 @@ def _finish(
 ) -> Plan:
     ctx = state.ctx
     c = state.candidate
-    layout = ctx.layout(c)
-    cached = ctx.cached_for(layout, exact_tokens)
-    predicted = _predict(ctx, exact_tokens, cached, c.extra_s)
+    cached = ctx.cached_for(ctx.layout(c), exact_tokens)  # at most exact_tokens - 1
     kept_ids = {ch.id for ch in c.kept_chunks}
     passthrough = not c.gone and c.summary is None and len(c.kept_chunks) == len(ctx.chunks)
     return Plan(
@@ -681,11 +714,11 @@ def _finish(
         budget_s=ctx.budget_s,
         safety_margin=ctx.safety_margin,
         predicted_ttft_before_s=before[1],
-        predicted_ttft_s=predicted,
+        predicted_ttft_s=_predict(ctx, exact_tokens, cached, c.extra_s),
         prompt_tokens_before=before[0],
         prompt_tokens=exact_tokens,
-        cached_tokens=max(0, min(cached, exact_tokens - 1)),
-        new_tokens=exact_tokens - max(0, min(cached, exact_tokens - 1)),
+        cached_tokens=cached,
+        new_tokens=exact_tokens - cached,
         actions=state.actions,
         kept_chunks=c.kept_chunks,
         dropped_chunks=tuple(ch for ch in ctx.chunks if ch.id not in kept_ids),
@@ -695,24 +728,28 @@ def _finish(
         inline_s=c.extra_s,
         planning_s=max(ctx.clock() - started, 0.0),
         tokenizer=str(getattr(ctx.tokenizer, "name", "")),
+        request_messages=ctx.messages,
     )
 
 
-def _minimal_state(state: PlanState, reason: str) -> PlanState:
+def _minimal(state: PlanState) -> Candidate:
     """System messages and the last user turn; no history, summary or chunks."""
-    ctx = state.ctx
-    removed = frozenset(i for s, e in ctx.history_turns for i in range(s, e))
-    c = Candidate(removed=removed)
+    return Candidate(removed=frozenset(i for s, e in state.ctx.history_turns for i in range(s, e)))
+
+
+def _minimal_state(state: PlanState, c: Candidate, reason: str) -> PlanState:
+    if not c.removed and not state.ctx.chunks:
+        return PlanState(state.ctx, c)  # the request is already minimal: nothing to report
     action = Action(
         strategy="minimal",
         summary=f"{reason}: kept only system messages and the last user turn "
-        f"({len(removed)} message(s) and {len(ctx.chunks)} chunk(s) removed)",
-        removed_messages=tuple(sorted(removed)),
-        removed_chunks=tuple(str(ch.id) for ch in ctx.chunks),
+        f"({len(c.removed)} message(s) and {len(state.ctx.chunks)} chunk(s) removed)",
+        removed_messages=tuple(sorted(c.removed)),
+        removed_chunks=tuple(str(ch.id) for ch in state.ctx.chunks),
         tokens_before=state.prediction.prompt_tokens,
         tokens_after=state.estimate(c).prompt_tokens,
     )
-    return PlanState(ctx, c, (action,))
+    return PlanState(state.ctx, c, (action,))
 
 
 def plan(
@@ -741,7 +778,9 @@ def plan(
       engine already holds in its KV cache. A candidate that edits message ``i`` keeps at most
       the tokens before ``i`` cached.
     - ``cache_probe(messages) -> int``: optional exact cached count for a concrete list; called
-      at most twice per plan (for a summarized candidate, and to check the final one).
+      at most twice per plan (memoised): by ``reuse_prefix`` when ``cached_tokens`` is 0, by
+      ``summarize_history`` for a prompt carrying a cached summary, and for a final prompt
+      whose history was edited.
     - ``rag_chunks`` go into the last user message, most relevant first (caller scores if every
       chunk has one, else BM25 against the question), whole: a chunk is kept or dropped.
     - ``summaries``: precomputed summaries (:func:`~trimkit.summarize.summary_job`) that
@@ -760,7 +799,7 @@ def plan(
         raise InvalidInputError(f"summaries must be a SummaryCache or None, got {type(summaries).__name__}")
     from trimkit.strategies import chain
 
-    pipeline = tuple(chain(_default_strategies() if strategies is None else strategies))
+    pipeline = chain(_default_strategies() if strategies is None else strategies)
     started = clock()
     state0 = PlanState.start(  # validates the rest before any work
         messages,
@@ -783,7 +822,7 @@ def plan(
         return _finish(state0, exact_tokens=tokens_before, before=before, minimal=False, feasible=True, started=started)
 
     for _attempt in range(3):
-        state = _run(PlanState(ctx, state0.candidate), pipeline)
+        state = pipeline(PlanState(ctx, state0.candidate))
         if not state.fits:
             break
         c = state.candidate
@@ -798,12 +837,11 @@ def plan(
         ctx.correction += max(exact - state.prediction.prompt_tokens, 1)
     ctx.correction = 0
 
-    minimal = _minimal_state(state0, "the strategies could not meet the budget")
-    exact = ctx.exact_tokens(minimal.candidate)
-    cached = ctx.cached_for(ctx.layout(minimal.candidate), exact)
-    feasible = _predict(ctx, exact, cached, 0.0) <= ctx.target_s
-    if not feasible:
-        minimal = _minimal_state(state0, "budget infeasible")
+    smallest = _minimal(state0)
+    exact = ctx.exact_tokens(smallest)
+    feasible = _predict(ctx, exact, ctx.cached_for(ctx.layout(smallest), exact), 0.0) <= ctx.target_s
+    reason = "the strategies could not meet the budget" if feasible else "budget infeasible"
+    minimal = _minimal_state(state0, smallest, reason)
     result = _finish(minimal, exact_tokens=exact, before=before, minimal=True, feasible=feasible, started=started)
     if feasible:
         log.warning("trimkit: strategies could not meet the %.3f s budget; sent the minimal prompt", ctx.budget_s)

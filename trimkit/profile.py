@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import math
+import numbers
 import os
 import tempfile
 import threading
@@ -21,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from trimkit._validate import non_negative_finite
+from trimkit._validate import non_negative_finite, positive_finite, real_float
 from trimkit.costmodel import CostModel, ErrorStats, PrefillSample, error_stats
 
 __all__ = ["ProfileKey", "Profile", "LiveProfile", "cache_dir", "profile_path", "load_profile", "save_profile"]
@@ -71,8 +72,8 @@ class Profile:
 
     key: ProfileKey
     model: CostModel
-    first_token_s: float = attrs.field(converter=float)
-    decode_tokens_per_s: float = attrs.field(converter=float)
+    first_token_s: float = attrs.field(converter=real_float)
+    decode_tokens_per_s: float = attrs.field(converter=real_float)
     samples: tuple[PrefillSample, ...] = attrs.field(converter=tuple, repr=False)
     error: ErrorStats
     alternatives: Mapping[str, Any] = attrs.field(factory=dict, repr=False)
@@ -84,6 +85,8 @@ class Profile:
     def __attrs_post_init__(self) -> None:
         non_negative_finite(self.first_token_s, "first_token_s")
         non_negative_finite(self.decode_tokens_per_s, "decode_tokens_per_s")
+        # predictions multiply by drift and budgets divide by it: 0, negative or NaN would poison both
+        positive_finite(self.drift, "drift")
 
     def predict_prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Predicted prefill time for ``new_tokens`` evaluated after ``cached_tokens`` cached ones."""
@@ -209,6 +212,10 @@ def load_profile(key: ProfileKey, path: Path | None = None) -> Profile | None:
     return profile
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 class LiveProfile:
     """A profile that follows the machine: live prefill measurements adjust its predictions.
 
@@ -232,15 +239,23 @@ class LiveProfile:
         return self._profile
 
     def observe(self, new_tokens: int, cached_tokens: int, measured_prefill_s: float) -> None:
-        if new_tokens < 1 or not (measured_prefill_s > 0 and math.isfinite(measured_prefill_s)):
+        """Feed one measured prefill back. Unusable measurements (no tokens, a negative or
+        missing count, a time that is zero, negative, NaN or infinite) are ignored: this runs
+        after a response was delivered and must never fail it."""
+        if not (_is_count(new_tokens) and new_tokens >= 1 and _is_count(cached_tokens) and cached_tokens >= 0):
             return
+        if isinstance(measured_prefill_s, bool) or not isinstance(measured_prefill_s, numbers.Real):
+            return
+        if not (measured_prefill_s > 0 and math.isfinite(measured_prefill_s)):
+            return
+        sample = PrefillSample(int(new_tokens), int(cached_tokens), float(measured_prefill_s), source="live")
         with self._lock:
-            base = self._profile.model.prefill_s(new_tokens, cached_tokens)
+            base = self._profile.model.prefill_s(sample.new_tokens, sample.cached_tokens)
             if base <= 0:
                 return
-            ratio = min(max(measured_prefill_s / base, 0.2), 5.0)
+            ratio = min(max(sample.seconds / base, 0.2), 5.0)
             self._log_drift = (1 - self._alpha) * self._log_drift + self._alpha * math.log(ratio)
-            self._live.append(PrefillSample(new_tokens, cached_tokens, measured_prefill_s, source="live"))
+            self._live.append(sample)
             self._live = self._live[-self._keep_live :]
             self._seen += 1
             model = self._profile.model

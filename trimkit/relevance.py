@@ -9,6 +9,7 @@ shared meaning, so pass your retriever's scores when you have them.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import Counter
@@ -34,13 +35,20 @@ def words(text: str) -> list[str]:
     return [w for w in _WORD.findall(text.lower()) if w not in STOPWORDS]
 
 
+@functools.lru_cache(maxsize=4096)
+def _term_counts(text: str) -> Counter[str]:
+    """Word counts of a document, cached: the same chunks come back request after request.
+    Callers must not modify the returned Counter."""
+    return Counter(words(text))
+
+
 def bm25_scores(query: str, documents: Sequence[str], *, k1: float = 1.5, b: float = 0.75) -> list[float]:
     """Okapi BM25 score of each document against ``query`` (higher is more relevant).
 
     IDF is the non-negative Lucene form ``log(1 + (N - df + 0.5) / (df + 0.5))``, so a word that
     appears in every document still counts a little instead of going negative.
     """
-    docs = [Counter(words(d)) for d in documents]
+    docs = [_term_counts(d) for d in documents]
     if not docs:
         return []
     lengths = [sum(d.values()) for d in docs]

@@ -5,8 +5,9 @@ appends to the system message (see :func:`~trimkit.strategies.summarize_history`
 cost time to compute, so trimkit computes them *after* a response, in the background or on an
 explicit idle call, and caches them by the exact messages they cover:
 
-1. after each response the wrapper calls :func:`summary_job`; it returns ``None`` (nothing is
-   due) or a zero-argument callable that computes the next summary and stores it in the
+1. after each response the wrapper calls :func:`next_summary_job` with the request's plan (or
+   :func:`summary_job` with the conversation); it returns ``None`` (nothing is due) or a
+   zero-argument callable that computes the next summary and stores it in the
    :class:`SummaryCache`;
 2. the next :func:`~trimkit.planner.plan` finds it with :meth:`SummaryCache.best_prefix` and
    uses it only if the prompt is over budget.
@@ -50,7 +51,9 @@ __all__ = [
     "make_summary",
     "messages_key",
     "approx_tokens",
+    "cap_to_tokens",
     "summary_job",
+    "next_summary_job",
 ]
 
 log = logging.getLogger("trimkit")
@@ -415,3 +418,18 @@ def summary_job(
         return summary
 
     return job
+
+
+def next_summary_job(
+    plan: Any, summarizer: Summarizer, cache: SummaryCache, **options: Any
+) -> Callable[[], Summary | None] | None:
+    """:func:`summary_job` for the request a :class:`~trimkit.planner.Plan` was made for.
+
+    Call it after the response to that request. The plan's ``request_messages`` (the caller's
+    messages as given) end with the current turn, which the next request continues, so it
+    always stays verbatim; ``options`` go to :func:`summary_job` (pass ``count_tokens=`` your
+    ``PromptTokenizer`` for exact summary sizes).
+    """
+    if plan is None or not getattr(plan, "request_messages", None):
+        return None
+    return summary_job(plan.request_messages, summarizer, cache, plan=plan, **options)

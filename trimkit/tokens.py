@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from trimkit.messages import message_text
+from trimkit.messages import SYSTEM_ROLES, message_text
 
 __all__ = [
     "Tokenizer",
@@ -106,8 +106,11 @@ class Segments:
         return self.exact_total if self.exact_total is not None else sum(self.counts) + self.tail
 
 
-_MARK = "\x1fTKM{}\x1f"
-_MARK_RE = re.compile("\x1fTKM(\\d+)\x1f")
+# Private-use code points around a message index. Not whitespace (str.strip() and Jinja's
+# ``| trim`` — used by Gemma's own template — remove \x1f and other separators) and not letters
+# (``| lower``/``| upper`` leave them alone), so the markers survive what templates do to content.
+_MARK = "\ue000{}\ue001"
+_MARK_RE = re.compile("\ue000(\\d+)\ue001")
 
 
 class PromptTokenizer:
@@ -204,7 +207,14 @@ class PromptTokenizer:
             # message (llama-cpp-python's "gemma" format drops system messages): its piece is None
             parts = _MARK_RE.split(text)
             found = [int(x) for x in parts[1::2]]
-            if found != sorted(set(found)) or any(i >= len(messages) for i in found):
+            # only a system message may go missing; any other missing marker means the template
+            # changed the content (escaped, re-encoded) and the split cannot be trusted
+            dropped = set(range(len(messages))) - set(found)
+            if (
+                found != sorted(set(found))
+                or any(i >= len(messages) for i in found)
+                or any(messages[i].get("role") not in SYSTEM_ROLES for i in dropped)
+            ):
                 pieces = None
             else:
                 by_index: list[str | None] = [None] * len(messages)

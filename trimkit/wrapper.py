@@ -48,13 +48,20 @@ def place_chunks(
     template: str = DEFAULT_RAG_TEMPLATE,
     chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
 ) -> list[Mapping[str, Any]]:
-    """A new message list with ``chunks`` placed into the last user message (caller's list untouched)."""
+    """A new message list with ``chunks`` placed into the last user message (caller's list untouched).
+
+    Chunks go most relevant first — the caller's scores when every chunk has one, else BM25
+    against the question — the same order the planner uses, so an untrimmed plan and this
+    placement give the same prompt."""
+    from trimkit.relevance import rank_chunks
+
     out = list(messages)
     if not chunks:
         return out
     i = last_user_index(messages)
+    question = message_text(messages[i])
     m = dict(messages[i])
-    m["content"] = render_rag_question(message_text(messages[i]), chunks, template, chunk_template)
+    m["content"] = render_rag_question(question, rank_chunks(chunks, question), template, chunk_template)
     out[i] = m
     return out
 
@@ -252,6 +259,7 @@ class Trimmer:
         if prepared.snapshot is not None:
             restore = getattr(self.backend, "restore_prefix")
             restore(prepared.snapshot)
+        self._last_prepared = prepared
         send_params = {k: v for k, v in params.items() if k != "stream"}
         ts = self.backend.send(prepared.messages, send_params, prompt_tokens=prepared.prompt_tokens)
         return ReportingStream(ts, self, prepared, params)
@@ -314,7 +322,9 @@ class Trimmer:
     def _summary_job(self, prepared: Prepared) -> Callable[[], Any] | None:
         from trimkit.summarize import next_summary_job
 
-        return next_summary_job(prepared.plan, self.summarizer, self.summaries)
+        if prepared.plan is None:
+            return None
+        return next_summary_job(prepared.plan, self.summarizer, self.summaries, count_tokens=self.backend.tokenizer)
 
     def _run_job(self, job: Callable[[], Any]) -> None:
         try:
@@ -453,7 +463,6 @@ class TrimmedLlama(Trimmer):
         budget = kwargs.pop("ttft_budget_s", None)
         stream = bool(kwargs.get("stream", False))
         prepared = self.prepare(messages, rag_chunks, kwargs, ttft_budget_s=budget)
-        self._last_prepared = prepared
         rs = self.execute(prepared, kwargs)
         if stream:
             return rs

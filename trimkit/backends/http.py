@@ -46,9 +46,8 @@ from trimkit.backends.server_timings import (
     parse_server_stats,
 )
 from trimkit.errors import (
-    BackendError,
-    ContextTooSmallError,
     CalibrationError,
+    ContextTooSmallError,
     InvalidInputError,
     ServerError,
     ServerUnreachableError,
@@ -129,6 +128,11 @@ class SSEDecoder:
         return obj
 
 
+async def _no_chunks() -> AsyncIterator[Any]:
+    return
+    yield  # pragma: no cover
+
+
 def _iter_events(lines: Iterable[str], decoder: SSEDecoder) -> Iterator[Any]:
     for line in lines:
         event = decoder.feed(line)
@@ -177,10 +181,13 @@ def stream_chunk_content(chunk: Any) -> str | None:
     return "" if field_of(choice, "finish_reason") else None
 
 
-def _any_choice(chunk: Any) -> str | None:
-    """Completion probes: the first chunk with a choice marks the first token (its text may be
-    an empty piece of a multi-byte character)."""
-    return "·" if field_of(chunk, "choices") else None
+def _probe_token(chunk: Any) -> str | None:
+    """Completion probes: every chunk with a choice is a generated token, even one whose text
+    is an empty piece of a multi-byte character; a text-less finish chunk is not."""
+    choices = field_of(chunk, "choices")
+    if not choices:
+        return None
+    return "·" if field_of(choices[0], "text") or not field_of(choices[0], "finish_reason") else ""
 
 
 def _finish_reason(chunk: Any) -> str | None:
@@ -274,6 +281,11 @@ def _unreachable(exc: BaseException, url: str) -> ServerUnreachableError:
     return ServerUnreachableError(f"{url} {kind}: {type(exc).__name__}: {exc}")
 
 
+def _gave_up(exc: ServerUnreachableError, retrying: tenacity.BaseRetrying, start: float) -> ServerUnreachableError:
+    attempts = retrying.statistics.get("attempt_number", 1)
+    return ServerUnreachableError(f"{exc} (gave up after {attempts} attempts in {time.monotonic() - start:.1f} s)")
+
+
 def _translate_client_error(exc: BaseException, url: str) -> TrimkitError | None:
     """An ``openai`` client exception as a trimkit error (``None`` if it is not one)."""
     if isinstance(exc, TrimkitError):
@@ -357,7 +369,6 @@ class ServerInfo:
     engine_version: str = ""
     model_ids: tuple[str, ...] = ()
     n_ctx: int | None = None
-    n_batch: int | None = None
     tokenize_endpoint: str | None = None  # "/tokenize", "/extras/tokenize" or None
     apply_template: bool = False
     bos_prefix: tuple[int, ...] = ()  # what /extras/tokenize prepends to every text
@@ -381,6 +392,11 @@ class _StreamState:
     chunks: list[Any] | None = None  # filled when the response is to be assembled
 
 
+def _raising(exc: BaseException) -> Iterator[Any]:
+    raise exc
+    yield  # pragma: no cover
+
+
 class AsyncTimedStream(TimedStream):
     """:class:`TimedStream` over an async iterator: ``async for`` it; the timing, ``finish`` and
     ``on_done`` behave exactly as in the sync stream."""
@@ -394,21 +410,17 @@ class AsyncTimedStream(TimedStream):
 
     async def __anext__(self) -> Any:
         if self.started is None:
-            self.started = self.clock()
+            self.started = self.clock()  # the request goes out on the first step
         try:
-            chunk = await self._achunks.__anext__()
+            self._chunks = iter((await self._achunks.__anext__(),))
         except StopAsyncIteration:
-            self._complete()
-            raise
+            self._chunks = iter(())
         except BaseException as exc:
-            self.ended_at = self.clock()
-            translated = self._on_error(exc) if self._on_error else None
-            if translated is not None and translated is not exc:
-                raise translated from exc
-            raise
-        # record the chunk through the sync path so both streams time it identically
-        self._chunks = iter((chunk,))
-        return TimedStream.__next__(self)
+            self._chunks = _raising(exc)
+        try:  # the sync step records, completes or translates exactly as for a sync stream
+            return TimedStream.__next__(self)
+        except StopIteration:
+            raise StopAsyncIteration from None
 
     async def aclose(self) -> None:
         aclose = getattr(self._achunks, "aclose", None)
@@ -556,7 +568,7 @@ class OpenAIHTTPBackend(Backend):
                 with try_:
                     return attempt(deadline_s - (time.monotonic() - start))
         except ServerUnreachableError as exc:
-            raise ServerUnreachableError(f"{exc} (gave up after {retrying.statistics.get('attempt_number', 1)} attempts in {time.monotonic() - start:.1f} s)") from exc
+            raise _gave_up(exc, retrying, start) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _awith_retries(self, attempt: Callable[[float], Any], deadline_s: float | None = None) -> Any:
@@ -568,11 +580,16 @@ class OpenAIHTTPBackend(Backend):
                 with try_:
                     return await attempt(deadline_s - (time.monotonic() - start))
         except ServerUnreachableError as exc:
-            raise ServerUnreachableError(f"{exc} (gave up after {retrying.statistics.get('attempt_number', 1)} attempts in {time.monotonic() - start:.1f} s)") from exc
+            raise _gave_up(exc, retrying, start) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _request_json(self, method: str, url: str, body: Any = None, *, remaining_s: float | None = None, missing_ok: bool = False) -> Any:
-        """One side request. Returns the JSON body; ``None`` for 404/405/501 when ``missing_ok``
+    def _request_json(self, method: str, url: str, body: Any = None, *, missing_ok: bool = False, deadline_s: float | None = None) -> Any:
+        """A side request (server facts, tokenize), retried like a chat request: a pooled
+        keep-alive connection the server dropped fails once and must not fail the call."""
+        return self._with_retries(lambda rem: self._request_json_once(method, url, body, remaining_s=rem, missing_ok=missing_ok), deadline_s)
+
+    def _request_json_once(self, method: str, url: str, body: Any = None, *, remaining_s: float | None = None, missing_ok: bool = False) -> Any:
+        """One request. Returns the JSON body; ``None`` for 404/405/501 when ``missing_ok``
         (an endpoint this server does not have)."""
         try:
             resp = self.http.request(method, url, json=body, headers=self._headers, timeout=self._timeout(remaining_s))
@@ -601,7 +618,7 @@ class OpenAIHTTPBackend(Backend):
             return self._info
 
     def _probe_server(self, deadline_s: float | None) -> ServerInfo:
-        models = self._with_retries(lambda rem: self._request_json("GET", self.base_url + "/models", remaining_s=rem, missing_ok=True), deadline_s)
+        models = self._request_json("GET", self.base_url + "/models", missing_ok=True, deadline_s=deadline_s)
         entries = [m for m in (models or {}).get("data", []) if isinstance(m, Mapping)] if isinstance(models, Mapping) else []
         owned_by = str(entries[0].get("owned_by", "")).lower() if entries else ""
         n_ctx: int | None = None
@@ -660,7 +677,6 @@ class OpenAIHTTPBackend(Backend):
             engine_version=version,
             model_ids=tuple(str(m.get("id")) for m in entries if m.get("id")),
             n_ctx=n_ctx,
-            n_batch=None,
             tokenize_endpoint=tokenize_endpoint,
             apply_template=apply_template,
             bos_prefix=bos_prefix,
@@ -692,7 +708,7 @@ class OpenAIHTTPBackend(Backend):
             backend=self.name,
             model=f"{self.base_url}|{self.model_name}",
             n_ctx=self.n_ctx,
-            n_batch=info.n_batch or self._n_batch_arg or 512,
+            n_batch=self._n_batch_arg or 512,  # servers do not report it
             engine_version=info.engine_version or info.engine,
             cpu="remote",
             extra=f"engine={info.engine}",
@@ -939,17 +955,37 @@ class OpenAIHTTPBackend(Backend):
 
         return attempt
 
-    def _open_with_fallback(self, make: Callable[[dict[str, Any]], Callable[[float], _Opened]], body: dict[str, Any], state: _StreamState, deadline_s: float | None) -> _Opened:
-        try:
-            return self._with_retries(make(body), deadline_s)
-        except ServerError as exc:
-            if "stream_options" not in body or exc.status not in (400, 422) or "stream_options" not in exc.server_message:
-                raise
-            log.info("trimkit: %s refuses stream_options; streaming without usage", self.base_url)
-            self._include_usage = False
-            state.hide_usage_chunk = False
-            body = {k: v for k, v in body.items() if k != "stream_options"}
-            return self._with_retries(make(body), deadline_s)
+    def _drop_stream_options(self, exc: ServerError, body: dict[str, Any], state: _StreamState) -> bool:
+        """A server that refuses ``stream_options`` is asked again without (and from now on)."""
+        if "stream_options" not in body or exc.status not in (400, 422) or "stream_options" not in exc.server_message:
+            return False
+        log.info("trimkit: %s refuses stream_options; streaming without usage", self.base_url)
+        self._include_usage = False
+        state.hide_usage_chunk = False
+        del body["stream_options"]
+        return True
+
+    def _open(self, make: Callable[[dict[str, Any]], Callable[[float], _Opened]], body: dict[str, Any], state: _StreamState, deadline_s: float | None) -> _Opened:
+        def attempt(remaining_s: float) -> _Opened:
+            try:
+                return make(body)(remaining_s)
+            except ServerError as exc:
+                if not self._drop_stream_options(exc, body, state):
+                    raise
+                return make(body)(remaining_s)
+
+        return self._with_retries(attempt, deadline_s)
+
+    async def _aopen(self, make: Callable[[dict[str, Any]], Callable[[float], Any]], body: dict[str, Any], state: _StreamState, deadline_s: float | None) -> _Opened:
+        async def attempt(remaining_s: float) -> _Opened:
+            try:
+                return await make(body)(remaining_s)
+            except ServerError as exc:
+                if not self._drop_stream_options(exc, body, state):
+                    raise
+                return await make(body)(remaining_s)
+
+        return await self._awith_retries(attempt, deadline_s)
 
     def _chunks(self, opener: Callable[[], _Opened], state: _StreamState) -> Iterator[Any]:
         opened = opener()
@@ -1000,7 +1036,7 @@ class OpenAIHTTPBackend(Backend):
         if is_async:
             return self._timed(self._achunks(body, state, deadline), state, sent, predicted, cls=AsyncTimedStream), state
         make = self._open_client if self.client is not None else (lambda b: self._open_url("/chat/completions", b))
-        chunks = self._chunks(lambda: self._open_with_fallback(make, body, state, deadline), state)
+        chunks = self._chunks(lambda: self._open(make, body, state, deadline), state)
         return self._timed(chunks, state, sent, predicted), state
 
     def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
@@ -1033,7 +1069,7 @@ class OpenAIHTTPBackend(Backend):
 
         def attempt(remaining_s: float) -> Any:
             if self.client is None:
-                return self._request_json("POST", self.base_url + "/chat/completions", body, remaining_s=remaining_s)
+                return self._request_json_once("POST", self.base_url + "/chat/completions", body, remaining_s=remaining_s)
             try:
                 return self.client.chat.completions.create(**body)
             except Exception as exc:
@@ -1075,6 +1111,9 @@ class OpenAIHTTPBackend(Backend):
                 if resp.status_code >= 400:
                     await resp.aread()
                     raise _status_error(resp.status_code, resp.text, resp.headers)
+                if resp.headers.get("content-type", "").startswith("application/json"):
+                    await resp.aread()  # the server ignored stream=true: one whole response
+                    return _Opened(resp.json(), _no_chunks(), resp.aclose, lambda: True)
                 decoder = SSEDecoder()
                 events = _aiter_events(resp.aiter_lines(), decoder)
                 first = await anext(events, _END)
@@ -1106,16 +1145,16 @@ class OpenAIHTTPBackend(Backend):
     async def _achunks(self, body: dict[str, Any], state: _StreamState, deadline_s: float) -> AsyncIterator[Any]:
         own_client = None
         if self.client is not None:
-            attempt = self._aopen_client(body)
+            make = self._aopen_client
         else:
             client = self._async_http
             if client is None:  # one per stream: an AsyncClient is bound to its event loop
                 client = own_client = httpx.AsyncClient(headers=self._headers, timeout=self._timeout())
-            attempt = self._aopen_url("/chat/completions", body, client)
+            make = lambda b: self._aopen_url("/chat/completions", b, client)  # noqa: E731
         opened: _Opened | None = None
         n = 0
         try:
-            opened = await self._awith_retries(attempt, deadline_s)
+            opened = await self._aopen(make, body, state, deadline_s)
             if opened.first is _END:
                 raise self._empty_stream_error()
             if self._observe(opened.first, state):
@@ -1164,7 +1203,7 @@ class OpenAIHTTPBackend(Backend):
             reps = k // len(rotated) + 1
             return " ".join((rotated * reps)[:k])
 
-        lo, hi = 1, max(2, int(n_tokens * 1.0) + 2)
+        lo, hi = 1, n_tokens + 2
         while len(encode(text_of(hi))) < n_tokens:
             lo, hi = hi, hi * 2
         while lo < hi:  # the most words whose tokenization fits n_tokens
@@ -1193,11 +1232,11 @@ class OpenAIHTTPBackend(Backend):
             body["stream_options"] = {"include_usage": True}
         state = _StreamState(hide_usage_chunk=hide)
         predicted = self.predict_cached_tokens(tokens)
-        chunks = self._chunks(lambda: self._open_with_fallback(lambda b: self._open_url("/completions", b), body, state, None), state)
-        return self._timed(chunks, state, tokens, predicted, content_of=_any_choice).drain()
+        chunks = self._chunks(lambda: self._open(lambda b: self._open_url("/completions", b), body, state, None), state)
+        return self._timed(chunks, state, tokens, predicted, content_of=_probe_token).drain()
 
     def _check_fits(self, n_tokens: int) -> None:
-        if n_tokens + 2 > self.n_ctx:
+        if n_tokens + 1 > self.n_ctx:  # the prompt and the one generated token
             raise ContextTooSmallError(f"a probe of {n_tokens} tokens does not fit the server's n_ctx={self.n_ctx}")
 
     def warm_up(self) -> None:

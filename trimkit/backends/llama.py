@@ -428,3 +428,40 @@ class LlamaBackend(Backend):
             if k > current and t(k, snap.restore_s) < best_t:
                 best, best_t = (k, snap), t(k, snap.restore_s)
         return best
+
+
+def llama_summarizer(llm: Any, *, n_ctx: int = 4096, max_tokens: int = 200, **llama_kwargs: Any) -> Any:
+    """A :class:`~trimkit.summarize.PromptSummarizer` running the same model on a *separate*
+    llama.cpp context, so summarizing never evicts the conversation's KV cache.
+
+    The weights are memory-mapped, so the second context shares them with ``llm``; it adds its
+    own KV cache (``n_ctx`` tokens). Summaries run off the critical path (after a response, in
+    the background, or on ``chat.idle()``).
+    """
+    from llama_cpp import Llama
+
+    from trimkit.summarize import PromptSummarizer
+
+    lock = threading.Lock()
+    holder: dict[str, Any] = {}
+
+    def complete(prompt: str) -> str:
+        with lock:
+            if "llm" not in holder:
+                holder["llm"] = Llama(
+                    model_path=llm.model_path,
+                    n_ctx=n_ctx,
+                    verbose=False,
+                    chat_format=getattr(llm, "chat_format", None),
+                    **llama_kwargs,
+                )
+            side = holder["llm"]
+            tokens = side.tokenize(prompt.encode("utf-8"), add_bos=True, special=False)
+            if len(tokens) > n_ctx - max_tokens - 8:  # keep the newest part of an over-long transcript
+                prompt = side.detokenize(tokens[-(n_ctx - max_tokens - 8):]).decode("utf-8", "ignore")
+            out = side.create_chat_completion(
+                messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0.2
+            )
+            return out["choices"][0]["message"]["content"] or ""
+
+    return PromptSummarizer(complete, max_tokens=max_tokens, name="llama-separate-context")

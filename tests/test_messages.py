@@ -1,0 +1,265 @@
+"""Chat messages and RAG chunks: validation, turns and chunk placement."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from trimkit.errors import InvalidChunkError, InvalidInputError, InvalidMessageError
+from trimkit.messages import Chunk, coerce_chunks, last_user_index, message_text, render_rag_question, turn_spans, validate_messages
+
+TOOL_CALL = [{"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]
+
+
+# -- validate_messages --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": TOOL_CALL},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}],
+        ({"role": "user", "content": ""},),  # a tuple is a list too; empty text is allowed
+    ],
+    ids=["user", "system+user", "parts", "tool-calls", "function-call", "tuple"],
+)
+def test_valid_messages_pass(messages):
+    validate_messages(messages)
+
+
+@pytest.mark.parametrize(
+    "messages, says",
+    [
+        ("hello", "must be a list"),
+        (b"hello", "must be a list"),
+        ({"role": "user", "content": "hi"}, "must be a list"),
+        (None, "must be a list"),
+        (42, "must be a list"),
+        ([], "empty"),
+        (["hi"], "messages[0] must be a dict"),
+        ([{"role": "user", "content": "a"}, None], "messages[1] must be a dict"),
+        ([{"content": "hi"}], "messages[0] has no 'role'"),
+        ([{"role": "robot", "content": "hi"}], "unknown role 'robot'"),
+        ([{"role": ["user"], "content": "hi"}], "unknown role ['user']"),
+        ([{"role": "User", "content": "hi"}], "unknown role 'User'"),
+        ([{"role": "user"}], "messages[0] (user) has no 'content'"),
+        ([{"role": "user", "content": None}], "content None"),
+        ([{"role": "user", "content": "q"}, {"role": "assistant", "content": None}], "messages[1] (assistant) has content None"),
+        ([{"role": "user", "content": "q"}, {"role": "tool", "content": None, "tool_calls": TOOL_CALL}], "messages[1] (tool) has content None"),
+        ([{"role": "user", "content": 42}], "content must be str"),
+        ([{"role": "user", "content": ["text"]}], "messages[0].content[0]"),
+        ([{"role": "user", "content": [{"text": "no type"}]}], "'type'"),
+        ([{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}], "no user message"),
+    ],
+    ids=[
+        "str", "bytes", "dict", "none", "int", "empty", "str-item", "none-item", "no-role", "unknown-role",
+        "list-role", "capitalised-role",
+        "no-content", "user-none-content", "assistant-none-without-tool-calls", "tool-none-content",
+        "int-content", "part-not-dict", "part-without-type", "no-user",
+    ],
+)
+def test_invalid_messages_raise_a_useful_error(messages, says):
+    with pytest.raises(InvalidMessageError) as info:
+        validate_messages(messages)
+    assert says in str(info.value)
+    assert isinstance(info.value, InvalidInputError) and isinstance(info.value, ValueError)
+
+
+def test_validation_does_not_change_the_messages():
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": TOOL_CALL}]
+    before = copy.deepcopy(messages)
+    validate_messages(messages)
+    assert messages == before
+
+
+# -- message_text and last_user_index -----------------------------------------------------------
+
+
+def test_message_text_includes_text_parts_and_tool_calls():
+    assert message_text({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}) == "a"
+    assert message_text({"role": "assistant", "content": None, "tool_calls": TOOL_CALL}) == 'weather({"city": "Oslo"})'
+
+
+def test_last_user_index_finds_the_last_user_message():
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    assert last_user_index(msgs) == 2
+    with pytest.raises(InvalidMessageError):
+        last_user_index([{"role": "system", "content": "s"}])
+
+
+# -- coerce_chunks ------------------------------------------------------------------------------
+
+
+def test_strings_become_chunks_with_positional_ids():
+    chunks = coerce_chunks(["alpha", "beta"])
+    assert [(c.text, c.id, c.score) for c in chunks] == [("alpha", "chunk-0", None), ("beta", "chunk-1", None)]
+
+
+def test_dicts_keep_their_id_and_score():
+    chunks = coerce_chunks([{"text": "alpha", "id": "doc-7", "score": 0.9}, {"text": "beta", "id": 12}, {"text": "gamma"}])
+    assert [(c.id, c.score) for c in chunks] == [("doc-7", 0.9), ("12", None), ("chunk-2", None)]
+
+
+def test_a_dict_with_id_none_gets_a_positional_id():
+    assert coerce_chunks([{"text": "alpha", "id": None}])[0].id == "chunk-0"
+
+
+def test_chunk_objects_keep_their_id_or_get_one():
+    named = Chunk("alpha", score=1.0, id="mine")
+    anonymous = Chunk("beta")
+    out = coerce_chunks([named, anonymous])
+    assert out[0] is named
+    assert out[1].id == "chunk-1" and out[1].text == "beta"
+    assert anonymous.id is None  # the caller's object is unchanged
+
+
+def test_none_is_no_chunks():
+    assert coerce_chunks(None) == ()
+
+
+def test_duplicate_ids_are_disambiguated():
+    out = coerce_chunks([{"text": "a", "id": "x"}, {"text": "b", "id": "x"}, Chunk("c", id="x")])
+    ids = [c.id for c in out]
+    assert ids[0] == "x"
+    assert len(set(ids)) == 3
+    assert [c.text for c in out] == ["a", "b", "c"]
+
+
+def test_a_disambiguated_id_never_collides_with_a_given_one():
+    out = coerce_chunks([{"text": "a", "id": "x#2"}, {"text": "b", "id": "x"}, {"text": "c", "id": "x"}, {"text": "d", "id": "x#2#2"}])
+    assert len({c.id for c in out}) == 4
+
+
+def test_a_string_id_that_collides_with_a_positional_one_is_disambiguated():
+    out = coerce_chunks([{"text": "a", "id": "chunk-1"}, "b"])
+    assert len({c.id for c in out}) == 2
+
+
+def test_coerce_chunks_does_not_mutate_its_input():
+    chunk = Chunk("gamma")
+    given = ["alpha", {"text": "beta", "id": "b"}, chunk]
+    before = copy.deepcopy(given)
+    coerce_chunks(given)
+    assert given == before
+    assert given[2] is chunk and chunk.id is None
+
+
+@pytest.mark.parametrize(
+    "chunks, says",
+    [
+        ("one string", "must be a list"),
+        ({"text": "a"}, "must be a list"),
+        (42, "must be a list"),
+        (["ok", ""], "rag_chunks[1]"),
+        (["   \n"], "empty"),
+        ([{"id": "x"}], "has no 'text'"),
+        ([{"text": ""}], "empty"),
+        ([{"text": 42}], "must be a str"),
+        ([{"text": "a", "score": "high"}], "score"),
+        ([{"text": "a", "score": float("nan")}], "score"),
+        ([{"text": "a", "score": float("inf")}], "score"),
+        ([{"text": "a", "score": True}], "score"),
+        ([42], "rag_chunks[0] must be str, Chunk or dict"),
+        ([None], "rag_chunks[0] must be str, Chunk or dict"),
+    ],
+    ids=[
+        "str", "dict", "int", "empty-second", "blank", "no-text", "empty-text", "int-text", "str-score",
+        "nan-score", "inf-score", "bool-score", "int-item", "none-item",
+    ],
+)
+def test_bad_chunks_raise_a_useful_error(chunks, says):
+    with pytest.raises(InvalidChunkError) as info:
+        coerce_chunks(chunks)
+    assert says in str(info.value)
+
+
+def test_numpy_scores_from_a_retriever_become_plain_floats():
+    import numpy as np
+
+    chunks = coerce_chunks([Chunk("a", score=np.float32(0.5)), {"text": "b", "score": np.float64(0.25)}, {"text": "c", "score": 3}])
+    assert [c.score for c in chunks] == [0.5, 0.25, 3.0]
+    assert all(type(c.score) is float for c in chunks)
+
+
+def test_a_chunk_refuses_empty_text_and_bad_scores_when_made():
+    with pytest.raises(InvalidChunkError):
+        Chunk("")
+    with pytest.raises(InvalidChunkError):
+        Chunk("a", score=float("nan"))
+
+
+# -- turn_spans ---------------------------------------------------------------------------------
+
+
+def test_turns_start_at_user_messages_and_skip_system_messages():
+    msgs = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "u2"},
+        {"role": "assistant", "content": "a2"},
+        {"role": "user", "content": "u3"},
+    ]
+    assert turn_spans(msgs) == [(1, 3), (3, 5), (5, 6)]
+
+
+def test_tool_calls_and_their_results_share_one_turn():
+    msgs = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": TOOL_CALL},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."},
+        {"role": "user", "content": "thanks"},
+    ]
+    spans = turn_spans(msgs)
+    assert spans == [(1, 5), (5, 6)]
+    assert not any(s <= 0 < e for s, e in spans)  # the system message is in no turn
+
+
+def test_a_system_message_between_turns_belongs_to_no_turn():
+    msgs = [
+        {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "developer", "content": "new rules"},
+        {"role": "user", "content": "u2"},
+    ]
+    spans = turn_spans(msgs)
+    assert spans == [(0, 2), (3, 4)]
+
+
+def test_messages_before_the_first_user_message_form_their_own_turn():
+    msgs = [{"role": "system", "content": "s"}, {"role": "assistant", "content": "hello, how can I help?"}, {"role": "user", "content": "u"}]
+    assert turn_spans(msgs) == [(1, 2), (2, 3)]
+
+
+def test_turns_cover_every_non_system_message_once_in_order():
+    msgs = [{"role": r, "content": "x"} for r in ("system", "user", "assistant", "tool", "user", "assistant", "user")]
+    covered = [i for s, e in turn_spans(msgs) for i in range(s, e)]
+    assert covered == [1, 2, 3, 4, 5, 6]
+
+
+# -- render_rag_question ------------------------------------------------------------------------
+
+
+def test_chunks_come_before_the_question():
+    text = render_rag_question("What is trimkit?", coerce_chunks(["first passage", "second passage"]))
+    assert text.index("[chunk-0] first passage") < text.index("[chunk-1] second passage") < text.index("What is trimkit?")
+    assert text.endswith("Question: What is trimkit?")
+
+
+def test_without_chunks_the_question_is_unchanged():
+    assert render_rag_question("What?", ()) == "What?"
+
+
+def test_custom_templates_are_used():
+    text = render_rag_question("Q?", coerce_chunks(["a", "b"]), template="{chunks}|{question}", chunk_template="{n}:{text}")
+    assert text == "1:a\n\n2:b|Q?"

@@ -1,0 +1,372 @@
+"""Calibration profiles: storage, prediction, safety margin and live drift."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import attrs
+import pytest
+
+from tests._core_helpers import TRUE_MODEL, exact_samples, make_key, make_profile
+from trimkit.costmodel import CostModel, ErrorStats, PrefillSample
+from trimkit.errors import InvalidNumberError
+from trimkit.profile import LiveProfile, cache_dir, load_profile, profile_path, save_profile
+
+
+
+def _warnings(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "trimkit" and r.levelno == logging.WARNING]
+
+
+# -- where profiles live ------------------------------------------------------------------------
+
+
+def test_cache_dir_honours_trimkit_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRIMKIT_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+def test_cache_dir_falls_back_to_xdg_cache_home(monkeypatch, tmp_path):
+    monkeypatch.delenv("TRIMKIT_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "trimkit"
+
+
+def test_cache_dir_defaults_to_home_dot_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("TRIMKIT_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "trimkit"
+
+
+def test_empty_trimkit_cache_dir_is_ignored(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRIMKIT_CACHE_DIR", "")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "trimkit"
+
+
+def test_profile_path_is_inside_the_cache_and_named_by_the_key(isolated_cache):
+    a, b = profile_path(make_key()), profile_path(make_key(n_ctx=8192))
+    assert a.parent == isolated_cache / "profiles"
+    assert a.suffix == ".json"
+    assert a != b
+    assert profile_path(make_key()) == a
+
+
+def test_every_key_field_changes_the_digest():
+    base = make_key()
+    changed = [
+        make_key(backend="other"), make_key(model="other"), make_key(n_ctx=1), make_key(n_batch=1),
+        make_key(n_ubatch=1), make_key(n_threads=3), make_key(n_threads_batch=3), make_key(flash_attn="on"),
+        make_key(n_gpu_layers=1), make_key(engine_version="9"), make_key(cpu="other"), make_key(extra="x"),
+    ]
+    digests = {k.digest() for k in changed}
+    assert base.digest() not in digests
+    assert len(digests) == len(changed)
+
+
+# -- save / load --------------------------------------------------------------------------------
+
+
+def test_save_then_load_returns_an_equal_profile(isolated_cache):
+    profile = make_profile(drift=1.25, quick=True)
+    path = save_profile(profile)
+    assert path == profile_path(profile.key)
+    loaded = load_profile(profile.key)
+    assert loaded == profile
+    assert loaded.samples == profile.samples and loaded.alternatives == profile.alternatives
+
+
+def test_save_leaves_no_temporary_files(isolated_cache):
+    profile = make_profile()
+    save_profile(profile)
+    save_profile(profile)  # overwriting too
+    assert [p.name for p in (isolated_cache / "profiles").iterdir()] == [profile_path(profile.key).name]
+
+
+def test_a_failed_save_keeps_the_old_file_and_leaves_no_temporary_file(isolated_cache):
+    profile = make_profile()
+    path = save_profile(profile)
+    before = path.read_text()
+    unserializable = attrs.evolve(make_profile(p90_pct=7.0), alternatives={"x": object()})
+    with pytest.raises(TypeError):
+        save_profile(unserializable)
+    assert path.read_text() == before
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_save_to_an_explicit_path(tmp_path):
+    target = tmp_path / "deep" / "dir" / "p.json"
+    assert save_profile(make_profile(), target) == target
+    assert load_profile(make_key(), target) == make_profile()
+
+
+def test_load_without_a_stored_file_is_none(isolated_cache):
+    assert load_profile(make_key()) is None
+
+
+def test_load_of_a_profile_for_another_key_is_none(isolated_cache, caplog):
+    profile = make_profile()
+    other = make_key(n_ctx=8192)
+    save_profile(profile, profile_path(other))  # a file at other's path that holds another key
+    with caplog.at_level(logging.INFO, logger="trimkit"):
+        assert load_profile(other) is None
+    assert not _warnings(caplog)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "not json at all {",
+        "",
+        "[1, 2, 3]",
+        "null",
+        '{"schema": 1}',
+    ],
+    ids=["garbage", "empty", "list", "null", "missing-fields"],
+)
+def test_a_corrupt_file_loads_as_none_with_a_warning(isolated_cache, caplog, content):
+    path = profile_path(make_key())
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="trimkit"):
+        assert load_profile(make_key()) is None
+    assert len(_warnings(caplog)) == 1
+    assert str(path) in _warnings(caplog)[0].getMessage()
+
+
+def test_a_truncated_file_loads_as_none_with_a_warning(isolated_cache, caplog):
+    path = save_profile(make_profile())
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    with caplog.at_level(logging.WARNING, logger="trimkit"):
+        assert load_profile(make_key()) is None
+    assert _warnings(caplog)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda d: d.update(schema=99),
+        lambda d: d.pop("schema"),
+        lambda d: d["model"].update(per_token_s=-1.0),
+        lambda d: d["samples"][0].update(new_tokens=0),
+        lambda d: d.update(first_token_s="fast"),
+        lambda d: d.update(drift=0.0),
+        lambda d: d["key"].pop("n_ctx"),
+    ],
+    ids=["future-schema", "no-schema", "negative-coefficient", "bad-sample", "bad-first-token", "zero-drift", "key-missing-field"],
+)
+def test_a_wrong_schema_file_loads_as_none_with_a_warning(isolated_cache, caplog, edit):
+    path = save_profile(make_profile())
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="trimkit"):
+        assert load_profile(make_key()) is None
+    assert _warnings(caplog)
+
+
+def test_an_unreadable_path_loads_as_none_with_a_warning(isolated_cache, caplog):
+    profile_path(make_key()).mkdir(parents=True)  # a directory where the file should be
+    with caplog.at_level(logging.WARNING, logger="trimkit"):
+        assert load_profile(make_key()) is None
+    assert _warnings(caplog)
+
+
+# -- predictions --------------------------------------------------------------------------------
+
+
+def test_predict_ttft_is_prefill_plus_first_token_time():
+    p = make_profile(first_token_s=0.02)
+    assert p.predict_ttft_s(1000, 500) == pytest.approx(TRUE_MODEL.prefill_s(1000, 500) + 0.02)
+
+
+def test_predict_ttft_always_evaluates_at_least_one_token():
+    p = make_profile(first_token_s=0.02)
+    one = TRUE_MODEL.prefill_s(1, 3000) + 0.02
+    assert p.predict_ttft_s(0, 3000) == pytest.approx(one)
+    assert p.predict_ttft_s(1, 3000) == pytest.approx(one)
+    assert p.predict_prefill_s(0) > 0
+
+
+def test_predictions_scale_with_drift():
+    slow = make_profile(drift=2.0, first_token_s=0.02)
+    assert slow.predict_prefill_s(500) == pytest.approx(2 * TRUE_MODEL.prefill_s(500))
+    assert slow.predict_ttft_s(500) == pytest.approx(2 * TRUE_MODEL.prefill_s(500) + 0.02)
+
+
+@pytest.mark.parametrize("drift", [1.0, 1.7])
+@pytest.mark.parametrize("cached", [0, 2000])
+@pytest.mark.parametrize("budget", [0.05, 0.3, 1.0, 2.5])
+def test_max_new_tokens_is_consistent_with_predict(drift, cached, budget):
+    p = make_profile(drift=drift)
+    n = p.max_new_tokens(budget, cached)
+    assert n >= 1
+    assert p.predict_ttft_s(n, cached) <= budget * (1 + 1e-12)
+    assert p.predict_ttft_s(n + 1, cached) > budget
+
+
+def test_max_new_tokens_is_zero_when_the_fixed_cost_alone_exceeds_the_budget():
+    p = make_profile(first_token_s=0.5)
+    assert p.max_new_tokens(0.4) == 0
+    assert p.max_new_tokens(p.predict_ttft_s(1) * 0.999) == 0
+
+
+@pytest.mark.parametrize("p90, margin", [(1.0, 0.03), (3.0, 0.03), (10.0, 0.10), (25.0, 0.25), (80.0, 0.25)])
+def test_safety_margin_is_the_p90_error_clamped_to_3_to_25_percent(p90, margin):
+    assert make_profile(p90_pct=p90).safety_margin == pytest.approx(margin)
+
+
+def test_safety_margin_without_a_measured_error_is_ten_percent():
+    unknown = attrs.evolve(make_profile(), error=ErrorStats(math.nan, math.nan, math.nan, 0))
+    assert unknown.safety_margin == pytest.approx(0.10)
+
+
+@pytest.mark.parametrize("field, bad", [("first_token_s", -0.1), ("first_token_s", math.nan), ("decode_tokens_per_s", math.inf), ("drift", 0.0), ("drift", -1.0), ("drift", math.nan), ("first_token_s", True)])
+def test_profile_refuses_bad_numbers(field, bad):
+    with pytest.raises(InvalidNumberError):
+        attrs.evolve(make_profile(), **{field: bad})
+
+
+# -- table --------------------------------------------------------------------------------------
+
+
+def test_table_has_one_row_per_calibration_probe_with_the_median_time():
+    model = CostModel(overhead_s=0.0, per_token_s=0.001, depth_s=0.0)
+    samples = [
+        PrefillSample(100, 0, 0.09), PrefillSample(100, 0, 0.10), PrefillSample(100, 0, 0.20),
+        PrefillSample(50, 100, 0.04),
+        PrefillSample(10, 0, 0.5, source="live"),  # live samples are not calibration probes
+    ]
+    rows = make_profile(model=model, samples=samples).table()
+    assert [(r["new_tokens"], r["cached_tokens"], r["repeats"]) for r in rows] == [(100, 0, 3), (50, 100, 1)]
+    cold, deep = rows
+    assert cold["measured_s"] == pytest.approx(0.10)
+    assert cold["predicted_s"] == pytest.approx(0.10)
+    assert cold["error_pct"] == pytest.approx(0.0, abs=1e-9)
+    assert cold["ms_per_token"] == pytest.approx(1.0)
+    assert deep["measured_s"] == pytest.approx(0.04)
+    assert deep["predicted_s"] == pytest.approx(0.05)
+    assert deep["error_pct"] == pytest.approx(25.0)
+    assert deep["ms_per_token"] == pytest.approx(0.8)
+
+
+def test_table_is_ordered_by_depth_then_length():
+    rows = make_profile(samples=exact_samples(TRUE_MODEL, [(1024, 2048), (64, 0), (256, 2048), (16, 0)])).table()
+    assert [(r["cached_tokens"], r["new_tokens"]) for r in rows] == [(0, 16), (0, 64), (2048, 256), (2048, 1024)]
+
+
+# -- LiveProfile --------------------------------------------------------------------------------
+
+
+def test_live_profile_starts_at_the_profile():
+    p = make_profile(drift=1.3)
+    live = LiveProfile(p)
+    assert live.current == p
+    assert live.live_samples == ()
+
+
+def test_observe_moves_drift_toward_measured_over_predicted_when_the_machine_slows():
+    live = LiveProfile(make_profile(), alpha=0.2, refit_every=1000)
+    drifts = []
+    for n in (16, 256, 1024, 2048) * 10:
+        live.observe(n, 0, 2.0 * TRUE_MODEL.prefill_s(n))
+        drifts.append(live.current.drift)
+    assert drifts[0] == pytest.approx(2.0**0.2)  # one EWMA step in log space
+    assert all(a < b for a, b in zip(drifts, drifts[1:]))
+    assert drifts[-1] == pytest.approx(2.0, rel=0.01)
+    assert live.current.predict_prefill_s(512) == pytest.approx(2.0 * TRUE_MODEL.prefill_s(512), rel=0.01)
+
+
+def test_observe_moves_drift_down_when_the_machine_speeds_up():
+    live = LiveProfile(make_profile(), refit_every=1000)
+    live.observe(512, 0, 0.5 * TRUE_MODEL.prefill_s(512))
+    assert live.current.drift < 1.0
+
+
+def test_observe_leaves_drift_alone_when_predictions_are_right():
+    live = LiveProfile(make_profile(), refit_every=1000)
+    for n in (16, 512, 2048):
+        live.observe(n, 100, TRUE_MODEL.prefill_s(n, 100))
+    assert live.current.drift == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "new_tokens, seconds",
+    [(512, math.nan), (512, math.inf), (512, -math.inf), (512, 0.0), (512, -0.1), (0, 0.5), (-3, 0.5)],
+)
+def test_observe_ignores_unusable_measurements(new_tokens, seconds):
+    p = make_profile()
+    live = LiveProfile(p, refit_every=1)
+    live.observe(new_tokens, 0, seconds)
+    assert live.current == p
+    assert live.live_samples == ()
+
+
+@pytest.mark.parametrize(
+    "new_tokens, cached_tokens, seconds",
+    [(None, 0, 0.5), (True, 0, 0.5), (512.0, 0, 0.5), (512, -1, 0.5), (512, None, 0.5), (512, 0, None), (512, 0, "0.5"), (512, 0, True)],
+)
+def test_observe_ignores_malformed_measurements_without_raising(new_tokens, cached_tokens, seconds):
+    p = make_profile()
+    live = LiveProfile(p, refit_every=1)
+    live.observe(new_tokens, cached_tokens, seconds)
+    assert live.current == p
+    assert live.live_samples == ()
+
+
+def test_observe_accepts_numpy_numbers():
+    import numpy as np
+
+    live = LiveProfile(make_profile(), refit_every=1000)
+    live.observe(np.int64(512), np.int64(0), np.float32(2 * TRUE_MODEL.prefill_s(512)))
+    assert live.current.drift > 1.0
+    assert live.live_samples[0].new_tokens == 512 and type(live.live_samples[0].new_tokens) is int
+
+
+def test_observe_records_live_samples_up_to_keep_live():
+    live = LiveProfile(make_profile(), refit_every=1000, keep_live=3)
+    for n in (10, 20, 30, 40, 50):
+        live.observe(n, 0, TRUE_MODEL.prefill_s(n))
+    assert [s.new_tokens for s in live.live_samples] == [30, 40, 50]
+    assert {s.source for s in live.live_samples} == {"live"}
+
+
+def test_observe_refits_every_refit_every_observations():
+    # the profile's model is stale; its own calibration samples and the live ones agree on
+    # the true model, which only a refit (not a drift factor) can express
+    true = CostModel(overhead_s=0.05, per_token_s=0.001, depth_s=1e-7)
+    stale = CostModel(overhead_s=0.0, per_token_s=0.001, depth_s=0.0)
+    live = LiveProfile(make_profile(model=stale, samples=exact_samples(true)), refit_every=4)
+    for i, n in enumerate((16, 256, 1024)):
+        live.observe(n, 0, true.prefill_s(n))
+        assert live.current.model == stale, f"refitted after {i + 1} observations"
+    live.observe(2048, 0, true.prefill_s(2048))
+    refit = live.current.model
+    assert refit.overhead_s == pytest.approx(true.overhead_s, rel=1e-4)
+    assert refit.depth_s == pytest.approx(true.depth_s, rel=1e-4)
+    assert live.current.drift == pytest.approx(1.0)  # the refit absorbed the drift
+
+
+def test_observe_keeps_the_model_when_a_refit_explains_live_samples_worse():
+    # a uniformly 2× slower machine is explained by drift; a refit that has to agree with the
+    # 1× calibration samples too is worse on the live samples and is discarded
+    p = make_profile()
+    live = LiveProfile(p, refit_every=4)
+    for n in (16, 256, 1024, 2048) * 2:
+        live.observe(n, 0, 2.0 * TRUE_MODEL.prefill_s(n))
+    assert live.current.model == p.model
+    assert live.current.drift > 1.5
+
+
+def test_observe_never_changes_the_original_profile():
+    p = make_profile()
+    live = LiveProfile(p, refit_every=2)
+    for n in (16, 256, 1024, 2048):
+        live.observe(n, 0, 3.0 * TRUE_MODEL.prefill_s(n))
+    assert p.drift == 1.0 and p.model == TRUE_MODEL
+    assert live.current is not p

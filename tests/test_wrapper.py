@@ -1,0 +1,225 @@
+"""The wrapper (Trimmer) above the backend seam, on the deterministic fake backend."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import threading
+
+import pytest
+
+import trimkit
+from trimkit import FakeBackend, FakeClock, Trimmer
+from trimkit.costmodel import CostModel
+from trimkit.errors import InfeasibleBudgetError, InvalidBudgetError, InvalidChunkError, InvalidInputError, InvalidMessageError
+
+WORDS = "the harbour lamp keeper rows out at dawn and counts the fishing boats along the quay".split()
+
+
+def text(n_words: int, seed: int = 0) -> str:
+    return " ".join(WORDS[(i + seed) % len(WORDS)] for i in range(n_words))
+
+
+def conversation(turns: int = 12, words: int = 60) -> list[dict]:
+    msgs = [{"role": "system", "content": "You are a helpful assistant."}]
+    for t in range(turns):
+        msgs.append({"role": "user", "content": f"question {t}: " + text(words // 3, t)})
+        msgs.append({"role": "assistant", "content": f"answer {t}: " + text(words, t)})
+    msgs.append({"role": "user", "content": "What time do the boats come back?"})
+    return msgs
+
+
+@pytest.fixture
+def fake(isolated_cache):
+    return FakeBackend(CostModel(overhead_s=0.01, per_token_s=0.002, depth_s=1e-7), clock=FakeClock())
+
+
+@pytest.fixture
+def trimmer(fake):
+    profile = trimkit.calibrate(fake)  # exact for the fake: its probes return its cost model
+    return Trimmer(fake, ttft_budget_s=1.0, profile=profile, clock=fake.clock)
+
+
+def test_under_budget_passes_the_callers_list_through(trimmer, fake):
+    msgs = [{"role": "user", "content": "hi"}]
+    prepared = trimmer.prepare(msgs)
+    assert prepared.messages is msgs
+    trimmer.execute(prepared, {"max_tokens": 4}).__next__()
+    assert fake.calls[0][0] == msgs
+
+
+def test_decode_parameters_pass_through_unchanged(trimmer, fake):
+    params = {"max_tokens": 7, "temperature": 0.3, "top_p": 0.9, "stop": ["\n"], "seed": 4}
+    TrimmedFake(trimmer).create(conversation(3), **params)
+    assert fake.calls[0][1] == params
+
+
+class TrimmedFake:
+    """Drive a Trimmer like the Llama front-end does (non-stream: drain the stream)."""
+
+    def __init__(self, trimmer):
+        self.t = trimmer
+
+    def create(self, messages, rag_chunks=None, stream=False, **params):
+        prepared = self.t.prepare(messages, rag_chunks, params)
+        rs = self.t.execute(prepared, dict(params, stream=stream))
+        if stream:
+            return rs
+        for _ in rs:
+            pass
+        return rs
+
+
+def test_over_budget_trims_and_reports_every_removal(trimmer, fake):
+    msgs = conversation(20, 90)
+    chunks = [trimkit.Chunk(text=text(80, i), id=f"doc-{i}") for i in range(10)]
+    before = copy.deepcopy((msgs, chunks))
+    rs = TrimmedFake(trimmer).create(msgs, rag_chunks=chunks, max_tokens=4)
+    report = rs.report
+    assert (msgs, chunks) == before, "caller's messages or chunks were mutated"
+    assert report.trimmed and report.actions
+    assert report.prompt_tokens < report.prompt_tokens_before
+    removed = set()
+    for a in report.actions:
+        removed.update(a.removed_messages)
+        removed.update(a.summarized_messages)
+    sent = fake.calls[-1][0]
+    kept_contents = {m["content"] for m in sent}
+    for i, m in enumerate(msgs[:-1]):
+        if m["content"] not in kept_contents and not (m["role"] == "system"):
+            assert i in removed, f"message {i} vanished without an action"
+    assert report.budget_met
+    # the fake's cost is exactly the profile's model: prediction == measurement
+    assert report.predicted_ttft_s == pytest.approx(report.measured_ttft_s, rel=1e-6)
+    json.dumps(report.to_dict())
+
+
+def test_trimming_keeps_most_of_the_budget(trimmer):
+    msgs = conversation(30, 90)
+    rs = TrimmedFake(trimmer).create(msgs, max_tokens=4)
+    assert rs.report.predicted_ttft_s / rs.report.ttft_budget_s >= 0.7
+
+
+def test_stream_yields_chunks_then_reports(trimmer):
+    rs = TrimmedFake(trimmer).create(conversation(2), stream=True, max_tokens=5)
+    assert rs.report is None
+    chunks = list(rs)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert rs.report is not None and rs.report.completion_tokens == 5
+    assert trimmer.last_report is rs.report
+
+
+def test_infeasible_raise_carries_plan_and_report(fake):
+    profile = trimkit.calibrate(fake)
+    t = Trimmer(fake, ttft_budget_s=0.015, profile=profile, on_infeasible="raise", clock=fake.clock)
+    msgs = [{"role": "system", "content": text(400)}, {"role": "user", "content": text(300)}]
+    with pytest.raises(InfeasibleBudgetError) as info:
+        t.prepare(msgs)
+    assert info.value.plan is not None and not info.value.plan.feasible
+    assert info.value.report is not None and info.value.report.predicted_ttft_s > 0.015
+    assert fake.calls == []
+
+
+def test_infeasible_best_effort_sends_minimal_prompt_and_says_so(fake):
+    profile = trimkit.calibrate(fake)
+    t = Trimmer(fake, ttft_budget_s=0.2, profile=profile, clock=fake.clock)
+    msgs = [{"role": "system", "content": text(300)}, *conversation(4)[1:-1], {"role": "user", "content": text(200)}]
+    rs = TrimmedFake(t).create(msgs, max_tokens=2)
+    assert rs.report.feasible is False
+    assert any("infeasible" in w for w in rs.report.warnings)
+    sent = fake.calls[-1][0]
+    assert [m["role"] for m in sent] == ["system", "user"]
+
+
+@pytest.mark.parametrize(
+    "messages, chunks, budget, error",
+    [
+        ("hello", None, 1.0, InvalidMessageError),
+        ([{"content": "no role"}], None, 1.0, InvalidMessageError),
+        ([{"role": "wizard", "content": "x"}], None, 1.0, InvalidMessageError),
+        ([{"role": "user"}], None, 1.0, InvalidMessageError),
+        ([{"role": "user", "content": "q"}], [{"id": "x"}], 1.0, InvalidChunkError),
+        ([{"role": "user", "content": "q"}], ["  "], 1.0, InvalidChunkError),
+        ([{"role": "user", "content": "q"}], None, 0.0, InvalidBudgetError),
+        ([{"role": "user", "content": "q"}], None, -1.0, InvalidBudgetError),
+        ([{"role": "user", "content": "q"}], None, float("nan"), InvalidBudgetError),
+        ([{"role": "user", "content": "q"}], None, float("inf"), InvalidBudgetError),
+    ],
+)
+def test_bad_input_is_refused_before_anything_is_sent(trimmer, fake, messages, chunks, budget, error):
+    with pytest.raises(error):
+        trimmer.prepare(messages, chunks, ttft_budget_s=budget)
+    assert fake.calls == []
+
+
+def test_bad_constructor_arguments(fake):
+    profile = trimkit.calibrate(fake)
+    with pytest.raises(InvalidInputError):
+        Trimmer(fake, profile=profile, on_infeasible="sometimes")
+    with pytest.raises(InvalidBudgetError):
+        Trimmer(fake, profile=profile, ttft_budget_s=0)
+    with pytest.raises(InvalidInputError):
+        Trimmer(fake, profile=profile, rag_template="{nope}")
+    with pytest.raises(InvalidInputError):
+        trimkit.wrap(42)
+
+
+def test_live_measurements_refine_the_profile(fake):
+    # calibrated on a faster machine than the one it now runs on: drift must follow
+    fast = FakeBackend(CostModel(overhead_s=0.01, per_token_s=0.001, depth_s=0.0), clock=FakeClock())
+    fast_profile = trimkit.calibrate(fast, store=False)
+    t = Trimmer(fake, ttft_budget_s=5.0, profile=fast_profile, clock=fake.clock)
+    errors = []
+    for i in range(8):
+        with fake.lock:
+            fake.kv = []
+        rs = TrimmedFake(t).create([{"role": "user", "content": text(300, i)}], max_tokens=2)
+        errors.append(abs(rs.report.ttft_error_pct))
+    assert t.profile.drift > 1.3
+    assert errors[-1] < errors[0] / 2
+
+
+def test_one_info_log_line_per_request(trimmer, caplog):
+    with caplog.at_level(logging.INFO, logger="trimkit"):
+        TrimmedFake(trimmer).create(conversation(2), max_tokens=2)
+    lines = [r for r in caplog.records if r.getMessage().startswith("trimkit: backend=")]
+    assert len(lines) == 1 and "untouched" in lines[0].getMessage()
+
+
+def test_concurrent_calls_from_threads_all_report(trimmer, fake):
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            for j in range(5):
+                TrimmedFake(trimmer).create(conversation(3 + (i + j) % 4), max_tokens=3)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert len(trimmer.reports) == 20 and len(fake.calls) == 20
+
+
+def test_summaries_are_computed_off_the_critical_path_and_reused(fake):
+    profile = trimkit.calibrate(fake)
+    t = Trimmer(fake, ttft_budget_s=0.5, profile=profile, summarizer=trimkit.ExtractiveSummarizer(), clock=fake.clock)
+    convo = conversation(10, 80)
+    summarized_turns = 0
+    cached = []
+    for turn in range(6):
+        rs = TrimmedFake(t).create(list(convo), max_tokens=3)
+        t.idle()
+        if any(a.strategy == "summarize_history" for a in rs.report.actions):
+            summarized_turns += 1
+            cached.append(rs.report.cached_tokens)
+        convo.append({"role": "assistant", "content": "noted " + text(30, turn)})
+        convo.append({"role": "user", "content": f"follow-up {turn}: " + text(12, turn)})
+    assert summarized_turns >= 2
+    assert len(t.summaries) >= 1
+    assert max(cached) > 50, "a byte-stable summary should keep the prefix cached on later turns"
