@@ -223,3 +223,17 @@ def test_summaries_are_computed_off_the_critical_path_and_reused(fake):
     assert summarized_turns >= 2
     assert len(t.summaries) >= 1
     assert max(cached) > 50, "a byte-stable summary should keep the prefix cached on later turns"
+
+
+def test_later_turns_keep_the_previous_cut_to_reuse_the_cache(fake):
+    profile = trimkit.calibrate(fake)
+    t = Trimmer(fake, ttft_budget_s=0.6, profile=profile, clock=fake.clock)
+    convo = conversation(16, 80)
+    first = TrimmedFake(t).create(list(convo), max_tokens=3).report
+    assert any(a.strategy == "drop_oldest_turns" for a in first.actions)
+    convo += [{"role": "assistant", "content": "noted " + text(20)}, {"role": "user", "content": "and then? " + text(8)}]
+    second = TrimmedFake(t).create(list(convo), max_tokens=3).report
+    assert [a.strategy for a in second.actions] == ["keep_cached_cut"]
+    assert second.cached_tokens > 0.5 * second.prompt_tokens
+    assert second.prompt_tokens > first.prompt_tokens  # more history kept, for less time
+    assert second.measured_ttft_s < first.measured_ttft_s

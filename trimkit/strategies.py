@@ -40,6 +40,7 @@ __all__ = [
     "cap_rag_chunks",
     "summarize_history",
     "drop_oldest_turns",
+    "keep_cached_cut",
     "default_strategies",
 ]
 
@@ -369,5 +370,48 @@ class drop_oldest_turns(Strategy):
             tokens_before=state.prediction.prompt_tokens,
             tokens_after=after.prompt_tokens,
             detail={"turns": n_turns, "summary_dropped": dropped_summary},
+        )
+        return state.apply(new, action)
+
+
+@attrs.frozen
+class keep_cached_cut(Strategy):
+    """Drop the same oldest turns as the previous request did, when that keeps the KV cache warm.
+
+    After a request that dropped the turns before message ``first_kept``, the engine's cache
+    holds a prompt starting there. Dropping any other number of turns now changes the start of
+    the prompt and pays the whole prefill again; dropping the same ones — the new turn is
+    appended at the end — reuses it, so the prompt keeps *more* history for *less* time.
+    The wrapper adds this strategy (before :class:`drop_oldest_turns`) with the index of the
+    first history message it kept last time; it probes the engine once and applies only if
+    the cached candidate fits.
+    """
+
+    first_kept: int = attrs.field(validator=lambda i, a, v: _check_count(v, a.name, minimum=1))
+    name: ClassVar[str] = "keep_cached_cut"
+
+    def __call__(self, state: PlanState) -> PlanState | None:
+        c = state.candidate
+        if c.summary is not None:
+            return None
+        turns = [t for t in state.history_turns if t[1] <= self.first_kept and t[0] not in c.gone]
+        if not turns or not any(s == self.first_kept for s, _ in state.history_turns):
+            return None  # no turn starts where the previous cut was: the conversation changed
+        new = attrs.evolve(c, removed=c.removed | _indices(turns))
+        if state.probe(new) is None:
+            return None
+        after = state.estimate(new)
+        if not state.fits_estimate(after):
+            return None
+        removed = new.removed - c.removed
+        action = Action(
+            strategy=self.name,
+            summary=f"dropped the {len(turns)} oldest turn(s) (messages {_span_text(removed)}), the same cut as the previous "
+            f"request, so {after.cached_tokens:,} cached tokens are reused: "
+            f"{state.prediction.prompt_tokens - after.prompt_tokens:,} tokens",
+            removed_messages=tuple(sorted(removed)),
+            tokens_before=state.prediction.prompt_tokens,
+            tokens_after=after.prompt_tokens,
+            detail={"turns": len(turns), "cached_tokens": after.cached_tokens},
         )
         return state.apply(new, action)

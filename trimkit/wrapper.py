@@ -190,6 +190,7 @@ class Trimmer:
             return self._cache_for(tok.prompt_tokens(candidate, tools))[0]
 
         plan_budget = budget
+        strategies = self._strategies_for(messages)
         warnings: list[str] = []
         plan = tokens = cached = snap = predicted = None
         for _attempt in range(3):
@@ -199,7 +200,7 @@ class Trimmer:
                 profile=self.profile,
                 tokenizer=tok,
                 rag_chunks=chunks,
-                strategies=self.strategies,
+                strategies=strategies,
                 tools=tools,
                 cached_tokens=cached_before,
                 cache_probe=probe,
@@ -237,6 +238,7 @@ class Trimmer:
             warnings=tuple(warnings),
         )
         self._check_context(len(tokens), True)
+        self._remember_cut(messages, plan)
         if not feasible and self.on_infeasible == "raise":
             report = self._report(prepared, Measurement(ttft_s=None, total_s=0.0), params, sent=False)
             raise InfeasibleBudgetError(
@@ -245,6 +247,32 @@ class Trimmer:
                 report=report,
             )
         return prepared
+
+    def _strategies_for(self, messages: Sequence[Mapping[str, Any]]) -> Any:
+        """The default chain, plus :class:`~trimkit.strategies.keep_cached_cut` when the previous
+        request dropped turns and this conversation still has a turn starting at that cut."""
+        if self.strategies is not None or self._cut_marker is None:
+            return self.strategies
+        from trimkit.strategies import cap_rag_chunks, chain, drop_oldest_turns, keep_cached_cut, reuse_prefix, summarize_history
+
+        role, text = self._cut_marker
+        for j, m in enumerate(messages):
+            if m.get("role") == role and message_text(m) == text and j > 0:
+                return chain(reuse_prefix(), cap_rag_chunks(), summarize_history(), keep_cached_cut(j), drop_oldest_turns())
+        return None
+
+    def _remember_cut(self, messages: Sequence[Mapping[str, Any]], plan: Any) -> None:
+        removed = set(getattr(plan, "removed_message_indices", ()) or ())
+        if not removed:
+            self._cut_marker = None
+            return
+        for i in range(max(removed) + 1, len(messages)):
+            if i not in removed and messages[i].get("role") not in ("system", "developer"):
+                self._cut_marker = (messages[i].get("role"), message_text(messages[i]))
+                return
+        self._cut_marker = None
+
+    _cut_marker: tuple[Any, str] | None = None
 
     def _check_context(self, n_tokens: int, trimming: bool) -> None:
         n_ctx = self.backend.n_ctx
