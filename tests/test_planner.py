@@ -391,3 +391,22 @@ def test_next_summary_job_summarizes_the_plans_request_for_the_next_turn():
     assert nxt.summary == summary and nxt.summarized_message_indices == tuple(range(1, 15))
     assert next_summary_job(None, ExtractiveSummarizer(), cache) is None
     assert next_summary_job(run(msgs, 100.0), ExtractiveSummarizer(), cache) is None  # no pressure: nothing due
+
+
+def test_room_left_after_whole_chunks_is_filled_with_leading_sentences():
+    from tests._planner_helpers import PROFILE, tokenizer
+    from trimkit import Chunk
+    from trimkit.planner import plan as make_plan
+
+    sentences = [f"Sentence {i} says the ferry leaves pier {i} at {i} o'clock sharp." for i in range(40)]
+    chunks = [Chunk(text=" ".join(sentences), id="long-doc", score=1.0), Chunk(text="Short note about the pier.", id="note", score=0.5)]
+    msgs = [{"role": "user", "content": "When does the ferry leave?"}]
+    p = make_plan(msgs, ttft_budget_s=0.45, profile=PROFILE, tokenizer=tokenizer(), rag_chunks=chunks)
+    partial = [a for a in p.actions if a.strategy == "partial_chunk"]
+    assert partial, [a.summary for a in p.actions]
+    kept = {c.id: c for c in p.kept_chunks}
+    cut = kept["long-doc"].text
+    assert cut != chunks[0].text and chunks[0].text.startswith(cut)
+    assert cut.endswith("sharp.")  # a sentence boundary, never mid-sentence
+    assert p.predicted_ttft_s <= p.budget_s * (1 - p.safety_margin)
+    assert p.predicted_ttft_s / p.budget_s > 0.8

@@ -116,6 +116,8 @@ def coerce_chunks(chunks: Any) -> tuple[Chunk, ...]:
 def message_text(message: Mapping[str, Any]) -> str:
     """The text a message contributes to the prompt (content, text parts, tool calls)."""
     content = message.get("content")
+    if type(content) is str and "tool_calls" not in message and "function_call" not in message:
+        return content  # the common case, and the very same object: its hash stays cached
     parts: list[str] = []
     if isinstance(content, str):
         parts.append(content)

@@ -106,10 +106,11 @@ class Candidate:
     summary: Summary | None = None
     extra_s: float = 0.0
 
-    @property
-    def gone(self) -> frozenset[int]:
-        """Indices not sent verbatim (removed or summarized)."""
-        return self.removed | self.summarized
+    gone: frozenset[int] = attrs.field(init=False, eq=False, repr=False)
+    """Indices not sent verbatim (removed or summarized)."""
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "gone", self.removed | self.summarized)
 
 
 @attrs.frozen
@@ -191,7 +192,7 @@ class _Context:
             return 0
         total = self.chunk_overhead + self.chunk_separator * (len(chunks) - 1)
         for n, c in enumerate(chunks, start=1):
-            key = (c.id, n)
+            key = (c.id, n, c.text)  # text too: a chunk cut at a sentence boundary keeps its id
             cost = self._chunk_costs.get(key)
             if cost is None:
                 cost = self.tokenizer.count(self.rag_chunk_template.format(id=c.id, text=c.text, n=n))
@@ -693,6 +694,64 @@ def _refill_chunks(state: PlanState, exact_tokens: int) -> tuple[PlanState, int]
     return state.apply(c, action), exact_tokens
 
 
+#: the least room, in tokens, worth filling with the leading sentences of a dropped chunk
+MIN_PARTIAL_CHUNK_TOKENS = 32
+
+
+def _partial_chunk(state: PlanState, exact_tokens: int) -> tuple[PlanState, int]:
+    """Fill the room left after whole chunks with the leading sentences of the most relevant
+    dropped chunk — cut at a sentence boundary, never mid-sentence, and reported as cut.
+
+    Whole chunks are coarse (often 150–250 tokens); under a tight budget the room they leave
+    would otherwise go unused.
+    """
+    from trimkit.summarize import _sentences
+
+    ctx = state.ctx
+    c = state.candidate
+    dropped_ids = {cid for a in state.actions if a.strategy == "cap_rag_chunks" for cid in a.removed_chunks}
+    kept_ids = {ch.id for ch in c.kept_chunks}
+    dropped = [ch for ch in ctx.chunks if ch.id in dropped_ids and ch.id not in kept_ids]
+    if not dropped:
+        return state, exact_tokens
+    with_chunks = attrs.evolve(c, kept_chunks=c.kept_chunks or (dropped[0],))
+    cached = min(state.estimate(with_chunks).cached_tokens, state.offset_of(c, ctx.last_user))
+    allowance = state.token_allowance(cached, c.extra_s)
+    if allowance is None or allowance - exact_tokens < MIN_PARTIAL_CHUNK_TOKENS:
+        return state, exact_tokens
+    best = dropped[0]
+    sentences = _sentences(best.text)
+    if len(sentences) < 2:
+        return state, exact_tokens
+    base = ctx.chunk_tokens(c.kept_chunks)
+    chosen: tuple[Chunk, int] | None = None
+    lo, hi = 1, len(sentences) - 1  # the most leading sentences whose estimate fits
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        part = attrs.evolve(best, text=" ".join(sentences[:mid]))
+        delta = ctx.chunk_tokens((*c.kept_chunks, part)) - base
+        if exact_tokens + delta + _CHUNK_TOLERANCE_TOKENS <= allowance:
+            chosen, lo = (part, mid), mid + 1
+        else:
+            hi = mid - 1
+    while chosen is not None:
+        part, n = chosen
+        trial = attrs.evolve(c, kept_chunks=(*c.kept_chunks, part))
+        exact = ctx.exact_tokens(trial)
+        if _predict(ctx, exact, ctx.cached_for(ctx.layout(trial), exact), c.extra_s) <= ctx.target_s:
+            action = Action(
+                strategy="partial_chunk",
+                summary=f"kept the first {n} of {len(sentences)} sentences of {best.id} (cut at a sentence boundary) "
+                f"in the room left: +{exact - exact_tokens:,} tokens",
+                tokens_before=exact_tokens,
+                tokens_after=exact,
+                detail={"chunk": str(best.id), "sentences_kept": n, "sentences": len(sentences)},
+            )
+            return state.apply(trial, action), exact
+        chosen = (attrs.evolve(best, text=" ".join(sentences[: n - 1])), n - 1) if n > 1 else None
+    return state, exact_tokens
+
+
 def _predict(ctx: _Context, tokens: int, cached: int, extra_s: float) -> float:
     cached = max(0, min(cached, tokens - 1))
     return float(ctx.profile.predict_ttft_s(tokens - cached, cached) + extra_s)
@@ -832,6 +891,7 @@ def plan(
         cached = ctx.cached_for(ctx.layout(c), exact)
         if _predict(ctx, exact, cached, c.extra_s) <= ctx.target_s:
             state, exact = _refill_chunks(state, exact)
+            state, exact = _partial_chunk(state, exact)
             return _finish(state, exact_tokens=exact, before=before, minimal=False, feasible=True, started=started)
         # estimates were optimistic by a few tokens (template boundaries): plan again, stricter
         ctx.correction += max(exact - state.prediction.prompt_tokens, 1)

@@ -138,6 +138,7 @@ class PromptTokenizer:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._prefix_tokens: int | None = None
+        self._segments: dict[tuple[str, str], int] = {}
         self.count_calls = 0  # texts actually tokenized (cache misses), for tests and benchmarks
 
     @property
@@ -233,9 +234,21 @@ class PromptTokenizer:
             # template not splittable: count each message with a ChatML-like overhead
             counts = tuple(self.count(f"<|im_start|>{m.get('role')}\n{message_text(m)}<|im_end|>\n") for m in messages)
             return Segments(counts, self.count("<|im_start|>assistant\n"))
-        counts = tuple(0 if pieces[i] is None else self.count(pieces[i] + message_text(m)) for i, m in enumerate(messages))
+        counts = tuple(0 if pieces[i] is None else self._segment(pieces[i], message_text(m)) for i, m in enumerate(messages))
         tail = pieces[-1] or ""
         return Segments(counts, (self.count(tail) if tail else 0) + self.prefix_tokens)
+
+    def _segment(self, piece: str, text: str) -> int:
+        """Count ``piece + text``, cached by the pair: both strings are usually the very objects
+        seen before (hashes cached by Python), so a warm lookup never rehashes long text."""
+        key = (piece, text)
+        hit = self._segments.get(key)
+        if hit is None:
+            hit = self.count(piece + text)
+            if len(self._segments) > self._cache_size:
+                self._segments.clear()
+            self._segments[key] = hit
+        return hit
 
     @property
     def prefix_tokens(self) -> int:

@@ -197,15 +197,15 @@ def _finish_reason(chunk: Any) -> str | None:
 
 def assemble_chat_completion(chunks: Sequence[Any], stats_chunk: Any = None) -> dict[str, Any]:
     """Rebuild a non-streaming ``chat.completion`` dict from the chunks of a finished stream
-    (dicts or ``openai`` objects): content and tool-call pieces joined per choice, the last
-    finish reason, and ``usage`` if the server reported it (else ``None``)."""
+    (dicts or ``openai`` objects): content, tool-call and logprob pieces joined per choice, the
+    last finish reason, and ``usage`` if the server reported it (else ``None``)."""
     dicts = [d for d in (as_mapping(c) for c in chunks) if d is not None]
     first = dicts[0] if dicts else {}
     choices: dict[int, dict[str, Any]] = {}
     for d in dicts:
         for ch in d.get("choices") or []:
             idx = ch.get("index", 0) or 0
-            acc = choices.setdefault(idx, {"index": idx, "parts": [], "tools": {}, "finish_reason": None, "role": "assistant"})
+            acc = choices.setdefault(idx, {"index": idx, "parts": [], "tools": {}, "finish_reason": None, "role": "assistant", "logprobs": None})
             delta = ch.get("delta") or ch.get("message") or {}
             if delta.get("role"):
                 acc["role"] = delta["role"]
@@ -217,6 +217,9 @@ def assemble_chat_completion(chunks: Sequence[Any], stats_chunk: Any = None) -> 
                 fn = call.get("function") or {}
                 slot["function"]["name"] += fn.get("name") or ""
                 slot["function"]["arguments"] += fn.get("arguments") or ""
+            lp = ch.get("logprobs")
+            if isinstance(lp, Mapping) and lp.get("content"):
+                acc["logprobs"] = (acc["logprobs"] or []) + list(lp["content"])
             if ch.get("finish_reason"):
                 acc["finish_reason"] = ch["finish_reason"]
     out_choices = []
@@ -225,7 +228,8 @@ def assemble_chat_completion(chunks: Sequence[Any], stats_chunk: Any = None) -> 
         message: dict[str, Any] = {"role": acc["role"], "content": "".join(acc["parts"]) if acc["parts"] or not acc["tools"] else None}
         if acc["tools"]:
             message["tool_calls"] = [acc["tools"][k] for k in sorted(acc["tools"])]
-        out_choices.append({"index": idx, "message": message, "finish_reason": acc["finish_reason"], "logprobs": None})
+        logprobs = {"content": acc["logprobs"]} if acc["logprobs"] is not None else None
+        out_choices.append({"index": idx, "message": message, "finish_reason": acc["finish_reason"], "logprobs": logprobs})
     stats = as_mapping(stats_chunk) or {}
     return {
         "id": first.get("id", ""),
@@ -1025,8 +1029,13 @@ class OpenAIHTTPBackend(Backend):
         return ts
 
     def _stream(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], prompt_tokens: Sequence[int] | None,
-                retry_deadline_s: float | None, *, collect: bool = False, is_async: bool = False) -> tuple[Any, _StreamState]:
-        if self.client is not None and self.client_is_async != is_async:
+                retry_deadline_s: float | None, *, collect: bool = False, is_async: bool = False,
+                via_url: bool = False) -> tuple[Any, _StreamState]:
+        """``via_url``: a sync request over ``httpx`` even when an (async) client is wrapped —
+        for calibration probes, which run synchronously whatever the client."""
+        if via_url and is_async:
+            raise InvalidInputError("via_url streams are synchronous")  # pragma: no cover - internal misuse
+        if self.client is not None and self.client_is_async != is_async and not via_url:
             raise InvalidInputError(f"this backend wraps a{'n async' if self.client_is_async else ' sync'} client: "
                                     f"use {'asend()/acomplete()' if self.client_is_async else 'send()/complete()'}")
         deadline = self.retry_deadline_s if retry_deadline_s is None else retry_deadline_s
@@ -1035,7 +1044,7 @@ class OpenAIHTTPBackend(Backend):
         state = _StreamState(hide_usage_chunk=hide, chunks=[] if collect else None)
         if is_async:
             return self._timed(self._achunks(body, state, deadline), state, sent, predicted, cls=AsyncTimedStream), state
-        make = self._open_client if self.client is not None else (lambda b: self._open_url("/chat/completions", b))
+        make = self._open_client if self.client is not None and not via_url else (lambda b: self._open_url("/chat/completions", b))
         chunks = self._chunks(lambda: self._open(make, body, state, deadline), state)
         return self._timed(chunks, state, sent, predicted), state
 
@@ -1080,9 +1089,12 @@ class OpenAIHTTPBackend(Backend):
 
         start = self.clock()
         response = self._with_retries(attempt, deadline)
-        m = self._measure(parse_server_stats(response), ttft_s=None, total_s=self.clock() - start, client_decode_s=None, sent=sent,
-                          predicted_cached=predicted, finish_reason=_finish_reason(response), content_chunks=None)
-        return response, m
+        return response, self._measure_whole(response, start, sent, predicted)
+
+    def _measure_whole(self, response: Any, start: float, sent: list[int], predicted: int) -> Measurement:
+        """The measurement of a non-streamed response: the server's numbers only, no TTFT."""
+        return self._measure(parse_server_stats(response), ttft_s=None, total_s=self.clock() - start, client_decode_s=None, sent=sent,
+                             predicted_cached=predicted, finish_reason=_finish_reason(response), content_chunks=None)
 
     def _as_client_response(self, response: dict[str, Any]) -> Any:
         """The assembled dict as the wrapped client's own ``ChatCompletion`` type (dict for the URL form)."""
@@ -1179,11 +1191,33 @@ class OpenAIHTTPBackend(Backend):
         return (await asyncio.to_thread(self._stream, messages, params, prompt_tokens, retry_deadline_s, is_async=True))[0]
 
     async def acomplete(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
-                        retry_deadline_s: float | None = None) -> tuple[Any, Measurement]:
-        """Async :meth:`complete`, streamed and assembled so TTFT is measured."""
-        ts, state = await asyncio.to_thread(self._stream, messages, params, prompt_tokens, retry_deadline_s, collect=True, is_async=True)
-        m = await ts.adrain()
-        return self._as_client_response(assemble_chat_completion(state.chunks or [], state.stats_chunk)), m
+                        measure_ttft: bool = True, retry_deadline_s: float | None = None) -> tuple[Any, Measurement]:
+        """Async :meth:`complete`: streamed and assembled so TTFT is measured, or with
+        ``measure_ttft=False`` one ``stream=False`` request (server numbers only)."""
+        if measure_ttft:
+            ts, state = await asyncio.to_thread(self._stream, messages, params, prompt_tokens, retry_deadline_s, collect=True, is_async=True)
+            m = await ts.adrain()
+            return self._as_client_response(assemble_chat_completion(state.chunks or [], state.stats_chunk)), m
+        if self.client is not None and not self.client_is_async:
+            raise InvalidInputError("this backend wraps a sync client: use complete()")
+        deadline = self.retry_deadline_s if retry_deadline_s is None else retry_deadline_s
+        sent, predicted = await asyncio.to_thread(self._prepare, messages, params, prompt_tokens, deadline)
+        body, _ = self._chat_body(messages, params, stream=False)
+
+        async def attempt(remaining_s: float) -> Any:
+            if self.client is None:  # the URL form: the pooled sync client, off the event loop
+                return await asyncio.to_thread(self._request_json_once, "POST", self.base_url + "/chat/completions", body, remaining_s=remaining_s)
+            try:
+                return await self.client.chat.completions.create(**body)
+            except Exception as exc:
+                translated = _translate_client_error(exc, self.base_url)
+                if translated is not None:
+                    raise translated from exc
+                raise
+
+        start = self.clock()
+        response = await self._awith_retries(attempt, deadline)
+        return response, self._measure_whole(response, start, sent, predicted)
 
     # -- calibration probes ------------------------------------------------------------------------------
     def _probe_prompt(self, n_tokens: int, offset: int) -> tuple[str, list[int]]:
@@ -1283,7 +1317,8 @@ class OpenAIHTTPBackend(Backend):
         for i in range(3):
             start = (self._next_probe_offset()) % max(len(words) - 40, 1)
             msgs = [{"role": "user", "content": f"Probe {i}: " + " ".join(words[start : start + 30])}]
-            m = self.send(msgs, {"max_tokens": 2, "temperature": 0.0}).drain()
+            # an async client cannot be driven from this synchronous probe: the same request over httpx
+            m = self._stream(msgs, {"max_tokens": 2, "temperature": 0.0}, None, None, via_url=self.client_is_async)[0].drain()
             first = m.ttft_s if m.ttft_s is not None else m.first_output_s  # the model may stop at once
             if first is None:
                 continue

@@ -160,7 +160,8 @@ class LlamaBackend(Backend):
         self.clock = clock
         self.tokenizer = llama_prompt_tokenizer(llm)
         self.lock = threading.RLock()
-        self.prefix_reuse_works: bool | None = None  # learned from the first request that should hit
+        self.prefix_reuse_works: bool | None = None  # learned from requests that should hit
+        self._reuse_misses = 0
         self._probe_tokens: list[int] | None = None
         self.snapshots: dict[tuple[int, ...], PrefixSnapshot] = {}
         self.max_snapshots = 4
@@ -215,6 +216,9 @@ class LlamaBackend(Backend):
             with self.lock:
                 state["predicted_cached"] = self.predict_cached_tokens(expected_prompt)
                 state["had_tokens"] = llm.n_tokens
+                # flush the accounting of any earlier, unsynchronized eval (llama.cpp books
+                # queued tokens at the next synchronize) before zeroing the counters
+                llama_cpp.llama_synchronize(llm._ctx.ctx)
                 llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
                 call = dict(params)
                 call["stream"] = True
@@ -265,11 +269,13 @@ class LlamaBackend(Backend):
         cached = max(prompt_len - evaluated, 0)
         predicted = state.get("predicted_cached", 0)
         if predicted > 0 and cached == 0 and evaluated >= prompt_len:
-            if self.prefix_reuse_works is not False:
-                log.warning("trimkit: llama.cpp re-evaluated the whole prompt although %d tokens were cached; "
+            self._reuse_misses += 1
+            if self._reuse_misses >= 2 and self.prefix_reuse_works is not False:
+                log.warning("trimkit: llama.cpp re-evaluated the whole prompt although %d tokens were cached, twice; "
                             "this model/context cannot drop part of its KV cache (SWA?), assuming no reuse", predicted)
-            self.prefix_reuse_works = False
+                self.prefix_reuse_works = False
         elif cached > 0:
+            self._reuse_misses = 0
             self.prefix_reuse_works = True
         return Measurement(
             ttft_s=ts.ttft_s,
