@@ -44,9 +44,19 @@ from trimkit.model import check_model_path, default_model_path
 from trimkit.profile import LiveProfile, Profile, ProfileKey, load_profile, save_profile
 from trimkit.report import DECODE_UNTOUCHED, Report
 from trimkit.planner import Action, Plan, PlanState, plan
-from trimkit.strategies import Strategy, cap_rag_chunks, chain, default_strategies, drop_oldest_turns, reuse_prefix, summarize_history
+from trimkit.strategies import (
+    Strategy,
+    cap_rag_chunks,
+    chain,
+    default_strategies,
+    drop_oldest_turns,
+    keep_cached_cut,
+    reuse_prefix,
+    summarize_history,
+)
 from trimkit.summarize import ExtractiveSummarizer, PromptSummarizer, Summary, SummaryCache, next_summary_job, summary_job
 from trimkit.tokens import PromptTokenizer, TiktokenTokenizer
+from trimkit.openai_wrapper import AsyncTrimmedOpenAI, TrimmedOpenAI, wrap_openai, wrap_url
 from trimkit.wrapper import ReportingStream, TrimmedLlama, Trimmer, place_chunks, wrap
 
 __version__ = "0.1.0"
@@ -55,6 +65,8 @@ __all__ = [
     "__version__",
     # the main entry points
     "wrap",
+    "wrap_url",
+    "wrap_openai",
     "calibrate",
     "diagnose",
     "default_model_path",
@@ -70,6 +82,7 @@ __all__ = [
     "cap_rag_chunks",
     "summarize_history",
     "drop_oldest_turns",
+    "keep_cached_cut",
     "Summary",
     "SummaryCache",
     "ExtractiveSummarizer",
@@ -94,6 +107,8 @@ __all__ = [
     # wrappers and backends
     "Trimmer",
     "TrimmedLlama",
+    "TrimmedOpenAI",
+    "AsyncTrimmedOpenAI",
     "ReportingStream",
     "place_chunks",
     "Backend",

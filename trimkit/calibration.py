@@ -53,10 +53,10 @@ def calibration_probes(n_ctx: int, *, quick: bool = False) -> list[Probe]:
     if n_ctx < MIN_N_CTX:
         raise ContextTooSmallError(f"n_ctx={n_ctx} is too small to calibrate (need at least {MIN_N_CTX} tokens)")
     top = 1024 if quick else 2048
-    deep = 1024 if quick else 2048  # new tokens appended after the deepest cold probe
+    deep = 512 if quick else 2048  # new tokens appended after the deepest cold probe
     cap = int(n_ctx * 0.9)
     if quick:
-        cold = [(32, 2), (128, 2), (512, 2), (1024, 1)]
+        cold = [(32, 2), (128, 2), (384, 1), (1024, 1)]
     else:
         cold = [(16, 3), (32, 3), (64, 3), (128, 3), (256, 3), (512, 3), (1024, 2), (2048, 1)]
     probes = [Probe(n, 0, r) for n, r in cold if n <= min(top, cap)]
@@ -154,7 +154,7 @@ def calibrate(
             seconds = backend.measure_prefill(p.new_tokens, p.cached_tokens)
             samples.append(PrefillSample(p.new_tokens, p.cached_tokens, seconds))
             step(f"prefill {p.new_tokens} after {p.cached_tokens} cached")
-    decode_tps = backend.measure_decode(32)
+    decode_tps = backend.measure_decode(16 if quick else 32)
     step("decode speed")
     first_token_s = backend.measure_first_token_overhead()
     step("first-token overhead")

@@ -145,9 +145,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
         if not args.model:
             raise InvalidInputError("--url needs --model NAME (the model name the server serves)")
-        target: Any = OpenAIHTTPBackend(args.url, model=args.model)
+        target: Any = OpenAIHTTPBackend(args.url, model=args.model, n_ctx=args.n_ctx)
     else:
-        target = open_llama(args.model, args.n_ctx)
+        target = open_llama(args.model, args.n_ctx or 8192)
     bar = _Bar("calibrating", enabled=not args.json and sys.stderr.isatty() or args.progress)
     try:
         profile = calibrate(target, quick=args.quick, recalibrate=args.recalibrate, progress=bar)
@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "store the profile in the user cache (reused next time unless --recalibrate) and print it.")
     c.add_argument("--model", help=f"GGUF model path (default: {EMBEDDED}); with --url, the served model's name")
     c.add_argument("--url", help="calibrate an OpenAI-compatible server instead, e.g. http://127.0.0.1:8080/v1")
-    c.add_argument("--n-ctx", type=_positive_int, default=8192, help="context window (default 8192)")
+    c.add_argument("--n-ctx", type=_positive_int, default=None, help="context window (default 8192; with --url: the server's, else 4096)")
     c.add_argument("--quick", action="store_true", help="fewer, shorter probes (≤ 1024 tokens): seconds, less accurate at depth")
     c.add_argument("--recalibrate", action="store_true", help="measure again even if a stored profile matches")
     c.add_argument("--json", action="store_true", help="print the profile as JSON")

@@ -28,8 +28,9 @@ import attrs
 
 from trimkit import _validate
 from trimkit.backends.base import Measurement
+from trimkit.backends.server_timings import SOURCE_CLIENT
 from trimkit.backends.http import AsyncTimedStream, OpenAIHTTPBackend, _client_is_async, assemble_chat_completion
-from trimkit.errors import InvalidInputError, InvalidMessageError, InvalidNumberError, TrimkitError
+from trimkit.errors import InvalidInputError, InvalidMessageError, TrimkitError
 from trimkit.report import Report
 from trimkit.wrapper import Prepared, ReportingStream, Trimmer
 
@@ -214,7 +215,8 @@ class TrimmedOpenAI(Trimmer):
 
     ``ttft_budget_s``: the default budget (a per-call ``ttft_budget_s=`` overrides it).
     ``retry_deadline_s``: fixes how long a request is retried before its first chunk; by default
-    :func:`retry_deadline_for` derives it from the call's budget. Backend settings
+    :func:`retry_deadline_for` derives it from the call's budget (and the planning-time side
+    requests — tokenize, server facts — from the default budget). Backend settings
     (:data:`BACKEND_KWARGS`: ``n_ctx`` for servers that do not report it, ``cache_block_tokens``,
     timeouts, ...) go to :class:`~trimkit.backends.http.OpenAIHTTPBackend`; the rest
     (``profile``, ``strategies``, ``on_infeasible``, ...) to :class:`~trimkit.wrapper.Trimmer`.
@@ -230,10 +232,10 @@ class TrimmedOpenAI(Trimmer):
                  backend: OpenAIHTTPBackend | None = None, **kwargs: Any) -> None:
         if ttft_budget_s is not None:
             _validate.budget(ttft_budget_s)
-        if retry_deadline_s is not None and (isinstance(retry_deadline_s, bool) or not isinstance(retry_deadline_s, (int, float))
-                                             or not 0 < retry_deadline_s < float("inf")):
-            raise InvalidNumberError(f"retry_deadline_s must be a finite number > 0, got {retry_deadline_s!r}")
+        if retry_deadline_s is not None:
+            _validate.positive_finite(retry_deadline_s, "retry_deadline_s")
         backend_kwargs = _split_kwargs(kwargs)
+        own_backend = backend is None
         if backend is None:
             if client is None or not callable(getattr(getattr(getattr(client, "chat", None), "completions", None), "create", None)):
                 raise InvalidInputError(f"cannot wrap {type(client).__name__}: it needs .chat.completions.create (an openai.OpenAI-style client)")
@@ -245,11 +247,14 @@ class TrimmedOpenAI(Trimmer):
             raise InvalidInputError(f"{sorted(backend_kwargs)} configure the backend: pass them to OpenAIHTTPBackend, not with backend=")
         self.client = client
         self.retry_deadline_s = float(retry_deadline_s) if retry_deadline_s is not None else None
+        self._unbudgeted_deadline_s = backend.retry_deadline_s
         try:
             super().__init__(backend, ttft_budget_s=ttft_budget_s, **kwargs)
         except BaseException:
             backend.close()
             raise
+        if own_backend:
+            self._bound_side_requests()
         self.chat = _Chat(self, _AsyncCompletions(self) if self._async else _Completions(self))
 
     # -- drop-in ------------------------------------------------------------------------------------
@@ -284,7 +289,12 @@ class TrimmedOpenAI(Trimmer):
         """The retry deadline of a request with this budget (see :func:`retry_deadline_for`)."""
         if self.retry_deadline_s is not None:
             return self.retry_deadline_s
-        return retry_deadline_for(ttft_budget_s, self.backend.retry_deadline_s)
+        return retry_deadline_for(ttft_budget_s, self._unbudgeted_deadline_s)
+
+    def _bound_side_requests(self) -> None:
+        """Retry the side requests made while a call is planned (tokenize, server facts) within the
+        default budget's deadline too; construction (a server still loading) had the backend's own."""
+        self.backend.retry_deadline_s = self.retry_deadline_for_call(self.ttft_budget_s)
 
     def execute(self, prepared: Prepared, params: Mapping[str, Any]) -> ReportingOpenAIStream:
         """Send a prepared request; a stream of the client's chunks that reports when done."""
@@ -296,7 +306,11 @@ class TrimmedOpenAI(Trimmer):
     def _report(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any], *, sent: bool = True) -> Report:
         report = super()._report(prepared, m, params, sent=sent)
         model = params.get("model") or self.backend.model_name or ""
-        return attrs.evolve(report, model=f"{model} @ {self.backend.base_url}")
+        warnings = report.warnings
+        if not params.get("stream") and m.ttft_s is not None and m.finish_reason is not None and m.timing_source == SOURCE_CLIENT:
+            warnings = (*warnings, "the server reported no usage while streaming: the response's usage holds trimkit's counts "
+                        "(prompt tokens as trimkit counted them, completion tokens = content chunks)")
+        return attrs.evolve(report, model=f"{model} @ {self.backend.base_url}", warnings=warnings)
 
     # -- create ---------------------------------------------------------------------------------------
     def _begin(self, kwargs: dict[str, Any]) -> tuple[Any, Any, float | None, dict[str, Any], bool]:
@@ -385,6 +399,9 @@ class AsyncTrimmedOpenAI(TrimmedOpenAI):
         if self.client is not None and callable(getattr(self.client, "close", None)):
             await self.client.close()
 
+    def __enter__(self) -> AsyncTrimmedOpenAI:
+        raise InvalidInputError("an async wrapper: use 'async with'")
+
     async def __aenter__(self) -> AsyncTrimmedOpenAI:
         return self
 
@@ -417,5 +434,7 @@ def wrap_url(base_url: str, *, model: str | None = None, ttft_budget_s: float | 
     backend_kwargs = _split_kwargs(kwargs)
     backend = OpenAIHTTPBackend(base_url, model=model, api_key=api_key, **backend_kwargs)
     cls = AsyncTrimmedOpenAI if asynchronous else TrimmedOpenAI
-    return cls(None, ttft_budget_s=ttft_budget_s, backend=backend, **kwargs)
+    chat = cls(None, ttft_budget_s=ttft_budget_s, backend=backend, **kwargs)
+    chat._bound_side_requests()
+    return chat
 

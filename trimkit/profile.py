@@ -273,5 +273,10 @@ class LiveProfile:
             self._profile = attrs.evolve(self._profile, model=model, drift=math.exp(self._log_drift))
 
     @property
+    def observations(self) -> int:
+        """How many live measurements were accepted."""
+        return self._seen
+
+    @property
     def live_samples(self) -> Sequence[PrefillSample]:
         return tuple(self._live)

@@ -159,10 +159,14 @@ class Report:
             pred += f" (before trimming {_fmt_s(self.predicted_ttft_before_s)})"
         err = self.ttft_error_pct
         err_s = f" · error {err:+.1f} %" if err is not None else ""
-        label = "measured" if m.ttft_s is not None else "measured (first chunk, no content)"
+        label = "measured" if m.ttft_s is not None or m.first_output_s is None else "measured (first chunk, no content)"
         out.append(f"  TTFT       predicted {pred} · {label} {_fmt_s(self.measured_ttft_s)}{err_s}")
         if m.engine_prefill_s is not None:
-            out.append(f"  prefill    {_fmt_s(m.engine_prefill_s)} engine-measured ({m.timing_source})")
+            prefill = f"  prefill    {_fmt_s(m.engine_prefill_s)} engine-measured ({m.timing_source})"
+            overhead = m.server.get("network_overhead_s")
+            if overhead is not None:
+                prefill += f" · network/queue {_fmt_s(overhead)} (client TTFT − server prefill)"
+            out.append(prefill)
         tok = f"  prompt     {_fmt_n(self.prompt_tokens)} tokens"
         if self.prompt_tokens_before is not None and self.prompt_tokens_before != self.prompt_tokens:
             tok += f" (before trimming {_fmt_n(self.prompt_tokens_before)})"

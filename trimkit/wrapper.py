@@ -126,6 +126,8 @@ class Trimmer:
         self._last_report: Report | None = None
         self.reports: list[Report] = []  # most recent last; bounded
         self.max_reports = 256
+        #: store the live-refined profile every N measured requests (0: never)
+        self.persist_every = 16
 
     # -- state ----------------------------------------------------------------------------------
     @property
@@ -274,6 +276,20 @@ class Trimmer:
 
     _cut_marker: tuple[Any, str] | None = None
 
+    def _model_label(self) -> str:
+        """The model as a person names it: the GGUF file name in-process, ``model @ url`` for servers."""
+        model = self.backend.profile_key().model
+        return model.split(":")[0] if self.backend.name == "llama_cpp" else model
+
+    def _persist(self) -> None:
+        """Store the refined profile (drift, refits) so the next process starts from it."""
+        from trimkit.profile import save_profile
+
+        try:
+            save_profile(self.profile)
+        except OSError as exc:  # a read-only cache must not break requests
+            log.warning("trimkit: could not store the refined profile: %s", exc)
+
     def _check_context(self, n_tokens: int, trimming: bool) -> None:
         n_ctx = self.backend.n_ctx
         if n_tokens > n_ctx and not trimming:
@@ -315,13 +331,15 @@ class Trimmer:
             profile_error_pct=self.profile.error.median_pct,
             warnings=tuple(warnings),
             decode_params={k: v for k, v in params.items() if k not in ("messages",)},
-            model=self.backend.profile_key().model.split(":")[0],
+            model=self._model_label(),
         )
 
     def _finished(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any]) -> Report:
         report = self._report(prepared, m, params)
         if m.engine_prefill_s is not None and m.evaluated_tokens:
             self.live.observe(m.evaluated_tokens, m.cached_tokens or 0, m.engine_prefill_s)
+            if self.persist_every and self.live.observations and self.live.observations % self.persist_every == 0:
+                self._persist()
         with self._lock:
             self._last_report = report
             self.reports.append(report)
@@ -540,9 +558,9 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
         return Trimmer(client, ttft_budget_s=ttft_budget_s, **kwargs)
     chat = getattr(client, "chat", None)
     if chat is not None and hasattr(getattr(chat, "completions", None), "create"):
-        from trimkit.openai_wrapper import TrimmedOpenAI
+        from trimkit.openai_wrapper import wrap_openai
 
-        return TrimmedOpenAI(client, ttft_budget_s=ttft_budget_s, **kwargs)
+        return wrap_openai(client, ttft_budget_s=ttft_budget_s, **kwargs)
     raise InvalidInputError(
         f"cannot wrap {type(client).__name__}: pass a llama_cpp.Llama or an OpenAI-style client (with .chat.completions.create)"
     )
