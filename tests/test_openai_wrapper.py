@@ -334,3 +334,23 @@ def test_server_killed_mid_stream_raises_stream_interrupted_with_a_report(profil
     report = err.value.report
     assert report is not None and report.measured_ttft_s > 0
     assert report.decode_params["max_tokens"] == 2000 and stream.report is None
+
+
+def test_named_chat_format_makes_server_counts_exact(llama_server):
+    """The test server runs --chat_format gemma; naming it makes trimkit's count match the server's."""
+    import httpx
+
+    from trimkit.backends.http import OpenAIHTTPBackend
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name the harbour's oldest boat."}]
+    named = OpenAIHTTPBackend(llama_server, chat_format="gemma")
+    guessed = OpenAIHTTPBackend(llama_server)
+    try:
+        out = httpx.post(named.base_url + "/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60).json()
+        server_count = out["usage"]["prompt_tokens"]
+        assert named.prompt_count_exact and not guessed.prompt_count_exact
+        assert len(named.tokenizer.prompt_tokens(messages)) == server_count
+        assert len(guessed.tokenizer.prompt_tokens(messages)) != server_count
+    finally:
+        named.close()
+        guessed.close()

@@ -58,7 +58,7 @@ def calibration_probes(n_ctx: int, *, quick: bool = False) -> list[Probe]:
     if quick:
         cold = [(32, 2), (128, 2), (384, 1), (1024, 1)]
     else:
-        cold = [(16, 3), (32, 3), (64, 3), (128, 3), (256, 3), (512, 3), (1024, 2), (2048, 1)]
+        cold = [(16, 3), (32, 3), (64, 3), (128, 3), (256, 3), (512, 2), (1024, 2), (2048, 1)]
     probes = [Probe(n, 0, r) for n, r in cold if n <= min(top, cap)]
     k = max((p.new_tokens for p in probes), default=0)
     if k < 64:

