@@ -139,6 +139,7 @@ class PromptTokenizer:
         self._lock = threading.Lock()
         self._prefix_tokens: int | None = None
         self._segments: dict[tuple[str, str], int] = {}
+        self._prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self.count_calls = 0  # texts actually tokenized (cache misses), for tests and benchmarks
 
     @property
@@ -167,7 +168,21 @@ class PromptTokenizer:
         return self._encode_prompt(text)
 
     def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> list[int]:
-        return self.encode_prompt(self.render(messages, tools))
+        """The whole prompt's token ids, exactly as the engine will evaluate them.
+
+        The last few results are memoised by the rendered text: a request's candidate prompt is
+        often tokenized again to check the plan and to send it."""
+        text = self.render(messages, tools)
+        with self._lock:
+            hit = self._prompts.get(text)
+        if hit is not None:
+            return list(hit)
+        tokens = self.encode_prompt(text)
+        with self._lock:
+            self._prompts[text] = tuple(tokens)
+            while len(self._prompts) > 8:
+                self._prompts.popitem(last=False)
+        return tokens
 
     def count(self, text: str) -> int:
         """Token count of ``text`` (cached)."""
