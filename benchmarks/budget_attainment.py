@@ -33,14 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-
-def pct(values, q):
-    values = sorted(values)
-    if not values:
-        return float("nan")
-    pos = q * (len(values) - 1)
-    lo, hi = int(pos), min(int(pos) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+from trimkit.costmodel import quantile as pct  # noqa: E402
 
 
 def main() -> int:
@@ -161,7 +154,6 @@ def main() -> int:
 
     # -- 4: decode through trimkit vs the raw client -------------------------------------------
     def stream_decode(fn):
-        t0 = time.perf_counter()
         first = last = None
         n = 0
         for ch in fn():

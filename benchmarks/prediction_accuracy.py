@@ -26,14 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-
-def percentile(values, q):
-    values = sorted(values)
-    if not values:
-        return float("nan")
-    pos = q * (len(values) - 1)
-    lo, hi = int(pos), min(int(pos) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+from trimkit.costmodel import quantile as percentile  # noqa: E402
 
 
 def build_text(tokenizer, target_tokens: int, words: list[str], rng: random.Random) -> list[dict]:

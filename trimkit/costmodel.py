@@ -20,7 +20,7 @@ import attrs
 
 from trimkit._validate import attrs_non_negative, count, real_float
 
-__all__ = ["PrefillSample", "CostModel", "ErrorStats", "fit_cost_model", "cross_validate", "error_stats"]
+__all__ = ["PrefillSample", "CostModel", "ErrorStats", "fit_cost_model", "cross_validate", "error_stats", "quantile"]
 
 
 @attrs.frozen
@@ -155,6 +155,11 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
     lo = math.floor(pos)
     hi = math.ceil(pos)
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def quantile(values: Iterable[float], q: float) -> float:
+    """The ``q`` quantile (0–1) of ``values`` with linear interpolation; NaN when empty."""
+    return _quantile(sorted(values), q)
 
 
 def error_stats(pairs: Iterable[tuple[float, float]]) -> ErrorStats:

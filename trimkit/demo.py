@@ -41,7 +41,7 @@ def _rule(title: str) -> None:
     print(f"== {title} " + "=" * max(4, 76 - len(title)))
 
 
-def run_demo(*, model: str | None = None, budget_s: float = 1.0, turns: int = 3, n_ctx: int = 8192, quick: bool = True, json_path: str | None = None) -> int:
+def run_demo(*, model: str | None = None, budget_s: float = 1.0, turns: int = 3, n_ctx: int = 8192, quick: bool = False, json_path: str | None = None) -> int:
     import trimkit
     from trimkit.cli import _Bar, open_llama, profile_lines
     from trimkit.relevance import rank_chunks

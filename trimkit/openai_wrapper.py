@@ -29,10 +29,10 @@ import attrs
 from trimkit import _validate
 from trimkit.backends.base import Measurement
 from trimkit.backends.server_timings import SOURCE_CLIENT
-from trimkit.backends.http import AsyncTimedStream, OpenAIHTTPBackend, _client_is_async, assemble_chat_completion
+from trimkit.backends.http import OpenAIHTTPBackend, _client_is_async, assemble_chat_completion
 from trimkit.errors import InvalidInputError, InvalidMessageError, TrimkitError
 from trimkit.report import Report
-from trimkit.wrapper import Prepared, ReportingStream, Trimmer
+from trimkit.wrapper import Prepared, ReportingStream, Trimmer, _Reporting
 
 __all__ = [
     "TrimmedOpenAI",
@@ -124,21 +124,9 @@ class ReportingOpenAIStream(ReportingStream):
         self.close()
 
 
-class AsyncReportingStream:
+class AsyncReportingStream(_Reporting):
     """What the async ``create(stream=True)`` returns: ``async for`` it like ``openai.AsyncStream``;
     ``.report`` is set once it is exhausted; ``async with`` and ``await close()`` work."""
-
-    def __init__(self, ts: AsyncTimedStream, trimmer: Trimmer, prepared: Prepared, params: Mapping[str, Any]) -> None:
-        self._ts = ts
-        self._trimmer = trimmer
-        self.prepared = prepared
-        self._params = params
-        self.report: Report | None = None
-        self.chunks: list[Any] = []
-        ts.on_done.append(self._done)
-
-    def _done(self, m: Measurement) -> None:
-        self.report = self._trimmer._finished(self.prepared, m, self._params)
 
     def __aiter__(self) -> AsyncReportingStream:
         return self

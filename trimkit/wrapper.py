@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from trimkit import _validate
-from trimkit.backends.base import Backend, Measurement, TimedStream
+from trimkit.backends.base import Backend, Measurement
 from trimkit.calibration import calibrate
 from trimkit.errors import InfeasibleBudgetError, InvalidInputError, TrimkitError
 from trimkit.messages import (
@@ -405,11 +405,10 @@ def _check_template(template: str, chunk_template: str) -> None:
         ) from None
 
 
-class ReportingStream:
-    """The stream a wrapped call returns with ``stream=True``: iterate it exactly like the
-    engine's own stream; ``.report`` is set once it is exhausted."""
+class _Reporting:
+    """Shared by the sync and async streams: builds the report when the timed stream ends."""
 
-    def __init__(self, ts: TimedStream, trimmer: Trimmer, prepared: Prepared, params: Mapping[str, Any]) -> None:
+    def __init__(self, ts: Any, trimmer: Trimmer, prepared: Prepared, params: Mapping[str, Any]) -> None:
         self._ts = ts
         self._trimmer = trimmer
         self.prepared = prepared
@@ -420,6 +419,11 @@ class ReportingStream:
 
     def _done(self, m: Measurement) -> None:
         self.report = self._trimmer._finished(self.prepared, m, self._params)
+
+
+class ReportingStream(_Reporting):
+    """The stream a wrapped call returns with ``stream=True``: iterate it exactly like the
+    engine's own stream; ``.report`` is set once it is exhausted."""
 
     def __iter__(self) -> Iterator[Any]:
         return self
