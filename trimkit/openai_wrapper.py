@@ -242,6 +242,7 @@ class TrimmedOpenAI(Trimmer):
         except BaseException:
             backend.close()
             raise
+        self.backend: OpenAIHTTPBackend = backend
         if own_backend:
             self._bound_side_requests()
         self.chat = _Chat(self, _AsyncCompletions(self) if self._async else _Completions(self))

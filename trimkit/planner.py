@@ -172,7 +172,7 @@ class _Context:
         #: turns that may be summarized or dropped, oldest first (never the last user's turn)
         self.history_turns: tuple[tuple[int, int], ...] = tuple((s, e) for s, e in spans if e <= protected_from)
         self.chunks = rank_chunks(chunks, message_text(messages[self.last_user])) if chunks else ()
-        self._chunk_costs: dict[tuple[str | None, int], int] = {}
+        self._chunk_costs: dict[tuple[str | None, int, str], int] = {}
         if chunks:
             self.chunk_overhead = tokenizer.count(rag_template.format(chunks="", question=""))
             self.chunk_separator = tokenizer.count("\n\n")

@@ -180,7 +180,7 @@ class Report:
             out.append("  trimming   none (under budget: request passed through unchanged)")
         tps = self.decode_tokens_per_s
         tpot = self.time_per_output_token_s
-        if tps is not None:
+        if tps is not None and tpot is not None:
             out.append(
                 f"  decode     {tps:.1f} tokens/s ({tpot * 1000:.1f} ms per output token), "
                 f"{_fmt_n(self.completion_tokens)} tokens — untouched by trimkit"

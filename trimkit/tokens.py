@@ -249,7 +249,7 @@ class PromptTokenizer:
             # template not splittable: count each message with a ChatML-like overhead
             counts = tuple(self.count(f"<|im_start|>{m.get('role')}\n{message_text(m)}<|im_end|>\n") for m in messages)
             return Segments(counts, self.count("<|im_start|>assistant\n"))
-        counts = tuple(0 if pieces[i] is None else self._segment(pieces[i], message_text(m)) for i, m in enumerate(messages))
+        counts = tuple(0 if (p := pieces[i]) is None else self._segment(p, message_text(m)) for i, m in enumerate(messages))
         tail = pieces[-1] or ""
         return Segments(counts, (self.count(tail) if tail else 0) + self.prefix_tokens)
 

@@ -499,8 +499,9 @@ class TrimmedLlama(Trimmer):
         from trimkit.backends.llama import LlamaBackend
 
         self.llm = llm
-        backend = kwargs.pop("backend", None) or LlamaBackend(llm)
+        backend: LlamaBackend = kwargs.pop("backend", None) or LlamaBackend(llm)
         super().__init__(backend, **kwargs)
+        self.backend: LlamaBackend = backend
 
     def __getattr__(self, name: str) -> Any:  # drop-in: everything else is the Llama's
         if name in ("llm", "backend"):

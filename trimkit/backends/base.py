@@ -196,9 +196,12 @@ class Backend(abc.ABC):
         """How many leading tokens of ``prompt_tokens`` the engine will reuse from its KV cache."""
 
     @abc.abstractmethod
-    def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> TimedStream:
+    def send(
+        self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None
+    ) -> TimedStream:
         """Send a chat request as a stream; the returned :class:`TimedStream` yields the engine's
-        own chunk objects and produces a :class:`Measurement` when exhausted."""
+        own chunk objects and produces a :class:`Measurement` when exhausted. ``prompt_tokens``
+        (the prompt as already tokenized by :attr:`tokenizer`) saves tokenizing it again."""
 
     # -- calibration probes -------------------------------------------------------------
     def warm_up(self) -> None:

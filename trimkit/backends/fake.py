@@ -60,7 +60,7 @@ class FakeBackend(Backend):
         reuse_prefix: bool = True,
     ) -> None:
         self.cost_model = cost_model or CostModel(overhead_s=0.01, per_token_s=0.0014, depth_s=1e-7)
-        self.clock = clock or FakeClock()
+        self.clock: FakeClock = clock or FakeClock()
         self.tokenizer = tokenizer or PromptTokenizer.estimate()
         self._n_ctx = n_ctx
         self.first_token_s = first_token_s
