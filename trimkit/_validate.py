@@ -55,14 +55,5 @@ def budget(value: Any, name: str = "ttft_budget_s") -> float:
     return positive_finite(value, name, error=InvalidBudgetError)
 
 
-def attrs_positive_finite(instance: Any, attribute: Any, value: Any) -> None:
-    positive_finite(value, attribute.name)
-
-
 def attrs_non_negative(instance: Any, attribute: Any, value: Any) -> None:
     non_negative_finite(value, attribute.name)
-
-
-def attrs_optional_budget(instance: Any, attribute: Any, value: Any) -> None:
-    if value is not None:
-        budget(value, attribute.name)

@@ -25,6 +25,8 @@ __all__ = [
     "turn_spans",
     "last_user_index",
     "render_rag_question",
+    "with_chunks",
+    "check_rag_templates",
 ]
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -221,3 +223,38 @@ def render_rag_question(
         return question
     body = "\n\n".join(chunk_template.format(id=c.id, text=c.text, n=n + 1) for n, c in enumerate(chunks))
     return template.format(chunks=body, question=question)
+
+
+def with_chunks(message: Mapping[str, Any], chunks: Sequence[Chunk], template: str, chunk_template: str) -> dict[str, Any]:
+    """A copy of ``message`` (the last user message) with ``chunks`` placed before its question.
+
+    String content is rewritten through ``template``; for a list of parts the first text part
+    is, or a text part is appended. ``message`` itself is not modified."""
+    new = dict(message)
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = [dict(p) if isinstance(p, Mapping) else p for p in content]
+        for p in parts:
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+                p["text"] = render_rag_question(p["text"], chunks, template, chunk_template)
+                break
+        else:
+            parts.append({"type": "text", "text": render_rag_question("", chunks, template, chunk_template)})
+        new["content"] = parts
+    else:
+        new["content"] = render_rag_question(content or "", chunks, template, chunk_template)
+    return new
+
+
+def check_rag_templates(template: Any, chunk_template: Any) -> None:
+    """Raise :class:`~trimkit.errors.InvalidInputError` unless both RAG templates format cleanly."""
+    from trimkit.errors import InvalidInputError
+
+    try:
+        template.format(chunks="", question="")
+    except (KeyError, IndexError, ValueError, AttributeError) as exc:
+        raise InvalidInputError(f"rag_template must be a str using only {{chunks}} and {{question}}: {exc!r}") from None
+    try:
+        chunk_template.format(id="", text="", n=1)
+    except (KeyError, IndexError, ValueError, AttributeError) as exc:
+        raise InvalidInputError(f"rag_chunk_template must be a str using only {{id}}, {{text}}, {{n}}: {exc!r}") from None

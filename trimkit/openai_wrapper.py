@@ -295,12 +295,15 @@ class TrimmedOpenAI(Trimmer):
 
     def _report(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any], *, sent: bool = True) -> Report:
         report = super()._report(prepared, m, params, sent=sent)
-        model = params.get("model") or self.backend.model_name or ""
         warnings = report.warnings
         if not params.get("stream") and m.ttft_s is not None and m.finish_reason is not None and m.timing_source == SOURCE_CLIENT:
             warnings = (*warnings, "the server reported no usage while streaming: the response's usage holds trimkit's counts "
                         "(prompt tokens as trimkit counted them, completion tokens = content chunks)")
-        return attrs.evolve(report, model=f"{model} @ {self.backend.base_url}", warnings=warnings)
+        return attrs.evolve(report, warnings=warnings)
+
+    def _model_label(self, params: Mapping[str, Any]) -> str:
+        """``model @ url``: the model this call named (or the backend's), and the server."""
+        return f"{params.get('model') or self.backend.model_name or ''} @ {self.backend.base_url}"
 
     # -- create ---------------------------------------------------------------------------------------
     def _begin(self, kwargs: dict[str, Any]) -> tuple[Any, Any, float | None, dict[str, Any], bool]:

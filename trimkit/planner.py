@@ -36,12 +36,13 @@ from trimkit.messages import (
     DEFAULT_RAG_TEMPLATE,
     SYSTEM_ROLES,
     Chunk,
+    check_rag_templates,
     coerce_chunks,
     last_user_index,
     message_text,
-    render_rag_question,
     turn_spans,
     validate_messages,
+    with_chunks,
 )
 from trimkit.relevance import rank_chunks
 from trimkit.summarize import SUMMARY_HEADING, Summary, SummaryCache
@@ -287,7 +288,7 @@ class _Context:
             if i == 0 and c.summary is not None and self.leading_system:
                 m = _with_summary(m, c.summary)
             elif i == self.last_user and c.kept_chunks:
-                m = _with_chunks(m, c.kept_chunks, self.rag_template, self.rag_chunk_template)
+                m = with_chunks(m, c.kept_chunks, self.rag_template, self.rag_chunk_template)
             out.append(m)
         return out
 
@@ -330,23 +331,6 @@ def _with_summary(message: Mapping[str, Any], summary: Summary) -> dict[str, Any
         new["content"] = [*content, {"type": "text", "text": _summary_block(summary)}]
     else:
         new["content"] = (content or "") + _summary_block(summary)
-    return new
-
-
-def _with_chunks(message: Mapping[str, Any], chunks: Sequence[Chunk], template: str, chunk_template: str) -> dict[str, Any]:
-    new = dict(message)
-    content = message.get("content")
-    if isinstance(content, list):
-        parts = [dict(p) if isinstance(p, Mapping) else p for p in content]
-        for p in parts:
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
-                p["text"] = render_rag_question(p["text"], chunks, template, chunk_template)
-                break
-        else:
-            parts.append({"type": "text", "text": render_rag_question("", chunks, template, chunk_template)})
-        new["content"] = parts
-    else:
-        new["content"] = render_rag_question(content or "", chunks, template, chunk_template)
     return new
 
 
@@ -528,14 +512,7 @@ def _validate_inputs(
     _validate.budget(ttft_budget_s)
     chunks = coerce_chunks(rag_chunks)
     _validate.count(cached_tokens, "cached_tokens")
-    try:
-        rag_template.format(chunks="", question="")
-    except (KeyError, IndexError, ValueError, AttributeError) as exc:
-        raise InvalidInputError(f"rag_template must be a str using only {{chunks}} and {{question}}: {exc!r}") from None
-    try:
-        rag_chunk_template.format(id="", text="", n=1)
-    except (KeyError, IndexError, ValueError, AttributeError) as exc:
-        raise InvalidInputError(f"rag_chunk_template must be a str using only {{id}}, {{text}}, {{n}}: {exc!r}") from None
+    check_rag_templates(rag_template, rag_chunk_template)
     current = getattr(profile, "current", None)  # a LiveProfile follows the machine
     if current is not None and hasattr(current, "predict_ttft_s"):
         profile = current
@@ -645,6 +622,22 @@ def _default_strategies() -> Any:
     return default_strategies()
 
 
+def _chunk_room(state: PlanState) -> tuple[list[Chunk], int | None]:
+    """The chunks ``cap_rag_chunks`` dropped that are still out (most relevant first), and the
+    most prompt tokens the target allows with chunks in place (None: not even one new token)."""
+    ctx = state.ctx
+    c = state.candidate
+    dropped_ids = {cid for a in state.actions if a.strategy == "cap_rag_chunks" for cid in a.removed_chunks}
+    kept_ids = {ch.id for ch in c.kept_chunks}
+    dropped = [ch for ch in ctx.chunks if ch.id in dropped_ids and ch.id not in kept_ids]
+    if not dropped:
+        return dropped, None
+    placed = attrs.evolve(c, kept_chunks=c.kept_chunks or (dropped[0],))
+    # whatever chunks are placed, the cache can hold at most what precedes the last user message
+    cached = min(state.estimate(placed).cached_tokens, state.offset_of(c, ctx.last_user))
+    return dropped, state.token_allowance(cached, c.extra_s)
+
+
 def _refill_chunks(state: PlanState, exact_tokens: int) -> tuple[PlanState, int]:
     """Re-add chunks that ``cap_rag_chunks`` dropped, most relevant first, where they fit after all.
 
@@ -654,16 +647,10 @@ def _refill_chunks(state: PlanState, exact_tokens: int) -> tuple[PlanState, int]
     """
     ctx = state.ctx
     c = state.candidate
-    refillable = {cid for a in state.actions if a.strategy == "cap_rag_chunks" for cid in a.removed_chunks}
+    dropped, allowance = _chunk_room(state)
+    if not dropped or allowance is None:
+        return state, exact_tokens
     kept_ids = {ch.id for ch in c.kept_chunks}
-    dropped = [ch for ch in ctx.chunks if ch.id in refillable and ch.id not in kept_ids]
-    if not dropped:
-        return state, exact_tokens
-    with_chunks = attrs.evolve(c, kept_chunks=c.kept_chunks or (dropped[0],))
-    cached = min(state.estimate(with_chunks).cached_tokens, state.offset_of(c, ctx.last_user))
-    allowance = state.token_allowance(cached, c.extra_s)
-    if allowance is None:
-        return state, exact_tokens
     # add every chunk that might fit by estimate, then let exact counts back off the least relevant
     tentative: list[Chunk] = []
     base_chunk_tokens = ctx.chunk_tokens(c.kept_chunks)
@@ -709,15 +696,8 @@ def _partial_chunk(state: PlanState, exact_tokens: int) -> tuple[PlanState, int]
 
     ctx = state.ctx
     c = state.candidate
-    dropped_ids = {cid for a in state.actions if a.strategy == "cap_rag_chunks" for cid in a.removed_chunks}
-    kept_ids = {ch.id for ch in c.kept_chunks}
-    dropped = [ch for ch in ctx.chunks if ch.id in dropped_ids and ch.id not in kept_ids]
-    if not dropped:
-        return state, exact_tokens
-    with_chunks = attrs.evolve(c, kept_chunks=c.kept_chunks or (dropped[0],))
-    cached = min(state.estimate(with_chunks).cached_tokens, state.offset_of(c, ctx.last_user))
-    allowance = state.token_allowance(cached, c.extra_s)
-    if allowance is None or allowance - exact_tokens < MIN_PARTIAL_CHUNK_TOKENS:
+    dropped, allowance = _chunk_room(state)
+    if not dropped or allowance is None or allowance - exact_tokens < MIN_PARTIAL_CHUNK_TOKENS:
         return state, exact_tokens
     best = dropped[0]
     sentences = _sentences(best.text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -248,8 +248,3 @@ class Report:
 
     def to_json(self, **kw: Any) -> str:
         return json.dumps(self.to_dict(), **kw)
-
-
-def summarize_params(params: Mapping[str, Any], exclude: Sequence[str] = ("messages",)) -> dict[str, Any]:
-    """The decode parameters of a call, for the report (values that are not JSON become their repr)."""
-    return {k: v for k, v in params.items() if k not in exclude}

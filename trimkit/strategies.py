@@ -109,9 +109,11 @@ def chain(*strategies: Strategy | Iterable[Strategy]) -> Chain:
     return Chain(tuple(flat))
 
 
-def default_strategies() -> Chain:
-    """``reuse_prefix() + cap_rag_chunks() + summarize_history() + drop_oldest_turns()``."""
-    return chain(reuse_prefix(), cap_rag_chunks(), summarize_history(), drop_oldest_turns())
+def default_strategies(keep_cut: int | None = None) -> Chain:
+    """``reuse_prefix() + cap_rag_chunks() + summarize_history() + drop_oldest_turns()``;
+    with ``keep_cut``, :class:`keep_cached_cut` (``first_kept=keep_cut``) runs before dropping."""
+    cut = (keep_cached_cut(keep_cut),) if keep_cut is not None else ()
+    return chain(reuse_prefix(), cap_rag_chunks(), summarize_history(), *cut, drop_oldest_turns())
 
 
 def _history(state: PlanState, keep_last_turns: int) -> Sequence[tuple[int, int]]:

@@ -271,6 +271,3 @@ class PromptTokenizer:
         if self._prefix_tokens is None:
             self._prefix_tokens = len(self.encode_prompt(""))
         return self._prefix_tokens
-
-    def message_count(self, message: Mapping[str, Any], *, role_overhead: str = "") -> int:
-        return self.count(role_overhead + message_text(message))

@@ -20,16 +20,17 @@ import attrs
 from trimkit import _validate
 from trimkit.backends.base import Backend, Measurement
 from trimkit.calibration import calibrate
-from trimkit.errors import InfeasibleBudgetError, InvalidInputError, TrimkitError
+from trimkit.errors import ContextTooSmallError, InfeasibleBudgetError, InvalidInputError, TrimkitError
 from trimkit.messages import (
     DEFAULT_RAG_CHUNK_TEMPLATE,
     DEFAULT_RAG_TEMPLATE,
     Chunk,
     coerce_chunks,
+    check_rag_templates,
     last_user_index,
     message_text,
-    render_rag_question,
     validate_messages,
+    with_chunks,
 )
 from trimkit.profile import LiveProfile, Profile
 from trimkit.report import Report
@@ -37,9 +38,6 @@ from trimkit.report import Report
 __all__ = ["Trimmer", "TrimmedLlama", "ReportingStream", "Prepared", "wrap", "place_chunks"]
 
 log = logging.getLogger("trimkit")
-
-#: keyword arguments trimkit itself takes on a wrapped call; everything else passes through
-TRIMKIT_KWARGS = ("rag_chunks", "ttft_budget_s")
 
 
 def place_chunks(
@@ -59,10 +57,7 @@ def place_chunks(
     if not chunks:
         return out
     i = last_user_index(messages)
-    question = message_text(messages[i])
-    m = dict(messages[i])
-    m["content"] = render_rag_question(question, rank_chunks(chunks, question), template, chunk_template)
-    out[i] = m
+    out[i] = with_chunks(messages[i], rank_chunks(chunks, message_text(messages[i])), template, chunk_template)
     return out
 
 
@@ -81,6 +76,8 @@ class Prepared:
     snapshot: Any = None
     prepare_s: float = 0.0
     warnings: tuple[str, ...] = ()
+    #: the plan fits and the exact prompt's prediction is within the budget (None: no budget)
+    feasible: bool | None = None
 
 
 class Trimmer:
@@ -105,7 +102,7 @@ class Trimmer:
             _validate.budget(ttft_budget_s)
         if on_infeasible not in ("best_effort", "raise"):
             raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
-        _check_template(rag_template, rag_chunk_template)
+        check_rag_templates(rag_template, rag_chunk_template)
         self.backend = backend
         self.ttft_budget_s = ttft_budget_s
         self.strategies = strategies
@@ -128,6 +125,10 @@ class Trimmer:
         self.max_reports = 256
         #: store the live-refined profile every N measured requests (0: never)
         self.persist_every = 16
+        self._last_prepared: Prepared | None = None
+        self._model_name: str | None = None
+        #: (role, text) of the first history message the previous request kept, if it dropped turns
+        self._cut_marker: tuple[Any, str] | None = None
 
     # -- state ----------------------------------------------------------------------------------
     @property
@@ -174,8 +175,11 @@ class Trimmer:
         tokens_before = tok.prompt_tokens(as_is, tools)
         cached_before, snap_before = self._cache_for(tokens_before)
         predicted_before = self._predict(len(tokens_before), cached_before, snap_before)
-        self._check_context(len(tokens_before), budget is not None)
         if budget is None:
+            if len(tokens_before) > self.backend.n_ctx:
+                raise ContextTooSmallError(
+                    f"prompt of {len(tokens_before)} tokens does not fit the context window (n_ctx={self.backend.n_ctx})"
+                )
             return Prepared(
                 messages=as_is,
                 prompt_tokens=tuple(tokens_before),
@@ -238,10 +242,10 @@ class Trimmer:
             snapshot=snap,
             prepare_s=self.clock() - t0,
             warnings=tuple(warnings),
+            feasible=feasible,
         )
-        self._check_context(len(tokens), True)
         self._remember_cut(messages, plan)
-        if not feasible and self.on_infeasible == "raise":
+        if not prepared.feasible and self.on_infeasible == "raise":
             report = self._report(prepared, Measurement(ttft_s=None, total_s=0.0), params, sent=False)
             raise InfeasibleBudgetError(
                 f"TTFT budget {budget:.3f} s cannot be met: the minimal prompt is predicted at {predicted:.3f} s",
@@ -255,12 +259,12 @@ class Trimmer:
         request dropped turns and this conversation still has a turn starting at that cut."""
         if self.strategies is not None or self._cut_marker is None:
             return self.strategies
-        from trimkit.strategies import cap_rag_chunks, chain, drop_oldest_turns, keep_cached_cut, reuse_prefix, summarize_history
+        from trimkit.strategies import default_strategies
 
         role, text = self._cut_marker
         for j, m in enumerate(messages):
             if m.get("role") == role and message_text(m) == text and j > 0:
-                return chain(reuse_prefix(), cap_rag_chunks(), summarize_history(), keep_cached_cut(j), drop_oldest_turns())
+                return default_strategies(keep_cut=j)
         return None
 
     def _remember_cut(self, messages: Sequence[Mapping[str, Any]], plan: Any) -> None:
@@ -274,12 +278,14 @@ class Trimmer:
                 return
         self._cut_marker = None
 
-    _cut_marker: tuple[Any, str] | None = None
+    def _model_label(self, params: Mapping[str, Any]) -> str:
+        """The model as a person names it, for the report (the GGUF file name in-process).
 
-    def _model_label(self) -> str:
-        """The model as a person names it: the GGUF file name in-process, ``model @ url`` for servers."""
-        model = self.backend.profile_key().model
-        return model.split(":")[0] if self.backend.name == "llama_cpp" else model
+        Computed once: the profile key hashes part of the model file."""
+        if self._model_name is None:
+            model = self.backend.profile_key().model
+            self._model_name = model.split(":")[0] if self.backend.name == "llama_cpp" else model
+        return self._model_name
 
     def _persist(self) -> None:
         """Store the refined profile (drift, refits) so the next process starts from it."""
@@ -289,13 +295,6 @@ class Trimmer:
             save_profile(self.profile)
         except OSError as exc:  # a read-only cache must not break requests
             log.warning("trimkit: could not store the refined profile: %s", exc)
-
-    def _check_context(self, n_tokens: int, trimming: bool) -> None:
-        n_ctx = self.backend.n_ctx
-        if n_tokens > n_ctx and not trimming:
-            from trimkit.errors import ContextTooSmallError
-
-            raise ContextTooSmallError(f"prompt of {n_tokens} tokens does not fit the context window (n_ctx={n_ctx})")
 
     # -- sending --------------------------------------------------------------------------------
     def execute(self, prepared: Prepared, params: Mapping[str, Any]) -> ReportingStream:
@@ -325,13 +324,13 @@ class Trimmer:
             prompt_tokens_before=prepared.prompt_tokens_before,
             cached_tokens_predicted=prepared.cached_tokens,
             actions=tuple(plan.actions) if plan is not None else (),
-            feasible=(plan.feasible and (prepared.predicted_ttft_s or 0) <= (prepared.budget_s or float("inf"))) if plan is not None else None,
+            feasible=prepared.feasible,
             passthrough=plan.passthrough if plan is not None else True,
             planning_s=getattr(plan, "planning_s", None) if plan is not None else None,
             profile_error_pct=self.profile.error.median_pct,
             warnings=tuple(warnings),
             decode_params={k: v for k, v in params.items() if k not in ("messages",)},
-            model=self._model_label(),
+            model=self._model_label(params),
         )
 
     def _finished(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any]) -> Report:
@@ -390,19 +389,6 @@ class Trimmer:
             job = self._summary_job(self._last_prepared)
             if job is not None:
                 self._run_job(job)
-
-    _last_prepared: Prepared | None = None
-
-
-def _check_template(template: str, chunk_template: str) -> None:
-    try:
-        template.format(chunks="", question="")
-        chunk_template.format(id="x", text="", n=1)
-    except (KeyError, IndexError, ValueError) as exc:
-        raise InvalidInputError(
-            f"bad RAG template ({exc}); rag_template may use {{chunks}} and {{question}}, "
-            "rag_chunk_template {id}, {text} and {n}"
-        ) from None
 
 
 class _Reporting:
@@ -534,13 +520,7 @@ class TrimmedLlama(Trimmer):
         prefix = tokens[: max(len(tokens) - 1, 1)]
         if keep:
             return self.backend.save_prefix(prefix)
-        with self.backend.lock:
-            from trimkit.tokens import common_prefix_len
-
-            lcp = common_prefix_len(self.backend.cached_tokens_in_context(), prefix)
-            self.llm.n_tokens = lcp
-            if lcp < len(prefix):
-                self.llm.eval(prefix[lcp:])
+        self.backend.prefill(prefix)
         return None
 
 

@@ -150,16 +150,11 @@ def chunk_content(chunk: Any) -> str | None:
     return "" if choice.get("finish_reason") else None
 
 
-_PROBE_TEXT = None
-
-
+@functools.cache
 def _probe_text() -> str:
-    global _PROBE_TEXT
-    if _PROBE_TEXT is None:
-        from importlib import resources
+    from importlib import resources
 
-        _PROBE_TEXT = resources.files("trimkit").joinpath("data/corpus.txt").read_text(encoding="utf-8")
-    return _PROBE_TEXT
+    return resources.files("trimkit").joinpath("data/corpus.txt").read_text(encoding="utf-8")
 
 
 @attrs.frozen
@@ -246,7 +241,6 @@ class LlamaBackend(Backend):
         def chunks() -> Iterator[Any]:
             with self.lock:
                 state["predicted_cached"] = self.predict_cached_tokens(expected_prompt)
-                state["had_tokens"] = llm.n_tokens
                 # flush the accounting of any earlier, unsynchronized eval (llama.cpp books
                 # queued tokens at the next synchronize) before zeroing the counters
                 llama_cpp.llama_synchronize(llm._ctx.ctx)
@@ -352,11 +346,7 @@ class LlamaBackend(Backend):
             if cached_tokens == 0:
                 llm.reset()
             else:
-                have = common_prefix_len(self.cached_tokens_in_context(), seq[:cached_tokens])
-                if have < cached_tokens:
-                    llm.reset()
-                    llm.eval(seq[:cached_tokens])
-                llm.n_tokens = cached_tokens  # eval() drops KV cells from here on
+                self.prefill(seq[:cached_tokens])
             t0 = self.clock()
             llm.eval(seq[cached_tokens:])
             return self.clock() - t0
@@ -395,6 +385,20 @@ class LlamaBackend(Backend):
         return gaps[len(gaps) // 2] if gaps else 0.0
 
     # -- KV-only prefix snapshots -------------------------------------------------------------
+    def prefill(self, tokens: Sequence[int]) -> None:
+        """Make the context hold exactly ``tokens``: reuse the common prefix already cached,
+        evaluate the rest, and drop KV cells past them. Off the critical path (prewarm, probes)."""
+        tokens = list(tokens)
+        self._check_fits(len(tokens))
+        llm = self.llm
+        with self.lock:
+            lcp = common_prefix_len(self.cached_tokens_in_context(), tokens)
+            llm.n_tokens = lcp
+            if lcp < len(tokens):
+                llm.eval(tokens[lcp:])  # eval() drops the KV cells from n_tokens on first
+            else:
+                llm._ctx.kv_cache_seq_rm(-1, len(tokens), -1)
+
     def save_prefix(self, tokens: Sequence[int]) -> PrefixSnapshot:
         """Prefill ``tokens`` (what is not cached already) and keep their KV state for reuse."""
         import llama_cpp
@@ -404,13 +408,7 @@ class LlamaBackend(Backend):
         llm = self.llm
         with self.lock:
             t0 = self.clock()
-            lcp = common_prefix_len(self.cached_tokens_in_context(), tokens)
-            if lcp < len(tokens):
-                llm.n_tokens = lcp
-                llm.eval(tokens[lcp:])
-            else:
-                llm._ctx.kv_cache_seq_rm(-1, len(tokens), -1)
-                llm.n_tokens = len(tokens)
+            self.prefill(tokens)
             ctx = llm._ctx.ctx
             size = llama_cpp.llama_state_seq_get_size(ctx, 0)
             buf = (ctypes.c_uint8 * size)()
