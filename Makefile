@@ -22,6 +22,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/prediction_accuracy.py
 	$(PY) benchmarks/budget_attainment.py
+	$(PY) benchmarks/rag_answer_kept.py
 
 clean:
 	rm -rf $(VENV)

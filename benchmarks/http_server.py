@@ -71,8 +71,10 @@ def llama_server(model_path: str, n_ctx: int, stock: bool) -> Iterator[tuple[str
     import httpx
 
     port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model_path, "--host", "127.0.0.1", "--port", str(port),
-           "--n_ctx", str(n_ctx), "--chat_format", "gemma"]
+    from trimkit.templates import server_command  # python -m llama_cpp.server, with "gemma-3" registered
+
+    cmd = server_command("--model", model_path, "--host", "127.0.0.1", "--port", str(port),
+                         "--n_ctx", str(n_ctx), "--chat_format", "gemma-3")
     if not stock:
         cmd += ["--logits_all", "false"]
     log = tempfile.NamedTemporaryFile(prefix="trimkit-bench-server-", suffix=".log", delete=False)
@@ -118,8 +120,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2, help="repeats of each held-out prompt length (default 2)")
     ap.add_argument("--requests", type=int, default=24, help="budgeted RAG requests (default 24, at least 20)")
     ap.add_argument("--n-ctx", type=int, default=8192)
-    ap.add_argument("--chat-format", default="gemma",
-                    help="the server's chat template as trimkit should render it (default gemma, as the server runs; "
+    ap.add_argument("--chat-format", default="gemma-3",
+                    help="the server's chat template as trimkit should render it (default gemma-3, as the server runs; "
                     "'' = let trimkit estimate it with ChatML)")
     ap.add_argument("--stock-server", action="store_true", help="run the server with its default logits_all=True")
     ap.add_argument("--smoke", action="store_true", help="quick check that it runs: quick calibration only, a few short requests")
@@ -143,9 +145,7 @@ def main() -> int:
     threads, threads_batch = max(cpus // 2, 1), max(cpus, 1)  # llama_cpp.server's defaults on this host
 
     # the in-process reference: exact Gemma tokens and a quick in-process profile, for the HTTP overhead
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=model_path, n_ctx=args.n_ctx, n_threads=threads, n_threads_batch=threads_batch, verbose=False, chat_format="gemma")
+    llm = trimkit.default_llama(model_path=model_path, n_ctx=args.n_ctx, n_threads=threads, n_threads_batch=threads_batch)
     exact = PromptTokenizer.for_llama(llm)
     t0 = time.perf_counter()
     inproc = trimkit.calibrate(LlamaBackend(llm), quick=True, recalibrate=True, store=False)
@@ -153,7 +153,7 @@ def main() -> int:
     print(f"in-process reference profile (quick, {inproc_wall:.1f} s): {inproc.model}")
 
     with llama_server(model_path, args.n_ctx, args.stock_server) as (base_url, cmd):
-        print(f"server: {' '.join(cmd[2:])}")
+        print(f"server: {' '.join(['llama_cpp.server', *cmd[3:]])}")
         backend = OpenAIHTTPBackend(base_url, n_ctx=args.n_ctx, chat_format=args.chat_format or None)
         t0 = time.perf_counter()
         quick = trimkit.calibrate(backend, quick=True, recalibrate=True, store=False)
@@ -296,7 +296,7 @@ def main() -> int:
     result = {
         "smoke": args.smoke,
         "host": {"cpu": inproc.key.cpu, "cpus": cpus, "python": platform.python_version(), "engine": full.key.engine_version},
-        "server": {"command": cmd[2:], "stock_settings": args.stock_server, "reports_timings": any(r["server_prefill_s"] is not None for r in rows),
+        "server": {"command": ["llama_cpp.server", *cmd[3:]], "stock_settings": args.stock_server, "reports_timings": any(r["server_prefill_s"] is not None for r in rows),
                    "reports_cached_tokens": any(r["server_reports_cached"] for r in rows), "tokenizer": backend.tokenizer.name,
                    "prompt_count_exact": backend.prompt_count_exact},
         "calibration": {

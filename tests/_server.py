@@ -6,9 +6,10 @@ server shared by the session; :func:`running_server` starts extra ones for tests
 start late or kill a server. Every process is stopped at the end whatever happens (terminate,
 then kill), and on Linux it also dies with the test process (``PR_SET_PDEATHSIG``).
 
-The server runs with ``--chat_format gemma``: the GGUF carries no chat template, and under
-llama-cpp-python's fallback (llama-2) format the model answers with an immediate end of turn,
-so no content chunk would ever arrive.
+The server runs with ``--chat_format gemma-3`` (Gemma 3's own template, :mod:`trimkit.templates`,
+registered by the launcher of :func:`trimkit.templates.server_command`): the GGUF carries no chat
+template; under llama-cpp-python's fallback (llama-2) format the model answers with an immediate
+end of turn, and its ``gemma`` format drops system messages.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
 
 
 def start_server(port: int | None = None, *, model_path: str | None = None, n_ctx: int = 4096, extra_args: Sequence[str] = (),
-                 delay_s: float = 0.0) -> ServerProcess:
-    """Start ``python -m llama_cpp.server`` on loopback without waiting for it; with ``delay_s``
+                 delay_s: float = 0.0, chat_format: str = "gemma-3") -> ServerProcess:
+    """Start ``python -m llama_cpp.server`` on loopback (with trimkit's ``gemma-3`` template
+    registered) without waiting for it; with ``delay_s``
     the process sleeps that long before it starts loading (a server that comes up late).
 
     Call it from a long-lived thread: the child gets SIGTERM when the thread that started it ends.
@@ -78,13 +80,14 @@ def start_server(port: int | None = None, *, model_path: str | None = None, n_ct
         model_path = default_model_path()
     port = port or free_port()
     fd, log_name = tempfile.mkstemp(prefix=f"trimkit-llama-server-{port}-", suffix=".log")
-    cmd = [
-        sys.executable, "-m", "llama_cpp.server",
+    from trimkit.templates import server_command
+
+    cmd = server_command(
         "--model", model_path, "--host", "127.0.0.1", "--port", str(port),
-        "--n_ctx", str(n_ctx), "--chat_format", "gemma",
+        "--n_ctx", str(n_ctx), "--chat_format", chat_format,
         # the server's default logits_all=True copies every position's logits: 3–6× slower prefill
         "--logits_all", "false", *extra_args,
-    ]
+    )
     if delay_s > 0:
         cmd = ["sh", "-c", f'sleep {float(delay_s)}; exec "$@"', "sh", *cmd]
     with os.fdopen(fd, "wb") as log:  # a file, not a pipe: a full pipe would stall the server

@@ -21,10 +21,10 @@ def model_path() -> str:
 
 @pytest.fixture(scope="session")
 def llm(model_path):
-    """One real llama.cpp context for the session (Gemma-3-270M, n_ctx 4096)."""
-    from llama_cpp import Llama
+    """One real llama.cpp context for the session (Gemma-3-270M, n_ctx 4096, Gemma 3's chat template)."""
+    import trimkit
 
-    return Llama(model_path=model_path, n_ctx=4096, verbose=False, chat_format="gemma")
+    return trimkit.default_llama(model_path=model_path, n_ctx=4096)
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from trimkit.planner import Plan, plan
 from trimkit.profile import LiveProfile
 from trimkit.strategies import cap_rag_chunks, drop_oldest_turns, reuse_prefix, summarize_history
 from trimkit.summarize import ExtractiveSummarizer, SummaryCache, summary_job
+from trimkit.values import ValueModel
 
 from tests._planner_helpers import PROFILE, budget_for_tokens, conversation, fresh_tokenizer, tokenizer, tokens_of, tool_turn
 
@@ -91,8 +92,13 @@ def test_dropping_history_loses_the_cached_prefix_after_the_first_dropped_messag
     msgs = conversation(10)
     total = tokens_of(msgs)
     p = run(msgs, budget_for_tokens(total // 3), cached_tokens=total // 2)
-    assert p.removed_message_indices[0] == 1
-    assert p.cached_tokens == tokenizer().segment_counts(msgs).counts[0]  # only the system message survives
+    counts = tokenizer().segment_counts(msgs).counts
+    first = p.removed_message_indices[0]
+    assert 0 < p.cached_tokens <= sum(counts[:first])  # nothing after the first dropped message is cached
+    # the cached old turns are nearly free, so the engine keeps them and drops newer, uncached ones
+    assert first > 1
+    cold = run(msgs, budget_for_tokens(total // 3))
+    assert cold.removed_message_indices[0] == 1 and cold.cached_tokens == 0  # nothing cached: the oldest go
 
 
 def test_editing_only_the_last_message_keeps_the_history_cached():
@@ -100,9 +106,14 @@ def test_editing_only_the_last_message_keeps_the_history_cached():
     counts = tokenizer().segment_counts(msgs).counts
     history = sum(counts[:-1])
     budget = PROFILE.predict_ttft_s(200, history) / (1 - PROFILE.safety_margin)
-    p = run(msgs, budget, rag_chunks=CHUNKS * 3, cached_tokens=history)
+    # history worth keeping: only the last message (its chunks) is edited, the history stays cached
+    p = run(msgs, budget, rag_chunks=CHUNKS * 3, cached_tokens=history, values=ValueModel(history_weight=1.0))
     assert p.feasible and p.removed_message_indices == () and p.dropped_chunks
     assert p.cached_tokens == history
+    # by default a chunk can outweigh two old turns; what is dropped forfeits only the cache after it
+    p = run(msgs, budget, rag_chunks=CHUNKS * 3, cached_tokens=history)
+    first = min(p.removed_message_indices, default=len(msgs) - 1)
+    assert p.feasible and p.cached_tokens == sum(counts[:first])
 
 
 def test_no_over_trimming_on_realistic_workloads():
@@ -393,20 +404,18 @@ def test_next_summary_job_summarizes_the_plans_request_for_the_next_turn():
     assert next_summary_job(run(msgs, 100.0), ExtractiveSummarizer(), cache) is None  # no pressure: nothing due
 
 
-def test_room_left_after_whole_chunks_is_filled_with_leading_sentences():
-    from tests._planner_helpers import PROFILE, tokenizer
-    from trimkit import Chunk
-    from trimkit.planner import plan as make_plan
-
+def test_room_left_after_whole_chunks_is_filled_with_an_excerpt():
     sentences = [f"Sentence {i} says the ferry leaves pier {i} at {i} o'clock sharp." for i in range(40)]
     chunks = [Chunk(text=" ".join(sentences), id="long-doc", score=1.0), Chunk(text="Short note about the pier.", id="note", score=0.5)]
     msgs = [{"role": "user", "content": "When does the ferry leave?"}]
-    p = make_plan(msgs, ttft_budget_s=0.45, profile=PROFILE, tokenizer=tokenizer(), rag_chunks=chunks)
-    partial = [a for a in p.actions if a.strategy == "partial_chunk"]
-    assert partial, [a.summary for a in p.actions]
+    p = run(msgs, 0.45, rag_chunks=chunks)
+    (excerpt,) = [a for a in p.actions if a.strategy == "excerpt_chunk"]
+    assert excerpt.detail["chunk"] == "long-doc"
     kept = {c.id: c for c in p.kept_chunks}
     cut = kept["long-doc"].text
-    assert cut != chunks[0].text and chunks[0].text.startswith(cut)
-    assert cut.endswith("sharp.")  # a sentence boundary, never mid-sentence
+    assert cut.startswith("(excerpt: sentences ") and len(cut) < len(chunks[0].text)
+    body = cut.split(") ", 1)[1]
+    assert all(part in chunks[0].text for part in body.split(" … "))  # whole sentences, in order
+    assert body.endswith("sharp.")  # a sentence boundary, never mid-sentence
     assert p.predicted_ttft_s <= p.budget_s * (1 - p.safety_margin)
     assert p.predicted_ttft_s / p.budget_s > 0.8

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trimkit.errors import InfeasibleBudgetError, InvalidBudgetError
-from trimkit.messages import SYSTEM_ROLES, Chunk, last_user_index
+from trimkit.messages import SYSTEM_ROLES, Chunk, coerce_chunks, last_user_index
 from trimkit.planner import plan
 from trimkit.strategies import cap_rag_chunks, drop_oldest_turns, reuse_prefix, summarize_history
 from trimkit.summarize import SummaryCache
@@ -62,9 +62,14 @@ def conversations(draw):
     return msgs
 
 
+def passage():
+    """One sentence, or several (so that excerpts can be cut)."""
+    return st.one_of(text(80), st.lists(text(20), min_size=2, max_size=8).map(" ".join))
+
+
 @st.composite
 def chunk_lists(draw):
-    texts = draw(st.lists(text(80), max_size=6))
+    texts = draw(st.lists(passage(), max_size=6))
     kind = draw(st.sampled_from(["str", "chunk", "scored", "dict"]))
     if kind == "str":
         return texts
@@ -115,6 +120,16 @@ def _check_guarantees(msgs, chunks, p, summaries_given):
             for j, r in enumerate(msgs):
                 if r.get("tool_call_id") == call["id"]:
                     assert (i in gone) == (j in gone)
+    # a kept chunk is the caller's, or an excerpt of it: whole sentences of it, in order, marked
+    originals = {c.id: c for c in coerce_chunks(chunks)}
+    for c in p.kept_chunks:
+        if "excerpt" in c.metadata:
+            assert c.text.startswith("(excerpt: sentences ") and c.id in p.excerpted_chunks
+            body = c.text.split(") ", 1)[1]
+            positions = [originals[c.id].text.index(part) for part in body.split(" … ")]
+            assert positions == sorted(positions)
+        else:
+            assert c == originals[c.id]
     # nothing is lost silently
     assert set(p.removed_message_indices) <= {i for a in p.actions for i in a.removed_messages}
     assert set(p.summarized_message_indices) <= {i for a in p.actions for i in a.summarized_messages}
@@ -155,6 +170,20 @@ def test_guarantees_hold_for_generated_requests(msgs, chunks, scale, cached_frac
     )
     assert msgs == msgs_before and chunks == chunks_before
     _check_guarantees(msgs, chunks, p, summaries_given=summaries is not None)
+
+
+@SETTINGS
+@given(msgs=conversations(), chunks=chunk_lists(), frac=st.floats(0.05, 1.2))
+def test_the_prompt_is_kept_inside_the_context_window(msgs, chunks, frac):
+    everything = plan(msgs, ttft_budget_s=1e6, profile=PROFILE, tokenizer=tokenizer(), rag_chunks=chunks)
+    limit = max(int(everything.prompt_tokens * frac), 1)
+    p = plan(msgs, ttft_budget_s=1e6, profile=PROFILE, tokenizer=tokenizer(), rag_chunks=chunks, max_prompt_tokens=limit)
+    if p.feasible:
+        assert p.prompt_tokens <= limit
+        assert p.passthrough == (everything.prompt_tokens <= limit)
+    else:
+        assert p.minimal and p.prompt_tokens > limit
+    _check_guarantees(msgs, chunks, p, summaries_given=False)
 
 
 @SETTINGS

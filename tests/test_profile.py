@@ -270,22 +270,70 @@ def test_live_profile_starts_at_the_profile():
     assert live.live_samples == ()
 
 
-def test_observe_moves_drift_toward_measured_over_predicted_when_the_machine_slows():
-    live = LiveProfile(make_profile(), alpha=0.2, refit_every=1000)
+def test_observe_follows_a_slower_machine_after_three_requests():
+    live = LiveProfile(make_profile(), refit_every=1000)
     drifts = []
-    for n in (16, 256, 1024, 2048) * 10:
+    for n in (16, 256, 1024, 2048) * 3:
         live.observe(n, 0, 2.0 * TRUE_MODEL.prefill_s(n))
         drifts.append(live.current.drift)
-    assert drifts[0] == pytest.approx(2.0**0.2)  # one EWMA step in log space
-    assert all(a < b for a, b in zip(drifts, drifts[1:]))
-    assert drifts[-1] == pytest.approx(2.0, rel=0.01)
-    assert live.current.predict_prefill_s(512) == pytest.approx(2.0 * TRUE_MODEL.prefill_s(512), rel=0.01)
+    # the median of 5: two slow ratios are outvoted by the three the start stands in for, three are not
+    assert drifts[:2] == pytest.approx([1.0, 1.0])
+    assert drifts[2:] == pytest.approx([2.0] * 10)
+    assert live.current.predict_prefill_s(512) == pytest.approx(2.0 * TRUE_MODEL.prefill_s(512))
+
+
+def test_drift_is_the_median_of_the_last_drift_window_ratios():
+    live = LiveProfile(make_profile(), refit_every=1000, drift_window=5)
+    for ratio in (1.1, 1.5, 0.9, 1.2, 1.3, 1.4, 3.0):
+        live.observe(512, 0, ratio * TRUE_MODEL.prefill_s(512))
+    assert live.current.drift == pytest.approx(1.3)  # median of 0.9, 1.2, 1.3, 1.4, 3.0
+
+
+def test_one_or_two_outliers_among_five_do_not_move_drift():
+    live = LiveProfile(make_profile(), refit_every=1000)
+    for ratio in (1.0, 1.0, 1.0, 4.0, 1.0, 0.3):
+        live.observe(512, 0, ratio * TRUE_MODEL.prefill_s(512))
+        assert live.current.drift == pytest.approx(1.0)
+
+
+def test_a_stored_drift_stands_in_for_the_ratios_not_yet_seen():
+    live = LiveProfile(make_profile(drift=1.5), refit_every=1000)
+    live.observe(512, 0, 1.0 * TRUE_MODEL.prefill_s(512))
+    live.observe(512, 0, 1.0 * TRUE_MODEL.prefill_s(512))
+    assert live.current.drift == pytest.approx(1.5)
+    live.observe(512, 0, 1.0 * TRUE_MODEL.prefill_s(512))
+    assert live.current.drift == pytest.approx(1.0)
+
+
+def test_live_profile_accepts_the_old_alpha_argument_and_refuses_a_bad_window():
+    LiveProfile(make_profile(), alpha=0.2)
+    with pytest.raises(ValueError):
+        LiveProfile(make_profile(), drift_window=0)
+
+
+def test_live_profile_is_thread_safe():
+    import threading
+
+    live = LiveProfile(make_profile(), refit_every=7, keep_live=1000)
+
+    def feed() -> None:
+        for n in (16, 256, 1024, 2048) * 25:
+            live.observe(n, 0, 1.5 * TRUE_MODEL.prefill_s(n))
+
+    threads = [threading.Thread(target=feed) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert live.observations == 400 and len(live.live_samples) == 400
+    assert live.current.predict_prefill_s(512) == pytest.approx(1.5 * TRUE_MODEL.prefill_s(512), rel=0.01)
 
 
 def test_observe_moves_drift_down_when_the_machine_speeds_up():
     live = LiveProfile(make_profile(), refit_every=1000)
-    live.observe(512, 0, 0.5 * TRUE_MODEL.prefill_s(512))
-    assert live.current.drift < 1.0
+    for _ in range(3):
+        live.observe(512, 0, 0.5 * TRUE_MODEL.prefill_s(512))
+    assert live.current.drift == pytest.approx(0.5)
 
 
 def test_observe_leaves_drift_alone_when_predictions_are_right():
@@ -322,9 +370,9 @@ def test_observe_ignores_malformed_measurements_without_raising(new_tokens, cach
 def test_observe_accepts_numpy_numbers():
     import numpy as np
 
-    live = LiveProfile(make_profile(), refit_every=1000)
+    live = LiveProfile(make_profile(), refit_every=1000, drift_window=1)
     live.observe(np.int64(512), np.int64(0), np.float32(2 * TRUE_MODEL.prefill_s(512)))
-    assert live.current.drift > 1.0
+    assert live.current.drift == pytest.approx(2.0)
     assert live.live_samples[0].new_tokens == 512 and type(live.live_samples[0].new_tokens) is int
 
 

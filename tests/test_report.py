@@ -114,6 +114,16 @@ def test_text_mentions_prediction_measurement_error_and_verdict():
     assert "1.500 s → met" in text
 
 
+def test_text_states_the_safety_margin_and_what_the_plan_aimed_at():
+    text = str(make_report(ttft_budget_s=1.5, safety_margin=0.04))
+    assert "1.500 s → met · safety margin 4.0 % (planned to 1.440 s)" in text
+
+
+def test_text_has_no_margin_without_one():
+    assert "safety margin" not in str(make_report(ttft_budget_s=1.5))
+    assert "safety margin" not in str(make_report(ttft_budget_s=None, safety_margin=0.04))
+
+
 def test_text_says_missed_when_the_budget_was_missed():
     text = str(make_report(ttft_budget_s=0.5))
     assert "MISSED" in text and "→ met" not in text
@@ -186,6 +196,11 @@ def test_to_dict_round_trips_through_strict_json():
     assert d["decode_params"] == {"max_tokens": 64, "temperature": 0.2}
     assert d["actions"] == [{"strategy": "rag_cap", "summary": "kept 2"}]
     assert d["measurement"]["ttft_s"] == 1.0
+    assert d["safety_margin"] is None
+
+
+def test_to_dict_carries_the_safety_margin():
+    assert make_report(safety_margin=0.125).to_dict()["safety_margin"] == 0.125
 
 
 def test_to_dict_turns_nan_and_infinity_into_null():

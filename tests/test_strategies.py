@@ -62,15 +62,24 @@ def test_chain_rejects_what_is_not_a_strategy():
         reuse_prefix() + 3
 
 
-def test_chain_stops_once_the_prediction_fits():
+def test_edit_strategies_run_before_the_engine_and_only_over_budget():
     msgs = conversation(6)
     calls = []
     s = state(msgs, budget=budget_for_tokens(tokens_of(msgs) // 2))
     out = (drop_oldest_turns() + Recorder(calls))(s)
-    assert out.fits and calls == []
+    assert out.fits and calls == [s.prediction.prompt_tokens]  # it saw the request as given
+    calls.clear()
     under = state(msgs, budget=100.0)
-    (Recorder(calls) + Recorder(calls))(under)
+    assert (Recorder(calls) + Recorder(calls))(under) is None
     assert calls == []
+
+
+def test_the_order_of_strategies_does_not_decide():
+    msgs = conversation(6, question="Tell me about cats?")
+    s = state(msgs, budget=budget_for_tokens(tokens_of(msgs) // 2), rag_chunks=CAT_CHUNKS)
+    a = (cap_rag_chunks() + drop_oldest_turns())(s)
+    b = (drop_oldest_turns() + cap_rag_chunks())(s)
+    assert a.candidate == b.candidate
 
 
 def test_strategy_parameters_are_validated_at_construction():
@@ -148,10 +157,13 @@ def test_cap_rag_chunks_skips_a_long_chunk_for_a_shorter_one_that_fits():
     assert "long" not in kept and "short" in kept
 
 
-def test_cap_rag_chunks_min_chunks_are_kept_even_over_budget():
-    msgs = conversation(0, question="Tell me about cats?")
-    out = cap_rag_chunks(min_chunks=1)(state(msgs, budget=0.05, rag_chunks=CAT_CHUNKS))
-    assert [c.id for c in out.candidate.kept_chunks] == ["cats"]
+def test_cap_rag_chunks_min_chunks_are_never_dropped_or_cut():
+    msgs = conversation(0, question="Tell me about parrots?")
+    s = state(msgs, budget=budget_for_tokens(tokens_of(msgs) + 80), rag_chunks=CAT_CHUNKS)
+    top = s.chunks[0]
+    out = cap_rag_chunks(min_chunks=1)(s)
+    assert out.candidate.kept_chunks[0] == top and out.fits
+    assert cap_rag_chunks(min_chunks=1)(state(msgs, budget=0.05, rag_chunks=CAT_CHUNKS)) is None  # cannot fit
 
 
 def test_cap_rag_chunks_without_chunks_does_nothing():
@@ -175,12 +187,12 @@ def test_summarize_history_uses_a_cached_summary_in_the_system_message():
     cache = SummaryCache()
     cache.put(_turn_messages(msgs, 4), _summary(covered=8))
     s = state(msgs, budget=0.3, summaries=cache)
-    out = summarize_history()(s)
+    out = (summarize_history() + drop_oldest_turns())(s)
     assert out.candidate.summarized == frozenset(range(1, 9))
-    (action,) = out.actions
+    (action,) = [a for a in out.actions if a.strategy == "summarize_history"]
     assert action.summarized_messages == tuple(range(1, 9)) and action.detail["source"] == "cached"
     sent = out.build_messages(out.candidate)
-    assert len(sent) == len(msgs) - 8
+    assert len(sent) == len(msgs) - 8 - len(out.candidate.removed)
     assert sent[0]["role"] == "system" and sent[0]["content"].startswith("You are a helpful assistant.")
     assert sent[0]["content"].endswith("Summary of the earlier conversation:\nThe user asked about many numbered topics.")
     assert msgs[0]["content"] == "You are a helpful assistant."  # the caller's dict is untouched
@@ -191,7 +203,7 @@ def test_summarize_history_inserts_a_system_message_when_there_is_none():
     msgs = conversation(6, system=False)
     cache = SummaryCache()
     cache.put(msgs[:8], _summary(covered=8))
-    out = summarize_history()(state(msgs, budget=0.3, summaries=cache))
+    out = summarize_history()(state(msgs, budget=budget_for_tokens(tokens_of(msgs[6:]) + 60), summaries=cache))
     sent = out.build_messages(out.candidate)
     assert sent[0] == {"role": "system", "content": "Summary of the earlier conversation:\nThe user asked about many numbered topics."}
     assert [m["role"] for m in sent[1:]] == ["user", "assistant", "user", "assistant", "user"]
@@ -202,9 +214,10 @@ def test_summarize_history_respects_keep_last_turns():
     cache = SummaryCache()
     cache.put(_turn_messages(msgs, 2), _summary("two turns", covered=4))
     cache.put(_turn_messages(msgs, 5), _summary("all turns", covered=10))
-    out = summarize_history(keep_last_turns=3)(state(msgs, budget=0.2, summaries=cache))
+    both = summarize_history(keep_last_turns=3) + drop_oldest_turns()
+    out = both(state(msgs, budget=0.2, summaries=cache))
     assert out.candidate.summary.text == "two turns"
-    out = summarize_history()(state(msgs, budget=0.2, summaries=cache))
+    out = (summarize_history() + drop_oldest_turns())(state(msgs, budget=0.2, summaries=cache))
     assert out.candidate.summary.text == "all turns"
 
 
@@ -235,9 +248,9 @@ def test_summarize_history_inline_counts_its_time_against_the_budget():
     msgs = conversation(8)
     cache = SummaryCache()
     s = state(msgs, budget=budget_for_tokens(tokens_of(msgs) // 2) + 0.25, summaries=cache, clock=FakeClock(0.25))
-    out = summarize_history(inline=True, target_tokens=40)(s)
+    out = (summarize_history(inline=True, target_tokens=40) + drop_oldest_turns())(s)
     assert out is not None
-    (action,) = out.actions
+    (action,) = [a for a in out.actions if a.strategy == "summarize_history"]
     assert action.detail["source"] == "inline" and action.detail["inline_s"] == pytest.approx(0.25)
     assert out.candidate.extra_s == pytest.approx(0.25)
     assert out.prediction.ttft_s == pytest.approx(s.estimate(attrs.evolve(out.candidate, extra_s=0.0)).ttft_s + 0.25)
@@ -284,22 +297,17 @@ def test_drop_oldest_turns_keeps_tool_calls_with_their_results():
 
 def test_drop_oldest_turns_respects_keep_last_turns():
     msgs = conversation(5)
-    out = drop_oldest_turns(keep_last_turns=3)(state(msgs, budget=0.05))
-    assert out.actions[0].removed_messages == tuple(range(1, 7))
-    assert not out.fits
+    out = drop_oldest_turns(keep_last_turns=3)(state(msgs, budget=budget_for_tokens(tokens_of(msgs[:1] + msgs[7:]))))
+    assert out.actions[0].removed_messages == tuple(range(1, 7)) and out.fits
+    assert drop_oldest_turns(keep_last_turns=3)(state(msgs, budget=0.05)) is None  # cannot fit: nothing to offer
 
 
-def test_drop_oldest_turns_drops_the_summary_last():
+def test_the_engine_drops_a_summary_that_costs_more_than_it_is_worth():
     msgs = conversation(4)
-    s = state(msgs, budget=0.05, summaries=SummaryCache())
-    with_summary = s.apply(
-        attrs.evolve(s.candidate, summarized=frozenset(range(1, 5)), summary=_summary(covered=4)),
-        Action("summarize_history", "test", summarized_messages=(1, 2, 3, 4)),
-    )
-    out = drop_oldest_turns()(with_summary)
-    assert out.candidate.summary is None and out.candidate.summarized == frozenset()
-    assert out.actions[-1].removed_messages == tuple(range(1, 9))
-    assert out.actions[-1].detail["summary_dropped"] is True
+    cache = SummaryCache()
+    cache.put(_turn_messages(msgs, 4), _summary("a rambling summary " * 150, covered=8))
+    out = (summarize_history() + drop_oldest_turns())(state(msgs, budget=budget_for_tokens(tokens_of(msgs[:1] + msgs[-1:]) + 40), summaries=cache))
+    assert out.candidate.summary is None and out.candidate.removed == frozenset(range(1, 9))
 
 
 def test_drop_oldest_turns_without_history_does_nothing():

@@ -208,7 +208,8 @@ def test_concurrent_calls_from_threads_all_report(trimmer, fake):
 
 def test_summaries_are_computed_off_the_critical_path_and_reused(fake):
     profile = trimkit.calibrate(fake)
-    t = Trimmer(fake, ttft_budget_s=0.5, profile=profile, summarizer=trimkit.ExtractiveSummarizer(), clock=fake.clock)
+    strategies = [trimkit.summarize_history(), trimkit.drop_oldest_turns()]  # no previous-cut reuse competing
+    t = Trimmer(fake, ttft_budget_s=0.9, profile=profile, summarizer=trimkit.ExtractiveSummarizer(), clock=fake.clock, strategies=strategies)
     convo = conversation(10, 80)
     summarized_turns = 0
     cached = []
@@ -237,3 +238,40 @@ def test_later_turns_keep_the_previous_cut_to_reuse_the_cache(fake):
     assert second.cached_tokens > 0.5 * second.prompt_tokens
     assert second.prompt_tokens > first.prompt_tokens  # more history kept, for less time
     assert second.measured_ttft_s < first.measured_ttft_s
+
+
+# -- the learned safety margin and the engine's shared state ---------------------------------------
+
+
+def test_safety_margin_starts_at_the_profiles_rule_and_is_then_learned(fake):
+    profile = trimkit.calibrate(fake, quick=True)  # 8 calibration ratios: too few for the 0.97 rank
+    t = Trimmer(fake, ttft_budget_s=1.0, profile=profile, clock=fake.clock)
+    assert isinstance(t.safety_margin, float)
+    assert t.safety_margin == profile.safety_margin
+    for i in range(30):
+        with fake.lock:
+            fake.kv = []
+        TrimmedFake(t).create([{"role": "user", "content": text(250, i)}], max_tokens=2)
+    # the fake is exact: every ratio is 1, so the learned margin is the 1 % floor
+    assert len(t.engine.margin) >= 33
+    assert t.safety_margin == pytest.approx(0.01)
+
+
+def test_report_states_the_margin_used(trimmer):
+    report = TrimmedFake(trimmer).create(conversation(2), max_tokens=2).report
+    assert report.safety_margin is not None and 0 < report.safety_margin < 1
+    assert "safety margin" in str(report) and report.to_dict()["safety_margin"] == report.safety_margin
+
+
+def test_a_second_wrap_of_the_same_engine_starts_from_what_the_first_learned(fake):
+    profile = trimkit.calibrate(fake)
+    first = trimkit.wrap(fake, ttft_budget_s=1.2, profile=profile, clock=fake.clock)
+    fake.cost_model = CostModel(overhead_s=0.013, per_token_s=0.0026, depth_s=1.3e-7)  # 30 % slower
+    for i in range(3):
+        with fake.lock:
+            fake.kv = []
+        TrimmedFake(first).create([{"role": "user", "content": text(300, i)}], max_tokens=2)
+    second = trimkit.wrap(fake, ttft_budget_s=1.2, profile=profile, clock=fake.clock)
+    assert second.live is first.live and second.engine is first.engine
+    assert second.profile.drift == pytest.approx(1.3, rel=0.01)
+    assert second.safety_margin == first.safety_margin

@@ -3,12 +3,15 @@
 Quick start::
 
     import trimkit
-    from llama_cpp import Llama
 
-    llm = Llama(model_path=trimkit.default_model_path(), n_ctx=8192, verbose=False)
+    llm = trimkit.default_llama()                    # the embedded Gemma-3-270M, with Gemma 3's chat template
     chat = trimkit.wrap(llm, ttft_budget_s=1.0)      # calibrates once (stored), then trims to the budget
     out = chat.create_chat_completion(messages=[...], rag_chunks=[...], max_tokens=64)
     print(chat.last_report)                           # predicted vs measured TTFT, what was trimmed, decode untouched
+
+Your own ``llama_cpp.Llama`` wraps the same way. For the embedded model use ``default_llama()``
+(or ``chat_format="gemma-3"``, registered by :mod:`trimkit.templates`): llama-cpp-python's
+``chat_format="gemma"`` silently drops system messages.
 
 See ``docs/`` for the quickstart, the two phases, and the CLI reference.
 """
@@ -41,6 +44,7 @@ from trimkit.errors import (
 )
 from trimkit.messages import DEFAULT_RAG_CHUNK_TEMPLATE, DEFAULT_RAG_TEMPLATE, Chunk
 from trimkit.model import check_model_path, default_model_path
+from trimkit.templates import default_llama
 from trimkit.profile import LiveProfile, Profile, ProfileKey, load_profile, save_profile
 from trimkit.report import DECODE_UNTOUCHED, Report
 from trimkit.planner import Action, Plan, PlanState, plan
@@ -56,6 +60,7 @@ from trimkit.strategies import (
 )
 from trimkit.summarize import ExtractiveSummarizer, PromptSummarizer, Summary, SummaryCache, next_summary_job, summary_job
 from trimkit.tokens import PromptTokenizer, TiktokenTokenizer
+from trimkit.values import ValueModel
 from trimkit.openai_wrapper import AsyncTrimmedOpenAI, TrimmedOpenAI, wrap_openai, wrap_url
 from trimkit.wrapper import ReportingStream, TrimmedLlama, Trimmer, place_chunks, wrap
 
@@ -70,12 +75,14 @@ __all__ = [
     "calibrate",
     "diagnose",
     "default_model_path",
+    "default_llama",
     "plan",
     # planning and strategies
     "Plan",
     "Action",
     "PlanState",
     "Strategy",
+    "ValueModel",
     "chain",
     "default_strategies",
     "reuse_prefix",

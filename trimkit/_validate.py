@@ -57,3 +57,11 @@ def budget(value: Any, name: str = "ttft_budget_s") -> float:
 
 def attrs_non_negative(instance: Any, attribute: Any, value: Any) -> None:
     non_negative_finite(value, attribute.name)
+
+
+def fraction(value: Any, name: str) -> float:
+    """Validate a share in ``[0, 1)`` (a safety margin: the part of a budget held back)."""
+    v = non_negative_finite(value, name)
+    if v >= 1.0:
+        raise InvalidNumberError(f"{name} must be below 1, got {value!r}")
+    return v

@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from trimkit.backends.base import Backend
-from trimkit.costmodel import PrefillSample, cross_validate, fit_cost_model
+from trimkit.costmodel import PrefillSample, error_stats, fit_cost_model, heldout_predictions
 from trimkit.errors import CalibrationError, ContextTooSmallError
 from trimkit.profile import Profile, load_profile, save_profile
 
@@ -166,14 +166,14 @@ def calibrate(
     candidates = {}
     for batched in (False, True):
         model = fit_cost_model(samples, n_batch=n_batch, batched=batched)
-        err = cross_validate(samples, n_batch=n_batch, batched=batched)
-        candidates["batched" if batched else "design"] = (model, err)
+        heldout = heldout_predictions(samples, n_batch=n_batch, batched=batched)
+        candidates["batched" if batched else "design"] = (model, error_stats(heldout), heldout)
     # the DESIGN.md model unless the per-chunk variant is clearly better on held-out probes
     name = "design"
     d_err, b_err = candidates["design"][1], candidates["batched"][1]
     if math.isfinite(b_err.median_pct) and b_err.median_pct < d_err.median_pct * 0.9:
         name = "batched"
-    model, err = candidates[name]
+    model, err, heldout = candidates[name]
     profile = Profile(
         key=key,
         model=model,
@@ -181,10 +181,11 @@ def calibrate(
         decode_tokens_per_s=decode_tps,
         samples=tuple(samples),
         error=err,
-        alternatives={n: {"model": m.to_dict(), "heldout_error": e.to_dict()} for n, (m, e) in candidates.items()},
+        alternatives={n: {"model": m.to_dict(), "heldout_error": e.to_dict()} for n, (m, e, _) in candidates.items()},
         calibration_wall_s=wall,
         quick=quick,
         created_at=time.time(),
+        residuals=tuple(heldout),  # seeds the learned safety margin (trimkit.margin)
     )
     if store:
         path = save_profile(profile)

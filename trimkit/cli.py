@@ -1,4 +1,4 @@
-"""The ``trimkit`` command line: calibrate, diagnose, demo.
+"""The ``trimkit`` command line: calibrate, diagnose, plan, demo.
 
 Every sub-command's ``--help`` is its documentation. Errors reach you as one line on stderr and
 a non-zero exit status (2 for bad input, 1 for engine failures), never as a traceback.
@@ -15,7 +15,7 @@ from typing import Any
 
 from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError
 
-__all__ = ["main", "build_parser", "open_llama"]
+__all__ = ["main", "build_parser", "open_llama", "read_request"]
 
 EMBEDDED = "embedded default model (Gemma-3-270M Q4_K_M)"
 
@@ -44,15 +44,20 @@ def open_llama(model: str | None, n_ctx: int, chat_format: str | None = None, **
     """A ``llama_cpp.Llama`` for ``model`` (a GGUF path; None = the embedded model), checked first."""
     from llama_cpp import Llama
 
-    from trimkit.model import check_model_path, default_model_path
+    from trimkit.model import check_model_path
+
+    from llama_cpp._utils import suppress_stdout_stderr
 
     if model is None:
-        path = default_model_path()
-        # the embedded GGUF carries no chat template; llama-cpp-python would fall back to llama-2
-        chat_format = chat_format or "gemma"
-    else:
-        path = str(check_model_path(model))
-    from llama_cpp._utils import suppress_stdout_stderr
+        # the embedded GGUF carries no chat template: Gemma 3's own, which keeps system prompts
+        # (llama-cpp-python's "gemma" format drops them; its fallback, llama-2, is wrong)
+        from trimkit.templates import default_llama
+
+        if chat_format is not None:
+            kwargs["chat_format"] = chat_format
+        with suppress_stdout_stderr(disable=False):
+            return default_llama(n_ctx=n_ctx, **kwargs)
+    path = str(check_model_path(model))
 
     # llama.cpp prints some context-creation notes even with verbose=False; the CLI stays quiet
     # (a failed load still raises, with its message, from the Llama constructor)
@@ -208,7 +213,126 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from trimkit.demo import run_demo
 
-    return run_demo(model=args.model, budget_s=args.budget, turns=args.turns, n_ctx=args.n_ctx, quick=args.quick, json_path=args.json)
+    return run_demo(model=args.model, budget_s=args.budget, budget_share=args.budget_share, turns=args.turns, n_ctx=args.n_ctx,
+                    quick=args.quick, json_path=args.json)
+
+
+def _share(text: str) -> float:
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a share in (0, 1]: {text!r}")
+    return value
+
+
+def read_request(path: str) -> tuple[list[Any], tuple[Any, ...], Any]:
+    """``(messages, chunks, tools)`` from a JSON request file, checked; InvalidInputError otherwise."""
+    from pathlib import Path
+
+    from trimkit.messages import coerce_chunks, validate_messages
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"cannot read the request file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidInputError(f"{path} is not JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    if isinstance(data, list):  # a bare message list is a request too
+        data = {"messages": data}
+    if not isinstance(data, dict):
+        raise InvalidInputError(f"{path}: expected a JSON object with \"messages\" (and optional \"rag_chunks\", \"tools\")")
+    unknown = sorted(set(data) - {"messages", "rag_chunks", "tools"})
+    if unknown:
+        raise InvalidInputError(f"{path}: unknown field(s) {', '.join(map(repr, unknown))}; expected messages, rag_chunks, tools")
+    if "messages" not in data:
+        raise InvalidInputError(f"{path}: no \"messages\"")
+    messages = data["messages"]
+    try:
+        validate_messages(messages)
+        chunks = coerce_chunks(data.get("rag_chunks"))
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{path}: {exc}") from None
+    tools = data.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise InvalidInputError(f"{path}: \"tools\" must be a list")
+    return messages, chunks, tools
+
+
+def _plan_profile(args: argparse.Namespace, backend: Any) -> tuple[Any, str]:
+    """The profile to plan with, and where it came from."""
+    from trimkit.profile import Profile, load_profile
+
+    if args.profile:
+        from pathlib import Path
+
+        try:
+            return Profile.from_dict(json.loads(Path(args.profile).read_text(encoding="utf-8"))), f"--profile {args.profile}"
+        except OSError as exc:
+            raise InvalidInputError(f"cannot read --profile {args.profile}: {exc.strerror or exc}") from None
+        except Exception as exc:
+            raise InvalidInputError(f"--profile {args.profile} is not a trimkit profile ({type(exc).__name__}: {exc})") from None
+    stored = load_profile(backend.profile_key())
+    if stored is not None:
+        return stored, f"the stored {'quick' if stored.quick else 'full'} calibration profile"
+    from trimkit.calibration import calibrate
+
+    print("trimkit: no stored calibration profile for this model and settings: calibrating quickly (stored for next time)…",
+          file=sys.stderr)
+    return calibrate(backend, quick=True), "a quick calibration measured now (no stored profile)"
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from trimkit.backends.llama import LlamaBackend
+    from trimkit.planner import plan as make_plan
+    from trimkit.wrapper import place_chunks
+
+    messages, chunks, tools = read_request(args.request)  # bad input fails before the model loads
+    backend = LlamaBackend(open_llama(args.model, args.n_ctx))
+    profile, source = _plan_profile(args, backend)
+    tok = backend.tokenizer
+    as_is = place_chunks(messages, chunks) if chunks else messages
+    untrimmed_tokens = len(tok.prompt_tokens(as_is, tools))
+    untrimmed_s = profile.predict_ttft_s(untrimmed_tokens, 0)
+    if args.budget is not None:
+        budget, how = args.budget, f"--budget {args.budget:g} s"
+    else:
+        budget = args.budget_share * untrimmed_s
+        how = f"--budget-share {args.budget_share:g} of the predicted untrimmed TTFT {untrimmed_s:.3f} s"
+    p = make_plan(messages, ttft_budget_s=budget, profile=profile, tokenizer=tok, rag_chunks=chunks, tools=tools)
+    sent_tokens = len(tok.prompt_tokens(p.messages, tools))
+    sent_s = profile.predict_ttft_s(sent_tokens, 0)
+    dropped_by_template = tok.dropped_messages(p.messages, tools)
+    if args.json:
+        out = p.to_dict()
+        out.update(
+            request=args.request,
+            budget_source=how,
+            profile_source=source,
+            untrimmed_prompt_tokens=untrimmed_tokens,
+            untrimmed_predicted_ttft_s=untrimmed_s,
+            prompt_tokens_exact=sent_tokens,
+            predicted_ttft_exact_s=sent_s,
+            template_dropped_messages=list(dropped_by_template),
+        )
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"request {args.request}: {len(messages)} messages, {len(chunks)} chunks, {untrimmed_tokens:,} prompt tokens untrimmed")
+    print(f"budget {budget:.3f} s from {how}; profile: {source}")
+    print(p)
+    kept = ", ".join(str(c.id) for c in p.kept_chunks) or "none"
+    dropped = ", ".join(str(c.id) for c in p.dropped_chunks) or "none"
+    removed = ", ".join(str(i) for i in p.removed_message_indices) or "none"
+    print(f"  chunks kept ({len(p.kept_chunks)} of {len(chunks)}): {kept}")
+    print(f"  chunks dropped: {dropped}")
+    print(f"  messages removed (indices): {removed}")
+    if p.summarized_message_indices:
+        print(f"  messages summarized (indices): {', '.join(str(i) for i in p.summarized_message_indices)}")
+    print(f"  prompt to send: {sent_tokens:,} tokens, predicted TTFT {sent_s:.3f} s with nothing cached "
+          f"(untrimmed: {untrimmed_s:.3f} s) — nothing was generated")
+    if dropped_by_template:
+        print(f"  warning: the chat template drops message(s) {', '.join(map(str, dropped_by_template))}: the model would never see them")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -254,12 +378,30 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Calibrates (or reuses the stored profile), shows a long and a short prompt "
                        "(the wait vs the stream), then a multi-turn RAG chat kept under a TTFT budget.")
     m.add_argument("--model", help=f"GGUF model path (default: {EMBEDDED})")
-    m.add_argument("--budget", type=_positive_float, default=1.0, help="TTFT budget in seconds for the chat part (default 1.0)")
+    m.add_argument("--budget", type=_positive_float, default=None,
+                   help="TTFT budget in seconds for the chat part (default: derived from this host's profile, see --budget-share)")
+    m.add_argument("--budget-share", type=_share, default=0.45,
+                   help="without --budget: the budget is the predicted TTFT of this share of the untrimmed prompt (default 0.45)")
     m.add_argument("--turns", type=_positive_int, default=3, help="chat turns under the budget (default 3)")
     m.add_argument("--n-ctx", type=_positive_int, default=8192, help="context window (default 8192)")
     m.add_argument("--quick", action="store_true", help="quick calibration (~10 s, less accurate past 1,500 tokens) instead of full (~30 s, once: it is stored)")
     m.add_argument("--json", metavar="FILE", help="also write every report as JSON to FILE")
     m.set_defaults(func=_cmd_demo)
+
+    pl = sub.add_parser("plan", help="show what a TTFT budget would keep and drop from a request, without generating",
+                        description="Read a request (a JSON file: {\"messages\": [...], \"rag_chunks\": [...], \"tools\": [...]}), "
+                        "plan it under a TTFT budget with this host's calibration profile and print what would be kept, "
+                        "dropped and summarized and the predicted TTFT. Loads the model for its tokenizer and chat "
+                        "template; generates nothing. Without a stored profile it calibrates quickly first.")
+    pl.add_argument("request", metavar="REQUEST.json", help="the request: messages, optional rag_chunks (strings or {text, id, score}), optional tools")
+    budget = pl.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budget", type=_positive_float, help="TTFT budget in seconds")
+    budget.add_argument("--budget-share", type=_share, help="budget as a share (0–1] of the request's predicted untrimmed TTFT")
+    pl.add_argument("--model", help=f"GGUF model path (default: {EMBEDDED})")
+    pl.add_argument("--n-ctx", type=_positive_int, default=8192, help="context window (default 8192; part of the profile key)")
+    pl.add_argument("--profile", metavar="PATH", help="a profile JSON file (trimkit calibrate --json) instead of the stored one")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(func=_cmd_plan)
     return p
 
 

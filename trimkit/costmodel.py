@@ -20,7 +20,9 @@ import attrs
 
 from trimkit._validate import attrs_non_negative, count, real_float
 
-__all__ = ["PrefillSample", "CostModel", "ErrorStats", "fit_cost_model", "cross_validate", "error_stats", "quantile"]
+__all__ = [
+    "PrefillSample", "CostModel", "ErrorStats", "fit_cost_model", "cross_validate", "heldout_predictions", "error_stats", "quantile",
+]
 
 
 @attrs.frozen
@@ -170,17 +172,23 @@ def error_stats(pairs: Iterable[tuple[float, float]]) -> ErrorStats:
     return ErrorStats(_quantile(errs, 0.5), _quantile(errs, 0.9), errs[-1], len(errs))
 
 
-def cross_validate(samples: Sequence[PrefillSample], *, n_batch: int, batched: bool) -> ErrorStats:
-    """Leave-one-probe-out error: every probe (new, cached) is predicted by a fit without it."""
+def heldout_predictions(samples: Sequence[PrefillSample], *, n_batch: int, batched: bool) -> list[tuple[float, float]]:
+    """(predicted, measured) prefill seconds for every sample, each predicted by a fit without
+    its probe (new, cached) — leave-one-probe-out; the in-sample fit with fewer than 4 probes.
+    In the order of ``samples``."""
     groups: dict[tuple[int, int], list[PrefillSample]] = {}
     for s in samples:
         groups.setdefault((s.new_tokens, s.cached_tokens), []).append(s)
     if len(groups) < 4:
         model = fit_cost_model(samples, n_batch=n_batch, batched=batched)
-        return error_stats((model.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in samples)
-    pairs: list[tuple[float, float]] = []
-    for key, held in groups.items():
+        return [(model.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in samples]
+    fits = {}
+    for key in groups:
         rest = [s for k, g in groups.items() if k != key for s in g]
-        model = fit_cost_model(rest, n_batch=n_batch, batched=batched)
-        pairs.extend((model.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in held)
-    return error_stats(pairs)
+        fits[key] = fit_cost_model(rest, n_batch=n_batch, batched=batched)
+    return [(fits[(s.new_tokens, s.cached_tokens)].prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in samples]
+
+
+def cross_validate(samples: Sequence[PrefillSample], *, n_batch: int, batched: bool) -> ErrorStats:
+    """Leave-one-probe-out error: every probe (new, cached) is predicted by a fit without it."""
+    return error_stats(heldout_predictions(samples, n_batch=n_batch, batched=batched))

@@ -3,10 +3,11 @@
 :func:`plan` is the one engine behind the wrapper and the CLI. It predicts the TTFT of the
 prompt as it stands (counting only the tokens the engine must evaluate — a prefix already in
 the KV cache is nearly free); if that fits the budget less the profile's safety margin, the
-request passes through untouched. Otherwise it runs :mod:`trimkit.strategies` in order, each
-one doing the least it can, until the prediction fits, and says in :class:`Action` values what
-each one removed. If even the minimal prompt (system messages and the last user turn) cannot
-fit, the plan is infeasible.
+request passes through untouched. Otherwise the strategies (:mod:`trimkit.strategies`) say what
+may change and the engine (:mod:`trimkit.engine`) keeps the most value whose predicted TTFT
+fits, saying in :class:`Action` values what it removed, summarized or excerpted and why. If
+even the minimal prompt (system messages and the last user turn) cannot fit, the plan is
+infeasible.
 
 Strategies see one :class:`PlanState`. A candidate prompt is described by a :class:`Candidate`
 (which messages are dropped or summarized, which chunks are kept); :meth:`PlanState.estimate`
@@ -14,7 +15,7 @@ predicts its TTFT from per-message token counts computed once per request, so tr
 candidates never re-tokenizes the conversation. The chosen candidate is counted exactly once
 at the end.
 
-Prompt layout (stable → volatile, DESIGN.md): system (+ summary of old turns appended to it,
+Prompt layout (stable → volatile, docs/budgets.md): system (+ summary of old turns appended to it,
 since Gemma-style templates forbid extra system messages) → recent turns → the last user
 message, whose content becomes ``rag_template`` with the kept chunks, most relevant first,
 before the question.
@@ -55,8 +56,6 @@ CacheProbe = Callable[[list[dict[str, Any]]], int]
 
 #: Probes of the engine's cache a single plan may make (the wrapper tokenizes for each).
 MAX_PROBES = 2
-#: Slack, in tokens, when deciding whether an estimated chunk might still fit exactly.
-_CHUNK_TOLERANCE_TOKENS = 3
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,13 +149,17 @@ class _Context:
         rag_template: str,
         rag_chunk_template: str,
         clock: Callable[[], float],
+        safety_margin: float | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> None:
         self.messages = messages
         self.tools = tools
         self.budget_s = ttft_budget_s
         self.profile = profile
-        self.safety_margin = float(profile.safety_margin)
+        self.safety_margin = float(profile.safety_margin if safety_margin is None else safety_margin)
         self.target_s = ttft_budget_s * (1.0 - self.safety_margin)
+        #: the most prompt tokens the context window takes (n_ctx less max_tokens), if known
+        self.max_prompt_tokens = max_prompt_tokens
         self.tokenizer = tokenizer
         self.summaries = summaries
         self.cache_probe = cache_probe
@@ -172,8 +175,10 @@ class _Context:
         protected_from = next(s for s, e in spans if s <= self.last_user < e)
         #: turns that may be summarized or dropped, oldest first (never the last user's turn)
         self.history_turns: tuple[tuple[int, int], ...] = tuple((s, e) for s, e in spans if e <= protected_from)
+        #: every chunk of the request, most relevant first (:func:`~trimkit.relevance.rank_chunks`)
         self.chunks = rank_chunks(chunks, message_text(messages[self.last_user])) if chunks else ()
         self._chunk_costs: dict[tuple[str | None, int, str], int] = {}
+        self.chunk_overhead = self.chunk_separator = 0
         if chunks:
             self.chunk_overhead = tokenizer.count(rag_template.format(chunks="", question=""))
             self.chunk_separator = tokenizer.count("\n\n")
@@ -370,6 +375,8 @@ class PlanState:
         rag_template: str = DEFAULT_RAG_TEMPLATE,
         rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
         clock: Callable[[], float] = time.perf_counter,
+        safety_margin: float | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> PlanState:
         """The initial state: the whole request, every chunk kept (most relevant first).
 
@@ -378,6 +385,10 @@ class PlanState:
         chunks, profile = _validate_inputs(
             messages, ttft_budget_s, rag_chunks, cached_tokens, rag_template, rag_chunk_template, profile, tokenizer
         )
+        if safety_margin is not None:
+            _validate.fraction(safety_margin, "safety_margin")
+        if max_prompt_tokens is not None:
+            _validate.count(max_prompt_tokens, "max_prompt_tokens", minimum=1)
         ctx = _Context(
             messages,
             ttft_budget_s=float(ttft_budget_s),
@@ -391,6 +402,8 @@ class PlanState:
             rag_template=rag_template,
             rag_chunk_template=rag_chunk_template,
             clock=clock,
+            safety_margin=safety_margin,
+            max_prompt_tokens=max_prompt_tokens,
         )
         return cls(ctx, Candidate(kept_chunks=ctx.chunks))
 
@@ -437,7 +450,7 @@ class PlanState:
 
     @property
     def fits(self) -> bool:
-        return self.prediction.ttft_s <= self.ctx.target_s
+        return self.fits_estimate(self.prediction)
 
     @property
     def last_user_index(self) -> int:
@@ -459,12 +472,19 @@ class PlanState:
         return self.ctx.estimate(candidate)
 
     def fits_estimate(self, estimate: Estimate) -> bool:
-        return estimate.ttft_s <= self.ctx.target_s
+        """The estimate is within the target (and, when known, the context window)."""
+        limit = self.ctx.max_prompt_tokens
+        return estimate.ttft_s <= self.ctx.target_s and (limit is None or estimate.prompt_tokens <= limit)
 
     def token_allowance(self, cached_tokens: int, extra_s: float = 0.0) -> int | None:
         """The most prompt tokens that fit the target when ``cached_tokens`` of them are cached,
         or None if not even one new token fits."""
-        new = self.ctx.profile.max_new_tokens(self.ctx.target_s - extra_s, cached_tokens)
+        profile = self.ctx.profile
+        new = profile.max_new_tokens(self.ctx.target_s - extra_s, cached_tokens)
+        # the inverse is found by bisection on seconds; agree exactly with the forward prediction
+        for _ in range(2):
+            if profile.predict_ttft_s(new + 1, cached_tokens) + extra_s <= self.ctx.target_s:
+                new += 1
         return cached_tokens + new if new > 0 else None
 
     def offset_of(self, candidate: Candidate, index: int) -> int:
@@ -534,7 +554,8 @@ class Plan:
     when nothing changes and there are no chunks.
 
     ``passthrough`` is True when nothing was trimmed (with ``rag_chunks``, every chunk is placed
-    into a copy of the last user message). ``feasible`` is True when ``predicted_ttft_s`` fits
+    into a copy of the last user message). ``kept_chunks`` are placed in this order; an excerpt
+    keeps its chunk's id and carries ``metadata["excerpt"]`` (see :attr:`excerpted_chunks`). ``feasible`` is True when ``predicted_ttft_s`` fits
     the budget less the safety margin; ``minimal`` when the minimal prompt (system messages and
     the last user turn) was used. Every removed or summarized message and every dropped chunk
     is named by some :class:`Action`.
@@ -570,6 +591,11 @@ class Plan:
         """The budget less the safety margin: what the prediction had to fit."""
         return self.budget_s * (1.0 - self.safety_margin)
 
+    @property
+    def excerpted_chunks(self) -> tuple[str, ...]:
+        """Ids of the chunks kept as excerpts rather than whole."""
+        return tuple(str(c.id) for c in self.kept_chunks if "excerpt" in c.metadata)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (without the messages themselves; chunks by id)."""
         return {
@@ -588,6 +614,7 @@ class Plan:
             "message_count": len(self.messages),
             "actions": [a.to_dict() for a in self.actions],
             "kept_chunks": [c.id for c in self.kept_chunks],
+            "excerpted_chunks": list(self.excerpted_chunks),
             "dropped_chunks": [c.id for c in self.dropped_chunks],
             "removed_message_indices": list(self.removed_message_indices),
             "summarized_message_indices": list(self.summarized_message_indices),
@@ -622,116 +649,6 @@ def _default_strategies() -> Any:
     return default_strategies()
 
 
-def _chunk_room(state: PlanState) -> tuple[list[Chunk], int | None]:
-    """The chunks ``cap_rag_chunks`` dropped that are still out (most relevant first), and the
-    most prompt tokens the target allows with chunks in place (None: not even one new token)."""
-    ctx = state.ctx
-    c = state.candidate
-    dropped_ids = {cid for a in state.actions if a.strategy == "cap_rag_chunks" for cid in a.removed_chunks}
-    kept_ids = {ch.id for ch in c.kept_chunks}
-    dropped = [ch for ch in ctx.chunks if ch.id in dropped_ids and ch.id not in kept_ids]
-    if not dropped:
-        return dropped, None
-    placed = attrs.evolve(c, kept_chunks=c.kept_chunks or (dropped[0],))
-    # whatever chunks are placed, the cache can hold at most what precedes the last user message
-    cached = min(state.estimate(placed).cached_tokens, state.offset_of(c, ctx.last_user))
-    return dropped, state.token_allowance(cached, c.extra_s)
-
-
-def _refill_chunks(state: PlanState, exact_tokens: int) -> tuple[PlanState, int]:
-    """Re-add chunks that ``cap_rag_chunks`` dropped, most relevant first, where they fit after all.
-
-    Chunks are capped before history is trimmed, so trimming history may leave room for some;
-    and additive estimates can be a token or two pessimistic. Chunks that may fit by estimate
-    are added, one exact count confirms, and the least relevant go again until it fits.
-    """
-    ctx = state.ctx
-    c = state.candidate
-    dropped, allowance = _chunk_room(state)
-    if not dropped or allowance is None:
-        return state, exact_tokens
-    kept_ids = {ch.id for ch in c.kept_chunks}
-    # add every chunk that might fit by estimate, then let exact counts back off the least relevant
-    tentative: list[Chunk] = []
-    base_chunk_tokens = ctx.chunk_tokens(c.kept_chunks)
-    for ch in dropped:
-        ids = kept_ids | {x.id for x in tentative} | {ch.id}
-        delta = ctx.chunk_tokens([x for x in ctx.chunks if x.id in ids]) - base_chunk_tokens
-        if exact_tokens + delta - _CHUNK_TOLERANCE_TOKENS <= allowance:
-            tentative.append(ch)
-    tokens_before = exact_tokens
-    while tentative:
-        ids = kept_ids | {x.id for x in tentative}
-        trial = attrs.evolve(c, kept_chunks=tuple(x for x in ctx.chunks if x.id in ids))  # most relevant first
-        exact = ctx.exact_tokens(trial)
-        if _predict(ctx, exact, ctx.cached_for(ctx.layout(trial), exact), c.extra_s) <= ctx.target_s:
-            c, exact_tokens = trial, exact
-            break
-        tentative.pop()
-    readded = [str(x.id) for x in tentative]
-    if not readded:
-        return state, exact_tokens
-    action = Action(
-        strategy="refill_chunks",
-        summary=f"re-added {len(readded)} chunk(s) that fit after trimming: {', '.join(readded)}",
-        tokens_before=tokens_before,
-        tokens_after=exact_tokens,
-        detail={"readded_chunks": readded},
-    )
-    return state.apply(c, action), exact_tokens
-
-
-#: the least room, in tokens, worth filling with the leading sentences of a dropped chunk
-MIN_PARTIAL_CHUNK_TOKENS = 32
-
-
-def _partial_chunk(state: PlanState, exact_tokens: int) -> tuple[PlanState, int]:
-    """Fill the room left after whole chunks with the leading sentences of the most relevant
-    dropped chunk — cut at a sentence boundary, never mid-sentence, and reported as cut.
-
-    Whole chunks are coarse (often 150–250 tokens); under a tight budget the room they leave
-    would otherwise go unused.
-    """
-    from trimkit.summarize import _sentences
-
-    ctx = state.ctx
-    c = state.candidate
-    dropped, allowance = _chunk_room(state)
-    if not dropped or allowance is None or allowance - exact_tokens < MIN_PARTIAL_CHUNK_TOKENS:
-        return state, exact_tokens
-    best = dropped[0]
-    sentences = _sentences(best.text)
-    if len(sentences) < 2:
-        return state, exact_tokens
-    base = ctx.chunk_tokens(c.kept_chunks)
-    chosen: tuple[Chunk, int] | None = None
-    lo, hi = 1, len(sentences) - 1  # the most leading sentences whose estimate fits
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        part = attrs.evolve(best, text=" ".join(sentences[:mid]))
-        delta = ctx.chunk_tokens((*c.kept_chunks, part)) - base
-        if exact_tokens + delta + _CHUNK_TOLERANCE_TOKENS <= allowance:
-            chosen, lo = (part, mid), mid + 1
-        else:
-            hi = mid - 1
-    while chosen is not None:
-        part, n = chosen
-        trial = attrs.evolve(c, kept_chunks=(*c.kept_chunks, part))
-        exact = ctx.exact_tokens(trial)
-        if _predict(ctx, exact, ctx.cached_for(ctx.layout(trial), exact), c.extra_s) <= ctx.target_s:
-            action = Action(
-                strategy="partial_chunk",
-                summary=f"kept the first {n} of {len(sentences)} sentences of {best.id} (cut at a sentence boundary) "
-                f"in the room left: +{exact - exact_tokens:,} tokens",
-                tokens_before=exact_tokens,
-                tokens_after=exact,
-                detail={"chunk": str(best.id), "sentences_kept": n, "sentences": len(sentences)},
-            )
-            return state.apply(trial, action), exact
-        chosen = (attrs.evolve(best, text=" ".join(sentences[: n - 1])), n - 1) if n > 1 else None
-    return state, exact_tokens
-
-
 def _predict(ctx: _Context, tokens: int, cached: int, extra_s: float) -> float:
     cached = max(0, min(cached, tokens - 1))
     return float(ctx.profile.predict_ttft_s(tokens - cached, cached) + extra_s)
@@ -744,7 +661,7 @@ def _finish(
     c = state.candidate
     cached = ctx.cached_for(ctx.layout(c), exact_tokens)  # at most exact_tokens - 1
     kept_ids = {ch.id for ch in c.kept_chunks}
-    passthrough = not c.gone and c.summary is None and len(c.kept_chunks) == len(ctx.chunks)
+    passthrough = not c.gone and c.summary is None and c.kept_chunks == ctx.chunks
     return Plan(
         messages=ctx.build(c),
         passthrough=passthrough,
@@ -807,26 +724,40 @@ def plan(
     rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
     on_infeasible: str = "best_effort",
     clock: Callable[[], float] = time.perf_counter,
+    values: Any = None,
+    safety_margin: float | None = None,
+    max_prompt_tokens: int | None = None,
 ) -> Plan:
-    """Decide what to send so the predicted TTFT fits ``ttft_budget_s`` (less the profile's safety margin).
+    """Decide what to send so the predicted TTFT fits ``ttft_budget_s`` less the safety margin.
 
     Use it before every request (the wrapper does); it is pure and cheap — it never mutates
-    ``messages`` or ``rag_chunks`` and tokenizes only text it has not seen.
+    ``messages`` or ``rag_chunks`` and tokenizes only text it has not seen. Under budget the
+    request passes through as it is. Over budget, the engine (:mod:`trimkit.engine`) keeps the
+    history turns, summary, chunks and chunk excerpts with the most *value* (:mod:`trimkit.values`:
+    relevance to the question, recency) whose predicted TTFT fits; the strategies say what may
+    change.
 
     - ``cached_tokens``: how many leading tokens of ``messages`` as given (without chunks) the
       engine already holds in its KV cache. A candidate that edits message ``i`` keeps at most
       the tokens before ``i`` cached.
     - ``cache_probe(messages) -> int``: optional exact cached count for a concrete list; called
-      at most twice per plan (memoised): by ``reuse_prefix`` when ``cached_tokens`` is 0, by
-      ``summarize_history`` for a prompt carrying a cached summary, and for a final prompt
-      whose history was edited.
+      at most twice per plan (memoised): by ``reuse_prefix`` when ``cached_tokens`` is 0, for a
+      prompt carrying a cached summary or the previous cut, and for a final prompt whose history
+      was edited.
     - ``rag_chunks`` go into the last user message, most relevant first (caller scores if every
-      chunk has one, else BM25 against the question), whole: a chunk is kept or dropped.
-    - ``summaries``: precomputed summaries (:func:`~trimkit.summarize.summary_job`) that
-      ``summarize_history`` may use.
+      chunk has one, else BM25 blended with the retriever's order); each is kept whole, kept as
+      an excerpt (the sentences matching the question, marked as such) or dropped.
+    - ``summaries``: precomputed summaries (:func:`~trimkit.summarize.summary_job`) that may
+      stand in for the oldest turns.
     - ``strategies``: a strategy, a chain or a list; default
-      ``reuse_prefix() + cap_rag_chunks() + summarize_history() + drop_oldest_turns()``. If they
-      cannot make the prompt fit, the minimal prompt is used when it fits.
+      ``reuse_prefix() + cap_rag_chunks() + summarize_history() + drop_oldest_turns()``. If
+      nothing they allow fits, the minimal prompt (system messages and the last user turn) is
+      used when it fits.
+    - ``values``: a :class:`~trimkit.values.ValueModel` (default: the most relevant chunk
+      outranks old history).
+    - ``safety_margin``: the share of the budget held back (default: the profile's).
+    - ``max_prompt_tokens``: the most prompt tokens the context window takes (``n_ctx`` less
+      ``max_tokens``); the plan keeps the prompt within it too.
     - ``on_infeasible``: ``"best_effort"`` returns the minimal plan with ``feasible=False``;
       ``"raise"`` raises :class:`~trimkit.errors.InfeasibleBudgetError` carrying it.
     """
@@ -836,8 +767,14 @@ def plan(
         raise InvalidInputError("cache_probe must be callable or None")
     if summaries is not None and not isinstance(summaries, SummaryCache):
         raise InvalidInputError(f"summaries must be a SummaryCache or None, got {type(summaries).__name__}")
+    from trimkit.engine import solve
     from trimkit.strategies import chain
+    from trimkit.values import ValueModel
 
+    if values is None:
+        values = ValueModel()
+    elif not isinstance(values, ValueModel):
+        raise InvalidInputError(f"values must be a trimkit.values.ValueModel or None, got {type(values).__name__}")
     pipeline = chain(_default_strategies() if strategies is None else strategies)
     started = clock()
     state0 = PlanState.start(  # validates the rest before any work
@@ -853,45 +790,53 @@ def plan(
         rag_template=rag_template,
         rag_chunk_template=rag_chunk_template,
         clock=clock,
+        safety_margin=safety_margin,
+        max_prompt_tokens=max_prompt_tokens,
     )
     ctx = state0.ctx
     tokens_before = ctx.exact_tokens(state0.candidate)
     before = (tokens_before, _predict(ctx, tokens_before, state0.prediction.cached_tokens, 0.0))
-    if before[1] <= ctx.target_s:
+    if _fits(ctx, tokens_before, before[1]):
         return _finish(state0, exact_tokens=tokens_before, before=before, minimal=False, feasible=True, started=started)
 
     for _attempt in range(3):
-        state = pipeline(PlanState(ctx, state0.candidate))
-        if not state.fits:
-            break
+        state = solve(PlanState(ctx, state0.candidate), pipeline.strategies, values)
         c = state.candidate
+        if c == state0.candidate and not state.fits:
+            break  # nothing the strategies allow fits
         if (c.gone or c.summary is not None) and ctx.cache_probe is not None:
             ctx.probe(c)  # history was edited: learn the real cached prefix of what will be sent
         exact = ctx.exact_tokens(c)
-        cached = ctx.cached_for(ctx.layout(c), exact)
-        if _predict(ctx, exact, cached, c.extra_s) <= ctx.target_s:
-            state, exact = _refill_chunks(state, exact)
-            state, exact = _partial_chunk(state, exact)
+        predicted = _predict(ctx, exact, ctx.cached_for(ctx.layout(c), exact), c.extra_s)
+        if _fits(ctx, exact, predicted):
             return _finish(state, exact_tokens=exact, before=before, minimal=False, feasible=True, started=started)
+        if not state.fits:
+            break
         # estimates were optimistic by a few tokens (template boundaries): plan again, stricter
         ctx.correction += max(exact - state.prediction.prompt_tokens, 1)
     ctx.correction = 0
 
     smallest = _minimal(state0)
     exact = ctx.exact_tokens(smallest)
-    feasible = _predict(ctx, exact, ctx.cached_for(ctx.layout(smallest), exact), 0.0) <= ctx.target_s
+    feasible = _fits(ctx, exact, _predict(ctx, exact, ctx.cached_for(ctx.layout(smallest), exact), 0.0))
     reason = "the strategies could not meet the budget" if feasible else "budget infeasible"
     minimal = _minimal_state(state0, smallest, reason)
     result = _finish(minimal, exact_tokens=exact, before=before, minimal=True, feasible=feasible, started=started)
     if feasible:
         log.warning("trimkit: strategies could not meet the %.3f s budget; sent the minimal prompt", ctx.budget_s)
         return result
+    over_ctx = ctx.max_prompt_tokens is not None and exact > ctx.max_prompt_tokens
     message = (
         f"TTFT budget {ctx.budget_s:.3f} s cannot be met: even the minimal prompt (system messages and the last "
         f"user turn, {exact} tokens) is predicted at {result.predicted_ttft_s:.3f} s, over the "
         f"{ctx.target_s:.3f} s target ({ctx.safety_margin:.0%} safety margin)"
+        + (f", and over the context window's {ctx.max_prompt_tokens} prompt tokens" if over_ctx else "")
     )
     if on_infeasible == "raise":
         raise InfeasibleBudgetError(message, plan=result)
     log.warning("trimkit: %s; sending it anyway (best effort)", message)
     return result
+
+
+def _fits(ctx: _Context, tokens: int, predicted_s: float) -> bool:
+    return predicted_s <= ctx.target_s and (ctx.max_prompt_tokens is None or tokens <= ctx.max_prompt_tokens)

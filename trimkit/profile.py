@@ -14,8 +14,10 @@ import logging
 import math
 import numbers
 import os
+import statistics
 import tempfile
 import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,15 @@ class ProfileKey:
         return cls(**{f.name: data[f.name] for f in attrs.fields(cls) if f.name in data})
 
 
+def _pairs(value: Any) -> tuple[tuple[float, float], ...]:
+    """(predicted, measured) pairs as a tuple of float 2-tuples (JSON gives lists)."""
+    out = []
+    for pair in value:
+        p, m = pair
+        out.append((real_float(p), real_float(m)))
+    return tuple(out)
+
+
 @attrs.frozen
 class Profile:
     """A measured prefill profile. Use :meth:`predict_ttft_s` to predict a request's TTFT.
@@ -81,6 +92,10 @@ class Profile:
     quick: bool = False
     created_at: float = 0.0
     drift: float = 1.0
+    #: calibration's held-out residuals: (predicted, measured) prefill seconds per calibration
+    #: sample, each predicted by a fit without its probe; they seed the learned safety margin
+    #: (:mod:`trimkit.margin`). Empty for profiles stored before they were kept.
+    residuals: tuple[tuple[float, float], ...] = attrs.field(default=(), converter=_pairs, repr=False)
 
     def __attrs_post_init__(self) -> None:
         non_negative_finite(self.first_token_s, "first_token_s")
@@ -144,6 +159,7 @@ class Profile:
             "quick": self.quick,
             "created_at": self.created_at,
             "drift": self.drift,
+            "residuals": [list(pair) for pair in self.residuals],
         }
 
     @classmethod
@@ -162,6 +178,7 @@ class Profile:
             quick=bool(data.get("quick", False)),
             created_at=data.get("created_at", 0.0),
             drift=data.get("drift", 1.0),
+            residuals=data.get("residuals", ()),
         )
 
 
@@ -219,24 +236,53 @@ def _is_count(value: Any) -> bool:
 class LiveProfile:
     """A profile that follows the machine: live prefill measurements adjust its predictions.
 
-    Each measured request contributes (predicted, measured); an exponentially weighted mean of
-    the log ratio becomes the profile's ``drift`` factor, and every ``refit_every`` observations
-    the model is refitted on calibration plus recent live samples. Thread-safe.
+    Each measured request contributes the ratio measured / predicted prefill (the model's
+    prediction before drift, clipped to 0.2–5). The profile's ``drift`` factor is the median of
+    the last ``drift_window`` (5) ratios; while fewer have been seen, the missing ones count as
+    the starting drift. So a step change in the host's speed is followed exactly after 3
+    requests (3 of the 5 agree), while one or two outliers among the last five move it at most
+    to a neighbouring ratio. Every ``refit_every`` observations the model is refitted on
+    calibration plus recent live samples and kept only if it explains the live samples better
+    than model × drift; drift is then measured against the refit. Thread-safe.
+
+    ``alpha`` is accepted for compatibility and ignored (drift used to be an exponentially
+    weighted mean, which needed ~10 requests to follow a 30 % change of speed).
     """
 
-    def __init__(self, profile: Profile, *, alpha: float = 0.2, refit_every: int = 16, keep_live: int = 64) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        *,
+        alpha: float | None = None,
+        refit_every: int = 16,
+        keep_live: int = 64,
+        drift_window: int = 5,
+    ) -> None:
+        if not (_is_count(drift_window) and drift_window >= 1):
+            raise ValueError(f"drift_window must be an int >= 1, got {drift_window!r}")
         self._profile = profile
-        self._alpha = alpha
         self._refit_every = refit_every
         self._keep_live = keep_live
         self._live: list[PrefillSample] = []
-        self._log_drift = math.log(profile.drift)
+        self._recent: deque[PrefillSample] = deque(maxlen=drift_window)
+        self._window = drift_window
+        self._prior_log_drift = math.log(profile.drift)  # stands in for ratios not yet seen
         self._seen = 0
         self._lock = threading.Lock()
 
     @property
     def current(self) -> Profile:
         return self._profile
+
+    def _log_drift(self, model: CostModel) -> float:
+        """The median log ratio measured / ``model`` over the recent samples, padded with the prior."""
+        logs = []
+        for s in self._recent:
+            base = model.prefill_s(s.new_tokens, s.cached_tokens)
+            if base > 0:
+                logs.append(math.log(min(max(s.seconds / base, 0.2), 5.0)))
+        logs += [self._prior_log_drift] * (self._window - len(logs))
+        return statistics.median(logs)
 
     def observe(self, new_tokens: int, cached_tokens: int, measured_prefill_s: float) -> None:
         """Feed one measured prefill back. Unusable measurements (no tokens, a negative or
@@ -250,27 +296,27 @@ class LiveProfile:
             return
         sample = PrefillSample(int(new_tokens), int(cached_tokens), float(measured_prefill_s), source="live")
         with self._lock:
-            base = self._profile.model.prefill_s(sample.new_tokens, sample.cached_tokens)
-            if base <= 0:
+            model = self._profile.model
+            if model.prefill_s(sample.new_tokens, sample.cached_tokens) <= 0:
                 return
-            ratio = min(max(sample.seconds / base, 0.2), 5.0)
-            self._log_drift = (1 - self._alpha) * self._log_drift + self._alpha * math.log(ratio)
+            self._recent.append(sample)
             self._live.append(sample)
             self._live = self._live[-self._keep_live :]
             self._seen += 1
-            model = self._profile.model
+            log_drift = self._log_drift(model)
             if self._seen % self._refit_every == 0:
                 from trimkit.costmodel import fit_cost_model
 
                 calib = [s for s in self._profile.samples if s.source == "calibration"]
                 refit = fit_cost_model(calib + self._live, n_batch=model.n_batch, batched=model.per_batch_s > 0)
                 # keep the refit only if it explains the live samples better than model × drift
-                old_err = error_stats((model.prefill_s(s.new_tokens, s.cached_tokens) * math.exp(self._log_drift), s.seconds) for s in self._live)
+                old_err = error_stats((model.prefill_s(s.new_tokens, s.cached_tokens) * math.exp(log_drift), s.seconds) for s in self._live)
                 new_err = error_stats((refit.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in self._live)
                 if new_err.median_pct < old_err.median_pct:
                     model = refit
-                    self._log_drift = 0.0
-            self._profile = attrs.evolve(self._profile, model=model, drift=math.exp(self._log_drift))
+                    self._prior_log_drift = 0.0  # the refit absorbed the drift seen so far
+                    log_drift = self._log_drift(model)
+            self._profile = attrs.evolve(self._profile, model=model, drift=math.exp(log_drift))
 
     @property
     def observations(self) -> int:
@@ -279,4 +325,5 @@ class LiveProfile:
 
     @property
     def live_samples(self) -> Sequence[PrefillSample]:
-        return tuple(self._live)
+        with self._lock:
+            return tuple(self._live)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from trimkit.messages import Chunk
 
-__all__ = ["STOPWORDS", "words", "bm25_scores", "rank_chunks"]
+__all__ = ["STOPWORDS", "words", "bm25_scores", "split_sentences", "chunk_relevance", "rank_chunks"]
 
 #: Very common English words that carry no topic. Kept short on purpose: BM25's IDF already
 #: discounts frequent words; this list only removes the ones that dominate short questions.
@@ -28,6 +28,7 @@ STOPWORDS = frozenset(
 )
 
 _WORD = re.compile(r"\w+", re.UNICODE)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 
 
 def words(text: str) -> list[str]:
@@ -67,17 +68,41 @@ def bm25_scores(query: str, documents: Sequence[str], *, k1: float = 1.5, b: flo
     return scores
 
 
-def rank_chunks(chunks: Sequence[Chunk], question: str) -> tuple[Chunk, ...]:
-    """``chunks`` ordered most relevant first; ties keep the caller's order.
+def split_sentences(text: str) -> list[str]:
+    """``text`` cut into sentences (after ``.``, ``!`` or ``?`` followed by space, and at line breaks)."""
+    return [s.strip() for s in _SENTENCE_END.split(text) if s and s.strip()]
 
-    If every chunk carries a caller ``score``, those scores are used; otherwise every chunk is
-    scored with BM25 against ``question`` (mixing two score scales would be meaningless).
+
+def chunk_relevance(chunks: Sequence[Chunk], question: str, order_weight: float = 0.25) -> list[float]:
+    """Relevance of each chunk in ``[0, 1]`` (1: the most relevant), in the caller's order.
+
+    If every chunk carries a caller ``score``, those scores are used (min–max normalised; mixing
+    two score scales would be meaningless). Otherwise BM25 against ``question`` is blended with
+    the retriever's order (the order the chunks were passed in), ``order_weight`` for the order.
     """
+    n = len(chunks)
+    if n == 0:
+        return []
+    if all(c.score is not None for c in chunks):
+        return _normalise([float(c.score) for c in chunks])  # type: ignore[arg-type]
+    order = [1.0 - i / n for i in range(n)]
+    bm25 = bm25_scores(question, [c.text for c in chunks])
+    top = max(bm25)
+    lexical = [s / top for s in bm25] if top > 0 else order
+    return [(1.0 - order_weight) * b + order_weight * o for b, o in zip(lexical, order, strict=True)]
+
+
+def _normalise(scores: Sequence[float]) -> list[float]:
+    lo, hi = min(scores), max(scores)
+    if hi - lo <= 1e-12 * max(abs(hi), 1.0):
+        return [1.0] * len(scores)
+    return [(s - lo) / (hi - lo) for s in scores]
+
+
+def rank_chunks(chunks: Sequence[Chunk], question: str, order_weight: float = 0.25) -> tuple[Chunk, ...]:
+    """``chunks`` ordered most relevant first (:func:`chunk_relevance`); ties keep the caller's order."""
     if not chunks:
         return ()
-    if all(c.score is not None for c in chunks):
-        scores = [float(c.score) for c in chunks]  # type: ignore[arg-type]
-    else:
-        scores = bm25_scores(question, [c.text for c in chunks])
-    order = sorted(range(len(chunks)), key=lambda i: (-scores[i], i))
+    rel = chunk_relevance(chunks, question, order_weight)
+    order = sorted(range(len(chunks)), key=lambda i: (-rel[i], i))
     return tuple(chunks[i] for i in order)

@@ -52,6 +52,7 @@ class Report:
     ``predicted_ttft_s`` is the prediction for the prompt actually sent;
     ``predicted_ttft_before_s`` the prediction for the prompt as the caller gave it.
     ``cached_tokens`` / ``evaluated_tokens`` are the engine's word when it gives one.
+    ``safety_margin`` is the fraction of the budget the plan held back (None without a budget).
     """
 
     backend: str
@@ -70,6 +71,7 @@ class Report:
     warnings: tuple[str, ...] = ()
     decode_params: Mapping[str, Any] = attrs.field(factory=dict)
     model: str = ""
+    safety_margin: float | None = None
 
     # -- derived figures ------------------------------------------------------------------------
     @property
@@ -153,7 +155,10 @@ class Report:
             met = self.budget_met
             verdict = "n/a" if met is None else ("met" if met else "MISSED")
             feas = "" if self.feasible in (None, True) else " — infeasible: even the minimal prompt cannot fit; sent the best achievable"
-            out.append(f"  budget     {self.ttft_budget_s:.3f} s → {verdict}{feas}")
+            margin = ""
+            if self.safety_margin is not None and math.isfinite(self.safety_margin):
+                margin = f" · safety margin {self.safety_margin * 100:.1f} % (planned to {self.ttft_budget_s * (1 - self.safety_margin):.3f} s)"
+            out.append(f"  budget     {self.ttft_budget_s:.3f} s → {verdict}{margin}{feas}")
         pred = _fmt_s(self.predicted_ttft_s)
         if self.predicted_ttft_before_s is not None and self.trimmed:
             pred += f" (before trimming {_fmt_s(self.predicted_ttft_before_s)})"
@@ -219,6 +224,7 @@ class Report:
             "backend": self.backend,
             "model": self.model,
             "ttft_budget_s": self.ttft_budget_s,
+            "safety_margin": self.safety_margin,
             "budget_met": self.budget_met,
             "feasible": self.feasible,
             "predicted_ttft_s": self.predicted_ttft_s,

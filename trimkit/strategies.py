@@ -1,21 +1,25 @@
-"""Trimming strategies: small frozen callables the planner runs in order until the prompt fits.
+"""Trimming strategies: small frozen objects that say what the planner may change.
 
-A strategy takes the one :class:`~trimkit.planner.PlanState` and returns a new state
-(``state.apply(candidate, action)``) or None for "nothing to do". Each does the *least* it can
-to make the prediction fit — the planner stops as soon as it does — and records what it
-removed in an :class:`~trimkit.planner.Action`. Compose them with ``+`` or :func:`chain`
-(nested chains flatten)::
+A strategy looks at the one :class:`~trimkit.planner.PlanState` and returns a
+:class:`~trimkit.engine.Proposal` from ``propose(state)``: history turns that may be dropped,
+chunks that may be dropped or cut to excerpts, a summary or an earlier cut that may stand in
+for the oldest turns. The engine (:mod:`trimkit.engine`) then keeps the most *value* whose
+predicted TTFT fits — the order of strategies does not decide what goes. Whatever no strategy
+offers stays. Compose them with ``+`` or :func:`chain` (nested chains flatten)::
 
     strategies = reuse_prefix() + cap_rag_chunks(min_chunks=1) + drop_oldest_turns(keep_last_turns=2)
 
-The default, cheapest and least lossy first (DESIGN.md)::
+The default::
 
     reuse_prefix() + cap_rag_chunks() + summarize_history() + drop_oldest_turns()
 
 To write your own, subclass :class:`Strategy` (a frozen attrs class with a ``name``) and
-implement ``__call__``; build a state for its tests with ``PlanState.start(...)``. Strategies
-work on whole turns (:func:`~trimkit.messages.turn_spans`), so tool calls and their results
-stay together; system messages and the last user turn are never candidates.
+implement ``propose``; build a state for its tests with ``PlanState.start(...)``. A strategy
+that instead overrides ``__call__(state)`` to return ``state.apply(candidate, action)`` edits
+the prompt itself; the engine applies such edits, in order, before it chooses. Calling any
+strategy, ``strategy(state)``, plans with that strategy alone. Strategies work on whole turns
+(:func:`~trimkit.messages.turn_spans`), so tool calls and their results stay together; system
+messages and the last user turn are never candidates.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ import attrs
 
 from trimkit._validate import count as _check_count
 from trimkit.errors import InvalidInputError
-from trimkit.planner import Action, Candidate, PlanState
+from trimkit.engine import Lead, Proposal, solve
+from trimkit.planner import Action, PlanState
 from trimkit.summarize import ExtractiveSummarizer, Summarizer, Summary, make_summary
+from trimkit.values import ValueModel
 
 __all__ = [
     "Strategy",
@@ -47,15 +53,24 @@ __all__ = [
 log = logging.getLogger("trimkit")
 
 
-class Strategy(abc.ABC):
-    """One way to make a prompt cheaper. ``__call__(state)`` returns a new state or None."""
+class Strategy(abc.ABC):  # noqa: B024 - a strategy implements propose() or __call__()
+    """One way to make a prompt cheaper: ``propose(state)`` says what the engine may change."""
 
     __slots__ = ()
     name: ClassVar[str] = "strategy"
 
-    @abc.abstractmethod
+    def propose(self, state: PlanState) -> Proposal | None:
+        """What this strategy allows the engine to change in ``state`` (None: nothing)."""
+        return None
+
     def __call__(self, state: PlanState) -> PlanState | None:
-        """Return ``state.apply(candidate, action)`` for a cheaper candidate, or None."""
+        """Plan ``state`` with this strategy alone: the state the engine reaches, or None when
+        nothing changes."""
+        strategies = list(self) if isinstance(self, Chain) else [self]
+        out = solve(state, strategies, ValueModel())
+        if out.candidate == state.candidate and out.actions == state.actions:
+            return None
+        return out
 
     def __add__(self, other: Strategy | Iterable[Strategy]) -> Chain:
         return chain(self, other)
@@ -70,17 +85,10 @@ def _positive_count(instance: Any, attribute: Any, value: Any) -> None:
 
 @attrs.frozen
 class Chain(Strategy):
-    """Strategies run in order, each only while the prediction is still over the target."""
+    """Strategies planned together: the engine combines what each allows."""
 
     strategies: tuple[Strategy, ...]
     name: ClassVar[str] = "chain"
-
-    def __call__(self, state: PlanState) -> PlanState:
-        for strategy in self.strategies:
-            if state.fits:
-                break
-            state = strategy(state) or state
-        return state
 
     def __iter__(self) -> Iterator[Strategy]:
         return iter(self.strategies)
@@ -111,7 +119,7 @@ def chain(*strategies: Strategy | Iterable[Strategy]) -> Chain:
 
 def default_strategies(keep_cut: int | None = None) -> Chain:
     """``reuse_prefix() + cap_rag_chunks() + summarize_history() + drop_oldest_turns()``;
-    with ``keep_cut``, :class:`keep_cached_cut` (``first_kept=keep_cut``) runs before dropping."""
+    with ``keep_cut``, :class:`keep_cached_cut` (``first_kept=keep_cut``) too."""
     cut = (keep_cached_cut(keep_cut),) if keep_cut is not None else ()
     return chain(reuse_prefix(), cap_rag_chunks(), summarize_history(), *cut, drop_oldest_turns())
 
@@ -128,18 +136,6 @@ def _indices(turns: Iterable[tuple[int, int]]) -> frozenset[int]:
     return frozenset(i for s, e in turns for i in range(s, e))
 
 
-def _span_text(indices: Iterable[int]) -> str:
-    """``[1, 2, 3, 5]`` → ``"1–3, 5"``."""
-    ordered = sorted(indices)
-    runs: list[list[int]] = []
-    for i in ordered:
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return ", ".join(f"{r[0]}–{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
-
-
 @attrs.frozen
 class reuse_prefix(Strategy):
     """Count the KV-cache prefix exactly; removes nothing.
@@ -147,13 +143,12 @@ class reuse_prefix(Strategy):
     Use it first: it costs no quality. When the wrapper could not say how many tokens are
     cached (``cached_tokens=0``) but gave a ``cache_probe``, it asks the engine once; if more
     is cached than estimated, the prediction drops — possibly under the budget, and then
-    nothing else is trimmed. Otherwise it does nothing (the planner already counts
-    ``cached_tokens`` and the cache an edit keeps).
+    nothing is trimmed. The cache an edit keeps is counted by the engine in any case.
     """
 
     name: ClassVar[str] = "reuse_prefix"
 
-    def __call__(self, state: PlanState) -> PlanState | None:
+    def propose(self, state: PlanState) -> Proposal | None:
         if state.caller_cached_tokens > 0:
             return None
         before = state.prediction
@@ -162,7 +157,7 @@ class reuse_prefix(Strategy):
         after = state.estimate(state.candidate)
         if after.cached_tokens <= before.cached_tokens:
             return None
-        action = Action(
+        note = Action(
             strategy=self.name,
             summary=f"{after.cached_tokens:,} of {after.prompt_tokens:,} prompt tokens are already in the KV cache: "
             f"predicted TTFT {before.ttft_s:.3f} s → {after.ttft_s:.3f} s, nothing removed",
@@ -170,66 +165,51 @@ class reuse_prefix(Strategy):
             tokens_after=after.prompt_tokens,
             detail={"cached_tokens": after.cached_tokens, "probed": True},
         )
-        return state.apply(state.candidate, action)
+        return Proposal(notes=(note,))
 
 
 @attrs.frozen
 class cap_rag_chunks(Strategy):
-    """Keep the most relevant RAG chunks that fit; drop the rest whole.
+    """Let the engine drop retrieved chunks, or cut them to excerpts, by value per predicted second.
 
-    Use it when a request carries ``rag_chunks``: chunks are this turn's most volatile text,
-    at the end of the prompt, so dropping them never costs the cached prefix. Chunks are added
-    most relevant first while the prediction fits (a less relevant but shorter chunk may still
-    fit after a longer one did not); the first ``min_chunks`` are always kept.
+    Use it when a request carries ``rag_chunks``: chunks are this turn's most volatile text, at
+    the end of the prompt, so dropping them never costs the cached prefix. A chunk is kept
+    whole, kept as an excerpt (with ``excerpts=True``: the sentences matching the question,
+    with their neighbours, marked as an excerpt) or dropped; the ``min_chunks`` most relevant
+    are always kept whole.
     """
 
     min_chunks: int = attrs.field(default=0, validator=lambda i, a, v: _check_count(v, a.name, minimum=0))
+    excerpts: bool = True
     name: ClassVar[str] = "cap_rag_chunks"
 
-    def __call__(self, state: PlanState) -> PlanState | None:
-        c = state.candidate
-        ranked = c.kept_chunks
-        if len(ranked) <= self.min_chunks:
+    def propose(self, state: PlanState) -> Proposal | None:
+        ranked = [str(c.id) for c in state.chunks]
+        kept = {str(c.id) for c in state.candidate.kept_chunks}
+        droppable = frozenset(cid for cid in ranked[self.min_chunks :] if cid in kept)
+        if not droppable:
             return None
-        bare = attrs.evolve(c, kept_chunks=())
-        bare_tokens = state.estimate(bare).prompt_tokens
-        # whatever chunks are placed, the cache can hold at most what precedes the last user message
-        with_chunks = attrs.evolve(c, kept_chunks=ranked[:1])
-        cached = min(state.estimate(with_chunks).cached_tokens, state.offset_of(bare, state.last_user_index))
-        allowance = state.token_allowance(cached, c.extra_s)
-        kept = list(ranked[: self.min_chunks])
-        for chunk in ranked[self.min_chunks :]:
-            if allowance is not None and bare_tokens + state.chunk_tokens([*kept, chunk]) <= allowance:
-                kept.append(chunk)
-        if len(kept) == len(ranked):
-            return None
-        new = attrs.evolve(c, kept_chunks=tuple(kept))
-        kept_ids = {k.id for k in kept}
-        dropped = tuple(str(ch.id) for ch in ranked if ch.id not in kept_ids)
-        after = state.estimate(new)
-        action = Action(
-            strategy=self.name,
-            summary=f"kept {len(kept)} of {len(ranked)} chunks (most relevant first); dropped {', '.join(dropped)}",
-            removed_chunks=dropped,
-            tokens_before=state.prediction.prompt_tokens,
-            tokens_after=after.prompt_tokens,
-            detail={"kept": [str(k.id) for k in kept], "dropped": list(dropped)},
-        )
-        return state.apply(new, action)
+        return Proposal(droppable_chunks=droppable, excerpt_chunks=droppable if self.excerpts else frozenset())
+
+
+#: cached summaries (the longest prefixes) offered to the engine per request
+MAX_SUMMARIES = 3
 
 
 @attrs.frozen
 class summarize_history(Strategy):
-    """Replace the oldest turns with a summary appended to the system message.
+    """Offer a summary of the oldest turns, appended to the system message, in their place.
 
     Use it to keep the gist of a long conversation instead of losing it. By default it only
-    uses a summary already in the plan's ``summaries`` cache (computed off the critical path,
-    see :func:`~trimkit.summarize.summary_job`) and does nothing when none is ready. With
-    ``inline=True`` it computes one now with ``summarizer`` (default
-    :class:`~trimkit.summarize.ExtractiveSummarizer`), covering the fewest oldest turns that
-    make room, and the time that takes counts against the budget. The newest
-    ``keep_last_turns`` turns (the current one included) are never summarized. It only acts on
-    untouched history, so run it before strategies that remove turns.
+    offers a summary already in the plan's ``summaries`` cache (computed off the critical path,
+    see :func:`~trimkit.summarize.summary_job`; the wrapper does this after each response) and
+    does nothing when none is ready. With ``inline=True`` it computes one now with
+    ``summarizer`` (default :class:`~trimkit.summarize.ExtractiveSummarizer`), covering the
+    fewest oldest turns that make room, and the time that takes counts against the budget. The
+    newest ``keep_last_turns`` turns (the current one included) are never summarized. The
+    engine uses the summary only where it keeps more value than the turns it covers would (a
+    summary is worth :attr:`~trimkit.values.ValueModel.summary_share` of them) — a new summary
+    changes the start of the prompt and so forfeits the cached prefix.
     """
 
     summarizer: Summarizer | None = None
@@ -238,50 +218,25 @@ class summarize_history(Strategy):
     keep_last_turns: int = attrs.field(default=1, validator=_positive_count)
     name: ClassVar[str] = "summarize_history"
 
-    def __call__(self, state: PlanState) -> PlanState | None:
+    def propose(self, state: PlanState) -> Proposal | None:
         c = state.candidate
         turns = _history(state, self.keep_last_turns)
         if c.summary is not None or c.gone or not turns:
             return None
         turn_messages = [[state.messages[i] for i in range(s, e)] for s, e in turns]
-        found = state.summaries.best_prefix(turn_messages) if state.summaries is not None else None
-        extra_s = 0.0
-        if found is not None:
-            n, summary = found
-            source = "cached"
-        elif self.inline:
-            computed = self._compute(state, turns, turn_messages)
-            if computed is None:
-                return None
-            n, summary = computed
-            source, extra_s = "inline", summary.seconds
-        else:
+        found = state.summaries.prefixes(turn_messages)[-MAX_SUMMARIES:] if state.summaries is not None else []
+        if found:
+            n, summary = found[-1]
+            covered = _indices(turns[:n])
+            state.probe(attrs.evolve(c, summarized=covered, summary=summary))  # a summary sent before may be cached
+            return Proposal(leads=tuple(Lead(n, summary, self.name, "cached") for n, summary in found))
+        if not self.inline:
             return None
-        covered = _indices(turns[:n])
-        new = attrs.evolve(c, summarized=covered, summary=summary, extra_s=c.extra_s + extra_s)
-        if source == "cached":
-            state.probe(new)  # a byte-stable summary sent before may still be in the KV cache
-        after = state.estimate(new)
-        if after.ttft_s >= state.prediction.ttft_s:
-            return None  # no gain: the summary costs more (tokens or cache) than the turns it replaces
-        action = Action(
-            strategy=self.name,
-            summary=f"replaced {len(covered)} message(s) in the {n} oldest turn(s) (messages {_span_text(covered)}, "
-            f"{summary.source_tokens:,} tokens) with a {summary.summary_tokens:,}-token {source} summary"
-            + (f", computed inline in {extra_s:.3f} s" if extra_s else ""),
-            summarized_messages=tuple(sorted(covered)),
-            tokens_before=state.prediction.prompt_tokens,
-            tokens_after=after.prompt_tokens,
-            detail={
-                "turns": n,
-                "source": source,
-                "summarizer": summary.summarizer,
-                "source_tokens": summary.source_tokens,
-                "summary_tokens": summary.summary_tokens,
-                "inline_s": extra_s,
-            },
-        )
-        return state.apply(new, action)
+        computed = self._compute(state, turns, turn_messages)
+        if computed is None:
+            return None
+        n, summary = computed
+        return Proposal(leads=(Lead(n, summary, self.name, "inline", summary.seconds),))
 
     def _compute(
         self, state: PlanState, turns: Sequence[tuple[int, int]], turn_messages: list[list[Any]]
@@ -317,103 +272,49 @@ class summarize_history(Strategy):
 
 @attrs.frozen
 class drop_oldest_turns(Strategy):
-    """Drop the fewest oldest turns that make the prompt fit — the last resort.
+    """Let the engine drop whole history turns — old ones are worth least, so they go first.
 
     Whole turns go (a tool call and its results together); the newest ``keep_last_turns``
-    turns, counting the current one, stay. If dropping every other turn is not enough, a
-    summary placed earlier is dropped too.
+    turns, counting the current one, stay. Which turns go is the engine's choice by value
+    (recency and relevance to the question, :mod:`trimkit.values`) per predicted second,
+    counting the cached prefix a drop forfeits.
     """
 
     keep_last_turns: int = attrs.field(default=1, validator=_positive_count)
     name: ClassVar[str] = "drop_oldest_turns"
 
-    def __call__(self, state: PlanState) -> PlanState | None:
-        c = state.candidate
-        turns = [t for t in _history(state, self.keep_last_turns) if t[0] not in c.gone]
-        if not turns and c.summary is None:
-            return None
-
-        def dropping(d: int) -> Candidate:
-            return attrs.evolve(c, removed=c.removed | _indices(turns[:d]))
-
-        def fits(d: int) -> bool:
-            return state.fits_estimate(state.estimate(dropping(d)))
-
-        m = len(turns)
-        if m and fits(m):
-            lo, hi = 1, m  # the fewest turns that fit: predictions fall as turns go
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if fits(mid):
-                    hi = mid
-                else:
-                    lo = mid + 1
-            while lo > 1 and fits(lo - 1):  # a probed cache prefix can make fewer drops fit
-                lo -= 1
-            new, dropped_summary = dropping(lo), False
-        else:
-            new, dropped_summary = dropping(m), False
-            if c.summary is not None:
-                new = attrs.evolve(new, removed=new.removed | c.summarized, summarized=frozenset(), summary=None)
-                dropped_summary = True
-        removed = new.removed - c.removed
-        if not removed:
-            return None
-        after = state.estimate(new)
-        n_turns = sum(1 for s, _ in turns if s in removed)
-        parts = [f"the {n_turns} oldest turn(s) (messages {_span_text(removed - c.summarized)})"] if n_turns else []
-        if dropped_summary:
-            parts.append(f"the summary of messages {_span_text(c.summarized)}")
-        text = "dropped " + " and ".join(parts)
-        action = Action(
-            strategy=self.name,
-            summary=f"{text}: {state.prediction.prompt_tokens - after.prompt_tokens:,} tokens",
-            removed_messages=tuple(sorted(removed)),
-            tokens_before=state.prediction.prompt_tokens,
-            tokens_after=after.prompt_tokens,
-            detail={"turns": n_turns, "summary_dropped": dropped_summary},
-        )
-        return state.apply(new, action)
+    def propose(self, state: PlanState) -> Proposal | None:
+        gone = state.candidate.gone
+        turns = _history(state, self.keep_last_turns)
+        droppable = frozenset(j for j, (s, _) in enumerate(turns) if s not in gone)
+        return Proposal(droppable_turns=droppable) if droppable else None
 
 
 @attrs.frozen
 class keep_cached_cut(Strategy):
-    """Drop the same oldest turns as the previous request did, when that keeps the KV cache warm.
+    """Offer the previous request's cut: drop the same oldest turns, so the KV cache stays warm.
 
     After a request that dropped the turns before message ``first_kept``, the engine's cache
     holds a prompt starting there. Dropping any other number of turns now changes the start of
     the prompt and pays the whole prefill again; dropping the same ones — the new turn is
-    appended at the end — reuses it, so the prompt keeps *more* history for *less* time.
-    The wrapper adds this strategy (before :class:`drop_oldest_turns`) with the index of the
-    first history message it kept last time; it probes the engine once and applies only if
-    the cached candidate fits.
+    appended at the end — reuses it, so the prompt keeps *more* history for *less* time. The
+    wrapper adds this strategy with the index of the first history message it kept last time;
+    it probes the engine once, and the engine weighs the cut against the other starts.
     """
 
     first_kept: int = attrs.field(validator=lambda i, a, v: _check_count(v, a.name, minimum=1))
     name: ClassVar[str] = "keep_cached_cut"
 
-    def __call__(self, state: PlanState) -> PlanState | None:
+    def propose(self, state: PlanState) -> Proposal | None:
         c = state.candidate
         if c.summary is not None:
             return None
-        turns = [t for t in state.history_turns if t[1] <= self.first_kept and t[0] not in c.gone]
-        if not turns or not any(s == self.first_kept for s, _ in state.history_turns):
+        turns = state.history_turns
+        if not any(s == self.first_kept for s, _ in turns):
             return None  # no turn starts where the previous cut was: the conversation changed
-        new = attrs.evolve(c, removed=c.removed | _indices(turns))
-        if state.probe(new) is None:
+        n = sum(1 for _, e in turns if e <= self.first_kept)
+        if n == 0 or any(s in c.gone for s, _ in turns[:n]):
             return None
-        after = state.estimate(new)
-        if not state.fits_estimate(after):
+        if state.probe(attrs.evolve(c, removed=c.removed | _indices(turns[:n]))) is None:
             return None
-        removed = new.removed - c.removed
-        action = Action(
-            strategy=self.name,
-            summary=f"dropped the {len(turns)} oldest turn(s) (messages {_span_text(removed)}), the same cut as the previous "
-            f"request, so {after.cached_tokens:,} cached tokens are reused: "
-            f"{state.prediction.prompt_tokens - after.prompt_tokens:,} tokens",
-            removed_messages=tuple(sorted(removed)),
-            tokens_before=state.prediction.prompt_tokens,
-            tokens_after=after.prompt_tokens,
-            detail={"turns": len(turns), "cached_tokens": after.cached_tokens},
-        )
-        return state.apply(new, action)
+        return Proposal(leads=(Lead(n, None, self.name, "previous cut"),))

@@ -38,7 +38,7 @@ import attrs
 from trimkit._validate import count as _check_count
 from trimkit.errors import InvalidInputError
 from trimkit.messages import message_text, turn_spans
-from trimkit.relevance import words
+from trimkit.relevance import split_sentences, words
 
 __all__ = [
     "Summary",
@@ -120,12 +120,7 @@ class Summarizer(Protocol):
     def summarize(self, messages: Sequence[Mapping[str, Any]], *, target_tokens: int, count_tokens: TokenCounter) -> str: ...
 
 
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 _ROLE_LABEL = {"user": "User", "assistant": "Assistant", "tool": "Tool", "function": "Tool", "system": "Note", "developer": "Note"}
-
-
-def _sentences(text: str) -> list[str]:
-    return [s.strip() for s in _SENTENCE_END.split(text) if s and s.strip()]
 
 
 def cap_to_tokens(text: str, max_tokens: int, count_tokens: TokenCounter) -> str:
@@ -134,7 +129,7 @@ def cap_to_tokens(text: str, max_tokens: int, count_tokens: TokenCounter) -> str
     if count_tokens(text) <= max_tokens:
         return text
     kept: list[str] = []
-    for sentence in _sentences(text):
+    for sentence in split_sentences(text):
         trial = " ".join([*kept, sentence])
         if count_tokens(trial) > max_tokens:
             break
@@ -171,7 +166,7 @@ class ExtractiveSummarizer:
         freq: Counter[str] = Counter()
         split: list[tuple[str, list[str]]] = []
         for m in messages:
-            sentences = _sentences(message_text(m))
+            sentences = split_sentences(message_text(m))
             split.append((_ROLE_LABEL.get(str(m.get("role")), "Note"), sentences))
             for s in sentences:
                 freq.update(set(words(s)))
@@ -326,18 +321,23 @@ class SummaryCache:
     def best_prefix(self, turns: Sequence[Sequence[Mapping[str, Any]]]) -> tuple[int, Summary] | None:
         """``(n, summary)`` for the cached summary covering the longest prefix ``turns[:n]``
         (``n >= 1``), or None. ``turns`` are lists of messages, oldest first."""
+        found = self.prefixes(turns)
+        return found[-1] if found else None
+
+    def prefixes(self, turns: Sequence[Sequence[Mapping[str, Any]]]) -> list[tuple[int, Summary]]:
+        """Every cached summary covering a prefix ``turns[:n]``, as ``(n, summary)``, shortest first."""
         with self._lock:
             if not self._entries:
-                return None
+                return []
         h = hashlib.sha256()
-        best: tuple[int, Summary] | None = None
+        found: list[tuple[int, Summary]] = []
         for n, turn in enumerate(turns, start=1):
             for m in turn:
                 h.update(_message_digest(m))
             hit = self._get(h.copy().hexdigest())
             if hit is not None:
-                best = (n, hit)
-        return best
+                found.append((n, hit))
+        return found
 
     def _get(self, key: str) -> Summary | None:
         with self._lock:

@@ -242,6 +242,27 @@ class PromptTokenizer:
         self._layouts[key] = pieces
         return pieces
 
+    def dropped_messages(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> tuple[int, ...]:
+        """Indices of the messages the chat template leaves out of the prompt, in order.
+
+        llama-cpp-python's ``chat_format="gemma"`` drops ``system`` messages (and tool results)
+        without a word; the model then never sees them. Empty when every message is rendered,
+        and when it cannot be told (the template failed, or changed every message's content)."""
+        pieces = self._layout(messages, tools)
+        if pieces is not None:
+            return tuple(i for i in range(len(messages)) if pieces[i] is None)
+        marked = [{**m, "content": _MARK.format(i)} for i, m in enumerate(messages)]
+        for m in marked:
+            m.pop("tool_calls", None)
+            m.pop("function_call", None)
+        try:
+            found = {int(x) for x in _MARK_RE.findall(self.render(marked, tools))}
+        except Exception:
+            return ()
+        if not found:
+            return ()
+        return tuple(i for i in range(len(messages)) if i not in found)
+
     def segment_counts(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> Segments:
         """Per-message token counts for ``messages`` as rendered by the template (cached)."""
         pieces = self._layout(messages, tools)

@@ -32,6 +32,7 @@ from trimkit.messages import (
     validate_messages,
     with_chunks,
 )
+from trimkit.margin import DEFAULT_TARGET, EngineState, engine_state
 from trimkit.profile import LiveProfile, Profile
 from trimkit.report import Report
 
@@ -91,31 +92,53 @@ class Trimmer:
         profile: Profile | None = None,
         strategies: Any = None,
         on_infeasible: str = "best_effort",
-        summarizer: Any = None,
+        summarizer: Any = "extractive",
         background_summaries: bool = True,
         rag_template: str = DEFAULT_RAG_TEMPLATE,
         rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
         quick_calibration: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        attainment_target: float = DEFAULT_TARGET,
+        values: Any = None,
     ) -> None:
+        from trimkit.values import ValueModel
+
+        if values is not None and not isinstance(values, ValueModel):
+            raise InvalidInputError(f"values must be a trimkit.ValueModel or None, got {type(values).__name__}")
         if ttft_budget_s is not None:
             _validate.budget(ttft_budget_s)
+        if isinstance(attainment_target, bool) or not isinstance(attainment_target, (int, float)) or not 0 < attainment_target < 1:
+            raise InvalidInputError(f"attainment_target must be a number strictly between 0 and 1, got {attainment_target!r}")
         if on_infeasible not in ("best_effort", "raise"):
             raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
         check_rag_templates(rag_template, rag_chunk_template)
         self.backend = backend
         self.ttft_budget_s = ttft_budget_s
         self.strategies = strategies
+        #: what each kind of content is worth when the budget forces a choice (None: the defaults)
+        self.values = values
         self.on_infeasible = on_infeasible
         self.rag_template = rag_template
         self.rag_chunk_template = rag_chunk_template
         self.clock = clock
         if profile is None:
             profile = calibrate(backend, quick=quick_calibration)
-        self.live = LiveProfile(profile)
+        #: the share of budgeted requests whose TTFT the safety margin aims to keep inside the budget
+        self.attainment_target = float(attainment_target)
+        #: what this engine has learned (drift, margin window), shared with every wrapper of it
+        self.engine: EngineState = engine_state(backend, profile)
+        self.live: LiveProfile = self.engine.live
         from trimkit.summarize import SummaryCache
 
         self.summaries = SummaryCache()
+        if isinstance(summarizer, str) and summarizer == "extractive":
+            from trimkit.summarize import ExtractiveSummarizer
+
+            summarizer = ExtractiveSummarizer()
+        elif summarizer is not None and not callable(getattr(summarizer, "summarize", None)):
+            raise InvalidInputError(f"summarizer must be a Summarizer, 'extractive' or None, got {type(summarizer).__name__}")
+        #: computes summaries of older turns after each response (off the critical path); the
+        #: planner may put a ready one in their place. Default: the model-free extractive one.
         self.summarizer = summarizer
         self.background_summaries = background_summaries
         self._summary_threads: list[threading.Thread] = []
@@ -135,6 +158,13 @@ class Trimmer:
     def profile(self) -> Profile:
         """The current profile (calibration refined by live measurements)."""
         return self.live.current
+
+    @property
+    def safety_margin(self) -> float:
+        """The fraction of a budget to hold back, learned from this engine's measured TTFT: the
+        margin that would have kept ``attainment_target`` of recent requests inside their budget
+        (:mod:`trimkit.margin`); the profile's own rule while too few requests are known."""
+        return self.engine.safety_margin(self.attainment_target)
 
     @property
     def last_report(self) -> Report | None:
@@ -190,12 +220,15 @@ class Trimmer:
                 budget_s=None,
                 snapshot=snap_before,
                 prepare_s=self.clock() - t0,
+                warnings=tuple(self._template_warnings(as_is, tools)),
             )
 
         def probe(candidate: Sequence[Mapping[str, Any]]) -> int:
             return self._cache_for(tok.prompt_tokens(candidate, tools))[0]
 
         plan_budget = budget
+        margin = self._safety_margin()
+        limit = budget * (1.0 - margin)
         strategies = self._strategies_for(messages)
         warnings: list[str] = []
         plan = tokens = cached = snap = predicted = None
@@ -215,6 +248,9 @@ class Trimmer:
                 rag_chunk_template=self.rag_chunk_template,
                 on_infeasible="best_effort",
                 clock=self.clock,
+                values=self.values,
+                safety_margin=margin,
+                max_prompt_tokens=self._max_prompt_tokens(params),
             )
             if plan.passthrough and list(plan.messages) == list(as_is):
                 tokens, cached, snap = tokens_before, cached_before, snap_before
@@ -222,13 +258,13 @@ class Trimmer:
                 tokens = tok.prompt_tokens(plan.messages, tools)
                 cached, snap = self._cache_for(tokens)
             predicted = self._predict(len(tokens), cached, snap)
-            limit = budget * (1.0 - self.profile.safety_margin)
             if predicted <= limit or not plan.feasible or getattr(plan, "minimal", False):
                 break
             # the exact count came out above the planner's estimate: plan again, tighter
             plan_budget = plan_budget * max(min(limit / predicted, 0.98), 0.5)
             warnings.append(f"re-planned: exact prompt predicted {predicted:.3f} s > {limit:.3f} s")
         assert plan is not None and tokens is not None and cached is not None and predicted is not None
+        warnings.extend(self._template_warnings(plan.messages, tools))
         feasible = bool(plan.feasible) and predicted <= budget
         prepared = Prepared(
             messages=plan.messages,
@@ -253,6 +289,31 @@ class Trimmer:
                 report=report,
             )
         return prepared
+
+    def _safety_margin(self) -> float:
+        """The share of the budget held back: learned from this host when the engine tracks it."""
+        margin = getattr(self, "safety_margin", None)
+        return float(margin) if isinstance(margin, (int, float)) else float(self.profile.safety_margin)
+
+    def _max_prompt_tokens(self, params: Mapping[str, Any]) -> int:
+        """The most prompt tokens the context window takes: ``n_ctx`` less ``max_tokens``."""
+        max_tokens = params.get("max_tokens")
+        reserve = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0 else 0
+        return max(int(self.backend.n_ctx) - reserve, 1)
+
+    def _template_warnings(self, messages: Sequence[Mapping[str, Any]], tools: Any) -> list[str]:
+        """Say so when the chat template drops a message (the model never sees it)."""
+        dropped_messages = getattr(self.backend.tokenizer, "dropped_messages", None)
+        if dropped_messages is None:
+            return []
+        try:
+            dropped = dropped_messages(messages, tools)
+        except Exception:  # a check for the report must never fail the request
+            return []
+        if not dropped:
+            return []
+        roles = ", ".join(f"{i} ({messages[i].get('role')})" for i in dropped)
+        return [f"the chat template dropped message(s) {roles}: the model never sees them"]
 
     def _strategies_for(self, messages: Sequence[Mapping[str, Any]]) -> Any:
         """The default chain, plus :class:`~trimkit.strategies.keep_cached_cut` when the previous
@@ -331,10 +392,15 @@ class Trimmer:
             warnings=tuple(warnings),
             decode_params={k: v for k, v in params.items() if k not in ("messages",)},
             model=self._model_label(params),
+            # the margin the plan held back (the plan records what it was given)
+            safety_margin=getattr(plan, "safety_margin", None) if plan is not None and prepared.budget_s is not None else None,
         )
 
     def _finished(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any]) -> Report:
         report = self._report(prepared, m, params)
+        # measured / predicted TTFT of a budgeted request feeds this engine's margin window
+        measured = m.ttft_s if m.ttft_s is not None else m.first_output_s
+        self.engine.observe_ttft(prepared.predicted_ttft_s, measured, prepared.budget_s)
         if m.engine_prefill_s is not None and m.evaluated_tokens:
             self.live.observe(m.evaluated_tokens, m.cached_tokens or 0, m.engine_prefill_s)
             if self.persist_every and self.live.observations and self.live.observations % self.persist_every == 0:
@@ -529,9 +595,21 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
 
     ``client`` is a ``llama_cpp.Llama`` (returns a :class:`TrimmedLlama`, a drop-in for its
     chat API) or an OpenAI-style client with ``.chat.completions.create`` (returns a drop-in
-    for that). ``kwargs``: ``strategies``, ``on_infeasible`` ("best_effort" | "raise"),
-    ``profile`` (else the stored one, or a quick calibration now), ``summarizer``,
-    ``background_summaries``, ``rag_template``, ``rag_chunk_template``, ``clock``.
+    for that). ``kwargs``:
+
+    - ``strategies``: what the planner may change (default: reuse the cached prefix, drop or
+      excerpt chunks, use a ready summary, drop old turns; the previous request's cut too);
+    - ``values``: a :class:`~trimkit.values.ValueModel` weighing chunks against history;
+    - ``on_infeasible``: ``"best_effort"`` (send the minimal prompt, say so) or ``"raise"``;
+    - ``profile``: else the stored one for this model and settings, or a quick calibration now;
+    - ``summarizer``: computes summaries of older turns *after* each response, in a background
+      thread (``background_summaries=False``: on :meth:`Trimmer.idle`); the planner may put a
+      ready one in their place on a later turn. Default ``"extractive"``
+      (:class:`~trimkit.summarize.ExtractiveSummarizer`, model-free, milliseconds);
+      ``None`` turns summaries off;
+    - ``attainment_target``: the share of budgeted requests the learned safety margin aims to
+      keep inside the budget (default 0.97);
+    - ``rag_template``, ``rag_chunk_template``, ``clock``.
     """
     try:
         from llama_cpp import Llama

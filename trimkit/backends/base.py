@@ -191,6 +191,13 @@ class Backend(abc.ABC):
     def profile_key(self) -> ProfileKey:
         """Everything that changes prefill timings for this engine and its settings."""
 
+    def engine_identity(self) -> Any:
+        """What names the engine doing the work, so that every wrapper of it shares one live
+        state (drift, learned margin — :func:`trimkit.margin.engine_state`): an object (held
+        weakly, e.g. the ``Llama``) or a hashable value (e.g. a server's URL and model).
+        Cheap, never does I/O. By default the backend object itself."""
+        return self
+
     @abc.abstractmethod
     def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         """How many leading tokens of ``prompt_tokens`` the engine will reuse from its KV cache."""

@@ -715,6 +715,10 @@ class OpenAIHTTPBackend(Backend):
             return self._block_arg
         return 16 if self.server_info().engine == "vllm" else 1
 
+    def engine_identity(self) -> Any:
+        """(backend, URL, model as configured): one server and model has one live state. No I/O."""
+        return (self.name, self.base_url, self.model or "")
+
     def profile_key(self) -> ProfileKey:
         info = self.server_info()
         return ProfileKey(

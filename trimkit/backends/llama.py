@@ -197,6 +197,10 @@ class LlamaBackend(Backend):
     def n_ctx(self) -> int:
         return int(self.llm.n_ctx())
 
+    def engine_identity(self) -> Any:
+        """The ``Llama`` itself: every backend over it shares its live state."""
+        return self.llm
+
     def profile_key(self) -> ProfileKey:
         import llama_cpp
 

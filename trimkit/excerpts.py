@@ -1,0 +1,115 @@
+"""Excerpts: the sentences of a retrieved chunk that best match the question, with their neighbours.
+
+When a whole chunk does not fit the budget, the planner may keep an excerpt of it instead. An
+excerpt keeps, in the chunk's own order, the sentences that share the most (IDF-weighted)
+words with the question, each with one neighbour on either side, and says so in its text:
+``(excerpt: sentences 4–6 of 12) …``. The :class:`~trimkit.messages.Chunk` keeps its id; its
+``metadata["excerpt"]`` holds the span for reports.
+
+An excerpt is worth a share of its chunk's value: ``0.75 * (share of the chunk's question-match
+weight it keeps) + 0.25 * (share of the chunk's length it keeps)``. A chunk whose sentences do
+not match the question at all gets no excerpt (leading sentences would be as good a guess as
+any, and no better than dropping it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from trimkit.messages import Chunk
+from trimkit.relevance import split_sentences, words
+
+__all__ = ["Excerpt", "question_idf", "excerpts_of", "MIN_SENTENCES"]
+
+#: chunks with fewer sentences are kept whole or dropped: an excerpt would hardly be shorter
+MIN_SENTENCES = 4
+#: neighbours kept on each side of a matching sentence
+NEIGHBOURS = 1
+#: each longer excerpt offered is at least this many times the length of the one before
+GROWTH = 1.5
+
+
+@attrs.frozen
+class Excerpt:
+    """One way to cut a chunk: the excerpt as a chunk, and the share of the chunk's value it keeps."""
+
+    chunk: Chunk
+    value_share: float
+    spans: tuple[tuple[int, int], ...]  # 1-based inclusive sentence ranges
+    sentences: int
+
+
+def question_idf(question: str, chunks: Sequence[Chunk]) -> dict[str, float]:
+    """IDF over ``chunks`` of each content word of ``question`` (words in no chunk are left out)."""
+    terms = set(words(question))
+    docs = [set(words(c.text)) for c in chunks]
+    n = len(docs)
+    out = {}
+    for t in terms:
+        df = sum(1 for d in docs if t in d)
+        if df:
+            out[t] = math.log(1.0 + (n - df + 0.5) / (df + 0.5))
+    return out
+
+
+def _spans(indices: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return tuple((a + 1, b + 1) for a, b in runs)
+
+
+def _render(sentences: Sequence[str], keep: Sequence[int]) -> tuple[str, tuple[tuple[int, int], ...]]:
+    spans = _spans(keep)
+    label = ", ".join(f"{a}–{b}" if a != b else str(a) for a, b in spans)
+    parts = [" ".join(sentences[a - 1 : b]) for a, b in spans]
+    return f"(excerpt: sentences {label} of {len(sentences)}) " + " … ".join(parts), spans
+
+
+def excerpts_of(chunk: Chunk, idf: Mapping[str, float], *, max_excerpts: int = 5) -> list[Excerpt]:
+    """Up to ``max_excerpts`` excerpts of ``chunk``, shortest first, each shorter than the chunk.
+
+    The first keeps the best-matching sentence and its neighbours; the next ones add the next
+    best-matching sentences (with theirs), each at least :data:`GROWTH` times longer than the
+    one before, so the sizes span from one passage to nearly the whole chunk. ``idf`` comes
+    from :func:`question_idf`.
+    """
+    sentences = split_sentences(chunk.text)
+    n = len(sentences)
+    if n < MIN_SENTENCES or not idf:
+        return []
+    scores = [sum(idf.get(w, 0.0) for w in set(words(s))) for s in sentences]
+    total_score = sum(scores)
+    if total_score <= 0:
+        return []
+    total_chars = sum(len(s) for s in sentences)
+    ranked = [i for i in sorted(range(n), key=lambda i: (-scores[i], i)) if scores[i] > 0]
+    keep: set[int] = set()
+    out: list[Excerpt] = []
+    last_chars = 0
+    for i in ranked:
+        grown = keep | set(range(max(0, i - NEIGHBOURS), min(n, i + NEIGHBOURS + 1)))
+        if grown == keep:
+            continue
+        if len(grown) >= n - 1:  # nearly the whole chunk: keep it whole instead
+            break
+        keep = grown
+        chars = sum(len(sentences[j]) for j in keep)
+        if out and chars < GROWTH * last_chars:
+            continue
+        last_chars = chars
+        text, spans = _render(sentences, sorted(keep))
+        score_share = sum(scores[j] for j in keep) / total_score
+        length_share = sum(len(sentences[j]) for j in keep) / total_chars
+        metadata = {**chunk.metadata, "excerpt": {"spans": [list(s) for s in spans], "sentences": n}}
+        excerpt = attrs.evolve(chunk, text=text, metadata=metadata)
+        out.append(Excerpt(excerpt, 0.75 * score_share + 0.25 * length_share, spans, n))
+        if len(out) >= max_excerpts:
+            break
+    return out
