@@ -14,7 +14,9 @@ sentence is in the messages actually sent, for four arms on the same requests in
 - ``drop_oldest_only``: every chunk kept; the oldest whole turns (tool call and result together)
   dropped until it fits;
 - ``previous_chain``: the previous fixed-order planner (commit 3018083), run in a subprocess that
-  imports that version of trimkit; it returns the messages its plan would send.
+  imports that version of trimkit (model opened with ``chat_format="gemma"``, as that version
+  did, and the current profile via ``Profile.from_dict``); it returns the messages its plan
+  would send, and the main process sends them.
 
 Budgets are shares (default 0.25, 0.4, 0.6, 0.8) of each request's predicted untrimmed TTFT
 (calibrated profile, cold cache). Every prompt is sent cold (the harness resets the KV cache
@@ -26,8 +28,10 @@ within a job, arms run in a random order so drift hits all arms alike.
 
 Targets (trimkit arm): answer kept ≥ 98 % of the requests where system + question + answer
 chunk fit the target by prediction; measured TTFT ≤ budget in ≥ 97 %; median measured budget
-use ≥ 0.8; planning ≤ 1 % of the predicted TTFT. The full run takes about 12–14 minutes on the
-project's 2-core machine; ``--quick`` about 2–3 (plus a calibration if none is stored).
+use ≥ 0.8; planning ≤ 1 % of the predicted TTFT. The full run (24 requests × 2 shares = 48 jobs,
+192 sends) takes about 12–14 minutes on the project's 2-core machine when it is idle; ``--quick``
+(4 requests × shares 0.25 and 0.6) about 2–3, plus a calibration if none is stored. It prints
+its predicted duration first; on a busy host it takes far longer.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -131,6 +136,10 @@ def _worker(tree: str, model_path: str, chat_format: str, n_ctx: int) -> int:
             return Profile.from_dict(data)
         except Exception:  # a newer profile with fields the old classes do not know: keep the known ones
             d = dict(data)
+            if d.get("schema") != 1:
+                d["schema"] = 1
+                if "schema" not in adapted:
+                    adapted.append("schema")
             d["model"] = fields(CostModel, d["model"], "model")
             d["error"] = fields(ErrorStats, d["error"], "error")
             d["samples"] = [fields(PrefillSample, s, "samples") for s in d["samples"]]
@@ -156,6 +165,8 @@ def _worker(tree: str, model_path: str, chat_format: str, n_ctx: int) -> int:
                 "planning_s": plan.planning_s,
                 "prepare_s": p.prepare_s,
                 "feasible": p.feasible,
+                "prompt_tokens": len(p.prompt_tokens),
+                "drift": profile.drift,
                 "safety_margin": plan.safety_margin,
                 "actions": [a.strategy for a in plan.actions],
                 "profile_adapted": list(adapted),
@@ -175,6 +186,7 @@ class PreviousChain:
         self.proc: subprocess.Popen[str] | None = None
         self._sent_profile: Any = None
         self.tmp = tempfile.mkdtemp(prefix="trimkit-prev-")
+        self.cache = tempfile.mkdtemp(prefix="trimkit-prev-cache-")
         try:
             archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "trimkit"], capture_output=True, check=True).stdout
             with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as tar:
@@ -185,10 +197,12 @@ class PreviousChain:
             err = getattr(exc, "stderr", b"") or b""
             self.error = f"could not extract trimkit at {commit}: {exc} {err.decode(errors='replace').strip()}"
             return
-        env = dict(os.environ, TRIMKIT_CACHE_DIR=tempfile.mkdtemp(prefix="trimkit-prev-cache-"))
+        env = dict(os.environ, TRIMKIT_CACHE_DIR=self.cache)
+        self._stderr_path = Path(self.cache) / "worker-stderr.txt"  # a file: a full pipe would block the worker
+        self._stderr = self._stderr_path.open("w")
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--previous-chain-worker", self.tmp, model_path, chat_format or "", str(n_ctx)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, bufsize=1, env=env,
         )
         first = self._read()
         if first is None or not first.get("ready"):
@@ -198,11 +212,11 @@ class PreviousChain:
         self.info.update({k: v for k, v in first.items() if k != "ready"})
 
     def _stderr_tail(self) -> str:
-        if self.proc is None or self.proc.stderr is None:
+        try:
+            self._stderr.flush()
+            return self._stderr_path.read_text(errors="replace")[-800:]
+        except (AttributeError, OSError):
             return ""
-        if self.proc.poll() is None:
-            return "(still running)"
-        return self.proc.stderr.read()[-800:]
 
     def _read(self) -> dict[str, Any] | None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -239,6 +253,10 @@ class PreviousChain:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
             self.proc = None
+        if getattr(self, "_stderr", None) is not None:
+            self._stderr.close()
+        for d in (self.tmp, self.cache):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -395,9 +413,11 @@ def main() -> int:
     ap.add_argument("--chat-format", default=None, help="llama-cpp-python chat_format (default: gemma for the embedded model, else the GGUF's template)")
     ap.add_argument("--n-ctx", type=int, default=8192)
     ap.add_argument("--max-tokens", type=int, default=2)
-    ap.add_argument("--max-prompt-tokens", type=int, default=5000, help="cap on a generated request's untrimmed size")
+    ap.add_argument("--max-prompt-tokens", type=int, default=3500, help="cap on a generated request's estimated untrimmed size")
     ap.add_argument("--recalibrate", action="store_true", help="measure a fresh full profile instead of reusing the stored one")
     ap.add_argument("--previous-commit", default=PREVIOUS_COMMIT)
+    ap.add_argument("--previous-chat-format", default=None,
+                    help="chat_format the previous version counts tokens with (default: gemma for the embedded model, as that version used)")
     ap.add_argument("--no-previous", action="store_true", help="skip the previous_chain arm")
     ap.add_argument("--out", default=None, help="JSON results (default benchmarks/results/rag_answer_kept.json; --quick: rag_answer_kept_quick.json)")
     ap.add_argument("--previous-chain-worker", nargs=4, metavar=("TREE", "MODEL", "CHAT_FORMAT", "N_CTX"), help=argparse.SUPPRESS)
@@ -460,9 +480,13 @@ def main() -> int:
             "history_tokens": len(tok.prompt_tokens(req["messages"])),
             "untrimmed_tokens": p.prompt_tokens_before, "untrimmed_predicted_s": untrimmed,
         }
+        # what drop_oldest_only sends at the tightest: every chunk, no history (for the time estimate)
+        all_chunks_s = Prompts(req, tok, lambda n: profile.predict_ttft_s(n, 0)).predicted(range(len(req["chunks"])), req["n_turns"])
         for j in range(per_request):
             share = shares[(i + j * len(shares) // per_request) % len(shares)]
-            jobs.append({"req": req, "chunks": chunks, "share": share, "budget_s": share * untrimmed})
+            budget = share * untrimmed
+            est_s = 3 * budget * (1 - profile.safety_margin) + max(budget * (1 - profile.safety_margin), all_chunks_s)
+            jobs.append({"req": req, "chunks": chunks, "share": share, "budget_s": budget, "est_s": est_s})
     ct = [n for r in req_info.values() for n in r["chunk_tokens"]]
     ut = [r["untrimmed_tokens"] for r in req_info.values()]
     print(f"set: {len(requests)} requests (seed {args.seed}): {sum(1 for r in requests if r['chunk_mode'] == 'scored')} scored, "
@@ -470,16 +494,19 @@ def main() -> int:
           f"turns {min(r['n_turns'] for r in requests)}–{max(r['n_turns'] for r in requests)}; chunks {min(len(r['chunks']) for r in requests)}–"
           f"{max(len(r['chunks']) for r in requests)} of {min(ct)}–{max(ct)} tokens (median {median(ct):.0f}); untrimmed prompts "
           f"{min(ut)}–{max(ut)} tokens (median {median(ut):.0f})")
-    est = sum(j["budget_s"] for j in jobs) * len(ARMS) * 0.95
+    est = sum(j["est_s"] for j in jobs) + 0.6 * len(jobs)
     print(f"jobs: {len(jobs)} (request × share), shares {shares}, {per_request} per request; 4 arms → {len(jobs) * len(ARMS)} sends, "
-          f"about {est / 60:.1f} min of prefill")
+          f"about {est / 60:.1f} min predicted")
 
     # -- the previous planner -------------------------------------------------------------------
     prev: PreviousChain | None = None
     prev_error = "skipped (--no-previous)" if args.no_previous else None
     if not args.no_previous:
         t0 = time.perf_counter()
-        prev = PreviousChain(model_path, chat_format, args.n_ctx, args.previous_commit)
+        # that version opened the embedded model with chat_format="gemma" (it had no Gemma 3 template)
+        prev_format = args.previous_chat_format or ("gemma" if args.model is None else chat_format)
+        prev = PreviousChain(model_path, prev_format, args.n_ctx, args.previous_commit)
+        prev.info["chat_format"] = prev_format
         prev_error = prev.error
         print(f"previous_chain: {'unavailable — ' + prev.error if prev.error else 'trimkit ' + args.previous_commit + ' in a subprocess'} "
               f"({time.perf_counter() - t0:.1f} s)")
@@ -495,98 +522,101 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     order = list(range(len(jobs)))
     rng.shuffle(order)
-    for n_job, ji in enumerate(order):
-        job = jobs[ji]
-        req, budget = job["req"], job["budget_s"]
-        # the target every arm fits: the budget less the margin of trimkit's own plan for this request
-        dry = trimkit.wrap(llm, ttft_budget_s=budget, profile=profile, backend=backend)
-        with backend.lock:
-            llm.reset()
-        dry_p = dry.prepare(req["messages"], job["chunks"], params)
-        margin = float(dry_p.plan.safety_margin)
-        target = budget * (1.0 - margin)
-        live = dry.profile  # the calibrated profile as refined by this run's measurements so far
+    try:
+        for n_job, ji in enumerate(order):
+            job = jobs[ji]
+            req, budget = job["req"], job["budget_s"]
+            # the target every arm fits: the budget less the margin of trimkit's own plan for this request
+            dry = trimkit.wrap(llm, ttft_budget_s=budget, profile=profile, backend=backend)
+            with backend.lock:
+                llm.reset()
+            dry_p = dry.prepare(req["messages"], job["chunks"], params)
+            margin = float(dry_p.plan.safety_margin)
+            target = budget * (1.0 - margin)
+            live = dry.profile  # the calibrated profile as refined by this run's measurements so far
 
-        prompts = Prompts(req, tok, lambda n: live.predict_ttft_s(n, 0))
-        eligible_pred = prompts.predicted([req["answer_index"]], len(prompts.turns))
-        eligible = eligible_pred <= target
-        plans: dict[str, dict[str, Any]] = {
-            "keep_first_k": prompts.keep_first_k(target),
-            "drop_oldest_only": prompts.drop_oldest_only(target),
-        }
-        if "previous_chain" in arms:
-            assert prev is not None
-            old = prev.plan(req["messages"], rag_qa.rag_chunks(req), budget, live.to_dict(), args.max_tokens)
-            if "error" in old:
-                old = {**old, "messages": None}
-            plans["previous_chain"] = old
+            prompts = Prompts(req, tok, lambda n: live.predict_ttft_s(n, 0))
+            eligible_pred = prompts.predicted([req["answer_index"]], len(prompts.turns))
+            eligible = eligible_pred <= target
+            plans: dict[str, dict[str, Any]] = {
+                "keep_first_k": prompts.keep_first_k(target),
+                "drop_oldest_only": prompts.drop_oldest_only(target),
+            }
+            if "previous_chain" in arms:
+                assert prev is not None
+                old = prev.plan(req["messages"], rag_qa.rag_chunks(req), budget, live.to_dict(), args.max_tokens)
+                if "error" in old:
+                    old = {**old, "messages": None}
+                plans["previous_chain"] = old
 
-        arm_order = list(arms)
-        rng.shuffle(arm_order)
-        line = []
-        for pos, arm in enumerate(arm_order):
-            row: dict[str, Any] = {"job": ji, "request": req["id"], "share": job["share"], "budget_s": budget, "target_s": target,
-                                   "safety_margin": margin, "arm": arm, "position": pos, "eligible": eligible,
-                                   "eligible_predicted_s": eligible_pred, "chunk_mode": req["chunk_mode"], "order": req["order"]}
-            if arm == "trimkit":
-                chat = trimkit.wrap(llm, ttft_budget_s=budget, profile=profile, backend=backend)
-                with backend.lock:
-                    llm.reset()
-                chat.create_chat_completion(messages=req["messages"], rag_chunks=job["chunks"], **params)
-                report = chat.last_report
-                prepared = getattr(chat, "_last_prepared", None)
-                if prepared is None:  # the same plan again, from the same (cold) state
+            arm_order = list(arms)
+            rng.shuffle(arm_order)
+            line = []
+            for pos, arm in enumerate(arm_order):
+                row: dict[str, Any] = {"job": ji, "request": req["id"], "share": job["share"], "budget_s": budget, "target_s": target,
+                                       "safety_margin": margin, "arm": arm, "position": pos, "eligible": eligible,
+                                       "eligible_predicted_s": eligible_pred, "chunk_mode": req["chunk_mode"], "order": req["order"]}
+                if arm == "trimkit":
+                    chat = trimkit.wrap(llm, ttft_budget_s=budget, profile=profile, backend=backend)
                     with backend.lock:
                         llm.reset()
-                    prepared = chat.prepare(req["messages"], job["chunks"], params)
-                chat.idle()  # background summaries finish before the next measurement
-                plan = prepared.plan
-                sent = list(prepared.messages)
-                row.update({
-                    "predicted_ttft_s": prepared.predicted_ttft_s, "planning_s": plan.planning_s, "prepare_s": prepared.prepare_s,
-                    "plan_safety_margin": plan.safety_margin, "kept_chunks": len(plan.kept_chunks),
-                    "kept_chunk_ids": [c.id for c in plan.kept_chunks], "actions": [a.strategy for a in plan.actions],
-                    "feasible": prepared.feasible, "warnings": list(report.warnings),
-                })
-            else:
-                p = plans[arm]
-                if p.get("messages") is None:
-                    row.update({"error": p.get("error"), "measured_ttft_s": None, "met": False, "answer_kept": False,
-                                "predicted_fits_budget": False, "kept_chunks": None, "dropped_turns": None, "prompt_tokens": None})
-                    rows.append(row)
-                    line.append(f"{arm} ERROR")
-                    continue
-                sent = p["messages"]
-                report = send(sent)
-                row["predicted_ttft_s"] = report.predicted_ttft_s
-                if arm == "previous_chain":
-                    row.update({"kept_chunks": len(p["kept_chunks"]), "kept_chunk_ids": p["kept_chunks"], "actions": p["actions"],
-                                "own_predicted_ttft_s": p["predicted_ttft_s"], "own_safety_margin": p["safety_margin"],
-                                "own_planning_s": p["planning_s"], "feasible": p["feasible"], "profile_adapted": p.get("profile_adapted")})
+                    chat.create_chat_completion(messages=req["messages"], rag_chunks=job["chunks"], **params)
+                    report = chat.last_report
+                    prepared = getattr(chat, "_last_prepared", None)
+                    if prepared is None:  # the same plan again, from the same (cold) state
+                        with backend.lock:
+                            llm.reset()
+                        prepared = chat.prepare(req["messages"], job["chunks"], params)
+                    chat.idle()  # background summaries finish before the next measurement
+                    plan = prepared.plan
+                    sent = list(prepared.messages)
+                    row.update({
+                        "predicted_ttft_s": prepared.predicted_ttft_s, "planning_s": plan.planning_s, "prepare_s": prepared.prepare_s,
+                        "plan_safety_margin": plan.safety_margin, "kept_chunks": len(plan.kept_chunks),
+                        "kept_chunk_ids": [c.id for c in plan.kept_chunks], "actions": [a.strategy for a in plan.actions],
+                        "feasible": prepared.feasible, "warnings": list(report.warnings),
+                    })
                 else:
-                    row["kept_chunks"] = p["kept"]
-            kept_ids = set(row.get("kept_chunk_ids") or [])
-            n_sent_turns = sum(1 for m in sent[1:-1] if m.get("role") == "user")
-            measured = report.measured_ttft_s
-            common = live.predict_ttft_s(len(tok.prompt_tokens(sent)), 0)
-            row.update({
-                "measured_ttft_s": measured, "met": measured is not None and measured <= budget,
-                "prompt_tokens": report.prompt_tokens, "common_predicted_ttft_s": common,
-                "predicted_fits_budget": common <= budget,
-                "answer_kept": rag_qa.answer_in(sent, req),
-                "dropped_turns": len(prompts.turns) - n_sent_turns,
-                "evaluated_tokens": report.evaluated_tokens,
-            })
-            if arm == "trimkit" and kept_ids:
-                row["answer_chunk_kept"] = prompts.ids[req["answer_index"]] in kept_ids
-            rows.append(row)
-            line.append(f"{arm} {measured if measured is not None else float('nan'):5.2f}s{'' if row['met'] else '!'}"
-                        f"{' A' if row['answer_kept'] else ' -'}{row['kept_chunks']:>3}")
-        print(f"[{n_job + 1:3d}/{len(jobs)}] {req['id']} {req['chunk_mode']:8s} {req['order']:8s} share {job['share']:.2f} "
-              f"budget {budget:5.2f}s target {target:5.2f}s {'elig' if eligible else 'inel'} | " + " | ".join(line), flush=True)
+                    p = plans[arm]
+                    if p.get("messages") is None:
+                        row.update({"error": p.get("error"), "measured_ttft_s": None, "met": False, "answer_kept": False,
+                                    "predicted_fits_budget": False, "kept_chunks": None, "dropped_turns": None, "prompt_tokens": None})
+                        rows.append(row)
+                        line.append(f"{arm} ERROR")
+                        continue
+                    sent = p["messages"]
+                    report = send(sent)
+                    row["predicted_ttft_s"] = report.predicted_ttft_s
+                    if arm == "previous_chain":
+                        row.update({"kept_chunks": len(p["kept_chunks"]), "kept_chunk_ids": p["kept_chunks"], "actions": p["actions"],
+                                    "own_predicted_ttft_s": p["predicted_ttft_s"], "own_safety_margin": p["safety_margin"],
+                                    "own_planning_s": p["planning_s"], "own_prompt_tokens": p.get("prompt_tokens"), "feasible": p["feasible"],
+                                    "profile_adapted": p.get("profile_adapted")})
+                    else:
+                        row["kept_chunks"] = p["kept"]
+                kept_ids = set(row.get("kept_chunk_ids") or [])
+                n_sent_turns = sum(1 for m in sent[1:-1] if m.get("role") == "user")
+                measured = report.measured_ttft_s
+                common = live.predict_ttft_s(len(tok.prompt_tokens(sent)), 0)
+                row.update({
+                    "measured_ttft_s": measured, "met": measured is not None and measured <= budget,
+                    "prompt_tokens": report.prompt_tokens, "common_predicted_ttft_s": common,
+                    "predicted_fits_budget": common <= budget,
+                    "answer_kept": rag_qa.answer_in(sent, req),
+                    "dropped_turns": len(prompts.turns) - n_sent_turns,
+                    "evaluated_tokens": report.evaluated_tokens,
+                })
+                if arm == "trimkit" and kept_ids:
+                    row["answer_chunk_kept"] = prompts.ids[req["answer_index"]] in kept_ids
+                rows.append(row)
+                line.append(f"{arm} {measured if measured is not None else float('nan'):5.2f}s{'' if row['met'] else '!'}"
+                            f"{' A' if row['answer_kept'] else ' -'}{row['kept_chunks']:>3}")
+            print(f"[{n_job + 1:3d}/{len(jobs)}] {req['id']} {req['chunk_mode']:8s} {req['order']:8s} share {job['share']:.2f} "
+                  f"budget {budget:5.2f}s target {target:5.2f}s {'elig' if eligible else 'inel'} | " + " | ".join(line), flush=True)
 
-    if prev is not None:
-        prev.close()
+    finally:
+        if prev is not None:
+            prev.close()
     host["speed"].append(host_speed("end"))
     host["load_average_end"] = list(os.getloadavg())
 
@@ -611,6 +641,11 @@ def main() -> int:
     print("answer kept (eligible) by chunk form:")
     for m, sub in by_mode.items():
         print(f"  {m:<9s} " + "   ".join(f"{a} {share_text(sub[a]['answer_kept_eligible'], sub[a]['eligible'])}" for a in arms))
+    prev_rows = [r for r in rows if r["arm"] == "previous_chain" and r.get("own_prompt_tokens") and r.get("prompt_tokens")]
+    prev_ratio = median([r["prompt_tokens"] / r["own_prompt_tokens"] for r in prev_rows]) if prev_rows else None
+    if prev_ratio is not None and prev is not None:
+        print(f"previous_chain counted tokens with chat_format={prev.info.get('chat_format')!r}; sent with {chat_format!r} its prompts "
+              f"are {prev_ratio:.2f}× (median) what it counted")
     if prev_error:
         print(f"previous_chain: not run — {prev_error}")
     sp = host["speed"]
@@ -649,7 +684,8 @@ def main() -> int:
                 "untrimmed_tokens": {"min": min(ut), "median": median(ut), "max": max(ut)},
                 "eligible_definition": "system + question + the answer chunk alone, cold, predicted ≤ budget × (1 − the trimkit plan's safety margin)"},
         "arms": list(arms),
-        "previous_chain": {"available": prev_error is None, "error": prev_error, **(prev.info if prev is not None else {})},
+        "previous_chain": {"available": prev_error is None, "error": prev_error, "sent_over_counted_tokens_median": prev_ratio,
+                           **(prev.info if prev is not None else {})},
         "targets": {"answer_kept_eligible": "≥ 98 %", "attainment": "≥ 97 %", "median_measured_use": "≥ 0.8",
                     "planning_share_of_predicted_ttft": "≤ 1 %"},
         "trimkit_targets_missed": misses,

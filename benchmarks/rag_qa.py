@@ -405,8 +405,8 @@ def generate(
     turns: tuple[int, int] = (4, 30),
     chunks: tuple[int, int] = (8, 16),
     chunk_tokens: tuple[int, int] = (40, 400),
-    turn_tokens: tuple[int, int] = (30, 110),
-    max_prompt_tokens: int = 6000,
+    turn_tokens: tuple[int, int] = (30, 60),
+    max_prompt_tokens: int = 3500,
 ) -> list[dict[str, Any]]:
     """``n`` requests, deterministic from ``seed`` (see the module docstring).
 
@@ -447,9 +447,10 @@ def generate(
         targets[long_] = rng.randint(chunk_tokens[1] * 5 // 8, chunk_tokens[1])
         hist_tokens = estimate_tokens(SYSTEM + question + message_texts(history)) + 8 * len(history)
         room = max_prompt_tokens - hist_tokens - 12 * n_chunks
-        if sum(targets) > room:
-            scale = max(room, chunk_tokens[0] * n_chunks) / sum(targets)
-            targets = [max(chunk_tokens[0], int(t * scale)) for t in targets]
+        if sum(targets) > room:  # scale down (the short one stays short, none below the minimum)
+            scale = max(room - targets[short], chunk_tokens[0] * (n_chunks - 1)) / (sum(targets) - targets[short])
+            targets = [t if k == short else max(chunk_tokens[0], int(t * scale)) for k, t in enumerate(targets)]
+            targets[long_] = max(targets[long_], 4 * chunk_tokens[0])  # still long: uneven whatever the history
         # the answer chunk
         answer = g.fill(attr["a"], entity, prefix)
         ans_text, ans_pos = g.chunk_text(entity, max(targets[0], 60), [], middle=answer)

@@ -83,5 +83,130 @@ def test_not_a_gguf_is_refused(tmp_path):
 def test_help_documents_every_command():
     r = run("--help", cache="/unused")
     assert r.returncode == 0
-    for cmd in ("calibrate", "diagnose", "demo"):
+    for cmd in ("calibrate", "diagnose", "plan", "demo"):
         assert cmd in r.stdout
+
+
+# -- trimkit plan ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def request_file(tmp_path_factory):
+    """A 30-message RAG chat with 12 retrieved chunks, as a request file."""
+    from trimkit.demo import SYSTEM, load_corpus, load_history, load_questions
+
+    q = load_questions()[1]
+    req = {
+        "messages": [{"role": "system", "content": SYSTEM}, *load_history(), {"role": "user", "content": q["question"]}],
+        "rag_chunks": [{"text": d["text"], "id": d["id"]} for d in load_corpus()[:12]],
+    }
+    path = tmp_path_factory.mktemp("plan") / "request.json"
+    path.write_text(json.dumps(req))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def profile_file(quick_profile, tmp_path_factory):
+    from trimkit.profile import save_profile
+
+    return str(save_profile(quick_profile, tmp_path_factory.mktemp("profile") / "profile.json"))
+
+
+def test_plan_prints_what_the_budget_keeps_and_drops(request_file, profile_file, tmp_path):
+    r = run("plan", request_file, "--budget-share", "0.4", "--profile", profile_file, cache=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "12 chunks" in out and "Plan: trimmed" in out
+    assert "chunks kept (" in out and "chunks dropped:" in out and "messages removed (indices):" in out
+    assert "nothing was generated" in out and f"--profile {profile_file}" in out
+
+
+def test_plan_json(request_file, profile_file, tmp_path):
+    r = run("plan", request_file, "--budget-share", "0.5", "--profile", profile_file, "--json", cache=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["budget_s"] == pytest.approx(0.5 * plan["untrimmed_predicted_ttft_s"])
+    assert plan["untrimmed_prompt_tokens"] > plan["prompt_tokens_exact"] > 0
+    ids = {f"doc-{i:02d}" for i in range(1, 13)}
+    assert set(plan["kept_chunks"]) | set(plan["dropped_chunks"]) == ids and plan["dropped_chunks"]
+    assert isinstance(plan["removed_message_indices"], list) and plan["template_dropped_messages"] == []
+    assert plan["predicted_ttft_exact_s"] < plan["untrimmed_predicted_ttft_s"]
+
+
+def test_plan_with_a_generous_budget_keeps_everything(request_file, profile_file, tmp_path):
+    r = run("plan", request_file, "--budget", "100000", "--profile", profile_file, "--json", cache=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["passthrough"] and not plan["dropped_chunks"] and not plan["removed_message_indices"]
+
+
+def test_plan_calibrates_quickly_without_a_stored_profile_then_reuses_it(tmp_path):
+    req = tmp_path / "small.json"
+    req.write_text(json.dumps([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]))
+    cache = str(tmp_path / "cache")
+    first = run("plan", str(req), "--budget", "5", "--n-ctx", "1024", cache=cache)
+    assert first.returncode == 0, first.stderr
+    assert "calibrating quickly" in first.stderr and "quick calibration measured now" in first.stdout
+    second = run("plan", str(req), "--budget", "5", "--n-ctx", "1024", cache=cache)
+    assert second.returncode == 0, second.stderr
+    assert "stored quick calibration profile" in second.stdout and "calibrating" not in second.stderr
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "cannot read the request file"),
+        ("{not json", "is not JSON"),
+        ('"just a string"', "expected a JSON object"),
+        ('{"rag_chunks": []}', 'no "messages"'),
+        ('{"messages": [], "extra": 1}', "unknown field"),
+        ('{"messages": [{"role": "wizard", "content": "hi"}]}', "role"),
+        ('{"messages": [{"role": "assistant", "content": "hi"}]}', "user"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "rag_chunks": [{"id": "x"}]}', "text"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "tools": "none"}', "tools"),
+    ],
+)
+def test_plan_bad_input_is_one_line_and_exit_2(content, message, tmp_path):
+    path = tmp_path / "request.json"
+    if content is not None:
+        path.write_text(content)
+    r = run("plan", str(path), "--budget", "1", cache=str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == ""
+
+
+@pytest.mark.parametrize("args", [(), ("--budget", "1", "--budget-share", "0.5"), ("--budget-share", "1.5"), ("--budget", "0")])
+def test_plan_needs_one_valid_budget(args, tmp_path):
+    path = tmp_path / "request.json"
+    path.write_text('{"messages": [{"role": "user", "content": "hi"}]}')
+    r = run("plan", str(path), *args, cache=str(tmp_path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+# -- trimkit demo --------------------------------------------------------------------------------
+
+
+def test_demo_reads_what_the_plan_did_with_the_answer_chunk():
+    from types import SimpleNamespace
+
+    from trimkit import Chunk
+    from trimkit.demo import answer_chunk_status
+
+    chunks = [Chunk(text="The lamp was first lit in 1863. It burns oil.", id="doc-04"), Chunk(text="Other text.", id="doc-09")]
+    whole = SimpleNamespace(kept_chunks=(chunks[0],), dropped_chunks=(chunks[1],))
+    excerpt = SimpleNamespace(kept_chunks=(Chunk(text="The lamp was first lit in 1863.", id="doc-04"),), dropped_chunks=(chunks[1],))
+    dropped = SimpleNamespace(kept_chunks=(chunks[1],), dropped_chunks=(chunks[0],))
+    assert answer_chunk_status(whole, chunks, "doc-04") == "kept whole"
+    assert answer_chunk_status(excerpt, chunks, "doc-04") == "kept as an excerpt"
+    assert answer_chunk_status(dropped, chunks, "doc-04") == "dropped"
+    assert answer_chunk_status(None, chunks, "doc-04") == "kept whole"
+    assert answer_chunk_status(whole, chunks, "doc-99") == "not retrieved"
+
+
+def test_demo_budget_options():
+    from trimkit.cli import build_parser
+
+    args = build_parser().parse_args(["demo"])
+    assert args.budget is None and args.budget_share == pytest.approx(0.45)
+    assert build_parser().parse_args(["demo", "--budget", "2"]).budget == 2.0

@@ -111,3 +111,117 @@ def test_chunk_content_skips_bare_role_delta():
     assert chunk_content({"choices": [{"delta": {"role": "assistant"}, "finish_reason": None}]}) is None
     assert chunk_content({"choices": [{"delta": {"content": "Hi"}, "finish_reason": None}]}) == "Hi"
     assert chunk_content({"choices": [{"delta": {}, "finish_reason": "stop"}]}) == ""
+
+
+# -- a context llama.cpp rounds up (n_ctx not a multiple of 256) --------------------------------
+
+SENTENCE = "The ferry to the island leaves the quay at nine and returns before dusk."
+
+
+@pytest.fixture(scope="module")
+def llm_300(model_path):
+    import trimkit
+
+    llm = trimkit.default_llama(model_path=model_path, n_ctx=300)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def llm_1000(model_path):
+    import trimkit
+
+    llm = trimkit.default_llama(model_path=model_path, n_ctx=1000)
+    yield llm
+    llm.close()
+
+
+def user_prompt(backend, low, high):
+    """A one-message prompt whose exact token count lies in [low, high]."""
+    words = SENTENCE.split()
+    lo, hi = 1, 4 * high
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        messages = [{"role": "user", "content": " ".join(words[i % len(words)] for i in range(mid))}]
+        n = len(backend.tokenizer.prompt_tokens(messages))
+        if low <= n <= high:
+            return messages, n
+        lo, hi = (mid + 1, hi) if n < low else (lo, mid - 1)
+    raise AssertionError(f"no prompt of {low}..{high} tokens")
+
+
+def test_n_ctx_is_what_the_llama_can_hold_not_what_llama_cpp_rounded_to(llm_300, llm_1000):
+    for llm, asked in ((llm_300, 300), (llm_1000, 1000)):
+        assert llm.n_ctx() > asked  # llama.cpp rounded the context up ...
+        backend = LlamaBackend(llm)
+        assert backend.n_ctx == asked  # ... but the Llama records only `asked` tokens
+        assert backend.profile_key().n_ctx == asked
+
+
+def test_a_rounded_context_calibrates_and_serves(llm_300, isolated_cache):
+    import trimkit
+
+    profile = trimkit.calibrate(llm_300, quick=True)
+    assert profile.key.n_ctx == 300
+    assert max(s.new_tokens + s.cached_tokens for s in profile.samples) <= 300
+    chat = trimkit.wrap(llm_300, profile=profile, summarizer=None)
+    out = chat.create_chat_completion(messages=[{"role": "user", "content": "Name a colour."}], max_tokens=4)
+    assert out["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chat.last_report.measurement.ttft_s is not None
+
+
+def test_a_prompt_over_the_effective_window_is_a_clear_error(llm_1000, quick_profile):
+    import trimkit
+
+    backend = LlamaBackend(llm_1000)
+    messages, n = user_prompt(backend, 1001, 1020)  # fits llama.cpp's 1024, not the Llama's 1000
+    chat = trimkit.wrap(llm_1000, profile=quick_profile, summarizer=None)
+    with pytest.raises(ContextTooSmallError, match="1000"):
+        chat.create_chat_completion(messages=messages, max_tokens=4)
+    with pytest.raises(ContextTooSmallError, match=rf"{n} tokens.*n_ctx=1000.*1024"):
+        backend.send(messages, {"max_tokens": 4})
+    assert not backend.engine.busy  # nothing was taken
+    # and the engine still works
+    m = backend.send([{"role": "user", "content": "Name a colour."}], {"max_tokens": 2}).drain()
+    assert m.ttft_s is not None
+
+
+def test_a_budget_trims_the_prompt_into_the_effective_window(llm_1000, quick_profile):
+    import trimkit
+
+    chat = trimkit.wrap(llm_1000, profile=quick_profile, summarizer=None)
+    question = [{"role": "user", "content": "When does the ferry leave?"}]
+    words = SENTENCE.split()
+    base = [f"Note {i}: " + " ".join([SENTENCE] * 8) for i in range(6)]
+    for k in range(1, 400):  # untrimmed: inside llama.cpp's 1024 less max_tokens, over the Llama's 1000
+        chunks = [*base, "Last note: " + " ".join(words[i % len(words)] for i in range(k))]
+        untrimmed = len(chat.backend.tokenizer.prompt_tokens(trimkit.place_chunks(question, chunks)))
+        if untrimmed > 1001:
+            break
+    assert 1001 < untrimmed <= 1016, untrimmed
+    out = chat.create_chat_completion(messages=question, rag_chunks=chunks, ttft_budget_s=600.0, max_tokens=8)
+    report = chat.last_report
+    assert report.prompt_tokens_before == untrimmed
+    assert report.prompt_tokens <= 1000 - 8
+    assert out["choices"][0]["message"]["content"] is not None
+
+
+def test_generation_stops_at_the_effective_window(llm_1000):
+    backend = LlamaBackend(llm_1000)
+    messages, n = user_prompt(backend, 980, 990)
+    eos = llm_1000.token_eos()
+    ts = backend.send(messages, {"temperature": 0.0, "logit_bias": {str(eos): -100.0}})  # no max_tokens: "as long as fits"
+    m = ts.drain()
+    assert m.finish_reason == "length"
+    assert m.prompt_tokens == n and n + m.completion_tokens <= 1000
+    # the Llama's record of its context stays whole (llama-cpp-python drops tokens past it silently)
+    assert llm_1000.n_tokens <= len(llm_1000.input_ids)
+
+
+def test_cli_with_a_context_too_small_exits_with_one_line(isolated_cache, capsys):
+    from trimkit.cli import main
+
+    rc = main(["calibrate", "--quick", "--n-ctx", "64"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith("trimkit: error:") and "n_ctx=64" in err[0], err

@@ -263,3 +263,135 @@ def test_without_chunks_the_question_is_unchanged():
 def test_custom_templates_are_used():
     text = render_rag_question("Q?", coerce_chunks(["a", "b"]), template="{chunks}|{question}", chunk_template="{n}:{text}")
     assert text == "1:a\n\n2:b|Q?"
+
+
+# -- issue 8, item 7: shapes that used to crash past validation ---------------------------------
+
+
+def _with(extra: dict, role: str = "assistant", content=None) -> list[dict]:
+    return [{"role": "user", "content": "q"}, {"role": role, "content": content, **extra}, {"role": "user", "content": "again"}]
+
+
+@pytest.mark.parametrize(
+    "messages, says",
+    [
+        (_with({"tool_calls": "call it"}), "messages[1].tool_calls must be a list"),
+        (_with({"tool_calls": {"function": {"name": "f"}}}), "messages[1].tool_calls must be a list"),
+        (_with({"tool_calls": ["call it"]}), "messages[1].tool_calls[0] must be a dict"),
+        (_with({"tool_calls": [{"id": "c"}]}), "messages[1].tool_calls[0] has no 'function'"),
+        (_with({"tool_calls": [{"function": "weather"}]}), "messages[1].tool_calls[0].function must be a dict"),
+        (_with({"tool_calls": [{"function": ["weather"]}]}), "messages[1].tool_calls[0].function must be a dict"),
+        (_with({"tool_calls": [{"function": {"arguments": "{}"}}]}), "tool_calls[0].function.name must be a str"),
+        (_with({"tool_calls": [{"function": {"name": ["f"], "arguments": "{}"}}]}), "tool_calls[0].function.name must be a str"),
+        (_with({"tool_calls": [{"function": {"name": "f", "arguments": {"city": "Oslo"}}}]}), "function.arguments must be a str"),
+        (_with({"tool_calls": [{"id": 7, "function": {"name": "f"}}]}), "tool_calls[0].id must be a str"),
+        (_with({"function_call": "f()"}), "messages[1].function_call must be a dict"),
+        (_with({"function_call": [1]}), "messages[1].function_call must be a dict"),
+        (_with({"function_call": {"name": 3}}), "function_call.name must be a str"),
+        ([{"role": "user", "content": "hi", "name": ["alice"]}], "messages[0].name must be a str"),
+        ([{"role": "user", "content": "hi", "name": {"n": 1}}], "messages[0].name must be a str"),
+        (_with({"tool_call_id": ["c1"]}, role="tool", content="sunny"), "messages[1].tool_call_id must be a str"),
+        ([{"role": "user", "content": [{"type": ["text"], "text": "hi"}]}], "content[0].type must be a str"),
+        ([{"role": "user", "content": [{"type": "text", "text": 42}]}], "content[0] is a text part without a str 'text'"),
+        ([{"role": "user", "content": [{"type": "text"}]}], "content[0] is a text part without a str 'text'"),
+    ],
+    ids=[
+        "tool-calls-str", "tool-calls-dict", "tool-call-str", "tool-call-no-function", "function-str", "function-list",
+        "function-no-name", "function-name-list", "arguments-dict", "call-id-int", "function-call-str", "function-call-list",
+        "function-call-name-int", "name-list", "name-dict", "tool-call-id-list", "part-type-list", "text-part-int",
+        "text-part-missing",
+    ],
+)
+def test_wrongly_shaped_tool_fields_raise_invalid_message_error(messages, says):
+    before = copy.deepcopy(messages)
+    with pytest.raises(InvalidMessageError) as info:
+        validate_messages(messages)
+    assert says in str(info.value)
+    assert messages == before
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "hi", "name": "alice"}],
+        [{"role": "user", "content": "hi", "name": None, "tool_calls": None, "function_call": None, "tool_call_id": None}],
+        _with({"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f"}}]}),
+        _with({"function_call": {"name": "f", "arguments": "{}"}}),
+        _with({"tool_call_id": "c1"}, role="tool", content="sunny"),
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": "hi"}]}],
+    ],
+    ids=["name", "none-fields", "call-without-arguments", "function-call", "tool-call-id", "image-part"],
+)
+def test_well_formed_tool_fields_pass(messages):
+    validate_messages(messages)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        _with({"tool_calls": [{"function": "weather"}]}),
+        _with({"function_call": "f()"}),
+        [{"role": "user", "content": "hi", "name": ["alice"]}],
+    ],
+    ids=["function-str", "function-call-str", "name-list"],
+)
+def test_planning_with_a_budget_refuses_bad_tool_fields_before_any_work(messages):
+    """These raised AttributeError / TypeError ('unhashable type') from deep inside the planner."""
+    from tests._planner_helpers import PROFILE, tokenizer
+    from trimkit.planner import plan
+
+    before = copy.deepcopy(messages)
+    with pytest.raises(InvalidMessageError):
+        plan(messages, ttft_budget_s=0.5, profile=PROFILE, tokenizer=tokenizer())
+    assert messages == before
+
+
+@pytest.mark.parametrize("score", [10**400, -(10**400), 10**5000], ids=["1e400", "-1e400", "1e5000"])
+def test_a_score_too_large_for_a_float_is_an_invalid_chunk(score):
+    with pytest.raises(InvalidChunkError, match="score"):
+        coerce_chunks([{"text": "a", "score": score}])
+    with pytest.raises(InvalidChunkError, match="score"):
+        Chunk("a", score=score)
+
+
+def test_a_chunk_id_must_be_a_string():
+    with pytest.raises(InvalidChunkError, match="id"):
+        Chunk("a", id=["x"])
+    assert coerce_chunks([{"text": "a", "id": ["x"]}])[0].id == "['x']"  # a dict's id is made a str
+
+
+@pytest.mark.parametrize(
+    "template, chunk_template, says",
+    [
+        ("Q: {question}", "[{id}] {text}", "{chunks}"),
+        ("{chunks}", "[{id}] {text}", "{question}"),
+        ("no fields", "[{id}] {text}", "{chunks} or {question}"),
+        ("{chunks}\n{question}", "[{id}]", "{text}"),
+        ("{chunks}\n{{question}}", "[{id}] {text}", "{question}"),  # an escaped brace is no field
+        (None, "[{id}] {text}", "must be a str"),
+        ("{chunks}{question}", b"{text}", "must be a str"),
+    ],
+    ids=["no-chunks", "no-question", "neither", "no-text", "escaped", "none", "bytes"],
+)
+def test_a_rag_template_without_its_text_fields_is_refused(template, chunk_template, says):
+    from trimkit.messages import check_rag_templates
+
+    with pytest.raises(InvalidInputError) as info:
+        check_rag_templates(template, chunk_template)
+    assert says in str(info.value)
+
+
+def test_rag_templates_with_conversions_and_formats_still_pass():
+    from trimkit.messages import check_rag_templates
+
+    check_rag_templates("{chunks!s}\n---\n{question:>3}", "{n}. {text!s} ({id})")
+
+
+def test_planning_with_a_template_that_drops_the_chunks_is_refused():
+    """It used to send no chunk text at all and report nothing removed."""
+    from tests._planner_helpers import PROFILE, tokenizer
+    from trimkit.planner import plan
+
+    with pytest.raises(InvalidInputError, match="chunks"):
+        plan([{"role": "user", "content": "q"}], ttft_budget_s=5.0, profile=PROFILE, tokenizer=tokenizer(),
+             rag_chunks=["the answer is 42"], rag_template="Answer: {question}")

@@ -337,13 +337,13 @@ def test_server_killed_mid_stream_raises_stream_interrupted_with_a_report(profil
 
 
 def test_named_chat_format_makes_server_counts_exact(llama_server):
-    """The test server runs --chat_format gemma; naming it makes trimkit's count match the server's."""
+    """The test server runs --chat_format gemma-3; naming it makes trimkit's count match the server's."""
     import httpx
 
     from trimkit.backends.http import OpenAIHTTPBackend
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name the harbour's oldest boat."}]
-    named = OpenAIHTTPBackend(llama_server, chat_format="gemma")
+    named = OpenAIHTTPBackend(llama_server, chat_format="gemma-3")
     guessed = OpenAIHTTPBackend(llama_server)
     try:
         out = httpx.post(named.base_url + "/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=60).json()

@@ -418,3 +418,227 @@ def test_observe_never_changes_the_original_profile():
         live.observe(n, 0, 3.0 * TRUE_MODEL.prefill_s(n))
     assert p.drift == 1.0 and p.model == TRUE_MODEL
     assert live.current is not p
+
+
+# -- issue 8, item 5: hostile or broken profile files -------------------------------------------
+
+
+def _stored_with(edit):
+    path = save_profile(make_profile())
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _zero_model(d):
+    d["model"].update(overhead_s=0.0, per_token_s=0.0, depth_s=0.0, per_batch_s=0.0)
+
+
+@pytest.mark.parametrize(
+    "edit, names",
+    [
+        (lambda d: d["error"].update(p90_pct="high"), "error.p90_pct"),
+        (lambda d: d["error"].update(median_pct=[1]), "error.median_pct"),
+        (lambda d: d["error"].update(n=7.5), "error.n"),
+        (lambda d: d["error"].update(n="7"), "error.n"),
+        (lambda d: d["error"].update(max_pct=-3.0), "max_pct"),
+        (_zero_model, "model predicts 0.0 s"),
+        (lambda d: d["model"].update(n_batch=512.0), "model.n_batch"),
+        (lambda d: d["samples"][0].update(new_tokens=16.0), "samples[0].new_tokens"),
+        (lambda d: d["samples"][1].update(source=5), "samples[1].source"),
+        (lambda d: d["samples"].append([16, 0, 0.1]), "samples[7]"),
+        (lambda d: d.update(samples={"a": 1}), "samples must be a list"),
+        (lambda d: d.update(quick="false"), "quick"),
+        (lambda d: d.update(alternatives=["design"]), "alternatives"),
+        (lambda d: d.update(created_at="yesterday"), "created_at"),
+        (lambda d: d.update(calibration_wall_s=-1.0), "calibration_wall_s"),
+        (lambda d: d["key"].update(n_ctx="4096"), "key.n_ctx"),
+        (lambda d: d["key"].update(model=["test-model"]), "key.model"),
+        (lambda d: d.update(residuals=[[0.1, 0.2, 0.3]]), "residuals[0]"),
+        (lambda d: d.update(residuals=[[0.1, "x"]]), "residuals[0][1]"),
+        (lambda d: d.update(schema=True), "schema"),
+        (lambda d: d.update(drift=1e400), "drift"),  # JSON Infinity
+    ],
+    ids=[
+        "p90-str", "median-list", "n-float", "n-str", "negative-pct", "all-zero-model", "n-batch-float", "tokens-float",
+        "source-int", "sample-list", "samples-dict", "quick-str", "alternatives-list", "created-at-str", "negative-wall",
+        "key-n-ctx-str", "key-model-list", "residual-triple", "residual-str", "schema-true", "drift-inf",
+    ],
+)
+def test_a_wrongly_typed_or_useless_profile_loads_as_none_with_one_warning_naming_file_and_field(isolated_cache, caplog, edit, names):
+    """Wrong types used to load and then raise TypeError on every budgeted request (p90 'high'
+    in safety_margin); an all-zero model predicted 0 s forever."""
+    path = _stored_with(edit)
+    with caplog.at_level(logging.WARNING, logger="trimkit"):
+        assert load_profile(make_key()) is None
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1
+    assert str(path) in warnings[0].getMessage() and names in warnings[0].getMessage()
+
+
+def test_a_stored_profile_round_trips_with_nan_and_infinite_error_stats(isolated_cache):
+    """Errors are NaN when nothing was measured: that is a valid profile, not a broken one."""
+    nan = attrs.evolve(make_profile(), error=ErrorStats(math.nan, math.nan, math.inf, 0))
+    save_profile(nan)
+    loaded = load_profile(make_key())
+    assert loaded is not None and math.isnan(loaded.error.p90_pct) and loaded.safety_margin == pytest.approx(0.10)
+
+
+def test_from_dict_raises_profile_error_for_every_shape():
+    from trimkit.errors import ProfileError
+    from trimkit.profile import Profile
+
+    for bad in (None, [], "x", {"schema": 1}, {"schema": 1, "key": []}, {**make_profile().to_dict(), "error": {"n": 1}}):
+        with pytest.raises(ProfileError):
+            Profile.from_dict(bad)
+    assert Profile.from_dict(make_profile().to_dict()) == make_profile()
+
+
+def test_error_stats_and_samples_refuse_wrong_types_when_made():
+    with pytest.raises(InvalidNumberError):
+        ErrorStats("x", 1.0, 1.0, 1)
+    with pytest.raises(InvalidNumberError):
+        ErrorStats(1.0, 1.0, 1.0, 1.5)
+    with pytest.raises(InvalidNumberError):
+        ErrorStats(-1.0, 1.0, 1.0, 1)
+    with pytest.raises(InvalidNumberError):
+        ErrorStats(10**400, 1.0, 1.0, 1)
+    from trimkit.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError):
+        PrefillSample(16, 0, 0.1, source=None)
+    with pytest.raises(InvalidInputError):
+        attrs.evolve(make_profile(), model={"overhead_s": 0.1})
+    with pytest.raises(InvalidInputError):
+        attrs.evolve(make_profile(), samples=({"new_tokens": 1},))
+
+
+def test_a_corrupt_profile_is_recalibrated_with_one_warning_and_overwritten(isolated_cache, caplog):
+    from trimkit.backends.fake import FakeBackend
+    from trimkit.calibration import calibrate
+
+    backend = FakeBackend(TRUE_MODEL)
+    path = profile_path(backend.profile_key())
+    path.parent.mkdir(parents=True)
+    bad = attrs.evolve(make_profile(key=backend.profile_key())).to_dict()
+    bad["error"]["p90_pct"] = "high"
+    path.write_text(json.dumps(bad))
+    with caplog.at_level(logging.WARNING, logger="trimkit"):
+        profile = calibrate(backend, quick=True)
+    assert isinstance(profile.error.p90_pct, float) and profile.safety_margin > 0
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and str(path) in warnings[0].getMessage() and "error.p90_pct" in warnings[0].getMessage()
+    assert load_profile(backend.profile_key()) == profile  # the bad file was replaced
+
+
+def test_looking_at_the_same_bad_file_twice_warns_once(isolated_cache, caplog):
+    """The CLI loads, then calibrate() loads again before measuring: one warning, not two."""
+    _stored_with(lambda d: d["error"].update(n="7"))
+    with caplog.at_level(logging.WARNING, logger="trimkit"):
+        assert load_profile(make_key()) is None
+        assert load_profile(make_key()) is None
+    assert len(_warnings(caplog)) == 1
+
+
+def test_a_fifo_at_the_profile_path_never_blocks_the_load(isolated_cache, caplog):
+    import os
+    import threading
+
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs here")
+    path = profile_path(make_key())
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+    result: list = []
+    with caplog.at_level(logging.WARNING, logger="trimkit"):
+        t = threading.Thread(target=lambda: result.append(load_profile(make_key())), daemon=True)
+        t.start()
+        t.join(5.0)
+        blocked = t.is_alive()
+        if blocked:  # release the reader the old code left waiting for a writer
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            os.close(fd)
+            t.join(5.0)
+    assert not blocked, "load_profile blocked on a FIFO"
+    assert result == [None]
+    assert "not a regular file" in _warnings(caplog)[0].getMessage()
+
+
+def test_an_oversized_profile_is_refused_unread(isolated_cache, caplog):
+    from trimkit.profile import MAX_PROFILE_BYTES
+
+    path = save_profile(make_profile())
+    text = path.read_text()
+    path.write_text(text + " " * (MAX_PROFILE_BYTES + 1 - len(text)))  # valid JSON, just huge
+    with caplog.at_level(logging.WARNING, logger="trimkit"):
+        assert load_profile(make_key()) is None
+    assert "limit" in _warnings(caplog)[0].getMessage()
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe{}", b"[" * 200_000, b'{"schema": 1, "n": ' + b"9" * 5000 + b"}"],
+                         ids=["not-utf8", "deeply-nested", "huge-int"])
+def test_undecodable_profiles_load_as_none_with_a_warning(isolated_cache, caplog, content):
+    path = profile_path(make_key())
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="trimkit"):
+        assert load_profile(make_key()) is None
+    assert len(_warnings(caplog)) == 1
+
+
+def _cache_is_a_file(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("in the way")
+    monkeypatch.setenv("TRIMKIT_CACHE_DIR", str(blocker))
+    return blocker
+
+
+def test_saving_into_an_unwritable_cache_warns_once_and_keeps_going(tmp_path, monkeypatch, caplog):
+    _cache_is_a_file(tmp_path, monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="trimkit"):
+        assert save_profile(make_profile()) is None
+        assert save_profile(make_profile(drift=1.5)) is None
+    assert len(_warnings(caplog)) == 1
+    assert "kept in memory" in _warnings(caplog)[0].getMessage()
+    assert load_profile(make_key()) is None
+
+
+def test_an_explicit_unwritable_path_still_raises(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OSError):
+        save_profile(make_profile(), blocker / "p.json")
+
+
+def test_calibrate_and_wrap_survive_an_unwritable_cache(tmp_path, monkeypatch, caplog):
+    """wrap() used to fail with NotADirectoryError after calibrating."""
+    import trimkit
+    from trimkit.backends.fake import FakeBackend
+    from trimkit.calibration import calibrate
+
+    _cache_is_a_file(tmp_path, monkeypatch)
+    backend = FakeBackend(TRUE_MODEL)
+    with caplog.at_level(logging.WARNING, logger="trimkit"):
+        chat = trimkit.wrap(backend, ttft_budget_s=2.0)  # calibrates quickly: nothing stored
+        assert chat.profile.model.prefill_s(100) > 0
+        profile = calibrate(FakeBackend(TRUE_MODEL), quick=True)
+        assert profile.model.prefill_s(100) > 0
+    assert len([w for w in _warnings(caplog) if "kept in memory" in w.getMessage()]) == 1
+
+
+def test_stale_temporary_files_are_removed_on_the_next_save(isolated_cache):
+    import os
+    import time
+
+    folder = isolated_cache / "profiles"
+    folder.mkdir(parents=True)
+    stale, fresh, other = folder / ".profile-killed.tmp", folder / ".profile-writing.tmp", folder / "notes.tmp"
+    for f in (stale, fresh, other):
+        f.write_text("{")
+    old = time.time() - 120
+    os.utime(stale, (old, old))
+    os.utime(other, (old, old))
+    save_profile(make_profile())
+    assert not stale.exists()
+    assert fresh.exists() and other.exists()  # a save in progress elsewhere; not ours to remove

@@ -3,7 +3,11 @@ from trimkit.relevance import bm25_scores, rank_chunks, words
 
 
 def test_words_lowercases_and_drops_stopwords():
-    assert words("What is THE Capital of France?") == ["capital", "france"]
+    assert words("What is THE Capital of France?") == ["capit", "franc"]
+
+
+def test_words_are_cut_so_that_forms_of_a_word_match():
+    assert words("settlement") == words("settled") == words("settles")
 
 
 def test_bm25_scores_the_matching_document_highest():
@@ -33,7 +37,20 @@ def test_rank_chunks_orders_by_bm25_against_the_question():
 
 def test_rank_chunks_uses_caller_scores_when_every_chunk_has_one():
     chunks = [Chunk("capital France", score=0.1, id="a"), Chunk("bananas", score=0.9, id="b")]
-    assert [c.id for c in rank_chunks(chunks, "capital of France")] == ["b", "a"]
+    assert [c.id for c in rank_chunks(chunks, "capital of France", lexical_weight=0.0)] == ["b", "a"]
+    assert [c.id for c in rank_chunks(chunks, "unrelated words")] == ["b", "a"]  # no lexical match: scores alone
+
+
+def test_caller_scores_are_fused_with_the_lexical_match():
+    """A noisy retriever ranks the chunk naming the question's entity below a vaguer one."""
+    chunks = [
+        Chunk("Claims were often settled late in those years.", score=0.9, id="vague"),
+        Chunk("Some claims were appealed.", score=0.7, id="other"),
+        Chunk("The flood claim for the Hocking inn was settled at 705 pounds.", score=0.8, id="answer"),
+    ]
+    q = "What was the settlement of the flood claim for the Hocking inn?"
+    assert [c.id for c in rank_chunks(chunks, q)][0] == "answer"
+    assert [c.id for c in rank_chunks(chunks, q, lexical_weight=0.0)][0] == "vague"
 
 
 def test_rank_chunks_ignores_partial_scores_and_uses_bm25():

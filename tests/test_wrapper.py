@@ -228,7 +228,7 @@ def test_summaries_are_computed_off_the_critical_path_and_reused(fake):
 
 def test_later_turns_keep_the_previous_cut_to_reuse_the_cache(fake):
     profile = trimkit.calibrate(fake)
-    t = Trimmer(fake, ttft_budget_s=0.6, profile=profile, clock=fake.clock)
+    t = Trimmer(fake, ttft_budget_s=0.6, profile=profile, clock=fake.clock, summarizer=None)  # no summary competing
     convo = conversation(16, 80)
     first = TrimmedFake(t).create(list(convo), max_tokens=3).report
     assert any(a.strategy == "drop_oldest_turns" for a in first.actions)
@@ -275,3 +275,51 @@ def test_a_second_wrap_of_the_same_engine_starts_from_what_the_first_learned(fak
     assert second.live is first.live and second.engine is first.engine
     assert second.profile.drift == pytest.approx(1.3, rel=0.01)
     assert second.safety_margin == first.safety_margin
+
+
+# -- keeping the answer: the context window, the template, summaries by default -------------------------
+
+
+def test_with_a_budget_a_prompt_over_the_context_window_is_trimmed_to_fit(isolated_cache):
+    fake = FakeBackend(CostModel(overhead_s=0.01, per_token_s=0.002, depth_s=1e-7), clock=FakeClock(), n_ctx=1024)
+    profile = trimkit.calibrate(fake, quick=True)
+    t = Trimmer(fake, ttft_budget_s=1e3, profile=profile, clock=fake.clock)  # the budget alone would keep everything
+    convo = conversation(20, 60)
+    assert len(fake.tokenizer.prompt_tokens(convo)) > 1024
+    report = TrimmedFake(t).create(list(convo), max_tokens=100).report
+    assert report.prompt_tokens <= 1024 - 100
+    assert any(a.removed_messages for a in report.actions)
+
+
+def test_summaries_are_on_by_default_and_can_be_turned_off(fake):
+    profile = trimkit.calibrate(fake, quick=True)
+    assert isinstance(Trimmer(fake, profile=profile).summarizer, trimkit.ExtractiveSummarizer)
+    assert Trimmer(fake, profile=profile, summarizer=None).summarizer is None
+    with pytest.raises(InvalidInputError):
+        Trimmer(fake, profile=profile, summarizer="abstractive")
+
+
+def test_a_template_that_drops_a_message_is_named_in_the_report(trimmer):
+    class Dropping:
+        def __init__(self, tok):
+            self._tok = tok
+
+        def __getattr__(self, name):
+            return getattr(self._tok, name)
+
+        def dropped_messages(self, messages, tools=None):
+            return tuple(i for i, m in enumerate(messages) if m.get("role") == "system")
+
+    trimmer.backend.tokenizer = Dropping(trimmer.backend.tokenizer)
+    report = TrimmedFake(trimmer).create(conversation(2), max_tokens=2).report
+    assert any("dropped message(s) 0 (system)" in w for w in report.warnings)
+
+
+def test_values_are_validated_and_used(fake):
+    profile = trimkit.calibrate(fake, quick=True)
+    with pytest.raises(InvalidInputError):
+        Trimmer(fake, profile=profile, values={"history_weight": 1})
+    chunks = [trimkit.Chunk(text=text(120, i), id=f"c{i}", score=1.0 - i / 10) for i in range(4)]
+    budgeted = [Trimmer(fake, ttft_budget_s=0.9, profile=profile, clock=fake.clock, values=v) for v in (None, trimkit.ValueModel(history_weight=20.0))]
+    removed = [len(t.prepare(conversation(8, 60), chunks, {}).plan.removed_message_indices) for t in budgeted]
+    assert removed[1] < removed[0]

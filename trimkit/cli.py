@@ -186,6 +186,8 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
             text = Path(args.prompt_file).read_text(encoding="utf-8")
         except OSError as exc:
             raise InvalidInputError(f"cannot read --prompt-file: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise InvalidInputError(f"--prompt-file {args.prompt_file} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
         if not text.strip():
             raise InvalidInputError("--prompt-file is empty")
         llm = open_llama(args.model, args.n_ctx)
@@ -376,12 +378,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("demo", help="see the two phases and a TTFT budget held, on the embedded model",
                        description="Calibrates (or reuses the stored profile), shows a long and a short prompt "
-                       "(the wait vs the stream), then a multi-turn RAG chat kept under a TTFT budget.")
+                       "(the wait vs the stream), then a multi-turn RAG chat kept under a TTFT budget set from this "
+                       "host's profile, saying each turn whether the chunk that holds the answer was kept. Requests "
+                       "predicted to take over 20 s on this host are not run; their prediction is printed.")
     m.add_argument("--model", help=f"GGUF model path (default: {EMBEDDED})")
-    m.add_argument("--budget", type=_positive_float, default=None,
-                   help="TTFT budget in seconds for the chat part (default: derived from this host's profile, see --budget-share)")
-    m.add_argument("--budget-share", type=_share, default=0.45,
-                   help="without --budget: the budget is the predicted TTFT of this share of the untrimmed prompt (default 0.45)")
+    mb = m.add_mutually_exclusive_group()
+    mb.add_argument("--budget", type=_positive_float, default=None,
+                    help="TTFT budget in seconds for the chat part (default: derived from this host's profile, see --budget-share)")
+    mb.add_argument("--budget-share", type=_share, default=0.45,
+                    help="without --budget: the budget is the predicted TTFT of this share of the untrimmed prompt (default 0.45)")
     m.add_argument("--turns", type=_positive_int, default=3, help="chat turns under the budget (default 3)")
     m.add_argument("--n-ctx", type=_positive_int, default=8192, help="context window (default 8192)")
     m.add_argument("--quick", action="store_true", help="quick calibration (~10 s, less accurate past 1,500 tokens) instead of full (~30 s, once: it is stored)")

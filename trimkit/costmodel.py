@@ -19,10 +19,23 @@ from collections.abc import Iterable, Sequence
 import attrs
 
 from trimkit._validate import attrs_non_negative, count, real_float
+from trimkit.errors import InvalidInputError, InvalidNumberError
 
 __all__ = [
     "PrefillSample", "CostModel", "ErrorStats", "fit_cost_model", "cross_validate", "heldout_predictions", "error_stats", "quantile",
 ]
+
+
+def _check_str(value: object, name: str) -> None:
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{name} must be a str, got {type(value).__name__}")
+
+
+def _check_pct(instance: object, attribute: attrs.Attribute, value: float) -> None:  # type: ignore[type-arg]
+    """An error percentage: >= 0, or NaN when nothing was measured (infinity is allowed: a
+    prediction for a near-zero measurement). Negative would be no error at all."""
+    if value < 0:
+        raise InvalidNumberError(f"{attribute.name} must be >= 0 (or NaN), got {value!r}")
 
 
 @attrs.frozen
@@ -32,7 +45,7 @@ class PrefillSample:
     new_tokens: int = attrs.field(validator=lambda i, a, v: count(v, a.name, minimum=1))
     cached_tokens: int = attrs.field(validator=lambda i, a, v: count(v, a.name, minimum=0))
     seconds: float = attrs.field(converter=real_float, validator=attrs_non_negative)
-    source: str = "calibration"
+    source: str = attrs.field(default="calibration", validator=lambda i, a, v: _check_str(v, a.name))
 
     def to_dict(self) -> dict[str, object]:
         return {"new_tokens": self.new_tokens, "cached_tokens": self.cached_tokens, "seconds": self.seconds, "source": self.source}
@@ -139,12 +152,12 @@ def fit_cost_model(samples: Iterable[PrefillSample], *, n_batch: int = 512, batc
 
 @attrs.frozen
 class ErrorStats:
-    """Absolute percentage errors of predictions against measurements."""
+    """Absolute percentage errors of predictions against measurements (NaN when none: ``n`` 0)."""
 
-    median_pct: float
-    p90_pct: float
-    max_pct: float
-    n: int
+    median_pct: float = attrs.field(converter=real_float, validator=_check_pct)
+    p90_pct: float = attrs.field(converter=real_float, validator=_check_pct)
+    max_pct: float = attrs.field(converter=real_float, validator=_check_pct)
+    n: int = attrs.field(validator=lambda i, a, v: count(v, a.name, minimum=0))
 
     def to_dict(self) -> dict[str, object]:
         return attrs.asdict(self)

@@ -18,13 +18,24 @@ subclasses the builtin it naturally is, so code that already catches ``ValueErro
     ├── CalibrationError (RuntimeError)         calibration could not measure (e.g. no samples)
     ├── InfeasibleBudgetError                   even the minimal prompt cannot meet the budget
     │                                           (carries ``.plan`` and ``.report``)
-    └── BackendError (RuntimeError)             the model engine or server failed
+    └── BackendError (RuntimeError)             the model engine or server failed (``.report``: see below)
         ├── ServerError                         the server answered with an error (``.status``, ``.server_message``)
-        │   └── TransientServerError            502/503/504/429: retried before it is raised
+        │   ├── TransientServerError            502/503/504/429: retried before it is raised
+        │   └── MalformedReplyError             a reply the protocol does not allow: not JSON, the wrong
+        │                                       shape, a number out of range, nested too deep, over the
+        │                                       size cap, the wrong content type (``.field`` says where)
         ├── ServerUnreachableError (ConnectionError)  connection refused / DNS / timeout after retries
-        └── StreamInterruptedError              the stream broke mid-response (carries ``.report``)
+        │   └── ServerTimeoutError (TimeoutError)     no first chunk (side request: no answer) within the
+        │                                             request's deadline
+        ├── StreamInterruptedError              the stream broke mid-response (carries ``.report``)
+        └── EngineBusyError (TimeoutError)      another request or open stream held the in-process
+                                                engine past this request's wait bound
 
-Dependency errors (httpx, llama_cpp) are translated into these at the boundary.
+Dependency errors (httpx, llama_cpp, openai) are translated into these at the boundary.
+
+A :class:`BackendError` raised while a wrapped call's stream is read (``create(stream=True)``
+iterated, or a non-streamed ``create`` rebuilt from a stream) carries ``.report``: the report of
+what was sent, with the TTFT if it was measured. Elsewhere ``.report`` is None.
 """
 
 from __future__ import annotations
@@ -50,6 +61,9 @@ __all__ = [
     "TransientServerError",
     "ServerUnreachableError",
     "StreamInterruptedError",
+    "EngineBusyError",
+    "MalformedReplyError",
+    "ServerTimeoutError",
 ]
 
 
@@ -115,7 +129,10 @@ class InfeasibleBudgetError(TrimkitError):
 
 
 class BackendError(TrimkitError, RuntimeError):
-    """The model engine or server failed."""
+    """The model engine or server failed. ``.report`` is set (to the report of what was sent)
+    when it was raised while a wrapped call's stream was being read; else None."""
+
+    report: Any = None
 
 
 class ServerError(BackendError):
@@ -141,3 +158,34 @@ class StreamInterruptedError(BackendError):
     def __init__(self, message: str, *, report: Any = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class EngineBusyError(BackendError, TimeoutError):
+    """The in-process engine (one ``Llama``) stayed busy — another request, or a stream nobody
+    has finished or closed — for longer than this request may wait: its TTFT budget, else
+    ``LlamaBackend.engine_wait_s``. Nothing was sent. ``.waited_s`` says how long it waited."""
+
+    def __init__(self, message: str, *, waited_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.waited_s = waited_s
+
+
+class MalformedReplyError(ServerError):
+    """The server's reply is not what the protocol allows, so trimkit cannot use it: a body that
+    is not JSON (or not the JSON it should be), a field of the wrong type (``choices: 5``), a
+    number out of range (a 400-digit token count, a NaN time), JSON nested deeper than
+    :data:`trimkit.backends.replies.MAX_JSON_DEPTH`, a reply over the size cap, or the wrong
+    content type. ``.field`` names where (``choices[0].delta``, ``usage.prompt_tokens``; ``""``
+    for the body as a whole); ``.server_message`` holds the start of what was received.
+    Never retried: the same server gives the same reply."""
+
+    def __init__(self, message: str, *, field: str = "", status: int | None = 200, server_message: str = "") -> None:
+        super().__init__(message, status=status, server_message=server_message)
+        self.field = field
+
+
+class ServerTimeoutError(ServerUnreachableError, TimeoutError):
+    """The server did not produce the first chunk (a side request: its answer) within the
+    request's deadline: a server that accepts and never answers, answers too slowly, or
+    trickles bytes that never make an event. Raised within about the deadline, whatever the
+    server does; also a builtin ``TimeoutError``."""

@@ -6,21 +6,22 @@ words with the question, each with one neighbour on either side, and says so in 
 ``(excerpt: sentences 4–6 of 12) …``. The :class:`~trimkit.messages.Chunk` keeps its id; its
 ``metadata["excerpt"]`` holds the span for reports.
 
-An excerpt is worth a share of its chunk's value: ``0.75 * (share of the chunk's question-match
-weight it keeps) + 0.25 * (share of the chunk's length it keeps)``. A chunk whose sentences do
+An excerpt is worth a share of its chunk's value: ``0.75 * (share of the chunk's squared
+question-match scores it keeps) + 0.25 * (share of the chunk's length it keeps)``. Squaring puts
+the weight on the best-matching sentences, where an answer most likely is. A chunk whose sentences do
 not match the question at all gets no excerpt (leading sentences would be as good a guess as
 any, and no better than dropping it).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import attrs
 
 from trimkit.messages import Chunk
-from trimkit.relevance import split_sentences, words
+from trimkit.relevance import question_idf as _idf
+from trimkit.relevance import sentence_score, split_sentences
 
 __all__ = ["Excerpt", "question_idf", "excerpts_of", "MIN_SENTENCES"]
 
@@ -44,15 +45,7 @@ class Excerpt:
 
 def question_idf(question: str, chunks: Sequence[Chunk]) -> dict[str, float]:
     """IDF over ``chunks`` of each content word of ``question`` (words in no chunk are left out)."""
-    terms = set(words(question))
-    docs = [set(words(c.text)) for c in chunks]
-    n = len(docs)
-    out = {}
-    for t in terms:
-        df = sum(1 for d in docs if t in d)
-        if df:
-            out[t] = math.log(1.0 + (n - df + 0.5) / (df + 0.5))
-    return out
+    return _idf(question, [c.text for c in chunks])
 
 
 def _spans(indices: Sequence[int]) -> tuple[tuple[int, int], ...]:
@@ -84,8 +77,8 @@ def excerpts_of(chunk: Chunk, idf: Mapping[str, float], *, max_excerpts: int = 5
     n = len(sentences)
     if n < MIN_SENTENCES or not idf:
         return []
-    scores = [sum(idf.get(w, 0.0) for w in set(words(s))) for s in sentences]
-    total_score = sum(scores)
+    scores = [sentence_score(s, idf) for s in sentences]
+    total_score = sum(x * x for x in scores)
     if total_score <= 0:
         return []
     total_chars = sum(len(s) for s in sentences)
@@ -105,7 +98,7 @@ def excerpts_of(chunk: Chunk, idf: Mapping[str, float], *, max_excerpts: int = 5
             continue
         last_chars = chars
         text, spans = _render(sentences, sorted(keep))
-        score_share = sum(scores[j] for j in keep) / total_score
+        score_share = sum(scores[j] ** 2 for j in keep) / total_score
         length_share = sum(len(sentences[j]) for j in keep) / total_chars
         metadata = {**chunk.metadata, "excerpt": {"spans": [list(s) for s in spans], "sentences": n}}
         excerpt = attrs.evolve(chunk, text=text, metadata=metadata)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from trimkit.errors import InvalidChunkError, InvalidMessageError
+from trimkit.errors import InvalidChunkError, InvalidInputError, InvalidMessageError
 
 __all__ = [
     "Chunk",
@@ -44,15 +45,30 @@ def _score_to_float(value: Any) -> Any:
     """Retrievers return numpy scores (FAISS: float32): keep them as plain floats. Anything that
     is not a real number is left for :func:`_check_score` to refuse."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except (OverflowError, ValueError, TypeError):  # 10**400: left for _check_score to refuse
+            return value
     return value
 
 
 def _check_score(instance: Any, attribute: Any, value: Any) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidChunkError(f"chunk score must be a finite number or None, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidChunkError(f"chunk score must be a finite number or None, got {type(value).__name__}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite:
+        shown = repr(value) if isinstance(value, float) else f"an int of {value.bit_length()} bits"
+        raise InvalidChunkError(f"chunk score must be a finite number or None, got {shown}")
+
+
+def _check_id(instance: Any, attribute: Any, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidChunkError(f"chunk id must be a str or None, got {type(value).__name__}")
 
 
 def _check_text(instance: Any, attribute: Any, value: Any) -> None:
@@ -73,7 +89,7 @@ class Chunk:
 
     text: str = attrs.field(validator=_check_text)
     score: float | None = attrs.field(default=None, converter=_score_to_float, validator=_check_score)
-    id: str | None = attrs.field(default=None)
+    id: str | None = attrs.field(default=None, validator=_check_id)
     metadata: Mapping[str, Any] = attrs.field(factory=dict, eq=False, hash=False)
 
 
@@ -138,12 +154,54 @@ def message_text(message: Mapping[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _is_list(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray, Mapping))
+
+
+def _check_function(fn: Any, where: str) -> None:
+    """A tool call's ``function`` (or a legacy ``function_call``): a dict with a str ``name`` and
+    a str ``arguments`` (JSON text) when there is one."""
+    if not isinstance(fn, Mapping):
+        raise InvalidMessageError(f"{where} must be a dict with 'name' and 'arguments', got {type(fn).__name__}")
+    if not isinstance(fn.get("name"), str):
+        raise InvalidMessageError(f"{where}.name must be a str, got {type(fn.get('name')).__name__}")
+    if "arguments" in fn and not isinstance(fn["arguments"], str):
+        raise InvalidMessageError(f"{where}.arguments must be a str (JSON text), got {type(fn['arguments']).__name__}")
+
+
+def _check_tool_fields(m: Mapping[str, Any], where: str) -> None:
+    """``tool_calls``, ``function_call``, ``name`` and ``tool_call_id``, where present and not None."""
+    for key in ("name", "tool_call_id"):
+        value = m.get(key)
+        if value is not None and not isinstance(value, str):
+            raise InvalidMessageError(f"{where}.{key} must be a str, got {type(value).__name__}")
+    tool_calls = m.get("tool_calls")
+    if tool_calls is not None:
+        if not _is_list(tool_calls):
+            raise InvalidMessageError(f"{where}.tool_calls must be a list of dicts, got {type(tool_calls).__name__}")
+        for j, call in enumerate(tool_calls):
+            here = f"{where}.tool_calls[{j}]"
+            if not isinstance(call, Mapping):
+                raise InvalidMessageError(f"{here} must be a dict, got {type(call).__name__}")
+            for key in ("id", "type"):
+                if call.get(key) is not None and not isinstance(call[key], str):
+                    raise InvalidMessageError(f"{here}.{key} must be a str, got {type(call[key]).__name__}")
+            if "function" not in call:
+                raise InvalidMessageError(f"{here} has no 'function'")
+            _check_function(call["function"], f"{here}.function")
+    if m.get("function_call") is not None:
+        _check_function(m["function_call"], f"{where}.function_call")
+
+
 def validate_messages(messages: Any) -> None:
     """Raise :class:`InvalidMessageError` unless ``messages`` is a usable chat message list.
 
     Rules: a non-empty list of dicts; each has a known ``role``; ``content`` is a str or a list
-    of parts, and may be None only for an assistant message carrying ``tool_calls`` or
-    ``function_call``; there is at least one user message.
+    of parts (dicts with a str ``type``; a ``"text"`` part has a str ``text``), and may be None
+    only for an assistant message carrying ``tool_calls`` or ``function_call``; ``tool_calls``
+    is a list of dicts whose ``function`` is a dict with a str ``name`` and str ``arguments``,
+    ``function_call`` likewise; ``name`` and ``tool_call_id`` are str; there is at least one
+    user message. Nothing is changed.
     """
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
         raise InvalidMessageError(f"messages must be a list of dicts, got {type(messages).__name__}")
@@ -160,6 +218,7 @@ def validate_messages(messages: Any) -> None:
             raise InvalidMessageError(f"messages[{i}] has unknown role {role!r} (expected one of {sorted(ROLES)})")
         if "content" not in m:
             raise InvalidMessageError(f"messages[{i}] ({role}) has no 'content'")
+        _check_tool_fields(m, f"messages[{i}]")
         content = m["content"]
         if content is None:
             if not (role == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
@@ -168,6 +227,10 @@ def validate_messages(messages: Any) -> None:
             for j, part in enumerate(content):
                 if not isinstance(part, Mapping) or "type" not in part:
                     raise InvalidMessageError(f"messages[{i}].content[{j}] must be a dict with a 'type'")
+                if not isinstance(part["type"], str):
+                    raise InvalidMessageError(f"messages[{i}].content[{j}].type must be a str, got {type(part['type']).__name__}")
+                if part["type"] == "text" and not isinstance(part.get("text"), str):
+                    raise InvalidMessageError(f"messages[{i}].content[{j}] is a text part without a str 'text'")
         elif not isinstance(content, str):
             raise InvalidMessageError(
                 f"messages[{i}] ({role}) content must be str, list of parts or None, got {type(content).__name__}"
@@ -246,10 +309,23 @@ def with_chunks(message: Mapping[str, Any], chunks: Sequence[Chunk], template: s
     return new
 
 
-def check_rag_templates(template: Any, chunk_template: Any) -> None:
-    """Raise :class:`~trimkit.errors.InvalidInputError` unless both RAG templates format cleanly."""
-    from trimkit.errors import InvalidInputError
+def _template_fields(template: str) -> set[str]:
+    """The field names a format string uses (``{chunks!r:>5}`` and ``{chunks[0]}`` use ``chunks``)."""
+    names = set()
+    for _, field, _, _ in string.Formatter().parse(template):
+        if field is not None:
+            names.add(field.split(".", 1)[0].split("[", 1)[0])
+    return names
 
+
+def check_rag_templates(template: Any, chunk_template: Any) -> None:
+    """Raise :class:`~trimkit.errors.InvalidInputError` unless both RAG templates format cleanly
+    and use the fields that carry text: ``{chunks}`` and ``{question}`` in ``rag_template``,
+    ``{text}`` in ``rag_chunk_template`` (without them the chunks, or the question, would be
+    dropped without a word while the report said nothing was removed)."""
+    for value, label in ((template, "rag_template"), (chunk_template, "rag_chunk_template")):
+        if not isinstance(value, str):
+            raise InvalidInputError(f"{label} must be a str, got {type(value).__name__}")
     try:
         template.format(chunks="", question="")
     except (KeyError, IndexError, ValueError, AttributeError) as exc:
@@ -258,3 +334,11 @@ def check_rag_templates(template: Any, chunk_template: Any) -> None:
         chunk_template.format(id="", text="", n=1)
     except (KeyError, IndexError, ValueError, AttributeError) as exc:
         raise InvalidInputError(f"rag_chunk_template must be a str using only {{id}}, {{text}}, {{n}}: {exc!r}") from None
+    for value, label, needed in ((template, "rag_template", ("chunks", "question")), (chunk_template, "rag_chunk_template", ("text",))):
+        missing = [name for name in needed if name not in _template_fields(value)]
+        if missing:
+            lost = " and ".join("the question" if n == "question" else "the chunks' text" for n in missing)
+            shown = value if len(value) <= 60 else value[:57] + "..."
+            raise InvalidInputError(
+                f"{label} {shown!r} has no {' or '.join('{' + n + '}' for n in missing)} field: {lost} would not be sent"
+            )

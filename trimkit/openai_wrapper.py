@@ -21,6 +21,7 @@ through :class:`~trimkit.backends.http.OpenAIHTTPBackend`.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -77,6 +78,10 @@ def retry_deadline_for(ttft_budget_s: float | None, default_s: float) -> float:
     and retrying longer only hides an outage from the caller; but a tight budget (0.3 s) must not
     turn a dropped keep-alive connection or a server's brief 503 into an error, so a few seconds
     of retries are always allowed. Retries never happen after the first chunk.
+
+    With a budget this is also the call's *deadline*: every wait before the first chunk ends by
+    then (a server that accepts and never answers gives ``ServerTimeoutError`` after it, not
+    after the backend's ``timeout_s``).
     """
     if ttft_budget_s is None:
         return default_s
@@ -153,7 +158,8 @@ class AsyncReportingStream(_Reporting):
 
 
 def _attach_report(exc: TrimkitError, ts: Any, trimmer: Trimmer, prepared: Prepared, params: Mapping[str, Any]) -> None:
-    """Give an error that carries a report (StreamInterruptedError) the report of what was sent."""
+    """Give an error that carries a report (any BackendError: StreamInterruptedError, a
+    ServerError or MalformedReplyError mid-stream, a ServerTimeoutError) the report of what was sent."""
     if getattr(exc, "report", "absent") is not None:
         return
     total = (ts.ended_at - ts.started) if ts.ended_at is not None and ts.started is not None else 0.0
@@ -281,16 +287,40 @@ class TrimmedOpenAI(Trimmer):
             return self.retry_deadline_s
         return retry_deadline_for(ttft_budget_s, self._unbudgeted_deadline_s)
 
+    def deadline_for_call(self, ttft_budget_s: float | None) -> float | None:
+        """The deadline bounding every wait before a request's first chunk: the retry deadline
+        when the request has a budget; None without one (each wait then has the backend's
+        ``timeout_s``, as before)."""
+        return self.retry_deadline_for_call(ttft_budget_s) if ttft_budget_s is not None else None
+
+    def whole_answer_deadline(self, ttft_budget_s: float | None, params: Mapping[str, Any]) -> float | None:
+        """The deadline of a request that cannot be streamed (``n > 1``), whose first byte comes
+        after the whole answer: the call's deadline plus twice the time the profile says its
+        ``n × max_tokens`` take to decode. None (each wait bounded by ``timeout_s`` only) without
+        a budget or without ``max_tokens``."""
+        base = self.deadline_for_call(ttft_budget_s)
+        max_tokens = params.get("max_completion_tokens") or params.get("max_tokens")
+        n = params.get("n") or 1
+        speed = self.profile.decode_tokens_per_s
+        if base is None or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (max_tokens, n)):
+            return None
+        if not isinstance(speed, (int, float)) or not math.isfinite(speed) or speed <= 0:
+            return None
+        return base + 2.0 * n * max_tokens / speed
+
     def _bound_side_requests(self) -> None:
-        """Retry the side requests made while a call is planned (tokenize, server facts) within the
-        default budget's deadline too; construction (a server still loading) had the backend's own."""
+        """Retry (and, with a default budget, bound) the side requests made while a call is planned
+        (tokenize, server facts) within the default budget's deadline too; construction (a server
+        still loading, a calibration) had the backend's own."""
         self.backend.retry_deadline_s = self.retry_deadline_for_call(self.ttft_budget_s)
+        self.backend.deadline_s = self.deadline_for_call(self.ttft_budget_s)
 
     def execute(self, prepared: Prepared, params: Mapping[str, Any]) -> ReportingOpenAIStream:
         """Send a prepared request; a stream of the client's chunks that reports when done."""
         self._last_prepared = prepared
         ts = self.backend.send(prepared.messages, _send_params(params), prompt_tokens=prepared.prompt_tokens,
-                               retry_deadline_s=self.retry_deadline_for_call(prepared.budget_s))
+                               retry_deadline_s=self.retry_deadline_for_call(prepared.budget_s),
+                               deadline_s=self.deadline_for_call(prepared.budget_s))
         return ReportingOpenAIStream(ts, self, prepared, params)
 
     def _report(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any], *, sent: bool = True) -> Report:
@@ -336,7 +366,8 @@ class TrimmedOpenAI(Trimmer):
             prepared = self._with_warning(prepared, blocker)
             self._last_prepared = prepared
             response, m = self.backend.complete(prepared.messages, _send_params(params), prompt_tokens=prepared.prompt_tokens,
-                                                measure_ttft=False, retry_deadline_s=self.retry_deadline_for_call(prepared.budget_s))
+                                                measure_ttft=False, retry_deadline_s=self.retry_deadline_for_call(prepared.budget_s),
+                                                deadline_s=self.whole_answer_deadline(prepared.budget_s, params))
             self._finished(prepared, m, params)
             return response
         rs = self.execute(prepared, params)
@@ -368,11 +399,13 @@ class AsyncTrimmedOpenAI(TrimmedOpenAI):
             prepared = self._with_warning(prepared, blocker)
             self._last_prepared = prepared
             response, m = await self.backend.acomplete(prepared.messages, _send_params(params), prompt_tokens=prepared.prompt_tokens,
-                                                       measure_ttft=False, retry_deadline_s=deadline)
+                                                       measure_ttft=False, retry_deadline_s=deadline,
+                                                       deadline_s=self.whole_answer_deadline(prepared.budget_s, params))
             self._finished(prepared, m, params)
             return response
         self._last_prepared = prepared
-        ts = await self.backend.asend(prepared.messages, _send_params(params), prompt_tokens=prepared.prompt_tokens, retry_deadline_s=deadline)
+        ts = await self.backend.asend(prepared.messages, _send_params(params), prompt_tokens=prepared.prompt_tokens, retry_deadline_s=deadline,
+                                      deadline_s=self.deadline_for_call(prepared.budget_s))
         ars = AsyncReportingStream(ts, self, prepared, params)
         if stream:
             return ars

@@ -4,6 +4,15 @@ A :class:`Profile` carries its samples, the fitted :class:`~trimkit.costmodel.Co
 own held-out error, the measured decode speed, and the :class:`ProfileKey` it is valid for. It
 is stored as JSON in the user cache (``$TRIMKIT_CACHE_DIR`` or ``~/.cache/trimkit``) under a
 file named by the key's hash, written atomically, and reused by the next run with the same key.
+
+A stored file is untrusted input: :func:`load_profile` reads only a regular file of at most
+:data:`MAX_PROFILE_BYTES` (a FIFO or a device at the path never blocks it), and
+:meth:`Profile.from_dict` is the one place its JSON becomes a :class:`Profile` — every type,
+count and number is checked there, and the model must predict a positive, finite time for a
+1- and a 1000-token prompt. Anything else is a :class:`~trimkit.errors.ProfileError`, which
+``load_profile`` turns into one warning naming the file and None (so the caller calibrates
+again). A cache folder that cannot be written only costs the reuse: :func:`save_profile` warns
+once and the profile stays in memory.
 """
 
 from __future__ import annotations
@@ -14,9 +23,11 @@ import logging
 import math
 import numbers
 import os
+import stat
 import statistics
 import tempfile
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,14 +35,19 @@ from typing import Any
 
 import attrs
 
-from trimkit._validate import non_negative_finite, positive_finite, real_float
+from trimkit._validate import count, non_negative_finite, positive_finite, real_float
 from trimkit.costmodel import CostModel, ErrorStats, PrefillSample, error_stats
+from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError
 
 __all__ = ["ProfileKey", "Profile", "LiveProfile", "cache_dir", "profile_path", "load_profile", "save_profile"]
 
 log = logging.getLogger("trimkit")
 
 SCHEMA_VERSION = 1
+#: a stored profile larger than this is refused unread (a real one is a few KiB)
+MAX_PROFILE_BYTES = 16 * 1024 * 1024
+#: a ``.profile-*.tmp`` file older than this is left over from a killed save and is removed
+STALE_TMP_S = 60.0
 
 
 @attrs.frozen
@@ -65,8 +81,12 @@ class ProfileKey:
 
 def _pairs(value: Any) -> tuple[tuple[float, float], ...]:
     """(predicted, measured) pairs as a tuple of float 2-tuples (JSON gives lists)."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise InvalidNumberError(f"residuals must be a list of (predicted, measured) pairs, got {type(value).__name__}")
     out = []
     for pair in value:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise InvalidNumberError(f"each residual must be a (predicted, measured) pair, got {type(pair).__name__}")
         p, m = pair
         out.append((real_float(p), real_float(m)))
     return tuple(out)
@@ -88,9 +108,9 @@ class Profile:
     samples: tuple[PrefillSample, ...] = attrs.field(converter=tuple, repr=False)
     error: ErrorStats
     alternatives: Mapping[str, Any] = attrs.field(factory=dict, repr=False)
-    calibration_wall_s: float = 0.0
-    quick: bool = False
-    created_at: float = 0.0
+    calibration_wall_s: float = attrs.field(default=0.0, converter=real_float)
+    quick: bool = attrs.field(default=False, converter=bool)  # a stored file must hold a real bool (from_dict)
+    created_at: float = attrs.field(default=0.0, converter=real_float)
     drift: float = 1.0
     #: calibration's held-out residuals: (predicted, measured) prefill seconds per calibration
     #: sample, each predicted by a fit without its probe; they seed the learned safety margin
@@ -98,8 +118,18 @@ class Profile:
     residuals: tuple[tuple[float, float], ...] = attrs.field(default=(), converter=_pairs, repr=False)
 
     def __attrs_post_init__(self) -> None:
+        # past construction, code trusts these types: check them once here
+        for name, kind in (("key", ProfileKey), ("model", CostModel), ("error", ErrorStats), ("alternatives", Mapping)):
+            if not isinstance(getattr(self, name), kind):
+                raise InvalidInputError(f"{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
+        for i, s in enumerate(self.samples):
+            if not isinstance(s, PrefillSample):
+                raise InvalidInputError(f"samples[{i}] must be a PrefillSample, got {type(s).__name__}")
         non_negative_finite(self.first_token_s, "first_token_s")
         non_negative_finite(self.decode_tokens_per_s, "decode_tokens_per_s")
+        non_negative_finite(self.calibration_wall_s, "calibration_wall_s")
+        if not math.isfinite(self.created_at):
+            raise InvalidNumberError(f"created_at must be finite, got {self.created_at!r}")
         # predictions multiply by drift and budgets divide by it: 0, negative or NaN would poison both
         positive_finite(self.drift, "drift")
 
@@ -163,23 +193,11 @@ class Profile:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Profile:
-        if data.get("schema") != SCHEMA_VERSION:
-            raise ValueError(f"profile schema {data.get('schema')!r} != {SCHEMA_VERSION}")
-        return cls(
-            key=ProfileKey.from_dict(data["key"]),
-            model=CostModel(**data["model"]),
-            first_token_s=data["first_token_s"],
-            decode_tokens_per_s=data["decode_tokens_per_s"],
-            samples=tuple(PrefillSample(**s) for s in data["samples"]),
-            error=ErrorStats(**data["error"]),
-            alternatives=data.get("alternatives", {}),
-            calibration_wall_s=data.get("calibration_wall_s", 0.0),
-            quick=bool(data.get("quick", False)),
-            created_at=data.get("created_at", 0.0),
-            drift=data.get("drift", 1.0),
-            residuals=data.get("residuals", ()),
-        )
+    def from_dict(cls, data: Any) -> Profile:
+        """The profile stored as ``data`` (parsed JSON), fully checked: raises
+        :class:`~trimkit.errors.ProfileError` naming the first field that is missing, of the
+        wrong type or out of range, and never another exception."""
+        return _structure(data)
 
 
 def cache_dir() -> Path:
@@ -195,33 +213,296 @@ def profile_path(key: ProfileKey) -> Path:
     return cache_dir() / "profiles" / f"{key.digest()}.json"
 
 
-def save_profile(profile: Profile, path: Path | None = None) -> Path:
-    """Write ``profile`` as JSON atomically (temp file + rename). Returns the path."""
-    path = path or profile_path(profile.key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".tmp", dir=path.parent)
+# -- reading a stored profile: the one boundary where untrusted JSON becomes a Profile ----------
+
+
+def _where(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
+
+
+def _obj(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise ProfileError(f"{where or 'the file'} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _field(data: Mapping[str, Any], name: str, where: str = "") -> Any:
+    if name not in data:
+        raise ProfileError(f"{_where(where, name)} is missing")
+    return data[name]
+
+
+def _str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ProfileError(f"{where} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _int(value: Any, where: str, minimum: int = 0) -> int:
     try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(profile.to_dict(), fh, indent=1)
+        return count(value, where, minimum=minimum)
+    except InvalidNumberError as exc:
+        raise ProfileError(str(exc)) from None
+
+
+def _number(value: Any, where: str, check: Any = None) -> float:
+    try:
+        v = real_float(value)
+        if check is not None:
+            check(v, where)
+    except InvalidInputError as exc:
+        raise ProfileError(f"{where}: {exc}" if where not in str(exc) else str(exc)) from None
+    return v
+
+
+def _finite(value: float, where: str) -> None:
+    if not math.isfinite(value):
+        raise InvalidNumberError(f"{where} must be finite, got {value!r}")
+
+
+def _build(make: Any, where: str, **kwargs: Any) -> Any:
+    """``make(**kwargs)``, its validation errors as a ProfileError naming ``where``."""
+    try:
+        return make(**kwargs)
+    except InvalidInputError as exc:
+        raise ProfileError(f"{where}: {exc}") from None
+
+
+def _structure_key(data: Any) -> ProfileKey:
+    data = _obj(data, "key")
+    values: dict[str, Any] = {}
+    for f in attrs.fields(ProfileKey):
+        if f.name not in data:
+            if f.default is attrs.NOTHING:
+                raise ProfileError(f"key.{f.name} is missing")
+            continue
+        if f.type in (int, "int"):
+            values[f.name] = _int(data[f.name], f"key.{f.name}")
+        else:
+            values[f.name] = _str(data[f.name], f"key.{f.name}")
+    return ProfileKey(**values)
+
+
+def _structure_model(data: Any) -> CostModel:
+    data = _obj(data, "model")
+    kwargs = {name: _number(_field(data, name, "model"), f"model.{name}") for name in ("overhead_s", "per_token_s", "depth_s")}
+    if "per_batch_s" in data:
+        kwargs["per_batch_s"] = _number(data["per_batch_s"], "model.per_batch_s")
+    if "n_batch" in data:
+        kwargs["n_batch"] = _int(data["n_batch"], "model.n_batch", minimum=1)
+    model: CostModel = _build(CostModel, "model", **kwargs)
+    # an all-zero model predicts 0 s forever, and live drift (a ratio to it) can never correct it
+    for n in (1, 1000):
+        try:
+            predicted = model.prefill_s(n, 0)
+        except (OverflowError, ZeroDivisionError):  # pragma: no cover - coefficients are finite floats
+            predicted = math.inf
+        if not (predicted > 0 and math.isfinite(predicted)):
+            raise ProfileError(f"model predicts {predicted!r} s for a {n}-token prompt (need a finite time > 0)")
+    return model
+
+
+def _structure_sample(data: Any, where: str) -> PrefillSample:
+    data = _obj(data, where)
+    kwargs: dict[str, Any] = {
+        "new_tokens": _int(_field(data, "new_tokens", where), f"{where}.new_tokens", minimum=1),
+        "cached_tokens": _int(_field(data, "cached_tokens", where), f"{where}.cached_tokens"),
+        "seconds": _number(_field(data, "seconds", where), f"{where}.seconds", non_negative_finite),
+    }
+    if "source" in data:
+        kwargs["source"] = _str(data["source"], f"{where}.source")
+    return _build(PrefillSample, where, **kwargs)
+
+
+def _structure_error(data: Any) -> ErrorStats:
+    data = _obj(data, "error")
+    kwargs: dict[str, Any] = {name: _number(_field(data, name, "error"), f"error.{name}") for name in ("median_pct", "p90_pct", "max_pct")}
+    kwargs["n"] = _int(_field(data, "n", "error"), "error.n")
+    return _build(ErrorStats, "error", **kwargs)
+
+
+def _structure_residuals(data: Any) -> tuple[tuple[float, float], ...]:
+    if not isinstance(data, list):
+        raise ProfileError(f"residuals must be a list, got {type(data).__name__}")
+    out = []
+    for i, pair in enumerate(data):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ProfileError(f"residuals[{i}] must be a [predicted, measured] pair")
+        out.append(tuple(_number(v, f"residuals[{i}][{j}]", non_negative_finite) for j, v in enumerate(pair)))
+    return tuple(out)  # type: ignore[arg-type]
+
+
+def _structure(data: Any) -> Profile:
+    """Parsed profile JSON → :class:`Profile`, or :class:`ProfileError` saying what is wrong."""
+    data = _obj(data, "")
+    schema = data.get("schema")
+    if type(schema) is not int or schema != SCHEMA_VERSION:  # not True, not 1.0
+        shown = repr(schema) if isinstance(schema, (int, str, type(None))) and len(repr(schema)) < 40 else type(schema).__name__
+        raise ProfileError(f"profile schema {shown} is not {SCHEMA_VERSION}")
+    samples = _field(data, "samples")
+    if not isinstance(samples, list):
+        raise ProfileError(f"samples must be a list, got {type(samples).__name__}")
+    alternatives = data.get("alternatives", {})
+    if not isinstance(alternatives, dict):
+        raise ProfileError(f"alternatives must be a JSON object, got {type(alternatives).__name__}")
+    quick = data.get("quick", False)
+    if not isinstance(quick, bool):
+        raise ProfileError(f"quick must be true or false, got {type(quick).__name__}")
+    return _build(
+        Profile,
+        "profile",
+        key=_structure_key(_field(data, "key")),
+        model=_structure_model(_field(data, "model")),
+        first_token_s=_number(_field(data, "first_token_s"), "first_token_s", non_negative_finite),
+        decode_tokens_per_s=_number(_field(data, "decode_tokens_per_s"), "decode_tokens_per_s", non_negative_finite),
+        samples=tuple(_structure_sample(s, f"samples[{i}]") for i, s in enumerate(samples)),
+        error=_structure_error(_field(data, "error")),
+        alternatives=alternatives,
+        calibration_wall_s=_number(data.get("calibration_wall_s", 0.0), "calibration_wall_s", non_negative_finite),
+        quick=quick,
+        created_at=_number(data.get("created_at", 0.0), "created_at", _finite),
+        drift=_number(data.get("drift", 1.0), "drift", positive_finite),
+        residuals=_structure_residuals(data.get("residuals", [])),
+    )
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    """The file's status, None when there is no file; ProfileError when it cannot be looked at."""
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError) as exc:  # permission denied, a name the OS refuses
+        raise ProfileError(f"unreadable ({getattr(exc, 'strerror', None) or exc})") from None
+
+
+def _read_json(path: Path, st: os.stat_result) -> Any:
+    """The parsed JSON of the file at ``path`` (status ``st``); ProfileError when it is not a
+    regular file, too large, not UTF-8 or not JSON. Never blocks: the type is checked before
+    opening and the open is non-blocking (a FIFO swapped in between is caught by ``fstat``)."""
+    if not stat.S_ISREG(st.st_mode):
+        raise ProfileError("not a regular file")
+    if st.st_size > MAX_PROFILE_BYTES:
+        raise ProfileError(f"{st.st_size} bytes, over the {MAX_PROFILE_BYTES}-byte limit for a profile")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise ProfileError(f"unreadable ({exc.strerror or exc})") from None
+    with os.fdopen(fd, "rb") as fh:
+        try:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise ProfileError("not a regular file")
+            raw = fh.read(MAX_PROFILE_BYTES + 1)
+        except OSError as exc:
+            raise ProfileError(f"unreadable ({exc.strerror or exc})") from None
+    if len(raw) > MAX_PROFILE_BYTES:
+        raise ProfileError(f"over the {MAX_PROFILE_BYTES}-byte limit for a profile")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProfileError("not UTF-8 text") from None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, a 5000-digit int, [[[[…
+        raise ProfileError(f"not JSON ({type(exc).__name__}: {str(exc)[:120]})") from None
+
+
+#: (path, file identity, reason) of unusable profiles already warned about: one warning per file
+_warned_unusable: set[tuple[Any, ...]] = set()
+#: cache folders already warned about as unwritable (cleared when a save there succeeds)
+_warned_unwritable: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_unusable(path: Path, ident: Any, reason: str) -> None:
+    """One warning per unusable file (wrap() and the CLI may look at it twice before recalibrating)."""
+    mark = (str(path), ident, reason)
+    with _warn_lock:
+        first = mark not in _warned_unusable
+        _warned_unusable.add(mark)
+    (log.warning if first else log.info)("stored profile %s is unusable: %s; calibrating again", path, reason)
+
+
+def _clean_stale_tmp(folder: Path, now: float | None = None) -> None:
+    """Remove ``.profile-*.tmp`` files older than :data:`STALE_TMP_S`: left by a save that was
+    killed (SIGKILL, power loss) between writing and renaming. Best effort."""
+    now = time.time() if now is None else now
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if not (entry.name.startswith(".profile-") and entry.name.endswith(".tmp")):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > STALE_TMP_S:
+                os.unlink(entry.path)
+        except OSError:
+            continue
+
+
+def _warn_unwritable(folder: Path, exc: OSError) -> None:
+    with _warn_lock:
+        first = str(folder) not in _warned_unwritable
+        _warned_unwritable.add(str(folder))
+    (log.warning if first else log.debug)(
+        "trimkit: cannot store the calibration profile in %s (%s); it is kept in memory only, so the next "
+        "process calibrates again (set TRIMKIT_CACHE_DIR to a writable folder)", folder, exc.strerror or exc,
+    )
+
+
+def save_profile(profile: Profile, path: Path | None = None) -> Path | None:
+    """Write ``profile`` as JSON atomically (temp file + rename). Returns the path.
+
+    Without ``path`` it goes to the user cache (:func:`profile_path`); a cache folder that
+    cannot be written (read-only, a file in the way, disk full) is then no error: one warning
+    per folder is logged, the profile is kept in memory only, and None is returned. An explicit
+    ``path`` that cannot be written raises the OSError. Leftover temp files of a killed save
+    older than a minute are removed from the folder."""
+    explicit = path is not None
+    path = path or profile_path(profile.key)
+    blob = json.dumps(profile.to_dict(), indent=1)  # fails (TypeError) before anything is written
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _clean_stale_tmp(path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(blob)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    except BaseException as exc:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        if explicit or not isinstance(exc, OSError):
+            raise
+        _warn_unwritable(path.parent, exc)
+        return None
+    with _warn_lock:
+        _warned_unwritable.discard(str(path.parent))
     return path
 
 
 def load_profile(key: ProfileKey, path: Path | None = None) -> Profile | None:
-    """The stored profile for ``key``, or None when there is none, it is corrupt (a warning is
-    logged) or it was made under another key."""
+    """The stored profile for ``key``, or None when there is none, it was made under another
+    key, or it is unusable: not a regular file, over :data:`MAX_PROFILE_BYTES`, not JSON, or
+    any field missing, mistyped or out of range. An unusable file is reported by one warning
+    naming it and what is wrong (the caller calibrates again and overwrites it)."""
     path = path or profile_path(key)
-    if not path.exists():
-        return None
+    st = None
     try:
-        profile = Profile.from_dict(json.loads(path.read_text()))
-    except Exception as exc:  # corrupt, truncated, old schema, unreadable
-        log.warning("stored profile %s is unreadable (%s: %s); calibrating again", path, type(exc).__name__, exc)
+        st = _stat(path)
+        if st is None:
+            return None
+        profile = _structure(_read_json(path, st))
+    except ProfileError as exc:
+        ident = None if st is None else (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        _warn_unusable(path, ident, str(exc))
         return None
     if profile.key != key:
         log.info("stored profile %s was made for another configuration; calibrating again", path)

@@ -13,11 +13,20 @@ import functools
 import math
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from trimkit.messages import Chunk
 
-__all__ = ["STOPWORDS", "words", "bm25_scores", "split_sentences", "chunk_relevance", "rank_chunks"]
+__all__ = [
+    "STOPWORDS",
+    "words",
+    "bm25_scores",
+    "split_sentences",
+    "question_idf",
+    "sentence_score",
+    "chunk_relevance",
+    "rank_chunks",
+]
 
 #: Very common English words that carry no topic. Kept short on purpose: BM25's IDF already
 #: discounts frequent words; this list only removes the ones that dominate short questions.
@@ -31,9 +40,15 @@ _WORD = re.compile(r"\w+", re.UNICODE)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
 
 
+#: words are cut to this many characters before counting: a truncation stemmer ("settlement"
+#: and "settled" both count as "settl"), which retrieves about as well as Porter's for English
+STEM_CHARS = 5
+
+
 def words(text: str) -> list[str]:
-    """Lower-cased word tokens of ``text`` without stopwords (the unit BM25 counts)."""
-    return [w for w in _WORD.findall(text.lower()) if w not in STOPWORDS]
+    """Lower-cased word tokens of ``text`` without stopwords, cut to :data:`STEM_CHARS`
+    characters (the unit BM25 counts)."""
+    return [w[:STEM_CHARS] for w in _WORD.findall(text.lower()) if w not in STOPWORDS]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -73,23 +88,59 @@ def split_sentences(text: str) -> list[str]:
     return [s.strip() for s in _SENTENCE_END.split(text) if s and s.strip()]
 
 
-def chunk_relevance(chunks: Sequence[Chunk], question: str, order_weight: float = 0.25) -> list[float]:
+def chunk_relevance(
+    chunks: Sequence[Chunk], question: str, order_weight: float = 0.25, lexical_weight: float = 0.5
+) -> list[float]:
     """Relevance of each chunk in ``[0, 1]`` (1: the most relevant), in the caller's order.
 
-    If every chunk carries a caller ``score``, those scores are used (min–max normalised; mixing
-    two score scales would be meaningless). Otherwise BM25 against ``question`` is blended with
-    the retriever's order (the order the chunks were passed in), ``order_weight`` for the order.
+    The lexical match with ``question`` is half BM25 over the whole chunk and half its best
+    sentence ("MaxP": an answer is one sentence, and a long chunk holding it should not be
+    outscored by short ones that merely share words). If every chunk carries a caller
+    ``score``, the scores (min–max normalised) are fused with the lexical match, which gets
+    ``lexical_weight`` (hybrid retrieval: a retriever's scores are noisy, exact names matter;
+    ``lexical_weight=0`` trusts the scores alone). Otherwise the lexical match is blended with
+    the retriever's order (the order the chunks were passed in), which gets ``order_weight``.
     """
     n = len(chunks)
     if n == 0:
         return []
-    if all(c.score is not None for c in chunks):
-        return _normalise([float(c.score) for c in chunks])  # type: ignore[arg-type]
     order = [1.0 - i / n for i in range(n)]
-    bm25 = bm25_scores(question, [c.text for c in chunks])
-    top = max(bm25)
-    lexical = [s / top for s in bm25] if top > 0 else order
-    return [(1.0 - order_weight) * b + order_weight * o for b, o in zip(lexical, order, strict=True)]
+    texts = [c.text for c in chunks]
+    bm25 = bm25_scores(question, texts)
+    idf = question_idf(question, texts)
+    best_sentence = [max((sentence_score(s, idf) for s in split_sentences(t)), default=0.0) for t in texts]
+    top, top_sentence = max(bm25), max(best_sentence)
+    lexical = (
+        [0.5 * b / top + 0.5 * (m / top_sentence if top_sentence > 0 else 0.0) for b, m in zip(bm25, best_sentence, strict=True)]
+        if top > 0
+        else None
+    )
+    if all(c.score is not None for c in chunks):
+        scores = _normalise([float(c.score) for c in chunks])  # type: ignore[arg-type]
+        if lexical is None or lexical_weight <= 0:
+            return scores
+        return [(1.0 - lexical_weight) * s + lexical_weight * x for s, x in zip(scores, lexical, strict=True)]
+    if lexical is None:
+        return order
+    return [(1.0 - order_weight) * x + order_weight * o for x, o in zip(lexical, order, strict=True)]
+
+
+def question_idf(question: str, documents: Sequence[str]) -> dict[str, float]:
+    """IDF over ``documents`` of each content word of ``question`` (words in none are left out)."""
+    terms = set(words(question))
+    docs = [_term_counts(d) for d in documents]
+    n = len(docs)
+    out = {}
+    for t in terms:
+        df = sum(1 for d in docs if t in d)
+        if df:
+            out[t] = math.log(1.0 + (n - df + 0.5) / (df + 0.5))
+    return out
+
+
+def sentence_score(sentence: str, idf: Mapping[str, float]) -> float:
+    """How well one sentence matches the question: the IDF of the question words it contains."""
+    return sum(idf.get(w, 0.0) for w in set(words(sentence)))
 
 
 def _normalise(scores: Sequence[float]) -> list[float]:
@@ -99,10 +150,12 @@ def _normalise(scores: Sequence[float]) -> list[float]:
     return [(s - lo) / (hi - lo) for s in scores]
 
 
-def rank_chunks(chunks: Sequence[Chunk], question: str, order_weight: float = 0.25) -> tuple[Chunk, ...]:
+def rank_chunks(
+    chunks: Sequence[Chunk], question: str, order_weight: float = 0.25, lexical_weight: float = 0.5
+) -> tuple[Chunk, ...]:
     """``chunks`` ordered most relevant first (:func:`chunk_relevance`); ties keep the caller's order."""
     if not chunks:
         return ()
-    rel = chunk_relevance(chunks, question, order_weight)
+    rel = chunk_relevance(chunks, question, order_weight, lexical_weight)
     order = sorted(range(len(chunks)), key=lambda i: (-rel[i], i))
     return tuple(chunks[i] for i in order)

@@ -5,9 +5,10 @@ and chunk excerpts with the most value whose predicted TTFT fits the budget. Thi
 what those values are. A :class:`ValueModel` holds the knobs; :func:`chunk_values` and
 :func:`turn_values` apply them to one request.
 
-Chunks. Relevance ``r`` in ``[0, 1]`` comes from the caller's scores when every chunk has one
-(min–max normalised), else from BM25 against the question blended with the retriever's order
-(the order the caller passed). A chunk is worth ``chunk_weight * r ** relevance_power /
+Chunks. Relevance ``r`` in ``[0, 1]`` is the lexical match with the question (BM25 over the
+chunk and its best sentence, :func:`~trimkit.relevance.chunk_relevance`), fused with the caller's
+scores when every chunk has one (``lexical_weight`` for the lexical side), else blended with
+the retriever's order (the order the caller passed; ``order_weight``). A chunk is worth ``chunk_weight * r ** relevance_power /
 log2(rank + 2)``: with the default power 2 a chunk half as relevant is worth a quarter as much,
 because the answer to a question over retrieved text usually sits in the top few chunks, and a
 pile of weak chunks must not outvote the best one; the rank discount (as in DCG) gives
@@ -68,8 +69,10 @@ class ValueModel:
     relevance_power: float = attrs.field(default=2.0, validator=_positive)
     recency_half_life_turns: float = attrs.field(default=4.0, validator=_positive)
     summary_share: float = attrs.field(default=0.5, validator=_share)
-    #: weight of the retriever's order against BM25 when chunks carry no scores
+    #: weight of the retriever's order against the lexical match when chunks carry no scores
     order_weight: float = attrs.field(default=0.25, validator=_share)
+    #: weight of the lexical match fused into the caller's scores (0: the scores alone)
+    lexical_weight: float = attrs.field(default=0.5, validator=_share)
 
 
 def chunk_values(chunks: Sequence[Chunk], question: str, model: ValueModel) -> dict[str, float]:
@@ -77,7 +80,7 @@ def chunk_values(chunks: Sequence[Chunk], question: str, model: ValueModel) -> d
 
     The rank discount (rank 0 is the most relevant, as in DCG) gives diminishing returns: the
     tenth of ten near-identical chunks adds less than the first."""
-    rel = chunk_relevance(chunks, question, model.order_weight)
+    rel = chunk_relevance(chunks, question, model.order_weight, model.lexical_weight)
     order = sorted(range(len(chunks)), key=lambda i: (-rel[i], i))
     rank = {i: r for r, i in enumerate(order)}
     return {

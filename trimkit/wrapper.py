@@ -9,9 +9,11 @@ the :class:`~trimkit.report.Report`. :class:`TrimmedLlama` gives it the chat API
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -359,13 +361,28 @@ class Trimmer:
 
     # -- sending --------------------------------------------------------------------------------
     def execute(self, prepared: Prepared, params: Mapping[str, Any]) -> ReportingStream:
-        """Send a prepared request; returns a stream of the engine's chunks that reports when done."""
-        if prepared.snapshot is not None:
-            restore = getattr(self.backend, "restore_prefix")
-            restore(prepared.snapshot)
+        """Send a prepared request; returns a stream of the engine's chunks that reports when done.
+
+        An in-process engine is taken here, for the stream (restoring a snapshot and starting
+        the stream are one step); the stream gives it back when it is finished, closed or
+        garbage-collected, from any thread. While another request holds it this waits at most
+        the request's TTFT budget (without one, the backend's ``engine_wait_s``), then raises
+        :class:`~trimkit.errors.EngineBusyError`. The wait is reported (``measurement.queue_s``
+        and a warning), never counted in the measured TTFT."""
+        hold_engine = getattr(self.backend, "hold_engine", None)
+        section = hold_engine(prepared.budget_s) if hold_engine is not None else contextlib.nullcontext(0.0)
+        with section as waited:
+            if prepared.snapshot is not None:
+                restore = getattr(self.backend, "restore_prefix")
+                restore(prepared.snapshot)
+            send_params = {k: v for k, v in params.items() if k != "stream"}
+            ts = self.backend.send(prepared.messages, send_params, prompt_tokens=prepared.prompt_tokens)
+        if waited:
+            ts.queue_s = getattr(ts, "queue_s", 0.0) + waited
+            if waited >= 0.001:
+                note = f"waited {waited:.3f} s for the engine (another request held it); not counted in the measured TTFT"
+                prepared = attrs.evolve(prepared, warnings=(*prepared.warnings, note))
         self._last_prepared = prepared
-        send_params = {k: v for k, v in params.items() if k != "stream"}
-        ts = self.backend.send(prepared.messages, send_params, prompt_tokens=prepared.prompt_tokens)
         return ReportingStream(ts, self, prepared, params)
 
     def _report(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any], *, sent: bool = True) -> Report:
@@ -467,7 +484,16 @@ class _Reporting:
         self._params = params
         self.report: Report | None = None
         self.chunks: list[Any] = []
-        ts.on_done.append(self._done)
+        # a weak link back, so that a stream dropped unfinished is freed (and frees the engine
+        # it holds) as soon as its last reference goes, not at the next cyclic collection
+        ref = weakref.ref(self)
+
+        def done(m: Measurement) -> None:
+            rs = ref()
+            if rs is not None:
+                rs._done(m)
+
+        ts.on_done.append(done)
 
     def _done(self, m: Measurement) -> None:
         self.report = self._trimmer._finished(self.prepared, m, self._params)
@@ -475,7 +501,11 @@ class _Reporting:
 
 class ReportingStream(_Reporting):
     """The stream a wrapped call returns with ``stream=True``: iterate it exactly like the
-    engine's own stream; ``.report`` is set once it is exhausted."""
+    engine's own stream; ``.report`` is set once it is exhausted.
+
+    With an in-process engine the stream holds the engine until it is exhausted, fails, is
+    closed (:meth:`close`) or is garbage-collected; any thread may do that — start it in a
+    request handler, drain it in a response iterator."""
 
     def __iter__(self) -> Iterator[Any]:
         return self

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,8 @@ class Measurement:
     content (not a bare role delta); ``first_output_s`` is send → first chunk of any output,
     which differs only when the model stops without content. ``engine_prefill_s`` / ``engine_decode_s`` are the engine's
     own timings where it reports them (llama.cpp perf counters, server ``timings``).
+    ``queue_s`` is how long the request waited for the engine while another request held it
+    (in-process engines); it is not part of ``ttft_s``, which starts once the engine is ours.
     """
 
     ttft_s: float | None
@@ -49,6 +52,7 @@ class Measurement:
     finish_reason: str | None = None
     truncated_tokens: int = 0
     server: Mapping[str, Any] = attrs.field(factory=dict)
+    queue_s: float = 0.0
 
     @property
     def decode_tokens_per_s(self) -> float | None:
@@ -76,6 +80,19 @@ class Measurement:
         return d
 
 
+def _end_stream(chunks: Any, release: Callable[[], None]) -> None:
+    """End a stream that holds a resource: stop the engine's iterator, then release.
+
+    Runs at most once (``weakref.finalize``): when the stream finishes, fails, is closed, or is
+    garbage-collected — in whichever thread that happens. It holds no reference to the stream."""
+    try:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
+    finally:
+        release()
+
+
 class TimedStream:
     """Wraps a stream of response chunks, timing the first content chunk and the end.
 
@@ -84,6 +101,11 @@ class TimedStream:
     ``on_done`` callbacks then receive it. If the underlying stream raises, ``on_error`` is
     called with the exception and the exception propagates (translated by ``on_error`` if it
     returns one).
+
+    A stream may own a resource (an in-process engine): ``release`` is then called exactly once,
+    by whichever thread ends the stream — exhausting it, a failure, :meth:`close`, or the
+    garbage collector when it is dropped unfinished. ``queue_s`` is how long the backend waited
+    for that resource before the stream existed (never part of the TTFT).
     """
 
     def __init__(
@@ -95,6 +117,8 @@ class TimedStream:
         content_of: Callable[[Any], str | None],  # text of a chunk; "" for a finish chunk; None for a role delta
         finish: Callable[[TimedStream], Measurement],
         on_error: Callable[[BaseException], BaseException | None] | None = None,
+        release: Callable[[], None] | None = None,
+        queue_s: float = 0.0,
     ) -> None:
         self._chunks = chunks
         self.started = started
@@ -102,6 +126,7 @@ class TimedStream:
         self._content_of = content_of
         self._finish = finish
         self._on_error = on_error
+        self.queue_s = queue_s
         self.first_content_at: float | None = None
         self.first_output_at: float | None = None  # first chunk beyond a bare role delta (content or finish)
         self.last_chunk_at: float | None = None
@@ -112,6 +137,10 @@ class TimedStream:
         self.last_chunk: Any = None
         self.measurement: Measurement | None = None
         self.on_done: list[Callable[[Measurement], None]] = []
+        self._release: Any = None
+        if release is not None:
+            self._release = weakref.finalize(self, _end_stream, chunks, release)
+            self._release.atexit = False  # never call into an engine during interpreter shutdown
 
     def __iter__(self) -> TimedStream:
         return self
@@ -126,6 +155,7 @@ class TimedStream:
             raise
         except BaseException as exc:
             self.ended_at = self.clock()
+            self._end()
             translated = self._on_error(exc) if self._on_error else None
             if translated is not None and translated is not exc:
                 raise translated from exc
@@ -154,18 +184,36 @@ class TimedStream:
     def ttft_s(self) -> float | None:
         return None if self.first_content_at is None or self.started is None else self.first_content_at - self.started
 
+    @property
+    def released(self) -> bool:
+        """True once the resource this stream held (if any) has been released."""
+        return self._release is None or not self._release.alive
+
+    def _end(self) -> None:
+        """Release what the stream holds (once; a no-op for streams that hold nothing)."""
+        if self._release is not None:
+            self._release()
+
     def _complete(self) -> None:
         if self.measurement is not None:
+            self._end()
             return
         self.ended_at = self.clock()
-        self.measurement = self._finish(self)
+        try:
+            self.measurement = self._finish(self)
+        finally:
+            self._end()  # the engine is free before on_done callbacks run
         for cb in self.on_done:
             cb(self.measurement)
 
     def close(self) -> None:
+        """Stop the stream and release what it holds. From any thread — but not while another
+        thread is inside ``next()`` on it (Python raises ``ValueError`` then, and nothing is
+        released until that thread's step returns and the stream is closed or dropped)."""
         close = getattr(self._chunks, "close", None)
         if close:
             close()
+        self._end()
 
     def drain(self) -> Measurement:
         for _ in self:

@@ -17,18 +17,36 @@ Faults: connection refused / timeouts / 429 / 502 / 503 / 504 are retried with e
 backoff inside ``retry_deadline_s``, and only before the first chunk arrives. Other error
 statuses raise :class:`~trimkit.errors.ServerError` at once with the server's message; a stream
 that breaks after its first chunk raises :class:`~trimkit.errors.StreamInterruptedError`.
+
+Replies are parsed at the boundary (:mod:`trimkit.backends.replies`): every body, stream event,
+chunk, usage block, tokenize reply and models list goes through one parser before anything else
+reads it, and whatever the protocol does not allow raises
+:class:`~trimkit.errors.MalformedReplyError` naming the field — never a ``TypeError`` three frames
+deep. The ``openai`` client's own decoding errors are translated the same way.
+
+Deadlines: a call given ``deadline_s`` (the wrappers give one whenever the call has a TTFT
+budget) bounds every network wait before its first chunk — connect, the response headers, each
+read, SSE comments that never make an event — by that deadline, counted from the call, across
+retries: past it, :class:`~trimkit.errors.ServerTimeoutError`. After the first chunk the stream
+may run as long as it needs, as long as no silence between two reads exceeds
+``min(timeout_s, deadline_s)``. The wrapped ``openai`` client's own retries are turned off for
+trimkit's requests (trimkit retries, inside the deadline). Without ``deadline_s`` each wait is
+bounded by ``timeout_s`` only, as for a request with no budget.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import json
 import logging
+import math
+import re
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -36,20 +54,33 @@ import httpx
 import tenacity
 
 from trimkit.backends.base import Backend, Clock, Measurement, TimedStream
-from trimkit.backends.server_timings import (
-    ServerStats,
-    as_mapping,
-    build_measurement,
-    detect_truncation,
-    field_of,
-    has_server_stats,
-    parse_server_stats,
+from trimkit.backends.replies import (
+    MAX_EVENT_BYTES,
+    MAX_REPLY_BYTES,
+    Reply,
+    body_kind,
+    error_message,
+    excerpt,
+    is_tokenize_reply,
+    load_json,
+    parse_chunk,
+    parse_completion,
+    parse_models,
+    parse_openapi_version,
+    parse_props,
+    parse_template,
+    parse_tokens,
+    parse_version,
+    retry_after_s,
 )
+from trimkit.backends.server_timings import ServerStats, build_measurement, detect_truncation
 from trimkit.errors import (
     CalibrationError,
     ContextTooSmallError,
     InvalidInputError,
+    MalformedReplyError,
     ServerError,
+    ServerTimeoutError,
     ServerUnreachableError,
     StreamInterruptedError,
     TransientServerError,
@@ -64,6 +95,8 @@ __all__ = [
     "ServerInfo",
     "SSEDecoder",
     "TRANSIENT_STATUSES",
+    "MAX_PROBE_TEXT_BYTES",
+    "PROBE_WORDS_PER_TOKEN",
     "stream_chunk_content",
     "assemble_chat_completion",
 ]
@@ -73,57 +106,156 @@ log = logging.getLogger("trimkit")
 #: HTTP statuses worth retrying (before the first chunk only).
 TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
 
+#: a calibration probe's text never exceeds this many bytes: a tokenize endpoint that counts too
+#: few tokens would otherwise make the probe grow without end (CalibrationError instead)
+MAX_PROBE_TEXT_BYTES = 1 << 20
+#: ... nor this many words per token asked for (real tokenizers give about 1.3 tokens a word)
+PROBE_WORDS_PER_TOKEN = 8
+
 _END = object()  # a stream that ended before its first event
+_NO_EVENT = object()  # a line that completes no event (JSON ``null`` is an event, and a malformed one)
+_ERROR_BODY_BYTES = 64 * 1024  # what is read of an error status's body (for its message)
+_MIN_WAIT_S = 0.05  # no single network wait is set shorter than this
+_TOKENIZE_SLACK = 16  # special tokens a tokenizer may add beyond two per byte of text
+_LINE_END = re.compile(rb"[\r\n]")
 
 
 # -- SSE --------------------------------------------------------------------------------------
 class SSEDecoder:
-    """Turns the lines of a ``text/event-stream`` into decoded JSON events.
+    """Turns the bytes of a ``text/event-stream`` into decoded JSON events (sans-I/O).
 
-    Feed lines one at a time; :meth:`feed` returns an event's JSON when a blank line ends it
-    (``None`` otherwise). ``data: [DONE]`` sets :attr:`done`. Comments (``: ping``) are skipped;
-    an ``error`` event, or a data object with ``error`` and no ``choices``, raises
-    :class:`~trimkit.errors.ServerError` with the server's message.
+    :meth:`feed_bytes` takes bytes as they arrive and returns the events they complete;
+    :meth:`finish` the one left pending when the stream ends. (:meth:`feed` takes one decoded
+    line.) ``data: [DONE]`` sets :attr:`done`. Comments (``: ping``) are skipped; an ``error``
+    event, or a data object with ``error`` and no ``choices``, raises
+    :class:`~trimkit.errors.ServerError` with the server's message. Event data that is not JSON
+    (or nested too deep), and a line or event longer than ``max_event_bytes``, raise
+    :class:`~trimkit.errors.MalformedReplyError`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_event_bytes: int | None = None) -> None:
+        self.max_event_bytes = MAX_EVENT_BYTES if max_event_bytes is None else max_event_bytes
+        self._buffer = bytearray()
+        self._scanned = 0  # bytes of the buffer already searched for a line end
         self._data: list[str] = []
+        self._data_chars = 0
         self._event = ""
+        self._error: BaseException | None = None  # raised on the next call, after the events before it
         self.done = False
 
+    def feed_bytes(self, data: bytes) -> list[Any]:
+        """The events these bytes complete, in order (none once :attr:`done`). An error (a
+        malformed event, an error event) is raised after the events before it were returned:
+        on the next call."""
+        self._raise_pending()
+        if self.done:
+            return []
+        buf = self._buffer
+        buf += data
+        events: list[Any] = []
+        start = 0
+        while not self.done:
+            found = _LINE_END.search(buf, max(start, self._scanned))
+            if found is None:
+                break
+            end = found.start()
+            step = 1
+            if buf[end] == 13:  # \r: a line end alone or as \r\n, which may be split across reads
+                if end + 1 == len(buf):
+                    self._scanned = end
+                    break
+                if buf[end + 1] == 10:
+                    step = 2
+            line = bytes(buf[start:end]).decode("utf-8", "replace")
+            start = end + step
+            try:
+                event = self._line(line)
+            except TrimkitError as exc:
+                if not events:
+                    raise
+                self._error = exc
+                break
+            if event is not _NO_EVENT:
+                events.append(event)
+        del buf[:start]
+        self._scanned = max(self._scanned - start, len(buf) - 1 if buf and buf[-1] == 13 else len(buf), 0)
+        if len(buf) > self.max_event_bytes:
+            raise MalformedReplyError(f"the server sent a stream line longer than {self.max_event_bytes} bytes",
+                                      server_message=excerpt(bytes(buf[:500])))
+        return events
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            self.done = True
+            raise error
+
+    def finish(self) -> list[Any]:
+        """The events left when the stream ends: a last line without a line end, and an event
+        without its closing blank line."""
+        self._raise_pending()
+        events: list[Any] = []
+        if self._buffer and not self.done:
+            event = self._line(bytes(self._buffer).decode("utf-8", "replace").rstrip("\r"))
+            self._buffer.clear()
+            self._scanned = 0
+            if event is not _NO_EVENT:
+                events.append(event)
+        if not self.done and self._data:
+            payload = "\n".join(self._data)
+            if payload.strip() != "[DONE]" and len(payload) <= MAX_REPLY_BYTES:
+                try:
+                    json.loads(payload)
+                except json.JSONDecodeError:  # the connection closed in the middle of an event: cut, not garbled
+                    raise StreamInterruptedError(f"the stream ended in the middle of an event: {payload[:200]!r}") from None
+                except (ValueError, RecursionError):
+                    pass  # _dispatch says what is wrong with it
+            event = self._dispatch()
+            if event is not _NO_EVENT:
+                events.append(event)
+        return events
+
     def feed(self, line: str) -> Any:
+        """One line, without its line end: the event's JSON when a blank line ends one, else None."""
+        event = self._line(line)
+        return None if event is _NO_EVENT else event
+
+    def _line(self, line: str) -> Any:
         if not line:
             return self._dispatch()
         if line.startswith(":"):
-            return None
+            return _NO_EVENT
         name, _, value = line.partition(":")
         if value.startswith(" "):
             value = value[1:]
         if name == "data":
+            self._data_chars += len(value) + 1
+            if self._data_chars > self.max_event_bytes:
+                raise MalformedReplyError(f"the server sent a stream event longer than {self.max_event_bytes} bytes",
+                                          server_message=excerpt(self._data[0] if self._data else value))
             self._data.append(value)
         elif name == "event":
-            self._event = value
-        return None
+            self._event = value[:100]
+        return _NO_EVENT
 
     def flush(self) -> Any:
         """The event left pending when the stream ends without a final blank line."""
-        return self._dispatch()
+        event = self._dispatch()
+        return None if event is _NO_EVENT else event
 
     def _dispatch(self) -> Any:
         event, self._event = self._event, ""
         if not self._data:
-            return None
+            return _NO_EVENT
         payload = "\n".join(self._data)
         self._data = []
+        self._data_chars = 0
         if payload.strip() == "[DONE]":
             self.done = True
-            return None
-        try:
-            obj = json.loads(payload)
-        except ValueError:
-            raise ServerError(f"the server sent an unreadable stream event: {payload[:200]!r}", status=200, server_message=payload[:500]) from None
-        if event == "error" or (isinstance(obj, Mapping) and "error" in obj and "choices" not in obj):
-            message = _error_message(obj)
+            return _NO_EVENT
+        obj = load_json(payload, what="stream event")
+        if event == "error" or (isinstance(obj, Mapping) and obj.get("error") is not None and obj.get("choices") is None):
+            message = error_message(obj)
             raise ServerError(f"the server reported an error mid-stream: {message}", status=200, server_message=message)
         return obj
 
@@ -133,95 +265,100 @@ async def _no_chunks() -> AsyncIterator[Any]:
     yield  # pragma: no cover
 
 
-def _iter_events(lines: Iterable[str], decoder: SSEDecoder) -> Iterator[Any]:
-    for line in lines:
-        event = decoder.feed(line)
-        if event is not None:
+def _iter_events(byte_chunks: Iterable[bytes], decoder: SSEDecoder) -> Iterator[Any]:
+    for data in byte_chunks:
+        yield from decoder.feed_bytes(data)
+        if decoder.done:
+            return
+    yield from decoder.finish()
+
+
+async def _aiter_events(byte_chunks: AsyncIterable[bytes], decoder: SSEDecoder) -> AsyncIterator[Any]:
+    async for data in byte_chunks:
+        for event in decoder.feed_bytes(data):
             yield event
         if decoder.done:
             return
-    event = decoder.flush()
-    if event is not None:
+    for event in decoder.finish():
         yield event
 
 
-async def _aiter_events(lines: AsyncIterator[str], decoder: SSEDecoder) -> AsyncIterator[Any]:
-    async for line in lines:
-        event = decoder.feed(line)
-        if event is not None:
-            yield event
-        if decoder.done:
-            return
-    event = decoder.flush()
-    if event is not None:
-        yield event
+def _read_capped(byte_chunks: Iterable[bytes], cap: int, what: str, *, truncate: bool = False) -> bytes:
+    """A whole body, read until ``cap`` bytes: past it MalformedReplyError (or, ``truncate``,
+    the first ``cap`` bytes). Nothing beyond the cap is read."""
+    out = bytearray()
+    for data in byte_chunks:
+        out += data
+        if len(out) > cap:
+            if truncate:
+                return bytes(out[:cap])
+            raise MalformedReplyError(f"the server sent a {what} over the {cap}-byte cap", server_message=excerpt(bytes(out[:500])))
+    return bytes(out)
+
+
+async def _aread_capped(byte_chunks: AsyncIterable[bytes], cap: int, what: str, *, truncate: bool = False) -> bytes:
+    out = bytearray()
+    async for data in byte_chunks:
+        out += data
+        if len(out) > cap:
+            if truncate:
+                return bytes(out[:cap])
+            raise MalformedReplyError(f"the server sent a {what} over the {cap}-byte cap", server_message=excerpt(bytes(out[:500])))
+    return bytes(out)
+
+
+def _wrong_content_type(content_type: str | None, head: bytes, url: str) -> MalformedReplyError:
+    return MalformedReplyError(f"{url} answered a stream request with content type {content_type or 'none'!r}, "
+                               f"not text/event-stream: {excerpt(head, 200)!r}", field="content-type", server_message=excerpt(head))
 
 
 # -- chunks -----------------------------------------------------------------------------------
 def stream_chunk_content(chunk: Any) -> str | None:
     """The generated text a chat or completion chunk carries (dict or ``openai`` object):
     ``""`` for a finish chunk without text, ``None`` for a bare role delta or a usage-only
-    chunk. Tool calls and reasoning count as content: they are the first generated tokens."""
-    choices = field_of(chunk, "choices")
-    if not choices:
-        return None
-    choice = choices[0]
-    for holder in (field_of(choice, "delta"), field_of(choice, "message")):
-        if holder is None:
-            continue
-        for key in ("content", "reasoning_content", "reasoning"):
-            text = field_of(holder, key)
-            if text:
-                return text
-        if field_of(holder, "tool_calls") or field_of(holder, "function_call"):
-            return "<tool_call>"
-    text = field_of(choice, "text")
-    if text:
-        return text
-    return "" if field_of(choice, "finish_reason") else None
+    chunk. Tool calls and reasoning count as content: they are the first generated tokens.
+    A malformed chunk raises :class:`~trimkit.errors.MalformedReplyError`."""
+    return parse_chunk(chunk).output
 
 
-def _probe_token(chunk: Any) -> str | None:
+def _reply_output(reply: Reply) -> str | None:
+    return reply.output
+
+
+def _probe_output(reply: Reply) -> str | None:
     """Completion probes: every chunk with a choice is a generated token, even one whose text
     is an empty piece of a multi-byte character; a text-less finish chunk is not."""
-    choices = field_of(chunk, "choices")
-    if not choices:
+    if not reply.choices:
         return None
-    return "·" if field_of(choices[0], "text") or not field_of(choices[0], "finish_reason") else ""
-
-
-def _finish_reason(chunk: Any) -> str | None:
-    choices = field_of(chunk, "choices")
-    return field_of(choices[0], "finish_reason") if choices else None
+    choice = reply.choices[0]
+    return "·" if choice.text or not choice.finish_reason else ""
 
 
 def assemble_chat_completion(chunks: Sequence[Any], stats_chunk: Any = None) -> dict[str, Any]:
     """Rebuild a non-streaming ``chat.completion`` dict from the chunks of a finished stream
-    (dicts or ``openai`` objects): content, tool-call and logprob pieces joined per choice, the
-    last finish reason, and ``usage`` if the server reported it (else ``None``)."""
-    dicts = [d for d in (as_mapping(c) for c in chunks) if d is not None]
-    first = dicts[0] if dicts else {}
+    (dicts, ``openai`` objects or parsed replies): content, tool-call and logprob pieces joined per
+    choice, the last finish reason, and ``usage`` if the server reported it (else ``None``).
+    A malformed chunk raises :class:`~trimkit.errors.MalformedReplyError`."""
+    replies = [parse_chunk(c) for c in chunks]
+    first = replies[0] if replies else None
     choices: dict[int, dict[str, Any]] = {}
-    for d in dicts:
-        for ch in d.get("choices") or []:
-            idx = ch.get("index", 0) or 0
-            acc = choices.setdefault(idx, {"index": idx, "parts": [], "tools": {}, "finish_reason": None, "role": "assistant", "logprobs": None})
-            delta = ch.get("delta") or ch.get("message") or {}
-            if delta.get("role"):
-                acc["role"] = delta["role"]
-            if delta.get("content"):
-                acc["parts"].append(delta["content"])
-            for call in delta.get("tool_calls") or []:
-                slot = acc["tools"].setdefault(call.get("index", len(acc["tools"])), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
-                slot["id"] = call.get("id") or slot["id"]
-                fn = call.get("function") or {}
-                slot["function"]["name"] += fn.get("name") or ""
-                slot["function"]["arguments"] += fn.get("arguments") or ""
-            lp = ch.get("logprobs")
-            if isinstance(lp, Mapping) and lp.get("content"):
-                acc["logprobs"] = (acc["logprobs"] or []) + list(lp["content"])
-            if ch.get("finish_reason"):
-                acc["finish_reason"] = ch["finish_reason"]
+    for reply in replies:
+        for ch in reply.choices:
+            acc = choices.setdefault(ch.index, {"index": ch.index, "parts": [], "tools": {}, "finish_reason": None, "role": "assistant", "logprobs": None})
+            if ch.role:
+                acc["role"] = ch.role
+            if ch.content:
+                acc["parts"].append(ch.content)
+            for call in ch.tool_calls:
+                key = call.index if call.index is not None else len(acc["tools"])
+                slot = acc["tools"].setdefault(key, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                slot["id"] = call.id or slot["id"]
+                slot["function"]["name"] += call.name or ""
+                slot["function"]["arguments"] += call.arguments or ""
+            if ch.logprobs:
+                acc["logprobs"] = (acc["logprobs"] or []) + list(ch.logprobs)
+            if ch.finish_reason:
+                acc["finish_reason"] = ch.finish_reason
     out_choices = []
     for idx in sorted(choices):
         acc = choices[idx]
@@ -230,72 +367,57 @@ def assemble_chat_completion(chunks: Sequence[Any], stats_chunk: Any = None) -> 
             message["tool_calls"] = [acc["tools"][k] for k in sorted(acc["tools"])]
         logprobs = {"content": acc["logprobs"]} if acc["logprobs"] is not None else None
         out_choices.append({"index": idx, "message": message, "finish_reason": acc["finish_reason"], "logprobs": logprobs})
-    stats = as_mapping(stats_chunk) or {}
+    stats = parse_chunk(stats_chunk) if stats_chunk is not None else None
     return {
-        "id": first.get("id", ""),
+        "id": first.id if first is not None and first.id is not None else "",
         "object": "chat.completion",
-        "created": first.get("created", int(time.time())),
-        "model": first.get("model", ""),
-        "system_fingerprint": first.get("system_fingerprint"),
+        "created": first.created if first is not None and first.created is not None else int(time.time()),
+        "model": first.model if first is not None and first.model is not None else "",
+        "system_fingerprint": first.system_fingerprint if first is not None else None,
         "choices": out_choices,
-        "usage": stats.get("usage"),
+        "usage": dict(stats.usage) if stats is not None and stats.usage is not None else None,
     }
 
 
 # -- errors -----------------------------------------------------------------------------------
-def _error_message(body: Any) -> str:
-    """The human message in an error body: ``{"error": {"message"}}``, ``{"error": "..."}``,
-    ``{"detail": ...}``, ``{"message": ...}`` or the text itself."""
-    if isinstance(body, (str, bytes)):
-        text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
-        try:
-            body = json.loads(text)
-        except ValueError:
-            return text.strip()[:1000]
-    if isinstance(body, Mapping):
-        err = body.get("error")
-        if isinstance(err, Mapping):
-            return str(err.get("message") or err)
-        if err:
-            return str(err)
-        for key in ("detail", "message"):
-            if body.get(key):
-                return str(body[key])
-    return str(body)[:1000]
-
-
-def _retry_after_s(headers: Any) -> float | None:
-    try:
-        value = headers.get("retry-after") if headers is not None else None
-        return max(float(value), 0.0) if value is not None else None
-    except (TypeError, ValueError):
-        return None  # an HTTP date: rare from model servers; the backoff applies
-
-
 def _status_error(status: int, body: Any, headers: Any = None) -> ServerError:
-    message = _error_message(body)
+    message = error_message(body)
     cls = TransientServerError if status in TRANSIENT_STATUSES else ServerError
     err = cls(f"the server answered HTTP {status}: {message}", status=status, server_message=message)
-    err.retry_after_s = _retry_after_s(headers)  # type: ignore[attr-defined]
+    err.retry_after_s = retry_after_s(headers.get("retry-after") if headers is not None else None)  # type: ignore[attr-defined]
     return err
 
 
 def _unreachable(exc: BaseException, url: str) -> ServerUnreachableError:
-    kind = "timed out" if isinstance(exc, httpx.TimeoutException) else "could not be reached"
-    return ServerUnreachableError(f"{url} {kind}: {type(exc).__name__}: {exc}")
+    if isinstance(exc, httpx.TimeoutException):
+        return ServerTimeoutError(f"{url} timed out: {type(exc).__name__}: {exc}")
+    return ServerUnreachableError(f"{url} could not be reached: {type(exc).__name__}: {exc}")
 
 
 def _gave_up(exc: ServerUnreachableError, retrying: tenacity.BaseRetrying, start: float) -> ServerUnreachableError:
     attempts = retrying.statistics.get("attempt_number", 1)
-    return ServerUnreachableError(f"{exc} (gave up after {attempts} attempts in {time.monotonic() - start:.1f} s)")
+    return type(exc)(f"{exc} (gave up after {attempts} attempts in {time.monotonic() - start:.1f} s)")
 
 
-def _translate_client_error(exc: BaseException, url: str) -> TrimkitError | None:
-    """An ``openai`` client exception as a trimkit error (``None`` if it is not one)."""
+def _undecodable(exc: BaseException, what: str) -> MalformedReplyError:
+    text = f"{type(exc).__name__}: {exc}"
+    return MalformedReplyError(f"{what} could not be decoded: {text[:300]}", server_message=text[:500])
+
+
+#: what the ``openai`` client raises while decoding a reply it cannot make sense of (JSON errors,
+#: and its model constructors meeting the wrong types)
+_CLIENT_DECODE_ERRORS = (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError)
+
+
+def _client_error(exc: BaseException, url: str) -> TrimkitError | None:
+    """An ``openai`` client exception raised by ``create()`` as a trimkit error (``None`` if it
+    is not one: a TypeError for an argument the client does not take is the caller's)."""
     if isinstance(exc, TrimkitError):
         return None
     if isinstance(exc, httpx.TransportError):
         return _unreachable(exc, url)
+    if isinstance(exc, (json.JSONDecodeError, RecursionError)):
+        return _undecodable(exc, f"the reply from {url}")
     try:
         import openai
     except ImportError:  # pragma: no cover - a client without openai installed
@@ -304,8 +426,36 @@ def _translate_client_error(exc: BaseException, url: str) -> TrimkitError | None
         response = getattr(exc, "response", None)
         body = exc.body if exc.body is not None else exc.message
         return _status_error(exc.status_code, body, getattr(response, "headers", None))
-    if isinstance(exc, openai.APIConnectionError):  # includes APITimeoutError
+    if isinstance(exc, openai.APITimeoutError):
+        return ServerTimeoutError(f"{url} timed out: {exc}")
+    if isinstance(exc, openai.APIConnectionError):
+        if type(exc.__cause__).__name__ == "DecodingError":  # a body its Content-Encoding does not decode
+            return _undecodable(exc.__cause__, f"the reply from {url}")
         return _unreachable(exc, url)
+    if isinstance(exc, openai.APIResponseValidationError):
+        return _undecodable(exc, f"the reply from {url}")
+    if isinstance(exc, openai.APIError):  # an error event inside the stream
+        message = error_message(exc.body) if exc.body is not None else str(exc.message)
+        return ServerError(f"the server reported an error mid-stream: {message}", status=200, server_message=message)
+    return None
+
+
+def _client_read_error(exc: BaseException, url: str) -> TrimkitError | None:
+    """An exception from iterating the ``openai`` client's stream as a trimkit error: an error
+    event, or a reply it could not decode. Transport failures are left to ``_on_error``
+    (StreamInterruptedError after the first chunk)."""
+    if isinstance(exc, TrimkitError) or isinstance(exc, httpx.TransportError):
+        return None
+    try:
+        import openai
+    except ImportError:  # pragma: no cover
+        openai = None  # type: ignore[assignment]
+    if openai is not None and isinstance(exc, openai.APIError):
+        if isinstance(exc, (openai.APIConnectionError, openai.APIStatusError)):
+            return None
+        return _client_error(exc, url)
+    if isinstance(exc, _CLIENT_DECODE_ERRORS):
+        return _undecodable(exc, f"the stream from {url}")
     return None
 
 
@@ -317,6 +467,48 @@ def _is_transport_failure(exc: BaseException) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(exc, openai.APIError)
+
+
+def _close_quietly(closer: Callable[[], Any]) -> None:
+    with contextlib.suppress(Exception):
+        closer()
+
+
+def _client_response(stream: Any) -> Any:
+    """The HTTP response under an ``openai`` client's stream (an httpx-style response; the
+    client may be built on another httpx than trimkit's), or None."""
+    response = getattr(stream, "response", None)
+    headers = getattr(response, "headers", None)
+    return response if headers is not None and callable(getattr(headers, "get", None)) else None
+
+
+def _client_items(it: Iterator[Any], url: str) -> Iterator[Any]:
+    """The rest of an ``openai`` client's stream, its decoding errors translated."""
+    while True:
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        except Exception as exc:
+            translated = _client_read_error(exc, url)
+            if translated is not None:
+                raise translated from exc
+            raise
+        yield item
+
+
+async def _aclient_items(it: AsyncIterator[Any], url: str) -> AsyncIterator[Any]:
+    while True:
+        try:
+            item = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        except Exception as exc:
+            translated = _client_read_error(exc, url)
+            if translated is not None:
+                raise translated from exc
+            raise
+        yield item
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -334,6 +526,20 @@ def _normalize_base_url(base_url: Any) -> tuple[str, str]:
     base = str(url.copy_with(query=None, fragment=None)).rstrip("/")
     root = base[: -len("/v1")] if base.endswith("/v1") else base
     return base, root
+
+
+def _without_retries(client: Any) -> Any:
+    """The client trimkit sends its own requests through: the caller's ``openai`` client with
+    ``max_retries=0`` (its configuration otherwise the same, its connections shared), so that its
+    retries do not nest inside trimkit's and run past the request's deadline. A client without
+    ``with_options`` is used as it is."""
+    with_options = getattr(client, "with_options", None)
+    if not getattr(client, "max_retries", 0) or not callable(with_options):
+        return client
+    try:
+        return with_options(max_retries=0)
+    except Exception:  # a client-like object with its own idea of with_options
+        return client
 
 
 def _client_is_async(client: Any) -> bool:
@@ -386,19 +592,86 @@ class _Opened:
     rest: Any  # iterator or async iterator of chunks
     close: Callable[[], Any]
     done: Callable[[], bool]  # did the server end the stream properly ([DONE])?
+    whole: bool = False  # the server ignored stream=true: ``first`` is a whole completion
 
 
 @attrs.define
 class _StreamState:
     hide_usage_chunk: bool = False
-    stats_chunk: Any = None
+    stats_reply: Reply | None = None  # the last reply that carried usage / timings
     finish_reason: str | None = None
-    chunks: list[Any] | None = None  # filled when the response is to be assembled
+    chunks: list[Reply] | None = None  # filled when the response is to be assembled
+    last: Reply | None = None  # the reply of the chunk just yielded (read by the TimedStream)
+
+
+@attrs.frozen
+class _Deadline:
+    """How long a request may take to produce its first chunk (a side request: its answer).
+
+    ``seconds`` always bounds the retries. ``bounded``: it also bounds every wait — a request
+    still waiting when it passes raises ServerTimeoutError — and each network read of the
+    request waits at most ``seconds`` (and ``timeout_s``)."""
+
+    seconds: float
+    bounded: bool = False
+
+
+@attrs.frozen
+class _Wait:
+    """What one attempt may wait: ``remaining_s`` of its deadline; ``bound_s`` (bounded
+    deadlines only) the longest any single read may take."""
+
+    remaining_s: float
+    bound_s: float | None = None
 
 
 def _raising(exc: BaseException) -> Iterator[Any]:
     raise exc
     yield  # pragma: no cover
+
+
+def _run_within(fn: Callable[[], Any], seconds: float, discard: Callable[[Any], None], timed_out: Callable[[], BaseException]) -> Any:
+    """``fn()`` in a worker thread, waited for at most ``seconds``; then ``timed_out()`` is raised.
+
+    Why a thread: a blocking socket read cannot be given an overall deadline (httpx bounds each
+    read, and a server may trickle bytes forever), and the ``openai`` client's stream cannot be
+    interrupted from outside. The abandoned worker ends on its own — each of its network waits
+    is bounded too — and whatever it opens after the caller gave up is ``discard``-ed."""
+    box: dict[str, Any] = {}
+    lock = threading.Lock()
+    finished = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+        with lock:
+            finished.set()
+            abandoned = "abandoned" in box
+        if abandoned and "value" in box:
+            with contextlib.suppress(Exception):
+                discard(box["value"])
+
+    threading.Thread(target=run, name="trimkit-request", daemon=True).start()
+    try:
+        finished.wait(max(seconds, 0.0))
+    finally:
+        with lock:
+            if not finished.is_set():
+                box["abandoned"] = True
+    if "abandoned" in box:
+        raise timed_out()
+    if "error" in box:
+        error = box.pop("error")
+        raise error
+    return box["value"]
+
+
+def _discard(value: Any) -> None:
+    """Close what an abandoned attempt opened (a stream); other results need nothing."""
+    if isinstance(value, _Opened):
+        value.close()
 
 
 class AsyncTimedStream(TimedStream):
@@ -444,7 +717,8 @@ class OpenAIHTTPBackend(Backend):
 
     ``retry_deadline_s`` bounds the total time spent retrying a request that has not yet
     produced a chunk (set it from the TTFT budget); it can be changed on the instance or per
-    call. ``chat_format`` names the server's chat template (a llama-cpp-python format name such
+    call. ``deadline_s`` (per call, or on the instance for calls and side requests that give
+    none) bounds every wait before the first chunk as well: see the module's "Deadlines". ``chat_format`` names the server's chat template (a llama-cpp-python format name such
     as ``"gemma"``, or a Jinja template) when the server has no ``/apply-template`` endpoint, so
     prompt counts are exact instead of a ChatML estimate. ``cache_block_tokens`` is the engine's prefix-cache granularity: ``None`` picks 16
     for vLLM (its KV block size) and 1 elsewhere.
@@ -507,6 +781,9 @@ class OpenAIHTTPBackend(Backend):
         self._async_http = async_http_client
         self.client = client
         self.client_is_async = client is not None and _client_is_async(client)
+        self._send_client = _without_retries(client) if client is not None else None
+        #: the deadline of calls and side requests that give none (None: waits bounded by timeout_s only)
+        self.deadline_s: float | None = None
         self._lock = threading.RLock()
         self._info: ServerInfo | None = None
         self._tokenizer: PromptTokenizer | None = None
@@ -546,9 +823,27 @@ class OpenAIHTTPBackend(Backend):
         self.close()
 
     # -- low-level requests ---------------------------------------------------------------------
-    def _timeout(self, remaining_s: float | None = None) -> httpx.Timeout:
-        connect = self.connect_timeout_s if remaining_s is None else max(min(self.connect_timeout_s, remaining_s), 0.05)
-        return httpx.Timeout(self.timeout_s, connect=connect)
+    def _timeout(self, wait: _Wait | None = None) -> httpx.Timeout:
+        """The httpx timeouts of one attempt: connect within what is left of the deadline; each
+        other wait ``timeout_s``, or with a bounded deadline at most the deadline."""
+        if wait is None:
+            return httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s)
+        connect = max(min(self.connect_timeout_s, wait.remaining_s), _MIN_WAIT_S)
+        each = self.timeout_s if wait.bound_s is None else max(min(self.timeout_s, wait.bound_s), _MIN_WAIT_S)
+        return httpx.Timeout(each, connect=connect)
+
+    def _deadline(self, retry_deadline_s: float | None = None, deadline_s: float | None = None, *, unbounded: bool = False) -> _Deadline:
+        """A request's deadline: ``deadline_s`` (else the instance's), bounding every wait; without
+        one (or ``unbounded``: calibration probes, non-streamed answers) the retry window only."""
+        if not unbounded:
+            bound = deadline_s if deadline_s is not None else self.deadline_s
+            if bound is not None:
+                return _Deadline(float(bound), bounded=True)
+        return _Deadline(float(self.retry_deadline_s if retry_deadline_s is None else retry_deadline_s))
+
+    def _timed_out(self, url: str, deadline: _Deadline) -> ServerTimeoutError:
+        return ServerTimeoutError(f"{url} did not answer within the request's deadline of {deadline.seconds:.2f} s "
+                                  "(no first chunk, or no reply to a side request)")
 
     def _retry_kwargs(self, deadline_s: float) -> dict[str, Any]:
         expo = tenacity.wait_exponential(multiplier=self.retry_backoff_s, min=self.retry_backoff_s, max=self.retry_backoff_max_s)
@@ -571,108 +866,120 @@ class OpenAIHTTPBackend(Backend):
             reraise=True,
         )
 
-    def _with_retries(self, attempt: Callable[[float], Any], deadline_s: float | None = None) -> Any:
-        """Run ``attempt(remaining_s)`` until it succeeds, a non-transient error, or the deadline."""
-        deadline_s = self.retry_deadline_s if deadline_s is None else deadline_s
+    def _with_retries(self, attempt: Callable[[_Wait], Any], deadline: _Deadline, url: str) -> Any:
+        """Run ``attempt(wait)`` until it succeeds, a non-transient error, or the deadline; with a
+        bounded deadline no attempt is waited for past it (ServerTimeoutError)."""
         start = time.monotonic()
-        retrying = tenacity.Retrying(**self._retry_kwargs(deadline_s))
+        retrying = tenacity.Retrying(**self._retry_kwargs(deadline.seconds))
         try:
             for try_ in retrying:
                 with try_:
-                    return attempt(deadline_s - (time.monotonic() - start))
+                    remaining = deadline.seconds - (time.monotonic() - start)
+                    if not deadline.bounded:
+                        return attempt(_Wait(remaining))
+                    wait = _Wait(remaining, deadline.seconds)
+                    return _run_within(lambda: attempt(wait), remaining, _discard, lambda: self._timed_out(url, deadline))
         except ServerUnreachableError as exc:
             raise _gave_up(exc, retrying, start) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _awith_retries(self, attempt: Callable[[float], Any], deadline_s: float | None = None) -> Any:
-        deadline_s = self.retry_deadline_s if deadline_s is None else deadline_s
+    async def _awith_retries(self, attempt: Callable[[_Wait], Any], deadline: _Deadline, url: str) -> Any:
         start = time.monotonic()
-        retrying = tenacity.AsyncRetrying(**self._retry_kwargs(deadline_s))
+        retrying = tenacity.AsyncRetrying(**self._retry_kwargs(deadline.seconds))
         try:
             async for try_ in retrying:
                 with try_:
-                    return await attempt(deadline_s - (time.monotonic() - start))
+                    remaining = deadline.seconds - (time.monotonic() - start)
+                    if not deadline.bounded:
+                        return await attempt(_Wait(remaining))
+                    try:
+                        async with asyncio.timeout(max(remaining, 0.0)):
+                            return await attempt(_Wait(remaining, deadline.seconds))
+                    except TimeoutError as exc:
+                        if isinstance(exc, TrimkitError):
+                            raise
+                        raise self._timed_out(url, deadline) from None
         except ServerUnreachableError as exc:
             raise _gave_up(exc, retrying, start) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _request_json(self, method: str, url: str, body: Any = None, *, missing_ok: bool = False, deadline_s: float | None = None) -> Any:
+    def _request_json(self, method: str, url: str, body: Any = None, *, missing_ok: bool = False, deadline: _Deadline | None = None) -> Any:
         """A side request (server facts, tokenize), retried like a chat request: a pooled
         keep-alive connection the server dropped fails once and must not fail the call."""
-        return self._with_retries(lambda rem: self._request_json_once(method, url, body, remaining_s=rem, missing_ok=missing_ok), deadline_s)
+        deadline = deadline or self._deadline()
+        return self._with_retries(lambda wait: self._request_json_once(method, url, body, wait=wait, missing_ok=missing_ok), deadline, url)
 
-    def _request_json_once(self, method: str, url: str, body: Any = None, *, remaining_s: float | None = None, missing_ok: bool = False) -> Any:
-        """One request. Returns the JSON body; ``None`` for 404/405/501 when ``missing_ok``
-        (an endpoint this server does not have)."""
+    def _request_json_once(self, method: str, url: str, body: Any = None, *, wait: _Wait | None = None, missing_ok: bool = False) -> Any:
+        """One request. Returns the JSON body (at most MAX_REPLY_BYTES, nested at most
+        MAX_JSON_DEPTH deep); ``None`` for 404/405/501, or a body that is not JSON, when
+        ``missing_ok`` (an endpoint this server does not have)."""
         try:
-            resp = self.http.request(method, url, json=body, headers=self._headers, timeout=self._timeout(remaining_s))
+            with self.http.stream(method, url, json=body, headers=self._headers, timeout=self._timeout(wait)) as resp:
+                status, headers = resp.status_code, resp.headers
+                if missing_ok and status in (404, 405, 501):
+                    return None
+                if status >= 400:
+                    content = _read_capped(resp.iter_bytes(), _ERROR_BODY_BYTES, "error body", truncate=True)
+                else:
+                    content = _read_capped(resp.iter_bytes(), MAX_REPLY_BYTES, f"reply from {url}")
         except httpx.TransportError as exc:
             raise _unreachable(exc, url) from exc
-        if missing_ok and resp.status_code in (404, 405, 501):
-            return None
-        if resp.status_code >= 400:
-            if missing_ok and resp.status_code in (400, 422) and url.startswith(self.root_url) and not url.startswith(self.base_url):
+        except httpx.DecodingError as exc:
+            raise _undecodable(exc, f"the reply from {url}") from exc
+        if status >= 400:
+            if missing_ok and status in (400, 422) and url.startswith(self.root_url) and not url.startswith(self.base_url):
                 return None  # a root endpoint of another engine, refused
-            raise _status_error(resp.status_code, resp.text, resp.headers)
+            raise _status_error(status, content, headers)
         try:
-            return resp.json()
-        except ValueError:
+            return load_json(content, what=f"reply from {url}", status=status)
+        except MalformedReplyError:
             if missing_ok:
                 return None
-            raise ServerError(f"{url} answered with non-JSON: {resp.text[:200]!r}", status=resp.status_code, server_message=resp.text[:500]) from None
+            raise
 
     # -- server facts -------------------------------------------------------------------------
     def server_info(self, *, deadline_s: float | None = None) -> ServerInfo:
         """Probe the server once (``/v1/models``, ``/props``, ``/version``, tokenizer endpoints);
-        cached. The first request is retried like a chat request (a server still starting)."""
+        cached. The first request is retried like a chat request (a server still starting),
+        for ``deadline_s`` (default ``retry_deadline_s``). A reply of the wrong shape raises
+        :class:`~trimkit.errors.MalformedReplyError`."""
+        return self._server_info(self._deadline(deadline_s))
+
+    def _server_info(self, deadline: _Deadline) -> ServerInfo:
         with self._lock:
             if self._info is None:
-                self._info = self._probe_server(deadline_s)
+                self._info = self._probe_server(deadline)
             return self._info
 
-    def _probe_server(self, deadline_s: float | None) -> ServerInfo:
-        models = self._request_json("GET", self.base_url + "/models", missing_ok=True, deadline_s=deadline_s)
-        entries = [m for m in (models or {}).get("data", []) if isinstance(m, Mapping)] if isinstance(models, Mapping) else []
-        owned_by = str(entries[0].get("owned_by", "")).lower() if entries else ""
-        n_ctx: int | None = None
-        for m in entries[:1]:
-            meta = m.get("meta") if isinstance(m.get("meta"), Mapping) else {}
-            for value in (m.get("max_model_len"), meta.get("n_ctx")):
-                if isinstance(value, int) and value > 0:
-                    n_ctx = value
-                    break
+    def _probe_server(self, deadline: _Deadline) -> ServerInfo:
+        models = parse_models(self._request_json("GET", self.base_url + "/models", missing_ok=True, deadline=deadline))
+        owned_by = models.owned_by
+        n_ctx = models.n_ctx
         version = ""
-        props = self._request_json("GET", self.root_url + "/props", missing_ok=True)
-        if isinstance(props, Mapping):
-            settings = props.get("default_generation_settings")
-            for value in ((settings or {}).get("n_ctx") if isinstance(settings, Mapping) else None, props.get("n_ctx")):
-                if isinstance(value, int) and value > 0:
-                    n_ctx = value
-                    break
-            if props.get("build_info"):
-                version = f"llama.cpp {props['build_info']}"
-        ver = self._request_json("GET", self.root_url + "/version", missing_ok=True)
-        if not version and isinstance(ver, Mapping) and ver.get("version"):
-            version = str(ver["version"])
+        props_n_ctx, build_info = parse_props(self._request_json("GET", self.root_url + "/props", missing_ok=True))
+        if props_n_ctx is not None:
+            n_ctx = props_n_ctx
+        if build_info:
+            version = f"llama.cpp {build_info}"
+        if not version:
+            version = parse_version(self._request_json("GET", self.root_url + "/version", missing_ok=True))
         tokenize_endpoint, bos_prefix = None, ()
         probe = self._request_json("POST", self.root_url + "/tokenize", {"content": "", "add_special": True, "parse_special": True}, missing_ok=True)
-        if isinstance(probe, Mapping) and isinstance(probe.get("tokens"), list):
+        if is_tokenize_reply(probe):
+            parse_tokens(probe, what="/tokenize reply", max_tokens=_TOKENIZE_SLACK)
             tokenize_endpoint = "/tokenize"
         else:
             body = {"input": ""} | ({"model": self.model} if self.model else {})
             probe = self._request_json("POST", self.root_url + "/extras/tokenize", body, missing_ok=True)
-            if isinstance(probe, Mapping) and isinstance(probe.get("tokens"), list):
+            if is_tokenize_reply(probe):
                 tokenize_endpoint = "/extras/tokenize"
-                bos_prefix = tuple(int(t) for t in probe["tokens"])
+                bos_prefix = tuple(parse_tokens(probe, what="/extras/tokenize reply", max_tokens=_TOKENIZE_SLACK))
         apply_template = False
         if tokenize_endpoint == "/tokenize":
             rendered = self._request_json("POST", self.root_url + "/apply-template", {"messages": [{"role": "user", "content": "x"}]}, missing_ok=True)
             apply_template = isinstance(rendered, Mapping) and isinstance(rendered.get("prompt"), str)
         if not version and tokenize_endpoint == "/extras/tokenize":
-            spec = self._request_json("GET", self.root_url + "/openapi.json", missing_ok=True)
-            info = spec.get("info") if isinstance(spec, Mapping) else None
-            if isinstance(info, Mapping) and info.get("version"):
-                version = f"{info.get('title', 'server')} {info['version']}"
+            version = parse_openapi_version(self._request_json("GET", self.root_url + "/openapi.json", missing_ok=True))
         if "vllm" in owned_by:
             engine = "vllm"
         elif "sglang" in owned_by:
@@ -688,7 +995,7 @@ class OpenAIHTTPBackend(Backend):
         info = ServerInfo(
             engine=engine,
             engine_version=version,
-            model_ids=tuple(str(m.get("id")) for m in entries if m.get("id")),
+            model_ids=models.ids,
             n_ctx=n_ctx,
             tokenize_endpoint=tokenize_endpoint,
             apply_template=apply_template,
@@ -749,14 +1056,16 @@ class OpenAIHTTPBackend(Backend):
 
     def _server_tokenize(self, text: str, *, whole_prompt: bool) -> list[int]:
         info = self.server_info()
+        # a tokenizer gives at most a token or two per byte (byte fallback), plus special tokens
+        most = 2 * len(text.encode("utf-8", "replace")) + _TOKENIZE_SLACK
         if info.tokenize_endpoint == "/tokenize":
             out = self._request_json("POST", self.root_url + "/tokenize", {"content": text, "add_special": whole_prompt, "parse_special": True})
-            tokens = [int(t) for t in out["tokens"]]
+            tokens = parse_tokens(out, what="/tokenize reply", max_tokens=most)
             if whole_prompt and len(tokens) > 1 and tokens[0] == tokens[1] and text.startswith(("<s>", "<bos>", "<|begin_of_text|>")):
                 tokens = tokens[1:]  # the template wrote BOS and the tokenizer added another
             return tokens
         body = {"input": text} | ({"model": self.model} if self.model else {})
-        tokens = [int(t) for t in self._request_json("POST", self.root_url + "/extras/tokenize", body)["tokens"]]
+        tokens = parse_tokens(self._request_json("POST", self.root_url + "/extras/tokenize", body), what="/extras/tokenize reply", max_tokens=most)
         prefix = list(info.bos_prefix)
         if not whole_prompt and prefix and tokens[: len(prefix)] == prefix:
             tokens = tokens[len(prefix) :]
@@ -787,7 +1096,7 @@ class OpenAIHTTPBackend(Backend):
                 body: dict[str, Any] = {"messages": list(messages)}
                 if tools:
                     body["tools"] = tools
-                return str(self._request_json("POST", self.root_url + "/apply-template", body)["prompt"])
+                return parse_template(self._request_json("POST", self.root_url + "/apply-template", body))
 
             return PromptTokenizer(_ServerTokenizer(), render, encode_prompt=encode_prompt, name=_ServerTokenizer.name + "+server template")
         if self._render_local is not None:  # the caller named the server's template
@@ -832,7 +1141,8 @@ class OpenAIHTTPBackend(Backend):
                         self._reuse_warned = True
                     self.prefix_reuse = False
             if sent is not None and stats.prompt_tokens and not truncated:
-                ratio = stats.prompt_tokens / max(len(sent), 1)
+                # a tokenizer estimate is never off by 5x: a ratio beyond is not a count correction
+                ratio = min(max(stats.prompt_tokens / max(len(sent), 1), 0.2), 5.0)
                 self._correction_samples += 1
                 alpha = max(1.0 / self._correction_samples, 0.2)
                 self._correction = (1 - alpha) * self._correction + alpha * ratio
@@ -895,32 +1205,34 @@ class OpenAIHTTPBackend(Backend):
         return None  # the URL form may leave it out: single-model servers serve their model
 
     def _prepare(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], prompt_tokens: Sequence[int] | None,
-                 deadline_s: float | None) -> tuple[list[int], int]:
+                 deadline: _Deadline) -> tuple[list[int], int]:
         """Count the prompt and predict its cached prefix. Probing the server, when needed
-        (tokenizer, cache block), waits for a server still starting, within ``deadline_s``."""
+        (tokenizer, cache block), waits for a server still starting, within ``deadline``."""
         if not isinstance(params, Mapping):
             raise InvalidInputError(f"params must be a mapping, got {type(params).__name__}")
         if prompt_tokens is None or self._block_arg is None:
-            self.server_info(deadline_s=deadline_s)
+            self._server_info(deadline)
         sent = list(prompt_tokens) if prompt_tokens is not None else self.tokenizer.prompt_tokens(messages, params.get("tools"))
         return sent, self.predict_cached_tokens(sent)
 
-    def _observe(self, chunk: Any, state: _StreamState) -> bool:
-        """Record what a chunk says; False for the usage-only chunk trimkit asked for itself."""
+    def _observe(self, reply: Reply, state: _StreamState) -> bool:
+        """Record what a parsed chunk says; False for the usage-only chunk trimkit asked for itself."""
+        state.last = reply
         if state.chunks is not None:
-            state.chunks.append(chunk)
-        if has_server_stats(chunk):
-            state.stats_chunk = chunk
-        reason = _finish_reason(chunk)
-        if reason:
-            state.finish_reason = reason
-        if state.hide_usage_chunk and not field_of(chunk, "choices") and field_of(chunk, "usage") is not None:
-            return False
-        return True
+            state.chunks.append(reply)
+        if reply.has_stats:
+            state.stats_reply = reply
+        if reply.finish_reason:
+            state.finish_reason = reply.finish_reason
+        return not (state.hide_usage_chunk and reply.usage_only)
 
     def _on_error(self, ts_ref: list[TimedStream]) -> Callable[[BaseException], BaseException | None]:
         def on_error(exc: BaseException) -> BaseException | None:
-            if isinstance(exc, TrimkitError) or not _is_transport_failure(exc):
+            if isinstance(exc, TrimkitError):
+                return None
+            if isinstance(exc, httpx.DecodingError):  # a body its Content-Encoding does not decode
+                return _undecodable(exc, f"the stream from {self.base_url}")
+            if not _is_transport_failure(exc):
                 return None
             n = ts_ref[0].n_chunks if ts_ref else 0
             return StreamInterruptedError(f"the stream from {self.base_url} broke after {n} chunks: {type(exc).__name__}: {exc}")
@@ -934,29 +1246,52 @@ class OpenAIHTTPBackend(Backend):
         message = "the server closed the stream without sending a chunk (llama-cpp-python does this when the prompt exceeds its context window)"
         return ServerError(message, status=200, server_message="empty stream")
 
+    def _client_kwargs(self, body: Mapping[str, Any], wait: _Wait) -> dict[str, Any]:
+        """``create()``'s arguments: the body, and with a bounded deadline the request's own
+        timeouts (unless the caller gave ``timeout``)."""
+        kwargs = dict(body)
+        if wait.bound_s is not None and "timeout" not in kwargs:  # seconds: whichever httpx the client is built on
+            kwargs["timeout"] = max(min(self.timeout_s, wait.bound_s), _MIN_WAIT_S)
+        return kwargs
+
+    def _stream_reply_error(self, response: Any, head: bytes, url: str) -> ServerError:
+        """The error for a stream request answered with something other than an event stream:
+        the server's error if the body is one, else MalformedReplyError naming the content type."""
+        content_type = response.headers.get("content-type")
+        if body_kind(content_type) == "json":
+            parse_completion(load_json(head, what=f"reply from {url}"))  # raises ServerError for {"error": ...}
+            return MalformedReplyError(f"{url} answered a stream request with one JSON body, which this client cannot stream",
+                                       field="content-type", server_message=excerpt(head))
+        return _wrong_content_type(content_type, head, url)
+
     # sync openers ---------------------------------------------------------------------------------
-    def _open_url(self, path: str, body: Mapping[str, Any]) -> Callable[[float], _Opened]:
+    def _open_url(self, path: str, body: Mapping[str, Any]) -> Callable[[_Wait], _Opened]:
         url = self.base_url + path
 
-        def attempt(remaining_s: float) -> _Opened:
-            request = self.http.build_request("POST", url, json=body, headers={**self._headers, "Accept": "text/event-stream"}, timeout=self._timeout(remaining_s))
+        def attempt(wait: _Wait) -> _Opened:
+            request = self.http.build_request("POST", url, json=body, headers={**self._headers, "Accept": "text/event-stream"}, timeout=self._timeout(wait))
             try:
                 resp = self.http.send(request, stream=True)
             except httpx.TransportError as exc:
                 raise _unreachable(exc, url) from exc
             try:
                 if resp.status_code >= 400:
-                    resp.read()
-                    raise _status_error(resp.status_code, resp.text, resp.headers)
-                if resp.headers.get("content-type", "").startswith("application/json"):
-                    resp.read()  # the server ignored stream=true: one whole response
-                    return _Opened(resp.json(), iter(()), resp.close, lambda: True)
+                    raise _status_error(resp.status_code, _read_capped(resp.iter_bytes(), _ERROR_BODY_BYTES, "error body", truncate=True), resp.headers)
+                kind = body_kind(resp.headers.get("content-type"))
+                if kind == "json":  # the server ignored stream=true: one whole response
+                    data = load_json(_read_capped(resp.iter_bytes(), MAX_REPLY_BYTES, f"reply from {url}"), what=f"reply from {url}")
+                    return _Opened(data, iter(()), resp.close, lambda: True, whole=True)
+                if kind is None:
+                    raise _wrong_content_type(resp.headers.get("content-type"), _read_capped(resp.iter_bytes(), 2048, "body", truncate=True), url)
                 decoder = SSEDecoder()
-                events = _iter_events(resp.iter_lines(), decoder)
+                events = _iter_events(resp.iter_bytes(), decoder)
                 first = next(events, _END)
             except httpx.TransportError as exc:
                 resp.close()
                 raise _unreachable(exc, url) from exc
+            except httpx.DecodingError as exc:
+                resp.close()
+                raise _undecodable(exc, f"the stream from {url}") from exc
             except BaseException:
                 resp.close()
                 raise
@@ -964,18 +1299,30 @@ class OpenAIHTTPBackend(Backend):
 
         return attempt
 
-    def _open_client(self, body: Mapping[str, Any]) -> Callable[[float], _Opened]:
-        def attempt(remaining_s: float) -> _Opened:
+    def _open_client(self, body: Mapping[str, Any]) -> Callable[[_Wait], _Opened]:
+        url = self.base_url
+
+        def attempt(wait: _Wait) -> _Opened:
             try:
-                stream = self.client.chat.completions.create(**body)
-                it = iter(stream)
-                first = next(it, _END)
+                stream = self._send_client.chat.completions.create(**self._client_kwargs(body, wait))
             except Exception as exc:
-                translated = _translate_client_error(exc, self.base_url)
+                translated = _client_error(exc, url)
                 if translated is not None:
                     raise translated from exc
                 raise
-            return _Opened(first, it, getattr(stream, "close", lambda: None), lambda: False)
+            try:
+                response = _client_response(stream)
+                if response is not None and body_kind(response.headers.get("content-type")) != "sse":
+                    raise self._stream_reply_error(response, _read_capped(response.iter_bytes(), _ERROR_BODY_BYTES, "body", truncate=True), url)
+                it = iter(stream)
+                first = next(it, _END)
+            except BaseException as exc:
+                _close_quietly(getattr(stream, "close", lambda: None))
+                translated = (_client_read_error(exc, url) or _client_error(exc, url)) if isinstance(exc, Exception) else None
+                if translated is not None:
+                    raise translated from exc
+                raise
+            return _Opened(first, _client_items(it, url), getattr(stream, "close", lambda: None), lambda: False)
 
         return attempt
 
@@ -989,27 +1336,32 @@ class OpenAIHTTPBackend(Backend):
         del body["stream_options"]
         return True
 
-    def _open(self, make: Callable[[dict[str, Any]], Callable[[float], _Opened]], body: dict[str, Any], state: _StreamState, deadline_s: float | None) -> _Opened:
-        def attempt(remaining_s: float) -> _Opened:
+    def _open(self, make: Callable[[dict[str, Any]], Callable[[_Wait], _Opened]], body: dict[str, Any], state: _StreamState, deadline: _Deadline) -> _Opened:
+        def attempt(wait: _Wait) -> _Opened:
             try:
-                return make(body)(remaining_s)
+                return make(body)(wait)
             except ServerError as exc:
                 if not self._drop_stream_options(exc, body, state):
                     raise
-                return make(body)(remaining_s)
+                return make(body)(wait)
 
-        return self._with_retries(attempt, deadline_s)
+        return self._with_retries(attempt, deadline, self.base_url)
 
-    async def _aopen(self, make: Callable[[dict[str, Any]], Callable[[float], Any]], body: dict[str, Any], state: _StreamState, deadline_s: float | None) -> _Opened:
-        async def attempt(remaining_s: float) -> _Opened:
+    async def _aopen(self, make: Callable[[dict[str, Any]], Callable[[_Wait], Any]], body: dict[str, Any], state: _StreamState, deadline: _Deadline) -> _Opened:
+        async def attempt(wait: _Wait) -> _Opened:
             try:
-                return await make(body)(remaining_s)
+                return await make(body)(wait)
             except ServerError as exc:
                 if not self._drop_stream_options(exc, body, state):
                     raise
-                return await make(body)(remaining_s)
+                return await make(body)(wait)
 
-        return await self._awith_retries(attempt, deadline_s)
+        return await self._awith_retries(attempt, deadline, self.base_url)
+
+    def _parse_item(self, item: Any, opened: _Opened) -> Reply:
+        """The one place a streamed item is parsed: a chunk, or the whole completion of a server
+        that ignored ``stream=true``."""
+        return parse_completion(item) if opened.whole else parse_chunk(item)
 
     def _chunks(self, opener: Callable[[], _Opened], state: _StreamState) -> Iterator[Any]:
         opened = opener()
@@ -1017,23 +1369,31 @@ class OpenAIHTTPBackend(Backend):
         try:
             if opened.first is _END:
                 raise self._empty_stream_error()
-            for chunk in itertools.chain((opened.first,), opened.rest):
+            for item in itertools.chain((opened.first,), opened.rest):
                 n += 1
-                if self._observe(chunk, state):
-                    yield chunk
+                reply = self._parse_item(item, opened)
+                if self._observe(reply, state):
+                    yield reply.raw
             self._check_end(opened, state, n)
         finally:
             opened.close()
 
-    def _timed(self, chunks: Any, state: _StreamState, sent: list[int] | None, predicted: int, *, content_of: Callable[[Any], str | None] = stream_chunk_content, cls: type[TimedStream] = TimedStream) -> Any:
+    def _timed(self, chunks: Any, state: _StreamState, sent: list[int] | None, predicted: int, *,
+               output_of: Callable[[Reply], str | None] = _reply_output, cls: type[TimedStream] = TimedStream) -> Any:
         ref: list[TimedStream] = []
+
+        def content_of(chunk: Any) -> str | None:
+            reply = state.last
+            if reply is None or reply.raw is not chunk:  # (never: each chunk is yielded right after it is parsed)
+                reply = parse_chunk(chunk)
+            return output_of(reply)
 
         def finish(ts: TimedStream) -> Measurement:
             client_decode = None
             if ts.first_content_at is not None and ts.last_chunk_at is not None:
                 client_decode = ts.last_chunk_at - ts.first_content_at
             return self._measure(
-                parse_server_stats(state.stats_chunk),
+                state.stats_reply.stats if state.stats_reply is not None else ServerStats(),
                 ttft_s=ts.ttft_s,
                 first_output_s=ts.first_output_s,
                 total_s=(ts.ended_at or self.clock()) - (ts.started or 0.0),
@@ -1049,16 +1409,17 @@ class OpenAIHTTPBackend(Backend):
         return ts
 
     def _stream(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], prompt_tokens: Sequence[int] | None,
-                retry_deadline_s: float | None, *, collect: bool = False, is_async: bool = False,
-                via_url: bool = False) -> tuple[Any, _StreamState]:
+                retry_deadline_s: float | None, *, deadline_s: float | None = None, collect: bool = False, is_async: bool = False,
+                via_url: bool = False, probe: bool = False) -> tuple[Any, _StreamState]:
         """``via_url``: a sync request over ``httpx`` even when an (async) client is wrapped —
-        for calibration probes, which run synchronously whatever the client."""
+        for calibration probes, which run synchronously whatever the client. ``probe``: a
+        calibration probe, never bounded by a deadline (a long probe is meant to take long)."""
         if via_url and is_async:
             raise InvalidInputError("via_url streams are synchronous")  # pragma: no cover - internal misuse
         if self.client is not None and self.client_is_async != is_async and not via_url:
             raise InvalidInputError(f"this backend wraps a{'n async' if self.client_is_async else ' sync'} client: "
                                     f"use {'asend()/acomplete()' if self.client_is_async else 'send()/complete()'}")
-        deadline = self.retry_deadline_s if retry_deadline_s is None else retry_deadline_s
+        deadline = self._deadline(retry_deadline_s, deadline_s, unbounded=probe)
         sent, predicted = self._prepare(messages, params, prompt_tokens, deadline)
         body, hide = self._chat_body(messages, params, stream=True)
         state = _StreamState(hide_usage_chunk=hide, chunks=[] if collect else None)
@@ -1069,15 +1430,17 @@ class OpenAIHTTPBackend(Backend):
         return self._timed(chunks, state, sent, predicted), state
 
     def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
-             retry_deadline_s: float | None = None) -> TimedStream:
+             retry_deadline_s: float | None = None, deadline_s: float | None = None) -> TimedStream:
         """Stream a chat request. The request goes out on the first ``next()`` (that is when
         the TTFT clock starts); it is retried on transient failures until ``retry_deadline_s``
-        but never after the first chunk. Yields plain dicts (URL form) or the client's own
-        chunk objects; the usage-only chunk trimkit adds with ``stream_options`` is not yielded."""
-        return self._stream(messages, params, prompt_tokens, retry_deadline_s)[0]
+        but never after the first chunk. ``deadline_s`` (else the instance's ``deadline_s``)
+        also bounds every wait before the first chunk: past it, ServerTimeoutError. Yields plain
+        dicts (URL form) or the client's own chunk objects; the usage-only chunk trimkit adds
+        with ``stream_options`` is not yielded."""
+        return self._stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s)[0]
 
     def complete(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
-                 measure_ttft: bool = True, retry_deadline_s: float | None = None) -> tuple[Any, Measurement]:
+                 measure_ttft: bool = True, retry_deadline_s: float | None = None, deadline_s: float | None = None) -> tuple[Any, Measurement]:
         """A non-streaming chat request: ``(response, measurement)``. The response is a
         ``chat.completion`` dict (URL form) or the client's own ``ChatCompletion``.
 
@@ -1085,36 +1448,42 @@ class OpenAIHTTPBackend(Backend):
         the chunks, so TTFT is measured; its ``usage`` is what the stream reported (None from
         servers that report none while streaming). With ``measure_ttft=False`` it is sent with
         ``stream=False`` as asked: ``ttft_s`` is None and only the server's numbers are measured.
+        Its first byte comes after the whole answer, so there ``deadline_s`` (only if given: the
+        instance's is for first chunks) bounds the whole answer: allow for the decode in it.
         """
         if measure_ttft:
-            ts, state = self._stream(messages, params, prompt_tokens, retry_deadline_s, collect=True)
+            ts, state = self._stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s, collect=True)
             m = ts.drain()
-            return self._as_client_response(assemble_chat_completion(state.chunks or [], state.stats_chunk)), m
+            return self._as_client_response(assemble_chat_completion(state.chunks or [], state.stats_reply)), m
         if self.client_is_async:
             raise InvalidInputError("this backend wraps an async client: use acomplete()")
-        deadline = self.retry_deadline_s if retry_deadline_s is None else retry_deadline_s
-        sent, predicted = self._prepare(messages, params, prompt_tokens, deadline)
+        sent, predicted = self._prepare(messages, params, prompt_tokens, self._deadline(retry_deadline_s, deadline_s))
         body, _ = self._chat_body(messages, params, stream=False)
+        url = self.base_url + "/chat/completions"
 
-        def attempt(remaining_s: float) -> Any:
+        def attempt(wait: _Wait) -> Any:
             if self.client is None:
-                return self._request_json_once("POST", self.base_url + "/chat/completions", body, remaining_s=remaining_s)
+                return self._request_json_once("POST", url, body, wait=wait)
             try:
-                return self.client.chat.completions.create(**body)
+                return self._send_client.chat.completions.create(**self._client_kwargs(body, wait))
             except Exception as exc:
-                translated = _translate_client_error(exc, self.base_url)
+                translated = _client_error(exc, url)
                 if translated is not None:
                     raise translated from exc
                 raise
 
         start = self.clock()
-        response = self._with_retries(attempt, deadline)
-        return response, self._measure_whole(response, start, sent, predicted)
+        response = self._with_retries(attempt, self._whole_answer_deadline(retry_deadline_s, deadline_s), url)
+        return response, self._measure_whole(parse_completion(response), start, sent, predicted)
 
-    def _measure_whole(self, response: Any, start: float, sent: list[int], predicted: int) -> Measurement:
+    def _whole_answer_deadline(self, retry_deadline_s: float | None, deadline_s: float | None) -> _Deadline:
+        """A non-streamed request's deadline: bounded only by a ``deadline_s`` given for it."""
+        return self._deadline(retry_deadline_s, deadline_s) if deadline_s is not None else self._deadline(retry_deadline_s, unbounded=True)
+
+    def _measure_whole(self, reply: Reply, start: float, sent: list[int], predicted: int) -> Measurement:
         """The measurement of a non-streamed response: the server's numbers only, no TTFT."""
-        return self._measure(parse_server_stats(response), ttft_s=None, total_s=self.clock() - start, client_decode_s=None, sent=sent,
-                             predicted_cached=predicted, finish_reason=_finish_reason(response), content_chunks=None)
+        return self._measure(reply.stats, ttft_s=None, total_s=self.clock() - start, client_decode_s=None, sent=sent,
+                             predicted_cached=predicted, finish_reason=reply.finish_reason, content_chunks=None)
 
     def _as_client_response(self, response: dict[str, Any]) -> Any:
         """The assembled dict as the wrapped client's own ``ChatCompletion`` type (dict for the URL form)."""
@@ -1130,28 +1499,34 @@ class OpenAIHTTPBackend(Backend):
             return ChatCompletion.model_construct(**response)
 
     # async -------------------------------------------------------------------------------------------
-    def _aopen_url(self, path: str, body: Mapping[str, Any], client: httpx.AsyncClient) -> Callable[[float], Any]:
+    def _aopen_url(self, path: str, body: Mapping[str, Any], client: httpx.AsyncClient) -> Callable[[_Wait], Any]:
         url = self.base_url + path
 
-        async def attempt(remaining_s: float) -> _Opened:
-            request = client.build_request("POST", url, json=body, headers={**self._headers, "Accept": "text/event-stream"}, timeout=self._timeout(remaining_s))
+        async def attempt(wait: _Wait) -> _Opened:
+            request = client.build_request("POST", url, json=body, headers={**self._headers, "Accept": "text/event-stream"}, timeout=self._timeout(wait))
             try:
                 resp = await client.send(request, stream=True)
             except httpx.TransportError as exc:
                 raise _unreachable(exc, url) from exc
             try:
                 if resp.status_code >= 400:
-                    await resp.aread()
-                    raise _status_error(resp.status_code, resp.text, resp.headers)
-                if resp.headers.get("content-type", "").startswith("application/json"):
-                    await resp.aread()  # the server ignored stream=true: one whole response
-                    return _Opened(resp.json(), _no_chunks(), resp.aclose, lambda: True)
+                    raise _status_error(resp.status_code, await _aread_capped(resp.aiter_bytes(), _ERROR_BODY_BYTES, "error body", truncate=True), resp.headers)
+                kind = body_kind(resp.headers.get("content-type"))
+                if kind == "json":  # the server ignored stream=true: one whole response
+                    data = load_json(await _aread_capped(resp.aiter_bytes(), MAX_REPLY_BYTES, f"reply from {url}"), what=f"reply from {url}")
+                    return _Opened(data, _no_chunks(), resp.aclose, lambda: True, whole=True)
+                if kind is None:
+                    head = await _aread_capped(resp.aiter_bytes(), 2048, "body", truncate=True)
+                    raise _wrong_content_type(resp.headers.get("content-type"), head, url)
                 decoder = SSEDecoder()
-                events = _aiter_events(resp.aiter_lines(), decoder)
+                events = _aiter_events(resp.aiter_bytes(), decoder)
                 first = await anext(events, _END)
             except httpx.TransportError as exc:
                 await resp.aclose()
                 raise _unreachable(exc, url) from exc
+            except httpx.DecodingError as exc:
+                await resp.aclose()
+                raise _undecodable(exc, f"the stream from {url}") from exc
             except BaseException:
                 await resp.aclose()
                 raise
@@ -1159,22 +1534,36 @@ class OpenAIHTTPBackend(Backend):
 
         return attempt
 
-    def _aopen_client(self, body: Mapping[str, Any]) -> Callable[[float], Any]:
-        async def attempt(remaining_s: float) -> _Opened:
+    def _aopen_client(self, body: Mapping[str, Any]) -> Callable[[_Wait], Any]:
+        url = self.base_url
+
+        async def attempt(wait: _Wait) -> _Opened:
             try:
-                stream = await self.client.chat.completions.create(**body)
-                it = stream.__aiter__()
-                first = await anext(it, _END)
+                stream = await self._send_client.chat.completions.create(**self._client_kwargs(body, wait))
             except Exception as exc:
-                translated = _translate_client_error(exc, self.base_url)
+                translated = _client_error(exc, url)
                 if translated is not None:
                     raise translated from exc
                 raise
-            return _Opened(first, it, stream.close, lambda: False)
+            try:
+                response = _client_response(stream)
+                if response is not None and body_kind(response.headers.get("content-type")) != "sse":
+                    head = await _aread_capped(response.aiter_bytes(), _ERROR_BODY_BYTES, "body", truncate=True)
+                    raise self._stream_reply_error(response, head, url)
+                it = stream.__aiter__()
+                first = await anext(it, _END)
+            except BaseException as exc:
+                with contextlib.suppress(Exception):
+                    await stream.close()
+                translated = (_client_read_error(exc, url) or _client_error(exc, url)) if isinstance(exc, Exception) else None
+                if translated is not None:
+                    raise translated from exc
+                raise
+            return _Opened(first, _aclient_items(it, url), stream.close, lambda: False)
 
         return attempt
 
-    async def _achunks(self, body: dict[str, Any], state: _StreamState, deadline_s: float) -> AsyncIterator[Any]:
+    async def _achunks(self, body: dict[str, Any], state: _StreamState, deadline: _Deadline) -> AsyncIterator[Any]:
         own_client = None
         if self.client is not None:
             make = self._aopen_client
@@ -1186,16 +1575,18 @@ class OpenAIHTTPBackend(Backend):
         opened: _Opened | None = None
         n = 0
         try:
-            opened = await self._aopen(make, body, state, deadline_s)
+            opened = await self._aopen(make, body, state, deadline)
             if opened.first is _END:
                 raise self._empty_stream_error()
-            if self._observe(opened.first, state):
-                yield opened.first
             n = 1
-            async for chunk in opened.rest:
+            reply = self._parse_item(opened.first, opened)
+            if self._observe(reply, state):
+                yield reply.raw
+            async for item in opened.rest:
                 n += 1
-                if self._observe(chunk, state):
-                    yield chunk
+                reply = self._parse_item(item, opened)
+                if self._observe(reply, state):
+                    yield reply.raw
             self._check_end(opened, state, n)
         finally:
             if opened is not None:
@@ -1204,40 +1595,41 @@ class OpenAIHTTPBackend(Backend):
                 await own_client.aclose()
 
     async def asend(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
-                    retry_deadline_s: float | None = None) -> AsyncTimedStream:
+                    retry_deadline_s: float | None = None, deadline_s: float | None = None) -> AsyncTimedStream:
         """:meth:`send` for asyncio, through the wrapped ``openai.AsyncOpenAI`` client, the
         ``async_http_client`` given, or a fresh ``httpx.AsyncClient`` per stream (an AsyncClient
         is bound to its event loop). Side requests (tokenize, server facts) run in a worker thread."""
-        return (await asyncio.to_thread(self._stream, messages, params, prompt_tokens, retry_deadline_s, is_async=True))[0]
+        return (await asyncio.to_thread(self._stream, messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s, is_async=True))[0]
 
     async def acomplete(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
-                        measure_ttft: bool = True, retry_deadline_s: float | None = None) -> tuple[Any, Measurement]:
+                        measure_ttft: bool = True, retry_deadline_s: float | None = None, deadline_s: float | None = None) -> tuple[Any, Measurement]:
         """Async :meth:`complete`: streamed and assembled so TTFT is measured, or with
         ``measure_ttft=False`` one ``stream=False`` request (server numbers only)."""
         if measure_ttft:
-            ts, state = await asyncio.to_thread(self._stream, messages, params, prompt_tokens, retry_deadline_s, collect=True, is_async=True)
+            ts, state = await asyncio.to_thread(self._stream, messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s,
+                                                collect=True, is_async=True)
             m = await ts.adrain()
-            return self._as_client_response(assemble_chat_completion(state.chunks or [], state.stats_chunk)), m
+            return self._as_client_response(assemble_chat_completion(state.chunks or [], state.stats_reply)), m
         if self.client is not None and not self.client_is_async:
             raise InvalidInputError("this backend wraps a sync client: use complete()")
-        deadline = self.retry_deadline_s if retry_deadline_s is None else retry_deadline_s
-        sent, predicted = await asyncio.to_thread(self._prepare, messages, params, prompt_tokens, deadline)
+        sent, predicted = await asyncio.to_thread(self._prepare, messages, params, prompt_tokens, self._deadline(retry_deadline_s, deadline_s))
         body, _ = self._chat_body(messages, params, stream=False)
+        url = self.base_url + "/chat/completions"
 
-        async def attempt(remaining_s: float) -> Any:
+        async def attempt(wait: _Wait) -> Any:
             if self.client is None:  # the URL form: the pooled sync client, off the event loop
-                return await asyncio.to_thread(self._request_json_once, "POST", self.base_url + "/chat/completions", body, remaining_s=remaining_s)
+                return await asyncio.to_thread(self._request_json_once, "POST", url, body, wait=wait)
             try:
-                return await self.client.chat.completions.create(**body)
+                return await self._send_client.chat.completions.create(**self._client_kwargs(body, wait))
             except Exception as exc:
-                translated = _translate_client_error(exc, self.base_url)
+                translated = _client_error(exc, url)
                 if translated is not None:
                     raise translated from exc
                 raise
 
         start = self.clock()
-        response = await self._awith_retries(attempt, deadline)
-        return response, self._measure_whole(response, start, sent, predicted)
+        response = await self._awith_retries(attempt, self._whole_answer_deadline(retry_deadline_s, deadline_s), url)
+        return response, self._measure_whole(parse_completion(response), start, sent, predicted)
 
     # -- calibration probes ------------------------------------------------------------------------------
     def _probe_prompt(self, n_tokens: int, offset: int) -> tuple[str, list[int]]:
@@ -1257,9 +1649,24 @@ class OpenAIHTTPBackend(Backend):
             reps = k // len(rotated) + 1
             return " ".join((rotated * reps)[:k])
 
+        # the probe text is capped (MAX_PROBE_TEXT_BYTES, PROBE_WORDS_PER_TOKEN): a tokenizer that
+        # counts too few tokens, or the same count whatever the text, must not grow it without end
+        bytes_per_word = (sum(len(w) for w in rotated) + len(rotated)) / len(rotated)
+        max_words = min(PROBE_WORDS_PER_TOKEN * n_tokens + 64, int(MAX_PROBE_TEXT_BYTES / bytes_per_word))
         lo, hi = 1, n_tokens + 2
-        while len(encode(text_of(hi))) < n_tokens:
-            lo, hi = hi, hi * 2
+        if hi > max_words:
+            raise CalibrationError(f"a probe of {n_tokens} tokens would need a text over the {MAX_PROBE_TEXT_BYTES}-byte probe cap")
+        count = len(encode(text_of(hi)))
+        while count < n_tokens:
+            if hi >= max_words:
+                raise CalibrationError(f"the server at {self.base_url} counts only {count} tokens in {hi} words of text: a {n_tokens}-token "
+                                       f"probe would pass the probe cap ({PROBE_WORDS_PER_TOKEN} words a token, {MAX_PROBE_TEXT_BYTES} bytes)")
+            longer = min(hi * 2, max_words)
+            longer_count = len(encode(text_of(longer)))
+            if longer_count <= count:
+                raise CalibrationError(f"the server at {self.base_url} counts {count} tokens in {hi} words and {longer_count} in {longer}: "
+                                       "its tokenize endpoint's counts do not grow with the text, so no probe length can be chosen")
+            lo, hi, count = hi, longer, longer_count
         while lo < hi:  # the most words whose tokenization fits n_tokens
             mid = (lo + hi + 1) // 2
             if len(encode(text_of(mid))) <= n_tokens:
@@ -1286,8 +1693,9 @@ class OpenAIHTTPBackend(Backend):
             body["stream_options"] = {"include_usage": True}
         state = _StreamState(hide_usage_chunk=hide)
         predicted = self.predict_cached_tokens(tokens)
-        chunks = self._chunks(lambda: self._open(lambda b: self._open_url("/completions", b), body, state, None), state)
-        return self._timed(chunks, state, tokens, predicted, content_of=_probe_token).drain()
+        deadline = self._deadline(unbounded=True)  # a long probe is meant to take long
+        chunks = self._chunks(lambda: self._open(lambda b: self._open_url("/completions", b), body, state, deadline), state)
+        return self._timed(chunks, state, tokens, predicted, output_of=_probe_output).drain()
 
     def _check_fits(self, n_tokens: int) -> None:
         if n_tokens + 1 > self.n_ctx:  # the prompt and the one generated token
@@ -1325,7 +1733,7 @@ class OpenAIHTTPBackend(Backend):
         text, tokens = self._probe_prompt(64, self._next_probe_offset())
         m = self._probe_request(text, tokens, max_tokens=n_tokens, extra={"ignore_eos": True})
         speed = m.decode_tokens_per_s
-        if not speed:
+        if not speed or not math.isfinite(speed):
             raise CalibrationError(f"the server at {self.base_url} produced too few tokens to measure decode speed")
         return speed
 
@@ -1338,7 +1746,7 @@ class OpenAIHTTPBackend(Backend):
             start = (self._next_probe_offset()) % max(len(words) - 40, 1)
             msgs = [{"role": "user", "content": f"Probe {i}: " + " ".join(words[start : start + 30])}]
             # an async client cannot be driven from this synchronous probe: the same request over httpx
-            m = self._stream(msgs, {"max_tokens": 2, "temperature": 0.0}, None, None, via_url=self.client_is_async)[0].drain()
+            m = self._stream(msgs, {"max_tokens": 2, "temperature": 0.0}, None, None, via_url=self.client_is_async, probe=True)[0].drain()
             first = m.ttft_s if m.ttft_s is not None else m.first_output_s  # the model may stop at once
             if first is None:
                 continue

@@ -4,6 +4,10 @@ Times TTFT at the first streamed chunk carrying content, reads exact prefill/dec
 from ``llama_cpp.llama_perf_context``, and predicts the cached prefix as llama-cpp-python
 computes it (longest common token prefix with what is in the context). It never calls
 ``Llama.reset()`` between requests — that would throw the cached prefix away.
+
+One ``Llama`` is one engine: every :class:`LlamaBackend` over it shares one
+:class:`EngineLease`, and a request holds it from ``send`` until its stream is finished, closed
+or garbage-collected — in whichever thread that happens.
 """
 
 from __future__ import annotations
@@ -15,19 +19,171 @@ import os
 import platform
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import attrs
 
 from trimkit.backends.base import Backend, Clock, Measurement, TimedStream
-from trimkit.errors import BackendError, ContextTooSmallError
+from trimkit.errors import BackendError, ContextTooSmallError, EngineBusyError
 from trimkit.profile import ProfileKey
 from trimkit.tokens import PromptTokenizer, chatml_render, common_prefix_len
 
-__all__ = ["LlamaBackend", "chat_format_renderer", "PrefixSnapshot", "llama_prompt_tokenizer", "cpu_name", "chunk_content"]
+__all__ = [
+    "LlamaBackend",
+    "EngineLease",
+    "DEFAULT_ENGINE_WAIT_S",
+    "effective_n_ctx",
+    "chat_format_renderer",
+    "PrefixSnapshot",
+    "llama_prompt_tokenizer",
+    "cpu_name",
+    "chunk_content",
+]
 
 log = logging.getLogger("trimkit")
+
+#: how long a request without a TTFT budget (and each calibration or prefill step) waits for the
+#: engine while another request or an unfinished stream holds it, before EngineBusyError
+DEFAULT_ENGINE_WAIT_S = 120.0
+
+
+class EngineLease:
+    """Who may use one ``Llama`` now: one request at a time.
+
+    Two kinds of holder. A *section* (``with lease.section(timeout_s):``) is a block of ordinary
+    code in one thread — prefill, a probe, restoring a snapshot; re-entrant for that thread,
+    never held across a ``yield``. A *stream hold* (:meth:`hold`) belongs to a response stream,
+    not to a thread: it is released (once) by whoever finishes, closes or garbage-collects the
+    stream, from any thread. A thread inside a section may take a stream hold at once (the
+    wrapper restores a snapshot and starts the stream as one step); the hold outlives the section.
+
+    Waiting is bounded: past ``timeout_s`` a waiter gets :class:`~trimkit.errors.EngineBusyError`.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._thread: int | None = None  # the thread whose section holds the engine
+        self._depth = 0  # nesting depth of that section
+        self._streams = 0  # open stream holds
+        self._waiters = 0  # threads waiting now
+        self._local = threading.local()  # ``with lease:`` sections entered by each thread
+
+    @property
+    def busy(self) -> bool:
+        """True while a section or a stream holds the engine."""
+        with self._cond:
+            return self._depth > 0 or self._streams > 0
+
+    @property
+    def waiters(self) -> int:
+        """Threads waiting for the engine now."""
+        with self._cond:
+            return self._waiters
+
+    def _wait(self, timeout_s: float, what: str) -> float:
+        """Wait (under ``_cond``) until this thread may use the engine; seconds waited."""
+        me = threading.get_ident()
+
+        def free() -> bool:
+            return (self._depth == 0 and self._streams == 0) or (self._depth > 0 and self._thread == me)
+
+        if free():
+            return 0.0
+        t0 = time.perf_counter()
+        self._waiters += 1
+        try:
+            ok = self._cond.wait_for(free, timeout=max(float(timeout_s), 0.0))
+        finally:
+            self._waiters -= 1
+        waited = time.perf_counter() - t0
+        if not ok:
+            holder = "an unfinished stream" if self._streams else "another thread"
+            raise EngineBusyError(
+                f"the llama.cpp engine stayed busy ({holder} holds it) for {waited:.3f} s, this {what}'s wait bound; "
+                "finish or close() streams you do not read to the end",
+                waited_s=waited,
+            )
+        return waited
+
+    @contextmanager
+    def section(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S) -> Iterator[float]:
+        """Hold the engine for a block of code in this thread; yields the seconds waited."""
+        with self._cond:
+            waited = self._wait(timeout_s, "call")
+            self._thread = threading.get_ident()
+            self._depth += 1
+        try:
+            yield waited
+        finally:
+            with self._cond:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._thread = None
+                    self._cond.notify_all()
+
+    def hold(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S) -> tuple[Any, float]:
+        """Take the engine for a stream: ``(release, seconds waited)``; ``release()`` may be
+        called from any thread, and only its first call counts."""
+        with self._cond:
+            waited = self._wait(timeout_s, "request")
+            self._streams += 1
+        done = threading.Lock()
+
+        def release() -> None:
+            if not done.acquire(blocking=False):
+                return
+            with self._cond:
+                self._streams -= 1
+                self._cond.notify_all()
+
+        return release, waited
+
+    def __enter__(self) -> float:  # ``with backend.lock:`` — a section with the default bound
+        cm = self.section()
+        waited = cm.__enter__()
+        self._entered().append(cm)
+        return waited
+
+    def __exit__(self, *exc: Any) -> None:
+        self._entered().pop().__exit__(*exc)
+
+    def _entered(self) -> list[Any]:
+        if not hasattr(self._local, "stack"):
+            self._local.stack = []
+        return self._local.stack
+
+
+_ENGINES: weakref.WeakKeyDictionary[Any, EngineLease] = weakref.WeakKeyDictionary()
+_ENGINES_LOCK = threading.Lock()
+
+
+def _engine_lease(llm: Any) -> EngineLease:
+    """The one lease of ``llm``, shared by every backend over it."""
+    with _ENGINES_LOCK:
+        try:
+            lease = _ENGINES.get(llm)
+            if lease is None:
+                lease = _ENGINES[llm] = EngineLease()
+            return lease
+        except TypeError:  # not weak-referenceable: this backend's own
+            return EngineLease()
+
+
+def effective_n_ctx(llm: Any) -> int:
+    """The tokens a ``Llama`` can really hold: the smaller of llama.cpp's context size and
+    llama-cpp-python's token buffer.
+
+    llama.cpp rounds the context up to a multiple of 256 (``n_ctx=300`` gives 512), but
+    ``Llama.__init__`` sizes ``input_ids`` (the record of evaluated tokens) to the ``n_ctx`` it
+    was given, and ``Llama.eval`` writes every evaluated token there: past the requested size it
+    fails with numpy's ``could not broadcast``, while ``Llama`` itself checks prompts against the
+    rounded ``n_ctx()``."""
+    ctx = int(llm.n_ctx())
+    ids = getattr(llm, "input_ids", None)
+    return min(ctx, len(ids)) if ids is not None else ctx
 
 
 @functools.cache
@@ -177,15 +333,26 @@ class PrefixSnapshot:
 
 
 class LlamaBackend(Backend):
-    """In-process llama.cpp through llama-cpp-python. Serializes access to the one ``Llama``."""
+    """In-process llama.cpp through llama-cpp-python. Serializes access to the one ``Llama``.
+
+    Every backend over the same ``Llama`` shares its :class:`EngineLease` (``.engine``; ``with
+    backend.lock:`` is a section of it). :meth:`send` takes the engine for the stream it
+    returns, waiting at most ``engine_wait_s`` (:data:`DEFAULT_ENGINE_WAIT_S`; the wrapper waits
+    at most the request's TTFT budget instead); the stream gives it back when finished, closed
+    or garbage-collected, from any thread.
+    """
 
     name = "llama_cpp"
+    #: seconds a request without a budget, or a probe, waits for the engine before EngineBusyError
+    engine_wait_s: float = DEFAULT_ENGINE_WAIT_S
 
     def __init__(self, llm: Any, *, clock: Clock = time.perf_counter) -> None:
         self.llm = llm
         self.clock = clock
         self.tokenizer = llama_prompt_tokenizer(llm)
-        self.lock = threading.RLock()
+        self.engine = _engine_lease(llm)
+        #: a section of :attr:`engine` with the default bound (``with backend.lock:``)
+        self.lock = self.engine
         self.prefix_reuse_works: bool | None = None  # learned from requests that should hit
         self._reuse_misses = 0
         self._probe_tokens: list[int] | None = None
@@ -195,7 +362,20 @@ class LlamaBackend(Backend):
     # -- facts ------------------------------------------------------------------------------
     @property
     def n_ctx(self) -> int:
-        return int(self.llm.n_ctx())
+        """The context window trimkit plans with: :func:`effective_n_ctx` (what the ``Llama``
+        can really hold, which is less than ``llm.n_ctx()`` when llama.cpp rounded it up)."""
+        return effective_n_ctx(self.llm)
+
+    def _window_text(self) -> str:
+        n, ctx = self.n_ctx, int(self.llm.n_ctx())
+        if ctx == n:
+            return f"n_ctx={n}"
+        return f"n_ctx={n} (llama.cpp rounded its context up to {ctx}, but this Llama holds only {n} tokens)"
+
+    def hold_engine(self, timeout_s: float | None = None) -> Any:
+        """A section of the engine for this thread (``with backend.hold_engine(s) as waited:``),
+        waiting at most ``timeout_s`` (default :attr:`engine_wait_s`)."""
+        return self.engine.section(self.engine_wait_s if timeout_s is None else timeout_s)
 
     def engine_identity(self) -> Any:
         """The ``Llama`` itself: every backend over it shares its live state."""
@@ -240,34 +420,46 @@ class LlamaBackend(Backend):
 
         llm = self.llm
         expected_prompt = list(prompt_tokens) if prompt_tokens is not None else self.tokenizer.prompt_tokens(messages, params.get("tools"))
+        window = self.n_ctx
+        if len(expected_prompt) >= window:  # llama-cpp-python needs room for one generated token
+            raise ContextTooSmallError(f"prompt of {len(expected_prompt)} tokens does not fit the context window: {self._window_text()}")
+        call = dict(params)
+        call["stream"] = True
+        if window < int(llm.n_ctx()):
+            # Llama caps generation at its rounded n_ctx(), past the tokens it can hold: cap it
+            # where it would cap it with a consistent window
+            room = window - len(expected_prompt)
+            max_tokens = call.get("max_tokens")
+            if not isinstance(max_tokens, int) or max_tokens <= 0 or max_tokens > room:
+                call["max_tokens"] = room
         state: dict[str, Any] = {}
+        # the engine is this stream's from now until it is finished, closed or collected
+        release, waited = self.engine.hold(self.engine_wait_s)
 
         def chunks() -> Iterator[Any]:
-            with self.lock:
-                state["predicted_cached"] = self.predict_cached_tokens(expected_prompt)
-                # flush the accounting of any earlier, unsynchronized eval (llama.cpp books
-                # queued tokens at the next synchronize) before zeroing the counters
-                llama_cpp.llama_synchronize(llm._ctx.ctx)
-                llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
-                call = dict(params)
-                call["stream"] = True
-                try:
-                    stream = llm.create_chat_completion(messages=list(messages), **call)
-                    yield from stream
-                finally:
-                    state["perf"] = llama_cpp.llama_perf_context(llm._ctx.ctx)
+            state["predicted_cached"] = self.predict_cached_tokens(expected_prompt)
+            # flush the accounting of any earlier, unsynchronized eval (llama.cpp books
+            # queued tokens at the next synchronize) before zeroing the counters
+            llama_cpp.llama_synchronize(llm._ctx.ctx)
+            llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+            try:
+                stream = llm.create_chat_completion(messages=list(messages), **call)
+                yield from stream
+            finally:
+                state["perf"] = llama_cpp.llama_perf_context(llm._ctx.ctx)
 
         def finish(ts: TimedStream) -> Measurement:
             return self._measurement(ts, state, len(expected_prompt))
 
         def on_error(exc: BaseException) -> BaseException | None:
-            if isinstance(exc, ValueError) and "exceed context window" in str(exc):
-                return ContextTooSmallError(f"prompt of {len(expected_prompt)} tokens exceeds n_ctx={self.n_ctx}")
+            if isinstance(exc, ValueError) and ("exceed context window" in str(exc) or "could not broadcast" in str(exc)):
+                return ContextTooSmallError(f"prompt of {len(expected_prompt)} tokens and its answer exceed the context window: {self._window_text()}")
             if isinstance(exc, (ValueError, RuntimeError)) and not isinstance(exc, BackendError):
                 return BackendError(f"llama.cpp failed: {type(exc).__name__}: {exc}")
             return None
 
-        return TimedStream(chunks(), started=None, clock=self.clock, content_of=chunk_content, finish=finish, on_error=on_error)
+        return TimedStream(chunks(), started=None, clock=self.clock, content_of=chunk_content, finish=finish, on_error=on_error,
+                           release=release, queue_s=waited)
 
     def _measurement(self, ts: TimedStream, state: Mapping[str, Any], prompt_len: int) -> Measurement:
         perf = state.get("perf")
@@ -282,7 +474,8 @@ class LlamaBackend(Backend):
         if ts.first_content_at is not None and ts.last_chunk_at is not None:
             client_decode = ts.last_chunk_at - ts.first_content_at
         if perf is None:
-            return Measurement(ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=total, prompt_tokens=prompt_len, client_decode_s=client_decode, finish_reason=finish_reason)
+            return Measurement(ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=total, prompt_tokens=prompt_len,
+                               client_decode_s=client_decode, finish_reason=finish_reason, queue_s=ts.queue_s)
         t_p = float(perf.t_p_eval_ms) / 1000.0
         t_e = float(perf.t_eval_ms) / 1000.0
         n_e = int(perf.n_eval)
@@ -319,6 +512,7 @@ class LlamaBackend(Backend):
             client_decode_s=client_decode,
             timing_source="llama_perf",
             finish_reason=finish_reason,
+            queue_s=ts.queue_s,
         )
 
     # -- calibration probes -------------------------------------------------------------------
@@ -334,10 +528,10 @@ class LlamaBackend(Backend):
 
     def _check_fits(self, n: int) -> None:
         if n > self.n_ctx:
-            raise ContextTooSmallError(f"probe of {n} tokens does not fit n_ctx={self.n_ctx}")
+            raise ContextTooSmallError(f"probe of {n} tokens does not fit the context window: {self._window_text()}")
 
     def warm_up(self) -> None:
-        with self.lock:
+        with self.hold_engine():
             self.llm.reset()
             self.llm.eval(self.probe_tokens(min(64, self.n_ctx // 2)))
             self.llm.reset()
@@ -346,7 +540,7 @@ class LlamaBackend(Backend):
         self._check_fits(new_tokens + cached_tokens)
         llm = self.llm
         seq = self.probe_tokens(new_tokens + cached_tokens)
-        with self.lock:
+        with self.hold_engine():
             if cached_tokens == 0:
                 llm.reset()
             else:
@@ -358,7 +552,7 @@ class LlamaBackend(Backend):
     def measure_decode(self, n_tokens: int = 32) -> float:
         llm = self.llm
         seq = self.probe_tokens(16 + n_tokens)
-        with self.lock:
+        with self.hold_engine():
             llm.reset()
             llm.eval(seq[:16])
             t0 = self.clock()
@@ -379,9 +573,9 @@ class LlamaBackend(Backend):
         text = _probe_text()
         for i in range(3):
             msgs = [{"role": "user", "content": f"Probe {i}: " + text[i * 97 : i * 97 + 160]}]
-            with self.lock:
+            with self.hold_engine():  # cold, and nothing runs between the reset and the probe
                 self.llm.reset()
-            m = self.send(msgs, {"max_tokens": 2, "temperature": 0.0, "logit_bias": bias}).drain()
+                m = self.send(msgs, {"max_tokens": 2, "temperature": 0.0, "logit_bias": bias}).drain()
             first = m.ttft_s if m.ttft_s is not None else m.first_output_s
             if first is not None and m.engine_prefill_s is not None:
                 gaps.append(max(first - m.engine_prefill_s, 0.0))
@@ -395,7 +589,7 @@ class LlamaBackend(Backend):
         tokens = list(tokens)
         self._check_fits(len(tokens))
         llm = self.llm
-        with self.lock:
+        with self.hold_engine():
             lcp = common_prefix_len(self.cached_tokens_in_context(), tokens)
             llm.n_tokens = lcp
             if lcp < len(tokens):
@@ -410,7 +604,7 @@ class LlamaBackend(Backend):
         tokens = list(tokens)
         self._check_fits(len(tokens))
         llm = self.llm
-        with self.lock:
+        with self.hold_engine():
             t0 = self.clock()
             self.prefill(tokens)
             ctx = llm._ctx.ctx
@@ -432,7 +626,7 @@ class LlamaBackend(Backend):
         import llama_cpp
 
         llm = self.llm
-        with self.lock:
+        with self.hold_engine():
             t0 = self.clock()
             llm._ctx.kv_cache_clear()
             buf = (ctypes.c_uint8 * len(snap.data)).from_buffer_copy(snap.data)
