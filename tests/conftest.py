@@ -42,5 +42,15 @@ def isolated_cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
+@pytest.fixture(autouse=True)
+def _fresh_engine_state():
+    """Each test starts with no learned drift or margin (an engine's state outlives its wrappers)."""
+    from trimkit.margin import forget_engines
+
+    forget_engines()
+    yield
+    forget_engines()
+
+
 # the real OpenAI-compatible server on loopback (python -m llama_cpp.server), one per session
 from tests._server import llama_server  # noqa: E402,F401

@@ -591,3 +591,35 @@ def test_assemble_joins_content_and_tool_calls():
 def test_timed_stream_types():
     backend = mock_backend(lambda request: sse_response(*GOOD_STREAM))
     assert isinstance(backend.send(ASK, {}, prompt_tokens=[1]), TimedStream)
+
+
+def test_trimkit_sends_through_the_client_without_its_own_retries_and_leaves_the_client_as_it_was():
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url="http://127.0.0.1:1/v1", api_key="x", max_retries=4, timeout=12.0)
+    backend = OpenAIHTTPBackend.from_openai_client(client, model="m")
+    assert backend._send_client.max_retries == 0 and client.max_retries == 4
+    assert backend._send_client.base_url == client.base_url and backend._send_client.timeout == client.timeout
+    backend.close()
+    client.close()
+
+
+def test_a_servers_absurd_usage_does_not_skew_the_count_correction_beyond_5x():
+    def handler(request):
+        usage = {"choices": [], "usage": {"prompt_tokens": 2**31 - 1, "completion_tokens": 1}}
+        return sse_response(*GOOD_STREAM, usage)
+
+    backend = mock_backend(handler)
+    m = backend.send(ASK, {}, prompt_tokens=list(range(80))).drain()
+    assert m.prompt_tokens == 2**31 - 1 and backend.token_count_correction <= 5.0
+
+
+def test_sse_decoder_takes_bytes_in_any_pieces_and_refuses_an_endless_line():
+    from trimkit.errors import MalformedReplyError
+
+    data = b'data: {"a": 1}\r\n\r\n: ping\n\ndata: {"b":\ndata: 2}\r\rdata: [DONE]\n\n'
+    whole = SSEDecoder().feed_bytes(data)
+    pieces = SSEDecoder()
+    got = [e for i in range(len(data)) for e in pieces.feed_bytes(data[i : i + 1])]
+    assert whole == got == [{"a": 1}, {"b": 2}] and pieces.done
+    with pytest.raises(MalformedReplyError, match="longer than"):
+        SSEDecoder(max_event_bytes=1000).feed_bytes(b"data: " + b"x" * 2000)

@@ -16,9 +16,7 @@ machine); none asserts speed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
-import gzip
 import http.server
 import json
 import socket
@@ -29,12 +27,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
-import httpx
 import pytest
 
 import trimkit
 from tests._core_helpers import make_profile
-from trimkit.backends.http import OpenAIHTTPBackend
+from trimkit.backends.http import OpenAIHTTPBackend, stream_chunk_content
 from trimkit.errors import (
     CalibrationError,
     MalformedReplyError,
@@ -349,8 +346,6 @@ def expect(out: Outcome, cls: type[BaseException], match: str | None = None) -> 
 
 
 def _text(chunks: list[Any]) -> str:
-    from trimkit.backends.http import stream_chunk_content
-
     return "".join(stream_chunk_content(c) or "" for c in chunks)
 
 

@@ -189,5 +189,6 @@ def calibrate(
     )
     if store:
         path = save_profile(profile)
-        log.info("trimkit: stored profile %s", path)
+        if path is not None:  # None: the cache folder is unwritable (save_profile warned once)
+            log.info("trimkit: stored profile %s", path)
     return profile

@@ -90,9 +90,9 @@ def margin_for_ratio(ratio: float, floor: float = MARGIN_FLOOR, cap: float = MAR
 
 
 def calibration_ratios(profile: Profile) -> list[float]:
-    """Measured / predicted TTFT of each calibration sample, with the first-token overhead
-    added to both: held-out residuals (:attr:`Profile.residuals`) when the profile kept them,
-    else its calibration samples against its own model (in-sample)."""
+    """Measured / predicted TTFT of the larger half of the calibration samples, with the
+    first-token overhead added to both: held-out residuals (:attr:`Profile.residuals`) when the
+    profile kept them, else its calibration samples against its own model (in-sample)."""
     ft = profile.first_token_s
     pairs: Sequence[tuple[float, float]] = profile.residuals
     if not pairs:
@@ -101,11 +101,16 @@ def calibration_ratios(profile: Profile) -> list[float]:
             for s in profile.samples
             if s.source == "calibration"
         ]
-    out = []
-    for predicted, measured in pairs:
-        if _usable(predicted + ft) and _usable(measured + ft) and predicted >= 0 and measured >= 0:
-            out.append((measured + ft) / (predicted + ft))
-    return out
+    usable = [
+        (p, m) for p, m in pairs if _usable(p + ft) and _usable(m + ft) and p >= 0 and m >= 0
+    ]
+    # the larger half of the probes only: a small probe's time is mostly fixed overhead and its
+    # jitter, which says nothing of a request large enough to need a budget (live requests far
+    # under their budget are left out of the window for the same reason)
+    if len(usable) >= 4:
+        cut = sorted(p for p, _ in usable)[len(usable) // 2]
+        usable = [(p, m) for p, m in usable if p >= cut]
+    return [(m + ft) / (p + ft) for p, m in usable]
 
 
 class MarginWindow:

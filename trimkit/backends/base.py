@@ -155,7 +155,11 @@ class TimedStream:
             raise
         except BaseException as exc:
             self.ended_at = self.clock()
-            self._end()
+            if self._release is not None:
+                try:
+                    self.close()  # release what the stream holds
+                except ValueError:  # another thread is inside next() on this stream: it ends it
+                    pass
             translated = self._on_error(exc) if self._on_error else None
             if translated is not None and translated is not exc:
                 raise translated from exc

@@ -43,7 +43,6 @@ import itertools
 import json
 import logging
 import math
-import re
 import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
@@ -55,9 +54,9 @@ import tenacity
 
 from trimkit.backends.base import Backend, Clock, Measurement, TimedStream
 from trimkit.backends.replies import (
-    MAX_EVENT_BYTES,
     MAX_REPLY_BYTES,
     Reply,
+    SSEDecoder,
     body_kind,
     error_message,
     excerpt,
@@ -113,153 +112,12 @@ MAX_PROBE_TEXT_BYTES = 1 << 20
 PROBE_WORDS_PER_TOKEN = 8
 
 _END = object()  # a stream that ended before its first event
-_NO_EVENT = object()  # a line that completes no event (JSON ``null`` is an event, and a malformed one)
 _ERROR_BODY_BYTES = 64 * 1024  # what is read of an error status's body (for its message)
 _MIN_WAIT_S = 0.05  # no single network wait is set shorter than this
 _TOKENIZE_SLACK = 16  # special tokens a tokenizer may add beyond two per byte of text
-_LINE_END = re.compile(rb"[\r\n]")
 
 
-# -- SSE --------------------------------------------------------------------------------------
-class SSEDecoder:
-    """Turns the bytes of a ``text/event-stream`` into decoded JSON events (sans-I/O).
-
-    :meth:`feed_bytes` takes bytes as they arrive and returns the events they complete;
-    :meth:`finish` the one left pending when the stream ends. (:meth:`feed` takes one decoded
-    line.) ``data: [DONE]`` sets :attr:`done`. Comments (``: ping``) are skipped; an ``error``
-    event, or a data object with ``error`` and no ``choices``, raises
-    :class:`~trimkit.errors.ServerError` with the server's message. Event data that is not JSON
-    (or nested too deep), and a line or event longer than ``max_event_bytes``, raise
-    :class:`~trimkit.errors.MalformedReplyError`.
-    """
-
-    def __init__(self, max_event_bytes: int | None = None) -> None:
-        self.max_event_bytes = MAX_EVENT_BYTES if max_event_bytes is None else max_event_bytes
-        self._buffer = bytearray()
-        self._scanned = 0  # bytes of the buffer already searched for a line end
-        self._data: list[str] = []
-        self._data_chars = 0
-        self._event = ""
-        self._error: BaseException | None = None  # raised on the next call, after the events before it
-        self.done = False
-
-    def feed_bytes(self, data: bytes) -> list[Any]:
-        """The events these bytes complete, in order (none once :attr:`done`). An error (a
-        malformed event, an error event) is raised after the events before it were returned:
-        on the next call."""
-        self._raise_pending()
-        if self.done:
-            return []
-        buf = self._buffer
-        buf += data
-        events: list[Any] = []
-        start = 0
-        while not self.done:
-            found = _LINE_END.search(buf, max(start, self._scanned))
-            if found is None:
-                break
-            end = found.start()
-            step = 1
-            if buf[end] == 13:  # \r: a line end alone or as \r\n, which may be split across reads
-                if end + 1 == len(buf):
-                    self._scanned = end
-                    break
-                if buf[end + 1] == 10:
-                    step = 2
-            line = bytes(buf[start:end]).decode("utf-8", "replace")
-            start = end + step
-            try:
-                event = self._line(line)
-            except TrimkitError as exc:
-                if not events:
-                    raise
-                self._error = exc
-                break
-            if event is not _NO_EVENT:
-                events.append(event)
-        del buf[:start]
-        self._scanned = max(self._scanned - start, len(buf) - 1 if buf and buf[-1] == 13 else len(buf), 0)
-        if len(buf) > self.max_event_bytes:
-            raise MalformedReplyError(f"the server sent a stream line longer than {self.max_event_bytes} bytes",
-                                      server_message=excerpt(bytes(buf[:500])))
-        return events
-
-    def _raise_pending(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            self.done = True
-            raise error
-
-    def finish(self) -> list[Any]:
-        """The events left when the stream ends: a last line without a line end, and an event
-        without its closing blank line."""
-        self._raise_pending()
-        events: list[Any] = []
-        if self._buffer and not self.done:
-            event = self._line(bytes(self._buffer).decode("utf-8", "replace").rstrip("\r"))
-            self._buffer.clear()
-            self._scanned = 0
-            if event is not _NO_EVENT:
-                events.append(event)
-        if not self.done and self._data:
-            payload = "\n".join(self._data)
-            if payload.strip() != "[DONE]" and len(payload) <= MAX_REPLY_BYTES:
-                try:
-                    json.loads(payload)
-                except json.JSONDecodeError:  # the connection closed in the middle of an event: cut, not garbled
-                    raise StreamInterruptedError(f"the stream ended in the middle of an event: {payload[:200]!r}") from None
-                except (ValueError, RecursionError):
-                    pass  # _dispatch says what is wrong with it
-            event = self._dispatch()
-            if event is not _NO_EVENT:
-                events.append(event)
-        return events
-
-    def feed(self, line: str) -> Any:
-        """One line, without its line end: the event's JSON when a blank line ends one, else None."""
-        event = self._line(line)
-        return None if event is _NO_EVENT else event
-
-    def _line(self, line: str) -> Any:
-        if not line:
-            return self._dispatch()
-        if line.startswith(":"):
-            return _NO_EVENT
-        name, _, value = line.partition(":")
-        if value.startswith(" "):
-            value = value[1:]
-        if name == "data":
-            self._data_chars += len(value) + 1
-            if self._data_chars > self.max_event_bytes:
-                raise MalformedReplyError(f"the server sent a stream event longer than {self.max_event_bytes} bytes",
-                                          server_message=excerpt(self._data[0] if self._data else value))
-            self._data.append(value)
-        elif name == "event":
-            self._event = value[:100]
-        return _NO_EVENT
-
-    def flush(self) -> Any:
-        """The event left pending when the stream ends without a final blank line."""
-        event = self._dispatch()
-        return None if event is _NO_EVENT else event
-
-    def _dispatch(self) -> Any:
-        event, self._event = self._event, ""
-        if not self._data:
-            return _NO_EVENT
-        payload = "\n".join(self._data)
-        self._data = []
-        self._data_chars = 0
-        if payload.strip() == "[DONE]":
-            self.done = True
-            return _NO_EVENT
-        obj = load_json(payload, what="stream event")
-        if event == "error" or (isinstance(obj, Mapping) and obj.get("error") is not None and obj.get("choices") is None):
-            message = error_message(obj)
-            raise ServerError(f"the server reported an error mid-stream: {message}", status=200, server_message=message)
-        return obj
-
-
+# -- SSE (the decoder is in trimkit.backends.replies) ----------------------------------------------
 async def _no_chunks() -> AsyncIterator[Any]:
     return
     yield  # pragma: no cover
@@ -482,32 +340,34 @@ def _client_response(stream: Any) -> Any:
     return response if headers is not None and callable(getattr(headers, "get", None)) else None
 
 
+@contextlib.contextmanager
+def _translated(translate: Callable[[BaseException], TrimkitError | None]) -> Iterator[None]:
+    """Raise an exception of the block as the trimkit error ``translate`` gives (as it is: None)."""
+    try:
+        yield
+    except Exception as exc:
+        translated = translate(exc)
+        if translated is None:
+            raise
+        raise translated from exc
+
+
 def _client_items(it: Iterator[Any], url: str) -> Iterator[Any]:
     """The rest of an ``openai`` client's stream, its decoding errors translated."""
     while True:
-        try:
-            item = next(it)
-        except StopIteration:
+        with _translated(lambda exc: _client_read_error(exc, url)):
+            item = next(it, _END)
+        if item is _END:
             return
-        except Exception as exc:
-            translated = _client_read_error(exc, url)
-            if translated is not None:
-                raise translated from exc
-            raise
         yield item
 
 
 async def _aclient_items(it: AsyncIterator[Any], url: str) -> AsyncIterator[Any]:
     while True:
-        try:
-            item = await it.__anext__()
-        except StopAsyncIteration:
+        with _translated(lambda exc: _client_read_error(exc, url)):
+            item = await anext(it, _END)
+        if item is _END:
             return
-        except Exception as exc:
-            translated = _client_read_error(exc, url)
-            if translated is not None:
-                raise translated from exc
-            raise
         yield item
 
 
@@ -668,6 +528,24 @@ def _run_within(fn: Callable[[], Any], seconds: float, discard: Callable[[Any], 
     return box["value"]
 
 
+@contextlib.contextmanager
+def _remembered(previous: list[BaseException]) -> Iterator[None]:
+    """Keep the last error of a retried attempt (see :func:`_timeout_or_previous`)."""
+    try:
+        yield
+    except BaseException as exc:
+        previous[:] = [exc]
+        raise
+
+
+def _timeout_or_previous(timeout: ServerTimeoutError, previous: list[BaseException]) -> BaseException:
+    """The error for an attempt still waiting when the deadline passed: the previous attempt's
+    error status if there was one (the server was answering, with 503s), else the timeout."""
+    if previous and isinstance(previous[0], TransientServerError):
+        return previous[0]
+    return timeout
+
+
 def _discard(value: Any) -> None:
     """Close what an abandoned attempt opened (a stream); other results need nothing."""
     if isinstance(value, _Opened):
@@ -760,7 +638,9 @@ class OpenAIHTTPBackend(Backend):
         self.timeout_s = float(timeout_s)
         self.connect_timeout_s = float(connect_timeout_s)
         self.retry_deadline_s = float(retry_deadline_s)
-        self.max_attempts = int(max_attempts)
+        from trimkit._validate import count
+
+        self.max_attempts = count(max_attempts, "max_attempts", minimum=1)
         self.retry_backoff_s = float(retry_backoff_s)
         self.retry_backoff_max_s = float(retry_backoff_max_s)
         self.clock = clock
@@ -871,14 +751,16 @@ class OpenAIHTTPBackend(Backend):
         bounded deadline no attempt is waited for past it (ServerTimeoutError)."""
         start = time.monotonic()
         retrying = tenacity.Retrying(**self._retry_kwargs(deadline.seconds))
+        previous: list[BaseException] = []
         try:
             for try_ in retrying:
-                with try_:
+                with try_, _remembered(previous):
                     remaining = deadline.seconds - (time.monotonic() - start)
                     if not deadline.bounded:
                         return attempt(_Wait(remaining))
                     wait = _Wait(remaining, deadline.seconds)
-                    return _run_within(lambda: attempt(wait), remaining, _discard, lambda: self._timed_out(url, deadline))
+                    timed_out = lambda: _timeout_or_previous(self._timed_out(url, deadline), previous)  # noqa: E731
+                    return _run_within(lambda: attempt(wait), remaining, _discard, timed_out)
         except ServerUnreachableError as exc:
             raise _gave_up(exc, retrying, start) from exc
         raise AssertionError("unreachable")  # pragma: no cover
@@ -886,9 +768,10 @@ class OpenAIHTTPBackend(Backend):
     async def _awith_retries(self, attempt: Callable[[_Wait], Any], deadline: _Deadline, url: str) -> Any:
         start = time.monotonic()
         retrying = tenacity.AsyncRetrying(**self._retry_kwargs(deadline.seconds))
+        previous: list[BaseException] = []
         try:
             async for try_ in retrying:
-                with try_:
+                with try_, _remembered(previous):
                     remaining = deadline.seconds - (time.monotonic() - start)
                     if not deadline.bounded:
                         return await attempt(_Wait(remaining))
@@ -898,7 +781,7 @@ class OpenAIHTTPBackend(Backend):
                     except TimeoutError as exc:
                         if isinstance(exc, TrimkitError):
                             raise
-                        raise self._timed_out(url, deadline) from None
+                        raise _timeout_or_previous(self._timed_out(url, deadline), previous) from None
         except ServerUnreachableError as exc:
             raise _gave_up(exc, retrying, start) from exc
         raise AssertionError("unreachable")  # pragma: no cover
@@ -1303,13 +1186,8 @@ class OpenAIHTTPBackend(Backend):
         url = self.base_url
 
         def attempt(wait: _Wait) -> _Opened:
-            try:
+            with _translated(lambda exc: _client_error(exc, url)):
                 stream = self._send_client.chat.completions.create(**self._client_kwargs(body, wait))
-            except Exception as exc:
-                translated = _client_error(exc, url)
-                if translated is not None:
-                    raise translated from exc
-                raise
             try:
                 response = _client_response(stream)
                 if response is not None and body_kind(response.headers.get("content-type")) != "sse":
@@ -1464,13 +1342,8 @@ class OpenAIHTTPBackend(Backend):
         def attempt(wait: _Wait) -> Any:
             if self.client is None:
                 return self._request_json_once("POST", url, body, wait=wait)
-            try:
+            with _translated(lambda exc: _client_error(exc, url)):
                 return self._send_client.chat.completions.create(**self._client_kwargs(body, wait))
-            except Exception as exc:
-                translated = _client_error(exc, url)
-                if translated is not None:
-                    raise translated from exc
-                raise
 
         start = self.clock()
         response = self._with_retries(attempt, self._whole_answer_deadline(retry_deadline_s, deadline_s), url)
@@ -1538,13 +1411,8 @@ class OpenAIHTTPBackend(Backend):
         url = self.base_url
 
         async def attempt(wait: _Wait) -> _Opened:
-            try:
+            with _translated(lambda exc: _client_error(exc, url)):
                 stream = await self._send_client.chat.completions.create(**self._client_kwargs(body, wait))
-            except Exception as exc:
-                translated = _client_error(exc, url)
-                if translated is not None:
-                    raise translated from exc
-                raise
             try:
                 response = _client_response(stream)
                 if response is not None and body_kind(response.headers.get("content-type")) != "sse":
@@ -1619,13 +1487,8 @@ class OpenAIHTTPBackend(Backend):
         async def attempt(wait: _Wait) -> Any:
             if self.client is None:  # the URL form: the pooled sync client, off the event loop
                 return await asyncio.to_thread(self._request_json_once, "POST", url, body, wait=wait)
-            try:
+            with _translated(lambda exc: _client_error(exc, url)):
                 return await self._send_client.chat.completions.create(**self._client_kwargs(body, wait))
-            except Exception as exc:
-                translated = _client_error(exc, url)
-                if translated is not None:
-                    raise translated from exc
-                raise
 
         start = self.clock()
         response = await self._awith_retries(attempt, self._whole_answer_deadline(retry_deadline_s, deadline_s), url)

@@ -656,7 +656,7 @@ class LlamaBackend(Backend):
             return extra + (cost(n - cached, cached) if cost else (n - cached) * 1e-3)
 
         best_t = t(current, 0.0)
-        for snap in self.snapshots.values():
+        for snap in list(self.snapshots.values()):  # another thread may store one meanwhile
             k = min(common_prefix_len(snap.tokens, prompt_tokens), n - 1)
             if k > current and t(k, snap.restore_s) < best_t:
                 best, best_t = (k, snap), t(k, snap.restore_s)

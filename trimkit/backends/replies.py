@@ -16,6 +16,7 @@ its ``usage`` / ``timings``    (inside both)               :class:`~trimkit.back
 ``/props``, ``/version``, …    :func:`parse_props`, …      numbers and strings
 ``/tokenize``                  :func:`parse_tokens`        ``list[int]``
 ``/apply-template``            :func:`parse_template`      ``str``
+a ``text/event-stream``        :class:`SSEDecoder`         JSON events (bounded, in order)
 an error status's body         :func:`error_message`       ``str``
 ``Retry-After``                :func:`retry_after_s`       ``float | None``
 =============================  ==========================  ======================================
@@ -38,13 +39,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
 import attrs
 
 from trimkit.backends.server_timings import ServerStats, as_mapping, parse_server_stats
-from trimkit.errors import MalformedReplyError, ServerError
+from trimkit.errors import MalformedReplyError, ServerError, StreamInterruptedError, TrimkitError
 
 __all__ = [
     "MAX_JSON_DEPTH",
@@ -71,6 +73,7 @@ __all__ = [
     "retry_after_s",
     "body_kind",
     "excerpt",
+    "SSEDecoder",
 ]
 
 #: JSON nested deeper than this (objects and arrays) is refused; real replies are < 10 deep
@@ -579,3 +582,146 @@ def retry_after_s(value: Any) -> float | None:
         return None
     return min(max(seconds, 0.0), 3600.0)
 
+
+# -- server-sent events -----------------------------------------------------------------------------
+_NO_EVENT = object()  # a line that completes no event (JSON ``null`` is an event, and a malformed one)
+_LINE_END = re.compile(rb"[\r\n]")
+
+
+class SSEDecoder:
+    """Turns the bytes of a ``text/event-stream`` into decoded JSON events (sans-I/O).
+
+    :meth:`feed_bytes` takes bytes as they arrive and returns the events they complete;
+    :meth:`finish` the one left pending when the stream ends. (:meth:`feed` takes one decoded
+    line.) ``data: [DONE]`` sets :attr:`done`. Comments (``: ping``) are skipped; an ``error``
+    event, or a data object with ``error`` and no ``choices``, raises
+    :class:`~trimkit.errors.ServerError` with the server's message. Event data that is not JSON
+    (or nested too deep), and a line or event longer than ``max_event_bytes``, raise
+    :class:`~trimkit.errors.MalformedReplyError`.
+    """
+
+    def __init__(self, max_event_bytes: int | None = None) -> None:
+        self.max_event_bytes = MAX_EVENT_BYTES if max_event_bytes is None else max_event_bytes
+        self._buffer = bytearray()
+        self._scanned = 0  # bytes of the buffer already searched for a line end
+        self._data: list[str] = []
+        self._data_chars = 0
+        self._event = ""
+        self._error: BaseException | None = None  # raised on the next call, after the events before it
+        self.done = False
+
+    def feed_bytes(self, data: bytes) -> list[Any]:
+        """The events these bytes complete, in order (none once :attr:`done`). An error (a
+        malformed event, an error event) is raised after the events before it were returned:
+        on the next call."""
+        self._raise_pending()
+        if self.done:
+            return []
+        buf = self._buffer
+        buf += data
+        events: list[Any] = []
+        start = 0
+        while not self.done:
+            found = _LINE_END.search(buf, max(start, self._scanned))
+            if found is None:
+                break
+            end = found.start()
+            step = 1
+            if buf[end] == 13:  # \r: a line end alone or as \r\n, which may be split across reads
+                if end + 1 == len(buf):
+                    self._scanned = end
+                    break
+                if buf[end + 1] == 10:
+                    step = 2
+            line = bytes(buf[start:end]).decode("utf-8", "replace")
+            start = end + step
+            try:
+                event = self._line(line)
+            except TrimkitError as exc:
+                if not events:
+                    raise
+                self._error = exc
+                break
+            if event is not _NO_EVENT:
+                events.append(event)
+        del buf[:start]
+        self._scanned = max(self._scanned - start, len(buf) - 1 if buf and buf[-1] == 13 else len(buf), 0)
+        if len(buf) > self.max_event_bytes:
+            raise MalformedReplyError(f"the server sent a stream line longer than {self.max_event_bytes} bytes",
+                                      server_message=excerpt(bytes(buf[:500])))
+        return events
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            self.done = True
+            raise error
+
+    def finish(self) -> list[Any]:
+        """The events left when the stream ends: a last line without a line end, and an event
+        without its closing blank line."""
+        self._raise_pending()
+        events: list[Any] = []
+        if self._buffer and not self.done:
+            event = self._line(bytes(self._buffer).decode("utf-8", "replace").rstrip("\r"))
+            self._buffer.clear()
+            self._scanned = 0
+            if event is not _NO_EVENT:
+                events.append(event)
+        if not self.done and self._data:
+            payload = "\n".join(self._data)
+            if payload.strip() != "[DONE]" and len(payload) <= MAX_REPLY_BYTES:
+                try:
+                    json.loads(payload)
+                except json.JSONDecodeError:  # the connection closed in the middle of an event: cut, not garbled
+                    raise StreamInterruptedError(f"the stream ended in the middle of an event: {payload[:200]!r}") from None
+                except (ValueError, RecursionError):
+                    pass  # _dispatch says what is wrong with it
+            event = self._dispatch()
+            if event is not _NO_EVENT:
+                events.append(event)
+        return events
+
+    def feed(self, line: str) -> Any:
+        """One line, without its line end: the event's JSON when a blank line ends one, else None."""
+        event = self._line(line)
+        return None if event is _NO_EVENT else event
+
+    def _line(self, line: str) -> Any:
+        if not line:
+            return self._dispatch()
+        if line.startswith(":"):
+            return _NO_EVENT
+        name, _, value = line.partition(":")
+        if value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._data_chars += len(value) + 1
+            if self._data_chars > self.max_event_bytes:
+                raise MalformedReplyError(f"the server sent a stream event longer than {self.max_event_bytes} bytes",
+                                          server_message=excerpt(self._data[0] if self._data else value))
+            self._data.append(value)
+        elif name == "event":
+            self._event = value[:100]
+        return _NO_EVENT
+
+    def flush(self) -> Any:
+        """The event left pending when the stream ends without a final blank line."""
+        event = self._dispatch()
+        return None if event is _NO_EVENT else event
+
+    def _dispatch(self) -> Any:
+        event, self._event = self._event, ""
+        if not self._data:
+            return _NO_EVENT
+        payload = "\n".join(self._data)
+        self._data = []
+        self._data_chars = 0
+        if payload.strip() == "[DONE]":
+            self.done = True
+            return _NO_EVENT
+        obj = load_json(payload, what="stream event")
+        if event == "error" or (isinstance(obj, Mapping) and obj.get("error") is not None and obj.get("choices") is None):
+            message = error_message(obj)
+            raise ServerError(f"the server reported an error mid-stream: {message}", status=200, server_message=message)
+        return obj
