@@ -623,3 +623,11 @@ def test_sse_decoder_takes_bytes_in_any_pieces_and_refuses_an_endless_line():
     assert whole == got == [{"a": 1}, {"b": 2}] and pieces.done
     with pytest.raises(MalformedReplyError, match="longer than"):
         SSEDecoder(max_event_bytes=1000).feed_bytes(b"data: " + b"x" * 2000)
+
+
+@pytest.mark.parametrize("bad", ["x", 0, 2.5, True, None])
+def test_max_attempts_must_be_a_positive_int(bad):
+    from trimkit.errors import InvalidNumberError
+
+    with pytest.raises(InvalidNumberError):
+        OpenAIHTTPBackend("http://127.0.0.1:9/v1", max_attempts=bad)
