@@ -12,19 +12,38 @@ _SESSION_CACHE = tempfile.mkdtemp(prefix="trimkit-test-cache-")
 os.environ["TRIMKIT_CACHE_DIR"] = _SESSION_CACHE
 
 
+#: Run the suite on another GGUF: ``TRIMKIT_TEST_MODEL=/path/model.gguf make test`` (its own chat
+#: template is used; tests about the embedded model's Gemma 3 template are skipped).
+OTHER_MODEL = os.environ.get("TRIMKIT_TEST_MODEL") or None
+
+
 @pytest.fixture(scope="session")
 def model_path() -> str:
     import trimkit
 
-    return trimkit.default_model_path()
+    return OTHER_MODEL or trimkit.default_model_path()
 
 
 @pytest.fixture(scope="session")
 def llm(model_path):
-    """One real llama.cpp context for the session (Gemma-3-270M, n_ctx 4096, Gemma 3's chat template)."""
+    """One real llama.cpp context for the session (Gemma-3-270M, n_ctx 4096, Gemma 3's chat
+    template; or ``TRIMKIT_TEST_MODEL`` with the chat template its GGUF carries)."""
     import trimkit
 
+    if OTHER_MODEL:
+        from llama_cpp import Llama
+
+        return Llama(model_path=model_path, n_ctx=4096, verbose=False)
     return trimkit.default_llama(model_path=model_path, n_ctx=4096)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not OTHER_MODEL:
+        return
+    skip = pytest.mark.skip(reason="about the embedded model's Gemma 3 template (TRIMKIT_TEST_MODEL is set)")
+    for item in items:
+        if item.fspath.basename == "test_templates.py" or "gemma" in item.name.lower():
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import copy
 
 import pytest
@@ -104,7 +105,7 @@ def test_profile_key_names_what_changes_timings(backend, llm):
     assert key.n_ctx == 4096 and key.n_batch == llm.n_batch
     assert key.n_threads == llm.context_params.n_threads
     assert "llama-cpp-python" in key.engine_version and key.cpu
-    assert key.model.startswith("gemma-3-270m")
+    assert key.model.startswith(os.path.basename(llm.model_path))
 
 
 def test_chunk_content_skips_bare_role_delta():
@@ -208,6 +209,8 @@ def test_a_budget_trims_the_prompt_into_the_effective_window(llm_1000, quick_pro
 
 
 def test_generation_stops_at_the_effective_window(llm_1000):
+    if os.environ.get("TRIMKIT_TEST_MODEL"):
+        pytest.skip("biases the embedded model's end-of-turn token (EOS) away; another model stops on its own token")
     backend = LlamaBackend(llm_1000)
     messages, n = user_prompt(backend, 980, 990)
     eos = llm_1000.token_eos()
