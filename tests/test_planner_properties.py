@@ -1,4 +1,4 @@
-"""Property tests: the planner's guarantees (DESIGN.md) on generated conversations."""
+"""Property tests: the planner's guarantees (docs/budgets.md) on generated conversations."""
 
 import copy
 import math

@@ -168,7 +168,7 @@ def calibrate(
         model = fit_cost_model(samples, n_batch=n_batch, batched=batched)
         heldout = heldout_predictions(samples, n_batch=n_batch, batched=batched)
         candidates["batched" if batched else "design"] = (model, error_stats(heldout), heldout)
-    # the DESIGN.md model unless the per-chunk variant is clearly better on held-out probes
+    # the plain model (docs/phases.md) unless the per-chunk variant is clearly better on held-out probes
     name = "design"
     d_err, b_err = candidates["design"][1], candidates["batched"][1]
     if math.isfinite(b_err.median_pct) and b_err.median_pct < d_err.median_pct * 0.9:

@@ -1,7 +1,7 @@
 """The prefill cost model: how long the engine takes to evaluate ``n`` new prompt tokens after
 ``k`` tokens already in the KV cache.
 
-DESIGN.md's model is ``T(n | k) = b + a·n + c·(n·k + n²/2)``: a fixed overhead, a per-token
+The model (docs/phases.md) is ``T(n | k) = b + a·n + c·(n·k + n²/2)``: a fixed overhead, a per-token
 cost, and a depth (attention) term that grows with how deep in the context the new tokens sit.
 llama.cpp evaluates prompts in ``n_batch`` chunks, each with its own fixed cost, so trimkit also
 fits a variant with a per-chunk term ``d·ceil(n / n_batch)`` and keeps whichever predicts the

@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from trimkit.excerpts import Excerpt, excerpts_of, question_idf
+from trimkit.excerpts import Excerpt, excerpts_of, question_idf, span_label
 from trimkit.messages import Chunk, message_text
 from trimkit.planner import Action, Candidate, PlanState
 from trimkit.summarize import Summary
@@ -161,7 +161,7 @@ class _Solver:
         self.leads = [Lead(0, None, "")] + [lead for _, p in proposals for lead in p.leads if 0 < lead.covers <= len(turns)]
         question = message_text(ctx.messages[ctx.last_user])
         self.turn_value = turn_values(ctx.messages, turns, question, values)
-        self.chunk_value = chunk_values(ctx.chunks, question, values)
+        self.chunk_value = chunk_values(ctx.given_chunks, question, values)  # the retriever's order counts
         self.pinned_chunks = tuple(ch for ch in c0.kept_chunks if str(ch.id) not in self.droppable_chunks)
         # chunk items: whole, or one of its excerpts
         self.chunk_items: list[_Item] = []
@@ -417,7 +417,7 @@ class _Solver:
         for it in cut:
             ex = kept[it.key]
             info = ex.metadata.get("excerpt", {})
-            spans = ", ".join(f"{a}–{b}" if a != b else str(a) for a, b in info.get("spans", []))
+            spans = span_label(info.get("spans", []))
             tokens = self._chunk_cost(ex)
             share = next((v for w, v, p in it.variants if isinstance(p, Excerpt) and p.chunk.text == ex.text), 0.0)
             actions.append(Action(

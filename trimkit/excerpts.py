@@ -23,7 +23,7 @@ from trimkit.messages import Chunk
 from trimkit.relevance import question_idf as _idf
 from trimkit.relevance import sentence_score, split_sentences
 
-__all__ = ["Excerpt", "question_idf", "excerpts_of", "MIN_SENTENCES"]
+__all__ = ["Excerpt", "question_idf", "excerpts_of", "span_label", "MIN_SENTENCES"]
 
 #: chunks with fewer sentences are kept whole or dropped: an excerpt would hardly be shorter
 MIN_SENTENCES = 4
@@ -58,9 +58,14 @@ def _spans(indices: Sequence[int]) -> tuple[tuple[int, int], ...]:
     return tuple((a + 1, b + 1) for a, b in runs)
 
 
+def span_label(spans: Sequence[Sequence[int]]) -> str:
+    """``((4, 6), (9, 9))`` → ``"4–6, 9"``: sentence ranges as the excerpt marker and the report name them."""
+    return ", ".join(f"{a}–{b}" if a != b else str(a) for a, b in spans)
+
+
 def _render(sentences: Sequence[str], keep: Sequence[int]) -> tuple[str, tuple[tuple[int, int], ...]]:
     spans = _spans(keep)
-    label = ", ".join(f"{a}–{b}" if a != b else str(a) for a, b in spans)
+    label = span_label(spans)
     parts = [" ".join(sentences[a - 1 : b]) for a, b in spans]
     return f"(excerpt: sentences {label} of {len(sentences)}) " + " … ".join(parts), spans
 

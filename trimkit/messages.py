@@ -34,7 +34,7 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 SYSTEM_ROLES = frozenset({"system", "developer"})
 
 #: How retrieved chunks are placed into the last user message. Chunks come before the question
-#: (DESIGN.md: stable → volatile layout, the question last). Override with ``rag_template=``:
+#: (docs/budgets.md, "Prompt layout": stable → volatile, the question last). Override with ``rag_template=``:
 #: a format string with ``{chunks}`` and ``{question}``; each chunk is rendered with
 #: ``rag_chunk_template`` (fields ``{id}``, ``{text}``, ``{n}``) and joined by a blank line.
 DEFAULT_RAG_TEMPLATE = "Use the following retrieved context to answer.\n\n{chunks}\n\nQuestion: {question}"

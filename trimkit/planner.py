@@ -177,6 +177,8 @@ class _Context:
         self.history_turns: tuple[tuple[int, int], ...] = tuple((s, e) for s, e in spans if e <= protected_from)
         #: every chunk of the request, most relevant first (:func:`~trimkit.relevance.rank_chunks`)
         self.chunks = rank_chunks(chunks, message_text(messages[self.last_user])) if chunks else ()
+        #: the chunks in the caller's (the retriever's) order, which relevance weighs
+        self.given_chunks = chunks
         self._chunk_costs: dict[tuple[str | None, int, str], int] = {}
         self.chunk_overhead = self.chunk_separator = 0
         if chunks:

@@ -101,11 +101,19 @@ def chunk_relevance(
     ``lexical_weight=0`` trusts the scores alone). Otherwise the lexical match is blended with
     the retriever's order (the order the chunks were passed in), which gets ``order_weight``.
     """
-    n = len(chunks)
-    if n == 0:
+    if not chunks:
         return []
+    # the planner ranks the chunks and then values them: one computation per request
+    return list(_relevance(tuple((c.text, c.score) for c in chunks), question, order_weight, lexical_weight))
+
+
+@functools.lru_cache(maxsize=256)
+def _relevance(
+    chunks: tuple[tuple[str, float | None], ...], question: str, order_weight: float, lexical_weight: float
+) -> tuple[float, ...]:
+    n = len(chunks)
     order = [1.0 - i / n for i in range(n)]
-    texts = [c.text for c in chunks]
+    texts = [t for t, _ in chunks]
     bm25 = bm25_scores(question, texts)
     idf = question_idf(question, texts)
     best_sentence = [max((sentence_score(s, idf) for s in split_sentences(t)), default=0.0) for t in texts]
@@ -115,14 +123,14 @@ def chunk_relevance(
         if top > 0
         else None
     )
-    if all(c.score is not None for c in chunks):
-        scores = _normalise([float(c.score) for c in chunks])  # type: ignore[arg-type]
+    if all(score is not None for _, score in chunks):
+        scores = _normalise([float(score) for _, score in chunks])  # type: ignore[arg-type]
         if lexical is None or lexical_weight <= 0:
-            return scores
-        return [(1.0 - lexical_weight) * s + lexical_weight * x for s, x in zip(scores, lexical, strict=True)]
+            return tuple(scores)
+        return tuple((1.0 - lexical_weight) * s + lexical_weight * x for s, x in zip(scores, lexical, strict=True))
     if lexical is None:
-        return order
-    return [(1.0 - order_weight) * x + order_weight * o for x, o in zip(lexical, order, strict=True)]
+        return tuple(order)
+    return tuple((1.0 - order_weight) * x + order_weight * o for x, o in zip(lexical, order, strict=True))
 
 
 def question_idf(question: str, documents: Sequence[str]) -> dict[str, float]:
