@@ -3,6 +3,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.trimkit-installed
+# llama-cpp-python compiles llama.cpp on install. A build tuned to the compiling CPU (-march=native)
+# turns on AMX kernels on CPUs that have them, and those crash (SIGSEGV in ggml_backend_amx_mul_mat)
+# where the OS does not grant AMX state to the process, as in this project's sandboxes. Build the
+# portable CPU variant (AVX2/FMA/F16C) unless the caller chose CMAKE_ARGS (e.g. -DGGML_CUDA=on).
+export CMAKE_ARGS ?= -DGGML_NATIVE=OFF
 
 .PHONY: demo test venv clean bench
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-from trimkit.costmodel import quantile as pct  # noqa: E402
+from trimkit.planning.costs import quantile as pct  # noqa: E402
 
 
 def main() -> int:
@@ -48,10 +48,10 @@ def main() -> int:
     import trimkit
     from trimkit.cli import open_llama
     from trimkit.demo import SYSTEM, load_corpus, load_history, load_questions
-    from trimkit.relevance import rank_chunks
+    from trimkit.planning.relevance import rank_chunks
 
     llm = open_llama(None, 8192)
-    backend = trimkit.LlamaBackend(llm)
+    backend = trimkit.backends.LlamaBackend(llm)
     profile = trimkit.calibrate(backend, quick=args.quick_profile)
     print(f"profile: {profile.model} (held-out median {profile.error.median_pct:.1f} %, p90 {profile.error.p90_pct:.1f} %)")
 
@@ -96,7 +96,7 @@ def main() -> int:
                 "measured_ttft_s": r.measured_ttft_s, "met": r.budget_met,
                 "prompt_tokens": r.prompt_tokens, "prompt_tokens_before": r.prompt_tokens_before,
                 "cached_tokens": r.cached_tokens, "planning_s": r.planning_s,
-                "prepare_s": chat._last_prepared.prepare_s if chat._last_prepared else None,
+                "prepare_s": chat.last_prepared.prepare_s if chat.last_prepared else None,
                 "answer_kept": answer_doc["id"] in kept if k else None,
                 "answer_in_first_k": answer_doc["id"] in [c.id for c in chunks[:k]] if k else None,
                 "actions": [a.strategy for a in r.actions],

@@ -136,9 +136,9 @@ def main() -> int:
 
     import trimkit
     from trimkit.backends.http import OpenAIHTTPBackend
-    from trimkit.backends.llama import LlamaBackend
+    from trimkit.backends.llama import LlamaBackend, llama_prompt_tokenizer
     from trimkit.demo import load_corpus, load_history, load_questions
-    from trimkit.tokens import PromptTokenizer, common_prefix_len
+    from trimkit.tokens import common_prefix_len
 
     model_path = trimkit.default_model_path()
     cpus = multiprocessing.cpu_count()
@@ -146,7 +146,7 @@ def main() -> int:
 
     # the in-process reference: exact Gemma tokens and a quick in-process profile, for the HTTP overhead
     llm = trimkit.default_llama(model_path=model_path, n_ctx=args.n_ctx, n_threads=threads, n_threads_batch=threads_batch)
-    exact = PromptTokenizer.for_llama(llm)
+    exact = llama_prompt_tokenizer(llm)
     t0 = time.perf_counter()
     inproc = trimkit.calibrate(LlamaBackend(llm), quick=True, recalibrate=True, store=False)
     inproc_wall = time.perf_counter() - t0

@@ -26,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-from trimkit.costmodel import quantile as percentile  # noqa: E402
+from trimkit.planning.costs import quantile as percentile  # noqa: E402
 
 
 def build_text(tokenizer, target_tokens: int, words: list[str], rng: random.Random) -> list[dict]:

@@ -97,7 +97,7 @@ def open_model(path: str | None, chat_format: str | None, n_ctx: int) -> Any:
             return trimkit.default_llama()
     if path is None:
         return Llama(model_path=trimkit.default_model_path(), n_ctx=n_ctx, verbose=False, chat_format=chat_format or "gemma")
-    return Llama(model_path=str(trimkit.check_model_path(path)), n_ctx=n_ctx, verbose=False, chat_format=chat_format)
+    return Llama(model_path=str(trimkit.model.check_model_path(path)), n_ctx=n_ctx, verbose=False, chat_format=chat_format)
 
 
 # --------------------------------------------------------------------------------------------
@@ -111,7 +111,7 @@ def _worker(tree: str, model_path: str, chat_format: str, n_ctx: int) -> int:
     import attrs
 
     import trimkit
-    from trimkit.costmodel import CostModel, ErrorStats, PrefillSample
+    from trimkit.costmodel import CostModel, ErrorStats, PrefillSample  # the old tree's module (commit 3018083)
     from trimkit.profile import Profile
 
     where = Path(trimkit.__file__).resolve()
@@ -272,8 +272,8 @@ class Prompts:
         self.req = req
         self.tok = tokenizer
         self.predict_n = predict
-        self.template = trimkit.DEFAULT_RAG_TEMPLATE
-        self.chunk_template = trimkit.DEFAULT_RAG_CHUNK_TEMPLATE
+        self.template = trimkit.messages.DEFAULT_RAG_TEMPLATE
+        self.chunk_template = trimkit.messages.DEFAULT_RAG_CHUNK_TEMPLATE
         msgs = req["messages"]
         self.system, self.question = msgs[0], msgs[-1]
         self.turns: list[list[dict[str, Any]]] = []
@@ -437,7 +437,7 @@ def main() -> int:
     import trimkit
 
     llm = open_model(args.model, args.chat_format, args.n_ctx)
-    backend = trimkit.LlamaBackend(llm)
+    backend = trimkit.backends.LlamaBackend(llm)
     tok = backend.tokenizer
     eos = llm.token_eos()
     params = {"max_tokens": args.max_tokens, "temperature": 0.0, **({"logit_bias": {str(eos): -100.0}} if eos >= 0 else {})}
@@ -562,7 +562,7 @@ def main() -> int:
                         llm.reset()
                     chat.create_chat_completion(messages=req["messages"], rag_chunks=job["chunks"], **params)
                     report = chat.last_report
-                    prepared = getattr(chat, "_last_prepared", None)
+                    prepared = getattr(chat, "last_prepared", None)
                     if prepared is None:  # the same plan again, from the same (cold) state
                         with backend.lock:
                             llm.reset()

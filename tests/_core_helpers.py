@@ -11,10 +11,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from trimkit.backends.base import Measurement
-from trimkit.costmodel import CostModel, ErrorStats, PrefillSample
+from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample
 from trimkit.profile import Profile, ProfileKey
 
-#: a cost model shaped like the design notes' measurements (ms-scale, a visible depth term)
+#: a cost model shaped like the measurements in docs/design.md / benchmarks.md (ms-scale, a visible depth term)
 TRUE_MODEL = CostModel(overhead_s=0.01, per_token_s=0.0014, depth_s=1e-7)
 
 #: (new_tokens, cached_tokens) probes: cold lengths plus depth probes

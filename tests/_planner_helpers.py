@@ -6,8 +6,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from trimkit.costmodel import CostModel, ErrorStats
-from trimkit.planner import PlanState
+from trimkit.planning.costs import CostModel, ErrorStats
+from trimkit.planning.planner import PlanState
 from trimkit.profile import Profile, ProfileKey
 from trimkit.tokens import PromptTokenizer
 

@@ -6,11 +6,11 @@ import logging
 
 import pytest
 
-from trimkit.backends.fake import FakeBackend
+from trimkit.testing import FakeBackend
 from trimkit.calibration import MIN_N_CTX, as_backend, calibrate, calibration_probes
-from trimkit.costmodel import CostModel
+from trimkit.planning.costs import CostModel
 from trimkit.errors import ContextTooSmallError, InvalidInputError
-from trimkit.profile import load_profile, profile_path
+from trimkit.profile_store import load_profile, profile_path
 
 FAKE_MODEL = CostModel(overhead_s=0.01, per_token_s=0.0014, depth_s=1e-7)
 

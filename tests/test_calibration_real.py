@@ -8,7 +8,7 @@ import logging
 import trimkit
 import trimkit.demo
 from trimkit.backends.llama import LlamaBackend
-from trimkit.profile import profile_path
+from trimkit.profile_store import profile_path
 
 
 def test_quick_calibration_measures_a_sensible_profile(quick_profile):

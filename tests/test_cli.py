@@ -107,7 +107,7 @@ def request_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def profile_file(quick_profile, tmp_path_factory):
-    from trimkit.profile import save_profile
+    from trimkit.profile_store import save_profile
 
     return str(save_profile(quick_profile, tmp_path_factory.mktemp("profile") / "profile.json"))
 
@@ -190,7 +190,7 @@ def test_plan_needs_one_valid_budget(args, tmp_path):
 def test_demo_reads_what_the_plan_did_with_the_answer_chunk():
     from types import SimpleNamespace
 
-    from trimkit import Chunk
+    from trimkit.messages import Chunk
     from trimkit.demo import answer_chunk_status
 
     chunks = [Chunk(text="The lamp was first lit in 1863. It burns oil.", id="doc-04"), Chunk(text="Other text.", id="doc-09")]

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests._core_helpers import PROBES, TRUE_MODEL, exact_samples
-from trimkit.costmodel import CostModel, ErrorStats, PrefillSample, cross_validate, error_stats, fit_cost_model
+from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, cross_validate, error_stats, fit_cost_model
 from trimkit.errors import InvalidNumberError
 
 

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trimkit.engine import RESOLUTION, knapsack
+from trimkit.planning.knapsack import RESOLUTION, knapsack
 from trimkit.messages import Chunk
-from trimkit.planner import plan
+from trimkit.planning.planner import plan
 from trimkit.strategies import cap_rag_chunks, drop_oldest_turns
-from trimkit.values import ValueModel
+from trimkit.planning.values import ValueModel
 
 from tests._planner_helpers import PROFILE, budget_for_tokens, conversation, tokenizer, tokens_of
 

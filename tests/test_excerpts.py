@@ -1,4 +1,4 @@
-from trimkit.excerpts import MIN_SENTENCES, excerpts_of, question_idf
+from trimkit.planning.excerpts import MIN_SENTENCES, excerpts_of, question_idf
 from trimkit.messages import Chunk
 
 SENTENCES = [

@@ -22,7 +22,9 @@ import pytest
 from tests._server import free_port, running_server, start_server, stop_server
 
 from trimkit.backends.base import TimedStream
-from trimkit.backends.http import AsyncTimedStream, OpenAIHTTPBackend, SSEDecoder, assemble_chat_completion, stream_chunk_content
+from trimkit.backends.http import AsyncTimedStream, OpenAIHTTPBackend
+from trimkit.backends.sse import EventReader, iter_events
+from trimkit.backends.completion import assemble_chat_completion, chunk_content
 from trimkit.errors import (
     InvalidInputError,
     ServerError,
@@ -65,7 +67,7 @@ def mock_backend(handler, **kwargs) -> OpenAIHTTPBackend:
 
 
 def text_of(chunks) -> str:
-    return "".join(stream_chunk_content(c) or "" for c in chunks)
+    return "".join(chunk_content(c) or "" for c in chunks)
 
 
 # -- real server: requests and timing ---------------------------------------------------------------
@@ -170,8 +172,8 @@ def test_calibration_probes_give_positive_length_increasing_times(backend):
 
 
 def test_probe_prompts_have_the_requested_length_and_differ_per_cold_probe(backend):
-    text_a, tokens_a = backend._probe_prompt(100, backend._next_probe_offset())
-    text_b, tokens_b = backend._probe_prompt(100, backend._next_probe_offset())
+    text_a, tokens_a = backend.probes.prompt(100, backend.probes.next_offset())
+    text_b, tokens_b = backend.probes.prompt(100, backend.probes.next_offset())
     assert 95 <= len(tokens_a) <= 100 and 95 <= len(tokens_b) <= 100
     assert tokens_a[1:4] != tokens_b[1:4]
 
@@ -256,7 +258,7 @@ def test_server_killed_mid_stream_raises_stream_interrupted():
         ts = backend.send(ASK, {"max_tokens": 2000, "logit_bias": ban_end})
         with pytest.raises(StreamInterruptedError):
             for c in ts:
-                if stream_chunk_content(c):
+                if chunk_content(c):
                     server.proc.kill()
                     server.proc.wait(timeout=10)
         assert ts.n_content_chunks >= 1
@@ -383,10 +385,10 @@ def test_connect_errors_are_retried_then_unreachable():
     assert len(calls) >= 2
 
 
-def test_sse_decoder_handles_comments_multiline_data_and_done():
-    d = SSEDecoder()
+def test_sse_events_handle_comments_multiline_data_and_done():
+    d = EventReader()
     lines = [": ping - 2024", "", 'data: {"a":', "data: 1}", "", "event: message", 'data: {"b": 2}', "", "data: [DONE]", ""]
-    events = [e for e in (d.feed(line) for line in lines) if e is not None]
+    events = list(iter_events([(line + "\n").encode() for line in lines], d))
     assert events == [{"a": 1}, {"b": 2}] and d.done
 
 
@@ -597,8 +599,8 @@ def test_trimkit_sends_through_the_client_without_its_own_retries_and_leaves_the
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url="http://127.0.0.1:1/v1", api_key="x", max_retries=4, timeout=12.0)
     backend = OpenAIHTTPBackend.from_openai_client(client, model="m")
-    assert backend._send_client.max_retries == 0 and client.max_retries == 4
-    assert backend._send_client.base_url == client.base_url and backend._send_client.timeout == client.timeout
+    assert backend.send_client.max_retries == 0 and client.max_retries == 4
+    assert backend.send_client.base_url == client.base_url and backend.send_client.timeout == client.timeout
     backend.close()
     client.close()
 
@@ -613,16 +615,21 @@ def test_a_servers_absurd_usage_does_not_skew_the_count_correction_beyond_5x():
     assert m.prompt_tokens == 2**31 - 1 and backend.token_count_correction <= 5.0
 
 
-def test_sse_decoder_takes_bytes_in_any_pieces_and_refuses_an_endless_line():
+def test_sse_events_take_bytes_in_any_pieces_and_refuse_an_endless_line():
     from trimkit.errors import MalformedReplyError
 
     data = b'data: {"a": 1}\r\n\r\n: ping\n\ndata: {"b":\ndata: 2}\r\rdata: [DONE]\n\n'
-    whole = SSEDecoder().feed_bytes(data)
-    pieces = SSEDecoder()
-    got = [e for i in range(len(data)) for e in pieces.feed_bytes(data[i : i + 1])]
+    whole = list(iter_events([data]))
+    pieces = EventReader()
+    got = list(iter_events((data[i : i + 1] for i in range(len(data))), pieces))
     assert whole == got == [{"a": 1}, {"b": 2}] and pieces.done
+
+    def endless():  # the bytes of a line that never ends: refused at the cap, not read to the end
+        yield b"data: " + b"x" * 2000
+        raise AssertionError("read past the cap")
+
     with pytest.raises(MalformedReplyError, match="longer than"):
-        SSEDecoder(max_event_bytes=1000).feed_bytes(b"data: " + b"x" * 2000)
+        list(iter_events(endless(), EventReader(max_event_bytes=1000)))
 
 
 @pytest.mark.parametrize("bad", ["x", 0, 2.5, True, None])

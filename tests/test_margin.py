@@ -12,11 +12,12 @@ import pytest
 
 import trimkit
 from tests._core_helpers import TRUE_MODEL, exact_samples, make_profile
-from trimkit import FakeBackend, FakeClock, Trimmer
+from trimkit.testing import FakeBackend, FakeClock
+from trimkit.wrapper import Trimmer
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.llama import LlamaBackend
-from trimkit.costmodel import CostModel, heldout_predictions
-from trimkit.margin import (
+from trimkit.planning.costs import CostModel, heldout_predictions
+from trimkit.planning.margin import (
     DEFAULT_WINDOW,
     MARGIN_CAP,
     MARGIN_FLOOR,
@@ -225,7 +226,7 @@ def test_too_few_calibration_samples_fall_back_to_the_profiles_rule():
 
 def test_a_profile_round_trip_keeps_the_residuals(isolated_cache):
     p = attrs.evolve(make_profile(), residuals=((0.1, 0.12), (0.5, 0.45)))
-    trimkit.save_profile(p)
+    trimkit.profile_store.save_profile(p)
     assert trimkit.load_profile(p.key) == p
 
 
@@ -260,7 +261,7 @@ def test_wrappers_of_one_backend_share_one_state_and_another_calibration_starts_
 def test_an_engine_named_by_an_object_is_forgotten_with_it():
     import gc
 
-    from trimkit import margin
+    from trimkit.planning import margin
 
     fake = FakeBackend(COST, clock=FakeClock())
     engine_state(fake, make_profile())
@@ -288,7 +289,7 @@ def test_a_server_and_model_is_one_engine_whatever_the_client_object():
     c = OpenAIHTTPBackend("http://mock.test/v1", model="other")
     try:
         assert a.engine_identity() == b.engine_identity() != c.engine_identity()
-        p = make_profile(key=trimkit.ProfileKey(backend="openai_http", model="http://mock.test/v1|m", n_ctx=4096, n_batch=512))
+        p = make_profile(key=trimkit.profile.ProfileKey(backend="openai_http", model="http://mock.test/v1|m", n_ctx=4096, n_batch=512))
         assert engine_state(a, p) is engine_state(b, p) is not engine_state(c, p)
     finally:
         for x in (a, b, c):
@@ -381,7 +382,7 @@ def test_the_attainment_target_picks_the_quantile(isolated_cache):
     loose = Trimmer(fake, ttft_budget_s=1.2, profile=profile, clock=fake.clock, attainment_target=0.8)
     assert loose.engine is strict.engine
     assert loose.safety_margin < strict.safety_margin
-    with pytest.raises(trimkit.InvalidInputError):
+    with pytest.raises(trimkit.errors.InvalidInputError):
         Trimmer(fake, profile=profile, attainment_target=1.0)
 
 

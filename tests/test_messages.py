@@ -338,7 +338,7 @@ def test_well_formed_tool_fields_pass(messages):
 def test_planning_with_a_budget_refuses_bad_tool_fields_before_any_work(messages):
     """These raised AttributeError / TypeError ('unhashable type') from deep inside the planner."""
     from tests._planner_helpers import PROFILE, tokenizer
-    from trimkit.planner import plan
+    from trimkit.planning.planner import plan
 
     before = copy.deepcopy(messages)
     with pytest.raises(InvalidMessageError):
@@ -390,7 +390,7 @@ def test_rag_templates_with_conversions_and_formats_still_pass():
 def test_planning_with_a_template_that_drops_the_chunks_is_refused():
     """It used to send no chunk text at all and report nothing removed."""
     from tests._planner_helpers import PROFILE, tokenizer
-    from trimkit.planner import plan
+    from trimkit.planning.planner import plan
 
     with pytest.raises(InvalidInputError, match="chunks"):
         plan([{"role": "user", "content": "q"}], ttft_budget_s=5.0, profile=PROFILE, tokenizer=tokenizer(),

@@ -21,7 +21,7 @@ import pytest
 import trimkit
 from tests._server import free_port, running_server
 from tests.test_http_backend import llama_cpp_server_handler
-from trimkit.backends.http import stream_chunk_content
+from trimkit.backends.completion import chunk_content
 from trimkit.demo import load_corpus, load_history
 from trimkit.errors import (
     InvalidBudgetError,
@@ -50,7 +50,7 @@ BAN_END = {"1": -100.0, "106": -100.0}  # Gemma's <eos> and <end_of_turn>: the m
 
 
 def text_of(chunks) -> str:
-    return "".join(stream_chunk_content(c) or "" for c in chunks)
+    return "".join(chunk_content(c) or "" for c in chunks)
 
 
 class Recorder:
@@ -327,7 +327,7 @@ def test_server_killed_mid_stream_raises_stream_interrupted_with_a_report(profil
         stream = chat.chat.completions.create(messages=ASK, max_tokens=2000, logit_bias=BAN_END, stream=True)
         with pytest.raises(StreamInterruptedError) as err:
             for c in stream:
-                if stream_chunk_content(c):
+                if chunk_content(c):
                     server.proc.kill()
                     server.proc.wait(timeout=10)
         chat.close()
@@ -354,3 +354,121 @@ def test_named_chat_format_makes_server_counts_exact(llama_server):
     finally:
         named.close()
         guessed.close()
+
+
+# -- every front-end form on the in-memory fake server (no model needed) -----------------------------
+
+
+@pytest.fixture
+def fake_server():
+    from trimkit.testing import FakeOpenAIServer
+
+    return FakeOpenAIServer()
+
+
+@pytest.fixture
+def fake_profile(isolated_cache):
+    from trimkit.testing import FakeBackend
+
+    return trimkit.calibrate(FakeBackend(), quick=True, store=False)
+
+
+def fake_http(server):
+    return httpx.Client(transport=server.transport)
+
+
+def test_wrap_url_on_the_fake_server_streams_reports_and_sends_n_gt_1_whole(fake_server, fake_profile):
+    with wrap_url("http://fake/v1", model=fake_server.model, profile=fake_profile, ttft_budget_s=1.0,
+                  http_client=fake_http(fake_server)) as chat:
+        out = chat.chat.completions.create(messages=ASK, max_tokens=4)
+        assert isinstance(out, dict) and out["choices"][0]["message"]["content"] and out["usage"]["completion_tokens"] == 4
+        assert chat.last_report.model == f"{fake_server.model} @ http://fake/v1" and chat.last_report.measured_ttft_s > 0
+        stream = chat.chat.completions.create(messages=ASK, max_tokens=4, stream=True)
+        assert isinstance(stream, ReportingOpenAIStream)
+        with stream:
+            chunks = list(stream)
+        assert chunks and stream.report is chat.last_report and chat.last_prepared.budget_s == 1.0
+        whole = chat.chat.completions.create(messages=ASK, max_tokens=4, n=2)
+        assert whole["choices"] and any("n=2" in w for w in chat.last_report.warnings)
+        assert chat.last_report.measurement.ttft_s is None
+
+
+def test_the_openai_clients_on_the_fake_server_get_their_own_types(fake_server, fake_profile):
+    client = openai.OpenAI(base_url="http://fake/v1", api_key="x", http_client=fake_http(fake_server))
+    with trimkit.wrap(client, profile=fake_profile, ttft_budget_s=1.0, http_client=fake_http(fake_server)) as chat:
+        assert isinstance(chat, TrimmedOpenAI)
+        out = chat.chat.completions.create(model=fake_server.model, messages=ASK, max_tokens=3)
+        assert isinstance(out, ChatCompletion) and out.usage.completion_tokens == 3
+        assert [m.id for m in chat.models.list().data] == [fake_server.model]  # the client's own
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url="http://fake/v1", api_key="x", http_client=httpx.AsyncClient(transport=fake_server.transport))
+        achat = trimkit.wrap(aclient, profile=fake_profile, ttft_budget_s=1.0, http_client=fake_http(fake_server))
+        assert isinstance(achat, AsyncTrimmedOpenAI) and not isinstance(achat, TrimmedOpenAI)
+        out = await achat.chat.completions.create(model=fake_server.model, messages=ASK, max_tokens=3)
+        stream = await achat.chat.completions.create(model=fake_server.model, messages=ASK, max_tokens=3, stream=True)
+        async with stream:
+            chunks = [c async for c in stream]
+        await achat.close()
+        return out, chunks, stream.report, achat.last_report
+
+    out, chunks, report, last = asyncio.run(run())
+    assert isinstance(out, ChatCompletion) and all(isinstance(c, ChatCompletionChunk) for c in chunks)
+    assert report is last and report.measured_ttft_s > 0
+
+
+def test_the_async_wrapper_has_no_sync_calls():
+    assert not hasattr(AsyncTrimmedOpenAI, "execute") and not hasattr(AsyncTrimmedOpenAI, "__enter__")
+    assert asyncio.iscoroutinefunction(AsyncTrimmedOpenAI.close) and not asyncio.iscoroutinefunction(TrimmedOpenAI.close)
+
+
+class BreakingStream(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A streamed reply whose connection resets 0.05 s after its first content chunk."""
+
+    EVENT = ('data: {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "fake-model", '
+             '"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": null}]}\n\n').encode()
+
+    def __iter__(self):
+        yield self.EVENT
+        time.sleep(0.05)
+        raise httpx.ReadError("connection reset by peer")
+
+    async def __aiter__(self):
+        yield self.EVENT
+        await asyncio.sleep(0.05)
+        raise httpx.ReadError("connection reset by peer")
+
+
+def breaking_transport(server):
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/chat/completions"):
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=BreakingStream())
+        return server(request)
+
+    return httpx.MockTransport(handle)
+
+
+def test_an_error_mid_stream_reports_the_time_to_the_failure_sync_and_async(fake_server, fake_profile):
+    """The one report-on-error path: ``total_s`` runs from sending to the failure on every front-end."""
+    transport = breaking_transport(fake_server)
+    chat = wrap_url("http://fake/v1", model=fake_server.model, profile=fake_profile, ttft_budget_s=1.0, http_client=httpx.Client(transport=transport))
+    with pytest.raises(StreamInterruptedError) as sync_error:
+        chat.chat.completions.create(messages=ASK, max_tokens=4)
+    chat.close()
+
+    async def run():
+        achat = wrap_url("http://fake/v1", model=fake_server.model, profile=fake_profile, ttft_budget_s=1.0, asynchronous=True,
+                         http_client=httpx.Client(transport=transport), async_http_client=httpx.AsyncClient(transport=transport))
+        try:
+            stream = await achat.chat.completions.create(messages=ASK, max_tokens=4, stream=True)
+            with pytest.raises(StreamInterruptedError) as info:
+                async for _ in stream:
+                    pass
+            return info.value
+        finally:
+            await achat.close()
+
+    for error in (sync_error.value, asyncio.run(run())):
+        m = error.report.measurement
+        assert m.ttft_s is not None and m.total_s >= m.ttft_s + 0.04 and m.total_s < 5
+        assert error.report.prompt_tokens > 0 and error.report.ttft_budget_s == 1.0

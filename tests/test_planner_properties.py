@@ -1,4 +1,4 @@
-"""Property tests: the planner's guarantees (docs/budgets.md) on generated conversations."""
+"""Property tests: the planner's guarantees (docs/design.md, §7) on generated conversations."""
 
 import copy
 import math
@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from trimkit.errors import InfeasibleBudgetError, InvalidBudgetError
 from trimkit.messages import SYSTEM_ROLES, Chunk, coerce_chunks, last_user_index
-from trimkit.planner import plan
+from trimkit.planning.planner import plan
 from trimkit.strategies import cap_rag_chunks, drop_oldest_turns, reuse_prefix, summarize_history
-from trimkit.summarize import SummaryCache
+from trimkit.strategies.summarize import SummaryCache
 
 from tests._planner_helpers import PROFILE, tokenizer
 
@@ -236,8 +236,8 @@ def test_bad_budgets_are_refused(msgs, bad):
 def test_the_fast_estimate_agrees_with_the_layout_estimate(msgs, chunks, data):
     import attrs
 
-    from trimkit.planner import PlanState
-    from trimkit.summarize import Summary
+    from trimkit.planning.planner import PlanState
+    from trimkit.strategies.summarize import Summary
 
     s = PlanState.start(
         msgs, ttft_budget_s=1.0, profile=PROFILE, tokenizer=tokenizer(), rag_chunks=chunks,

@@ -10,9 +10,10 @@ import attrs
 import pytest
 
 from tests._core_helpers import TRUE_MODEL, exact_samples, make_key, make_profile
-from trimkit.costmodel import CostModel, ErrorStats, PrefillSample
+from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample
 from trimkit.errors import InvalidNumberError
-from trimkit.profile import LiveProfile, cache_dir, load_profile, profile_path, save_profile
+from trimkit.planning.drift import LiveProfile
+from trimkit.profile_store import cache_dir, load_profile, profile_path, save_profile
 
 
 
@@ -120,18 +121,21 @@ def test_load_of_a_profile_for_another_key_is_none(isolated_cache, caplog):
 @pytest.mark.parametrize(
     "content",
     [
-        "not json at all {",
-        "",
-        "[1, 2, 3]",
-        "null",
-        '{"schema": 1}',
+        b"not json at all {",
+        b"",
+        b"[1, 2, 3]",
+        b"null",
+        b'{"schema": 1}',
+        b"\xff\xfe{}",
+        b"[" * 200_000,
+        b'{"schema": 1, "n": ' + b"9" * 5000 + b"}",
     ],
-    ids=["garbage", "empty", "list", "null", "missing-fields"],
+    ids=["garbage", "empty", "list", "null", "missing-fields", "not-utf8", "deeply-nested", "huge-int"],
 )
 def test_a_corrupt_file_loads_as_none_with_a_warning(isolated_cache, caplog, content):
     path = profile_path(make_key())
     path.parent.mkdir(parents=True)
-    path.write_text(content)
+    path.write_bytes(content)
     with caplog.at_level(logging.WARNING, logger="trimkit"):
         assert load_profile(make_key()) is None
     assert len(_warnings(caplog)) == 1
@@ -515,7 +519,7 @@ def test_error_stats_and_samples_refuse_wrong_types_when_made():
 
 
 def test_a_corrupt_profile_is_recalibrated_with_one_warning_and_overwritten(isolated_cache, caplog):
-    from trimkit.backends.fake import FakeBackend
+    from trimkit.testing import FakeBackend
     from trimkit.calibration import calibrate
 
     backend = FakeBackend(TRUE_MODEL)
@@ -566,7 +570,7 @@ def test_a_fifo_at_the_profile_path_never_blocks_the_load(isolated_cache, caplog
 
 
 def test_an_oversized_profile_is_refused_unread(isolated_cache, caplog):
-    from trimkit.profile import MAX_PROFILE_BYTES
+    from trimkit.profile_store import MAX_PROFILE_BYTES
 
     path = save_profile(make_profile())
     text = path.read_text()
@@ -574,17 +578,6 @@ def test_an_oversized_profile_is_refused_unread(isolated_cache, caplog):
     with caplog.at_level(logging.WARNING, logger="trimkit"):
         assert load_profile(make_key()) is None
     assert "limit" in _warnings(caplog)[0].getMessage()
-
-
-@pytest.mark.parametrize("content", [b"\xff\xfe{}", b"[" * 200_000, b'{"schema": 1, "n": ' + b"9" * 5000 + b"}"],
-                         ids=["not-utf8", "deeply-nested", "huge-int"])
-def test_undecodable_profiles_load_as_none_with_a_warning(isolated_cache, caplog, content):
-    path = profile_path(make_key())
-    path.parent.mkdir(parents=True)
-    path.write_bytes(content)
-    with caplog.at_level(logging.WARNING, logger="trimkit"):
-        assert load_profile(make_key()) is None
-    assert len(_warnings(caplog)) == 1
 
 
 def _cache_is_a_file(tmp_path, monkeypatch):
@@ -614,7 +607,7 @@ def test_an_explicit_unwritable_path_still_raises(tmp_path):
 def test_calibrate_and_wrap_survive_an_unwritable_cache(tmp_path, monkeypatch, caplog):
     """wrap() used to fail with NotADirectoryError after calibrating."""
     import trimkit
-    from trimkit.backends.fake import FakeBackend
+    from trimkit.testing import FakeBackend
     from trimkit.calibration import calibrate
 
     _cache_is_a_file(tmp_path, monkeypatch)

@@ -1,6 +1,6 @@
 """Property tests of the reply boundary: arbitrary JSON shapes as server replies.
 
-For every parser of :mod:`trimkit.backends.replies` (and the SSE decoder, the stats reader, the
+For every parser of :mod:`trimkit.backends.replies` (and the event-stream reader, the stats reader, the
 response assembler) the property is the same: given anything a server could send, the result is
 a valid typed value or a trimkit error — never another exception, never a hang — and the input
 is left as it was. The parser-level tests run 2,000 examples each (no socket: fast); a smaller
@@ -21,24 +21,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.test_server_faults import DEADLINE_S, SLACK_S, FaultServer, json_reply, make_chat, raw_reply, sse_reply
-from trimkit.backends.http import OpenAIHTTPBackend, SSEDecoder, assemble_chat_completion, stream_chunk_content
-from trimkit.backends.replies import (
+from trimkit.backends.http import OpenAIHTTPBackend
+from trimkit.backends.sse import EventReader, iter_events
+from trimkit.backends.completion import assemble_chat_completion, chunk_content
+from trimkit.backends.fields import MAX_JSON_DEPTH, load_json
+from trimkit.backends.replies import Choice, Reply, error_message, parse_chunk, parse_completion, retry_after_s
+from trimkit.backends.server_facts import (
     MAX_CONTEXT_TOKENS,
-    MAX_JSON_DEPTH,
     MAX_TOKEN_ID,
-    Choice,
     ModelList,
-    Reply,
-    error_message,
-    load_json,
-    parse_chunk,
-    parse_completion,
     parse_models,
     parse_openapi_version,
     parse_props,
     parse_tokens,
     parse_version,
-    retry_after_s,
 )
 from trimkit.backends.server_timings import MAX_SERVER_SECONDS, MAX_TOKEN_COUNT, ServerStats, parse_server_stats
 from trimkit.errors import MalformedReplyError, ServerError, TrimkitError
@@ -153,7 +149,7 @@ def test_any_stream_chunk_parses_to_a_valid_reply_or_a_trimkit_error(value):
         assert isinstance(exc, (MalformedReplyError, ServerError))
     else:
         check_reply(reply, value)
-        assert stream_chunk_content(value) == reply.output
+        assert chunk_content(value) == reply.output
         out = assemble_chat_completion([value, value], value)
         assert isinstance(out["choices"], list) and all(isinstance(c["message"], dict) for c in out["choices"])
         json.dumps(out)  # what the caller receives is JSON again
@@ -264,17 +260,12 @@ def test_any_bytes_decode_to_bounded_json_or_a_malformed_reply(data):
 
 
 def _events(data: bytes, cuts: list[int]) -> tuple[list[Any], str | None]:
-    """Feed ``data`` to a fresh decoder in pieces cut at ``cuts``: (events, error class name)."""
-    decoder = SSEDecoder(max_event_bytes=4096)
+    """Read ``data`` as an event stream arriving in pieces cut at ``cuts``: (events, error class name)."""
     events: list[Any] = []
     bounds = [0, *sorted(c % (len(data) + 1) for c in cuts), len(data)]
     try:
-        for a, b in zip(bounds, bounds[1:]):
-            events.extend(decoder.feed_bytes(data[a:b]))
-            if decoder.done:
-                break
-        else:
-            events.extend(decoder.finish())
+        for event in iter_events((data[a:b] for a, b in zip(bounds, bounds[1:])), EventReader(max_event_bytes=4096)):
+            events.append(event)
     except TrimkitError as exc:
         return events, type(exc).__name__
     return events, None
@@ -350,7 +341,7 @@ def _drive(chat: Any, server: FaultServer, event: Any, finish: bool) -> None:
     except TrimkitError as exc:
         assert getattr(exc, "report", None) is not None  # raised mid-stream: the report of what was sent
     else:
-        assert chunks and stream_chunk_content(chunks[0]) == "Hi"
+        assert chunks and chunk_content(chunks[0]) == "Hi"
     assert time.monotonic() - t0 < DEADLINE_S + SLACK_S
     assert messages == before
 

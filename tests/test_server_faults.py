@@ -31,7 +31,8 @@ import pytest
 
 import trimkit
 from tests._core_helpers import make_profile
-from trimkit.backends.http import OpenAIHTTPBackend, stream_chunk_content
+from trimkit.backends.http import OpenAIHTTPBackend
+from trimkit.backends.completion import chunk_content
 from trimkit.errors import (
     CalibrationError,
     MalformedReplyError,
@@ -346,7 +347,7 @@ def expect(out: Outcome, cls: type[BaseException], match: str | None = None) -> 
 
 
 def _text(chunks: list[Any]) -> str:
-    return "".join(stream_chunk_content(c) or "" for c in chunks)
+    return "".join(chunk_content(c) or "" for c in chunks)
 
 
 # -- the fault server itself works ------------------------------------------------------------------------
@@ -435,11 +436,11 @@ def test_a_stream_line_that_never_ends_is_refused_at_the_cap_not_read_to_the_end
 
 
 def test_a_body_over_the_cap_is_refused(server, monkeypatch):
-    import trimkit.backends.http as http_backend
-    import trimkit.backends.replies as replies
+    import trimkit.backends.fields as fields
+    import trimkit.backends.transport as transport
 
-    monkeypatch.setattr(http_backend, "MAX_REPLY_BYTES", 1 << 20)
-    monkeypatch.setattr(replies, "MAX_REPLY_BYTES", 1 << 20)
+    monkeypatch.setattr(transport, "MAX_REPLY_BYTES", 1 << 20)
+    monkeypatch.setattr(fields, "MAX_REPLY_BYTES", 1 << 20)
     server.chat(raw_reply(json.dumps({**COMPLETION, "pad": "x" * (2 << 20)}).encode()))
     for form in ("url", "url_async"):
         expect(call(form, server, stream=True, max_tokens=4), MalformedReplyError, "cap")
@@ -643,7 +644,7 @@ def _tokenize_route(count_of: Callable[[str], int], limit_bytes: int = 8 << 20) 
     (lambda text: 5000 if text else 1, MalformedReplyError, "tokens for a text"),  # more tokens than the text has bytes
 ], ids=["constant", "too_few", "too_many"])
 def test_a_tokenizer_that_does_not_count_the_text_stops_calibration(server, count_of, error, match):
-    from trimkit.backends.http import MAX_PROBE_TEXT_BYTES
+    from trimkit.backends.probes import MAX_PROBE_TEXT_BYTES
 
     server.routes["/extras/tokenize"] = _tokenize_route(count_of)
     backend = OpenAIHTTPBackend(server.base_url, model="m", retry_backoff_s=0.01)
@@ -659,14 +660,14 @@ def test_a_tokenizer_that_does_not_count_the_text_stops_calibration(server, coun
 
 
 def test_calibration_probes_against_a_fair_tokenizer_stay_within_the_cap(server):
-    from trimkit.backends.http import MAX_PROBE_TEXT_BYTES
+    from trimkit.backends.probes import MAX_PROBE_TEXT_BYTES
 
     server.routes["/extras/tokenize"] = _tokenize_route(lambda text: 1 + len(text.split()))
     backend = OpenAIHTTPBackend(server.base_url, model="m")
     try:
-        text, tokens = backend._probe_prompt(2048, 0)
+        text, tokens = backend.probes.prompt(2048, 0)
         assert 2040 <= len(tokens) <= 2048 and len(text.encode()) < MAX_PROBE_TEXT_BYTES
         with pytest.raises(CalibrationError, match="cap"):  # a probe no text under the cap can make
-            backend._probe_prompt(10_000_000, 0)
+            backend.probes.prompt(10_000_000, 0)
     finally:
         backend.close()

@@ -6,7 +6,7 @@ import pytest
 
 from trimkit.errors import InvalidInputError
 from trimkit.messages import Chunk
-from trimkit.planner import Action, PlanState
+from trimkit.planning.state import Action, PlanState
 from trimkit.strategies import (
     Chain,
     Strategy,
@@ -17,7 +17,7 @@ from trimkit.strategies import (
     reuse_prefix,
     summarize_history,
 )
-from trimkit.summarize import PromptSummarizer, Summary, SummaryCache
+from trimkit.strategies.summarize import PromptSummarizer, Summary, SummaryCache
 
 from tests._planner_helpers import budget_for_tokens, conversation, state, tokens_of, tool_turn
 

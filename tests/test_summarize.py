@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from trimkit.errors import InvalidInputError
-from trimkit.summarize import (
+from trimkit.strategies.summarize import (
     ExtractiveSummarizer,
     PromptSummarizer,
     Summary,

@@ -193,7 +193,7 @@ def test_segment_counts_split_the_template_in_order(llm):
 
     tok = llama_prompt_tokenizer(llm)
     messages = CONVERSATIONS["several systems, history"]
-    pieces = tok._layout(messages, None)
+    pieces = tok.layout(messages, None)
     assert pieces == (
         "<start_of_turn>user\n", "\n\n", "\n\n",
         "<end_of_turn>\n<start_of_turn>model\n", "<end_of_turn>\n<start_of_turn>user\n",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trimkit.tokens import PromptTokenizer, Segments, chatml_render, common_prefix_len
+from trimkit.tokens import PromptTokenizer, Segments, TiktokenTokenizer, chatml_render, common_prefix_len, reusable_prefix_len
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 CONVERSATION = [
@@ -46,8 +46,7 @@ def test_each_new_text_is_tokenized_once(tok):
 
 
 def test_the_cache_forgets_the_least_recently_used_text():
-    tok = PromptTokenizer.estimate()
-    tok._cache_size = 2  # a tiny cache, to see eviction
+    tok = PromptTokenizer(TiktokenTokenizer(), chatml_render, cache_size=2)  # a tiny cache, to see eviction
     tok.count("one")
     tok.count("two")
     tok.count("one")  # "one" is now the most recently used
@@ -221,3 +220,19 @@ def test_common_prefix_len_of_numpy_arrays():
 def test_common_prefix_len_returns_a_plain_int():
     assert type(common_prefix_len([1, 2], [1, 3])) is int
     assert type(common_prefix_len([1, 2], [1, 2])) is int
+
+
+@pytest.mark.parametrize(
+    "cached, prompt, expected",
+    [
+        ([], [], 0),
+        ([1, 2, 3], [], 0),
+        ([], [1, 2], 0),
+        ([1, 2, 3], [1, 2, 9], 2),
+        ([1, 2, 3], [1, 2, 3], 2),  # all cached: one token is evaluated again all the same
+        ([1, 2, 3, 4], [1, 2], 1),
+        ([5], [5], 0),
+    ],
+)
+def test_reusable_prefix_len_leaves_one_token_to_evaluate(cached, prompt, expected):
+    assert reusable_prefix_len(cached, prompt) == expected

@@ -24,8 +24,10 @@ from trimkit.errors import (
     ProfileError,
     TrimkitError,
 )
-from trimkit.planner import Plan, plan
-from trimkit.profile import LiveProfile, Profile, load_profile
+from trimkit.planning.planner import Plan, plan
+from trimkit.planning.drift import LiveProfile
+from trimkit.profile import Profile
+from trimkit.profile_store import load_profile
 
 EXAMPLES = 2000
 PROPERTY = settings(
@@ -189,18 +191,18 @@ def test_a_budget_too_large_for_a_float_is_an_invalid_budget(budget):
 
 @pytest.mark.parametrize("value", [10**400, -(10**400), 10**5000], ids=["1e400", "-1e400", "1e5000"])
 def test_number_helpers_refuse_ints_too_large_for_a_float(value):
-    from trimkit import _validate
+    from trimkit import validation
 
     for check in (
-        lambda v: _validate.positive_finite(v, "x"),
-        lambda v: _validate.non_negative_finite(v, "x"),
-        _validate.real_float,
-        lambda v: _validate.fraction(v, "x"),
+        lambda v: validation.positive_finite(v, "x"),
+        lambda v: validation.non_negative_finite(v, "x"),
+        validation.real_float,
+        lambda v: validation.fraction(v, "x"),
     ):
         with pytest.raises(InvalidNumberError):
             check(value)
     with pytest.raises(InvalidBudgetError):
-        _validate.budget(value)
+        validation.budget(value)
 
 
 def test_a_non_utf8_prompt_file_is_a_usage_error(tmp_path, capsys):

@@ -10,9 +10,19 @@ import threading
 import pytest
 
 import trimkit
-from trimkit import FakeBackend, FakeClock, Trimmer
-from trimkit.costmodel import CostModel
-from trimkit.errors import InfeasibleBudgetError, InvalidBudgetError, InvalidChunkError, InvalidInputError, InvalidMessageError
+from trimkit.backends.base import TimedStream
+from trimkit.backends.completion import chunk_content
+from trimkit.errors import (
+    InfeasibleBudgetError,
+    InvalidBudgetError,
+    InvalidChunkError,
+    InvalidInputError,
+    InvalidMessageError,
+    StreamInterruptedError,
+)
+from trimkit.planning.costs import CostModel
+from trimkit.testing import FakeBackend, FakeClock
+from trimkit.wrapper import TrimmedLlama, Trimmer
 
 WORDS = "the harbour lamp keeper rows out at dawn and counts the fishing boats along the quay".split()
 
@@ -153,6 +163,24 @@ def test_bad_input_is_refused_before_anything_is_sent(trimmer, fake, messages, c
     assert fake.calls == []
 
 
+def test_budget_and_target_can_be_changed_and_are_validated(trimmer):
+    trimmer.ttft_budget_s = 2.5
+    assert trimmer.ttft_budget_s == 2.5
+    assert trimmer.prepare([{"role": "user", "content": "q"}]).budget_s == 2.5
+    trimmer.ttft_budget_s = None
+    assert trimmer.ttft_budget_s is None
+    for bad in (0, -1.0, float("nan"), "1"):
+        with pytest.raises(InvalidBudgetError):
+            trimmer.ttft_budget_s = bad
+    assert trimmer.ttft_budget_s is None
+    trimmer.attainment_target = 0.9
+    assert trimmer.attainment_target == 0.9
+    for bad in (0, 1, True, "0.9"):
+        with pytest.raises(InvalidInputError):
+            trimmer.attainment_target = bad
+    assert trimmer.attainment_target == 0.9
+
+
 def test_bad_constructor_arguments(fake):
     profile = trimkit.calibrate(fake)
     with pytest.raises(InvalidInputError):
@@ -208,8 +236,8 @@ def test_concurrent_calls_from_threads_all_report(trimmer, fake):
 
 def test_summaries_are_computed_off_the_critical_path_and_reused(fake):
     profile = trimkit.calibrate(fake)
-    strategies = [trimkit.summarize_history(), trimkit.drop_oldest_turns()]  # no previous-cut reuse competing
-    t = Trimmer(fake, ttft_budget_s=0.9, profile=profile, summarizer=trimkit.ExtractiveSummarizer(), clock=fake.clock, strategies=strategies)
+    strategies = [trimkit.strategies.summarize_history(), trimkit.strategies.drop_oldest_turns()]  # no previous-cut reuse competing
+    t = Trimmer(fake, ttft_budget_s=0.9, profile=profile, summarizer=trimkit.strategies.summarize.ExtractiveSummarizer(), clock=fake.clock, strategies=strategies)
     convo = conversation(10, 80)
     summarized_turns = 0
     cached = []
@@ -293,7 +321,7 @@ def test_with_a_budget_a_prompt_over_the_context_window_is_trimmed_to_fit(isolat
 
 def test_summaries_are_on_by_default_and_can_be_turned_off(fake):
     profile = trimkit.calibrate(fake, quick=True)
-    assert isinstance(Trimmer(fake, profile=profile).summarizer, trimkit.ExtractiveSummarizer)
+    assert isinstance(Trimmer(fake, profile=profile).summarizer, trimkit.strategies.summarize.ExtractiveSummarizer)
     assert Trimmer(fake, profile=profile, summarizer=None).summarizer is None
     with pytest.raises(InvalidInputError):
         Trimmer(fake, profile=profile, summarizer="abstractive")
@@ -323,3 +351,74 @@ def test_values_are_validated_and_used(fake):
     budgeted = [Trimmer(fake, ttft_budget_s=0.9, profile=profile, clock=fake.clock, values=v) for v in (None, trimkit.ValueModel(history_weight=20.0))]
     removed = [len(t.prepare(conversation(8, 60), chunks, {}).plan.removed_message_indices) for t in budgeted]
     assert removed[1] < removed[0]
+
+
+# -- the report an error carries -------------------------------------------------------------------------
+
+
+class BreakingFake(FakeBackend):
+    """A fake whose stream breaks 0.5 s after its first content chunk, which comes 0.25 s after sending."""
+
+    def send(self, messages, params, *, prompt_tokens=None):
+        self.calls.append((list(messages), dict(params)))
+
+        def chunks():
+            yield {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+            self.clock.advance(0.25)
+            yield {"choices": [{"index": 0, "delta": {"content": "Hello"}, "finish_reason": None}]}
+            self.clock.advance(0.5)
+            raise StreamInterruptedError("the engine went away")
+
+        def finish(ts):
+            raise AssertionError("a broken stream has no measurement")
+
+        return TimedStream(chunks(), started=None, clock=self.clock, content_of=chunk_content, finish=finish)
+
+
+def test_an_error_mid_stream_carries_the_report_of_what_was_sent_with_the_time_to_the_failure(isolated_cache):
+    fake = BreakingFake(CostModel(overhead_s=0.01, per_token_s=0.002, depth_s=1e-7), clock=FakeClock())
+    t = Trimmer(fake, ttft_budget_s=1.0, profile=trimkit.calibrate(fake), clock=fake.clock)
+    prepared = t.prepare(conversation(2))
+    rs = t.execute(prepared, {"max_tokens": 4})
+    with pytest.raises(StreamInterruptedError) as info:
+        list(rs)
+    report = info.value.report
+    assert report is not None and rs.report is None and t.last_report is None  # nothing learned from a failure
+    assert report.prompt_tokens == len(prepared.prompt_tokens) and report.predicted_ttft_s == prepared.predicted_ttft_s
+    assert report.measurement.ttft_s == pytest.approx(0.25)
+    # total_s: from sending to the failure, on every front-end (was 0.0 in-process, the elapsed time over HTTP)
+    assert report.measurement.total_s == pytest.approx(0.75)
+
+
+def test_the_error_report_of_a_stream_that_never_started_has_no_time(trimmer):
+    prepared = trimmer.prepare(conversation(1))
+    ts = TimedStream(iter(()), started=None, clock=trimmer.pipeline.clock, content_of=chunk_content, finish=lambda ts: None)
+    report = trimmer.pipeline.error_report(prepared, ts, {})
+    assert report.measurement.total_s == 0.0 and report.measurement.ttft_s is None
+
+
+# -- the Llama front-end over the fake engine ---------------------------------------------------------------
+
+
+def test_trimmed_llama_returns_llama_shaped_responses_and_delegates_the_rest(fake):
+    class Llm:  # what the drop-in hands through: anything the wrapper does not define
+        def tokenize(self, text):
+            return [1, 2, 3]
+
+    chat = TrimmedLlama(Llm(), backend=fake, ttft_budget_s=1.0, profile=trimkit.calibrate(fake), clock=fake.clock)
+    out = chat.create_chat_completion(messages=conversation(2), max_tokens=3, temperature=0.0)
+    report = chat.last_report
+    assert out["object"] == "chat.completion" and out["choices"][0]["message"]["content"]
+    assert out["usage"] == {"prompt_tokens": report.prompt_tokens, "completion_tokens": 3, "total_tokens": report.prompt_tokens + 3}
+    assert report.decode_params == {"max_tokens": 3, "temperature": 0.0}
+    stream = chat.create_chat_completion(messages=conversation(2), max_tokens=2, stream=True, ttft_budget_s=0.5)
+    assert list(stream) and stream.report is chat.last_report and stream.report.ttft_budget_s == 0.5
+    assert chat.tokenize("x") == [1, 2, 3] and chat.profile is chat.pipeline.profile and chat.backend is fake
+
+
+def test_a_wrapped_backend_has_the_llama_chat_api(fake):
+    chat = trimkit.wrap(fake, ttft_budget_s=1.0, profile=trimkit.calibrate(fake), clock=fake.clock)
+    assert isinstance(chat, Trimmer)
+    out = chat.create_chat_completion(messages=conversation(2), max_tokens=2)
+    assert out["choices"][0]["message"]["content"] and out["usage"]["completion_tokens"] == 2
+    assert chat.last_report.ttft_budget_s == 1.0 and fake.calls[-1][1] == {"max_tokens": 2}

@@ -18,7 +18,7 @@ def chat(llm, quick_profile):
 
 
 def test_wrapped_llama_is_a_drop_in(chat, llm):
-    assert isinstance(chat, trimkit.TrimmedLlama)
+    assert isinstance(chat, trimkit.wrapper.TrimmedLlama)
     assert chat.tokenize(b"hello") == llm.tokenize(b"hello")  # everything else is the Llama's
     assert chat.n_ctx() == llm.n_ctx()
 

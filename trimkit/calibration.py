@@ -18,9 +18,13 @@ from typing import Any
 import attrs
 
 from trimkit.backends.base import Backend
-from trimkit.costmodel import PrefillSample, error_stats, fit_cost_model, heldout_predictions
-from trimkit.errors import CalibrationError, ContextTooSmallError
-from trimkit.profile import Profile, load_profile, save_profile
+from trimkit.backends.clients import client_kind
+from trimkit.backends.http import OpenAIHTTPBackend
+from trimkit.backends.llama import LlamaBackend
+from trimkit.planning.costs import PrefillSample, error_stats, fit_cost_model, heldout_predictions
+from trimkit.errors import CalibrationError, ContextTooSmallError, InvalidInputError
+from trimkit.profile import Profile
+from trimkit.profile_store import load_profile, save_profile
 
 __all__ = ["calibrate", "calibration_probes", "as_backend", "Probe", "MIN_N_CTX"]
 
@@ -74,27 +78,17 @@ def calibration_probes(n_ctx: int, *, quick: bool = False) -> list[Probe]:
 
 
 def as_backend(target: Any) -> Backend:
-    """A :class:`Backend` for ``target``: a Backend, a ``llama_cpp.Llama``, or an OpenAI-style client."""
-    if isinstance(target, Backend):
+    """A :class:`Backend` for ``target``: a Backend, a trimkit wrapper's, a ``llama_cpp.Llama``, or an OpenAI-style client
+    (what it is: :func:`~trimkit.backends.clients.client_kind`, as for :func:`trimkit.wrap`)."""
+    kind = client_kind(target)
+    if kind == "backend":
         return target
-    backend = getattr(target, "backend", None)  # a trimkit wrapper
-    if isinstance(backend, Backend):
-        return backend
-    try:
-        from llama_cpp import Llama
-    except ImportError:  # pragma: no cover
-        Llama = None  # type: ignore[assignment]
-    if Llama is not None and isinstance(target, Llama):
-        from trimkit.backends.llama import LlamaBackend
-
+    if kind == "wrapper":
+        return target.backend
+    if kind == "llama":
         return LlamaBackend(target)
-    chat = getattr(target, "chat", None)
-    if chat is not None and hasattr(getattr(chat, "completions", None), "create"):
-        from trimkit.backends.http import OpenAIHTTPBackend
-
-        return OpenAIHTTPBackend.from_client(target)
-    from trimkit.errors import InvalidInputError
-
+    if kind == "openai":
+        return OpenAIHTTPBackend.from_openai_client(target)
     raise InvalidInputError(
         f"cannot use {type(target).__name__} as a model: pass a llama_cpp.Llama, an OpenAI-style client or a trimkit Backend"
     )
@@ -168,7 +162,7 @@ def calibrate(
         model = fit_cost_model(samples, n_batch=n_batch, batched=batched)
         heldout = heldout_predictions(samples, n_batch=n_batch, batched=batched)
         candidates["batched" if batched else "design"] = (model, error_stats(heldout), heldout)
-    # the plain model (docs/phases.md) unless the per-chunk variant is clearly better on held-out probes
+    # the plain model (docs/design.md, §2) unless the per-chunk variant is clearly better on held-out probes
     name = "design"
     d_err, b_err = candidates["design"][1], candidates["batched"][1]
     if math.isfinite(b_err.median_pct) and b_err.median_pct < d_err.median_pct * 0.9:
@@ -185,7 +179,7 @@ def calibrate(
         calibration_wall_s=wall,
         quick=quick,
         created_at=time.time(),
-        residuals=tuple(heldout),  # seeds the learned safety margin (trimkit.margin)
+        residuals=tuple(heldout),  # seeds the learned safety margin (trimkit.planning.margin)
     )
     if store:
         path = save_profile(profile)

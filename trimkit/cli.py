@@ -11,11 +11,26 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from trimkit import __version__
+from trimkit.backends.base import Backend
+from trimkit.backends.http import OpenAIHTTPBackend
+from trimkit.backends.llama import LlamaBackend
+from trimkit.calibration import calibrate
+from trimkit.console import ProgressBar, open_llama, plot_profile, profile_lines
+from trimkit.demo import run_demo
+from trimkit.diagnose import diagnose
 from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError
+from trimkit.messages import coerce_chunks, validate_messages
+from trimkit.planning.planner import plan as make_plan
+from trimkit.profile import Profile
+from trimkit.profile_store import load_profile
+from trimkit.prepared import place_chunks
+from trimkit.wrapper import wrap
 
-__all__ = ["main", "build_parser", "open_llama", "read_request"]
+__all__ = ["main", "build_parser", "open_llama", "read_request", "profile_lines"]
 
 EMBEDDED = "embedded default model (Gemma-3-270M Q4_K_M)"
 
@@ -40,125 +55,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def open_llama(model: str | None, n_ctx: int, chat_format: str | None = None, **kwargs: Any) -> Any:
-    """A ``llama_cpp.Llama`` for ``model`` (a GGUF path; None = the embedded model), checked first."""
-    from llama_cpp import Llama
-
-    from trimkit.model import check_model_path
-
-    from llama_cpp._utils import suppress_stdout_stderr
-
-    if model is None:
-        # the embedded GGUF carries no chat template: Gemma 3's own, which keeps system prompts
-        # (llama-cpp-python's "gemma" format drops them; its fallback, llama-2, is wrong)
-        from trimkit.templates import default_llama
-
-        if chat_format is not None:
-            kwargs["chat_format"] = chat_format
-        with suppress_stdout_stderr(disable=False):
-            return default_llama(n_ctx=n_ctx, **kwargs)
-    path = str(check_model_path(model))
-
-    # llama.cpp prints some context-creation notes even with verbose=False; the CLI stays quiet
-    # (a failed load still raises, with its message, from the Llama constructor)
-    with suppress_stdout_stderr(disable=False):
-        return Llama(model_path=path, n_ctx=n_ctx, verbose=False, chat_format=chat_format, **kwargs)
-
-
-class _Bar:
-    """tqdm progress bar as a calibration progress callback."""
-
-    def __init__(self, desc: str, enabled: bool) -> None:
-        self._bar = None
-        self._desc = desc
-        self._enabled = enabled
-
-    def __call__(self, done: int, total: int, label: str) -> None:
-        if not self._enabled:
-            return
-        if self._bar is None:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, desc=self._desc, unit="step", file=sys.stderr, leave=False)
-        self._bar.set_postfix_str(label, refresh=False)
-        self._bar.update(done - self._bar.n)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
-def profile_lines(profile: Any) -> list[str]:
-    """The profile as a table a person can read."""
-    key = profile.key
-    out = [
-        f"profile for {key.model}",
-        f"  n_ctx={key.n_ctx} n_batch={key.n_batch} threads={key.n_threads}/{key.n_threads_batch} "
-        f"flash_attn={key.flash_attn} gpu_layers={key.n_gpu_layers} · {key.engine_version} · {key.cpu}",
-        f"  {'prompt tokens':>13} {'cached':>7} {'measured':>10} {'predicted':>10} {'error':>8} {'ms/token':>9}",
-    ]
-    for r in profile.table():
-        out.append(
-            f"  {r['new_tokens']:>13,} {r['cached_tokens']:>7,} {r['measured_s']:>9.3f}s {r['predicted_s']:>9.3f}s "
-            f"{r['error_pct']:>+7.1f}% {r['ms_per_token']:>9.2f}"
-        )
-    m = profile.model
-    out += [
-        f"  model ({m.name}): T(n|k) = {m.overhead_s * 1000:.1f} ms + {m.per_token_s * 1000:.3f} ms·n + "
-        f"{m.depth_s * 1e6:.3f} µs·(n·k + n²/2)" + (f" + {m.per_batch_s * 1000:.1f} ms·⌈n/{m.n_batch}⌉" if m.per_batch_s else ""),
-        f"  held-out error (leave one probe out): median {profile.error.median_pct:.1f} %, p90 {profile.error.p90_pct:.1f} %",
-        f"  first-token overhead {profile.first_token_s * 1000:.1f} ms · decode {profile.decode_tokens_per_s:.1f} tokens/s "
-        f"(the stream; trimming does not change it)",
-        f"  calibrated in {profile.calibration_wall_s:.1f} s ({'quick' if profile.quick else 'full'})",
-    ]
-    return out
-
-
-def plot_profile(profile: Any, path: str, budget_s: float | None = None) -> str:
-    """Measured prefill time against prompt length, with the fitted curve (and a budget line)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise InvalidInputError("--plot needs matplotlib: pip install 'trimkit[plot]'") from None
-    cold = [s for s in profile.samples if s.cached_tokens == 0]
-    deep = [s for s in profile.samples if s.cached_tokens > 0]
-    top = max(s.new_tokens + s.cached_tokens for s in profile.samples)
-    xs = list(range(1, top + 1, max(top // 200, 1)))
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    ax.plot([s.new_tokens for s in cold], [s.seconds for s in cold], "o", label="measured (cold prompt)", alpha=0.8)
-    ax.plot(xs, [profile.model.prefill_s(x) for x in xs], "-", label=f"fitted cost model ({profile.model.name})")
-    for k in sorted({s.cached_tokens for s in deep}):
-        pts = [s for s in deep if s.cached_tokens == k]
-        ax.plot([s.new_tokens for s in pts], [s.seconds for s in pts], "s", label=f"measured, after {k:,} cached tokens")
-        ax.plot(xs, [profile.model.prefill_s(x, k) for x in xs], ":", alpha=0.6)
-    if budget_s:
-        ax.axhline(budget_s - profile.first_token_s, color="red", ls="--", label=f"prefill share of a {budget_s:g} s TTFT budget")
-    ax.set_xlabel("prompt tokens evaluated (n)")
-    ax.set_ylabel("prefill time (s)")
-    ax.set_title(f"Prefill cost on this host — {profile.key.model.split(':')[0]}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from trimkit.calibration import calibrate
-
     if args.url:
-        from trimkit.backends.http import OpenAIHTTPBackend
-
         if not args.model:
             raise InvalidInputError("--url needs --model NAME (the model name the server serves)")
         target: Any = OpenAIHTTPBackend(args.url, model=args.model, n_ctx=args.n_ctx)
     else:
         target = open_llama(args.model, args.n_ctx or 8192)
-    bar = _Bar("calibrating", enabled=not args.json and sys.stderr.isatty() or args.progress)
+    bar = ProgressBar("calibrating", enabled=not args.json and sys.stderr.isatty() or args.progress)
     try:
         profile = calibrate(target, quick=args.quick, recalibrate=args.recalibrate, progress=bar)
     finally:
@@ -175,13 +79,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_diagnose(args: argparse.Namespace) -> int:
-    from trimkit.diagnose import diagnose
-
     if args.prompt_file:
-        from pathlib import Path
-
-        from trimkit.wrapper import wrap
-
         try:
             text = Path(args.prompt_file).read_text(encoding="utf-8")
         except OSError as exc:
@@ -213,8 +111,6 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from trimkit.demo import run_demo
-
     return run_demo(model=args.model, budget_s=args.budget, budget_share=args.budget_share, turns=args.turns, n_ctx=args.n_ctx,
                     quick=args.quick, json_path=args.json)
 
@@ -228,10 +124,6 @@ def _share(text: str) -> float:
 
 def read_request(path: str) -> tuple[list[Any], tuple[Any, ...], Any]:
     """``(messages, chunks, tools)`` from a JSON request file, checked; InvalidInputError otherwise."""
-    from pathlib import Path
-
-    from trimkit.messages import coerce_chunks, validate_messages
-
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -261,13 +153,9 @@ def read_request(path: str) -> tuple[list[Any], tuple[Any, ...], Any]:
     return messages, chunks, tools
 
 
-def _plan_profile(args: argparse.Namespace, backend: Any) -> tuple[Any, str]:
+def _plan_profile(args: argparse.Namespace, backend: Backend) -> tuple[Profile, str]:
     """The profile to plan with, and where it came from."""
-    from trimkit.profile import Profile, load_profile
-
     if args.profile:
-        from pathlib import Path
-
         try:
             return Profile.from_dict(json.loads(Path(args.profile).read_text(encoding="utf-8"))), f"--profile {args.profile}"
         except OSError as exc:
@@ -277,18 +165,12 @@ def _plan_profile(args: argparse.Namespace, backend: Any) -> tuple[Any, str]:
     stored = load_profile(backend.profile_key())
     if stored is not None:
         return stored, f"the stored {'quick' if stored.quick else 'full'} calibration profile"
-    from trimkit.calibration import calibrate
-
     print("trimkit: no stored calibration profile for this model and settings: calibrating quickly (stored for next time)…",
           file=sys.stderr)
     return calibrate(backend, quick=True), "a quick calibration measured now (no stored profile)"
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from trimkit.backends.llama import LlamaBackend
-    from trimkit.planner import plan as make_plan
-    from trimkit.wrapper import place_chunks
-
     messages, chunks, tools = read_request(args.request)  # bad input fails before the model loads
     backend = LlamaBackend(open_llama(args.model, args.n_ctx))
     profile, source = _plan_profile(args, backend)
@@ -338,8 +220,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from trimkit import __version__
-
     p = argparse.ArgumentParser(
         prog="trimkit",
         description="Keep a local LLM's time to first token inside a budget by trimming what is prefilled. "

@@ -8,6 +8,12 @@ from importlib import resources
 from collections.abc import Sequence
 from typing import Any
 
+from trimkit.calibration import calibrate
+from trimkit.console import ProgressBar, open_llama, profile_lines
+from trimkit.messages import Chunk
+from trimkit.planning.relevance import rank_chunks
+from trimkit.wrapper import wrap
+
 __all__ = ["run_demo", "load_corpus", "load_history", "load_questions", "answer_chunk_status"]
 
 
@@ -111,17 +117,13 @@ def run_demo(
 ) -> int:
     """Run the demo. ``budget_s`` None: the chat's budget is the predicted TTFT of
     ``budget_share`` of the untrimmed prompt on this host (so it trims on any machine)."""
-    import trimkit
-    from trimkit.cli import _Bar, open_llama, profile_lines
-    from trimkit.relevance import rank_chunks
-
     reports: list[dict[str, Any]] = []
     llm = open_llama(model, n_ctx)
     _rule("1. Calibration: what prefill costs on this machine")
     t0 = time.perf_counter()
-    bar = _Bar("calibrating", enabled=True)
+    bar = ProgressBar("calibrating", enabled=True)
     try:
-        profile = trimkit.calibrate(llm, quick=quick, progress=bar)
+        profile = calibrate(llm, quick=quick, progress=bar)
     finally:
         bar.close()
     took = time.perf_counter() - t0
@@ -129,7 +131,7 @@ def run_demo(
     print(f"  ({'measured now' if took > 1.0 else 'reused the stored profile'}; took {took:.1f} s)")
 
     corpus = load_corpus()
-    plain = trimkit.wrap(llm, profile=profile)  # no budget: measure and report only
+    plain = wrap(llm, profile=profile)  # no budget: measure and report only
 
     _rule("2. The two phases: a long prompt and a short one, no budget")
     long_text = "\n\n".join(d["text"] for d in corpus[:10])
@@ -150,7 +152,7 @@ def run_demo(
 
     history = load_history()
     questions = [q for q in load_questions()][:turns + 1]
-    chunk_texts = [trimkit.Chunk(text=d["text"], id=d["id"]) for d in corpus]
+    chunk_texts = [Chunk(text=d["text"], id=d["id"]) for d in corpus]
 
     def retrieved(question: str) -> list[Any]:
         # a retriever would hand over its top 12; we use the library's own BM25 for that here
@@ -190,7 +192,7 @@ def run_demo(
 
     _rule(f"4. The same chat under a TTFT budget of {budget_s:.2f} s, turn after turn")
     print(derived)
-    chat = trimkit.wrap(llm, ttft_budget_s=budget_s, profile=plain.profile)
+    chat = wrap(llm, ttft_budget_s=budget_s, profile=plain.profile)
     convo = [{"role": "system", "content": SYSTEM}, *history]
     kept_answer = 0
     for turn, q in enumerate(questions[1 : turns + 1], start=1):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from trimkit._validate import count, positive_finite
+from trimkit.validation import count, positive_finite
 
 __all__ = ["Diagnosis", "diagnose", "WAIT_CURES", "STREAM_CURES", "READING_SPEED_TOKENS_PER_S"]
 

@@ -19,7 +19,9 @@ from trimkit.errors import InvalidChunkError, InvalidInputError, InvalidMessageE
 __all__ = [
     "Chunk",
     "ROLES",
+    "SYSTEM_ROLES",
     "DEFAULT_RAG_TEMPLATE",
+    "DEFAULT_RAG_CHUNK_TEMPLATE",
     "validate_messages",
     "coerce_chunks",
     "message_text",
@@ -27,6 +29,7 @@ __all__ = [
     "last_user_index",
     "render_rag_question",
     "with_chunks",
+    "append_text",
     "check_rag_templates",
 ]
 
@@ -34,7 +37,7 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 SYSTEM_ROLES = frozenset({"system", "developer"})
 
 #: How retrieved chunks are placed into the last user message. Chunks come before the question
-#: (docs/budgets.md, "Prompt layout": stable → volatile, the question last). Override with ``rag_template=``:
+#: (docs/design.md, §3 "The prompt layout": stable → volatile, the question last). Override with ``rag_template=``:
 #: a format string with ``{chunks}`` and ``{question}``; each chunk is rendered with
 #: ``rag_chunk_template`` (fields ``{id}``, ``{text}``, ``{n}``) and joined by a blank line.
 DEFAULT_RAG_TEMPLATE = "Use the following retrieved context to answer.\n\n{chunks}\n\nQuestion: {question}"
@@ -306,6 +309,18 @@ def with_chunks(message: Mapping[str, Any], chunks: Sequence[Chunk], template: s
         new["content"] = parts
     else:
         new["content"] = render_rag_question(content or "", chunks, template, chunk_template)
+    return new
+
+
+def append_text(message: Mapping[str, Any], text: str) -> dict[str, Any]:
+    """A copy of ``message`` with ``text`` appended to its content: to the string, or as a new
+    text part after a list of parts. ``message`` itself is not modified."""
+    new = dict(message)
+    content = message.get("content")
+    if isinstance(content, list):
+        new["content"] = [*content, {"type": "text", "text": text}]
+    else:
+        new["content"] = (content or "") + text
     return new
 
 

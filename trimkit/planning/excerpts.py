@@ -15,15 +15,15 @@ any, and no better than dropping it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
 from trimkit.messages import Chunk
-from trimkit.relevance import question_idf as _idf
-from trimkit.relevance import sentence_score, split_sentences
+from trimkit.planning.relevance import question_idf as text_idf
+from trimkit.planning.relevance import sentence_score, split_sentences
 
-__all__ = ["Excerpt", "question_idf", "excerpts_of", "span_label", "MIN_SENTENCES"]
+__all__ = ["Excerpt", "question_idf", "excerpts_of", "index_runs", "span_label", "MIN_SENTENCES"]
 
 #: chunks with fewer sentences are kept whole or dropped: an excerpt would hardly be shorter
 MIN_SENTENCES = 4
@@ -45,26 +45,27 @@ class Excerpt:
 
 def question_idf(question: str, chunks: Sequence[Chunk]) -> dict[str, float]:
     """IDF over ``chunks`` of each content word of ``question`` (words in no chunk are left out)."""
-    return _idf(question, [c.text for c in chunks])
+    return text_idf(question, [c.text for c in chunks])
 
 
-def _spans(indices: Sequence[int]) -> tuple[tuple[int, int], ...]:
+def index_runs(indices: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """``[1, 2, 3, 5]`` → ``((1, 3), (5, 5))``: the runs of consecutive indices, as inclusive ranges."""
     runs: list[list[int]] = []
     for i in sorted(indices):
         if runs and i == runs[-1][1] + 1:
             runs[-1][1] = i
         else:
             runs.append([i, i])
-    return tuple((a + 1, b + 1) for a, b in runs)
+    return tuple((a, b) for a, b in runs)
 
 
 def span_label(spans: Sequence[Sequence[int]]) -> str:
-    """``((4, 6), (9, 9))`` → ``"4–6, 9"``: sentence ranges as the excerpt marker and the report name them."""
+    """``((4, 6), (9, 9))`` → ``"4–6, 9"``: ranges as the excerpt marker and the report name them."""
     return ", ".join(f"{a}–{b}" if a != b else str(a) for a, b in spans)
 
 
 def _render(sentences: Sequence[str], keep: Sequence[int]) -> tuple[str, tuple[tuple[int, int], ...]]:
-    spans = _spans(keep)
+    spans = tuple((a + 1, b + 1) for a, b in index_runs(keep))  # 1-based sentence numbers
     label = span_label(spans)
     parts = [" ".join(sentences[a - 1 : b]) for a, b in spans]
     return f"(excerpt: sentences {label} of {len(sentences)}) " + " … ".join(parts), spans

@@ -1,7 +1,7 @@
 """The prefill cost model: how long the engine takes to evaluate ``n`` new prompt tokens after
 ``k`` tokens already in the KV cache.
 
-The model (docs/phases.md) is ``T(n | k) = b + a·n + c·(n·k + n²/2)``: a fixed overhead, a per-token
+The model (docs/design.md, §2) is ``T(n | k) = b + a·n + c·(n·k + n²/2)``: a fixed overhead, a per-token
 cost, and a depth (attention) term that grows with how deep in the context the new tokens sit.
 llama.cpp evaluates prompts in ``n_batch`` chunks, each with its own fixed cost, so trimkit also
 fits a variant with a per-chunk term ``d·ceil(n / n_batch)`` and keeps whichever predicts the
@@ -14,16 +14,40 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 
 import attrs
+import numpy as np
 
-from trimkit._validate import attrs_non_negative, count, real_float
+from trimkit.validation import attrs_non_negative, count, real_float
 from trimkit.errors import InvalidInputError, InvalidNumberError
 
 __all__ = [
-    "PrefillSample", "CostModel", "ErrorStats", "fit_cost_model", "cross_validate", "heldout_predictions", "error_stats", "quantile",
+    "PrefillSample",
+    "CostModel",
+    "ErrorStats",
+    "evaluated_tokens",
+    "reusable_cached_tokens",
+    "fit_cost_model",
+    "cross_validate",
+    "heldout_predictions",
+    "error_stats",
+    "quantile",
 ]
+
+
+def evaluated_tokens(n_tokens: int, cached_tokens: int) -> int:
+    """The tokens the engine evaluates for an ``n_tokens`` prompt of which ``cached_tokens`` are in
+    its KV cache: at least one, since llama.cpp evaluates the last prompt token even on a full
+    cache hit (it needs that token's logits to sample)."""
+    return max(n_tokens - cached_tokens, 1)
+
+
+def reusable_cached_tokens(n_tokens: int, cached_tokens: int) -> int:
+    """The part of ``cached_tokens`` an ``n_tokens`` prompt can reuse: never more than
+    ``n_tokens - 1`` (see :func:`evaluated_tokens`), never negative."""
+    return max(0, min(cached_tokens, n_tokens - 1))
 
 
 def _check_str(value: object, name: str) -> None:
@@ -107,8 +131,6 @@ def _features(s: PrefillSample, n_batch: int, batched: bool) -> list[float]:
 
 def _nnls_small(rows: Sequence[Sequence[float]], target: Sequence[float], weights: Sequence[float]) -> list[float]:
     """Exact non-negative least squares for a handful of variables: try every active set."""
-    import numpy as np
-
     A = np.asarray(rows, dtype=float) * np.asarray(weights, dtype=float)[:, None]
     y = np.asarray(target, dtype=float) * np.asarray(weights, dtype=float)
     # scale columns so that tiny depth coefficients are not lost to conditioning
@@ -163,26 +185,25 @@ class ErrorStats:
         return attrs.asdict(self)
 
 
-def _quantile(sorted_values: Sequence[float], q: float) -> float:
-    if not sorted_values:
+def quantile(values: Iterable[float], q: float) -> float:
+    """The ``q`` quantile (any ``q`` in 0–1) of ``values`` with linear interpolation between the
+    closest ranks (as ``statistics.quantiles(method="inclusive")`` places its cut points, which
+    offers only ``q = i/n``); NaN when empty."""
+    ordered = sorted(values)
+    if not ordered:
         return float("nan")
-    pos = q * (len(sorted_values) - 1)
+    pos = q * (len(ordered) - 1)
     lo = math.floor(pos)
     hi = math.ceil(pos)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-def quantile(values: Iterable[float], q: float) -> float:
-    """The ``q`` quantile (0–1) of ``values`` with linear interpolation; NaN when empty."""
-    return _quantile(sorted(values), q)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def error_stats(pairs: Iterable[tuple[float, float]]) -> ErrorStats:
     """``pairs`` of (predicted, measured) → median / p90 / max absolute percentage error."""
-    errs = sorted(abs(p - m) / m * 100.0 for p, m in pairs if m > 0)
+    errs = [abs(p - m) / m * 100.0 for p, m in pairs if m > 0]
     if not errs:
         return ErrorStats(float("nan"), float("nan"), float("nan"), 0)
-    return ErrorStats(_quantile(errs, 0.5), _quantile(errs, 0.9), errs[-1], len(errs))
+    return ErrorStats(statistics.median(errs), quantile(errs, 0.9), max(errs), len(errs))
 
 
 def heldout_predictions(samples: Sequence[PrefillSample], *, n_batch: int, batched: bool) -> list[tuple[float, float]]:

@@ -1,12 +1,12 @@
 """What each piece of a request is worth: the *value* side of value per predicted second.
 
-The planner (:mod:`trimkit.engine`) keeps the set of history turns, summaries, retrieved chunks
+The planner (:mod:`trimkit.planning.engine`) keeps the set of history turns, summaries, retrieved chunks
 and chunk excerpts with the most value whose predicted TTFT fits the budget. This module says
 what those values are. A :class:`ValueModel` holds the knobs; :func:`chunk_values` and
 :func:`turn_values` apply them to one request.
 
 Chunks. Relevance ``r`` in ``[0, 1]`` is the lexical match with the question (BM25 over the
-chunk and its best sentence, :func:`~trimkit.relevance.chunk_relevance`), fused with the caller's
+chunk and its best sentence, :func:`~trimkit.planning.relevance.chunk_relevance`), fused with the caller's
 scores when every chunk has one (``lexical_weight`` for the lexical side), else blended with
 the retriever's order (the order the caller passed; ``order_weight``). A chunk is worth ``chunk_weight * r ** relevance_power /
 log2(rank + 2)``: with the default power 2 a chunk half as relevant is worth a quarter as much,
@@ -31,9 +31,10 @@ from typing import Any
 
 import attrs
 
-from trimkit._validate import non_negative_finite
+from trimkit.errors import InvalidNumberError
 from trimkit.messages import Chunk, message_text
-from trimkit.relevance import bm25_scores, chunk_relevance
+from trimkit.planning.relevance import bm25_scores, chunk_relevance
+from trimkit.validation import non_negative_finite, positive_finite
 
 __all__ = ["ValueModel", "chunk_values", "turn_values"]
 
@@ -43,16 +44,11 @@ def _non_negative(instance: Any, attribute: Any, value: Any) -> None:
 
 
 def _positive(instance: Any, attribute: Any, value: Any) -> None:
-    if non_negative_finite(value, attribute.name) <= 0:
-        from trimkit.errors import InvalidNumberError
-
-        raise InvalidNumberError(f"{attribute.name} must be > 0, got {value!r}")
+    positive_finite(value, attribute.name)
 
 
 def _share(instance: Any, attribute: Any, value: Any) -> None:
     if not 0.0 <= non_negative_finite(value, attribute.name) <= 1.0:
-        from trimkit.errors import InvalidNumberError
-
         raise InvalidNumberError(f"{attribute.name} must be within [0, 1], got {value!r}")
 
 

@@ -8,9 +8,13 @@ explicit idle call, and caches them by the exact messages they cover:
 1. after each response the wrapper calls :func:`next_summary_job` with the request's plan (or
    :func:`summary_job` with the conversation); it returns ``None`` (nothing is due) or a
    zero-argument callable that computes the next summary and stores it in the
-   :class:`SummaryCache`;
-2. the next :func:`~trimkit.planner.plan` finds it with :meth:`SummaryCache.best_prefix` and
-   uses it only if the prompt is over budget.
+   :class:`~trimkit.planning.summaries.SummaryCache`;
+2. the next :func:`~trimkit.planning.planner.plan` finds it with
+   :meth:`~trimkit.planning.summaries.SummaryCache.best_prefix` and uses it only if the prompt is
+   over budget.
+
+The :class:`~trimkit.planning.summaries.Summary` value and the cache live in
+:mod:`trimkit.planning.summaries` (the planner reads them); they are importable from here too.
 
 A cached summary stays byte-identical until the next re-summarization, so the prompt prefix
 that carries it stays in the engine's KV cache from one turn to the next.
@@ -22,23 +26,21 @@ you supply — run it on a *separate* context so the conversation's KV cache sur
 
 from __future__ import annotations
 
-import hashlib
-import json
+import copy
 import logging
 import math
-import re
-import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from trimkit._validate import count as _check_count
 from trimkit.errors import InvalidInputError
 from trimkit.messages import message_text, turn_spans
-from trimkit.relevance import split_sentences, words
+from trimkit.planning.relevance import split_sentences, words
+from trimkit.planning.summaries import SUMMARY_HEADING, Summary, SummaryCache, messages_key, summary_note
+from trimkit.validation import count
 
 __all__ = [
     "Summary",
@@ -57,9 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("trimkit")
-
-#: How a summary is introduced where the planner places it (end of the first system message).
-SUMMARY_HEADING = "Summary of the earlier conversation:"
 
 #: The prompt :class:`PromptSummarizer` sends. Fields: ``{transcript}`` and ``{max_tokens}``.
 DEFAULT_SUMMARY_PROMPT = (
@@ -84,26 +83,6 @@ def _counter(count_tokens: Any) -> TokenCounter:
     if callable(count_tokens):
         return count_tokens  # type: ignore[no-any-return]
     raise InvalidInputError(f"count_tokens must be a PromptTokenizer or a callable, got {type(count_tokens).__name__}")
-
-
-@attrs.frozen
-class Summary:
-    """A computed summary of the first ``covered_messages`` history messages.
-
-    ``source_tokens`` is what the covered messages cost, ``summary_tokens`` what the summary
-    costs instead, ``seconds`` how long it took to compute (it counts against the TTFT budget
-    only when computed inline), ``summarizer`` the name of what made it.
-    """
-
-    text: str
-    covered_messages: int
-    source_tokens: int
-    summary_tokens: int
-    seconds: float
-    summarizer: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)
 
 
 @runtime_checkable
@@ -224,7 +203,7 @@ class PromptSummarizer:
     """
 
     complete: Callable[[str], str]
-    max_tokens: int = attrs.field(default=256, validator=lambda i, a, v: _check_count(v, a.name, minimum=1))
+    max_tokens: int = attrs.field(default=256, validator=lambda i, a, v: count(v, a.name, minimum=1))
     template: str = attrs.field(default=DEFAULT_SUMMARY_PROMPT, validator=_check_template)
     name: str = "prompt"
 
@@ -272,81 +251,6 @@ def make_summary(
     )
 
 
-def _message_digest(message: Mapping[str, Any]) -> bytes:
-    blob = json.dumps(message, sort_keys=True, ensure_ascii=False, default=repr, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).digest()
-
-
-def messages_key(messages: Sequence[Mapping[str, Any]]) -> str:
-    """A stable hash of the exact messages (every field, canonical JSON): the summary cache key."""
-    h = hashlib.sha256()
-    for m in messages:
-        h.update(_message_digest(m))
-    return h.hexdigest()
-
-
-class SummaryCache:
-    """Summaries keyed by the exact messages they cover. Thread-safe; keeps the newest ``max_entries``.
-
-    Share one per conversation (or one per wrapper: keys are content hashes, so conversations
-    cannot collide). The wrapper fills it off the critical path (:func:`summary_job`); the
-    planner only reads it.
-    """
-
-    def __init__(self, max_entries: int = 64) -> None:
-        _check_count(max_entries, "max_entries", minimum=1)
-        self._entries: OrderedDict[str, Summary] = OrderedDict()
-        self._max = max_entries
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
-
-    def get(self, covered_messages: Sequence[Mapping[str, Any]]) -> Summary | None:
-        """The summary of exactly these messages, or None."""
-        return self._get(messages_key(covered_messages))
-
-    def put(self, covered_messages: Sequence[Mapping[str, Any]], summary: Summary) -> None:
-        """Store ``summary`` as the summary of exactly ``covered_messages``."""
-        if not isinstance(summary, Summary):
-            raise InvalidInputError(f"summary must be a Summary, got {type(summary).__name__}")
-        key = messages_key(covered_messages)
-        with self._lock:
-            self._entries[key] = summary
-            self._entries.move_to_end(key)
-            while len(self._entries) > self._max:
-                self._entries.popitem(last=False)
-
-    def best_prefix(self, turns: Sequence[Sequence[Mapping[str, Any]]]) -> tuple[int, Summary] | None:
-        """``(n, summary)`` for the cached summary covering the longest prefix ``turns[:n]``
-        (``n >= 1``), or None. ``turns`` are lists of messages, oldest first."""
-        found = self.prefixes(turns)
-        return found[-1] if found else None
-
-    def prefixes(self, turns: Sequence[Sequence[Mapping[str, Any]]]) -> list[tuple[int, Summary]]:
-        """Every cached summary covering a prefix ``turns[:n]``, as ``(n, summary)``, shortest first."""
-        with self._lock:
-            if not self._entries:
-                return []
-        h = hashlib.sha256()
-        found: list[tuple[int, Summary]] = []
-        for n, turn in enumerate(turns, start=1):
-            for m in turn:
-                h.update(_message_digest(m))
-            hit = self._get(h.copy().hexdigest())
-            if hit is not None:
-                found.append((n, hit))
-        return found
-
-    def _get(self, key: str) -> Summary | None:
-        with self._lock:
-            hit = self._entries.get(key)
-            if hit is not None:
-                self._entries.move_to_end(key)
-            return hit
-
-
 def summary_job(
     messages: Sequence[Mapping[str, Any]],
     summarizer: Summarizer,
@@ -371,14 +275,14 @@ def summary_job(
     Nothing is due when the history is too short, when a cached summary already covers all but
     the recent turns, when fewer than ``resummarize_after_turns`` new turns have accumulated
     since the cached one (keeps the summary — and the cached prompt prefix that carries it —
-    byte-stable for a few turns), or when ``plan`` (the request's :class:`~trimkit.planner.Plan`)
+    byte-stable for a few turns), or when ``plan`` (the request's :class:`~trimkit.planning.planner.Plan`)
     shows the prompt below ``min_pressure`` of its budget (no summary needed yet).
 
     ``messages`` are snapshotted now, so the caller may go on changing its own list.
     """
-    _check_count(keep_recent_turns, "keep_recent_turns", minimum=0)
-    _check_count(resummarize_after_turns, "resummarize_after_turns", minimum=1)
-    _check_count(target_tokens, "target_tokens", minimum=1)
+    count(keep_recent_turns, "keep_recent_turns", minimum=0)
+    count(resummarize_after_turns, "resummarize_after_turns", minimum=1)
+    count(target_tokens, "target_tokens", minimum=1)
     if plan is not None and plan.predicted_ttft_before_s < min_pressure * plan.budget_s:
         return None
     turns = [[messages[i] for i in range(s, e)] for s, e in turn_spans(messages)]
@@ -389,12 +293,10 @@ def summary_job(
     done = hit[0] if hit else 0
     if done >= upto or (hit is not None and upto - done < resummarize_after_turns):
         return None
-    import copy
-
     covered = copy.deepcopy([m for t in turns[:upto] for m in t])
     source: list[Mapping[str, Any]] = copy.deepcopy([m for t in turns[done:upto] for m in t])
     if hit is not None:
-        source.insert(0, {"role": "system", "content": f"{SUMMARY_HEADING}\n{hit[1].text}"})
+        source.insert(0, {"role": "system", "content": summary_note(hit[1])})
     counter = _counter(count_tokens)
 
     def job() -> Summary | None:
@@ -423,7 +325,7 @@ def summary_job(
 def next_summary_job(
     plan: Any, summarizer: Summarizer, cache: SummaryCache, **options: Any
 ) -> Callable[[], Summary | None] | None:
-    """:func:`summary_job` for the request a :class:`~trimkit.planner.Plan` was made for.
+    """:func:`summary_job` for the request a :class:`~trimkit.planning.planner.Plan` was made for.
 
     Call it after the response to that request. The plan's ``request_messages`` (the caller's
     messages as given) end with the current turn, which the next request continues, so it

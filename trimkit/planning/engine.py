@@ -4,7 +4,7 @@ Strategies (:mod:`trimkit.strategies`) say *what may change*: which history turn
 chunks may be dropped or cut to an excerpt, which summary or earlier cut may stand in for the
 oldest turns. This engine decides *what does change*, in one pass:
 
-1. Every optional item gets a value (:mod:`trimkit.values`) and a cost in tokens, which the
+1. Every optional item gets a value (:mod:`trimkit.planning.values`) and a cost in tokens, which the
    profile turns into predicted seconds; pinned content (system messages, the last user turn,
    turns and chunks no strategy may touch) is fixed.
 2. The cache decides the rest of the cost. Dropping a turn inside the cached prefix forfeits the
@@ -13,12 +13,14 @@ oldest turns. This engine decides *what does change*, in one pass:
    with the first ``d`` turns after it kept verbatim (and so cached). Each scenario gives a
    token allowance from the profile (:meth:`~trimkit.profile.Profile.max_new_tokens` after the
    cached prefix) and the room left after the fixed content.
-3. In each scenario a knapsack (at most one variant per item: a chunk whole or one of its
-   excerpts) picks the items with the most value that fit the room. The scenario with the most
-   value wins; ties go to the faster prompt.
+3. In each scenario a knapsack (:mod:`trimkit.planning.knapsack`: at most one variant per item,
+   a chunk whole or one of its excerpts) picks the items with the most value that fit the room.
+   The scenario with the most value wins; ties go to the faster prompt.
 
-The chosen candidate is returned as a :class:`~trimkit.planner.PlanState` whose actions name
-every removed, summarized or excerpted item with its value and predicted cost.
+The chosen candidate is returned as a :class:`~trimkit.planning.state.PlanState` whose actions name
+every removed, summarized or excerpted item with its value and predicted cost. The engine knows
+strategies only through what they return (:class:`~trimkit.planning.state.Proposal`), so it does
+not import :mod:`trimkit.strategies`.
 """
 
 from __future__ import annotations
@@ -27,18 +29,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 
-from trimkit.excerpts import Excerpt, excerpts_of, question_idf, span_label
 from trimkit.messages import Chunk, message_text
-from trimkit.planner import Action, Candidate, PlanState
-from trimkit.summarize import Summary
-from trimkit.values import ValueModel, chunk_values, turn_values
+from trimkit.planning.costs import evaluated_tokens
+from trimkit.planning.excerpts import Excerpt, excerpts_of, index_runs, question_idf, span_label
+from trimkit.planning.knapsack import knapsack
+from trimkit.planning.request import Candidate
+from trimkit.planning.state import Action, Lead, PlanState, Proposal
+from trimkit.planning.values import ValueModel, chunk_values, turn_values
 
-__all__ = ["Lead", "Proposal", "solve", "knapsack"]
+# Lead and Proposal are defined in trimkit.planning.state; importable from here as before.
+__all__ = ["solve", "Lead", "Proposal"]
 
-#: capacity resolution of the knapsack: item sizes are rounded up to room / RESOLUTION tokens
-RESOLUTION = 512
 #: scenarios tried per start of the prompt (how many leading turns to keep cached)
 MAX_KEEP_SCENARIOS = 6
 #: exact counts spent putting back chunks the additive estimates left out
@@ -48,88 +50,23 @@ REFILL_TOLERANCE_TOKENS = 3
 
 
 @attrs.frozen
-class Lead:
-    """A different start of the prompt: the ``covers`` oldest history turns replaced by
-    ``summary`` (summarized) or, with no summary, dropped (e.g. the previous request's cut)."""
-
-    covers: int
-    summary: Summary | None
-    strategy: str
-    source: str = ""
-    extra_s: float = 0.0
-
-
-@attrs.frozen
-class Proposal:
-    """What one strategy allows: turns (positions in ``state.history_turns``) that may be
-    dropped, chunk ids that may be dropped and cut to excerpts, alternative starts of the
-    prompt, and notes (actions that removed nothing, e.g. a probed cache) for the report."""
-
-    droppable_turns: frozenset[int] = frozenset()
-    droppable_chunks: frozenset[str] = frozenset()
-    excerpt_chunks: frozenset[str] = frozenset()
-    leads: tuple[Lead, ...] = ()
-    notes: tuple[Action, ...] = ()
-
-
-def knapsack(groups: Sequence[Sequence[tuple[int, float]]], room: int) -> tuple[float, list[int]]:
-    """Pick at most one ``(tokens, value)`` variant per group, most total value within ``room``
-    tokens. Returns the value and the chosen variant index per group (-1: none).
-
-    Sizes are rounded *up* to ``room / RESOLUTION`` tokens, so a selection never exceeds ``room``.
-    """
-    chosen = [-1] * len(groups)
-    if room <= 0 or not groups:
-        return 0.0, chosen
-    quantum = max(1, -(-room // RESOLUTION))
-    cap = room // quantum
-    dp = np.zeros(cap + 1)
-    choices = np.full((len(groups), cap + 1), -1, dtype=np.int16)
-    sizes = [[-(-w // quantum) for w, _ in variants] for variants in groups]
-    for g, variants in enumerate(groups):
-        best = dp.copy()
-        arg = choices[g]
-        for vi, (_, value) in enumerate(variants):
-            wq = sizes[g][vi]
-            if wq > cap or value <= 0:
-                continue
-            cand = dp[: cap + 1 - wq] + value
-            seg = best[wq:]
-            better = cand > seg + 1e-12
-            seg[better] = cand[better]
-            arg[wq:][better] = vi
-        dp = best
-    c = cap
-    for g in range(len(groups) - 1, -1, -1):
-        vi = int(choices[g][c])
-        if vi >= 0:
-            chosen[g] = vi
-            c -= sizes[g][vi]
-    return float(dp[cap]), chosen
-
-
-@attrs.frozen
 class _Item:
     kind: str  # "turn" | "chunk"
     key: Any  # turn position | chunk id
     variants: tuple[tuple[int, float, Any], ...]  # (tokens, value, payload: None | Chunk)
 
 
-def _is_edit_strategy(strategy: Any) -> bool:
-    """An old-style strategy that edits the candidate itself (overrides ``__call__`` only)."""
-    from trimkit.strategies import Strategy
-
-    cls = type(strategy)
-    return cls.__call__ is not Strategy.__call__ and cls.propose is Strategy.propose
-
-
 def solve(state: PlanState, strategies: Sequence[Any], values: ValueModel) -> PlanState:
     """The candidate with the most value that fits ``state``'s target, or ``state`` itself
-    (not fitting) when nothing the strategies allow can make it fit."""
+    (not fitting) when nothing the strategies allow can make it fit.
+
+    ``strategies`` are :class:`~trimkit.strategies.Strategy` objects: each ``propose(state)``
+    says what may change; one whose ``edits_prompt`` is true edits the prompt itself when
+    called, and is applied in order before the engine chooses."""
     ctx = state.ctx
     proposals: list[tuple[str, Proposal]] = []
     for s in strategies:
-        if _is_edit_strategy(s):  # a user's edit: applied in order, before the engine chooses
+        if getattr(s, "edits_prompt", False):  # a user's edit: applied in order, before the engine chooses
             if not state.fits:
                 state = s(state) or state
             continue
@@ -181,6 +118,14 @@ class _Solver:
         ctx = self.ctx
         return ctx.chunk_tokens([chunk]) - ctx.chunk_overhead + ctx.chunk_separator
 
+    def _allowance(self, cached_tokens: int, extra_s: float) -> int | None:
+        """The most prompt tokens that fit the target (and the context window) with
+        ``cached_tokens`` cached; None when not even one new token fits."""
+        allowance = self.state.token_allowance(cached_tokens, extra_s)
+        if allowance is not None and self.ctx.max_prompt_tokens is not None:
+            allowance = min(allowance, self.ctx.max_prompt_tokens)
+        return allowance
+
     # -- scenarios ------------------------------------------------------------------------------
     def best(self) -> PlanState | None:
         found: tuple[float, float, Candidate, Lead] | None = None
@@ -214,12 +159,8 @@ class _Solver:
         if not self.chunk_items:
             return c
         exact = ctx.exact_tokens(c)
-        allowance = self.state.token_allowance(ctx.cached_for(ctx.layout(c), exact), c.extra_s)
-        if allowance is None:
-            return c
-        if ctx.max_prompt_tokens is not None:
-            allowance = min(allowance, ctx.max_prompt_tokens)
-        if exact >= allowance:
+        allowance = self._allowance(ctx.cached_for(ctx.layout(c), exact), c.extra_s)
+        if allowance is None or exact >= allowance:
             return c
         kept = {str(ch.id): ch for ch in c.kept_chunks}
         options: list[tuple[float, Chunk]] = []
@@ -294,15 +235,12 @@ class _Solver:
 
     def _scenario(self, lead: Lead, keep: int) -> tuple[float, Candidate] | None:
         ctx = self.ctx
-        state = self.state
         turns = ctx.history_turns
         fixed_c = self._lead_candidate(lead, keep)
         est = ctx.estimate(fixed_c)
-        allowance = state.token_allowance(est.cached_tokens, fixed_c.extra_s)
+        allowance = self._allowance(est.cached_tokens, fixed_c.extra_s)
         if allowance is None:
             return None
-        if ctx.max_prompt_tokens is not None:
-            allowance = min(allowance, ctx.max_prompt_tokens)
         room = allowance - est.prompt_tokens
         if room < 0:
             return None
@@ -350,7 +288,7 @@ class _Solver:
         ctx = self.ctx
         state = self.state
         after = ctx.estimate(c)
-        new0 = max(after.prompt_tokens - after.cached_tokens, 1)
+        new0 = evaluated_tokens(after.prompt_tokens, after.cached_tokens)
 
         def cost_s(tokens: int) -> float:
             p = ctx.profile
@@ -442,11 +380,4 @@ def _variant_text(payload: Any) -> str:
 
 def _span_text(indices: Sequence[int]) -> str:
     """``[1, 2, 3, 5]`` → ``"1–3, 5"``."""
-    runs: list[list[int]] = []
-    for i in sorted(indices):
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return ", ".join(f"{r[0]}–{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
-
+    return span_label(index_runs(indices))

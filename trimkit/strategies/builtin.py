@@ -1,127 +1,45 @@
-"""Trimming strategies: small frozen objects that say what the planner may change.
+"""The built-in strategies: what each allows the planning engine to change.
 
-A strategy looks at the one :class:`~trimkit.planner.PlanState` and returns a
-:class:`~trimkit.engine.Proposal` from ``propose(state)``: history turns that may be dropped,
-chunks that may be dropped or cut to excerpts, a summary or an earlier cut that may stand in
-for the oldest turns. The engine (:mod:`trimkit.engine`) then keeps the most *value* whose
-predicted TTFT fits — the order of strategies does not decide what goes. Whatever no strategy
-offers stays. Compose them with ``+`` or :func:`chain` (nested chains flatten)::
+- :class:`reuse_prefix`: count the KV-cache prefix exactly (removes nothing);
+- :class:`cap_rag_chunks`: drop retrieved chunks, or cut them to excerpts;
+- :class:`summarize_history`: a summary of the oldest turns in their place;
+- :class:`drop_oldest_turns`: drop whole history turns;
+- :class:`keep_cached_cut`: the previous request's cut, so the KV cache stays warm.
 
-    strategies = reuse_prefix() + cap_rag_chunks(min_chunks=1) + drop_oldest_turns(keep_last_turns=2)
-
-The default::
-
-    reuse_prefix() + cap_rag_chunks() + summarize_history() + drop_oldest_turns()
-
-To write your own, subclass :class:`Strategy` (a frozen attrs class with a ``name``) and
-implement ``propose``; build a state for its tests with ``PlanState.start(...)``. A strategy
-that instead overrides ``__call__(state)`` to return ``state.apply(candidate, action)`` edits
-the prompt itself; the engine applies such edits, in order, before it chooses. Calling any
-strategy, ``strategy(state)``, plans with that strategy alone. Strategies work on whole turns
-(:func:`~trimkit.messages.turn_spans`), so tool calls and their results stay together; system
-messages and the last user turn are never candidates.
+:func:`default_strategies` is what :func:`~trimkit.planning.planner.plan` uses when given none.
+Strategies work on whole turns (:func:`~trimkit.messages.turn_spans`), so tool calls and their
+results stay together; system messages and the last user turn are never candidates.
 """
 
 from __future__ import annotations
 
-import abc
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import attrs
 
-from trimkit._validate import count as _check_count
-from trimkit.errors import InvalidInputError
-from trimkit.engine import Lead, Proposal, solve
-from trimkit.planner import Action, PlanState
-from trimkit.summarize import ExtractiveSummarizer, Summarizer, Summary, make_summary
-from trimkit.values import ValueModel
+from trimkit.planning.state import Action, Lead, PlanState, Proposal
+from trimkit.planning.summaries import Summary
+from trimkit.strategies.base import Chain, Strategy, chain
+from trimkit.strategies.summarize import ExtractiveSummarizer, Summarizer, make_summary
+from trimkit.validation import count
 
 __all__ = [
-    "Strategy",
-    "Chain",
-    "chain",
     "reuse_prefix",
     "cap_rag_chunks",
     "summarize_history",
     "drop_oldest_turns",
     "keep_cached_cut",
     "default_strategies",
+    "MAX_SUMMARIES",
 ]
 
 log = logging.getLogger("trimkit")
 
 
-class Strategy(abc.ABC):  # noqa: B024 - a strategy implements propose() or __call__()
-    """One way to make a prompt cheaper: ``propose(state)`` says what the engine may change."""
-
-    __slots__ = ()
-    name: ClassVar[str] = "strategy"
-
-    def propose(self, state: PlanState) -> Proposal | None:
-        """What this strategy allows the engine to change in ``state`` (None: nothing)."""
-        return None
-
-    def __call__(self, state: PlanState) -> PlanState | None:
-        """Plan ``state`` with this strategy alone: the state the engine reaches, or None when
-        nothing changes."""
-        strategies = list(self) if isinstance(self, Chain) else [self]
-        out = solve(state, strategies, ValueModel())
-        if out.candidate == state.candidate and out.actions == state.actions:
-            return None
-        return out
-
-    def __add__(self, other: Strategy | Iterable[Strategy]) -> Chain:
-        return chain(self, other)
-
-    def __radd__(self, other: Strategy | Iterable[Strategy]) -> Chain:
-        return chain(other, self)
-
-
 def _positive_count(instance: Any, attribute: Any, value: Any) -> None:
-    _check_count(value, attribute.name, minimum=1)
-
-
-@attrs.frozen
-class Chain(Strategy):
-    """Strategies planned together: the engine combines what each allows."""
-
-    strategies: tuple[Strategy, ...]
-    name: ClassVar[str] = "chain"
-
-    def __iter__(self) -> Iterator[Strategy]:
-        return iter(self.strategies)
-
-    def __len__(self) -> int:
-        return len(self.strategies)
-
-
-def chain(*strategies: Strategy | Iterable[Strategy]) -> Chain:
-    """Compose strategies (or lists / chains of them) into one flat :class:`Chain`."""
-    flat: list[Strategy] = []
-
-    def add(item: Any) -> None:
-        if isinstance(item, Chain):
-            flat.extend(item.strategies)
-        elif isinstance(item, Strategy):
-            flat.append(item)
-        elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
-            for sub in item:
-                add(sub)
-        else:
-            raise InvalidInputError(f"not a strategy: {item!r} (subclass trimkit.strategies.Strategy)")
-
-    for s in strategies:
-        add(s)
-    return Chain(tuple(flat))
-
-
-def default_strategies(keep_cut: int | None = None) -> Chain:
-    """``reuse_prefix() + cap_rag_chunks() + summarize_history() + drop_oldest_turns()``;
-    with ``keep_cut``, :class:`keep_cached_cut` (``first_kept=keep_cut``) too."""
-    cut = (keep_cached_cut(keep_cut),) if keep_cut is not None else ()
-    return chain(reuse_prefix(), cap_rag_chunks(), summarize_history(), *cut, drop_oldest_turns())
+    count(value, attribute.name, minimum=1)
 
 
 def _history(state: PlanState, keep_last_turns: int) -> Sequence[tuple[int, int]]:
@@ -179,7 +97,7 @@ class cap_rag_chunks(Strategy):
     are always kept whole.
     """
 
-    min_chunks: int = attrs.field(default=0, validator=lambda i, a, v: _check_count(v, a.name, minimum=0))
+    min_chunks: int = attrs.field(default=0, validator=lambda i, a, v: count(v, a.name, minimum=0))
     excerpts: bool = True
     name: ClassVar[str] = "cap_rag_chunks"
 
@@ -202,13 +120,13 @@ class summarize_history(Strategy):
 
     Use it to keep the gist of a long conversation instead of losing it. By default it only
     offers a summary already in the plan's ``summaries`` cache (computed off the critical path,
-    see :func:`~trimkit.summarize.summary_job`; the wrapper does this after each response) and
+    see :func:`~trimkit.strategies.summarize.summary_job`; the wrapper does this after each response) and
     does nothing when none is ready. With ``inline=True`` it computes one now with
-    ``summarizer`` (default :class:`~trimkit.summarize.ExtractiveSummarizer`), covering the
+    ``summarizer`` (default :class:`~trimkit.strategies.summarize.ExtractiveSummarizer`), covering the
     fewest oldest turns that make room, and the time that takes counts against the budget. The
     newest ``keep_last_turns`` turns (the current one included) are never summarized. The
     engine uses the summary only where it keeps more value than the turns it covers would (a
-    summary is worth :attr:`~trimkit.values.ValueModel.summary_share` of them) — a new summary
+    summary is worth :attr:`~trimkit.planning.values.ValueModel.summary_share` of them) — a new summary
     changes the start of the prompt and so forfeits the cached prefix.
     """
 
@@ -276,7 +194,7 @@ class drop_oldest_turns(Strategy):
 
     Whole turns go (a tool call and its results together); the newest ``keep_last_turns``
     turns, counting the current one, stay. Which turns go is the engine's choice by value
-    (recency and relevance to the question, :mod:`trimkit.values`) per predicted second,
+    (recency and relevance to the question, :mod:`trimkit.planning.values`) per predicted second,
     counting the cached prefix a drop forfeits.
     """
 
@@ -302,7 +220,7 @@ class keep_cached_cut(Strategy):
     it probes the engine once, and the engine weighs the cut against the other starts.
     """
 
-    first_kept: int = attrs.field(validator=lambda i, a, v: _check_count(v, a.name, minimum=1))
+    first_kept: int = attrs.field(validator=lambda i, a, v: count(v, a.name, minimum=1))
     name: ClassVar[str] = "keep_cached_cut"
 
     def propose(self, state: PlanState) -> Proposal | None:
@@ -318,3 +236,10 @@ class keep_cached_cut(Strategy):
         if state.probe(attrs.evolve(c, removed=c.removed | _indices(turns[:n]))) is None:
             return None
         return Proposal(leads=(Lead(n, None, self.name, "previous cut"),))
+
+
+def default_strategies(keep_cut: int | None = None) -> Chain:
+    """``reuse_prefix() + cap_rag_chunks() + summarize_history() + drop_oldest_turns()``;
+    with ``keep_cut``, :class:`keep_cached_cut` (``first_kept=keep_cut``) too."""
+    cut = (keep_cached_cut(keep_cut),) if keep_cut is not None else ()
+    return chain(reuse_prefix(), cap_rag_chunks(), summarize_history(), *cut, drop_oldest_turns())

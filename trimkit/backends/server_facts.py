@@ -1,0 +1,174 @@
+"""What a server says about itself, parsed at the boundary: ``/v1/models``, llama.cpp's
+``/props``, ``/version``, ``/openapi.json``, the tokenize endpoints and ``/apply-template``.
+Pure functions, no I/O; the rules are those of :mod:`trimkit.backends.fields`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from trimkit.backends.fields import excerpt, fail, join_path, opt_list, opt_mapping, opt_str
+from trimkit.errors import MalformedReplyError
+
+__all__ = [
+    "MAX_CONTEXT_TOKENS",
+    "MAX_TOKEN_ID",
+    "ModelEntry",
+    "ModelList",
+    "parse_models",
+    "parse_props",
+    "parse_version",
+    "parse_openapi_version",
+    "is_tokenize_reply",
+    "parse_tokens",
+    "parse_template",
+]
+
+#: the largest context size a server may report, in tokens
+MAX_CONTEXT_TOKENS = 1 << 26
+#: the largest token id a tokenize endpoint may return
+MAX_TOKEN_ID = 2**31 - 1
+#: a server's version or build string is kept to this many characters (it goes into profile keys)
+_MAX_VERSION_CHARS = 200
+
+
+# -- sizes and versions ---------------------------------------------------------------------------------
+def _context_size(value: Any, what: str, field: str) -> int | None:
+    """A context size: None or 0 mean "not said"; else an integer 1..MAX_CONTEXT_TOKENS."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value == 0):
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_CONTEXT_TOKENS:
+        return value
+    fail(what, field, f"a context size (1..{MAX_CONTEXT_TOKENS})", value)
+
+
+def _version_text(value: Any, what: str, field: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value[:_MAX_VERSION_CHARS]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return excerpt(repr(value), _MAX_VERSION_CHARS)
+    fail(what, field, "a version string", value)
+
+
+@attrs.frozen
+class ModelEntry:
+    """One entry of ``/v1/models``."""
+
+    id: str | None = None
+    owned_by: str = ""
+    n_ctx: int | None = None  # vLLM's max_model_len, llama.cpp's meta.n_ctx
+
+
+@attrs.frozen
+class ModelList:
+    """``/v1/models``: the models the server lists (none when it has no such endpoint)."""
+
+    entries: tuple[ModelEntry, ...] = ()
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        return tuple(e.id for e in self.entries if e.id)
+
+    @property
+    def owned_by(self) -> str:
+        return self.entries[0].owned_by.lower() if self.entries else ""
+
+    @property
+    def n_ctx(self) -> int | None:
+        return self.entries[0].n_ctx if self.entries else None
+
+
+def parse_models(body: Any) -> ModelList:
+    """``/v1/models`` (None: the endpoint is missing). ``data`` must be an array of objects
+    (``null``: no models); ``id`` / ``owned_by`` strings, context sizes in range."""
+    what = "/v1/models reply"
+    if body is None:
+        return ModelList()
+    if not isinstance(body, Mapping):
+        fail(what, "", "an object", body)
+    data = opt_list(body, "data", what, "")
+    entries = []
+    for i, entry in enumerate(data or ()):
+        path = f"data[{i}]"
+        if not isinstance(entry, Mapping):
+            fail(what, path, "an object", entry)
+        meta = opt_mapping(entry, "meta", what, path) or {}
+        n_ctx = _context_size(entry.get("max_model_len"), what, join_path(path, "max_model_len"))
+        meta_ctx = _context_size(meta.get("n_ctx"), what, join_path(join_path(path, "meta"), "n_ctx"))
+        entries.append(ModelEntry(
+            id=opt_str(entry, "id", what, path),
+            owned_by=opt_str(entry, "owned_by", what, path) or "",
+            n_ctx=n_ctx if n_ctx is not None else meta_ctx,
+        ))
+    return ModelList(tuple(entries))
+
+
+def parse_props(body: Any) -> tuple[int | None, str]:
+    """``(n_ctx, build_info)`` from llama.cpp's ``/props``; ``(None, "")`` when the body is not
+    an object (another engine's endpoint)."""
+    what = "/props reply"
+    if not isinstance(body, Mapping):
+        return None, ""
+    settings = opt_mapping(body, "default_generation_settings", what, "") or {}
+    n_ctx = _context_size(settings.get("n_ctx"), what, "default_generation_settings.n_ctx")
+    if n_ctx is None:
+        n_ctx = _context_size(body.get("n_ctx"), what, "n_ctx")
+    return n_ctx, _version_text(body.get("build_info"), what, "build_info")
+
+
+def parse_version(body: Any) -> str:
+    """``/version`` (vLLM): its ``version``, or "" when the body is not an object."""
+    if not isinstance(body, Mapping):
+        return ""
+    return _version_text(body.get("version"), "/version reply", "version")
+
+
+def parse_openapi_version(body: Any) -> str:
+    """``"<title> <version>"`` from ``/openapi.json`` (llama-cpp-python), or ""."""
+    what = "/openapi.json reply"
+    if not isinstance(body, Mapping):
+        return ""
+    info = opt_mapping(body, "info", what, "")
+    if not info:
+        return ""
+    version = _version_text(info.get("version"), what, "info.version")
+    title = _version_text(info.get("title"), what, "info.title") or "server"
+    return f"{title} {version}"[:_MAX_VERSION_CHARS] if version else ""
+
+
+def is_tokenize_reply(body: Any) -> bool:
+    """Does this body claim to be a tokenize endpoint's reply (an object with ``tokens``)?"""
+    return isinstance(body, Mapping) and body.get("tokens") is not None
+
+
+def parse_tokens(body: Any, *, what: str, max_tokens: int) -> list[int]:
+    """A tokenize reply's ``tokens``: at most ``max_tokens`` integer ids ``0..MAX_TOKEN_ID``.
+    (A tokenizer cannot give more tokens than the text has bytes, plus a few special ones:
+    the caller passes that bound.)"""
+    if not isinstance(body, Mapping):
+        fail(what, "", "an object with tokens", body)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        fail(what, "tokens", "an array of token ids", tokens)
+    if len(tokens) > max_tokens:
+        raise MalformedReplyError(f"the server sent a malformed {what}: {len(tokens)} tokens for a text that can have at most {max_tokens}",
+                                  field="tokens", server_message=f"{len(tokens)} tokens")
+    for i, token in enumerate(tokens):
+        if type(token) is not int or not 0 <= token <= MAX_TOKEN_ID:
+            fail(what, f"tokens[{i}]", f"a token id (an integer 0..{MAX_TOKEN_ID})", token)
+    return list(tokens)
+
+
+def parse_template(body: Any) -> str:
+    """``/apply-template``'s rendered ``prompt``."""
+    what = "/apply-template reply"
+    if not isinstance(body, Mapping):
+        fail(what, "", "an object", body)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        fail(what, "prompt", "a string", prompt)
+    return prompt

@@ -1,0 +1,169 @@
+"""Reading a chat stream once it is open: every event parsed once, what it says recorded, the
+usage chunk trimkit asked for itself hidden, a stream that ends badly refused; and the timing
+around it (:class:`~trimkit.backends.base.TimedStream`, :class:`AsyncTimedStream`).
+
+:class:`StreamState` holds every decision about the events and does no I/O; :func:`read_chunks`
+and :func:`aread_chunks` only move events through it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import attrs
+import httpx
+
+from trimkit.backends.base import Clock, Measurement, TimedStream
+from trimkit.backends.faults import empty_stream_error, is_transport_failure, undecodable
+from trimkit.backends.replies import Reply, parse_chunk, parse_completion
+from trimkit.backends.transport import END, Opened
+from trimkit.errors import StreamInterruptedError, TrimkitError
+
+__all__ = ["StreamState", "read_chunks", "aread_chunks", "timed_stream", "AsyncTimedStream"]
+
+_SKIP = object()  # an event not handed to the caller
+
+
+@attrs.define
+class StreamState:
+    """What one stream has said so far."""
+
+    url: str
+    hide_usage_chunk: bool = False  # trimkit added stream_options: the usage-only chunk is its own
+    stats_reply: Reply | None = None  # the last reply that carried usage / timings
+    finish_reason: str | None = None
+    chunks: list[Reply] | None = None  # filled when the response is to be assembled
+    last: Reply | None = None  # the reply of the chunk just yielded (read by the TimedStream)
+    n_seen: int = 0
+
+    def begin(self, opened: Opened) -> None:
+        if opened.first is END:
+            raise empty_stream_error()
+
+    def take(self, item: Any, opened: Opened) -> Any:
+        """Parse an event (a chunk, or the whole completion of a server that ignored
+        ``stream=true``) and record what it says; the chunk to hand on, or ``_SKIP``."""
+        self.n_seen += 1
+        reply = parse_completion(item) if opened.whole else parse_chunk(item)
+        self.last = reply
+        if self.chunks is not None:
+            self.chunks.append(reply)
+        if reply.has_stats:
+            self.stats_reply = reply
+        if reply.finish_reason:
+            self.finish_reason = reply.finish_reason
+        return _SKIP if self.hide_usage_chunk and reply.usage_only else reply.raw
+
+    def end(self, opened: Opened) -> None:
+        if not opened.done() and self.finish_reason is None:
+            raise StreamInterruptedError(f"the stream from {self.url} ended after {self.n_seen} chunks without a finish reason or [DONE]")
+
+
+def read_chunks(open_: Callable[[], Opened], state: StreamState) -> Iterator[Any]:
+    """The chunks of a stream, opened on the first ``next()`` (when the TTFT clock starts)."""
+    opened = open_()
+    try:
+        state.begin(opened)
+        if (chunk := state.take(opened.first, opened)) is not _SKIP:
+            yield chunk
+        if opened.rest is not None:
+            for item in opened.rest:
+                if (chunk := state.take(item, opened)) is not _SKIP:
+                    yield chunk
+        state.end(opened)
+    finally:
+        opened.close()
+
+
+async def aread_chunks(open_: Callable[[], Awaitable[Opened]], state: StreamState) -> AsyncIterator[Any]:
+    opened = None
+    try:
+        opened = await open_()
+        state.begin(opened)
+        if (chunk := state.take(opened.first, opened)) is not _SKIP:
+            yield chunk
+        if opened.rest is not None:
+            async for item in opened.rest:
+                if (chunk := state.take(item, opened)) is not _SKIP:
+                    yield chunk
+        state.end(opened)
+    finally:
+        if opened is not None:
+            await opened.close()
+
+
+def _stream_error(url: str, ts_ref: list[TimedStream]) -> Callable[[BaseException], BaseException | None]:
+    """A stream's failure after it was opened as a trimkit error (None: left as it is)."""
+
+    def on_error(exc: BaseException) -> BaseException | None:
+        if isinstance(exc, TrimkitError):
+            return None
+        if isinstance(exc, httpx.DecodingError):  # a body its Content-Encoding does not decode
+            return undecodable(exc, f"the stream from {url}")
+        if not is_transport_failure(exc):
+            return None
+        n = ts_ref[0].n_chunks if ts_ref else 0
+        return StreamInterruptedError(f"the stream from {url} broke after {n} chunks: {type(exc).__name__}: {exc}")
+
+    return on_error
+
+
+def timed_stream(chunks: Any, state: StreamState, clock: Clock, measure: Callable[[StreamState, TimedStream], Measurement], *,
+                 output_of: Callable[[Reply], str | None] = operator.attrgetter("output"), cls: type[TimedStream] = TimedStream) -> Any:
+    """The :class:`TimedStream` (``cls``) over ``chunks``: each chunk's output is read from the
+    reply :class:`StreamState` parsed; at the end ``measure(state, stream)`` is the measurement."""
+    ref: list[TimedStream] = []
+
+    def content_of(chunk: Any) -> str | None:
+        reply = state.last
+        if reply is None or reply.raw is not chunk:  # (never: each chunk is yielded right after it is parsed)
+            reply = parse_chunk(chunk)
+        return output_of(reply)
+
+    ts = cls(chunks, started=None, clock=clock, content_of=content_of, finish=lambda ts: measure(state, ts), on_error=_stream_error(state.url, ref))
+    ref.append(ts)
+    return ts
+
+
+def _raising(exc: BaseException) -> Iterator[Any]:
+    raise exc
+    yield  # pragma: no cover
+
+
+class AsyncTimedStream(TimedStream):
+    """:class:`TimedStream` over an async iterator: ``async for`` it; the timing, ``finish`` and
+    ``on_done`` behave exactly as in the sync stream."""
+
+    def __init__(self, chunks: AsyncIterator[Any], **kwargs: Any) -> None:
+        super().__init__(iter(()), **kwargs)
+        self._achunks = chunks
+
+    def __aiter__(self) -> AsyncTimedStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.started is None:
+            self.started = self.clock()  # the request goes out on the first step
+        try:
+            self._chunks = iter((await self._achunks.__anext__(),))
+        except StopAsyncIteration:
+            self._chunks = iter(())
+        except BaseException as exc:
+            self._chunks = _raising(exc)
+        try:  # the sync step records, completes or translates exactly as for a sync stream
+            return TimedStream.__next__(self)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._achunks, "aclose", None)
+        if aclose:
+            await aclose()
+
+    async def adrain(self) -> Measurement:
+        async for _ in self:
+            pass
+        assert self.measurement is not None
+        return self.measurement

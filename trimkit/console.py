@@ -1,0 +1,116 @@
+"""What the command line and the demo show a person: the model they open, a progress bar while
+calibrating, and a calibration profile as a table or a plot."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from llama_cpp import Llama
+from llama_cpp._utils import suppress_stdout_stderr
+from tqdm import tqdm
+
+from trimkit.errors import InvalidInputError
+from trimkit.model import check_model_path
+from trimkit.profile import Profile
+from trimkit.templates import default_llama
+
+__all__ = ["open_llama", "ProgressBar", "profile_lines", "plot_profile"]
+
+
+def open_llama(model: str | None, n_ctx: int, chat_format: str | None = None, **kwargs: Any) -> Llama:
+    """A ``llama_cpp.Llama`` for ``model`` (a GGUF path; None = the embedded model), checked
+    first, opened quietly (llama.cpp prints some context-creation notes even with
+    ``verbose=False``; a failed load still raises, with its message)."""
+    if model is None:
+        # the embedded GGUF carries no chat template: Gemma 3's own, which keeps system prompts
+        # (llama-cpp-python's "gemma" format drops them; its fallback, llama-2, is wrong)
+        if chat_format is not None:
+            kwargs["chat_format"] = chat_format
+        with suppress_stdout_stderr(disable=False):
+            return default_llama(n_ctx=n_ctx, **kwargs)
+    path = str(check_model_path(model))
+    with suppress_stdout_stderr(disable=False):
+        return Llama(model_path=path, n_ctx=n_ctx, verbose=False, chat_format=chat_format, **kwargs)
+
+
+class ProgressBar:
+    """A tqdm progress bar on stderr as a calibration ``progress(done, total, label)`` callback;
+    drawn only when ``enabled``, and only from the first call on."""
+
+    def __init__(self, desc: str, enabled: bool) -> None:
+        self.desc = desc
+        self.enabled = enabled
+        self.bar: tqdm | None = None
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc=self.desc, unit="step", file=sys.stderr, leave=False)
+        self.bar.set_postfix_str(label, refresh=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def profile_lines(profile: Profile) -> list[str]:
+    """The profile as a table a person can read."""
+    key = profile.key
+    out = [
+        f"profile for {key.model}",
+        f"  n_ctx={key.n_ctx} n_batch={key.n_batch} threads={key.n_threads}/{key.n_threads_batch} "
+        f"flash_attn={key.flash_attn} gpu_layers={key.n_gpu_layers} · {key.engine_version} · {key.cpu}",
+        f"  {'prompt tokens':>13} {'cached':>7} {'measured':>10} {'predicted':>10} {'error':>8} {'ms/token':>9}",
+    ]
+    for r in profile.table():
+        out.append(
+            f"  {r['new_tokens']:>13,} {r['cached_tokens']:>7,} {r['measured_s']:>9.3f}s {r['predicted_s']:>9.3f}s "
+            f"{r['error_pct']:>+7.1f}% {r['ms_per_token']:>9.2f}"
+        )
+    m = profile.model
+    out += [
+        f"  model ({m.name}): T(n|k) = {m.overhead_s * 1000:.1f} ms + {m.per_token_s * 1000:.3f} ms·n + "
+        f"{m.depth_s * 1e6:.3f} µs·(n·k + n²/2)" + (f" + {m.per_batch_s * 1000:.1f} ms·⌈n/{m.n_batch}⌉" if m.per_batch_s else ""),
+        f"  held-out error (leave one probe out): median {profile.error.median_pct:.1f} %, p90 {profile.error.p90_pct:.1f} %",
+        f"  first-token overhead {profile.first_token_s * 1000:.1f} ms · decode {profile.decode_tokens_per_s:.1f} tokens/s "
+        f"(the stream; trimming does not change it)",
+        f"  calibrated in {profile.calibration_wall_s:.1f} s ({'quick' if profile.quick else 'full'})",
+    ]
+    return out
+
+
+def plot_profile(profile: Profile, path: str, budget_s: float | None = None) -> str:
+    """Measured prefill time against prompt length, with the fitted curve (and a budget line),
+    written to ``path``. Needs matplotlib (``pip install 'trimkit[plot]'``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InvalidInputError("--plot needs matplotlib: pip install 'trimkit[plot]'") from None
+    cold = [s for s in profile.samples if s.cached_tokens == 0]
+    deep = [s for s in profile.samples if s.cached_tokens > 0]
+    top = max(s.new_tokens + s.cached_tokens for s in profile.samples)
+    xs = list(range(1, top + 1, max(top // 200, 1)))
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    ax.plot([s.new_tokens for s in cold], [s.seconds for s in cold], "o", label="measured (cold prompt)", alpha=0.8)
+    ax.plot(xs, [profile.model.prefill_s(x) for x in xs], "-", label=f"fitted cost model ({profile.model.name})")
+    for k in sorted({s.cached_tokens for s in deep}):
+        pts = [s for s in deep if s.cached_tokens == k]
+        ax.plot([s.new_tokens for s in pts], [s.seconds for s in pts], "s", label=f"measured, after {k:,} cached tokens")
+        ax.plot(xs, [profile.model.prefill_s(x, k) for x in xs], ":", alpha=0.6)
+    if budget_s:
+        ax.axhline(budget_s - profile.first_token_s, color="red", ls="--", label=f"prefill share of a {budget_s:g} s TTFT budget")
+    ax.set_xlabel("prompt tokens evaluated (n)")
+    ax.set_ylabel("prefill time (s)")
+    ax.set_title(f"Prefill cost on this host — {profile.key.model.split(':')[0]}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

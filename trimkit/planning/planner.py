@@ -1,0 +1,315 @@
+"""The planner: decide what to prefill so the predicted TTFT fits the budget.
+
+:func:`plan` is the one engine behind the wrapper and the CLI. It predicts the TTFT of the
+prompt as it stands (counting only the tokens the engine must evaluate — a prefix already in
+the KV cache is nearly free); if that fits the budget less the profile's safety margin, the
+request passes through untouched. Otherwise the strategies (:mod:`trimkit.strategies`) say what
+may change and the engine (:mod:`trimkit.planning.engine`) keeps the most value whose predicted
+TTFT fits, saying in :class:`~trimkit.planning.state.Action` values what it removed, summarized
+or excerpted and why. If even the minimal prompt (system messages and the last user turn)
+cannot fit, the plan is infeasible.
+
+The pieces, in the order a request meets them: :mod:`~trimkit.planning.state` (what strategies
+see: :class:`PlanState`), :mod:`~trimkit.planning.request` (the request's fixed inputs,
+candidate prompts and their estimates), :mod:`~trimkit.planning.engine` (the value-per-second
+choice), :mod:`~trimkit.planning.costs` (the prefill cost model) and
+:mod:`~trimkit.planning.values` (what each piece is worth).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from trimkit.errors import InfeasibleBudgetError, InvalidInputError
+from trimkit.messages import DEFAULT_RAG_CHUNK_TEMPLATE, DEFAULT_RAG_TEMPLATE, Chunk
+from trimkit.planning.engine import solve
+from trimkit.planning.request import CacheProbe, Candidate, Estimate
+from trimkit.planning.state import Action, PlanState
+from trimkit.planning.summaries import Summary, SummaryCache
+from trimkit.planning.values import ValueModel
+from trimkit.strategies.base import chain
+from trimkit.strategies.builtin import default_strategies
+
+__all__ = ["plan", "Plan", "Action", "PlanState", "Candidate", "Estimate", "CacheProbe"]
+
+log = logging.getLogger("trimkit")
+
+
+@attrs.frozen
+class Plan:
+    """What to send, and why. ``messages`` is the list to send: the caller's very list object
+    when nothing changes and there are no chunks.
+
+    ``passthrough`` is True when nothing was trimmed (with ``rag_chunks``, every chunk is placed
+    into a copy of the last user message). ``kept_chunks`` are placed in this order; an excerpt
+    keeps its chunk's id and carries ``metadata["excerpt"]`` (see :attr:`excerpted_chunks`). ``feasible`` is True when ``predicted_ttft_s`` fits
+    the budget less the safety margin; ``minimal`` when the minimal prompt (system messages and
+    the last user turn) was used. Every removed or summarized message and every dropped chunk
+    is named by some :class:`Action`.
+    """
+
+    messages: list[dict[str, Any]] = attrs.field(repr=False, eq=False)
+    passthrough: bool
+    feasible: bool
+    minimal: bool
+    budget_s: float
+    safety_margin: float
+    predicted_ttft_before_s: float
+    predicted_ttft_s: float
+    prompt_tokens_before: int
+    prompt_tokens: int
+    cached_tokens: int
+    new_tokens: int
+    actions: tuple[Action, ...] = ()
+    kept_chunks: tuple[Chunk, ...] = ()
+    dropped_chunks: tuple[Chunk, ...] = ()
+    removed_message_indices: tuple[int, ...] = ()
+    summarized_message_indices: tuple[int, ...] = ()
+    summary: Summary | None = None
+    inline_s: float = 0.0
+    planning_s: float = 0.0
+    tokenizer: str = ""
+    #: the caller's messages as given (not a copy; never modified) — what
+    #: :func:`~trimkit.strategies.summarize.next_summary_job` summarizes after the response
+    request_messages: Sequence[Mapping[str, Any]] = attrs.field(default=(), repr=False, eq=False)
+
+    @property
+    def target_s(self) -> float:
+        """The budget less the safety margin: what the prediction had to fit."""
+        return self.budget_s * (1.0 - self.safety_margin)
+
+    @property
+    def excerpted_chunks(self) -> tuple[str, ...]:
+        """Ids of the chunks kept as excerpts rather than whole."""
+        return tuple(str(c.id) for c in self.kept_chunks if "excerpt" in c.metadata)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form (without the messages themselves; chunks by id)."""
+        return {
+            "passthrough": self.passthrough,
+            "feasible": self.feasible,
+            "minimal": self.minimal,
+            "budget_s": self.budget_s,
+            "safety_margin": self.safety_margin,
+            "target_s": self.target_s,
+            "predicted_ttft_before_s": self.predicted_ttft_before_s,
+            "predicted_ttft_s": self.predicted_ttft_s,
+            "prompt_tokens_before": self.prompt_tokens_before,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "new_tokens": self.new_tokens,
+            "message_count": len(self.messages),
+            "actions": [a.to_dict() for a in self.actions],
+            "kept_chunks": [c.id for c in self.kept_chunks],
+            "excerpted_chunks": list(self.excerpted_chunks),
+            "dropped_chunks": [c.id for c in self.dropped_chunks],
+            "removed_message_indices": list(self.removed_message_indices),
+            "summarized_message_indices": list(self.summarized_message_indices),
+            "summary": self.summary.to_dict() if self.summary is not None else None,
+            "inline_s": self.inline_s,
+            "planning_s": self.planning_s,
+            "tokenizer": self.tokenizer,
+        }
+
+    def __str__(self) -> str:
+        if not self.feasible:
+            verdict = "INFEASIBLE (minimal prompt, best achievable)"
+        elif self.passthrough:
+            verdict = "passthrough"
+        else:
+            verdict = "minimal prompt" if self.minimal else "trimmed"
+        lines = [
+            f"Plan: {verdict} — predicted TTFT {self.predicted_ttft_before_s:.3f} s → {self.predicted_ttft_s:.3f} s "
+            f"(budget {self.budget_s:.3f} s, target {self.target_s:.3f} s after a {self.safety_margin:.0%} margin)",
+            f"  prompt {self.prompt_tokens_before:,} → {self.prompt_tokens:,} tokens "
+            f"({self.cached_tokens:,} predicted cached, {self.new_tokens:,} to evaluate)",
+        ]
+        if self.inline_s:
+            lines.append(f"  inline work on the critical path: {self.inline_s:.3f} s")
+        lines.extend(f"  - {a}" for a in self.actions)
+        return "\n".join(lines)
+
+
+def _finish(
+    state: PlanState, *, exact_tokens: int, before: tuple[int, float], minimal: bool, feasible: bool, started: float
+) -> Plan:
+    ctx = state.ctx
+    c = state.candidate
+    cached = ctx.cached_for(ctx.layout(c), exact_tokens)  # at most exact_tokens - 1
+    kept_ids = {ch.id for ch in c.kept_chunks}
+    passthrough = not c.gone and c.summary is None and c.kept_chunks == ctx.chunks
+    return Plan(
+        messages=ctx.build(c),
+        passthrough=passthrough,
+        feasible=feasible,
+        minimal=minimal,
+        budget_s=ctx.budget_s,
+        safety_margin=ctx.safety_margin,
+        predicted_ttft_before_s=before[1],
+        predicted_ttft_s=ctx.predict(exact_tokens, cached, c.extra_s),
+        prompt_tokens_before=before[0],
+        prompt_tokens=exact_tokens,
+        cached_tokens=cached,
+        new_tokens=exact_tokens - cached,
+        actions=state.actions,
+        kept_chunks=c.kept_chunks,
+        dropped_chunks=tuple(ch for ch in ctx.chunks if ch.id not in kept_ids),
+        removed_message_indices=tuple(sorted(c.removed)),
+        summarized_message_indices=tuple(sorted(c.summarized)),
+        summary=c.summary,
+        inline_s=c.extra_s,
+        planning_s=max(ctx.clock() - started, 0.0),
+        tokenizer=str(getattr(ctx.tokenizer, "name", "")),
+        request_messages=ctx.messages,
+    )
+
+
+def _minimal(state: PlanState) -> Candidate:
+    """System messages and the last user turn; no history, summary or chunks."""
+    return Candidate(removed=frozenset(i for s, e in state.ctx.history_turns for i in range(s, e)))
+
+
+def _minimal_state(state: PlanState, c: Candidate, reason: str) -> PlanState:
+    if not c.removed and not state.ctx.chunks:
+        return PlanState(state.ctx, c)  # the request is already minimal: nothing to report
+    action = Action(
+        strategy="minimal",
+        summary=f"{reason}: kept only system messages and the last user turn "
+        f"({len(c.removed)} message(s) and {len(state.ctx.chunks)} chunk(s) removed)",
+        removed_messages=tuple(sorted(c.removed)),
+        removed_chunks=tuple(str(ch.id) for ch in state.ctx.chunks),
+        tokens_before=state.prediction.prompt_tokens,
+        tokens_after=state.estimate(c).prompt_tokens,
+    )
+    return PlanState(state.ctx, c, (action,))
+
+
+def plan(
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    ttft_budget_s: float,
+    profile: Any,
+    tokenizer: Any,
+    rag_chunks: Any = (),
+    strategies: Any = None,
+    tools: Any = None,
+    cached_tokens: int = 0,
+    cache_probe: CacheProbe | None = None,
+    summaries: SummaryCache | None = None,
+    rag_template: str = DEFAULT_RAG_TEMPLATE,
+    rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
+    on_infeasible: str = "best_effort",
+    clock: Callable[[], float] = time.perf_counter,
+    values: Any = None,
+    safety_margin: float | None = None,
+    max_prompt_tokens: int | None = None,
+) -> Plan:
+    """Decide what to send so the predicted TTFT fits ``ttft_budget_s`` less the safety margin.
+
+    Use it before every request (the wrapper does); it is pure and cheap — it never mutates
+    ``messages`` or ``rag_chunks`` and tokenizes only text it has not seen. Under budget the
+    request passes through as it is. Over budget, the engine (:mod:`trimkit.planning.engine`) keeps the
+    history turns, summary, chunks and chunk excerpts with the most *value* (:mod:`trimkit.planning.values`:
+    relevance to the question, recency) whose predicted TTFT fits; the strategies say what may
+    change.
+
+    - ``cached_tokens``: how many leading tokens of ``messages`` as given (without chunks) the
+      engine already holds in its KV cache. A candidate that edits message ``i`` keeps at most
+      the tokens before ``i`` cached.
+    - ``cache_probe(messages) -> int``: optional exact cached count for a concrete list; called
+      at most twice per plan (memoised): by ``reuse_prefix`` when ``cached_tokens`` is 0, for a
+      prompt carrying a cached summary or the previous cut, and for a final prompt whose history
+      was edited.
+    - ``rag_chunks`` go into the last user message, most relevant first (caller scores if every
+      chunk has one, else BM25 blended with the retriever's order); each is kept whole, kept as
+      an excerpt (the sentences matching the question, marked as such) or dropped.
+    - ``summaries``: precomputed summaries (:func:`~trimkit.strategies.summarize.summary_job`) that may
+      stand in for the oldest turns.
+    - ``strategies``: a strategy, a chain or a list; default
+      ``reuse_prefix() + cap_rag_chunks() + summarize_history() + drop_oldest_turns()``. If
+      nothing they allow fits, the minimal prompt (system messages and the last user turn) is
+      used when it fits.
+    - ``values``: a :class:`~trimkit.planning.values.ValueModel` (default: the most relevant chunk
+      outranks old history).
+    - ``safety_margin``: the share of the budget held back (default: the profile's).
+    - ``max_prompt_tokens``: the most prompt tokens the context window takes (``n_ctx`` less
+      ``max_tokens``); the plan keeps the prompt within it too.
+    - ``on_infeasible``: ``"best_effort"`` returns the minimal plan with ``feasible=False``;
+      ``"raise"`` raises :class:`~trimkit.errors.InfeasibleBudgetError` carrying it.
+    """
+    if on_infeasible not in ("best_effort", "raise"):
+        raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
+    if cache_probe is not None and not callable(cache_probe):
+        raise InvalidInputError("cache_probe must be callable or None")
+    if summaries is not None and not isinstance(summaries, SummaryCache):
+        raise InvalidInputError(f"summaries must be a SummaryCache or None, got {type(summaries).__name__}")
+    if values is None:
+        values = ValueModel()
+    elif not isinstance(values, ValueModel):
+        raise InvalidInputError(f"values must be a trimkit.planning.values.ValueModel or None, got {type(values).__name__}")
+    pipeline = chain(default_strategies() if strategies is None else strategies)
+    started = clock()
+    state0 = PlanState.start(  # validates the rest before any work
+        messages,
+        ttft_budget_s=ttft_budget_s,
+        profile=profile,
+        tokenizer=tokenizer,
+        rag_chunks=rag_chunks,
+        tools=tools,
+        cached_tokens=cached_tokens,
+        cache_probe=cache_probe,
+        summaries=summaries,
+        rag_template=rag_template,
+        rag_chunk_template=rag_chunk_template,
+        clock=clock,
+        safety_margin=safety_margin,
+        max_prompt_tokens=max_prompt_tokens,
+    )
+    ctx = state0.ctx
+    tokens_before = ctx.exact_tokens(state0.candidate)
+    before = (tokens_before, ctx.predict(tokens_before, state0.prediction.cached_tokens, 0.0))
+    if ctx.fits(tokens_before, before[1]):
+        return _finish(state0, exact_tokens=tokens_before, before=before, minimal=False, feasible=True, started=started)
+
+    for _attempt in range(3):
+        state = solve(PlanState(ctx, state0.candidate), pipeline.strategies, values)
+        c = state.candidate
+        if c == state0.candidate and not state.fits:
+            break  # nothing the strategies allow fits
+        if (c.gone or c.summary is not None) and ctx.cache_probe is not None:
+            ctx.probe(c)  # history was edited: learn the real cached prefix of what will be sent
+        exact = ctx.exact_tokens(c)
+        predicted = ctx.predict(exact, ctx.cached_for(ctx.layout(c), exact), c.extra_s)
+        if ctx.fits(exact, predicted):
+            return _finish(state, exact_tokens=exact, before=before, minimal=False, feasible=True, started=started)
+        if not state.fits:
+            break
+        # estimates were optimistic by a few tokens (template boundaries): plan again, stricter
+        ctx.correction += max(exact - state.prediction.prompt_tokens, 1)
+    ctx.correction = 0
+
+    smallest = _minimal(state0)
+    exact = ctx.exact_tokens(smallest)
+    feasible = ctx.fits(exact, ctx.predict(exact, ctx.cached_for(ctx.layout(smallest), exact), 0.0))
+    reason = "the strategies could not meet the budget" if feasible else "budget infeasible"
+    minimal = _minimal_state(state0, smallest, reason)
+    result = _finish(minimal, exact_tokens=exact, before=before, minimal=True, feasible=feasible, started=started)
+    if feasible:
+        log.warning("trimkit: strategies could not meet the %.3f s budget; sent the minimal prompt", ctx.budget_s)
+        return result
+    over_ctx = ctx.max_prompt_tokens is not None and exact > ctx.max_prompt_tokens
+    message = (
+        f"TTFT budget {ctx.budget_s:.3f} s cannot be met: even the minimal prompt (system messages and the last "
+        f"user turn, {exact} tokens) is predicted at {result.predicted_ttft_s:.3f} s, over the "
+        f"{ctx.target_s:.3f} s target ({ctx.safety_margin:.0%} safety margin)"
+        + (f", and over the context window's {ctx.max_prompt_tokens} prompt tokens" if over_ctx else "")
+    )
+    if on_infeasible == "raise":
+        raise InfeasibleBudgetError(message, plan=result)
+    log.warning("trimkit: %s; sending it anyway (best effort)", message)
+    return result

@@ -1,0 +1,58 @@
+"""Trimming strategies: small frozen objects that say what the planner may change.
+
+A strategy looks at the one :class:`~trimkit.planning.state.PlanState` and returns a
+:class:`~trimkit.planning.state.Proposal` from ``propose(state)``: history turns that may be
+dropped, chunks that may be dropped or cut to excerpts, a summary or an earlier cut that may
+stand in for the oldest turns. The engine (:mod:`trimkit.planning.engine`) then keeps the most
+*value* whose predicted TTFT fits — the order of strategies does not decide what goes. Whatever
+no strategy offers stays. Compose them with ``+`` or :func:`chain` (nested chains flatten)::
+
+    strategies = reuse_prefix() + cap_rag_chunks(min_chunks=1) + drop_oldest_turns(keep_last_turns=2)
+
+The default::
+
+    reuse_prefix() + cap_rag_chunks() + summarize_history() + drop_oldest_turns()
+
+To write your own, subclass :class:`Strategy` (a frozen attrs class with a ``name``) and
+implement ``propose`` returning a :class:`Proposal` (or None); build a state for its tests with
+``PlanState.start(...)``. Both are importable from here. A strategy
+that instead overrides ``__call__(state)`` to return ``state.apply(candidate, action)`` edits
+the prompt itself; the engine applies such edits, in order, before it chooses. Calling any
+strategy, ``strategy(state)``, plans with that strategy alone.
+
+The modules: :mod:`~trimkit.strategies.base` (the protocol, :class:`Chain`),
+:mod:`~trimkit.strategies.builtin` (the built-in strategies) and
+:mod:`~trimkit.strategies.summarize` (summarizers and the summary jobs).
+"""
+
+from __future__ import annotations
+
+from trimkit.planning.state import Action, Lead, PlanState, Proposal
+from trimkit.strategies.base import Chain, Strategy, chain
+from trimkit.strategies.builtin import (
+    MAX_SUMMARIES,
+    cap_rag_chunks,
+    default_strategies,
+    drop_oldest_turns,
+    keep_cached_cut,
+    reuse_prefix,
+    summarize_history,
+)
+
+__all__ = [
+    "Strategy",
+    "Chain",
+    "chain",
+    "reuse_prefix",
+    "cap_rag_chunks",
+    "summarize_history",
+    "drop_oldest_turns",
+    "keep_cached_cut",
+    "default_strategies",
+    "MAX_SUMMARIES",
+    # what a strategy receives and returns (defined in trimkit.planning.state)
+    "PlanState",
+    "Proposal",
+    "Lead",
+    "Action",
+]

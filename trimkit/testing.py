@@ -1,0 +1,275 @@
+"""Test doubles for code that uses trimkit: a fake engine, a fake clock and a fake server.
+
+:class:`FakeBackend` is a deterministic fake engine for unit tests of everything above the
+backend seam. Its prefill cost is a known function of the tokens it evaluates (a :class:`CostModel`), it keeps
+a token-level "KV cache" and reuses the longest common prefix exactly as llama-cpp-python does,
+and time comes from an injectable :class:`FakeClock` that the fake advances by the cost of what
+it does — so tests can assert predicted == measured exactly. It is never a substitute for the
+real path: the real model runs in the default test suite.
+
+:class:`FakeOpenAIServer` answers an OpenAI-compatible client in memory through
+``httpx.MockTransport``, so code that talks to a server
+(:class:`~trimkit.backends.http.OpenAIHTTPBackend`, ``trimkit.wrap_url``) runs without one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from trimkit.backends.base import Backend, Measurement, TimedStream
+from trimkit.backends.completion import chunk_content
+from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease
+from trimkit.errors import ContextTooSmallError
+from trimkit.planning.costs import CostModel
+from trimkit.profile import ProfileKey
+from trimkit.tokens import PromptTokenizer, Tokenizer, TiktokenTokenizer, chatml_render, reusable_prefix_len
+
+__all__ = ["FakeClock", "FakeBackend", "FakeOpenAIServer", "fake_openai_transport"]
+
+DEFAULT_REPLY = "This is a fake reply from the fake backend."
+
+
+def reply_words(reply: str, max_tokens: Any) -> list[str]:
+    """The words of ``reply`` a fake engine sends for ``max_tokens`` (one word a token, at least one)."""
+    return reply.split(" ")[: max(int(max_tokens), 1)]
+
+
+class FakeClock:
+    """A clock that moves only when told to: ``clock()`` reads it, ``clock.advance(s)`` moves it."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+
+
+class FakeBackend(Backend):
+    """A fake engine: cost = ``cost_model.prefill_s(new, cached) + first_token_s``; decode at
+    ``decode_tokens_per_s``; replies with ``reply`` split into words.
+
+    ``calls`` records every request's messages and parameters exactly as received. Like an
+    in-process engine it runs one request at a time: a stream holds :attr:`engine` (an
+    :class:`~trimkit.backends.lease.EngineLease`; ``with fake.lock:`` is a section of it)
+    from ``send`` until it is finished, closed or garbage-collected.
+    """
+
+    name = "fake"
+    #: seconds ``send`` waits for a stream another thread has not finished, before EngineBusyError
+    engine_wait_s: float = DEFAULT_ENGINE_WAIT_S
+
+    def __init__(
+        self,
+        cost_model: CostModel | None = None,
+        *,
+        clock: FakeClock | None = None,
+        tokenizer: PromptTokenizer | None = None,
+        n_ctx: int = 8192,
+        first_token_s: float = 0.02,
+        decode_tokens_per_s: float = 50.0,
+        reply: str = DEFAULT_REPLY,
+        reuse_prefix: bool = True,
+    ) -> None:
+        self.cost_model = cost_model or CostModel(overhead_s=0.01, per_token_s=0.0014, depth_s=1e-7)
+        self.clock: FakeClock = clock or FakeClock()
+        self.tokenizer = tokenizer or PromptTokenizer.estimate()
+        self._n_ctx = n_ctx
+        self.first_token_s = first_token_s
+        self.decode_tokens_per_s = decode_tokens_per_s
+        self.reply = reply
+        self.reuse_prefix = reuse_prefix
+        self.kv: list[int] = []
+        self.calls: list[tuple[list[Any], dict[str, Any]]] = []
+        self.engine = EngineLease()
+        #: a section of :attr:`engine` (``with fake.lock:``), e.g. to set :attr:`kv` between requests
+        self.lock = self.engine
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    def profile_key(self) -> ProfileKey:
+        return ProfileKey(backend=self.name, model="fake-model", n_ctx=self._n_ctx, n_batch=self.cost_model.n_batch, cpu="fake")
+
+    def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
+        return reusable_prefix_len(self.kv, prompt_tokens) if self.reuse_prefix else 0
+
+    def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None) -> TimedStream:
+        tokens = list(prompt_tokens) if prompt_tokens is not None else self.tokenizer.prompt_tokens(messages, params.get("tools"))
+        if len(tokens) > self._n_ctx:
+            raise ContextTooSmallError(f"prompt of {len(tokens)} tokens exceeds n_ctx={self._n_ctx}")
+        # the engine is this stream's until it is finished, closed or collected (never a lock
+        # held across a yield: a stream abandoned by one thread must not block the others)
+        release, waited = self.engine.hold(self.engine_wait_s)
+        self.calls.append((list(messages), dict(params)))
+        max_tokens = params.get("max_tokens") or 16
+        words = reply_words(self.reply, max_tokens)
+        state: dict[str, Any] = {}
+
+        def chunks() -> Iterator[dict[str, Any]]:
+            cached = self.predict_cached_tokens(tokens)
+            new = len(tokens) - cached
+            prefill = self.cost_model.prefill_s(new, cached)
+            state.update(cached=cached, new=new, prefill=prefill)
+            yield {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+            self.clock.advance(prefill + self.first_token_s)
+            for i, w in enumerate(words):
+                if i:
+                    self.clock.advance(1.0 / self.decode_tokens_per_s)
+                yield {"choices": [{"index": 0, "delta": {"content": (" " if i else "") + w}, "finish_reason": None}]}
+            yield {"choices": [{"index": 0, "delta": {}, "finish_reason": "length" if len(words) >= max_tokens else "stop"}]}
+            self.kv = tokens + [0] * len(words)
+
+        def finish(ts: TimedStream) -> Measurement:
+            n_out = len(words)
+            return Measurement(
+                ttft_s=ts.ttft_s,
+                first_output_s=ts.first_output_s,
+                total_s=ts.total_s,
+                prompt_tokens=len(tokens),
+                cached_tokens=state.get("cached"),
+                evaluated_tokens=state.get("new"),
+                engine_prefill_s=state.get("prefill"),
+                completion_tokens=n_out,
+                engine_decode_s=(n_out - 1) / self.decode_tokens_per_s if n_out > 1 else None,
+                client_decode_s=ts.client_decode_s,
+                timing_source="llama_perf",
+                finish_reason="length" if n_out >= max_tokens else "stop",
+            )
+
+        return TimedStream(chunks(), started=None, clock=self.clock, content_of=chunk_content, finish=finish,
+                           release=release, queue_s=waited)
+
+    # -- calibration probes: the exact cost function ------------------------------------------------
+    def measure_prefill(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        if new_tokens + cached_tokens > self._n_ctx:
+            raise ContextTooSmallError(f"probe of {new_tokens + cached_tokens} tokens does not fit n_ctx={self._n_ctx}")
+        seconds = self.cost_model.prefill_s(new_tokens, cached_tokens)
+        self.clock.advance(seconds)
+        return seconds
+
+    def measure_decode(self, n_tokens: int = 32) -> float:
+        self.clock.advance(n_tokens / self.decode_tokens_per_s)
+        return self.decode_tokens_per_s
+
+    def measure_first_token_overhead(self) -> float:
+        return self.first_token_s
+
+
+class FakeOpenAIServer:
+    """An OpenAI-compatible chat server in memory, to put behind ``httpx.MockTransport``.
+
+    It answers, like a llama.cpp server:
+
+    - ``POST …/chat/completions``: ``reply`` one word a token, up to ``max_tokens`` (default
+      16); streamed as server-sent events (``data: {chunk}`` … ``data: [DONE]``) when the body
+      says ``"stream": true``, with a final usage chunk when ``stream_options.include_usage``;
+      a ``chat.completion`` object otherwise. ``usage`` counts the ChatML-rendered prompt with
+      ``tokenizer`` and reports the common prefix with the previous prompt as cached
+      (``prompt_tokens_details.cached_tokens``);
+    - ``GET …/models``: one model, ``model``, with its context size ``n_ctx``;
+    - ``POST /tokenize`` (``{"content": …}`` → ``{"tokens": […]}``) and ``POST /apply-template``
+      (ChatML), so a client counts prompt tokens exactly as this server does;
+    - anything else: 404 with an OpenAI-style error body.
+
+    ``requests`` records each request as ``(method, path, JSON body or None)``.
+    Use :attr:`transport` (or :func:`fake_openai_transport`)::
+
+        server = FakeOpenAIServer(reply="Paris is the capital.")
+        http = httpx.Client(transport=server.transport)
+        backend = OpenAIHTTPBackend("http://fake/v1", model=server.model, http_client=http)
+    """
+
+    def __init__(
+        self,
+        *,
+        reply: str = DEFAULT_REPLY,
+        model: str = "fake-model",
+        n_ctx: int = 8192,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        self.reply = reply
+        self.model = model
+        self.n_ctx = n_ctx
+        self.tokenizer: Tokenizer = tokenizer or TiktokenTokenizer()
+        self.requests: list[tuple[str, str, Any]] = []
+        self.last_prompt: list[int] = []
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    @property
+    def transport(self) -> httpx.MockTransport:
+        """An ``httpx.MockTransport`` answering with this server (for sync and async clients)."""
+        return httpx.MockTransport(self)
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        try:
+            body = json.loads(request.content) if request.content else None
+        except ValueError:
+            return _error(400, "the request body is not JSON")
+        with self._lock:
+            self.requests.append((request.method, path, body))
+        if request.method == "POST" and path.endswith("/chat/completions"):
+            return self._chat(body)
+        if request.method == "GET" and path.endswith("/models"):
+            entry = {"id": self.model, "object": "model", "owned_by": "trimkit-fake", "meta": {"n_ctx": self.n_ctx}}
+            return httpx.Response(200, json={"object": "list", "data": [entry]})
+        if request.method == "POST" and path == "/tokenize" and isinstance(body, Mapping):
+            return httpx.Response(200, json={"tokens": self.tokenizer.encode(str(body.get("content", "")))})
+        if request.method == "POST" and path == "/apply-template" and isinstance(body, Mapping):
+            return httpx.Response(200, json={"prompt": chatml_render(body.get("messages") or [], body.get("tools"))})
+        return _error(404, f"no route for {request.method} {path}")
+
+    def _chat(self, body: Any) -> httpx.Response:
+        if not isinstance(body, Mapping) or not isinstance(body.get("messages"), list):
+            return _error(400, "the body needs \"messages\": an array")
+        tokens = self.tokenizer.encode(chatml_render(body["messages"], body.get("tools")))
+        with self._lock:
+            cached = reusable_prefix_len(self.last_prompt, tokens)
+            self.last_prompt = tokens
+            n = next(self._ids)
+        max_tokens = body.get("max_tokens") or 16
+        words = reply_words(self.reply, max_tokens)
+        finish = "length" if len(words) >= max_tokens else "stop"
+        usage = {
+            "prompt_tokens": len(tokens),
+            "completion_tokens": len(words),
+            "total_tokens": len(tokens) + len(words),
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        head = {"id": f"chatcmpl-fake-{n}", "created": 0, "model": body.get("model") or self.model}
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": " ".join(words)}
+            return httpx.Response(200, json={**head, "object": "chat.completion", "usage": usage,
+                                             "choices": [{"index": 0, "message": message, "finish_reason": finish}]})
+        chunk = {**head, "object": "chat.completion.chunk"}
+        deltas = [{"role": "assistant"}, *({"content": (" " if i else "") + w} for i, w in enumerate(words)), {}]
+        events = [
+            {**chunk, "choices": [{"index": 0, "delta": d, "finish_reason": finish if i == len(deltas) - 1 else None}]}
+            for i, d in enumerate(deltas)
+        ]
+        if (body.get("stream_options") or {}).get("include_usage"):
+            events.append({**chunk, "choices": [], "usage": usage})
+        text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=text.encode("utf-8"), headers={"content-type": "text/event-stream"})
+
+
+def _error(status: int, message: str) -> httpx.Response:
+    return httpx.Response(status, json={"error": {"message": message, "type": "invalid_request_error", "code": status}})
+
+
+def fake_openai_transport(**kwargs: Any) -> httpx.MockTransport:
+    """``httpx.MockTransport`` over a new :class:`FakeOpenAIServer` (``kwargs`` go to it)."""
+    return FakeOpenAIServer(**kwargs).transport
