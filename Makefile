@@ -3,11 +3,16 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.trimkit-installed
-# llama-cpp-python compiles llama.cpp on install. A build tuned to the compiling CPU (-march=native)
-# turns on AMX kernels on CPUs that have them, and those crash (SIGSEGV in ggml_backend_amx_mul_mat)
-# where the OS does not grant AMX state to the process, as in this project's sandboxes. Build the
-# portable CPU variant (AVX2/FMA/F16C) unless the caller chose CMAKE_ARGS (e.g. -DGGML_CUDA=on).
-export CMAKE_ARGS ?= -DGGML_NATIVE=OFF
+# llama-cpp-python compiles llama.cpp on install, tuned to this CPU (-march=native). On x86-64 CPUs
+# with AMX that build also turns on llama.cpp's AMX kernels, and those crash (SIGSEGV in
+# ggml_backend_amx_mul_mat) where the OS does not grant AMX state to the process, as in this
+# project's sandboxes. So on x86-64 the build keeps everything else the CPU has (AVX-512, VNNI)
+# and leaves AMX out. A CMAKE_ARGS of your own (e.g. -DGGML_CUDA=on) replaces this. pip caches
+# the wheel it builds: `pip cache remove llama_cpp_python` forces a rebuild with new flags.
+ifeq ($(shell uname -m),x86_64)
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+export CMAKE_ARGS ?= -DGGML_NATIVE=ON "-DCMAKE_C_FLAGS=$(NO_AMX)" "-DCMAKE_CXX_FLAGS=$(NO_AMX)"
+endif
 
 .PHONY: demo test venv clean bench
 

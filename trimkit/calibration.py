@@ -21,8 +21,8 @@ from trimkit.backends.base import Backend
 from trimkit.backends.clients import client_kind
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.llama import LlamaBackend
-from trimkit.planning.costs import PrefillSample, error_stats, fit_cost_model, heldout_predictions
 from trimkit.errors import CalibrationError, ContextTooSmallError, InvalidInputError
+from trimkit.planning.costs import PrefillSample, error_stats, fit_cost_model, heldout_predictions
 from trimkit.profile import Profile
 from trimkit.profile_store import load_profile, save_profile
 

@@ -1,6 +1,6 @@
 """How long a wrapped call to a served model may wait, from its TTFT budget: how long it is
 retried before its first chunk, and its deadline. (How a backend applies them, per request and
-per attempt, is :mod:`trimkit.backends.deadlines`.)
+per attempt, is :mod:`trimkit.backends.limits`.)
 
 Once the first token is later than twice the budget the answer has failed its purpose, and
 retrying longer only hides an outage from the caller; but a tight budget (0.3 s) must not turn a

@@ -25,9 +25,9 @@ from trimkit.diagnose import diagnose
 from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError
 from trimkit.messages import coerce_chunks, validate_messages
 from trimkit.planning.planner import plan as make_plan
+from trimkit.prepared import place_chunks
 from trimkit.profile import Profile
 from trimkit.profile_store import load_profile
-from trimkit.prepared import place_chunks
 from trimkit.wrapper import wrap
 
 __all__ = ["main", "build_parser", "open_llama", "read_request", "profile_lines"]

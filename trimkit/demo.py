@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from importlib import resources
 from collections.abc import Sequence
+from importlib import resources
 from typing import Any
 
 from trimkit.calibration import calibrate

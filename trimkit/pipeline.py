@@ -29,12 +29,19 @@ import attrs
 from trimkit.backends.base import Backend, Measurement, TimedStream
 from trimkit.calibration import calibrate
 from trimkit.errors import ContextTooSmallError, InfeasibleBudgetError, InvalidInputError
-from trimkit.messages import DEFAULT_RAG_CHUNK_TEMPLATE, DEFAULT_RAG_TEMPLATE, Chunk, check_rag_templates, coerce_chunks, validate_messages
-from trimkit.planning.costs import evaluated_tokens
+from trimkit.messages import (
+    DEFAULT_RAG_CHUNK_TEMPLATE,
+    DEFAULT_RAG_TEMPLATE,
+    Chunk,
+    check_rag_templates,
+    coerce_chunks,
+    validate_messages,
+)
 from trimkit.planning.costs import evaluated_tokens
 from trimkit.planning.drift import LiveProfile
 from trimkit.planning.margin import DEFAULT_TARGET, EngineState, engine_state
-from trimkit.planning.planner import Plan, plan as make_plan
+from trimkit.planning.planner import Plan
+from trimkit.planning.planner import plan as make_plan
 from trimkit.planning.summaries import SummaryCache
 from trimkit.planning.values import ValueModel
 from trimkit.prepared import Prepared, PreviousCut, place_chunks

@@ -28,7 +28,7 @@ from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease
 from trimkit.errors import ContextTooSmallError
 from trimkit.planning.costs import CostModel
 from trimkit.profile import ProfileKey
-from trimkit.tokens import PromptTokenizer, Tokenizer, TiktokenTokenizer, chatml_render, reusable_prefix_len
+from trimkit.tokens import PromptTokenizer, TiktokenTokenizer, Tokenizer, chatml_render, reusable_prefix_len
 
 __all__ = ["FakeClock", "FakeBackend", "FakeOpenAIServer", "fake_openai_transport"]
 

@@ -15,8 +15,8 @@ import functools
 import statistics
 import time
 import weakref
-from importlib import resources
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from importlib import resources
 from typing import Any
 
 import attrs

@@ -47,7 +47,18 @@ from typing import Any
 
 import attrs
 
-from trimkit.backends.fields import as_object, describe, excerpt, fail, join_path, load_json, opt_int, opt_list, opt_mapping, opt_str
+from trimkit.backends.fields import (
+    as_object,
+    describe,
+    excerpt,
+    fail,
+    join_path,
+    load_json,
+    opt_int,
+    opt_list,
+    opt_mapping,
+    opt_str,
+)
 from trimkit.backends.server_timings import ServerStats, parse_server_stats
 from trimkit.errors import MalformedReplyError, ServerError
 

@@ -18,18 +18,18 @@ from typing import Any
 import attrs
 import httpx
 
-from trimkit.backends.limits import Deadline, RequestLimits, Wait, with_retries
 from trimkit.backends.faults import (
     client_error,
     client_open_error,
     client_read_error,
     status_error,
     stream_reply_error,
-    transport_error,
     translated,
+    transport_error,
     wrong_content_type,
 )
 from trimkit.backends.fields import MAX_REPLY_BYTES, excerpt, load_json
+from trimkit.backends.limits import Deadline, RequestLimits, Wait, with_retries
 from trimkit.backends.replies import body_kind
 from trimkit.backends.sse import EventReader, aiter_events, iter_events
 from trimkit.errors import InvalidInputError, MalformedReplyError

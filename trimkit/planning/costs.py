@@ -20,8 +20,8 @@ from collections.abc import Iterable, Sequence
 import attrs
 import numpy as np
 
-from trimkit.validation import attrs_non_negative, count, real_float
 from trimkit.errors import InvalidInputError, InvalidNumberError
+from trimkit.validation import attrs_non_negative, count, real_float
 
 __all__ = [
     "PrefillSample",
