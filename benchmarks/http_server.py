@@ -93,7 +93,11 @@ def llama_server(model_path: str, n_ctx: int, stock: bool) -> Iterator[tuple[str
             if time.monotonic() > deadline:
                 raise RuntimeError("the server did not come up within 120 s")
             time.sleep(0.2)
-        yield base_url, cmd
+        try:
+            yield base_url, cmd
+        except BaseException:  # show what the server said before the failure
+            print(f"--- server log (last 3,000 characters):\n{Path(log.name).read_text(errors='replace')[-3000:]}", file=sys.stderr)
+            raise
     finally:
         if proc.poll() is None:
             proc.terminate()

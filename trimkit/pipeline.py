@@ -49,7 +49,7 @@ from trimkit.profile import Profile
 from trimkit.profile_store import save_profile
 from trimkit.report import Report
 from trimkit.summary_worker import SummaryWorker
-from trimkit.validation import budget as valid_budget
+from trimkit.validation import budget as valid_budget, open_share
 
 __all__ = ["Pipeline", "ModelLabel", "ReportNotes"]
 
@@ -99,7 +99,7 @@ class Pipeline:
     ) -> None:
         if values is not None and not isinstance(values, ValueModel):
             raise InvalidInputError(f"values must be a trimkit.ValueModel or None, got {type(values).__name__}")
-        attainment_target = _valid_target(attainment_target)
+        attainment_target = open_share(attainment_target, "attainment_target")
         if on_infeasible not in ("best_effort", "raise"):
             raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
         check_rag_templates(rag_template, rag_chunk_template)
@@ -153,7 +153,7 @@ class Pipeline:
 
     @attainment_target.setter
     def attainment_target(self, value: float) -> None:
-        self._attainment_target = _valid_target(value)
+        self._attainment_target = open_share(value, "attainment_target")
 
     @property
     def profile(self) -> Profile:
@@ -409,9 +409,3 @@ class Pipeline:
             save_profile(self.profile)
         except OSError as exc:  # a read-only cache must not break requests
             log.warning("trimkit: could not store the refined profile: %s", exc)
-
-
-def _valid_target(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
-        raise InvalidInputError(f"attainment_target must be a number strictly between 0 and 1, got {value!r}")
-    return float(value)

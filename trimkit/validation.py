@@ -6,7 +6,7 @@ import math
 import numbers
 from typing import Any
 
-from trimkit.errors import InvalidBudgetError, InvalidNumberError
+from trimkit.errors import InvalidBudgetError, InvalidInputError, InvalidNumberError
 
 
 def _is_real(value: Any) -> bool:
@@ -88,3 +88,11 @@ def fraction(value: Any, name: str) -> float:
     if v >= 1.0:
         raise InvalidNumberError(f"{name} must be below 1, got {_short(value)}")
     return v
+
+
+def open_share(value: Any, name: str) -> float:
+    """Validate a share strictly between 0 and 1 (an attainment target); a typed
+    :class:`~trimkit.errors.InvalidInputError` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise InvalidInputError(f"{name} must be a number strictly between 0 and 1, got {_short(value)}")
+    return float(value)
