@@ -175,3 +175,16 @@ def test_first_token_overhead_is_the_upper_median_of_the_probe_gaps():
     asked = []
     got = first_token_overhead_s([m(0.5, None), m(None, None)], prefill_s=lambda p: asked.append(p) or 0.1)
     assert got == pytest.approx(0.4) and len(asked) == 1  # asked only for a probe with output
+
+
+def test_background_work_counts_tokens_without_asking_the_server(server: FakeOpenAIServer, http: httpx.Client):
+    # llama_cpp.server interrupts the stream in flight when another request arrives, so background
+    # summaries must not tokenize through the server while the caller's next answer streams.
+    for chat_format in (None, "gemma-3"):
+        backend = OpenAIHTTPBackend("http://fake/v1", http_client=http, chat_format=chat_format)
+        assert backend.tokenizer.count("hello there") > 0  # the server's tokenizer: it asks
+        before = len(server.requests)
+        tok = backend.background_tokenizer
+        assert tok.count("hello there, how are you today?") > 0
+        assert tok.prompt_tokens([{"role": "user", "content": "hi"}])
+        assert len(server.requests) == before

