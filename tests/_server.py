@@ -3,7 +3,9 @@ embedded Gemma-3-270M on loopback.
 
 ``llama_server`` (session fixture) yields the base URL (``http://127.0.0.1:PORT/v1``) of one
 server shared by the session; :func:`running_server` starts extra ones for tests that need to
-start late or kill a server. Every process is stopped at the end whatever happens (terminate,
+start late or kill a server, and :func:`running_servers` several at once (a fleet's replicas:
+``two_llama_servers``, one thread each, ``--interrupt_requests false`` so that a request queued
+behind another does not cut its stream short). Every process is stopped at the end whatever happens (terminate,
 then kill), and on Linux it also dies with the test process (``PR_SET_PDEATHSIG``).
 
 The server runs with ``--chat_format gemma-3`` (Gemma 3's own template, :mod:`trimkit.templates`,
@@ -29,7 +31,8 @@ import attrs
 import httpx
 import pytest
 
-__all__ = ["ServerProcess", "free_port", "start_server", "wait_ready", "stop_server", "running_server", "llama_server"]
+__all__ = ["ServerProcess", "free_port", "start_server", "wait_ready", "stop_server", "running_server", "running_servers", "llama_server",
+           "two_llama_servers", "REPLICA_ARGS"]
 
 READY_TIMEOUT_S = 60.0
 
@@ -134,6 +137,35 @@ def running_server(port: int | None = None, **kwargs: object) -> Iterator[Server
         yield server
     finally:
         stop_server(server)
+
+
+@contextlib.contextmanager
+def running_servers(n: int, **kwargs: object) -> Iterator[list[ServerProcess]]:
+    """``n`` servers, started together (they load in parallel) and ready; every one stopped on
+    exit, even if another failed to start."""
+    servers: list[ServerProcess] = []
+    try:
+        for _ in range(n):
+            servers.append(start_server(**kwargs))  # type: ignore[arg-type]
+        for server in servers:
+            wait_ready(server)
+        yield servers
+    finally:
+        for server in servers:
+            stop_server(server)
+
+
+#: a fleet replica on this 2-core host: one thread each; a second request waits instead of
+#: interrupting the stream in flight (llama-cpp-python's default)
+REPLICA_ARGS = ("--n_threads", "1", "--n_threads_batch", "1", "--interrupt_requests", "false")
+
+
+@pytest.fixture(scope="module")
+def two_llama_servers() -> Iterator[list[ServerProcess]]:
+    """Two real llama-cpp-python servers for one test module (a fleet's replicas); a test may
+    kill one. Both are stopped at the end of the module whatever happens."""
+    with running_servers(2, extra_args=REPLICA_ARGS) as servers:
+        yield servers
 
 
 @pytest.fixture(scope="session")

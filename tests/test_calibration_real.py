@@ -14,7 +14,9 @@ from trimkit.profile_store import profile_path
 def test_quick_calibration_measures_a_sensible_profile(quick_profile):
     p = quick_profile
     assert p.quick
-    assert len(p.samples) >= 6
+    # how many probes fit the time budget depends on the host; the minimum schedule is 3
+    assert len(p.samples) >= 3
+    assert p.mode == "quick" and p.probed_new_tokens >= 32 and p.probed_context_tokens > p.probed_new_tokens
     assert any(s.cached_tokens > 0 for s in p.samples), "depth probes missing"
     assert p.model.per_token_s > 0
     assert 0 < p.decode_tokens_per_s < 10_000

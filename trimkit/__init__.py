@@ -33,9 +33,9 @@ from trimkit.backends.llama import llama_summarizer
 from trimkit.calibration import calibrate
 from trimkit.diagnose import diagnose
 from trimkit.errors import TrimkitError
+from trimkit.fleet import wrap_url
 from trimkit.messages import Chunk
 from trimkit.model import default_model_path
-from trimkit.openai_wrapper import wrap_url
 from trimkit.planning.planner import Plan, plan
 from trimkit.planning.values import ValueModel
 from trimkit.profile import Profile

@@ -1,10 +1,19 @@
-"""Calibration: measure what prefill costs on this host, fit the cost model, store the profile.
+"""Calibration: measure what prefill costs on this host within a time budget, fit the cost model,
+store the profile.
 
 Use :func:`calibrate` once per model and settings; the profile is stored in the user cache and
 reused on the next run with the same :class:`~trimkit.profile.ProfileKey`. Pass
 ``recalibrate=True`` (CLI: ``--recalibrate``) after changing hardware or drivers in ways the key
 cannot see. Calibration uses the engine's KV cache for its probes, so the next request after it
 pays a cold prefill.
+
+Calibration is bounded in **wall time**, whatever the host and the model: ``micro`` ≤ 3 s
+(the provisional profile ``trimkit.wrap`` serves with), ``quick`` ≤ 10 s, ``full`` ≤ 30 s, or
+``time_budget_s``. A first short probe measures the host's speed; the rest of the schedule is
+sized to the time left and every step is checked against it before it runs
+(:mod:`trimkit.calibration_schedule`). The profile records the budget, the mode and the range it
+probed. Idle probing (:mod:`trimkit.idle_probes`) later adds what a full calibration would have
+measured (:func:`remaining_probes`, :func:`refit_profile`).
 """
 
 from __future__ import annotations
@@ -12,7 +21,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -21,60 +31,26 @@ from trimkit.backends.base import Backend
 from trimkit.backends.clients import client_kind
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.llama import LlamaBackend
-from trimkit.errors import CalibrationError, ContextTooSmallError, InvalidInputError
-from trimkit.planning.costs import PrefillSample, error_stats, fit_cost_model, heldout_predictions
-from trimkit.profile import Profile
+from trimkit.calibration_schedule import (ATTENTION_PRIOR_TOKENS, FIRST_PROBE_TOKENS, FIRST_TOKEN_SHARE, FULL_BUDGET_S, MICRO_BUDGET_S, MIN_N_CTX,
+                                          MIN_PROBE_TOKENS, MIN_SAMPLES, QUICK_BUDGET_S, CostPredictor, Mode, Probe,
+                                          calibration_probes, choose_top, cold_lengths, context_cap, decode_tokens,
+                                          depth_lengths, first_token_cost_s, fits, get_mode, missing, mode_for_budget,
+                                          repeats, schedule, top_candidates)
+from trimkit.errors import CalibrationError, InvalidInputError
+from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, error_stats, fit_cost_model, heldout_predictions
+from trimkit.profile import CALIBRATION_MODES, Profile
 from trimkit.profile_store import load_profile, save_profile
+from trimkit.validation import budget
 
-__all__ = ["calibrate", "calibration_probes", "as_backend", "Probe", "MIN_N_CTX"]
+__all__ = ["calibrate", "calibration_probes", "remaining_probes", "refit_profile", "as_backend", "Probe", "MIN_N_CTX",
+           "MICRO_BUDGET_S", "QUICK_BUDGET_S", "FULL_BUDGET_S"]
 
 log = logging.getLogger("trimkit")
 
-#: the smallest context calibration can work in (a 32-token probe after a 64-token prefix, with room)
-MIN_N_CTX = 128
-
 Progress = Callable[[int, int, str], None]
 
-
-@attrs.frozen
-class Probe:
-    """One calibration measurement to take: ``new_tokens`` after ``cached_tokens``, ``repeats`` times."""
-
-    new_tokens: int
-    cached_tokens: int = 0
-    repeats: int = 1
-
-
-def calibration_probes(n_ctx: int, *, quick: bool = False) -> list[Probe]:
-    """The probe schedule for a context of ``n_ctx`` tokens.
-
-    Cold prompts at geometric lengths (small ones repeated: they are cheap and noisy), then
-    depth probes — new tokens after a long cached prefix — which pin down the attention term
-    without paying for a very long cold prompt. Cold lengths stop at 2048 tokens (1024 when
-    ``quick``) and no probe reaches past ~90 % of ``n_ctx`` (new + cached tokens). The probes
-    are distinct: in a small context the short depth probe is shrunk rather than repeated.
-    """
-    if n_ctx < MIN_N_CTX:
-        raise ContextTooSmallError(f"n_ctx={n_ctx} is too small to calibrate (need at least {MIN_N_CTX} tokens)")
-    top = 1024 if quick else 2048
-    deep = 512 if quick else 2048  # new tokens appended after the deepest cold probe
-    cap = int(n_ctx * 0.9)
-    if quick:
-        cold = [(32, 2), (128, 2), (384, 1), (1024, 1)]
-    else:
-        cold = [(16, 3), (32, 3), (64, 3), (128, 3), (256, 3), (512, 2), (1024, 2), (2048, 1)]
-    probes = [Probe(n, 0, r) for n, r in cold if n <= min(top, cap)]
-    k = max((p.new_tokens for p in probes), default=0)
-    if k < 64:
-        probes.append(Probe(max(16, cap // 2), 0, 2))
-        k = probes[-1].new_tokens
-    room = cap - k
-    # two depth probes of different lengths; where the room is short the long one takes all of
-    # it and the short one half (min(short, room) would make both the same probe)
-    for n in (min(128 if quick else 256, room // 2), min(deep, room)):
-        if n >= 16 and Probe(n, k, 1) not in probes:
-            probes.append(Probe(n, k, 1))
-    return probes
+#: a fit whose cost grows by less than this factor from the shortest to the longest probe is flat
+FLAT_GROWTH = 1.1
 
 
 def as_backend(target: Any) -> Backend:
@@ -94,69 +70,92 @@ def as_backend(target: Any) -> Backend:
     )
 
 
+def _mode_name(quick: bool, mode: str | None, time_budget_s: float | None) -> str:
+    """``mode`` if given; else quick's; else, with a budget, the most thorough mode it affords."""
+    if mode is not None:
+        name = get_mode(mode).name
+        if quick and name == "full":
+            raise InvalidInputError("quick=True contradicts mode='full'")
+        return name
+    if quick:
+        return "quick"
+    return mode_for_budget(time_budget_s) if time_budget_s is not None else "full"
+
+
+def _satisfies(stored: Profile, mode: str) -> bool:
+    """A stored full profile serves any request, a quick one quick and micro, a micro one micro."""
+    return CALIBRATION_MODES.index(stored.mode) >= CALIBRATION_MODES.index(mode)
+
+
 def calibrate(
     target: Any,
     *,
     quick: bool = False,
+    mode: str | None = None,
+    time_budget_s: float | None = None,
     recalibrate: bool = False,
     store: bool = True,
     progress: Progress | None = None,
-    clock: Callable[[], float] = time.perf_counter,
+    clock: Callable[[], float] | None = None,
 ) -> Profile:
-    """Measure prefill cost on this host and return a :class:`~trimkit.profile.Profile`.
+    """Measure prefill cost on this host within a wall-time budget and return a
+    :class:`~trimkit.profile.Profile`.
 
     ``target`` is the ``llama_cpp.Llama`` you already use (or a trimkit backend / OpenAI-style
-    client). A stored profile for the same key is returned without measuring unless
-    ``recalibrate``; a stored *quick* profile does not satisfy a full calibration. A corrupt
-    stored profile is measured again with a warning. ``progress(done, total, label)`` is called
-    after each step.
+    client). ``mode``: ``"micro"`` (3 s, a provisional profile), ``"quick"`` (10 s) or
+    ``"full"`` (30 s); default ``quick`` when ``quick``, else the most thorough mode
+    ``time_budget_s`` affords, else ``full``. ``time_budget_s`` replaces the mode's budget: the
+    whole call — warm-up, probes, decode, first-token overhead — ends within it on any host
+    (the minimum of 3 probes excepted, with a warning, on a host too slow for even that).
+
+    A stored profile for the same key is returned without measuring unless ``recalibrate``,
+    if it is at least as thorough (full serves any mode, quick serves quick and micro, micro
+    only micro). A corrupt stored profile is measured again with a warning.
+    ``progress(done, total, label)`` is called after each step; ``total`` is the current plan
+    and changes as the schedule is sized. ``clock`` times the budget (default: the backend's).
     """
     backend = as_backend(target)
+    budget_s = None if time_budget_s is None else budget(time_budget_s, "time_budget_s")
+    name = _mode_name(quick, mode, budget_s)
+    budget_s = get_mode(name).budget_s if budget_s is None else budget_s
+    context_cap(backend.n_ctx)  # ContextTooSmallError before anything is measured
     key = backend.profile_key()
     if not recalibrate:
         stored = load_profile(key)
-        if stored is not None and (quick or not stored.quick):
-            log.info("trimkit: reusing stored profile for %s", key.model)
+        if stored is not None and _satisfies(stored, name):
+            log.info("trimkit: reusing stored %s profile for %s", stored.mode, key.model)
             return stored
 
-    probes = calibration_probes(backend.n_ctx, quick=quick)
-    steps = 1 + sum(p.repeats for p in probes) + 2
-    done = 0
-
-    def step(label: str) -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, steps, label)
-
-    t_start = clock()
-    backend.warm_up()
-    step("warm-up")
-    samples: list[PrefillSample] = []
-    # interleave repeats (round-robin) so slow drift on a shared machine spreads over all lengths
-    rounds = max(p.repeats for p in probes)
-    cold = [p for p in probes if p.cached_tokens == 0]
-    deep = [p for p in probes if p.cached_tokens > 0]
-    for r in range(rounds):
-        for p in cold:
-            if r < p.repeats:
-                seconds = backend.measure_prefill(p.new_tokens, 0)
-                samples.append(PrefillSample(p.new_tokens, 0, seconds))
-                step(f"prefill {p.new_tokens} tokens")
-    for p in deep:
-        for _ in range(p.repeats):
-            seconds = backend.measure_prefill(p.new_tokens, p.cached_tokens)
-            samples.append(PrefillSample(p.new_tokens, p.cached_tokens, seconds))
-            step(f"prefill {p.new_tokens} after {p.cached_tokens} cached")
-    decode_tps = backend.measure_decode(16 if quick else 32)
-    step("decode speed")
-    first_token_s = backend.measure_first_token_overhead()
-    step("first-token overhead")
-    wall = clock() - t_start
-
-    if len(samples) < 3:
+    run = _Run(backend, key.n_batch or 512, get_mode(name), budget_s, clock or getattr(backend, "clock", None) or time.perf_counter, progress)
+    run.execute()
+    if len(run.samples) < MIN_SAMPLES:  # pragma: no cover - the minimum is enforced by _Run
         raise CalibrationError("calibration produced fewer than 3 samples")
-    n_batch = key.n_batch or 512
+    model, err, heldout, alternatives = _fit(run.samples, key.n_batch or 512)
+    profile = Profile(
+        key=key,
+        model=model,
+        first_token_s=run.first_token_s,
+        decode_tokens_per_s=run.decode_tps,
+        samples=tuple(run.samples),
+        error=err,
+        alternatives=alternatives,
+        calibration_wall_s=run.wall_s,
+        quick=name != "full",
+        created_at=time.time(),
+        residuals=tuple(heldout),  # seeds the learned safety margin (trimkit.planning.margin)
+        mode=name,
+        time_budget_s=budget_s,
+        first_token_estimated=run.first_token_estimated,
+    )
+    if store:
+        path = save_profile(profile)
+        if path is not None:  # None: the cache folder is unwritable (save_profile warned once)
+            log.info("trimkit: stored profile %s", path)
+    return profile
+
+
+def _fit(samples: Sequence[PrefillSample], n_batch: int) -> tuple[CostModel, ErrorStats, list[tuple[float, float]], dict[str, Any]]:
+    """The cost model for ``samples``, its held-out error and residuals, and both candidates."""
     candidates = {}
     for batched in (False, True):
         model = fit_cost_model(samples, n_batch=n_batch, batched=batched)
@@ -168,21 +167,247 @@ def calibrate(
     if math.isfinite(b_err.median_pct) and b_err.median_pct < d_err.median_pct * 0.9:
         name = "batched"
     model, err, heldout = candidates[name]
-    profile = Profile(
-        key=key,
+    alternatives = {n: {"model": m.to_dict(), "heldout_error": e.to_dict()} for n, (m, e, _) in candidates.items()}
+    lo, hi = min(s.new_tokens for s in samples), max(s.new_tokens for s in samples)
+    timed = [s for s in samples if s.seconds > 0]
+    rate = sum(s.new_tokens / s.seconds for s in timed) / sum((s.new_tokens / s.seconds) ** 2 for s in timed)
+    if model.depth_s * ATTENTION_PRIOR_TOKENS > max(model.per_token_s, rate):
+        # attention costing more per token than the weights do before ATTENTION_PRIOR_TOKENS of
+        # context is no model of a transformer (for any size: the weights cost ~2·params FLOPs a
+        # token, attention ~4·d_model·layers·context); noisy probes spanning too little context
+        # (a busy host's minimum) can fit one, and it would price a 1,000-token prompt in
+        # minutes. The schedule's conservative allowance instead: it errs long, and the live
+        # refits correct it from the first requests.
+        model = CostModel(overhead_s=0.0, per_token_s=rate, depth_s=rate / ATTENTION_PRIOR_TOKENS, n_batch=n_batch)
+        heldout = [(model.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in samples]
+        err = error_stats(heldout)
+        alternatives["attention_prior"] = {"model": model.to_dict(), "heldout_error": err.to_dict()}
+        log.warning("trimkit: the fitted attention term was implausible (noisy probes over a short range); "
+                    "using a conservative per-token rate with the attention allowance instead")
+    elif model.prefill_s(hi) < FLAT_GROWTH * model.prefill_s(lo):
+        # a cost that barely grows across all the lengths probed is no model of prefill: noisy
+        # probes that span too little (a slow or busy host's minimum) can fit one, and it would
+        # price a 4,000-token prompt like a 16-token one. Proportional instead: it errs long.
+        model = CostModel(overhead_s=0.0, per_token_s=rate, depth_s=0.0, n_batch=n_batch)
+        heldout = [(model.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in samples]
+        err = error_stats(heldout)
+        alternatives["proportional"] = {"model": model.to_dict(), "heldout_error": err.to_dict()}
+    return model, err, heldout, alternatives
+
+
+class _Run:
+    """One bounded calibration: the steps in order, each checked against the time left.
+
+    Order: warm-up; the first probe (the speed) and two cheap ones — the minimum of 3 samples,
+    taken whatever the time; decode (sized to the budget); the first-token overhead (or its
+    estimate); cold probes ascending, the top re-chosen before each; the depth probes after the
+    longest cold one (its tokens still cached in process); the repeats, in round-robin rounds so
+    slow drift spreads over all lengths; again from the cold probes while a longer top fits.
+    """
+
+    def __init__(self, backend: Backend, n_batch: int, mode: Mode, budget_s: float, clock: Callable[[], float], progress: Progress | None) -> None:
+        self.backend = backend
+        self.mode = mode
+        self.budget_s = budget_s
+        self.clock = clock
+        self.progress = progress
+        self.n_ctx = backend.n_ctx
+        self.resend = not getattr(backend, "depth_probe_keeps_prefix", True)
+        self.predictor = CostPredictor(n_batch=n_batch)
+        self.samples: list[PrefillSample] = []
+        self.counts: Counter[tuple[int, int]] = Counter()
+        self.top = 0  # the longest cold probe measured
+        self.holds = 0  # how many leading tokens of the probe text the engine's context holds (in process)
+        self.planned_top = top_candidates(mode, self.n_ctx)[0]
+        self.tail_steps = 2  # decode, first-token overhead
+        self.done = self.total = 0
+        self.decode_tps = 0.0
+        self.first_token_s = 0.0
+        self.first_token_estimated = False
+        self.start = clock()
+        self.wall_s = 0.0
+
+    def left(self) -> float:
+        return self.start + self.budget_s - self.clock()
+
+    def _step(self, label: str) -> None:
+        self.done += 1
+        if self.progress is not None:
+            planned = sum(p.repeats for p in missing(schedule(self.mode, max(self.planned_top, self.top), self.n_ctx), self.counts))
+            self.total = self.done + planned + self.tail_steps
+            self.progress(self.done, self.total, label)
+
+    def predict(self, n: int, k: int) -> float:
+        """Predicted wall seconds of probing ``n`` after ``k``: a server resends the prefix; in
+        process only what the context lacks of it is prefilled first (every probe is a prefix
+        of one probe text, so the context holds the last probe's tokens)."""
+        if self.resend and k:
+            return self.predictor.wall_s(n, k, prefix_tokens=k, extra_call=True)
+        return self.predictor.wall_s(n, k, prefix_tokens=max(k - self.holds, 0) if k else 0)
+
+    def prefill(self, n: int, k: int, *, force: bool = False) -> bool:
+        """Measure ``n`` tokens after ``k`` if predicted to fit (always when ``force``)."""
+        p = self.predictor
+        predicted = self.predict(n, k) if p.samples else None
+        if not force and predicted is not None and not fits(predicted, self.left()):
+            return False
+        t0 = self.clock()
+        seconds = self.backend.measure_prefill(n, k)
+        wall = self.clock() - t0
+        p.observe(n, k, seconds, wall, predicted, call_overhead=not (k and (self.resend or self.holds < k)))
+        self.holds = n + k
+        self.samples.append(PrefillSample(n, k, seconds))
+        self.counts[(n, k)] += 1
+        if k == 0:
+            self.top = max(self.top, n)
+        self._step(f"prefill {n} tokens" + (f" after {k} cached" if k else ""))
+        return True
+
+    def execute(self) -> None:
+        self.backend.warm_up()  # leaves the context empty (in process)
+        self._step("warm-up")
+        # the minimum, whatever the time: the first probe measures the host's speed; then a
+        # depth probe after it (its tokens are still cached: it costs 16 tokens in process) and
+        # the shortest cold probe give the 3 samples the model needs, at the least cost
+        self.prefill(FIRST_PROBE_TOKENS, 0, force=True)
+        self.prefill(MIN_PROBE_TOKENS, FIRST_PROBE_TOKENS, force=True)
+        self.prefill(MIN_PROBE_TOKENS, 0, force=True)
+        self._decode()
+        self._first_token()
+        while True:  # grow the top again while time is left: the first plan errs short
+            before = len(self.samples)
+            self._cold()
+            self._depth()
+            self._repeats()
+            top = choose_top(self.mode, self.n_ctx, self.predictor, self.counts, self.left(), resend_prefix=self.resend)
+            if len(self.samples) == before or top is None or top <= self.top:
+                break
+        if self.progress is not None and self.total != self.done:  # what was planned but did not fit is dropped
+            self.progress(self.done, self.done, "calibrated")
+        self.wall_s = self.clock() - self.start
+        if self.wall_s > self.budget_s:
+            log.warning("trimkit: calibration took %.1f s, over its %.3g s budget: this host is too slow for even the minimum "
+                        "(%d probes); the profile is provisional, and improves as requests run", self.wall_s, self.budget_s, len(self.samples))
+
+    def _decode(self) -> None:
+        """Decode speed: one step first (a decode step costs 5 to 100 prefill tokens' time,
+        depending on the hardware: guessing it could overrun the budget), then as many steps
+        as the budget affords at that speed. Estimated from the prefill rate when not even one
+        step fits."""
+        p = self.predictor
+        self.tail_steps -= 1
+        if not fits(p.decode_wall_s(1), self.left()):
+            self.decode_tps = 1.0 / p.step_s()
+            log.info("trimkit: decode speed estimated (%.1f tokens/s), not measured: no time left for it", self.decode_tps)
+            self._step("decode speed (estimated)")
+            return
+        self.decode_tps = self._time_decode(1)
+        n = decode_tokens(self.mode, self.budget_s, p, self.left())
+        if n > 1:  # else the one step stands: a slow host's decode share affords no more
+            self.decode_tps = self._time_decode(n)
+        self._step(f"decode speed ({max(n, 1)} tokens)")
+
+    def _time_decode(self, n: int) -> float:
+        p = self.predictor
+        predicted = p.decode_wall_s(n)
+        t0 = self.clock()
+        tps = self.backend.measure_decode(n)
+        self.holds = 0
+        p.observe_ratio(self.clock() - t0, predicted)
+        p.observe_decode(tps)
+        return tps
+
+    def _first_token(self) -> None:
+        """Measure the first-token overhead if it is cheap enough, else estimate it: the time a
+        probe call takes beyond its prefill (what a request adds around the engine's work). The
+        wrapper learns the real value from every measured request."""
+        p = self.predictor
+        cost = first_token_cost_s(p)
+        self.tail_steps -= 1
+        if cost <= FIRST_TOKEN_SHARE * self.budget_s and fits(cost, self.left()):
+            t0 = self.clock()
+            self.first_token_s = self.backend.measure_first_token_overhead()
+            self.holds = 0
+            p.observe_ratio(self.clock() - t0, cost)
+            self._step("first-token overhead")
+        else:
+            self.first_token_s = p.call_overhead_s
+            self.first_token_estimated = True
+            log.info("trimkit: first-token overhead estimated (%.4f s), not measured: its requests would take ~%.1f s of a %.1f s budget",
+                     self.first_token_s, cost, self.budget_s)
+            self._step("first-token overhead (estimated)")
+
+    def _cold(self) -> None:
+        """Cold probes, ascending; before each the top is chosen again from what is known now."""
+        while True:
+            top = choose_top(self.mode, self.n_ctx, self.predictor, self.counts, self.left(), resend_prefix=self.resend)
+            if top is None or top <= self.top:
+                return
+            self.planned_top = top
+            todo = [n for n in cold_lengths(self.mode, top) if not self.counts[(n, 0)]]
+            if not self.prefill(todo[0], 0):
+                return
+
+    def _depth(self) -> None:
+        """New tokens after the longest cold probe, shrunk to the time left, or left out."""
+        k = self.top
+        for n in depth_lengths(self.mode, k, self.n_ctx):
+            if self.counts[(n, k)]:
+                continue
+            while n >= MIN_PROBE_TOKENS and not fits(self.predict(n, k), self.left()):
+                n = n * 3 // 4
+            if n >= MIN_PROBE_TOKENS:
+                self.prefill(n, k)
+
+    def _repeats(self) -> None:
+        lengths = cold_lengths(self.mode, self.top)
+        rounds = max(repeats(self.mode, n, self.top) for n in lengths)
+        for r in range(rounds):
+            for n in lengths:
+                if self.counts[(n, 0)] <= r < repeats(self.mode, n, self.top):
+                    self.prefill(n, 0)
+
+
+def remaining_probes(profile: Profile, n_ctx: int) -> list[Probe]:
+    """The probes a full calibration of a ``n_ctx``-token context takes (with unlimited time,
+    :func:`calibration_probes`) that ``profile`` does not hold yet, cheapest first by the
+    profile's own prediction (a depth probe's cost includes prefilling its prefix). Empty when
+    the profile has them all, or when ``n_ctx`` is too small to calibrate."""
+    if n_ctx < MIN_N_CTX:
+        return []
+    counts = Counter((s.new_tokens, s.cached_tokens) for s in profile.samples)
+
+    def cost(p: Probe) -> float:
+        prefix = profile.predict_prefill_s(p.cached_tokens, 0) if p.cached_tokens else 0.0
+        return profile.predict_prefill_s(p.new_tokens, p.cached_tokens) + prefix
+
+    return sorted(missing(calibration_probes(n_ctx, mode="full"), counts), key=lambda p: (cost(p), p.cached_tokens, p.new_tokens))
+
+
+def refit_profile(profile: Profile, samples: Sequence[PrefillSample], *, mode: str | None = None) -> Profile:
+    """A new profile fitted on ``profile``'s samples plus ``samples``: the model chosen as
+    calibration chooses it, its held-out error and residuals recomputed, the probed range
+    widened. Everything else (key, first-token overhead, decode speed, drift, mode unless
+    ``mode`` is given) is kept."""
+    new = tuple(samples)
+    for i, s in enumerate(new):
+        if not isinstance(s, PrefillSample):
+            raise InvalidInputError(f"samples[{i}] must be a PrefillSample, got {type(s).__name__}")
+    if not new and mode is None:
+        return profile
+    every = profile.samples + new
+    model, err, heldout, alternatives = _fit(every, profile.key.n_batch or 512)
+    probed_new, probed_ctx = profile.probed_range()
+    name = profile.mode if mode is None else get_mode(mode).name
+    return attrs.evolve(
+        profile,
         model=model,
-        first_token_s=first_token_s,
-        decode_tokens_per_s=decode_tps,
-        samples=tuple(samples),
+        samples=every,
         error=err,
-        alternatives={n: {"model": m.to_dict(), "heldout_error": e.to_dict()} for n, (m, e, _) in candidates.items()},
-        calibration_wall_s=wall,
-        quick=quick,
-        created_at=time.time(),
-        residuals=tuple(heldout),  # seeds the learned safety margin (trimkit.planning.margin)
+        alternatives=alternatives,
+        residuals=tuple(heldout),
+        probed_new_tokens=max([probed_new] + [s.new_tokens for s in new]),
+        probed_context_tokens=max([probed_ctx] + [s.new_tokens + s.cached_tokens for s in new]),
+        mode=name,
+        quick=name != "full",
     )
-    if store:
-        path = save_profile(profile)
-        if path is not None:  # None: the cache folder is unwritable (save_profile warned once)
-            log.info("trimkit: stored profile %s", path)
-    return profile

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,9 +20,10 @@ from trimkit import __version__
 from trimkit.backends.base import Backend
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.llama import LlamaBackend
-from trimkit.calibration import calibrate
+from trimkit.calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, calibrate
+from trimkit.calibration_schedule import mode_for_budget
 from trimkit.console import ProgressBar, open_llama, plot_profile, profile_lines
-from trimkit.demo import run_demo
+from trimkit.demo import TIME_TARGET_S, run_demo
 from trimkit.diagnose import diagnose
 from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError
 from trimkit.messages import coerce_chunks, validate_messages
@@ -28,11 +31,14 @@ from trimkit.planning.planner import plan as make_plan
 from trimkit.prepared import place_chunks
 from trimkit.profile import Profile
 from trimkit.profile_store import load_profile
+from trimkit.validation import budget
 from trimkit.wrapper import wrap
 
 __all__ = ["main", "build_parser", "open_llama", "read_request", "profile_lines"]
 
 EMBEDDED = "embedded default model (Gemma-3-270M Q4_K_M)"
+#: the share of ``trimkit calibrate``'s time budget left for printing and unloading the model
+EXIT_SHARE = 0.05
 
 
 def _positive_float(text: str) -> float:
@@ -55,7 +61,29 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def process_age_s() -> float:
+    """Seconds since this process started, as the OS tells it (Linux ``/proc``); 0.0 elsewhere."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime_s - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # field 22: start time in ticks
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
+def _calibration_mode(args: argparse.Namespace) -> tuple[str, float]:
+    """The mode and the wall-time budget of ``trimkit calibrate`` (checked before the model loads)."""
+    if args.time_budget is not None:
+        budget_s = budget(args.time_budget, "--time-budget")
+        mode = "micro" if args.micro else "quick" if args.quick else mode_for_budget(budget_s)
+        return mode, budget_s
+    mode = "micro" if args.micro else "quick" if args.quick else "full"
+    return mode, {"micro": MICRO_BUDGET_S, "quick": QUICK_BUDGET_S, "full": FULL_BUDGET_S}[mode]
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
+    mode, budget_s = _calibration_mode(args)
+    started = time.perf_counter() - process_age_s()  # the budget is the whole command's: start-up and model load too
     if args.url:
         if not args.model:
             raise InvalidInputError("--url needs --model NAME (the model name the server serves)")
@@ -63,14 +91,26 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     else:
         target = open_llama(args.model, args.n_ctx or 8192)
     bar = ProgressBar("calibrating", enabled=not args.json and sys.stderr.isatty() or args.progress)
+    left = budget_s * (1 - EXIT_SHARE) - (time.perf_counter() - started)
+    asked_at = time.time()
     try:
-        profile = calibrate(target, quick=args.quick, recalibrate=args.recalibrate, progress=bar)
+        # never less than a sliver: calibrate still takes its minimum (and warns) on a host too slow for the budget
+        profile = calibrate(target, mode=mode, time_budget_s=max(left, 0.01 * budget_s), recalibrate=args.recalibrate, progress=bar)
     finally:
         bar.close()
+    took = time.perf_counter() - started
     if args.json:
         print(json.dumps(profile.to_dict(), indent=1))
     else:
         print("\n".join(profile_lines(profile)))
+        probed_new, probed_ctx = profile.probed_range()
+        print(f"  mode {profile.mode}{' (provisional)' if profile.provisional else ''}: probed up to {probed_new:,} new tokens "
+              f"and {probed_ctx:,} tokens of context (predictions beyond are extrapolated)"
+              + ("; first-token overhead estimated, not measured" if profile.first_token_estimated else ""))
+        if profile.created_at >= asked_at:  # measured now, not reused
+            print(f"  budget {budget_s:g} s: the command took {took:.1f} s with start-up and model load")
+        else:
+            print(f"  stored profile reused (measured in {profile.calibration_wall_s:.1f} s); --recalibrate measures again")
     if args.plot:
         plot_profile(profile, args.plot, args.budget)
         if not args.json:
@@ -112,7 +152,7 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(model=args.model, budget_s=args.budget, budget_share=args.budget_share, turns=args.turns, n_ctx=args.n_ctx,
-                    quick=args.quick, json_path=args.json)
+                    quick=args.quick, json_path=args.json, time_target_s=args.time_target)
 
 
 def _share(text: str) -> float:
@@ -164,7 +204,7 @@ def _plan_profile(args: argparse.Namespace, backend: Backend) -> tuple[Profile, 
             raise InvalidInputError(f"--profile {args.profile} is not a trimkit profile ({type(exc).__name__}: {exc})") from None
     stored = load_profile(backend.profile_key())
     if stored is not None:
-        return stored, f"the stored {'quick' if stored.quick else 'full'} calibration profile"
+        return stored, f"the stored {stored.mode} calibration profile"
     print("trimkit: no stored calibration profile for this model and settings: calibrating quickly (stored for next time)…",
           file=sys.stderr)
     return calibrate(backend, quick=True), "a quick calibration measured now (no stored profile)"
@@ -230,12 +270,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     c = sub.add_parser("calibrate", help="measure prefill cost on this host and print the profile",
-                       description="Measure prefill time at a spread of prompt lengths and depths, fit the cost model, "
-                       "store the profile in the user cache (reused next time unless --recalibrate) and print it.")
+                       description="Measure prefill time at a spread of prompt lengths and depths within a time budget "
+                       "(a first short probe measures this host's speed, the rest is sized to the time left), fit the cost "
+                       "model, store the profile in the user cache (reused next time unless --recalibrate) and print it.")
     c.add_argument("--model", help=f"GGUF model path (default: {EMBEDDED}); with --url, the served model's name")
     c.add_argument("--url", help="calibrate an OpenAI-compatible server instead, e.g. http://127.0.0.1:8080/v1")
     c.add_argument("--n-ctx", type=_positive_int, default=None, help="context window (default 8192; with --url: the server's, else 4096)")
-    c.add_argument("--quick", action="store_true", help="fewer, shorter probes (≤ 1024 tokens): seconds, less accurate at depth")
+    cm = c.add_mutually_exclusive_group()
+    cm.add_argument("--quick", action="store_true", help=f"the quick schedule, within {QUICK_BUDGET_S:g} s: shorter probes, less accurate for long prompts")
+    cm.add_argument("--micro", action="store_true", help=f"the micro schedule, within {MICRO_BUDGET_S:g} s: a provisional profile (what wrap() starts from)")
+    c.add_argument("--time-budget", type=float, metavar="S", default=None,
+                   help=f"finish within S seconds, start-up and model load included (default {FULL_BUDGET_S:g}; "
+                   f"{QUICK_BUDGET_S:g} with --quick, {MICRO_BUDGET_S:g} with --micro); without --quick/--micro the "
+                   "mode is the most thorough one S affords")
     c.add_argument("--recalibrate", action="store_true", help="measure again even if a stored profile matches")
     c.add_argument("--json", action="store_true", help="print the profile as JSON")
     c.add_argument("--plot", metavar="FILE.png", help="draw measured prefill time vs prompt length with the fitted curve")
@@ -259,8 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("demo", help="see the two phases and a TTFT budget held, on the embedded model",
                        description="Calibrates (or reuses the stored profile), shows a long and a short prompt "
                        "(the wait vs the stream), then a multi-turn RAG chat kept under a TTFT budget set from this "
-                       "host's profile, saying each turn whether the chunk that holds the answer was kept. Requests "
-                       "predicted to take over 20 s on this host are not run; their prediction is printed.")
+                       "host's profile, saying each turn whether the chunk that holds the answer was kept. Sized to "
+                       "--time-target from this host's measured speed: each request may take its share of the time "
+                       "left; one predicted to take longer is not run, its prediction is printed.")
     m.add_argument("--model", help=f"GGUF model path (default: {EMBEDDED})")
     mb = m.add_mutually_exclusive_group()
     mb.add_argument("--budget", type=_positive_float, default=None,
@@ -269,7 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="without --budget: the budget is the predicted TTFT of this share of the untrimmed prompt (default 0.45)")
     m.add_argument("--turns", type=_positive_int, default=3, help="chat turns under the budget (default 3)")
     m.add_argument("--n-ctx", type=_positive_int, default=8192, help="context window (default 8192)")
-    m.add_argument("--quick", action="store_true", help="quick calibration (~10 s, less accurate past 1,500 tokens) instead of full (~30 s, once: it is stored)")
+    m.add_argument("--quick", action="store_true", help="quick calibration (at most 10 s) instead of full (at most 30 s); "
+                   "either runs once (it is stored), and within a fifth of --time-target")
+    m.add_argument("--time-target", type=_positive_float, default=TIME_TARGET_S, metavar="S",
+                   help=f"what the whole demo aims to take on this host, in seconds (default {TIME_TARGET_S:g})")
     m.add_argument("--json", metavar="FILE", help="also write every report as JSON to FILE")
     m.set_defaults(func=_cmd_demo)
 

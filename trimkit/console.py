@@ -77,7 +77,11 @@ def profile_lines(profile: Profile) -> list[str]:
         f"  held-out error (leave one probe out): median {profile.error.median_pct:.1f} %, p90 {profile.error.p90_pct:.1f} %",
         f"  first-token overhead {profile.first_token_s * 1000:.1f} ms · decode {profile.decode_tokens_per_s:.1f} tokens/s "
         f"(the stream; trimming does not change it)",
-        f"  calibrated in {profile.calibration_wall_s:.1f} s ({'quick' if profile.quick else 'full'})",
+        f"  calibrated in {profile.calibration_wall_s:.1f} s ({profile.mode}"
+        + (f", time budget {profile.time_budget_s:g} s" if profile.time_budget_s else "")
+        + (", provisional: it improves from requests and idle probes" if profile.provisional else "") + ")",
+        f"  probed up to {profile.probed_new_tokens:,} new tokens and {profile.probed_context_tokens:,} tokens of context; "
+        "predictions beyond are extrapolated and get a wider margin",
     ]
     return out
 

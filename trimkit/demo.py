@@ -1,20 +1,29 @@
-"""``trimkit demo``: the two phases, then a RAG chat kept under a TTFT budget, on the embedded model."""
+"""``trimkit demo``: the two phases, then a RAG chat kept under a TTFT budget, on the embedded model.
+
+Sized to the host: it aims to end within :data:`TIME_TARGET_S` (``--time-target``) whatever the
+host's speed. It reuses the stored profile or calibrates within a share of that time; then each
+request may take an equal share of the time left, predicted from the profile (TTFT) and the
+measured decode speed: the long prompt takes fewer documents and answers fewer tokens where the
+host is slow, and a request predicted not to fit is not run — its prediction is printed."""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
 
-from trimkit.calibration import calibrate
+from trimkit.calibration import FULL_BUDGET_S, QUICK_BUDGET_S, as_backend, calibrate
 from trimkit.console import ProgressBar, open_llama, profile_lines
 from trimkit.messages import Chunk
 from trimkit.planning.relevance import rank_chunks
+from trimkit.profile_store import load_profile
 from trimkit.wrapper import wrap
 
-__all__ = ["run_demo", "load_corpus", "load_history", "load_questions", "answer_chunk_status"]
+__all__ = ["run_demo", "load_corpus", "load_history", "load_questions", "answer_chunk_status", "Timeline", "forecast",
+           "size_long_prompt", "answer_tokens", "turn_budget", "HostSpeed", "TIME_TARGET_S"]
 
 
 def _data_lines(name: str) -> list[dict[str, Any]]:
@@ -37,8 +46,9 @@ def load_questions() -> list[dict[str, str]]:
     return _data_lines("questions.jsonl")
 
 
-# The model sees this (Gemma 3's template puts it at the head of the first user turn). Phrased as
-# a task, not as "You are …": the 270M model tends to repeat a "You are …" preamble as its answer.
+# The model sees this (the embedded model's Gemma 3 template puts it at the head of the first user
+# turn; a ChatML-style template gives it a system turn). Phrased as a task, not as "You are …": the
+# 270M model tends to repeat a "You are …" preamble as its answer.
 SYSTEM = (
     "Answer the visitor's question about Marrowby in one short sentence, using only the retrieved "
     "context and the conversation. If the context does not hold the answer, say so."
@@ -47,14 +57,49 @@ SYSTEM = (
 
 def _rule(title: str) -> None:
     print()
-    print(f"== {title} " + "=" * max(4, 76 - len(title)))
+    print(f"== {title} " + "=" * max(4, 76 - len(title)), flush=True)
 
 
-#: The demo runs no request the profile predicts to take longer than this (TTFT + decode) on
-#: this host; it prints the prediction instead.
-MAX_REQUEST_S = 20.0
+#: What the whole demo aims to take on any host: loading the model, calibrating (unless a profile
+#: is stored) and every request. What it runs is sized to this from the host's measured speed.
+TIME_TARGET_S = 150.0
+#: The share of the time target a calibration may take when no usable profile is stored.
+CALIBRATION_SHARE = 0.2
 #: Without ``--budget``, the chat's budget is the predicted TTFT of this share of the untrimmed prompt.
 BUDGET_SHARE = 0.45
+#: Generated tokens: the long prompt's short answer, the short prompt's long answer (at most; fewer
+#: where decode is slow), a chat turn's answer.
+LONG_PROMPT_ANSWER_TOKENS = 24
+SHORT_PROMPT_ANSWER_TOKENS = 96
+TURN_ANSWER_TOKENS = 32
+#: The long prompt of part 2 holds up to this many corpus documents (fewer where prefill is slow).
+LONG_PROMPT_DOCS = 10
+
+
+class Timeline:
+    """The demo's clock: time spent, time left of the target, each request's share, a line per step.
+
+    A request may take an equal share of the time left among the requests still to come, so time
+    one request did not use goes to the next ones and time one overran is taken from them."""
+
+    def __init__(self, target_s: float, clock: Callable[[], float] = time.perf_counter, out: Any = None) -> None:
+        self.target_s = target_s
+        self.clock = clock
+        self.out = out
+        self.t0 = clock()
+
+    def elapsed(self) -> float:
+        return self.clock() - self.t0
+
+    def left(self) -> float:
+        return max(self.target_s - self.elapsed(), 0.0)
+
+    def share(self, requests_left: int) -> float:
+        """The most the next request may take (predicted TTFT + decode)."""
+        return self.left() / max(requests_left, 1)
+
+    def step(self, text: str) -> None:
+        print(f"[{self.elapsed():6.1f} s] {text}", file=self.out or sys.stdout, flush=True)
 
 
 def answer_chunk_status(plan: Any, chunks: Sequence[Any], doc_id: str) -> str:
@@ -74,35 +119,180 @@ def answer_chunk_status(plan: Any, chunks: Sequence[Any], doc_id: str) -> str:
     return "dropped"
 
 
-def _predicted_total_s(trimmer: Any, prepared: Any, max_tokens: int) -> float:
-    """Predicted TTFT plus the decode of ``max_tokens`` at the profile's decode speed."""
-    tps = trimmer.profile.decode_tokens_per_s
-    return (prepared.predicted_ttft_s or 0.0) + (max_tokens / tps if tps > 0 else 0.0)
+class HostSpeed:
+    """What the demo plans with: the wrapper's (live) profile for TTFT, and the decode speed the
+    last request measured — the profile's until one has (a calibration short of time may only
+    have estimated it)."""
+
+    def __init__(self, trimmer: Any) -> None:
+        self.trimmer = trimmer
+        self.measured_tps: float | None = None
+
+    def predict_ttft_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        return self.trimmer.profile.predict_ttft_s(new_tokens, cached_tokens)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.measured_tps or self.trimmer.profile.decode_tokens_per_s
+
+    def learn(self, report: Any) -> None:
+        tps = getattr(report, "decode_tokens_per_s", None)
+        if tps is not None and tps > 0:
+            self.measured_tps = tps
 
 
-def _run(trimmer: Any, messages: list[dict[str, Any]], chunks: Any, params: dict[str, Any]) -> tuple[Any, str | None, Any]:
-    """Plan, then send unless the profile predicts the request would take over MAX_REQUEST_S.
+def _decode_s(speed: Any, max_tokens: int) -> float:
+    tps = speed.decode_tokens_per_s
+    return max_tokens / tps if tps > 0 else 0.0
 
-    Returns (prepared, answer or None when not sent, report or None)."""
-    prepared = trimmer.prepare(messages, chunks, params)
-    if _predicted_total_s(trimmer, prepared, params.get("max_tokens", 0)) > MAX_REQUEST_S:
-        return prepared, None, None
+
+def _predicted_total_s(speed: Any, prepared: Any, max_tokens: int) -> float:
+    """Predicted TTFT plus the decode of ``max_tokens``."""
+    return (prepared.predicted_ttft_s or 0.0) + _decode_s(speed, max_tokens)
+
+
+def answer_tokens(speed: Any, wanted: int, room_s: float) -> int:
+    """Tokens an answer may generate: ``wanted``, fewer when their decode would not fit in
+    ``room_s`` at the decode speed (at least one: the wait before it is the point)."""
+    tps = speed.decode_tokens_per_s
+    if tps <= 0:
+        return wanted
+    return int(min(wanted, max(room_s * tps, 1)))
+
+
+def _long_prompt(corpus: Sequence[dict[str, Any]], docs: int) -> list[dict[str, Any]]:
+    text = "\n\n".join(d["text"] for d in corpus[:docs])
+    return [{"role": "user", "content": text + "\n\nIn one sentence: what is this text about?"}]
+
+
+SHORT_PROMPT = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+def size_long_prompt(trimmer: Any, speed: Any, corpus: Sequence[dict[str, Any]], bound_s: float, max_tokens: int) -> tuple[Any, int]:
+    """The longest prompt of up to :data:`LONG_PROMPT_DOCS` corpus documents whose predicted TTFT
+    plus ``max_tokens`` of decode fits ``bound_s`` (one document if none fits): ``(prepared, documents)``."""
+    lo, hi = 1, min(LONG_PROMPT_DOCS, len(corpus))
+    best = None
+    while lo <= hi:  # the prediction grows with the documents: bisect
+        mid = (lo + hi) // 2
+        prepared = trimmer.prepare(_long_prompt(corpus, mid))
+        if _predicted_total_s(speed, prepared, max_tokens) <= bound_s:
+            best, lo = (prepared, mid), mid + 1
+        else:
+            hi = mid - 1
+    return best or (trimmer.prepare(_long_prompt(corpus, 1)), 1)
+
+
+def turn_budget(speed: Any, untrimmed: int, minimal_ttft_s: float, bound_s: float, share: float, max_tokens: int) -> tuple[float, str]:
+    """The chat's TTFT budget without ``--budget``: the predicted TTFT of ``share`` of the untrimmed
+    prompt, capped so a turn (TTFT + ``max_tokens`` of decode) fits ``bound_s``, but never under the
+    predicted TTFT of the smallest prompt (system and question alone). ``(budget, how it was derived)``."""
+    share_tokens = max(int(untrimmed * share), 1)
+    budget = speed.predict_ttft_s(share_tokens, 0)
+    derived = (
+        f"  budget {budget:.2f} s: the profile's predicted TTFT for {share:.0%} of the untrimmed "
+        f"prompt ({share_tokens:,} of {untrimmed:,} tokens, nothing cached) on this host"
+    )
+    cap = bound_s - _decode_s(speed, max_tokens)
+    if budget > cap:
+        budget = max(cap, minimal_ttft_s)
+        derived += (f",\n  capped at {budget:.2f} s so a turn (TTFT + {max_tokens} tokens of decode) fits its "
+                    f"{bound_s:.1f} s share of the time left")
+    return budget, derived
+
+
+def _send(trimmer: Any, prepared: Any, params: dict[str, Any]) -> tuple[str, Any]:
+    """Send a planned request, printing the answer as it streams: ``(answer, report)``."""
     stream = trimmer.execute(prepared, params)
-    parts = []
+    parts: list[str] = []
+    print("   answer: ", end="", flush=True)
     for chunk in stream:
         for choice in chunk.get("choices", []):
             text = (choice.get("delta") or {}).get("content")
             if text:
+                if not parts:
+                    text = text.lstrip()
                 parts.append(text)
-    return prepared, "".join(parts), stream.report
+                print(text.replace("\n", "\n           "), end="", flush=True)
+    print(flush=True)
+    return "".join(parts), stream.report
 
 
-def _skipped(trimmer: Any, prepared: Any, max_tokens: int) -> str:
-    return (
-        f"   not run: the profile predicts {_predicted_total_s(trimmer, prepared, max_tokens):.1f} s on this host "
-        f"(TTFT {prepared.predicted_ttft_s:.1f} s for {len(prepared.prompt_tokens):,} prompt tokens, then "
-        f"{max_tokens} tokens of decode) — over the demo's {MAX_REQUEST_S:g} s limit"
+def _run(trimmer: Any, speed: HostSpeed, prepared: Any, params: dict[str, Any], tl: Timeline, bound_s: float) -> tuple[str | None, Any, float]:
+    """Send ``prepared`` unless it is predicted to take over ``bound_s``; a line says which, with
+    the prediction. ``(answer or None, report or None, predicted seconds)``."""
+    max_tokens = params["max_tokens"]
+    predicted = _predicted_total_s(speed, prepared, max_tokens)
+    what = (
+        f"{len(prepared.prompt_tokens):,} prompt tokens" + (f" ({prepared.cached_tokens:,} cached)" if prepared.cached_tokens else "")
+        + f": predicted TTFT {prepared.predicted_ttft_s or 0.0:.1f} s + up to {max_tokens} tokens of decode = {predicted:.1f} s"
     )
+    if predicted > bound_s:
+        tl.step(f"not run — {what}, over the {bound_s:.1f} s this request may take (its share of the {tl.left():.0f} s left)")
+        return None, None, predicted
+    tl.step(f"running — {what}")
+    answer, report = _send(trimmer, prepared, params)
+    speed.learn(report)
+    return answer, report, predicted
+
+
+def _calibrated(target: Any, quick: bool, tl: Timeline, clock: Callable[[], float]) -> tuple[Any, str]:
+    """The stored profile (quick or full) if there is one, else a calibration bounded to
+    :data:`CALIBRATION_SHARE` of the time target (and to the mode's own bound)."""
+    stored = load_profile(as_backend(target).profile_key())
+    if stored is not None and not stored.provisional:
+        return stored, f"reused the profile stored on {time.strftime('%Y-%m-%d %H:%M', time.localtime(stored.created_at))}"
+    mode = "quick" if quick else "full"
+    budget = min(QUICK_BUDGET_S if quick else FULL_BUDGET_S, CALIBRATION_SHARE * tl.target_s)
+    tl.step(f"calibrating ({mode}, at most {budget:.0f} s: a first short probe measures this host's speed, the "
+            "other probes are sized to the time left; stored for next time)")
+    bar = ProgressBar("calibrating", enabled=True)
+
+    def progress(done: int, total: int, label: str) -> None:
+        if bar.bar is not None and bar.bar.total != total:  # the schedule is resized as it learns the speed
+            bar.bar.total = total
+        bar(done, total, label)
+
+    t0 = clock()
+    try:
+        profile = calibrate(target, mode=mode, time_budget_s=budget, progress=progress, clock=clock)
+    finally:
+        bar.close()
+    return profile, f"measured now in {clock() - t0:.1f} s"
+
+
+def forecast(
+    plain: Any, speed: Any, corpus: Sequence[dict[str, Any]], rag: Any, minimal_ttft_s: float, left_s: float, turns: int,
+    budget_s: float | None, budget_share: float,
+) -> tuple[float, int]:
+    """What the demo's requests are predicted to take in all on this host, sized and shared out
+    as :func:`run_demo` will: ``(seconds, requests predicted to run)``."""
+    n, total, ran = 3 + turns, 0.0, 0
+
+    def take(predicted: float, bound: float) -> None:
+        nonlocal n, total, ran, left_s
+        n -= 1
+        if predicted <= bound:
+            total, ran, left_s = total + predicted, ran + 1, left_s - predicted
+
+    bound = left_s / n
+    max_tokens = answer_tokens(speed, LONG_PROMPT_ANSWER_TOKENS, bound / 2)
+    long_prep, _ = size_long_prompt(plain, speed, corpus, bound, max_tokens)
+    take(_predicted_total_s(speed, long_prep, max_tokens), bound)
+    bound = left_s / n
+    short_prep = plain.prepare(SHORT_PROMPT)
+    max_tokens = answer_tokens(speed, SHORT_PROMPT_ANSWER_TOKENS, bound - (short_prep.predicted_ttft_s or 0.0))
+    take(_predicted_total_s(speed, short_prep, max_tokens), bound)
+    bound = left_s / n
+    take(_predicted_total_s(speed, rag, answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2)), bound)
+    bound = left_s / n
+    max_tokens = answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2)
+    if budget_s is None:
+        budget_s, _ = turn_budget(speed, len(rag.prompt_tokens), minimal_ttft_s, bound, budget_share, max_tokens)
+    for _ in range(turns):
+        bound = left_s / n
+        take(min(budget_s, rag.predicted_ttft_s or 0.0) + _decode_s(speed, max_tokens), bound)
+    return total, ran
 
 
 def run_demo(
@@ -114,81 +304,103 @@ def run_demo(
     n_ctx: int = 8192,
     quick: bool = False,
     json_path: str | None = None,
+    time_target_s: float = TIME_TARGET_S,
+    llm: Any = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> int:
-    """Run the demo. ``budget_s`` None: the chat's budget is the predicted TTFT of
-    ``budget_share`` of the untrimmed prompt on this host (so it trims on any machine)."""
+    """Run the demo in about ``time_target_s`` at most, on any host: a stored profile or a
+    calibration bounded in time, then requests sized from the profile's predictions to the time
+    left (one predicted not to fit is not run: its prediction is printed). ``budget_s`` None: the
+    chat's budget is the predicted TTFT of ``budget_share`` of the untrimmed prompt on this host
+    (so it trims on any machine), capped so each turn fits.
+
+    ``llm``: an opened ``llama_cpp.Llama`` or a trimkit backend to use instead of opening
+    ``model`` (tests pass a :class:`~trimkit.testing.FakeBackend` and its ``clock``)."""
+    tl = Timeline(time_target_s, clock)
+    try:  # a line per step, also when stdout is a pipe (make demo | tee)
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    except (AttributeError, ValueError):
+        pass
+    requests = 3 + turns
+    print(
+        f"trimkit demo: sized to finish within about {time_target_s:.0f} s on this host — load the model, calibrate\n"
+        f"(at most {CALIBRATION_SHARE * time_target_s:.0f} s; none if a profile is stored), then up to {requests} requests, "
+        "each sized from the profile\nto its share of the time left. A request predicted not to fit is not run; its "
+        "prediction is printed.",
+        flush=True,
+    )
     reports: list[dict[str, Any]] = []
-    llm = open_llama(model, n_ctx)
+    if llm is None:
+        tl.step(f"loading the model ({model or 'the embedded Gemma-3-270M'}, n_ctx {n_ctx:,})")
+        llm = open_llama(model, n_ctx)
     _rule("1. Calibration: what prefill costs on this machine")
-    t0 = time.perf_counter()
-    bar = ProgressBar("calibrating", enabled=True)
-    try:
-        profile = calibrate(llm, quick=quick, progress=bar)
-    finally:
-        bar.close()
-    took = time.perf_counter() - t0
+    profile, how = _calibrated(llm, quick, tl, clock)
     print("\n".join(profile_lines(profile)))
-    print(f"  ({'measured now' if took > 1.0 else 'reused the stored profile'}; took {took:.1f} s)")
+    print(f"  ({how})")
 
     corpus = load_corpus()
     plain = wrap(llm, profile=profile)  # no budget: measure and report only
-
-    _rule("2. The two phases: a long prompt and a short one, no budget")
-    long_text = "\n\n".join(d["text"] for d in corpus[:10])
-    long_msgs = [{"role": "user", "content": long_text + "\n\nIn one sentence: what is this text about?"}]
-    short_msgs = [{"role": "user", "content": "Write a short poem about the sea."}]
-    for label, msgs, max_tokens in (("long prompt, short answer", long_msgs, 24), ("short prompt, long answer", short_msgs, 96)):
-        prepared, answer, rep = _run(plain, msgs, None, {"max_tokens": max_tokens, "temperature": 0.7})
-        print(f"\n-- {label}")
-        if rep is None:
-            print(_skipped(plain, prepared, max_tokens))
-            continue
-        print(rep)
-        reports.append({"part": "two phases", "label": label, "report": rep.to_dict()})
-    print(
-        "\n  The long prompt waits before its first token (prefill grows with the prompt); the short one\n"
-        "  starts at once and then streams at the same decode speed. Trimming helps only the wait."
-    )
-
+    speed = HostSpeed(plain)
     history = load_history()
-    questions = [q for q in load_questions()][:turns + 1]
+    questions = list(load_questions())[: turns + 1]
     chunk_texts = [Chunk(text=d["text"], id=d["id"]) for d in corpus]
 
     def retrieved(question: str) -> list[Any]:
         # a retriever would hand over its top 12; we use the library's own BM25 for that here
         return list(rank_chunks(chunk_texts, question)[:12])
 
-    _rule(f"3. A RAG chat: {len(history)} earlier messages + 12 retrieved chunks")
     q0 = questions[0]["question"]
-    msgs = [{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": q0}]
-    prepared, answer, rep = _run(plain, msgs, retrieved(q0), {"max_tokens": 32, "temperature": 0.2})
+    rag_msgs = [{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": q0}]
+    rag = plain.prepare(rag_msgs, retrieved(q0))
+    minimal_ttft_s = plain.prepare([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q0}]).predicted_ttft_s or 0.0
+    est, fit = forecast(plain, speed, corpus, rag, minimal_ttft_s, tl.left(), turns, budget_s, budget_share)
+    tl.step(
+        f"estimate: {fit} of {requests} requests fit, predicted {est:.0f} s in all → about {tl.elapsed() + est:.0f} s for the "
+        f"demo (target {time_target_s:.0f} s; on this host TTFT {profile.predict_ttft_s(1000, 0):.2f} s for 1,000 prompt "
+        f"tokens, decode {profile.decode_tokens_per_s:.1f} tokens/s)"
+    )
+
+    _rule("2. The two phases: a long prompt and a short one, no budget")
+    bound = tl.share(requests)
+    max_tokens = answer_tokens(speed, LONG_PROMPT_ANSWER_TOKENS, bound / 2)
+    prepared, docs = size_long_prompt(plain, speed, corpus, bound, max_tokens)
+    print(f"\n-- long prompt ({docs} document{'s' if docs > 1 else ''}), short answer")
+    _answer, rep, predicted = _run(plain, speed, prepared, {"max_tokens": max_tokens, "temperature": 0.7}, tl, bound)
+    requests -= 1
+    _record(reports, "two phases", "long prompt, short answer", rep, predicted, bound)
+
+    bound = tl.share(requests)
+    prepared = plain.prepare(SHORT_PROMPT)
+    max_tokens = answer_tokens(speed, SHORT_PROMPT_ANSWER_TOKENS, bound - (prepared.predicted_ttft_s or 0.0))
+    print(f"\n-- short prompt, long answer (up to {max_tokens} tokens)")
+    _answer, rep, predicted = _run(plain, speed, prepared, {"max_tokens": max_tokens, "temperature": 0.7}, tl, bound)
+    requests -= 1
+    _record(reports, "two phases", "short prompt, long answer", rep, predicted, bound)
+    print(
+        "\n  The long prompt waits before its first token (prefill grows with the prompt); the short one\n"
+        "  starts at once and then streams at the same decode speed. Trimming helps only the wait."
+    )
+
+    _rule(f"3. A RAG chat: {len(history)} earlier messages + 12 retrieved chunks")
     print("\n-- untrimmed")
-    if rep is None:
-        print(_skipped(plain, prepared, 32))
-    else:
-        print(rep)
-        reports.append({"part": "rag chat", "label": "untrimmed", "report": rep.to_dict()})
+    bound = tl.share(requests)
+    rag = plain.prepare(rag_msgs, retrieved(q0))  # again: what is cached now is not what was cached then
+    params = {"max_tokens": answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2), "temperature": 0.2}
+    _answer, rep, predicted = _run(plain, speed, rag, params, tl, bound)
+    requests -= 1
+    _record(reports, "rag chat", "untrimmed", rep, predicted, bound)
 
     # the budget: given, or what this host needs to prefill a share of the untrimmed prompt
     q1 = questions[1]["question"] if len(questions) > 1 else q0
     first = [{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": q1}]
     untrimmed = len(plain.prepare(first, retrieved(q1)).prompt_tokens)
+    bound = tl.share(requests)
+    params = {"max_tokens": answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2), "temperature": 0.2}
     if budget_s is None:
-        share_tokens = max(int(untrimmed * budget_share), 1)
-        budget_s = profile.predict_ttft_s(share_tokens, 0)
-        derived = (
-            f"  budget {budget_s:.2f} s: the profile's predicted TTFT for {budget_share:.0%} of the untrimmed "
-            f"prompt ({share_tokens:,} of {untrimmed:,} tokens, nothing cached) on this host"
-        )
-        # on a slow host that share alone would take too long to show: cap it so each turn runs
-        decode_s = 32 / profile.decode_tokens_per_s if profile.decode_tokens_per_s > 0 else 0.0
-        cap_s = max(MAX_REQUEST_S - decode_s, 0.5)
-        if budget_s > cap_s:
-            derived += f",\n  capped at {cap_s:.2f} s so each turn (TTFT + 32 tokens of decode) stays within the demo's {MAX_REQUEST_S:g} s limit"
-            budget_s = cap_s
+        budget_s, derived = turn_budget(speed, untrimmed, minimal_ttft_s, bound, budget_share, params["max_tokens"])
     else:
         derived = f"  budget {budget_s:g} s (--budget); the untrimmed prompt is {untrimmed:,} tokens, " \
-                  f"predicted {profile.predict_ttft_s(untrimmed, 0):.2f} s with nothing cached"
+                  f"predicted {plain.profile.predict_ttft_s(untrimmed, 0):.2f} s with nothing cached"
 
     _rule(f"4. The same chat under a TTFT budget of {budget_s:.2f} s, turn after turn")
     print(derived)
@@ -198,26 +410,24 @@ def run_demo(
     for turn, q in enumerate(questions[1 : turns + 1], start=1):
         convo.append({"role": "user", "content": q["question"]})
         chunks = retrieved(q["question"])
-        prepared, answer, rep = _run(chat, convo, chunks, {"max_tokens": 32, "temperature": 0.2})
+        prepared = chat.prepare(convo, chunks, params)
         status = answer_chunk_status(prepared.plan, chunks, q["doc_id"])
         kept_answer += status.startswith("kept")
         plan = prepared.plan
         kept_n = len(plan.kept_chunks) if plan is not None else len(chunks)
         print(f"\n-- turn {turn}: {q['question']}")
         print(f"   answer chunk {q['doc_id']}: {status} ({kept_n} of {len(chunks)} chunks kept); expected answer: {q['answer']!r}")
+        bound = tl.share(requests)
+        answer, rep, predicted = _run(chat, speed, prepared, params, tl, bound)
+        requests -= 1
+        _record(reports, "budget", f"turn {turn}", rep, predicted, bound,
+                answer_chunk={"id": q["doc_id"], "status": status}, answer=answer)
         if rep is None:
-            print(_skipped(chat, prepared, 32))
             convo.pop()
             continue
-        print(f"   answer: {(answer or '').strip()[:160]!r}")
-        print(rep)
-        reports.append({
-            "part": "budget", "label": f"turn {turn}", "report": rep.to_dict(),
-            "answer_chunk": {"id": q["doc_id"], "status": status}, "answer": answer,
-        })
         convo.append({"role": "assistant", "content": answer or ""})
         chat.idle()
-    met = [r["report"]["budget_met"] for r in reports if r["part"] == "budget"]
+    met = [r["report"]["budget_met"] for r in reports if r["part"] == "budget" and r["report"] is not None]
     print(
         f"\n  budget met on {sum(bool(m) for m in met)} of {len(met)} turns run; the answer's chunk was kept on "
         f"{kept_answer} of {turns} turns; decode was never touched."
@@ -226,4 +436,17 @@ def run_demo(
         with open(json_path, "w") as fh:
             json.dump(reports, fh, indent=1)
         print(f"  reports written to {json_path}")
+    tl.step(f"done in {tl.elapsed():.0f} s (target {time_target_s:.0f} s; the requests were predicted at {est:.0f} s)")
     return 0
+
+
+def _record(reports: list[dict[str, Any]], part: str, label: str, rep: Any, predicted: float, bound: float, **extra: Any) -> None:
+    """Print a run request's report and keep it for ``--json``; a request not run is kept with
+    its prediction and the share of time it would have exceeded."""
+    if rep is not None:
+        print(rep)
+    entry: dict[str, Any] = {"part": part, "label": label, "report": rep.to_dict() if rep is not None else None}
+    if rep is None:
+        entry["not_run"] = {"predicted_s": predicted, "bound_s": bound}
+    entry.update(extra)
+    reports.append(entry)

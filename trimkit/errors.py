@@ -17,7 +17,9 @@ subclasses the builtin it naturally is, so code that already catches ``ValueErro
     ├── ProfileError                            a stored profile cannot be used (recovered from, with a warning)
     ├── CalibrationError (RuntimeError)         calibration could not measure (e.g. no samples)
     ├── InfeasibleBudgetError                   even the minimal prompt cannot meet the budget
-    │                                           (carries ``.plan`` and ``.report``)
+    │   │                                       (carries ``.plan`` and ``.report``)
+    │   └── QueueBudgetError                    on_busy="raise": the predicted wait for the requests
+    │                                           ahead alone breaks the budget (``.wait_s``, ``.ahead``)
     └── BackendError (RuntimeError)             the model engine or server failed (``.report``: see below)
         ├── ServerError                         the server answered with an error (``.status``, ``.server_message``)
         │   ├── TransientServerError            502/503/504/429: retried before it is raised
@@ -56,6 +58,7 @@ __all__ = [
     "ProfileError",
     "CalibrationError",
     "InfeasibleBudgetError",
+    "QueueBudgetError",
     "BackendError",
     "ServerError",
     "TransientServerError",
@@ -126,6 +129,22 @@ class InfeasibleBudgetError(TrimkitError):
         super().__init__(message)
         self.plan = plan
         self.report = report
+
+
+class QueueBudgetError(InfeasibleBudgetError):
+    """The requests ahead of this one on the engine are predicted to take its whole budget: the
+    predicted wait alone reaches the budget less the safety margin, so no prompt can meet it.
+
+    Raised only with ``on_busy="raise"``, before anything is sent (the request never joined the
+    engine's queue). ``.wait_s`` is the predicted wait, ``.ahead`` how many requests are ahead,
+    ``.report`` the report of the request as it would have been sent (``queue_wait_predicted_s``
+    says the wait); ``.plan`` is None (nothing was planned). An :class:`InfeasibleBudgetError`:
+    code that handles an unmeetable budget handles this one too."""
+
+    def __init__(self, message: str, *, wait_s: float, ahead: int = 0, report: Any = None) -> None:
+        super().__init__(message, plan=None, report=report)
+        self.wait_s = wait_s
+        self.ahead = ahead
 
 
 class BackendError(TrimkitError, RuntimeError):

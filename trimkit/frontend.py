@@ -8,7 +8,10 @@ state under the names users know (``.profile``, ``.last_report``, ``.idle()``, .
 
 A reporting stream wraps the backend's :class:`~trimkit.backends.base.TimedStream`: it yields the
 engine's own chunks, keeps them for a non-streamed call to assemble, and builds the report when
-the stream ends (``.report``) — or attaches one to the error that ended it.
+the stream ends (``.report``) — or attaches one to the error that ended it. On an in-process
+engine it also keeps the request's place in the engine's queue up to date
+(:mod:`trimkit.planning.queue`): the first token, and the end — finished, failed, closed or
+garbage-collected.
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import attrs
+
 from trimkit.backends.base import Measurement, TimedStream
 from trimkit.errors import TrimkitError
 from trimkit.pipeline import Pipeline
+from trimkit.planning.queue import Ticket
 from trimkit.prepared import Prepared
 from trimkit.report import Report
 
@@ -75,14 +81,18 @@ class FrontEnd:
     strategies = _delegated("strategies", "What the planner may change (None: the defaults).", settable=True)
     values = _delegated("values", "What each kind of content is worth (None: the defaults).", settable=True)
     on_infeasible = _delegated("on_infeasible", '"best_effort" or "raise".', settable=True)
+    on_busy = _delegated("on_busy", '"trim", "wait" or "raise": what the wait for the requests ahead does to a plan.', settable=True)
+    endpoint_label = _delegated("endpoint_label", "The replica every report names (None: one engine).", settable=True)
+    queue = _delegated("queue", "The engine's in-flight queue, shared by its wrappers (None: not an in-process engine).")
     attainment_target = _delegated("attainment_target", "The share of budgeted requests the margin aims to keep in budget.", settable=True)
     persist_every = _delegated("persist_every", "Store the refined profile every N measured requests (0: never).", settable=True)
     max_reports = _delegated("max_reports", "How many recent reports are kept.", settable=True)
 
     def prepare(self, messages: Any, rag_chunks: Any = None, params: Mapping[str, Any] | None = None, *,
-                ttft_budget_s: float | None = None) -> Prepared:
+                ttft_budget_s: float | None = None, on_busy: str | None = None, queue_wait_s: float | None = None) -> Prepared:
         """Validate, plan and check a request without sending it (:meth:`Pipeline.prepare`)."""
-        return self.pipeline.prepare(messages, rag_chunks, params, ttft_budget_s=ttft_budget_s)
+        return self.pipeline.prepare(messages, rag_chunks, params, ttft_budget_s=ttft_budget_s, on_busy=on_busy,
+                                     queue_wait_s=queue_wait_s)
 
     def idle(self, timeout_s: float | None = None) -> None:
         """Finish pending background summaries now (call when the user is reading).
@@ -109,19 +119,41 @@ class StreamReporter:
         def done(m: Measurement) -> None:
             rs = ref()
             if rs is not None:
+                queued = getattr(rs.timed, "queue_s", 0.0) or 0.0
+                if queued != m.queue_s:  # the wait the front-end measured, whatever the backend copied
+                    m = attrs.evolve(m, queue_s=queued)
                 rs.report = rs.pipeline.finish(rs.prepared, m, rs.params)
 
         ts.on_done.append(done)
 
+    @property
+    def ticket(self) -> Ticket | None:
+        """The request's place in the engine's queue (None off an in-process engine)."""
+        return getattr(self.prepared, "ticket", None)
+
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
         """Around reading the next chunk: an error that ends the stream gets the report of
-        what was sent (if it carries one: :meth:`~trimkit.pipeline.Pipeline.attach_report`)."""
+        what was sent (if it carries one: :meth:`~trimkit.pipeline.Pipeline.attach_report`) and
+        takes the request out of the engine's queue; the first token tells the queue that only
+        the decode is left."""
+        ticket = self.ticket
         try:
             yield
-        except TrimkitError as exc:
-            self.pipeline.attach_report(exc, self.timed, self.prepared, self.params)
+        except BaseException as exc:
+            if ticket is not None:
+                ticket.done()
+            if isinstance(exc, TrimkitError):
+                self.pipeline.attach_report(exc, self.timed, self.prepared, self.params)
             raise
+        if ticket is not None and self.timed.first_output_at is not None:
+            ticket.first_token()
+
+    def close_ticket(self) -> None:
+        """The stream was closed: the request leaves the engine's queue."""
+        ticket = self.ticket
+        if ticket is not None:
+            ticket.done()
 
 
 class ReportingStream(StreamReporter):
@@ -143,6 +175,7 @@ class ReportingStream(StreamReporter):
 
     def close(self) -> None:
         self.timed.close()
+        self.close_ticket()
 
 
 class ReportingOpenAIStream(ReportingStream):
@@ -172,6 +205,7 @@ class AsyncReportingStream(StreamReporter):
 
     async def close(self) -> None:
         await self.timed.aclose()  # type: ignore[attr-defined]
+        self.close_ticket()
 
     async def __aenter__(self) -> AsyncReportingStream:
         return self

@@ -48,6 +48,8 @@ __all__ = [
     "retry_deadline_for",
     "BACKEND_KWARGS",
     "MIN_RETRY_DEADLINE_S",
+    "call_arguments",
+    "split_backend_kwargs",
 ]
 
 #: keyword arguments of the wrappers that configure the HTTP backend, not the pipeline
@@ -65,6 +67,7 @@ BACKEND_KWARGS = (
     "headers",
     "http_client",
     "async_http_client",
+    "tokenizer",
 )
 
 
@@ -73,9 +76,29 @@ def _is_not_given(value: Any) -> bool:
     return type(value).__name__ in ("NotGiven", "Omit")
 
 
-def _split_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Pop the backend's keyword arguments out of ``kwargs``."""
+def split_backend_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Pop the backend's keyword arguments (:data:`BACKEND_KWARGS`) out of ``kwargs``."""
     return {k: kwargs.pop(k) for k in BACKEND_KWARGS if k in kwargs}
+
+
+def call_arguments(kwargs: Mapping[str, Any]) -> tuple[Any, Any, float | None, dict[str, Any], bool]:
+    """Split a ``create()`` call's arguments: (messages, rag_chunks, budget, pass-through params,
+    stream). Arguments the caller did not give (``openai.NOT_GIVEN``) are left out."""
+    params = {k: v for k, v in kwargs.items() if not _is_not_given(v)}
+    if "messages" not in params:
+        raise InvalidMessageError("create() needs messages=[...]")
+    messages = params.pop("messages")
+    rag_chunks = params.pop("rag_chunks", None)
+    budget = params.pop("ttft_budget_s", None)
+    stream = params.get("stream", False)
+    if stream not in (True, False, None):
+        raise InvalidInputError(f"stream must be True or False, got {stream!r}")
+    return messages, rag_chunks, budget, params, bool(stream)
+
+
+def _not_a_list(target: Any, what: str) -> None:
+    if isinstance(target, (list, tuple)):
+        raise InvalidInputError(f"several {what}: use trimkit.wrap_url([...]) or trimkit.wrap([...]) (trimkit.fleet), which route between them")
 
 
 def _streaming_blocker(params: Mapping[str, Any]) -> str | None:
@@ -154,8 +177,10 @@ class OpenAIFrontEnd(FrontEnd):
     (:data:`BACKEND_KWARGS`: ``n_ctx`` for servers that do not report it, ``cache_block_tokens``,
     timeouts, ...) go to :class:`~trimkit.backends.http.OpenAIHTTPBackend`; the rest
     (``profile``, ``strategies``, ``on_infeasible``, ...) to the :class:`~trimkit.pipeline.Pipeline`.
-    Without a ``profile`` the stored one for this endpoint is used, else a quick calibration runs
-    against the server now.
+    Without a ``profile`` the stored one for this endpoint is used, else a micro-calibration
+    (about 3 s; ``calibration="quick"`` or ``"full"`` for more) runs against the server now; the
+    provisional profile then improves from every request the server reports timings for. A
+    server gets no idle probes: a probe sent to it cannot be called back.
     """
 
     #: whether the wrapped client's calls are awaited
@@ -166,7 +191,7 @@ class OpenAIFrontEnd(FrontEnd):
                  backend: OpenAIHTTPBackend | None = None, **kwargs: Any) -> None:
         if retry_deadline_s is not None:
             positive_finite(retry_deadline_s, "retry_deadline_s")
-        backend_kwargs = _split_kwargs(kwargs)
+        backend_kwargs = split_backend_kwargs(kwargs)
         own_backend = backend is None
         if backend is None:
             if not is_openai_client(client):
@@ -206,8 +231,10 @@ class OpenAIFrontEnd(FrontEnd):
         return obj
 
     def _model_label(self, params: Mapping[str, Any]) -> str:
-        """``model @ url``: the model this call named (or the backend's), and the server."""
-        return f"{params.get('model') or self.backend.model_name or ''} @ {self.backend.base_url}"
+        """``model @ url``: the model this call named (or the backend's), and the server (which
+        a fleet's reports name as their ``endpoint`` instead)."""
+        model = params.get("model") or self.backend.model_name or ""
+        return model if self.pipeline.endpoint_label else f"{model} @ {self.backend.base_url}"
 
     # -- deadlines (:class:`~trimkit.call_deadlines.CallDeadlines`) --------------------------------------------
     @property
@@ -236,25 +263,12 @@ class OpenAIFrontEnd(FrontEnd):
         self.backend.deadline_s = self.deadline_for_call(self.ttft_budget_s)
 
     # -- one call, apart from its I/O -----------------------------------------------------------------
-    def _begin(self, kwargs: dict[str, Any]) -> tuple[Any, Any, float | None, dict[str, Any], bool]:
-        """Split a call's arguments: (messages, rag_chunks, budget, pass-through params, stream)."""
-        params = {k: v for k, v in kwargs.items() if not _is_not_given(v)}
-        if "messages" not in params:
-            raise InvalidMessageError("create() needs messages=[...]")
-        messages = params.pop("messages")
-        rag_chunks = params.pop("rag_chunks", None)
-        budget = params.pop("ttft_budget_s", None)
-        stream = params.get("stream", False)
-        if stream not in (True, False, None):
-            raise InvalidInputError(f"stream must be True or False, got {stream!r}")
-        return messages, rag_chunks, budget, params, bool(stream)
-
     def _stream_args(self, prepared: Prepared) -> dict[str, Any]:
         """The backend's keyword arguments to stream ``prepared``."""
         return {"prompt_tokens": prepared.prompt_tokens, "retry_deadline_s": self.retry_deadline_for_call(prepared.budget_s),
                 "deadline_s": self.deadline_for_call(prepared.budget_s)}
 
-    def _unstreamed(self, prepared: Prepared, params: Mapping[str, Any], stream: bool) -> tuple[Prepared, dict[str, Any]] | None:
+    def unstreamed(self, prepared: Prepared, params: Mapping[str, Any], stream: bool) -> tuple[Prepared, dict[str, Any]] | None:
         """A non-streamed call that streaming cannot measure faithfully (``n > 1``): the request
         as sent, with its report's warning, and the backend's keyword arguments to send it
         whole. None for every other call."""
@@ -265,7 +279,7 @@ class OpenAIFrontEnd(FrontEnd):
         args = {**self._stream_args(prepared), "measure_ttft": False, "deadline_s": self.whole_answer_deadline(prepared.budget_s, params)}
         return prepared, args
 
-    def _assemble(self, rs: StreamReporter) -> Any:
+    def assemble(self, rs: StreamReporter) -> Any:
         """The client's ``ChatCompletion`` (a dict for :func:`wrap_url`) rebuilt from a drained stream."""
         response = assemble_chat_completion(rs.chunks)
         if response["usage"] is None and rs.report is not None:
@@ -296,9 +310,9 @@ class TrimmedOpenAI(OpenAIFrontEnd):
         return ReportingOpenAIStream(ts, self.pipeline, prepared, params)
 
     def _create(self, kwargs: dict[str, Any]) -> Any:
-        messages, rag_chunks, budget, params, stream = self._begin(kwargs)
+        messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
         prepared = self.prepare(messages, rag_chunks, params, ttft_budget_s=budget)
-        unstreamed = self._unstreamed(prepared, params, stream)
+        unstreamed = self.unstreamed(prepared, params, stream)
         if unstreamed is not None:
             prepared, args = unstreamed
             response, m = self.backend.complete(prepared.messages, send_params(params), **args)
@@ -309,7 +323,7 @@ class TrimmedOpenAI(OpenAIFrontEnd):
             return rs
         for _ in rs:
             pass
-        return self._assemble(rs)
+        return self.assemble(rs)
 
     def close(self) -> None:
         """Close the backend's connections and the wrapped client."""
@@ -331,15 +345,16 @@ class AsyncTrimmedOpenAI(OpenAIFrontEnd):
 
     Planning and the server's side requests (tokenize) run in a worker thread, off the event
     loop. Constructing it is synchronous: without a stored profile it calibrates against the
-    server there and then, so build it before the loop starts or through ``asyncio.to_thread``.
+    server there and then (a micro-calibration, about 3 s), so build it before the loop starts or
+    through ``asyncio.to_thread``.
     """
 
     is_async = True
 
     async def _create(self, kwargs: dict[str, Any]) -> Any:
-        messages, rag_chunks, budget, params, stream = self._begin(kwargs)
+        messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
         prepared = await asyncio.to_thread(self.prepare, messages, rag_chunks, params, ttft_budget_s=budget)
-        unstreamed = self._unstreamed(prepared, params, stream)
+        unstreamed = self.unstreamed(prepared, params, stream)
         if unstreamed is not None:
             prepared, args = unstreamed
             response, m = await self.backend.acomplete(prepared.messages, send_params(params), **args)
@@ -352,7 +367,7 @@ class AsyncTrimmedOpenAI(OpenAIFrontEnd):
             return ars
         async for _ in ars:
             pass
-        return self._assemble(ars)
+        return self.assemble(ars)
 
     async def close(self) -> None:
         """Close the backend's connections and the wrapped client (``await``, as on ``AsyncOpenAI``)."""
@@ -370,6 +385,7 @@ class AsyncTrimmedOpenAI(OpenAIFrontEnd):
 def wrap_openai(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> OpenAIFrontEnd:
     """Wrap an ``openai.OpenAI`` (→ :class:`TrimmedOpenAI`) or ``openai.AsyncOpenAI``
     (→ :class:`AsyncTrimmedOpenAI`) client, or any client shaped like them."""
+    _not_a_list(client, "clients")
     if not is_openai_client(client):
         raise InvalidInputError(f"cannot wrap {type(client).__name__}: it needs .chat.completions.create (an openai.OpenAI-style client)")
     cls = AsyncTrimmedOpenAI if client_is_async(client) else TrimmedOpenAI
@@ -384,7 +400,8 @@ def wrap_url(base_url: str, *, model: str | None = None, ttft_budget_s: float | 
     wrapper. ``model`` names the model when a call does not (default: the server's first);
     other keyword arguments as for :class:`TrimmedOpenAI`. A malformed URL raises
     :class:`~trimkit.errors.InvalidInputError` before anything is sent."""
-    backend_kwargs = _split_kwargs(kwargs)
+    _not_a_list(base_url, "URLs")
+    backend_kwargs = split_backend_kwargs(kwargs)
     backend = OpenAIHTTPBackend(base_url, model=model, api_key=api_key, **backend_kwargs)
     cls = AsyncTrimmedOpenAI if asynchronous else TrimmedOpenAI
     chat = cls(None, ttft_budget_s=ttft_budget_s, backend=backend, **kwargs)

@@ -14,10 +14,16 @@ ask the server), which is the only I/O on this path.
 A report attached to an error says what was sent and what was measured before the failure: its
 ``measurement.total_s`` is the time from sending to the failure (0.0 if the request never
 started), for every front-end alike.
+
+**Others ahead.** On an in-process engine (one request at a time) a request enters the engine's
+in-flight queue when it is prepared (:mod:`trimkit.planning.queue`); its predicted TTFT is the
+predicted wait for the requests ahead plus its own, and ``on_busy`` says what the wait does to
+the plan. A caller that predicts the wait itself (a fleet router) passes ``queue_wait_s``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -27,8 +33,10 @@ from typing import Any
 import attrs
 
 from trimkit.backends.base import Backend, Measurement, TimedStream
+from trimkit.backends.lease import EngineLease
 from trimkit.calibration import calibrate
-from trimkit.errors import ContextTooSmallError, InfeasibleBudgetError, InvalidInputError
+from trimkit.errors import ContextTooSmallError, InfeasibleBudgetError, InvalidInputError, QueueBudgetError
+from trimkit.idle_probes import IdleProber, calibration_mode, idle_prober
 from trimkit.messages import (
     DEFAULT_RAG_CHUNK_TEMPLATE,
     DEFAULT_RAG_TEMPLATE,
@@ -42,13 +50,14 @@ from trimkit.planning.drift import LiveProfile
 from trimkit.planning.margin import DEFAULT_TARGET, EngineState, engine_state
 from trimkit.planning.planner import Plan
 from trimkit.planning.planner import plan as make_plan
+from trimkit.planning.queue import EngineQueue, Ticket, answer_cap, busy_decision, check_on_busy, queue_wait
 from trimkit.planning.summaries import SummaryCache
 from trimkit.planning.values import ValueModel
 from trimkit.prepared import Prepared, PreviousCut, place_chunks
 from trimkit.profile import Profile
-from trimkit.profile_store import save_profile
-from trimkit.report import Report
+from trimkit.report import Report, template_warnings
 from trimkit.summary_worker import SummaryWorker
+from trimkit.tokens import reusable_prefix_len
 from trimkit.validation import budget as valid_budget, open_share
 
 __all__ = ["Pipeline", "ModelLabel", "ReportNotes"]
@@ -66,6 +75,18 @@ class _Priced:
     predicted_s: float
 
 
+def _checked(name: str, check: Callable[[Any], Any], doc: str) -> property:
+    """A property whose value is validated (and normalised) by ``check`` when it is set."""
+    attr = "_" + name
+    return property(lambda self: getattr(self, attr), lambda self, value: setattr(self, attr, check(value)), doc=doc)
+
+
+def _label(value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidInputError(f"endpoint_label must be a str or None, got {type(value).__name__}")
+    return value
+
+
 #: ``model_label(params)``: the model as the report names it
 ModelLabel = Callable[[Mapping[str, Any]], str]
 #: ``report_notes(measurement, params)``: warnings a front-end adds to every report
@@ -76,26 +97,16 @@ class Pipeline:
     """Validate → plan → (the front-end sends) → measure → report, for any backend.
 
     Keyword arguments are those of :func:`trimkit.wrap` (see there). ``model_label`` and
-    ``report_notes`` let a front-end name the model and add warnings in its reports."""
+    ``report_notes`` let a front-end name the model and add warnings in its reports;
+    ``endpoint_label`` names the replica in every report (``report.endpoint``)."""
 
     def __init__(
-        self,
-        backend: Backend,
-        *,
-        ttft_budget_s: float | None = None,
-        profile: Profile | None = None,
-        strategies: Any = None,
-        on_infeasible: str = "best_effort",
-        summarizer: Any = "extractive",
-        background_summaries: bool = True,
-        rag_template: str = DEFAULT_RAG_TEMPLATE,
-        rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
-        quick_calibration: bool = True,
-        clock: Callable[[], float] = time.perf_counter,
-        attainment_target: float = DEFAULT_TARGET,
-        values: Any = None,
-        model_label: ModelLabel | None = None,
-        report_notes: ReportNotes | None = None,
+        self, backend: Backend, *, ttft_budget_s: float | None = None, profile: Profile | None = None, strategies: Any = None,
+        on_infeasible: str = "best_effort", on_busy: str = "trim", summarizer: Any = "extractive", background_summaries: bool = True,
+        rag_template: str = DEFAULT_RAG_TEMPLATE, rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE, calibration: str | None = None,
+        quick_calibration: bool | None = None, idle_probes: bool | None = None, clock: Callable[[], float] = time.perf_counter,
+        attainment_target: float = DEFAULT_TARGET, values: Any = None, model_label: ModelLabel | None = None,
+        report_notes: ReportNotes | None = None, endpoint_label: str | None = None,
     ) -> None:
         if values is not None and not isinstance(values, ValueModel):
             raise InvalidInputError(f"values must be a trimkit.ValueModel or None, got {type(values).__name__}")
@@ -109,21 +120,29 @@ class Pipeline:
         #: what each kind of content is worth when the budget forces a choice (None: the defaults)
         self.values = values
         self.on_infeasible = on_infeasible
+        self.on_busy = on_busy  # validated by the property
+        self.endpoint_label = endpoint_label  # validated by the property
         self.rag_template = rag_template
         self.rag_chunk_template = rag_chunk_template
         self.clock = clock
         #: computes summaries of older turns after each response (off the critical path); the
         #: planner may put a ready one in their place. Default: the model-free extractive one.
         self.summary_worker = SummaryWorker(summarizer, background=background_summaries, tokenizer=lambda: self.backend.background_tokenizer)
-        if profile is None:
-            profile = calibrate(backend, quick=quick_calibration)
+        mode = calibration_mode(calibration, quick_calibration)
+        chosen = profile is None
+        if profile is None:  # the stored one (any mode satisfies "micro"), else measured now
+            profile = calibrate(backend, mode=mode)
         self.attainment_target = attainment_target
         #: what this engine has learned (drift, margin window), shared with every wrapper of it
         self.engine: EngineState = engine_state(backend, profile)
         self.live: LiveProfile = self.engine.live
+        #: the engine's in-flight queue, shared with every wrapper of it (None: not a one-at-a-time engine)
+        self.queue: EngineQueue | None = self.engine.queue if isinstance(getattr(backend, "engine", None), EngineLease) else None
+        #: measures the probes the profile lacks while the engine is idle (None: off, or a server)
+        self.prober: IdleProber | None = idle_prober(self.engine, backend) if (chosen if idle_probes is None else idle_probes) else None
         self.reports: list[Report] = []  # most recent last; bounded
         self.max_reports = 256
-        #: store the live-refined profile every N measured requests (0: never)
+        #: store the live-refined profile every N measured requests (0: never; at most 4 while provisional)
         self.persist_every = 16
         #: the request most recently sent (benchmarks read its ``prepare_s``)
         self.last_prepared: Prepared | None = None
@@ -137,23 +156,13 @@ class Pipeline:
 
     # -- state ----------------------------------------------------------------------------------
 
-    @property
-    def ttft_budget_s(self) -> float | None:
-        """The default TTFT budget of a call (None: no budget); validated when set."""
-        return self._ttft_budget_s
-
-    @ttft_budget_s.setter
-    def ttft_budget_s(self, value: float | None) -> None:
-        self._ttft_budget_s = None if value is None else valid_budget(value)
-
-    @property
-    def attainment_target(self) -> float:
-        """The share of budgeted requests whose TTFT the safety margin aims to keep inside the budget."""
-        return self._attainment_target
-
-    @attainment_target.setter
-    def attainment_target(self, value: float) -> None:
-        self._attainment_target = open_share(value, "attainment_target")
+    ttft_budget_s = _checked("ttft_budget_s", lambda v: None if v is None else valid_budget(v),
+                             "The default TTFT budget of a call (None: no budget); validated when set.")
+    on_busy = _checked("on_busy", check_on_busy, '''"trim", "wait" or "raise": what the predicted wait for the requests
+        ahead does to a plan (:func:`~trimkit.planning.queue.busy_decision`); validated when set.''')
+    endpoint_label = _checked("endpoint_label", _label, "The replica every report names (``report.endpoint``; None: one engine).")
+    attainment_target = _checked("attainment_target", lambda v: open_share(v, "attainment_target"),
+                                 "The share of budgeted requests whose TTFT the safety margin aims to keep inside the budget.")
 
     @property
     def profile(self) -> Profile:
@@ -188,110 +197,116 @@ class Pipeline:
         self.summary_worker.idle(timeout_s)
 
     # -- validate and plan ----------------------------------------------------------------------
-    def prepare(
-        self,
-        messages: Any,
-        rag_chunks: Any = None,
-        params: Mapping[str, Any] | None = None,
-        *,
-        ttft_budget_s: float | None = None,
-    ) -> Prepared:
-        """Validate, plan and check a request without sending it."""
+    def prepare(self, messages: Any, rag_chunks: Any = None, params: Mapping[str, Any] | None = None, *, ttft_budget_s: float | None = None,
+                on_busy: str | None = None, queue_wait_s: float | None = None) -> Prepared:
+        """Validate, plan and check a request without sending it. ``on_busy``: this call's
+        (default :attr:`on_busy`); ``queue_wait_s``: a wait the caller predicts (a fleet router,
+        for one endpoint), planned with instead of the engine queue's.
+
+        On an in-process engine the request enters the engine's queue here and leaves it when
+        its stream ends — or when the returned request is dropped unsent."""
         t0 = self.clock()
+        self._tell_prober(done=False)
         params = params or {}
         validate_messages(messages)
         chunks = coerce_chunks(rag_chunks)
         budget = self.ttft_budget_s if ttft_budget_s is None else valid_budget(ttft_budget_s)
-        tools = params.get("tools")
-        as_is = place_chunks(messages, chunks, self.rag_template, self.rag_chunk_template) if chunks else messages
-        before = self._price(self.backend.tokenizer.prompt_tokens(as_is, tools))
-        plan: Plan | None = None
-        sent, warnings = before, []
-        if budget is None:
-            if len(before.tokens) > self.backend.n_ctx:
-                raise ContextTooSmallError(
-                    f"prompt of {len(before.tokens)} tokens does not fit the context window (n_ctx={self.backend.n_ctx})"
-                )
-        else:
-            plan, sent, warnings = self._plan(messages, chunks, as_is, before, budget, params)
-        to_send = plan.messages if plan is not None else as_is
-        warnings.extend(self._template_warnings(to_send, tools))
-        prepared = Prepared(
-            messages=to_send,
-            prompt_tokens=tuple(sent.tokens),
-            cached_tokens=sent.cached,
-            predicted_ttft_s=sent.predicted_s,
-            predicted_ttft_before_s=before.predicted_s,
-            prompt_tokens_before=len(before.tokens),
-            budget_s=budget,
-            plan=plan,
-            snapshot=sent.snapshot,
-            prepare_s=self.clock() - t0,
-            warnings=tuple(warnings),
-            feasible=None if plan is None or budget is None else bool(plan.feasible) and sent.predicted_s <= budget,
-        )
-        if plan is None:
-            return prepared
-        self.previous_cut.remember(messages, plan)
-        if not prepared.feasible and self.on_infeasible == "raise":
-            report = self.report(prepared, Measurement(ttft_s=None, total_s=0.0), params, sent=False)
-            raise InfeasibleBudgetError(
-                f"TTFT budget {budget:.3f} s cannot be met: the minimal prompt is predicted at {sent.predicted_s:.3f} s",
-                plan=plan,
-                report=report,
-            )
+        busy = self.on_busy if on_busy is None else check_on_busy(on_busy)
+        given = queue_wait(queue_wait_s)
+        # in line now, before counting: a request planned at the same time counts this one ahead
+        ticket = self.queue.enter(self.backend.engine) if self.queue is not None else None  # type: ignore[attr-defined]
+        try:
+            prepared = self._prepare(messages, chunks, params, budget, busy, given, ticket, t0)
+        except BaseException:
+            if ticket is not None:
+                ticket.done()
+            raise
+        if ticket is not None:
+            ticket.planned()
         return prepared
 
-    def _price(self, tokens: Sequence[int]) -> _Priced:
+    def _prepare(self, messages: Any, chunks: Sequence[Chunk], params: Mapping[str, Any], budget: float | None, on_busy: str,
+                 given_wait: float | None, ticket: Ticket | None, t0: float) -> Prepared:
+        tools = params.get("tools")
+        as_is = place_chunks(messages, chunks, self.rag_template, self.rag_chunk_template) if chunks else messages
+        # queued behind others, the request finds the context the last of them leaves
+        priced = functools.partial(self._price, after=self.queue.context_after(ticket) if self.queue is not None else None)
+        before = priced(self.backend.tokenizer.prompt_tokens(as_is, tools))
+        self._estimate(ticket, before, params)
+        wait, ahead = (given_wait, 0) if given_wait is not None or self.queue is None else self.queue.predict(ticket)
+        margin = 0.0 if budget is None else self.engine.request_margin(self.attainment_target, budget, len(before.tokens), before.cached)
+        busy = busy_decision(on_busy, budget, wait, margin, ahead)
+        plan: Plan | None = None
+        sent, warnings, w = before, [], wait or 0.0
+        if budget is None and len(before.tokens) > self.backend.n_ctx:
+            raise ContextTooSmallError(f"prompt of {len(before.tokens)} tokens does not fit the context window (n_ctx={self.backend.n_ctx})")
+        if busy.plan_budget_s is not None:
+            plan, sent, warnings = self._plan(messages, chunks, as_is, before, busy.plan_budget_s, params, busy.margin, priced)
+            self._estimate(ticket, sent, params)
+        to_send = plan.messages if plan is not None else as_is
+        warnings.extend(busy.warnings(budget, sent.predicted_s))
+        warnings.extend(template_warnings(self.backend.tokenizer, to_send, tools))
+        prepared = Prepared(
+            messages=to_send, prompt_tokens=tuple(sent.tokens), cached_tokens=sent.cached, snapshot=sent.snapshot,
+            # what the caller will feel: the wait for the requests ahead, then the prompt's TTFT
+            predicted_ttft_s=sent.predicted_s + w, predicted_ttft_before_s=before.predicted_s + w,
+            prompt_tokens_before=len(before.tokens), budget_s=budget, plan=plan, prepare_s=self.clock() - t0, warnings=tuple(warnings),
+            feasible=False if busy.refuse else None if plan is None else bool(plan.feasible) and sent.predicted_s + w <= budget,
+            queue_wait_s=wait, queue_ahead=ahead, ticket=ticket,
+        )
+        if busy.refuse:
+            report = self.report(prepared, Measurement(ttft_s=None, total_s=0.0), params, sent=False)
+            raise QueueBudgetError(busy.refusal(budget), wait_s=w, ahead=ahead, report=report)
+        if plan is None or budget is None:
+            return prepared
+        self.previous_cut.remember(messages, plan)
+        # the prompt's own part: with on_busy="wait" a wait that breaks the budget is not the prompt's fault
+        ttft = sent.predicted_s + busy.counted_wait_s
+        if not (plan.feasible and ttft <= budget) and self.on_infeasible == "raise":
+            report = self.report(prepared, Measurement(ttft_s=None, total_s=0.0), params, sent=False)
+            raise InfeasibleBudgetError(f"TTFT budget {budget:.3f} s cannot be met: the minimal prompt is predicted at {ttft:.3f} s",
+                                        plan=plan, report=report)
+        return prepared
+
+    def _price(self, tokens: Sequence[int], after: Sequence[int] | None = None) -> _Priced:
         """What the engine has cached of ``tokens`` (a stored snapshot, if it keeps them) and
         the TTFT the profile predicts for them (at least one token is evaluated; a snapshot's
-        restore time counts)."""
+        restore time counts). ``after``: the prompt the context will hold when this request's
+        turn comes (requests are ahead), which bounds what it reuses of the context."""
         best_cache = getattr(self.backend, "best_cache", None)
         if best_cache is not None:
             cached, snapshot = best_cache(tokens, self.profile.predict_prefill_s)
         else:
             cached, snapshot = self.backend.predict_cached_tokens(tokens), None
+        if after is not None and snapshot is None:
+            cached = min(cached, reusable_prefix_len(after, tokens))
         restore = getattr(snapshot, "restore_s", 0.0) if snapshot is not None else 0.0
         return _Priced(tokens, cached, snapshot, self.profile.predict_ttft_s(evaluated_tokens(len(tokens), cached), cached) + restore)
 
-    def _plan(
-        self, messages: Any, chunks: Sequence[Chunk], as_is: Any, before: _Priced, budget: float, params: Mapping[str, Any]
-    ) -> tuple[Plan, _Priced, list[str]]:
-        """Plan, then check the plan against the exact token count: plan again, tighter, (at
-        most twice) while the exact prompt is predicted over the budget less the margin."""
+    def _plan(self, messages: Any, chunks: Sequence[Chunk], as_is: Any, before: _Priced, budget: float, params: Mapping[str, Any],
+              margin: float, priced: Callable[[Sequence[int]], _Priced]) -> tuple[Plan, _Priced, list[str]]:
+        """Plan to ``budget`` (less the wait the prompt makes room for) with ``margin``, then check
+        the plan against the exact token count: plan again, tighter, (at most twice) while the
+        exact prompt is predicted over the budget less the margin."""
         tools = params.get("tools")
         tok = self.backend.tokenizer
 
         def probe(candidate: Sequence[Mapping[str, Any]]) -> int:
-            return self._price(tok.prompt_tokens(candidate, tools)).cached
+            return priced(tok.prompt_tokens(candidate, tools)).cached
 
-        margin = self.safety_margin
         limit = budget * (1.0 - margin)
         strategies = self.previous_cut.strategies_for(messages, self.strategies)
         plan_budget = budget
         warnings: list[str] = []
         for _attempt in range(3):
             plan = make_plan(
-                messages,
-                ttft_budget_s=plan_budget,
-                profile=self.profile,
-                tokenizer=tok,
-                rag_chunks=chunks,
-                strategies=strategies,
-                tools=tools,
-                cached_tokens=before.cached,
-                cache_probe=probe,
-                summaries=self.summaries,
-                rag_template=self.rag_template,
-                rag_chunk_template=self.rag_chunk_template,
-                on_infeasible="best_effort",
-                clock=self.clock,
-                values=self.values,
-                safety_margin=margin,
-                max_prompt_tokens=self._max_prompt_tokens(params),
+                messages, ttft_budget_s=plan_budget, profile=self.profile, tokenizer=tok, rag_chunks=chunks, strategies=strategies,
+                tools=tools, cached_tokens=before.cached, cache_probe=probe, summaries=self.summaries, rag_template=self.rag_template,
+                rag_chunk_template=self.rag_chunk_template, on_infeasible="best_effort", clock=self.clock, values=self.values,
+                safety_margin=margin, max_prompt_tokens=self._max_prompt_tokens(params),
             )
             unchanged = plan.passthrough and list(plan.messages) == list(as_is)
-            sent = before if unchanged else self._price(tok.prompt_tokens(plan.messages, tools))
+            sent = before if unchanged else priced(tok.prompt_tokens(plan.messages, tools))
             if sent.predicted_s <= limit or not plan.feasible or getattr(plan, "minimal", False):
                 break
             # the exact count came out above the planner's estimate: plan again, tighter
@@ -299,73 +314,49 @@ class Pipeline:
             warnings.append(f"re-planned: exact prompt predicted {sent.predicted_s:.3f} s > {limit:.3f} s")
         return plan, sent, warnings
 
-    def _max_prompt_tokens(self, params: Mapping[str, Any]) -> int:
-        """The most prompt tokens the context window takes: ``n_ctx`` less ``max_tokens``."""
-        max_tokens = params.get("max_tokens")
-        reserve = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0 else 0
-        return max(int(self.backend.n_ctx) - reserve, 1)
+    def _estimate(self, ticket: Ticket | None, priced: _Priced, params: Mapping[str, Any]) -> None:
+        """Tell the engine's queue the request's predicted work (for the requests behind it)."""
+        if ticket is not None and self.queue is not None:
+            room = self.backend.n_ctx - len(priced.tokens)
+            ticket.estimate(priced.predicted_s, self.queue.decode_s(params, self.profile.decode_tokens_per_s, room), priced.tokens)
 
-    def _template_warnings(self, messages: Sequence[Mapping[str, Any]], tools: Any) -> list[str]:
-        """Say so when the chat template drops a message (the model never sees it)."""
-        dropped_messages = getattr(self.backend.tokenizer, "dropped_messages", None)
-        if dropped_messages is None:
-            return []
-        try:
-            dropped = dropped_messages(messages, tools)
-        except Exception:  # a check for the report must never fail the request
-            return []
-        if not dropped:
-            return []
-        roles = ", ".join(f"{i} ({messages[i].get('role')})" for i in dropped)
-        return [f"the chat template dropped message(s) {roles}: the model never sees them"]
+    def _tell_prober(self, *, done: bool) -> None:
+        """Tell the engine's idle prober a request is being planned (``done``: has finished)."""
+        prober = self.engine.prober
+        if prober is not None:
+            prober.request_done() if done else prober.activity()
+
+    def _max_prompt_tokens(self, params: Mapping[str, Any]) -> int:
+        """The most prompt tokens the context window takes: ``n_ctx`` less ``max_tokens`` (or ``max_completion_tokens``)."""
+        return max(int(self.backend.n_ctx) - (answer_cap(params) or 0), 1)
 
     # -- send (the front-end's), measure, report --------------------------------------------------
     def sent(self, prepared: Prepared, *, waited_s: float = 0.0) -> Prepared:
         """Record that ``prepared`` went out; ``waited_s``: how long it waited for the engine
-        (another request held it), which its report states and its measured TTFT excludes."""
+        (others held it), which its report states and counts in the TTFT the caller felt
+        (``report.measured_ttft_s``), not in the engine's (``measurement.ttft_s``)."""
         if waited_s >= 0.001:
             prepared = prepared.with_warning(
-                f"waited {waited_s:.3f} s for the engine (another request held it); not counted in the measured TTFT"
+                f"waited {waited_s:.3f} s for the engine (requests ahead held it, or an idle probe was stopping); "
+                "counted in the measured TTFT, not in measurement.ttft_s"
             )
         self.last_prepared = prepared
         return prepared
 
     def report(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any], *, sent: bool = True) -> Report:
         """The report of ``prepared`` with what was measured of it (nothing learned from it)."""
-        plan = prepared.plan
-        warnings = list(prepared.warnings)
-        if plan is not None and not plan.feasible:
-            warnings.append("budget infeasible: sent the minimal prompt (system + last user message)")
-        if not sent:
-            warnings.append("not sent")
-        if self._report_notes is not None:
-            warnings.extend(self._report_notes(m, params))
-        return Report(
-            backend=self.backend.name,
-            measurement=m,
-            prompt_tokens=len(prepared.prompt_tokens),
-            predicted_ttft_s=prepared.predicted_ttft_s,
-            ttft_budget_s=prepared.budget_s,
-            predicted_ttft_before_s=prepared.predicted_ttft_before_s,
-            prompt_tokens_before=prepared.prompt_tokens_before,
-            cached_tokens_predicted=prepared.cached_tokens,
-            actions=tuple(plan.actions) if plan is not None else (),
-            feasible=prepared.feasible,
-            passthrough=plan.passthrough if plan is not None else True,
-            planning_s=getattr(plan, "planning_s", None) if plan is not None else None,
-            profile_error_pct=self.profile.error.median_pct,
-            warnings=tuple(warnings),
-            decode_params={k: v for k, v in params.items() if k not in ("messages",)},
-            model=self._model_label(params) if self._model_label is not None else self._model_file_label(),
-            # the margin the plan held back (the plan records what it was given)
-            safety_margin=getattr(plan, "safety_margin", None) if plan is not None and prepared.budget_s is not None else None,
-        )
+        notes = self._report_notes(m, params) if self._report_notes is not None else ()
+        model = self._model_label(params) if self._model_label is not None else self._model_file_label()
+        return Report.of_request(prepared, m, params, backend=self.backend.name, model=model, profile=self.profile, notes=notes, sent=sent,
+                                 endpoint=self.endpoint_label)
 
     def error_report(self, prepared: Prepared, ts: TimedStream, params: Mapping[str, Any]) -> Report:
         """The report of a request whose stream failed: what was sent, the TTFT if it came, and
         ``total_s`` from sending to the failure (0.0 if the stream never started)."""
         total = ts.total_s if ts.started is not None else 0.0
-        return self.report(prepared, Measurement(ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=total), params)
+        self._leave(prepared)
+        m = Measurement(ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=total, queue_s=getattr(ts, "queue_s", 0.0))
+        return self.report(prepared, m, params)
 
     def attach_report(self, exc: BaseException, ts: TimedStream, prepared: Prepared, params: Mapping[str, Any]) -> None:
         """Give an error that carries a report (any BackendError: StreamInterruptedError, a
@@ -377,13 +368,8 @@ class Pipeline:
     def finish(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any]) -> Report:
         """A request finished: its report, and what it teaches (drift, margin, next summary)."""
         report = self.report(prepared, m, params)
-        # measured / predicted TTFT of a budgeted request feeds this engine's margin window
-        measured = m.ttft_s if m.ttft_s is not None else m.first_output_s
-        self.engine.observe_ttft(prepared.predicted_ttft_s, measured, prepared.budget_s)
-        if m.engine_prefill_s is not None and m.evaluated_tokens:
-            self.live.observe(m.evaluated_tokens, m.cached_tokens or 0, m.engine_prefill_s)
-            if self.persist_every and self.live.observations and self.live.observations % self.persist_every == 0:
-                self._persist()
+        self.engine.learn(m, prepared.predicted_ttft_s, prepared.budget_s, persist_every=self.persist_every,
+                          answer_capped=answer_cap(params) is not None)
         with self._lock:
             self._last_report = report
             self.reports.append(report)
@@ -392,7 +378,15 @@ class Pipeline:
         if m.truncated_tokens:
             log.warning("trimkit: the engine evaluated %d fewer prompt tokens than were sent (silent truncation)", m.truncated_tokens)
         self.summary_worker.after_response(prepared.plan)
+        self._leave(prepared)
         return report
+
+    def _leave(self, prepared: Prepared) -> None:
+        """The request is done with the engine: out of its queue; the idle prober may go on."""
+        ticket = getattr(prepared, "ticket", None)
+        if ticket is not None:
+            ticket.done()
+        self._tell_prober(done=True)
 
     def _model_file_label(self) -> str:
         """The model as a person names it, for the report (the GGUF file name in-process).
@@ -402,10 +396,3 @@ class Pipeline:
             model = self.backend.profile_key().model
             self._model_name = model.split(":")[0] if self.backend.name == "llama_cpp" else model
         return self._model_name
-
-    def _persist(self) -> None:
-        """Store the refined profile (drift, refits) so the next process starts from it."""
-        try:
-            save_profile(self.profile)
-        except OSError as exc:  # a read-only cache must not break requests
-            log.warning("trimkit: could not store the refined profile: %s", exc)

@@ -53,6 +53,12 @@ class Prepared:
     warnings: tuple[str, ...] = ()
     #: the plan fits and the exact prompt's prediction is within the budget (None: no budget)
     feasible: bool | None = None
+    #: the wait it was planned with, for the requests ahead of it (predicted; None when nobody
+    #: predicts one: a server without a caller's prediction), and how many were ahead
+    queue_wait_s: float | None = None
+    queue_ahead: int = 0
+    #: its place in the engine's queue (:class:`~trimkit.planning.queue.Ticket`; None off an in-process engine)
+    ticket: Any = attrs.field(default=None, repr=False, eq=False)
 
     def with_warning(self, warning: str) -> Prepared:
         """This request with one more warning for its report."""

@@ -10,6 +10,13 @@ A stored file is untrusted input: :meth:`Profile.from_dict` is the one place its
 :class:`Profile` — every type, count and number is checked there, and the model must predict a
 positive, finite time for a 1- and a 1000-token prompt. Anything else is a
 :class:`~trimkit.errors.ProfileError`.
+
+A profile records how it was calibrated: its ``mode`` (``micro`` — a provisional ~3 s profile —,
+``quick`` or ``full``), the wall-time budget it ran under, and the range it probed (the most new
+tokens and the deepest context of its samples). A prediction outside that range is an
+extrapolation (:meth:`Profile.extrapolation`), which the planner meets with a wider margin.
+Files stored before these fields existed still load: the mode follows their ``quick`` flag and
+the probed range is read off their samples.
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, evaluated_tokens
 from trimkit.validation import count, non_negative_finite, positive_finite, real_float
 
-__all__ = ["ProfileKey", "Profile", "SCHEMA_VERSION"]
+__all__ = ["ProfileKey", "Profile", "SCHEMA_VERSION", "CALIBRATION_MODES"]
 
 SCHEMA_VERSION = 1
+#: how a profile was calibrated, least thorough first (trimkit.calibration_schedule.MODES)
+CALIBRATION_MODES = ("micro", "quick", "full")
 
 
 @attrs.frozen
@@ -74,6 +83,12 @@ def _pairs(value: Any) -> tuple[tuple[float, float], ...]:
     return tuple(out)
 
 
+def _reach(samples: Sequence[PrefillSample]) -> tuple[int, int]:
+    """(most new tokens, deepest context) of ``samples``; (0, 0) for none."""
+    ok = [s for s in samples if isinstance(s, PrefillSample)]
+    return max((s.new_tokens for s in ok), default=0), max((s.new_tokens + s.cached_tokens for s in ok), default=0)
+
+
 @attrs.frozen
 class Profile:
     """A measured prefill profile. Use :meth:`predict_ttft_s` to predict a request's TTFT.
@@ -98,6 +113,16 @@ class Profile:
     #: sample, each predicted by a fit without its probe; they seed the learned safety margin
     #: (:mod:`trimkit.planning.margin`). Empty for profiles stored before they were kept.
     residuals: tuple[tuple[float, float], ...] = attrs.field(default=(), converter=_pairs, repr=False)
+    #: how it was calibrated: "micro" (provisional), "quick" or "full" (default: from ``quick``)
+    mode: str = attrs.field(default=attrs.Factory(lambda self: "quick" if self.quick else "full", takes_self=True))
+    #: the most new tokens of any sample, and the deepest context (new + cached) of any sample;
+    #: read off the samples by default (0 = unknown: :meth:`probed_range` reads the samples)
+    probed_new_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[0], takes_self=True))
+    probed_context_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[1], takes_self=True))
+    #: the wall-time budget calibration ran under, seconds (0.0: unknown, before budgets)
+    time_budget_s: float = attrs.field(default=0.0, converter=real_float)
+    #: True when the first-token overhead was estimated, not measured (no time for its requests)
+    first_token_estimated: bool = attrs.field(default=False)
 
     def __attrs_post_init__(self) -> None:
         # past construction, code trusts these types: check them once here
@@ -114,6 +139,40 @@ class Profile:
             raise InvalidNumberError(f"created_at must be finite, got {self.created_at!r}")
         # predictions multiply by drift and budgets divide by it: 0, negative or NaN would poison both
         positive_finite(self.drift, "drift")
+        if not isinstance(self.mode, str) or self.mode not in CALIBRATION_MODES:
+            raise InvalidInputError(f"mode must be one of {', '.join(CALIBRATION_MODES)}, got {self.mode!r}")
+        if self.quick != (self.mode != "full"):
+            raise InvalidInputError(f"quick={self.quick} contradicts mode={self.mode!r} (quick is True for micro and quick profiles)")
+        count(self.probed_new_tokens, "probed_new_tokens")
+        count(self.probed_context_tokens, "probed_context_tokens")
+        non_negative_finite(self.time_budget_s, "time_budget_s")
+        if not isinstance(self.first_token_estimated, bool):
+            raise InvalidInputError(f"first_token_estimated must be a bool, got {type(self.first_token_estimated).__name__}")
+
+    @property
+    def provisional(self) -> bool:
+        """A micro-calibration's profile: a few seconds of probes, planned with a wider margin."""
+        return self.mode == "micro"
+
+    def probed_range(self) -> tuple[int, int]:
+        """``(most new tokens, deepest context)`` this profile has measured: the recorded range,
+        widened by any sample it holds beyond it (a profile refined after it was recorded)."""
+        new, ctx = _reach(self.samples)
+        return max(self.probed_new_tokens, new), max(self.probed_context_tokens, ctx)
+
+    def extrapolation(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """How far a prediction for ``new_tokens`` after ``cached_tokens`` reaches beyond what
+        was measured: 1.0 inside the probed range, else the larger of new tokens / the most new
+        tokens probed and context / the deepest context probed (2.0: twice as far). A profile
+        without samples has probed nothing: the ratio is to one token."""
+        probed_new, probed_ctx = self.probed_range()
+        n = evaluated_tokens(int(new_tokens), 0)
+        ctx = n + max(int(cached_tokens), 0)
+        return max(1.0, n / max(probed_new, 1), ctx / max(probed_ctx, 1))
+
+    def extrapolated(self, new_tokens: int, cached_tokens: int = 0) -> bool:
+        """True when :meth:`extrapolation` is above 1: the prediction leaves the probed range."""
+        return self.extrapolation(new_tokens, cached_tokens) > 1.0
 
     def predict_prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Predicted prefill time for ``new_tokens`` evaluated after ``cached_tokens`` cached ones."""
@@ -171,6 +230,11 @@ class Profile:
             "created_at": self.created_at,
             "drift": self.drift,
             "residuals": [list(pair) for pair in self.residuals],
+            "mode": self.mode,
+            "probed_new_tokens": self.probed_new_tokens,
+            "probed_context_tokens": self.probed_context_tokens,
+            "time_budget_s": self.time_budget_s,
+            "first_token_estimated": self.first_token_estimated,
         }
 
     @classmethod
@@ -203,6 +267,12 @@ def _field(data: Mapping[str, Any], name: str, where: str = "") -> Any:
 def _str(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise ProfileError(f"{where} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ProfileError(f"{where} must be true or false, got {type(value).__name__}")
     return value
 
 
@@ -313,9 +383,14 @@ def _structure(data: Any) -> Profile:
     alternatives = data.get("alternatives", {})
     if not isinstance(alternatives, dict):
         raise ProfileError(f"alternatives must be a JSON object, got {type(alternatives).__name__}")
-    quick = data.get("quick", False)
-    if not isinstance(quick, bool):
-        raise ProfileError(f"quick must be true or false, got {type(quick).__name__}")
+    quick = _bool(data.get("quick", False), "quick")
+    # fields added after schema 1 was released: a file without them loads with their defaults
+    # (values are checked by Profile itself: _build makes its errors ProfileErrors)
+    extra: dict[str, Any] = {}
+    for name, read in (("mode", _str), ("probed_new_tokens", _int), ("probed_context_tokens", _int),
+                       ("time_budget_s", lambda v, w: _number(v, w, non_negative_finite)), ("first_token_estimated", _bool)):
+        if name in data:
+            extra[name] = read(data[name], name)
     return _build(
         Profile,
         "profile",
@@ -331,4 +406,5 @@ def _structure(data: Any) -> Profile:
         created_at=_number(data.get("created_at", 0.0), "created_at", _finite),
         drift=_number(data.get("drift", 1.0), "drift", positive_finite),
         residuals=_structure_residuals(data.get("residuals", [])),
+        **extra,
     )

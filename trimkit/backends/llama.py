@@ -11,7 +11,8 @@ stream is finished, closed or garbage-collected — in whichever thread that hap
 
 The pieces: :mod:`trimkit.backends.lease` (who holds the engine),
 :mod:`trimkit.backends.llama_format` (the chat template and tokenizer),
-:mod:`trimkit.backends.llama_context` (perf counters, KV snapshots, the usable context size).
+:mod:`trimkit.backends.llama_context` (perf counters, KV snapshots, the usable context size),
+:mod:`trimkit.backends.llama_idle` (idle probes: an abortable decode, the context put back).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -40,6 +41,7 @@ from trimkit.backends.llama_context import (
     save_sequence,
 )
 from trimkit.backends.llama_format import chat_format_renderer, llama_prompt_tokenizer
+from trimkit.backends.llama_idle import abort_when, context_kept, tokens_kept
 from trimkit.errors import BackendError, ContextTooSmallError
 from trimkit.model import model_identity
 from trimkit.profile import ProfileKey
@@ -129,14 +131,18 @@ class LlamaBackend(Backend):
         )
 
     def cached_tokens_in_context(self) -> Sequence[int]:
-        return self.llm.input_ids[: self.llm.n_tokens]
+        """The tokens the next request will find in the context (while an idle probe runs: the
+        ones it will put back before any request gets the engine)."""
+        kept = tokens_kept(self.llm)
+        return kept if kept is not None else self.llm.input_ids[: self.llm.n_tokens]
 
     def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         """What ``Llama.generate`` will reuse: the longest common prefix, but at least one token is
         always evaluated again (0 if partial KV removal failed on this model before)."""
-        if self.prefix_reuse_works is False or self.llm.n_tokens == 0:
+        if self.prefix_reuse_works is False:
             return 0
-        return reusable_prefix_len(self.cached_tokens_in_context(), prompt_tokens)
+        held = self.cached_tokens_in_context()
+        return reusable_prefix_len(held, prompt_tokens) if len(held) else 0
 
     # -- requests ---------------------------------------------------------------------------
     def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None) -> TimedStream:
@@ -254,6 +260,20 @@ class LlamaBackend(Backend):
             llm.eval(seq[cached_tokens:])
             return self.clock() - t0
 
+    def idle_probe(self, new_tokens: int, cached_tokens: int, should_abort: Callable[[], bool]) -> float | None:
+        """:meth:`measure_prefill` as idle work (:mod:`trimkit.idle_probes`): None as soon as
+        ``should_abort()`` is true (llama.cpp asks it while it computes). The context is put back
+        as it was however the probe ends; meanwhile requests are planned against what will be put
+        back. The caller holds the engine (``EngineLease.preemptible``)."""
+        self._check_fits(new_tokens + cached_tokens)
+        with self.hold_engine(), context_kept(self.llm), abort_when(self.llm, should_abort) as abort:
+            try:
+                return None if should_abort() else self.measure_prefill(new_tokens, cached_tokens)
+            except RuntimeError:
+                if not abort.fired:
+                    raise
+                return None
+
     def measure_decode(self, n_tokens: int = 32) -> float:
         llm = self.llm
         seq = self.probe_tokens(16 + n_tokens)
@@ -292,7 +312,7 @@ class LlamaBackend(Backend):
         self._check_fits(len(tokens))
         llm = self.llm
         with self.hold_engine():
-            lcp = common_prefix_len(self.cached_tokens_in_context(), tokens)
+            lcp = common_prefix_len(llm.input_ids[: llm.n_tokens], tokens)
             llm.n_tokens = lcp
             if lcp < len(tokens):
                 llm.eval(tokens[lcp:])  # eval() drops the KV cells from n_tokens on first

@@ -164,9 +164,10 @@ class ServerProbes:
 
     def measure_decode(self, n_tokens: int = 32) -> float:
         """Decode tokens/s over ``n_tokens`` generated tokens: the server's numbers where it
-        reports them, else client-side chunk timing (one token per chunk)."""
+        reports them, else client-side chunk timing (one token per chunk). One token more than
+        ``n_tokens`` is asked for: the first belongs to the prefill, so one step needs two."""
         text, tokens = self.prompt(64, self.next_offset())
-        speed = self.server.probe_completion(text, tokens, max_tokens=n_tokens, extra={"ignore_eos": True}).decode_tokens_per_s
+        speed = self.server.probe_completion(text, tokens, max_tokens=n_tokens + 1, extra={"ignore_eos": True}).decode_tokens_per_s
         if not speed or not math.isfinite(speed):
             raise CalibrationError(f"the server at {self.server.base_url} produced too few tokens to measure decode speed")
         return speed

@@ -5,6 +5,13 @@ model moved to another device). :class:`LiveProfile` feeds every measured prefil
 profile's predictions: the ``drift`` factor follows the recent ratios measured / predicted, and
 the model is refitted now and then on calibration plus recent live samples. One engine's
 ``LiveProfile`` lives in its :class:`~trimkit.planning.margin.EngineState`.
+
+A *provisional* profile (a ~3 s micro-calibration, :attr:`Profile.provisional`) learns fast: while
+it is provisional every measured request is a refit round, and the live samples of a kept refit
+widen its probed range (:attr:`Profile.probed_new_tokens`, :attr:`Profile.probed_context_tokens`),
+so the wider margin for extrapolation (:mod:`trimkit.planning.margin`) stops applying to lengths
+the engine has measured. Idle probes (:mod:`trimkit.idle_probes`) swap a refined calibration in
+with :meth:`LiveProfile.replace_calibration`.
 """
 
 from __future__ import annotations
@@ -22,7 +29,20 @@ import attrs
 from trimkit.planning.costs import CostModel, PrefillSample, error_stats, fit_cost_model
 from trimkit.profile import Profile
 
-__all__ = ["LiveProfile"]
+__all__ = ["LiveProfile", "covering"]
+
+
+#: a measured decode speed counts only over at least this many generated tokens (the first
+#: token belongs to the prefill; a speed over one or two steps is mostly noise)
+MIN_DECODE_TOKENS = 4
+
+
+def covering(profile: Profile, samples: Sequence[PrefillSample]) -> Profile:
+    """``profile`` with its probed range grown to cover ``samples`` (measured lengths)."""
+    new, context = profile.probed_range()
+    new = max([new, *(s.new_tokens for s in samples)])
+    context = max([context, *(s.new_tokens + s.cached_tokens for s in samples)])
+    return attrs.evolve(profile, probed_new_tokens=new, probed_context_tokens=context)
 
 
 def _is_count(value: Any) -> bool:
@@ -37,9 +57,11 @@ class LiveProfile:
     the last ``drift_window`` (5) ratios; while fewer have been seen, the missing ones count as
     the starting drift. So a step change in the host's speed is followed exactly after 3
     requests (3 of the 5 agree), while one or two outliers among the last five move it at most
-    to a neighbouring ratio. Every ``refit_every`` observations the model is refitted on
+    to a neighbouring ratio. Every ``refit_every`` observations (every
+    ``provisional_refit_every`` while the profile is provisional) the model is refitted on
     calibration plus recent live samples and kept only if it explains the live samples better
-    than model × drift; drift is then measured against the refit. Thread-safe.
+    than model × drift; drift is then measured against the refit, and the probed range grows to
+    cover the live samples of a kept refit. Thread-safe.
 
     ``alpha`` is accepted for compatibility and ignored (drift used to be an exponentially
     weighted mean, which needed ~10 requests to follow a 30 % change of speed).
@@ -51,18 +73,25 @@ class LiveProfile:
         *,
         alpha: float | None = None,
         refit_every: int = 16,
+        provisional_refit_every: int = 1,
         keep_live: int = 64,
         drift_window: int = 5,
     ) -> None:
-        if not (_is_count(drift_window) and drift_window >= 1):
-            raise ValueError(f"drift_window must be an int >= 1, got {drift_window!r}")
+        for name, value in (("drift_window", drift_window), ("refit_every", refit_every), ("provisional_refit_every", provisional_refit_every)):
+            if not (_is_count(value) and value >= 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self._profile = profile
         self._refit_every = refit_every
+        self._provisional_refit_every = provisional_refit_every
         self._live: deque[PrefillSample] = deque(maxlen=keep_live)
         self._recent: deque[PrefillSample] = deque(maxlen=drift_window)
         self._window = drift_window
         self._prior_log_drift = math.log(profile.drift)  # stands in for ratios not yet seen
         self._seen = 0
+        #: decode speeds (tokens/s) measured by recent requests; their median replaces calibration's
+        self._decode: deque[float] = deque(maxlen=drift_window)
+        #: first-token overheads (client TTFT − engine prefill) measured by recent requests
+        self._first_token: deque[float] = deque(maxlen=drift_window)
         self._lock = threading.Lock()
 
     @property
@@ -97,18 +126,70 @@ class LiveProfile:
             self._recent.append(sample)
             self._live.append(sample)
             self._seen += 1
-            log_drift = self._log_drift(model)
-            if self._seen % self._refit_every == 0:
-                calib = [s for s in self._profile.samples if s.source == "calibration"]
-                refit = fit_cost_model(calib + list(self._live), n_batch=model.n_batch, batched=model.per_batch_s > 0)
-                # keep the refit only if it explains the live samples better than model × drift
-                old_err = error_stats((model.prefill_s(s.new_tokens, s.cached_tokens) * math.exp(log_drift), s.seconds) for s in self._live)
-                new_err = error_stats((refit.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in self._live)
-                if new_err.median_pct < old_err.median_pct:
-                    model = refit
-                    self._prior_log_drift = 0.0  # the refit absorbed the drift seen so far
-                    log_drift = self._log_drift(model)
-            self._profile = attrs.evolve(self._profile, model=model, drift=math.exp(log_drift))
+            every = self._provisional_refit_every if self._profile.provisional else self._refit_every
+            self._update(self._profile, refit=self._seen % every == 0)
+
+    def observe_decode(self, tokens_per_s: Any, completion_tokens: Any) -> None:
+        """Feed one request's measured decode speed back. The profile's decode speed becomes the
+        median of the last ``drift_window`` measured: calibration measures decode over a few
+        steps only (or estimates it on a host too slow for even one within its budget), and a
+        request's stream is what the user sees. Answers of fewer than :data:`MIN_DECODE_TOKENS`
+        tokens, and unusable numbers, are ignored."""
+        if not (_is_count(completion_tokens) and completion_tokens >= MIN_DECODE_TOKENS):
+            return
+        if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, numbers.Real):
+            return
+        if not (tokens_per_s > 0 and math.isfinite(tokens_per_s)):
+            return
+        with self._lock:
+            self._decode.append(float(tokens_per_s))
+            self._profile = attrs.evolve(self._profile, decode_tokens_per_s=statistics.median(self._decode))
+
+    def observe_first_token(self, ttft_s: Any, engine_prefill_s: Any) -> None:
+        """Feed one request's first-token overhead back: its TTFT less the engine's own prefill
+        time (template, tokenization, the first sampling step, the HTTP round trip for a
+        server). The profile's ``first_token_s`` becomes the median of the last
+        ``drift_window`` measured: a micro-calibration often has no time to measure it and
+        estimates it, and it is most of the TTFT of a short follow-up turn. Unusable numbers
+        are ignored."""
+        values = (ttft_s, engine_prefill_s)
+        if any(isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) for v in values):
+            return
+        if not (ttft_s > 0 and engine_prefill_s > 0):
+            return
+        with self._lock:
+            self._first_token.append(max(float(ttft_s) - float(engine_prefill_s), 0.0))
+            self._profile = attrs.evolve(self._profile, first_token_s=statistics.median(self._first_token))
+
+    def replace_calibration(self, profile: Profile) -> None:
+        """Predict from ``profile`` from now on: a refined calibration of the same engine (idle
+        probes measured more of it). Drift starts again from ``profile.drift`` and is measured
+        against its model over the recent live samples; the live samples stay, and a refit round
+        runs at once, so what the requests taught is not lost."""
+        with self._lock:
+            self._prior_log_drift = math.log(profile.drift)
+            self._update(profile, refit=bool(self._live))
+
+    def _update(self, profile: Profile, *, refit: bool) -> None:
+        """Under the lock: the current profile from ``profile``'s calibration, the drift over the
+        recent samples and (``refit``) a refit round on calibration plus live samples."""
+        model = profile.model
+        log_drift = self._log_drift(model)
+        if refit and self._live:
+            calib = [s for s in profile.samples if s.source == "calibration"]
+            live = list(self._live)
+            candidate = fit_cost_model(calib + live, n_batch=model.n_batch, batched=model.per_batch_s > 0)
+            # keep the refit only if it explains the live samples better than model × drift
+            old_err = error_stats((model.prefill_s(s.new_tokens, s.cached_tokens) * math.exp(log_drift), s.seconds) for s in live)
+            new_err = error_stats((candidate.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in live)
+            if new_err.median_pct < old_err.median_pct:
+                model = candidate
+                self._prior_log_drift = 0.0  # the refit absorbed the drift seen so far
+                log_drift = self._log_drift(model)
+                profile = covering(profile, live)  # the measured lengths are in the fit now
+        decode = statistics.median(self._decode) if self._decode else profile.decode_tokens_per_s
+        first = statistics.median(self._first_token) if self._first_token else profile.first_token_s
+        self._profile = attrs.evolve(profile, model=model, drift=math.exp(log_drift), decode_tokens_per_s=decode, first_token_s=first)
 
     @property
     def observations(self) -> int:

@@ -1,0 +1,265 @@
+"""The first run: wrap() serves after a micro-calibration, plans a provisional profile (or a prompt
+beyond the probed range) with a wider margin and says so, and the provisional profile learns from
+every measured request. On the deterministic fake backend."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+import trimkit
+from tests._core_helpers import make_measurement, make_profile
+from trimkit.errors import InvalidInputError
+from trimkit.planning.costs import CostModel, PrefillSample, fit_cost_model
+from trimkit.planning.drift import LiveProfile
+from trimkit.planning.margin import MARGIN_CAP, PROVISIONAL_ERROR_FACTOR, EngineState, margin_for_ratio, widened_margin
+from trimkit.profile_store import load_profile
+from trimkit.report import Report
+from trimkit.testing import FakeBackend, FakeClock
+from trimkit.wrapper import Trimmer
+
+COST = CostModel(overhead_s=0.01, per_token_s=0.002, depth_s=1e-7)
+WORDS = "the harbour lamp keeper rows out at dawn and counts the fishing boats along the quay".split()
+
+
+def text(n_words: int, seed: int = 0) -> str:
+    return " ".join(WORDS[(i + seed) % len(WORDS)] for i in range(n_words))
+
+
+def fake(**kwargs) -> FakeBackend:
+    return FakeBackend(kwargs.pop("cost", COST), clock=FakeClock(), **kwargs)
+
+
+def ask(t: Trimmer, words: int, seed: int = 0, chunks=None, budget=None) -> Report:
+    """One cold request (the fake's KV cache emptied first); its report."""
+    with t.backend.lock:
+        t.backend.kv = []
+    t.create_chat_completion(messages=[{"role": "user", "content": text(words, seed)}], rag_chunks=chunks, max_tokens=2,
+                             ttft_budget_s=budget)
+    return t.last_report
+
+
+def provisional(profile):
+    return attrs.evolve(profile, mode="micro", quick=True)
+
+
+# -- wrap() without a profile -------------------------------------------------------------------------
+
+
+def test_wrap_without_a_profile_serves_after_a_micro_calibration(isolated_cache):
+    engine = fake()
+    chat = trimkit.wrap(engine, ttft_budget_s=1.0)
+    assert chat.profile.mode == "micro" and chat.profile.provisional
+    assert chat.profile.calibration_wall_s <= 3.0 + 1e-9
+    chat.create_chat_completion(messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert chat.last_report.provisional
+    assert load_profile(engine.profile_key()).mode == "micro"  # stored and keyed as before
+
+
+@pytest.mark.parametrize("stored_mode", ["micro", "quick", "full"])
+def test_wrap_uses_a_stored_profile_of_any_mode_without_measuring(isolated_cache, stored_mode):
+    stored = trimkit.calibrate(fake(), mode=stored_mode)
+    engine = fake()
+    before = engine.clock()
+    chat = trimkit.wrap(engine, ttft_budget_s=1.0)
+    assert engine.clock() == before  # nothing was measured: the fake clock moves only when it works
+    assert chat.profile.created_at == stored.created_at and chat.profile.mode == stored_mode
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "mode"),
+    [({}, "micro"), ({"calibration": "quick"}, "quick"), ({"calibration": "full"}, "full"),
+     ({"quick_calibration": True}, "quick"), ({"quick_calibration": False}, "full")],
+)
+def test_the_calibration_up_front_can_be_chosen(isolated_cache, kwargs, mode):
+    engine = fake()
+    assert Trimmer(engine, clock=engine.clock, **kwargs).profile.mode == mode
+
+
+@pytest.mark.parametrize("kwargs", [{"calibration": "slow"}, {"calibration": "quick", "quick_calibration": True}])
+def test_a_bad_calibration_choice_is_invalid_input(isolated_cache, kwargs):
+    with pytest.raises(InvalidInputError):
+        Trimmer(fake(), **kwargs)
+
+
+# -- the wider margin -----------------------------------------------------------------------------------
+
+
+def test_the_widening_rule_counts_the_profiles_own_error_k_times():
+    profile = make_profile(p90_pct=5.0)  # its own rule: 5 %
+    r0 = 1 / (1 - 0.05)
+    assert widened_margin(0.05, profile, provisional=False) == 0.05
+    assert widened_margin(0.05, profile, provisional=True) == pytest.approx(margin_for_ratio(1 + PROVISIONAL_ERROR_FACTOR * (r0 - 1)))
+    assert widened_margin(0.05, profile, provisional=False, extrapolation=3.0) == pytest.approx(margin_for_ratio(1 + 3 * (r0 - 1)))
+    both = widened_margin(0.05, profile, provisional=True, extrapolation=3.0)
+    assert both == pytest.approx(margin_for_ratio(1 + PROVISIONAL_ERROR_FACTOR * 3 * (r0 - 1)))
+    assert widened_margin(0.5, profile, provisional=True) == 0.5  # a wider learned margin stands
+    assert widened_margin(0.05, profile, provisional=True, extrapolation=1e9) == MARGIN_CAP
+    assert widened_margin(0.05, profile, provisional=False, extrapolation=float("nan")) == 0.05
+
+
+def test_a_provisional_profile_is_planned_with_a_wider_margin_and_reported(isolated_cache):
+    full = trimkit.calibrate(fake(), store=False)  # exact: its own rule is the 3 % floor
+    a, b = fake(), fake()
+    steady = Trimmer(a, ttft_budget_s=1.0, profile=full, clock=a.clock)
+    early = Trimmer(b, ttft_budget_s=1.0, profile=provisional(full), clock=b.clock)
+    assert steady.safety_margin == pytest.approx(0.03)
+    r0 = 1 / (1 - 0.03)
+    assert early.safety_margin == pytest.approx(1 - 1 / (1 + PROVISIONAL_ERROR_FACTOR * (r0 - 1)))
+    report = ask(early, 300)
+    assert report.provisional and not report.extrapolated
+    assert report.safety_margin == pytest.approx(early.safety_margin)
+    assert "provisional" in str(report) and "wider safety margin" in str(report)
+    assert "profile=provisional" in report.log_line()
+    assert report.to_dict()["provisional"] is True and report.to_dict()["extrapolated"] is False
+    plain = ask(steady, 300)
+    assert not plain.provisional and "profile " not in str(plain) and "profile=" not in plain.log_line()
+
+
+def test_the_learned_margin_takes_over_from_the_provisional_widening():
+    state = EngineState(provisional(make_profile(p90_pct=5.0)))
+    assert state.safety_margin() > 0.05
+    for _ in range(40):
+        state.margin.add(1.0)  # enough measured requests, all exactly predicted
+    assert state.safety_margin() == pytest.approx(0.01)  # the floor: measurements, not the rule
+    assert state.safety_margin(extrapolation=4.0) > 0.05  # beyond the probed range it still widens
+
+
+def narrow(profile, top: int):
+    """``profile`` as if it had probed nothing beyond ``top`` tokens (same, exact model)."""
+    kept = tuple(s for s in profile.samples if s.new_tokens + s.cached_tokens <= top)
+    return attrs.evolve(profile, samples=kept, probed_new_tokens=top, probed_context_tokens=top)
+
+
+def test_a_prompt_beyond_the_probed_range_is_reported_and_gets_a_wider_margin(isolated_cache):
+    engine = fake()
+    profile = narrow(trimkit.calibrate(fake(), store=False), 256)
+    t = Trimmer(engine, ttft_budget_s=10.0, profile=profile, clock=engine.clock)
+    short = ask(t, 60)
+    assert not short.extrapolated and short.safety_margin == pytest.approx(0.03)
+    long = ask(t, 900)
+    assert long.passthrough and long.extrapolated and "extrapolated" in str(long) and "profile=extrapolated" in long.log_line()
+    x = profile.extrapolation(long.prompt_tokens, 0)
+    assert x > 3
+    assert long.safety_margin == pytest.approx(widened_margin(0.03, profile, provisional=False, extrapolation=x))
+
+
+def test_a_budget_that_keeps_the_prompt_in_range_needs_no_extrapolation_margin(isolated_cache):
+    engine = fake()
+    profile = narrow(trimkit.calibrate(fake(), store=False), 256)
+    t = Trimmer(engine, ttft_budget_s=0.4, profile=profile, clock=engine.clock)
+    chunks = [trimkit.Chunk(text=text(80, i), id=f"doc-{i}") for i in range(10)]
+    report = ask(t, 10, chunks=chunks)
+    assert report.trimmed and report.prompt_tokens_before > 256 >= report.prompt_tokens
+    assert not report.extrapolated and report.safety_margin == pytest.approx(0.03)
+
+
+# -- learning from every measured request ------------------------------------------------------------------
+
+TRUE = CostModel(overhead_s=0.01, per_token_s=0.002, depth_s=1e-6)
+
+
+def micro_guess() -> tuple:
+    """A provisional profile as a micro-calibration on a noisy host leaves it: four short probes of
+    ``TRUE`` timed 15-20 % off, and the model fitted on them."""
+    noisy = [PrefillSample(n, 0, TRUE.prefill_s(n, 0) * f) for n, f in ((32, 1.15), (64, 0.85), (128, 1.2), (256, 0.8))]
+    model = fit_cost_model(noisy, n_batch=512)
+    profile = attrs.evolve(make_profile(model=model, samples=noisy, first_token_s=0.02, p90_pct=15.0), mode="micro", quick=True,
+                           probed_new_tokens=256, probed_context_tokens=256)
+    return profile
+
+
+def apes(reports) -> list[float]:
+    return [abs(r.ttft_error_pct) for r in reports]
+
+
+def test_a_provisional_profile_learns_fast_from_measured_requests(isolated_cache):
+    engine = fake(cost=TRUE, first_token_s=0.02)
+    t = Trimmer(engine, profile=micro_guess(), clock=engine.clock)
+    reports = [ask(t, words, seed=i) for i, words in enumerate([700, 1100, 500, 900, 1200, 600, 1000, 800])]
+    early, late = apes(reports[:2]), apes(reports[-3:])
+    assert max(early) > 10  # the micro-probes did not see these lengths
+    assert max(late) < 5 and sum(late) / 3 < sum(early) / 2 / 4
+    assert reports[0].extrapolated and not reports[-1].extrapolated  # the measured lengths joined the range
+    assert t.profile.probed_range()[0] >= max(r.evaluated_tokens for r in reports)
+
+
+def test_a_full_profile_refits_at_its_own_pace():
+    """The fast refits are for provisional profiles: a full one keeps ``refit_every``."""
+    guess = micro_guess()
+    fast, slow = LiveProfile(guess), LiveProfile(attrs.evolve(guess, mode="full", quick=False))
+    for n in (700, 1100, 500):
+        for live in (fast, slow):
+            live.observe(n, 0, TRUE.prefill_s(n, 0))
+    assert fast.current.model != guess.model
+    assert slow.current.model == guess.model  # drift only, until the 16th observation
+
+
+def test_the_provisional_profile_is_stored_every_few_requests(isolated_cache):
+    engine = fake(cost=TRUE, first_token_s=0.02)
+    guess = attrs.evolve(micro_guess(), key=engine.profile_key())
+    t = Trimmer(engine, profile=guess, clock=engine.clock)
+    for i in range(4):
+        ask(t, 600 + 100 * i, seed=i)
+    stored = load_profile(engine.profile_key())
+    assert stored is not None and stored.provisional and stored.model == t.profile.model != guess.model
+
+
+def test_replacing_the_calibration_keeps_what_the_requests_taught():
+    guess = micro_guess()
+    live = LiveProfile(guess)
+    for n in (700, 1100, 500):
+        live.observe(n, 0, TRUE.prefill_s(n, 0) * 1.3)  # the host is 30 % slower than TRUE now
+    refined = attrs.evolve(make_profile(model=TRUE, p90_pct=3.0), mode="quick", quick=True)
+    live.replace_calibration(refined)
+    assert live.current.mode == "quick" and live.current.samples == refined.samples
+    assert len(live.live_samples) == 3
+    assert live.current.predict_prefill_s(900) == pytest.approx(TRUE.prefill_s(900, 0) * 1.3, rel=0.05)
+
+
+def test_a_report_without_the_flags_reads_as_before():
+    report = Report(backend="fake", measurement=make_measurement(), prompt_tokens=700, predicted_ttft_s=1.0)
+    assert not report.provisional and not report.extrapolated
+    assert "profile " not in str(report) and "profile=" not in report.log_line()
+
+
+def test_decode_speed_is_learned_from_measured_requests():
+    """Calibration measures decode over a few steps (or estimates it on a very slow host); the
+    profile's decode speed follows what requests measure: the median of the recent ones."""
+    live = LiveProfile(make_profile(), drift_window=5)
+    calibrated = live.current.decode_tokens_per_s
+    for tps in (30.0, 31.0, 29.0):
+        live.observe_decode(tps, 16)
+    assert live.current.decode_tokens_per_s == 30.0 != calibrated
+    live.observe_decode(1000.0, 2)  # too few tokens to say anything
+    live.observe_decode(float("nan"), 16)
+    live.observe_decode(True, 16)
+    live.observe_decode(-5.0, 16)
+    assert live.current.decode_tokens_per_s == 30.0
+    # a refined calibration keeps what the requests measured
+    live.replace_calibration(attrs.evolve(make_profile(), decode_tokens_per_s=1.0))
+    assert live.current.decode_tokens_per_s == 30.0
+
+
+def test_a_wrapped_request_teaches_the_decode_speed(isolated_cache):
+    t = trimkit.wrap(fake(), profile=attrs.evolve(make_profile(), decode_tokens_per_s=0.5), idle_probes=False)
+    t.create_chat_completion(messages=[{"role": "user", "content": text(20)}], max_tokens=12)
+    measured = t.last_report.measurement.decode_tokens_per_s
+    assert measured is not None and measured > 0
+    assert t.profile.decode_tokens_per_s == pytest.approx(measured)
+
+
+def test_first_token_overhead_is_learned_from_measured_requests():
+    """A micro-calibration may only estimate the first-token overhead; each request measures it
+    (its TTFT less the engine's prefill) and the profile follows the median of recent ones."""
+    live = LiveProfile(attrs.evolve(make_profile(), first_token_s=0.001), drift_window=5)
+    for ttft, prefill in ((0.30, 0.25), (0.42, 0.36), (0.20, 0.16)):
+        live.observe_first_token(ttft, prefill)
+    assert live.current.first_token_s == pytest.approx(0.05)
+    for bad in ((None, 0.1), (0.1, None), (float("inf"), 0.1), (True, 0.1), (0.0, 0.1), (0.1, -1.0)):
+        live.observe_first_token(*bad)
+    assert live.current.first_token_s == pytest.approx(0.05)
+    live.observe_first_token(0.10, 0.15)  # the engine's clock ran past the client's: no negative overhead
+    assert live.current.first_token_s >= 0.0
+    live.replace_calibration(attrs.evolve(make_profile(), first_token_s=0.5))
+    assert live.current.first_token_s < 0.5

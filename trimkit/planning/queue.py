@@ -1,0 +1,401 @@
+"""The in-flight queue of an engine that runs one request at a time, and the wait it predicts.
+
+One in-process ``Llama`` serves one request at a time (:class:`~trimkit.backends.lease.EngineLease`);
+a request sent while others hold or wait for it waits for their work first. Every wrapper of the
+engine shares one :class:`EngineQueue` (it lives in the engine's
+:class:`~trimkit.planning.margin.EngineState`), so each request sees all the others.
+
+**What a request counts for** (its predicted remaining work, :meth:`Ticket.remaining_s`): being
+planned or waiting for the engine, its predicted TTFT + its predicted decode; holding the engine
+before its first token, what is left of its predicted TTFT (at least 0) + its predicted decode;
+streaming, what is left of its predicted decode (at least 0). Planned and not sent yet
+(``prepare`` without ``execute``), it counts for no one until it is sent.
+
+The predicted decode is the answer's tokens after the first / the speed a holder of the engine
+streams at: the median over the engine's last :data:`ANSWER_WINDOW` finished streams (as the
+caller's thread saw them: the per-token work around the engine included), the profile's decode
+speed until one has finished. The answer length is ``max_tokens`` (or ``max_completion_tokens``)
+when the call sets one — an upper bound, so the wait errs long when answers stop early; else the
+median completion length of the engine's last :data:`ANSWER_WINDOW` requests that set neither
+(:data:`DEFAULT_ANSWER_TOKENS` until one has finished); never more than the context left.
+
+**The wait** of a request (:meth:`EngineQueue.wait_s`) is the sum of the remaining work of the
+requests in flight that entered the queue before it. A request enters when it starts being
+planned, before its prompt is counted, and takes its turn for the engine then
+(:meth:`~trimkit.backends.lease.EngineLease.take_turn`): no request behind it takes the engine
+while it is planned, or for :data:`PLANNED_TURN_S` after, while it is sent. So the engine is
+handed on in the order the waits were predicted in, and two requests planned at the same time
+see each other (one whose prompt is not counted yet counts as much as the one asking).
+
+**The cache a queued request finds.** The requests ahead run first, so a queued request finds the
+engine's context holding the prompt of the last one ahead, not what it holds now: its cached
+prefix is at most what it shares with that prompt (:meth:`EngineQueue.context_after`).
+
+**Leaving.** A request leaves when its stream finishes, fails, is closed or is garbage-collected,
+when it fails before it is sent, or when its prepared request is dropped unsent: the queue holds
+its tickets weakly, and a ticket whose stream has ended (or is gone) no longer counts. Nothing
+leaks from a request that nobody finishes.
+
+**What happens when the wait breaks the budget** is ``on_busy`` (:func:`busy_decision`):
+``"trim"`` (default) plans the prompt to the budget less the wait, ``"wait"`` plans it to the
+whole budget as if the engine were free, ``"raise"`` refuses a request whose wait alone leaves no
+room, before anything is sent (:class:`~trimkit.errors.QueueBudgetError`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from trimkit.errors import InvalidInputError
+from trimkit.validation import non_negative_finite
+
+__all__ = ["ON_BUSY", "DEFAULT_ANSWER_TOKENS", "ANSWER_WINDOW", "WAIT_BOUND_FACTOR", "MIN_PLAN_BUDGET_S", "PLANNED_TURN_S",
+           "Ticket", "EngineQueue", "answer_cap", "BusyDecision", "busy_decision", "check_on_busy", "queue_wait", "wait_bound_s"]
+
+#: what a request does when the predicted wait for the engine breaks its budget
+ON_BUSY = ("trim", "wait", "raise")
+#: the answer length a request without ``max_tokens`` is predicted to decode, until the engine
+#: has finished one such request (a typical chat answer of a few paragraphs)
+DEFAULT_ANSWER_TOKENS = 256
+#: how many recent answers the typical answer length and the decode speed are medians of
+ANSWER_WINDOW = 32
+#: a request waits for the engine at most its budget (else the backend's ``engine_wait_s``) plus
+#: this many times the wait predicted for it: room for answers ahead that run longer than predicted
+WAIT_BOUND_FACTOR = 2.0
+#: how long a planned request keeps its turn for the engine before it is sent: the requests behind
+#: it wait for it that long at most (one planned and never sent, or sent later, holds nobody back)
+PLANNED_TURN_S = 0.5
+#: the budget a prompt is planned to when the wait leaves no room (the plan is then infeasible)
+MIN_PLAN_BUDGET_S = 1e-6
+
+
+def check_on_busy(value: Any) -> str:
+    """``value`` if it is one of :data:`ON_BUSY`, else :class:`~trimkit.errors.InvalidInputError`."""
+    if not isinstance(value, str) or value not in ON_BUSY:
+        raise InvalidInputError(f"on_busy must be 'trim', 'wait' or 'raise', got {value!r}")
+    return value
+
+
+def queue_wait(value: Any) -> float | None:
+    """A caller's predicted wait (``queue_wait_s=``): None, or a finite number >= 0."""
+    return None if value is None else non_negative_finite(value, "queue_wait_s")
+
+
+class Ticket:
+    """One request in an :class:`EngineQueue`: its predicted work and how far it has got.
+
+    Made by :meth:`EngineQueue.enter`; the pipeline fills in :meth:`estimate`, the front-end
+    calls :meth:`planned`, :meth:`sent`, :meth:`holding`, :meth:`attach`, :meth:`first_token` and
+    :meth:`done` as the request goes. Every call is idempotent and safe from any thread."""
+
+    def __init__(self, queue: EngineQueue, seq: int, turn: int | None, line: Any = None) -> None:
+        self.queue = queue
+        self.seq = seq
+        #: the request's place in line for the engine (:meth:`EngineLease.take_turn`), if any
+        self.turn = turn
+        self._line = line
+        self.ttft_s: float | None = None  # predicted TTFT of the prompt sent (engine side)
+        self.decode_s = 0.0  # predicted decode
+        self.prompt_tokens: Sequence[int] | None = None  # the prompt it sends (what the context holds after it)
+        self.held_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished = False
+        self.parked = False  # planned, not sent yet: out of the count until it is sent
+        self._stream: Any = None  # weakref to the TimedStream, once sent
+        self._stream_holds = False  # the stream held the engine when it was attached
+
+    def estimate(self, ttft_s: float, decode_s: float, prompt_tokens: Sequence[int] | None = None) -> None:
+        """The request's predicted TTFT (engine side: prefill, first token, any restore), its
+        decode, and the prompt it sends."""
+        self.ttft_s, self.decode_s = max(float(ttft_s), 0.0), max(float(decode_s), 0.0)
+        if prompt_tokens is not None:
+            self.prompt_tokens = prompt_tokens
+
+    def planned(self) -> None:
+        """The request is planned (``prepare`` returned it): it counts for nobody's wait until it
+        is sent (:meth:`sent`) — a request planned and never sent must not make others trim — and
+        keeps its turn for the engine :data:`PLANNED_TURN_S` more."""
+        self.parked = True
+        if self._line is not None and self.turn is not None:
+            self._line.keep_turn(self.turn, PLANNED_TURN_S)
+
+    def sent(self) -> None:
+        """The request is being sent (it waits for the engine, or has it): it counts again."""
+        self.parked = False
+
+    def holding(self) -> None:
+        """The request has the engine now."""
+        if self.held_at is None:
+            self.held_at = self.queue.clock()
+
+    def attach(self, stream: Any) -> None:
+        """The stream that holds the engine for this request: the ticket stops counting when it
+        ends, fails, is released or is garbage-collected, even if nobody calls :meth:`done`."""
+        try:
+            self._stream = weakref.ref(stream)
+        except TypeError:
+            return
+        self._stream_holds = not getattr(stream, "released", True)
+
+    def first_token(self) -> None:
+        """The first token arrived: only the rest of the decode remains."""
+        if self.first_token_at is None:
+            self.first_token_at = self.queue.clock()
+
+    def done(self) -> None:
+        """The request no longer uses the engine (finished, failed, closed, never sent)."""
+        if not self.finished:
+            self.finished = True
+            self.queue.drop(self)
+
+    @property
+    def in_flight(self) -> bool:
+        """True until the request finished, failed, was closed, or its stream is gone; False
+        while it is planned and not sent."""
+        if self.finished or self.parked:
+            return False
+        if self._stream is None:
+            return True
+        stream = self._stream()
+        if stream is None or getattr(stream, "ended_at", None) is not None:
+            return False
+        return not (self._stream_holds and getattr(stream, "released", False))
+
+    def work_s(self, default_s: float = 0.0) -> float:
+        """All its predicted work: TTFT + decode (``default_s`` while its TTFT is not known yet)."""
+        return default_s if self.ttft_s is None else self.ttft_s + self.decode_s
+
+    def remaining_s(self, now: float | None = None, default_s: float = 0.0) -> float:
+        """Its predicted work still to do (see the module docstring); 0 once it left."""
+        if not self.in_flight:
+            return 0.0
+        now = self.queue.clock() if now is None else now
+        if self.first_token_at is not None:
+            return max(self.decode_s - (now - self.first_token_at), 0.0)
+        if self.held_at is not None and self.ttft_s is not None:
+            return max(self.ttft_s - (now - self.held_at), 0.0) + self.decode_s
+        return self.work_s(default_s)
+
+    def __repr__(self) -> str:
+        state = "done" if not self.in_flight else "streaming" if self.first_token_at else "holding" if self.held_at else "waiting"
+        return f"Ticket(#{self.seq} {state}, ttft {self.ttft_s}, decode {self.decode_s:.3f})"
+
+
+class EngineQueue:
+    """The requests in flight on one engine, in the order they entered (see the module docstring).
+
+    ``clock`` is the engine's clock (the backend's: a fake one in tests). Thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, *, answer_window: int = ANSWER_WINDOW,
+                 default_answer_tokens: int = DEFAULT_ANSWER_TOKENS) -> None:
+        self.clock = clock
+        self.default_answer_tokens = default_answer_tokens
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._tickets: dict[int, weakref.ref[Ticket]] = {}  # seq → ticket, in entry order
+        self._on_leave: dict[int, Callable[[], None]] = {}  # seq → gives up its reserved turn
+        self._dropped: deque[int] = deque()  # tickets garbage-collected, to remove (never under a lock)
+        self._answers: deque[int] = deque(maxlen=answer_window)
+        self._speeds: deque[float] = deque(maxlen=answer_window)  # decode tokens/s of recent streams
+
+    def enter(self, line: Any = None) -> Ticket:
+        """A new request, behind every request in flight now. ``line``: the engine's
+        :class:`~trimkit.backends.lease.EngineLease`; the request takes its turn for the engine
+        now, and gives it up when it leaves before it arrives."""
+        turn = line.take_turn() if line is not None else None
+        with self._lock:
+            self._seq += 1
+            ticket = Ticket(self, self._seq, turn, line)
+            self._tickets[ticket.seq] = weakref.ref(ticket, self._forget(ticket.seq))
+            if turn is not None:
+                self._on_leave[ticket.seq] = functools.partial(line.cancel_turn, turn)
+            return ticket
+
+    def _forget(self, seq: int) -> Callable[[Any], None]:
+        def forget(_ref: Any) -> None:  # the ticket was garbage-collected: the request was dropped
+            # the collector may run this in a thread that holds a lock: take none, only note it
+            self._dropped.append(seq)
+
+        return forget
+
+    def _remove(self, seq: int) -> None:
+        with self._lock:
+            self._tickets.pop(seq, None)
+            leave = self._on_leave.pop(seq, None)
+        if leave is not None:
+            leave()
+
+    def drop(self, ticket: Ticket) -> None:
+        """Remove ``ticket`` (it left)."""
+        self._remove(ticket.seq)
+
+    def in_flight(self) -> list[Ticket]:
+        """The requests in flight, in the order they entered (the ones that left are dropped;
+        planned ones not sent yet are kept, and left out)."""
+        while self._dropped:
+            self._remove(self._dropped.popleft())
+        with self._lock:
+            tickets = [t for t in (ref() for ref in self._tickets.values()) if t is not None]
+        out = []
+        for t in tickets:
+            if t.in_flight:
+                out.append(t)
+            elif not t.parked:
+                self.drop(t)
+        return out
+
+    def __len__(self) -> int:
+        return len(self.in_flight())
+
+    def ahead(self, ticket: Ticket | None = None) -> list[Ticket]:
+        """The requests in flight that entered before ``ticket`` (all of them for None)."""
+        return [t for t in self.in_flight() if ticket is None or t.seq < ticket.seq]
+
+    def context_after(self, ticket: Ticket | None = None) -> Sequence[int] | None:
+        """What the engine's context will hold (its prompt) when ``ticket``'s turn comes: the
+        prompt of the last request ahead of it; ``()`` while that prompt is not known yet; None
+        when nobody is ahead (the context stays as it is)."""
+        ahead = self.ahead(ticket)
+        if not ahead:
+            return None
+        last = ahead[-1].prompt_tokens
+        return () if last is None else last
+
+    def wait_s(self, ticket: Ticket | None = None, *, default_s: float | None = None) -> float:
+        """The predicted wait of ``ticket`` (None: of a request entering now): the remaining work
+        of the requests ahead of it. One whose TTFT is not known yet counts ``default_s``
+        (default: ``ticket``'s own work)."""
+        return self.predict(ticket, default_s=default_s)[0]
+
+    def predict(self, ticket: Ticket | None = None, *, default_s: float | None = None) -> tuple[float, int]:
+        """``(predicted wait, requests ahead)`` of ``ticket``, as :meth:`wait_s`."""
+        own = ticket.work_s() if ticket is not None else 0.0
+        default = own if default_s is None else default_s
+        now = self.clock()
+        ahead = self.ahead(ticket)
+        return sum(t.remaining_s(now, default) for t in ahead), len(ahead)
+
+    # -- answer lengths ---------------------------------------------------------------------------
+    def observe_answer(self, completion_tokens: Any) -> None:
+        """An answer of a request that set no ``max_tokens`` finished with this many tokens."""
+        if isinstance(completion_tokens, int) and not isinstance(completion_tokens, bool) and completion_tokens > 0:
+            with self._lock:
+                self._answers.append(completion_tokens)
+
+    @property
+    def typical_answer_tokens(self) -> int:
+        """The median length of recent unbounded answers (:data:`DEFAULT_ANSWER_TOKENS` before any)."""
+        with self._lock:
+            answers = list(self._answers)
+        return int(statistics.median(answers)) if answers else self.default_answer_tokens
+
+    def observe_stream(self, completion_tokens: Any, first_s: Any, total_s: Any) -> None:
+        """A stream finished: ``completion_tokens`` tokens, the first at ``first_s`` and the end
+        at ``total_s`` (seconds from its start): the speed a holder of the engine decodes at."""
+        ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in (completion_tokens, first_s, total_s))
+        if ok and completion_tokens >= 2 and total_s > first_s:
+            with self._lock:
+                self._speeds.append((completion_tokens - 1) / (total_s - first_s))
+
+    def tokens_per_s(self, fallback: float) -> float:
+        """The decode speed waits are predicted with: the median of the recent streams', else ``fallback``."""
+        with self._lock:
+            speeds = list(self._speeds)
+        return statistics.median(speeds) if speeds else fallback
+
+    def answer_tokens(self, params: Mapping[str, Any], room: int | None = None) -> int:
+        """The answer length a request with ``params`` is predicted to decode (module docstring),
+        at most ``room`` (the context left after its prompt)."""
+        cap = answer_cap(params)
+        n = cap if cap is not None else self.typical_answer_tokens
+        return max(min(n, room), 1) if room is not None else n
+
+    def decode_s(self, params: Mapping[str, Any], tokens_per_s: float, room: int | None = None) -> float:
+        """The predicted decode time (after the first token, which the TTFT covers) of a request
+        with ``params``, at the recent streams' speed (:meth:`tokens_per_s`; ``tokens_per_s``
+        until one has finished; 0 when neither is known)."""
+        speed = self.tokens_per_s(tokens_per_s)
+        if not speed or speed <= 0:
+            return 0.0
+        return (self.answer_tokens(params, room) - 1) / speed
+
+
+def answer_cap(params: Mapping[str, Any]) -> int | None:
+    """The answer length a call caps: ``max_tokens`` or ``max_completion_tokens`` (> 0), else None."""
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = params.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+@attrs.frozen
+class BusyDecision:
+    """What the predicted wait (``wait_s``, None: nobody predicts one; for ``ahead`` requests)
+    does to one request's plan (:func:`busy_decision`): the budget the prompt is planned to with
+    ``margin`` (``plan_budget_s``; None without a budget), the part of the wait the plan made room
+    for (``counted_wait_s``; 0 with ``"wait"``), and whether ``on_busy="raise"`` refuses it."""
+
+    on_busy: str
+    wait_s: float | None
+    ahead: int = 0
+    margin: float = 0.0
+    plan_budget_s: float | None = None
+    counted_wait_s: float = 0.0
+    refuse: bool = False
+
+    def warnings(self, budget_s: float | None, engine_s: float) -> list[str]:
+        """What the report says of the wait (nothing when none); ``engine_s``: the prompt's own TTFT."""
+        wait = self.wait_s
+        if not wait:
+            return []
+        who = f"{self.ahead} request(s) ahead on the engine" if self.ahead else "the requests ahead (as the caller predicted)"
+        head = f"{who}: predicted wait {wait:.3f} s, counted in the predicted TTFT"
+        if budget_s is None or self.refuse:
+            return [head]
+        if self.on_busy == "wait":
+            over = " — predicted to break the budget" if wait + engine_s > budget_s else ""
+            return [f"{head}; on_busy='wait': the prompt was planned to the whole budget as if the engine were free{over}"]
+        return [f"{head}; the prompt was planned to the budget less that wait (on_busy={self.on_busy!r})"]
+
+    def refusal(self, budget_s: float) -> str:
+        """The message of the :class:`~trimkit.errors.QueueBudgetError` a refused request raises."""
+        return (f"the {self.ahead} request(s) ahead on the engine are predicted to take {self.wait_s or 0.0:.3f} s of the "
+                f"{budget_s:.3f} s TTFT budget (on_busy='raise'): no prompt can meet it; nothing was sent")
+
+
+def busy_decision(on_busy: str, budget_s: float | None, wait_s: float | None, margin: float, ahead: int = 0) -> BusyDecision:
+    """The plan's budget given the predicted ``wait_s`` for ``ahead`` requests (None or 0: no one).
+
+    The prediction the report compares with the measured TTFT is the wait plus the prompt's
+    TTFT, and the margin holds back its share of the whole budget: with ``"trim"`` (and
+    ``"raise"``) the prompt is planned so that wait + TTFT fits ``budget × (1 − margin)``, i.e. to
+    a plan budget of ``budget − wait / (1 − margin)`` (at least :data:`MIN_PLAN_BUDGET_S`: when the
+    wait leaves no room the plan is infeasible and ``on_infeasible`` applies). With ``"wait"``
+    the prompt is planned to the whole budget. With ``"raise"``, a wait that alone reaches
+    ``budget × (1 − margin)`` refuses the request."""
+    decision = BusyDecision(on_busy, wait_s, ahead, margin, budget_s)
+    wait = wait_s or 0.0
+    if budget_s is None or on_busy == "wait" or wait <= 0.0:
+        return decision
+    keep = max(1.0 - margin, 1e-9)
+    if on_busy == "raise" and wait >= budget_s * keep:
+        return attrs.evolve(decision, plan_budget_s=None, counted_wait_s=wait, refuse=True)
+    return attrs.evolve(decision, plan_budget_s=max(budget_s - wait / keep, MIN_PLAN_BUDGET_S), counted_wait_s=wait)
+
+
+def wait_bound_s(budget_s: float | None, wait_s: float | None, default_s: float) -> float:
+    """How long a request waits for the engine before :class:`~trimkit.errors.EngineBusyError`:
+    its budget (``default_s`` without one) plus :data:`WAIT_BOUND_FACTOR` × its predicted wait."""
+    base = default_s if budget_s is None else budget_s
+    return base + WAIT_BOUND_FACTOR * (wait_s or 0.0)
