@@ -125,10 +125,28 @@ def content_of(chunk: Any) -> str | None:
 
 # -- the replicas ---------------------------------------------------------------------------------------
 #: beyond the test launcher's own (loopback, the model, n_ctx, trimkit's chat format, --logits_all false)
-def server_args(threads: int) -> list[str]:
+def server_args(threads: int, prompt_cache_mib: int = 0) -> list[str]:
+    """``prompt_cache_mib`` > 0: llama-cpp-python's RAM prompt cache of that size (``--cache``),
+    which keeps the KV state of several earlier prompts, not just the last one."""
+    cache = ["--cache", "true", "--cache_type", "ram", "--cache_size", str(prompt_cache_mib << 20)] if prompt_cache_mib > 0 else []
     return ["--n_threads", str(threads), "--n_threads_batch", str(threads),
             # its default cuts the stream in flight short whenever another request arrives
-            "--interrupt_requests", "false", "--verbose", "true"]
+            "--interrupt_requests", "false", "--verbose", "true", *cache]
+
+
+def held_prompts_bound(llm: Any, n_ctx: int, prompt_cache_mib: int) -> int:
+    """How many prompts a RAM prompt cache of ``prompt_cache_mib`` holds at least: its size over
+    the KV state of a full context, from the GGUF's own metadata (layers × KV heads × (key +
+    value length) × 2 bytes per token, f16 cache) — no figure of this host or model assumed."""
+    meta = llm.metadata
+    arch = meta["general.architecture"]
+    layers = int(meta[f"{arch}.block_count"])
+    q_heads = int(meta[f"{arch}.attention.head_count"])
+    heads = int(meta.get(f"{arch}.attention.head_count_kv") or q_heads)
+    key = int(meta.get(f"{arch}.attention.key_length") or int(meta[f"{arch}.embedding_length"]) // q_heads)
+    value = int(meta.get(f"{arch}.attention.value_length") or key)
+    state_bytes = layers * heads * (key + value) * 2 * n_ctx
+    return max((prompt_cache_mib << 20) // state_bytes, 1)
 
 
 @attrs.define
@@ -166,13 +184,13 @@ class Replica:
 
 
 @contextlib.contextmanager
-def running_replicas(n: int, model_path: str, n_ctx: int, threads: int) -> Iterator[list[Replica]]:
+def running_replicas(n: int, model_path: str, n_ctx: int, threads: int, prompt_cache_mib: int = 0) -> Iterator[list[Replica]]:
     """``n`` started and ready replicas; every one stopped on exit, whatever happens (and, on
     Linux, each dies with this process)."""
     replicas: list[Replica] = []
     try:
         for i in range(n):
-            server = start_server(model_path=model_path, n_ctx=n_ctx, chat_format=CHAT_FORMAT, extra_args=server_args(threads))
+            server = start_server(model_path=model_path, n_ctx=n_ctx, chat_format=CHAT_FORMAT, extra_args=server_args(threads, prompt_cache_mib))
             replicas.append(Replica(i, server))
         for r in replicas:
             wait_ready(r.server, timeout_s=120.0)
@@ -493,7 +511,7 @@ def summarize_arm(run: ArmRun, wall_s: float, log_counts: Sequence[dict[str, int
 
 
 def run_arm(name: str, convs: list[list[Turn]], replicas: list[Replica], wrapper_kwargs: dict[str, Any],
-            profiles: Sequence[Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+            profiles: Sequence[Any], fleet_kwargs: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     import trimkit
 
     urls = [r.base_url for r in replicas]
@@ -503,7 +521,7 @@ def run_arm(name: str, convs: list[list[Turn]], replicas: list[Replica], wrapper
     if name in BASELINES:
         pinned = PinnedRouter(name, [trimkit.wrap_url(u, profile=p, **wrapper_kwargs) for u, p in zip(urls, profiles)])
     else:
-        fleet = trimkit.wrap_url(urls, profile=list(profiles), **wrapper_kwargs)  # one profile per endpoint
+        fleet = trimkit.wrap_url(urls, profile=list(profiles), **wrapper_kwargs, **(fleet_kwargs or {}))  # one profile per endpoint
     total = sum(len(c) for c in convs)
     run = ArmRun(name, convs, replicas, pinned=pinned, fleet=fleet, kill_after=(total + 1) // 2 if name == "trimkit_kill" else None)
     offsets = [r.log_offset() for r in replicas]
@@ -671,6 +689,10 @@ def main() -> int:
                     "workload's prompts are 1-2k tokens, beyond what a quick one probes on a slow host)")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, run in this order (the kill arm last): {','.join(ARMS)}")
     ap.add_argument("--no-inprocess", action="store_true", help="skip the in-process case")
+    ap.add_argument("--prompt-cache-mib", type=int, default=0,
+                    help="give every replica llama-cpp-python's RAM prompt cache of this size (--cache), which holds "
+                    "several conversations' prefixes instead of the last prompt only; trimkit's router is told how many "
+                    "prompts it holds at least (held_prompts, from the GGUF's KV size)")
     ap.add_argument("--server-tokenizer", action="store_true",
                     help="count prompts through the servers' /extras/tokenize (answered only when the server's model is free) "
                     "instead of the same GGUF's tokenizer in this process")
@@ -703,7 +725,10 @@ def main() -> int:
         wrapper_kwargs["tokenizer"] = llama_prompt_tokenizer(trimkit.default_llama(vocab_only=True))
     result: dict[str, Any] = {"smoke": args.smoke, "arms": {}, "rows": {}, "inprocess": None}
     t_start = time.perf_counter()
-    with running_replicas(2, trimkit.default_model_path(), args.n_ctx, threads=1) as replicas:
+    fleet_kwargs: dict[str, Any] = {}
+    if args.prompt_cache_mib > 0:  # every arm's servers keep several prompts; trimkit's router is told how many
+        fleet_kwargs["held_prompts"] = held_prompts_bound(trimkit.default_llama(vocab_only=True), args.n_ctx, args.prompt_cache_mib)
+    with running_replicas(2, trimkit.default_model_path(), args.n_ctx, threads=1, prompt_cache_mib=args.prompt_cache_mib) as replicas:
         profiles, calibration = [], {}
         for r in replicas:
             with OpenAIHTTPBackend(r.base_url, **wrapper_kwargs) as backend:
@@ -725,7 +750,8 @@ def main() -> int:
               f"expect about {per_arm * len(arms) / 60:.1f} min for the {len(arms)} arms (one conversation's think + budgets: "
               f"{per_arm:.0f} s), plus the in-process case", flush=True)
         result["servers"] = {"command": ["python -m llama_cpp.server --host 127.0.0.1 --chat_format", CHAT_FORMAT,
-                                         "--logits_all false --n_ctx", str(args.n_ctx), *server_args(1)], "replicas": len(replicas),
+                                         "--logits_all false --n_ctx", str(args.n_ctx), *server_args(1, args.prompt_cache_mib)], "replicas": len(replicas),
+                             "prompt_cache_mib": args.prompt_cache_mib, "held_prompts": fleet_kwargs.get("held_prompts"),
                              "tokenizer": tokenizer_name, "prompt_count_exact": exact}
         result["calibration"] = calibration
         result["workload"] = {"conversations": args.conversations, "turns": args.turns, "history_pairs": args.history_pairs,
@@ -739,7 +765,7 @@ def main() -> int:
         first = convs[0][0]
         warm_up(replicas, place_chunks(first.messages, first.chunks))
         for name in arms:
-            summary, rows = run_arm(name, convs, replicas, wrapper_kwargs, profiles)
+            summary, rows = run_arm(name, convs, replicas, wrapper_kwargs, profiles, fleet_kwargs)
             result["arms"][name] = summary
             result["rows"][name] = rows
     if not args.no_inprocess:

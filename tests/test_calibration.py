@@ -9,6 +9,7 @@ import pytest
 from trimkit.testing import FakeBackend
 from trimkit.calibration import MIN_N_CTX, as_backend, calibrate, calibration_probes
 from trimkit.calibration_schedule import MODES, schedule
+from trimkit.decode_model import FLAT_NOTE
 from trimkit.planning.costs import CostModel, PrefillSample
 from trimkit.errors import ContextTooSmallError, InvalidInputError
 from trimkit.profile_store import load_profile, profile_path
@@ -145,7 +146,7 @@ def test_calibrate_measures_a_prefix_of_the_schedule_after_warming_up(isolated_c
     profile = calibrate(backend)
     top = max(s.new_tokens for s in profile.samples if s.cached_tokens == 0)
     allowed = {(p.new_tokens, p.cached_tokens) for p in schedule(MODES["full"], top, 4096)} | {(16, 32)}
-    measured = [e[1:] for e in backend.events if e[0] == "prefill"]
+    measured = [e[1:] for e in backend.events if e[0] == "prefill" and e[1] > 1]  # one-token evaluations are decode steps
     assert set(measured) <= allowed
     assert measured[:3] == [(32, 0), (16, 32), (16, 0)]  # the speed, then the cheapest two: the minimum
     assert backend.events[0] == ("warm_up",)
@@ -154,6 +155,43 @@ def test_calibrate_measures_a_prefix_of_the_schedule_after_warming_up(isolated_c
     # the depth probes run right after the longest cold probe, whose tokens are still cached
     first_deep = next(i for i, e in enumerate(measured) if e[1] == top)
     assert measured[first_deep - 1] == (top, 0)
+
+
+def test_calibrate_measures_decode_after_the_deepest_context_then_an_empty_one(isolated_cache):
+    """Decode steps (one-token evaluations) right after the depth probes, at the context they
+    left cached, then at once at an empty context: back to back, so both see the host at the
+    same speed. The profile's decode line goes through them."""
+    backend = fake(n_ctx=4096)
+    profile = calibrate(backend, mode="quick")
+    events = [e for e in backend.events if e[0] == "prefill"]
+    first_step = next(i for i, e in enumerate(events) if e[1] == 1)
+    deep = events[first_step - 1][1] + events[first_step - 1][2]  # what the last depth probe left cached
+    steps = MODES["quick"].decode_point_steps
+    assert events[first_step - 1][2] > 0  # a depth probe
+    assert events[first_step:first_step + 2 * steps] == [("prefill", 1, deep)] * steps + [("prefill", 1, 0)] * steps
+    assert [(p.context_tokens, p.steps) for p in profile.decode_points] == [(deep, steps), (0.0, steps)]
+    model = profile.decode_model()
+    # the fake's decode step is its one-token prefill: the line is exact
+    assert model.base_s == pytest.approx(FAKE_MODEL.prefill_s(1, 0)) and model.per_context_s == pytest.approx(FAKE_MODEL.depth_s)
+    assert profile.decode_tokens_per_s_at(3000) == pytest.approx(1 / FAKE_MODEL.prefill_s(1, 3000))
+    assert profile.decode_tokens_per_s == 42.0  # the decode probe's own speed, as before
+
+
+def test_a_server_calibration_has_its_decode_speed_as_one_flat_point(isolated_cache):
+    """A server's decode step would resend its whole context: no decode points are measured, the
+    decode probe's speed stands for every context (the line is learned from served requests)."""
+    backend = fake(n_ctx=4096)
+    backend.depth_probe_keeps_prefix = False
+    profile = calibrate(backend, mode="quick")
+    assert not [e for e in backend.events if e[0] == "prefill" and e[1] == 1]
+    assert profile.decode_model().note == FLAT_NOTE
+    assert profile.decode_tokens_per_s_at(3000) == profile.decode_tokens_per_s_at(0) == pytest.approx(42.0)
+
+
+def test_a_decode_speed_only_estimated_predicts_none(isolated_cache):
+    profile = calibrate(fake(n_ctx=4096), mode="quick", time_budget_s=0.05)  # the minimum only: decode estimated
+    assert profile.decode_tokens_per_s > 0 and profile.decode_points == ()
+    assert profile.decode_tokens_per_s_at(100) is None
 
 
 def test_calibrate_profile_carries_the_backends_key_and_the_quick_flag(isolated_cache):

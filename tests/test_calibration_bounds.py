@@ -141,6 +141,21 @@ def test_calibration_ends_within_its_budget_on_any_host(mode, slowdown, model, k
             assert "over its" in caplog.text
 
 
+@pytest.mark.parametrize("model, slowdown", [("linear", 1), ("linear", 10), ("steep-attention", 1), ("fast", 1), ("fast", 50)])
+def test_decode_points_fit_the_budget_in_process(model, slowdown):
+    """Decode steps at the deepest context and at an empty one cost a few steps each: they are
+    taken within the budget, and the line they give is the fake's (a step is a one-token prefill)."""
+    cost = MODELS[model][0]
+    # a real engine's decode step is its one-token evaluation: the decode probe agrees with it
+    backend = HostFake(cost, slowdown=slowdown, n_ctx=8192, decode_tokens_per_s=1 / cost.prefill_s(1, 16))
+    profile, took = elapsed(backend, mode="quick")
+    assert took <= QUICK_BUDGET_S
+    contexts = [p.context_tokens for p in profile.decode_points]
+    assert len(contexts) >= 2 and contexts[1] == 0.0 and contexts[0] >= profile.probed_range()[1]
+    step = cost.prefill_s(1, 4000) * slowdown
+    assert 1 / profile.decode_tokens_per_s_at(4000) == pytest.approx(step, rel=0.01)
+
+
 @pytest.mark.parametrize("budget_s", [2.0, 5.0, 20.0, 60.0])
 @pytest.mark.parametrize("slowdown", [1, 10])
 def test_a_custom_budget_is_held(budget_s, slowdown):

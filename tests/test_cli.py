@@ -39,21 +39,55 @@ def test_calibrate_table_reuses_the_stored_profile(cli_cache):
 def test_diagnose_from_numbers_names_the_wait():
     r = run("diagnose", "--ttft", "12", "--tokens-per-s", "40", "--prompt-tokens", "8000", cache="/nonexistent-unused")
     assert r.returncode == 0, r.stderr
-    assert "the wait (prefill)" in r.stdout and "trim" in r.stdout
+    assert "verdict: the wait (prefill) is slow" in r.stdout and "trim" in r.stdout
 
 
 def test_diagnose_from_numbers_names_the_stream():
     r = run("diagnose", "--ttft", "0.2", "--tokens-per-s", "3", "--output-tokens", "300", cache="/nonexistent-unused")
     assert r.returncode == 0, r.stderr
-    assert "the stream (decode)" in r.stdout and "quantization" in r.stdout
+    assert "verdict: the stream (decode) is slow" in r.stdout and "quantization" in r.stdout
+    assert "trimming will not fix the stream" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, verdict",
+    [
+        (["--ttft", "0.44", "--tokens-per-s", "11", "--output-tokens", "32", "--ttft-budget", "1"], "none"),  # issue 12
+        (["--ttft", "1.0", "--tokens-per-s", "11", "--ttft-budget", "1"], "none"),  # exactly at the budget
+        (["--ttft", "1.01", "--tokens-per-s", "11", "--ttft-budget", "1"], "wait"),
+        (["--ttft", "1.5", "--tokens-per-s", "11"], "wait"),  # no budget: the 1 s default
+        (["--ttft", "1.5", "--tokens-per-s", "11", "--wait-threshold", "2"], "none"),
+        (["--ttft", "0.2", "--tokens-per-s", "11", "--tokens-per-s-target", "12"], "stream"),
+        (["--ttft", "0.2", "--tokens-per-s", "6", "--reading-speed", "5"], "none"),
+        (["--ttft", "0.2", "--tokens-per-s", "7"], "none"),  # exactly at reading speed
+        (["--ttft", "3", "--tokens-per-s", "6.9", "--ttft-budget", "2"], "both"),
+    ],
+)
+def test_diagnose_judges_against_the_standards_given(args, verdict, capsys):
+    from trimkit.cli import main
+
+    assert main(["diagnose", *args, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["verdict"] == verdict
+
+
+@pytest.mark.parametrize("flag", ["--ttft-budget", "--tokens-per-s-target", "--reading-speed", "--wait-threshold"])
+def test_diagnose_refuses_a_bad_standard(flag, capsys):
+    from trimkit.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["diagnose", "--ttft", "1", "--tokens-per-s", "10", flag, "0"])
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
 
 
 def test_diagnose_runs_a_prompt_file(cli_cache, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("Explain in one sentence why the sea is salty. " * 20)
-    r = run("diagnose", "--prompt-file", str(prompt), "--n-ctx", "4096", "--output-tokens", "8", cache=cli_cache)
+    r = run("diagnose", "--prompt-file", str(prompt), "--n-ctx", "4096", "--output-tokens", "8", "--ttft-budget", "30", cache=cli_cache)
     assert r.returncode == 0, r.stderr
-    assert "dominant phase" in r.stdout and "untouched by trimkit" in r.stdout
+    assert "verdict: " in r.stdout and "decode parameters untouched by trimkit" in r.stdout
+    assert "within its 30.000 s budget" in r.stdout
 
 
 @pytest.mark.parametrize(

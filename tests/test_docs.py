@@ -255,12 +255,13 @@ MOVED = {
     "trimkit.planning.costs": "CostModel ErrorStats PrefillSample",
     "trimkit.planning.planner": "Action Plan PlanState plan",
     "trimkit.diagnose": "Diagnosis diagnose",
+    "trimkit.verdict": "Verdict judge DecodeContext VERDICTS READING_SPEED_TOKENS_PER_S DEFAULT_WAIT_THRESHOLD_S",
     "trimkit.messages": "Chunk DEFAULT_RAG_TEMPLATE DEFAULT_RAG_CHUNK_TEMPLATE",
     "trimkit.model": "check_model_path default_model_path",
     "trimkit.profile": "Profile ProfileKey",
     "trimkit.planning.drift": "LiveProfile",
     "trimkit.profile_store": "load_profile save_profile",
-    "trimkit.report": "Report DECODE_UNTOUCHED",
+    "trimkit.report": "Report DECODE_PARAMETERS_UNTOUCHED DECODE_UNTOUCHED",
     "trimkit.strategies": "Strategy chain default_strategies reuse_prefix cap_rag_chunks summarize_history drop_oldest_turns keep_cached_cut",
     "trimkit.strategies.summarize": "ExtractiveSummarizer PromptSummarizer Summary SummaryCache summary_job next_summary_job",
     "trimkit.tokens": "PromptTokenizer TiktokenTokenizer",
@@ -282,6 +283,29 @@ def test_the_top_level_is_small_and_every_other_name_has_a_home():
         mod = importlib.import_module(module)
         for name in names.split():
             assert hasattr(mod, name), f"{module}.{name} is gone"
+
+
+# -- what the docs and the code say about decode (issue 12) -------------------------------------------------
+#: what trimkit used to say about decode: false on small models (each generated token reads the KV
+#: cache, so a long context slows the stream), or a faster stream presented as trimkit's doing
+FALSE_DECODE_CLAIMS = re.compile(
+    r"decode untouched|— untouched by trimkit|\(untouched\)|trimming does not change it|does nothing for the stream|"
+    r"(almost|nearly|is) independent of the prompt|speed and barely depends on the prompt|at the same decode speed|"
+    r"leave decode alone|decode was never touched|trimming (made|makes) (decode|the stream) faster",
+    re.I,
+)
+OLD_CLAIMS = ("32 tokens — untouched by trimkit", "decode=27.2tok/s(untouched)", "(the stream; trimming does not change it)",
+              "A shorter prompt shortens the wait and does nothing for the stream", "almost independent of the prompt length",
+              "sets the streaming speed and barely depends on the prompt", "print(report)  # decode untouched")
+
+
+def test_no_doc_or_module_says_decode_is_independent_of_the_prompt_or_sped_up_by_trimming():
+    assert all(FALSE_DECODE_CLAIMS.search(old) for old in OLD_CLAIMS)  # the check can fail
+    found = []
+    for path in [*DOC_FILES, *sorted((ROOT / "trimkit").rglob("*.py"))]:
+        text = " ".join(path.read_text(encoding="utf-8").split())  # a claim may wrap across lines
+        found += [f"{path.relative_to(ROOT)}: {m.group(0)!r}" for m in FALSE_DECODE_CLAIMS.finditer(text)]
+    assert not found, found
 
 
 # -- claims the docs make that no example shows -------------------------------------------------------------

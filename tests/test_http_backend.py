@@ -590,6 +590,17 @@ def test_assemble_joins_content_and_tool_calls():
     assert out["choices"][0]["finish_reason"] == "tool_calls" and out["usage"] is None
 
 
+def test_assemble_keeps_a_tool_name_that_every_chunk_repeats():
+    """llama-cpp-python repeats the whole function name in every streamed tool-call chunk
+    (OpenAI sends it once): the assembled call names it once."""
+    def piece(args: str, **extra: str) -> dict:
+        call = {"index": 0, "function": {"name": "lookup", "arguments": args}, **extra}
+        return {"id": "c1", "created": 1, "model": "m", "choices": [{"index": 0, "delta": {"tool_calls": [call]}}]}
+
+    out = assemble_chat_completion([chunk(role="assistant"), piece('{"q"', id="t1"), piece(': "x"'), piece("}"), chunk(finish="tool_calls")])
+    assert out["choices"][0]["message"]["tool_calls"][0]["function"] == {"name": "lookup", "arguments": '{"q": "x"}'}
+
+
 def test_timed_stream_types():
     backend = mock_backend(lambda request: sse_response(*GOOD_STREAM))
     assert isinstance(backend.send(ASK, {}, prompt_tokens=[1]), TimedStream)

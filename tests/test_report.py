@@ -5,12 +5,20 @@ from __future__ import annotations
 import json
 import math
 
+import types
+
 import attrs
 import pytest
 
+import trimkit
+
 from tests._core_helpers import make_measurement
-from trimkit.diagnose import STREAM_CURES, WAIT_CURES
-from trimkit.report import DECODE_UNTOUCHED, Report
+from trimkit.decode_model import DecodePoint
+from trimkit.errors import InvalidNumberError
+from trimkit.prepared import Prepared
+from trimkit.report import DECODE_PARAMETERS_UNTOUCHED, DECODE_UNTOUCHED, Report
+from trimkit.testing import FakeBackend
+from trimkit.verdict import NOT_THE_STREAM_CURE, STREAM_CURES, WAIT_CURES
 
 
 def make_report(measurement=None, **overrides) -> Report:
@@ -64,14 +72,80 @@ def test_budget_met_is_none_without_a_budget_or_a_measurement():
 
 def test_prefill_dominates_when_the_wait_is_longer_than_the_stream():
     r = make_report(make_measurement(ttft_s=2.0, engine_decode_s=0.5))
-    assert r.dominant_phase == "prefill"
-    assert r.advice == WAIT_CURES
+    assert r.dominant_phase == "prefill"  # informational: the verdict is what advises
 
 
 def test_decode_dominates_when_the_stream_is_longer_than_the_wait():
     r = make_report(make_measurement(ttft_s=0.2, engine_decode_s=3.0, client_decode_s=3.1))
     assert r.dominant_phase == "decode"
-    assert r.advice == STREAM_CURES
+
+
+# -- the verdict: each phase against its own standard ------------------------------------------------
+
+
+def _timed(ttft_s: float, tokens_per_s: float, n: int = 33):
+    """A measurement of ``n`` output tokens streamed at ``tokens_per_s`` after ``ttft_s``."""
+    return make_measurement(ttft_s=ttft_s, first_output_s=ttft_s, completion_tokens=n, engine_decode_s=(n - 1) / tokens_per_s)
+
+
+@pytest.mark.parametrize(
+    "ttft, tps, budget, target, verdict",
+    [
+        (1.0, 40.0, 1.0, None, "none"),  # exactly at the budget
+        (1.001, 40.0, 1.0, None, "wait"),
+        (0.999, 40.0, 1.0, None, "none"),
+        (0.2, 7.0, None, None, "none"),  # exactly at reading speed
+        (0.2, 6.9, None, None, "stream"),
+        (0.2, 7.1, None, None, "none"),
+        (0.2, 20.0, None, 20.0, "none"),  # exactly at the target
+        (0.2, 19.9, None, 20.0, "stream"),
+        (1.2, 6.0, None, None, "both"),  # no budget: over 1 s
+        (0.9, 6.0, None, 5.0, "none"),  # the caller's target, below reading speed
+        (3.0, 19.0, 2.0, 20.0, "both"),
+    ],
+)
+def test_verdict_at_its_boundaries(ttft, tps, budget, target, verdict):
+    r = make_report(_timed(ttft, tps), ttft_budget_s=budget, tokens_per_s_target=target)
+    assert r.verdict == verdict
+    assert r.advice == {"none": (), "wait": WAIT_CURES, "stream": STREAM_CURES, "both": WAIT_CURES + STREAM_CURES}[verdict]
+
+
+def test_the_issue_case_is_nothing_slow():
+    """Issue 12: waited 0.44 s of a 1 s budget, streamed 32 tokens at 11 tokens/s — the old
+    report named the stream and prescribed a faster model."""
+    r = make_report(_timed(0.44, 11.0), ttft_budget_s=1.0)
+    assert r.dominant_phase == "decode"
+    assert r.verdict == "none" and r.advice == ()
+    text = str(r)
+    assert "verdict    nothing is slow" in text and "nothing needs curing" in text
+    assert "quantization" not in text
+
+
+def test_the_wait_the_caller_felt_is_judged_queue_included():
+    r = make_report(make_measurement(ttft_s=0.8, first_output_s=0.8, queue_s=0.5), ttft_budget_s=1.0)
+    assert r.measured_ttft_s == pytest.approx(1.3)
+    assert r.verdict == "wait"
+
+
+def test_no_first_token_no_verdict():
+    r = make_report(make_measurement(ttft_s=None, first_output_s=None))
+    assert r.verdict is None and r.judgement is None and r.advice == ()
+    assert "verdict" not in str(r)
+
+
+def test_a_stream_too_short_to_time_is_judged_on_the_wait_alone():
+    r = make_report(make_measurement(completion_tokens=1, engine_decode_s=None, client_decode_s=None), ttft_budget_s=0.5)
+    assert r.verdict == "wait"
+    assert "too short to time" in str(r)
+
+
+def test_text_prints_the_verdict_its_cures_and_notes():
+    text = str(make_report(_timed(0.2, 3.0)))
+    assert "verdict    the stream (decode) is slow" in text
+    for cure in STREAM_CURES:
+        assert f"cure     {cure}" in text
+    assert NOT_THE_STREAM_CURE in text
+    assert "dominant" not in text
 
 
 def test_dominant_phase_uses_client_decode_time_when_the_engine_gives_none():
@@ -129,22 +203,24 @@ def test_text_says_missed_when_the_budget_was_missed():
     assert "MISSED" in text and "→ met" not in text
 
 
-def test_text_says_decode_was_untouched_with_its_speed():
+def test_text_says_decode_parameters_were_untouched_with_its_speed():
     text = str(make_report())
-    assert "untouched by trimkit" in text
-    assert "40.0 tokens/s" in text
+    assert "decode parameters untouched by trimkit" in text
+    assert "40.0 tokens/s measured" in text
     assert "25.0 ms per output token" in text
 
 
-def test_text_says_decode_was_untouched_even_when_too_short_to_time():
+def test_text_says_decode_parameters_were_untouched_even_when_too_short_to_time():
     text = str(make_report(make_measurement(completion_tokens=1, engine_decode_s=None, client_decode_s=None)))
-    assert "untouched by trimkit" in text
+    assert "decode parameters untouched by trimkit" in text
     assert "too few to time" in text
 
 
-def test_text_names_the_dominant_phase():
-    assert "dominant   the wait (prefill)" in str(make_report(make_measurement(ttft_s=2.0, engine_decode_s=0.5)))
-    assert "dominant   the stream (decode)" in str(make_report(make_measurement(ttft_s=0.2, engine_decode_s=3.0)))
+def test_no_false_claim_about_decode_in_any_text():
+    for r in (make_report(), make_report(passthrough=False, prompt_tokens_before=2000, decode_predicted_tokens_per_s=40.0,
+                                         decode_predicted_before_tokens_per_s=30.0)):
+        text = (str(r) + r.log_line() + json.dumps(r.to_dict())).lower()
+        assert "decode untouched" not in text and "(untouched)" not in text and "independent" not in text
 
 
 def test_text_lists_every_trimming_action():
@@ -160,6 +236,11 @@ def test_text_says_an_untrimmed_request_passed_through():
     assert "passed through unchanged" in str(make_report(actions=(), passthrough=True))
 
 
+def test_an_infeasible_request_with_nothing_to_trim_is_not_called_under_budget():
+    text = str(make_report(actions=(), passthrough=True, feasible=False, ttft_budget_s=0.5))
+    assert "none possible" in text and "under budget" not in text
+
+
 def test_text_flags_an_infeasible_budget_and_engine_truncation():
     text = str(make_report(make_measurement(truncated_tokens=120), feasible=False, warnings=("summary was stale",)))
     assert "infeasible" in text
@@ -171,13 +252,19 @@ def test_text_survives_missing_numbers():
     m = make_measurement(ttft_s=None, first_output_s=None, cached_tokens=None, evaluated_tokens=None,
                          engine_prefill_s=None, completion_tokens=None, engine_decode_s=None, client_decode_s=None)
     text = str(make_report(m, predicted_ttft_s=None, ttft_budget_s=1.0))
-    assert "n/a" in text and "untouched by trimkit" in text
+    assert "n/a" in text and "decode parameters untouched by trimkit" in text
 
 
-def test_log_line_is_one_line_and_says_decode_was_untouched():
+def test_log_line_is_one_line_with_the_verdict_and_decode():
     line = make_report().log_line()
     assert "\n" not in line
-    assert "untouched" in line and "met=True" in line
+    assert "verdict=none" in line and "met=True" in line
+    assert "decode=40.0tok/s" in line and "decode_params=untouched" in line
+    assert "verdict=stream" in make_report(_timed(0.2, 3.0)).log_line()
+    trimmed = make_report(passthrough=False, prompt_tokens_before=2000, decode_predicted_tokens_per_s=41.0,
+                          decode_predicted_before_tokens_per_s=30.0).log_line()
+    assert "decode_pred=41.0tok/s decode_pred_untrimmed=30.0tok/s" in trimmed
+    assert "decode_side_effect=+33%(shorter context)" in trimmed  # measured 40 vs 30 untrimmed caps the predicted +37 %
 
 
 # -- the JSON form ------------------------------------------------------------------------------
@@ -191,7 +278,10 @@ def test_to_dict_round_trips_through_strict_json():
     assert d["ttft_error_pct"] == pytest.approx(10.0)
     assert d["budget_met"] is True
     assert d["dominant_phase"] == "prefill"
-    assert d["decode_untouched"] == DECODE_UNTOUCHED
+    assert d["verdict"] == "none" and d["advice"] == [] and d["judgement"]["verdict"] == "none"
+    assert d["decode_untouched"] == DECODE_PARAMETERS_UNTOUCHED == DECODE_UNTOUCHED
+    assert d["decode_statement"] == "decode parameters untouched by trimkit"
+    assert d["decode_side_effect_pct"] is None and d["tokens_per_s_target"] is None
     assert d["decode_tokens_per_s"] == pytest.approx(40.0)
     assert d["decode_params"] == {"max_tokens": 64, "temperature": 0.2}
     assert d["actions"] == [{"strategy": "rag_cap", "summary": "kept 2"}]
@@ -224,3 +314,83 @@ def test_to_dict_turns_unknown_objects_into_strings():
 def test_to_json_is_the_dict_as_json():
     r = make_report()
     assert json.loads(r.to_json()) == json.loads(json.dumps(r.to_dict()))
+
+
+# -- decode measured vs predicted, built from a request and its profile --------------------------------
+
+
+def _profile(noise_spread: float | None = None):
+    """A fake-engine profile whose decode slows with context: 20 tokens/s empty, 8 at 5,000."""
+    profile = trimkit.calibrate(FakeBackend(), store=False)
+    points = (DecodePoint(0, 20.0, 8, spread_pct=noise_spread), DecodePoint(5000, 8.0, 8, spread_pct=noise_spread))
+    return attrs.evolve(profile, decode_points=points)
+
+
+def _prepared(sent: int, before: int, trimmed: bool) -> Prepared:
+    plan = types.SimpleNamespace(feasible=True, actions=(), passthrough=not trimmed, planning_s=0.01, safety_margin=0.05)
+    return Prepared(messages=[], prompt_tokens=tuple(range(sent)), cached_tokens=0, predicted_ttft_s=0.5, predicted_ttft_before_s=2.0,
+                    prompt_tokens_before=before, budget_s=1.0, plan=plan, feasible=True)
+
+
+def _of_request(prepared: Prepared, tps: float, profile=None, **kwargs) -> Report:
+    m = _timed(0.5, tps)
+    return Report.of_request(prepared, m, {"max_tokens": 33}, backend="fake", model="m", profile=profile or _profile(), **kwargs)
+
+
+def test_of_request_predicts_decode_at_the_context_sent_and_untrimmed():
+    profile = _profile()
+    r = _of_request(_prepared(1900, 4900, trimmed=True), 13.0, profile)
+    assert r.decode_predicted_tokens_per_s == pytest.approx(profile.decode_tokens_per_s_at(1900, 33))
+    assert r.decode_predicted_before_tokens_per_s == pytest.approx(profile.decode_tokens_per_s_at(4900, 33))
+    assert r.decode_predicted_tokens_per_s > r.decode_predicted_before_tokens_per_s
+    side = r.decode.side_effect_pct
+    assert side == pytest.approx((r.decode_predicted_tokens_per_s / r.decode_predicted_before_tokens_per_s - 1) * 100)
+    text = str(r)
+    assert f"the stream was ~{side:.0f} % faster because the context was shorter" in text
+    assert "at the 1,900-token context sent" in text and "at the untrimmed 4,900" in text
+    assert r.to_dict()["decode_side_effect_pct"] == pytest.approx(side)
+
+
+def test_of_request_untrimmed_states_no_difference():
+    r = _of_request(_prepared(1900, 1900, trimmed=False), 13.0)
+    assert r.decode.side_effect_pct is None
+    assert "faster because" not in str(r) and "untrimmed" not in str(r)
+
+
+def test_of_request_states_nothing_the_measurement_does_not_show():
+    r = _of_request(_prepared(1900, 4900, trimmed=True), 8.0)  # measured below the untrimmed prediction (~8.1)
+    assert r.decode.side_effect_pct is None
+    assert "faster because" not in str(r)
+    capped = _of_request(_prepared(1900, 4900, trimmed=True), 9.0)  # predicted ~57 % faster, measured ~11 % over untrimmed
+    assert capped.decode.side_effect_pct == pytest.approx((9.0 / capped.decode_predicted_before_tokens_per_s - 1) * 100)
+
+
+def test_of_request_uses_the_profiles_decode_noise():
+    r = _of_request(_prepared(1900, 2600, trimmed=True), 13.0, _profile(noise_spread=40.0))
+    assert r.decode_noise_pct == 40.0
+    pred, before = r.decode_predicted_tokens_per_s, r.decode_predicted_before_tokens_per_s
+    assert (pred / before - 1) * 100 > 5.0  # beyond the floor ...
+    assert r.decode.side_effect_pct is None  # ... but within the profile's 40 % noise
+
+
+def test_of_request_carries_the_target_into_the_verdict():
+    r = _of_request(_prepared(100, 100, trimmed=False), 13.0, tokens_per_s_target=15.0)
+    assert r.tokens_per_s_target == 15.0 and r.verdict == "stream"
+
+
+def test_wrap_takes_a_validated_target_and_every_report_is_judged_by_it():
+    chat = trimkit.wrap(FakeBackend(), ttft_budget_s=5.0, tokens_per_s_target=1000.0)
+    chat.create_chat_completion(messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+    assert chat.last_report.tokens_per_s_target == 1000.0
+    assert chat.last_report.verdict == "stream"  # the fake streams at 50 tokens/s
+    assert "verdict=stream" in chat.last_report.log_line()
+    with pytest.raises(InvalidNumberError, match="tokens_per_s_target"):
+        trimkit.wrap(FakeBackend(), tokens_per_s_target=0)
+    with pytest.raises(InvalidNumberError, match="tokens_per_s_target"):
+        chat.pipeline.tokens_per_s_target = math.nan
+
+
+@pytest.mark.parametrize("urls", ["http://127.0.0.1:9/v1", ["http://127.0.0.1:9/v1", "http://127.0.0.2:9/v1"]])
+def test_wrap_url_refuses_a_bad_target_before_anything_is_sent(urls):
+    with pytest.raises(InvalidNumberError, match="tokens_per_s_target"):
+        trimkit.wrap_url(urls, model="m", tokens_per_s_target=-1.0)

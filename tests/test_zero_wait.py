@@ -249,6 +249,17 @@ def test_a_wrapped_request_teaches_the_decode_speed(isolated_cache):
     assert t.profile.decode_tokens_per_s == pytest.approx(measured)
 
 
+def test_a_wrapped_request_is_a_point_of_the_decode_line_at_its_context(isolated_cache):
+    """Each served request's stream is a decode point at its mean context (prompt + (output − 2) / 2)."""
+    t = trimkit.wrap(fake(), profile=make_profile(), idle_probes=False)
+    t.create_chat_completion(messages=[{"role": "user", "content": text(60)}], max_tokens=12)
+    m = t.last_report.measurement
+    live = [p for p in t.profile.decode_points if p.source == "live"]
+    assert len(live) == 1 and live[0].context_tokens == m.prompt_tokens + (m.completion_tokens - 2) / 2
+    assert live[0].tokens_per_s == pytest.approx(m.decode_tokens_per_s) and live[0].steps == m.completion_tokens - 1
+    assert t.profile.decode_tokens_per_s_at(m.prompt_tokens, output_tokens=m.completion_tokens) is not None
+
+
 def test_first_token_overhead_is_learned_from_measured_requests():
     """A micro-calibration may only estimate the first-token overhead; each request measures it
     (its TTFT less the engine's prefill) and the profile follows the median of recent ones."""

@@ -1,4 +1,4 @@
-"""trimkit — keep a local LLM's time to first token inside a budget, and leave decode alone.
+"""trimkit — keep a local LLM's time to first token inside a budget; decode parameters pass through untouched.
 
 Quick start (the embedded Gemma-3-270M; any ``llama_cpp.Llama`` wraps the same way)::
 
@@ -12,7 +12,14 @@ Quick start (the embedded Gemma-3-270M; any ``llama_cpp.Llama`` wraps the same w
         rag_chunks=["The lighthouse was first lit in 1887.", trimkit.Chunk(text="…", id="doc-3", score=0.8)],
         max_tokens=16,                               # every other argument passes through unchanged
     )
-    print(chat.last_report)                          # predicted vs measured TTFT, what was trimmed, decode untouched
+    print(chat.last_report)                          # predicted vs measured TTFT, what was trimmed, the verdict
+
+Every report judges each phase against its own standard — the wait against the budget, the
+stream against reading speed or your ``tokens_per_s_target=`` — as ``report.verdict``
+(``"none"``, ``"wait"``, ``"stream"`` or ``"both"``) with the cures that fit
+(:func:`diagnose` does the same for numbers you measured). trimkit never aims at the stream;
+when a shorter context makes it faster, the report states that as a side effect, with the
+decode speed measured and predicted.
 
 ``default_llama()`` opens the embedded model with Gemma 3's own chat template
 (``chat_format="gemma-3"``, registered by :mod:`trimkit.templates`). To open it yourself, pass

@@ -11,8 +11,11 @@ Calibration is bounded in **wall time**, whatever the host and the model: ``micr
 (the provisional profile ``trimkit.wrap`` serves with), ``quick`` ≤ 10 s, ``full`` ≤ 30 s, or
 ``time_budget_s``. A first short probe measures the host's speed; the rest of the schedule is
 sized to the time left and every step is checked against it before it runs
-(:mod:`trimkit.calibration_schedule`). The profile records the budget, the mode and the range it
-probed. Idle probing (:mod:`trimkit.idle_probes`) later adds what a full calibration would have
+(:mod:`trimkit.calibration_schedule`; the run itself is :mod:`trimkit.calibration_run`). The
+profile records the budget, the mode and the range it probed. Calibration also measures decode
+speed, and in process decode steps at the deepest context its probes leave cached and at an
+empty one: the profile predicts decode speed at any context (:mod:`trimkit.decode_model`,
+:meth:`~trimkit.profile.Profile.decode_tokens_per_s_at`). Idle probing (:mod:`trimkit.idle_probes`) later adds what a full calibration would have
 measured (:func:`remaining_probes`, :func:`refit_profile`).
 """
 
@@ -31,11 +34,9 @@ from trimkit.backends.base import Backend
 from trimkit.backends.clients import client_kind
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.llama import LlamaBackend
-from trimkit.calibration_schedule import (ATTENTION_PRIOR_TOKENS, FIRST_PROBE_TOKENS, FIRST_TOKEN_SHARE, FULL_BUDGET_S, MICRO_BUDGET_S, MIN_N_CTX,
-                                          MIN_PROBE_TOKENS, MIN_SAMPLES, QUICK_BUDGET_S, CostPredictor, Mode, Probe,
-                                          calibration_probes, choose_top, cold_lengths, context_cap, decode_tokens,
-                                          depth_lengths, first_token_cost_s, fits, get_mode, missing, mode_for_budget,
-                                          repeats, schedule, top_candidates)
+from trimkit.calibration_run import CalibrationRun, Progress
+from trimkit.calibration_schedule import (ATTENTION_PRIOR_TOKENS, FULL_BUDGET_S, MICRO_BUDGET_S, MIN_N_CTX, MIN_SAMPLES, QUICK_BUDGET_S, Probe,
+                                          calibration_probes, context_cap, get_mode, missing, mode_for_budget)
 from trimkit.errors import CalibrationError, InvalidInputError
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, error_stats, fit_cost_model, heldout_predictions
 from trimkit.profile import CALIBRATION_MODES, Profile
@@ -46,8 +47,6 @@ __all__ = ["calibrate", "calibration_probes", "remaining_probes", "refit_profile
            "MICRO_BUDGET_S", "QUICK_BUDGET_S", "FULL_BUDGET_S"]
 
 log = logging.getLogger("trimkit")
-
-Progress = Callable[[int, int, str], None]
 
 #: a fit whose cost grows by less than this factor from the shortest to the longest probe is flat
 FLAT_GROWTH = 1.1
@@ -105,7 +104,8 @@ def calibrate(
     client). ``mode``: ``"micro"`` (3 s, a provisional profile), ``"quick"`` (10 s) or
     ``"full"`` (30 s); default ``quick`` when ``quick``, else the most thorough mode
     ``time_budget_s`` affords, else ``full``. ``time_budget_s`` replaces the mode's budget: the
-    whole call — warm-up, probes, decode, first-token overhead — ends within it on any host
+    whole call — warm-up, probes, decode (and its points at two contexts), first-token
+    overhead — ends within it on any host
     (the minimum of 3 probes excepted, with a warning, on a host too slow for even that).
 
     A stored profile for the same key is returned without measuring unless ``recalibrate``,
@@ -126,7 +126,7 @@ def calibrate(
             log.info("trimkit: reusing stored %s profile for %s", stored.mode, key.model)
             return stored
 
-    run = _Run(backend, key.n_batch or 512, get_mode(name), budget_s, clock or getattr(backend, "clock", None) or time.perf_counter, progress)
+    run = CalibrationRun(backend, key.n_batch or 512, get_mode(name), budget_s, clock or getattr(backend, "clock", None) or time.perf_counter, progress)
     run.execute()
     if len(run.samples) < MIN_SAMPLES:  # pragma: no cover - the minimum is enforced by _Run
         raise CalibrationError("calibration produced fewer than 3 samples")
@@ -146,6 +146,8 @@ def calibrate(
         mode=name,
         time_budget_s=budget_s,
         first_token_estimated=run.first_token_estimated,
+        # no point measured but decode was: its speed stands as one point (the profile's default)
+        **({"decode_points": tuple(run.decode_points)} if run.decode_points or run.decode_estimated else {}),
     )
     if store:
         path = save_profile(profile)
@@ -193,179 +195,6 @@ def _fit(samples: Sequence[PrefillSample], n_batch: int) -> tuple[CostModel, Err
         err = error_stats(heldout)
         alternatives["proportional"] = {"model": model.to_dict(), "heldout_error": err.to_dict()}
     return model, err, heldout, alternatives
-
-
-class _Run:
-    """One bounded calibration: the steps in order, each checked against the time left.
-
-    Order: warm-up; the first probe (the speed) and two cheap ones — the minimum of 3 samples,
-    taken whatever the time; decode (sized to the budget); the first-token overhead (or its
-    estimate); cold probes ascending, the top re-chosen before each; the depth probes after the
-    longest cold one (its tokens still cached in process); the repeats, in round-robin rounds so
-    slow drift spreads over all lengths; again from the cold probes while a longer top fits.
-    """
-
-    def __init__(self, backend: Backend, n_batch: int, mode: Mode, budget_s: float, clock: Callable[[], float], progress: Progress | None) -> None:
-        self.backend = backend
-        self.mode = mode
-        self.budget_s = budget_s
-        self.clock = clock
-        self.progress = progress
-        self.n_ctx = backend.n_ctx
-        self.resend = not getattr(backend, "depth_probe_keeps_prefix", True)
-        self.predictor = CostPredictor(n_batch=n_batch)
-        self.samples: list[PrefillSample] = []
-        self.counts: Counter[tuple[int, int]] = Counter()
-        self.top = 0  # the longest cold probe measured
-        self.holds = 0  # how many leading tokens of the probe text the engine's context holds (in process)
-        self.planned_top = top_candidates(mode, self.n_ctx)[0]
-        self.tail_steps = 2  # decode, first-token overhead
-        self.done = self.total = 0
-        self.decode_tps = 0.0
-        self.first_token_s = 0.0
-        self.first_token_estimated = False
-        self.start = clock()
-        self.wall_s = 0.0
-
-    def left(self) -> float:
-        return self.start + self.budget_s - self.clock()
-
-    def _step(self, label: str) -> None:
-        self.done += 1
-        if self.progress is not None:
-            planned = sum(p.repeats for p in missing(schedule(self.mode, max(self.planned_top, self.top), self.n_ctx), self.counts))
-            self.total = self.done + planned + self.tail_steps
-            self.progress(self.done, self.total, label)
-
-    def predict(self, n: int, k: int) -> float:
-        """Predicted wall seconds of probing ``n`` after ``k``: a server resends the prefix; in
-        process only what the context lacks of it is prefilled first (every probe is a prefix
-        of one probe text, so the context holds the last probe's tokens)."""
-        if self.resend and k:
-            return self.predictor.wall_s(n, k, prefix_tokens=k, extra_call=True)
-        return self.predictor.wall_s(n, k, prefix_tokens=max(k - self.holds, 0) if k else 0)
-
-    def prefill(self, n: int, k: int, *, force: bool = False) -> bool:
-        """Measure ``n`` tokens after ``k`` if predicted to fit (always when ``force``)."""
-        p = self.predictor
-        predicted = self.predict(n, k) if p.samples else None
-        if not force and predicted is not None and not fits(predicted, self.left()):
-            return False
-        t0 = self.clock()
-        seconds = self.backend.measure_prefill(n, k)
-        wall = self.clock() - t0
-        p.observe(n, k, seconds, wall, predicted, call_overhead=not (k and (self.resend or self.holds < k)))
-        self.holds = n + k
-        self.samples.append(PrefillSample(n, k, seconds))
-        self.counts[(n, k)] += 1
-        if k == 0:
-            self.top = max(self.top, n)
-        self._step(f"prefill {n} tokens" + (f" after {k} cached" if k else ""))
-        return True
-
-    def execute(self) -> None:
-        self.backend.warm_up()  # leaves the context empty (in process)
-        self._step("warm-up")
-        # the minimum, whatever the time: the first probe measures the host's speed; then a
-        # depth probe after it (its tokens are still cached: it costs 16 tokens in process) and
-        # the shortest cold probe give the 3 samples the model needs, at the least cost
-        self.prefill(FIRST_PROBE_TOKENS, 0, force=True)
-        self.prefill(MIN_PROBE_TOKENS, FIRST_PROBE_TOKENS, force=True)
-        self.prefill(MIN_PROBE_TOKENS, 0, force=True)
-        self._decode()
-        self._first_token()
-        while True:  # grow the top again while time is left: the first plan errs short
-            before = len(self.samples)
-            self._cold()
-            self._depth()
-            self._repeats()
-            top = choose_top(self.mode, self.n_ctx, self.predictor, self.counts, self.left(), resend_prefix=self.resend)
-            if len(self.samples) == before or top is None or top <= self.top:
-                break
-        if self.progress is not None and self.total != self.done:  # what was planned but did not fit is dropped
-            self.progress(self.done, self.done, "calibrated")
-        self.wall_s = self.clock() - self.start
-        if self.wall_s > self.budget_s:
-            log.warning("trimkit: calibration took %.1f s, over its %.3g s budget: this host is too slow for even the minimum "
-                        "(%d probes); the profile is provisional, and improves as requests run", self.wall_s, self.budget_s, len(self.samples))
-
-    def _decode(self) -> None:
-        """Decode speed: one step first (a decode step costs 5 to 100 prefill tokens' time,
-        depending on the hardware: guessing it could overrun the budget), then as many steps
-        as the budget affords at that speed. Estimated from the prefill rate when not even one
-        step fits."""
-        p = self.predictor
-        self.tail_steps -= 1
-        if not fits(p.decode_wall_s(1), self.left()):
-            self.decode_tps = 1.0 / p.step_s()
-            log.info("trimkit: decode speed estimated (%.1f tokens/s), not measured: no time left for it", self.decode_tps)
-            self._step("decode speed (estimated)")
-            return
-        self.decode_tps = self._time_decode(1)
-        n = decode_tokens(self.mode, self.budget_s, p, self.left())
-        if n > 1:  # else the one step stands: a slow host's decode share affords no more
-            self.decode_tps = self._time_decode(n)
-        self._step(f"decode speed ({max(n, 1)} tokens)")
-
-    def _time_decode(self, n: int) -> float:
-        p = self.predictor
-        predicted = p.decode_wall_s(n)
-        t0 = self.clock()
-        tps = self.backend.measure_decode(n)
-        self.holds = 0
-        p.observe_ratio(self.clock() - t0, predicted)
-        p.observe_decode(tps)
-        return tps
-
-    def _first_token(self) -> None:
-        """Measure the first-token overhead if it is cheap enough, else estimate it: the time a
-        probe call takes beyond its prefill (what a request adds around the engine's work). The
-        wrapper learns the real value from every measured request."""
-        p = self.predictor
-        cost = first_token_cost_s(p)
-        self.tail_steps -= 1
-        if cost <= FIRST_TOKEN_SHARE * self.budget_s and fits(cost, self.left()):
-            t0 = self.clock()
-            self.first_token_s = self.backend.measure_first_token_overhead()
-            self.holds = 0
-            p.observe_ratio(self.clock() - t0, cost)
-            self._step("first-token overhead")
-        else:
-            self.first_token_s = p.call_overhead_s
-            self.first_token_estimated = True
-            log.info("trimkit: first-token overhead estimated (%.4f s), not measured: its requests would take ~%.1f s of a %.1f s budget",
-                     self.first_token_s, cost, self.budget_s)
-            self._step("first-token overhead (estimated)")
-
-    def _cold(self) -> None:
-        """Cold probes, ascending; before each the top is chosen again from what is known now."""
-        while True:
-            top = choose_top(self.mode, self.n_ctx, self.predictor, self.counts, self.left(), resend_prefix=self.resend)
-            if top is None or top <= self.top:
-                return
-            self.planned_top = top
-            todo = [n for n in cold_lengths(self.mode, top) if not self.counts[(n, 0)]]
-            if not self.prefill(todo[0], 0):
-                return
-
-    def _depth(self) -> None:
-        """New tokens after the longest cold probe, shrunk to the time left, or left out."""
-        k = self.top
-        for n in depth_lengths(self.mode, k, self.n_ctx):
-            if self.counts[(n, k)]:
-                continue
-            while n >= MIN_PROBE_TOKENS and not fits(self.predict(n, k), self.left()):
-                n = n * 3 // 4
-            if n >= MIN_PROBE_TOKENS:
-                self.prefill(n, k)
-
-    def _repeats(self) -> None:
-        lengths = cold_lengths(self.mode, self.top)
-        rounds = max(repeats(self.mode, n, self.top) for n in lengths)
-        for r in range(rounds):
-            for n in lengths:
-                if self.counts[(n, 0)] <= r < repeats(self.mode, n, self.top):
-                    self.prefill(n, 0)
 
 
 def remaining_probes(profile: Profile, n_ctx: int) -> list[Probe]:

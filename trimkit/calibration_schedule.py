@@ -19,6 +19,7 @@ tested on a fake host of any speed:
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 
@@ -28,35 +29,11 @@ from trimkit.errors import ContextTooSmallError, InvalidInputError
 from trimkit.planning.costs import CostModel, PrefillSample, fit_cost_model
 from trimkit.profile import CALIBRATION_MODES
 
-__all__ = [
-    "MICRO_BUDGET_S",
-    "QUICK_BUDGET_S",
-    "FULL_BUDGET_S",
-    "MIN_N_CTX",
-    "ATTENTION_PRIOR_TOKENS",
-    "FIRST_PROBE_TOKENS",
-    "MIN_SAMPLES",
-    "MODES",
-    "Mode",
-    "Probe",
-    "CostPredictor",
-    "get_mode",
-    "mode_for_budget",
-    "context_cap",
-    "top_limit",
-    "top_candidates",
-    "cold_lengths",
-    "repeats",
-    "depth_lengths",
-    "schedule",
-    "calibration_probes",
-    "missing",
-    "remaining_cost",
-    "choose_top",
-    "fits",
-    "decode_tokens",
-    "first_token_cost_s",
-]
+__all__ = ["MICRO_BUDGET_S", "QUICK_BUDGET_S", "FULL_BUDGET_S", "MIN_N_CTX", "ATTENTION_PRIOR_TOKENS",
+           "ATTENTION_PRIOR_MAX_FACTOR", "attention_doubling_tokens", "FIRST_PROBE_TOKENS", "MIN_SAMPLES", "MODES", "Mode",
+           "Probe", "CostPredictor", "get_mode", "mode_for_budget", "context_cap", "top_limit", "top_candidates", "cold_lengths",
+           "repeats", "depth_lengths", "schedule", "calibration_probes", "missing", "remaining_cost", "choose_top", "fits",
+           "decode_tokens", "first_token_cost_s", "DECODE_PROMPT_TOKENS", "MIN_DECODE_POINT_STEPS"]
 
 #: default wall-time budgets of the three modes, seconds (the whole calibrate() call)
 MICRO_BUDGET_S = 3.0
@@ -88,6 +65,11 @@ STEP_SAFETY = 1.25
 #: prediction beyond what was measured errs long, never short. Within the probed context the
 #: fitted depth term is used instead.
 ATTENTION_PRIOR_TOKENS = 512
+#: once depth probes measured the attention term, the allowance follows it (twice as steep as
+#: measured), but never assumes attention flatter than doubling the per-token cost every this
+#: many times :data:`ATTENTION_PRIOR_TOKENS` of context (large models sit beyond it: for them the
+#: allowance still errs long; a probe that would not fit is skipped, never overrun)
+ATTENTION_PRIOR_MAX_FACTOR = 4
 #: decode is measured over at most this share of the budget (it is only reported and checked)
 DECODE_SHARE = 0.1
 #: before decode is measured, a decode step is assumed to cost as much as prefilling this many
@@ -95,6 +77,9 @@ DECODE_SHARE = 0.1
 DECODE_STEP_PRIOR_TOKENS = 32
 #: the prompt a decode measurement prefills first (the in-process probe uses 16, a server 64)
 DECODE_PROMPT_TOKENS = 64
+#: a decode point (decode speed at one context, :mod:`trimkit.decode_model`) is the median of at
+#: least this many timed steps: one or two single steps on a shared host are mostly noise
+MIN_DECODE_POINT_STEPS = 3
 #: the first-token overhead is measured (three short chat requests) only when that is predicted
 #: to take at most this share of the budget; otherwise it is estimated (see calibrate)
 FIRST_TOKEN_SHARE = 0.25
@@ -125,6 +110,8 @@ class Mode:
     probes are cheap and noisy), first rule that matches; the top is measured once.
     ``depth_shares``: the depth probes, as shares of the top, measured after it (the top's
     tokens cached). ``max_top``: the longest cold probe however much time there is.
+    ``max_decode_tokens``: the most steps decode speed is timed over. ``decode_point_steps``:
+    the steps timed one by one at each context of the decode-vs-context line (their median).
     """
 
     name: str
@@ -134,11 +121,12 @@ class Mode:
     repeat_rules: tuple[tuple[int, int], ...]
     depth_shares: tuple[float, ...]
     max_decode_tokens: int
+    decode_point_steps: int = 8
 
 
 MODES: Mapping[str, Mode] = {
     # serve after ~3 s (trimkit.wrap without a stored profile): a provisional profile
-    "micro": Mode("micro", MICRO_BUDGET_S, 1024, (32, 128, 512), (), (0.5,), 8),
+    "micro": Mode("micro", MICRO_BUDGET_S, 1024, (32, 128, 512), (), (0.5,), 8, 4),
     "quick": Mode("quick", QUICK_BUDGET_S, 2048, (32, 128, 512), ((8, 2),), (0.125, 0.5), 16),
     # reach before repeats: a prompt longer than the longest probe is extrapolated (attention
     # grows with context, steeply on some models), while a repeat only narrows noise that the
@@ -233,9 +221,25 @@ def missing(probes: Sequence[Probe], counts: Mapping[tuple[int, int], int]) -> l
     return out
 
 
-def _position_weight(n: int, k: int) -> float:
-    """Σ over the positions p = k … k+n-1 of (1 + p / ATTENTION_PRIOR_TOKENS)."""
-    return n * (1.0 + (k + n / 2.0) / ATTENTION_PRIOR_TOKENS)
+def _position_weight(n: int, k: int, doubling_tokens: float = ATTENTION_PRIOR_TOKENS) -> float:
+    """Σ over the positions p = k … k+n-1 of (1 + p / doubling_tokens)."""
+    return n * (1.0 + (k + n / 2.0) / doubling_tokens)
+
+
+def attention_doubling_tokens(fit: CostModel | None, probed_context: int) -> float:
+    """The context over which the attention allowance assumes the per-token cost doubles.
+
+    :data:`ATTENTION_PRIOR_TOKENS` until the depth term was measured; then half the doubling
+    length the fitted model shows (``per_token_s / depth_s``): beyond what was probed,
+    attention is assumed twice as steep as measured — still erring long, but by a factor the
+    host and model chose, not the worst case of every small model — and never taken as flatter
+    than :data:`ATTENTION_PRIOR_MAX_FACTOR` times the prior (a depth term lost in noise would
+    otherwise look free). Only a fit whose probes reached at least the prior's own context
+    counts, so a handful of short probes cannot vouch for long ones."""
+    if fit is None or probed_context < ATTENTION_PRIOR_TOKENS or fit.per_token_s <= 0:
+        return float(ATTENTION_PRIOR_TOKENS)
+    measured = fit.per_token_s / fit.depth_s if fit.depth_s > 0 else math.inf
+    return min(max(ATTENTION_PRIOR_TOKENS, measured / 2.0), ATTENTION_PRIOR_MAX_FACTOR * ATTENTION_PRIOR_TOKENS)
 
 
 class CostPredictor:
@@ -244,7 +248,8 @@ class CostPredictor:
     The engine time of ``n`` new tokens after ``k`` cached is the larger of (a) the cost model
     fitted on the samples so far (from :data:`MIN_SAMPLES` on) and (b) the rate of the sample
     spanning the most context, scaled by the attention allowance
-    (:data:`ATTENTION_PRIOR_TOKENS`). (b) errs long wherever (a) would extrapolate; inside the
+    (:func:`attention_doubling_tokens`: :data:`ATTENTION_PRIOR_TOKENS` until depth was
+    measured, then twice the measured steepness). (b) errs long wherever (a) would extrapolate; inside the
     probed range (a) is the better guess and is usually the larger. The wall time adds the
     per-call cost seen around probes (a server's HTTP round trips) and is multiplied by how much
     slower than predicted the last steps ran (a host that got busier) — never by less than 1.
@@ -300,9 +305,10 @@ class CostPredictor:
         if new_tokens <= 0:
             return 0.0
         top_ctx = max(s.new_tokens + s.cached_tokens for s in self.samples)
-        rate = max(s.seconds / _position_weight(s.new_tokens, s.cached_tokens)
+        doubling = attention_doubling_tokens(self._fit, top_ctx)
+        rate = max(s.seconds / _position_weight(s.new_tokens, s.cached_tokens, doubling)
                    for s in self.samples if s.new_tokens + s.cached_tokens == top_ctx)
-        prior = rate * _position_weight(new_tokens, cached_tokens)
+        prior = rate * _position_weight(new_tokens, cached_tokens, doubling)
         fitted = self._fit.prefill_s(new_tokens, cached_tokens) if self._fit is not None else 0.0
         return max(prior, fitted)
 
@@ -325,6 +331,14 @@ class CostPredictor:
 
     def decode_wall_s(self, n_tokens: int) -> float:
         return (self.engine_s(DECODE_PROMPT_TOKENS, 0) + n_tokens * self.step_s()) * self.slowness + self.call_overhead_s
+
+    def decode_step_wall_s(self, context_tokens: int) -> float:
+        """Predicted wall seconds of one decode step timed on its own after ``context_tokens``
+        cached tokens (a one-token evaluation: the engine holds the context already). Errs long:
+        the measured step, grown by the attention allowance for the context
+        (:data:`ATTENTION_PRIOR_TOKENS`), plus the per-call cost."""
+        grown = self.step_s() * (1.0 + max(context_tokens, 0) / ATTENTION_PRIOR_TOKENS)
+        return grown * self.slowness + self.call_overhead_s
 
 
 def remaining_cost(mode: Mode, top: int, n_ctx: int, predictor: CostPredictor, counts: Mapping[tuple[int, int], int],

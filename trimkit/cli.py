@@ -24,7 +24,7 @@ from trimkit.calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, c
 from trimkit.calibration_schedule import mode_for_budget
 from trimkit.console import ProgressBar, open_llama, plot_profile, profile_lines
 from trimkit.demo import TIME_TARGET_S, run_demo
-from trimkit.diagnose import diagnose
+from trimkit.diagnose import DEFAULT_WAIT_THRESHOLD_S, READING_SPEED_TOKENS_PER_S, diagnose
 from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError
 from trimkit.messages import coerce_chunks, validate_messages
 from trimkit.planning.planner import plan as make_plan
@@ -129,20 +129,22 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
         if not text.strip():
             raise InvalidInputError("--prompt-file is empty")
         llm = open_llama(args.model, args.n_ctx)
-        chat = wrap(llm)
+        # no budget for the wrapper: the prompt is measured as given, then judged against --ttft-budget
+        chat = wrap(llm, tokens_per_s_target=args.tokens_per_s_target)
         chat.create_chat_completion(messages=[{"role": "user", "content": text}], max_tokens=args.output_tokens)
         report = chat.last_report
         print(report)
-        ttft = report.measured_ttft_s
-        tps = report.decode_tokens_per_s or chat.profile.decode_tokens_per_s
-        d = diagnose(ttft, tps, report.prompt_tokens, args.output_tokens)
+        ttft, prompt_tokens = report.measured_ttft_s, report.prompt_tokens
+        tps = report.decode_tokens_per_s or chat.profile.decode_tokens_per_s_at(prompt_tokens, args.output_tokens) or chat.profile.decode_tokens_per_s
     else:
         missing = [n for n in ("ttft", "tokens_per_s") if getattr(args, n) is None]
         if missing:
             raise InvalidNumberError(
                 "diagnose needs either --ttft S --tokens-per-s N [--prompt-tokens N] or --prompt-file F [--model PATH]"
             )
-        d = diagnose(args.ttft, args.tokens_per_s, args.prompt_tokens, args.output_tokens)
+        ttft, tps, prompt_tokens = args.ttft, args.tokens_per_s, args.prompt_tokens
+    d = diagnose(ttft, tps, prompt_tokens, args.output_tokens, ttft_budget_s=args.ttft_budget, tokens_per_s_target=args.tokens_per_s_target,
+                 reading_speed_tokens_per_s=args.reading_speed, wait_threshold_s=args.wait_threshold)
     if args.json:
         print(json.dumps(d.to_dict(), indent=1))
     else:
@@ -263,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="trimkit",
         description="Keep a local LLM's time to first token inside a budget by trimming what is prefilled. "
-        "Prefill (the wait) grows with the prompt; decode (the stream) does not — trimkit changes only the first.",
+        "Prefill (the wait) grows with the prompt; decode (the stream) much less — trimkit aims only at the first.",
     )
     p.add_argument("--version", action="version", version=f"trimkit {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log trimkit's INFO lines to stderr")
@@ -290,13 +292,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
     c.set_defaults(func=_cmd_calibrate)
 
-    d = sub.add_parser("diagnose", help="name the slow phase (the wait or the stream) and the cure that fits",
+    d = sub.add_parser("diagnose", help="name the slow phase (the wait, the stream, both or neither) and the cure that fits",
                        description="Give measured numbers (--ttft, --tokens-per-s, --prompt-tokens) or run one prompt "
-                       "(--prompt-file, --model) and learn which phase dominates and what helps it.")
+                       "(--prompt-file, --model) and learn which phase is slow — each judged against its own standard: "
+                       "the wait against --ttft-budget (default: --wait-threshold, 1 s), the stream against "
+                       "--tokens-per-s-target (default: --reading-speed, 7 tokens/s) — and what helps it.")
     d.add_argument("--ttft", type=_positive_float, help="measured time to first token, seconds")
     d.add_argument("--tokens-per-s", type=_positive_float, help="measured decode speed, tokens/s")
     d.add_argument("--prompt-tokens", type=_positive_int, help="prompt length in tokens")
     d.add_argument("--output-tokens", type=_positive_int, default=256, help="typical answer length in tokens (default 256)")
+    d.add_argument("--ttft-budget", type=_positive_float, help="the wait you accept before the first token, seconds")
+    d.add_argument("--tokens-per-s-target", type=_positive_float, help="the stream speed you need, tokens/s (default: reading speed)")
+    d.add_argument("--reading-speed", type=_positive_float, default=READING_SPEED_TOKENS_PER_S,
+                   help=f"how fast your reader reads, tokens/s: a slower stream is slow (default {READING_SPEED_TOKENS_PER_S:g})")
+    d.add_argument("--wait-threshold", type=_positive_float, default=DEFAULT_WAIT_THRESHOLD_S,
+                   help=f"without --ttft-budget, a longer wait is slow, seconds (default {DEFAULT_WAIT_THRESHOLD_S:g})")
     d.add_argument("--prompt-file", help="run this prompt on --model and diagnose the measured request")
     d.add_argument("--model", help=f"GGUF model path for --prompt-file (default: {EMBEDDED})")
     d.add_argument("--n-ctx", type=_positive_int, default=8192, help="context window for --prompt-file (default 8192)")

@@ -15,7 +15,7 @@ from trimkit.model import check_model_path
 from trimkit.profile import Profile
 from trimkit.templates import default_llama
 
-__all__ = ["open_llama", "ProgressBar", "profile_lines", "plot_profile"]
+__all__ = ["open_llama", "ProgressBar", "profile_lines", "decode_text", "plot_profile"]
 
 
 def open_llama(model: str | None, n_ctx: int, chat_format: str | None = None, **kwargs: Any) -> Llama:
@@ -75,8 +75,7 @@ def profile_lines(profile: Profile) -> list[str]:
         f"  model ({m.name}): T(n|k) = {m.overhead_s * 1000:.1f} ms + {m.per_token_s * 1000:.3f} ms·n + "
         f"{m.depth_s * 1e6:.3f} µs·(n·k + n²/2)" + (f" + {m.per_batch_s * 1000:.1f} ms·⌈n/{m.n_batch}⌉" if m.per_batch_s else ""),
         f"  held-out error (leave one probe out): median {profile.error.median_pct:.1f} %, p90 {profile.error.p90_pct:.1f} %",
-        f"  first-token overhead {profile.first_token_s * 1000:.1f} ms · decode {profile.decode_tokens_per_s:.1f} tokens/s "
-        f"(the stream; trimming does not change it)",
+        f"  first-token overhead {profile.first_token_s * 1000:.1f} ms · {decode_text(profile)}",
         f"  calibrated in {profile.calibration_wall_s:.1f} s ({profile.mode}"
         + (f", time budget {profile.time_budget_s:g} s" if profile.time_budget_s else "")
         + (", provisional: it improves from requests and idle probes" if profile.provisional else "") + ")",
@@ -84,6 +83,18 @@ def profile_lines(profile: Profile) -> list[str]:
         "predictions beyond are extrapolated and get a wider margin",
     ]
     return out
+
+
+def decode_text(profile: Profile) -> str:
+    """The stream's speed as the profile predicts it: at the shortest and the longest context
+    it measured when decode slows with context (each generated token reads the KV cache of
+    every token before it), else the one speed, with the profile's note."""
+    model = profile.decode_model()
+    if model is None or not model.context_dependent:
+        return f"decode {profile.decode_tokens_per_s:.1f} tokens/s" + (f" ({model.note})" if model is not None and model.note else "")
+    lo, hi = (round(c) for c in model.context_range)
+    return (f"decode {profile.decode_tokens_per_s_at(lo):.1f} tokens/s at {lo:,} tokens of context, "
+            f"{profile.decode_tokens_per_s_at(hi):.1f} at {hi:,} (a longer context decodes slower: each token reads the KV cache)")
 
 
 def plot_profile(profile: Profile, path: str, budget_s: float | None = None) -> str:

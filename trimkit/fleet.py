@@ -61,6 +61,7 @@ from trimkit.openai_wrapper import AsyncTrimmedOpenAI, OpenAIFrontEnd, TrimmedOp
 from trimkit.openai_wrapper import wrap_url as wrap_one_url
 from trimkit.profile import Profile
 from trimkit.validation import positive_finite
+from trimkit.verdict import valid_tokens_per_s_target
 
 __all__ = ["wrap_fleet", "wrap_url", "FleetFrontEnd", "AsyncFleetFrontEnd", "FleetStream", "AsyncFleetStream", "FleetEndpoint",
            "FleetUnavailableError", "FLEET_BACKEND_DEFAULTS"]
@@ -130,7 +131,7 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
     longest backoff, and how long a probe waits. Backend settings (``n_ctx``, ``chat_format``,
     ``tokenizer``, ``http_client``, timeouts, ``max_attempts``: 2 by default,
     :data:`FLEET_BACKEND_DEFAULTS`) apply to every endpoint; the rest (``strategies``,
-    ``on_infeasible``, ``on_busy``, ...) goes to every endpoint's pipeline.
+    ``on_infeasible``, ``on_busy``, ``tokens_per_s_target``, ...) goes to every endpoint's pipeline.
 
     Bad input (not a list, empty, mixed kinds, the same endpoint twice, a malformed URL) raises
     :class:`~trimkit.errors.InvalidInputError` before anything is sent; no endpoint reachable:
@@ -149,6 +150,7 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
         raise InvalidInputError("a fleet makes one backend per endpoint: pass URLs or clients, not backend=")
     for value, name in ((probe_after_s, "probe_after_s"), (probe_max_s, "probe_max_s"), (probe_timeout_s, "probe_timeout_s")):
         positive_finite(value, name)
+    valid_tokens_per_s_target(kwargs.get("tokens_per_s_target"))  # checked now: an endpoint's pipeline may be built later
     profiles = _profiles(profile, len(targets))
     backend_kwargs = {**FLEET_BACKEND_DEFAULTS, **split_backend_kwargs(kwargs)}
     is_async = kind == "async" or (kind == "url" and bool(asynchronous))

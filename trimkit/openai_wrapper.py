@@ -176,7 +176,7 @@ class OpenAIFrontEnd(FrontEnd):
     requests — tokenize, server facts — from the default budget). Backend settings
     (:data:`BACKEND_KWARGS`: ``n_ctx`` for servers that do not report it, ``cache_block_tokens``,
     timeouts, ...) go to :class:`~trimkit.backends.http.OpenAIHTTPBackend`; the rest
-    (``profile``, ``strategies``, ``on_infeasible``, ...) to the :class:`~trimkit.pipeline.Pipeline`.
+    (``profile``, ``strategies``, ``on_infeasible``, ``tokens_per_s_target``, ...) to the :class:`~trimkit.pipeline.Pipeline`.
     Without a ``profile`` the stored one for this endpoint is used, else a micro-calibration
     (about 3 s; ``calibration="quick"`` or ``"full"`` for more) runs against the server now; the
     provisional profile then improves from every request the server reports timings for. A

@@ -59,6 +59,7 @@ from trimkit.report import Report, template_warnings
 from trimkit.summary_worker import SummaryWorker
 from trimkit.tokens import reusable_prefix_len
 from trimkit.validation import budget as valid_budget, open_share
+from trimkit.verdict import valid_tokens_per_s_target
 
 __all__ = ["Pipeline", "ModelLabel", "ReportNotes"]
 
@@ -106,7 +107,7 @@ class Pipeline:
         rag_template: str = DEFAULT_RAG_TEMPLATE, rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE, calibration: str | None = None,
         quick_calibration: bool | None = None, idle_probes: bool | None = None, clock: Callable[[], float] = time.perf_counter,
         attainment_target: float = DEFAULT_TARGET, values: Any = None, model_label: ModelLabel | None = None,
-        report_notes: ReportNotes | None = None, endpoint_label: str | None = None,
+        report_notes: ReportNotes | None = None, endpoint_label: str | None = None, tokens_per_s_target: float | None = None,
     ) -> None:
         if values is not None and not isinstance(values, ValueModel):
             raise InvalidInputError(f"values must be a trimkit.ValueModel or None, got {type(values).__name__}")
@@ -122,6 +123,7 @@ class Pipeline:
         self.on_infeasible = on_infeasible
         self.on_busy = on_busy  # validated by the property
         self.endpoint_label = endpoint_label  # validated by the property
+        self.tokens_per_s_target = tokens_per_s_target  # validated by the property
         self.rag_template = rag_template
         self.rag_chunk_template = rag_chunk_template
         self.clock = clock
@@ -161,6 +163,7 @@ class Pipeline:
     on_busy = _checked("on_busy", check_on_busy, '''"trim", "wait" or "raise": what the predicted wait for the requests
         ahead does to a plan (:func:`~trimkit.planning.queue.busy_decision`); validated when set.''')
     endpoint_label = _checked("endpoint_label", _label, "The replica every report names (``report.endpoint``; None: one engine).")
+    tokens_per_s_target = _checked("tokens_per_s_target", valid_tokens_per_s_target, "The stream's standard in every report's verdict.")
     attainment_target = _checked("attainment_target", lambda v: open_share(v, "attainment_target"),
                                  "The share of budgeted requests whose TTFT the safety margin aims to keep inside the budget.")
 
@@ -348,7 +351,7 @@ class Pipeline:
         notes = self._report_notes(m, params) if self._report_notes is not None else ()
         model = self._model_label(params) if self._model_label is not None else self._model_file_label()
         return Report.of_request(prepared, m, params, backend=self.backend.name, model=model, profile=self.profile, notes=notes, sent=sent,
-                                 endpoint=self.endpoint_label)
+                                 endpoint=self.endpoint_label, tokens_per_s_target=self.tokens_per_s_target)
 
     def error_report(self, prepared: Prepared, ts: TimedStream, params: Mapping[str, Any]) -> Report:
         """The report of a request whose stream failed: what was sent, the TTFT if it came, and

@@ -1,22 +1,24 @@
 """Calibration profiles: what prefill costs on this host, for one model and one set of settings.
 
 A :class:`Profile` carries its samples, the fitted :class:`~trimkit.planning.costs.CostModel`, its
-own held-out error, the measured decode speed, and the :class:`ProfileKey` it is valid for; it
-predicts a request's TTFT (:meth:`Profile.predict_ttft_s`). Storing and loading profiles in the
+own held-out error, the measured decode speed — as a function of the context
+(:meth:`Profile.decode_tokens_per_s_at`, :mod:`trimkit.decode_model`) — and the
+:class:`ProfileKey` it is valid for; it predicts a request's TTFT (:meth:`Profile.predict_ttft_s`). Storing and loading profiles in the
 user cache is :mod:`trimkit.profile_store`; a profile that follows the machine as it runs is
 :class:`~trimkit.planning.drift.LiveProfile`.
 
 A stored file is untrusted input: :meth:`Profile.from_dict` is the one place its JSON becomes a
-:class:`Profile` — every type, count and number is checked there, and the model must predict a
-positive, finite time for a 1- and a 1000-token prompt. Anything else is a
-:class:`~trimkit.errors.ProfileError`.
+:class:`Profile` — every type, count and number is checked there (the field readers are
+:mod:`trimkit.profile_fields`), and the model must predict a positive, finite time for a 1- and a
+1000-token prompt. Anything else is a :class:`~trimkit.errors.ProfileError`.
 
 A profile records how it was calibrated: its ``mode`` (``micro`` — a provisional ~3 s profile —,
 ``quick`` or ``full``), the wall-time budget it ran under, and the range it probed (the most new
 tokens and the deepest context of its samples). A prediction outside that range is an
 extrapolation (:meth:`Profile.extrapolation`), which the planner meets with a wider margin.
-Files stored before these fields existed still load: the mode follows their ``quick`` flag and
-the probed range is read off their samples.
+Files stored before these fields existed still load: the mode follows their ``quick`` flag, the
+probed range is read off their samples, and their single decode speed becomes one decode point
+at a short context (a flat decode line).
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ from typing import Any
 
 import attrs
 
+from trimkit.decode_model import DecodeModel, DecodePoint, fit_decode
 from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, evaluated_tokens
+from trimkit.profile_fields import (checked, json_bool, json_field, json_int, json_number, json_object, json_str, must_be_finite,
+                                    read_decode_points, read_error, read_model, read_residuals, read_samples)
 from trimkit.validation import count, non_negative_finite, positive_finite, real_float
 
 __all__ = ["ProfileKey", "Profile", "SCHEMA_VERSION", "CALIBRATION_MODES"]
@@ -39,6 +44,9 @@ __all__ = ["ProfileKey", "Profile", "SCHEMA_VERSION", "CALIBRATION_MODES"]
 SCHEMA_VERSION = 1
 #: how a profile was calibrated, least thorough first (trimkit.calibration_schedule.MODES)
 CALIBRATION_MODES = ("micro", "quick", "full")
+#: the context of the decode speed of a profile stored before decode points were kept:
+#: calibration then measured it in process after a 16-token prompt
+LEGACY_DECODE_CONTEXT_TOKENS = 16
 
 
 @attrs.frozen
@@ -83,6 +91,20 @@ def _pairs(value: Any) -> tuple[tuple[float, float], ...]:
     return tuple(out)
 
 
+def _legacy_decode_points(profile: Any) -> tuple[DecodePoint, ...]:
+    """A profile given no decode points: its decode speed (if any) as one point at a short context."""
+    tps = profile.decode_tokens_per_s
+    return (DecodePoint(LEGACY_DECODE_CONTEXT_TOKENS, tps),) if tps > 0 and math.isfinite(tps) else ()
+
+
+def _decode_points(value: Any) -> tuple[DecodePoint, ...]:
+    points = tuple(value)
+    for i, p in enumerate(points):
+        if not isinstance(p, DecodePoint):
+            raise InvalidInputError(f"decode_points[{i}] must be a DecodePoint, got {type(p).__name__}")
+    return points
+
+
 def _reach(samples: Sequence[PrefillSample]) -> tuple[int, int]:
     """(most new tokens, deepest context) of ``samples``; (0, 0) for none."""
     ok = [s for s in samples if isinstance(s, PrefillSample)]
@@ -123,6 +145,12 @@ class Profile:
     time_budget_s: float = attrs.field(default=0.0, converter=real_float)
     #: True when the first-token overhead was estimated, not measured (no time for its requests)
     first_token_estimated: bool = attrs.field(default=False)
+    #: measured decode speeds at known contexts (calibration's, then served requests'): the
+    #: decode-vs-context line (:meth:`decode_model`). Default: ``decode_tokens_per_s`` as one
+    #: point at :data:`LEGACY_DECODE_CONTEXT_TOKENS` (a flat line); empty when decode was not
+    #: measured (calibration had no time for it).
+    decode_points: tuple[DecodePoint, ...] = attrs.field(default=attrs.Factory(_legacy_decode_points, takes_self=True),
+                                                         converter=_decode_points, repr=False)
 
     def __attrs_post_init__(self) -> None:
         # past construction, code trusts these types: check them once here
@@ -173,6 +201,31 @@ class Profile:
     def extrapolated(self, new_tokens: int, cached_tokens: int = 0) -> bool:
         """True when :meth:`extrapolation` is above 1: the prediction leaves the probed range."""
         return self.extrapolation(new_tokens, cached_tokens) > 1.0
+
+    def decode_model(self) -> DecodeModel | None:
+        """Seconds per generated token as a function of context, fitted on :attr:`decode_points`
+        (:func:`~trimkit.decode_model.fit_decode`); None when decode was not measured."""
+        return fit_decode(self.decode_points)
+
+    def decode_tokens_per_s_at(self, context_tokens: int, output_tokens: int = 0) -> float | None:
+        """Predicted decode speed (tokens/s) of a request whose prompt is ``context_tokens``
+        tokens long — each generated token reads the KV cache of every token before it, so a
+        longer context decodes slower. With ``output_tokens`` (> 1) the speed is averaged over
+        that many tokens, as a measured stream's is. None when the profile has no decode
+        measurement. Flat (the same at every context) when decode was measured at one context
+        only (:attr:`DecodeModel.note`)."""
+        n = count(context_tokens, "context_tokens")
+        out = count(output_tokens, "output_tokens")
+        model = self.decode_model()
+        return None if model is None else model.tokens_per_s_at(n, out)
+
+    @property
+    def decode_noise_pct(self) -> float | None:
+        """How much a decode measurement varies on this host, percent
+        (:attr:`DecodeModel.noise_pct`); None when unknown. A predicted difference of decode
+        speed smaller than this is within noise."""
+        model = self.decode_model()
+        return None if model is None else model.noise_pct
 
     def predict_prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Predicted prefill time for ``new_tokens`` evaluated after ``cached_tokens`` cached ones."""
@@ -235,6 +288,7 @@ class Profile:
             "probed_context_tokens": self.probed_context_tokens,
             "time_budget_s": self.time_budget_s,
             "first_token_estimated": self.first_token_estimated,
+            "decode_points": [p.to_dict() for p in self.decode_points],
         }
 
     @classmethod
@@ -248,66 +302,8 @@ class Profile:
 # -- reading a stored profile: the one boundary where untrusted JSON becomes a Profile ----------
 
 
-def _where(where: str, name: str) -> str:
-    return f"{where}.{name}" if where else name
-
-
-def _obj(value: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, dict):
-        raise ProfileError(f"{where or 'the file'} must be a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _field(data: Mapping[str, Any], name: str, where: str = "") -> Any:
-    if name not in data:
-        raise ProfileError(f"{_where(where, name)} is missing")
-    return data[name]
-
-
-def _str(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise ProfileError(f"{where} must be a string, got {type(value).__name__}")
-    return value
-
-
-def _bool(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ProfileError(f"{where} must be true or false, got {type(value).__name__}")
-    return value
-
-
-def _int(value: Any, where: str, minimum: int = 0) -> int:
-    try:
-        return count(value, where, minimum=minimum)
-    except InvalidNumberError as exc:
-        raise ProfileError(str(exc)) from None
-
-
-def _number(value: Any, where: str, check: Any = None) -> float:
-    try:
-        v = real_float(value)
-        if check is not None:
-            check(v, where)
-    except InvalidInputError as exc:
-        raise ProfileError(f"{where}: {exc}" if where not in str(exc) else str(exc)) from None
-    return v
-
-
-def _finite(value: float, where: str) -> None:
-    if not math.isfinite(value):
-        raise InvalidNumberError(f"{where} must be finite, got {value!r}")
-
-
-def _build(make: Any, where: str, **kwargs: Any) -> Any:
-    """``make(**kwargs)``, its validation errors as a ProfileError naming ``where``."""
-    try:
-        return make(**kwargs)
-    except InvalidInputError as exc:
-        raise ProfileError(f"{where}: {exc}") from None
-
-
-def _structure_key(data: Any) -> ProfileKey:
-    data = _obj(data, "key")
+def _read_key(data: Any) -> ProfileKey:
+    data = json_object(data, "key")
     values: dict[str, Any] = {}
     for f in attrs.fields(ProfileKey):
         if f.name not in data:
@@ -315,96 +311,45 @@ def _structure_key(data: Any) -> ProfileKey:
                 raise ProfileError(f"key.{f.name} is missing")
             continue
         if f.type in (int, "int"):
-            values[f.name] = _int(data[f.name], f"key.{f.name}")
+            values[f.name] = json_int(data[f.name], f"key.{f.name}")
         else:
-            values[f.name] = _str(data[f.name], f"key.{f.name}")
+            values[f.name] = json_str(data[f.name], f"key.{f.name}")
     return ProfileKey(**values)
-
-
-def _structure_model(data: Any) -> CostModel:
-    data = _obj(data, "model")
-    kwargs = {name: _number(_field(data, name, "model"), f"model.{name}") for name in ("overhead_s", "per_token_s", "depth_s")}
-    if "per_batch_s" in data:
-        kwargs["per_batch_s"] = _number(data["per_batch_s"], "model.per_batch_s")
-    if "n_batch" in data:
-        kwargs["n_batch"] = _int(data["n_batch"], "model.n_batch", minimum=1)
-    model: CostModel = _build(CostModel, "model", **kwargs)
-    # an all-zero model predicts 0 s forever, and live drift (a ratio to it) can never correct it
-    for n in (1, 1000):
-        try:
-            predicted = model.prefill_s(n, 0)
-        except (OverflowError, ZeroDivisionError):  # pragma: no cover - coefficients are finite floats
-            predicted = math.inf
-        if not (predicted > 0 and math.isfinite(predicted)):
-            raise ProfileError(f"model predicts {predicted!r} s for a {n}-token prompt (need a finite time > 0)")
-    return model
-
-
-def _structure_sample(data: Any, where: str) -> PrefillSample:
-    data = _obj(data, where)
-    kwargs: dict[str, Any] = {
-        "new_tokens": _int(_field(data, "new_tokens", where), f"{where}.new_tokens", minimum=1),
-        "cached_tokens": _int(_field(data, "cached_tokens", where), f"{where}.cached_tokens"),
-        "seconds": _number(_field(data, "seconds", where), f"{where}.seconds", non_negative_finite),
-    }
-    if "source" in data:
-        kwargs["source"] = _str(data["source"], f"{where}.source")
-    return _build(PrefillSample, where, **kwargs)
-
-
-def _structure_error(data: Any) -> ErrorStats:
-    data = _obj(data, "error")
-    kwargs: dict[str, Any] = {name: _number(_field(data, name, "error"), f"error.{name}") for name in ("median_pct", "p90_pct", "max_pct")}
-    kwargs["n"] = _int(_field(data, "n", "error"), "error.n")
-    return _build(ErrorStats, "error", **kwargs)
-
-
-def _structure_residuals(data: Any) -> tuple[tuple[float, float], ...]:
-    if not isinstance(data, list):
-        raise ProfileError(f"residuals must be a list, got {type(data).__name__}")
-    out = []
-    for i, pair in enumerate(data):
-        if not isinstance(pair, list) or len(pair) != 2:
-            raise ProfileError(f"residuals[{i}] must be a [predicted, measured] pair")
-        out.append(tuple(_number(v, f"residuals[{i}][{j}]", non_negative_finite) for j, v in enumerate(pair)))
-    return tuple(out)  # type: ignore[arg-type]
 
 
 def _structure(data: Any) -> Profile:
     """Parsed profile JSON → :class:`Profile`, or :class:`ProfileError` saying what is wrong."""
-    data = _obj(data, "")
+    data = json_object(data, "")
     schema = data.get("schema")
     if type(schema) is not int or schema != SCHEMA_VERSION:  # not True, not 1.0
         shown = repr(schema) if isinstance(schema, (int, str, type(None))) and len(repr(schema)) < 40 else type(schema).__name__
         raise ProfileError(f"profile schema {shown} is not {SCHEMA_VERSION}")
-    samples = _field(data, "samples")
-    if not isinstance(samples, list):
-        raise ProfileError(f"samples must be a list, got {type(samples).__name__}")
     alternatives = data.get("alternatives", {})
     if not isinstance(alternatives, dict):
         raise ProfileError(f"alternatives must be a JSON object, got {type(alternatives).__name__}")
-    quick = _bool(data.get("quick", False), "quick")
+    quick = json_bool(data.get("quick", False), "quick")
     # fields added after schema 1 was released: a file without them loads with their defaults
-    # (values are checked by Profile itself: _build makes its errors ProfileErrors)
+    # (values are checked by Profile itself: checked() makes its errors ProfileErrors)
     extra: dict[str, Any] = {}
-    for name, read in (("mode", _str), ("probed_new_tokens", _int), ("probed_context_tokens", _int),
-                       ("time_budget_s", lambda v, w: _number(v, w, non_negative_finite)), ("first_token_estimated", _bool)):
+    for name, read in (("mode", json_str), ("probed_new_tokens", json_int), ("probed_context_tokens", json_int),
+                       ("time_budget_s", lambda v, w: json_number(v, w, non_negative_finite)), ("first_token_estimated", json_bool),
+                       ("decode_points", lambda v, w: read_decode_points(v))):
         if name in data:
             extra[name] = read(data[name], name)
-    return _build(
+    return checked(
         Profile,
         "profile",
-        key=_structure_key(_field(data, "key")),
-        model=_structure_model(_field(data, "model")),
-        first_token_s=_number(_field(data, "first_token_s"), "first_token_s", non_negative_finite),
-        decode_tokens_per_s=_number(_field(data, "decode_tokens_per_s"), "decode_tokens_per_s", non_negative_finite),
-        samples=tuple(_structure_sample(s, f"samples[{i}]") for i, s in enumerate(samples)),
-        error=_structure_error(_field(data, "error")),
+        key=_read_key(json_field(data, "key")),
+        model=read_model(json_field(data, "model")),
+        first_token_s=json_number(json_field(data, "first_token_s"), "first_token_s", non_negative_finite),
+        decode_tokens_per_s=json_number(json_field(data, "decode_tokens_per_s"), "decode_tokens_per_s", non_negative_finite),
+        samples=read_samples(json_field(data, "samples")),
+        error=read_error(json_field(data, "error")),
         alternatives=alternatives,
-        calibration_wall_s=_number(data.get("calibration_wall_s", 0.0), "calibration_wall_s", non_negative_finite),
+        calibration_wall_s=json_number(data.get("calibration_wall_s", 0.0), "calibration_wall_s", non_negative_finite),
         quick=quick,
-        created_at=_number(data.get("created_at", 0.0), "created_at", _finite),
-        drift=_number(data.get("drift", 1.0), "drift", positive_finite),
-        residuals=_structure_residuals(data.get("residuals", [])),
+        created_at=json_number(data.get("created_at", 0.0), "created_at", must_be_finite),
+        drift=json_number(data.get("drift", 1.0), "drift", positive_finite),
+        residuals=read_residuals(data.get("residuals", [])),
         **extra,
     )

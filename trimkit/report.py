@@ -1,5 +1,12 @@
-"""The per-request report: what trimkit predicted, what it measured, what it changed, and that
-decode was left untouched. ``str(report)`` is for people; ``report.to_dict()`` for programs.
+"""The per-request report: what trimkit predicted, what it measured, what it changed, which phase
+was slow (:attr:`Report.verdict`, :mod:`trimkit.verdict`) and what decode did. ``str(report)`` is
+for people; ``report.to_dict()`` for programs; ``report.log_line()`` for logs.
+
+**Decode.** trimkit leaves the decode *parameters* untouched and never aims at the stream. The
+report shows the decode speed measured, the speed the profile predicts at the context sent and,
+for a trimmed request, at the untrimmed context; a difference beyond the profile's decode noise
+that the measurement bears out is stated as a side effect of a shorter KV cache, never as a
+trimming gain (:class:`~trimkit.verdict.DecodeContext`).
 
 **Predicted and measured TTFT are both the TTFT the caller felt.** ``predicted_ttft_s`` includes
 the wait predicted for the requests ahead on the engine (``queue_wait_predicted_s``), and
@@ -20,27 +27,24 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from trimkit.backends.base import Measurement
-from trimkit.diagnose import STREAM_CURES, WAIT_CURES
 from trimkit.planning.costs import evaluated_tokens
+from trimkit.report_text import report_lines, report_log_line
+from trimkit.verdict import (
+    DECODE_PARAMETERS_UNTOUCHED,
+    DecodeContext,
+    Verdict,
+    VerdictName,
+    judge,
+)
 
 if TYPE_CHECKING:  # for annotations only: prepared sits above this module
     from trimkit.prepared import Prepared
     from trimkit.profile import Profile
 
-__all__ = ["Report", "DECODE_UNTOUCHED", "template_warnings"]
+__all__ = ["Report", "DECODE_PARAMETERS_UNTOUCHED", "DECODE_UNTOUCHED", "template_warnings"]
 
-DECODE_UNTOUCHED = (
-    "decode untouched by trimkit: it changes only what is prefilled; max_tokens, temperature, stop and "
-    "every other generation parameter passed through unchanged"
-)
-
-
-def _fmt_s(value: float | None) -> str:
-    return "n/a" if value is None or not math.isfinite(value) else f"{value:.3f} s"
-
-
-def _fmt_n(value: int | None) -> str:
-    return "n/a" if value is None else f"{value:,}"
+#: the former name of :data:`~trimkit.verdict.DECODE_PARAMETERS_UNTOUCHED` (same text)
+DECODE_UNTOUCHED = DECODE_PARAMETERS_UNTOUCHED
 
 
 def template_warnings(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Any) -> list[str]:
@@ -90,6 +94,11 @@ class Report:
     ``provisional``: the profile was still provisional (a ~3 s micro-calibration, improving
     from requests and idle probes); ``extrapolated``: the prompt sent lies beyond the lengths the
     profile has measured. Either makes the prediction less certain and the margin wider.
+    ``tokens_per_s_target``: the stream's standard for the :attr:`verdict` (None: reading speed).
+    ``decode_predicted_tokens_per_s`` / ``decode_predicted_before_tokens_per_s``: the decode
+    speed the profile predicts at the context sent / at the untrimmed one (same answer length;
+    None: unknown); ``decode_noise_pct``: the profile's decode noise, % (None: unknown), which
+    with :data:`~trimkit.verdict.MIN_STATED_DECODE_CHANGE_PCT` sets the smallest difference stated.
     """
 
     backend: str
@@ -114,13 +123,20 @@ class Report:
     queue_wait_predicted_s: float | None = None
     queue_ahead: int = 0
     endpoint: str | None = None
+    tokens_per_s_target: float | None = None
+    decode_predicted_tokens_per_s: float | None = None
+    decode_predicted_before_tokens_per_s: float | None = None
+    decode_noise_pct: float | None = None
 
     @classmethod
     def of_request(cls, prepared: Prepared, m: Measurement, params: Mapping[str, Any], *, backend: str, model: str,
-                   profile: Profile, notes: Sequence[str] = (), sent: bool = True, endpoint: str | None = None) -> Report:
+                   profile: Profile, notes: Sequence[str] = (), sent: bool = True, endpoint: str | None = None,
+                   tokens_per_s_target: float | None = None) -> Report:
         """The report of a prepared request with what was measured of it: ``profile`` is the one
         it was planned with, ``notes`` are the front-end's warnings, ``sent=False`` for a request
-        that never went out, ``endpoint`` the replica it went to."""
+        that never went out, ``endpoint`` the replica it went to, ``tokens_per_s_target`` the
+        stream's standard. The decode predictions are the profile's
+        (:meth:`~trimkit.profile.Profile.decode_tokens_per_s_at`, over the measured answer's length)."""
         plan = prepared.plan
         warnings = list(prepared.warnings)
         if plan is not None and not plan.feasible:
@@ -129,6 +145,8 @@ class Report:
             warnings.append("not sent")
         warnings.extend(notes)
         n, cached = len(prepared.prompt_tokens), prepared.cached_tokens
+        answer = m.completion_tokens or 0
+        before = prepared.prompt_tokens_before
         return cls(
             backend=backend,
             measurement=m,
@@ -153,6 +171,10 @@ class Report:
             queue_wait_predicted_s=getattr(prepared, "queue_wait_s", None),
             queue_ahead=getattr(prepared, "queue_ahead", 0),
             endpoint=endpoint,
+            tokens_per_s_target=tokens_per_s_target,
+            decode_predicted_tokens_per_s=profile.decode_tokens_per_s_at(n, answer),
+            decode_predicted_before_tokens_per_s=None if before is None else profile.decode_tokens_per_s_at(before, answer),
+            decode_noise_pct=profile.decode_noise_pct,
         )
 
     # -- derived figures ------------------------------------------------------------------------
@@ -232,11 +254,32 @@ class Report:
         return "prefill" if ttft >= stream else "decode"
 
     @property
+    def judgement(self) -> Verdict | None:
+        """Each phase judged against its own standard (:func:`~trimkit.verdict.judge`): the wait
+        the caller felt (:attr:`measured_ttft_s`) against the budget (without one, 1 s), the
+        stream against ``tokens_per_s_target`` (without one, reading speed). None: no first token."""
+        if self.measured_ttft_s is None:
+            return None
+        return judge(self.measured_ttft_s, self.decode_tokens_per_s, ttft_budget_s=self.ttft_budget_s,
+                     tokens_per_s_target=self.tokens_per_s_target)
+
+    @property
+    def verdict(self) -> VerdictName | None:
+        """``"none"``, ``"wait"``, ``"stream"`` or ``"both"``: which phase was slow (None: no first token)."""
+        j = self.judgement
+        return None if j is None else j.verdict
+
+    @property
     def advice(self) -> tuple[str, ...]:
-        phase = self.dominant_phase
-        if phase is None:
-            return ()
-        return WAIT_CURES if phase == "prefill" else STREAM_CURES
+        """The cures that fit the :attr:`verdict` (none when nothing is slow)."""
+        j = self.judgement
+        return () if j is None else j.cures
+
+    @property
+    def decode(self) -> DecodeContext:
+        """The decode speed measured and predicted (at the context sent, and untrimmed)."""
+        return DecodeContext(self.decode_tokens_per_s, self.decode_predicted_tokens_per_s, self.decode_predicted_before_tokens_per_s,
+                             self.decode_noise_pct, self.trimmed and (self.prompt_tokens_before or 0) > self.prompt_tokens)
 
     @property
     def trimmed(self) -> bool:
@@ -244,112 +287,19 @@ class Report:
 
     @property
     def decode_untouched(self) -> str:
-        return DECODE_UNTOUCHED
+        return DECODE_PARAMETERS_UNTOUCHED
 
     # -- output ---------------------------------------------------------------------------------
     def lines(self) -> list[str]:
-        m = self.measurement
-        out = [f"trimkit report — {self.backend}" + (f" ({self.model})" if self.model else "") + (f" @ {self.endpoint}" if self.endpoint else "")]
-        if self.ttft_budget_s is not None:
-            met = self.budget_met
-            verdict = "n/a" if met is None else ("met" if met else "MISSED")
-            feas = "" if self.feasible in (None, True) else " — " + self._infeasible_note()
-            margin = ""
-            if self.safety_margin is not None and math.isfinite(self.safety_margin):
-                margin = f" · safety margin {self.safety_margin * 100:.1f} % (planned to {self.ttft_budget_s * (1 - self.safety_margin):.3f} s)"
-            out.append(f"  budget     {self.ttft_budget_s:.3f} s → {verdict}{margin}{feas}")
-        if self.provisional or self.extrapolated:
-            out.append(f"  profile    {self._profile_note()}")
-        pred = _fmt_s(self.predicted_ttft_s)
-        if self.predicted_ttft_before_s is not None and self.trimmed:
-            pred += f" (before trimming {_fmt_s(self.predicted_ttft_before_s)})"
-        err = self.ttft_error_pct
-        err_s = f" · error {err:+.1f} %" if err is not None else ""
-        label = "measured" if m.ttft_s is not None or m.first_output_s is None else "measured (first chunk, no content)"
-        out.append(f"  TTFT       predicted {pred} · {label} {_fmt_s(self.measured_ttft_s)}{err_s}")
-        queue = self._queue_line()
-        if queue:
-            out.append(queue)
-        if m.engine_prefill_s is not None:
-            prefill = f"  prefill    {_fmt_s(m.engine_prefill_s)} engine-measured ({m.timing_source})"
-            overhead = m.server.get("network_overhead_s")
-            if overhead is not None:
-                prefill += f" · network/queue {_fmt_s(overhead)} (client TTFT − server prefill)"
-            out.append(prefill)
-        tok = f"  prompt     {_fmt_n(self.prompt_tokens)} tokens"
-        if self.prompt_tokens_before is not None and self.prompt_tokens_before != self.prompt_tokens:
-            tok += f" (before trimming {_fmt_n(self.prompt_tokens_before)})"
-        tok += f" · reused from cache {_fmt_n(m.cached_tokens)} (predicted {_fmt_n(self.cached_tokens_predicted)}) · evaluated {_fmt_n(m.evaluated_tokens)}"
-        out.append(tok)
-        if self.actions:
-            out.append("  trimming")
-            for a in self.actions:
-                out.append(f"    - {getattr(a, 'strategy', '?')}: {getattr(a, 'summary', a)}")
-        elif self.ttft_budget_s is not None:
-            out.append("  trimming   none (under budget: request passed through unchanged)")
-        tps = self.decode_tokens_per_s
-        tpot = self.time_per_output_token_s
-        if tps is not None and tpot is not None:
-            out.append(
-                f"  decode     {tps:.1f} tokens/s ({tpot * 1000:.1f} ms per output token), "
-                f"{_fmt_n(self.completion_tokens)} tokens — untouched by trimkit"
-            )
-        else:
-            out.append(f"  decode     {_fmt_n(self.completion_tokens)} output tokens (too few to time) — untouched by trimkit")
-        phase = self.dominant_phase
-        if phase is not None:
-            what = "the wait (prefill): trimming and caching help it" if phase == "prefill" else (
-                "the stream (decode): only a smaller/faster model, lower-bit quantization, more bandwidth or GPU offload help it"
-            )
-            out.append(f"  dominant   {what}")
-        if m.truncated_tokens:
-            out.append(f"  WARNING    the engine evaluated {m.truncated_tokens:,} fewer prompt tokens than were sent: it truncated the prompt")
-        for w in self.warnings:
-            out.append(f"  warning    {w}")
-        return out
-
-    def _infeasible_note(self) -> str:
-        wait = self.queue_wait_predicted_s or 0.0
-        if wait and self.predicted_ttft_s is not None and self.ttft_budget_s is not None and self.predicted_ttft_s - wait <= self.ttft_budget_s:
-            return f"predicted over budget because of the {wait:.3f} s wait for the requests ahead"
-        return "infeasible: even the minimal prompt cannot fit; sent the best achievable"
-
-    def _queue_line(self) -> str:
-        """The wait for the engine, predicted and measured (empty when there was none)."""
-        pred, meas = self.queue_wait_predicted_s, self.queue_wait_s
-        if not pred and meas < 0.001:
-            return ""
-        ahead = f", {self.queue_ahead} request(s) ahead" if self.queue_ahead else ""
-        return (f"  queue      waited {meas:.3f} s for the engine (predicted {_fmt_s(pred)}{ahead}) · in the TTFT above; "
-                f"from the start of the stream {_fmt_s(self.engine_ttft_s)}")
-
-    def _profile_note(self) -> str:
-        notes = []
-        if self.provisional:
-            notes.append("provisional (a micro-calibration, improving from each request and from idle probes)")
-        if self.extrapolated:
-            notes.append("prompt beyond the lengths it has measured (extrapolated)")
-        wider = " — wider safety margin" if self.ttft_budget_s is not None else ""
-        return " · ".join(notes) + wider
+        """The report as lines a person reads (:func:`~trimkit.report_text.report_lines`)."""
+        return report_lines(self)
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
 
     def log_line(self) -> str:
-        """One line for ``logging`` (INFO)."""
-        parts = [f"backend={self.backend}"] + ([f"endpoint={self.endpoint}"] if self.endpoint else [])
-        if self.ttft_budget_s is not None:
-            parts.append(f"budget={self.ttft_budget_s:.3f}s met={self.budget_met}")
-        parts.append(f"ttft_pred={_fmt_s(self.predicted_ttft_s)} ttft_meas={_fmt_s(self.measured_ttft_s)}")
-        if self.queue_wait_predicted_s or self.queue_wait_s >= 0.001:
-            parts.append(f"queue_pred={_fmt_s(self.queue_wait_predicted_s)} queue_meas={_fmt_s(self.queue_wait_s)} ahead={self.queue_ahead}")
-        parts.append(f"prompt={self.prompt_tokens} before={self.prompt_tokens_before} cached={self.cached_tokens} evaluated={self.evaluated_tokens}")
-        parts.append(f"actions={len(self.actions)}")
-        if self.provisional or self.extrapolated:
-            parts.append("profile=" + ",".join(n for n, on in (("provisional", self.provisional), ("extrapolated", self.extrapolated)) if on))
-        tps = self.decode_tokens_per_s
-        parts.append(f"decode={tps:.1f}tok/s(untouched)" if tps else "decode=n/a(untouched)")
-        return "trimkit: " + " ".join(parts)
+        """One line for ``logging`` (INFO): :func:`~trimkit.report_text.report_log_line`."""
+        return report_log_line(self)
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -382,8 +332,16 @@ class Report:
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "time_per_output_token_s": self.time_per_output_token_s,
             "completion_tokens": self.completion_tokens,
-            "decode_untouched": DECODE_UNTOUCHED,
+            "decode_predicted_tokens_per_s": self.decode_predicted_tokens_per_s,
+            "decode_predicted_before_tokens_per_s": self.decode_predicted_before_tokens_per_s,
+            "decode_noise_pct": self.decode_noise_pct,
+            "decode_side_effect_pct": self.decode.side_effect_pct,
+            "decode_statement": self.decode.statement(),
+            "decode_untouched": DECODE_PARAMETERS_UNTOUCHED,
             "decode_params": dict(self.decode_params),
+            "tokens_per_s_target": self.tokens_per_s_target,
+            "verdict": self.verdict,
+            "judgement": None if self.judgement is None else self.judgement.to_dict(),
             "dominant_phase": self.dominant_phase,
             "advice": list(self.advice),
             "warnings": list(self.warnings),

@@ -184,6 +184,11 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
       breaks the budget raises :class:`~trimkit.errors.QueueBudgetError` before anything is
       sent. Per call: ``create_chat_completion(..., on_busy=...)``;
     - ``endpoint_label``: the replica every report names (``report.endpoint``);
+    - ``tokens_per_s_target``: the stream speed you need (tokens/s). Every report judges the
+      stream against it (without it, against reading speed, ~7 tokens/s) and the wait against
+      the budget (without one, 1 s): ``report.verdict`` is ``"none"``, ``"wait"``, ``"stream"``
+      or ``"both"`` (:mod:`trimkit.verdict`). It changes nothing that is sent: trimkit leaves
+      the decode parameters untouched and never aims at the stream;
     - ``rag_template``, ``rag_chunk_template``, ``clock``.
     """
     if isinstance(client, (list, tuple)):

@@ -49,7 +49,9 @@ def assemble_chat_completion(chunks: Sequence[Any], stats_chunk: Any = None, *, 
                 key = call.index if call.index is not None else len(acc["tools"])
                 slot = acc["tools"].setdefault(key, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
                 slot["id"] = call.id or slot["id"]
-                slot["function"]["name"] += call.name or ""
+                # OpenAI sends a call's name once; llama-cpp-python repeats the whole name in every chunk
+                if call.name and call.name != slot["function"]["name"]:
+                    slot["function"]["name"] += call.name
                 slot["function"]["arguments"] += call.arguments or ""
             if ch.logprobs:
                 acc["logprobs"] = (acc["logprobs"] or []) + list(ch.logprobs)

@@ -10,8 +10,11 @@ A *provisional* profile (a ~3 s micro-calibration, :attr:`Profile.provisional`) 
 it is provisional every measured request is a refit round, and the live samples of a kept refit
 widen its probed range (:attr:`Profile.probed_new_tokens`, :attr:`Profile.probed_context_tokens`),
 so the wider margin for extrapolation (:mod:`trimkit.planning.margin`) stops applying to lengths
-the engine has measured. Idle probes (:mod:`trimkit.idle_probes`) swap a refined calibration in
-with :meth:`LiveProfile.replace_calibration`.
+the engine has measured. Decode speed is learned the same way: each served request's stream is a
+point of the decode-vs-context line (:mod:`trimkit.decode_model`) at its context, and the latest
+ones set the line's level (:meth:`LiveProfile.decode_tokens_per_s_at`). Idle probes
+(:mod:`trimkit.idle_probes`) swap a refined calibration in with
+:meth:`LiveProfile.replace_calibration`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 import attrs
 
+from trimkit.decode_model import DecodePoint, mean_context
 from trimkit.planning.costs import CostModel, PrefillSample, error_stats, fit_cost_model
 from trimkit.profile import Profile
 
@@ -35,6 +39,8 @@ __all__ = ["LiveProfile", "covering"]
 #: a measured decode speed counts only over at least this many generated tokens (the first
 #: token belongs to the prefill; a speed over one or two steps is mostly noise)
 MIN_DECODE_TOKENS = 4
+#: how many served requests' decode points the profile keeps (the latest), besides calibration's
+KEEP_DECODE_POINTS = 32
 
 
 def covering(profile: Profile, samples: Sequence[PrefillSample]) -> Profile:
@@ -90,6 +96,9 @@ class LiveProfile:
         self._seen = 0
         #: decode speeds (tokens/s) measured by recent requests; their median replaces calibration's
         self._decode: deque[float] = deque(maxlen=drift_window)
+        #: the decode points of recent requests whose context is known (decode speed vs context),
+        #: starting from those a stored refined profile kept
+        self._decode_points: deque[DecodePoint] = deque((p for p in profile.decode_points if p.source == "live"), maxlen=KEEP_DECODE_POINTS)
         #: first-token overheads (client TTFT − engine prefill) measured by recent requests
         self._first_token: deque[float] = deque(maxlen=drift_window)
         self._lock = threading.Lock()
@@ -129,12 +138,15 @@ class LiveProfile:
             every = self._provisional_refit_every if self._profile.provisional else self._refit_every
             self._update(self._profile, refit=self._seen % every == 0)
 
-    def observe_decode(self, tokens_per_s: Any, completion_tokens: Any) -> None:
-        """Feed one request's measured decode speed back. The profile's decode speed becomes the
+    def observe_decode(self, tokens_per_s: Any, completion_tokens: Any, context_tokens: Any = None) -> None:
+        """Feed one request's measured decode speed back; ``context_tokens`` is its prompt
+        length (the KV cache its first decode step reads). The profile's decode speed becomes the
         median of the last ``drift_window`` measured: calibration measures decode over a few
         steps only (or estimates it on a host too slow for even one within its budget), and a
-        request's stream is what the user sees. Answers of fewer than :data:`MIN_DECODE_TOKENS`
-        tokens, and unusable numbers, are ignored."""
+        request's stream is what the user sees. With ``context_tokens`` the request is also a
+        point of the decode-vs-context line (:meth:`decode_tokens_per_s_at`) at its mean context
+        (:func:`~trimkit.decode_model.mean_context`). Answers of fewer than
+        :data:`MIN_DECODE_TOKENS` tokens, and unusable numbers, are ignored."""
         if not (_is_count(completion_tokens) and completion_tokens >= MIN_DECODE_TOKENS):
             return
         if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, numbers.Real):
@@ -143,7 +155,21 @@ class LiveProfile:
             return
         with self._lock:
             self._decode.append(float(tokens_per_s))
-            self._profile = attrs.evolve(self._profile, decode_tokens_per_s=statistics.median(self._decode))
+            if _is_count(context_tokens) and context_tokens >= 0:
+                context = mean_context(int(context_tokens), int(completion_tokens))
+                self._decode_points.append(DecodePoint(context, float(tokens_per_s), int(completion_tokens) - 1, source="live"))
+            self._profile = attrs.evolve(self._profile, decode_tokens_per_s=statistics.median(self._decode),
+                                         decode_points=self._with_live_decode(self._profile))
+
+    def _with_live_decode(self, profile: Profile) -> tuple[DecodePoint, ...]:
+        """``profile``'s calibration decode points followed by the served requests' (oldest first)."""
+        return tuple(p for p in profile.decode_points if p.source != "live") + tuple(self._decode_points)
+
+    def decode_tokens_per_s_at(self, context_tokens: int, output_tokens: int = 0) -> float | None:
+        """Predicted decode speed at ``context_tokens`` prompt tokens, from calibration's decode
+        points and the served requests' (:meth:`~trimkit.profile.Profile.decode_tokens_per_s_at`
+        of :attr:`current`); None when nothing measured decode."""
+        return self.current.decode_tokens_per_s_at(context_tokens, output_tokens)
 
     def observe_first_token(self, ttft_s: Any, engine_prefill_s: Any) -> None:
         """Feed one request's first-token overhead back: its TTFT less the engine's own prefill
@@ -189,7 +215,8 @@ class LiveProfile:
                 profile = covering(profile, live)  # the measured lengths are in the fit now
         decode = statistics.median(self._decode) if self._decode else profile.decode_tokens_per_s
         first = statistics.median(self._first_token) if self._first_token else profile.first_token_s
-        self._profile = attrs.evolve(profile, model=model, drift=math.exp(log_drift), decode_tokens_per_s=decode, first_token_s=first)
+        self._profile = attrs.evolve(profile, model=model, drift=math.exp(log_drift), decode_tokens_per_s=decode, first_token_s=first,
+                                     decode_points=self._with_live_decode(profile))
 
     @property
     def observations(self) -> int:
