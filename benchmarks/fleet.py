@@ -157,6 +157,13 @@ class Replica:
     index: int
     server: ServerProcess
     killed_at: float | None = None
+    start_kwargs: dict[str, Any] = attrs.field(factory=dict)
+
+    def restart(self) -> None:
+        """Stop the server and start it again on the same port, empty (its RAM prompt cache too)."""
+        stop_server(self.server)
+        self.server = start_server(self.port, **self.start_kwargs)
+        wait_ready(self.server, timeout_s=120.0)
 
     @property
     def proc(self) -> subprocess.Popen[bytes]:
@@ -190,8 +197,8 @@ def running_replicas(n: int, model_path: str, n_ctx: int, threads: int, prompt_c
     replicas: list[Replica] = []
     try:
         for i in range(n):
-            server = start_server(model_path=model_path, n_ctx=n_ctx, chat_format=CHAT_FORMAT, extra_args=server_args(threads, prompt_cache_mib))
-            replicas.append(Replica(i, server))
+            start_kwargs = {"model_path": model_path, "n_ctx": n_ctx, "chat_format": CHAT_FORMAT, "extra_args": server_args(threads, prompt_cache_mib)}
+            replicas.append(Replica(i, start_server(**start_kwargs), start_kwargs=start_kwargs))
         for r in replicas:
             wait_ready(r.server, timeout_s=120.0)
         yield replicas
@@ -516,6 +523,8 @@ def run_arm(name: str, convs: list[list[Turn]], replicas: list[Replica], wrapper
 
     urls = [r.base_url for r in replicas]
     for r in replicas:
+        if fleet_kwargs and fleet_kwargs.get("held_prompts"):  # a RAM prompt cache would serve this arm what the last one sent
+            r.restart()
         flush_cache(r, name)
     pinned, fleet = None, None
     if name in BASELINES:
