@@ -131,3 +131,18 @@ def _fresh_engine_state():
 
 # the real OpenAI-compatible server on loopback (python -m llama_cpp.server), one per session
 from tests._server import llama_server  # noqa: E402,F401
+
+
+def tool_turns_render(llm) -> bool:
+    """Whether ``llm``'s chat template renders an assistant turn that holds only tool calls
+    (content None). Gemma 3's (trimkit's) does; SmolLM2's GGUF template concatenates every
+    message's text and cannot — trimkit then raises InvalidMessageError before sending."""
+    from trimkit.backends.llama import llama_prompt_tokenizer
+    from trimkit.errors import InvalidMessageError
+
+    turn = {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    try:
+        llama_prompt_tokenizer(llm).prompt_tokens([{"role": "user", "content": "x"}, turn, {"role": "tool", "tool_call_id": "c", "content": "y"}])
+    except InvalidMessageError:
+        return False
+    return True

@@ -28,7 +28,7 @@ try:
 except ImportError as exc:  # the dev extra is part of the suite's set-up: fail, do not skip
     raise ImportError(f"tests/test_langchain.py needs the dev extra's LangChain packages (pip install -e '.[dev]'): {exc}") from exc
 
-from tests.conftest import OTHER_MODEL
+from tests.conftest import OTHER_MODEL, tool_turns_render
 from trimkit.errors import InvalidBudgetError, InvalidChunkError, InvalidInputError
 from trimkit.integrations.langchain import PLAN_EVENT, REPORT_EVENT, TrimmedChatModel, trimkit_context, trimkit_trimmer
 
@@ -109,6 +109,13 @@ def model(chat_llama):
     return TrimmedChatModel(chat_llama, ttft_budget_s=AMPLE_S, idle_probes=False)
 
 
+@pytest.fixture
+def tool_turns(chat_llama):
+    """The history's tool turns need a template that renders them (TRIMKIT_TEST_MODEL may name one that cannot)."""
+    if not tool_turns_render(chat_llama.client):
+        pytest.skip("this model's chat template cannot render a tool-call turn (trimkit raises InvalidMessageError: tests/test_second_model.py)")
+
+
 def cold(model) -> None:
     """Empty the engine's KV cache (the harness's doing: trimkit itself never resets it)."""
     with model.trimkit.backend.lock:
@@ -130,7 +137,7 @@ def test_wraps_the_llama_of_chat_llama_cpp_and_calibrates_through_it(model, chat
     assert model._llm_type == "trimkit-llama-cpp-python"
 
 
-def test_multi_turn_rag_chain_keeps_the_callers_data_and_reports(model):
+def test_multi_turn_rag_chain_keeps_the_callers_data_and_reports(model, tool_turns):
     chain = rag_chain(model)
     history = list(HISTORY)
     before = copy.deepcopy((history, DOCS))
@@ -184,7 +191,7 @@ def test_stream_astream_and_ainvoke_carry_the_report(model):
     assert [a.removed_chunks for a in model.last_report.actions] == []  # one record, ample budget: kept
 
 
-def test_bind_tools_reaches_the_engine_and_tool_turns_stay_whole(model):
+def test_bind_tools_reaches_the_engine_and_tool_turns_stay_whole(model, tool_turns):
     messages = [SystemMessage("Be brief."), *HISTORY, HumanMessage(QUESTION)]
     before = copy.deepcopy(messages)
     tight = 0.4 * cold_untrimmed_s(model, messages, DOCS)

@@ -15,6 +15,8 @@ import re
 
 import pytest
 
+from tests.conftest import tool_turns_render
+
 import trimkit
 from trimkit.demo import load_corpus
 
@@ -198,7 +200,10 @@ def test_async_chat_and_stream_report(trimmed):
     assert [m.model_dump() for m in messages] == before
 
 
-def test_tool_calls_come_back_and_stay_whole(trimmed):
+def test_tool_calls_come_back_and_stay_whole(trimmed, llm):
+    if not tool_turns_render(llm):
+        pytest.skip("this model's chat template cannot render a tool-call turn (trimkit raises InvalidMessageError: tests/test_second_model.py)")
+
     def lookup_record(entity: str) -> str:
         """Look up the record of a Marrowby landmark."""
         return f"{entity}: first lit in 1863"
@@ -240,6 +245,7 @@ def test_llamacpp_is_wrapped_in_one_line(quick_profile, model_path):
     report = reply.additional_kwargs["trimkit"]
     assert report is llm.last_report and report.decode_params == {"temperature": 0.0, "max_tokens": 6, "stream": True}
     assert llm.metadata.context_window == inner._model.n_ctx() and llm.metadata.num_output == 6
+    inner._model.reset()  # the same cold start as the call above: greedy decoding then gives the same answer on any model
     parts = list(llm.stream_complete("Name a colour."))
     assert parts[-1].text == reply.text  # temperature 0: the same answer, streamed
 

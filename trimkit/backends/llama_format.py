@@ -15,9 +15,10 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jinja2
 from llama_cpp import llama_chat_format
 
-from trimkit.errors import InvalidInputError
+from trimkit.errors import InvalidInputError, InvalidMessageError
 from trimkit.tokens import PromptTokenizer, chatml_render
 
 __all__ = ["LlamaTextTokenizer", "handler_formatter", "chat_formatter", "chat_format_renderer", "llama_prompt_tokenizer"]
@@ -107,7 +108,13 @@ def llama_prompt_tokenizer(llm: Any) -> PromptTokenizer:
     added_special = {"value": False}
 
     def render(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
-        result = formatter(messages=list(messages), tools=tools)
+        try:
+            result = formatter(messages=list(messages), tools=tools)
+        except (TypeError, KeyError, ValueError, jinja2.TemplateError) as exc:  # the model's own template, not trimkit's
+            raise InvalidMessageError(
+                f"this model's chat template cannot render these messages ({type(exc).__name__}: {exc}); a common cause is an "
+                "assistant turn with tool calls and no text content (content None) in a template that expects text"
+            ) from exc
         added_special["value"] = bool(result.added_special)
         return result.prompt
 
