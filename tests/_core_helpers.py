@@ -77,3 +77,26 @@ def make_measurement(**overrides: Any) -> Measurement:
     }
     fields.update(overrides)
     return Measurement(**fields)
+
+
+def exact_predictor(model: CostModel, probes: Iterable[tuple[int, int]]) -> Any:
+    """A calibration :class:`~trimkit.calibration_schedule.CostPredictor` that observed ``probes``
+    taking exactly what ``model`` says (engine time = wall time)."""
+    from trimkit.calibration_schedule import CostPredictor
+
+    p = CostPredictor()
+    for n, k in probes:
+        t = model.prefill_s(n, k)
+        p.observe(n, k, t, t)
+    return p
+
+
+def contains(seq: Sequence[int], sub: Sequence[int]) -> bool:
+    """Whether ``sub`` occurs in ``seq`` as a contiguous run of token ids."""
+    seq, sub = [int(t) for t in seq], [int(t) for t in sub]
+    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+
+def evaluated_tokens(llm: Any) -> list[int]:
+    """The token ids a ``Llama``'s context holds."""
+    return [int(t) for t in llm.input_ids[: llm.n_tokens]]

@@ -8,11 +8,12 @@ import math
 
 import pytest
 
+from tests._core_helpers import exact_predictor
+
 from trimkit.calibration import FULL_BUDGET_S, calibrate
 from trimkit.calibration_schedule import (
     ATTENTION_PRIOR_MAX_FACTOR,
     ATTENTION_PRIOR_TOKENS,
-    CostPredictor,
     attention_doubling_tokens,
 )
 from trimkit.planning.costs import CostModel
@@ -22,14 +23,6 @@ from trimkit.testing import FakeBackend
 MILD = CostModel(overhead_s=0.01, per_token_s=0.007, depth_s=2e-6)
 #: attention doubles it at 600 tokens
 STEEP = CostModel(overhead_s=0.02, per_token_s=0.0035, depth_s=5.8e-6)
-
-
-def _predictor(model: CostModel, probes: list[tuple[int, int]]) -> CostPredictor:
-    p = CostPredictor()
-    for n, k in probes:
-        s = model.prefill_s(n, k)
-        p.observe(n, k, s, s)
-    return p
 
 
 def test_the_prior_holds_until_depth_was_measured_far_enough():
@@ -56,14 +49,14 @@ def test_the_allowance_is_bounded_both_ways(depth_s, expected):
 
 @pytest.mark.parametrize("model", [MILD, STEEP], ids=["mild", "steep"])
 def test_beyond_the_probed_context_predictions_still_err_long(model):
-    p = _predictor(model, [(32, 0), (16, 32), (16, 0), (128, 0), (512, 0), (64, 512), (256, 512)])
+    p = exact_predictor(model, [(32, 0), (16, 32), (16, 0), (128, 0), (512, 0), (64, 512), (256, 512)])
     for n, k in ((1024, 0), (2048, 0), (4096, 0), (1024, 2048)):
         assert p.engine_s(n, k) >= model.prefill_s(n, k) * (1 - 1e-9), (n, k)
 
 
 def test_a_mild_attention_model_is_predicted_closer_than_by_the_worst_case_prior():
     probes = [(32, 0), (16, 32), (16, 0), (128, 0), (512, 0), (64, 512), (256, 512)]
-    p = _predictor(MILD, probes)
+    p = exact_predictor(MILD, probes)
     truth = MILD.prefill_s(2048, 0)
     top = 512 + 256
     rate = MILD.prefill_s(256, 512) / (256 * (1 + (512 + 128) / ATTENTION_PRIOR_TOKENS))

@@ -12,10 +12,11 @@ import random
 import attrs
 import pytest
 
+from tests._core_helpers import exact_predictor
+
 from trimkit.calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, calibrate, refit_profile, remaining_probes
 from trimkit.calibration_schedule import (
     MODES,
-    CostPredictor,
     choose_top,
     decode_tokens,
     mode_for_budget,
@@ -219,16 +220,8 @@ def test_a_server_pays_for_its_depth_prefixes_and_calibration_budgets_for_them()
 # -- the schedule's pieces ----------------------------------------------------------------------
 
 
-def _predictor(model: CostModel, probes) -> CostPredictor:
-    p = CostPredictor()
-    for n, k in probes:
-        t = model.prefill_s(n, k)
-        p.observe(n, k, t, t)
-    return p
-
-
 def test_predictions_beyond_the_probed_context_err_long():
-    p = _predictor(STEEP, [(32, 0), (16, 32), (16, 0), (128, 0)])
+    p = exact_predictor(STEEP, [(32, 0), (16, 32), (16, 0), (128, 0)])
     for n, k in ((512, 0), (1024, 0), (256, 512), (1024, 1024)):
         assert p.engine_s(n, k) >= STEEP.prefill_s(n, k), (n, k)
     # and within it, the fit is used: close to the truth
@@ -236,14 +229,14 @@ def test_predictions_beyond_the_probed_context_err_long():
 
 
 def test_a_host_that_got_slower_inflates_the_next_predictions():
-    p = _predictor(LINEAR, [(32, 0), (16, 32), (16, 0)])
+    p = exact_predictor(LINEAR, [(32, 0), (16, 32), (16, 0)])
     before = p.wall_s(256)
     p.observe_ratio(2.0, 1.0)
     assert p.wall_s(256) == pytest.approx(2 * before)
 
 
 def test_choose_top_is_the_largest_top_that_fits_and_none_when_none_does():
-    p = _predictor(LINEAR, [(32, 0), (16, 32), (16, 0)])
+    p = exact_predictor(LINEAR, [(32, 0), (16, 32), (16, 0)])
     counts = {(32, 0): 1, (16, 32): 1, (16, 0): 1}
     mode = MODES["quick"]
     tops = top_candidates(mode, 8192)
@@ -256,7 +249,7 @@ def test_choose_top_is_the_largest_top_that_fits_and_none_when_none_does():
 
 
 def test_decode_tokens_stay_within_the_modes_bounds():
-    p = _predictor(LINEAR, [(32, 0), (16, 32), (16, 0)])
+    p = exact_predictor(LINEAR, [(32, 0), (16, 32), (16, 0)])
     for name, mode in MODES.items():
         assert 1 <= decode_tokens(mode, BUDGETS[name], p, 1e6) <= mode.max_decode_tokens
     assert decode_tokens(MODES["full"], 30.0, p, 1e-6) == 0

@@ -16,21 +16,14 @@ import time
 
 import pytest
 
+from tests._core_helpers import contains, evaluated_tokens
+
 import trimkit
 from trimkit.backends.llama import llama_prompt_tokenizer
 from trimkit.demo import load_corpus, load_history
 
 SYSTEM = "Always answer as Captain Quill, keeper of the Marrowby lighthouse."
 ASK = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who lit the lamp?"}]
-
-
-def contains(seq, sub) -> bool:
-    seq, sub = [int(t) for t in seq], [int(t) for t in sub]
-    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
-
-
-def evaluated_tokens(llm) -> list[int]:
-    return [int(t) for t in llm.input_ids[: llm.n_tokens]]
 
 
 @pytest.fixture(scope="module")

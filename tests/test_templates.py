@@ -6,6 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests._core_helpers import contains, evaluated_tokens
+
 from trimkit.templates import GEMMA3_CHAT_FORMAT, format_gemma3, gemma3_chat_handler
 
 SYSTEM = "Always answer as Captain Quill, keeper of the Marrowby lighthouse."
@@ -14,15 +16,6 @@ ASK = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who l
 
 def render(messages, **kwargs):
     return format_gemma3(messages, **kwargs).prompt
-
-
-def contains(seq, sub) -> bool:
-    seq, sub = [int(t) for t in seq], [int(t) for t in sub]
-    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
-
-
-def evaluated_tokens(llm) -> list[int]:
-    return [int(t) for t in llm.input_ids[: llm.n_tokens]]
 
 
 @pytest.fixture(scope="module")
