@@ -1,13 +1,20 @@
 """Decode speed vs context on the real model: calibration's prediction against measured requests.
 
 Each generated token reads the KV cache of every token before it, so on a small model decode
-slows as the prompt grows (docs/design.md §2). The session's quick calibration measures decode
-steps at an empty context and at the deepest one it holds; the profile predicts tokens/s at any
-context. Here real chat requests at a short (~32-token) and a long (~2,000-token) prompt, 24
-output tokens each (end-of-sequence banned), are measured with the engine's own timings — the
-median of 3 — and the prediction must be within 20 % at both: a profile that took decode as
-independent of the prompt misses the long one by more on the embedded model. (The sweep over
-0–6k tokens, with its tighter target, is benchmarks/phases_decode.py.)
+slows as the prompt grows (docs/design.md §2). A quick calibration measures decode steps at an
+empty context and at the deepest one it holds; the profile predicts tokens/s at any context.
+Here real chat requests at a short (~32-token) and a long (~2,000-token) prompt, 24 output
+tokens each (end-of-sequence banned), are measured with the engine's own timings — the median
+of 3 — and the prediction must be within 20 % at both: a profile that took decode as
+independent of the prompt misses the long one by more on the embedded model.
+
+A shared host changes speed by 20–30 % over minutes (docs/design.md §2), more than this bound,
+so a prediction is only comparable with requests measured right after its calibration. The
+first attempt uses the session's quick profile (measured earlier in the run); when the host has
+drifted since, the test calibrates afresh and measures at once, up to twice more. A prediction
+that is biased (wrong units, a mis-timed step, a line that ignores the context) misses on every
+attempt and fails. (The sweep over 0–6k tokens, with its tighter target, is
+benchmarks/phases_decode.py.)
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import statistics
 
 import pytest
 
+import trimkit
 from trimkit.backends.base import probe_text
 from trimkit.backends.llama import LlamaBackend
 
@@ -23,6 +31,8 @@ OUTPUT_TOKENS = 24
 REPEATS = 3
 #: within 20 %: the bound of issue 12 (a shared 2-core host is noisy; the benchmark holds 10 %)
 BOUND = 0.20
+#: fresh calibrations tried after the session profile's attempt
+FRESH_ATTEMPTS = 2
 
 
 def _measured(backend: LlamaBackend, llm, content_tokens: int) -> tuple[int, int, float]:
@@ -38,18 +48,30 @@ def _measured(backend: LlamaBackend, llm, content_tokens: int) -> tuple[int, int
     return runs[-1].prompt_tokens, runs[-1].completion_tokens, statistics.median(speeds)
 
 
-def test_decode_prediction_follows_the_context(llm, quick_profile):
-    model = quick_profile.decode_model()
-    assert model is not None and len(quick_profile.decode_points) >= 2, quick_profile.decode_points
-    assert {p.context_tokens for p in quick_profile.decode_points} >= {0.0}
-    assert max(p.context_tokens for p in quick_profile.decode_points) >= 64  # the deep point: after the depth probes
+def _attempt(llm, profile) -> list[tuple[int, float, float]]:
+    """(prompt tokens, measured, predicted) at the long then the short prompt: the long prompt's
+    prefill first, then both decodes within seconds of each other."""
+    model = profile.decode_model()
+    assert model is not None and len(profile.decode_points) >= 2, profile.decode_points
+    assert {p.context_tokens for p in profile.decode_points} >= {0.0}
+    assert max(p.context_tokens for p in profile.decode_points) >= 64  # the deep point: after the depth probes
     backend = LlamaBackend(llm)
     rows = []
-    for content in (2000, 16):  # the long prompt's prefill first, then both decodes within seconds: the same host
+    for content in (2000, 16):
         prompt, output, measured = _measured(backend, llm, content)
         assert output == OUTPUT_TOKENS
-        predicted = quick_profile.decode_tokens_per_s_at(prompt, output_tokens=output)
-        rows.append((prompt, measured, predicted))
-    for _prompt, measured, predicted in rows:
-        assert predicted == pytest.approx(measured, rel=BOUND), (rows, quick_profile.decode_points)
+        rows.append((prompt, measured, profile.decode_tokens_per_s_at(prompt, output_tokens=output)))
     assert rows[0][0] > 1900 and rows[1][0] < 64
+    return rows
+
+
+def _within(rows) -> bool:
+    return all(predicted == pytest.approx(measured, rel=BOUND) for _prompt, measured, predicted in rows)
+
+
+def test_decode_prediction_follows_the_context(llm, quick_profile):
+    attempts = [(_attempt(llm, quick_profile), quick_profile.decode_points)]
+    while not _within(attempts[-1][0]) and len(attempts) <= FRESH_ATTEMPTS:
+        fresh = trimkit.calibrate(llm, mode="quick", time_budget_s=2 * trimkit.calibration.QUICK_BUDGET_S, recalibrate=True, store=False)
+        attempts.append((_attempt(llm, fresh), fresh.decode_points))
+    assert _within(attempts[-1][0]), attempts
