@@ -406,6 +406,8 @@ class Bench:
                 "model": profile.model.to_dict(),
                 "first_token_s": profile.first_token_s,
                 "decode_tokens_per_s": profile.decode_tokens_per_s,
+                # the host's speed trend its repeated probes showed, and the samples were steadied by (trimkit.host_trend)
+                "host_trend": profile.alternatives.get("host_trend"),
                 "note": note,
             }
             out[mode] = rec
@@ -413,6 +415,7 @@ class Bench:
                 f"  {mode:5}  {wall:6.1f} s  (target ≤ {target:g} s)  {rec['result']}   profile {rec['profile_mode']}, "
                 f"{rec['samples']} samples, probed ≤ {new} new / {ctx} context tokens, "
                 f"leave-one-out error median {profile.error.median_pct:.1f} % p90 {profile.error.p90_pct:.1f} %"
+                + (f", host {rec['host_trend']['pct_per_10_s']:+.1f} % per 10 s (steadied)" if rec["host_trend"] else "")
                 + (f"  [{note}]" if note else "")
             )
         return out

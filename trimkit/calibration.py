@@ -38,6 +38,7 @@ from trimkit.calibration_run import CalibrationRun, Progress
 from trimkit.calibration_schedule import (ATTENTION_PRIOR_TOKENS, FULL_BUDGET_S, MICRO_BUDGET_S, MIN_N_CTX, MIN_SAMPLES, QUICK_BUDGET_S, Probe,
                                           calibration_probes, context_cap, get_mode, missing, mode_for_budget)
 from trimkit.errors import CalibrationError, InvalidInputError
+from trimkit.host_trend import HostTrend, host_trend, normalized
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, error_stats, fit_cost_model, heldout_predictions
 from trimkit.profile import CALIBRATION_MODES, Profile
 from trimkit.profile_store import load_profile, save_profile
@@ -130,13 +131,16 @@ def calibrate(
     run.execute()
     if len(run.samples) < MIN_SAMPLES:  # pragma: no cover - the minimum is enforced by _Run
         raise CalibrationError("calibration produced fewer than 3 samples")
-    model, err, heldout, alternatives = _fit(run.samples, key.n_batch or 512)
+    samples, trend = _steadied(run)
+    model, err, heldout, alternatives = _fit(samples, key.n_batch or 512)
+    if trend is not None:
+        alternatives["host_trend"] = trend.to_dict()
     profile = Profile(
         key=key,
         model=model,
         first_token_s=run.first_token_s,
         decode_tokens_per_s=run.decode_tps,
-        samples=tuple(run.samples),
+        samples=tuple(samples),
         error=err,
         alternatives=alternatives,
         calibration_wall_s=run.wall_s,
@@ -154,6 +158,17 @@ def calibrate(
         if path is not None:  # None: the cache folder is unwritable (save_profile warned once)
             log.info("trimkit: stored profile %s", path)
     return profile
+
+
+def _steadied(run: CalibrationRun) -> tuple[list[PrefillSample], HostTrend | None]:
+    """The run's samples, rescaled to the host's speed at its end when its repeated probes show
+    that the host sped up or slowed down while it ran (:mod:`trimkit.host_trend`), and the trend."""
+    trend = host_trend(run.samples, run.sample_times)
+    if trend is None:
+        return list(run.samples), None
+    log.info("trimkit: the host's speed changed during calibration (%+.1f %% per 10 s over %d repeated probes); "
+             "samples rescaled to its speed at the end", trend.to_dict()["pct_per_10_s"], trend.pairs)
+    return normalized(run.samples, run.sample_times, trend), trend
 
 
 def _fit(samples: Sequence[PrefillSample], n_batch: int) -> tuple[CostModel, ErrorStats, list[tuple[float, float]], dict[str, Any]]:
@@ -226,6 +241,8 @@ def refit_profile(profile: Profile, samples: Sequence[PrefillSample], *, mode: s
         return profile
     every = profile.samples + new
     model, err, heldout, alternatives = _fit(every, profile.key.n_batch or 512)
+    if "host_trend" in profile.alternatives:  # how the calibration samples were steadied stays on record
+        alternatives["host_trend"] = profile.alternatives["host_trend"]
     probed_new, probed_ctx = profile.probed_range()
     name = profile.mode if mode is None else get_mode(mode).name
     return attrs.evolve(
