@@ -42,7 +42,8 @@ LEVEL_WINDOW = 5
 #: the level correction is clipped to this range (as the prefill drift is: one absurd stream moves nothing far)
 LEVEL_CLIP = (0.2, 5.0)
 #: what a model fitted on a single context says about itself
-FLAT_NOTE = "decode measured at one context length only: assumed independent of the context"
+FLAT_NOTE = ("decode measured at one context length only: how it slows as the context grows is not known yet "
+             "(predicted flat until served requests at other lengths measure it)")
 #: what a model says whose measured slowdown is within the noise of its measurements
 WITHIN_NOISE_NOTE = "no slowdown measurable over the contexts measured: assumed flat beyond them"
 #: the standard error of the median of n samples, per median absolute deviation, times √n:
