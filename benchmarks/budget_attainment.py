@@ -22,7 +22,6 @@ Targets: ≥ 97 % within budget; median budget use ≥ 0.85; cached turn ≤ 1.1
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -34,6 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 from trimkit.planning.costs import quantile as pct  # noqa: E402
+from _results import write_results  # noqa: E402 - the sibling module of benchmarks/
 
 
 def main() -> int:
@@ -223,9 +223,7 @@ def main() -> int:
     print(f"decode: {dec_t:.1f} tokens/s through trimkit vs {dec_r:.1f} raw ({result['decode_tokens_per_s']['relative_diff_pct']:+.1f} %, target within 3 %)")
     for k, v in result["planning_50_turns_20_chunks_ms"].items():
         print(f"planning 50 turns + 20 chunks ({k}): p50 {v['p50']:.2f} ms, p99 {v['p99']:.2f} ms (target ≤ 1 ms median)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
-    print(f"wrote {args.out}")
+    write_results(args.out, result)
     return 0
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing
 import os
 import platform
@@ -50,6 +49,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from prediction_accuracy import build_text, percentile  # noqa: E402  (the same held-out prompt builder)
+from _results import write_results  # noqa: E402 - the sibling module of benchmarks/
+
 BAN_END = {"1": -100.0, "106": -100.0}  # Gemma's <eos> and <end_of_turn>: a content chunk always comes
 
 
@@ -356,9 +357,7 @@ def main() -> int:
     print(f"(c) client-side overhead per request: planning median {o['planning_ms_median']:.1f} ms (p90 {o['planning_ms_p90']:.1f}), "
           f"prepare median {o['prepare_ms_median']:.1f} ms (p90 {o['prepare_ms_p90']:.1f}), "
           f"HTTP overhead median {o['http_overhead_ms_median']:.1f} ms [{'; '.join(overhead_sources)}]")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1, default=str))
-    print(f"wrote {out_path}")
+    write_results(out_path, result)
     return 0
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.metadata
-import json
 import os
 import random
 import statistics
@@ -52,6 +51,7 @@ sys.path.insert(0, str(HERE))
 
 import rag_qa  # noqa: E402
 from rag_answer_kept import median, open_model, pct, share_text  # noqa: E402
+from _results import write_results  # noqa: E402 - the sibling module of benchmarks/
 
 LAYER_TARGET_MS = 5.0
 #: what every path's trimkit wrapper is given besides the profile: nothing runs in the
@@ -347,9 +347,7 @@ def main() -> int:
         "load_average_end": list(os.getloadavg()), "layer_target_ms": LAYER_TARGET_MS, "layer_target_missed": layer_missed,
         "untrimmed_s": {"median": statistics.median(j["untrimmed_s"] for j in jobs)}, "summary": summary, "same_state_plans": agreement, "rows": rows,
     }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1, default=str))
-    print(f"wrote {out_path}")
+    write_results(out_path, result)
     return 0
 
 

@@ -57,6 +57,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import rag_qa  # noqa: E402
+from _results import write_results  # noqa: E402 - the sibling module of benchmarks/
 
 PREVIOUS_COMMIT = "3018083"
 ARMS = ("trimkit", "keep_first_k", "drop_oldest_only", "previous_chain")
@@ -695,9 +696,7 @@ def main() -> int:
         "requests": req_info,
         "rows": rows,
     }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1, default=str))
-    print(f"wrote {out_path}")
+    write_results(out_path, result)
     return 0
 
 

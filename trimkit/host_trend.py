@@ -69,6 +69,11 @@ class HostTrend:
         return {**attrs.asdict(self), "pct_per_10_s": 100.0 * math.expm1(10.0 * self.log_per_s)}
 
 
+def _check_lengths(samples: Sequence[PrefillSample], times: Sequence[float]) -> None:
+    if len(samples) != len(times):
+        raise ValueError(f"{len(samples)} samples but {len(times)} times")
+
+
 def _pairs(samples: Sequence[PrefillSample], times: Sequence[float]) -> list[tuple[float, float, float]]:
     """(earlier time, seconds between, log ratio later / earlier) of consecutive measurements
     of each probe."""
@@ -89,8 +94,7 @@ def _pairs(samples: Sequence[PrefillSample], times: Sequence[float]) -> list[tup
 def host_trend(samples: Sequence[PrefillSample], times: Sequence[float]) -> HostTrend | None:
     """The trend of the host's speed over the calibration that measured ``samples`` at ``times``
     (seconds, one a sample, in any origin), or None when its repeated probes show none."""
-    if len(samples) != len(times):
-        raise ValueError(f"{len(samples)} samples but {len(times)} times")
+    _check_lengths(samples, times)
     pairs = _pairs(samples, times)
     if len(pairs) < MIN_PAIRS:
         return None
@@ -107,7 +111,6 @@ def host_trend(samples: Sequence[PrefillSample], times: Sequence[float]) -> Host
 
 def normalized(samples: Sequence[PrefillSample], times: Sequence[float], trend: HostTrend) -> list[PrefillSample]:
     """``samples`` rescaled to the host's speed at the last of ``times`` (new objects)."""
-    if len(samples) != len(times):
-        raise ValueError(f"{len(samples)} samples but {len(times)} times")
+    _check_lengths(samples, times)
     end = max(times)
     return [attrs.evolve(s, seconds=s.seconds * trend.factor(t, end)) for s, t in zip(samples, times, strict=True)]
