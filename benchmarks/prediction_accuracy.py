@@ -408,6 +408,10 @@ class Bench:
                 "decode_tokens_per_s": profile.decode_tokens_per_s,
                 # the host's speed trend its repeated probes showed, and the samples were steadied by (trimkit.host_trend)
                 "host_trend": profile.alternatives.get("host_trend"),
+                # where the model's architecture says attention doubles the per-token cost (trimkit.architecture),
+                # and where the fit (which leans on it) put it
+                "attention_prior_tokens": getattr(profile, "attention_prior_tokens", 0.0),
+                "fitted_doubling_tokens": profile.model.per_token_s / profile.model.depth_s if profile.model.depth_s > 0 else None,
                 "note": note,
             }
             out[mode] = rec
@@ -416,6 +420,8 @@ class Bench:
                 f"{rec['samples']} samples, probed ≤ {new} new / {ctx} context tokens, "
                 f"leave-one-out error median {profile.error.median_pct:.1f} % p90 {profile.error.p90_pct:.1f} %"
                 + (f", host {rec['host_trend']['pct_per_10_s']:+.1f} % per 10 s (steadied)" if rec["host_trend"] else "")
+                + (f", attention doubles every {rec['fitted_doubling_tokens']:,.0f} tokens (prior {rec['attention_prior_tokens']:,.0f})"
+                   if rec["fitted_doubling_tokens"] and rec["attention_prior_tokens"] else "")
                 + (f"  [{note}]" if note else "")
             )
         return out

@@ -39,7 +39,7 @@ from trimkit.calibration_schedule import (ATTENTION_PRIOR_TOKENS, FULL_BUDGET_S,
                                           calibration_probes, context_cap, get_mode, missing, mode_for_budget)
 from trimkit.errors import CalibrationError, InvalidInputError
 from trimkit.host_trend import HostTrend, host_trend, normalized
-from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, error_stats, fit_cost_model, heldout_predictions
+from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, error_stats, fit_cost_model, heldout_predictions, per_token_rate
 from trimkit.profile import CALIBRATION_MODES, Profile
 from trimkit.profile_store import load_profile, save_profile
 from trimkit.validation import budget
@@ -132,7 +132,8 @@ def calibrate(
     if len(run.samples) < MIN_SAMPLES:  # pragma: no cover - the minimum is enforced by _Run
         raise CalibrationError("calibration produced fewer than 3 samples")
     samples, trend = _steadied(run)
-    model, err, heldout, alternatives = _fit(samples, key.n_batch or 512)
+    prior = backend.attention_prior_tokens
+    model, err, heldout, alternatives = _fit(samples, key.n_batch or 512, prior)
     if trend is not None:
         alternatives["host_trend"] = trend.to_dict()
     profile = Profile(
@@ -150,6 +151,7 @@ def calibrate(
         mode=name,
         time_budget_s=budget_s,
         first_token_estimated=run.first_token_estimated,
+        attention_prior_tokens=prior or 0.0,
         # no point measured but decode was: its speed stands as one point (the profile's default)
         **({"decode_points": tuple(run.decode_points)} if run.decode_points or run.decode_estimated else {}),
     )
@@ -171,12 +173,16 @@ def _steadied(run: CalibrationRun) -> tuple[list[PrefillSample], HostTrend | Non
     return normalized(run.samples, run.sample_times, trend), trend
 
 
-def _fit(samples: Sequence[PrefillSample], n_batch: int) -> tuple[CostModel, ErrorStats, list[tuple[float, float]], dict[str, Any]]:
-    """The cost model for ``samples``, its held-out error and residuals, and both candidates."""
+def _fit(samples: Sequence[PrefillSample], n_batch: int,
+         prior: float | None = None) -> tuple[CostModel, ErrorStats, list[tuple[float, float]], dict[str, Any]]:
+    """The cost model for ``samples``, its held-out error and residuals, and both candidates.
+    ``prior``: the architecture's attention doubling length (:mod:`trimkit.architecture`),
+    which the fit leans on where the samples say little about attention, and the fallbacks use
+    in place of the conservative :data:`ATTENTION_PRIOR_TOKENS`."""
     candidates = {}
     for batched in (False, True):
-        model = fit_cost_model(samples, n_batch=n_batch, batched=batched)
-        heldout = heldout_predictions(samples, n_batch=n_batch, batched=batched)
+        model = fit_cost_model(samples, n_batch=n_batch, batched=batched, depth_prior_tokens=prior)
+        heldout = heldout_predictions(samples, n_batch=n_batch, batched=batched, depth_prior_tokens=prior)
         candidates["batched" if batched else "design"] = (model, error_stats(heldout), heldout)
     # the plain model (docs/design.md, §2) unless the per-chunk variant is clearly better on held-out probes
     name = "design"
@@ -186,16 +192,15 @@ def _fit(samples: Sequence[PrefillSample], n_batch: int) -> tuple[CostModel, Err
     model, err, heldout = candidates[name]
     alternatives = {n: {"model": m.to_dict(), "heldout_error": e.to_dict()} for n, (m, e, _) in candidates.items()}
     lo, hi = min(s.new_tokens for s in samples), max(s.new_tokens for s in samples)
-    timed = [s for s in samples if s.seconds > 0]
-    rate = sum(s.new_tokens / s.seconds for s in timed) / sum((s.new_tokens / s.seconds) ** 2 for s in timed)
+    rate = per_token_rate(samples)
     if model.depth_s * ATTENTION_PRIOR_TOKENS > max(model.per_token_s, rate):
         # attention costing more per token than the weights do before ATTENTION_PRIOR_TOKENS of
         # context is no model of a transformer (for any size: the weights cost ~2·params FLOPs a
         # token, attention ~4·d_model·layers·context); noisy probes spanning too little context
         # (a busy host's minimum) can fit one, and it would price a 1,000-token prompt in
-        # minutes. The schedule's conservative allowance instead: it errs long, and the live
-        # refits correct it from the first requests.
-        model = CostModel(overhead_s=0.0, per_token_s=rate, depth_s=rate / ATTENTION_PRIOR_TOKENS, n_batch=n_batch)
+        # minutes. The architecture's attention instead where known, else the schedule's
+        # conservative allowance: it errs long, and the live refits correct it from the first requests.
+        model = CostModel(overhead_s=0.0, per_token_s=rate, depth_s=rate / (prior or ATTENTION_PRIOR_TOKENS), n_batch=n_batch)
         heldout = [(model.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in samples]
         err = error_stats(heldout)
         alternatives["attention_prior"] = {"model": model.to_dict(), "heldout_error": err.to_dict()}
@@ -204,8 +209,9 @@ def _fit(samples: Sequence[PrefillSample], n_batch: int) -> tuple[CostModel, Err
     elif model.prefill_s(hi) < FLAT_GROWTH * model.prefill_s(lo):
         # a cost that barely grows across all the lengths probed is no model of prefill: noisy
         # probes that span too little (a slow or busy host's minimum) can fit one, and it would
-        # price a 4,000-token prompt like a 16-token one. Proportional instead: it errs long.
-        model = CostModel(overhead_s=0.0, per_token_s=rate, depth_s=0.0, n_batch=n_batch)
+        # price a 4,000-token prompt like a 16-token one. Proportional instead (with the
+        # architecture's attention where known): it errs long.
+        model = CostModel(overhead_s=0.0, per_token_s=rate, depth_s=rate / prior if prior else 0.0, n_batch=n_batch)
         heldout = [(model.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in samples]
         err = error_stats(heldout)
         alternatives["proportional"] = {"model": model.to_dict(), "heldout_error": err.to_dict()}
@@ -240,7 +246,7 @@ def refit_profile(profile: Profile, samples: Sequence[PrefillSample], *, mode: s
     if not new and mode is None:
         return profile
     every = profile.samples + new
-    model, err, heldout, alternatives = _fit(every, profile.key.n_batch or 512)
+    model, err, heldout, alternatives = _fit(every, profile.key.n_batch or 512, profile.depth_prior_tokens)
     if "host_trend" in profile.alternatives:  # how the calibration samples were steadied stays on record
         alternatives["host_trend"] = profile.alternatives["host_trend"]
     probed_new, probed_ctx = profile.probed_range()

@@ -75,6 +75,7 @@ def profile_lines(profile: Profile) -> list[str]:
         f"  model ({m.name}): T(n|k) = {m.overhead_s * 1000:.1f} ms + {m.per_token_s * 1000:.3f} ms·n + "
         f"{m.depth_s * 1e6:.3f} µs·(n·k + n²/2)" + (f" + {m.per_batch_s * 1000:.1f} ms·⌈n/{m.n_batch}⌉" if m.per_batch_s else ""),
         f"  held-out error (leave one probe out): median {profile.error.median_pct:.1f} %, p90 {profile.error.p90_pct:.1f} %",
+        _attention_text(profile),
         f"  first-token overhead {profile.first_token_s * 1000:.1f} ms · {decode_text(profile)}",
         f"  calibrated in {profile.calibration_wall_s:.1f} s ({profile.mode}"
         + (f", time budget {profile.time_budget_s:g} s" if profile.time_budget_s else "")
@@ -83,6 +84,16 @@ def profile_lines(profile: Profile) -> list[str]:
         "predictions beyond are extrapolated and get a wider margin",
     ]
     return out
+
+
+def _attention_text(profile: Profile) -> str:
+    """Where the per-token cost doubles with context: fitted, and what the model's architecture
+    says (the prior the fit leans on where the probes reach too little context to show it)."""
+    m = profile.model
+    fitted = f"every {m.per_token_s / m.depth_s:,.0f} tokens of context" if m.depth_s > 0 else "not seen in the probes"
+    prior = (f"; the architecture says every {profile.attention_prior_tokens:,.0f} (the prior the fit leans on)"
+             if profile.attention_prior_tokens else "; no architecture prior (the fit has the probes alone)")
+    return f"  attention: the per-token cost doubles {fitted}{prior}"
 
 
 def decode_text(profile: Profile) -> str:

@@ -151,6 +151,10 @@ class Profile:
     #: measured (calibration had no time for it).
     decode_points: tuple[DecodePoint, ...] = attrs.field(default=attrs.Factory(_legacy_decode_points, takes_self=True),
                                                          converter=_decode_points, repr=False)
+    #: the model architecture's attention doubling length, tokens (trimkit.architecture): the
+    #: prior every fit of this profile's samples leans on where they say little about attention;
+    #: 0.0 when unknown (a server, a profile stored before it was kept): the samples alone
+    attention_prior_tokens: float = attrs.field(default=0.0, converter=real_float)
 
     def __attrs_post_init__(self) -> None:
         # past construction, code trusts these types: check them once here
@@ -176,6 +180,12 @@ class Profile:
         non_negative_finite(self.time_budget_s, "time_budget_s")
         if not isinstance(self.first_token_estimated, bool):
             raise InvalidInputError(f"first_token_estimated must be a bool, got {type(self.first_token_estimated).__name__}")
+        non_negative_finite(self.attention_prior_tokens, "attention_prior_tokens")
+
+    @property
+    def depth_prior_tokens(self) -> float | None:
+        """:attr:`attention_prior_tokens` as the fits take it: None when unknown."""
+        return self.attention_prior_tokens or None
 
     @property
     def provisional(self) -> bool:
@@ -289,6 +299,7 @@ class Profile:
             "time_budget_s": self.time_budget_s,
             "first_token_estimated": self.first_token_estimated,
             "decode_points": [p.to_dict() for p in self.decode_points],
+            "attention_prior_tokens": self.attention_prior_tokens,
         }
 
     @classmethod
@@ -333,7 +344,8 @@ def _structure(data: Any) -> Profile:
     extra: dict[str, Any] = {}
     for name, read in (("mode", json_str), ("probed_new_tokens", json_int), ("probed_context_tokens", json_int),
                        ("time_budget_s", lambda v, w: json_number(v, w, non_negative_finite)), ("first_token_estimated", json_bool),
-                       ("decode_points", lambda v, w: read_decode_points(v))):
+                       ("decode_points", lambda v, w: read_decode_points(v)),
+                       ("attention_prior_tokens", lambda v, w: json_number(v, w, non_negative_finite))):
         if name in data:
             extra[name] = read(data[name], name)
     return checked(

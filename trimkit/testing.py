@@ -60,6 +60,8 @@ class FakeBackend(Backend):
     """A fake engine: cost = ``cost_model.prefill_s(new, cached) + first_token_s``; decode at
     ``decode_tokens_per_s``; replies with ``reply`` split into words. ``slowdown`` makes it a
     host that many times slower (every cost multiplied, decode speed divided).
+    ``attention_prior_tokens``: what the model's architecture would say of its attention
+    (:mod:`trimkit.architecture`; None: nothing, as a server).
 
     ``calls`` records every request's messages and parameters exactly as received. Like an
     in-process engine it runs one request at a time: a stream holds :attr:`engine` (an
@@ -83,7 +85,9 @@ class FakeBackend(Backend):
         reply: str = DEFAULT_REPLY,
         reuse_prefix: bool = True,
         slowdown: float = 1.0,
+        attention_prior_tokens: float | None = None,
     ) -> None:
+        self.attention_prior_tokens = attention_prior_tokens
         self.cost_model = cost_model or CostModel(overhead_s=0.01, per_token_s=0.0014, depth_s=1e-7)
         if slowdown != 1.0:  # a host this many times slower: every cost scaled, decode speed divided
             positive_finite(slowdown, "slowdown")

@@ -292,6 +292,10 @@ class Backend(abc.ABC):
     #: it prefills the prefix again first (a server probe sends a fresh text). Calibration
     #: budgets its depth probes' wall time by it.
     depth_probe_keeps_prefix: bool = True
+    #: the model's attention doubling length by its architecture, tokens
+    #: (:mod:`trimkit.architecture`): the prior calibration's fit leans on where its probes say
+    #: little about attention; None when the engine does not tell (a server)
+    attention_prior_tokens: float | None = None
 
     def warm_up(self) -> None:
         """Pay one-off costs (first eval after load) before measuring."""

@@ -42,6 +42,7 @@ from trimkit.backends.llama_context import (
 )
 from trimkit.backends.llama_format import chat_format_renderer, llama_prompt_tokenizer
 from trimkit.backends.llama_idle import abort_when, context_kept, tokens_kept
+from trimkit.architecture import llama_attention_prior
 from trimkit.errors import BackendError, ContextTooSmallError
 from trimkit.model import model_identity
 from trimkit.profile import ProfileKey
@@ -89,6 +90,7 @@ class LlamaBackend(Backend):
         self._probe_tokens: list[int] | None = None
         self.snapshots: dict[tuple[int, ...], PrefixSnapshot] = {}
         self.max_snapshots = 4
+        self.attention_prior_tokens = llama_attention_prior(llm)
 
     # -- facts ------------------------------------------------------------------------------
     @property

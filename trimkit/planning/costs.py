@@ -8,6 +8,13 @@ fits a variant with a per-chunk term ``d·ceil(n / n_batch)`` and keeps whicheve
 held-out samples better (leave-one-probe-out cross-validation). Coefficients are fitted by
 non-negative least squares on *relative* error, so a 32-token prompt matters as much as a
 4096-token one.
+
+The depth term shows in the probes only once they reach deep enough into the context for
+attention to stand above the host's noise; short probes leave it to chance. Where the model's
+architecture is known (:mod:`trimkit.architecture`), the fit is given its attention doubling
+length ``D`` as a prior — ``c ≈ a / D``, to within :data:`ATTENTION_PRIOR_SPREAD` — weighed as
+one more observation against the probes (a maximum a posteriori fit): probes that span a long
+context outweigh it, short ones lean on it.
 """
 
 from __future__ import annotations
@@ -34,7 +41,24 @@ __all__ = [
     "heldout_predictions",
     "error_stats",
     "quantile",
+    "per_token_rate",
+    "probe_noise",
+    "PROBE_NOISE_FLOOR",
+    "ATTENTION_PRIOR_SPREAD",
+    "PROBE_NOISE",
 ]
+
+#: how far the architecture's attention prior may be off, as a relative standard deviation of
+#: the depth term: a FLOP ratio says nothing of how efficiently an engine runs attention next to
+#: the weight matrices (:mod:`trimkit.architecture`), so it is trusted to within about half
+ATTENTION_PRIOR_SPREAD = 0.5
+#: the relative noise of one probe the prior is weighed against is read off the probes (the
+#: scatter of a fit without the prior, :func:`probe_noise`); this where they are too few to
+#: show it (no more probes than coefficients), and never less than PROBE_NOISE_FLOOR
+PROBE_NOISE = 0.1
+#: the least relative noise a probe is credited with (a clock's and a cache's jitter, on the
+#: quietest host): the probes of a fit that matches them exactly do not overrule the prior alone
+PROBE_NOISE_FLOOR = 0.02
 
 
 def evaluated_tokens(n_tokens: int, cached_tokens: int) -> int:
@@ -154,14 +178,56 @@ def _nnls_small(rows: Sequence[Sequence[float]], target: Sequence[float], weight
     return best[1]
 
 
-def fit_cost_model(samples: Iterable[PrefillSample], *, n_batch: int = 512, batched: bool = False) -> CostModel:
-    """Fit a :class:`CostModel` (``batched`` adds the per-``n_batch``-chunk term)."""
+def _check_prior(depth_prior_tokens: float | None) -> float | None:
+    if depth_prior_tokens is None:
+        return None
+    if isinstance(depth_prior_tokens, bool) or not isinstance(depth_prior_tokens, (int, float)):
+        raise InvalidInputError(f"depth_prior_tokens must be a number or None, got {type(depth_prior_tokens).__name__}")
+    if not (math.isfinite(depth_prior_tokens) and depth_prior_tokens > 0):
+        raise InvalidNumberError(f"depth_prior_tokens must be positive and finite, got {depth_prior_tokens!r}")
+    return float(depth_prior_tokens)
+
+
+def probe_noise(rows: Sequence[Sequence[float]], target: Sequence[float], weights: Sequence[float]) -> float:
+    """The relative noise of one probe: the root-mean-square relative residual of the fit
+    without the prior, over its degrees of freedom; :data:`PROBE_NOISE` when there are none
+    (no more probes than coefficients); at least :data:`PROBE_NOISE_FLOOR`."""
+    free = len(rows) - len(rows[0])
+    if free <= 0:
+        return PROBE_NOISE
+    coef = np.asarray(_nnls_small(rows, target, weights))
+    resid = (np.asarray(rows, dtype=float) @ coef - np.asarray(target, dtype=float)) * np.asarray(weights, dtype=float)
+    return max(PROBE_NOISE_FLOOR, float(math.sqrt(float(np.sum(resid ** 2)) / free)))
+
+
+def per_token_rate(samples: Iterable[PrefillSample]) -> float:
+    """Seconds per new token over ``samples`` (those with a positive time): the least-squares
+    proportional rate on relative error, overhead and attention included."""
+    timed = [s for s in samples if s.seconds > 0]
+    if not timed:
+        raise ValueError("no samples with a positive time")
+    return sum(s.new_tokens / s.seconds for s in timed) / sum((s.new_tokens / s.seconds) ** 2 for s in timed)
+
+
+def fit_cost_model(samples: Iterable[PrefillSample], *, n_batch: int = 512, batched: bool = False,
+                   depth_prior_tokens: float | None = None) -> CostModel:
+    """Fit a :class:`CostModel` (``batched`` adds the per-``n_batch``-chunk term).
+    ``depth_prior_tokens``: the architecture's attention doubling length (module docstring),
+    added as one weighted observation ``c·D − a = 0``; None fits the probes alone."""
+    prior = _check_prior(depth_prior_tokens)
     data = [s for s in samples if s.seconds > 0]
     if not data:
         raise ValueError("no samples with a positive time to fit")
     rows = [_features(s, n_batch, batched) for s in data]
     target = [s.seconds for s in data]
     weights = [1.0 / s.seconds for s in data]
+    if prior is not None:
+        # (c·D − a) / a₀ is the depth term's relative departure from the prior; weighted so that
+        # a departure of ATTENTION_PRIOR_SPREAD weighs as one probe off by the probes' noise
+        noise = probe_noise(rows, target, weights)
+        rows.append([0.0, -1.0, prior] + ([0.0] if batched else []))
+        target.append(0.0)
+        weights.append(noise / ATTENTION_PRIOR_SPREAD / per_token_rate(data))
     coef = _nnls_small(rows, target, weights)
     return CostModel(
         overhead_s=coef[0],
@@ -206,7 +272,8 @@ def error_stats(pairs: Iterable[tuple[float, float]]) -> ErrorStats:
     return ErrorStats(statistics.median(errs), quantile(errs, 0.9), max(errs), len(errs))
 
 
-def heldout_predictions(samples: Sequence[PrefillSample], *, n_batch: int, batched: bool) -> list[tuple[float, float]]:
+def heldout_predictions(samples: Sequence[PrefillSample], *, n_batch: int, batched: bool,
+                        depth_prior_tokens: float | None = None) -> list[tuple[float, float]]:
     """(predicted, measured) prefill seconds for every sample, each predicted by a fit without
     its probe (new, cached) — leave-one-probe-out; the in-sample fit with fewer than 4 probes.
     In the order of ``samples``."""
@@ -214,15 +281,15 @@ def heldout_predictions(samples: Sequence[PrefillSample], *, n_batch: int, batch
     for s in samples:
         groups.setdefault((s.new_tokens, s.cached_tokens), []).append(s)
     if len(groups) < 4:
-        model = fit_cost_model(samples, n_batch=n_batch, batched=batched)
+        model = fit_cost_model(samples, n_batch=n_batch, batched=batched, depth_prior_tokens=depth_prior_tokens)
         return [(model.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in samples]
     fits = {}
     for key in groups:
         rest = [s for k, g in groups.items() if k != key for s in g]
-        fits[key] = fit_cost_model(rest, n_batch=n_batch, batched=batched)
+        fits[key] = fit_cost_model(rest, n_batch=n_batch, batched=batched, depth_prior_tokens=depth_prior_tokens)
     return [(fits[(s.new_tokens, s.cached_tokens)].prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in samples]
 
 
-def cross_validate(samples: Sequence[PrefillSample], *, n_batch: int, batched: bool) -> ErrorStats:
+def cross_validate(samples: Sequence[PrefillSample], *, n_batch: int, batched: bool, depth_prior_tokens: float | None = None) -> ErrorStats:
     """Leave-one-probe-out error: every probe (new, cached) is predicted by a fit without it."""
-    return error_stats(heldout_predictions(samples, n_batch=n_batch, batched=batched))
+    return error_stats(heldout_predictions(samples, n_batch=n_batch, batched=batched, depth_prior_tokens=depth_prior_tokens))

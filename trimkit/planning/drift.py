@@ -204,7 +204,8 @@ class LiveProfile:
         if refit and self._live:
             calib = [s for s in profile.samples if s.source == "calibration"]
             live = list(self._live)
-            candidate = fit_cost_model(calib + live, n_batch=model.n_batch, batched=model.per_batch_s > 0)
+            candidate = fit_cost_model(calib + live, n_batch=model.n_batch, batched=model.per_batch_s > 0,
+                                       depth_prior_tokens=profile.depth_prior_tokens)
             # keep the refit only if it explains the live samples better than model × drift
             old_err = error_stats((model.prefill_s(s.new_tokens, s.cached_tokens) * math.exp(log_drift), s.seconds) for s in live)
             new_err = error_stats((candidate.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in live)
