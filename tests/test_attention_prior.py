@@ -147,3 +147,15 @@ def test_a_stored_profile_without_the_prior_loads_and_a_bad_one_is_refused(isola
     for bad in (-1.0, "many", math.inf):
         with pytest.raises(ProfileError):
             Profile.from_dict({**profile.to_dict(), "attention_prior_tokens": bad})
+
+
+def test_a_stored_profile_from_before_the_prior_gets_the_engines_prior_when_reused(isolated_cache):
+    from trimkit.profile_store import save_profile
+
+    fake = FakeBackend(attention_prior_tokens=2500.0)
+    old = calibrate(FakeBackend(), mode="micro", store=False, recalibrate=True)  # no prior, as stored by an older trimkit
+    assert old.attention_prior_tokens == 0.0 and old.key == fake.profile_key()
+    save_profile(old)
+    reused = calibrate(fake, mode="micro")
+    assert reused.created_at == old.created_at  # reused, not measured again
+    assert reused.attention_prior_tokens == 2500.0

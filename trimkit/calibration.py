@@ -125,6 +125,9 @@ def calibrate(
         stored = load_profile(key)
         if stored is not None and _satisfies(stored, name):
             log.info("trimkit: reusing stored %s profile for %s", stored.mode, key.model)
+            if not stored.attention_prior_tokens and backend.attention_prior_tokens:
+                # stored before profiles kept the prior: its later refits (idle probes, live) lean on it
+                stored = attrs.evolve(stored, attention_prior_tokens=backend.attention_prior_tokens)
             return stored
 
     run = CalibrationRun(backend, key.n_batch or 512, get_mode(name), budget_s, clock or getattr(backend, "clock", None) or time.perf_counter, progress)
