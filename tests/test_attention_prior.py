@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from trimkit.architecture import attention_doubling_prior, llama_attention_prior
+from trimkit.architecture import attention_doubling_prior, idle_expert_params, llama_attention_prior
 from trimkit.calibration import _fit, calibrate, refit_profile
 from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError
 from trimkit.planning.costs import PROBE_NOISE, PROBE_NOISE_FLOOR, CostModel, PrefillSample, fit_cost_model, probe_noise
@@ -55,6 +55,53 @@ def test_the_real_model_has_a_prior_from_its_own_counts(llm):
 
 def test_an_object_that_is_no_llama_gives_no_prior():
     assert llama_attention_prior(object()) is None
+
+
+def test_a_mixture_of_experts_counts_only_the_experts_a_token_uses():
+    """Mixtral-8x7B's counts: 46.7 B parameters, 8 experts of which 2 are used per token in each
+    of 32 layers (width 4,096, expert feed-forward 14,336): ~12.9 B active, as published."""
+    idle = idle_expert_params(n_layer=32, n_embd=4096, expert_count=8, expert_used_count=2, expert_ff=14336)
+    assert 46.7e9 - idle == pytest.approx(12.9e9, rel=0.02)
+    counts = {"n_params": 46_702_792_704, "n_vocab": 32_000, "n_embd": 4096, "n_layer": 32, "n_head": 32, "head_dim": 128}
+    dense = attention_doubling_prior(**counts)
+    moe = attention_doubling_prior(**counts, idle_params=idle)
+    outside_vocabulary = counts["n_params"] - counts["n_vocab"] * counts["n_embd"]
+    assert moe == pytest.approx(dense * (outside_vocabulary - idle) / outside_vocabulary, rel=1e-9)
+    assert 3 < dense / moe < 4  # attention weighs ~3.6× more against the weights a token uses
+    assert idle_expert_params(n_layer=32, n_embd=4096, expert_count=1, expert_used_count=1, expert_ff=14336) == 0.0
+    assert attention_doubling_prior(**counts, idle_params=46.7e9) is None  # nothing left a token passes through
+
+
+class _StandInLlama:
+    """What llama_attention_prior reads of a Llama, for a model file trimkit does not ship."""
+
+    def __init__(self, metadata):
+        self.model = object()
+        self.metadata = metadata
+
+    def n_embd(self):
+        return 4096
+
+    def n_vocab(self):
+        return 32_000
+
+
+def test_the_prior_of_a_mixture_model_is_read_from_its_metadata(monkeypatch):
+    import llama_cpp
+
+    monkeypatch.setattr(llama_cpp, "llama_model_n_params", lambda m: 46_702_792_704)
+    monkeypatch.setattr(llama_cpp, "llama_model_n_layer", lambda m: 32)
+    monkeypatch.setattr(llama_cpp, "llama_model_n_head", lambda m: 32)
+    base = {"general.architecture": "llama", "llama.expert_count": "8", "llama.expert_used_count": "2"}
+    idle = idle_expert_params(n_layer=32, n_embd=4096, expert_count=8, expert_used_count=2, expert_ff=14336)
+    expected = attention_doubling_prior(n_params=46_702_792_704, n_vocab=32_000, n_embd=4096, n_layer=32, n_head=32,
+                                        head_dim=128, idle_params=idle)
+    assert llama_attention_prior(_StandInLlama({**base, "llama.feed_forward_length": "14336"})) == pytest.approx(expected)
+    # the expert size unknown: no prior rather than one that reads attention far too flat
+    assert llama_attention_prior(_StandInLlama(base)) is None
+    # a dense model of the same counts: the whole model per token
+    assert llama_attention_prior(_StandInLlama({"general.architecture": "llama"})) == pytest.approx(
+        attention_doubling_prior(n_params=46_702_792_704, n_vocab=32_000, n_embd=4096, n_layer=32, n_head=32, head_dim=128))
 
 
 def _noisy(truth: CostModel, points, rng: random.Random, noise: float) -> list[PrefillSample]:

@@ -18,8 +18,8 @@ prior, read from the model file, is what the fit leans on where the probes say l
 
 It is a FLOP ratio, not a measurement: an engine may run attention more or less efficiently per
 FLOP than the weight matrices (a fused flash-attention kernel, a GPU), a mixture-of-experts
-model uses only some of its parameters per token (the prior then reads attention as flatter
-than it is), and sliding-window layers are counted as full ones (llama.cpp computes them over
+model's unused experts are estimated from its GGUF's expert counts (:func:`idle_expert_params`),
+and sliding-window layers are counted as full ones (llama.cpp computes them over
 the whole cache unless told otherwise). The fit weighs it accordingly
 (:data:`~trimkit.planning.costs.ATTENTION_PRIOR_SPREAD`).
 """
@@ -31,21 +31,36 @@ from typing import Any
 
 import llama_cpp
 
-__all__ = ["attention_doubling_prior", "llama_attention_prior"]
+__all__ = ["attention_doubling_prior", "idle_expert_params", "llama_attention_prior"]
 
 
-def attention_doubling_prior(*, n_params: int, n_vocab: int, n_embd: int, n_layer: int, n_head: int, head_dim: int) -> float | None:
+def attention_doubling_prior(*, n_params: int, n_vocab: int, n_embd: int, n_layer: int, n_head: int, head_dim: int,
+                             idle_params: float = 0.0) -> float | None:
     """The context length (tokens) over which the per-token prefill cost doubles by the FLOP
     ratio above; None when the numbers do not describe a transformer (any of them not
-    positive, or no parameters left outside the vocabulary table)."""
+    positive, or no parameters left outside the vocabulary table). ``idle_params``: parameters
+    a token does not pass through (a mixture of experts' unused experts, :func:`idle_expert_params`)."""
     values = (n_params, n_vocab, n_embd, n_layer, n_head, head_dim)
     if any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values):
         return None
-    per_token = n_params - n_vocab * n_embd
+    if isinstance(idle_params, bool) or not isinstance(idle_params, (int, float)) or not (0 <= idle_params < math.inf):
+        return None
+    per_token = n_params - n_vocab * n_embd - idle_params
     if per_token <= 0:
         return None
     doubling = per_token / (2.0 * n_layer * n_head * head_dim)
     return doubling if math.isfinite(doubling) and doubling > 0 else None
+
+
+def idle_expert_params(*, n_layer: int, n_embd: int, expert_count: int, expert_used_count: int, expert_ff: int) -> float:
+    """The parameters a token of a mixture-of-experts model does not use: of the ``expert_count``
+    experts per layer (each a gated feed-forward block of ``3·n_embd·expert_ff`` parameters),
+    all but ``expert_used_count``. Counting every layer as a mixture one (some models keep a
+    few dense layers) overstates it, which makes the prior read attention as steeper — the side
+    that prices long prompts long. 0 for a dense model (fewer than 2 experts, or all used)."""
+    if expert_count < 2 or expert_used_count >= expert_count or min(n_layer, n_embd, expert_used_count, expert_ff) <= 0:
+        return 0.0
+    return float(n_layer) * (expert_count - expert_used_count) * 3.0 * n_embd * expert_ff
 
 
 def _int(value: Any) -> int | None:
@@ -76,4 +91,12 @@ def llama_attention_prior(llm: Any) -> float | None:
         head_dim = n_embd // n_head
     if head_dim is None:
         return None
-    return attention_doubling_prior(n_params=n_params, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head, head_dim=head_dim)
+    idle = 0.0
+    experts, used = _int(metadata.get(f"{arch}.expert_count")), _int(metadata.get(f"{arch}.expert_used_count"))
+    if experts and used:  # a mixture of experts: only the used experts' weights cost a token anything
+        ff = _int(metadata.get(f"{arch}.expert_feed_forward_length")) or _int(metadata.get(f"{arch}.feed_forward_length"))
+        if ff is None:
+            return None  # the unused share cannot be told: no prior rather than one far too flat
+        idle = idle_expert_params(n_layer=n_layer, n_embd=n_embd, expert_count=experts, expert_used_count=used, expert_ff=ff)
+    return attention_doubling_prior(n_params=n_params, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+                                    head_dim=head_dim, idle_params=idle)
