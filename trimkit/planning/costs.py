@@ -28,7 +28,7 @@ import attrs
 import numpy as np
 
 from trimkit.errors import InvalidInputError, InvalidNumberError
-from trimkit.validation import attrs_non_negative, count, real_float
+from trimkit.validation import attrs_non_negative, count, positive_finite, real_float
 
 __all__ = [
     "PrefillSample",
@@ -178,16 +178,6 @@ def _nnls_small(rows: Sequence[Sequence[float]], target: Sequence[float], weight
     return best[1]
 
 
-def _check_prior(depth_prior_tokens: float | None) -> float | None:
-    if depth_prior_tokens is None:
-        return None
-    if isinstance(depth_prior_tokens, bool) or not isinstance(depth_prior_tokens, (int, float)):
-        raise InvalidInputError(f"depth_prior_tokens must be a number or None, got {type(depth_prior_tokens).__name__}")
-    if not (math.isfinite(depth_prior_tokens) and depth_prior_tokens > 0):
-        raise InvalidNumberError(f"depth_prior_tokens must be positive and finite, got {depth_prior_tokens!r}")
-    return float(depth_prior_tokens)
-
-
 def probe_noise(rows: Sequence[Sequence[float]], target: Sequence[float], weights: Sequence[float]) -> float:
     """The relative noise of one probe: the root-mean-square relative residual of the fit
     without the prior, over its degrees of freedom; :data:`PROBE_NOISE` when there are none
@@ -214,7 +204,7 @@ def fit_cost_model(samples: Iterable[PrefillSample], *, n_batch: int = 512, batc
     """Fit a :class:`CostModel` (``batched`` adds the per-``n_batch``-chunk term).
     ``depth_prior_tokens``: the architecture's attention doubling length (module docstring),
     added as one weighted observation ``c·D − a = 0``; None fits the probes alone."""
-    prior = _check_prior(depth_prior_tokens)
+    prior = None if depth_prior_tokens is None else positive_finite(depth_prior_tokens, "depth_prior_tokens")
     data = [s for s in samples if s.seconds > 0]
     if not data:
         raise ValueError("no samples with a positive time to fit")
