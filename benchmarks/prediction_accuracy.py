@@ -464,13 +464,6 @@ class Bench:
               f"{fmt_pct(result['engine_prefill_all']['median_pct']).strip()} %, p90 {fmt_pct(result['engine_prefill_all']['p90_pct']).strip()} %)")
         return result
 
-    def noise_over_run(self) -> dict[str, Any]:
-        """The noise floor again, with the repeats spread through the held-out prompts
-        (:meth:`spread_noise`) added to the first block's."""
-        out = noise_deviations(self.noise_prompts)
-        out["repeats_spread"] = self.args.noise_spread
-        return out
-
     def spread_noise(self, total_rows: int) -> Iterator[None]:
         """A generator advanced after each held-out row: it re-measures the noise prompts
         ``--noise-spread`` more times each, one at a time, evenly spaced over ``total_rows``
@@ -727,10 +720,11 @@ def run_model(name: str, path: str | None, args: argparse.Namespace, caches: Cac
         print(f"held-out prompts ({args.min_len}–{args.max_len} tokens, demo conversation text), predicted by each profile"
               f" (the noise prompts re-measured {args.noise_spread}× each in between):")
         rows = b.heldout(words, history, rng)
-        over = b.noise_over_run()
-        if args.noise_spread:
+        if args.noise_spread:  # the floor again, the spread repeats added to the first block's
+            over = noise_deviations(b.noise_prompts)
             res["noise_floor_back_to_back"], res["accuracy_targets_back_to_back"] = res["noise_floor"], target
-            res["noise_floor"] = {**over, "reference": res["noise_floor"]["reference"], "repeats": args.noise_repeats}
+            res["noise_floor"] = {**over, "reference": res["noise_floor"]["reference"], "repeats": args.noise_repeats,
+                                  "repeats_spread": args.noise_spread}
             target = accuracy_targets(over)
             res["accuracy_targets"] = target
             a = over["all"]
@@ -771,6 +765,11 @@ def run_model(name: str, path: str | None, args: argparse.Namespace, caches: Cac
     return res, b
 
 
+def verdict(g: dict[str, Any]) -> str:
+    """A judged group's result, and its result against the back-to-back floor where it was judged so."""
+    return g["result"] + (f" (back to back: {g['result_back_to_back']})" if "result_back_to_back" in g else "")
+
+
 def print_summary(result: dict[str, Any]) -> None:
     print("\n== summary " + "=" * 70)
     h = result["host"]
@@ -802,17 +801,14 @@ def print_summary(result: dict[str, Any]) -> None:
             tag = f" (×{g['target_factor']:g})" if g["target_factor"] != 1 else ""
             ex = f"  {g['extrapolated']} extrapolated" if g.get("extrapolated") else ""
             print(f"{name:8} {g['profile']:10} {g['kind']:14} {g['n']:3d} {fmt_pct(g['median_pct'])} % {fmt_pct(g['p90_pct'])} % {fmt_pct(g['max_pct'])} %"
-                  f"   {g['target_median_pct']:6.1f}/{g['target_p90_pct']:5.1f}{tag:6} {g['result']}"
-                  + (f" (back to back: {g['result_back_to_back']})" if "result_back_to_back" in g else "") + ex)
+                  f"   {g['target_median_pct']:6.1f}/{g['target_p90_pct']:5.1f}{tag:6} {verdict(g)}{ex}")
         for z in r["zero_wait"]:
             if "skipped" in z:
                 print(f"{name:8} zero-wait  idle {z['idle_probes']}: skipped ({z['skipped']})")
                 continue
             for seg, label in (("early", f"1–{z['split']}"), ("late", f"{z['split'] + 1}–{len(z['rows'])}")):
                 g = z[seg]
-                lt = z["late_target"]
-                res = (lt["result"] + (f" (back to back: {lt['result_back_to_back']})" if "result_back_to_back" in lt else "")
-                       if seg == "late" else "(info)")
+                res = verdict(z["late_target"]) if seg == "late" else "(info)"
                 tgt = f"{z['late_target']['target_median_pct']:6.1f}/{z['late_target']['target_p90_pct']:5.1f} (×2)" if seg == "late" else " " * 19
                 print(f"{name:8} {'zero-wait':10} {'idle ' + z['idle_probes'] + ' ' + label:14} {g['n']:3d} {fmt_pct(g['median_pct'])} % "
                       f"{fmt_pct(g['p90_pct'])} % {fmt_pct(g['max_pct'])} %   {tgt} {res}")
