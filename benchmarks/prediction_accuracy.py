@@ -23,6 +23,13 @@ installed) — in this order:
    turns of 16–600 tokens). Each measured TTFT is compared with the prediction of every profile
    (micro, quick, full); median / p90 absolute % error per model × profile × cold/cached, against
    the targets (quick and full; micro, the provisional profile, against 2 × the targets).
+   Each profile is judged twice: as calibration left it (static: ``micro``, ``quick``, ``full``),
+   and as a wrapper serving with it holds it (``micro+live``, ...: trimkit's ``LiveProfile``,
+   which learns from every request the engine answered before — the held-out prompts, their
+   cached prefixes' turns and the noise repeats, in the order they ran — exactly as
+   ``EngineState.learn`` feeds it; each prediction is made before its own request is sent).
+   The static figures say what calibration alone knows; the served ones what a user of
+   ``trimkit.wrap(..., profile=...)`` or a stored profile gets.
 4. **Zero wait**: ``trimkit.wrap(llm, ttft_budget_s=...)`` on a freshly opened model with no
    profile passed, none stored and no engine state (the wrapper calibrates what it calibrates on
    a first run: a ~3 s micro probe), then ``--zero-wait-requests`` (40) requests of varied
@@ -41,7 +48,12 @@ installed) — in this order:
 
 Prints a table and writes JSON (host, calibration wall times, noise floor, per-group errors with
 targets and PASS/MISS, zero-wait groups, decode tokens/s, llama.cpp prefill ms/token at a
-reference length at the start and the end of each model's run).
+reference length at the start and the end of each model's run, and — on Linux — the share of
+CPU time the hypervisor took from this virtual machine, "steal", during calibration, the
+held-out prompts and the zero-wait run of each model and over the whole run: how contended a
+shared host was while the figures were measured). The last lines count the whole-group
+targets met (each model's micro, quick and full profiles over all held-out prompts, and its
+first zero-wait run), with the static profiles and with the profiles as served.
 
     python benchmarks/prediction_accuracy.py [--models gemma,smollm2] [--out PATH] [--smoke]
 
@@ -332,6 +344,9 @@ class Bench:
         eos = self.llm.token_eos()
         self.params = {"max_tokens": 2, "temperature": 0.0, "logit_bias": {str(eos): -100.0} if eos >= 0 else None}
         self.profiles: dict[str, Any] = {}
+        #: while the held-out prompts run: each profile as a wrapper serving with it would hold it
+        #: (trimkit's LiveProfile), learning from every request measured, in order
+        self.live: dict[str, Any] = {}
 
     def close(self) -> None:
         close = getattr(self.llm, "close", None)
@@ -346,15 +361,22 @@ class Bench:
         """Send ``messages`` cold (KV cache reset) or, with ``prefix``, right after ``prefix`` was
         answered (its prompt in the KV cache). Returns what was predicted (cached tokens) and
         measured (TTFT, engine prefill, cached tokens)."""
+        from trimkit.planning.costs import evaluated_tokens
+
         backend, llm = self.backend, self.llm
         tokens = backend.tokenizer.prompt_tokens(messages)
         if prefix is None:
             with backend.lock:
                 llm.reset()  # benchmark harness: a cold start (trimkit itself never resets)
         else:
-            backend.send(prefix, self.params).drain()  # the previous turn: its prompt is now cached
+            self.learn(backend.send(prefix, self.params).drain())  # the previous turn: its prompt is now cached
         cached = backend.predict_cached_tokens(tokens)
+        # served predictions are made before the request is sent, from what the profile has
+        # learned so far (never from this request)
+        served = {f"predicted_{mode}_served_s": live.current.predict_ttft_s(evaluated_tokens(len(tokens), cached), cached)
+                  for mode, live in self.live.items()}
         m = backend.send(messages, self.params, prompt_tokens=tokens).drain()
+        self.learn(m)
         ttft = m.ttft_s if m.ttft_s is not None else m.first_output_s
         return {
             "prompt_tokens": len(tokens),
@@ -364,7 +386,16 @@ class Bench:
             "measured_ttft_s": ttft,
             "engine_prefill_s": m.engine_prefill_s,
             "decode_tokens_per_s": m.decode_tokens_per_s,
+            **served,
         }
+
+    def learn(self, m: Any) -> None:
+        """Feed one measured request to every served profile, as a wrapper does after each
+        request (``EngineState.learn``: first-token overhead, then the engine's prefill)."""
+        for live in self.live.values():
+            live.observe_first_token(m.ttft_s, m.engine_prefill_s, m.prompt_tokens)
+            if m.engine_prefill_s is not None and m.evaluated_tokens:
+                live.observe(m.evaluated_tokens, m.cached_tokens or 0, m.engine_prefill_s)
 
     def predictions(self, row: dict[str, Any]) -> None:
         """Add each profile's predicted TTFT, error and extrapolation factor to ``row``."""
@@ -376,6 +407,9 @@ class Bench:
             row[f"predicted_{mode}_s"] = pred
             row[f"ape_{mode}_pct"] = ape(pred, row["measured_ttft_s"])
             row[f"extrapolation_{mode}"] = extrapolation(prof, evaluated_tokens(n, k), k)
+            served = row.get(f"predicted_{mode}_served_s")
+            if served is not None:
+                row[f"ape_{mode}_served_pct"] = ape(served, row["measured_ttft_s"])
 
     def reference_ms_per_token(self, words: list[str], n: int) -> float | None:
         """llama.cpp's own prefill ms/token for one cold ~``n``-token prompt."""
@@ -479,16 +513,20 @@ class Bench:
 
     # -- 3. held-out prompts -------------------------------------------------------------------
     def heldout(self, words: list[str], history: list[dict], rng: random.Random) -> list[dict[str, Any]]:
+        from trimkit.planning.drift import LiveProfile
+
         args, tok = self.args, self.backend.tokenizer
         rows: list[dict[str, Any]] = []
         ticks = self.spread_noise(args.passes * (args.cold_prompts + args.cached_prompts))
+        self.live = {mode: LiveProfile(prof) for mode, prof in self.profiles.items()}
 
         def record(row: dict[str, Any], kind: str) -> None:
             row["kind"] = kind
             self.predictions(row)
             rows.append(row)
             next(ticks, None)
-            errs = "  ".join(f"{m} {row[f'predicted_{m}_s'] * 1000:8.1f} ms {row[f'ape_{m}_pct']:5.1f} %" for m in self.profiles)
+            errs = "  ".join(f"{m} {row[f'predicted_{m}_s'] * 1000:8.1f} ms {row[f'ape_{m}_pct']:5.1f} %"
+                             f" (+live {row[f'ape_{m}_served_pct']:5.1f} %)" for m in self.profiles)
             print(f"    {kind:6} {row['prompt_tokens']:5d} tok (cached {row['cached_predicted']:4d}/{row['cached_measured'] or 0:4d})"
                   f"  measured {row['measured_ttft_s'] * 1000:8.1f} ms  predicted: {errs}")
 
@@ -510,21 +548,25 @@ class Bench:
                 while len(prefix) > 1 and len(tok.prompt_tokens(prefix)) + new > args.max_len:
                     prefix = prefix[:-2]
                 record(self.measure(follow_up(prefix, user_text(tok, new, words, rng)), prefix), "cached")
+        self.live = {}
         return rows
 
     def heldout_groups(self, rows: list[dict[str, Any]], target: dict[str, float]) -> list[dict[str, Any]]:
         groups = []
-        for mode in self.profiles:
-            factor = PROVISIONAL_FACTOR if mode == "micro" else 1.0
-            for kind in ("cold", "cached", "all"):
-                sel = [r for r in rows if kind == "all" or r["kind"] == kind]
-                g = judge(stats([r[f"ape_{mode}_pct"] for r in sel]), target, factor)
-                ex = [r[f"extrapolation_{mode}"] for r in sel if r[f"extrapolation_{mode}"] is not None]
-                g.update(profile=mode, kind=kind, target_factor=factor, extrapolated=sum(x > 1.0 for x in ex) if ex else None)
-                inside = [r[f"ape_{mode}_pct"] for r in sel if (r[f"extrapolation_{mode}"] or 1.0) <= 1.0]
-                if ex:
-                    g["inside_probed_range"] = stats(inside)
-                groups.append(g)
+        for served in (False, True):
+            for mode in self.profiles:
+                factor = PROVISIONAL_FACTOR if mode == "micro" else 1.0
+                err = f"ape_{mode}_served_pct" if served else f"ape_{mode}_pct"
+                for kind in ("cold", "cached", "all"):
+                    sel = [r for r in rows if (kind == "all" or r["kind"] == kind) and err in r]
+                    g = judge(stats([r[err] for r in sel]), target, factor)
+                    g.update(profile=mode + ("+live" if served else ""), kind=kind, target_factor=factor, served=served)
+                    if not served:  # the static profile's probed range (a served one's grows as it learns)
+                        ex = [r[f"extrapolation_{mode}"] for r in sel if r[f"extrapolation_{mode}"] is not None]
+                        g["extrapolated"] = sum(x > 1.0 for x in ex) if ex else None
+                        if ex:
+                            g["inside_probed_range"] = stats([r[err] for r in sel if (r[f"extrapolation_{mode}"] or 1.0) <= 1.0])
+                    groups.append(g)
         return groups
 
 
@@ -669,6 +711,35 @@ def accuracy_targets(noise: dict[str, Any]) -> dict[str, Any]:
     return t
 
 
+def cpu_counters() -> tuple[int, int] | None:
+    """(steal, total) CPU time in clock ticks since boot, from Linux's ``/proc/stat``; None
+    elsewhere. Steal is time the hypervisor gave this virtual machine's CPUs to someone else."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    ticks = [int(x) for x in fields[1:]]
+    return ticks[7], sum(ticks[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
+
+
+class StealMeter:
+    """The share of CPU time the hypervisor took (steal) between marks, in %: how contended a
+    shared virtual host was while a stretch of the benchmark ran."""
+
+    def __init__(self) -> None:
+        self.last = cpu_counters()
+
+    def mark(self) -> float | None:
+        now = cpu_counters()
+        pct = None
+        if now is not None and self.last is not None and now[1] > self.last[1]:
+            pct = 100.0 * (now[0] - self.last[0]) / (now[1] - self.last[1])
+        self.last = now
+        return pct
+
+
 def host_facts() -> dict[str, Any]:
     import llama_cpp
     from trimkit.backends.llama_context import cpu_name
@@ -699,6 +770,7 @@ def predicted_duration(args: argparse.Namespace, profile: Any) -> float:
 
 def run_model(name: str, path: str | None, args: argparse.Namespace, caches: CacheDirs, words: list[str], history: list[dict]) -> tuple[dict[str, Any], Bench | None]:
     t_model = time.perf_counter()
+    steal = StealMeter()
     b = Bench(name, path, args, caches)
     key = b.backend.profile_key()
     label = key.model.split(":")[0]
@@ -706,6 +778,7 @@ def run_model(name: str, path: str | None, args: argparse.Namespace, caches: Cac
     res: dict[str, Any] = {"model_path": path or "embedded (trimkit.default_model_path())", "model": label, "key": key.to_dict()}
     print("calibration (each mode in a fresh cache folder, recalibrate=True):")
     res["calibration"] = b.calibrations()
+    res["cpu_steal_pct"] = {"calibration": steal.mark()}
     ref_profile = next((b.profiles[m] for m in ("full", "quick", "micro") if m in b.profiles), None)
     if ref_profile is not None:
         print(f"predicted duration of the rest of this model's run (by the {profile_mode(ref_profile)} profile): "
@@ -760,6 +833,7 @@ def run_model(name: str, path: str | None, args: argparse.Namespace, caches: Cac
         "start": res["noise_floor"]["reference"]["engine_ms_per_token"],
         "end": end_ms,
     }
+    res["cpu_steal_pct"]["noise_and_heldout"] = steal.mark()
     res["zero_wait"] = []
     res["wall_s"] = time.perf_counter() - t_model
     return res, b
@@ -824,6 +898,14 @@ def print_summary(result: dict[str, Any]) -> None:
         print(f"{name:8} decode tokens/s: calibrated {dec(d['calibrated'])}, 32-token answer {dec(d['request_32_tokens'])};"
               f" llama.cpp prefill at {p['reference_tokens']} tokens: {dec(p['start'])} → {dec(p['end'])} ms/token (start → end);"
               f" cached tokens predicted exactly {r.get('cached_prediction_exact')}")
+        steal = {k: v for k, v in (r.get("cpu_steal_pct") or {}).items() if v is not None}
+        if steal:
+            print(f"{name:8} CPU time the hypervisor took (steal): " + ", ".join(f"{k.replace('_', ' ')} {v:.1f} %" for k, v in steal.items()))
+    for served, label in ((False, "static profiles"), (True, "profiles as served (+live)")):
+        judged = [g["result"] for r in result["models"].values() if "skipped" not in r
+                  for g in r["heldout"]["groups"] if g["kind"] == "all" and g.get("served", False) == served]
+        judged += [z["late_target"]["result"] for r in result["models"].values() for z in r.get("zero_wait", [])[:1] if "late_target" in z]
+        print(f"whole-group accuracy targets met, {label} and zero-wait requests after the split: {judged.count('PASS')} of {len(judged)}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -886,6 +968,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from trimkit.demo import load_history
 
     t_all = time.perf_counter()
+    steal_all = StealMeter()
     caches = CacheDirs()
     # whatever is stored outside a fresh() folder (a thread finishing late) stays out of the user's cache too
     os.environ["TRIMKIT_CACHE_DIR"] = str(caches.root / "elsewhere")
@@ -913,7 +996,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           + ("  — SMOKE RUN: figures mean nothing" if args.smoke else ""))
     pending: list[tuple[str, str | None, str]] = []
     try:
-        for i, (name, path, why) in enumerate(model_paths(args.models)):
+        for name, path, why in model_paths(args.models):
             if why:
                 print(f"\n== {name}: skipped — {why}")
                 result["models"][name] = {"skipped": why}
@@ -923,7 +1006,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed = args.seed * 1000 + list(result["models"]).index(name)
             print(f"zero wait: trimkit.wrap() with no profile and none stored, then {args.zero_wait_requests} requests:")
             b.close()  # the zero-wait run opens the model afresh
+            steal = StealMeter()
             res["zero_wait"].append(zero_wait(name, path, args, caches, words, idle_runs[0], seed))
+            res["cpu_steal_pct"]["zero_wait"] = steal.mark()
             pending += [(name, path, idle) for idle in idle_runs[1:]]
         for name, path, idle in pending:
             res = result["models"][name]
@@ -947,9 +1032,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     z["late_target"]["result_back_to_back"] = judge(z["late"], r["accuracy_targets_back_to_back"], PROVISIONAL_FACTOR)["result"]
     with contextlib.suppress(OSError, AttributeError):
         result["host"]["loadavg_end"] = os.getloadavg()
+    result["host"]["cpu_steal_pct"] = steal_all.mark()
     result["wall_s"] = time.perf_counter() - t_all
     print_summary(result)
-    print(f"benchmark wall time {result['wall_s'] / 60:.1f} min")
+    print(f"benchmark wall time {result['wall_s'] / 60:.1f} min"
+          + (f"; the hypervisor took {result['host']['cpu_steal_pct']:.1f} % of the CPU time (steal)"
+             if result["host"].get("cpu_steal_pct") is not None else ""))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1, default=lambda o: o.to_dict() if hasattr(o, "to_dict") else repr(o)))
     print(f"wrote {args.out}")
