@@ -20,6 +20,9 @@ def test_quick_calibration_measures_a_sensible_profile(quick_profile):
     assert any(s.cached_tokens > 0 for s in p.samples), "depth probes missing"
     assert p.model.per_token_s > 0
     assert 0 < p.decode_tokens_per_s < 10_000
+    # tokenizing the prompt, measured on llama.cpp's own tokenizer: more than nothing, and far
+    # less per token than prefill (the bound is loose for any host)
+    assert 0 < p.first_token_per_token_s < p.model.per_token_s
     # prefill grows with the prompt
     assert p.predict_ttft_s(1024) > p.predict_ttft_s(128) > p.predict_ttft_s(16)
     assert p.key.backend == "llama_cpp" and p.key.n_ctx == 4096

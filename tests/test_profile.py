@@ -197,6 +197,46 @@ def test_predict_ttft_always_evaluates_at_least_one_token():
     assert p.predict_prefill_s(0) > 0
 
 
+def test_the_first_token_overhead_grows_with_the_whole_prompt_cached_tokens_included():
+    """Every request tokenizes its whole prompt before the engine starts: a short turn after a
+    long cached conversation pays for all of it, and drift (the engine's speed) does not scale it."""
+    p = attrs.evolve(make_profile(first_token_s=0.004, drift=1.5), first_token_per_token_s=8e-6)
+    assert p.first_token_overhead_s(2500) == pytest.approx(0.004 + 0.02)
+    assert p.predict_ttft_s(30, 2470) == pytest.approx(1.5 * TRUE_MODEL.prefill_s(30, 2470) + 0.004 + 8e-6 * 2500)
+    assert p.predict_ttft_s(0, 3000) == pytest.approx(1.5 * TRUE_MODEL.prefill_s(1, 3000) + 0.004 + 8e-6 * 3001)
+    assert make_profile(first_token_s=0.004).first_token_per_token_s == 0.0  # unknown: the fixed part alone
+
+
+@pytest.mark.parametrize("cached", [0, 2000])
+@pytest.mark.parametrize("budget", [0.05, 0.3, 1.0, 2.5])
+def test_max_new_tokens_counts_the_overhead_of_the_tokens_it_allows(cached, budget):
+    # a slow tokenizer (a tenth of the prefill's per-token cost) so that the difference shows
+    p = attrs.evolve(make_profile(drift=1.3), first_token_per_token_s=TRUE_MODEL.per_token_s / 10)
+    n = p.max_new_tokens(budget, cached)
+    if p.predict_ttft_s(1, cached) > budget:  # tokenizing the cached conversation alone is over the budget
+        assert n == 0
+        return
+    assert p.predict_ttft_s(n, cached) <= budget * (1 + 1e-12)
+    assert n < attrs.evolve(p, first_token_per_token_s=0.0).max_new_tokens(budget, cached)
+    assert p.predict_ttft_s(n + 1, cached) > budget
+
+
+def test_the_per_token_overhead_is_stored_and_a_profile_stored_before_it_loads_with_none(isolated_cache):
+    p = attrs.evolve(make_profile(), first_token_per_token_s=7.5e-6)
+    save_profile(p)
+    assert load_profile(p.key).first_token_per_token_s == 7.5e-6
+    data = p.to_dict()
+    del data["first_token_per_token_s"]
+    profile_path(p.key).write_text(json.dumps(data))
+    assert load_profile(p.key).first_token_per_token_s == 0.0
+
+
+@pytest.mark.parametrize("bad", [-1e-6, float("nan"), float("inf")])
+def test_a_bad_per_token_overhead_is_refused(bad):
+    with pytest.raises(InvalidNumberError):
+        attrs.evolve(make_profile(), first_token_per_token_s=bad)
+
+
 def test_predictions_scale_with_drift():
     slow = make_profile(drift=2.0, first_token_s=0.02)
     assert slow.predict_prefill_s(500) == pytest.approx(2 * TRUE_MODEL.prefill_s(500))

@@ -260,6 +260,33 @@ def test_a_wrapped_request_is_a_point_of_the_decode_line_at_its_context(isolated
     assert t.profile.decode_tokens_per_s_at(m.prompt_tokens, output_tokens=m.completion_tokens) is not None
 
 
+def test_the_first_token_overheads_growth_with_the_prompt_is_learned_from_requests():
+    """Requests of many lengths: the overhead's per-prompt-token part (tokenizing the whole
+    conversation) and its fixed part are both learned, one slow request barely moves them, and
+    short follow-ups after a long conversation are predicted with what tokenizing it costs."""
+    live = LiveProfile(attrs.evolve(make_profile(), first_token_s=0.001), drift_window=5)
+    lengths = [120, 2400, 300, 1800, 60, 3100, 900, 1500]
+    for i, n in enumerate(lengths):
+        overhead = 0.004 + 8e-6 * n + (0.05 if i == 3 else 0.0002 * (i % 2))  # request 4 a slow one
+        live.observe_first_token(0.5 + overhead, 0.5, n)
+    p = live.current
+    assert p.first_token_per_token_s == pytest.approx(8e-6, rel=0.15)
+    assert p.first_token_s == pytest.approx(0.004, abs=0.001)
+    assert p.first_token_overhead_s(2500) == pytest.approx(0.024, rel=0.1)
+
+
+def test_the_per_token_overhead_is_not_learned_from_lengths_close_together_or_unknown():
+    start = attrs.evolve(make_profile(), first_token_s=0.001, first_token_per_token_s=5e-6)
+    close = LiveProfile(start, drift_window=5)
+    for n, overhead in ((1000, 0.010), (1100, 0.019), (1050, 0.012), (1150, 0.011), (1020, 0.013)):
+        close.observe_first_token(0.5 + overhead, 0.5, n)
+    assert close.current.first_token_per_token_s == 5e-6  # jitter over 15 % of length says nothing of a slope
+    unknown = LiveProfile(start, drift_window=5)
+    for overhead in (0.010, 0.012, 0.011):
+        unknown.observe_first_token(0.5 + overhead, 0.5)  # a backend that does not count the prompt
+    assert unknown.current.first_token_per_token_s == 5e-6 and unknown.current.first_token_s == pytest.approx(0.011)
+
+
 def test_first_token_overhead_is_learned_from_measured_requests():
     """A micro-calibration may only estimate the first-token overhead; each request measures it
     (its TTFT less the engine's prefill) and the profile follows the median of recent ones."""

@@ -154,6 +154,7 @@ def calibrate(
         mode=name,
         time_budget_s=budget_s,
         first_token_estimated=run.first_token_estimated,
+        first_token_per_token_s=run.first_token_per_token_s,
         attention_prior_tokens=prior or 0.0,
         # no point measured but decode was: its speed stands as one point (the profile's default)
         **({"decode_points": tuple(run.decode_points)} if run.decode_points or run.decode_estimated else {}),

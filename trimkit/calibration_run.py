@@ -63,6 +63,7 @@ class CalibrationRun:
         self.decode_estimated = False
         self.decode_points: list[DecodePoint] = []
         self.first_token_s = 0.0
+        self.first_token_per_token_s = 0.0
         self.first_token_estimated = False
         self.start = clock()
         self.wall_s = 0.0
@@ -204,6 +205,11 @@ class CalibrationRun:
         if cost <= FIRST_TOKEN_SHARE * self.budget_s and fits(cost, self.left()):
             t0 = self.clock()
             self.first_token_s = self.backend.measure_first_token_overhead()
+            # the part that grows with the prompt: tokenizing it (~1,000 tokens take a fraction
+            # of one short request's prefill); a backend that cannot tell leaves it to be learned
+            tokenize = getattr(self.backend, "measure_tokenize_s_per_token", None)
+            if tokenize is not None:
+                self.first_token_per_token_s = tokenize() or 0.0
             self.holds = 0
             p.observe_ratio(self.clock() - t0, cost)
             self._step("first-token overhead")

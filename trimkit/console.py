@@ -76,7 +76,9 @@ def profile_lines(profile: Profile) -> list[str]:
         f"{m.depth_s * 1e6:.3f} µs·(n·k + n²/2)" + (f" + {m.per_batch_s * 1000:.1f} ms·⌈n/{m.n_batch}⌉" if m.per_batch_s else ""),
         f"  held-out error (leave one probe out): median {profile.error.median_pct:.1f} %, p90 {profile.error.p90_pct:.1f} %",
         _attention_text(profile),
-        f"  first-token overhead {profile.first_token_s * 1000:.1f} ms · {decode_text(profile)}",
+        f"  first-token overhead {profile.first_token_s * 1000:.1f} ms"
+        + (f" + {profile.first_token_per_token_s * 1e6:.1f} ms per 1,000 prompt tokens (tokenizing it)" if profile.first_token_per_token_s else "")
+        + f" · {decode_text(profile)}",
         f"  calibrated in {profile.calibration_wall_s:.1f} s ({profile.mode}"
         + (f", time budget {profile.time_budget_s:g} s" if profile.time_budget_s else "")
         + (", provisional: it improves from requests and idle probes" if profile.provisional else "") + ")",

@@ -117,7 +117,9 @@ class Profile:
 
     ``first_token_s`` is what a request adds on top of prefill before its first content chunk
     (chat template, tokenization, the first sampling step), measured end to end during
-    calibration. ``error`` is the cost model's leave-one-probe-out error on its own samples.
+    calibration; ``first_token_per_token_s`` the part of it that grows with the whole prompt,
+    cached tokens included (the engine's tokenizer reads the whole conversation every turn).
+    ``error`` is the cost model's leave-one-probe-out error on its own samples.
     """
 
     key: ProfileKey
@@ -155,6 +157,10 @@ class Profile:
     #: prior every fit of this profile's samples leans on where they say little about attention;
     #: 0.0 when unknown (a server, a profile stored before it was kept): the samples alone
     attention_prior_tokens: float = attrs.field(default=0.0, converter=real_float)
+    #: seconds of first-token overhead per prompt token (cached ones included): what tokenizing
+    #: the whole prompt costs on each request, on top of ``first_token_s``; 0.0 when unknown
+    #: (a profile stored before it was kept), learned from served requests (trimkit.planning.drift)
+    first_token_per_token_s: float = attrs.field(default=0.0, converter=real_float)
 
     def __attrs_post_init__(self) -> None:
         # past construction, code trusts these types: check them once here
@@ -181,6 +187,7 @@ class Profile:
         if not isinstance(self.first_token_estimated, bool):
             raise InvalidInputError(f"first_token_estimated must be a bool, got {type(self.first_token_estimated).__name__}")
         non_negative_finite(self.attention_prior_tokens, "attention_prior_tokens")
+        non_negative_finite(self.first_token_per_token_s, "first_token_per_token_s")
 
     @property
     def depth_prior_tokens(self) -> float | None:
@@ -241,15 +248,32 @@ class Profile:
         """Predicted prefill time for ``new_tokens`` evaluated after ``cached_tokens`` cached ones."""
         return self.model.prefill_s(evaluated_tokens(int(new_tokens), 0), cached_tokens) * self.drift
 
+    def first_token_overhead_s(self, prompt_tokens: int) -> float:
+        """The first-token overhead of a request whose whole prompt is ``prompt_tokens`` long."""
+        return self.first_token_s + self.first_token_per_token_s * max(int(prompt_tokens), 0)
+
     def predict_ttft_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Predicted time to first token: prefill of the tokens the engine must evaluate plus the
-        fixed per-request cost. llama.cpp always evaluates at least one token, even on a full hit."""
-        return self.predict_prefill_s(new_tokens, cached_tokens) + self.first_token_s
+        per-request cost (:meth:`first_token_overhead_s` of the whole prompt). llama.cpp always
+        evaluates at least one token, even on a full hit."""
+        prompt = evaluated_tokens(int(new_tokens), 0) + int(cached_tokens)
+        return self.predict_prefill_s(new_tokens, cached_tokens) + self.first_token_overhead_s(prompt)
 
     def max_new_tokens(self, ttft_budget_s: float, cached_tokens: int = 0) -> int:
         """The most new tokens that fit ``ttft_budget_s`` after ``cached_tokens`` cached ones."""
-        prefill_budget = (ttft_budget_s - self.first_token_s) / self.drift
-        return self.model.max_new_tokens(prefill_budget, cached_tokens)
+        prefill_budget = (ttft_budget_s - self.first_token_overhead_s(cached_tokens)) / self.drift
+        hi = self.model.max_new_tokens(prefill_budget, cached_tokens)
+        if self.first_token_per_token_s <= 0 or hi == 0:
+            return hi
+        # the overhead grows with the new tokens too: the most of 0..hi that fit (it is monotone)
+        lo = 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.predict_ttft_s(mid, cached_tokens) <= ttft_budget_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     @property
     def safety_margin(self) -> float:
@@ -298,6 +322,7 @@ class Profile:
             "probed_context_tokens": self.probed_context_tokens,
             "time_budget_s": self.time_budget_s,
             "first_token_estimated": self.first_token_estimated,
+            "first_token_per_token_s": self.first_token_per_token_s,
             "decode_points": [p.to_dict() for p in self.decode_points],
             "attention_prior_tokens": self.attention_prior_tokens,
         }
@@ -345,7 +370,8 @@ def _structure(data: Any) -> Profile:
     for name, read in (("mode", json_str), ("probed_new_tokens", json_int), ("probed_context_tokens", json_int),
                        ("time_budget_s", lambda v, w: json_number(v, w, non_negative_finite)), ("first_token_estimated", json_bool),
                        ("decode_points", lambda v, w: read_decode_points(v)),
-                       ("attention_prior_tokens", lambda v, w: json_number(v, w, non_negative_finite))):
+                       ("attention_prior_tokens", lambda v, w: json_number(v, w, non_negative_finite)),
+                       ("first_token_per_token_s", lambda v, w: json_number(v, w, non_negative_finite))):
         if name in data:
             extra[name] = read(data[name], name)
     return checked(

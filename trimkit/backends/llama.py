@@ -18,6 +18,7 @@ The pieces: :mod:`trimkit.backends.lease` (who holds the engine),
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -288,6 +289,19 @@ class LlamaBackend(Backend):
             elapsed = self.clock() - t0
             llm.reset()
         return n_tokens / elapsed
+
+    def measure_tokenize_s_per_token(self, chars: int = 4000) -> float | None:
+        """Seconds per token llama.cpp's tokenizer takes: the fastest of three runs over
+        ``chars`` characters of the probe corpus (~1,000 tokens). Every request tokenizes its
+        whole prompt, cached tokens included, before the engine starts: the part of the
+        first-token overhead that grows with the conversation. None when nothing was tokenized."""
+        text = probe_text()[:chars].encode("utf-8")
+        best, n = math.inf, 0
+        for _ in range(3):
+            t0 = self.clock()
+            n = len(self.llm.tokenize(text, add_bos=False, special=True))
+            best = min(best, self.clock() - t0)
+        return best / n if n and math.isfinite(best) else None
 
     def measure_first_token_overhead(self) -> float:
         """Median of (client TTFT − engine prefill) over three short real chat requests.

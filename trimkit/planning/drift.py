@@ -41,6 +41,13 @@ __all__ = ["LiveProfile", "covering"]
 MIN_DECODE_TOKENS = 4
 #: how many served requests' decode points the profile keeps (the latest), besides calibration's
 KEEP_DECODE_POINTS = 32
+#: how many served requests' (prompt tokens, first-token overhead) pairs the profile keeps to
+#: learn how the overhead grows with the prompt (tokenizing it), and how many it needs first
+KEEP_FIRST_TOKEN_POINTS = 16
+MIN_FIRST_TOKEN_POINTS = 4
+#: ...spanning prompt lengths at least this many times apart (a slope from lengths close
+#: together is mostly the overhead's jitter)
+FIRST_TOKEN_LENGTH_SPREAD = 2.0
 
 
 def covering(profile: Profile, samples: Sequence[PrefillSample]) -> Profile:
@@ -99,8 +106,9 @@ class LiveProfile:
         #: the decode points of recent requests whose context is known (decode speed vs context),
         #: starting from those a stored refined profile kept
         self._decode_points: deque[DecodePoint] = deque((p for p in profile.decode_points if p.source == "live"), maxlen=KEEP_DECODE_POINTS)
-        #: first-token overheads (client TTFT − engine prefill) measured by recent requests
-        self._first_token: deque[float] = deque(maxlen=drift_window)
+        #: first-token overheads (client TTFT − engine prefill) measured by recent requests, with
+        #: their prompt lengths (None where the request did not say)
+        self._first_token: deque[tuple[int | None, float]] = deque(maxlen=KEEP_FIRST_TOKEN_POINTS)
         self._lock = threading.Lock()
 
     @property
@@ -171,21 +179,43 @@ class LiveProfile:
         of :attr:`current`); None when nothing measured decode."""
         return self.current.decode_tokens_per_s_at(context_tokens, output_tokens)
 
-    def observe_first_token(self, ttft_s: Any, engine_prefill_s: Any) -> None:
+    def observe_first_token(self, ttft_s: Any, engine_prefill_s: Any, prompt_tokens: Any = None) -> None:
         """Feed one request's first-token overhead back: its TTFT less the engine's own prefill
         time (template, tokenization, the first sampling step, the HTTP round trip for a
-        server). The profile's ``first_token_s`` becomes the median of the last
-        ``drift_window`` measured: a micro-calibration often has no time to measure it and
-        estimates it, and it is most of the TTFT of a short follow-up turn. Unusable numbers
-        are ignored."""
+        server); ``prompt_tokens`` is its whole prompt's length, cached tokens included. A
+        micro-calibration often has no time to measure the overhead and estimates it, and it is
+        most of the TTFT of a short follow-up turn — which, after a long conversation, pays for
+        tokenizing all of it. So the profile learns both parts (:meth:`_first_token_parts`): how
+        the overhead grows per prompt token, from the last :data:`KEEP_FIRST_TOKEN_POINTS`
+        requests once they span lengths :data:`FIRST_TOKEN_LENGTH_SPREAD` times apart, and the
+        fixed part, from the last ``drift_window``. Unusable numbers are ignored."""
         values = (ttft_s, engine_prefill_s)
         if any(isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) for v in values):
             return
         if not (ttft_s > 0 and engine_prefill_s > 0):
             return
+        prompt = int(prompt_tokens) if _is_count(prompt_tokens) and prompt_tokens >= 1 else None
         with self._lock:
-            self._first_token.append(max(float(ttft_s) - float(engine_prefill_s), 0.0))
-            self._profile = attrs.evolve(self._profile, first_token_s=statistics.median(self._first_token))
+            self._first_token.append((prompt, max(float(ttft_s) - float(engine_prefill_s), 0.0)))
+            first, per = self._first_token_parts(self._profile)
+            self._profile = attrs.evolve(self._profile, first_token_s=first, first_token_per_token_s=per)
+
+    def _first_token_parts(self, profile: Profile) -> tuple[float, float]:
+        """Under the lock: (fixed, per prompt token) first-token overhead from the requests seen
+        (``profile``'s own while none). Per token: the median slope between pairs of recent
+        requests (Theil–Sen: one slow request moves it little), at least 0, once enough requests
+        of lengths far enough apart were seen; else ``profile``'s. Fixed: the median over the
+        last ``drift_window`` requests of their overhead less the per-token part."""
+        if not self._first_token:
+            return profile.first_token_s, profile.first_token_per_token_s
+        per = profile.first_token_per_token_s
+        known = [(x, y) for x, y in self._first_token if x is not None]
+        if len(known) >= MIN_FIRST_TOKEN_POINTS and max(x for x, _ in known) >= FIRST_TOKEN_LENGTH_SPREAD * min(x for x, _ in known):
+            slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(known) for x2, y2 in known[i + 1:] if x2 != x1]
+            per = max(statistics.median(slopes), 0.0)
+        recent = list(self._first_token)[-self._window:]
+        first = statistics.median(y - per * (x or 0) for x, y in recent)
+        return max(first, 0.0), per
 
     def replace_calibration(self, profile: Profile) -> None:
         """Predict from ``profile`` from now on: a refined calibration of the same engine (idle
@@ -215,9 +245,9 @@ class LiveProfile:
                 log_drift = self._log_drift(model)
                 profile = covering(profile, live)  # the measured lengths are in the fit now
         decode = statistics.median(self._decode) if self._decode else profile.decode_tokens_per_s
-        first = statistics.median(self._first_token) if self._first_token else profile.first_token_s
+        first, per = self._first_token_parts(profile)
         self._profile = attrs.evolve(profile, model=model, drift=math.exp(log_drift), decode_tokens_per_s=decode, first_token_s=first,
-                                     decode_points=self._with_live_decode(profile))
+                                     first_token_per_token_s=per, decode_points=self._with_live_decode(profile))
 
     @property
     def observations(self) -> int:

@@ -284,7 +284,7 @@ class EngineState:
             measured += getattr(m, "queue_s", 0.0) or 0.0
         self.observe_ttft(predicted_ttft_s, measured, budget_s)
         self.live.observe_decode(m.decode_tokens_per_s, m.completion_tokens, m.prompt_tokens)
-        self.live.observe_first_token(m.ttft_s, m.engine_prefill_s)
+        self.live.observe_first_token(m.ttft_s, m.engine_prefill_s, m.prompt_tokens)
         if m.engine_prefill_s is None or not m.evaluated_tokens:
             return
         self.live.observe(m.evaluated_tokens, m.cached_tokens or 0, m.engine_prefill_s)
