@@ -444,6 +444,8 @@ class Bench:
                 "loo_error": profile.error.to_dict(),
                 "model": profile.model.to_dict(),
                 "first_token_s": profile.first_token_s,
+                # the part of the first-token overhead that grows with the whole prompt (tokenizing it)
+                "first_token_per_token_s": getattr(profile, "first_token_per_token_s", None),
                 "decode_tokens_per_s": profile.decode_tokens_per_s,
                 # the host's speed trend its repeated probes showed, and the samples were steadied by (trimkit.host_trend)
                 "host_trend": profile.alternatives.get("host_trend"),
