@@ -34,7 +34,7 @@ import attrs
 
 from trimkit.decode_model import DecodeModel, DecodePoint, fit_decode
 from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError
-from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, evaluated_tokens
+from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, evaluated_tokens, largest_fitting
 from trimkit.profile_fields import (checked, json_bool, json_field, json_int, json_number, json_object, json_str, must_be_finite,
                                     read_decode_points, read_error, read_model, read_residuals, read_samples)
 from trimkit.validation import count, non_negative_finite, positive_finite, real_float
@@ -265,15 +265,9 @@ class Profile:
         hi = self.model.max_new_tokens(prefill_budget, cached_tokens)
         if self.first_token_per_token_s <= 0 or hi == 0:
             return hi
-        # the overhead grows with the new tokens too: the most of 0..hi that fit (it is monotone)
-        lo = 0
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.predict_ttft_s(mid, cached_tokens) <= ttft_budget_s:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        # the overhead grows with the new tokens too: the most of 0..hi that fit (0 always "fits":
+        # the caller reads 0 as nothing fits)
+        return largest_fitting(lambda n: n == 0 or self.predict_ttft_s(n, cached_tokens) <= ttft_budget_s, 0, hi)
 
     @property
     def safety_margin(self) -> float:

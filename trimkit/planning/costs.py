@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -132,17 +132,22 @@ class CostModel:
         lo, hi = 1, 2
         while hi < limit and self.prefill_s(hi, cached_tokens) <= seconds:
             lo, hi = hi, hi * 2
-        hi = min(hi, limit)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.prefill_s(mid, cached_tokens) <= seconds:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return largest_fitting(lambda n: self.prefill_s(n, cached_tokens) <= seconds, lo, min(hi, limit))
 
     def to_dict(self) -> dict[str, object]:
         return attrs.asdict(self)
+
+
+def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest ``n`` in ``lo..hi`` with ``fits(n)``, for ``fits`` true up to some point and
+    false after it, given that ``fits(lo)`` holds (binary search)."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _features(s: PrefillSample, n_batch: int, batched: bool) -> list[float]:
