@@ -32,9 +32,9 @@ Progress = Callable[[int, int, str], None]
 class CalibrationRun:
     """One bounded calibration: the steps in order, each checked against the time left.
 
-    Order: warm-up; the first probe (the speed) and two cheap ones — the minimum of 3 samples,
-    taken whatever the time; decode (sized to the budget); the first-token overhead (or its
-    estimate); cold probes ascending, the top re-chosen before each; the depth probes after the
+    Order: warm-up (and what tokenizing costs per token); the first probe (the speed) and two
+    cheap ones — the minimum of 3 samples, taken whatever the time; decode (sized to the
+    budget); the first-token overhead (or its estimate); cold probes ascending, the top re-chosen before each; the depth probes after the
     longest cold one (its tokens still cached in process), then, in process, decode steps at the
     deepest context they leave cached and at an empty one; the repeats, in round-robin rounds so
     slow drift spreads over all lengths; again from the cold probes while a longer top fits.
@@ -107,6 +107,7 @@ class CalibrationRun:
 
     def execute(self) -> None:
         self.backend.warm_up()  # leaves the context empty (in process)
+        self._tokenizer()
         self._step("warm-up")
         # the minimum, whatever the time: the first probe measures the host's speed; then a
         # depth probe after it (its tokens are still cached: it costs 16 tokens in process) and
@@ -195,6 +196,15 @@ class CalibrationRun:
         if self.holds > deepest and self._decode_point(self.holds):
             self._decode_point(0)
 
+    def _tokenizer(self) -> None:
+        """The part of the first-token overhead that grows with the whole prompt — tokenizing
+        it, every turn — where the backend can time its tokenizer: ~1,000 tokens three times,
+        the time of a few prefill tokens, so it runs whatever the budget (and the schedule is
+        sized after it). Other backends leave it to be learned from served requests."""
+        tokenize = getattr(self.backend, "measure_tokenize_s_per_token", None)
+        if tokenize is not None:
+            self.first_token_per_token_s = tokenize() or 0.0
+
     def _first_token(self) -> None:
         """Measure the first-token overhead if it is cheap enough, else estimate it: the time a
         probe call takes beyond its prefill (what a request adds around the engine's work). The
@@ -205,11 +215,6 @@ class CalibrationRun:
         if cost <= FIRST_TOKEN_SHARE * self.budget_s and fits(cost, self.left()):
             t0 = self.clock()
             self.first_token_s = self.backend.measure_first_token_overhead()
-            # the part that grows with the prompt: tokenizing it (~1,000 tokens take a fraction
-            # of one short request's prefill); a backend that cannot tell leaves it to be learned
-            tokenize = getattr(self.backend, "measure_tokenize_s_per_token", None)
-            if tokenize is not None:
-                self.first_token_per_token_s = tokenize() or 0.0
             self.holds = 0
             p.observe_ratio(self.clock() - t0, cost)
             self._step("first-token overhead")
