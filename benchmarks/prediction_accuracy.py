@@ -347,6 +347,8 @@ class Bench:
         #: while the held-out prompts run: each profile as a wrapper serving with it would hold it
         #: (trimkit's LiveProfile), learning from every request measured, in order
         self.live: dict[str, Any] = {}
+        #: every request fed to the served profiles, in order (replayable with the stored profiles)
+        self.served_log: list[dict[str, Any]] = []
 
     def close(self) -> None:
         close = getattr(self.llm, "close", None)
@@ -387,11 +389,15 @@ class Bench:
             "engine_prefill_s": m.engine_prefill_s,
             "decode_tokens_per_s": m.decode_tokens_per_s,
             **served,
+            **({"served_log_index": len(self.served_log) - 1} if self.live else {}),  # this request's entry
         }
 
     def learn(self, m: Any) -> None:
         """Feed one measured request to every served profile, as a wrapper does after each
         request (``EngineState.learn``: first-token overhead, then the engine's prefill)."""
+        if self.live:
+            self.served_log.append({"ttft_s": m.ttft_s, "engine_prefill_s": m.engine_prefill_s, "prompt_tokens": m.prompt_tokens,
+                                    "evaluated_tokens": m.evaluated_tokens, "cached_tokens": m.cached_tokens})
         for live in self.live.values():
             live.observe_first_token(m.ttft_s, m.engine_prefill_s, m.prompt_tokens)
             if m.engine_prefill_s is not None and m.evaluated_tokens:
@@ -454,6 +460,8 @@ class Bench:
                 "attention_prior_tokens": getattr(profile, "attention_prior_tokens", 0.0),
                 "fitted_doubling_tokens": profile.model.per_token_s / profile.model.depth_s if profile.model.depth_s > 0 else None,
                 "note": note,
+                # the whole profile (its samples included): served profiles can be replayed from it and "served_log"
+                "profile": profile.to_dict(),
             }
             out[mode] = rec
             print(
@@ -811,6 +819,7 @@ def run_model(name: str, path: str | None, args: argparse.Namespace, caches: Cac
             for g, g0 in zip(groups, b.heldout_groups(rows, res["accuracy_targets_back_to_back"]), strict=True):
                 g["result_back_to_back"] = g0["result"]
         res["heldout"] = {"groups": groups, "rows": rows}
+        res["served_log"] = b.served_log
         dec = [r["decode_tokens_per_s"] for r in rows if r["decode_tokens_per_s"]]
         cached_rows = [r for r in rows if r["kind"] == "cached"]
         res["cached_prediction_exact"] = f"{sum(r['cached_predicted'] == r['cached_measured'] for r in cached_rows)}/{len(cached_rows)}"

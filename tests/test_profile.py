@@ -455,6 +455,77 @@ def test_observe_keeps_the_model_when_a_refit_explains_live_samples_worse():
     assert live.current.drift > 1.5
 
 
+def test_by_default_a_uniformly_slower_host_moves_drift_not_the_model():
+    # a refit on every request (the default) must not take a change of the host's speed for a
+    # change of the model's shape: the model at its best single speed factor explains it
+    p = make_profile()
+    live = LiveProfile(p)
+    for n in (16, 256, 1024, 2048, 64, 512) * 2:
+        live.observe(n, 0, 1.3 * TRUE_MODEL.prefill_s(n))
+    assert live.current.model == p.model
+    assert live.current.drift == pytest.approx(1.3)
+
+
+def test_by_default_every_request_refits_a_wrong_shape():
+    # calibration saw no attention (short probes); the live requests, at the same speed, show it
+    true = CostModel(overhead_s=0.02, per_token_s=0.001, depth_s=2e-7)
+    flat = CostModel(overhead_s=0.02, per_token_s=0.001, depth_s=0.0)
+    p = make_profile(model=flat, samples=exact_samples(true, [(16, 0), (64, 0), (128, 0), (256, 0)]))
+    live = LiveProfile(p)
+    errors = []
+    for n in (2048, 128, 3000, 64, 1500, 4000):
+        errors.append(abs(live.current.predict_prefill_s(n) / true.prefill_s(n) - 1))
+        live.observe(n, 0, true.prefill_s(n))
+    assert live.current.model != flat
+    assert errors[-1] < 0.02 < errors[0]
+    assert live.current.probed_range()[0] >= 4000  # the measured lengths joined the range
+
+
+def _jumpy(live: LiveProfile, ratios, n: int = 512) -> list[float]:
+    """Feed ``ratios`` × the true prefill of ``n`` tokens; the drift before each."""
+    drifts = []
+    for r in ratios:
+        drifts.append(live.current.drift)
+        live.observe(n, 0, r * TRUE_MODEL.prefill_s(n))
+    return drifts
+
+
+def test_a_host_that_jumps_from_request_to_request_is_averaged_over_a_longer_window():
+    # the speed jumps between 0.8× and 1.25× at random: a short window chases each jump, the
+    # chosen one settles near the middle
+    import random
+
+    rng = random.Random(3)
+    ratios = [rng.choice((0.8, 1.25)) for _ in range(80)]
+    errors = {}
+    for name, live in (("chosen", LiveProfile(make_profile(), refit_every=1000)), ("fixed 3", LiveProfile(make_profile(), refit_every=1000, drift_window=3))):
+        drifts = _jumpy(live, ratios)
+        errors[name] = sum(abs(math.log(r / d)) for r, d in zip(ratios[40:], drifts[40:], strict=True)) / 40
+    assert errors["chosen"] < errors["fixed 3"]
+    live = LiveProfile(make_profile(), refit_every=1000)
+    _jumpy(live, ratios)
+    assert live._best_window() > 5
+
+
+def test_the_chosen_window_still_follows_a_step_after_a_jumpy_stretch():
+    # after a stretch that chose a long window, a lasting step of speed makes the short windows
+    # predict best again: the drift follows it within a few requests
+    import random
+
+    rng = random.Random(5)
+    live = LiveProfile(make_profile(), refit_every=1000)
+    _jumpy(live, [rng.choice((0.9, 1.1)) for _ in range(40)])
+    drifts = _jumpy(live, [2.0] * 12)
+    assert live.current.drift == pytest.approx(2.0)
+    assert all(d == pytest.approx(2.0) for d in drifts[10:])
+
+
+def test_a_fixed_drift_window_is_kept():
+    live = LiveProfile(make_profile(), refit_every=1000, drift_window=3)
+    _jumpy(live, [0.8, 1.25] * 20)
+    assert live._best_window() == 3
+
+
 def test_observe_never_changes_the_original_profile():
     p = make_profile()
     live = LiveProfile(p, refit_every=2)

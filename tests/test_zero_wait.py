@@ -184,15 +184,20 @@ def test_a_provisional_profile_learns_fast_from_measured_requests(isolated_cache
     assert t.profile.probed_range()[0] >= max(r.evaluated_tokens for r in reports)
 
 
-def test_a_full_profile_refits_at_its_own_pace():
-    """The fast refits are for provisional profiles: a full one keeps ``refit_every``."""
+def test_every_profile_refits_from_its_first_requests_unless_told_to_wait():
+    """By default a full profile refits on each measured request, as a provisional one does (a
+    shape its calibration got wrong is corrected at once); ``refit_every`` still spaces the
+    refits of a non-provisional profile, never a provisional one's."""
     guess = micro_guess()
-    fast, slow = LiveProfile(guess), LiveProfile(attrs.evolve(guess, mode="full", quick=False))
+    full = attrs.evolve(guess, mode="full", quick=False)
+    fast, default, slow = LiveProfile(guess, refit_every=16), LiveProfile(full), LiveProfile(full, refit_every=16)
     for n in (700, 1100, 500):
-        for live in (fast, slow):
+        for live in (fast, default, slow):
             live.observe(n, 0, TRUE.prefill_s(n, 0))
-    assert fast.current.model != guess.model
-    assert slow.current.model == guess.model  # drift only, until the 16th observation
+    assert fast.current.model != guess.model  # provisional: provisional_refit_every (1)
+    assert default.current.model != full.model
+    assert default.current.predict_prefill_s(900) == pytest.approx(TRUE.prefill_s(900), rel=0.02)
+    assert slow.current.model == full.model  # drift only, until the 16th observation
 
 
 def test_the_provisional_profile_is_stored_every_few_requests(isolated_cache):

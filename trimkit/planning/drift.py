@@ -2,14 +2,16 @@
 
 Calibration measures the host once; its speed then changes (thermal throttling, other load, a
 model moved to another device). :class:`LiveProfile` feeds every measured prefill back into the
-profile's predictions: the ``drift`` factor follows the recent ratios measured / predicted, and
-the model is refitted now and then on calibration plus recent live samples. One engine's
-``LiveProfile`` lives in its :class:`~trimkit.planning.margin.EngineState`.
+profile's predictions: the ``drift`` factor follows the recent ratios measured / predicted (over
+a window chosen by how well each candidate predicted the host so far), and every measured
+request is a refit round of the model on calibration plus recent live samples, kept where it
+explains them better than a change of speed alone. One engine's ``LiveProfile`` lives in its
+:class:`~trimkit.planning.margin.EngineState`.
 
-A *provisional* profile (a ~3 s micro-calibration, :attr:`Profile.provisional`) learns fast: while
-it is provisional every measured request is a refit round, and the live samples of a kept refit
-widen its probed range (:attr:`Profile.probed_new_tokens`, :attr:`Profile.probed_context_tokens`),
-so the wider margin for extrapolation (:mod:`trimkit.planning.margin`) stops applying to lengths
+A *provisional* profile (a ~3 s micro-calibration, :attr:`Profile.provisional`) gains the most:
+its refits and the live samples widen its probed range (:attr:`Profile.probed_new_tokens`,
+:attr:`Profile.probed_context_tokens`), so the wider margin for extrapolation
+(:mod:`trimkit.planning.margin`) stops applying to lengths
 the engine has measured. Decode speed is learned the same way: each served request's stream is a
 point of the decode-vs-context line (:mod:`trimkit.decode_model`) at its context, and the latest
 ones set the line's level (:meth:`LiveProfile.decode_tokens_per_s_at`). Idle probes
@@ -48,6 +50,27 @@ MIN_FIRST_TOKEN_POINTS = 4
 #: ...spanning prompt lengths at least this many times apart (a slope from lengths close
 #: together is mostly the overhead's jitter)
 FIRST_TOKEN_LENGTH_SPREAD = 2.0
+#: the drift windows :class:`LiveProfile` chooses among (requests whose median ratio is the
+#: drift): from following a step in 2 requests to averaging over 17; and the one used while
+#: they predict equally well
+DRIFT_WINDOWS = (3, 5, 9, 17)
+DEFAULT_DRIFT_WINDOW = 5
+#: how many recent requests a drift window's score (its mean error predicting them) covers
+WINDOW_SCORE_MEMORY = 16
+
+
+def _log_ratio(measured_s: float, predicted_s: float) -> float | None:
+    """log(measured / predicted), the ratio clipped to 0.2–5 (one wild measurement moves drift
+    no further); None when nothing was predicted."""
+    if predicted_s <= 0:
+        return None
+    return math.log(min(max(measured_s / predicted_s, 0.2), 5.0))
+
+
+def _median_log_ratio(model: CostModel, samples: Sequence[PrefillSample]) -> float:
+    """The median of log(measured / ``model``) over ``samples`` (0 when none is predicted)."""
+    logs = [x for x in (_log_ratio(s.seconds, model.prefill_s(s.new_tokens, s.cached_tokens)) for s in samples) if x is not None]
+    return statistics.median(logs) if logs else 0.0
 
 
 def covering(profile: Profile, samples: Sequence[PrefillSample]) -> Profile:
@@ -67,14 +90,22 @@ class LiveProfile:
 
     Each measured request contributes the ratio measured / predicted prefill (the model's
     prediction before drift, clipped to 0.2–5). The profile's ``drift`` factor is the median of
-    the last ``drift_window`` (5) ratios; while fewer have been seen, the missing ones count as
-    the starting drift. So a step change in the host's speed is followed exactly after 3
-    requests (3 of the 5 agree), while one or two outliers among the last five move it at most
-    to a neighbouring ratio. Every ``refit_every`` observations (every
-    ``provisional_refit_every`` while the profile is provisional) the model is refitted on
-    calibration plus recent live samples and kept only if it explains the live samples better
-    than model × drift; drift is then measured against the refit, and the probed range grows to
-    cover the live samples of a kept refit. Thread-safe.
+    the last few ratios; while fewer have been seen, the missing ones count as the starting
+    drift. How many is chosen as the requests run (:data:`DRIFT_WINDOWS`): before each ratio
+    joins, every candidate window's drift is scored on how well it would have predicted it, and
+    the window with the smallest mean error over the last :data:`WINDOW_SCORE_MEMORY` requests is
+    used (5 while they tie). A host whose speed holds for a while and then steps is followed by a
+    short window — with 5, exactly after 3 requests (3 of the 5 agree) —; a host whose speed
+    jumps back and forth from one request to the next is averaged over a long one, which chasing
+    each jump would only make worse. A fixed ``drift_window`` turns the choice off.
+
+    After every ``refit_every`` observations (default: each one; it costs about a millisecond,
+    after the response) the model is refitted on calibration plus recent live samples and kept
+    only if it explains the live samples better than model × drift; drift is then measured
+    against the refit, and the probed range grows to cover the live samples. So
+    a shape the calibration got wrong — too little attention from short probes, an overhead
+    read off a noisy moment — is corrected from the first requests, not from the sixteenth.
+    Thread-safe.
 
     ``alpha`` is accepted for compatibility and ignored (drift used to be an exponentially
     weighted mean, which needed ~10 requests to follow a 30 % change of speed).
@@ -85,24 +116,31 @@ class LiveProfile:
         profile: Profile,
         *,
         alpha: float | None = None,
-        refit_every: int = 16,
+        refit_every: int = 1,
         provisional_refit_every: int = 1,
         keep_live: int = 64,
-        drift_window: int = 5,
+        drift_window: int | None = None,
     ) -> None:
-        for name, value in (("drift_window", drift_window), ("refit_every", refit_every), ("provisional_refit_every", provisional_refit_every)):
+        checked = (("refit_every", refit_every), ("provisional_refit_every", provisional_refit_every))
+        for name, value in checked + ((("drift_window", drift_window),) if drift_window is not None else ()):
             if not (_is_count(value) and value >= 1):
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+                raise ValueError(f"{name} must be an int >= 1 (or None for drift_window), got {value!r}")
         self._profile = profile
         self._refit_every = refit_every
         self._provisional_refit_every = provisional_refit_every
         self._live: deque[PrefillSample] = deque(maxlen=keep_live)
-        self._recent: deque[PrefillSample] = deque(maxlen=drift_window)
-        self._window = drift_window
+        #: the candidate drift windows (one when fixed), and each one's recent errors
+        self._windows = DRIFT_WINDOWS if drift_window is None else (drift_window,)
+        self._window = DEFAULT_DRIFT_WINDOW if drift_window is None else drift_window
+        self._window_errors: dict[int, deque[float]] = {w: deque(maxlen=WINDOW_SCORE_MEMORY) for w in self._windows}
+        self._recent: deque[PrefillSample] = deque(maxlen=max(self._windows))
         self._prior_log_drift = math.log(profile.drift)  # stands in for ratios not yet seen
+        #: the model calibration fitted (refits replace the current one): the speed of the live
+        #: samples is measured against it when calibration's samples join a refit
+        self._calibration_model = profile.model
         self._seen = 0
         #: decode speeds (tokens/s) measured by recent requests; their median replaces calibration's
-        self._decode: deque[float] = deque(maxlen=drift_window)
+        self._decode: deque[float] = deque(maxlen=self._window)
         #: the decode points of recent requests whose context is known (decode speed vs context),
         #: starting from those a stored refined profile kept
         self._decode_points: deque[DecodePoint] = deque((p for p in profile.decode_points if p.source == "live"), maxlen=KEEP_DECODE_POINTS)
@@ -115,15 +153,34 @@ class LiveProfile:
     def current(self) -> Profile:
         return self._profile
 
-    def _log_drift(self, model: CostModel) -> float:
-        """The median log ratio measured / ``model`` over the recent samples, padded with the prior."""
-        logs = []
-        for s in self._recent:
-            base = model.prefill_s(s.new_tokens, s.cached_tokens)
-            if base > 0:
-                logs.append(math.log(min(max(s.seconds / base, 0.2), 5.0)))
-        logs += [self._prior_log_drift] * (self._window - len(logs))
+    def _log_drift(self, model: CostModel, window: int | None = None) -> float:
+        """The median log ratio measured / ``model`` over the last ``window`` samples (the window
+        in use: :meth:`_best_window`), padded with the prior while fewer were seen."""
+        window = self._best_window() if window is None else window
+        logs = [_log_ratio(s.seconds, model.prefill_s(s.new_tokens, s.cached_tokens)) for s in list(self._recent)[-window:]]
+        logs = [x for x in logs if x is not None]
+        logs += [self._prior_log_drift] * (window - len(logs))
         return statistics.median(logs)
+
+    def _best_window(self) -> int:
+        """The candidate window whose drift predicted the recent samples best (mean absolute log
+        error); the default window while it is among the best, else the shortest of them."""
+        scores = {w: sum(e) / len(e) if e else 0.0 for w, e in self._window_errors.items()}
+        best = min(scores.values())
+        if scores.get(self._window, math.inf) <= best:
+            return self._window
+        return min(w for w, score in scores.items() if score <= best)
+
+    def _score_windows(self, model: CostModel, sample: PrefillSample) -> None:
+        """Under the lock, before ``sample`` joins the recent ones: how far each candidate
+        window's drift was from it."""
+        if len(self._windows) == 1:
+            return
+        measured = _log_ratio(sample.seconds, model.prefill_s(sample.new_tokens, sample.cached_tokens))
+        if measured is None:
+            return
+        for w in self._windows:
+            self._window_errors[w].append(abs(measured - self._log_drift(model, w)))
 
     def observe(self, new_tokens: int, cached_tokens: int, measured_prefill_s: float) -> None:
         """Feed one measured prefill back. Unusable measurements (no tokens, a negative or
@@ -140,6 +197,7 @@ class LiveProfile:
             model = self._profile.model
             if model.prefill_s(sample.new_tokens, sample.cached_tokens) <= 0:
                 return
+            self._score_windows(model, sample)
             self._recent.append(sample)
             self._live.append(sample)
             self._seen += 1
@@ -149,7 +207,7 @@ class LiveProfile:
     def observe_decode(self, tokens_per_s: Any, completion_tokens: Any, context_tokens: Any = None) -> None:
         """Feed one request's measured decode speed back; ``context_tokens`` is its prompt
         length (the KV cache its first decode step reads). The profile's decode speed becomes the
-        median of the last ``drift_window`` measured: calibration measures decode over a few
+        median of the last ``drift_window`` (default 5) measured: calibration measures decode over a few
         steps only (or estimates it on a host too slow for even one within its budget), and a
         request's stream is what the user sees. With ``context_tokens`` the request is also a
         point of the decode-vs-context line (:meth:`decode_tokens_per_s_at`) at its mean context
@@ -188,7 +246,7 @@ class LiveProfile:
         tokenizing all of it. So the profile learns both parts (:meth:`_first_token_parts`): how
         the overhead grows per prompt token, from the last :data:`KEEP_FIRST_TOKEN_POINTS`
         requests once they span lengths :data:`FIRST_TOKEN_LENGTH_SPREAD` times apart, and the
-        fixed part, from the last ``drift_window``. Unusable numbers are ignored."""
+        fixed part, from the last ``drift_window`` (default 5). Unusable numbers are ignored."""
         values = (ttft_s, engine_prefill_s)
         if any(isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) for v in values):
             return
@@ -205,7 +263,7 @@ class LiveProfile:
         (``profile``'s own while none). Per token: the median slope between pairs of recent
         requests (Theil–Sen: one slow request moves it little), at least 0, once enough requests
         of lengths far enough apart were seen; else ``profile``'s. Fixed: the median over the
-        last ``drift_window`` requests of their overhead less the per-token part."""
+        last ``drift_window`` (default 5) requests of their overhead less the per-token part."""
         if not self._first_token:
             return profile.first_token_s, profile.first_token_per_token_s
         per = profile.first_token_per_token_s
@@ -224,6 +282,7 @@ class LiveProfile:
         runs at once, so what the requests taught is not lost."""
         with self._lock:
             self._prior_log_drift = math.log(profile.drift)
+            self._calibration_model = profile.model
             self._update(profile, refit=bool(self._live))
 
     def _update(self, profile: Profile, *, refit: bool) -> None:
@@ -232,18 +291,22 @@ class LiveProfile:
         model = profile.model
         log_drift = self._log_drift(model)
         if refit and self._live:
-            calib = [s for s in profile.samples if s.source == "calibration"]
             live = list(self._live)
+            calib = [s for s in profile.samples if s.source == "calibration"]
             candidate = fit_cost_model(calib + live, n_batch=model.n_batch, batched=model.per_batch_s > 0,
                                        depth_prior_tokens=profile.depth_prior_tokens)
-            # keep the refit only if it explains the live samples better than model × drift
-            old_err = error_stats((model.prefill_s(s.new_tokens, s.cached_tokens) * math.exp(log_drift), s.seconds) for s in live)
+            # keep the refit only if it explains the live samples better than the model does at
+            # its best single speed factor (their median ratio) — what drift alone could reach
+            scalar = math.exp(_median_log_ratio(model, live))
+            old_err = error_stats((model.prefill_s(s.new_tokens, s.cached_tokens) * scalar, s.seconds) for s in live)
             new_err = error_stats((candidate.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in live)
             if new_err.median_pct < old_err.median_pct:
                 model = candidate
                 self._prior_log_drift = 0.0  # the refit absorbed the drift seen so far
                 log_drift = self._log_drift(model)
-                profile = covering(profile, live)  # the measured lengths are in the fit now
+            # the measured lengths are no longer an extrapolation: either they are in the refit,
+            # or the model explains them at least as well as a refit on them would
+            profile = covering(profile, live)
         decode = statistics.median(self._decode) if self._decode else profile.decode_tokens_per_s
         first, per = self._first_token_parts(profile)
         self._profile = attrs.evolve(profile, model=model, drift=math.exp(log_drift), decode_tokens_per_s=decode, first_token_s=first,

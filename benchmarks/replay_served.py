@@ -1,0 +1,89 @@
+"""Replay the served profiles of a ``prediction_accuracy.py`` result with today's ``LiveProfile``.
+
+``benchmarks/prediction_accuracy.py`` stores each calibrated profile (samples included) and the
+log of every request its served profiles learned from, in order (``served_log``; each held-out
+row names its entry). This script feeds that log again to a fresh ``LiveProfile`` of each stored
+profile — exactly as the benchmark did — and predicts each held-out prompt before its own entry
+is fed, so a change to how profiles learn while serving can be judged on requests measured on a
+real host, without running the engines again. Nothing is measured here: the figures are those of
+the stored run, predicted anew.
+
+    python benchmarks/replay_served.py benchmarks/results/prediction_accuracy.json [more.json ...]
+
+Prints, per model and profile, the median / p90 absolute % error of the served predictions as
+the run recorded them and as replayed now, and the targets the run judged them by. Results
+stored before the log was kept (runs 1–10) cannot be replayed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trimkit.planning.costs import error_stats, evaluated_tokens  # noqa: E402
+from trimkit.planning.drift import LiveProfile  # noqa: E402
+from trimkit.profile import Profile  # noqa: E402
+
+
+def replay(model: dict[str, Any], mode: str) -> list[tuple[float, float]] | None:
+    """(predicted, measured) TTFT of each held-out row, served by ``mode``'s profile replayed; None
+    when the result lacks what a replay needs."""
+    rec = model.get("calibration", {}).get(mode, {})
+    log = model.get("served_log")
+    if "profile" not in rec or log is None:
+        return None
+    live = LiveProfile(Profile.from_dict(rec["profile"]))
+    rows = [r for r in model["heldout"]["rows"] if "served_log_index" in r]
+    by_entry = {r["served_log_index"]: r for r in rows}
+    out = []
+    for i, m in enumerate(log):
+        row = by_entry.get(i)
+        if row is not None:
+            n, k = row["prompt_tokens"], row["cached_predicted"]
+            out.append((live.current.predict_ttft_s(evaluated_tokens(n, k), k), row["measured_ttft_s"]))
+        live.observe_first_token(m["ttft_s"], m["engine_prefill_s"], m["prompt_tokens"])
+        if m["engine_prefill_s"] is not None and m["evaluated_tokens"]:
+            live.observe(m["evaluated_tokens"], m["cached_tokens"] or 0, m["engine_prefill_s"])
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("results", nargs="+", help="prediction_accuracy JSON files")
+    args = ap.parse_args(argv)
+    replayed = 0
+    for path in args.results:
+        data = json.loads(Path(path).read_text())
+        print(f"== {path} ({data.get('started_at')}, commit {data.get('host', {}).get('git_commit')})")
+        for name, model in data.get("models", {}).items():
+            if "skipped" in model:
+                continue
+            t = model.get("accuracy_targets", {})
+            print(f"{name}: targets median ≤ {t.get('median_pct', float('nan')):.1f} %, p90 ≤ {t.get('p90_pct', float('nan')):.1f} %")
+            for mode in model.get("calibration", {}):
+                pairs = replay(model, mode)
+                if pairs is None:
+                    print(f"  {mode:6} cannot be replayed (no stored profile or served log)")
+                    continue
+                replayed += 1
+                rows = [r for r in model["heldout"]["rows"] if f"predicted_{mode}_served_s" in r]
+                was = error_stats((r[f"predicted_{mode}_served_s"], r["measured_ttft_s"]) for r in rows)
+                now = error_stats(pairs)
+                factor = 2.0 if mode == "micro" else 1.0  # the benchmark judges the provisional profile within 2×
+                ok = now.median_pct <= factor * t.get("median_pct", 0) and now.p90_pct <= factor * t.get("p90_pct", 0)
+                print(f"  {mode:6}+live  recorded {was.median_pct:5.1f} / {was.p90_pct:5.1f} %   replayed {now.median_pct:5.1f} / "
+                      f"{now.p90_pct:5.1f} %  (n={now.n})  {'PASS' if ok else 'MISS'}")
+    if not replayed:
+        print("nothing could be replayed: results stored before the served log was kept", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
