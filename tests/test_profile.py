@@ -526,6 +526,17 @@ def test_a_fixed_drift_window_is_kept():
     assert live._best_window() == 3
 
 
+def test_a_refit_that_cannot_be_computed_leaves_drift_to_follow_the_host():
+    # a stored profile with a calibration sample no fit can use (a count beyond any float):
+    # learning runs after the response and must never fail it
+    p = make_profile(samples=[*exact_samples(TRUE_MODEL), PrefillSample(10**400, 0, 1.5)])
+    live = LiveProfile(p)
+    for n in (16, 256, 1024):
+        live.observe(n, 0, 2.0 * TRUE_MODEL.prefill_s(n))
+    assert live.current.model == p.model
+    assert live.current.drift == pytest.approx(2.0)
+
+
 def test_observe_never_changes_the_original_profile():
     p = make_profile()
     live = LiveProfile(p, refit_every=2)

@@ -21,6 +21,7 @@ ones set the line's level (:meth:`LiveProfile.decode_tokens_per_s_at`). Idle pro
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import statistics
@@ -30,12 +31,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from trimkit.decode_model import DecodePoint, mean_context
 from trimkit.planning.costs import CostModel, PrefillSample, error_stats, fit_cost_model
 from trimkit.profile import Profile
 
 __all__ = ["LiveProfile", "covering"]
+
+log = logging.getLogger("trimkit")
 
 
 #: a measured decode speed counts only over at least this many generated tokens (the first
@@ -293,20 +297,26 @@ class LiveProfile:
         if refit and self._live:
             live = list(self._live)
             calib = [s for s in profile.samples if s.source == "calibration"]
-            candidate = fit_cost_model(calib + live, n_batch=model.n_batch, batched=model.per_batch_s > 0,
-                                       depth_prior_tokens=profile.depth_prior_tokens)
-            # keep the refit only if it explains the live samples better than the model does at
-            # its best single speed factor (their median ratio) — what drift alone could reach
-            scalar = math.exp(_median_log_ratio(model, live))
-            old_err = error_stats((model.prefill_s(s.new_tokens, s.cached_tokens) * scalar, s.seconds) for s in live)
-            new_err = error_stats((candidate.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in live)
-            if new_err.median_pct < old_err.median_pct:
-                model = candidate
-                self._prior_log_drift = 0.0  # the refit absorbed the drift seen so far
-                log_drift = self._log_drift(model)
-            # the measured lengths are no longer an extrapolation: either they are in the refit,
-            # or the model explains them at least as well as a refit on them would
-            profile = covering(profile, live)
+            try:
+                candidate = fit_cost_model(calib + live, n_batch=model.n_batch, batched=model.per_batch_s > 0,
+                                           depth_prior_tokens=profile.depth_prior_tokens)
+                # keep the refit only if it explains the live samples better than the model does
+                # at its best single speed factor (their median ratio) — what drift alone could reach
+                scalar = math.exp(_median_log_ratio(model, live))
+                old_err = error_stats((model.prefill_s(s.new_tokens, s.cached_tokens) * scalar, s.seconds) for s in live)
+                new_err = error_stats((candidate.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in live)
+            except (ValueError, ArithmeticError, np.linalg.LinAlgError) as exc:
+                # a stored profile's samples no fit can use (absurd counts or times): drift alone;
+                # learning runs after a response was delivered and must never fail it
+                log.debug("trimkit: live refit skipped: %s", exc)
+            else:
+                if new_err.median_pct < old_err.median_pct:
+                    model = candidate
+                    self._prior_log_drift = 0.0  # the refit absorbed the drift seen so far
+                    log_drift = self._log_drift(model)
+                # the measured lengths are no longer an extrapolation: either they are in the
+                # refit, or the model explains them at least as well as a refit on them would
+                profile = covering(profile, live)
         decode = statistics.median(self._decode) if self._decode else profile.decode_tokens_per_s
         first, per = self._first_token_parts(profile)
         self._profile = attrs.evolve(profile, model=model, drift=math.exp(log_drift), decode_tokens_per_s=decode, first_token_s=first,

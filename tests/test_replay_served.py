@@ -1,0 +1,71 @@
+"""``benchmarks/replay_served.py`` replays a prediction benchmark's served profiles (no model runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._core_helpers import TRUE_MODEL, make_profile
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "replay_served.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("replay_served", _PATH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("replay_served", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+replay_served = _load()
+
+LENGTHS = (64, 900, 2000, 300, 1500, 128, 2500, 700)
+
+
+def _result(*, with_log: bool = True) -> dict:
+    """A result as the benchmark writes it: the host ran 1.5× slower than calibrated, and the
+    first-token overhead was 20 ms; every other request is a held-out row."""
+    profile = make_profile()
+    log, rows = [], []
+    for i, n in enumerate(LENGTHS):
+        prefill = 1.5 * TRUE_MODEL.prefill_s(n)
+        log.append({"ttft_s": prefill + 0.02, "engine_prefill_s": prefill, "prompt_tokens": n, "evaluated_tokens": n, "cached_tokens": 0})
+        if i % 2:
+            rows.append({"prompt_tokens": n, "cached_predicted": 0, "measured_ttft_s": prefill + 0.02,
+                         "predicted_full_served_s": 1.0, **({"served_log_index": i} if with_log else {})})
+    calibration = {"full": {"profile": profile.to_dict()} if with_log else {}}
+    model = {"calibration": calibration, "heldout": {"rows": rows}, "accuracy_targets": {"median_pct": 5.0, "p90_pct": 12.0}}
+    if with_log:
+        model["served_log"] = log
+    return {"started_at": "test", "host": {}, "models": {"fake": model}}
+
+
+def test_a_replay_predicts_each_row_before_its_own_request_is_learned():
+    pairs = replay_served.replay(_result()["models"]["fake"], "full")
+    assert len(pairs) == len(LENGTHS) // 2
+    # the first held-out row comes after one slower request: drift has not followed yet (one
+    # ratio of five), so it is predicted short; the last ones are predicted right
+    first, last = pairs[0], pairs[-1]
+    assert first[0] < 0.8 * first[1]
+    assert last[0] == pytest.approx(last[1], rel=0.02)
+
+
+def test_the_script_prints_recorded_and_replayed_errors(tmp_path, capsys):
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(_result()))
+    assert replay_served.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "full  +live  recorded" in out and "replayed" in out
+
+
+def test_a_result_without_the_served_log_cannot_be_replayed(tmp_path, capsys):
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(_result(with_log=False)))
+    assert replay_served.main([str(path)]) == 1
+    assert "cannot be replayed" in capsys.readouterr().out
