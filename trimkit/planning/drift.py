@@ -103,12 +103,14 @@ class LiveProfile:
     jumps back and forth from one request to the next is averaged over a long one, which chasing
     each jump would only make worse. A fixed ``drift_window`` turns the choice off.
 
-    After every ``refit_every`` observations (default: each one; it costs about a millisecond,
+    After every ``refit_every`` observations (default: each one; it costs about 2 ms,
     after the response) the model is refitted on calibration plus recent live samples and kept
-    only if it explains the live samples better than model × drift; drift is then measured
-    against the refit, and the probed range grows to cover the live samples. So
-    a shape the calibration got wrong — too little attention from short probes, an overhead
-    read off a noisy moment — is corrected from the first requests, not from the sixteenth.
+    only if it explains the live samples better than the model at its best single speed factor
+    (their median ratio: what drift alone could reach); drift is then measured against the
+    refit, and the probed range grows to cover the live samples. So a shape the calibration got
+    wrong — too little attention from short probes, an overhead read off a noisy moment — is
+    corrected from the first requests, not from the sixteenth, while a host that only changed
+    speed moves drift and leaves the model alone.
     Thread-safe.
 
     ``alpha`` is accepted for compatibility and ignored (drift used to be an exponentially
