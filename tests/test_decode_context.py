@@ -11,7 +11,8 @@ independent of the prompt misses the long one by more on the embedded model.
 A shared host changes speed by 20–30 % over minutes (docs/design.md §2), more than this bound,
 so a prediction is only comparable with requests measured right after its calibration. The
 first attempt uses the session's quick profile (measured earlier in the run); when the host has
-drifted since, the test calibrates afresh and measures at once, up to twice more. A prediction
+drifted since, the test calibrates afresh and measures at once, up to twice more (a fresh
+calibration that a contended moment left without time for its decode steps is not compared). A prediction
 that is biased (wrong units, a mis-timed step, a line that ignores the context) misses on every
 attempt and fails. (The sweep over 0–6k tokens, with its tighter target, is
 benchmarks/phases_decode.py.)
@@ -48,13 +49,15 @@ def _measured(backend: LlamaBackend, llm, content_tokens: int) -> tuple[int, int
     return runs[-1].prompt_tokens, runs[-1].completion_tokens, statistics.median(speeds)
 
 
+def _has_decode_line(profile) -> bool:
+    """The profile measured decode at an empty context and at a deep one (after the depth probes)."""
+    contexts = {p.context_tokens for p in profile.decode_points}
+    return profile.decode_model() is not None and len(profile.decode_points) >= 2 and 0.0 in contexts and max(contexts) >= 64
+
+
 def _attempt(llm, profile) -> list[tuple[int, float, float]]:
     """(prompt tokens, measured, predicted) at the long then the short prompt: the long prompt's
     prefill first, then both decodes within seconds of each other."""
-    model = profile.decode_model()
-    assert model is not None and len(profile.decode_points) >= 2, profile.decode_points
-    assert {p.context_tokens for p in profile.decode_points} >= {0.0}
-    assert max(p.context_tokens for p in profile.decode_points) >= 64  # the deep point: after the depth probes
     backend = LlamaBackend(llm)
     rows = []
     for content in (2000, 16):
@@ -70,8 +73,15 @@ def _within(rows) -> bool:
 
 
 def test_decode_prediction_follows_the_context(llm, quick_profile):
+    assert _has_decode_line(quick_profile), quick_profile.decode_points
     attempts = [(_attempt(llm, quick_profile), quick_profile.decode_points)]
-    while not _within(attempts[-1][0]) and len(attempts) <= FRESH_ATTEMPTS:
+    for _ in range(FRESH_ATTEMPTS):
+        if _within(attempts[-1][0]):
+            break
         fresh = trimkit.calibrate(llm, mode="quick", time_budget_s=2 * trimkit.calibration.QUICK_BUDGET_S, recalibrate=True, store=False)
+        if not _has_decode_line(fresh):
+            # a contended moment left its budget no time for the decode steps (a calibration
+            # drops what does not fit): nothing to compare; the next attempt calibrates again
+            continue
         attempts.append((_attempt(llm, fresh), fresh.decode_points))
     assert _within(attempts[-1][0]), attempts
