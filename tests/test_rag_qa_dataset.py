@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "rag_qa.py"
+from tests._bench import load_benchmark
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("rag_qa", _PATH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("rag_qa", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-rag_qa = _load()
+rag_qa = load_benchmark("rag_qa")
 
 
 @pytest.fixture(scope="module")

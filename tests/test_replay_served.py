@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests._bench import load_benchmark
 from tests._core_helpers import TRUE_MODEL, make_profile
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "replay_served.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("replay_served", _PATH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("replay_served", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-replay_served = _load()
+replay_served = load_benchmark("replay_served")
 
 LENGTHS = (64, 900, 2000, 300, 1500, 128, 2500, 700)
 
