@@ -141,9 +141,6 @@ class LiveProfile:
         self._window_errors: dict[int, deque[float]] = {w: deque(maxlen=WINDOW_SCORE_MEMORY) for w in self._windows}
         self._recent: deque[PrefillSample] = deque(maxlen=max(self._windows))
         self._prior_log_drift = math.log(profile.drift)  # stands in for ratios not yet seen
-        #: the model calibration fitted (refits replace the current one): the speed of the live
-        #: samples is measured against it when calibration's samples join a refit
-        self._calibration_model = profile.model
         self._seen = 0
         #: decode speeds (tokens/s) measured by recent requests; their median replaces calibration's
         self._decode: deque[float] = deque(maxlen=self._window)
@@ -288,7 +285,6 @@ class LiveProfile:
         runs at once, so what the requests taught is not lost."""
         with self._lock:
             self._prior_log_drift = math.log(profile.drift)
-            self._calibration_model = profile.model
             self._update(profile, refit=bool(self._live))
 
     def _update(self, profile: Profile, *, refit: bool) -> None:
