@@ -164,3 +164,62 @@ def test_drop_oldest_turns_keep_last_turns_is_honoured_by_the_engine():
     assert p.feasible and not p.minimal and p.removed_message_indices
     # the three newest history turns (messages 7-12) and the current one stay
     assert not set(p.removed_message_indices) & set(range(7, 13))
+
+
+# -- a cached history, then the next question's chunks ---------------------------------------------
+def _next_question_plans(tok, budgets, margins):
+    """The demo's chat after an untrimmed request: its history is cached, the next question brings
+    12 new chunks. Yields ``(plan, target, answer chunk id)`` for each budget and margin."""
+    from trimkit.demo import SYSTEM, load_corpus, load_history, load_questions
+    from trimkit.planning.relevance import rank_chunks
+    from trimkit.planning.costs import CostModel
+    from trimkit.tokens import reusable_prefix_len
+    import attrs
+
+    corpus = [Chunk(text=d["text"], id=d["id"]) for d in load_corpus()]
+    history, questions = load_history(), load_questions()
+    profile = attrs.evolve(PROFILE, model=CostModel(overhead_s=0.02, per_token_s=0.0036, depth_s=1.2e-6))
+
+    def asked(q):
+        return [{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": q}], list(rank_chunks(corpus, q)[:12])
+
+    msgs0, chunks0 = asked(questions[0]["question"])
+    before = plan(msgs0, ttft_budget_s=1e6, profile=profile, tokenizer=tok, rag_chunks=chunks0)
+    cache = tok.prompt_tokens(before.messages, None)  # what the engine holds after the untrimmed request
+    msgs, chunks = asked(questions[1]["question"])
+    untrimmed = plan(msgs, ttft_budget_s=1e6, profile=profile, tokenizer=tok, rag_chunks=chunks)
+    cached = reusable_prefix_len(cache, tok.prompt_tokens(untrimmed.messages, None))
+    assert cached > len(tok.prompt_tokens(msgs[:1] + msgs[-1:], None))  # the history is cached
+
+    def probe(candidate):
+        return reusable_prefix_len(cache, tok.prompt_tokens(candidate, None))
+
+    for budget in budgets:
+        for margin in margins:
+            p = plan(msgs, ttft_budget_s=budget, profile=profile, tokenizer=tok, rag_chunks=chunks, cached_tokens=cached,
+                     cache_probe=probe, safety_margin=margin)
+            yield p, budget * (1 - margin), questions[1]["doc_id"]
+
+
+def _check_next_question(tok, budgets):
+    for p, target, doc in _next_question_plans(tok, budgets, (0.05, 0.18)):
+        # the best candidate's chunks end the cached prefix earlier than its fixed part did: the
+        # engine prices that and keeps the next best rather than falling back to the minimal prompt
+        assert not p.minimal, (target, p.actions)
+        assert p.feasible and p.predicted_ttft_s <= target + 1e-9
+        assert any(c.id == doc for c in p.kept_chunks), (target, [c.id for c in p.kept_chunks])
+
+
+def test_chunks_that_end_the_cached_prefix_early_never_send_the_minimal_prompt():
+    _check_next_question(tokenizer(), [2.0 + 0.5 * i for i in range(40)])
+
+
+def test_chunks_that_end_the_cached_prefix_early_never_send_the_minimal_prompt_real_tokenizer(model_path):
+    """The same with the real model's tokenizer and chat template (the demo's case: 41 of 192
+    budgets fell to the minimal prompt before the fix)."""
+    import llama_cpp
+
+    from trimkit.backends.llama import llama_prompt_tokenizer
+
+    tok = llama_prompt_tokenizer(llama_cpp.Llama(model_path=model_path, vocab_only=True, verbose=False))
+    _check_next_question(tok, [2.0 + 0.5 * i for i in range(40)])

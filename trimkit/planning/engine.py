@@ -45,6 +45,8 @@ __all__ = ["solve", "Lead", "Proposal"]
 MAX_KEEP_SCENARIOS = 6
 #: exact counts spent putting back chunks the additive estimates left out
 MAX_REFILL_COUNTS = 4
+#: times a scenario's room shrinks when its choice, estimated again, does not fit
+MAX_SCENARIO_TIGHTENINGS = 3
 #: how far (tokens) an additive estimate may overcount a chunk at its joins
 REFILL_TOLERANCE_TOKENS = 3
 
@@ -185,7 +187,9 @@ class _Solver:
             tries += 1
             trial = attrs.evolve(c, kept_chunks=order)
             trial_exact = ctx.exact_tokens(trial)
-            if trial_exact <= allowance:
+            # a chunk put back ahead of the others can end the cached prefix earlier: price it with its own
+            trial_allowance = self._allowance(ctx.cached_for(ctx.layout(trial), trial_exact), trial.extra_s)
+            if trial_allowance is not None and trial_exact <= trial_allowance:
                 c, exact, kept = trial, trial_exact, trial_kept
                 upgraded.add(cid)
         return c
@@ -234,16 +238,36 @@ class _Solver:
         return sorted({start + round(i * span / steps) for i in range(steps + 1)})
 
     def _scenario(self, lead: Lead, keep: int) -> tuple[float, Candidate] | None:
+        """The most valuable candidate of one scenario that fits, or None.
+
+        The room is priced with the fixed part's cached prefix; what the knapsack adds can end
+        that prefix earlier (chunks go into the last user turn, whose start the previous prompt
+        may share), so the chosen candidate is estimated again and, while it does not fit, the
+        room shrinks by what it overshoots (:data:`MAX_SCENARIO_TIGHTENINGS` times at most)."""
         ctx = self.ctx
-        turns = ctx.history_turns
         fixed_c = self._lead_candidate(lead, keep)
         est = ctx.estimate(fixed_c)
         allowance = self._allowance(est.cached_tokens, fixed_c.extra_s)
         if allowance is None:
             return None
         room = allowance - est.prompt_tokens
-        if room < 0:
-            return None
+        for _ in range(MAX_SCENARIO_TIGHTENINGS + 1):
+            if room < 0:
+                return None
+            value, candidate = self._fill(lead, keep, fixed_c, room)
+            after = ctx.estimate(candidate)
+            if ctx.fits(after.prompt_tokens, after.ttft_s):
+                return value + self._fixed_value(lead, keep), candidate
+            real = self._allowance(after.cached_tokens, candidate.extra_s)
+            if real is None:
+                return None
+            room -= max(after.prompt_tokens - real, 1)
+        return None
+
+    def _fill(self, lead: Lead, keep: int, fixed_c: Candidate, room: int) -> tuple[float, Candidate]:
+        """The knapsack's choice of optional turns and chunks within ``room`` tokens: ``(value, candidate)``."""
+        ctx = self.ctx
+        turns = ctx.history_turns
         items = [
             _Item("turn", j, ((sum(ctx.base[i] for i in range(s, e)), self.turn_value[j], None),))
             for j, (s, e) in enumerate(turns)
@@ -269,8 +293,7 @@ class _Solver:
                 picked[it.key] = _variant_chunk(it.variants[vi][2])
         back = frozenset(i for j in kept_turns for i in range(*turns[j]))
         kept_chunks = tuple(picked.get(str(ch.id), ch) for ch in self.base.kept_chunks if str(ch.id) in picked or ch in self.pinned_chunks)
-        candidate = attrs.evolve(fixed_c, removed=fixed_c.removed - back, kept_chunks=kept_chunks)
-        return value + self._fixed_value(lead, keep), candidate
+        return value, attrs.evolve(fixed_c, removed=fixed_c.removed - back, kept_chunks=kept_chunks)
 
     def _fixed_value(self, lead: Lead, keep: int) -> float:
         """Value of what the scenario keeps without choosing: the lead (a summary is worth a share of
