@@ -255,3 +255,29 @@ def test_the_fast_estimate_agrees_with_the_layout_estimate(msgs, chunks, data):
         summary=summary,
     )
     assert s.ctx.estimate(candidate) == s.ctx.estimate_by_layout(candidate)
+
+
+@SETTINGS
+@given(msgs=conversations(), chunks=chunk_lists(), before=chunk_lists(), question=text(30), scale=relative_budgets)
+def test_the_minimal_prompt_only_when_keeping_the_cached_history_does_not_fit(msgs, chunks, before, question, scale):
+    """The turn after a request with chunks: its history is cached, its chunks are new. Keeping
+    the history and dropping every chunk is a plan the default strategies allow, so when it fits
+    the planner never falls back to the minimal prompt (it did when the chosen chunks ended the
+    cached prefix earlier than the engine had priced)."""
+    from trimkit.tokens import reusable_prefix_len
+
+    tok = tokenizer()
+    previous = [*msgs[:-1], {"role": "user", "content": question}]
+    sent_before = plan(previous, ttft_budget_s=1e9, profile=PROFILE, tokenizer=tok, rag_chunks=before)
+    cache = tok.prompt_tokens(sent_before.messages, None)
+
+    def probe(candidate):
+        return reusable_prefix_len(cache, tok.prompt_tokens(candidate, None))
+
+    everything = plan(msgs, ttft_budget_s=1e9, profile=PROFILE, tokenizer=tok, rag_chunks=chunks, cache_probe=probe)
+    p = plan(msgs, ttft_budget_s=everything.predicted_ttft_s * scale, profile=PROFILE, tokenizer=tok, rag_chunks=chunks,
+             cached_tokens=probe(msgs), cache_probe=probe)
+    _check_guarantees(msgs, chunks, p, summaries_given=False)
+    if p.minimal:
+        history_only = plan(msgs, ttft_budget_s=1e9, profile=PROFILE, tokenizer=tok, cached_tokens=probe(msgs), cache_probe=probe)
+        assert history_only.predicted_ttft_s > p.target_s, (p.target_s, history_only.predicted_ttft_s, p.actions)

@@ -212,7 +212,7 @@ class _Solver:
 
     def _keep_options(self, lead: Lead) -> list[int]:
         """How many leading turns after the lead to keep verbatim: from none to all that lie in
-        the predicted cached prefix (a few points between)."""
+        the predicted cached prefix (a few points between), and all of them."""
         ctx = self.ctx
         turns = ctx.history_turns
         start = lead.covers
@@ -231,11 +231,13 @@ class _Solver:
             if end is None or end > cached:
                 break
             last = j + 1
+        # and every turn: the offsets above add per-message counts, which overcount a token or so
+        # at each join, so over a long history the last cached turns can look uncached
         if last == start:
-            return [start]
+            return sorted({start, len(turns)})
         span = last - start
         steps = min(span, MAX_KEEP_SCENARIOS - 1)
-        return sorted({start + round(i * span / steps) for i in range(steps + 1)})
+        return sorted({start + round(i * span / steps) for i in range(steps + 1)} | {len(turns)})
 
     def _scenario(self, lead: Lead, keep: int) -> tuple[float, Candidate] | None:
         """The most valuable candidate of one scenario that fits, or None.
@@ -243,29 +245,41 @@ class _Solver:
         The room is priced with the fixed part's cached prefix; what the knapsack adds can end
         that prefix earlier (chunks go into the last user turn, whose start the previous prompt
         may share), so the chosen candidate is estimated again and, while it does not fit, the
-        room shrinks by what it overshoots (:data:`MAX_SCENARIO_TIGHTENINGS` times at most)."""
+        room becomes what the fixed part leaves under the prefix the choice really keeps cached
+        (:data:`MAX_SCENARIO_TIGHTENINGS` times at most). When no choice with chunks fits, the
+        turns alone are chosen, and failing that the fixed part alone, which fits whenever the
+        scenario has room at all."""
         ctx = self.ctx
         fixed_c = self._lead_candidate(lead, keep)
         est = ctx.estimate(fixed_c)
         allowance = self._allowance(est.cached_tokens, fixed_c.extra_s)
         if allowance is None:
             return None
-        room = allowance - est.prompt_tokens
+        room0 = room = allowance - est.prompt_tokens
+        if room0 < 0:
+            return None
+        fixed_value = self._fixed_value(lead, keep)
         for _ in range(MAX_SCENARIO_TIGHTENINGS + 1):
             if room < 0:
-                return None
+                break
             value, candidate = self._fill(lead, keep, fixed_c, room)
             after = ctx.estimate(candidate)
             if ctx.fits(after.prompt_tokens, after.ttft_s):
-                return value + self._fixed_value(lead, keep), candidate
+                return value + fixed_value, candidate
+            # the room the fixed part leaves when the prefix is cached only as far as this choice's
             real = self._allowance(after.cached_tokens, candidate.extra_s)
             if real is None:
-                return None
-            room -= max(after.prompt_tokens - real, 1)
-        return None
+                break
+            room = min(room - 1, real - est.prompt_tokens)
+        value, candidate = self._fill(lead, keep, fixed_c, room0, chunks=False)
+        after = ctx.estimate(candidate)
+        if ctx.fits(after.prompt_tokens, after.ttft_s):
+            return value + fixed_value, candidate
+        return (fixed_value, fixed_c) if ctx.fits(est.prompt_tokens, est.ttft_s) else None
 
-    def _fill(self, lead: Lead, keep: int, fixed_c: Candidate, room: int) -> tuple[float, Candidate]:
-        """The knapsack's choice of optional turns and chunks within ``room`` tokens: ``(value, candidate)``."""
+    def _fill(self, lead: Lead, keep: int, fixed_c: Candidate, room: int, *, chunks: bool = True) -> tuple[float, Candidate]:
+        """The knapsack's choice of optional turns (and, with ``chunks``, chunks) within ``room``
+        tokens: ``(value, candidate)``."""
         ctx = self.ctx
         turns = ctx.history_turns
         items = [
@@ -274,7 +288,7 @@ class _Solver:
             if j >= max(keep, lead.covers) and j in self.droppable_turns
         ]
         value, chosen = knapsack([[(w, v) for w, v, _ in it.variants] for it in items], room)
-        if self.chunk_items:
+        if chunks and self.chunk_items:
             # the RAG template's own text comes with the first chunk: unless a pinned chunk already
             # paid for it, chunks compete for what is left after it
             shared = 0 if fixed_c.kept_chunks else ctx.chunk_overhead - ctx.chunk_separator

@@ -287,9 +287,8 @@ def plan(
         predicted = ctx.predict(exact, ctx.cached_for(ctx.layout(c), exact), c.extra_s)
         if ctx.fits(exact, predicted):
             return _finish(state, exact_tokens=exact, before=before, minimal=False, feasible=True, started=started)
-        if not state.fits:
-            break
-        # estimates were optimistic by a few tokens (template boundaries): plan again, stricter
+        # estimates were optimistic by a few tokens (template boundaries), or the probe just made
+        # found less of the prompt cached than estimated: plan again, stricter and better informed
         ctx.correction += max(exact - state.prediction.prompt_tokens, 1)
     ctx.correction = 0
 
