@@ -287,8 +287,8 @@ def plan(
         predicted = ctx.predict(exact, ctx.cached_for(ctx.layout(c), exact), c.extra_s)
         if ctx.fits(exact, predicted):
             return _finish(state, exact_tokens=exact, before=before, minimal=False, feasible=True, started=started)
-        # estimates were optimistic by a few tokens (template boundaries), or the probe just made
-        # found less of the prompt cached than estimated: plan again, stricter and better informed
+        # estimates were optimistic by a few tokens (template boundaries), or the cache probe found
+        # less of the prompt cached than estimated: plan again, stricter and better informed
         ctx.correction += max(exact - state.prediction.prompt_tokens, 1)
     ctx.correction = 0
 
