@@ -405,3 +405,49 @@ def test_the_process_exits_cleanly_while_a_real_probe_runs(model_path, tmp_path)
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "exiting while a probe runs" in done.stdout
+
+
+def test_a_stopped_probe_prints_nothing_on_stderr(llm, capfd):
+    """llama.cpp logs an error-level notice when a decode is stopped, printed even with
+    verbose=False; for a probe trimkit stopped on purpose it is dropped."""
+    backend = LlamaBackend(llm)
+    calls = []
+
+    def should_abort():  # asked once before the probe starts, then while llama.cpp computes
+        calls.append(1)
+        return len(calls) > 2
+
+    capfd.readouterr()
+    with backend.engine.preemptible() as got:
+        assert got
+        assert backend.idle_probe(min(1024, backend.n_ctx // 2), 0, should_abort) is None
+    assert len(calls) > 2  # stopped while computing, not before
+    err = capfd.readouterr().err
+    assert "removing memory module entries" not in err, err
+
+
+def test_other_llama_messages_still_reach_the_callback_installed_before(capfd):
+    import ctypes
+
+    import llama_cpp
+
+    from trimkit.backends.llama_idle import ABORT_NOTICE, AbortState, _RUNNING, quiet_planned_aborts
+
+    assert quiet_planned_aborts()
+    current, data = llama_cpp.llama_log_callback(), ctypes.c_void_p()
+    llama_cpp.llama_log_get(ctypes.byref(current), ctypes.byref(data))
+    notice = b"decode: " + ABORT_NOTICE + b" for seq_id = 0, pos = [0, +inf)\n"
+    stopped = AbortState()
+    stopped.fired = True
+    capfd.readouterr()
+    _RUNNING.state = stopped
+    try:
+        current(3, notice, data)  # a planned stop, on this thread: dropped
+        current(3, b"trimkit-test: a real error\n", data)  # anything else: forwarded
+        stopped.fired = False
+        current(3, notice, data)  # a decode that failed by itself: forwarded
+    finally:
+        _RUNNING.state = None
+    err = capfd.readouterr().err
+    assert "trimkit-test: a real error" in err
+    assert err.count("removing memory module entries") == 1

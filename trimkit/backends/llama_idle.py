@@ -9,6 +9,11 @@ context copied and put back around it.
   0), lets the block use the context, and puts the copy back however the block ends; meanwhile
   :func:`tokens_kept` answers with the tokens that will be put back, so a request planned during
   the block finds the cache it was planned for.
+- The notice llama.cpp logs at error level when a decode is stopped ("decode: removing memory
+  module entries …", printed on stderr even with ``verbose=False``) is a planned event here, not
+  an error: it is dropped, on the probing thread, for a decode :func:`abort_when` stopped. Every
+  other message goes to the log callback that was installed before (llama-cpp-python's, or the
+  application's), through :func:`quiet_planned_aborts`.
 
 :meth:`~trimkit.backends.llama.LlamaBackend.idle_probe` builds on these; the caller holds the
 engine's lease.
@@ -17,6 +22,8 @@ engine's lease.
 from __future__ import annotations
 
 import ctypes
+import os
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,7 +33,7 @@ import llama_cpp
 
 from trimkit.backends.llama_context import load_prefix
 
-__all__ = ["AbortState", "abort_when", "context_kept", "tokens_kept"]
+__all__ = ["AbortState", "abort_when", "context_kept", "quiet_planned_aborts", "tokens_kept"]
 
 # the tokens each Llama will hold again once the idle work running on it ends
 _KEPT: weakref.WeakKeyDictionary[Any, tuple[int, ...]] = weakref.WeakKeyDictionary()
@@ -36,6 +43,46 @@ class AbortState:
     """Whether :func:`abort_when`'s predicate stopped the decode."""
 
     fired: bool = False
+
+
+#: what llama.cpp logs (at error level) when a decode is stopped and its batch's cells are dropped
+ABORT_NOTICE = b"removing memory module entries"
+# the AbortState of the abortable decode running on this thread, if any
+_RUNNING = threading.local()
+_FILTER_LOCK = threading.Lock()
+# the installed filter and the callback it forwards to (kept referenced while llama.cpp holds them)
+_FILTER: list[Any] = []
+
+
+def quiet_planned_aborts() -> bool:
+    """Install, once per process, a llama.cpp log callback that drops :data:`ABORT_NOTICE` when
+    it comes from a decode :func:`abort_when` stopped on the logging thread, and forwards every
+    other message to the callback installed before it (``llama_log_get``; none: stderr, as
+    llama.cpp would). False when this llama-cpp-python cannot say which callback was installed
+    (nothing is changed then). An application that sets its own callback later replaces it."""
+    with _FILTER_LOCK:
+        if _FILTER:
+            return True
+        try:
+            previous = llama_cpp.llama_log_callback()
+            previous_data = ctypes.c_void_p()
+            llama_cpp.llama_log_get(ctypes.byref(previous), ctypes.byref(previous_data))
+        except (AttributeError, TypeError, ValueError, OSError):
+            return False
+
+        def forward(level: int, text: bytes | None, _data: Any) -> None:
+            state = getattr(_RUNNING, "state", None)
+            if state is not None and state.fired and text and ABORT_NOTICE in text:
+                return
+            if previous:
+                previous(level, text, previous_data)
+            elif text:
+                os.write(2, text)
+
+        callback = llama_cpp.llama_log_callback(forward)
+        llama_cpp.llama_log_set(callback, None)
+        _FILTER.extend((callback, previous, previous_data))
+        return True
 
 
 @contextmanager
@@ -55,11 +102,15 @@ def abort_when(llm: Any, should_abort: Callable[[], bool]) -> Iterator[AbortStat
         return stop
 
     callback = llama_cpp.ggml_abort_callback(check)
+    quiet_planned_aborts()
+    outer = getattr(_RUNNING, "state", None)
+    _RUNNING.state = state
     llama_cpp.llama_set_abort_callback(llm._ctx.ctx, callback, None)
     try:
         yield state
     finally:
         llama_cpp.llama_set_abort_callback(llm._ctx.ctx, llama_cpp.ggml_abort_callback(), None)
+        _RUNNING.state = outer
         del callback  # kept alive until llama.cpp no longer holds it
 
 
