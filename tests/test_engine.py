@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trimkit.errors import InfeasibleBudgetError
 from trimkit.planning.knapsack import RESOLUTION, knapsack
 from trimkit.messages import Chunk
 from trimkit.planning.planner import plan
@@ -148,7 +149,7 @@ def test_the_prompt_stays_inside_the_context_window():
     total = tokens_of(msgs)
     p = run(msgs, 100.0, max_prompt_tokens=total // 2)
     assert p.feasible and not p.passthrough and p.prompt_tokens <= total // 2
-    with pytest.raises(Exception):
+    with pytest.raises(InfeasibleBudgetError, match="context window"):
         run(msgs, 100.0, max_prompt_tokens=5, on_infeasible="raise")
 
 
