@@ -309,8 +309,8 @@ IDLE_SWITCHES = ("idle_probes", "idle_probing", "probe_when_idle")
 
 
 def idle_facts(pipeline: Any) -> dict[str, Any]:
-    """What the pipeline's idle prober did (probes measured, aborted for a request, schedule
-    complete), live observations, and the profile's samples by source."""
+    """What the pipeline's idle prober did (probes measured, aborted for a request, held back in
+    stretches too short for them, schedule complete), live observations, and the profile's samples by source."""
     out: dict[str, Any] = {}
     out["profile_samples_by_source"] = dict(Counter(getattr(s, "source", "?") for s in pipeline.profile.samples))
     live = getattr(pipeline, "live", None)
@@ -321,7 +321,7 @@ def idle_facts(pipeline: Any) -> dict[str, Any]:
         prober = getattr(getattr(pipeline, "engine", None), "prober", None)
     out["prober"] = prober is not None
     if prober is not None:
-        for attr in ("probed", "aborted", "complete", "running"):
+        for attr in ("probed", "aborted", "deferred", "complete", "running"):
             v = getattr(prober, attr, None)
             if isinstance(v, (int, float, bool)):
                 out[attr] = v
@@ -899,6 +899,7 @@ def print_summary(result: dict[str, Any]) -> None:
                       f"{fmt_pct(g['p90_pct'])} % {fmt_pct(g['max_pct'])} %   {tgt} {res}")
             idle = z["idle"]
             did = (f"idle probes measured {idle.get('probed')}, aborted for a request {idle.get('aborted')}, "
+                   f"held back in {idle.get('deferred', 0)} idle stretches too short for them, "
                    f"schedule complete {idle.get('complete')}" if idle.get("prober") else "no idle prober")
             print(f"{'':8} {'':10} wrap() {z['wrap_s']:.1f} s → {z['first_profile_mode']} profile, after {len(z['rows'])} requests "
                   f"{z['last_profile_mode']} (samples {idle.get('profile_samples_by_source')}); {did}; "

@@ -451,3 +451,49 @@ def test_other_llama_messages_still_reach_the_callback_installed_before(capfd):
     err = capfd.readouterr().err
     assert "trimkit-test: a real error" in err
     assert err.count("removing memory module entries") == 1
+
+
+# -- whether a probe would finish before the next request ------------------------------------------
+def test_a_probe_that_the_callers_pauses_would_cut_short_is_not_started():
+    from trimkit.idle_probes import MIN_GAPS, likely_to_finish
+
+    pauses = [1.5] * MIN_GAPS  # a caller who asks every 1.5 s
+    assert not likely_to_finish(pauses, 1.0, 1.2)  # started at 1 s, stopped at 1.5 s
+    assert likely_to_finish(pauses, 1.0, 0.4)  # done at 1.4 s
+    assert likely_to_finish(pauses, 1.6, 1.2)  # a pause longer than any seen: the caller is away
+    assert likely_to_finish(pauses[:-1], 1.0, 1.2)  # too few pauses known to say anything
+    mixed = [1.5, 1.5, 1.5, 30.0, 30.0, 30.0]  # half the pauses are long
+    assert likely_to_finish(mixed, 1.0, 1.2)
+    assert not likely_to_finish([*mixed, 1.5], 1.0, 1.2)
+
+
+def test_the_prober_remembers_the_pauses_between_requests(isolated_cache, monkeypatch):
+    import trimkit.idle_probes as ip
+
+    now = [100.0]
+    monkeypatch.setattr(ip.time, "monotonic", lambda: now[0])
+    prober = IdleProber(trimkit.wrap(probing_fake(), ttft_budget_s=1.0, idle_probes=False).pipeline.live, store=False)
+    for pause in (2.0, 0.5, 7.0):
+        prober.activity()  # planning starts
+        now[0] += 1.0  # the request runs
+        prober.request_done()
+        now[0] += pause
+    prober.activity()
+    assert list(prober.gaps) == [2.0, 0.5, 7.0]  # from each request's end to the next one's start
+
+
+def test_a_caller_with_short_pauses_gets_no_probe_started_and_stopped(isolated_cache, monkeypatch):
+    """Pauses of 1 s, a probe predicted 0.6 s and a quiet rule of 0.2 s: the quiet rule alone
+    would start it at 0.6 s and the next request would stop it at 1 s."""
+    import trimkit.idle_probes as ip
+
+    engine = probing_fake(probe_wall_s=0.1)
+    chat = wrap(engine)
+    prober = chat.pipeline.prober
+    monkeypatch.setattr(ip, "_predicted_s", lambda profile, probe: 0.6)
+    prober.quiet_s = 0.2
+    prober.gaps.extend([1.0] * ip.MIN_GAPS)  # what this caller's pauses have been
+    ask(chat)
+    time.sleep(0.8)  # inside the caller's usual pause: the probe would not finish
+    assert engine.probes == [] and prober.deferred == 1
+    assert wait_for(lambda: engine.probes, 10.0)  # past any pause seen: the caller is away

@@ -12,6 +12,12 @@ then measured by the engine's :class:`IdleProber`, one at a time, in a daemon th
   probe's predicted time)`` (``quiet_s`` = :data:`QUIET_S`, 1 s). So a probe starts only after
   an idle stretch at least as long as itself: probing takes at most about half of any idle
   stretch, and never starts between the requests of a burst.
+- **Only when it is likely to finish.** Once :data:`MIN_GAPS` idle stretches between requests
+  have been seen, a probe starts only if, of the recent stretches (:data:`GAP_MEMORY`) that
+  lasted as long as this one has so far, at least half lasted long enough for the probe as well
+  (:data:`FINISH_SHARE`); a stretch longer than any seen lets it start. A caller who pauses
+  1.5 s between requests then gets no 1.2 s probe started at 1 s and stopped at 1.5 s — work
+  thrown away, and the next request's wait for the stop. Counted as ``deferred``.
 - **Never while a caller waits.** A probe holds the engine preemptibly
   (:meth:`~trimkit.backends.lease.EngineLease.preemptible`): the moment a request asks for the
   engine, llama.cpp's abort callback stops the decode (within one graph node), the sample is
@@ -42,6 +48,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import deque
 from typing import Any
 
 from trimkit.calibration import Probe, refit_profile, remaining_probes
@@ -52,7 +59,7 @@ from trimkit.planning.margin import EngineState
 from trimkit.profile import CALIBRATION_MODES, Profile
 from trimkit.profile_store import save_profile
 
-__all__ = ["IdleProber", "idle_prober", "QUIET_S", "can_probe_idle", "calibration_mode"]
+__all__ = ["IdleProber", "idle_prober", "QUIET_S", "can_probe_idle", "calibration_mode", "likely_to_finish"]
 
 log = logging.getLogger("trimkit")
 
@@ -63,6 +70,29 @@ QUIET_S = 1.0
 STOP_WAIT_S = 10.0
 #: a probe measured this many times without leaving the schedule stops the prober (a guard)
 _MAX_RUNS_PER_PROBE = 8
+#: idle stretches between requests remembered, to judge whether a probe would finish in one
+GAP_MEMORY = 32
+#: fewer stretches than this say nothing yet: probes start on the quiet rule alone
+MIN_GAPS = 5
+#: the least share of the comparable stretches that must have been long enough for the probe
+FINISH_SHARE = 0.5
+#: seconds between two looks while the stretches say a probe would not finish
+DEFER_LOOK_S = 0.1
+
+
+def likely_to_finish(gaps: Any, quiet_s: float, probe_s: float) -> bool:
+    """Whether a probe of ``probe_s`` started after ``quiet_s`` of quiet is likely to finish
+    before the next request, judged from the recent idle stretches ``gaps`` (seconds): of those
+    that lasted at least ``quiet_s``, at least :data:`FINISH_SHARE` lasted ``quiet_s +
+    probe_s``. True while fewer than :data:`MIN_GAPS` are known, and when none lasted this long
+    (the caller is away longer than ever seen)."""
+    gaps = list(gaps)
+    if len(gaps) < MIN_GAPS:
+        return True
+    lasting = [g for g in gaps if g >= quiet_s]
+    if not lasting:
+        return True
+    return sum(g >= quiet_s + probe_s for g in lasting) >= FINISH_SHARE * len(lasting)
 
 
 def calibration_mode(calibration: str | None, quick_calibration: bool | None) -> str:
@@ -92,7 +122,9 @@ class IdleProber:
     """Measures the probes ``live``'s profile lacks while its engine is idle (module docstring).
 
     ``probed``, ``aborted``: probes measured, and given up because a request wanted the engine;
-    ``complete``: the schedule is done (the profile is a full one, stored when ``store``)."""
+    ``deferred``: idle stretches in which no probe started because the caller's earlier
+    stretches said it would not finish (:func:`likely_to_finish`); ``complete``: the schedule
+    is done (the profile is a full one, stored when ``store``)."""
 
     def __init__(self, live: LiveProfile, *, quiet_s: float = QUIET_S, store: bool = True) -> None:
         self.live = live
@@ -101,7 +133,12 @@ class IdleProber:
         self.store = store
         self.probed = 0
         self.aborted = 0
+        self.deferred = 0
         self.complete = False
+        #: the recent idle stretches between a request's end and the next request's start (seconds)
+        self.gaps: deque[float] = deque(maxlen=GAP_MEMORY)
+        self._idle_since: float | None = None
+        self._deferred_stretch: float | None = None
         self._backends: weakref.WeakSet[Any] = weakref.WeakSet()
         self._runs: dict[tuple[int, int], int] = {}
         self._last_activity = time.monotonic()
@@ -117,14 +154,21 @@ class IdleProber:
             self._backends.add(backend)
 
     def activity(self) -> None:
-        """A request is being planned or has just finished: the quiet period starts again."""
-        self._last_activity = time.monotonic()
+        """A request is being planned or has just finished: the quiet period starts again (and
+        the idle stretch since the last request's end, if any, is remembered)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._idle_since is not None:
+                self.gaps.append(max(now - self._idle_since, 0.0))
+                self._idle_since = None
+        self._last_activity = now
 
     def request_done(self) -> None:
         """A request finished: start the thread (unless it runs, is stopped or is done) if the
         profile lacks probes."""
         self.activity()
         with self._lock:
+            self._idle_since = self._last_activity
             if self.running or self._stop.is_set() or self.complete:
                 return
             backend = self._backend()
@@ -185,10 +229,18 @@ class IdleProber:
             return None
         probe = todo[0]
         lease = backend.engine
-        need = max(self.quiet_s, _predicted_s(profile, probe))
+        predicted = _predicted_s(profile, probe)
+        need = max(self.quiet_s, predicted)
         quiet = min(lease.idle_for(), time.monotonic() - self._last_activity)
         if quiet < need:
             return max(need - quiet, 0.01)
+        with self._lock:
+            gaps = tuple(self.gaps)
+        if not likely_to_finish(gaps, quiet, predicted):
+            if self._deferred_stretch != self._last_activity:  # counted once per idle stretch
+                self._deferred_stretch = self._last_activity
+                self.deferred += 1
+            return DEFER_LOOK_S
         stop = self._stop
         with lease.preemptible() as held:
             if not held:
