@@ -665,6 +665,9 @@ def zero_wait(name: str, path: str | None, args: argparse.Namespace, caches: Cac
                 "i": i + 1, "kind": kind, "prompt_tokens": rep.prompt_tokens,
                 "cached_predicted": rep.cached_tokens_predicted, "cached_measured": rep.cached_tokens,
                 "predicted_ttft_s": rep.predicted_ttft_s, "measured_ttft_s": rep.measured_ttft_s,
+                # what the wrapper's profile learned from (a replay of the run needs them)
+                "engine_prefill_s": getattr(rep.measurement, "engine_prefill_s", None),
+                "evaluated_tokens": getattr(rep.measurement, "evaluated_tokens", None),
                 "ape_pct": ape(rep.predicted_ttft_s, rep.measured_ttft_s) if rep.predicted_ttft_s is not None else float("nan"),
                 "provisional": getattr(rep, "provisional", None), "extrapolated": getattr(rep, "extrapolated", None),
                 "safety_margin": rep.safety_margin, "budget_met": rep.budget_met,

@@ -45,13 +45,14 @@ class HostFake(FakeBackend):
     prompt a decode measurement prefills first, the three chat requests of the first-token
     overhead, and a depth probe's prefix when the context does not hold it (all of it when
     ``resend``, as a server). ``noise``: each cost × a seeded factor in [1 - noise, 1 + 2·noise];
-    ``slow_after``: the host runs twice as slow from that many seconds on."""
+    ``slow_after``: the host runs ``slow_factor`` (2) times as slow from that many seconds on."""
 
-    def __init__(self, *args, noise: float = 0.0, seed: int = 0, slow_after: float | None = None, resend: bool = False, **kwargs) -> None:
+    def __init__(self, *args, noise: float = 0.0, seed: int = 0, slow_after: float | None = None, slow_factor: float = 2.0,
+                 resend: bool = False, **kwargs) -> None:
         kwargs.setdefault("decode_tokens_per_s", 12.0)
         kwargs.setdefault("first_token_s", 0.014)
         super().__init__(*args, **kwargs)
-        self.noise, self.rng, self.slow_after = noise, random.Random(seed), slow_after
+        self.noise, self.rng, self.slow_after, self.slow_factor = noise, random.Random(seed), slow_after, slow_factor
         self.depth_probe_keeps_prefix = not resend
         self.holds = 0  # leading probe tokens the context holds
         self.started = self.clock()
@@ -61,7 +62,7 @@ class HostFake(FakeBackend):
     def _factor(self) -> float:
         f = 1.0 + (self.rng.uniform(-self.noise, 2 * self.noise) if self.noise else 0.0)
         if self.slow_after is not None and self.clock() - self.started > self.slow_after:
-            f *= 2.0
+            f *= self.slow_factor
         return f
 
     def _spend(self, seconds: float) -> float:
@@ -140,6 +141,29 @@ def test_calibration_ends_within_its_budget_on_any_host(mode, slowdown, model, k
         assert took <= 2.5 * minimum_s(backend) + 3 / backend.decode_tokens_per_s
         if took > BUDGETS[mode]:
             assert "over its" in caplog.text
+
+
+@pytest.mark.parametrize("slowdown", [1, 10])
+@pytest.mark.parametrize("mode", ["quick", "full"])
+def test_a_probe_that_runs_far_longer_than_predicted_is_stopped_at_the_deadline(mode, slowdown, caplog):
+    """The host becomes 70× slower in the middle of the run (a 2-core host given two busy
+    processes: a 32-token probe took 3.6 s instead of 0.05 s): the probe running then is
+    stopped at the deadline and left out; the run ends on time with what it measured before."""
+    budget = BUDGETS[mode]
+    backend = HostFake(LINEAR, slowdown=slowdown, n_ctx=8192, slow_after=0.5 * budget, slow_factor=70.0)
+    with caplog.at_level(logging.WARNING, logger="trimkit"):
+        profile, took = elapsed(backend, mode=mode)
+    assert took <= budget
+    assert "over its" not in caplog.text
+    assert len(profile.samples) >= 3
+    # without a way to stop a probe (as for a server), the same host overruns, and it is said
+    # why: a step took longer than predicted, not the minimum
+    unstoppable = HostFake(LINEAR, slowdown=slowdown, n_ctx=8192, slow_after=0.5 * budget, slow_factor=70.0)
+    unstoppable.measure_prefill_within = None
+    with caplog.at_level(logging.WARNING, logger="trimkit"):
+        _, overran = elapsed(unstoppable, mode=mode)
+    assert overran > budget
+    assert "took far longer than predicted" in caplog.text
 
 
 @pytest.mark.parametrize("model, slowdown", [("linear", 1), ("linear", 10), ("steep-attention", 1), ("fast", 1), ("fast", 50)])
@@ -446,3 +470,16 @@ def test_progress_ends_at_its_total_when_the_plan_is_cut_short():
     calibrate(HostFake(STEEP, slowdown=10, n_ctx=8192, noise=0.3), mode="quick", store=False, progress=lambda *a: calls.append(a))
     assert calls[-1][0] == calls[-1][1]
     assert all(d <= t for d, t, _ in calls)
+
+
+def test_the_over_budget_warning_says_when_the_engine_threads_were_starved():
+    from trimkit.calibration_run import starved_threads_hint
+
+    # two threads busy the whole time (llama.cpp's threads spin): a host that was just slow
+    assert starved_threads_hint(cpu_s=2.0, wall_s=1.0, threads=2, cpus=2) == ""
+    # half the CPU time they asked for: other processes held the CPUs
+    hint = starved_threads_hint(cpu_s=4.8, wall_s=4.8, threads=2, cpus=2)
+    assert "2 threads got 50% of the CPU time" in hint and "n_threads_batch" in hint
+    # a backend whose threads are unknown (a server, a fake) gets no hint
+    assert starved_threads_hint(cpu_s=0.1, wall_s=4.8, threads=None, cpus=2) == ""
+    assert starved_threads_hint(cpu_s=0.1, wall_s=0.0, threads=2, cpus=2) == ""

@@ -54,3 +54,22 @@ def test_stored_profile_is_reused_and_recovered_when_corrupt(llm, quick_profile,
     assert "is unusable" in caplog.text and "calibrating again" in caplog.text
     assert fresh.created_at > quick_profile.created_at
     assert json.loads(path.read_text())["created_at"] == fresh.created_at
+
+
+def test_a_probe_stopped_at_the_deadline_gives_none_and_leaves_the_engine_usable(llm):
+    """Calibration stops a probe that overruns its deadline (llama.cpp's abort callback): the
+    real engine stops within the probe, the call says None, and the engine measures and answers
+    normally afterwards."""
+    backend = LlamaBackend(llm)
+    asked = []
+
+    def deadline_passed() -> bool:
+        asked.append(1)
+        return len(asked) > 2  # passes while the probe runs
+
+    assert backend.measure_prefill_within(1024, 0, deadline_passed) is None
+    assert len(asked) == 3  # llama.cpp asked while it computed, and stopped at the first yes
+    assert backend.measure_prefill_within(64, 0, lambda: False) > 0
+    assert backend.measure_prefill(32, 64) > 0
+    out = llm.create_chat_completion(messages=[{"role": "user", "content": "Say hello."}], max_tokens=2)
+    assert out["choices"][0]["finish_reason"] in ("length", "stop")

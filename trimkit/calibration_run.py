@@ -11,6 +11,8 @@ prefill samples, the decode speed and its points at a short and a long context
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -27,6 +29,24 @@ log = logging.getLogger("trimkit")
 
 #: ``progress(done, total, label)``, called after each step of a calibration
 Progress = Callable[[int, int, str], None]
+#: an engine whose threads got less than this share of the CPU time they asked for during the
+#: minimum is said to be starved (a diagnostic in the over-budget warning, nothing else)
+STARVED_CPU_SHARE = 0.75
+
+
+def starved_threads_hint(cpu_s: float, wall_s: float, threads: int | None, cpus: int | None) -> str:
+    """A clause for the over-budget warning when the engine's ``threads`` got less than
+    :data:`STARVED_CPU_SHARE` of the CPU time they asked for over ``wall_s`` real seconds (this
+    process used ``cpu_s``): other processes keep the CPUs busy, and llama.cpp's threads then
+    wait on each other at every step of its graph — on 2 vCPUs with two busy processes a
+    32-token probe took 3.5 s with 2 threads, 0.1 s with 1. Empty otherwise."""
+    if not threads or wall_s <= 0:
+        return ""
+    share = cpu_s / (wall_s * threads)
+    if share >= STARVED_CPU_SHARE:
+        return ""
+    return (f"; llama.cpp's {threads} threads got {share:.0%} of the CPU time they asked for (other processes keep the "
+            f"{cpus or '?'} CPUs busy) and wait on each other at every step: n_threads_batch at most the CPUs left free may help")
 
 
 class CalibrationRun:
@@ -38,6 +58,10 @@ class CalibrationRun:
     longest cold one (its tokens still cached in process), then, in process, decode steps at the
     deepest context they leave cached and at an empty one; the repeats, in round-robin rounds so
     slow drift spreads over all lengths; again from the cold probes while a longer top fits.
+    Where the backend can stop a probe (``measure_prefill_within``: in process), every probe
+    after the minimum is stopped at the deadline: a host that slows down in the middle of a
+    probe (a 32-token probe once took 3.6 s instead of 0.05 s on a 2-core host with two busy
+    processes) ends the run on time, without that probe.
     """
 
     def __init__(self, backend: Backend, n_batch: int, mode: Mode, budget_s: float, clock: Callable[[], float], progress: Progress | None) -> None:
@@ -67,6 +91,11 @@ class CalibrationRun:
         self.first_token_estimated = False
         self.start = clock()
         self.wall_s = 0.0
+        #: seconds the warm-up and the minimum of 3 probes took (run whatever the budget)
+        self.minimum_s = 0.0
+        #: True once a probe was stopped at the deadline: nothing more is measured
+        self.stopped = False
+        self._within = getattr(backend, "measure_prefill_within", None)
 
     def left(self) -> float:
         return self.start + self.budget_s - self.clock()
@@ -86,14 +115,36 @@ class CalibrationRun:
             return self.predictor.wall_s(n, k, prefix_tokens=k, extra_call=True)
         return self.predictor.wall_s(n, k, prefix_tokens=max(k - self.holds, 0) if k else 0)
 
+    def _past_deadline(self) -> bool:
+        """Whether a probe running now must stop: one decode step's time before the deadline
+        (llama.cpp stops at its next graph node, which takes less than a whole step)."""
+        return self.clock() >= self.start + self.budget_s - self.predictor.step_s()
+
+    def _measure(self, n: int, k: int, force: bool) -> float | None:
+        """One probe; a probe not forced is stopped at the deadline where the backend can stop
+        one (in process): None then, and the run measures nothing more."""
+        if force or self._within is None:
+            return self.backend.measure_prefill(n, k)
+        seconds = self._within(n, k, self._past_deadline)
+        if seconds is None:
+            self.stopped = True
+            self.holds = 0
+            log.info("trimkit: calibration probe of %d tokens after %d stopped at the %.3g s deadline: it ran longer than "
+                     "predicted (the host slowed down)", n, k, self.budget_s)
+        return seconds
+
     def prefill(self, n: int, k: int, *, force: bool = False) -> bool:
         """Measure ``n`` tokens after ``k`` if predicted to fit (always when ``force``)."""
+        if self.stopped and not force:
+            return False
         p = self.predictor
         predicted = self.predict(n, k) if p.samples else None
         if not force and predicted is not None and not fits(predicted, self.left()):
             return False
         t0 = self.clock()
-        seconds = self.backend.measure_prefill(n, k)
+        seconds = self._measure(n, k, force)
+        if seconds is None:
+            return False
         wall = self.clock() - t0
         p.observe(n, k, seconds, wall, predicted, call_overhead=not (k and (self.resend or self.holds < k)))
         self.holds = n + k
@@ -106,6 +157,7 @@ class CalibrationRun:
         return True
 
     def execute(self) -> None:
+        cpu0, wall0 = time.process_time(), time.perf_counter()
         self.backend.warm_up()  # leaves the context empty (in process)
         self._tokenizer()
         self._step("warm-up")
@@ -115,6 +167,8 @@ class CalibrationRun:
         self.prefill(FIRST_PROBE_TOKENS, 0, force=True)
         self.prefill(MIN_PROBE_TOKENS, FIRST_PROBE_TOKENS, force=True)
         self.prefill(MIN_PROBE_TOKENS, 0, force=True)
+        self.minimum_s = self.clock() - self.start
+        minimum_cpu_s, minimum_wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
         self._decode()
         self._first_token()
         while True:  # grow the top again while time is left: the first plan errs short
@@ -123,14 +177,25 @@ class CalibrationRun:
             self._depth()
             self._repeats()
             top = choose_top(self.mode, self.n_ctx, self.predictor, self.counts, self.left(), resend_prefix=self.resend)
-            if len(self.samples) == before or top is None or top <= self.top:
+            if self.stopped or len(self.samples) == before or top is None or top <= self.top:
                 break
         if self.progress is not None and self.total != self.done:  # what was planned but did not fit is dropped
             self.progress(self.done, self.done, "calibrated")
         self.wall_s = self.clock() - self.start
         if self.wall_s > self.budget_s:
-            log.warning("trimkit: calibration took %.1f s, over its %.3g s budget: this host is too slow for even the minimum "
-                        "(%d probes); the profile is provisional, and improves as requests run", self.wall_s, self.budget_s, len(self.samples))
+            if self.minimum_s > self.budget_s:
+                why = (f"this host is too slow for even the minimum (the warm-up and 3 probes took {self.minimum_s:.1f} s)"
+                       + starved_threads_hint(minimum_cpu_s, minimum_wall_s, self._threads(), os.cpu_count()))
+            else:
+                why = "a step took far longer than predicted (the host slowed down while it ran)"
+            log.warning("trimkit: calibration took %.1f s, over its %.3g s budget: %s; the profile is provisional, and improves as "
+                        "requests run", self.wall_s, self.budget_s, why)
+
+    def _threads(self) -> int | None:
+        """The engine's prompt-processing threads, where the backend is a ``llama_cpp.Llama``'s."""
+        params = getattr(getattr(self.backend, "llm", None), "context_params", None)
+        threads = getattr(params, "n_threads_batch", None)
+        return int(threads) if isinstance(threads, int) and threads > 0 else None
 
     def _decode(self) -> None:
         """Decode speed: one step first (a decode step costs 5 to 100 prefill tokens' time,
@@ -160,7 +225,7 @@ class CalibrationRun:
         slowest wall time seen so far; a point of fewer than :data:`MIN_DECODE_POINT_STEPS`
         steps is dropped. None on a server (each step would resend its context), nor when decode
         was not measured. True when the point was measured."""
-        if self.resend or self.predictor.decode_step_s is None or k + 1 > self.n_ctx:
+        if self.stopped or self.resend or self.predictor.decode_step_s is None or k + 1 > self.n_ctx:
             return False
         if not fits(self.predictor.decode_step_wall_s(k), self.left()):
             return False
@@ -168,7 +233,10 @@ class CalibrationRun:
         slowest = 0.0
         while len(times) < self.mode.decode_point_steps and (not times or fits(slowest * self.predictor.slowness, self.left())):
             t0 = self.clock()
-            times.append(self.backend.measure_prefill(1, k))  # the context stays k (+ the step's token)
+            step = self._measure(1, k, force=False)  # the context stays k (+ the step's token)
+            if step is None:
+                return False
+            times.append(step)
             slowest = max(slowest, self.clock() - t0)
         self.holds = k + 1
         self._step(f"decode speed after {k} tokens")

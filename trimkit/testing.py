@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -39,6 +40,11 @@ DEFAULT_REPLY = "This is a fake reply from the fake backend."
 def reply_words(reply: str, max_tokens: Any) -> list[str]:
     """The words of ``reply`` a fake engine sends for ``max_tokens`` (one word a token, at least one)."""
     return reply.split(" ")[: max(int(max_tokens), 1)]
+
+
+#: how often :meth:`FakeBackend.measure_prefill_within` asks whether to stop, in seconds of its
+#: clock (llama.cpp asks between the nodes of its compute graph)
+ABORT_CHECK_S = 0.001
 
 
 class FakeClock:
@@ -171,6 +177,21 @@ class FakeBackend(Backend):
             raise ContextTooSmallError(f"probe of {new_tokens + cached_tokens} tokens does not fit n_ctx={self._n_ctx}")
         seconds = self.cost_model.prefill_s(new_tokens, cached_tokens)
         self.clock.advance(seconds)
+        return seconds
+
+    def measure_prefill_within(self, new_tokens: int, cached_tokens: int, should_abort: Callable[[], bool]) -> float | None:
+        """:meth:`measure_prefill` (a subclass's included) stopped as soon as ``should_abort()``
+        is true, as an in-process engine stops (at its next graph node): asked every
+        :data:`ABORT_CHECK_S` of the probe's time on :attr:`clock` (at least 64 times), which
+        then reads the moment it stopped. None when stopped."""
+        start = self.clock.now
+        seconds = self.measure_prefill(new_tokens, cached_tokens)
+        spent, self.clock.now = self.clock.now - start, start
+        checks = min(max(64, math.ceil(spent / ABORT_CHECK_S)), 1_000_000)
+        for _ in range(checks):
+            if should_abort():
+                return None
+            self.clock.advance(spent / checks)
         return seconds
 
     def measure_decode(self, n_tokens: int = 32) -> float:

@@ -263,6 +263,21 @@ class LlamaBackend(Backend):
             llm.eval(seq[cached_tokens:])
             return self.clock() - t0
 
+    def measure_prefill_within(self, new_tokens: int, cached_tokens: int, should_abort: Callable[[], bool]) -> float | None:
+        """:meth:`measure_prefill`, stopped as soon as ``should_abort()`` is true (llama.cpp asks
+        it while it computes): None then, and the context is left empty. Calibration passes its
+        deadline, so a probe that runs far longer than predicted (the host slowed down while it
+        ran) ends at the deadline instead of overrunning it."""
+        self._check_fits(new_tokens + cached_tokens)
+        with self.hold_engine(), abort_when(self.llm, should_abort) as abort:
+            try:
+                return self.measure_prefill(new_tokens, cached_tokens)
+            except RuntimeError:
+                if not abort.fired:
+                    raise
+                self.llm.reset()  # the next eval drops what the stopped one left
+                return None
+
     def idle_probe(self, new_tokens: int, cached_tokens: int, should_abort: Callable[[], bool]) -> float | None:
         """:meth:`measure_prefill` as idle work (:mod:`trimkit.idle_probes`): None as soon as
         ``should_abort()`` is true (llama.cpp asks it while it computes). The context is put back
