@@ -116,6 +116,27 @@ def test_left_idle_the_prober_completes_the_schedule_and_stores_a_full_profile(i
     assert chat.profile.predict_prefill_s(200) == pytest.approx(COST.prefill_s(200, 0), rel=1e-6)
 
 
+def test_each_probe_runs_on_a_thread_of_its_own_that_ends_with_it(isolated_cache):
+    """The prober's own thread never runs the engine: with llama.cpp's OpenMP build a live
+    thread that had run its compute slowed every later request (docs/benchmarks.md)."""
+    engine = probing_fake()
+    threads: list[threading.Thread] = []
+    probe = engine.idle_probe
+
+    def recording(*args):
+        threads.append(threading.current_thread())
+        return probe(*args)
+
+    engine.idle_probe = recording
+    chat = wrap(engine)
+    ask(chat)
+    prober = chat.pipeline.prober
+    assert prober.wait_complete(30.0) and prober.complete and prober.probed >= 2
+    assert len(threads) == prober.probed and len(set(threads)) == len(threads)  # a thread per probe
+    assert all(t is not prober.thread and t is not threading.main_thread() for t in threads)
+    assert not any(t.is_alive() for t in threads)
+
+
 def test_a_probe_waits_for_a_quiet_period_after_the_last_request(isolated_cache):
     engine = probing_fake()
     chat = wrap(engine)

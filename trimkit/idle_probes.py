@@ -241,11 +241,9 @@ class IdleProber:
                 self._deferred_stretch = self._last_activity
                 self.deferred += 1
             return DEFER_LOOK_S
-        stop = self._stop
-        with lease.preemptible() as held:
-            if not held:
-                return 0.05
-            seconds = backend.idle_probe(probe.new_tokens, probe.cached_tokens, lambda: lease.preempt_requested or stop.is_set())
+        held, seconds = _probe_on_own_thread(backend, probe, lease, self._stop)
+        if not held:
+            return 0.05
         if seconds is None:
             self.aborted += 1
             log.debug("trimkit: idle probe %s aborted: a request wanted the engine", probe)
@@ -276,6 +274,33 @@ class IdleProber:
             except OSError as exc:  # a read-only cache must not end the process's learning
                 log.warning("trimkit: could not store the profile completed by idle probes: %s", exc)
         log.info("trimkit: idle probes completed the calibration (%d probes, %d aborted for requests)", self.probed, self.aborted)
+
+
+def _probe_on_own_thread(backend: Any, probe: Probe, lease: Any, stop: threading.Event) -> tuple[bool, float | None]:
+    """Take the engine as idle work and run ``probe`` on a thread of its own that ends with it:
+    (whether the engine was free, the probe's seconds or None if aborted). The prober's own
+    thread never runs llama.cpp: with llama.cpp's OpenMP build, a live thread that has run its
+    compute slowed every request after it while it stayed alive (Gemma, 2 vCPUs: a 20-token
+    follow-up 47 → 56–60 ms; through the wrapper 48–72 → 80–124 ms), and a thread that ended
+    left no trace (docs/quickstart.md §2, docs/benchmarks.md)."""
+    out: dict[str, Any] = {"held": False, "seconds": None}
+
+    def work() -> None:
+        try:
+            with lease.preemptible() as held:
+                out["held"] = held
+                if held:
+                    out["seconds"] = backend.idle_probe(probe.new_tokens, probe.cached_tokens,
+                                                        lambda: lease.preempt_requested or stop.is_set())
+        except BaseException as exc:  # re-raised on the prober's thread, which reports it
+            out["error"] = exc
+
+    thread = threading.Thread(target=work, name="trimkit-idle-probe", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["held"], out["seconds"]
 
 
 def _predicted_s(profile: Profile, probe: Probe) -> float:
