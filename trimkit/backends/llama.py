@@ -284,13 +284,8 @@ class LlamaBackend(Backend):
         as it was however the probe ends; meanwhile requests are planned against what will be put
         back. The caller holds the engine (``EngineLease.preemptible``)."""
         self._check_fits(new_tokens + cached_tokens)
-        with self.hold_engine(), context_kept(self.llm), abort_when(self.llm, should_abort) as abort:
-            try:
-                return None if should_abort() else self.measure_prefill(new_tokens, cached_tokens)
-            except RuntimeError:
-                if not abort.fired:
-                    raise
-                return None
+        with self.hold_engine(), context_kept(self.llm):
+            return None if should_abort() else self.measure_prefill_within(new_tokens, cached_tokens, should_abort)
 
     def measure_decode(self, n_tokens: int = 32) -> float:
         llm = self.llm
