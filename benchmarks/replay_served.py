@@ -13,6 +13,13 @@ the stored run, predicted anew.
 Prints, per model and profile, the median / p90 absolute % error of the served predictions as
 the run recorded them and as replayed now, and the targets the run judged them by. Results
 stored before the log was kept (runs 1–10) cannot be replayed.
+
+Per model it also prints the **hindsight fit** (:func:`hindsight`): the cost model fitted, after
+the run, to the TTFT of every request the run measured, held-out prompts included, with one
+speed for the whole run. It is not a prediction (it has seen what it is judged on); it shows how
+far a host's changes of speed over the run leave any profile that holds one speed from the
+measurements — where its error exceeds the targets, the targets ask for more than one fixed
+speed can give on that run, and only following the host (drift) can meet them.
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trimkit.planning.costs import error_stats, evaluated_tokens  # noqa: E402
+from trimkit.planning.costs import PrefillSample, error_stats, evaluated_tokens, fit_cost_model  # noqa: E402
 from trimkit.planning.drift import LiveProfile  # noqa: E402
 from trimkit.profile import Profile  # noqa: E402
 
@@ -53,6 +62,39 @@ def replay(model: dict[str, Any], mode: str) -> list[tuple[float, float]] | None
     return out
 
 
+def hindsight(model: dict[str, Any]) -> dict[str, Any] | None:
+    """The hindsight fit of one model's run (module docstring), in the shape a profile predicts
+    with: the engine's prefill — the cost model of the most thorough stored profile's form and
+    attention prior, fitted to llama.cpp's own prefill time of every request in the served log —
+    plus the first-token overhead (TTFT less that time), fixed part and per prompt token,
+    fitted by least squares over the same requests. Judged on the held-out rows' TTFT. None when
+    the result lacks a served log or a stored profile."""
+    log = model.get("served_log")
+    stored = [model.get("calibration", {}).get(m, {}).get("profile") for m in ("full", "quick", "micro")]
+    stored = [p for p in stored if p]
+    if not log or not stored:
+        return None
+    profile = Profile.from_dict(stored[0])
+    timed = [m for m in log if m.get("ttft_s") and m.get("engine_prefill_s") and m.get("evaluated_tokens") and m.get("prompt_tokens")]
+    if len(timed) < 4:
+        return None
+    engine = fit_cost_model([PrefillSample(m["evaluated_tokens"], m["cached_tokens"] or 0, m["engine_prefill_s"]) for m in timed],
+                            n_batch=profile.model.n_batch, batched=profile.model.per_batch_s > 0,
+                            depth_prior_tokens=profile.depth_prior_tokens)
+    x = np.array([[1.0, float(m["prompt_tokens"])] for m in timed])
+    y = np.array([max(m["ttft_s"] - m["engine_prefill_s"], 0.0) for m in timed])
+    fixed, per_token = (max(float(c), 0.0) for c in np.linalg.lstsq(x, y, rcond=None)[0])
+    rows = [r for r in model.get("heldout", {}).get("rows", []) if r.get("measured_ttft_s")]
+    def predicted(r: dict[str, Any]) -> float:
+        cached = r.get("cached_measured") or 0
+        new = r.get("evaluated") or evaluated_tokens(r["prompt_tokens"], cached)
+        return engine.prefill_s(new, cached) + fixed + per_token * r["prompt_tokens"]
+
+    err = error_stats((predicted(r), r["measured_ttft_s"]) for r in rows)
+    return {"requests_fitted": len(timed), "form": engine.name, "first_token_s": fixed, "first_token_per_token_s": per_token,
+            **err.to_dict()}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("results", nargs="+", help="prediction_accuracy JSON files")
@@ -66,6 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             t = model.get("accuracy_targets", {})
             print(f"{name}: targets median ≤ {t.get('median_pct', float('nan')):.1f} %, p90 ≤ {t.get('p90_pct', float('nan')):.1f} %")
+            h = hindsight(model)
+            if h is not None:
+                print(f"  hindsight fit, one speed for the run ({h['requests_fitted']} requests, in-sample): "
+                      f"{h['median_pct']:5.1f} / {h['p90_pct']:5.1f} %")
             for mode in model.get("calibration", {}):
                 pairs = replay(model, mode)
                 if pairs is None:

@@ -55,3 +55,40 @@ def test_a_result_without_the_served_log_cannot_be_replayed(tmp_path, capsys):
     path.write_text(json.dumps(_result(with_log=False)))
     assert replay_served.main([str(path)]) == 1
     assert "cannot be replayed" in capsys.readouterr().out
+
+
+def _with_speeds(speeds: list[float]) -> dict:
+    """A result whose request ``i`` ran ``speeds[i]`` × the true model's prefill, after a 20 ms
+    first-token overhead; every other request a held-out row."""
+    result = _result()
+    model = result["models"]["fake"]
+    rows = []
+    for i, (entry, speed) in enumerate(zip(model["served_log"], speeds, strict=True)):
+        n = entry["prompt_tokens"]
+        entry["engine_prefill_s"] = speed * TRUE_MODEL.prefill_s(n)
+        entry["ttft_s"] = entry["engine_prefill_s"] + 0.02
+        if i % 2:
+            rows.append({"prompt_tokens": n, "evaluated": n, "cached_predicted": 0, "cached_measured": 0, "measured_ttft_s": entry["ttft_s"],
+                         "predicted_full_served_s": 1.0, "served_log_index": i})
+    model["heldout"]["rows"] = rows
+    return model
+
+
+def test_the_hindsight_fit_meets_a_host_of_one_speed_and_shows_how_far_a_change_of_speed_leaves_it():
+    steady = replay_served.hindsight(_with_speeds([1.5] * len(LENGTHS)))
+    assert steady is not None and steady["requests_fitted"] == len(LENGTHS)
+    assert steady["median_pct"] < 1.0 and steady["first_token_s"] == pytest.approx(0.02, abs=0.005)
+    # the same requests, the host 1.6× slower for the second half: one speed cannot fit both
+    stepped = replay_served.hindsight(_with_speeds([1.0] * 4 + [1.6] * 4))
+    assert stepped["median_pct"] > 10.0
+
+
+def test_no_hindsight_fit_without_a_served_log():
+    assert replay_served.hindsight(_result(with_log=False)["models"]["fake"]) is None
+
+
+def test_the_script_prints_the_hindsight_fit(tmp_path, capsys):
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps({**_result(), "models": {"fake": _with_speeds([1.5] * len(LENGTHS))}}))
+    assert replay_served.main([str(path)]) == 0
+    assert "hindsight fit, one speed for the run" in capsys.readouterr().out
