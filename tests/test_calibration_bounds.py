@@ -483,3 +483,22 @@ def test_the_over_budget_warning_says_when_the_engine_threads_were_starved():
     # a backend whose threads are unknown (a server, a fake) gets no hint
     assert starved_threads_hint(cpu_s=0.1, wall_s=4.8, threads=None, cpus=2) == ""
     assert starved_threads_hint(cpu_s=0.1, wall_s=0.0, threads=2, cpus=2) == ""
+
+
+def test_calibration_checks_for_starved_threads_with_the_engine_threads_of_its_profile_key(monkeypatch):
+    import trimkit.calibration as calibration_module
+
+    seen = []
+    real = calibration_module.CalibrationRun
+
+    def recording(*args, **kwargs):
+        run = real(*args, **kwargs)
+        seen.append(run.threads)
+        return run
+
+    monkeypatch.setattr(calibration_module, "CalibrationRun", recording)
+    in_process = FakeBackend(STEEP)
+    monkeypatch.setattr(in_process, "profile_key", lambda: attrs.evolve(FakeBackend(STEEP).profile_key(), n_threads_batch=2))
+    calibrate(in_process, mode="micro", store=False)
+    calibrate(FakeBackend(STEEP), mode="micro", store=False)  # threads unknown (0 in its key): no hint
+    assert seen == [2, None]

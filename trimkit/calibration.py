@@ -130,7 +130,8 @@ def calibrate(
                 stored = attrs.evolve(stored, attention_prior_tokens=backend.attention_prior_tokens)
             return stored
 
-    run = CalibrationRun(backend, key.n_batch or 512, get_mode(name), budget_s, clock or getattr(backend, "clock", None) or time.perf_counter, progress)
+    run = CalibrationRun(backend, key.n_batch or 512, get_mode(name), budget_s, clock or getattr(backend, "clock", None) or time.perf_counter, progress,
+                         threads=key.n_threads_batch)
     run.execute()
     if len(run.samples) < MIN_SAMPLES:  # pragma: no cover - the minimum is enforced by _Run
         raise CalibrationError("calibration produced fewer than 3 samples")

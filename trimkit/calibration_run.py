@@ -64,8 +64,12 @@ class CalibrationRun:
     processes) ends the run on time, without that probe.
     """
 
-    def __init__(self, backend: Backend, n_batch: int, mode: Mode, budget_s: float, clock: Callable[[], float], progress: Progress | None) -> None:
+    def __init__(self, backend: Backend, n_batch: int, mode: Mode, budget_s: float, clock: Callable[[], float], progress: Progress | None,
+                 *, threads: int | None = None) -> None:
         self.backend = backend
+        #: the engine's prompt-processing threads where it runs in this process (its profile key's
+        #: ``n_threads_batch``; None for a server): what the over-budget warning checks for starvation
+        self.threads = threads if threads else None
         self.mode = mode
         self.budget_s = budget_s
         self.clock = clock
@@ -185,17 +189,11 @@ class CalibrationRun:
         if self.wall_s > self.budget_s:
             if self.minimum_s > self.budget_s:
                 why = (f"this host is too slow for even the minimum (the warm-up and 3 probes took {self.minimum_s:.1f} s)"
-                       + starved_threads_hint(minimum_cpu_s, minimum_wall_s, self._threads(), os.cpu_count()))
+                       + starved_threads_hint(minimum_cpu_s, minimum_wall_s, self.threads, os.cpu_count()))
             else:
                 why = "a step took far longer than predicted (the host slowed down while it ran)"
             log.warning("trimkit: calibration took %.1f s, over its %.3g s budget: %s; the profile is provisional, and improves as "
                         "requests run", self.wall_s, self.budget_s, why)
-
-    def _threads(self) -> int | None:
-        """The engine's prompt-processing threads, where the backend is a ``llama_cpp.Llama``'s."""
-        params = getattr(getattr(self.backend, "llm", None), "context_params", None)
-        threads = getattr(params, "n_threads_batch", None)
-        return int(threads) if isinstance(threads, int) and threads > 0 else None
 
     def _decode(self) -> None:
         """Decode speed: one step first (a decode step costs 5 to 100 prefill tokens' time,
