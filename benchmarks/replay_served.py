@@ -14,9 +14,9 @@ Prints, per model and profile, the median / p90 absolute % error of the served p
 the run recorded them and as replayed now, and the targets the run judged them by. Results
 stored before the log was kept (runs 1–10) cannot be replayed.
 
-Per model it also prints the **hindsight fit** (:func:`hindsight`): the cost model fitted, after
-the run, to the TTFT of every request the run measured, held-out prompts included, with one
-speed for the whole run. It is not a prediction (it has seen what it is judged on); it shows how
+Per model it also prints the **hindsight fit** (:func:`hindsight`): the cost model and the
+first-token overhead fitted, after the run, to every request of its served log (held-out prompts
+included), with one speed for the whole run. It is not a prediction (it has seen what it is judged on); it shows how
 far a host's changes of speed over the run leave any profile that holds one speed from the
 measurements — where its error exceeds the targets, the targets ask for more than one fixed
 speed can give on that run, and only following the host (drift) can meet them.
@@ -85,6 +85,7 @@ def hindsight(model: dict[str, Any]) -> dict[str, Any] | None:
     y = np.array([max(m["ttft_s"] - m["engine_prefill_s"], 0.0) for m in timed])
     fixed, per_token = (max(float(c), 0.0) for c in np.linalg.lstsq(x, y, rcond=None)[0])
     rows = [r for r in model.get("heldout", {}).get("rows", []) if r.get("measured_ttft_s")]
+
     def predicted(r: dict[str, Any]) -> float:
         cached = r.get("cached_measured") or 0
         new = r.get("evaluated") or evaluated_tokens(r["prompt_tokens"], cached)
