@@ -295,6 +295,8 @@ def _probe_on_own_thread(backend: Any, probe: Probe, lease: Any, stop: threading
         except BaseException as exc:  # re-raised on the prober's thread, which reports it
             out["error"] = exc
 
+    # a daemon thread, not a ThreadPoolExecutor: the interpreter joins a pool's threads at exit
+    # before the atexit hook that aborts a running probe (_stop_all) could run
     thread = threading.Thread(target=work, name="trimkit-idle-probe", daemon=True)
     thread.start()
     thread.join()
