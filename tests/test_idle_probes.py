@@ -116,6 +116,33 @@ def test_left_idle_the_prober_completes_the_schedule_and_stores_a_full_profile(i
     assert chat.profile.predict_prefill_s(200) == pytest.approx(COST.prefill_s(200, 0), rel=1e-6)
 
 
+def _slower(model: CostModel, factor: float) -> CostModel:
+    return attrs.evolve(model, overhead_s=model.overhead_s * factor, per_token_s=model.per_token_s * factor, depth_s=model.depth_s * factor)
+
+
+@pytest.mark.parametrize("factor", [1.5, 0.7])
+def test_probes_taken_after_the_host_changed_speed_keep_the_profiles_shape(isolated_cache, factor):
+    """The micro-calibration runs at one speed; then the host runs 1.5× slower (or faster) for
+    the requests and for every idle probe. Drift carries the change; the probes join the
+    calibration's samples at the calibration's speed, so the fit keeps the engine's shape (its
+    long probes read as attention costing more otherwise) and every length is predicted at the
+    host's new speed."""
+    engine = probing_fake()
+    chat = wrap(engine)
+    engine.cost_model = _slower(COST, factor)
+    for _ in range(4):
+        ask(chat)  # drift learns the new speed before the first probe
+    prober = chat.pipeline.prober
+    assert prober.wait_complete(30.0) and prober.complete and prober.probed
+    profile = chat.profile
+    assert profile.drift == pytest.approx(factor, rel=1e-6)
+    for n, k in ((16, 0), (100, 0), (200, 0), (32, 160)):
+        assert profile.model.prefill_s(n, k) == pytest.approx(COST.prefill_s(n, k), rel=1e-3)  # the calibration's speed
+        assert profile.predict_prefill_s(n, k) == pytest.approx(factor * COST.prefill_s(n, k), rel=1e-3)  # the host's now
+    stored = load_profile(engine.profile_key())
+    assert stored is not None and stored.samples == profile.samples
+
+
 def test_each_probe_runs_on_a_thread_of_its_own_that_ends_with_it(isolated_cache):
     """The prober's own thread never runs the engine: with llama.cpp's OpenMP build a live
     thread that had run its compute slowed every later request (docs/benchmarks.md)."""

@@ -25,7 +25,10 @@ then measured by the engine's :class:`IdleProber`, one at a time, in a daemon th
   the cache it was planned for (:meth:`~trimkit.backends.llama.LlamaBackend.idle_probe`). The
   probe is tried again in a later idle stretch.
 - **What it learns.** After each probe the profile is refitted with it
-  (:func:`~trimkit.calibration.refit_profile`) and swapped into the engine's
+  (:func:`~trimkit.calibration.refit_profile`) — the probe's time divided by how much slower
+  the host runs now than during calibration (:meth:`~trimkit.planning.drift.LiveProfile.speed_factor`:
+  the served prediction over the calibration's own), so that samples from a slower and a faster
+  moment do not bend the model's shape while drift carries the speed — and swapped into the engine's
   :class:`~trimkit.planning.drift.LiveProfile` (:meth:`~trimkit.planning.drift.LiveProfile.replace_calibration`);
   when none remain, the profile becomes a full one (``mode="full"``) and is stored.
 - **Which engines.** Only backends whose probes can be aborted (an ``idle_probe`` method:
@@ -257,7 +260,9 @@ class IdleProber:
             log.warning("trimkit: idle probe %s keeps being scheduled after %d measurements; idle probing stops", probe, self._runs[key] - 1)
             self._stop.set()
             return None
-        refined = refit_profile(self.live.current, [PrefillSample(probe.new_tokens, probe.cached_tokens, seconds)])
+        # joins the calibration's samples at their speed; drift carries the host's change since
+        factor = self.live.speed_factor(probe.new_tokens, probe.cached_tokens)
+        refined = refit_profile(self.live.current, [PrefillSample(probe.new_tokens, probe.cached_tokens, seconds / factor)])
         self.live.replace_calibration(refined)
         self.probed += 1
         return 0.0

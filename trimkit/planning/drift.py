@@ -132,6 +132,8 @@ class LiveProfile:
             if not (_is_count(value) and value >= 1):
                 raise ValueError(f"{name} must be an int >= 1 (or None for drift_window), got {value!r}")
         self._profile = profile
+        #: the calibration the live state started from (its model fitted to its samples alone)
+        self._calibration = profile
         self._refit_every = refit_every
         self._provisional_refit_every = provisional_refit_every
         self._live: deque[PrefillSample] = deque(maxlen=keep_live)
@@ -284,8 +286,22 @@ class LiveProfile:
         against its model over the recent live samples; the live samples stay, and a refit round
         runs at once, so what the requests taught is not lost."""
         with self._lock:
+            self._calibration = profile
             self._prior_log_drift = math.log(profile.drift)
             self._update(profile, refit=bool(self._live))
+
+    def speed_factor(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """How many times slower than when the calibration's samples were measured the host runs
+        now for ``new_tokens`` after ``cached_tokens``: the prediction as served (the model after
+        live refits, times drift) over the calibration's own model. A probe measured now, divided
+        by it, joins the calibration's samples at their speed (:mod:`trimkit.idle_probes`): a fit
+        mixing samples from a slower and a faster moment would bend its shape — a probe at one
+        length taken while the host runs 30 % slower reads as attention costing more — where
+        drift already accounts for the change of speed. 1 when either prediction is zero."""
+        with self._lock:
+            now = self._profile.model.prefill_s(new_tokens, cached_tokens) * self._profile.drift
+            then = self._calibration.model.prefill_s(new_tokens, cached_tokens)
+        return now / then if now > 0 and then > 0 else 1.0
 
     def _update(self, profile: Profile, *, refit: bool) -> None:
         """Under the lock: the current profile from ``profile``'s calibration, the drift over the
