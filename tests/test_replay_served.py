@@ -92,3 +92,16 @@ def test_the_script_prints_the_hindsight_fit(tmp_path, capsys):
     path.write_text(json.dumps({**_result(), "models": {"fake": _with_speeds([1.5] * len(LENGTHS))}}))
     assert replay_served.main([str(path)]) == 0
     assert "hindsight fit, one speed for the run" in capsys.readouterr().out
+
+
+def test_the_paired_idle_probe_script_pairs_its_runs_and_checks_its_arguments():
+    """benchmarks/idle_probes_paired.py (no model run here): pairs are matched by index whatever
+    the order they ran in, and a count of pairs below 1 is refused before anything runs."""
+    script = load_benchmark("idle_probes_paired")
+    runs = [{"pair": 1, "normalized": False}, {"pair": 0, "normalized": True}, {"pair": 0, "normalized": False},
+            {"pair": 1, "normalized": True}]
+    pairs = script._pairs(runs)
+    assert [(a["pair"], a["normalized"], b["pair"], b["normalized"]) for a, b in pairs] == [(0, True, 0, False), (1, True, 1, False)]
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--pairs", "0"])
+    assert exc.value.code == 2
