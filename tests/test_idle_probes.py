@@ -127,12 +127,12 @@ def test_probes_taken_after_the_host_changed_speed_keep_the_profiles_shape(isola
     calibration's samples at the calibration's speed, so the fit keeps the engine's shape (its
     long probes read as attention costing more otherwise) and every length is predicted at the
     host's new speed."""
-    engine = probing_fake()
+    engine = probing_fake(probe_wall_s=0.2)  # a probe started between the requests below is stopped by the next
     chat = wrap(engine)
     engine.cost_model = _slower(COST, factor)
+    prober = chat.pipeline.prober
     for _ in range(4):
         ask(chat)  # drift learns the new speed before the first probe
-    prober = chat.pipeline.prober
     assert prober.wait_complete(30.0) and prober.complete and prober.probed
     profile = chat.profile
     assert profile.drift == pytest.approx(factor, rel=1e-6)
