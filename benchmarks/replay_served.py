@@ -11,7 +11,9 @@ the stored run, predicted anew.
     python benchmarks/replay_served.py benchmarks/results/prediction_accuracy.json [more.json ...]
 
 Prints, per model and profile, the median / p90 absolute % error of the served predictions as
-the run recorded them and as replayed now, and the targets the run judged them by. Results
+the run recorded them and as replayed now, and the targets the run judged them by; then, over
+every group replayed, how many met their targets and the summed medians and p90s, recorded and
+replayed (one line to compare two versions of ``LiveProfile`` on the same stored runs). Results
 stored before the log was kept (runs 1–10) cannot be replayed.
 
 Per model it also prints the **hindsight fit** (:func:`hindsight`): the cost model and the
@@ -100,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("results", nargs="+", help="prediction_accuracy JSON files")
     args = ap.parse_args(argv)
-    replayed = 0
+    replayed = met = 0
+    sums = {"recorded": [0.0, 0.0], "replayed": [0.0, 0.0]}
     for path in args.results:
         data = json.loads(Path(path).read_text())
         print(f"== {path} ({data.get('started_at')}, commit {data.get('host', {}).get('git_commit')})")
@@ -124,11 +127,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 now = error_stats(pairs)
                 factor = 2.0 if mode == "micro" else 1.0  # the benchmark judges the provisional profile within 2×
                 ok = now.median_pct <= factor * t.get("median_pct", 0) and now.p90_pct <= factor * t.get("p90_pct", 0)
+                met += ok
+                for key, err in (("recorded", was), ("replayed", now)):
+                    sums[key][0] += err.median_pct
+                    sums[key][1] += err.p90_pct
                 print(f"  {mode:6}+live  recorded {was.median_pct:5.1f} / {was.p90_pct:5.1f} %   replayed {now.median_pct:5.1f} / "
                       f"{now.p90_pct:5.1f} %  (n={now.n})  {'PASS' if ok else 'MISS'}")
     if not replayed:
         print("nothing could be replayed: results stored before the served log was kept", file=sys.stderr)
         return 1
+    print(f"all: {replayed} served groups, {met} meet their targets as replayed; summed median / p90: recorded "
+          f"{sums['recorded'][0]:.1f} / {sums['recorded'][1]:.1f}, replayed {sums['replayed'][0]:.1f} / {sums['replayed'][1]:.1f}")
     return 0
 
 

@@ -48,6 +48,7 @@ def test_the_script_prints_recorded_and_replayed_errors(tmp_path, capsys):
     assert replay_served.main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "full  +live  recorded" in out and "replayed" in out
+    assert "all: 1 served groups, 0 meet their targets" in out  # the first row is predicted 20 %+ short
 
 
 def test_a_result_without_the_served_log_cannot_be_replayed(tmp_path, capsys):
