@@ -59,9 +59,6 @@ FIRST_TOKEN_LENGTH_SPREAD = 2.0
 #: they predict equally well
 DRIFT_WINDOWS = (3, 5, 9, 17)
 DEFAULT_DRIFT_WINDOW = 5
-#: a refit on the live samples alone is a candidate once they hold this many distinct (new,
-#: cached) shapes (one more than the model's three coefficients) and span the calibration's range
-MIN_LIVE_ONLY_SHAPES = 4
 #: a refit must explain the live samples better than drift alone by more than this (median
 #: absolute % error): a candidate only as good is no change of shape (exact ties, rounding)
 REFIT_TIE_PCT = 1e-6
@@ -81,12 +78,6 @@ def _median_log_ratio(model: CostModel, samples: Sequence[PrefillSample]) -> flo
     """The median of log(measured / ``model``) over ``samples`` (0 when none is predicted)."""
     logs = [x for x in (_log_ratio(s.seconds, model.prefill_s(s.new_tokens, s.cached_tokens)) for s in samples) if x is not None]
     return statistics.median(logs) if logs else 0.0
-
-
-def _spans(live: Sequence[PrefillSample], calib: Sequence[PrefillSample]) -> bool:
-    """Whether ``live`` reaches as many new tokens and as deep a context as ``calib`` did."""
-    return (max(s.new_tokens for s in live) >= max(s.new_tokens for s in calib)
-            and max(s.new_tokens + s.cached_tokens for s in live) >= max(s.new_tokens + s.cached_tokens for s in calib))
 
 
 def covering(profile: Profile, samples: Sequence[PrefillSample]) -> Profile:
@@ -117,8 +108,7 @@ class LiveProfile:
 
     After every ``refit_every`` observations (default: each one; it costs 1–5 ms, after the
     response) the model is refitted (:meth:`_refit`: the live samples brought to the
-    calibration's speed, fitted with the calibration's samples and, once they span its range,
-    alone) and kept only if it explains the live samples better than the model at its best
+    calibration's speed, fitted with the calibration's samples) and kept only if it explains the live samples better than the model at its best
     single speed factor (their median ratio: what drift alone could reach); drift is then
     measured against the refit, and the probed range grows to cover the live samples. So a
     shape the calibration got wrong — too little attention from short probes, an overhead read
@@ -346,38 +336,28 @@ class LiveProfile:
 
     def _refit(self, profile: Profile, live: list[PrefillSample]) -> tuple[CostModel | None, float]:
         """Under the lock: the refit round's model and its log speed factor, or ``(None, 0)``
-        when no candidate explains the live samples better than ``profile``'s model at its best
-        single speed factor (their median ratio: what drift alone could reach).
+        when the refit does not explain the live samples better than ``profile``'s model at its
+        best single speed factor (their median ratio: what drift alone could reach).
 
-        The live samples are first brought to the calibration's speed (divided by their median
-        ratio to a fit of the calibration's samples alone): a fit mixing calibration samples measured at one
-        speed with live ones measured at another bends the model's shape, a change of speed read
-        as a change of shape (the same reason idle probes are, :meth:`speed_factor`). Two
-        candidates are fitted on them: with the calibration's samples (a shape the calibration
-        got wrong — too little attention, an overhead read off a noisy moment — corrected
-        from the first requests), and, once the live samples span the calibration's probed
-        range over at least :data:`MIN_LIVE_ONLY_SHAPES` distinct shapes, on the live samples
-        alone (calibration's few probes, taken at one moment, no longer pull the fit away from
-        what the requests measure, and the fit extrapolates no further than the calibration
-        did). A candidate predicts at the speed factor; the model kept is at the calibration's
-        speed, so drift goes on measuring the host's speed against it."""
+        The live samples are first brought to the calibration's speed — divided by their median
+        ratio to a fit of the calibration's samples alone — and fitted with the calibration's
+        samples: a fit mixing samples measured at one speed with samples measured at another
+        bends the model's shape, a change of speed read as a change of shape (the reason idle
+        probes are brought there too, :meth:`speed_factor`). The refit predicts at that speed
+        factor; the model kept is at the calibration's speed, so drift goes on measuring the
+        host's speed against it."""
         model = profile.model
         calib = [s for s in profile.samples if s.source == "calibration"]
         kwargs = {"n_batch": model.n_batch, "batched": model.per_batch_s > 0, "depth_prior_tokens": profile.depth_prior_tokens}
-        best = error_stats((model.prefill_s(s.new_tokens, s.cached_tokens) * math.exp(_median_log_ratio(model, live)), s.seconds)
-                           for s in live).median_pct
+        drift_only = error_stats((model.prefill_s(s.new_tokens, s.cached_tokens) * math.exp(_median_log_ratio(model, live)), s.seconds)
+                                 for s in live)
         log_speed = _median_log_ratio(self._calibration_fit(calib, kwargs) if calib else self._calibration.model, live)
-        steadied = [attrs.evolve(s, seconds=s.seconds / math.exp(log_speed)) for s in live]
-        candidates = [calib + steadied]
-        if calib and len({(s.new_tokens, s.cached_tokens) for s in live}) >= MIN_LIVE_ONLY_SHAPES and _spans(live, calib):
-            candidates.append(steadied)
-        chosen = None
-        for samples in candidates:
-            candidate = fit_cost_model(samples, **kwargs)
-            err = error_stats((candidate.prefill_s(s.new_tokens, s.cached_tokens) * math.exp(log_speed), s.seconds) for s in live).median_pct
-            if err < best - REFIT_TIE_PCT:
-                best, chosen = err, candidate
-        return chosen, (log_speed if chosen is not None else 0.0)
+        speed = math.exp(log_speed)
+        candidate = fit_cost_model(calib + [attrs.evolve(s, seconds=s.seconds / speed) for s in live], **kwargs)
+        refit = error_stats((candidate.prefill_s(s.new_tokens, s.cached_tokens) * speed, s.seconds) for s in live)
+        if refit.median_pct < drift_only.median_pct - REFIT_TIE_PCT:
+            return candidate, log_speed
+        return None, 0.0
 
     def _calibration_fit(self, calib: list[PrefillSample], kwargs: dict[str, Any]) -> CostModel:
         """Under the lock: the cost model of the calibration's samples alone (fitted once per
