@@ -108,9 +108,9 @@ class LiveProfile:
 
     After every ``refit_every`` observations (default: each one; it costs 1–5 ms, after the
     response) the model is refitted (:meth:`_refit`: the live samples brought to the
-    calibration's speed, fitted with the calibration's samples) and kept only if it explains the live samples better than the model at its best
-    single speed factor (their median ratio: what drift alone could reach); drift is then
-    measured against the refit, and the probed range grows to cover the live samples. So a
+    calibration's speed, fitted with the calibration's samples) and kept only if it explains
+    the live samples better than the model at its best single speed factor (their median
+    ratio: what drift alone could reach); drift is then measured against the refit, and the probed range grows to cover the live samples. So a
     shape the calibration got wrong — too little attention from short probes, an overhead read
     off a noisy moment — is corrected from the first requests, not from the sixteenth, while a
     host that only changed speed moves drift and leaves the model alone.
