@@ -99,10 +99,11 @@ def test_the_paired_idle_probe_script_pairs_its_runs_and_checks_its_arguments():
     """benchmarks/idle_probes_paired.py (no model run here): pairs are matched by index whatever
     the order they ran in, and a count of pairs below 1 is refused before anything runs."""
     script = load_benchmark("idle_probes_paired")
-    runs = [{"pair": 1, "normalized": False}, {"pair": 0, "normalized": True}, {"pair": 0, "normalized": False},
-            {"pair": 1, "normalized": True}]
+    runs = [{"pair": 1, "first": False}, {"pair": 0, "first": True}, {"pair": 0, "first": False}, {"pair": 1, "first": True}]
     pairs = script._pairs(runs)
-    assert [(a["pair"], a["normalized"], b["pair"], b["normalized"]) for a, b in pairs] == [(0, True, 0, False), (1, True, 1, False)]
-    with pytest.raises(SystemExit) as exc:
-        script.main(["--pairs", "0"])
-    assert exc.value.code == 2
+    assert [(a["pair"], a["first"], b["pair"], b["first"]) for a, b in pairs] == [(0, True, 0, False), (1, True, 1, False)]
+    for bad in (["--pairs", "0"], ["--compare", "decode"]):
+        with pytest.raises(SystemExit) as exc:
+            script.main(bad)
+        assert exc.value.code == 2
+    assert script.ARMS["idle"] == ("on", "off") and script.ARMS["speed"] == ("normalized", "raw")
