@@ -110,10 +110,11 @@ class LiveProfile:
     response) the model is refitted (:meth:`_refit`: the live samples brought to the
     calibration's speed, fitted with the calibration's samples) and kept only if it explains
     the live samples better than the model at its best single speed factor (their median
-    ratio: what drift alone could reach); drift is then measured against the refit, and the probed range grows to cover the live samples. So a
-    shape the calibration got wrong — too little attention from short probes, an overhead read
-    off a noisy moment — is corrected from the first requests, not from the sixteenth, while a
-    host that only changed speed moves drift and leaves the model alone.
+    ratio: what drift alone could reach); drift is then measured against the refit, and the
+    probed range grows to cover the live samples. So a shape the calibration got wrong — too
+    little attention from short probes, an overhead read off a noisy moment — is corrected
+    from the first requests, not from the sixteenth, while a host that only changed speed
+    moves drift and leaves the model alone.
     Thread-safe.
 
     ``alpha`` is accepted for compatibility and ignored (drift used to be an exponentially
@@ -137,8 +138,8 @@ class LiveProfile:
         self._profile = profile
         #: the calibration the live state started from (its model fitted to its samples alone)
         self._calibration = profile
-        #: the calibration's samples and the model fitted on them alone (:meth:`_calibration_fit`)
-        self._calib_fit: tuple[tuple[PrefillSample, ...], CostModel] | None = None
+        #: the model fitted on the calibration's samples alone (:meth:`_calibration_fit`; None until needed)
+        self._calib_fit: CostModel | None = None
         self._refit_every = refit_every
         self._provisional_refit_every = provisional_refit_every
         self._live: deque[PrefillSample] = deque(maxlen=keep_live)
@@ -292,6 +293,7 @@ class LiveProfile:
         runs at once, so what the requests taught is not lost."""
         with self._lock:
             self._calibration = profile
+            self._calib_fit = None
             self._prior_log_drift = math.log(profile.drift)
             self._update(profile, refit=bool(self._live))
 
@@ -360,12 +362,11 @@ class LiveProfile:
         return None, 0.0
 
     def _calibration_fit(self, calib: list[PrefillSample], kwargs: dict[str, Any]) -> CostModel:
-        """Under the lock: the cost model of the calibration's samples alone (fitted once per
-        calibration: its samples change only with :meth:`replace_calibration`)."""
-        key = tuple(calib)
-        if self._calib_fit is None or self._calib_fit[0] != key:
-            self._calib_fit = (key, fit_cost_model(calib, **kwargs))
-        return self._calib_fit[1]
+        """Under the lock: the cost model of the calibration's samples ``calib`` alone, fitted
+        once per calibration (:meth:`replace_calibration` forgets it)."""
+        if self._calib_fit is None:
+            self._calib_fit = fit_cost_model(calib, **kwargs)
+        return self._calib_fit
 
     @property
     def observations(self) -> int:
