@@ -22,6 +22,13 @@ included), with one speed for the whole run. It is not a prediction (it has seen
 far a host's changes of speed over the run leave any profile that holds one speed from the
 measurements — where its error exceeds the targets, the targets ask for more than one fixed
 speed can give on that run, and only following the host (drift) can meet them.
+
+Per profile it also prints the **static profile, its speed set afterwards** (:func:`speed_set_afterwards`):
+the static predictions the run recorded, each profile's times one factor (the median ratio
+measured / predicted over the held-out rows). What is left is the error of the profile's shape
+and of the host's noise; what the factor took away is the host's change of speed between
+calibration and the held-out stretch. Where the first is small and the recorded error large,
+the calibration's shape was right and its speed was not.
 """
 
 from __future__ import annotations
@@ -98,12 +105,27 @@ def hindsight(model: dict[str, Any]) -> dict[str, Any] | None:
             **err.to_dict()}
 
 
+def speed_set_afterwards(model: dict[str, Any], mode: str) -> dict[str, Any] | None:
+    """``mode``'s static predictions of the held-out rows as recorded, and times one speed factor
+    set afterwards (the median ratio measured / predicted over those rows: in sample, like the
+    hindsight fit): ``{"factor", "recorded", "speed_set"}`` (error stats as dicts). None when the
+    result has no static predictions for ``mode``."""
+    pairs = [(r[f"predicted_{mode}_s"], r["measured_ttft_s"]) for r in model.get("heldout", {}).get("rows", [])
+             if r.get(f"predicted_{mode}_s") and r.get("measured_ttft_s")]
+    if not pairs:
+        return None
+    factor = float(np.exp(np.median([np.log(measured / predicted) for predicted, measured in pairs])))
+    return {"factor": factor, "recorded": error_stats(pairs).to_dict(),
+            "speed_set": error_stats((predicted * factor, measured) for predicted, measured in pairs).to_dict()}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("results", nargs="+", help="prediction_accuracy JSON files")
     args = ap.parse_args(argv)
     replayed = met = 0
-    sums = {"recorded": [0.0, 0.0], "replayed": [0.0, 0.0]}
+    sums = {"recorded": [0.0, 0.0], "replayed": [0.0, 0.0], "static": [0.0, 0.0], "speed_set": [0.0, 0.0]}
+    statics = 0
     for path in args.results:
         data = json.loads(Path(path).read_text())
         print(f"== {path} ({data.get('started_at')}, commit {data.get('host', {}).get('git_commit')})")
@@ -117,6 +139,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  hindsight fit, one speed for the run ({h['requests_fitted']} requests, in-sample): "
                       f"{h['median_pct']:5.1f} / {h['p90_pct']:5.1f} %")
             for mode in model.get("calibration", {}):
+                static = speed_set_afterwards(model, mode)
+                if static is not None:
+                    statics += 1
+                    for key in ("recorded", "speed_set"):
+                        target = sums["static" if key == "recorded" else key]
+                        target[0] += static[key]["median_pct"]
+                        target[1] += static[key]["p90_pct"]
+                    print(f"  {mode:6} static recorded {static['recorded']['median_pct']:5.1f} / {static['recorded']['p90_pct']:5.1f} %   "
+                          f"its speed set afterwards (×{static['factor']:.2f}, in-sample) {static['speed_set']['median_pct']:5.1f} / "
+                          f"{static['speed_set']['p90_pct']:5.1f} %")
                 pairs = replay(model, mode)
                 if pairs is None:
                     print(f"  {mode:6} cannot be replayed (no stored profile or served log)")
@@ -138,6 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(f"all: {replayed} served groups, {met} meet their targets as replayed; summed median / p90: recorded "
           f"{sums['recorded'][0]:.1f} / {sums['recorded'][1]:.1f}, replayed {sums['replayed'][0]:.1f} / {sums['replayed'][1]:.1f}")
+    if statics:
+        print(f"static profiles: {statics}; summed median / p90: recorded {sums['static'][0]:.1f} / {sums['static'][1]:.1f}, "
+              f"their speed set afterwards {sums['speed_set'][0]:.1f} / {sums['speed_set'][1]:.1f}")
     return 0
 
 

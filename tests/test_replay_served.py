@@ -95,6 +95,25 @@ def test_the_script_prints_the_hindsight_fit(tmp_path, capsys):
     assert "hindsight fit, one speed for the run" in capsys.readouterr().out
 
 
+def test_a_static_profile_whose_only_error_is_the_host_s_speed_is_exact_with_its_speed_set_afterwards(tmp_path, capsys):
+    model = _with_speeds([1.5] * len(LENGTHS))
+    for row in model["heldout"]["rows"]:
+        row["predicted_full_s"] = row["measured_ttft_s"] / 1.5  # the right shape, calibrated 1.5x faster
+    model["heldout"]["rows"][0]["predicted_full_s"] *= 1.2  # and one prompt's shape 20 % off
+    static = replay_served.speed_set_afterwards(model, "full")
+    assert static["factor"] == pytest.approx(1.5)
+    assert static["recorded"]["median_pct"] == pytest.approx(100 / 3, rel=1e-6)
+    assert static["speed_set"]["median_pct"] == pytest.approx(0.0, abs=1e-9)
+    assert static["speed_set"]["max_pct"] == pytest.approx(20.0, rel=1e-6)
+    assert replay_served.speed_set_afterwards(model, "quick") is None  # no static predictions of it
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps({**_result(), "models": {"fake": model}}))
+    assert replay_served.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "full   static recorded  33.3 /" in out and "its speed set afterwards (×1.50, in-sample)   0.0 /" in out
+    assert "static profiles: 1; summed median / p90: recorded 33.3 /" in out
+
+
 def test_the_paired_idle_probe_script_pairs_its_runs_and_checks_its_arguments():
     """benchmarks/idle_probes_paired.py (no model run here): pairs are matched by index whatever
     the order they ran in, and a count of pairs below 1 is refused before anything runs."""
