@@ -29,12 +29,17 @@ measured / predicted over the held-out rows). What is left is the error of the p
 and of the host's noise; what the factor took away is the host's change of speed between
 calibration and the held-out stretch. Where the first is small and the recorded error large,
 the calibration's shape was right and its speed was not.
+
+Last, over every file given, the served predictions' **signed error by prompt class**
+(:func:`prompt_class`; + is priced long): a shape the profiles as served get wrong shows as a
+class whose error leans one way run after run, where the host's noise leans either way.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -105,6 +110,28 @@ def hindsight(model: dict[str, Any]) -> dict[str, Any] | None:
             **err.to_dict()}
 
 
+#: the prompt classes of the signed-error summary, in the order printed
+PROMPT_CLASSES = ("cold < 128 tokens", "cold 128–1,999", "cold ≥ 2,000", "after a cached prefix")
+
+
+def prompt_class(row: dict[str, Any]) -> str:
+    """The class of a held-out row in the signed-error summary (:data:`PROMPT_CLASSES`)."""
+    if row.get("cached_predicted"):
+        return PROMPT_CLASSES[3]
+    n = row["prompt_tokens"]
+    return PROMPT_CLASSES[0] if n < 128 else PROMPT_CLASSES[1] if n < 2000 else PROMPT_CLASSES[2]
+
+
+def signed_by_class(model: dict[str, Any], pairs: Sequence[tuple[float, float]]) -> dict[str, list[float]]:
+    """The signed % errors (+: priced long) of ``pairs`` — :func:`replay`'s, in the order of the
+    served log — by :func:`prompt_class` of their held-out rows."""
+    rows = sorted((r for r in model["heldout"]["rows"] if "served_log_index" in r), key=lambda r: r["served_log_index"])
+    out: dict[str, list[float]] = {}
+    for row, (predicted, measured) in zip(rows, pairs, strict=True):
+        out.setdefault(prompt_class(row), []).append(100.0 * (predicted - measured) / measured)
+    return out
+
+
 def speed_set_afterwards(model: dict[str, Any], mode: str) -> dict[str, Any] | None:
     """``mode``'s static predictions of the held-out rows as recorded, and times one speed factor
     set afterwards (the median ratio measured / predicted over those rows: in sample, like the
@@ -126,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     replayed = met = 0
     sums = {"recorded": [0.0, 0.0], "replayed": [0.0, 0.0], "static": [0.0, 0.0], "speed_set": [0.0, 0.0]}
     statics = 0
+    by_class: dict[tuple[str, str], list[list[float]]] = {}  # (model, class) → each group's signed errors
     for path in args.results:
         data = json.loads(Path(path).read_text())
         print(f"== {path} ({data.get('started_at')}, commit {data.get('host', {}).get('git_commit')})")
@@ -154,6 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"  {mode:6} cannot be replayed (no stored profile or served log)")
                     continue
                 replayed += 1
+                for cls, errs in signed_by_class(model, pairs).items():
+                    by_class.setdefault((name, cls), []).append(errs)
                 rows = [r for r in model["heldout"]["rows"] if f"predicted_{mode}_served_s" in r]
                 was = error_stats((r[f"predicted_{mode}_served_s"], r["measured_ttft_s"]) for r in rows)
                 now = error_stats(pairs)
@@ -173,6 +203,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if statics:
         print(f"static profiles: {statics}; summed median / p90: recorded {sums['static'][0]:.1f} / {sums['static'][1]:.1f}, "
               f"their speed set afterwards {sums['speed_set'][0]:.1f} / {sums['speed_set'][1]:.1f}")
+    print("served, replayed: signed error by prompt class (+ = priced long; median of all rows, and in how many groups "
+          "the group's median leans long)")
+    for (name, cls), groups in sorted(by_class.items(), key=lambda kv: (kv[0][0], PROMPT_CLASSES.index(kv[0][1]))):
+        rows = [e for g in groups for e in g]
+        long = sum(1 for g in groups if statistics.median(g) > 0)
+        print(f"  {name:8} {cls:21} {statistics.median(rows):+5.1f} %  (n={len(rows)}; leans long in {long} of {len(groups)} groups, "
+              f"group medians {min(map(statistics.median, groups)):+.0f} to {max(map(statistics.median, groups)):+.0f} %)")
     return 0
 
 

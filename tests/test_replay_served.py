@@ -114,6 +114,28 @@ def test_a_static_profile_whose_only_error_is_the_host_s_speed_is_exact_with_its
     assert "static profiles: 1; summed median / p90: recorded 33.3 /" in out
 
 
+def test_the_signed_error_summary_classes_each_row_and_keeps_the_sign():
+    assert [replay_served.prompt_class({"prompt_tokens": n, "cached_predicted": k}) for n, k in
+            ((127, 0), (128, 0), (1999, 0), (2000, 0), (300, 200))] == [
+        "cold < 128 tokens", "cold 128–1,999", "cold 128–1,999", "cold ≥ 2,000", "after a cached prefix"]
+    model = _with_speeds([1.5] * len(LENGTHS))  # held-out rows: 900, 300, 128, 700 tokens, in log order
+    model["heldout"]["rows"][3]["cached_predicted"] = 500  # the last one a follow-up turn
+    model["heldout"]["rows"].reverse()  # stored out of order: the log's order still pairs them
+    pairs = [(2.0, 1.0), (0.5, 1.0), (1.1, 1.0), (0.9, 1.0)]
+    by_class = replay_served.signed_by_class(model, pairs)
+    assert by_class == {"cold 128–1,999": [100.0, -50.0, pytest.approx(10.0)], "after a cached prefix": [pytest.approx(-10.0)]}
+
+
+def test_the_script_prints_the_signed_error_by_prompt_class(tmp_path, capsys):
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(_result()))
+    assert replay_served.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    # the host ran 1.5x slower than calibrated: the first rows are priced short, none long
+    assert "served, replayed: signed error by prompt class" in out
+    assert "fake     cold 128–1,999" in out and "leans long in 0 of 1 groups" in out
+
+
 def test_the_paired_idle_probe_script_pairs_its_runs_and_checks_its_arguments():
     """benchmarks/idle_probes_paired.py (no model run here): pairs are matched by index whatever
     the order they ran in, and a count of pairs below 1 is refused before anything runs."""
