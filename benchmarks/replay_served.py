@@ -170,10 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 static = speed_set_afterwards(model, mode)
                 if static is not None:
                     statics += 1
-                    for key in ("recorded", "speed_set"):
-                        target = sums["static" if key == "recorded" else key]
-                        target[0] += static[key]["median_pct"]
-                        target[1] += static[key]["p90_pct"]
+                    for key, part in (("static", "recorded"), ("speed_set", "speed_set")):
+                        sums[key][0] += static[part]["median_pct"]
+                        sums[key][1] += static[part]["p90_pct"]
                     print(f"  {mode:6} static recorded {static['recorded']['median_pct']:5.1f} / {static['recorded']['p90_pct']:5.1f} %   "
                           f"its speed set afterwards (×{static['factor']:.2f}, in-sample) {static['speed_set']['median_pct']:5.1f} / "
                           f"{static['speed_set']['p90_pct']:5.1f} %")
@@ -207,9 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           "the group's median leans long)")
     for (name, cls), groups in sorted(by_class.items(), key=lambda kv: (kv[0][0], PROMPT_CLASSES.index(kv[0][1]))):
         rows = [e for g in groups for e in g]
-        long = sum(1 for g in groups if statistics.median(g) > 0)
-        print(f"  {name:8} {cls:21} {statistics.median(rows):+5.1f} %  (n={len(rows)}; leans long in {long} of {len(groups)} groups, "
-              f"group medians {min(map(statistics.median, groups)):+.0f} to {max(map(statistics.median, groups)):+.0f} %)")
+        medians = [statistics.median(g) for g in groups]
+        print(f"  {name:8} {cls:21} {statistics.median(rows):+5.1f} %  (n={len(rows)}; leans long in {sum(m > 0 for m in medians)} of "
+              f"{len(groups)} groups, group medians {min(medians):+.0f} to {max(medians):+.0f} %)")
     return 0
 
 
