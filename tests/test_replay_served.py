@@ -148,3 +148,31 @@ def test_the_paired_idle_probe_script_pairs_its_runs_and_checks_its_arguments():
             script.main(bad)
         assert exc.value.code == 2
     assert script.ARMS["idle"] == ("on", "off") and script.ARMS["speed"] == ("normalized", "raw")
+
+
+def test_the_local_speed_bounds_follow_a_step_the_one_speed_fit_cannot():
+    stepped = _with_speeds([1.0] * 4 + [1.6] * 4)
+    assert replay_served.hindsight(stepped)["median_pct"] > 10.0
+    # the shape is fitted with the step taken out: with the speed of the request before each
+    # held-out row, every row is exact; with two, the row after one fast and one slow is not
+    assert replay_served.local_speed(stepped, 1)["max_pct"] < 1.0
+    causal = replay_served.local_speed(stepped, 2)
+    assert causal["median_pct"] < 1.0 and causal["max_pct"] > 10.0
+    # the step comes right at a held-out row (3): only a look ahead gets that row right (the
+    # last row, with nothing after it, is left out)
+    late = _with_speeds([1.0] * 3 + [1.6] * 5)
+    late["heldout"]["rows"].pop()
+    assert replay_served.local_speed(late, 1)["max_pct"] > 30.0
+    assert replay_served.local_speed(late, 0, 1)["max_pct"] < 1.0
+    assert replay_served.local_speed(_result(with_log=False)["models"]["fake"], 2) is None
+
+
+def test_the_script_counts_which_bounds_meet_the_targets(tmp_path, capsys):
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps({**_result(), "models": {"fake": _with_speeds([1.0] * 4 + [1.6] * 4)}}))
+    assert replay_served.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "requests before each (causal)" in out
+    counts = out.split("per model and run (1), meeting the targets:")[1].split("\n")[0]
+    assert "one speed in hindsight 0 (summed median" in counts
+    assert "(causal) 0 (summed median" in counts and "(foresight) 0 (summed median" in counts
