@@ -88,13 +88,22 @@ def replay(model: dict[str, Any], mode: str) -> list[tuple[float, float]] | None
 @attrs.frozen
 class _Fit:
     """What :func:`hindsight` fits to a run's served log: the engine's cost model, the first-token
-    overhead (fixed, per prompt token), and the held-out rows it is judged on."""
+    overhead (fixed, per prompt token), the requests fitted (their index in the log, their engine
+    prefill), the held-out rows it is judged on, and the stored profile whose form it fits."""
 
     engine: CostModel
     first_token_s: float
     first_token_per_token_s: float
-    requests_fitted: int
+    samples: list[tuple[int, PrefillSample]]
     rows: list[dict[str, Any]]
+    profile: Profile
+
+    @property
+    def requests_fitted(self) -> int:
+        return len(self.samples)
+
+    def refit(self, samples: Sequence[PrefillSample]) -> CostModel:
+        return _fit_like(self.profile, samples)
 
     def engine_s(self, row: dict[str, Any]) -> float:
         cached = row.get("cached_measured") or 0
@@ -105,6 +114,12 @@ class _Fit:
         return self.engine_s(row) * speed + self.first_token_s + self.first_token_per_token_s * row["prompt_tokens"]
 
 
+def _fit_like(profile: Profile, samples: Sequence[PrefillSample]) -> CostModel:
+    """A cost model of ``profile``'s form and attention prior fitted to ``samples``."""
+    return fit_cost_model(samples, n_batch=profile.model.n_batch, batched=profile.model.per_batch_s > 0,
+                          depth_prior_tokens=profile.depth_prior_tokens)
+
+
 def _hindsight_fit(model: dict[str, Any]) -> _Fit | None:
     log = model.get("served_log")
     stored = [model.get("calibration", {}).get(m, {}).get("profile") for m in ("full", "quick", "micro")]
@@ -112,17 +127,16 @@ def _hindsight_fit(model: dict[str, Any]) -> _Fit | None:
     if not log or not stored:
         return None
     profile = Profile.from_dict(stored[0])
-    timed = [m for m in log if m.get("ttft_s") and m.get("engine_prefill_s") and m.get("evaluated_tokens") and m.get("prompt_tokens")]
+    timed = [(i, m) for i, m in enumerate(log)
+             if m.get("ttft_s") and m.get("engine_prefill_s") and m.get("evaluated_tokens") and m.get("prompt_tokens")]
     if len(timed) < 4:
         return None
-    engine = fit_cost_model([PrefillSample(m["evaluated_tokens"], m["cached_tokens"] or 0, m["engine_prefill_s"]) for m in timed],
-                            n_batch=profile.model.n_batch, batched=profile.model.per_batch_s > 0,
-                            depth_prior_tokens=profile.depth_prior_tokens)
-    x = np.array([[1.0, float(m["prompt_tokens"])] for m in timed])
-    y = np.array([max(m["ttft_s"] - m["engine_prefill_s"], 0.0) for m in timed])
+    samples = [(i, PrefillSample(m["evaluated_tokens"], m["cached_tokens"] or 0, m["engine_prefill_s"])) for i, m in timed]
+    x = np.array([[1.0, float(m["prompt_tokens"])] for _, m in timed])
+    y = np.array([max(m["ttft_s"] - m["engine_prefill_s"], 0.0) for _, m in timed])
     fixed, per_token = (max(float(c), 0.0) for c in np.linalg.lstsq(x, y, rcond=None)[0])
     rows = [r for r in model.get("heldout", {}).get("rows", []) if r.get("measured_ttft_s")]
-    return _Fit(engine, fixed, per_token, len(timed), rows)
+    return _Fit(_fit_like(profile, [s for _, s in samples]), fixed, per_token, samples, rows, profile)
 
 
 def hindsight(model: dict[str, Any]) -> dict[str, Any] | None:
@@ -172,24 +186,19 @@ def local_speed(model: dict[str, Any], before: int, after: int = 0) -> dict[str,
     if fit is None:
         return None
     log = model["served_log"]
-    timed = [(i, PrefillSample(m["evaluated_tokens"], m["cached_tokens"] or 0, m["engine_prefill_s"])) for i, m in enumerate(log)
-             if m.get("engine_prefill_s") and m.get("evaluated_tokens")]
-    stored = Profile.from_dict(next(model["calibration"][m]["profile"] for m in ("full", "quick", "micro")
-                                    if model.get("calibration", {}).get(m, {}).get("profile")))
     engine = fit.engine
 
     def log_ratios(shape: CostModel) -> list[float | None]:
         out: list[float | None] = [None] * len(log)
-        for i, sample in timed:
+        for i, sample in fit.samples:
             out[i] = float(np.log(sample.seconds / shape.prefill_s(sample.new_tokens, sample.cached_tokens)))
         return out
 
     for _ in range(STEADY_SHAPE_ROUNDS):
         logs = log_ratios(engine)
         steadied = [attrs.evolve(sample, seconds=sample.seconds / float(np.exp(_near(logs, i, LOCAL_WINDOW, LOCAL_WINDOW, itself=True))))
-                    for i, sample in timed]
-        engine = fit_cost_model(steadied, n_batch=stored.model.n_batch, batched=stored.model.per_batch_s > 0,
-                                depth_prior_tokens=stored.depth_prior_tokens)
+                    for i, sample in fit.samples]
+        engine = fit.refit(steadied)
     steady = attrs.evolve(fit, engine=engine)
     logs = log_ratios(engine)
     pairs = [(steady.ttft_s(r, float(np.exp(_near(logs, r["served_log_index"], before, after)))), r["measured_ttft_s"])
