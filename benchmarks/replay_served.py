@@ -26,8 +26,8 @@ speed can give on that run, and only following the host (drift) can meet them.
 Next to it, the same shape with the host's speed **of the moment** (:func:`local_speed`): each
 held-out row's speed taken from the requests just before it — what a profile that knew the
 shape exactly could reach by following the host, the served profiles' bound — and from those
-just before and just after it, which needs foresight. Last, per model and run, how many of these
-meet the targets next to the full profile as served: where only foresight does, the host's speed
+just before and just after it, which needs foresight. After the runs, per model and run, how many
+of these meet the targets next to the full profile as served: where only foresight does, the host's speed
 moves from one request to the next by more than the targets allow, and no profile that learns
 from requests already served can meet them on that run.
 
@@ -182,6 +182,13 @@ def local_speed(model: dict[str, Any], before: int, after: int = 0) -> dict[str,
     looks ahead, which no profile can — where even that misses the targets, the host changes
     speed from one request to the next by more than they allow. Judged, like the hindsight fit,
     on the held-out rows' TTFT. Error stats as a dict; None as for :func:`hindsight`."""
+    steady = _steady(model)
+    return None if steady is None else _at_local_speed(*steady, before, after)
+
+
+def _steady(model: dict[str, Any]) -> tuple[_Fit, list[float | None]] | None:
+    """:func:`local_speed`'s steady shape (the hindsight fit with its engine refitted), and the log
+    ratio measured / that shape of each entry of the served log (None where it was not timed)."""
     fit = _hindsight_fit(model)
     if fit is None:
         return None
@@ -199,10 +206,12 @@ def local_speed(model: dict[str, Any], before: int, after: int = 0) -> dict[str,
         steadied = [attrs.evolve(sample, seconds=sample.seconds / float(np.exp(_near(logs, i, LOCAL_WINDOW, LOCAL_WINDOW, itself=True))))
                     for i, sample in fit.samples]
         engine = fit.refit(steadied)
-    steady = attrs.evolve(fit, engine=engine)
-    logs = log_ratios(engine)
+    return attrs.evolve(fit, engine=engine), log_ratios(engine)
+
+
+def _at_local_speed(steady: _Fit, logs: Sequence[float | None], before: int, after: int) -> dict[str, Any] | None:
     pairs = [(steady.ttft_s(r, float(np.exp(_near(logs, r["served_log_index"], before, after)))), r["measured_ttft_s"])
-             for r in fit.rows if r.get("served_log_index") is not None]
+             for r in steady.rows if r.get("served_log_index") is not None]
     return error_stats(pairs).to_dict() if pairs else None
 
 
@@ -265,10 +274,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             t = model.get("accuracy_targets", {})
             print(f"{name}: targets median ≤ {t.get('median_pct', float('nan')):.1f} %, p90 ≤ {t.get('p90_pct', float('nan')):.1f} %")
             h = hindsight(model)
+            steady = _steady(model)
+            causal, ahead = (None, None) if steady is None else (_at_local_speed(*steady, LOCAL_WINDOW, 0),
+                                                                 _at_local_speed(*steady, LOCAL_WINDOW, LOCAL_WINDOW))
             if h is not None:
                 print(f"  hindsight fit, one speed for the run ({h['requests_fitted']} requests, in-sample): "
                       f"{h['median_pct']:5.1f} / {h['p90_pct']:5.1f} %")
-                causal, ahead = local_speed(model, LOCAL_WINDOW), local_speed(model, LOCAL_WINDOW, LOCAL_WINDOW)
+            bounded = h is not None and causal is not None and ahead is not None
+            if bounded:
                 print(f"  its shape, the speed of the {LOCAL_WINDOW} requests before each (causal) {causal['median_pct']:5.1f} / "
                       f"{causal['p90_pct']:5.1f} %, of {LOCAL_WINDOW} before and {LOCAL_WINDOW} after (foresight) "
                       f"{ahead['median_pct']:5.1f} / {ahead['p90_pct']:5.1f} %")
@@ -296,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 factor = 2.0 if mode == "micro" else 1.0  # the benchmark judges the provisional profile within 2×
                 ok = _meets(now.to_dict(), t, factor)
                 met += ok
-                if mode == "full" and h is not None:
+                if mode == "full" and bounded:
                     bounds[-1]["full"] = (ok, now.median_pct)
                 for key, err in (("recorded", was), ("replayed", now)):
                     sums[key][0] += err.median_pct
