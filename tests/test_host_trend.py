@@ -43,15 +43,18 @@ def test_a_host_slowing_down_is_measured_and_the_samples_steadied():
     assert trend.log_per_s == pytest.approx(0.02, rel=1e-6)
     assert trend.to_dict()["pct_per_10_s"] == pytest.approx(100 * math.expm1(0.2))
     steady = normalized(samples, TIMES, trend)
-    end = speed(max(TIMES))
-    for s in steady:  # every sample at the host's speed at the end
-        assert s.seconds == pytest.approx(TRUE.prefill_s(s.new_tokens, s.cached_tokens) * end, rel=1e-9)
+    assert trend.middle_s == pytest.approx((trend.first_s + trend.last_s) / 2)
+    middle = speed(trend.middle_s)
+    assert speed(min(TIMES)) < middle < speed(max(TIMES))
+    for s in steady:  # every sample at the host's speed at the middle of the pairs' span
+        assert s.seconds == pytest.approx(TRUE.prefill_s(s.new_tokens, s.cached_tokens) * middle, rel=1e-9)
     assert [s.seconds for s in samples] != [s.seconds for s in steady]  # new objects; the input is kept
     assert samples == _run(TIMES, PROBES, speed)
     # the fit on the raw samples takes the host's change for the model's shape; the steadied one does not
     steady_fit, raw_fit = fit_cost_model(steady), fit_cost_model(samples)
-    assert steady_fit.prefill_s(2048) == pytest.approx(TRUE.prefill_s(2048) * end, rel=0.01)
-    assert abs(raw_fit.prefill_s(2048) / (TRUE.prefill_s(2048) * end) - 1) > 0.05
+    assert steady_fit.prefill_s(2048) == pytest.approx(TRUE.prefill_s(2048) * middle, rel=0.01)
+    assert steady_fit.depth_s == pytest.approx(TRUE.depth_s * middle, rel=0.05)
+    assert raw_fit.depth_s > 1.3 * TRUE.depth_s * middle  # the slowing read as a steeper attention term
 
 
 def test_noise_without_a_trend_is_not_taken_for_one():
@@ -108,9 +111,10 @@ def test_calibration_steadies_a_host_that_slows_while_it_runs(isolated_cache):
     profile = trimkit.calibrate(host, mode="full", store=False)
     trend = profile.alternatives["host_trend"]
     assert trend["log_per_s"] == pytest.approx(0.01, rel=0.02) and trend["pairs"] >= 3
-    end = host.factor()  # the host now, as the next request meets it
-    for n, k in ((64, 0), (1024, 0), (256, 512)):
-        assert profile.predict_prefill_s(n, k) == pytest.approx(host.cost_model.prefill_s(n, k) * end, rel=0.03)
+    ratios = [profile.predict_prefill_s(n, k) / host.cost_model.prefill_s(n, k) for n, k in ((64, 0), (1024, 0), (256, 512))]
+    middle = math.exp(host.rate * (trend["first_s"] + trend["last_s"]) / 2)  # the host midway through its pairs
+    assert ratios == pytest.approx([middle] * 3, rel=0.03)
+    assert max(ratios) < host.factor() / 1.05  # not the speed at the end: a spell may not last
     assert profile.error.median_pct < 1.0  # the steadied samples fit the model's shape
 
 

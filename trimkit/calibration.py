@@ -168,13 +168,13 @@ def calibrate(
 
 
 def _steadied(run: CalibrationRun) -> tuple[list[PrefillSample], HostTrend | None]:
-    """The run's samples, rescaled to the host's speed at its end when its repeated probes show
-    that the host sped up or slowed down while it ran (:mod:`trimkit.host_trend`), and the trend."""
+    """The run's samples, rescaled to the host's speed midway through its repeated probes when they
+    show that the host sped up or slowed down while it ran (:mod:`trimkit.host_trend`), and the trend."""
     trend = host_trend(run.samples, run.sample_times)
     if trend is None:
         return list(run.samples), None
     log.info("trimkit: the host's speed changed during calibration (%+.1f %% per 10 s over %d repeated probes); "
-             "samples rescaled to its speed at the end", trend.to_dict()["pct_per_10_s"], trend.pairs)
+             "samples rescaled to its speed midway through the repeated probes", trend.to_dict()["pct_per_10_s"], trend.pairs)
     return normalized(run.samples, run.sample_times, trend), trend
 
 

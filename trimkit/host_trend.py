@@ -12,8 +12,12 @@ origin: the pair's log ratio against the time between its two measurements) and 
 when the pairs agree on it: from at least :data:`MIN_PAIRS` pairs, a slope two-sided significant
 at 5 % by Student's t (:func:`t_critical`). The scatter of the pairs themselves says whether
 there is a trend or only noise, so nothing here depends on the host's speed or its noise level. :func:`normalized`
-then rescales every sample to the host's speed at the end of the calibration — the speed the
-next requests meet; the live drift (:mod:`trimkit.planning.drift`) follows it from there. A sample
+then rescales every sample to the host's speed at the **middle** of the span the pairs cover (its
+mean speed over the calibration), not at its end: a calibration of seconds cannot tell a lasting
+throttle from a passing slow or fast spell, and the middle is off by at most half the span's
+change either way, where the end is off by all of it when the spell passes (docs/design.md §2;
+docs/benchmarks.md, runs 11–33: the end's speed did not last in 12 of 14 steadied calibrations).
+The live drift (:mod:`trimkit.planning.drift`) follows the host from the first request. A sample
 measured before the first repeated probe or after the last is corrected as if measured at that
 probe's time: the trend is not extrapolated beyond the span the pairs cover.
 """
@@ -55,6 +59,11 @@ class HostTrend:
     t_stat: float
     first_s: float
     last_s: float
+
+    @property
+    def middle_s(self) -> float:
+        """The middle of the span the pairs cover: the time whose speed :func:`normalized` steadies to."""
+        return (self.first_s + self.last_s) / 2.0
 
     def factor(self, at_s: float, end_s: float) -> float:
         """What a sample measured ``at_s`` is multiplied by to stand at the speed of ``end_s``
@@ -110,7 +119,7 @@ def host_trend(samples: Sequence[PrefillSample], times: Sequence[float]) -> Host
 
 
 def normalized(samples: Sequence[PrefillSample], times: Sequence[float], trend: HostTrend) -> list[PrefillSample]:
-    """``samples`` rescaled to the host's speed at the last of ``times`` (new objects)."""
+    """``samples``, measured at ``times``, rescaled to the host's speed at the middle of ``trend``'s
+    span (:attr:`HostTrend.middle_s`; module docstring). New objects."""
     _check_lengths(samples, times)
-    end = max(times)
-    return [attrs.evolve(s, seconds=s.seconds * trend.factor(t, end)) for s, t in zip(samples, times, strict=True)]
+    return [attrs.evolve(s, seconds=s.seconds * trend.factor(t, trend.middle_s)) for s, t in zip(samples, times, strict=True)]
