@@ -16,7 +16,7 @@ then rescales every sample to the host's speed at the **middle** of the span the
 mean speed over the calibration), not at its end: a calibration of seconds cannot tell a lasting
 throttle from a passing slow or fast spell, and the middle is off by at most half the span's
 change either way, where the end is off by all of it when the spell passes (docs/design.md §2;
-docs/benchmarks.md, runs 11–33: the end's speed did not last in 12 of 14 steadied calibrations).
+docs/benchmarks.md, runs 11–35: the end's speed did not last in 13 of 15 steadied calibrations).
 The live drift (:mod:`trimkit.planning.drift`) follows the host from the first request. A sample
 measured before the first repeated probe or after the last is corrected as if measured at that
 probe's time: the trend is not extrapolated beyond the span the pairs cover.
