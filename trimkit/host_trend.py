@@ -65,14 +65,14 @@ class HostTrend:
         """The middle of the span the pairs cover: the time whose speed :func:`normalized` steadies to."""
         return (self.first_s + self.last_s) / 2.0
 
-    def factor(self, at_s: float, end_s: float) -> float:
-        """What a sample measured ``at_s`` is multiplied by to stand at the speed of ``end_s``
+    def factor(self, at_s: float, to_s: float) -> float:
+        """What a sample measured ``at_s`` is multiplied by to stand at the speed of ``to_s``
         (both taken within the pairs' span)."""
 
         def within(t: float) -> float:
             return max(self.first_s, min(self.last_s, t))
 
-        return math.exp(self.log_per_s * (within(end_s) - within(at_s)))
+        return math.exp(self.log_per_s * (within(to_s) - within(at_s)))
 
     def to_dict(self) -> dict[str, object]:
         return {**attrs.asdict(self), "pct_per_10_s": 100.0 * math.expm1(10.0 * self.log_per_s)}
