@@ -38,7 +38,8 @@ from trimkit.calibration_run import CalibrationRun, Progress
 from trimkit.calibration_schedule import (ATTENTION_PRIOR_TOKENS, FULL_BUDGET_S, MICRO_BUDGET_S, MIN_N_CTX, MIN_SAMPLES, QUICK_BUDGET_S, Probe,
                                           calibration_probes, context_cap, get_mode, missing, mode_for_budget)
 from trimkit.errors import CalibrationError, InvalidInputError
-from trimkit.host_trend import HostTrend, host_trend, normalized
+from trimkit.host_trend import HostTrend, host_trend, largest_change, normalized
+from trimkit.planning.slowdown import SLOWDOWN_FACTOR
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, error_stats, fit_cost_model, heldout_predictions, per_token_rate
 from trimkit.profile import CALIBRATION_MODES, Profile
 from trimkit.profile_store import load_profile, save_profile
@@ -175,6 +176,14 @@ def _steadied(run: CalibrationRun) -> tuple[list[PrefillSample], HostTrend | Non
         return list(run.samples), None
     log.info("trimkit: the host's speed changed during calibration (%+.1f %% per 10 s over %d repeated probes); "
              "samples rescaled to its speed midway through the repeated probes", trend.to_dict()["pct_per_10_s"], trend.pairs)
+    change = largest_change(run.samples, run.sample_times, trend)
+    if max(change, 1.0 / change) >= SLOWDOWN_FACTOR:
+        # no passing spell: something started or stopped (another busy process, throttling); the
+        # middle is wrong either way, and the live drift can only follow it request by request
+        log.warning("trimkit: the host's speed changed %.1f× during calibration (a probe repeated later took %.1f× its first "
+                    "time): another busy process %s, or the CPU was throttled. The profile is priced at its speed midway and "
+                    "served requests follow the host, but it is best measured again on a steady host (trimkit calibrate --recalibrate)",
+                    max(change, 1.0 / change), change, "started" if change > 1 else "stopped")
     return normalized(run.samples, run.sample_times, trend), trend
 
 

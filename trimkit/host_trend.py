@@ -31,7 +31,7 @@ import attrs
 
 from trimkit.planning.costs import PrefillSample
 
-__all__ = ["MIN_PAIRS", "HostTrend", "host_trend", "normalized", "t_critical"]
+__all__ = ["MIN_PAIRS", "HostTrend", "host_trend", "largest_change", "normalized", "t_critical"]
 
 #: fewer repeated pairs than this say nothing about a trend
 MIN_PAIRS = 3
@@ -116,6 +116,14 @@ def host_trend(samples: Sequence[PrefillSample], times: Sequence[float]) -> Host
         return None
     return HostTrend(log_per_s=slope, pairs=len(pairs), t_stat=t_stat, first_s=min(t0 for t0, _, _ in pairs),
                      last_s=max(t0 + dt for t0, dt, _ in pairs))
+
+
+def largest_change(samples: Sequence[PrefillSample], times: Sequence[float], trend: HostTrend) -> float:
+    """The largest change of speed a repeated probe measured in ``trend``'s direction: its later
+    time over its earlier one (above 1 for a slowdown, below 1 for a speed-up; 1 when none)."""
+    _check_lengths(samples, times)
+    logs = [d for _, _, d in _pairs(samples, times) if d * trend.log_per_s > 0]
+    return math.exp(max(logs, key=abs)) if logs else 1.0
 
 
 def normalized(samples: Sequence[PrefillSample], times: Sequence[float], trend: HostTrend) -> list[PrefillSample]:

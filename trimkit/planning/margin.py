@@ -56,6 +56,7 @@ from typing import Any
 from trimkit.planning.costs import evaluated_tokens
 from trimkit.planning.drift import LiveProfile
 from trimkit.planning.queue import EngineQueue
+from trimkit.planning.slowdown import SlowdownWatch
 from trimkit.profile import Profile
 from trimkit.profile_store import save_profile
 
@@ -246,6 +247,8 @@ class EngineState:
         self.calibration = _calibration_tag(profile)
         #: the engine's idle prober (:mod:`trimkit.idle_probes`), once a wrapper asked for one
         self.prober: Any = None
+        #: the notice when the engine runs far slower than calibrated (:mod:`trimkit.planning.slowdown`)
+        self.slowdown = SlowdownWatch()
 
     def safety_margin(self, target: float | None = None, *, extrapolation: float = 1.0) -> float:
         """The margin for ``target`` (default 0.97): learned from measured requests, the current
