@@ -269,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         end = ", ".join(f"{r['ape_end_pct']:.0f}" for r in first)
         print(f"calibration steadied to the middle of its trend; to its end the static profile would have priced "
               f"×{end_factor:.2f}: first 3 requests' error {middle} % (middle) vs {end} % (end)")
+    from prediction_accuracy import host_facts  # the sibling script of benchmarks/
+
     write_results(out, {
-        "benchmark": "host_change", "args": vars(args), "model": args.model or "embedded",
+        "benchmark": "host_change", "args": vars(args), "model": args.model or "embedded", "host": host_facts(),
         "calibration": {"mode": args.mode, "wall_s": cal_s, "load_started_s": started_at[0] - t0 if started_at else None,
                         "model": profile.model.to_dict(), "host_trend": trend, "end_factor": end_factor, "warnings": cal_warnings},
         "following_pct": FOLLOWING_PCT, "phases": summaries, "rows": rows,
