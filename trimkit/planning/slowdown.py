@@ -9,11 +9,12 @@ first such report logs it once (again after the speed came back).
 
 The commonest cause on a CPU is another busy process: llama.cpp computes prefill on
 ``n_threads_batch`` threads that wait for each other at every step, so when they are as many as
-the cores, one competing process stalls all of them. Measured on a 2-core host with the embedded
-model (docs/benchmarks.md, "When the host changes speed while trimkit serves"): one busy process
-made prefill 3× slower and erratic (single requests 3–20× their calibrated time) with llama-cpp-python's
-default ``n_threads_batch`` (all cores), and left it unchanged with ``n_threads_batch=1``. So an
-in-process engine whose profile says it uses every core the process may run on gets that hint.
+the cores, one competing process stalls all of them. Measured on a 2-core host with both models
+(docs/benchmarks.md, "When the host changes speed while trimkit serves"): one busy process made
+prefill 2.4–3.2× slower and erratic (single requests 2.4–21× their calibrated time) with
+llama-cpp-python's default ``n_threads_batch`` (all cores), and left it unchanged with
+``n_threads_batch=1``. So an in-process engine whose profile says it uses every core the process
+may run on gets that hint.
 """
 
 from __future__ import annotations
