@@ -48,8 +48,6 @@ sys.path.insert(0, str(HERE))
 from _results import write_results  # noqa: E402 - the sibling module of benchmarks/
 
 SPIN = "while True:\n    pass\n"
-#: each calibration mode's default time budget (trimkit.calibrate)
-MODE_BUDGET_S = {"micro": 3.0, "quick": 10.0, "full": 30.0}
 #: the reference prompt whose prefill ms/token each phase reports
 REFERENCE_TOKENS = 1024
 #: a served prediction within this of the measured TTFT counts as "following" the host
@@ -140,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import trimkit
     from trimkit.backends.llama import LlamaBackend
+    from trimkit.calibration_schedule import get_mode
     from trimkit.console import open_llama
     from trimkit.demo import SYSTEM, load_corpus, load_history, load_questions
     from trimkit.planning.costs import evaluated_tokens
@@ -156,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # calibration sizes its schedule as it goes (its progress total changes): the load starts at
     # a share of the mode's time budget instead
-    timer = threading.Timer(args.load_at * MODE_BUDGET_S[args.mode], start_load) if args.load_during_calibration else None
+    timer = threading.Timer(args.load_at * get_mode(args.mode).budget_s, start_load) if args.load_during_calibration else None
     class Kept(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             cal_warnings.append(record.getMessage())

@@ -67,7 +67,7 @@ def test_a_host_half_again_as_slow_is_left_to_drift(isolated_cache):
     chat = trimkit.wrap(fake, ttft_budget_s=5.0, profile=profile)
     fake.cost_model = _scaled(BASE, 1.5)
     reports = _serve(chat, fake, 10)
-    assert chat.pipeline.engine.slowdown.factor(chat.pipeline.live) == pytest.approx(1.5, rel=0.05)  # followed
+    assert chat.pipeline.engine.slowdown.factor() == pytest.approx(1.5, rel=0.05)  # followed
     assert not any(_noted(w) for w in reports)
 
 
@@ -86,7 +86,7 @@ def test_the_threads_hint_goes_to_an_in_process_engine_using_every_core(isolated
     assert cores is not None and cores >= 1
     key = ProfileKey(backend="llama_cpp", model="m", n_ctx=8192, n_batch=512, n_threads_batch=threads)
     live = _slowed_live(key, 4.0)
-    [text] = SlowdownWatch().warnings(live)
+    [text] = SlowdownWatch(live).warnings()
     assert "4.0× slower" in text
     expected = (threads >= cores) if hinted is None else hinted
     assert ("n_threads_batch" in text) is expected
@@ -94,14 +94,14 @@ def test_the_threads_hint_goes_to_an_in_process_engine_using_every_core(isolated
 
 def test_a_server_gets_no_threads_hint(isolated_cache):
     key = ProfileKey(backend="openai_http", model="m", n_ctx=8192, n_batch=512, n_threads_batch=64, cpu="remote")
-    [text] = SlowdownWatch().warnings(_slowed_live(key, 4.0))
+    [text] = SlowdownWatch(_slowed_live(key, 4.0)).warnings()
     assert "n_threads_batch" not in text and "another busy process" in text
 
 
 def test_a_faster_host_is_no_slowdown(isolated_cache):
     key = ProfileKey(backend="llama_cpp", model="m", n_ctx=8192, n_batch=512, n_threads_batch=64)
-    assert SlowdownWatch().warnings(_slowed_live(key, 1.0 / 4.0)) == []
-    assert SlowdownWatch().warnings(_slowed_live(key, SLOWDOWN_FACTOR * 0.9)) == []
+    assert SlowdownWatch(_slowed_live(key, 1.0 / 4.0)).warnings() == []
+    assert SlowdownWatch(_slowed_live(key, SLOWDOWN_FACTOR * 0.9)).warnings() == []
 
 
 class _SteppingHost(FakeBackend):

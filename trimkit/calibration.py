@@ -177,13 +177,14 @@ def _steadied(run: CalibrationRun) -> tuple[list[PrefillSample], HostTrend | Non
     log.info("trimkit: the host's speed changed during calibration (%+.1f %% per 10 s over %d repeated probes); "
              "samples rescaled to its speed midway through the repeated probes", trend.to_dict()["pct_per_10_s"], trend.pairs)
     change = largest_change(run.samples, run.sample_times, trend)
-    if max(change, 1.0 / change) >= SLOWDOWN_FACTOR:
+    times = max(change, 1.0 / change)
+    if times >= SLOWDOWN_FACTOR:
         # no passing spell: something started or stopped (another busy process, throttling); the
         # middle is wrong either way, and the live drift can only follow it request by request
         log.warning("trimkit: the host's speed changed %.1f× during calibration (a probe repeated later took %.1f× its first "
                     "time): another busy process %s, or the CPU was throttled. The profile is priced at its speed midway and "
                     "served requests follow the host, but it is best measured again on a steady host (trimkit calibrate --recalibrate)",
-                    max(change, 1.0 / change), change, "started" if change > 1 else "stopped")
+                    times, change, "started" if change > 1 else "stopped")
     return normalized(run.samples, run.sample_times, trend), trend
 
 

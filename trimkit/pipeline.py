@@ -248,7 +248,7 @@ class Pipeline:
             self._estimate(ticket, sent, params)
         to_send = plan.messages if plan is not None else as_is
         warnings.extend(busy.warnings(budget, sent.predicted_s))
-        warnings.extend(self.engine.slowdown.warnings(self.engine.live))
+        warnings.extend(self.engine.slowdown.warnings())
         warnings.extend(template_warnings(self.backend.tokenizer, to_send, tools))
         prepared = Prepared(
             messages=to_send, prompt_tokens=tuple(sent.tokens), cached_tokens=sent.cached, snapshot=sent.snapshot,

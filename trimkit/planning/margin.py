@@ -248,7 +248,7 @@ class EngineState:
         #: the engine's idle prober (:mod:`trimkit.idle_probes`), once a wrapper asked for one
         self.prober: Any = None
         #: the notice when the engine runs far slower than calibrated (:mod:`trimkit.planning.slowdown`)
-        self.slowdown = SlowdownWatch()
+        self.slowdown = SlowdownWatch(self.live)
 
     def safety_margin(self, target: float | None = None, *, extrapolation: float = 1.0) -> float:
         """The margin for ``target`` (default 0.97): learned from measured requests, the current

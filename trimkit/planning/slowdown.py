@@ -44,29 +44,30 @@ def usable_cores() -> int | None:
 
 
 class SlowdownWatch:
-    """One engine's slowdown notice: :meth:`warnings` for each request's report, logged once
-    per slow spell. Thread-safe."""
+    """The slowdown notice of the engine whose live profile is ``live``: :meth:`warnings` for
+    each request's report, logged once per slow spell. Thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, live: LiveProfile) -> None:
+        self.live = live
         self._lock = threading.Lock()
         self._logged = False
 
-    def factor(self, live: LiveProfile) -> float:
+    def factor(self) -> float:
         """How many times slower than calibrated the engine runs now, for one batch of new
         tokens (:meth:`LiveProfile.speed_factor`: the model after live refits, times drift)."""
-        model = live.current.model
-        return live.speed_factor(max(int(model.n_batch), 1), 0)
+        model = self.live.current.model
+        return self.live.speed_factor(max(int(model.n_batch), 1), 0)
 
-    def warnings(self, live: LiveProfile) -> list[str]:
+    def warnings(self) -> list[str]:
         """The notice (a one-item list) while the engine runs :data:`SLOWDOWN_FACTOR` times slower
         than calibrated, else none."""
-        slower = self.factor(live)
+        slower = self.factor()
         with self._lock:
             if slower < SLOWDOWN_FACTOR:
                 self._logged = False
                 return []
             first, self._logged = not self._logged, True
-        text = _notice(slower, live)
+        text = _notice(slower, self.live)
         if first:
             log.warning("trimkit: %s", text)
         return [text]
