@@ -56,7 +56,7 @@ from _results import write_results  # noqa: E402 - the sibling module of benchma
 LAYER_TARGET_MS = 5.0
 #: what every path's trimkit wrapper is given besides the profile: nothing runs in the
 #: background between or during the measured requests (a one-shot cold request never uses a summary)
-OPTIONS = {"summarizer": None, "idle_probes": False}
+OPTIONS = {"summarizer": None}
 FRAMEWORKS = ("langchain-core", "langchain-community", "llama-index-core", "llama-index-llms-llama-cpp")
 
 

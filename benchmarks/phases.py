@@ -146,9 +146,9 @@ def _standards(plain: Any, llm: Any, req: dict[str, Any], rows: Sequence[dict[st
 
 
 def _run_request(llm: Any, profile: trimkit.Profile, req: dict[str, Any], rows: Sequence[dict[str, Any]], filler: Sequence[int]) -> dict[str, Any]:
-    plain = trimkit.wrap(llm, profile=profile, idle_probes=False)
+    plain = trimkit.wrap(llm, profile=profile)
     std = _standards(plain, llm, req, rows, filler)
-    chat = trimkit.wrap(llm, ttft_budget_s=std["ttft_budget_s"], profile=profile, idle_probes=False,
+    chat = trimkit.wrap(llm, ttft_budget_s=std["ttft_budget_s"], profile=profile,
                         tokens_per_s_target=std["tokens_per_s_target"])
     params: dict[str, Any] = {"max_tokens": req["max_tokens"], "temperature": 0.0}
     eos = llm.token_eos()

@@ -29,12 +29,8 @@ installed) — in this order:
    cached prefixes' turns and the noise repeats, in the order they ran — exactly as
    ``EngineState.learn`` feeds it; each prediction is made before its own request is sent).
    The static figures say what calibration alone knows; the served ones what a user of
-   ``trimkit.wrap(..., profile=...)`` or a stored profile gets. Next to them, the **hindsight
-   fit** (``replay_served.hindsight``): the cost model and first-token overhead fitted after the
-   stretch to every request of it (held-out prompts included), with one speed for the whole
-   stretch — not a prediction, a measure of how far the host's changes of speed leave any
-   profile that holds one speed; where it errs more than the targets, only following the host
-   can meet them.
+   ``trimkit.wrap(..., profile=...)`` or a stored profile gets. (These are open-loop predictions:
+   in process the watched prefill corrects them per request, benchmarks/closed_loop.py.)
 4. **Zero wait**: ``trimkit.wrap(llm, ttft_budget_s=...)`` on a freshly opened model with no
    profile passed, none stored and no engine state (the wrapper calibrates what it calibrates on
    a first run: a ~3 s micro probe), then ``--zero-wait-requests`` (40) requests of varied
@@ -96,7 +92,6 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from replay_served import hindsight  # noqa: E402 - the sibling script of benchmarks/
 
 from trimkit.planning.costs import quantile as percentile  # noqa: E402  (also used by http_server.py)
 
@@ -831,11 +826,6 @@ def run_model(name: str, path: str | None, args: argparse.Namespace, caches: Cac
                 g["result_back_to_back"] = g0["result"]
         res["heldout"] = {"groups": groups, "rows": rows}
         res["served_log"] = b.served_log
-        res["hindsight"] = hindsight(res)
-        if res["hindsight"] is not None:
-            h = res["hindsight"]
-            print(f"  hindsight fit (one speed for the run, fitted afterwards to all {h['requests_fitted']} requests of this stretch, "
-                  f"held-out ones included): median {h['median_pct']:.1f} %, p90 {h['p90_pct']:.1f} %")
         dec = [r["decode_tokens_per_s"] for r in rows if r["decode_tokens_per_s"]]
         cached_rows = [r for r in rows if r["kind"] == "cached"]
         res["cached_prediction_exact"] = f"{sum(r['cached_predicted'] == r['cached_measured'] for r in cached_rows)}/{len(cached_rows)}"
@@ -898,12 +888,6 @@ def print_summary(result: dict[str, Any]) -> None:
             nf = f["all"]
             print(f"{name:8} {'(noise)':10} {label:14} {nf['n']:3d} {fmt_pct(nf['median_pct'])} % {fmt_pct(nf['p90_pct'])} % {fmt_pct(nf['max_pct'])} %"
                   f"   → targets {t['median_pct']:.1f}/{t['p90_pct']:.1f} %{'  (noisy host: targets follow the noise)' if t['noisy'] else ''}")
-        hs, tg = r.get("hindsight"), r["accuracy_targets"]
-        if hs:
-            above = hs["median_pct"] > tg["median_pct"] or hs["p90_pct"] > tg["p90_pct"]
-            print(f"{name:8} {'(hindsight)':10} {'one speed':14} {hs['n']:3d} {fmt_pct(hs['median_pct'])} % {fmt_pct(hs['p90_pct'])} % "
-                  f"{fmt_pct(hs['max_pct'])} %   (fitted afterwards to all {hs['requests_fitted']} requests of the held-out stretch"
-                  + ("; above the targets: only following the host's speed can meet them)" if above else ")"))
         for g in r["heldout"]["groups"]:
             tag = f" (×{g['target_factor']:g})" if g["target_factor"] != 1 else ""
             ex = f"  {g['extrapolated']} extrapolated" if g.get("extrapolated") else ""

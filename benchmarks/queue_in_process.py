@@ -42,7 +42,7 @@ def queue_prediction_check(llm: Any, profile: Any, *, threads: int = 4, turns: i
                            seed: int = 0, think_s: float = 0.3, join_s: float = 900.0) -> dict[str, Any]:
     """Run ``threads`` conversations of ``turns`` turns at once on one wrapped ``llm``; the
     prediction error of the felt TTFT with and without the queue term (see the module docstring)."""
-    chat = trimkit.wrap(llm, profile=profile, summarizer=None, idle_probes=False)
+    chat = trimkit.wrap(llm, profile=profile, summarizer=None)
     corpus = load_corpus()
     questions = load_questions()
     start = threading.Barrier(threads, timeout=join_s)

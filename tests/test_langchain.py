@@ -106,7 +106,7 @@ def chat_llama(model_path):
 @pytest.fixture(scope="module")
 def model(chat_llama):
     """The one-line change: the stored profile of that Llama, else a micro-calibration through it."""
-    return TrimmedChatModel(chat_llama, ttft_budget_s=AMPLE_S, idle_probes=False)
+    return TrimmedChatModel(chat_llama, ttft_budget_s=AMPLE_S)
 
 
 @pytest.fixture

@@ -79,7 +79,7 @@ def profile(fake):
 
 @pytest.fixture
 def chat(fake, profile):
-    return Trimmer(fake, profile=profile, clock=fake.clock, summarizer=None, idle_probes=False)
+    return Trimmer(fake, profile=profile, clock=fake.clock, summarizer=None)
 
 
 def start(chat, messages, **kw):
@@ -267,7 +267,7 @@ def test_on_busy_wait_plans_the_whole_budget_and_says_the_wait_breaks_it(chat, f
 
 
 def test_on_busy_raise_refuses_before_anything_is_sent_with_the_report(fake, profile):
-    chat = Trimmer(fake, profile=profile, clock=fake.clock, summarizer=None, idle_probes=False, on_busy="raise")
+    chat = Trimmer(fake, profile=profile, clock=fake.clock, summarizer=None, on_busy="raise")
     _, rs = start(chat, conversation(8), params={"max_tokens": 100})
     sent_before = len(fake.calls)
     with pytest.raises(QueueBudgetError) as info:
@@ -312,7 +312,7 @@ def test_a_bad_queue_wait_is_refused(chat, bad):
 
 
 def test_a_callers_wait_is_planned_with_and_reported(fake, profile, caplog):
-    chat = Trimmer(fake, profile=profile, clock=fake.clock, summarizer=None, idle_probes=False, endpoint_label="replica-2")
+    chat = Trimmer(fake, profile=profile, clock=fake.clock, summarizer=None, endpoint_label="replica-2")
     msgs = conversation(10)
     alone = chat.prepare(msgs, None, {"max_tokens": 4}, ttft_budget_s=1.0)
     given = chat.prepare(msgs, None, {"max_tokens": 4}, ttft_budget_s=1.0, queue_wait_s=0.4)
@@ -419,7 +419,7 @@ class BreakingFake(FakeBackend):
 
 def test_the_queue_empties_when_a_stream_fails_or_a_send_fails(isolated_cache):
     fake = BreakingFake(clock=FakeClock())
-    chat = Trimmer(fake, profile=trimkit.calibrate(fake), clock=fake.clock, summarizer=None, idle_probes=False)
+    chat = Trimmer(fake, profile=trimkit.calibrate(fake), clock=fake.clock, summarizer=None)
     rs = chat.create_chat_completion(messages=ask(), stream=True, max_tokens=3)
     with pytest.raises(StreamInterruptedError) as info:
         list(rs)
@@ -438,7 +438,7 @@ def test_the_queue_empties_when_a_stream_fails_or_a_send_fails(isolated_cache):
 
 
 def test_wrappers_of_one_engine_share_its_queue(fake, profile, chat):
-    other = Trimmer(fake, profile=profile, clock=fake.clock, summarizer=None, idle_probes=False)
+    other = Trimmer(fake, profile=profile, clock=fake.clock, summarizer=None)
     assert other.queue is chat.queue and other.engine is chat.engine
     a, rs = start(chat, ask(1))
     seen = other.prepare(ask(2), None, {"max_tokens": MAX_TOKENS})

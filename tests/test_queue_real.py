@@ -27,7 +27,7 @@ def ask(i: int) -> list[dict[str, str]]:
 
 @pytest.fixture
 def chat(llm, quick_profile):
-    chat = trimkit.wrap(llm, profile=quick_profile, summarizer=None, idle_probes=False)
+    chat = trimkit.wrap(llm, profile=quick_profile, summarizer=None)
     yield chat
     assert not chat.backend.engine.busy, "a test left the engine held"
     assert len(chat.queue) == 0, "a test left a request in the engine's queue"
@@ -87,7 +87,7 @@ def test_queued_threads_predict_and_measure_their_wait(chat):
 
 
 def test_four_threads_at_once_with_a_budget_all_finish_consistently(llm, quick_profile):
-    chat = trimkit.wrap(llm, ttft_budget_s=5.0, profile=quick_profile, summarizer=None, idle_probes=False)
+    chat = trimkit.wrap(llm, ttft_budget_s=5.0, profile=quick_profile, summarizer=None)
     start = threading.Barrier(4, timeout=JOIN_S)
     reports: list[trimkit.Report] = []
     errors: list[BaseException] = []

@@ -156,7 +156,7 @@ def test_a_template_that_cannot_render_a_tool_call_turn_is_a_typed_error_before_
     typed error while it counts the prompt — before anything is sent — not with jinja's TypeError."""
     from trimkit.errors import InvalidMessageError
 
-    chat = trimkit.wrap(smollm2_llm, ttft_budget_s=30.0, calibration="micro", idle_probes=False)
+    chat = trimkit.wrap(smollm2_llm, ttft_budget_s=30.0, calibration="micro")
     messages = [{"role": "user", "content": "Look up the mill."},
                 {"role": "assistant", "content": None,
                  "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},

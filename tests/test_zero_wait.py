@@ -247,7 +247,7 @@ def test_decode_speed_is_learned_from_measured_requests():
 
 
 def test_a_wrapped_request_teaches_the_decode_speed(isolated_cache):
-    t = trimkit.wrap(fake(), profile=attrs.evolve(make_profile(), decode_tokens_per_s=0.5), idle_probes=False)
+    t = trimkit.wrap(fake(), profile=attrs.evolve(make_profile(), decode_tokens_per_s=0.5))
     t.create_chat_completion(messages=[{"role": "user", "content": text(20)}], max_tokens=12)
     measured = t.last_report.measurement.decode_tokens_per_s
     assert measured is not None and measured > 0
@@ -256,7 +256,7 @@ def test_a_wrapped_request_teaches_the_decode_speed(isolated_cache):
 
 def test_a_wrapped_request_is_a_point_of_the_decode_line_at_its_context(isolated_cache):
     """Each served request's stream is a decode point at its mean context (prompt + (output − 2) / 2)."""
-    t = trimkit.wrap(fake(), profile=make_profile(), idle_probes=False)
+    t = trimkit.wrap(fake(), profile=make_profile())
     t.create_chat_completion(messages=[{"role": "user", "content": text(60)}], max_tokens=12)
     m = t.last_report.measurement
     live = [p for p in t.profile.decode_points if p.source == "live"]

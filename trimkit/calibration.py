@@ -15,8 +15,9 @@ sized to the time left and every step is checked against it before it runs
 profile records the budget, the mode and the range it probed. Calibration also measures decode
 speed, and in process decode steps at the deepest context its probes leave cached and at an
 empty one: the profile predicts decode speed at any context (:mod:`trimkit.decode_model`,
-:meth:`~trimkit.profile.Profile.decode_tokens_per_s_at`). Idle probing (:mod:`trimkit.idle_probes`) later adds what a full calibration would have
-measured (:func:`remaining_probes`, :func:`refit_profile`).
+:meth:`~trimkit.profile.Profile.decode_tokens_per_s_at`). Served requests refine the profile from then on
+(:mod:`trimkit.planning.drift`), and in process every budgeted request is watched while it
+prefills (:mod:`trimkit.planning.watch`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,16 +36,14 @@ from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.llama import LlamaBackend
 from trimkit.calibration_run import CalibrationRun, Progress
 from trimkit.calibration_schedule import (ATTENTION_PRIOR_TOKENS, FULL_BUDGET_S, MICRO_BUDGET_S, MIN_N_CTX, MIN_SAMPLES, QUICK_BUDGET_S, Probe,
-                                          calibration_probes, context_cap, get_mode, missing, mode_for_budget)
+                                          calibration_probes, context_cap, get_mode, mode_for_budget)
 from trimkit.errors import CalibrationError, InvalidInputError
-from trimkit.host_trend import HostTrend, host_trend, largest_change, normalized
-from trimkit.planning.slowdown import SLOWDOWN_FACTOR
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, error_stats, fit_cost_model, heldout_predictions, per_token_rate
 from trimkit.profile import CALIBRATION_MODES, Profile
 from trimkit.profile_store import load_profile, save_profile
 from trimkit.validation import budget
 
-__all__ = ["calibrate", "calibration_probes", "remaining_probes", "refit_profile", "as_backend", "Probe", "MIN_N_CTX",
+__all__ = ["calibrate", "calibration_probes", "as_backend", "Probe", "MIN_N_CTX",
            "MICRO_BUDGET_S", "QUICK_BUDGET_S", "FULL_BUDGET_S"]
 
 log = logging.getLogger("trimkit")
@@ -136,11 +134,9 @@ def calibrate(
     run.execute()
     if len(run.samples) < MIN_SAMPLES:  # pragma: no cover - the minimum is enforced by _Run
         raise CalibrationError("calibration produced fewer than 3 samples")
-    samples, trend = _steadied(run)
+    samples = list(run.samples)
     prior = backend.attention_prior_tokens
     model, err, heldout, alternatives = _fit(samples, key.n_batch or 512, prior)
-    if trend is not None:
-        alternatives["host_trend"] = trend.to_dict()
     profile = Profile(
         key=key,
         model=model,
@@ -166,26 +162,6 @@ def calibrate(
         if path is not None:  # None: the cache folder is unwritable (save_profile warned once)
             log.info("trimkit: stored profile %s", path)
     return profile
-
-
-def _steadied(run: CalibrationRun) -> tuple[list[PrefillSample], HostTrend | None]:
-    """The run's samples, rescaled to the host's speed midway through its repeated probes when they
-    show that the host sped up or slowed down while it ran (:mod:`trimkit.host_trend`), and the trend."""
-    trend = host_trend(run.samples, run.sample_times)
-    if trend is None:
-        return list(run.samples), None
-    log.info("trimkit: the host's speed changed during calibration (%+.1f %% per 10 s over %d repeated probes); "
-             "samples rescaled to its speed midway through the repeated probes", trend.to_dict()["pct_per_10_s"], trend.pairs)
-    change = largest_change(run.samples, run.sample_times, trend)
-    times = max(change, 1.0 / change)
-    if times >= SLOWDOWN_FACTOR:
-        # no passing spell: something started or stopped (another busy process, throttling); the
-        # middle is wrong either way, and the live drift can only follow it request by request
-        log.warning("trimkit: the host's speed changed %.1f× during calibration (a probe repeated later took %.1f× its first "
-                    "time): another busy process %s, or the CPU was throttled. The profile is priced at its speed midway and "
-                    "served requests follow the host, but it is best measured again on a steady host (trimkit calibrate --recalibrate)",
-                    times, change, "started" if change > 1 else "stopped")
-    return normalized(run.samples, run.sample_times, trend), trend
 
 
 def _fit(samples: Sequence[PrefillSample], n_batch: int,
@@ -233,48 +209,3 @@ def _fit(samples: Sequence[PrefillSample], n_batch: int,
     return model, err, heldout, alternatives
 
 
-def remaining_probes(profile: Profile, n_ctx: int) -> list[Probe]:
-    """The probes a full calibration of a ``n_ctx``-token context takes (with unlimited time,
-    :func:`calibration_probes`) that ``profile`` does not hold yet, cheapest first by the
-    profile's own prediction (a depth probe's cost includes prefilling its prefix). Empty when
-    the profile has them all, or when ``n_ctx`` is too small to calibrate."""
-    if n_ctx < MIN_N_CTX:
-        return []
-    counts = Counter((s.new_tokens, s.cached_tokens) for s in profile.samples)
-
-    def cost(p: Probe) -> float:
-        prefix = profile.predict_prefill_s(p.cached_tokens, 0) if p.cached_tokens else 0.0
-        return profile.predict_prefill_s(p.new_tokens, p.cached_tokens) + prefix
-
-    return sorted(missing(calibration_probes(n_ctx, mode="full"), counts), key=lambda p: (cost(p), p.cached_tokens, p.new_tokens))
-
-
-def refit_profile(profile: Profile, samples: Sequence[PrefillSample], *, mode: str | None = None) -> Profile:
-    """A new profile fitted on ``profile``'s samples plus ``samples``: the model chosen as
-    calibration chooses it, its held-out error and residuals recomputed, the probed range
-    widened. Everything else (key, first-token overhead, decode speed, drift, mode unless
-    ``mode`` is given) is kept."""
-    new = tuple(samples)
-    for i, s in enumerate(new):
-        if not isinstance(s, PrefillSample):
-            raise InvalidInputError(f"samples[{i}] must be a PrefillSample, got {type(s).__name__}")
-    if not new and mode is None:
-        return profile
-    every = profile.samples + new
-    model, err, heldout, alternatives = _fit(every, profile.key.n_batch or 512, profile.depth_prior_tokens)
-    if "host_trend" in profile.alternatives:  # how the calibration samples were steadied stays on record
-        alternatives["host_trend"] = profile.alternatives["host_trend"]
-    probed_new, probed_ctx = profile.probed_range()
-    name = profile.mode if mode is None else get_mode(mode).name
-    return attrs.evolve(
-        profile,
-        model=model,
-        samples=every,
-        error=err,
-        alternatives=alternatives,
-        residuals=tuple(heldout),
-        probed_new_tokens=max([probed_new] + [s.new_tokens for s in new]),
-        probed_context_tokens=max([probed_ctx] + [s.new_tokens + s.cached_tokens for s in new]),
-        mode=name,
-        quick=name != "full",
-    )

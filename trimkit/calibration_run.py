@@ -78,9 +78,6 @@ class CalibrationRun:
         self.resend = not getattr(backend, "depth_probe_keeps_prefix", True)
         self.predictor = CostPredictor(n_batch=n_batch)
         self.samples: list[PrefillSample] = []
-        #: when each sample was measured: seconds from the start to the middle of its probe
-        #: (the host's speed trend over the run is read from repeated probes, trimkit.host_trend)
-        self.sample_times: list[float] = []
         self.counts: Counter[tuple[int, int]] = Counter()
         self.top = 0  # the longest cold probe measured
         self.holds = 0  # how many leading tokens of the probe text the engine's context holds (in process)
@@ -153,7 +150,6 @@ class CalibrationRun:
         p.observe(n, k, seconds, wall, predicted, call_overhead=not (k and (self.resend or self.holds < k)))
         self.holds = n + k
         self.samples.append(PrefillSample(n, k, seconds))
-        self.sample_times.append(t0 + wall / 2 - self.start)
         self.counts[(n, k)] += 1
         if k == 0:
             self.top = max(self.top, n)

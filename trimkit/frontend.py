@@ -104,10 +104,13 @@ class FrontEnd:
 class StreamReporter:
     """Shared by the sync and async streams: builds the report when the timed stream ends."""
 
-    def __init__(self, ts: TimedStream, pipeline: Pipeline, prepared: Prepared, params: Mapping[str, Any]) -> None:
+    def __init__(self, ts: TimedStream, pipeline: Pipeline, prepared: Prepared, params: Mapping[str, Any], *, watch: Any = None) -> None:
         self.timed = ts
         self.pipeline = pipeline
-        self.prepared = prepared
+        self._prepared = prepared
+        #: the driver of the request's watched prefill (None: not watched); a re-plan changes
+        #: what was sent, which the report states
+        self.watch = watch
         self.params = params
         #: the report, once the stream is exhausted
         self.report: Report | None = None
@@ -125,6 +128,11 @@ class StreamReporter:
                 rs.report = rs.pipeline.finish(rs.prepared, m, rs.params)
 
         ts.on_done.append(done)
+
+    @property
+    def prepared(self) -> Prepared:
+        """The request as sent: the plan's, or the re-plan its watched prefill made."""
+        return self.watch.prepared if self.watch is not None else self._prepared
 
     @property
     def ticket(self) -> Ticket | None:

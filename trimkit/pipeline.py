@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,25 +37,27 @@ from trimkit.backends.base import Backend, Measurement, TimedStream
 from trimkit.backends.lease import EngineLease
 from trimkit.calibration import calibrate
 from trimkit.errors import ContextTooSmallError, InfeasibleBudgetError, InvalidInputError, QueueBudgetError
-from trimkit.idle_probes import IdleProber, calibration_mode, idle_prober
 from trimkit.messages import (
     DEFAULT_RAG_CHUNK_TEMPLATE,
     DEFAULT_RAG_TEMPLATE,
     Chunk,
     check_rag_templates,
     coerce_chunks,
+    last_user_index,
     validate_messages,
 )
 from trimkit.planning.costs import evaluated_tokens
 from trimkit.planning.drift import LiveProfile
 from trimkit.planning.margin import DEFAULT_TARGET, EngineState, engine_state
+from trimkit.planning.state import Action
+from trimkit.planning.watch import PrefillWatch, Replan, cut_chunks
 from trimkit.planning.planner import Plan
 from trimkit.planning.planner import plan as make_plan
 from trimkit.planning.queue import EngineQueue, Ticket, answer_cap, busy_decision, check_on_busy, queue_wait
 from trimkit.planning.summaries import SummaryCache
 from trimkit.planning.values import ValueModel
 from trimkit.prepared import Prepared, PreviousCut, place_chunks
-from trimkit.profile import Profile
+from trimkit.profile import CALIBRATION_MODES, Profile
 from trimkit.report import Report, template_warnings
 from trimkit.summary_worker import SummaryWorker
 from trimkit.tokens import reusable_prefix_len
@@ -88,6 +91,19 @@ def _label(value: Any) -> str | None:
     return value
 
 
+def calibration_mode(calibration: str | None, quick_calibration: bool | None) -> str:
+    """The calibration mode ``wrap()`` asks for when it has no profile (:data:`CALIBRATION_MODES`):
+    ``calibration``, else the older ``quick_calibration`` (True: "quick", False: "full"), else
+    "micro" (about 3 s, provisional)."""
+    if calibration is None:
+        return "micro" if quick_calibration is None else ("quick" if quick_calibration else "full")
+    if quick_calibration is not None:
+        raise InvalidInputError("pass calibration= or quick_calibration=, not both")
+    if calibration not in CALIBRATION_MODES:
+        raise InvalidInputError(f"calibration must be one of {', '.join(map(repr, CALIBRATION_MODES))}, got {calibration!r}")
+    return calibration
+
+
 #: ``model_label(params)``: the model as the report names it
 ModelLabel = Callable[[Mapping[str, Any]], str]
 #: ``report_notes(measurement, params)``: warnings a front-end adds to every report
@@ -105,7 +121,7 @@ class Pipeline:
         self, backend: Backend, *, ttft_budget_s: float | None = None, profile: Profile | None = None, strategies: Any = None,
         on_infeasible: str = "best_effort", on_busy: str = "trim", summarizer: Any = "extractive", background_summaries: bool = True,
         rag_template: str = DEFAULT_RAG_TEMPLATE, rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE, calibration: str | None = None,
-        quick_calibration: bool | None = None, idle_probes: bool | None = None, clock: Callable[[], float] = time.perf_counter,
+        quick_calibration: bool | None = None, watch_prefill: bool = True, clock: Callable[[], float] = time.perf_counter,
         attainment_target: float = DEFAULT_TARGET, values: Any = None, model_label: ModelLabel | None = None,
         report_notes: ReportNotes | None = None, endpoint_label: str | None = None, tokens_per_s_target: float | None = None,
     ) -> None:
@@ -131,7 +147,6 @@ class Pipeline:
         #: planner may put a ready one in their place. Default: the model-free extractive one.
         self.summary_worker = SummaryWorker(summarizer, background=background_summaries, tokenizer=lambda: self.backend.background_tokenizer)
         mode = calibration_mode(calibration, quick_calibration)
-        chosen = profile is None
         if profile is None:  # the stored one (any mode satisfies "micro"), else measured now
             profile = calibrate(backend, mode=mode)
         self.attainment_target = attainment_target
@@ -140,8 +155,9 @@ class Pipeline:
         self.live: LiveProfile = self.engine.live
         #: the engine's in-flight queue, shared with every wrapper of it (None: not a one-at-a-time engine)
         self.queue: EngineQueue | None = self.engine.queue if isinstance(getattr(backend, "engine", None), EngineLease) else None
-        #: measures the probes the profile lacks while the engine is idle (None: off, or a server)
-        self.prober: IdleProber | None = idle_prober(self.engine, backend) if (chosen if idle_probes is None else idle_probes) else None
+        #: watch the prefill of every budgeted request and re-plan at its measured pace, where the
+        #: backend can (in process: :meth:`~trimkit.backends.base.Backend.evaluate_to`)
+        self.watch_prefill = bool(watch_prefill)
         self.reports: list[Report] = []  # most recent last; bounded
         self.max_reports = 256
         #: store the live-refined profile every N measured requests (0: never; at most 4 while provisional)
@@ -174,9 +190,10 @@ class Pipeline:
 
     @property
     def safety_margin(self) -> float:
-        """The fraction of a budget to hold back, learned from this engine's measured TTFT: the
-        margin that would have kept ``attainment_target`` of recent requests inside their budget
-        (:mod:`trimkit.planning.margin`); the profile's own rule while too few requests are known."""
+        """The fraction of a budget an open-loop request holds back: what would have absorbed
+        ``attainment_target`` of this engine's recent measured ÷ predicted prefills
+        (:mod:`trimkit.planning.margin`); a watched request holds back only its share after the
+        watch's last step."""
         return self.engine.safety_margin(self.attainment_target)
 
     @property
@@ -209,7 +226,6 @@ class Pipeline:
         On an in-process engine the request enters the engine's queue here and leaves it when
         its stream ends — or when the returned request is dropped unsent."""
         t0 = self.clock()
-        self._tell_prober(done=False)
         params = params or {}
         validate_messages(messages)
         chunks = coerce_chunks(rag_chunks)
@@ -237,7 +253,8 @@ class Pipeline:
         before = priced(self.backend.tokenizer.prompt_tokens(as_is, tools))
         self._estimate(ticket, before, params)
         wait, ahead = (given_wait, 0) if given_wait is not None or self.queue is None else self.queue.predict(ticket)
-        margin = 0.0 if budget is None else self.engine.request_margin(self.attainment_target, budget, len(before.tokens), before.cached)
+        margin = 0.0 if budget is None else self.engine.request_margin(self.attainment_target, budget, len(before.tokens), before.cached,
+                                                                       watched_share=self._watched_share(before))
         busy = busy_decision(on_busy, budget, wait, margin, ahead)
         plan: Plan | None = None
         sent, warnings, w = before, [], wait or 0.0
@@ -248,7 +265,7 @@ class Pipeline:
             self._estimate(ticket, sent, params)
         to_send = plan.messages if plan is not None else as_is
         warnings.extend(busy.warnings(budget, sent.predicted_s))
-        warnings.extend(self.engine.slowdown.warnings())
+        warnings.extend(self.engine.slowdown_warnings())
         warnings.extend(template_warnings(self.backend.tokenizer, to_send, tools))
         prepared = Prepared(
             messages=to_send, prompt_tokens=tuple(sent.tokens), cached_tokens=sent.cached, snapshot=sent.snapshot,
@@ -256,7 +273,7 @@ class Pipeline:
             predicted_ttft_s=sent.predicted_s + w, predicted_ttft_before_s=before.predicted_s + w,
             prompt_tokens_before=len(before.tokens), budget_s=budget, plan=plan, prepare_s=self.clock() - t0, warnings=tuple(warnings),
             feasible=False if busy.refuse else None if plan is None else bool(plan.feasible) and sent.predicted_s + w <= budget,
-            queue_wait_s=wait, queue_ahead=ahead, ticket=ticket,
+            queue_wait_s=wait, queue_ahead=ahead, ticket=ticket, request=(messages, tuple(chunks), dict(params)),
         )
         if busy.refuse:
             report = self.report(prepared, Measurement(ttft_s=None, total_s=0.0), params, sent=False)
@@ -288,47 +305,123 @@ class Pipeline:
         return _Priced(tokens, cached, snapshot, self.profile.predict_ttft_s(evaluated_tokens(len(tokens), cached), cached) + restore)
 
     def _plan(self, messages: Any, chunks: Sequence[Chunk], as_is: Any, before: _Priced, budget: float, params: Mapping[str, Any],
-              margin: float, priced: Callable[[Sequence[int]], _Priced]) -> tuple[Plan, _Priced, list[str]]:
-        """Plan to ``budget`` (less the wait the prompt makes room for) with ``margin``, then check
-        the plan against the exact token count: plan again, tighter, (at most twice) while the
-        exact prompt is predicted over the budget less the margin."""
+              margin: float, priced: Callable[[Sequence[int]], _Priced], profile: Profile | None = None) -> tuple[Plan, _Priced, list[str]]:
+        """Plan to ``budget`` (less the wait the prompt makes room for) with ``margin`` and
+        ``profile`` (default: the current one), and price the exact prompt it sends. The planner
+        checks its own estimates against the exact token count; in process the watched prefill
+        corrects what the prediction still gets wrong, with the measured pace."""
         tools = params.get("tools")
         tok = self.backend.tokenizer
 
         def probe(candidate: Sequence[Mapping[str, Any]]) -> int:
             return priced(tok.prompt_tokens(candidate, tools)).cached
 
-        limit = budget * (1.0 - margin)
-        strategies = self.previous_cut.strategies_for(messages, self.strategies)
-        plan_budget = budget
-        warnings: list[str] = []
-        for _attempt in range(3):
-            plan = make_plan(
-                messages, ttft_budget_s=plan_budget, profile=self.profile, tokenizer=tok, rag_chunks=chunks, strategies=strategies,
-                tools=tools, cached_tokens=before.cached, cache_probe=probe, summaries=self.summaries, rag_template=self.rag_template,
-                rag_chunk_template=self.rag_chunk_template, on_infeasible="best_effort", clock=self.clock, values=self.values,
-                safety_margin=margin, max_prompt_tokens=self._max_prompt_tokens(params),
-            )
-            unchanged = plan.passthrough and list(plan.messages) == list(as_is)
-            sent = before if unchanged else priced(tok.prompt_tokens(plan.messages, tools))
-            if sent.predicted_s <= limit or not plan.feasible or getattr(plan, "minimal", False):
-                break
-            # the exact count came out above the planner's estimate: plan again, tighter
-            plan_budget = plan_budget * max(min(limit / sent.predicted_s, 0.98), 0.5)
-            warnings.append(f"re-planned: exact prompt predicted {sent.predicted_s:.3f} s > {limit:.3f} s")
-        return plan, sent, warnings
+        plan = make_plan(
+            messages, ttft_budget_s=budget, profile=profile or self.profile, tokenizer=tok, rag_chunks=chunks,
+            strategies=self.previous_cut.strategies_for(messages, self.strategies), tools=tools, cached_tokens=before.cached,
+            cache_probe=probe, summaries=self.summaries, rag_template=self.rag_template, rag_chunk_template=self.rag_chunk_template,
+            on_infeasible="best_effort", clock=self.clock, values=self.values, safety_margin=margin,
+            max_prompt_tokens=self._max_prompt_tokens(params),
+        )
+        unchanged = plan.passthrough and list(plan.messages) == list(as_is)
+        sent = before if unchanged else priced(tok.prompt_tokens(plan.messages, tools))
+        return plan, sent, []
+
+    # -- the watched prefill ----------------------------------------------------------------------
+    def watches(self) -> bool:
+        """Whether budgeted requests on this backend are watched while they prefill."""
+        return self.watch_prefill and getattr(self.backend, "evaluate_to", None) is not None
+
+    def _watched_share(self, priced: _Priced) -> float:
+        """The share of a prompt's predicted prefill the watch cannot catch: what follows its last
+        check (one batch), or all of it when it is not watched."""
+        if not self.watches():
+            return 1.0
+        new = evaluated_tokens(len(priced.tokens), priced.cached)
+        n_batch = max(int(self.profile.model.n_batch or 512), 1)
+        return min(1.0, n_batch / max(new, 1))
+
+    def watched(self, prepared: Prepared, *, waited_s: float = 0.0) -> WatchedPrefill | None:
+        """The driver of ``prepared``'s watched prefill (None: not watched — no budget, or a
+        backend that cannot evaluate in steps)."""
+        if prepared.budget_s is None or prepared.plan is None or not self.watches():
+            return None
+        return WatchedPrefill(self, prepared, waited_s=waited_s)
+
+    def replan(self, prepared: Prepared, watch: PrefillWatch, spent_s: float) -> Prepared | None:
+        """``prepared`` planned again ``spent_s`` into it (the wait for the engine included), for
+        the time left at the measured pace (:meth:`PrefillWatch.paced_profile`), against what the
+        engine's context holds now — the evaluated prefix. First the plan's chunks are cut from
+        the end (:func:`~trimkit.planning.watch.cut_chunks`), which keeps that prefix; only when
+        no cut fits is the whole request planned again (history turns may go, and the cache after
+        them). None when nothing would change: the request as planned fits after all, or it
+        carries no record of its inputs."""
+        if prepared.request is None or prepared.budget_s is None or prepared.plan is None:
+            return None
+        messages, chunks, params = prepared.request
+        tools = params.get("tools")
+        tok = self.backend.tokenizer
+        profile = watch.paced_profile()
+        left = max(prepared.budget_s - spent_s, 1e-6)
+        n_batch = max(int(profile.model.n_batch or 512), 1)
+        margin = self.engine.safety_margin(self.attainment_target, share=min(1.0, n_batch / max(len(prepared.prompt_tokens) - watch.position, 1)))
+        target = left * (1.0 - margin)
+
+        def price(candidate: Sequence[Mapping[str, Any]]) -> tuple[Sequence[int], int, float]:
+            tokens = tok.prompt_tokens(candidate, tools)
+            cached = self.backend.predict_cached_tokens(tokens)
+            return tokens, cached, profile.predict_ttft_s(evaluated_tokens(len(tokens), cached), cached)
+
+        old = prepared.plan
+        original = messages[last_user_index(messages)]
+        cut = cut_chunks(old, original, price, target, self.rag_template, self.rag_chunk_template)
+        if cut is not None and cut.kept == len(old.kept_chunks):
+            return None  # it fits as planned
+        if cut is not None:
+            gone = tuple(old.kept_chunks[cut.kept:])
+            ids = tuple(str(c.id) for c in gone)
+            action = Action(strategy="watch", summary=f"re-planned at the measured pace ({watch.pace:.2f}× predicted): dropped "
+                            f"{', '.join(ids)}, the last chunks before the question (the evaluated prefix kept)",
+                            removed_chunks=ids, tokens_before=len(prepared.prompt_tokens), tokens_after=len(cut.tokens))
+            plan = attrs.evolve(old, messages=list(cut.messages), kept_chunks=tuple(old.kept_chunks[:cut.kept]),
+                                dropped_chunks=(*old.dropped_chunks, *gone), actions=(*old.actions, action), passthrough=False,
+                                prompt_tokens=len(cut.tokens), cached_tokens=cut.cached, new_tokens=len(cut.tokens) - cut.cached,
+                                predicted_ttft_s=spent_s + cut.predicted_s, feasible=True)
+            tokens, cached, predicted = cut.tokens, cut.cached, cut.predicted_s
+            dropped = list(ids)
+        else:  # no cut of the chunks fits: the whole request again, at the measured pace
+            as_is = place_chunks(messages, chunks, self.rag_template, self.rag_chunk_template) if chunks else messages
+
+            def priced(tokens: Sequence[int]) -> _Priced:
+                cached = self.backend.predict_cached_tokens(tokens)
+                return _Priced(tokens, cached, None, profile.predict_ttft_s(evaluated_tokens(len(tokens), cached), cached))
+
+            before = priced(tok.prompt_tokens(as_is, tools))
+            plan, sent, _ = self._plan(messages, chunks, as_is, before, left, params, margin, priced, profile=profile)
+            tokens, cached, predicted = sent.tokens, sent.cached, sent.predicted_s
+            kept_now = {str(c.id) for c in plan.kept_chunks}
+            dropped = [str(c.id) for c in old.kept_chunks if str(c.id) not in kept_now]
+            dropped += [f"message {i}" for i in sorted(set(plan.removed_message_indices) - set(old.removed_message_indices))]
+            self.previous_cut.remember(messages, plan)
+        record = Replan(
+            evaluated_tokens=watch.position, prompt_tokens=len(prepared.prompt_tokens), elapsed_s=spent_s, pace=watch.pace,
+            projected_ttft_s=watch.projected_ttft_s(spent_s),
+            predicted_ttft_before_s=prepared.predicted_ttft_s or 0.0, predicted_ttft_after_s=spent_s + predicted,
+            prompt_tokens_after=len(tokens), dropped=tuple(dropped),
+        )
+        log.info("trimkit: %s", record.summary())
+        # the cache it had when it was sent stays its prediction (the evaluated prefix is this request's own work)
+        return attrs.evolve(
+            prepared, messages=plan.messages, prompt_tokens=tuple(tokens), snapshot=None, plan=plan,
+            predicted_ttft_s=spent_s + predicted, replans=(*prepared.replans, record),
+            feasible=bool(plan.feasible) and spent_s + predicted <= prepared.budget_s,
+        )
 
     def _estimate(self, ticket: Ticket | None, priced: _Priced, params: Mapping[str, Any]) -> None:
         """Tell the engine's queue the request's predicted work (for the requests behind it)."""
         if ticket is not None and self.queue is not None:
             room = self.backend.n_ctx - len(priced.tokens)
             ticket.estimate(priced.predicted_s, self.queue.decode_s(params, self.profile.decode_tokens_per_s, room), priced.tokens)
-
-    def _tell_prober(self, *, done: bool) -> None:
-        """Tell the engine's idle prober a request is being planned (``done``: has finished)."""
-        prober = self.engine.prober
-        if prober is not None:
-            prober.request_done() if done else prober.activity()
 
     def _max_prompt_tokens(self, params: Mapping[str, Any]) -> int:
         """The most prompt tokens the context window takes: ``n_ctx`` less ``max_tokens`` (or ``max_completion_tokens``)."""
@@ -372,8 +465,8 @@ class Pipeline:
     def finish(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any]) -> Report:
         """A request finished: its report, and what it teaches (drift, margin, next summary)."""
         report = self.report(prepared, m, params)
-        self.engine.learn(m, prepared.predicted_ttft_s, prepared.budget_s, persist_every=self.persist_every,
-                          answer_capped=answer_cap(params) is not None)
+        self.engine.learn(_whole_request(m, prepared), persist_every=self.persist_every, answer_capped=answer_cap(params) is not None,
+                          watched=prepared.watched)
         with self._lock:
             self._last_report = report
             self.reports.append(report)
@@ -386,11 +479,10 @@ class Pipeline:
         return report
 
     def _leave(self, prepared: Prepared) -> None:
-        """The request is done with the engine: out of its queue; the idle prober may go on."""
+        """The request is done with the engine: out of its queue."""
         ticket = getattr(prepared, "ticket", None)
         if ticket is not None:
             ticket.done()
-        self._tell_prober(done=True)
 
     def _model_file_label(self) -> str:
         """The model as a person names it, for the report (the GGUF file name in-process).
@@ -400,3 +492,53 @@ class Pipeline:
             model = self.backend.profile_key().model
             self._model_name = model.split(":")[0] if self.backend.name == "llama_cpp" else model
         return self._model_name
+
+
+def _whole_request(m: Measurement, prepared: Prepared) -> Measurement:
+    """What the refit may learn of a request's whole prefill: all of it, unless a re-plan left
+    evaluated tokens out of the prompt sent (then its counts describe no one prompt)."""
+    if prepared.replans and m.evaluated_tokens is not None and m.prompt_tokens is not None and m.evaluated_tokens > m.prompt_tokens:
+        return attrs.evolve(m, evaluated_tokens=None)
+    return m
+
+
+class WatchedPrefill:
+    """Runs the watched prefill of one prepared request (:mod:`trimkit.planning.watch`) on the
+    engine that holds it: call it with the backend's ``evaluate(tokens, end) -> (seconds,
+    start)`` and its clock, and it returns the messages and prompt tokens to generate from — the
+    plan's, or a re-plan's — with all of the prompt evaluated. :attr:`prepared` is the request as
+    finally sent (its report reads it). ``waited_s``: how long the request already waited for
+    the engine (it counts against the budget)."""
+
+    def __init__(self, pipeline: Pipeline, prepared: Prepared, *, waited_s: float = 0.0) -> None:
+        self.pipeline = pipeline
+        self.prepared = prepared
+        self.waited_s = waited_s
+
+    def __call__(self, evaluate: Callable[[Sequence[int], int], tuple[float, int]], clock: Callable[[], float],
+                 held: int) -> tuple[Sequence[Mapping[str, Any]], Sequence[int]]:
+        """``held``: how much of the prompt the engine's context holds now."""
+        t0 = clock()
+        p = self.prepared
+        pipeline = self.pipeline
+        profile = pipeline.profile
+        n_batch = max(int(profile.model.n_batch or 512), 1)
+        budget = p.budget_s - self.waited_s if p.budget_s is not None else math.inf
+        margin = pipeline.engine.safety_margin(pipeline.attainment_target, share=min(1.0, n_batch / max(len(p.prompt_tokens) - held, 1)))
+        watch = PrefillWatch(p.prompt_tokens, held, profile, budget, margin=margin, n_batch=n_batch)
+        if not watch.watched:
+            return p.messages, p.prompt_tokens
+        self.prepared = attrs.evolve(p, watched=True)
+        while (end := watch.next_end()) is not None:
+            seconds, start = evaluate(watch.tokens, end)
+            watch.record(end, seconds, start)
+            if seconds > 0:
+                pipeline.engine.live.observe_step(end - start, start, seconds)
+            if watch.over_budget(clock() - t0):
+                replanned = pipeline.replan(self.prepared, watch, clock() - t0 + self.waited_s)
+                if replanned is None:  # it fits as planned after all (or nothing to plan from): one try spent
+                    watch.replans += 1
+                    continue
+                self.prepared = replanned
+                watch = watch.continue_with(replanned.prompt_tokens, held=pipeline.backend.predict_cached_tokens(replanned.prompt_tokens))
+        return self.prepared.messages, self.prepared.prompt_tokens

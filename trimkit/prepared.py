@@ -59,6 +59,11 @@ class Prepared:
     queue_ahead: int = 0
     #: its place in the engine's queue (:class:`~trimkit.planning.queue.Ticket`; None off an in-process engine)
     ticket: Any = attrs.field(default=None, repr=False, eq=False)
+    #: the call's own inputs (messages, chunks, parameters), which a re-plan plans from again
+    request: Any = attrs.field(default=None, repr=False, eq=False)
+    #: whether its prefill was watched (:mod:`trimkit.planning.watch`), and the re-plans it made
+    watched: bool = False
+    replans: tuple[Any, ...] = ()
 
     def with_warning(self, warning: str) -> Prepared:
         """This request with one more warning for its report."""

@@ -92,7 +92,7 @@ class Report:
     ``safety_margin`` is the fraction of the budget the plan held back (None without a budget).
     ``endpoint`` names the replica that served the request (None for one engine).
     ``provisional``: the profile was still provisional (a ~3 s micro-calibration, improving
-    from requests and idle probes); ``extrapolated``: the prompt sent lies beyond the lengths the
+    from requests); ``extrapolated``: the prompt sent lies beyond the lengths the
     profile has measured. Either makes the prediction less certain and the margin wider.
     ``tokens_per_s_target``: the stream's standard for the :attr:`verdict` (None: reading speed).
     ``decode_predicted_tokens_per_s`` / ``decode_predicted_before_tokens_per_s``: the decode
@@ -127,6 +127,10 @@ class Report:
     decode_predicted_tokens_per_s: float | None = None
     decode_predicted_before_tokens_per_s: float | None = None
     decode_noise_pct: float | None = None
+    #: whether the prefill was watched while it ran (in process), and the re-plans it made
+    #: (:class:`~trimkit.planning.watch.Replan`: after how many tokens, the pace, what changed)
+    watched: bool = False
+    replans: tuple[Any, ...] = ()
 
     @classmethod
     def of_request(cls, prepared: Prepared, m: Measurement, params: Mapping[str, Any], *, backend: str, model: str,
@@ -175,6 +179,8 @@ class Report:
             decode_predicted_tokens_per_s=profile.decode_tokens_per_s_at(n, answer),
             decode_predicted_before_tokens_per_s=None if before is None else profile.decode_tokens_per_s_at(before, answer),
             decode_noise_pct=profile.decode_noise_pct,
+            watched=bool(getattr(prepared, "watched", False)),
+            replans=tuple(getattr(prepared, "replans", ())),
         )
 
     # -- derived figures ------------------------------------------------------------------------
@@ -326,6 +332,8 @@ class Report:
             "cached_tokens": self.cached_tokens,
             "evaluated_tokens": self.evaluated_tokens,
             "passthrough": self.passthrough,
+            "watched": self.watched,
+            "replans": [x.to_dict() for x in self.replans],
             "actions": [a for a in self.actions],
             "planning_s": self.planning_s,
             "profile_error_pct": self.profile_error_pct,

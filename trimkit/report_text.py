@@ -53,6 +53,11 @@ def report_lines(r: Any) -> list[str]:
         tok += f" (before trimming {_fmt_n(r.prompt_tokens_before)})"
     tok += f" · reused from cache {_fmt_n(m.cached_tokens)} (predicted {_fmt_n(r.cached_tokens_predicted)}) · evaluated {_fmt_n(m.evaluated_tokens)}"
     out.append(tok)
+    if r.watched:
+        if r.replans:
+            out.extend(f"  re-plan    {x.summary()}" for x in r.replans)
+        else:
+            out.append("  watched    prefill watched while it ran: on pace, no re-plan")
     if r.actions:
         out.append("  trimming")
         for a in r.actions:
@@ -106,7 +111,7 @@ def _queue_line(r: Any) -> str:
 def _profile_note(r: Any) -> str:
     notes = []
     if r.provisional:
-        notes.append("provisional (a micro-calibration, improving from each request and from idle probes)")
+        notes.append("provisional (a micro-calibration, improving from each request)")
     if r.extrapolated:
         notes.append("prompt beyond the lengths it has measured (extrapolated)")
     wider = " — wider safety margin" if r.ttft_budget_s is not None else ""
@@ -123,6 +128,11 @@ def report_log_line(r: Any) -> str:
         parts.append(f"queue_pred={_fmt_s(r.queue_wait_predicted_s)} queue_meas={_fmt_s(r.queue_wait_s)} ahead={r.queue_ahead}")
     parts.append(f"prompt={r.prompt_tokens} before={r.prompt_tokens_before} cached={r.cached_tokens} evaluated={r.evaluated_tokens}")
     parts.append(f"actions={len(r.actions)}")
+    if r.watched:
+        parts.append(f"watched=True replans={len(r.replans)}")
+        for x in r.replans:
+            parts.append(f"replan=after:{x.evaluated_tokens}/{x.prompt_tokens},pace:{x.pace:.2f}x,"
+                         f"pred:{x.predicted_ttft_before_s:.3f}->{x.predicted_ttft_after_s:.3f}s,dropped:{'|'.join(x.dropped) or '-'}")
     if r.provisional or r.extrapolated:
         parts.append("profile=" + ",".join(n for n, on in (("provisional", r.provisional), ("extrapolated", r.extrapolated)) if on))
     parts.append(f"verdict={r.verdict or 'n/a'}")

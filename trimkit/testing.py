@@ -29,7 +29,7 @@ from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease
 from trimkit.errors import ContextTooSmallError
 from trimkit.planning.costs import CostModel
 from trimkit.profile import ProfileKey
-from trimkit.tokens import PromptTokenizer, TiktokenTokenizer, Tokenizer, chatml_render, reusable_prefix_len
+from trimkit.tokens import PromptTokenizer, TiktokenTokenizer, Tokenizer, chatml_render, common_prefix_len, reusable_prefix_len
 from trimkit.validation import positive_finite
 
 __all__ = ["FakeClock", "FakeBackend", "FakeOpenAIServer", "fake_openai_transport"]
@@ -92,8 +92,17 @@ class FakeBackend(Backend):
         reuse_prefix: bool = True,
         slowdown: float = 1.0,
         attention_prior_tokens: float | None = None,
+        pace: Callable[[int], float] | None = None,
     ) -> None:
         self.attention_prior_tokens = attention_prior_tokens
+        #: ``pace(position)``: how many times slower than ``cost_model`` a watched prefill step
+        #: starting at token ``position`` runs (a host that changes speed in the middle of a
+        #: prefill); default 1
+        self.pace = pace
+        #: every watched step as ``(start, end)`` token positions, in order
+        self.steps: list[tuple[int, int]] = []
+        self._step_s: list[float] = []
+        self._origin: int | None = None
         self.cost_model = cost_model or CostModel(overhead_s=0.01, per_token_s=0.0014, depth_s=1e-7)
         if slowdown != 1.0:  # a host this many times slower: every cost scaled, decode speed divided
             positive_finite(slowdown, "slowdown")
@@ -125,7 +134,37 @@ class FakeBackend(Backend):
     def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         return reusable_prefix_len(self.kv, prompt_tokens) if self.reuse_prefix else 0
 
-    def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None) -> TimedStream:
+    def evaluate_to(self, tokens: Sequence[int], end: int) -> tuple[float, int]:
+        """One step of a watched prefill (:meth:`trimkit.backends.base.Backend.evaluate_to`):
+        the fake context is made to hold ``tokens[:end]``, at the cost of what it did not hold
+        (times :attr:`pace` at the step's start). Returns (seconds, start)."""
+        target = list(tokens[:end])
+        start = common_prefix_len(self.kv, target) if self.reuse_prefix else 0
+        if start >= len(target):
+            return 0.0, len(target)
+        # the steps of one request are parts of one prefill from where it began (as llama.cpp
+        # evaluates a prompt in batches): watching costs nothing here; benchmarks measure it
+        origin = self._origin if self._origin is not None and self._origin <= start else start
+        self._origin = origin
+        whole = self.cost_model.prefill_s(len(target) - origin, origin)
+        done = self.cost_model.prefill_s(start - origin, origin) if start > origin else 0.0
+        seconds = max(whole - done, 0.0) * (self.pace(start) if self.pace is not None else 1.0)
+        self.clock.advance(seconds)
+        self.kv = target
+        self.steps.append((start, len(target)))
+        self._step_s.append(seconds)
+        return seconds, start
+
+    def _unwatched_prefill_s(self, cached: int, total: int) -> float:
+        """The prefill of ``total - cached`` tokens sent whole: ``cost_model``'s, or with a
+        :attr:`pace`, llama.cpp's ``n_batch`` pieces each at the pace of its start."""
+        if self.pace is None:
+            return self.cost_model.prefill_s(total - cached, cached)
+        step = max(int(self.cost_model.n_batch or 512), 1)
+        return sum(self.cost_model.prefill_s(min(step, total - b), b) * self.pace(b) for b in range(cached, total, step))
+
+    def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
+             watch: Any = None) -> TimedStream:
         tokens = list(prompt_tokens) if prompt_tokens is not None else self.tokenizer.prompt_tokens(messages, params.get("tools"))
         if len(tokens) > self._n_ctx:
             raise ContextTooSmallError(f"prompt of {len(tokens)} tokens exceeds n_ctx={self._n_ctx}")
@@ -138,12 +177,33 @@ class FakeBackend(Backend):
         state: dict[str, Any] = {}
 
         def chunks() -> Iterator[dict[str, Any]]:
+            nonlocal tokens
             cached = self.predict_cached_tokens(tokens)
-            new = len(tokens) - cached
-            prefill = self.cost_model.prefill_s(new, cached)
-            state.update(cached=cached, new=new, prefill=prefill)
-            yield {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
-            self.clock.advance(prefill + self.first_token_s)
+            if watch is not None:  # evaluated in steps now; the prompt as finally planned is generated from
+                first = len(self.steps)
+                self._origin = None
+                messages_sent, sent = watch(self.evaluate_to, self.clock, cached)
+                self._origin = None
+                tokens = list(sent)
+                self.calls[-1] = (list(messages_sent), dict(params))
+                steps = self.steps[first:]
+                evaluated = sum(e - b for b, e in steps)
+                new, prefill = evaluated, sum(self._step_s)
+                self._step_s = []
+                rest = 0.0
+                if self.kv != tokens:  # the watch stopped short: the engine evaluates the rest
+                    k = reusable_prefix_len(self.kv, tokens)
+                    rest = self.cost_model.prefill_s(len(tokens) - k, k)
+                    new, prefill = new + len(tokens) - k, prefill + rest
+                state.update(cached=max(len(tokens) - new, 0), new=new, prefill=prefill)
+                yield {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+                self.clock.advance(rest + self.first_token_s)
+            else:
+                new = len(tokens) - cached
+                prefill = self._unwatched_prefill_s(cached, len(tokens))
+                state.update(cached=cached, new=new, prefill=prefill)
+                yield {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+                self.clock.advance(prefill + self.first_token_s)
             for i, w in enumerate(words):
                 if i:
                     self.clock.advance(1.0 / self.decode_tokens_per_s)

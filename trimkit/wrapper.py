@@ -64,7 +64,10 @@ class Trimmer(FrontEnd):
                     ticket.holding()
                 if prepared.snapshot is not None:
                     backend.restore_prefix(prepared.snapshot)  # type: ignore[attr-defined]
-                ts = backend.send(prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens)
+                # a budgeted request on an engine that evaluates in steps is watched while it prefills
+                watch = self.pipeline.watched(prepared, waited_s=waited or 0.0)
+                extra = {"watch": watch} if watch is not None else {}
+                ts = backend.send(prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens, **extra)
         except BaseException:
             if ticket is not None:
                 ticket.done()  # never sent: out of the engine's queue
@@ -74,7 +77,9 @@ class Trimmer(FrontEnd):
         if waited:
             ts.queue_s = getattr(ts, "queue_s", 0.0) + waited
         prepared = self.pipeline.sent(prepared, waited_s=waited or 0.0)
-        return ReportingStream(ts, self.pipeline, prepared, params)
+        if watch is not None:
+            watch.prepared = prepared
+        return ReportingStream(ts, self.pipeline, prepared, params, watch=watch)
 
     def _engine_section(self, prepared: Prepared) -> AbstractContextManager[float]:
         """The engine for this request (yields the seconds waited): a section of its lease, in
@@ -160,14 +165,14 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
     - ``on_infeasible``: ``"best_effort"`` (send the minimal prompt, say so) or ``"raise"``;
     - ``profile``: else the stored one for this model and settings (of any mode), or a
       micro-calibration now (about 3 s): a *provisional* profile, planned with a wider margin
-      (``report.provisional``) and refined by every measured request and by idle probes;
+      (``report.provisional``) and refined by every measured request;
     - ``calibration``: what to measure when there is no profile: ``"micro"`` (default),
       ``"quick"`` (~10 s) or ``"full"`` (~30 s) up front (``quick_calibration=True/False`` still
       means ``"quick"``/``"full"``);
-    - ``idle_probes``: measure the probes a full calibration would take, one at a time, while the
-      engine is idle, each stopped the moment a request wants the engine
-      (:mod:`trimkit.idle_probes`; in-process engines only). Default: on when ``wrap()`` chose
-      the profile, off for a ``profile=`` you pass; ``False`` turns it off;
+    - ``watch_prefill``: (default True) watch the prefill of every budgeted request on an
+      in-process engine and re-plan it at its measured pace when the first token would come too
+      late (:mod:`trimkit.planning.watch`; ``report.replans`` says what changed). Servers are
+      planned once, before sending;
     - ``summarizer``: computes summaries of older turns *after* each response, in a background
       thread (``background_summaries=False``: on ``.idle()``); the planner may put a
       ready one in their place on a later turn. Default ``"extractive"``

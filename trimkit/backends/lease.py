@@ -11,10 +11,6 @@ waits in (:mod:`trimkit.planning.queue`). A turn taken ahead of time is *reserve
 takes the engine while it is planned, and for a short grace after (:meth:`EngineLease.keep_turn`)
 in which it is sent; then it holds nobody back until it arrives (a request planned and never
 sent, or sent much later, cannot block the engine).
-
-Idle work (:mod:`trimkit.idle_probes`) takes the engine through :meth:`EngineLease.preemptible`:
-only when nobody holds it, waits for it or has a turn reserved, and it must stop as soon as
-someone waits (:attr:`EngineLease.preempt_requested`).
 """
 
 from __future__ import annotations
@@ -62,8 +58,6 @@ class EngineLease:
         self._streams = 0  # open stream holds
         self._waiters = 0  # threads waiting now
         self._local = threading.local()  # ``with lease:`` sections entered by each thread
-        self._freed_at = time.monotonic()  # when the engine was last given back (idle work excepted)
-        self._preemptible = False  # the section held now is idle work that yields to any waiter
         self._turns = itertools.count()  # turn numbers, in the order they are taken
         self._line: list[tuple[int, int]] = []  # (turn, arrival) of each thread waiting now
         self._reserved: dict[int, tuple[float, int]] = {}  # turns taken ahead → (when they lapse, monotonic; by which thread)
@@ -79,22 +73,6 @@ class EngineLease:
         """Threads waiting for the engine now."""
         with self._cond:
             return self._waiters
-
-    @property
-    def preempt_requested(self) -> bool:
-        """True while someone waits for the engine: idle work holding it must stop now.
-
-        Read without the lock (one int), so that llama.cpp's abort callback may ask it."""
-        return self._waiters > 0
-
-    def idle_for(self, now: float | None = None) -> float:
-        """Seconds since the engine was last given back by a request, a prefill or a
-        calibration (``time.monotonic``); 0.0 while anyone holds it or waits for it. Idle
-        work (:meth:`preemptible`) does not count as use."""
-        with self._cond:
-            if self._waiters or self._streams or (self._depth and not self._preemptible):
-                return 0.0
-            return max((time.monotonic() if now is None else now) - self._freed_at, 0.0)
 
     def take_turn(self) -> int:
         """A turn, reserved from now: among threads waiting for the engine the lowest turn goes
@@ -189,36 +167,12 @@ class EngineLease:
             self._leave()
 
     def _leave(self) -> None:
-        """Leave a section (or :meth:`preemptible`); the outermost one gives the engine back."""
+        """Leave a section; the outermost one gives the engine back."""
         with self._cond:
             self._depth -= 1
             if self._depth == 0:
-                if not self._preemptible:  # idle work does not count as use
-                    self._freed_at = time.monotonic()
-                self._thread, self._preemptible = None, False
+                self._thread = None
                 self._cond.notify_all()
-
-    @contextmanager
-    def preemptible(self) -> Iterator[bool]:
-        """Hold the engine for idle work, only if nobody holds it, waits for it or has a turn
-        reserved (a request being planned) now: yields True with the engine held, or False at
-        once (nothing held) otherwise. It never waits.
-
-        While it is held, a request that wants the engine waits as usual and
-        :attr:`preempt_requested` turns True: the idle work must stop and leave the engine as
-        it found it. Giving it back does not restart :meth:`idle_for`."""
-        me = threading.get_ident()
-        with self._cond:
-            taken = self._depth == 0 and self._streams == 0 and self._waiters == 0 and self._reserved_before(math.inf) is None
-            if taken:
-                self._thread, self._depth, self._preemptible = me, 1, True
-        if not taken:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            self._leave()
 
     def hold(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S, *, turn: int | None = None) -> tuple[Callable[[], None], float]:
         """Take the engine for a stream: ``(release, seconds waited)``; ``release()`` may be
@@ -233,7 +187,6 @@ class EngineLease:
                 return
             with self._cond:
                 self._streams -= 1
-                self._freed_at = time.monotonic()
                 self._cond.notify_all()
 
         return release, waited

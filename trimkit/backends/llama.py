@@ -12,7 +12,7 @@ stream is finished, closed or garbage-collected — in whichever thread that hap
 The pieces: :mod:`trimkit.backends.lease` (who holds the engine),
 :mod:`trimkit.backends.llama_format` (the chat template and tokenizer),
 :mod:`trimkit.backends.llama_context` (perf counters, KV snapshots, the usable context size),
-:mod:`trimkit.backends.llama_idle` (idle probes: an abortable decode, the context put back).
+:mod:`trimkit.backends.llama_abort` (an abortable decode, for calibration's probes).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from trimkit.backends.llama_context import (
     save_sequence,
 )
 from trimkit.backends.llama_format import chat_format_renderer, llama_prompt_tokenizer
-from trimkit.backends.llama_idle import abort_when, context_kept, tokens_kept
+from trimkit.backends.llama_abort import abort_when
 from trimkit.architecture import llama_attention_prior
 from trimkit.errors import BackendError, ContextTooSmallError
 from trimkit.model import model_identity
@@ -134,10 +134,8 @@ class LlamaBackend(Backend):
         )
 
     def cached_tokens_in_context(self) -> Sequence[int]:
-        """The tokens the next request will find in the context (while an idle probe runs: the
-        ones it will put back before any request gets the engine)."""
-        kept = tokens_kept(self.llm)
-        return kept if kept is not None else self.llm.input_ids[: self.llm.n_tokens]
+        """The tokens the next request will find in the context."""
+        return self.llm.input_ids[: self.llm.n_tokens]
 
     def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         """What ``Llama.generate`` will reuse: the longest common prefix, but at least one token is
@@ -148,22 +146,19 @@ class LlamaBackend(Backend):
         return reusable_prefix_len(held, prompt_tokens) if len(held) else 0
 
     # -- requests ---------------------------------------------------------------------------
-    def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None) -> TimedStream:
+    def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
+             watch: Any = None) -> TimedStream:
+        """Stream a chat completion from the ``Llama``. ``watch``: the driver of a watched prefill
+        (:class:`~trimkit.pipeline.WatchedPrefill`): the prompt is then evaluated in steps
+        (:meth:`evaluate_to`) at the start of the stream, re-planned if its pace says the first
+        token would come too late, and generated from at once (llama-cpp-python samples straight
+        from a prompt its context holds whole, evaluating no token twice)."""
         llm = self.llm
         expected_prompt = list(prompt_tokens) if prompt_tokens is not None else self.tokenizer.prompt_tokens(messages, params.get("tools"))
         window = self.n_ctx
         if len(expected_prompt) >= window:  # llama-cpp-python needs room for one generated token
             raise ContextTooSmallError(f"prompt of {len(expected_prompt)} tokens does not fit the context window: {self._window_text()}")
-        call = dict(params)
-        call["stream"] = True
-        if window < int(llm.n_ctx()):
-            # Llama caps generation at its rounded n_ctx(), past the tokens it can hold: cap it
-            # where it would cap it with a consistent window
-            room = window - len(expected_prompt)
-            max_tokens = call.get("max_tokens")
-            if not isinstance(max_tokens, int) or max_tokens <= 0 or max_tokens > room:
-                call["max_tokens"] = room
-        state: dict[str, Any] = {}
+        state: dict[str, Any] = {"prompt_len": len(expected_prompt)}
         # the engine is this stream's from now until it is finished, closed or collected
         release, waited = self.engine.hold(self.engine_wait_s)
 
@@ -171,23 +166,57 @@ class LlamaBackend(Backend):
             state["predicted_cached"] = self.predict_cached_tokens(expected_prompt)
             reset_perf(llm)
             try:
-                stream = llm.create_chat_completion(messages=list(messages), **call)
+                to_send, tokens = messages, expected_prompt
+                if watch is not None:
+                    to_send, tokens = watch(self.evaluate_to, self.clock, state["predicted_cached"])
+                    state["prompt_len"] = len(tokens)
+                stream = llm.create_chat_completion(messages=list(to_send), **self._call(params, len(tokens)))
                 yield from stream
             finally:
                 state["perf"] = read_perf(llm)
 
         def finish(ts: TimedStream) -> Measurement:
-            return self._measurement(ts, state, len(expected_prompt))
+            return self._measurement(ts, state, state["prompt_len"])
 
         def on_error(exc: BaseException) -> BaseException | None:
             if isinstance(exc, ValueError) and ("exceed context window" in str(exc) or "could not broadcast" in str(exc)):
-                return ContextTooSmallError(f"prompt of {len(expected_prompt)} tokens and its answer exceed the context window: {self._window_text()}")
+                return ContextTooSmallError(f"prompt of {state['prompt_len']} tokens and its answer exceed the context window: {self._window_text()}")
             if isinstance(exc, (ValueError, RuntimeError)) and not isinstance(exc, BackendError):
                 return BackendError(f"llama.cpp failed: {type(exc).__name__}: {exc}")
             return None
 
         return TimedStream(chunks(), started=None, clock=self.clock, content_of=chunk_content, finish=finish, on_error=on_error,
                            release=release, queue_s=waited)
+
+    def _call(self, params: Mapping[str, Any], prompt_len: int) -> dict[str, Any]:
+        """The keyword arguments of ``create_chat_completion``: the caller's, streamed; where
+        llama.cpp rounded its context up past what the ``Llama`` holds, ``max_tokens`` capped
+        where it would cap it with a consistent window."""
+        call = dict(params)
+        call["stream"] = True
+        window = self.n_ctx
+        if window < int(self.llm.n_ctx()):
+            room = window - prompt_len
+            max_tokens = call.get("max_tokens")
+            if not isinstance(max_tokens, int) or max_tokens <= 0 or max_tokens > room:
+                call["max_tokens"] = room
+        return call
+
+    def evaluate_to(self, tokens: Sequence[int], end: int) -> tuple[float, int]:
+        """One step of a watched prefill: make the context hold ``tokens[:end]``, keeping what it
+        holds of them already and evaluating the rest in one batch. Returns (seconds, where the
+        evaluation started). The caller holds the engine."""
+        llm = self.llm
+        target = list(tokens[:end])
+        start = common_prefix_len(llm.input_ids[: llm.n_tokens], target) if self.prefix_reuse_works is not False else 0
+        if start >= len(target):
+            return 0.0, len(target)
+        if start < llm.n_tokens and start > 0 and not llm._ctx.kv_cache_seq_rm(-1, start, -1):
+            start = 0  # this context cannot drop part of its KV cache: evaluate from the start
+        llm.n_tokens = start  # eval() drops the KV cells from n_tokens on first
+        t0 = self.clock()
+        llm.eval(target[start:])
+        return self.clock() - t0, start
 
     def _measurement(self, ts: TimedStream, state: Mapping[str, Any], prompt_len: int) -> Measurement:
         perf: PerfCounts | None = state.get("perf")
@@ -277,15 +306,6 @@ class LlamaBackend(Backend):
                     raise
                 self.llm.reset()  # the next eval drops what the stopped one left
                 return None
-
-    def idle_probe(self, new_tokens: int, cached_tokens: int, should_abort: Callable[[], bool]) -> float | None:
-        """:meth:`measure_prefill` as idle work (:mod:`trimkit.idle_probes`): None as soon as
-        ``should_abort()`` is true (llama.cpp asks it while it computes). The context is put back
-        as it was however the probe ends; meanwhile requests are planned against what will be put
-        back. The caller holds the engine (``EngineLease.preemptible``)."""
-        self._check_fits(new_tokens + cached_tokens)
-        with self.hold_engine(), context_kept(self.llm):
-            return None if should_abort() else self.measure_prefill_within(new_tokens, cached_tokens, should_abort)
 
     def measure_decode(self, n_tokens: int = 32) -> float:
         llm = self.llm

@@ -72,20 +72,13 @@ class Engine:
     """The trimkit wrapper of the engine an inner chat model talks to, shared by its requests.
 
     ``options`` are :func:`trimkit.wrap`'s (``profile``, ``strategies``, ``values``,
-    ``on_infeasible``, ``on_busy``, ``calibration``, ``rag_template``, ...); ``idle_probes``
-    is off unless given: the inner ``ChatLlamaCpp`` still holds the ``Llama`` and may be called
-    directly, outside trimkit's hold on the engine, while a probe would run on it."""
+    ``on_infeasible``, ``on_busy``, ``calibration``, ``rag_template``, ...)."""
 
     def __init__(self, inner: Any, ttft_budget_s: float | None, options: Mapping[str, Any]) -> None:
         self.kind, client = inner_client(inner)
         options = dict(options)
         if self.kind == "openai":
             options.setdefault("model", getattr(inner, "model_name", None))
-        else:
-            # the inner model keeps its Llama, and LangChain code calls it directly (``prompt |
-            # trimmer | inner``): a probe trimkit ran on it while idle would share the context
-            # with that call. Idle probes only on request (``idle_probes=True``).
-            options.setdefault("idle_probes", False)
         try:
             #: the trimkit wrapper (``TrimmedLlama`` or ``TrimmedOpenAI``): ``.profile``, ``.reports``, ...
             self.chat = wrap(client, ttft_budget_s=ttft_budget_s, **options)

@@ -112,8 +112,8 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
             self._llm, self._front = llm, llm.trimkit_chat
         elif client_kind(llm) == "wrapper":
             self._front = llm
-        elif llm is not None:  # the LLM itself still calls its engine directly: no idle probe may run beside it
-            engine = engine_of(llm, self.ttft_budget_s, idle_probes=False, summarizer=None)
+        elif llm is not None:
+            engine = engine_of(llm, self.ttft_budget_s, summarizer=None)
             self._front, self._decode = engine.front_end, dict(engine.params)
         if self.ttft_budget_s is None and self._budget() is None:
             raise InvalidInputError("TrimkitPostprocessor needs a TTFT budget: ttft_budget_s=, or an llm that has one")

@@ -83,9 +83,7 @@ def _function_calling(llm: Any) -> bool | None:
 def engine_of(target: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Engine:
     """The trimkit front-end for ``target`` (see the module docstring); ``kwargs`` go to
     :func:`trimkit.wrap` / :func:`trimkit.wrap_url` (``profile``, ``strategies``, ``values``,
-    ``on_infeasible``, …; for a URL also ``model``, ``api_key``). In process, idle probes are
-    off unless ``idle_probes=True``: the LlamaIndex LLM, or the ``Llama``, may still be called
-    directly beside trimkit, and a probe must never run beside such a call. A trimkit wrapper is
+    ``on_infeasible``, …; for a URL also ``model``, ``api_key``). A trimkit wrapper is
     used as it is (configure it where it was made: ``kwargs`` are refused); an async one is
     refused (LlamaIndex calls an LLM both ways). Anything else raises
     :class:`~trimkit.errors.InvalidInputError`."""
@@ -94,7 +92,6 @@ def engine_of(target: Any, ttft_budget_s: float | None = None, **kwargs: Any) ->
         front = wrap_url(target, model=model, api_key=api_key, ttft_budget_s=ttft_budget_s, **kwargs)
         return Engine(front, url=(target, model, api_key, dict(kwargs)), model_name=model or target)
     if is_llama(target):
-        kwargs.setdefault("idle_probes", False)  # the caller may still call this Llama directly (the docstring)
         return Engine(wrap(target, ttft_budget_s, **kwargs), model_name=str(getattr(target, "model_path", "")))
     if client_kind(target) == "wrapper":
         if kwargs:
@@ -105,9 +102,6 @@ def engine_of(target: Any, ttft_budget_s: float | None = None, **kwargs: Any) ->
     if isinstance(target, LLM):
         model = getattr(target, "_model", None)  # LlamaCPP keeps its llama_cpp.Llama here
         if is_llama(model):
-            # the LlamaCPP object still calls this Llama itself where code holds it: no idle probe may
-            # run beside such a call (two threads in one llama.cpp context), unless the caller says so
-            kwargs.setdefault("idle_probes", False)
             return Engine(wrap(model, ttft_budget_s, **kwargs), params=_decode_params(target), model_name=str(getattr(target, "model_path", "")),
                           function_calling=_function_calling(target), system_prompt=target.system_prompt)
         api_base = getattr(target, "api_base", None)

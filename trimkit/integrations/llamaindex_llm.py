@@ -135,11 +135,7 @@ class TrimmedLLM(FunctionCallingLLM):
     wrapped LLM's metadata says, else False); tool calls need an engine whose chat template
     handles tools (or a forced ``tool_choice``: llama-cpp-python then constrains the reply to
     the tool's JSON schema). Async calls use an async client on a server; in process they run
-    the engine in a worker thread (it runs one request at a time either way).
-
-    In process, trimkit's idle probes (measuring the engine between requests) are off: the
-    wrapped ``LlamaCPP`` may still be called directly, and a probe must not run beside it. Pass
-    ``idle_probes=True`` when every call goes through this LLM."""
+    the engine in a worker thread (it runs one request at a time either way)."""
 
     ttft_budget_s: float | None = Field(default=None, description="The TTFT budget of a call (None: no budget; per call: ttft_budget_s=).")
     is_function_calling_model: bool = Field(default=False, description="Whether agents may call tools through this LLM.")

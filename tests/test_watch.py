@@ -1,0 +1,132 @@
+"""The watched prefill (trimkit/planning/watch.py, the pipeline's WatchedPrefill): a fake engine
+whose speed changes in the middle of a prefill, on a fake clock — exact, no wall-clock time."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+import trimkit
+from tests._core_helpers import TRUE_MODEL, make_profile
+from trimkit.planning.watch import FIRST_STEP_TOKENS, MAX_REPLANS, PrefillWatch
+from trimkit.testing import FakeBackend, FakeClock
+
+WORDS = "the harbour records list every vessel with its tonnage, its crew and the day it first sailed from the quay".split()
+
+
+def chunk_text(i: int, words: int = 120) -> str:
+    return f"Record {i}: " + " ".join(WORDS[(i + j) % len(WORDS)] for j in range(words)) + "."
+
+
+def rag_request(n_chunks: int = 20) -> tuple[list[dict], list[trimkit.Chunk]]:
+    messages = [{"role": "system", "content": "Answer from the records."},
+                {"role": "user", "content": "Which vessel sailed first from the quay?"}]
+    chunks = [trimkit.Chunk(text=chunk_text(i), score=1.0 - i / 20, id=f"doc-{i}") for i in range(n_chunks)]
+    return messages, chunks
+
+
+def wrapped(pace=None, *, watch: bool = True):
+    clock = FakeClock()
+    fake = FakeBackend(TRUE_MODEL, clock=clock, n_ctx=16384, first_token_s=0.02, pace=pace)
+    chat = trimkit.wrap(fake, profile=make_profile(), clock=clock, summarizer=None, watch_prefill=watch)
+    return fake, chat
+
+
+def untrimmed_ttft(n_chunks: int = 20) -> float:
+    fake, chat = wrapped(watch=False)
+    messages, chunks = rag_request(n_chunks)
+    chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4)
+    return chat.last_report.predicted_ttft_before_s
+
+
+@pytest.mark.parametrize("slower", [2.0, 4.0])
+def test_a_host_that_slows_down_mid_prefill_is_replanned_inside_the_budget(slower):
+    budget = 0.8 * untrimmed_ttft(40)
+    messages, chunks = rag_request(40)
+    # calibrated speed for the steps that start in the first 500 tokens of the ~6,000-token
+    # prompt, then `slower` times slower
+    fake, chat = wrapped(pace=lambda position: 1.0 if position < 500 else slower)
+    given, given_chunks = copy.deepcopy(messages), copy.deepcopy(chunks)
+    chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4, ttft_budget_s=budget)
+    r = chat.last_report
+    assert messages == given and chunks == given_chunks  # the caller's data is untouched
+    assert r.watched and 1 <= len(r.replans) <= MAX_REPLANS
+    assert r.measured_ttft_s <= budget
+    # no token evaluated twice: every step starts where the context's kept prefix ends
+    spans = fake.steps
+    assert all(b >= 0 for b, _ in spans)
+    assert sum(e - b for b, e in spans) == r.measurement.evaluated_tokens
+    covered = set()
+    for b, e in spans:
+        assert not covered & set(range(b, e)), "a token was evaluated twice"
+        covered |= set(range(b, e))
+    # the report says what happened
+    x = r.replans[0]
+    assert x.pace > 1.5 and x.dropped
+    text = str(r)
+    assert "re-planned after" in text and f"{x.pace:.2f}× the predicted time" in text
+    assert r.to_dict()["replans"][0]["evaluated_tokens"] == x.evaluated_tokens
+    assert "replans=" in r.log_line()
+    # the system prompt and the question reach the engine
+    sent = fake.calls[-1][0]
+    assert sent[0]["content"] == "Answer from the records."
+    assert "Which vessel sailed first from the quay?" in sent[-1]["content"]
+
+
+def test_the_open_loop_arm_misses_where_the_watch_holds():
+    budget = 0.8 * untrimmed_ttft()
+    messages, chunks = rag_request()
+    fake, chat = wrapped(pace=lambda position: 1.0 if position < 600 else 4.0, watch=False)
+    chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4, ttft_budget_s=budget)
+    r = chat.last_report
+    assert not r.watched and not r.replans
+    assert r.measured_ttft_s > budget
+
+
+def test_on_pace_nothing_is_replanned_and_the_plan_is_sent_as_made():
+    budget = 0.8 * untrimmed_ttft()
+    messages, chunks = rag_request()
+    fake, chat = wrapped()
+    chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4, ttft_budget_s=budget)
+    r = chat.last_report
+    assert r.watched and r.replans == ()
+    assert r.budget_met
+    assert len(fake.steps) >= 2 and fake.steps[0][1] - fake.steps[0][0] == FIRST_STEP_TOKENS
+    assert "on pace, no re-plan" in str(r)
+
+
+def test_a_request_without_a_budget_or_too_short_is_not_watched():
+    fake, chat = wrapped()
+    chat.create_chat_completion(messages=[{"role": "user", "content": "hi"}], max_tokens=2, ttft_budget_s=5.0)
+    assert not chat.last_report.watched and fake.steps == []
+    messages, chunks = rag_request()
+    chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=2)
+    assert not chat.last_report.watched and fake.steps == []
+
+
+def test_a_faster_host_is_never_replanned_and_its_steps_feed_the_one_speed_estimate():
+    budget = 0.8 * untrimmed_ttft()
+    messages, chunks = rag_request()
+    fake, chat = wrapped(pace=lambda position: 0.5)
+    before = chat.engine.speed.observations
+    chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4, ttft_budget_s=budget)
+    assert chat.last_report.replans == ()
+    assert chat.engine.speed.observations - before == len(fake.steps)
+    assert chat.profile.drift < 1.0
+
+
+def test_the_watch_projects_at_the_measured_pace():
+    profile = make_profile()
+    tokens = list(range(2000))
+    w = PrefillWatch(tokens, 0, profile, budget_s=10.0, margin=0.0, n_batch=512)
+    assert w.next_end() == FIRST_STEP_TOKENS
+    w.record(FIRST_STEP_TOKENS, 2 * profile.predict_prefill_s(FIRST_STEP_TOKENS, 0))
+    assert w.pace == pytest.approx(2.0)
+    # the rest as a part of one prefill of the whole prompt (its fixed cost was in the first step)
+    rest = profile.predict_prefill_s(2000, 0) - profile.predict_prefill_s(FIRST_STEP_TOKENS, 0)
+    assert w.projected_ttft_s(0.1) == pytest.approx(0.1 + 2 * rest + profile.first_token_overhead_s(2000))
+    assert w.next_end() == FIRST_STEP_TOKENS + 512
+    # a sliver is never left for a step of its own
+    w.position = 2000 - FIRST_STEP_TOKENS - 1
+    assert w.next_end() == 2000

@@ -1,0 +1,231 @@
+"""The watched prefill: measure the pace of *this* request while it runs, and decide again.
+
+A plan made before sending rests on a prediction, and the host's speed moves between requests.
+But llama.cpp evaluates a prompt in steps, and trimkit lays the prompt out from most stable to
+least stable (system, pinned documents, summary, history, this turn's chunks, the question), so
+after the first step of a request its pace is known while most of the prompt is still ahead —
+and what has been evaluated is what a second plan keeps, already in the KV cache.
+
+:class:`PrefillWatch` is the decision, with no I/O: it says where each step ends
+(:meth:`~PrefillWatch.next_end`: the first step short, :data:`FIRST_STEP_TOKENS`, the later ones
+``n_batch``), takes each step's measured time (:meth:`~PrefillWatch.record`), and after each step
+projects the first token: the time spent, plus the rest of the prompt at the pace measured so far
+(measured ÷ predicted over this request's steps), plus the first-token overhead. When that is
+over the budget less the margin for what follows the last step, it asks for a re-plan
+(:meth:`~PrefillWatch.over_budget`); the caller plans the rest of the request for the time left at
+the measured pace (:meth:`~PrefillWatch.paced_profile`), with the evaluated prefix as its cache —
+first by cutting the plan's chunks from the end (:func:`cut_chunks`: what is evaluated stays,
+the least valuable chunks go), and only when that cannot fit by planning the whole request again
+(which may drop history turns, and with them the cache after them) — and the watch goes on over
+the new prompt (:meth:`~PrefillWatch.continue_with`). At most
+:data:`MAX_REPLANS` re-plans a request. The driver is
+:class:`~trimkit.pipeline.WatchedPrefill`; the engine's side is
+:meth:`~trimkit.backends.base.Backend.evaluate_to`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from trimkit.messages import last_user_index, with_chunks
+from trimkit.profile import Profile
+from trimkit.tokens import common_prefix_len
+
+__all__ = ["PrefillWatch", "WatchStep", "Replan", "Cut", "cut_chunks", "FIRST_STEP_TOKENS", "MAX_REPLANS", "MIN_WATCHED_TOKENS"]
+
+#: the first step: short, so the first reading of the pace comes early, and long enough that its
+#: fixed cost does not swamp the per-token pace (benchmarks/closed_loop.py measures its cost)
+FIRST_STEP_TOKENS = 64
+#: at most this many re-plans a request (each costs a plan: milliseconds)
+MAX_REPLANS = 2
+#: prompts with fewer new tokens than this are sent unwatched: one step would be the whole prompt
+MIN_WATCHED_TOKENS = 2 * FIRST_STEP_TOKENS
+#: the pace is read over this many latest steps
+PACE_STEPS = 2
+
+
+@attrs.frozen
+class WatchStep:
+    """One step of a watched prefill: ``new_tokens`` evaluated after ``cached_tokens`` in
+    ``seconds``, against ``predicted_s`` (the profile in force when the request was planned)."""
+
+    new_tokens: int
+    cached_tokens: int
+    seconds: float
+    predicted_s: float
+
+
+@attrs.frozen
+class Replan:
+    """One re-plan: after ``evaluated_tokens`` of the ``prompt_tokens`` prompt, ``elapsed_s`` into
+    the request, the pace was ``pace`` × the prediction; the TTFT projected then, and the plan that
+    replaced it (its prompt length and prediction)."""
+
+    evaluated_tokens: int
+    prompt_tokens: int
+    elapsed_s: float
+    pace: float
+    projected_ttft_s: float
+    predicted_ttft_before_s: float
+    predicted_ttft_after_s: float
+    prompt_tokens_after: int
+    dropped: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        """The sentence the report prints."""
+        dropped = f"; dropped {', '.join(self.dropped)}" if self.dropped else ""
+        return (f"re-planned after {self.evaluated_tokens:,} of {self.prompt_tokens:,} prompt tokens: this request prefilled at "
+                f"{self.pace:.2f}× the predicted time (first token projected at {self.projected_ttft_s:.3f} s); prompt → "
+                f"{self.prompt_tokens_after:,} tokens, predicted TTFT {self.predicted_ttft_before_s:.3f} s → "
+                f"{self.predicted_ttft_after_s:.3f} s{dropped}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+class PrefillWatch:
+    """The decisions of one watched prefill (see the module docstring).
+
+    ``tokens``: the prompt; ``cached``: its prefix already in the engine's context; ``profile``:
+    the profile it was planned with (its speed factor included); ``budget_s``: the TTFT budget
+    (the whole request's, from sending); ``margin``: the share of the budget held back for what
+    follows the last step; ``n_batch``: the engine's batch (later steps are this long)."""
+
+    def __init__(self, tokens: Sequence[int], cached: int, profile: Profile, budget_s: float, *, margin: float, n_batch: int,
+                 first_step_tokens: int = FIRST_STEP_TOKENS, replans: int = 0) -> None:
+        self.tokens = tuple(tokens)
+        self.cached = max(min(int(cached), len(self.tokens) - 1), 0)
+        self.profile = profile
+        self.budget_s = float(budget_s)
+        self.margin = float(margin)
+        self.n_batch = max(int(n_batch), 1)
+        self.first_step_tokens = max(min(int(first_step_tokens), self.n_batch), 1)
+        self.replans = replans
+        self.steps: list[WatchStep] = []
+        #: how far the context holds this prompt (its evaluated prefix)
+        self.position = self.cached
+        #: where this request's evaluation began: its steps are priced as parts of one prefill
+        #: from here, as the planner priced the prompt
+        self.origin = self.cached
+
+    @property
+    def watched(self) -> bool:
+        """Whether this prompt is long enough to watch (else it is sent in one piece)."""
+        return len(self.tokens) - self.cached >= MIN_WATCHED_TOKENS
+
+    def next_end(self) -> int | None:
+        """Where the next step ends (a token index), or None when the whole prompt is evaluated."""
+        n = len(self.tokens)
+        if self.position >= n:
+            return None
+        size = self.first_step_tokens if not self.steps else self.n_batch
+        end = min(self.position + size, n)
+        if n - end < self.first_step_tokens:  # never leave a sliver for a step of its own
+            end = n
+        return end
+
+    def record(self, end: int, seconds: float, start: int | None = None) -> None:
+        """The step to ``end`` took ``seconds`` (``start``: where it began, if the engine had to
+        start earlier than :attr:`position` — a prefix it could not keep)."""
+        start = self.position if start is None else start
+        if start < self.origin:  # the engine could not keep the prefix: one prefill from there
+            self.origin = start
+        new = max(end - start, 1)
+        self.steps.append(WatchStep(new, start, float(seconds), self._part_s(start, end)))
+        self.position = end
+
+    def _part_s(self, start: int, end: int) -> float:
+        """The predicted time of tokens ``start``–``end`` as a part of one prefill from
+        :attr:`origin` (the planner's prediction of the whole, split: the fixed cost in its
+        first part)."""
+        def upto(i: int) -> float:
+            return self.profile.predict_prefill_s(i - self.origin, self.origin) if i > self.origin else 0.0
+        return max(upto(end) - upto(start), 0.0)
+
+    @property
+    def pace(self) -> float:
+        """Measured ÷ predicted of this request's latest step when it was a long one (at least
+        half a batch), else over its last :data:`PACE_STEPS` steps (1 before the first): recent
+        enough to follow a host that slows down while the prompt runs, long enough that one short
+        step's jitter does not decide alone."""
+        last = self.steps[-1:]
+        recent = last if last and last[0].new_tokens * 2 >= self.n_batch else self.steps[-PACE_STEPS:]
+        predicted = sum(s.predicted_s for s in recent)
+        measured = sum(s.seconds for s in recent)
+        return measured / predicted if predicted > 0 and measured > 0 else 1.0
+
+    def projected_ttft_s(self, elapsed_s: float) -> float:
+        """When the first token comes if the rest of the prompt runs at :attr:`pace`."""
+        n = len(self.tokens)
+        prefill = self._part_s(self.position, n) * self.pace if n > self.position else 0.0
+        return elapsed_s + prefill + self.profile.first_token_overhead_s(n)
+
+    def over_budget(self, elapsed_s: float) -> bool:
+        """Whether the projection says the first token comes too late and a re-plan may still
+        help: some prompt is left to decide on, and re-plans are left."""
+        if self.replans >= MAX_REPLANS or self.position >= len(self.tokens):
+            return False
+        return self.projected_ttft_s(elapsed_s) > self.budget_s * (1.0 - self.margin)
+
+    def paced_profile(self) -> Profile:
+        """The profile at this request's measured pace (what the rest of it will run at)."""
+        return attrs.evolve(self.profile, drift=self.profile.drift * self.pace)
+
+    def continue_with(self, tokens: Sequence[int], *, held: int | None = None) -> PrefillWatch:
+        """The watch over a re-planned prompt ``tokens``: what the context holds of it (``held``,
+        else the common prefix with the evaluated part) is its cache; its steps keep this one's,
+        and its pace is read against the same profile."""
+        kept = common_prefix_len(self.tokens[: self.position], tokens) if held is None else held
+        nxt = PrefillWatch(tokens, kept, self.profile, self.budget_s, margin=self.margin, n_batch=self.n_batch,
+                           first_step_tokens=self.first_step_tokens, replans=self.replans + 1)
+        nxt.steps = list(self.steps)
+        nxt.position = min(kept, len(tuple(tokens)))
+        nxt.origin = min(self.origin, nxt.position)
+        return nxt
+
+
+@attrs.frozen
+class Cut:
+    """A re-planned prompt: the plan's first ``kept`` chunks, its messages and tokens, what the
+    context holds of it and its predicted TTFT from now."""
+
+    kept: int
+    messages: Sequence[Any]
+    tokens: Sequence[int]
+    cached: int
+    predicted_s: float
+
+
+def cut_chunks(plan: Any, original_last_user: Mapping[str, Any], price: Callable[[Sequence[Any]], tuple[Sequence[int], int, float]],
+               target_s: float, rag_template: str, rag_chunk_template: str) -> Cut | None:
+    """The re-plan that keeps the evaluated prefix: the plan's prompt with only its first ``j``
+    chunks (they are placed most valuable first, so the ones cut are the least valuable and the
+    last to be evaluated), ``j`` the most whose predicted TTFT from now fits ``target_s``.
+    ``price(messages) -> (tokens, cached, predicted_s)`` prices a prompt against the engine's
+    context at the measured pace. None when the plan has no chunk to cut or even none fits."""
+    kept = tuple(getattr(plan, "kept_chunks", ()))
+    if not kept:
+        return None
+    where = last_user_index(plan.messages)
+
+    def cut(j: int) -> Cut:
+        messages = list(plan.messages)
+        messages[where] = with_chunks(original_last_user, kept[:j], rag_template, rag_chunk_template) if j else dict(original_last_user)
+        tokens, cached, predicted = price(messages)
+        return Cut(j, messages, tokens, cached, predicted)
+
+    lo, hi = 0, len(kept) - 1  # the largest j in [lo, hi] that fits: TTFT grows with j
+    best = cut(0)
+    if best.predicted_s > target_s:
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        c = cut(mid)
+        if c.predicted_s <= target_s:
+            lo, best = mid, c
+        else:
+            hi = mid - 1
+    return best
