@@ -15,7 +15,8 @@ import random
 import pytest
 
 from trimkit.architecture import attention_doubling_prior, idle_expert_params, llama_attention_prior
-from trimkit.calibration import _fit, calibrate, refit_profile
+from trimkit.calibration import _fit, calibrate
+from trimkit.planning.drift import LiveProfile
 from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError
 from trimkit.planning.costs import PROBE_NOISE, PROBE_NOISE_FLOOR, CostModel, PrefillSample, fit_cost_model, probe_noise
 from trimkit.profile import Profile
@@ -171,17 +172,19 @@ def test_an_implausible_term_falls_back_to_the_prior_where_known(caplog):
     assert model.prefill_s(1000) < 3 * model.per_token_s * 1000
 
 
-def test_calibration_records_the_prior_and_refits_keep_it(isolated_cache):
+def test_calibration_records_the_prior_and_live_refits_keep_it(isolated_cache):
     truth = CostModel(overhead_s=0.01, per_token_s=0.004, depth_s=0.004 / 2500)
     fake = FakeBackend(truth, attention_prior_tokens=2500.0)
     profile = calibrate(fake, mode="micro")
     assert profile.attention_prior_tokens == 2500.0 and profile.depth_prior_tokens == 2500.0
     again = Profile.from_dict(profile.to_dict())
     assert again.attention_prior_tokens == 2500.0
-    refit = refit_profile(profile, [PrefillSample(64, 0, truth.prefill_s(64))])
-    assert refit.attention_prior_tokens == 2500.0
+    live = LiveProfile(profile)
+    for n in (64, 900, 64):
+        live.observe(n, 0, truth.prefill_s(n))
+    assert live.current.attention_prior_tokens == 2500.0
     # the fake engine is exact, so the fit on it matches it; the prior agrees and changes nothing
-    assert refit.model.prefill_s(4096) == pytest.approx(truth.prefill_s(4096), rel=0.05)
+    assert live.current.predict_prefill_s(4096) == pytest.approx(truth.prefill_s(4096), rel=0.05)
     plain = calibrate(FakeBackend(truth), mode="micro", store=False, recalibrate=True)
     assert plain.attention_prior_tokens == 0.0 and plain.depth_prior_tokens is None
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests._core_helpers import exact_predictor
 
-from trimkit.calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, calibrate, refit_profile, remaining_probes
+from trimkit.calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, calibrate
 from trimkit.calibration_schedule import (
     MODES,
     choose_top,
@@ -206,7 +206,6 @@ def test_the_schedule_shrinks_as_the_host_slows():
 def test_a_fast_host_gets_the_unbounded_schedule_and_leaves_time_over():
     backend = HostFake(LINEAR, slowdown=0.01, n_ctx=8192)
     profile, took = elapsed(backend, mode="full")
-    assert not remaining_probes(profile, 8192)
     assert took < 0.2 * FULL_BUDGET_S
     assert not profile.first_token_estimated and backend.first_token_calls == 1
     assert backend.decode_calls[-1] == MODES["full"].max_decode_tokens
@@ -382,51 +381,6 @@ def test_a_stored_profile_serves_a_mode_at_most_as_thorough(isolated_cache, stor
     else:
         assert profile.mode == wanted and again.clock() > again.started
         assert load_profile(again.profile_key()).mode == wanted
-
-
-# -- idle probing's helpers -----------------------------------------------------------------------
-
-
-def test_remaining_probes_are_what_a_full_calibration_lacks_cheapest_first():
-    profile, _ = elapsed(HostFake(STEEP, n_ctx=4096), mode="micro")
-    todo = remaining_probes(profile, 4096)
-    assert todo
-    held = {(s.new_tokens, s.cached_tokens) for s in profile.samples}
-
-    def cost(p):
-        return profile.predict_prefill_s(p.new_tokens, p.cached_tokens) + (profile.predict_prefill_s(p.cached_tokens) if p.cached_tokens else 0)
-
-    assert [cost(p) for p in todo] == sorted(cost(p) for p in todo)
-    assert all(p.repeats >= 1 for p in todo)
-    assert remaining_probes(profile, 64) == []
-    # measuring them all (as idle probing does, one at a time) completes the calibration
-    refined = profile
-    grew = []
-    while todo := remaining_probes(refined, 4096):
-        p = todo[0]
-        refined = refit_profile(refined, [PrefillSample(p.new_tokens, p.cached_tokens, STEEP.prefill_s(p.new_tokens, p.cached_tokens))])
-        grew.append(refined.probed_range())
-    assert grew == sorted(grew) and grew[-1] > profile.probed_range()
-    assert refined.error.n == len(refined.samples) > len(profile.samples)
-    assert held <= {(s.new_tokens, s.cached_tokens) for s in refined.samples}
-    assert refined.mode == "micro"  # the caller says when it is complete (refit_profile(..., mode="full"))
-    assert refit_profile(refined, [], mode="full").mode == "full"
-
-
-def test_refit_profile_refits_and_checks_its_samples():
-    profile, _ = elapsed(HostFake(STEEP, n_ctx=8192), mode="micro")
-    far = PrefillSample(2048, 2048, STEEP.prefill_s(2048, 2048))
-    refined = refit_profile(profile, [far])
-    assert refined.samples == profile.samples + (far,)
-    assert refined.probed_range() == (2048, 4096) == (refined.probed_new_tokens, refined.probed_context_tokens)
-    assert not refined.extrapolated(2048, 2048) and profile.extrapolated(2048, 2048)
-    assert refined.predict_prefill_s(2048, 2048) == pytest.approx(far.seconds, rel=0.02)
-    assert len(refined.residuals) == len(refined.samples)
-    assert (refined.key, refined.first_token_s, refined.created_at) == (profile.key, profile.first_token_s, profile.created_at)
-    with pytest.raises(InvalidInputError, match="PrefillSample"):
-        refit_profile(profile, [(16, 0, 0.1)])
-    with pytest.raises(InvalidInputError, match="mode"):
-        refit_profile(profile, [far], mode="fast")
 
 
 # -- the command line ----------------------------------------------------------------------------

@@ -125,7 +125,7 @@ def calibrate(
         if stored is not None and _satisfies(stored, name):
             log.info("trimkit: reusing stored %s profile for %s", stored.mode, key.model)
             if not stored.attention_prior_tokens and backend.attention_prior_tokens:
-                # stored before profiles kept the prior: its later refits (idle probes, live) lean on it
+                # stored before profiles kept the prior: its later (live) refits lean on it
                 stored = attrs.evolve(stored, attention_prior_tokens=backend.attention_prior_tokens)
             return stored
 

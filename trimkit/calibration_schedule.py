@@ -9,7 +9,7 @@ tested on a fake host of any speed:
 - a :class:`Mode` (``micro`` / ``quick`` / ``full``) is a *shape*: which cold lengths sit below
   the top one, how often each is repeated, which depth probes follow it, and the largest top;
 - :func:`schedule` is that shape at one top length ``L``; :func:`calibration_probes` is the
-  shape with unlimited time (what idle probing works toward);
+  shape with unlimited time;
 - :class:`CostPredictor` predicts the wall time of a probe from the ones measured so far,
   conservatively (a measured rate, with an allowance for attention growing with context beyond
   the context probed so far), and learns how much slower than predicted the host runs;

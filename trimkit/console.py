@@ -81,7 +81,7 @@ def profile_lines(profile: Profile) -> list[str]:
         + f" · {decode_text(profile)}",
         f"  calibrated in {profile.calibration_wall_s:.1f} s ({profile.mode}"
         + (f", time budget {profile.time_budget_s:g} s" if profile.time_budget_s else "")
-        + (", provisional: it improves from requests and idle probes" if profile.provisional else "") + ")",
+        + (", provisional: it improves from requests" if profile.provisional else "") + ")",
         f"  probed up to {profile.probed_new_tokens:,} new tokens and {profile.probed_context_tokens:,} tokens of context; "
         "predictions beyond are extrapolated and get a wider margin",
     ]

@@ -179,8 +179,9 @@ class OpenAIFrontEnd(FrontEnd):
     (``profile``, ``strategies``, ``on_infeasible``, ``tokens_per_s_target``, ...) to the :class:`~trimkit.pipeline.Pipeline`.
     Without a ``profile`` the stored one for this endpoint is used, else a micro-calibration
     (about 3 s; ``calibration="quick"`` or ``"full"`` for more) runs against the server now; the
-    provisional profile then improves from every request the server reports timings for. A
-    server gets no idle probes: a probe sent to it cannot be called back.
+    provisional profile then improves from every request the server reports timings for.
+    Requests to a server are planned once, before sending (open loop): nothing watches their
+    prefill, so the safety margin covers the whole prediction.
     """
 
     #: whether the wrapped client's calls are awaited

@@ -532,8 +532,6 @@ class WatchedPrefill:
         while (end := watch.next_end()) is not None:
             seconds, start = evaluate(watch.tokens, end)
             watch.record(end, seconds, start)
-            if seconds > 0:
-                pipeline.engine.live.observe_step(end - start, start, seconds)
             if watch.over_budget(clock() - t0):
                 replanned = pipeline.replan(self.prepared, watch, clock() - t0 + self.waited_s)
                 if replanned is None:  # it fits as planned after all (or nothing to plan from): one try spent
@@ -541,4 +539,7 @@ class WatchedPrefill:
                     continue
                 self.prepared = replanned
                 watch = watch.continue_with(replanned.prompt_tokens, held=pipeline.backend.predict_cached_tokens(replanned.prompt_tokens))
+        new, cached, so_far = watch.prefill_so_far
+        if so_far > 0 and new > 0:  # the whole evaluation as one prefill: the speed estimate's sample
+            pipeline.engine.live.observe_step(new, cached, so_far)
         return self.prepared.messages, self.prepared.prompt_tokens

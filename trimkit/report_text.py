@@ -114,7 +114,7 @@ def _profile_note(r: Any) -> str:
         notes.append("provisional (a micro-calibration, improving from each request)")
     if r.extrapolated:
         notes.append("prompt beyond the lengths it has measured (extrapolated)")
-    wider = " — wider safety margin" if r.ttft_budget_s is not None else ""
+    wider = " — wider safety margin" if r.ttft_budget_s is not None and r.extrapolated else ""
     return " · ".join(notes) + wider
 
 

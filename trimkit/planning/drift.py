@@ -76,10 +76,18 @@ def calibration_seed(profile: Profile) -> list[PrefillSample]:
     """What the speed estimate starts from: the larger half of the calibration's samples (a
     small probe's time is mostly fixed overhead and its jitter, which says nothing of a request
     large enough to need a budget), at the profile's stored speed factor."""
-    calib = [s for s in profile.samples if s.source == "calibration" and s.seconds > 0]
-    if len(calib) >= 4:
-        cut = sorted(profile.model.prefill_s(s.new_tokens, s.cached_tokens) for s in calib)[len(calib) // 2]
-        calib = [s for s in calib if profile.model.prefill_s(s.new_tokens, s.cached_tokens) >= cut]
+    priced = []
+    for s in profile.samples:
+        try:
+            predicted = profile.model.prefill_s(s.new_tokens, s.cached_tokens)
+        except (ValueError, ArithmeticError):  # a stored sample no model can price: left out
+            continue
+        if s.source == "calibration" and s.seconds > 0 and math.isfinite(predicted):
+            priced.append((predicted, s))
+    calib = [s for _, s in priced]
+    if len(priced) >= 4:
+        cut = sorted(p for p, _ in priced)[len(priced) // 2]
+        calib = [s for p, s in priced if p >= cut]
     if profile.drift != 1.0:
         calib = [attrs.evolve(s, seconds=s.seconds * profile.drift) for s in calib]
     return calib
@@ -126,13 +134,19 @@ class LiveProfile:
         """The calibration this live state started from."""
         return self._calibration
 
-    def speed_factor(self) -> float:
-        """How many times slower than calibrated the host runs now (the profile's ``drift``)."""
-        return self._profile.drift
+    def speed_factor(self, new_tokens: int | None = None, cached_tokens: int = 0) -> float:
+        """How many times slower than calibrated the host runs now for ``new_tokens`` (default:
+        one batch) after ``cached_tokens``: the prediction as served (the model after live
+        refits, times the speed factor) over the calibration's own model."""
+        profile = self._profile
+        n = max(int(new_tokens if new_tokens is not None else (profile.model.n_batch or 512)), 1)
+        now = profile.model.prefill_s(n, cached_tokens) * profile.drift
+        then = self._calibration.model.prefill_s(n, cached_tokens) * self._calibration.drift
+        return now / then if now > 0 and then > 0 else 1.0
 
     def observe_step(self, new_tokens: int, cached_tokens: int, measured_s: float) -> None:
-        """One step of a watched prefill: its pace joins the speed estimate (not the refit, which
-        takes whole requests)."""
+        """A watched prefill, as one prefill of what it evaluated: it joins the speed estimate
+        (its whole request joins the refit after the response, :meth:`observe`)."""
         sample = self._sample(new_tokens, cached_tokens, measured_s)
         if sample is None:
             return

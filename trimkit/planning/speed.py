@@ -4,13 +4,15 @@ A host's speed moves between requests (another process, thermal throttling, a po
 mode), so every prediction is the cost model's times a **speed factor**. There is one source of
 it: :class:`SpeedEstimate` keeps the last :data:`WINDOW` measured prefills of one engine —
 calibration's probes to start with, then every served request (open loop: a server) and every
-step of a watched prefill (closed loop, :mod:`trimkit.planning.watch`) — as samples, and reads
+watched prefill (closed loop, :mod:`trimkit.planning.watch`) — as samples, and reads
 them against the current cost model:
 
-- its **middle** (the median of measured ÷ predicted) is the speed factor the profile predicts
-  with (:attr:`Profile.drift`);
+- its **middle** (the median of measured ÷ predicted over the latest :data:`FACTOR_WINDOW`) is
+  the speed factor the profile predicts with (:attr:`Profile.drift`);
 - the **spread** around that middle sets the safety margin: the ``target`` quantile (default
-  0.97) of ratio ÷ factor, as the fraction of a budget that would have absorbed it. In process,
+  0.97) of ratio ÷ factor over the whole window, as the fraction of a budget that would have
+  absorbed it (after a slowdown the older, faster ratios fall below the new middle and widen
+  nothing; after a speed-up the older, slower ones widen it until they leave the window). In process,
   where the watched prefill re-plans with the measured pace, the margin only has to cover the
   stretch after the last step (:meth:`margin` with ``share`` < 1); over a server it covers the
   whole prediction;
@@ -36,6 +38,7 @@ from trimkit.planning.costs import CostModel, PrefillSample
 __all__ = [
     "SpeedEstimate",
     "WINDOW",
+    "FACTOR_WINDOW",
     "DEFAULT_TARGET",
     "MARGIN_FLOOR",
     "MARGIN_CAP",
@@ -47,9 +50,11 @@ __all__ = [
 
 log = logging.getLogger("trimkit")
 
-#: measured prefills kept per engine: a watched request gives one per step (2–6), so this is a
-#: few requests back — a step of the host's speed moves the middle within 2–3 requests
+#: measured prefills kept per engine (one a request): the spread the margin reads
 WINDOW = 24
+#: the speed factor is the middle of this many latest: a step of the host's speed is followed
+#: after 3 requests, one request's hiccup moves nothing
+FACTOR_WINDOW = 5
 #: the share of budgeted requests whose TTFT should stay inside the budget
 DEFAULT_TARGET = 0.97
 #: the margin never drops below this, nor rises above the cap (beyond it trimming would throw
@@ -89,8 +94,11 @@ def usable_cores() -> int | None:
 
 
 def _ratio(model: CostModel, s: PrefillSample) -> float | None:
-    predicted = model.prefill_s(s.new_tokens, s.cached_tokens)
-    if not (predicted > 0 and s.seconds > 0 and math.isfinite(s.seconds)):
+    try:
+        predicted = model.prefill_s(s.new_tokens, s.cached_tokens)
+    except (ValueError, ArithmeticError):
+        return None
+    if not (math.isfinite(predicted) and predicted > 0 and s.seconds > 0 and math.isfinite(s.seconds)):
         return None
     return min(max(s.seconds / predicted, 1.0 / RATIO_CLIP), RATIO_CLIP)
 
@@ -131,8 +139,9 @@ class SpeedEstimate:
         return [r for r in (_ratio(model, s) for s in self.samples) if r is not None]
 
     def factor(self, model: CostModel) -> float:
-        """The speed factor: the median of :meth:`ratios` (1 when nothing was measured)."""
-        ratios = self.ratios(model)
+        """The speed factor: the median of the latest :data:`FACTOR_WINDOW` :meth:`ratios` (1
+        when nothing was measured)."""
+        ratios = self.ratios(model)[-FACTOR_WINDOW:]
         return statistics.median(ratios) if ratios else 1.0
 
     def margin(self, model: CostModel, target: float = DEFAULT_TARGET, *, fallback: float, share: float = 1.0) -> float:
@@ -144,7 +153,7 @@ class SpeedEstimate:
         if len(ratios) < 4:
             spread_ratio = 1.0 / (1.0 - fallback)
         else:
-            middle = statistics.median(ratios)
+            middle = statistics.median(ratios[-FACTOR_WINDOW:])
             spread_ratio = quantile((r / middle for r in ratios), target)
         share = min(max(share, 0.0), 1.0)
         return margin_for_ratio(1.0 + share * (spread_ratio - 1.0), floor=MARGIN_FLOOR * share if share < 1 else MARGIN_FLOOR)

@@ -146,6 +146,14 @@ class PrefillWatch:
         return max(upto(end) - upto(start), 0.0)
 
     @property
+    def prefill_so_far(self) -> tuple[int, int, float]:
+        """This request's evaluation so far as one prefill: (new tokens, cached before them,
+        seconds measured) from :attr:`origin` to :attr:`position` — what the speed estimate
+        learns, priced as the planner prices a prompt."""
+        seconds = sum(s.seconds for s in self.steps if s.cached_tokens >= self.origin)
+        return self.position - self.origin, self.origin, seconds
+
+    @property
     def pace(self) -> float:
         """Measured ÷ predicted of this request's latest step when it was a long one (at least
         half a batch), else over its last :data:`PACE_STEPS` steps (1 before the first): recent

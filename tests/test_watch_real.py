@@ -1,0 +1,70 @@
+"""The watched prefill on the real engine (llama-cpp-python in process): a profile made five times
+too optimistic on purpose sends a prompt that cannot fit; the watch measures the pace after its
+first step and re-plans. Nothing here asserts a wall-clock time: the counts are llama.cpp's own."""
+
+from __future__ import annotations
+
+import copy
+
+import attrs
+import pytest
+
+import trimkit
+from trimkit.backends.llama import LlamaBackend
+from trimkit.demo import load_corpus
+
+SYSTEM = {"role": "system", "content": "You answer questions about the town of Marrowby briefly."}
+QUESTION = "When was the lighthouse first lit?"
+
+
+@pytest.fixture
+def optimistic(llm, quick_profile):
+    """The quick profile, five times too optimistic: it predicts every prefill at a fifth of its time
+    (another calibration, as far as the engine's learned state goes)."""
+    return attrs.evolve(quick_profile, drift=quick_profile.drift / 5, created_at=quick_profile.created_at + 1)
+
+
+def request():
+    chunks = [trimkit.Chunk(text=d["text"], id=d["id"], score=1.0 - i / 100) for i, d in enumerate(load_corpus()[:14])]
+    return [SYSTEM, {"role": "user", "content": QUESTION}], chunks
+
+
+def test_a_five_times_optimistic_profile_is_replanned_and_the_evaluated_prefix_is_kept(llm, quick_profile, optimistic):
+    messages, chunks = request()
+    given = copy.deepcopy((messages, chunks))
+    # the budget: half of what the real engine needs for the whole request (by the true profile),
+    # which the optimistic profile thinks fits with room to spare
+    whole = trimkit.plan(messages, ttft_budget_s=1e6, profile=quick_profile, tokenizer=LlamaBackend(llm).tokenizer, rag_chunks=chunks)
+    budget = 0.5 * whole.predicted_ttft_s
+    chat = trimkit.wrap(llm, ttft_budget_s=budget, profile=optimistic, summarizer=None)
+    llm.reset()  # a cold context: the whole prompt is evaluated by this request
+    stream = chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=8, temperature=0.0, stream=True)
+    text = "".join((c["choices"][0]["delta"].get("content") or "") for c in stream)
+    r = stream.report
+    assert (messages, chunks) == given  # the caller's data is untouched
+    assert r.watched and 1 <= len(r.replans) <= 2
+    first = r.replans[0]
+    assert first.pace > 2.0  # measured: the profile priced it far too cheap
+    assert first.evaluated_tokens < first.prompt_tokens and first.dropped
+    # the evaluated prefix was reused: llama.cpp evaluated exactly the prompt sent, each token once
+    assert r.measurement.evaluated_tokens == r.prompt_tokens < r.prompt_tokens_before
+    # the completion is valid, and the system prompt and the question reached the model
+    assert text and r.measurement.finish_reason in ("stop", "length")
+    sent = stream.prepared.messages
+    assert sent[0] == SYSTEM and sent[-1]["content"].rstrip().endswith(QUESTION)
+    rendered = llm.detokenize(list(stream.prepared.prompt_tokens)).decode("utf-8", "ignore")
+    assert SYSTEM["content"] in rendered and QUESTION in rendered
+    kept = [c.id for c in stream.prepared.plan.kept_chunks]
+    assert kept == [c.id for c in chunks[: len(kept)]]  # the most relevant kept, in their order
+    assert "re-planned after" in str(r) and r.to_dict()["replans"]
+
+
+def test_on_a_true_profile_a_request_that_fits_is_watched_and_sent_as_planned(llm, quick_profile):
+    messages, chunks = request()
+    chat = trimkit.wrap(llm, ttft_budget_s=1e4, profile=quick_profile, summarizer=None)
+    llm.reset()
+    out = chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4, temperature=0.0)
+    r = chat.last_report
+    assert r.watched and r.replans == () and r.passthrough
+    assert r.measurement.evaluated_tokens == r.prompt_tokens
+    assert out["choices"][0]["message"]["content"] is not None
