@@ -74,19 +74,21 @@ def test_quantile_is_the_split_conformal_rank_or_the_largest():
 
 
 def test_the_factor_is_the_middle_of_the_recent_ratios():
-    est = SpeedEstimate(samples_at([1.0] * 4))
-    assert est.factor(TRUE_MODEL) == pytest.approx(1.0)
+    est = SpeedEstimate(samples_at([0.7] * 4), prior=1.0)
+    assert est.factor(TRUE_MODEL) == pytest.approx(1.0)  # calibration's samples shape the spread, not the speed
     for s in samples_at([1.5] * 5):
         est.observe(s)
     assert est.factor(TRUE_MODEL) == pytest.approx(1.5)  # the latest 5 say 1.5
     assert est.observations == 5
+    assert SpeedEstimate(prior=1.3).factor(TRUE_MODEL) == pytest.approx(1.3)  # a stored speed stands in
     est.observe(samples_at([1.0])[0])
     assert est.factor(TRUE_MODEL) == pytest.approx(1.5)  # one of them back: still the middle
 
 
 def test_one_outlier_does_not_move_the_factor():
-    est = SpeedEstimate(samples_at([1.0] * 8))
-    est.observe(samples_at([4.0])[0])
+    est = SpeedEstimate()
+    for s in samples_at([1.0] * 8 + [4.0]):
+        est.observe(s)
     assert est.factor(TRUE_MODEL) == pytest.approx(1.0)
 
 
@@ -110,7 +112,9 @@ def test_the_margin_is_the_spread_around_the_middle_and_narrows_for_a_watched_sh
     assert steady.margin(TRUE_MODEL, fallback=0.2) == pytest.approx(MARGIN_FLOOR)
     rng = random.Random(1)
     ratios = [rng.uniform(0.85, 1.35) for _ in range(WINDOW)]
-    noisy = SpeedEstimate(samples_at(ratios))
+    noisy = SpeedEstimate()
+    for s in samples_at(ratios):
+        noisy.observe(s)
     middle = sorted(ratios[-FACTOR_WINDOW:])[FACTOR_WINDOW // 2]
     q = quantile([r / middle for r in ratios], 0.97)
     assert noisy.margin(TRUE_MODEL, fallback=0.2) == pytest.approx(margin_for_ratio(q), rel=1e-6)
@@ -125,7 +129,9 @@ def test_too_few_measurements_fall_back_to_the_profiles_rule():
 
 
 def test_a_refit_model_rereads_every_sample():
-    est = SpeedEstimate(samples_at([1.0] * 6))
+    est = SpeedEstimate()
+    for s in samples_at([1.0] * 6):
+        est.observe(s)
     half = attrs.evolve(TRUE_MODEL, overhead_s=TRUE_MODEL.overhead_s / 2, per_token_s=TRUE_MODEL.per_token_s / 2, depth_s=TRUE_MODEL.depth_s / 2)
     assert est.factor(half) == pytest.approx(2.0)
 
@@ -145,9 +151,11 @@ def test_the_estimate_is_thread_safe():
     assert est.observations == 800 and est.factor(TRUE_MODEL) == pytest.approx(1.2)
 
 
-def test_refuses_a_bad_window():
+def test_refuses_a_bad_window_or_prior():
     with pytest.raises(ValueError):
         SpeedEstimate(window=0)
+    with pytest.raises(ValueError):
+        SpeedEstimate(prior=float("nan"))
 
 
 def test_the_seed_is_the_larger_half_of_the_calibration_at_its_stored_speed():

@@ -364,13 +364,6 @@ def test_the_report_compares_the_felt_ttft_wait_included():
     assert late.budget_met is False
 
 
-def test_the_margin_learns_the_felt_ratio():
-    state = EngineState(make_profile())
-    n = len(state.margin.ratios)
-    state.learn(Measurement(ttft_s=0.5, total_s=1.0, queue_s=0.5), 1.25, 1.0)
-    assert len(state.margin.ratios) == n + 1 and state.margin.ratios[-1] == pytest.approx(0.8)
-
-
 # -- nothing leaks ----------------------------------------------------------------------------------------
 
 

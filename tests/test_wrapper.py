@@ -358,7 +358,7 @@ def test_values_are_validated_and_used(fake):
 class BreakingFake(FakeBackend):
     """A fake whose stream breaks 0.5 s after its first content chunk, which comes 0.25 s after sending."""
 
-    def send(self, messages, params, *, prompt_tokens=None):
+    def send(self, messages, params, *, prompt_tokens=None, **kw):
         self.calls.append((list(messages), dict(params)))
 
         def chunks():

@@ -117,13 +117,13 @@ class LiveProfile:
         self._live: deque[PrefillSample] = deque(maxlen=keep_live)
         self._seen = 0
         #: the one estimate of this engine's speed
-        self.speed = SpeedEstimate(calibration_seed(profile))
+        self.speed = SpeedEstimate(calibration_seed(profile), prior=profile.drift)
         #: the decode points of recent requests (decode speed vs context), starting from those a
         #: stored refined profile kept
         self._decode_points: deque[DecodePoint] = deque((p for p in profile.decode_points if p.source == "live"), maxlen=KEEP_DECODE_POINTS)
         self._first_token: deque[tuple[int | None, float]] = deque(maxlen=KEEP_FIRST_TOKEN_POINTS)
         self._lock = threading.Lock()
-        self._profile = attrs.evolve(profile, model=profile.model, drift=self.speed.factor(profile.model))
+        self._profile = profile
 
     @property
     def current(self) -> Profile:

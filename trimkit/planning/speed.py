@@ -7,8 +7,9 @@ calibration's probes to start with, then every served request (open loop: a serv
 watched prefill (closed loop, :mod:`trimkit.planning.watch`) — as samples, and reads
 them against the current cost model:
 
-- its **middle** (the median of measured ÷ predicted over the latest :data:`FACTOR_WINDOW`) is
-  the speed factor the profile predicts with (:attr:`Profile.drift`);
+- its **middle** (the median of measured ÷ predicted over the latest :data:`FACTOR_WINDOW` live
+  measurements, a stored profile's factor standing in for those not seen yet) is the speed factor
+  the profile predicts with (:attr:`Profile.drift`);
 - the **spread** around that middle sets the safety margin: the ``target`` quantile (default
   0.97) of ratio ÷ factor over the whole window, as the fraction of a budget that would have
   absorbed it (after a slowdown the older, faster ratios fall below the new middle and widen
@@ -108,11 +109,15 @@ class SpeedEstimate:
     module docstring). ``seed``: calibration's samples (the held-out ones, or all), which stand
     in until served requests arrive."""
 
-    def __init__(self, seed: Iterable[PrefillSample] = (), *, window: int = WINDOW) -> None:
+    def __init__(self, seed: Iterable[PrefillSample] = (), *, window: int = WINDOW, prior: float = 1.0) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an int >= 1, got {window!r}")
+        if not (isinstance(prior, (int, float)) and not isinstance(prior, bool) and math.isfinite(prior) and prior > 0):
+            raise ValueError(f"prior must be a finite number > 0, got {prior!r}")
         self._samples: deque[PrefillSample] = deque(maxlen=window)
         self._live = 0
+        #: the speed factor that stands in for live ratios not yet seen (a stored profile's)
+        self.prior = float(prior)
         self._lock = threading.Lock()
         self._logged = False
         for s in seed:
@@ -139,10 +144,14 @@ class SpeedEstimate:
         return [r for r in (_ratio(model, s) for s in self.samples) if r is not None]
 
     def factor(self, model: CostModel) -> float:
-        """The speed factor: the median of the latest :data:`FACTOR_WINDOW` :meth:`ratios` (1
-        when nothing was measured)."""
-        ratios = self.ratios(model)[-FACTOR_WINDOW:]
-        return statistics.median(ratios) if ratios else 1.0
+        """The speed factor: the median of the latest :data:`FACTOR_WINDOW` live ratios, the
+        :attr:`prior` standing in for those not yet seen (calibration's samples shape the spread,
+        not the speed: the calibrated model already prices them)."""
+        with self._lock:
+            live = list(self._samples)[len(self._samples) - min(self._live, len(self._samples)):]
+        ratios = [r for r in (_ratio(model, s) for s in live[-FACTOR_WINDOW:]) if r is not None]
+        ratios += [self.prior] * (FACTOR_WINDOW - len(ratios))
+        return statistics.median(ratios)
 
     def margin(self, model: CostModel, target: float = DEFAULT_TARGET, *, fallback: float, share: float = 1.0) -> float:
         """The fraction of a budget to hold back so that ``target`` of the recent measurements,
@@ -153,7 +162,7 @@ class SpeedEstimate:
         if len(ratios) < 4:
             spread_ratio = 1.0 / (1.0 - fallback)
         else:
-            middle = statistics.median(ratios[-FACTOR_WINDOW:])
+            middle = self.factor(model)
             spread_ratio = quantile((r / middle for r in ratios), target)
         share = min(max(share, 0.0), 1.0)
         return margin_for_ratio(1.0 + share * (spread_ratio - 1.0), floor=MARGIN_FLOOR * share if share < 1 else MARGIN_FLOOR)
