@@ -135,3 +135,19 @@ def test_the_watch_projects_at_the_measured_pace():
     # a sliver is never left for a step of its own
     w.position = 2000 - FIRST_STEP_TOKENS - 1
     assert w.next_end() == 2000
+
+
+def test_a_short_first_steps_jitter_is_no_reason_to_cut_but_a_slow_host_is():
+    profile = make_profile(p90_pct=10.0)
+    tokens = list(range(3000))
+    whole = profile.predict_prefill_s(3000, 0) + profile.first_token_overhead_s(3000)
+    for pace, cut in ((1.08, False), (2.0, True)):
+        w = PrefillWatch(tokens, 0, profile, budget_s=1.02 * whole, margin=0.0, n_batch=512)
+        first = profile.predict_prefill_s(FIRST_STEP_TOKENS, 0)
+        w.record(FIRST_STEP_TOKENS, pace * first)
+        assert w.over_budget(pace * first) is cut
+    # after a full step the pace is taken as measured
+    w = PrefillWatch(tokens, 0, profile, budget_s=1.02 * whole, margin=0.0, n_batch=512)
+    w.record(FIRST_STEP_TOKENS, profile.predict_prefill_s(FIRST_STEP_TOKENS, 0))
+    w.record(FIRST_STEP_TOKENS + 512, 1.08 * w._part_s(FIRST_STEP_TOKENS, FIRST_STEP_TOKENS + 512))
+    assert w.pace == pytest.approx(1.08) and w.over_budget(1.08 * profile.predict_prefill_s(FIRST_STEP_TOKENS + 512, 0))

@@ -165,18 +165,31 @@ class PrefillWatch:
         measured = sum(s.seconds for s in recent)
         return measured / predicted if predicted > 0 and measured > 0 else 1.0
 
-    def projected_ttft_s(self, elapsed_s: float) -> float:
-        """When the first token comes if the rest of the prompt runs at :attr:`pace`."""
+    def projected_ttft_s(self, elapsed_s: float, *, pace: float | None = None) -> float:
+        """When the first token comes if the rest of the prompt runs at ``pace`` (default :attr:`pace`)."""
         n = len(self.tokens)
-        prefill = self._part_s(self.position, n) * self.pace if n > self.position else 0.0
+        pace = self.pace if pace is None else pace
+        prefill = self._part_s(self.position, n) * pace if n > self.position else 0.0
         return elapsed_s + prefill + self.profile.first_token_overhead_s(n)
 
     def over_budget(self, elapsed_s: float) -> bool:
         """Whether the projection says the first token comes too late and a re-plan may still
-        help: some prompt is left to decide on, and re-plans are left."""
+        help: some prompt is left to decide on, and re-plans are left. Read off a short step
+        alone (the first), the pace is discounted by the profile's own noise (its p90 held-out
+        error): a short probe's jitter is no reason to cut, a host twice as slow still is."""
         if self.replans >= MAX_REPLANS or self.position >= len(self.tokens):
             return False
-        return self.projected_ttft_s(elapsed_s) > self.budget_s * (1.0 - self.margin)
+        return self.projected_ttft_s(elapsed_s, pace=self.decision_pace) > self.budget_s * (1.0 - self.margin)
+
+    @property
+    def decision_pace(self) -> float:
+        """:attr:`pace`, discounted by the profile's noise while only short steps were measured."""
+        pace = self.pace
+        if any(s.new_tokens * 2 >= self.n_batch for s in self.steps):
+            return pace
+        err = self.profile.error.p90_pct
+        noise = min(max(err / 100.0, 0.05), 0.5) if err == err else 0.2  # nan: unknown
+        return max(pace / (1.0 + noise), min(pace, 1.0))
 
     def paced_profile(self) -> Profile:
         """The profile at this request's measured pace (what the rest of it will run at)."""
