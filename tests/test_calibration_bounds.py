@@ -25,7 +25,7 @@ from trimkit.calibration_schedule import (
 )
 from trimkit.cli import main
 from trimkit.errors import InvalidBudgetError, InvalidInputError, ProfileError
-from trimkit.planning.costs import CostModel, PrefillSample
+from trimkit.planning.costs import CostModel
 from trimkit.profile import Profile
 from trimkit.profile_store import load_profile
 from trimkit.testing import FakeBackend

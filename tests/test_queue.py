@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 import trimkit
-from trimkit.backends.base import Measurement, TimedStream
+from trimkit.backends.base import TimedStream
 from trimkit.backends.completion import chunk_content
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.lease import EngineLease
@@ -30,7 +30,6 @@ from trimkit.errors import (
     StreamInterruptedError,
 )
 from trimkit.planning.costs import CostModel
-from trimkit.planning.margin import EngineState
 from trimkit.planning.queue import (
     DEFAULT_ANSWER_TOKENS,
     MIN_PLAN_BUDGET_S,

@@ -387,7 +387,7 @@ class Pipeline:
                                 dropped_chunks=(*old.dropped_chunks, *gone), actions=(*old.actions, action), passthrough=False,
                                 prompt_tokens=len(cut.tokens), cached_tokens=cut.cached, new_tokens=len(cut.tokens) - cut.cached,
                                 predicted_ttft_s=spent_s + cut.predicted_s, feasible=True)
-            tokens, cached, predicted = cut.tokens, cut.cached, cut.predicted_s
+            tokens, predicted = cut.tokens, cut.predicted_s
             dropped = list(ids)
         else:  # no cut of the chunks fits: the whole request again, at the measured pace
             as_is = place_chunks(messages, chunks, self.rag_template, self.rag_chunk_template) if chunks else messages
@@ -398,7 +398,7 @@ class Pipeline:
 
             before = priced(tok.prompt_tokens(as_is, tools))
             plan, sent, _ = self._plan(messages, chunks, as_is, before, left, params, margin, priced, profile=profile)
-            tokens, cached, predicted = sent.tokens, sent.cached, sent.predicted_s
+            tokens, predicted = sent.tokens, sent.predicted_s
             kept_now = {str(c.id) for c in plan.kept_chunks}
             dropped = [str(c.id) for c in old.kept_chunks if str(c.id) not in kept_now]
             dropped += [f"message {i}" for i in sorted(set(plan.removed_message_indices) - set(old.removed_message_indices))]

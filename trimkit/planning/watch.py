@@ -179,13 +179,31 @@ class PrefillWatch:
         error): a short probe's jitter is no reason to cut, a host twice as slow still is."""
         if self.replans >= MAX_REPLANS or self.position >= len(self.tokens):
             return False
-        return self.projected_ttft_s(elapsed_s, pace=self.decision_pace) > self.budget_s * (1.0 - self.margin)
+        target = self.budget_s * (1.0 - self.margin)
+        pace = self.decision_pace
+        if self.projected_ttft_s(elapsed_s, pace=pace) <= target:
+            return False
+        if self.measured_long_step:
+            return True
+        # only a short step measured: its pace is the least certain there is. Cut now only if
+        # there would be no later chance — the next (long) step, then a short tail for the
+        # question, at that pace, would already be too late — else measure one long step first
+        # (what it evaluates stays: a later cut keeps it)
+        end = self.next_end() or len(self.tokens)
+        tail = min(self.first_step_tokens, len(self.tokens) - end)
+        later = self._part_s(self.position, end) + self._part_s(end, end + tail)
+        return elapsed_s + pace * later + self.profile.first_token_overhead_s(len(self.tokens)) > target
+
+    @property
+    def measured_long_step(self) -> bool:
+        """Whether a step of at least half a batch was measured (its pace is taken as it is)."""
+        return any(s.new_tokens * 2 >= self.n_batch for s in self.steps)
 
     @property
     def decision_pace(self) -> float:
         """:attr:`pace`, discounted by the profile's noise while only short steps were measured."""
         pace = self.pace
-        if any(s.new_tokens * 2 >= self.n_batch for s in self.steps):
+        if self.measured_long_step:
             return pace
         err = self.profile.error.p90_pct
         noise = min(max(err / 100.0, 0.05), 0.5) if err == err else 0.2  # nan: unknown
