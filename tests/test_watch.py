@@ -105,13 +105,17 @@ def test_a_request_without_a_budget_or_too_short_is_not_watched():
     assert not chat.last_report.watched and fake.steps == []
 
 
-def test_a_faster_host_is_never_replanned_and_its_prefill_feeds_the_one_speed_estimate():
+def test_a_faster_host_puts_back_what_the_plan_dropped_and_its_prefill_feeds_the_one_speed_estimate():
     budget = 0.8 * untrimmed_ttft()
     messages, chunks = rag_request()
     fake, chat = wrapped(pace=lambda position: 0.5)
     before = chat.engine.speed.observations
     chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4, ttft_budget_s=budget)
-    assert chat.last_report.replans == ()
+    r = chat.last_report
+    [x] = r.replans  # one re-plan, after the first long step: the dropped chunks go back before the question
+    assert x.pace == pytest.approx(0.5) and all(d.startswith("+") for d in x.dropped)
+    assert "put back doc-" in str(r) and r.budget_met and r.prompt_tokens > r.replans[0].prompt_tokens
+    assert r.measurement.evaluated_tokens == r.prompt_tokens  # nothing evaluated twice
     # the watched evaluation is one sample (not one per step), and not fed twice after the response
     assert chat.engine.speed.observations - before == 1 and len(fake.steps) > 2
     assert chat.engine.speed.samples[-1].seconds == pytest.approx(chat.last_report.measurement.engine_prefill_s)

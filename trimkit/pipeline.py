@@ -348,14 +348,16 @@ class Pipeline:
             return None
         return WatchedPrefill(self, prepared, waited_s=waited_s)
 
-    def replan(self, prepared: Prepared, watch: PrefillWatch, spent_s: float) -> Prepared | None:
+    def replan(self, prepared: Prepared, watch: PrefillWatch, spent_s: float, *, grow: bool = False) -> Prepared | None:
         """``prepared`` planned again ``spent_s`` into it (the wait for the engine included), for
         the time left at the measured pace (:meth:`PrefillWatch.paced_profile`), against what the
         engine's context holds now — the evaluated prefix. First the plan's chunks are cut from
         the end (:func:`~trimkit.planning.watch.cut_chunks`), which keeps that prefix; only when
         no cut fits is the whole request planned again (history turns may go, and the cache after
-        them). None when nothing would change: the request as planned fits after all, or it
-        carries no record of its inputs."""
+        them). With ``grow`` (the request runs ahead of its plan) the chunks the plan dropped may
+        be put back after its own, where nothing is evaluated yet. None when nothing would change:
+        the request as planned fits after all (or nothing more fits), or it carries no record of
+        its inputs."""
         if prepared.request is None or prepared.budget_s is None or prepared.plan is None:
             return None
         messages, chunks, params = prepared.request
@@ -374,10 +376,24 @@ class Pipeline:
 
         old = prepared.plan
         original = messages[last_user_index(messages)]
-        cut = cut_chunks(old, original, price, target, self.rag_template, self.rag_chunk_template)
-        if cut is not None and cut.kept == len(old.kept_chunks):
-            return None  # it fits as planned
-        if cut is not None:
+        extra = tuple(old.dropped_chunks) if grow else ()
+        cut = cut_chunks(old, original, price, target, self.rag_template, self.rag_chunk_template, extra=extra)
+        if cut is not None and cut.kept == len(old.kept_chunks) or grow and (cut is None or cut.kept < len(old.kept_chunks)):
+            return None  # it fits as planned (or, growing, nothing more fits)
+        if grow and cut is not None:
+            back = tuple(extra[: cut.kept - len(old.kept_chunks)])
+            ids = tuple(str(c.id) for c in back)
+            action = Action(strategy="watch", summary=f"re-planned at the measured pace ({watch.pace:.2f}× predicted): put back "
+                            f"{', '.join(ids)}, dropped by the plan, before the question (the evaluated prefix kept)",
+                            tokens_before=len(prepared.prompt_tokens), tokens_after=len(cut.tokens))
+            back_ids = set(ids)
+            plan = attrs.evolve(old, messages=list(cut.messages), kept_chunks=(*old.kept_chunks, *back),
+                                dropped_chunks=tuple(c for c in old.dropped_chunks if str(c.id) not in back_ids),
+                                actions=(*old.actions, action), prompt_tokens=len(cut.tokens), cached_tokens=cut.cached,
+                                new_tokens=len(cut.tokens) - cut.cached, predicted_ttft_s=spent_s + cut.predicted_s, feasible=True)
+            tokens, predicted = cut.tokens, cut.predicted_s
+            dropped = [f"+{i}" for i in ids]
+        elif cut is not None:
             gone = tuple(old.kept_chunks[cut.kept:])
             ids = tuple(str(c.id) for c in gone)
             action = Action(strategy="watch", summary=f"re-planned at the measured pace ({watch.pace:.2f}× predicted): dropped "
@@ -529,13 +545,17 @@ class WatchedPrefill:
         if not watch.watched:
             return p.messages, p.prompt_tokens
         self.prepared = attrs.evolve(p, watched=True)
+        grown = False
         while (end := watch.next_end()) is not None:
             seconds, start = evaluate(watch.tokens, end)
             watch.record(end, seconds, start)
-            if watch.over_budget(clock() - t0):
-                replanned = pipeline.replan(self.prepared, watch, clock() - t0 + self.waited_s)
-                if replanned is None:  # it fits as planned after all (or nothing to plan from): one try spent
-                    watch.replans += 1
+            over = watch.over_budget(clock() - t0)
+            if over or (not grown and watch.ahead(clock() - t0) and self.prepared.plan is not None and self.prepared.plan.dropped_chunks):
+                grown = grown or not over  # one try at putting content back a request
+                replanned = pipeline.replan(self.prepared, watch, clock() - t0 + self.waited_s, grow=not over)
+                if replanned is None:  # it fits as planned after all (or nothing to plan from)
+                    if over:
+                        watch.replans += 1  # one try spent
                     continue
                 self.prepared = replanned
                 watch = watch.continue_with(replanned.prompt_tokens, held=pipeline.backend.predict_cached_tokens(replanned.prompt_tokens))

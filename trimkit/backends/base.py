@@ -6,6 +6,13 @@ A :class:`Backend` does four things: tokenize a chat prompt as the engine will
 (:meth:`Backend.send`), and run calibration probes (:meth:`Backend.measure_prefill` and friends).
 Adapters wrap the client the user already has; :class:`~trimkit.testing.FakeBackend`
 is a deterministic stand-in for unit tests of everything above this seam.
+
+**The watched prefill.** A backend that can evaluate a prompt up to a token and say how long it
+took — ``evaluate_to(tokens, end) -> (seconds, start)``, the context then holding ``tokens[:end]``
+— and whose :meth:`Backend.send` takes a ``watch=`` driver (called at the start of the stream as
+``watch(evaluate_to, clock, held) -> (messages, tokens)``, it returns what to generate from) takes
+part in the closed loop (:mod:`trimkit.planning.watch`). :class:`~trimkit.backends.llama.LlamaBackend`
+does; a backend without ``evaluate_to`` is planned once, before sending.
 """
 
 from __future__ import annotations

@@ -45,6 +45,9 @@ MAX_REPLANS = 2
 MIN_WATCHED_TOKENS = 2 * FIRST_STEP_TOKENS
 #: the pace is read over this many latest steps
 PACE_STEPS = 2
+#: a request projected this share under its target may put back chunks its plan dropped (the
+#: gap keeps a cut and a put-back from answering each other on one step's jitter)
+AHEAD_SHARE = 0.05
 
 
 @attrs.frozen
@@ -62,7 +65,8 @@ class WatchStep:
 class Replan:
     """One re-plan: after ``evaluated_tokens`` of the ``prompt_tokens`` prompt, ``elapsed_s`` into
     the request, the pace was ``pace`` × the prediction; the TTFT projected then, and the plan that
-    replaced it (its prompt length and prediction)."""
+    replaced it (its prompt length and prediction); ``dropped`` names what it cut, and with a
+    ``+`` what it put back (a request running ahead of its plan)."""
 
     evaluated_tokens: int
     prompt_tokens: int
@@ -76,7 +80,9 @@ class Replan:
 
     def summary(self) -> str:
         """The sentence the report prints."""
-        dropped = f"; dropped {', '.join(self.dropped)}" if self.dropped else ""
+        gone = [d for d in self.dropped if not d.startswith("+")]
+        back = [d[1:] for d in self.dropped if d.startswith("+")]
+        dropped = (f"; dropped {', '.join(gone)}" if gone else "") + (f"; put back {', '.join(back)}" if back else "")
         return (f"re-planned after {self.evaluated_tokens:,} of {self.prompt_tokens:,} prompt tokens: this request prefilled at "
                 f"{self.pace:.2f}× the predicted time (first token projected at {self.projected_ttft_s:.3f} s); prompt → "
                 f"{self.prompt_tokens_after:,} tokens, predicted TTFT {self.predicted_ttft_before_s:.3f} s → "
@@ -194,6 +200,14 @@ class PrefillWatch:
         later = self._part_s(self.position, end) + self._part_s(end, end + tail)
         return elapsed_s + pace * later + self.profile.first_token_overhead_s(len(self.tokens)) > target
 
+    def ahead(self, elapsed_s: float) -> bool:
+        """Whether the projection leaves room to put back what the plan dropped: a long step was
+        measured, no re-plan was made yet, and the first token is projected at least
+        :data:`AHEAD_SHARE` under the budget less the margin."""
+        if self.replans or not self.measured_long_step or self.position >= len(self.tokens):
+            return False
+        return self.projected_ttft_s(elapsed_s) <= (1.0 - AHEAD_SHARE) * self.budget_s * (1.0 - self.margin)
+
     @property
     def measured_long_step(self) -> bool:
         """Whether a step of at least half a batch was measured (its pace is taken as it is)."""
@@ -239,13 +253,15 @@ class Cut:
 
 
 def cut_chunks(plan: Any, original_last_user: Mapping[str, Any], price: Callable[[Sequence[Any]], tuple[Sequence[int], int, float]],
-               target_s: float, rag_template: str, rag_chunk_template: str) -> Cut | None:
+               target_s: float, rag_template: str, rag_chunk_template: str, *, extra: Sequence[Any] = ()) -> Cut | None:
     """The re-plan that keeps the evaluated prefix: the plan's prompt with only its first ``j``
     chunks (they are placed most valuable first, so the ones cut are the least valuable and the
     last to be evaluated), ``j`` the most whose predicted TTFT from now fits ``target_s``.
+    ``extra``: chunks the plan dropped that may be put back after its own (a host running faster
+    than predicted: the chunks go where nothing is evaluated yet, before the question).
     ``price(messages) -> (tokens, cached, predicted_s)`` prices a prompt against the engine's
-    context at the measured pace. None when the plan has no chunk to cut or even none fits."""
-    kept = tuple(getattr(plan, "kept_chunks", ()))
+    context at the measured pace. None when there is no chunk to choose or even none fits."""
+    kept = (*getattr(plan, "kept_chunks", ()), *extra)
     if not kept:
         return None
     where = last_user_index(plan.messages)
@@ -256,7 +272,7 @@ def cut_chunks(plan: Any, original_last_user: Mapping[str, Any], price: Callable
         tokens, cached, predicted = price(messages)
         return Cut(j, messages, tokens, cached, predicted)
 
-    lo, hi = 0, len(kept) - 1  # the largest j in [lo, hi] that fits: TTFT grows with j
+    lo, hi = 0, len(kept) - (0 if extra else 1)  # the largest j in [lo, hi] that fits: TTFT grows with j
     best = cut(0)
     if best.predicted_s > target_s:
         return None
