@@ -9,6 +9,7 @@ and :func:`aread_chunks` only move events through it.
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -94,8 +95,9 @@ async def aread_chunks(open_: Callable[[], Awaitable[Opened]], state: StreamStat
             await opened.close()
 
 
-def _stream_error(url: str, ts_ref: list[TimedStream]) -> Callable[[BaseException], BaseException | None]:
-    """A stream's failure after it was opened as a trimkit error (None: left as it is)."""
+def _stream_error(url: str, stream_of: Callable[[], TimedStream | None]) -> Callable[[BaseException], BaseException | None]:
+    """A stream's failure after it was opened as a trimkit error (None: left as it is).
+    ``stream_of()`` is the stream (held weakly: see :func:`timed_stream`)."""
 
     def on_error(exc: BaseException) -> BaseException | None:
         if isinstance(exc, TrimkitError):
@@ -104,7 +106,8 @@ def _stream_error(url: str, ts_ref: list[TimedStream]) -> Callable[[BaseExceptio
             return undecodable(exc, f"the stream from {url}")
         if not is_transport_failure(exc):
             return None
-        n = ts_ref[0].n_chunks if ts_ref else 0
+        ts = stream_of()
+        n = ts.n_chunks if ts is not None else 0
         return StreamInterruptedError(f"the stream from {url} broke after {n} chunks: {type(exc).__name__}: {exc}")
 
     return on_error
@@ -113,8 +116,14 @@ def _stream_error(url: str, ts_ref: list[TimedStream]) -> Callable[[BaseExceptio
 def timed_stream(chunks: Any, state: StreamState, clock: Clock, measure: Callable[[StreamState, TimedStream], Measurement], *,
                  output_of: Callable[[Reply], str | None] = operator.attrgetter("output"), cls: type[TimedStream] = TimedStream) -> Any:
     """The :class:`TimedStream` (``cls``) over ``chunks``: each chunk's output is read from the
-    reply :class:`StreamState` parsed; at the end ``measure(state, stream)`` is the measurement."""
-    ref: list[TimedStream] = []
+    reply :class:`StreamState` parsed; at the end ``measure(state, stream)`` is the measurement.
+
+    Nothing the stream holds refers back to it (its error handler holds it weakly): a stream
+    dropped unfinished is freed — its generator closed, its connection given back to the pool —
+    at once, on the thread that dropped it, never later by the cyclic garbage collector on
+    whatever thread it happens to run (inside httpcore's pool, holding the pool's lock, a
+    ``close()`` that needs that lock deadlocked every later request)."""
+    ref: weakref.ref[TimedStream] | None = None
 
     def content_of(chunk: Any) -> str | None:
         reply = state.last
@@ -122,8 +131,8 @@ def timed_stream(chunks: Any, state: StreamState, clock: Clock, measure: Callabl
             reply = parse_chunk(chunk)
         return output_of(reply)
 
-    ts = cls(chunks, started=None, clock=clock, content_of=content_of, finish=lambda ts: measure(state, ts), on_error=_stream_error(state.url, ref))
-    ref.append(ts)
+    ts = cls(chunks, started=None, clock=clock, content_of=content_of, finish=lambda ts: measure(state, ts), on_error=_stream_error(state.url, lambda: ref() if ref is not None else None))
+    ref = weakref.ref(ts)
     return ts
 
 
