@@ -332,6 +332,24 @@ class FleetFrontEnd(FleetBase):
         self.close()
 
 
+async def _routed(call: FleetCall) -> Route:
+    """``call.route()`` in a worker thread. The thread cannot be stopped: if the caller is
+    cancelled while it runs (``asyncio.wait_for``, a task cancelled), the reservation it makes
+    is given back as soon as it is made — an endpoint's in-flight count never keeps a request
+    whose caller is gone."""
+    future = asyncio.ensure_future(asyncio.to_thread(call.route))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(_release_abandoned)
+        raise
+
+
+def _release_abandoned(future: asyncio.Future[Route]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().release(failed=True)
+
+
 class AsyncFleetFrontEnd(FleetBase):
     """:class:`FleetFrontEnd` for ``openai.AsyncOpenAI`` clients (or ``asynchronous=True``):
     ``await chat.completions.create(...)``; routing and planning run in a worker thread, off the
@@ -343,7 +361,7 @@ class AsyncFleetFrontEnd(FleetBase):
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
         call = FleetCall(self, messages, rag_chunks, budget, params)
         while True:
-            route = await asyncio.to_thread(call.route)
+            route = await _routed(call)
             try:
                 sent = await self._send(call, route, params, stream)
             except TrimkitError as exc:
