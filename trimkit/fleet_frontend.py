@@ -96,13 +96,15 @@ class FleetStream(_FleetStreamBase):
         if self._head:
             return self._head.pop(0)
         try:
-            return next(self.inner)  # type: ignore[call-overload]
+            chunk = next(self.inner)  # type: ignore[call-overload]
         except StopIteration:
             self._finished()
             raise
         except BaseException as exc:
             self._broke(exc)
             raise
+        self.endpoint.progressed()
+        return chunk
 
     def close(self) -> None:
         self.inner.close()  # type: ignore[attr-defined]
@@ -138,13 +140,15 @@ class AsyncFleetStream(_FleetStreamBase):
         if self._head:
             return self._head.pop(0)
         try:
-            return await self.inner.__anext__()  # type: ignore[attr-defined]
+            chunk = await self.inner.__anext__()  # type: ignore[attr-defined]
         except StopAsyncIteration:
             self._finished()
             raise
         except BaseException as exc:
             self._broke(exc)
             raise
+        self.endpoint.progressed()
+        return chunk
 
     async def close(self) -> None:
         await self.inner.close()  # type: ignore[attr-defined]
@@ -291,7 +295,7 @@ class FleetFrontEnd(FleetBase):
             try:
                 sent = self._send(call, route, params, stream)
             except TrimkitError as exc:  # before the first token: the next endpoint, if it was this one's fault
-                call.failed(route.endpoint, exc)
+                call.failed(route.endpoint, exc, route)
                 continue
             if not isinstance(sent, FleetStream) or stream:
                 return sent
@@ -365,7 +369,7 @@ class AsyncFleetFrontEnd(FleetBase):
             try:
                 sent = await self._send(call, route, params, stream)
             except TrimkitError as exc:
-                call.failed(route.endpoint, exc)
+                call.failed(route.endpoint, exc, route)
                 continue
             if not isinstance(sent, AsyncFleetStream) or stream:
                 return sent
