@@ -11,7 +11,9 @@ async openers differ only in the lines that read. Every body read is capped
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import re
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -34,7 +36,8 @@ from trimkit.backends.replies import body_kind
 from trimkit.backends.sse import EventReader, aiter_events, iter_events
 from trimkit.errors import InvalidInputError, MalformedReplyError
 
-__all__ = ["END", "ERROR_BODY_BYTES", "Opened", "BodyPlan", "HTTPTransport", "normalize_base_url", "stream_body_plan", "json_answer",
+__all__ = ["END", "ERROR_BODY_BYTES", "Opened", "BodyPlan", "HTTPTransport", "normalize_base_url", "url_credentials",
+           "redact_url", "stream_body_plan", "json_answer",
            "read_capped", "aread_capped", "without_retries"]
 
 #: what a stream that ended before its first event gives as its first event
@@ -147,20 +150,44 @@ async def aread_capped(byte_chunks: AsyncIterable[bytes], cap: int, what: str, *
     return body.value()
 
 
+_USERINFO = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://)[^/?#@\s]*@")
+
+
+def redact_url(text: Any) -> str:
+    """``text`` with the userinfo of every URL in it (``http://user:secret@host``) replaced by
+    ``***@``: what trimkit writes wherever it names an endpoint (reports, logs, errors, profile keys)."""
+    return _USERINFO.sub(r"\1***@", str(text))
+
+
 def normalize_base_url(base_url: Any) -> tuple[str, str]:
     """``(base_url, root)``: the OpenAI base (``.../v1``) without a trailing slash, and the
-    server root where llama.cpp's own endpoints live. Raises InvalidInputError for a bad URL."""
+    server root where llama.cpp's own endpoints live — both without the URL's userinfo
+    (credentials go in a header: :func:`url_credentials`), so no name trimkit gives the endpoint
+    carries a password. Raises InvalidInputError for a bad URL (its text redacted)."""
     if not isinstance(base_url, (str, httpx.URL)):
         raise InvalidInputError(f"base_url must be a str, got {type(base_url).__name__}")
     try:
         url = httpx.URL(str(base_url).strip())
     except Exception as exc:
-        raise InvalidInputError(f"invalid base_url {base_url!r}: {exc}") from None
+        raise InvalidInputError(f"invalid base_url {redact_url(base_url)!r}: {redact_url(exc)}") from None
     if url.scheme not in ("http", "https") or not url.host:
-        raise InvalidInputError(f"base_url must be an http(s) URL with a host, e.g. http://127.0.0.1:8080/v1; got {str(base_url)!r}")
-    base = str(url.copy_with(query=None, fragment=None)).rstrip("/")
+        raise InvalidInputError(f"base_url must be an http(s) URL with a host, e.g. http://127.0.0.1:8080/v1; got {redact_url(base_url)!r}")
+    base = str(url.copy_with(query=None, fragment=None, username=None, password=None)).rstrip("/")
     root = base[: -len("/v1")] if base.endswith("/v1") else base
     return base, root
+
+
+def url_credentials(base_url: Any) -> str | None:
+    """The ``Authorization`` header value (HTTP Basic) for the userinfo of ``base_url``
+    (``http://user:secret@host/v1``), or None when it has none."""
+    try:
+        url = httpx.URL(str(base_url).strip())
+    except Exception:
+        return None
+    if not url.username and not url.password:
+        return None
+    token = base64.b64encode(f"{url.username}:{url.password}".encode()).decode("ascii")
+    return f"Basic {token}"
 
 
 def without_retries(client: Any) -> Any:
