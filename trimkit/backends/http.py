@@ -294,7 +294,7 @@ class OpenAIHTTPBackend(Backend):
         if not via_url:
             self._check_form(is_async)
         call = self._call(messages, params, prompt_tokens, self.limits.deadline(retry_deadline_s, deadline_s, unbounded=probe), stream=True)
-        state = StreamState(self.base_url, hide_usage_chunk=call.hide_usage, chunks=[] if collect else None)
+        state = StreamState(self.base_url, hide_usage_chunk=call.hide_usage, chunks=[] if collect else None, deadline=call.deadline)
         measure = self.evidence.stream_measure(call.sent, call.predicted, self.clock)
         if is_async:
             return timed_stream(self._achunks(call, state), state, self.clock, measure, cls=AsyncTimedStream), state

@@ -9,6 +9,7 @@ and :func:`aread_chunks` only move events through it.
 from __future__ import annotations
 
 import operator
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -20,7 +21,8 @@ from trimkit.backends.base import Clock, Measurement, TimedStream
 from trimkit.backends.faults import empty_stream_error, is_transport_failure, undecodable
 from trimkit.backends.replies import Reply, parse_chunk, parse_completion
 from trimkit.backends.transport import END, Opened
-from trimkit.errors import StreamInterruptedError, TrimkitError
+from trimkit.backends.limits import Deadline
+from trimkit.errors import ServerTimeoutError, StreamInterruptedError, TrimkitError
 
 __all__ = ["StreamState", "read_chunks", "aread_chunks", "timed_stream", "AsyncTimedStream"]
 
@@ -38,16 +40,37 @@ class StreamState:
     chunks: list[Reply] | None = None  # filled when the response is to be assembled
     last: Reply | None = None  # the reply of the chunk just yielded (read by the TimedStream)
     n_seen: int = 0
+    #: the request's deadline: a bounded one holds until the first output (content, a tool call,
+    #: a finish), whatever arrives before it — role deltas, ``content: null`` chunks, keep-alives
+    deadline: Deadline | None = None
+    started: float | None = None  # time.monotonic() when the request went out
+    has_output: bool = False
+
+    def start(self) -> None:
+        self.started = time.monotonic()
 
     def begin(self, opened: Opened) -> None:
         if opened.first is END:
             raise empty_stream_error()
+
+    def _check_deadline(self) -> None:
+        d = self.deadline
+        if d is None or not d.bounded or self.started is None:
+            return
+        if time.monotonic() - self.started > d.seconds:
+            raise ServerTimeoutError(f"{self.url} sent {self.n_seen} chunks but no content within the request's deadline of "
+                                     f"{d.seconds:.2f} s")
 
     def take(self, item: Any, opened: Opened) -> Any:
         """Parse an event (a chunk, or the whole completion of a server that ignored
         ``stream=true``) and record what it says; the chunk to hand on, or ``_SKIP``."""
         self.n_seen += 1
         reply = parse_completion(item) if opened.whole else parse_chunk(item)
+        if not self.has_output:
+            if reply.output is not None:
+                self.has_output = True
+            elif not reply.usage_only:
+                self._check_deadline()
         self.last = reply
         if self.chunks is not None:
             self.chunks.append(reply)
@@ -64,6 +87,7 @@ class StreamState:
 
 def read_chunks(open_: Callable[[], Opened], state: StreamState) -> Iterator[Any]:
     """The chunks of a stream, opened on the first ``next()`` (when the TTFT clock starts)."""
+    state.start()
     opened = open_()
     try:
         state.begin(opened)
@@ -80,6 +104,7 @@ def read_chunks(open_: Callable[[], Opened], state: StreamState) -> Iterator[Any
 
 async def aread_chunks(open_: Callable[[], Awaitable[Opened]], state: StreamState) -> AsyncIterator[Any]:
     opened = None
+    state.start()
     try:
         opened = await open_()
         state.begin(opened)
