@@ -143,7 +143,7 @@ class PromptTokenizer:
         *,
         encode_prompt: Callable[[str], list[int]] | None = None,
         name: str | None = None,
-        cache_size: int = 8192,
+        cache_size: int = 1 << 16,
         cache_chars: int = DEFAULT_CACHE_CHARS,
     ) -> None:
         self.tokenizer = tokenizer

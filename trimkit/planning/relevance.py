@@ -54,7 +54,7 @@ def words(text: str) -> list[str]:
 
 #: the documents whose word counts are kept, bounded by their characters (not their number: a
 #: service fed 20 KB chunks stays flat)
-_TERM_COUNTS: SizedCache[str, Counter[str]] = SizedCache(8 << 20, max_entries=4096)
+_TERM_COUNTS: SizedCache[str, Counter[str]] = SizedCache(8 << 20, max_entries=1 << 16)
 
 
 def _term_counts(text: str) -> Counter[str]:
