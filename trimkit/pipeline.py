@@ -35,6 +35,9 @@ import attrs
 from trimkit.backends.base import Backend, Measurement, TimedStream
 from trimkit.backends.lease import EngineLease
 from trimkit.calibration import calibrate
+from trimkit.control_tokens import KNOWN as KNOWN_CONTROLS
+from trimkit.control_tokens import check_mode as check_control_mode
+from trimkit.control_tokens import neutralize_chunks, neutralize_messages
 from trimkit.errors import ContextTooSmallError, InfeasibleBudgetError, InvalidInputError, QueueBudgetError
 from trimkit.idle_probes import IdleProber, calibration_mode, idle_prober
 from trimkit.messages import (
@@ -108,6 +111,7 @@ class Pipeline:
         quick_calibration: bool | None = None, idle_probes: bool | None = None, clock: Callable[[], float] = time.perf_counter,
         attainment_target: float = DEFAULT_TARGET, values: Any = None, model_label: ModelLabel | None = None,
         report_notes: ReportNotes | None = None, endpoint_label: str | None = None, tokens_per_s_target: float | None = None,
+        neutralize_control_tokens: str = "chunks",
     ) -> None:
         if values is not None and not isinstance(values, ValueModel):
             raise InvalidInputError(f"values must be a trimkit.ValueModel or None, got {type(values).__name__}")
@@ -115,6 +119,9 @@ class Pipeline:
         if on_infeasible not in ("best_effort", "raise"):
             raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
         check_rag_templates(rag_template, rag_chunk_template)
+        #: what may not become control tokens of the chat template: retrieved text ("chunks"),
+        #: message content too ("all"), nothing ("off") (:mod:`trimkit.control_tokens`)
+        self.neutralize_control_tokens = check_control_mode(neutralize_control_tokens)
         self.backend = backend
         self.ttft_budget_s = ttft_budget_s  # validated by the property
         self.strategies = strategies
@@ -213,6 +220,7 @@ class Pipeline:
         params = params or {}
         validate_messages(messages)
         chunks = coerce_chunks(rag_chunks)
+        messages, chunks, guarded = self._neutralized(messages, chunks)
         budget = self.ttft_budget_s if ttft_budget_s is None else valid_budget(ttft_budget_s)
         busy = self.on_busy if on_busy is None else check_on_busy(on_busy)
         given = queue_wait(queue_wait_s)
@@ -226,7 +234,26 @@ class Pipeline:
             raise
         if ticket is not None:
             ticket.planned()
+        for note in guarded:
+            prepared = prepared.with_warning(note)
         return prepared
+
+    def _neutralized(self, messages: Any, chunks: Sequence[Chunk]) -> tuple[Any, Sequence[Chunk], list[str]]:
+        """Retrieved text (and, with ``"all"``, message content) whose control-token texts are
+        broken so they tokenize as plain text; the report's warnings."""
+        mode = self.neutralize_control_tokens
+        if mode == "off" or (not chunks and mode != "all"):
+            return messages, chunks, []
+        controls = getattr(self.backend.tokenizer, "control_texts", None) or KNOWN_CONTROLS
+        notes = []
+        chunks, note = neutralize_chunks(chunks, controls)
+        if note:
+            notes.append(note)
+        if mode == "all":
+            messages, note = neutralize_messages(messages, controls)
+            if note:
+                notes.append(note)
+        return messages, chunks, notes
 
     def _prepare(self, messages: Any, chunks: Sequence[Chunk], params: Mapping[str, Any], budget: float | None, on_busy: str,
                  given_wait: float | None, ticket: Ticket | None, t0: float) -> Prepared:

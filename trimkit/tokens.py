@@ -145,6 +145,7 @@ class PromptTokenizer:
         name: str | None = None,
         cache_size: int = 1 << 16,
         cache_chars: int = DEFAULT_CACHE_CHARS,
+        control_texts: Callable[[], Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self._render = render
@@ -160,6 +161,16 @@ class PromptTokenizer:
         self._segments: SizedCache[tuple[str, str], int] = SizedCache(cache_chars, max_entries=cache_size)
         self._prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self.count_calls = 0  # texts actually tokenized (cache misses), for tests and benchmarks
+        self._control_texts_of = control_texts
+        self._control_texts: Any = None
+
+    @property
+    def control_texts(self) -> Any:
+        """The texts of the model's control tokens (a :class:`trimkit.control_tokens.ControlTexts`,
+        read once from its vocabulary), or None when this tokenizer does not know the model's."""
+        if self._control_texts is None and self._control_texts_of is not None:
+            self._control_texts = self._control_texts_of()
+        return self._control_texts
 
     @property
     def exact(self) -> bool:
