@@ -44,6 +44,7 @@ from trimkit.fleet_endpoint import (
     is_overload,
 )
 from trimkit.messages import coerce_chunks, validate_messages
+from trimkit.planning.queue import check_on_busy
 from trimkit.prepared import Prepared, place_chunks
 from trimkit.validation import budget as valid_budget
 
@@ -93,8 +94,10 @@ class FleetCall:
     (:meth:`route`) and, after each endpoint failure before the first token, routed again
     (:meth:`failed`)."""
 
-    def __init__(self, fleet: Fleet, messages: Any, rag_chunks: Any, budget: float | None, params: Mapping[str, Any]) -> None:
+    def __init__(self, fleet: Fleet, messages: Any, rag_chunks: Any, budget: float | None, params: Mapping[str, Any], *,
+                 on_busy: str | None = None) -> None:
         validate_messages(messages)
+        self.on_busy = None if on_busy is None else check_on_busy(on_busy)
         self.chunks = coerce_chunks(rag_chunks)
         self.fleet = fleet
         self.messages, self.rag_chunks, self.params = messages, rag_chunks, params
@@ -178,7 +181,8 @@ class FleetCall:
     def _prepare(self, cost: RouteCost) -> Prepared:
         ep = cost.endpoint
         plan_budget = self.budget_left_s()
-        prepared = ep.pipeline.prepare(self.messages, self.rag_chunks, self.params, ttft_budget_s=plan_budget, queue_wait_s=cost.wait_s)
+        prepared = ep.pipeline.prepare(self.messages, self.rag_chunks, self.params, ttft_budget_s=plan_budget, queue_wait_s=cost.wait_s,
+                                       on_busy=self.on_busy)
         for label, error in self.attempts:
             prepared = prepared.with_warning(
                 f"failover: {label} failed before the first token ({error}); re-planned on {ep.label}"

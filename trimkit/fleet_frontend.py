@@ -20,7 +20,7 @@ from trimkit.errors import TrimkitError
 from trimkit.fleet_call import FleetCall, Route
 from trimkit.fleet_endpoint import FleetEndpoint, is_endpoint_failure
 from trimkit.frontend import AsyncReportingStream, ReportingOpenAIStream, StreamReporter, send_params
-from trimkit.openai_wrapper import call_arguments
+from trimkit.openai_wrapper import call_arguments, call_options
 from trimkit.report import Report
 from trimkit.validation import budget as valid_budget
 
@@ -289,7 +289,7 @@ class FleetFrontEnd(FleetBase):
 
     def _create(self, kwargs: dict[str, Any]) -> Any:
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        call = FleetCall(self, messages, rag_chunks, budget, params)
+        call = FleetCall(self, messages, rag_chunks, budget, params, **call_options(kwargs))
         while True:
             route = call.route()
             try:
@@ -363,7 +363,7 @@ class AsyncFleetFrontEnd(FleetBase):
 
     async def _create(self, kwargs: dict[str, Any]) -> Any:  # type: ignore[override]
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        call = FleetCall(self, messages, rag_chunks, budget, params)
+        call = FleetCall(self, messages, rag_chunks, budget, params, **call_options(kwargs))
         while True:
             route = await _routed(call)
             try:

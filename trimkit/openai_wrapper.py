@@ -49,6 +49,7 @@ __all__ = [
     "BACKEND_KWARGS",
     "MIN_RETRY_DEADLINE_S",
     "call_arguments",
+    "call_options",
     "split_backend_kwargs",
 ]
 
@@ -83,17 +84,29 @@ def split_backend_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def call_arguments(kwargs: Mapping[str, Any]) -> tuple[Any, Any, float | None, dict[str, Any], bool]:
     """Split a ``create()`` call's arguments: (messages, rag_chunks, budget, pass-through params,
-    stream). Arguments the caller did not give (``openai.NOT_GIVEN``) are left out."""
+    stream). Arguments the caller did not give (``openai.NOT_GIVEN``) are left out; trimkit's own
+    per-call options (``on_busy``) are not pass-through: read them with :func:`call_options`."""
     params = {k: v for k, v in kwargs.items() if not _is_not_given(v)}
     if "messages" not in params:
         raise InvalidMessageError("create() needs messages=[...]")
     messages = params.pop("messages")
     rag_chunks = params.pop("rag_chunks", None)
     budget = params.pop("ttft_budget_s", None)
+    for name in TRIMKIT_CALL_OPTIONS:
+        params.pop(name, None)
     stream = params.get("stream", False)
     if stream not in (True, False, None):
         raise InvalidInputError(f"stream must be True or False, got {stream!r}")
     return messages, rag_chunks, budget, params, bool(stream)
+
+
+#: a call's options that are trimkit's, never sent to the server
+TRIMKIT_CALL_OPTIONS = ("on_busy",)
+
+
+def call_options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """trimkit's own options of a ``create()`` call (``on_busy``), as given (None: not given)."""
+    return {name: kwargs.get(name) for name in TRIMKIT_CALL_OPTIONS if not _is_not_given(kwargs.get(name))}
 
 
 def _not_a_list(target: Any, what: str) -> None:
@@ -311,7 +324,7 @@ class TrimmedOpenAI(OpenAIFrontEnd):
 
     def _create(self, kwargs: dict[str, Any]) -> Any:
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        prepared = self.prepare(messages, rag_chunks, params, ttft_budget_s=budget)
+        prepared = self.prepare(messages, rag_chunks, params, ttft_budget_s=budget, **call_options(kwargs))
         unstreamed = self.unstreamed(prepared, params, stream)
         if unstreamed is not None:
             prepared, args = unstreamed
@@ -353,7 +366,7 @@ class AsyncTrimmedOpenAI(OpenAIFrontEnd):
 
     async def _create(self, kwargs: dict[str, Any]) -> Any:
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        prepared = await asyncio.to_thread(self.prepare, messages, rag_chunks, params, ttft_budget_s=budget)
+        prepared = await asyncio.to_thread(self.prepare, messages, rag_chunks, params, ttft_budget_s=budget, **call_options(kwargs))
         unstreamed = self.unstreamed(prepared, params, stream)
         if unstreamed is not None:
             prepared, args = unstreamed

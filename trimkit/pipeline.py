@@ -47,6 +47,7 @@ from trimkit.messages import (
     check_rag_templates,
     coerce_chunks,
     validate_messages,
+    validate_params,
 )
 from trimkit.planning.costs import evaluated_tokens
 from trimkit.planning.drift import LiveProfile
@@ -219,6 +220,7 @@ class Pipeline:
         self._tell_prober(done=False)
         params = params or {}
         validate_messages(messages)
+        validate_params(params)
         chunks = coerce_chunks(rag_chunks)
         messages, chunks, guarded = self._neutralized(messages, chunks)
         budget = self.ttft_budget_s if ttft_budget_s is None else valid_budget(ttft_budget_s)
