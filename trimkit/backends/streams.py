@@ -81,8 +81,13 @@ class StreamState:
         return _SKIP if self.hide_usage_chunk and reply.usage_only else reply.raw
 
     def end(self, opened: Opened) -> None:
-        if not opened.done() and self.finish_reason is None:
+        if self.finish_reason is not None:
+            return
+        if not opened.done():
             raise StreamInterruptedError(f"the stream from {self.url} ended after {self.n_seen} chunks without a finish reason or [DONE]")
+        if not self.has_output:  # [DONE] before anything was generated: the same outcome as through an openai client
+            raise StreamInterruptedError(f"the stream from {self.url} ended ([DONE]) after {self.n_seen} chunks without content "
+                                         "or a finish reason")
 
 
 def read_chunks(open_: Callable[[], Opened], state: StreamState) -> Iterator[Any]:

@@ -24,6 +24,7 @@ from trimkit.backends.faults import (
     client_error,
     client_open_error,
     client_read_error,
+    redirect_error,
     status_error,
     stream_reply_error,
     translated,
@@ -90,6 +91,8 @@ def stream_body_plan(status: int, headers: Any, url: str) -> BodyPlan | None:
     stream, else how to read the body and what it means."""
     if status >= 400:
         return BodyPlan(ERROR_BODY_BYTES, "error body", True, lambda body: _raise(status_error(status, body, headers)))
+    if 300 <= status < 400:
+        return BodyPlan(ERROR_BODY_BYTES, "redirect body", True, lambda body: _raise(redirect_error(status, headers, url)))
     content_type = headers.get("content-type")
     kind = body_kind(content_type)
     if kind == "json":  # the server ignored stream=true: one whole response
@@ -106,6 +109,8 @@ def json_answer(status: int, headers: Any, content: bytes, url: str, *, missing_
         if missing_ok and status in (400, 422) and root_only:
             return None
         raise status_error(status, content, headers)
+    if 300 <= status < 400:
+        raise redirect_error(status, headers, url)
     try:
         return load_json(content, what=f"reply from {url}", status=status)
     except MalformedReplyError:
