@@ -139,6 +139,15 @@ def _usage_note(m: Measurement, params: Mapping[str, Any]) -> tuple[str, ...]:
     return ()
 
 
+def _model_note(asked: str | None, m: Measurement) -> tuple[str, ...]:
+    """The report's warning when the server answered with another model than the one asked for."""
+    served = m.server.get("model") if isinstance(m.server, Mapping) else None
+    if not asked or not isinstance(served, str) or not served or served == asked:
+        return ()
+    return (f"the server answered with model {served[:120]!r}, not {asked[:120]!r} as asked (the profile and this report are "
+            "for the model asked for)",)
+
+
 class _ClientPart:
     """A part of the wrapper's drop-in client (``.chat``, ``.chat.completions``): what trimkit
     does not define is the wrapped client's own."""
@@ -220,7 +229,13 @@ class OpenAIFrontEnd(FrontEnd):
         self.deadlines = CallDeadlines(backend.retry_deadline_s, float(retry_deadline_s) if retry_deadline_s is not None else None)
         try:
             #: validate → plan → measure → report; this front-end only sends
-            self.pipeline = Pipeline(backend, ttft_budget_s=ttft_budget_s, model_label=self._model_label, report_notes=_usage_note, **kwargs)
+            configured = backend.model
+
+            def notes(m: Measurement, params: Mapping[str, Any]) -> tuple[str, ...]:
+                asked = params.get("model") if isinstance(params.get("model"), str) else configured
+                return (*_usage_note(m, params), *_model_note(asked, m))
+
+            self.pipeline = Pipeline(backend, ttft_budget_s=ttft_budget_s, model_label=self._model_label, report_notes=notes, **kwargs)
         except BaseException:
             backend.close()
             raise

@@ -45,6 +45,7 @@ class StreamState:
     deadline: Deadline | None = None
     started: float | None = None  # time.monotonic() when the request went out
     has_output: bool = False
+    served_model: str | None = None  # the model the server says answered (its chunks' ``model``)
 
     def start(self) -> None:
         self.started = time.monotonic()
@@ -66,6 +67,8 @@ class StreamState:
         ``stream=true``) and record what it says; the chunk to hand on, or ``_SKIP``."""
         self.n_seen += 1
         reply = parse_completion(item) if opened.whole else parse_chunk(item)
+        if self.served_model is None and reply.model:
+            self.served_model = reply.model
         if not self.has_output:
             if reply.output is not None:
                 self.has_output = True
