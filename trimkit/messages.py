@@ -132,7 +132,7 @@ def validate_params(params: Mapping[str, Any]) -> None:
         except (TypeError, ValueError, RecursionError) as exc:
             raise InvalidInputError(f"tools[{i}] is not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
         text = json.dumps(tool, ensure_ascii=False)
-        if (at := lone_surrogate(text)) is not None:
+        if lone_surrogate(text) is not None:
             raise InvalidInputError(f"tools[{i}] holds a lone surrogate (not encodable as UTF-8)")
 
 
