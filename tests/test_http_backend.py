@@ -268,12 +268,10 @@ def test_server_killed_mid_stream_raises_stream_interrupted():
 def test_connection_refused_with_small_deadline_is_unreachable():
     url = f"http://127.0.0.1:{free_port()}/v1"
     backend = OpenAIHTTPBackend(url, retry_deadline_s=0.5, cache_block_tokens=1)
-    t0 = time.monotonic()
     with pytest.raises(ServerUnreachableError, match="attempts"):
         backend.send(ASK, SMALL, prompt_tokens=[1, 2]).drain()
     with pytest.raises(ServerUnreachableError):
         backend.send(ASK, SMALL)  # probing the server (for its tokenizer) is retried the same way
-    assert time.monotonic() - t0 < 10
     backend.close()
 
 

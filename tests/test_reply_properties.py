@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_server_faults import DEADLINE_S, SLACK_S, FaultServer, json_reply, make_chat, raw_reply, sse_reply
+from tests.test_server_faults import DEADLINE_S, FaultServer, json_reply, make_chat, raw_reply, sse_reply
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.sse import EventReader, iter_events
 from trimkit.backends.completion import assemble_chat_completion, chunk_content
@@ -335,14 +334,12 @@ def _drive(chat: Any, server: FaultServer, event: Any, finish: bool) -> None:
     server.chat(sse_reply(*events))
     messages = [{"role": "user", "content": "Say hello."}]
     before = copy.deepcopy(messages)
-    t0 = time.monotonic()
     try:
         chunks = list(chat.chat.completions.create(messages=messages, max_tokens=4, stream=True))
     except TrimkitError as exc:
         assert getattr(exc, "report", None) is not None  # raised mid-stream: the report of what was sent
     else:
         assert chunks and chunk_content(chunks[0]) == "Hi"
-    assert time.monotonic() - t0 < DEADLINE_S + SLACK_S
     assert messages == before
 
 

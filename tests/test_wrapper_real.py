@@ -49,8 +49,10 @@ def test_long_rag_chat_is_trimmed_toward_the_budget(llm, quick_profile):
     assert r.trimmed and r.prompt_tokens < r.prompt_tokens_before
     assert r.predicted_ttft_before_s > 1.5
     assert r.predicted_ttft_s <= 1.5
-    # measured on a shared machine: only a generous sanity bound here; the benchmark has the targets
-    assert r.measured_ttft_s < 1.5 * 3
+    # measured: how close it comes to the budget depends on the host's load (the benchmark has
+    # the targets); what the report says of it does not
+    assert r.measured_ttft_s is not None and r.measured_ttft_s > 0
+    assert r.budget_met == (r.measured_ttft_s <= 1.5)
     dropped = [c for a in r.actions for c in a.removed_chunks]
     removed = [i for a in r.actions for i in (*a.removed_messages, *a.summarized_messages)]
     assert dropped or removed

@@ -174,6 +174,10 @@ def read_request(path: str) -> tuple[list[Any], tuple[Any, ...], Any]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidInputError(f"{path} is not JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise InvalidInputError(f"{path} is nested too deep to read as a request") from None
+    except ValueError as exc:  # an integer over Python's digit limit
+        raise InvalidInputError(f"{path} is not a usable request: {str(exc)[:200]}") from None
     if isinstance(data, list):  # a bare message list is a request too
         data = {"messages": data}
     if not isinstance(data, dict):

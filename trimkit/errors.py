@@ -29,6 +29,8 @@ subclasses the builtin it naturally is, so code that already catches ``ValueErro
         ├── ServerUnreachableError (ConnectionError)  connection refused / DNS / timeout after retries
         │   └── ServerTimeoutError (TimeoutError)     no first chunk (side request: no answer) within the
         │                                             request's deadline
+        ├── OverloadedError (TimeoutError)      live but too busy to start the request in time
+        │                                       (``.retry_after_s``: when to try again)
         ├── StreamInterruptedError              the stream broke mid-response (carries ``.report``)
         └── EngineBusyError (TimeoutError)      another request or open stream held the in-process
                                                 engine past this request's wait bound
@@ -65,6 +67,7 @@ __all__ = [
     "ServerUnreachableError",
     "StreamInterruptedError",
     "EngineBusyError",
+    "OverloadedError",
     "MalformedReplyError",
     "ServerTimeoutError",
 ]
@@ -187,6 +190,17 @@ class EngineBusyError(BackendError, TimeoutError):
     def __init__(self, message: str, *, waited_s: float = 0.0) -> None:
         super().__init__(message)
         self.waited_s = waited_s
+
+
+class OverloadedError(BackendError, TimeoutError):
+    """Where the request could go is alive but too busy to start it within its deadline (a
+    fleet whose replicas are all working through their queues). Not a failure of any server:
+    nothing was taken out of rotation and nothing was answered. Retry after
+    ``.retry_after_s`` seconds, or shed the load."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class MalformedReplyError(ServerError):

@@ -54,7 +54,7 @@ from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.server_load import ServerLoadReader
 from trimkit.backends.transport import normalize_base_url
 from trimkit.errors import InvalidInputError
-from trimkit.fleet_endpoint import FleetEndpoint, FleetUnavailableError
+from trimkit.fleet_endpoint import FleetEndpoint, FleetOverloadedError, FleetUnavailableError
 from trimkit.fleet_frontend import AsyncFleetFrontEnd, AsyncFleetStream, FleetBase, FleetFrontEnd, FleetStream
 from trimkit.fleet_state import Health
 from trimkit.openai_wrapper import AsyncTrimmedOpenAI, OpenAIFrontEnd, TrimmedOpenAI, split_backend_kwargs
@@ -64,7 +64,7 @@ from trimkit.validation import positive_finite
 from trimkit.verdict import valid_tokens_per_s_target
 
 __all__ = ["wrap_fleet", "wrap_url", "FleetFrontEnd", "AsyncFleetFrontEnd", "FleetStream", "AsyncFleetStream", "FleetEndpoint",
-           "FleetUnavailableError", "FLEET_BACKEND_DEFAULTS"]
+           "FleetUnavailableError", "FleetOverloadedError", "FLEET_BACKEND_DEFAULTS"]
 
 #: backend settings a fleet uses unless given: retry one endpoint briefly, then fail over
 FLEET_BACKEND_DEFAULTS: Mapping[str, Any] = {"max_attempts": 2, "retry_backoff_s": 0.05, "retry_backoff_max_s": 0.2}

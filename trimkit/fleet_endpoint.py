@@ -28,7 +28,9 @@ from trimkit.backends.server_load import ServerLoad, ServerLoadReader
 from trimkit.errors import (
     BackendError,
     MalformedReplyError,
+    OverloadedError,
     ServerError,
+    ServerTimeoutError,
     ServerUnreachableError,
     StreamInterruptedError,
     TransientServerError,
@@ -37,8 +39,8 @@ from trimkit.fleet_state import Health, HeldPrompts, slot_wait_s
 from trimkit.planning.costs import evaluated_tokens
 from trimkit.planning.queue import EngineQueue, Ticket, answer_cap
 
-__all__ = ["FleetEndpoint", "RouteCost", "FleetUnavailableError", "best_route", "is_endpoint_failure", "describe_error", "ENGINE_SLOTS",
-           "TIE_SHARE"]
+__all__ = ["FleetEndpoint", "RouteCost", "FleetUnavailableError", "FleetOverloadedError", "best_route", "is_endpoint_failure",
+           "is_overload", "describe_error", "ENGINE_SLOTS", "TIE_SHARE", "MIN_RETRY_AFTER_S"]
 
 log = logging.getLogger("trimkit")
 
@@ -47,6 +49,8 @@ log = logging.getLogger("trimkit")
 ENGINE_SLOTS = {"vllm": 64, "sglang": 64}
 #: predicted TTFTs closer than this share are a tie (predictions are never that sure)
 TIE_SHARE = 0.01
+#: the shortest retry hint an overloaded fleet gives
+MIN_RETRY_AFTER_S = 0.5
 
 
 class FleetUnavailableError(ServerUnreachableError):
@@ -57,6 +61,25 @@ class FleetUnavailableError(ServerUnreachableError):
     def __init__(self, message: str, *, attempts: Sequence[tuple[str, str]] = ()) -> None:
         super().__init__(message)
         self.attempts = tuple(attempts)
+
+
+class FleetOverloadedError(OverloadedError):
+    """Every endpoint of the fleet that could take the request is alive but too busy to start it
+    within the call's deadline (each timed out with this client's own requests ahead of it, or
+    while it was answering others, or said 429). No endpoint was taken out of rotation. Nothing
+    was answered: retry after ``.retry_after_s`` (the predicted wait for the least busy
+    endpoint), or shed the load. ``.attempts`` lists ``(endpoint, what went wrong)``."""
+
+    def __init__(self, message: str, *, retry_after_s: float, attempts: Sequence[tuple[str, str]] = ()) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.attempts = tuple(attempts)
+
+
+def is_overload(exc: BaseException) -> bool:
+    """An error a live but busy endpoint gives: no first chunk within the attempt's deadline
+    (:class:`~trimkit.errors.ServerTimeoutError`), or 429 Too Many Requests. Whether the endpoint
+    is alive is the caller's to judge (:meth:`FleetEndpoint.alive_since`)."""
+    return isinstance(exc, ServerTimeoutError) or (isinstance(exc, TransientServerError) and exc.status == 429)
 
 
 def is_endpoint_failure(exc: BaseException) -> bool:
@@ -158,6 +181,10 @@ class FleetEndpoint:
         self.clock = clock
         self._slots, self._held_arg = slots, held_prompts
         self._lock = threading.Lock()
+        #: when this endpoint last sent this client a chunk or finished a request of its (clock)
+        self.last_progress_at: float | None = None
+        #: taken out of rotation by a timeout (or 429) alone, not a refusal or an error
+        self.timed_out = False
         backend.cache_view = self.cache_view
 
     def __repr__(self) -> str:
@@ -266,9 +293,37 @@ class FleetEndpoint:
         """Take it out of rotation after ``exc``."""
         with self._lock:
             first = self.health.is_up
+            self.timed_out = is_overload(exc) and (first or self.timed_out)
             self.health.down(self.clock(), describe_error(exc))
         if first:
             log.warning("trimkit: fleet endpoint %s taken out of rotation: %s", self.label, describe_error(exc))
+
+    def progressed(self) -> None:
+        """It sent a chunk, or finished a request: it is alive. Taken out of rotation by a
+        timeout alone (it may have been busy, not dead), it is back at once."""
+        self.last_progress_at = self.clock()
+        if self.timed_out and not self.health.is_up:
+            with self._lock:
+                self.health.up()
+                self.timed_out = False
+            log.info("trimkit: fleet endpoint %s answered again: back in rotation", self.label)
+
+    @property
+    def busy_not_dead(self) -> bool:
+        """Out of rotation after a timeout alone, with this client's requests still in flight
+        here: as far as the client can tell it is working through them, not dead."""
+        return not self.health.is_up and self.timed_out and self.in_flight > 0
+
+    def alive_since(self, since: float, *, ahead: int = 0) -> bool:
+        """Whether a timeout of a request sent at ``since`` (with ``ahead`` of this client's
+        requests in flight here before it) is the endpoint being busy, not dead: it had this
+        client's own requests to work through first, or it made progress while the request waited."""
+        return ahead > 0 or (self.last_progress_at is not None and self.last_progress_at >= since)
+
+    def predicted_wait_s(self, now: float | None = None) -> float:
+        """How long a new request is predicted to wait here behind the requests in flight."""
+        now = self.clock() if now is None else now
+        return slot_wait_s([t.remaining_s(now) for t in self.queue.in_flight()], self.slots)
 
     # -- pricing a request --------------------------------------------------------------------------
     def cache_view(self, tokens: Sequence[int]) -> int:
@@ -332,6 +387,7 @@ class FleetEndpoint:
         self._started()
 
     def first_token(self, key: int) -> None:
+        self.progressed()
         ticket = self._tickets.get(key)
         if ticket is not None:
             ticket.first_token()
@@ -345,6 +401,8 @@ class FleetEndpoint:
             ticket.done()
         if failed:
             self.held.forget(key)
+        elif ticket is not None:
+            self.progressed()
         self._started()
 
     def observe(self, params: Mapping[str, Any], m: Measurement) -> None:

@@ -20,7 +20,7 @@ from trimkit.errors import TrimkitError
 from trimkit.fleet_call import FleetCall, Route
 from trimkit.fleet_endpoint import FleetEndpoint, is_endpoint_failure
 from trimkit.frontend import AsyncReportingStream, ReportingOpenAIStream, StreamReporter, send_params
-from trimkit.openai_wrapper import call_arguments
+from trimkit.openai_wrapper import call_arguments, call_options
 from trimkit.report import Report
 from trimkit.validation import budget as valid_budget
 
@@ -96,13 +96,15 @@ class FleetStream(_FleetStreamBase):
         if self._head:
             return self._head.pop(0)
         try:
-            return next(self.inner)  # type: ignore[call-overload]
+            chunk = next(self.inner)  # type: ignore[call-overload]
         except StopIteration:
             self._finished()
             raise
         except BaseException as exc:
             self._broke(exc)
             raise
+        self.endpoint.progressed()
+        return chunk
 
     def close(self) -> None:
         self.inner.close()  # type: ignore[attr-defined]
@@ -138,13 +140,15 @@ class AsyncFleetStream(_FleetStreamBase):
         if self._head:
             return self._head.pop(0)
         try:
-            return await self.inner.__anext__()  # type: ignore[attr-defined]
+            chunk = await self.inner.__anext__()  # type: ignore[attr-defined]
         except StopAsyncIteration:
             self._finished()
             raise
         except BaseException as exc:
             self._broke(exc)
             raise
+        self.endpoint.progressed()
+        return chunk
 
     async def close(self) -> None:
         await self.inner.close()  # type: ignore[attr-defined]
@@ -285,13 +289,13 @@ class FleetFrontEnd(FleetBase):
 
     def _create(self, kwargs: dict[str, Any]) -> Any:
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        call = FleetCall(self, messages, rag_chunks, budget, params)
+        call = FleetCall(self, messages, rag_chunks, budget, params, **call_options(kwargs))
         while True:
             route = call.route()
             try:
                 sent = self._send(call, route, params, stream)
             except TrimkitError as exc:  # before the first token: the next endpoint, if it was this one's fault
-                call.failed(route.endpoint, exc)
+                call.failed(route.endpoint, exc, route)
                 continue
             if not isinstance(sent, FleetStream) or stream:
                 return sent
@@ -332,6 +336,24 @@ class FleetFrontEnd(FleetBase):
         self.close()
 
 
+async def _routed(call: FleetCall) -> Route:
+    """``call.route()`` in a worker thread. The thread cannot be stopped: if the caller is
+    cancelled while it runs (``asyncio.wait_for``, a task cancelled), the reservation it makes
+    is given back as soon as it is made — an endpoint's in-flight count never keeps a request
+    whose caller is gone."""
+    future = asyncio.ensure_future(asyncio.to_thread(call.route))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(_release_abandoned)
+        raise
+
+
+def _release_abandoned(future: asyncio.Future[Route]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().release(failed=True)
+
+
 class AsyncFleetFrontEnd(FleetBase):
     """:class:`FleetFrontEnd` for ``openai.AsyncOpenAI`` clients (or ``asynchronous=True``):
     ``await chat.completions.create(...)``; routing and planning run in a worker thread, off the
@@ -341,13 +363,13 @@ class AsyncFleetFrontEnd(FleetBase):
 
     async def _create(self, kwargs: dict[str, Any]) -> Any:  # type: ignore[override]
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        call = FleetCall(self, messages, rag_chunks, budget, params)
+        call = FleetCall(self, messages, rag_chunks, budget, params, **call_options(kwargs))
         while True:
-            route = await asyncio.to_thread(call.route)
+            route = await _routed(call)
             try:
                 sent = await self._send(call, route, params, stream)
             except TrimkitError as exc:
-                call.failed(route.endpoint, exc)
+                call.failed(route.endpoint, exc, route)
                 continue
             if not isinstance(sent, AsyncFleetStream) or stream:
                 return sent

@@ -6,8 +6,10 @@ does, and never mutates them. Validation happens here, before anything is planne
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
+import re
 import string
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -74,11 +76,23 @@ def _check_id(instance: Any, attribute: Any, value: Any) -> None:
         raise InvalidChunkError(f"chunk id must be a str or None, got {type(value).__name__}")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Where ``text`` holds a lone surrogate (``"\\ud800"``: valid JSON, but no UTF-8 can carry it
+    to a tokenizer or a server), or None."""
+    m = _SURROGATE.search(text)
+    return None if m is None else m.start()
+
+
 def _check_text(instance: Any, attribute: Any, value: Any) -> None:
     if not isinstance(value, str):
         raise InvalidChunkError(f"chunk text must be a str, got {type(value).__name__}")
     if not value.strip():
         raise InvalidChunkError("chunk text is empty")
+    if (at := lone_surrogate(value)) is not None:
+        raise InvalidChunkError(f"chunk text holds a lone surrogate at character {at} (not encodable as UTF-8)")
 
 
 @attrs.frozen
@@ -94,6 +108,32 @@ class Chunk:
     score: float | None = attrs.field(default=None, converter=_score_to_float, validator=_check_score)
     id: str | None = attrs.field(default=None, validator=_check_id)
     metadata: Mapping[str, Any] = attrs.field(factory=dict, eq=False, hash=False)
+
+
+def validate_params(params: Mapping[str, Any]) -> None:
+    """Raise :class:`InvalidInputError` for call parameters no engine can take: ``tools`` that
+    are not a list of JSON objects (``tools=[object()]``), a number that is NaN or infinite
+    (``max_tokens=nan``, ``temperature=inf``). Nothing is changed."""
+    if not isinstance(params, Mapping):
+        raise InvalidInputError(f"params must be a mapping, got {type(params).__name__}")
+    for name, value in params.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidInputError(f"{name} must be a finite number, got {value!r}")
+    tools = params.get("tools")
+    if tools is None:
+        return
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise InvalidInputError(f"tools must be a list of dicts, got {type(tools).__name__}")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            raise InvalidInputError(f"tools[{i}] must be a dict, got {type(tool).__name__}")
+        try:
+            json.dumps(tool, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise InvalidInputError(f"tools[{i}] is not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
+        text = json.dumps(tool, ensure_ascii=False)
+        if lone_surrogate(text) is not None:
+            raise InvalidInputError(f"tools[{i}] holds a lone surrogate (not encodable as UTF-8)")
 
 
 def coerce_chunks(chunks: Any) -> tuple[Chunk, ...]:
@@ -234,7 +274,12 @@ def validate_messages(messages: Any) -> None:
                     raise InvalidMessageError(f"messages[{i}].content[{j}].type must be a str, got {type(part['type']).__name__}")
                 if part["type"] == "text" and not isinstance(part.get("text"), str):
                     raise InvalidMessageError(f"messages[{i}].content[{j}] is a text part without a str 'text'")
-        elif not isinstance(content, str):
+                if isinstance(part.get("text"), str) and (at := lone_surrogate(part["text"])) is not None:
+                    raise InvalidMessageError(f"messages[{i}].content[{j}].text holds a lone surrogate at character {at} (not encodable as UTF-8)")
+        elif isinstance(content, str):
+            if (at := lone_surrogate(content)) is not None:
+                raise InvalidMessageError(f"messages[{i}] ({role}) content holds a lone surrogate at character {at} (not encodable as UTF-8)")
+        else:
             raise InvalidMessageError(
                 f"messages[{i}] ({role}) content must be str, list of parts or None, got {type(content).__name__}"
             )

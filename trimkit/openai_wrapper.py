@@ -49,6 +49,7 @@ __all__ = [
     "BACKEND_KWARGS",
     "MIN_RETRY_DEADLINE_S",
     "call_arguments",
+    "call_options",
     "split_backend_kwargs",
 ]
 
@@ -83,17 +84,29 @@ def split_backend_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def call_arguments(kwargs: Mapping[str, Any]) -> tuple[Any, Any, float | None, dict[str, Any], bool]:
     """Split a ``create()`` call's arguments: (messages, rag_chunks, budget, pass-through params,
-    stream). Arguments the caller did not give (``openai.NOT_GIVEN``) are left out."""
+    stream). Arguments the caller did not give (``openai.NOT_GIVEN``) are left out; trimkit's own
+    per-call options (``on_busy``) are not pass-through: read them with :func:`call_options`."""
     params = {k: v for k, v in kwargs.items() if not _is_not_given(v)}
     if "messages" not in params:
         raise InvalidMessageError("create() needs messages=[...]")
     messages = params.pop("messages")
     rag_chunks = params.pop("rag_chunks", None)
     budget = params.pop("ttft_budget_s", None)
+    for name in TRIMKIT_CALL_OPTIONS:
+        params.pop(name, None)
     stream = params.get("stream", False)
     if stream not in (True, False, None):
         raise InvalidInputError(f"stream must be True or False, got {stream!r}")
     return messages, rag_chunks, budget, params, bool(stream)
+
+
+#: a call's options that are trimkit's, never sent to the server
+TRIMKIT_CALL_OPTIONS = ("on_busy",)
+
+
+def call_options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """trimkit's own options of a ``create()`` call (``on_busy``), as given (None: not given)."""
+    return {name: kwargs.get(name) for name in TRIMKIT_CALL_OPTIONS if not _is_not_given(kwargs.get(name))}
 
 
 def _not_a_list(target: Any, what: str) -> None:
@@ -124,6 +137,15 @@ def _usage_note(m: Measurement, params: Mapping[str, Any]) -> tuple[str, ...]:
         return ("the server reported no usage while streaming: the response's usage holds trimkit's counts "
                 "(prompt tokens as trimkit counted them, completion tokens = content chunks)",)
     return ()
+
+
+def _model_note(asked: str | None, m: Measurement) -> tuple[str, ...]:
+    """The report's warning when the server answered with another model than the one asked for."""
+    served = m.server.get("model") if isinstance(m.server, Mapping) else None
+    if not asked or not isinstance(served, str) or not served or served == asked:
+        return ()
+    return (f"the server answered with model {served[:120]!r}, not {asked[:120]!r} as asked (the profile and this report are "
+            "for the model asked for)",)
 
 
 class _ClientPart:
@@ -208,7 +230,13 @@ class OpenAIFrontEnd(FrontEnd):
         self.deadlines = CallDeadlines(backend.retry_deadline_s, float(retry_deadline_s) if retry_deadline_s is not None else None)
         try:
             #: validate → plan → measure → report; this front-end only sends
-            self.pipeline = Pipeline(backend, ttft_budget_s=ttft_budget_s, model_label=self._model_label, report_notes=_usage_note, **kwargs)
+            configured = backend.model
+
+            def notes(m: Measurement, params: Mapping[str, Any]) -> tuple[str, ...]:
+                asked = params.get("model") if isinstance(params.get("model"), str) else configured
+                return (*_usage_note(m, params), *_model_note(asked, m))
+
+            self.pipeline = Pipeline(backend, ttft_budget_s=ttft_budget_s, model_label=self._model_label, report_notes=notes, **kwargs)
         except BaseException:
             backend.close()
             raise
@@ -312,7 +340,7 @@ class TrimmedOpenAI(OpenAIFrontEnd):
 
     def _create(self, kwargs: dict[str, Any]) -> Any:
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        prepared = self.prepare(messages, rag_chunks, params, ttft_budget_s=budget)
+        prepared = self.prepare(messages, rag_chunks, params, ttft_budget_s=budget, **call_options(kwargs))
         unstreamed = self.unstreamed(prepared, params, stream)
         if unstreamed is not None:
             prepared, args = unstreamed
@@ -354,7 +382,7 @@ class AsyncTrimmedOpenAI(OpenAIFrontEnd):
 
     async def _create(self, kwargs: dict[str, Any]) -> Any:
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        prepared = await asyncio.to_thread(self.prepare, messages, rag_chunks, params, ttft_budget_s=budget)
+        prepared = await asyncio.to_thread(self.prepare, messages, rag_chunks, params, ttft_budget_s=budget, **call_options(kwargs))
         unstreamed = self.unstreamed(prepared, params, stream)
         if unstreamed is not None:
             prepared, args = unstreamed

@@ -36,6 +36,9 @@ import attrs
 from trimkit.backends.base import Backend, Measurement, TimedStream
 from trimkit.backends.lease import EngineLease
 from trimkit.calibration import calibrate
+from trimkit.control_tokens import KNOWN as KNOWN_CONTROLS
+from trimkit.control_tokens import check_mode as check_control_mode
+from trimkit.control_tokens import neutralize_chunks, neutralize_messages
 from trimkit.errors import ContextTooSmallError, InfeasibleBudgetError, InvalidInputError, QueueBudgetError
 from trimkit.messages import (
     DEFAULT_RAG_CHUNK_TEMPLATE,
@@ -45,6 +48,7 @@ from trimkit.messages import (
     coerce_chunks,
     last_user_index,
     validate_messages,
+    validate_params,
 )
 from trimkit.planning.costs import evaluated_tokens
 from trimkit.planning.drift import LiveProfile
@@ -124,6 +128,7 @@ class Pipeline:
         quick_calibration: bool | None = None, watch_prefill: bool = True, clock: Callable[[], float] = time.perf_counter,
         attainment_target: float = DEFAULT_TARGET, values: Any = None, model_label: ModelLabel | None = None,
         report_notes: ReportNotes | None = None, endpoint_label: str | None = None, tokens_per_s_target: float | None = None,
+        neutralize_control_tokens: str = "chunks",
     ) -> None:
         if values is not None and not isinstance(values, ValueModel):
             raise InvalidInputError(f"values must be a trimkit.ValueModel or None, got {type(values).__name__}")
@@ -131,6 +136,9 @@ class Pipeline:
         if on_infeasible not in ("best_effort", "raise"):
             raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
         check_rag_templates(rag_template, rag_chunk_template)
+        #: what may not become control tokens of the chat template: retrieved text ("chunks"),
+        #: message content too ("all"), nothing ("off") (:mod:`trimkit.control_tokens`)
+        self.neutralize_control_tokens = check_control_mode(neutralize_control_tokens)
         self.backend = backend
         self.ttft_budget_s = ttft_budget_s  # validated by the property
         self.strategies = strategies
@@ -228,7 +236,9 @@ class Pipeline:
         t0 = self.clock()
         params = params or {}
         validate_messages(messages)
+        validate_params(params)
         chunks = coerce_chunks(rag_chunks)
+        messages, chunks, guarded = self._neutralized(messages, chunks)
         budget = self.ttft_budget_s if ttft_budget_s is None else valid_budget(ttft_budget_s)
         busy = self.on_busy if on_busy is None else check_on_busy(on_busy)
         given = queue_wait(queue_wait_s)
@@ -242,7 +252,26 @@ class Pipeline:
             raise
         if ticket is not None:
             ticket.planned()
+        for note in guarded:
+            prepared = prepared.with_warning(note)
         return prepared
+
+    def _neutralized(self, messages: Any, chunks: Sequence[Chunk]) -> tuple[Any, Sequence[Chunk], list[str]]:
+        """Retrieved text (and, with ``"all"``, message content) whose control-token texts are
+        broken so they tokenize as plain text; the report's warnings."""
+        mode = self.neutralize_control_tokens
+        if mode == "off" or (not chunks and mode != "all"):
+            return messages, chunks, []
+        controls = getattr(self.backend.tokenizer, "control_texts", None) or KNOWN_CONTROLS
+        notes = []
+        chunks, note = neutralize_chunks(chunks, controls)
+        if note:
+            notes.append(note)
+        if mode == "all":
+            messages, note = neutralize_messages(messages, controls)
+            if note:
+                notes.append(note)
+        return messages, chunks, notes
 
     def _prepare(self, messages: Any, chunks: Sequence[Chunk], params: Mapping[str, Any], budget: float | None, on_busy: str,
                  given_wait: float | None, ticket: Ticket | None, t0: float) -> Prepared:

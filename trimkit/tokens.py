@@ -23,6 +23,7 @@ import tiktoken
 
 from trimkit.messages import SYSTEM_ROLES, message_text
 from trimkit.planning.costs import reusable_cached_tokens
+from trimkit.sized_cache import SizedCache
 
 __all__ = [
     "Tokenizer",
@@ -109,6 +110,9 @@ class Segments:
 # Private-use code points around a message index. Not whitespace (str.strip() and Jinja's
 # ``| trim`` — used by Gemma's own template — remove \x1f and other separators) and not letters
 # (``| lower``/``| upper`` leave them alone), so the markers survive what templates do to content.
+#: what each of a PromptTokenizer's text caches holds at most, in characters of its keys
+DEFAULT_CACHE_CHARS = 8 << 20
+
 _MARK = "\ue000{}\ue001"
 _MARK_RE = re.compile("\ue000(\\d+)\ue001")
 
@@ -139,20 +143,34 @@ class PromptTokenizer:
         *,
         encode_prompt: Callable[[str], list[int]] | None = None,
         name: str | None = None,
-        cache_size: int = 8192,
+        cache_size: int = 1 << 16,
+        cache_chars: int = DEFAULT_CACHE_CHARS,
+        control_texts: Callable[[], Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self._render = render
         self._encode_prompt = encode_prompt or tokenizer.encode
         self.name = name or tokenizer.name
-        self._counts: OrderedDict[str, int] = OrderedDict()
+        # bounded by the characters they hold (cache_chars each), not only by entries: a service
+        # fed 20 KB chunks stays flat
+        self._counts: SizedCache[str, int] = SizedCache(cache_chars, max_entries=cache_size)
         self._layouts: dict[tuple[Any, ...], tuple[str | None, ...] | None] = {}
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._prefix_tokens: int | None = None
-        self._segments: dict[tuple[str, str], int] = {}
+        self._segments: SizedCache[tuple[str, str], int] = SizedCache(cache_chars, max_entries=cache_size)
         self._prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self.count_calls = 0  # texts actually tokenized (cache misses), for tests and benchmarks
+        self._control_texts_of = control_texts
+        self._control_texts: Any = None
+
+    @property
+    def control_texts(self) -> Any:
+        """The texts of the model's control tokens (a :class:`trimkit.control_tokens.ControlTexts`,
+        read once from its vocabulary), or None when this tokenizer does not know the model's."""
+        if self._control_texts is None and self._control_texts_of is not None:
+            self._control_texts = self._control_texts_of()
+        return self._control_texts
 
     @property
     def exact(self) -> bool:
@@ -185,23 +203,23 @@ class PromptTokenizer:
         tokens = self.encode_prompt(text)
         with self._lock:
             self._prompts[text] = tuple(tokens)
-            while len(self._prompts) > 8:
+            while len(self._prompts) > 8 or (len(self._prompts) > 1 and sum(len(t) for t in self._prompts) > self._counts.max_size):
                 self._prompts.popitem(last=False)
         return tokens
 
     def count(self, text: str) -> int:
-        """Token count of ``text`` (cached)."""
-        with self._lock:
-            hit = self._counts.get(text)
-            if hit is not None:
-                self._counts.move_to_end(text)
-                return hit
+        """Token count of ``text`` (cached, within ``cache_chars``)."""
+        hit = self._counts.get(text)
+        if hit is not None:
+            return hit
+        n = self._count_uncached(text)
+        self._counts.put(text, n)
+        return n
+
+    def _count_uncached(self, text: str) -> int:
         n = len(self.tokenizer.encode(text))
         with self._lock:
             self.count_calls += 1
-            self._counts[text] = n
-            if len(self._counts) > self._cache_size:
-                self._counts.popitem(last=False)
         return n
 
     def layout(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> tuple[str | None, ...] | None:
@@ -276,10 +294,8 @@ class PromptTokenizer:
         key = (piece, text)
         hit = self._segments.get(key)
         if hit is None:
-            hit = self.count(piece + text)
-            if len(self._segments) > self._cache_size:
-                self._segments.clear()
-            self._segments[key] = hit
+            hit = self._count_uncached(piece + text)  # the concatenation is not kept: the pair is the key
+            self._segments.put(key, hit)
         return hit
 
     @property

@@ -112,13 +112,17 @@ class ServerEvidence:
             if ts.first_content_at is not None and ts.last_chunk_at is not None:
                 client_decode = ts.last_chunk_at - ts.first_content_at
             stats = state.stats_reply.stats if state.stats_reply is not None else ServerStats()
-            return self.measure(stats, ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=(ts.ended_at or clock()) - (ts.started or 0.0),
-                                client_decode_s=client_decode, sent=sent, predicted_cached=predicted_cached, finish_reason=state.finish_reason,
-                                content_chunks=ts.n_content_chunks)
+            m = self.measure(stats, ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=(ts.ended_at or clock()) - (ts.started or 0.0),
+                             client_decode_s=client_decode, sent=sent, predicted_cached=predicted_cached, finish_reason=state.finish_reason,
+                             content_chunks=ts.n_content_chunks)
+            if state.served_model:  # what the server says answered: the report compares it with the model asked for
+                m = attrs.evolve(m, server={**m.server, "model": state.served_model})
+            return m
 
         return measure
 
     def whole_measure(self, reply: Reply, total_s: float, sent: list[int], predicted_cached: int) -> Measurement:
         """The measurement of a non-streamed response: the server's numbers only, no TTFT."""
-        return self.measure(reply.stats, ttft_s=None, total_s=total_s, client_decode_s=None, sent=sent, predicted_cached=predicted_cached,
-                            finish_reason=reply.finish_reason, content_chunks=None)
+        m = self.measure(reply.stats, ttft_s=None, total_s=total_s, client_decode_s=None, sent=sent, predicted_cached=predicted_cached,
+                         finish_reason=reply.finish_reason, content_chunks=None)
+        return attrs.evolve(m, server={**m.server, "model": reply.model}) if reply.model else m

@@ -40,6 +40,7 @@ __all__ = [
     "is_transport_failure",
     "translated",
     "wrong_content_type",
+    "redirect_error",
     "stream_reply_error",
     "empty_stream_error",
 ]
@@ -163,6 +164,18 @@ def translated(translate: Callable[[BaseException], TrimkitError | None]) -> Ite
         if error is None:
             raise
         raise error from exc
+
+
+def redirect_error(status: int, headers: Any, url: str) -> ServerError:
+    """A 3xx answer (trimkit does not follow redirects unless the ``http_client`` given does):
+    where the server sends the request, so the caller can point trimkit there."""
+    from trimkit.backends.transport import redact_url  # (transport imports this module)
+
+    location = headers.get("location") if headers is not None else None
+    where = f" to {redact_url(location)}" if location else ""
+    message = (f"{url} redirected the request (HTTP {status}){where}: trimkit does not follow redirects; use that URL, or pass "
+               "http_client=httpx.Client(follow_redirects=True)")
+    return ServerError(message, status=status, server_message=f"redirect{where}")
 
 
 def wrong_content_type(content_type: str | None, head: bytes, url: str) -> MalformedReplyError:

@@ -38,7 +38,7 @@ from trimkit.backends.probes import MAX_PROBE_TEXT_BYTES, PROBE_WORDS_PER_TOKEN,
 from trimkit.backends.replies import parse_completion
 from trimkit.backends.server import ServerInfo, probe_server, server_prompt_tokenizer
 from trimkit.backends.streams import AsyncTimedStream, StreamState, aread_chunks, read_chunks, timed_stream
-from trimkit.backends.transport import HTTPTransport, Opened, normalize_base_url, without_retries
+from trimkit.backends.transport import HTTPTransport, Opened, normalize_base_url, url_credentials, without_retries
 from trimkit.errors import InvalidInputError, ServerError
 from trimkit.profile import ProfileKey
 from trimkit.tokens import PromptTokenizer, TiktokenTokenizer
@@ -86,7 +86,7 @@ class OpenAIHTTPBackend(Backend):
                  chat_format: str | None = None, headers: Mapping[str, str] | None = None, http_client: httpx.Client | None = None,
                  async_http_client: httpx.AsyncClient | None = None, client: Any = None, clock: Clock = time.perf_counter,
                  tokenizer: PromptTokenizer | None = None) -> None:
-        self.base_url, self.root_url = normalize_base_url(base_url)
+        self.base_url, self.root_url = normalize_base_url(base_url)  # without userinfo: it goes in the header below
         self.limits = RequestLimits(timeout_s, connect_timeout_s, retry_deadline_s, max_attempts, retry_backoff_s, retry_backoff_max_s)
         if cache_block_tokens is not None and (isinstance(cache_block_tokens, bool) or not isinstance(cache_block_tokens, int) or cache_block_tokens < 1):
             raise InvalidInputError(f"cache_block_tokens must be an int >= 1, got {cache_block_tokens!r}")
@@ -100,6 +100,9 @@ class OpenAIHTTPBackend(Backend):
         if chat_format is not None:
             self._render_local = chat_format_renderer(chat_format)
         request_headers = {"Accept": "application/json", **(headers or {})}
+        basic = url_credentials(base_url)
+        if basic and not any(k.lower() == "authorization" for k in request_headers):
+            request_headers["Authorization"] = basic
         if api_key:
             request_headers["Authorization"] = f"Bearer {api_key}"
         self.transport = HTTPTransport(self.base_url, self.root_url, request_headers, self.limits, http_client, async_http_client)
@@ -291,7 +294,7 @@ class OpenAIHTTPBackend(Backend):
         if not via_url:
             self._check_form(is_async)
         call = self._call(messages, params, prompt_tokens, self.limits.deadline(retry_deadline_s, deadline_s, unbounded=probe), stream=True)
-        state = StreamState(self.base_url, hide_usage_chunk=call.hide_usage, chunks=[] if collect else None)
+        state = StreamState(self.base_url, hide_usage_chunk=call.hide_usage, chunks=[] if collect else None, deadline=call.deadline)
         measure = self.evidence.stream_measure(call.sent, call.predicted, self.clock)
         if is_async:
             return timed_stream(self._achunks(call, state), state, self.clock, measure, cls=AsyncTimedStream), state

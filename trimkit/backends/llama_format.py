@@ -18,6 +18,7 @@ from typing import Any
 import jinja2
 from llama_cpp import llama_chat_format
 
+from trimkit.control_tokens import llama_control_texts
 from trimkit.errors import InvalidInputError, InvalidMessageError
 from trimkit.tokens import PromptTokenizer, chatml_render
 
@@ -104,6 +105,7 @@ def llama_prompt_tokenizer(llm: Any) -> PromptTokenizer:
             chatml_render,
             encode_prompt=lambda text: llm.tokenize(text.encode("utf-8"), add_bos=True, special=True),
             name=text_tok.name + "+chatml(estimate)",
+            control_texts=lambda: llama_control_texts(llm),
         )
     added_special = {"value": False}
 
@@ -122,4 +124,5 @@ def llama_prompt_tokenizer(llm: Any) -> PromptTokenizer:
         return llm.tokenize(text.encode("utf-8"), add_bos=not added_special["value"], special=True)
 
     render([{"role": "user", "content": "x"}])  # learn whether the template adds BOS itself
-    return PromptTokenizer(text_tok, render, encode_prompt=encode_prompt, name=text_tok.name + f"+{getattr(llm, 'chat_format', None) or 'handler'}")
+    return PromptTokenizer(text_tok, render, encode_prompt=encode_prompt, name=text_tok.name + f"+{getattr(llm, 'chat_format', None) or 'handler'}",
+                           control_texts=lambda: llama_control_texts(llm))

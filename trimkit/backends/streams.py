@@ -9,6 +9,8 @@ and :func:`aread_chunks` only move events through it.
 from __future__ import annotations
 
 import operator
+import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -19,7 +21,8 @@ from trimkit.backends.base import Clock, Measurement, TimedStream
 from trimkit.backends.faults import empty_stream_error, is_transport_failure, undecodable
 from trimkit.backends.replies import Reply, parse_chunk, parse_completion
 from trimkit.backends.transport import END, Opened
-from trimkit.errors import StreamInterruptedError, TrimkitError
+from trimkit.backends.limits import Deadline
+from trimkit.errors import ServerTimeoutError, StreamInterruptedError, TrimkitError
 
 __all__ = ["StreamState", "read_chunks", "aread_chunks", "timed_stream", "AsyncTimedStream"]
 
@@ -37,16 +40,40 @@ class StreamState:
     chunks: list[Reply] | None = None  # filled when the response is to be assembled
     last: Reply | None = None  # the reply of the chunk just yielded (read by the TimedStream)
     n_seen: int = 0
+    #: the request's deadline: a bounded one holds until the first output (content, a tool call,
+    #: a finish), whatever arrives before it — role deltas, ``content: null`` chunks, keep-alives
+    deadline: Deadline | None = None
+    started: float | None = None  # time.monotonic() when the request went out
+    has_output: bool = False
+    served_model: str | None = None  # the model the server says answered (its chunks' ``model``)
+
+    def start(self) -> None:
+        self.started = time.monotonic()
 
     def begin(self, opened: Opened) -> None:
         if opened.first is END:
             raise empty_stream_error()
+
+    def _check_deadline(self) -> None:
+        d = self.deadline
+        if d is None or not d.bounded or self.started is None:
+            return
+        if time.monotonic() - self.started > d.seconds:
+            raise ServerTimeoutError(f"{self.url} sent {self.n_seen} chunks but no content within the request's deadline of "
+                                     f"{d.seconds:.2f} s")
 
     def take(self, item: Any, opened: Opened) -> Any:
         """Parse an event (a chunk, or the whole completion of a server that ignored
         ``stream=true``) and record what it says; the chunk to hand on, or ``_SKIP``."""
         self.n_seen += 1
         reply = parse_completion(item) if opened.whole else parse_chunk(item)
+        if self.served_model is None and reply.model:
+            self.served_model = reply.model
+        if not self.has_output:
+            if reply.output is not None:
+                self.has_output = True
+            elif not reply.usage_only:
+                self._check_deadline()
         self.last = reply
         if self.chunks is not None:
             self.chunks.append(reply)
@@ -57,12 +84,18 @@ class StreamState:
         return _SKIP if self.hide_usage_chunk and reply.usage_only else reply.raw
 
     def end(self, opened: Opened) -> None:
-        if not opened.done() and self.finish_reason is None:
+        if self.finish_reason is not None:
+            return
+        if not opened.done():
             raise StreamInterruptedError(f"the stream from {self.url} ended after {self.n_seen} chunks without a finish reason or [DONE]")
+        if not self.has_output:  # [DONE] before anything was generated: the same outcome as through an openai client
+            raise StreamInterruptedError(f"the stream from {self.url} ended ([DONE]) after {self.n_seen} chunks without content "
+                                         "or a finish reason")
 
 
 def read_chunks(open_: Callable[[], Opened], state: StreamState) -> Iterator[Any]:
     """The chunks of a stream, opened on the first ``next()`` (when the TTFT clock starts)."""
+    state.start()
     opened = open_()
     try:
         state.begin(opened)
@@ -79,6 +112,7 @@ def read_chunks(open_: Callable[[], Opened], state: StreamState) -> Iterator[Any
 
 async def aread_chunks(open_: Callable[[], Awaitable[Opened]], state: StreamState) -> AsyncIterator[Any]:
     opened = None
+    state.start()
     try:
         opened = await open_()
         state.begin(opened)
@@ -94,8 +128,9 @@ async def aread_chunks(open_: Callable[[], Awaitable[Opened]], state: StreamStat
             await opened.close()
 
 
-def _stream_error(url: str, ts_ref: list[TimedStream]) -> Callable[[BaseException], BaseException | None]:
-    """A stream's failure after it was opened as a trimkit error (None: left as it is)."""
+def _stream_error(url: str, stream_of: Callable[[], TimedStream | None]) -> Callable[[BaseException], BaseException | None]:
+    """A stream's failure after it was opened as a trimkit error (None: left as it is).
+    ``stream_of()`` is the stream (held weakly: see :func:`timed_stream`)."""
 
     def on_error(exc: BaseException) -> BaseException | None:
         if isinstance(exc, TrimkitError):
@@ -104,7 +139,8 @@ def _stream_error(url: str, ts_ref: list[TimedStream]) -> Callable[[BaseExceptio
             return undecodable(exc, f"the stream from {url}")
         if not is_transport_failure(exc):
             return None
-        n = ts_ref[0].n_chunks if ts_ref else 0
+        ts = stream_of()
+        n = ts.n_chunks if ts is not None else 0
         return StreamInterruptedError(f"the stream from {url} broke after {n} chunks: {type(exc).__name__}: {exc}")
 
     return on_error
@@ -113,8 +149,14 @@ def _stream_error(url: str, ts_ref: list[TimedStream]) -> Callable[[BaseExceptio
 def timed_stream(chunks: Any, state: StreamState, clock: Clock, measure: Callable[[StreamState, TimedStream], Measurement], *,
                  output_of: Callable[[Reply], str | None] = operator.attrgetter("output"), cls: type[TimedStream] = TimedStream) -> Any:
     """The :class:`TimedStream` (``cls``) over ``chunks``: each chunk's output is read from the
-    reply :class:`StreamState` parsed; at the end ``measure(state, stream)`` is the measurement."""
-    ref: list[TimedStream] = []
+    reply :class:`StreamState` parsed; at the end ``measure(state, stream)`` is the measurement.
+
+    Nothing the stream holds refers back to it (its error handler holds it weakly): a stream
+    dropped unfinished is freed — its generator closed, its connection given back to the pool —
+    at once, on the thread that dropped it, never later by the cyclic garbage collector on
+    whatever thread it happens to run (inside httpcore's pool, holding the pool's lock, a
+    ``close()`` that needs that lock deadlocked every later request)."""
+    ref: weakref.ref[TimedStream] | None = None
 
     def content_of(chunk: Any) -> str | None:
         reply = state.last
@@ -122,8 +164,8 @@ def timed_stream(chunks: Any, state: StreamState, clock: Clock, measure: Callabl
             reply = parse_chunk(chunk)
         return output_of(reply)
 
-    ts = cls(chunks, started=None, clock=clock, content_of=content_of, finish=lambda ts: measure(state, ts), on_error=_stream_error(state.url, ref))
-    ref.append(ts)
+    ts = cls(chunks, started=None, clock=clock, content_of=content_of, finish=lambda ts: measure(state, ts), on_error=_stream_error(state.url, lambda: ref() if ref is not None else None))
+    ref = weakref.ref(ts)
     return ts
 
 

@@ -11,7 +11,9 @@ async openers differ only in the lines that read. Every body read is capped
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import re
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -22,6 +24,7 @@ from trimkit.backends.faults import (
     client_error,
     client_open_error,
     client_read_error,
+    redirect_error,
     status_error,
     stream_reply_error,
     translated,
@@ -34,7 +37,8 @@ from trimkit.backends.replies import body_kind
 from trimkit.backends.sse import EventReader, aiter_events, iter_events
 from trimkit.errors import InvalidInputError, MalformedReplyError
 
-__all__ = ["END", "ERROR_BODY_BYTES", "Opened", "BodyPlan", "HTTPTransport", "normalize_base_url", "stream_body_plan", "json_answer",
+__all__ = ["END", "ERROR_BODY_BYTES", "Opened", "BodyPlan", "HTTPTransport", "normalize_base_url", "url_credentials",
+           "redact_url", "stream_body_plan", "json_answer",
            "read_capped", "aread_capped", "without_retries"]
 
 #: what a stream that ended before its first event gives as its first event
@@ -87,6 +91,8 @@ def stream_body_plan(status: int, headers: Any, url: str) -> BodyPlan | None:
     stream, else how to read the body and what it means."""
     if status >= 400:
         return BodyPlan(ERROR_BODY_BYTES, "error body", True, lambda body: _raise(status_error(status, body, headers)))
+    if 300 <= status < 400:
+        return BodyPlan(ERROR_BODY_BYTES, "redirect body", True, lambda body: _raise(redirect_error(status, headers, url)))
     content_type = headers.get("content-type")
     kind = body_kind(content_type)
     if kind == "json":  # the server ignored stream=true: one whole response
@@ -103,6 +109,8 @@ def json_answer(status: int, headers: Any, content: bytes, url: str, *, missing_
         if missing_ok and status in (400, 422) and root_only:
             return None
         raise status_error(status, content, headers)
+    if 300 <= status < 400:
+        raise redirect_error(status, headers, url)
     try:
         return load_json(content, what=f"reply from {url}", status=status)
     except MalformedReplyError:
@@ -147,20 +155,44 @@ async def aread_capped(byte_chunks: AsyncIterable[bytes], cap: int, what: str, *
     return body.value()
 
 
+_USERINFO = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://)[^/?#@\s]*@")
+
+
+def redact_url(text: Any) -> str:
+    """``text`` with the userinfo of every URL in it (``http://user:secret@host``) replaced by
+    ``***@``: what trimkit writes wherever it names an endpoint (reports, logs, errors, profile keys)."""
+    return _USERINFO.sub(r"\1***@", str(text))
+
+
 def normalize_base_url(base_url: Any) -> tuple[str, str]:
     """``(base_url, root)``: the OpenAI base (``.../v1``) without a trailing slash, and the
-    server root where llama.cpp's own endpoints live. Raises InvalidInputError for a bad URL."""
+    server root where llama.cpp's own endpoints live — both without the URL's userinfo
+    (credentials go in a header: :func:`url_credentials`), so no name trimkit gives the endpoint
+    carries a password. Raises InvalidInputError for a bad URL (its text redacted)."""
     if not isinstance(base_url, (str, httpx.URL)):
         raise InvalidInputError(f"base_url must be a str, got {type(base_url).__name__}")
     try:
         url = httpx.URL(str(base_url).strip())
     except Exception as exc:
-        raise InvalidInputError(f"invalid base_url {base_url!r}: {exc}") from None
+        raise InvalidInputError(f"invalid base_url {redact_url(base_url)!r}: {redact_url(exc)}") from None
     if url.scheme not in ("http", "https") or not url.host:
-        raise InvalidInputError(f"base_url must be an http(s) URL with a host, e.g. http://127.0.0.1:8080/v1; got {str(base_url)!r}")
-    base = str(url.copy_with(query=None, fragment=None)).rstrip("/")
+        raise InvalidInputError(f"base_url must be an http(s) URL with a host, e.g. http://127.0.0.1:8080/v1; got {redact_url(base_url)!r}")
+    base = str(url.copy_with(query=None, fragment=None, username=None, password=None)).rstrip("/")
     root = base[: -len("/v1")] if base.endswith("/v1") else base
     return base, root
+
+
+def url_credentials(base_url: Any) -> str | None:
+    """The ``Authorization`` header value (HTTP Basic) for the userinfo of ``base_url``
+    (``http://user:secret@host/v1``), or None when it has none."""
+    try:
+        url = httpx.URL(str(base_url).strip())
+    except Exception:
+        return None
+    if not url.username and not url.password:
+        return None
+    token = base64.b64encode(f"{url.username}:{url.password}".encode()).decode("ascii")
+    return f"Basic {token}"
 
 
 def without_retries(client: Any) -> Any:

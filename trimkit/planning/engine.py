@@ -165,26 +165,30 @@ class _Solver:
         if allowance is None or exact >= allowance:
             return c
         kept = {str(ch.id): ch for ch in c.kept_chunks}
-        options: list[tuple[float, Chunk]] = []
+        # each option priced additively (its variant's tokens less those of what it replaces):
+        # linear in the chunks; only the few tried are built in order and counted exactly
+        options: list[tuple[float, int, Chunk]] = []
         for it in self.chunk_items:
             current = kept.get(it.key)
-            now = 0.0 if current is None else next((v for _, v, p in it.variants if _variant_text(p) == current.text), 0.0)
-            options += [(v - now, _variant_chunk(p)) for _, v, p in it.variants if v > now + 1e-12]
+            now_v, now_w = 0.0, 0
+            if current is not None:
+                now_w, now_v = next(((w, v) for w, v, p in it.variants if _variant_text(p) == current.text), (0, 0.0))
+            options += [(v - now_v, w - now_w, _variant_chunk(p)) for w, v, p in it.variants if v > now_v + 1e-12]
         options.sort(key=lambda o: -o[0])
         tries = 0
         upgraded: set[str] = set()
-        for _, ch in options:
+        position = {str(x.id): i for i, x in enumerate(self.base.kept_chunks)}
+        for _, delta, ch in options:
             cid = str(ch.id)
             if cid in upgraded:
                 continue
-            trial_kept = {**kept, cid: ch}
-            order = tuple(trial_kept[str(x.id)] for x in self.base.kept_chunks if str(x.id) in trial_kept)
-            delta = ctx.chunk_tokens(order) - ctx.chunk_tokens(c.kept_chunks)
             if exact + delta - REFILL_TOLERANCE_TOKENS > allowance:
                 continue
             if tries >= MAX_REFILL_COUNTS:
                 break
             tries += 1
+            trial_kept = {**kept, cid: ch}
+            order = tuple(trial_kept[k] for k in sorted(trial_kept, key=position.__getitem__))
             trial = attrs.evolve(c, kept_chunks=order)
             trial_exact = ctx.exact_tokens(trial)
             # a chunk put back ahead of the others can end the cached prefix earlier: price it with its own

@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from trimkit.messages import Chunk
+from trimkit.sized_cache import SizedCache
 
 __all__ = [
     "STOPWORDS",
@@ -51,11 +52,19 @@ def words(text: str) -> list[str]:
     return [w[:STEM_CHARS] for w in _WORD.findall(text.lower()) if w not in STOPWORDS]
 
 
-@functools.lru_cache(maxsize=4096)
+#: the documents whose word counts are kept, bounded by their characters (not their number: a
+#: service fed 20 KB chunks stays flat)
+_TERM_COUNTS: SizedCache[str, Counter[str]] = SizedCache(8 << 20, max_entries=1 << 16)
+
+
 def _term_counts(text: str) -> Counter[str]:
     """Word counts of a document, cached: the same chunks come back request after request.
     Callers must not modify the returned Counter."""
-    return Counter(words(text))
+    hit = _TERM_COUNTS.get(text)
+    if hit is None:
+        hit = Counter(words(text))
+        _TERM_COUNTS.put(text, hit)
+    return hit
 
 
 def bm25_scores(query: str, documents: Sequence[str], *, k1: float = 1.5, b: float = 0.75) -> list[float]:
@@ -107,7 +116,7 @@ def chunk_relevance(
     return list(_relevance(tuple((c.text, c.score) for c in chunks), question, order_weight, lexical_weight))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=8)  # a request ranks, then values, the same chunks: a few requests' worth (each key holds every chunk's text)
 def _relevance(
     chunks: tuple[tuple[str, float | None], ...], question: str, order_weight: float, lexical_weight: float
 ) -> tuple[float, ...]:

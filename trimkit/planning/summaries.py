@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -57,8 +58,13 @@ def summary_note(summary: Summary) -> str:
 
 
 def _message_digest(message: Mapping[str, Any]) -> bytes:
-    blob = json.dumps(message, sort_keys=True, ensure_ascii=False, default=repr, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).digest()
+    try:
+        blob = json.dumps(message, sort_keys=True, ensure_ascii=False, default=repr, separators=(",", ":")).encode()
+    except (RecursionError, ValueError, TypeError, UnicodeEncodeError):
+        # a field nested too deep (or otherwise not canonical JSON): a key nothing else has, so
+        # no summary is ever found for it (rather than a wrong one, or a RecursionError)
+        return os.urandom(32)
+    return hashlib.sha256(blob).digest()
 
 
 def messages_key(messages: Sequence[Mapping[str, Any]]) -> str:

@@ -251,6 +251,22 @@ def make_summary(
     )
 
 
+#: what a summary reads of a message whose other fields cannot be copied (nested too deep)
+_SUMMARY_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "function_call")
+
+
+def _snapshot(messages: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Deep copies of ``messages``; a message with a field nested too deep to copy keeps only
+    what a summary reads (its key then differs from the message's: no summary is found for it)."""
+    out: list[Mapping[str, Any]] = []
+    for m in messages:
+        try:
+            out.append(copy.deepcopy(m))
+        except RecursionError:
+            out.append({k: copy.deepcopy(m[k]) for k in _SUMMARY_FIELDS if k in m})
+    return out
+
+
 def summary_job(
     messages: Sequence[Mapping[str, Any]],
     summarizer: Summarizer,
@@ -293,8 +309,8 @@ def summary_job(
     done = hit[0] if hit else 0
     if done >= upto or (hit is not None and upto - done < resummarize_after_turns):
         return None
-    covered = copy.deepcopy([m for t in turns[:upto] for m in t])
-    source: list[Mapping[str, Any]] = copy.deepcopy([m for t in turns[done:upto] for m in t])
+    covered = _snapshot([m for t in turns[:upto] for m in t])
+    source: list[Mapping[str, Any]] = _snapshot([m for t in turns[done:upto] for m in t])
     if hit is not None:
         source.insert(0, {"role": "system", "content": summary_note(hit[1])})
     counter = _counter(count_tokens)
