@@ -24,6 +24,7 @@ the plan. A caller that predicts the wait itself (a fleet router) passes ``queue
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 import threading
@@ -358,8 +359,10 @@ class Pipeline:
 
     # -- the watched prefill ----------------------------------------------------------------------
     def watches(self) -> bool:
-        """Whether budgeted requests on this backend are watched while they prefill."""
-        return self.watch_prefill and getattr(self.backend, "evaluate_to", None) is not None
+        """Whether budgeted requests on this backend are watched while they prefill: it can
+        evaluate in steps (``evaluate_to``) and its ``send`` takes the ``watch`` driver (a
+        subclass that overrides ``send`` without it is planned once, before sending)."""
+        return self.watch_prefill and getattr(self.backend, "evaluate_to", None) is not None and _takes_watch(self.backend)
 
     def _watched_share(self, priced: _Priced) -> float:
         """The share of a prompt's predicted prefill the watch cannot catch: what follows its last
@@ -537,6 +540,20 @@ class Pipeline:
             model = self.backend.profile_key().model
             self._model_name = model.split(":")[0] if self.backend.name == "llama_cpp" else model
         return self._model_name
+
+
+@functools.lru_cache(maxsize=64)
+def _send_takes_watch(send: Any) -> bool:
+    try:
+        params = inspect.signature(send).parameters
+    except (TypeError, ValueError):
+        return False
+    return "watch" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _takes_watch(backend: Any) -> bool:
+    """Whether ``backend.send`` accepts ``watch=`` (read once per class)."""
+    return _send_takes_watch(type(backend).send)
 
 
 def _whole_request(m: Measurement, prepared: Prepared) -> Measurement:
