@@ -48,6 +48,7 @@ from trimkit.messages import (
     check_rag_templates,
     coerce_chunks,
     last_user_index,
+    message_text,
     validate_messages,
     validate_params,
 )
@@ -60,7 +61,7 @@ from trimkit.planning.planner import Plan
 from trimkit.planning.planner import plan as make_plan
 from trimkit.planning.queue import EngineQueue, Ticket, answer_cap, busy_decision, check_on_busy, queue_wait
 from trimkit.planning.summaries import SummaryCache
-from trimkit.planning.values import ValueModel
+from trimkit.planning.values import ValueModel, chunk_values
 from trimkit.prepared import Prepared, PreviousCut, place_chunks
 from trimkit.profile import CALIBRATION_MODES, Profile
 from trimkit.report import Report, template_warnings
@@ -409,34 +410,32 @@ class Pipeline:
         old = prepared.plan
         original = messages[last_user_index(messages)]
         extra = tuple(old.dropped_chunks) if grow else ()
-        cut = cut_chunks(old, original, price, target, self.rag_template, self.rag_chunk_template, extra=extra)
-        if cut is not None and cut.kept == len(old.kept_chunks) or grow and (cut is None or cut.kept < len(old.kept_chunks)):
+        question = message_text(original)
+        worth = chunk_values((*old.kept_chunks, *extra), question, self.values or ValueModel())
+        cut = cut_chunks(old, original, price, target, self.rag_template, self.rag_chunk_template, position=watch.position,
+                         value=lambda c: worth.get(str(c.id), 0.0), extra=extra)
+        old_ids = [str(c.id) for c in old.kept_chunks]
+        new_ids = [str(c.id) for c in cut.chunks] if cut is not None else []
+        gone_ids = [i for i in old_ids if i not in new_ids]
+        back_ids = [i for i in new_ids if i not in old_ids]
+        if cut is not None and not gone_ids and not back_ids or grow and (cut is None or not back_ids):
             return None  # it fits as planned (or, growing, nothing more fits)
-        if grow and cut is not None:
-            back = tuple(extra[: cut.kept - len(old.kept_chunks)])
-            ids = tuple(str(c.id) for c in back)
-            action = Action(strategy="watch", summary=f"re-planned at the measured pace ({watch.pace:.2f}× predicted): put back "
-                            f"{', '.join(ids)}, dropped by the plan, before the question (the evaluated prefix kept)",
-                            tokens_before=len(prepared.prompt_tokens), tokens_after=len(cut.tokens))
-            back_ids = set(ids)
-            plan = attrs.evolve(old, messages=list(cut.messages), kept_chunks=(*old.kept_chunks, *back),
-                                dropped_chunks=tuple(c for c in old.dropped_chunks if str(c.id) not in back_ids),
-                                actions=(*old.actions, action), prompt_tokens=len(cut.tokens), cached_tokens=cut.cached,
+        if cut is not None:
+            gone = tuple(c for c in old.kept_chunks if str(c.id) in gone_ids)
+            said = []
+            if gone_ids:
+                said.append(f"dropped {', '.join(gone_ids)} (not evaluated yet; the least value per character)")
+            if back_ids:
+                said.append(f"put back {', '.join(back_ids)}, dropped by the plan, before the question")
+            action = Action(strategy="watch", summary=f"re-planned at the measured pace ({watch.pace:.2f}× predicted): "
+                            + "; ".join(said) + " — the evaluated prefix kept",
+                            removed_chunks=tuple(gone_ids), tokens_before=len(prepared.prompt_tokens), tokens_after=len(cut.tokens))
+            plan = attrs.evolve(old, messages=list(cut.messages), kept_chunks=tuple(cut.chunks),
+                                dropped_chunks=(*(c for c in old.dropped_chunks if str(c.id) not in back_ids), *gone),
+                                actions=(*old.actions, action), passthrough=False, prompt_tokens=len(cut.tokens), cached_tokens=cut.cached,
                                 new_tokens=len(cut.tokens) - cut.cached, predicted_ttft_s=spent_s + cut.predicted_s, feasible=True)
             tokens, predicted = cut.tokens, cut.predicted_s
-            dropped = [f"+{i}" for i in ids]
-        elif cut is not None:
-            gone = tuple(old.kept_chunks[cut.kept:])
-            ids = tuple(str(c.id) for c in gone)
-            action = Action(strategy="watch", summary=f"re-planned at the measured pace ({watch.pace:.2f}× predicted): dropped "
-                            f"{', '.join(ids)}, the last chunks before the question (the evaluated prefix kept)",
-                            removed_chunks=ids, tokens_before=len(prepared.prompt_tokens), tokens_after=len(cut.tokens))
-            plan = attrs.evolve(old, messages=list(cut.messages), kept_chunks=tuple(old.kept_chunks[:cut.kept]),
-                                dropped_chunks=(*old.dropped_chunks, *gone), actions=(*old.actions, action), passthrough=False,
-                                prompt_tokens=len(cut.tokens), cached_tokens=cut.cached, new_tokens=len(cut.tokens) - cut.cached,
-                                predicted_ttft_s=spent_s + cut.predicted_s, feasible=True)
-            tokens, predicted = cut.tokens, cut.predicted_s
-            dropped = list(ids)
+            dropped = gone_ids + [f"+{i}" for i in back_ids]
         else:  # no cut of the chunks fits: the whole request again, at the measured pace
             as_is = place_chunks(messages, chunks, self.rag_template, self.rag_chunk_template) if chunks else messages
 

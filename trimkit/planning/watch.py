@@ -242,10 +242,10 @@ class PrefillWatch:
 
 @attrs.frozen
 class Cut:
-    """A re-planned prompt: the plan's first ``kept`` chunks, its messages and tokens, what the
-    context holds of it and its predicted TTFT from now."""
+    """A re-planned prompt: the chunks it keeps (in their order), its messages and tokens, what
+    the context holds of it and its predicted TTFT from now."""
 
-    kept: int
+    chunks: tuple[Any, ...]
     messages: Sequence[Any]
     tokens: Sequence[int]
     cached: int
@@ -253,32 +253,55 @@ class Cut:
 
 
 def cut_chunks(plan: Any, original_last_user: Mapping[str, Any], price: Callable[[Sequence[Any]], tuple[Sequence[int], int, float]],
-               target_s: float, rag_template: str, rag_chunk_template: str, *, extra: Sequence[Any] = ()) -> Cut | None:
-    """The re-plan that keeps the evaluated prefix: the plan's prompt with only its first ``j``
-    chunks (they are placed most valuable first, so the ones cut are the least valuable and the
-    last to be evaluated), ``j`` the most whose predicted TTFT from now fits ``target_s``.
-    ``extra``: chunks the plan dropped that may be put back after its own (a host running faster
-    than predicted: the chunks go where nothing is evaluated yet, before the question).
-    ``price(messages) -> (tokens, cached, predicted_s)`` prices a prompt against the engine's
-    context at the measured pace. None when there is no chunk to choose or even none fits."""
+               target_s: float, rag_template: str, rag_chunk_template: str, *, position: int, value: Callable[[Any], float],
+               extra: Sequence[Any] = ()) -> Cut | None:
+    """The re-plan that keeps the evaluated prefix: the plan's chunks that are (even in part)
+    evaluated stay — they are in the context, and dropping one would forfeit everything after
+    it — and of the others, which nothing has evaluated yet, the most value per character that
+    fits ``target_s`` from now is kept, in the plan's order (``value(chunk)``: the plan's value of
+    it). ``extra``: chunks the plan dropped that may be put back after its own (a host running
+    faster than predicted), chosen the same way. ``price(messages) -> (tokens, cached,
+    predicted_s)`` prices a prompt against the engine's context at the measured pace;
+    ``position``: how much of the prompt the context holds. A binary search over how many of the
+    free chunks to keep, densest first. None when there is no chunk to choose or even none of the
+    free ones fits."""
     kept = (*getattr(plan, "kept_chunks", ()), *extra)
     if not kept:
         return None
     where = last_user_index(plan.messages)
+    memo: dict[tuple[int, ...], Cut] = {}
 
-    def cut(j: int) -> Cut:
-        messages = list(plan.messages)
-        messages[where] = with_chunks(original_last_user, kept[:j], rag_template, rag_chunk_template) if j else dict(original_last_user)
-        tokens, cached, predicted = price(messages)
-        return Cut(j, messages, tokens, cached, predicted)
+    def cut(chosen: Sequence[int]) -> Cut:
+        key = tuple(chosen)
+        if key not in memo:
+            chunks = tuple(kept[i] for i in key)
+            messages = list(plan.messages)
+            messages[where] = with_chunks(original_last_user, chunks, rag_template, rag_chunk_template) if chunks else dict(original_last_user)
+            tokens, cached, predicted = price(messages)
+            memo[key] = Cut(chunks, messages, tokens, cached, predicted)
+        return memo[key]
 
-    lo, hi = 0, len(kept) - (0 if extra else 1)  # the largest j in [lo, hi] that fits: TTFT grows with j
-    best = cut(0)
+    # the leading chunks the context already holds (in part): chunk i starts where the prompts
+    # with and without it part ways
+    fixed = 0
+    n_own = len(kept) - len(extra)
+    while fixed < n_own:
+        start = common_prefix_len(cut(range(fixed)).tokens, cut(range(fixed + 1)).tokens)
+        if start >= position:
+            break
+        fixed += 1
+    free = sorted(range(fixed, len(kept)), key=lambda i: -value(kept[i]) / max(len(str(kept[i].text)), 1))
+
+    def choice(m: int) -> list[int]:
+        return sorted([*range(fixed), *free[:m]])
+
+    best = cut(choice(0))
     if best.predicted_s > target_s:
         return None
+    lo, hi = 0, len(free)  # the most free chunks (densest first) that fit: TTFT grows with them
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        c = cut(mid)
+        c = cut(choice(mid))
         if c.predicted_s <= target_s:
             lo, best = mid, c
         else:
