@@ -179,6 +179,19 @@ class TrimmedChatModel(BaseChatModel):
         super().__init__(inner=inner, ttft_budget_s=ttft_budget_s, trimkit_options=options, **own)
         self._engine = engine
 
+    def __getattr__(self, name: str) -> Any:
+        """Any other public attribute is the inner model's (``model_name``, ``openai_api_key``,
+        ``client``'s settings, ...), read as on the inner model; set them on the inner model."""
+        try:
+            return super().__getattr__(name)  # type: ignore[misc]
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+            inner = self.__dict__.get("inner")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
     # -- pickling and serialisation, as the inner model's ------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())
