@@ -138,6 +138,21 @@ class _Arm:
         return {**super().standard_chat_model_params, "max_tokens": MAX_TOKENS}  # type: ignore[misc]
 
     @pytest.fixture(autouse=True)
+    def _streams_left_open(self):
+        """A failed test's traceback (pytest keeps the last in ``sys.last_traceback``) holds the
+        frames of a stream it left unfinished; trimkit's stream holds the in-process engine until
+        it is finished, closed or collected (docs/integrations.md), so the next test would wait
+        for it. Let it be collected."""
+        yield
+        import gc
+        import sys
+
+        sys.last_traceback = sys.last_value = sys.last_type = None
+        if hasattr(sys, "last_exc"):
+            sys.last_exc = None
+        gc.collect()
+
+    @pytest.fixture(autouse=True)
     def _skips(self, request):
         name = request.node.originalname
         if name in SKIPPED:
