@@ -114,7 +114,7 @@ TrimmedChatOpenAI = _wrapped(ChatOpenAI, "TrimmedChatOpenAI")
 def _llama_params() -> dict[str, Any]:
     import trimkit
 
-    return {"model_path": OTHER_MODEL or trimkit.default_model_path(), "n_ctx": 4096, "n_batch": 512, "verbose": False,
+    return {"model_path": OTHER_MODEL or trimkit.default_model_path(), "n_ctx": 4096, "n_batch": 512, "verbose": False, "max_tokens": MAX_TOKENS,
             "model_kwargs": {} if OTHER_MODEL else {"chat_format": "gemma-3"}}
 
 
@@ -124,7 +124,7 @@ _SERVER: dict[str, str] = {}
 def _openai_params() -> dict[str, Any]:
     """The served model (integration), or a server that is never reached (unit tests do no I/O)."""
     return {"base_url": _SERVER.get("url", "http://127.0.0.1:9/v1"), "api_key": "none", "model": _SERVER.get("model", "gemma-3-270m"),
-            "max_retries": 0}
+            "max_retries": 0, "max_tokens": MAX_TOKENS}  # test_stop_sequence builds a model from these alone
 
 
 class _Arm:
