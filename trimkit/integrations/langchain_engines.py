@@ -277,7 +277,9 @@ def as_openai_error(exc: BaseException, url: str = "http://localhost/v1/chat/com
                 429: openai.RateLimitError}.get(status, openai.InternalServerError if status >= 500 else openai.APIStatusError)
     else:
         base = openai.APIError
-    new = Exception.__new__(_both(type(exc), base))
+    # the trimkit error's __init__ (its keywords have defaults) ends in the builtin exception's,
+    # which calls no further __init__: the openai one is not run, its fields are set below
+    new = _both(type(exc), base)(str(exc))
     new.__dict__.update(exc.__dict__)
     new.args = exc.args
     new.message = str(exc)
