@@ -28,14 +28,22 @@ The report of each request is
   enclosing chain's run (``stream`` and ``astream`` inside a chain); and in every handler's
   ``on_llm_end`` as the generation's ``response_metadata["trimkit"]``.
 
-Streaming (``stream``, ``astream``), ``ainvoke`` and ``bind_tools`` work as on ``inner``. The
-async calls run the sync path in a worker thread (LangChain's default for a chat model), which is
-what trimkit's planning does anyway; with a ``ChatOpenAI`` they use its sync client. Not through
-trimkit (they raise :class:`~trimkit.errors.InvalidInputError` instead of sending around the
-budget): ``ChatOpenAI``'s Responses API and ``response_format`` / ``json_schema`` structured
-output. ``ChatOllama`` (Ollama's own API) is not supported: use ``ChatOpenAI`` on Ollama's
-``/v1``. Bad input raises a typed :mod:`trimkit.errors` error before anything is sent; the
-caller's messages and documents are never changed. See ``docs/integrations.md``.
+The wrapped model behaves as ``inner`` wherever trimkit has no reason to differ: a call runs
+``inner``'s own ``_generate`` / ``_stream`` on trimkit's stand-in client (a non-streamed call gets
+the completion assembled from trimkit's stream, so tool calls, ``response_metadata``,
+``usage_metadata`` and ``llm_output`` are ``inner``'s as raw), ``inner``'s callbacks, tags,
+metadata and ``output_version`` apply, tracing reads ``inner``'s ``_get_ls_params``,
+``bind_tools`` (``tool_choice`` included) and ``with_structured_output`` are ``inner``'s, nothing
+is measured at construction (the first request loads the profile or calibrates), it pickles and
+serialises as ``inner`` does, and with a ``ChatOpenAI`` trimkit's server errors are also the
+``openai`` errors the raw client raises (:func:`~trimkit.integrations.langchain_engines.as_openai_error`).
+The async calls run the sync path in a worker thread (LangChain's default for a chat model),
+which is what trimkit's planning does anyway; with a ``ChatOpenAI`` they use its sync client. Not
+through trimkit (they raise :class:`~trimkit.errors.InvalidInputError` instead of sending around
+the budget): ``ChatOpenAI``'s Responses API and its ``response_format`` streaming helper.
+``ChatOllama`` (Ollama's own API) is not supported: use ``ChatOpenAI`` on Ollama's ``/v1``. Bad
+input raises a typed :mod:`trimkit.errors` error before anything is sent; the caller's messages
+and documents are never changed. See ``docs/integrations.md``.
 """
 
 from __future__ import annotations
