@@ -146,13 +146,3 @@ def tool_turns_render(llm) -> bool:
     except InvalidMessageError:
         return False
     return True
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """Each phase's outcome, to a test module that records them (``record_outcome``: the
-    differential standard tests of tests/test_langchain_standard.py compare their two arms)."""
-    outcome = yield
-    record = getattr(getattr(item, "module", None), "record_outcome", None)
-    if record is not None:
-        record(item, outcome.get_result())

@@ -49,6 +49,29 @@ RAW_CRASHES = {
     ("llama", "test_abatch"): "raw ChatLlamaCpp's abatch runs its calls in threads on one Llama: llama.cpp aborts the process",
 }
 
+_TOOLS_AND_STRUCTURE = ("test_bind_runnables_as_tools", "test_structured_output", "test_structured_output_async",
+                        "test_structured_output_optional_param", "test_structured_output_pydantic_2_v1", "test_tool_calling",
+                        "test_tool_calling_async", "test_tool_calling_with_no_arguments", "test_unicode_tool_call_integration")
+_MODEL_TOOLS = "the 270M model answers in text instead of calling the tool, or its forced call's arguments fail the parser"
+#: (engine, kind, arm or "both", test) -> why it fails there (docs/integrations.md): marked xfail (not strict), so the
+#: suite passes; the differential check still sees the outcome (an xfail that fails counts as failed)
+EXPECTED_FAILURES: dict[tuple[str, str, str, str], str] = {
+    **{("llama", "unit", "both", n): "ChatLlamaCpp: no ls_model_name; bind_tools refuses tool_choice='any'; with_structured_output refuses method="
+       for n in ("test_bind_tool_pydantic", "test_with_structured_output", "test_standard_params")},
+    **{("llama", "integration", "both", n): _MODEL_TOOLS for n in _TOOLS_AND_STRUCTURE},
+    ("llama", "integration", "both", "test_usage_metadata"): "ChatLlamaCpp sets no model_name in response_metadata",
+    ("llama", "integration", "both", "test_usage_metadata_streaming"): "ChatLlamaCpp sets no model_name in response_metadata",
+    **{("openai", "integration", "both", n): _MODEL_TOOLS + "; llama-cpp-python's server refuses json_schema response formats"
+       for n in (*_TOOLS_AND_STRUCTURE, "test_tool_choice")},
+    **{("openai", "integration", "both", n): "llama-cpp-python's server rejects an assistant message holding only tool calls"
+       for n in ("test_tool_message_error_status", "test_tool_message_histories_list_content", "test_tool_message_histories_string_content")},
+    ("openai", "integration", "raw", "test_usage_metadata_streaming"): "the server sends no usage in streams (wrapped: trimkit's counts)",
+    ("openai", "integration", "raw", "test_astream"): "sometimes 'Event loop is closed': the raw async client outlives the test's loop",
+    ("openai", "integration", "raw", "test_astream_events_v3"): "sometimes 'Event loop is closed': the raw async client outlives the test's loop",
+    ("openai", "unit", "wrapped", "test_serdes"): "langchain_core.load's allowed_objects='all' admits LangChain's own classes only "
+                                                  "(test_serdes_loaded_with_an_allowlist checks the rest)",
+}
+
 _LLAMAS: dict[str, Any] = {}
 
 
@@ -78,7 +101,7 @@ class LocalChatOpenAI(ChatOpenAI):
 
     @classmethod
     def get_lc_namespace(cls) -> list[str]:
-        return ["tests", "test_langchain_standard"]  # where langchain_core.load finds this class
+        return ["tests", "standard", "test_langchain_standard"]  # where langchain_core.load finds this class
 
     def _get_request_payload(self, *args: Any, **kwargs: Any) -> dict:
         payload = super()._get_request_payload(*args, **kwargs)
@@ -100,7 +123,7 @@ def _wrapped(inner_cls: type, name: str) -> type:
     return type(name, (TrimmedChatModel,), {
         "__init__": __init__,
         "__module__": __name__,
-        "get_lc_namespace": classmethod(lambda cls: ["tests", "test_langchain_standard"]),
+        "get_lc_namespace": classmethod(lambda cls: ["tests", "standard", "test_langchain_standard"]),
         # as serialisable as the model it wraps (ChatLlamaCpp is not, ChatOpenAI is)
         "is_lc_serializable": classmethod(lambda cls: inner_cls.is_lc_serializable()),
     })
@@ -114,7 +137,7 @@ TrimmedChatOpenAI = _wrapped(ChatOpenAI, "TrimmedChatOpenAI")
 def _llama_params() -> dict[str, Any]:
     import trimkit
 
-    return {"model_path": OTHER_MODEL or trimkit.default_model_path(), "n_ctx": 4096, "n_batch": 512, "verbose": False, "max_tokens": MAX_TOKENS,
+    return {"model_path": OTHER_MODEL or trimkit.default_model_path(), "n_ctx": 4096, "n_batch": 512, "verbose": False,
             "model_kwargs": {} if OTHER_MODEL else {"chat_format": "gemma-3"}}
 
 
@@ -124,7 +147,7 @@ _SERVER: dict[str, str] = {}
 def _openai_params() -> dict[str, Any]:
     """The served model (integration), or a server that is never reached (unit tests do no I/O)."""
     return {"base_url": _SERVER.get("url", "http://127.0.0.1:9/v1"), "api_key": "none", "model": _SERVER.get("model", "gemma-3-270m"),
-            "max_retries": 0, "max_tokens": MAX_TOKENS}  # test_stop_sequence builds a model from these alone
+            "max_retries": 0}
 
 
 class _Arm:
@@ -136,6 +159,11 @@ class _Arm:
     @property
     def standard_chat_model_params(self) -> dict[str, Any]:
         return {**super().standard_chat_model_params, "max_tokens": MAX_TOKENS}  # type: ignore[misc]
+
+    def _bounded(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Integration tests: every model answers at most MAX_TOKENS (test_stop_sequence builds
+        one from chat_model_params alone); unit tests pass max_tokens themselves."""
+        return {**params, "max_tokens": MAX_TOKENS} if isinstance(self, ChatModelIntegrationTests) else params
 
     @pytest.fixture(autouse=True)
     def _streams_left_open(self):
@@ -157,6 +185,10 @@ class _Arm:
         name = request.node.originalname
         if name in SKIPPED:
             pytest.skip(f"both arms: {SKIPPED[name]}")
+        kind = "unit" if isinstance(self, ChatModelUnitTests) else "integration"
+        why = EXPECTED_FAILURES.get((self.engine, kind, "both", name)) or EXPECTED_FAILURES.get((self.engine, kind, self.arm, name))
+        if why:
+            request.node.add_marker(pytest.mark.xfail(reason=why, strict=False))
         if self.arm == "raw" and (self.engine, name) in RAW_CRASHES:
             pytest.skip(f"raw arm: {RAW_CRASHES[(self.engine, name)]} (the wrapped arm runs it: trimkit holds the engine per request)")
 
@@ -170,7 +202,7 @@ class _Llama(_Arm):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return _llama_params()
+        return self._bounded(_llama_params())
 
 
 class _OpenAI(_Arm):
@@ -182,7 +214,7 @@ class _OpenAI(_Arm):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return _openai_params()
+        return self._bounded(_openai_params())
 
 
 class _Served:
@@ -251,22 +283,25 @@ class TestWrappedOpenAIIntegration(_Served, _OpenAI, ChatModelIntegrationTests):
 
 
 # -- the differential check ------------------------------------------------------------------------------
-#: (engine, unit|integration, test id without the class) -> {arm: outcome}, filled by tests/conftest.py's report hook
+#: (engine, unit|integration, test id without the class) -> {arm: outcome}, filled by tests/standard/conftest.py's report hook
 OUTCOMES: dict[tuple[str, str, str], dict[str, str]] = {}
 
 
 def record_outcome(item: Any, report: Any) -> None:
-    """Called by tests/conftest.py for each phase of each test of this module."""
+    """Called by tests/standard/conftest.py for each phase of each test of this module."""
     cls = getattr(item, "cls", None)
     if cls is None or not getattr(cls, "arm", ""):
         return
     kind = "unit" if issubclass(cls, ChatModelUnitTests) else "integration"
     key = (cls.engine, kind, item.name)
     slot = OUTCOMES.setdefault(key, {})
+    outcome = report.outcome
+    if getattr(report, "wasxfail", None) is not None:  # an expected failure: what it did is what counts here
+        outcome = "failed" if report.outcome == "skipped" else "passed"
     if report.when == "setup" and report.outcome != "passed":
-        slot[cls.arm] = report.outcome
+        slot[cls.arm] = outcome if report.when == "call" else report.outcome
     elif report.when == "call":
-        slot[cls.arm] = report.outcome
+        slot[cls.arm] = outcome
     elif report.when == "teardown" and report.outcome == "failed":
         slot[cls.arm] = "failed"
 
