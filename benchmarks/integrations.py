@@ -26,6 +26,15 @@ finding a context, attaching and emitting the report; target ≤ 5 ms) and the f
 (the rest of the wall time outside the model: LangChain's callbacks and message conversion).
 
     python benchmarks/integrations.py [--quick] [--seed 7] [--requests 10] [--out PATH]
+    python benchmarks/integrations.py --overhead 60 [--out PATH]
+
+``--overhead N`` measures only what the wrapper adds per call over the raw model: ``ChatLlamaCpp``
+and ``TrimmedChatModel`` around it, on one ``Llama``, a short prompt (``OVERHEAD_PROMPT``, 4
+tokens decoded, EOS banned so both decode as many), ``N`` pairs interleaved in one run (the
+order within each pair random), after warm-up calls. It prints and writes the medians, their
+ratio, the median per-pair difference (target: ratio ≤ ``OVERHEAD_RATIO_TARGET`` or difference ≤
+``OVERHEAD_MS_TARGET`` ms, whichever is larger) and what the difference is made of (trimkit's
+planning, the integration layer). About 1 minute on the project's 2-core machine for N = 60.
 
 About 5–7 minutes on the project's idle 2-core machine (``--quick``: about 2); it prints its
 predicted duration first.
@@ -204,6 +213,69 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+OVERHEAD_PROMPT = "Say hi."
+OVERHEAD_RATIO_TARGET = 1.02
+OVERHEAD_MS_TARGET = 3.0
+
+
+def overhead(n_pairs: int, seed: int, out_path: Path) -> int:
+    """``--overhead``: raw ``ChatLlamaCpp.invoke`` against ``TrimmedChatModel.invoke``, interleaved."""
+    import trimkit
+    from langchain_community.chat_models import ChatLlamaCpp
+    from langchain_core.messages import HumanMessage
+
+    from trimkit.integrations.langchain import TrimmedChatModel
+
+    rng = random.Random(seed)
+    llm = open_model(None, None, 4096)
+    profile = trimkit.calibrate(llm)
+    eos = llm.token_eos()
+    bias = {"logit_bias": {str(eos): -100.0}} if eos >= 0 else {}
+    raw = ChatLlamaCpp.model_construct(client=llm, model_path=str(getattr(llm, "model_path", "")), max_tokens=4, temperature=0.0,
+                                       verbose=False)
+    wrapped = TrimmedChatModel(raw, profile=profile, ttft_budget_s=10.0, **OPTIONS)
+    messages = [HumanMessage(OVERHEAD_PROMPT)]
+    arms = {"raw": raw, "wrapped": wrapped}
+    times: dict[str, list[float]] = {"raw": [], "wrapped": []}
+    prepare_s: list[float] = []
+    layer_s: list[float] = []
+
+    def call(name: str) -> float:
+        t0 = time.perf_counter()
+        arms[name].invoke(messages, **bias)
+        return time.perf_counter() - t0
+
+    for _ in range(5):  # warm-up: the prompt's tokens counted and cached, both paths' code loaded
+        call("raw"), call("wrapped")
+    diffs = []
+    for _ in range(n_pairs):
+        order = ["raw", "wrapped"]
+        rng.shuffle(order)
+        pair = {name: call(name) for name in order}
+        for name, t in pair.items():
+            times[name].append(t)
+        diffs.append(pair["wrapped"] - pair["raw"])
+        prepare_s.append(wrapped.trimkit.last_prepared.prepare_s)
+        layer_s.append(wrapped.last_layer_s or 0.0)
+    raw_ms, wrapped_ms = statistics.median(times["raw"]) * 1e3, statistics.median(times["wrapped"]) * 1e3
+    result = {
+        "pairs": n_pairs, "prompt": OVERHEAD_PROMPT, "max_tokens": 4,
+        "raw_median_ms": raw_ms, "wrapped_median_ms": wrapped_ms, "ratio_of_medians": wrapped_ms / raw_ms,
+        "median_pair_difference_ms": statistics.median(diffs) * 1e3,
+        "trimkit_prepare_median_ms": statistics.median(prepare_s) * 1e3, "integration_layer_median_ms": statistics.median(layer_s) * 1e3,
+        "target": f"ratio <= {OVERHEAD_RATIO_TARGET} or difference <= {OVERHEAD_MS_TARGET} ms",
+        "load_average": list(os.getloadavg()), "versions": {d: version(d) for d in FRAMEWORKS},
+    }
+    met = result["ratio_of_medians"] <= OVERHEAD_RATIO_TARGET or result["median_pair_difference_ms"] <= OVERHEAD_MS_TARGET
+    result["target_met"] = met
+    print(f"raw {raw_ms:.1f} ms, wrapped {wrapped_ms:.1f} ms per call (median of {n_pairs}, interleaved): ratio "
+          f"{result['ratio_of_medians']:.3f}, +{result['median_pair_difference_ms']:.2f} ms per pair (median); of which trimkit's "
+          f"planning {result['trimkit_prepare_median_ms']:.2f} ms, the integration layer {result['integration_layer_median_ms']:.2f} ms; "
+          f"target {'met' if met else 'MISSED'} ({result['target']})")
+    write_results(out_path, result)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="4 requests (development)")
@@ -213,7 +285,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=2)
     ap.add_argument("--max-prompt-tokens", type=int, default=3000)
     ap.add_argument("--out", default=None, help="JSON results (default benchmarks/results/integrations.json; --quick: integrations_quick.json)")
+    ap.add_argument("--overhead", type=int, default=None, metavar="N",
+                    help="only the wrapper's overhead per call over the raw model: N interleaved pairs (default out: integrations_overhead.json)")
     args = ap.parse_args()
+    if args.overhead is not None:
+        return overhead(args.overhead, args.seed, Path(args.out or HERE / "results" / "integrations_overhead.json"))
     n_requests = args.requests or (4 if args.quick else 10)
     shares = [float(x) for x in args.shares.split(",")]
     out_path = Path(args.out or HERE / "results" / ("integrations_quick.json" if args.quick else "integrations.json"))

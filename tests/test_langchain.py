@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import pickle
 from operator import itemgetter
 
 import httpx
+import openai
 import pytest
 
 try:
@@ -212,6 +214,64 @@ def test_bind_tools_reaches_the_engine_and_tool_turns_stay_whole(model, tool_tur
         assert all(m is messages[5] for m in results)
 
 
+class Tokens(BaseCallbackHandler):
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+
+    def on_llm_new_token(self, token, **kwargs):
+        self.tokens.append(token)
+
+
+def test_as_the_inner_model_forced_tool_calls_tokens_tracing_fields_and_pickling(model, chat_llama):
+    """What passes through from ChatLlamaCpp: a forced tool call's whole name (llama-cpp-python
+    repeats it in every streamed chunk: trimkit assembles the completion), one on_llm_new_token per
+    token on invoke, tracing params, the inner model's callbacks and tags, bind_tools' tool_choice,
+    with_structured_output through trimkit, pickling; no calibration at construction."""
+    forced = {"type": "function", "function": {"name": "lookup_record"}}
+    out = model.bind_tools([TOOL], tool_choice=forced).invoke([HumanMessage("Look up the Varnow mill.")], max_tokens=24)
+    assert out.response_metadata["trimkit"]["decode_params"]["tool_choice"] == forced
+    assert [c["name"] for c in out.tool_calls] in ([], ["lookup_record"]) and all(c["name"] == "lookup_record" for c in out.invalid_tool_calls)
+    assert out.usage_metadata["input_tokens"] == model.last_report.prompt_tokens
+    tokens, raw_tokens = Tokens(), Tokens()
+    model.invoke([HumanMessage("Say hi.")], config={"callbacks": [tokens]})
+    chat_llama.invoke([HumanMessage("Say hi.")], config={"callbacks": [raw_tokens]})
+    assert len(tokens.tokens) == len(raw_tokens.tokens) > 0
+    assert model._get_ls_params() == chat_llama._get_ls_params()
+    structured = model.with_structured_output(TOOL["function"])  # ChatLlamaCpp's own: a forced tool call, then a parser
+    n = len(model.trimkit.reports)
+    try:
+        structured.invoke("Look up the Varnow mill.")
+    except Exception:  # a 270M model may write no valid arguments: the parser says so, as raw
+        pass
+    assert len(model.trimkit.reports) == n + 1  # sent through trimkit
+
+    recorder = Recorder()
+    inner = chat_llama.model_copy(update={"callbacks": [recorder], "tags": ["inner-tag"]})
+    lazy = TrimmedChatModel(inner, ttft_budget_s=AMPLE_S)
+    assert not lazy._engine.made  # nothing measured at construction
+    assert lazy.callbacks == [recorder] and lazy.tags == ["inner-tag"] and lazy.model_path == chat_llama.model_path
+    lazy.invoke([HumanMessage("Say hi.")])
+    assert recorder.model_runs and recorder.ends[-1]["trimkit"]["measured_ttft_s"] is not None
+    clone = pickle.loads(pickle.dumps(model))  # as ChatLlamaCpp pickles: its Llama reloads; trimkit's wrapper is made on first use
+    assert type(clone) is TrimmedChatModel and clone.ttft_budget_s == model.ttft_budget_s and not clone._engine.made
+    assert clone.inner.client is not chat_llama.client and clone.inner.model_path == chat_llama.model_path
+
+
+def test_trimkit_errors_are_the_openai_errors_the_raw_client_raises():
+    from trimkit.errors import ServerError, ServerTimeoutError, StreamInterruptedError
+    from trimkit.integrations.langchain_engines import as_openai_error
+
+    busy = as_openai_error(ServerError("busy", status=503, server_message="overloaded"))
+    assert isinstance(busy, ServerError) and isinstance(busy, openai.InternalServerError) and busy.status_code == 503
+    assert isinstance(as_openai_error(ServerError("bad", status=400)), openai.BadRequestError)
+    assert isinstance(as_openai_error(ServerError("slow", status=429)), openai.RateLimitError)
+    late = as_openai_error(ServerTimeoutError("late"))
+    assert isinstance(late, openai.APITimeoutError) and isinstance(late, TimeoutError)
+    assert isinstance(as_openai_error(StreamInterruptedError("cut")), openai.APIError)
+    plain = ValueError("x")
+    assert as_openai_error(plain) is plain
+
+
 def test_the_one_line_change_keeps_the_answer_when_nothing_needs_trimming(chat_llama, model):
     prompt = ChatPromptTemplate.from_messages([("system", "Be brief."), ("human", "{question}")])
     before = (prompt | chat_llama | StrOutputParser()).invoke({"question": "Name a fruit."})
@@ -285,6 +345,11 @@ def test_chat_openai_on_a_local_server(served, llama_server):  # noqa: F811
     answer = asyncio.run(served.ainvoke([HumanMessage("Say hi.")]))
     assert answer.response_metadata["trimkit"]["model"].endswith(llama_server)
     n = len(served.trimkit.reports)
-    with pytest.raises(InvalidInputError):  # response_format goes around chat.completions: refused, not sent unbudgeted
+    # response_format (ChatOpenAI sends it through chat.completions.parse) goes through trimkit, and
+    # ends as the raw model's does: 4 tokens of JSON is cut short, and openai's parser says so
+    with pytest.raises(openai.LengthFinishReasonError):
         served.invoke([HumanMessage("Hi.")], response_format={"type": "json_object"})
-    assert len(served.trimkit.reports) == n
+    assert len(served.trimkit.reports) == n + 1
+    responses_api = TrimmedChatModel(served.inner.model_copy(update={"use_responses_api": True}), ttft_budget_s=AMPLE_S)
+    with pytest.raises(InvalidInputError):  # the Responses API goes around chat.completions: refused, not sent unbudgeted
+        responses_api.invoke([HumanMessage("Hi.")])
