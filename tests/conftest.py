@@ -129,6 +129,16 @@ def _fresh_engine_state():
     forget_engines()
 
 
+@pytest.fixture
+def server():
+    """A scripted fault server on loopback (``tests.test_server_faults.FaultServer``), closed after the test."""
+    from tests.test_server_faults import FaultServer
+
+    s = FaultServer()
+    yield s
+    s.close()
+
+
 # the real OpenAI-compatible server on loopback (python -m llama_cpp.server), one per session
 from tests._server import llama_server  # noqa: E402,F401
 

@@ -22,13 +22,6 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def server():
-    s = FaultServer()
-    yield s
-    s.close()
-
-
-@pytest.fixture
 def no_gc():
     gc.collect()
     gc.disable()

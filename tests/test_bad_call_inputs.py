@@ -12,20 +12,13 @@ from hypothesis import strategies as st
 
 import trimkit
 from tests._core_helpers import make_profile
-from tests.test_server_faults import ASK, FORMS, GOOD_STREAM, FaultServer, call, expect, sse_reply
+from tests.test_server_faults import ASK, FORMS, GOOD_STREAM, call, expect, sse_reply
 from trimkit.errors import InvalidChunkError, InvalidInputError, InvalidMessageError
 from trimkit.messages import coerce_chunks, validate_messages, validate_params
 from trimkit.planning.summaries import messages_key
 from trimkit.testing import FakeBackend
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def server():
-    s = FaultServer()
-    yield s
-    s.close()
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -24,7 +24,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -150,11 +150,7 @@ class FaultServer:
         self._server.server_close()
 
 
-@pytest.fixture
-def server() -> Iterator[FaultServer]:
-    s = FaultServer()
-    yield s
-    s.close()
+# the ``server`` fixture (a FaultServer) is in tests/conftest.py, shared with the other fault tests
 
 
 # -- replies -----------------------------------------------------------------------------------------------

@@ -8,17 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_server_faults import FORMS, FaultServer, _Handler, call, chunk, expect, sse_reply
+from tests.test_server_faults import FORMS, _Handler, call, chunk, expect, sse_reply
 from trimkit.errors import ServerTimeoutError
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def server():
-    s = FaultServer()
-    yield s
-    s.close()
 
 
 def null_content_then_answer(h: _Handler, body: dict) -> None:

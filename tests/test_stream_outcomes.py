@@ -5,17 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_server_faults import FORMS, FaultServer, call, chunk, expect, raw_reply, sse_reply
+from tests.test_server_faults import FORMS, call, chunk, expect, raw_reply, sse_reply
 from trimkit.errors import ServerError, StreamInterruptedError
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def server():
-    s = FaultServer()
-    yield s
-    s.close()
 
 
 @pytest.mark.parametrize("form", FORMS)
