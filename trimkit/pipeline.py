@@ -370,9 +370,7 @@ class Pipeline:
         check (one batch), or all of it when it is not watched."""
         if not self.watches():
             return 1.0
-        new = evaluated_tokens(len(priced.tokens), priced.cached)
-        n_batch = max(int(self.profile.model.n_batch or 512), 1)
-        return min(1.0, n_batch / max(new, 1))
+        return _tail_share(self.profile, evaluated_tokens(len(priced.tokens), priced.cached))
 
     def watched(self, prepared: Prepared, *, waited_s: float = 0.0) -> WatchedPrefill | None:
         """The driver of ``prepared``'s watched prefill (None: not watched — no budget, or a
@@ -398,8 +396,7 @@ class Pipeline:
         tok = self.backend.tokenizer
         profile = watch.paced_profile()
         left = max(prepared.budget_s - spent_s, 1e-6)
-        n_batch = max(int(profile.model.n_batch or 512), 1)
-        margin = self.engine.safety_margin(self.attainment_target, share=min(1.0, n_batch / max(len(prepared.prompt_tokens) - watch.position, 1)))
+        margin = self.engine.safety_margin(self.attainment_target, share=_tail_share(profile, len(prepared.prompt_tokens) - watch.position))
         target = left * (1.0 - margin)
 
         def price(candidate: Sequence[Mapping[str, Any]]) -> tuple[Sequence[int], int, float]:
@@ -541,6 +538,16 @@ class Pipeline:
         return self._model_name
 
 
+def _n_batch(profile: Profile) -> int:
+    return max(int(profile.model.n_batch or 512), 1)
+
+
+def _tail_share(profile: Profile, new_tokens: int) -> float:
+    """The share of ``new_tokens``' prefill a watch cannot catch: what follows its last check
+    (one batch), all of it for a prompt of a batch or less. The safety margin covers only that."""
+    return min(1.0, _n_batch(profile) / max(new_tokens, 1))
+
+
 @functools.lru_cache(maxsize=64)
 def _send_takes_watch(send: Any) -> bool:
     try:
@@ -583,10 +590,9 @@ class WatchedPrefill:
         p = self.prepared
         pipeline = self.pipeline
         profile = pipeline.profile
-        n_batch = max(int(profile.model.n_batch or 512), 1)
         budget = p.budget_s - self.waited_s if p.budget_s is not None else math.inf
-        margin = pipeline.engine.safety_margin(pipeline.attainment_target, share=min(1.0, n_batch / max(len(p.prompt_tokens) - held, 1)))
-        watch = PrefillWatch(p.prompt_tokens, held, profile, budget, margin=margin, n_batch=n_batch)
+        margin = pipeline.engine.safety_margin(pipeline.attainment_target, share=_tail_share(profile, len(p.prompt_tokens) - held))
+        watch = PrefillWatch(p.prompt_tokens, held, profile, budget, margin=margin, n_batch=_n_batch(profile))
         if not watch.watched:
             return p.messages, p.prompt_tokens
         self.prepared = attrs.evolve(p, watched=True)
