@@ -216,13 +216,26 @@ def _plan_profile(args: argparse.Namespace, backend: Backend) -> tuple[Profile, 
     return calibrate(backend, quick=True), "a quick calibration measured now (no stored profile)"
 
 
+def _index_ranges(indices: Sequence[int]) -> str:
+    """``1, 2, 3, 7`` as ``1–3, 7``: a plan that drops 4,000 turns prints one short line."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     messages, chunks, tools = read_request(args.request)  # bad input fails before the model loads
     backend = LlamaBackend(open_llama(args.model, args.n_ctx))
     profile, source = _plan_profile(args, backend)
     tok = backend.tokenizer
     as_is = place_chunks(messages, chunks) if chunks else messages
-    untrimmed_tokens = len(tok.prompt_tokens(as_is, tools))
+    # counted per message (the counts the planner reuses): a many-megabyte request is never
+    # tokenized whole a second time just to be reported
+    untrimmed_tokens = tok.segment_counts(as_is, tools).total
     untrimmed_s = profile.predict_ttft_s(untrimmed_tokens, 0)
     if args.budget is not None:
         budget, how = args.budget, f"--budget {args.budget:g} s"
@@ -252,12 +265,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     print(p)
     kept = ", ".join(str(c.id) for c in p.kept_chunks) or "none"
     dropped = ", ".join(str(c.id) for c in p.dropped_chunks) or "none"
-    removed = ", ".join(str(i) for i in p.removed_message_indices) or "none"
+    removed = _index_ranges(p.removed_message_indices) or "none"
     print(f"  chunks kept ({len(p.kept_chunks)} of {len(chunks)}): {kept}")
     print(f"  chunks dropped: {dropped}")
     print(f"  messages removed (indices): {removed}")
     if p.summarized_message_indices:
-        print(f"  messages summarized (indices): {', '.join(str(i) for i in p.summarized_message_indices)}")
+        print(f"  messages summarized (indices): {_index_ranges(p.summarized_message_indices)}")
     print(f"  prompt to send: {sent_tokens:,} tokens, predicted TTFT {sent_s:.3f} s with nothing cached "
           f"(untrimmed: {untrimmed_s:.3f} s) — nothing was generated")
     if dropped_by_template:
