@@ -296,6 +296,34 @@ def test_async_wrap_url(llama_server, profile):  # noqa: F811
     assert isinstance(out, dict) and out["choices"] and report.measured_ttft_s > 0
 
 
+def test_async_wrap_url_pools_one_client_per_event_loop(llama_server, profile):  # noqa: F811
+    """Streams on one loop share one pooled AsyncClient (no client, SSL context or connection
+    built per request, on the loop); another loop gets its own; ``close()`` closes it."""
+    chat = wrap_url(llama_server, profile=profile, asynchronous=True)
+    transport = chat.backend.transport
+
+    async def two_requests():
+        seen = []
+        for stream in (False, True):
+            out = await chat.chat.completions.create(messages=ASK, max_tokens=2, stream=stream)
+            if stream:
+                async for _ in out:
+                    pass
+            seen.append(transport._loop_clients[asyncio.get_running_loop()])
+        return seen
+
+    first = asyncio.run(two_requests())
+    assert len(first) == 2 and first[0] is first[1] and not first[0].is_closed
+
+    async def then_close():
+        client = (await two_requests())[0]
+        await chat.close()
+        return client
+
+    second = asyncio.run(then_close())
+    assert second is not first[0] and second.is_closed
+
+
 # -- what servers report: llama.cpp-shaped timings and truncation (MockTransport) ----------------------
 def test_report_shows_the_servers_prefill_cached_tokens_and_network_overhead(profile):
     http = httpx.Client(transport=httpx.MockTransport(llama_cpp_server_handler()))

@@ -400,7 +400,11 @@ class AsyncTrimmedOpenAI(OpenAIFrontEnd):
 
     async def close(self) -> None:
         """Close the backend's connections and the wrapped client (``await``, as on ``AsyncOpenAI``)."""
-        self.backend.close()
+        aclose = getattr(self.backend, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        else:
+            self.backend.close()
         if self.client is not None and callable(getattr(self.client, "close", None)):
             await self.client.close()
 

@@ -137,6 +137,10 @@ class OpenAIHTTPBackend(Backend):
     def close(self) -> None:
         self.transport.close()
 
+    async def aclose(self) -> None:
+        """:meth:`close`, and the pooled AsyncClient of the running event loop."""
+        await self.transport.aclose()
+
     def __enter__(self) -> OpenAIHTTPBackend:
         return self
 
@@ -374,8 +378,8 @@ class OpenAIHTTPBackend(Backend):
     async def asend(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
                     retry_deadline_s: float | None = None, deadline_s: float | None = None) -> AsyncTimedStream:
         """:meth:`send` for asyncio, through the wrapped ``openai.AsyncOpenAI`` client, the
-        ``async_http_client`` given, or a fresh ``httpx.AsyncClient`` per stream (an AsyncClient
-        is bound to its event loop). Side requests (tokenize, server facts) run in a worker thread."""
+        ``async_http_client`` given, or one pooled ``httpx.AsyncClient`` per event loop (an
+        AsyncClient is bound to its loop; ``aclose`` closes it). Side requests (tokenize, server facts) run in a worker thread."""
         return (await asyncio.to_thread(self._stream, messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s, is_async=True))[0]
 
     async def acomplete(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,

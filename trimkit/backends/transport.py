@@ -11,9 +11,12 @@ async openers differ only in the lines that read. Every body read is capped
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import re
+import threading
+import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -252,10 +255,34 @@ class HTTPTransport:
         self.own_http = http is None
         self.http = http or httpx.Client(headers=self.headers, timeout=limits.httpx_timeout())
         self.async_http = async_http
+        # one pooled AsyncClient per event loop (an AsyncClient is bound to its loop): a stream
+        # neither builds a client (an SSL context, ~10 ms on the loop) nor a connection of its own
+        self._loop_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
+        self._loop_lock = threading.Lock()
 
     def close(self) -> None:
+        """Close the pooled sync client (if trimkit made it). The async clients trimkit made are
+        closed by :meth:`aclose` on their loop; one whose loop is gone is dropped with it."""
         if self.own_http:
             self.http.close()
+
+    async def aclose(self) -> None:
+        """:meth:`close`, and the AsyncClient trimkit made for the running loop."""
+        self.close()
+        with self._loop_lock:
+            client = self._loop_clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.aclose()
+
+    def loop_client(self) -> httpx.AsyncClient:
+        """The AsyncClient trimkit keeps for the running event loop, made on first use."""
+        loop = asyncio.get_running_loop()
+        with self._loop_lock:
+            client = self._loop_clients.get(loop)
+            if client is None or client.is_closed:
+                client = httpx.AsyncClient(headers=self.headers, timeout=self.limits.httpx_timeout())
+                self._loop_clients[loop] = client
+        return client
 
     # side requests -------------------------------------------------------------------------------
     def request_json(self, method: str, url: str, body: Any = None, *, missing_ok: bool = False, deadline: Deadline | None = None) -> Any:
@@ -335,13 +362,9 @@ class HTTPTransport:
 
     @contextlib.asynccontextmanager
     async def async_client(self, *, needed: bool = True) -> AsyncIterator[httpx.AsyncClient | None]:
-        """The ``async_http_client`` given, else a fresh one for this stream (an AsyncClient is
-        bound to its event loop), closed after it; None if not ``needed`` (the client form)."""
-        if self.async_http is not None or not needed:
-            yield self.async_http
-            return
-        async with httpx.AsyncClient(headers=self.headers, timeout=self.limits.httpx_timeout()) as client:
-            yield client
+        """The ``async_http_client`` given, else the pooled one of this event loop
+        (:meth:`loop_client`); None if not ``needed`` (the client form)."""
+        yield self.async_http if self.async_http is not None or not needed else self.loop_client()
 
     # through the openai client -------------------------------------------------------------------
     def client_kwargs(self, body: Mapping[str, Any], wait: Wait) -> dict[str, Any]:
