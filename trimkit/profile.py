@@ -23,6 +23,7 @@ at a short context (a flat decode line).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -222,7 +223,7 @@ class Profile:
     def decode_model(self) -> DecodeModel | None:
         """Seconds per generated token as a function of context, fitted on :attr:`decode_points`
         (:func:`~trimkit.decode_model.fit_decode`); None when decode was not measured."""
-        return fit_decode(self.decode_points)
+        return _fit_decode(tuple(self.decode_points))
 
     def decode_tokens_per_s_at(self, context_tokens: int, output_tokens: int = 0) -> float | None:
         """Predicted decode speed (tokens/s) of a request whose prompt is ``context_tokens``
@@ -385,3 +386,10 @@ def _structure(data: Any) -> Profile:
         residuals=read_residuals(data.get("residuals", [])),
         **extra,
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _fit_decode(points: tuple[DecodePoint, ...]) -> DecodeModel | None:
+    """:func:`~trimkit.decode_model.fit_decode`, memoised by the points: a request asks its
+    profile's decode speed several times, and the profile changes only when a request finishes."""
+    return fit_decode(points)

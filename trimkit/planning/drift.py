@@ -102,15 +102,19 @@ class LiveProfile:
 
     Every measured prefill joins the engine's :class:`~trimkit.planning.speed.SpeedEstimate`
     (:attr:`speed`); the profile's ``drift`` is its middle. After every ``refit_every``
-    whole-request observations (default: each one; it costs 1–5 ms, after the response) the model
+    whole-request observations (default: each one; it costs 1–5 ms, after the response; and after
+    each of the first ``eager_refits``, while the shape is still being learned) the model
     is refitted on calibration plus the served requests brought to the calibration's speed, and
     kept only if it explains them better than the speed factor alone: a shape the calibration got
     wrong (too little attention from short probes) is corrected, while a host that only changed
     speed moves the factor and leaves the model alone."""
 
-    def __init__(self, profile: Profile, *, refit_every: int = 1, keep_live: int = 64) -> None:
+    def __init__(self, profile: Profile, *, refit_every: int = 1, eager_refits: int = 0, keep_live: int = 64) -> None:
         if not (_is_count(refit_every) and refit_every >= 1):
             raise ValueError(f"refit_every must be an int >= 1, got {refit_every!r}")
+        if not (_is_count(eager_refits) and eager_refits >= 0):
+            raise ValueError(f"eager_refits must be an int >= 0, got {eager_refits!r}")
+        self._eager_refits = eager_refits
         self._calibration = profile
         self._calib_fit: CostModel | None = None
         self._refit_every = refit_every
@@ -167,7 +171,7 @@ class LiveProfile:
                 self.speed.observe(sample)
             self._live.append(sample)
             self._seen += 1
-            self._update(refit=self._seen % self._refit_every == 0)
+            self._update(refit=self._seen <= self._eager_refits or self._seen % self._refit_every == 0)
 
     @staticmethod
     def _sample(new_tokens: Any, cached_tokens: Any, seconds: Any) -> PrefillSample | None:

@@ -38,6 +38,12 @@ __all__ = ["DEFAULT_TARGET", "EngineState", "engine_state", "forget_engines", "P
 
 log = logging.getLogger("trimkit")
 
+#: the cost model is refitted after each of the first EAGER_REFITS measured requests (a shape the
+#: calibration got wrong is corrected at once), then after every REFIT_EVERY-th: a refit costs
+#: more than the rest of a short request's bookkeeping, and the speed estimate moves every request
+EAGER_REFITS = 16
+REFIT_EVERY = 4
+
 #: while the profile is provisional, the refined profile is stored at least every this many
 #: measured requests (so a short first session is not lost)
 PROVISIONAL_PERSIST_EVERY = 4
@@ -54,7 +60,7 @@ class EngineState:
     engine is calibrated again); else a new one on ``clock``."""
 
     def __init__(self, profile: Profile, *, queue: EngineQueue | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.live = LiveProfile(profile)
+        self.live = LiveProfile(profile, refit_every=REFIT_EVERY, eager_refits=EAGER_REFITS)
         #: the requests in flight on this engine, for the wait each new one is predicted to have
         self.queue = queue if queue is not None else EngineQueue(clock)
         #: which calibration this state grew from
