@@ -136,7 +136,7 @@ def main() -> int:
 
     shared = common_prefix_len(full_tokens, backend.tokenizer.prompt_tokens([*prefix_msgs, {"role": "user", "content": "x"}]))
     warm, cold, limit, new_counts = [], [], [], []
-    for rep in range(3):
+    for _rep in range(3):
         with backend.lock:
             llm.reset()
             llm.eval(full_tokens[:shared])

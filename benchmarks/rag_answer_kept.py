@@ -530,7 +530,7 @@ def main() -> int:
             target = budget * (1.0 - margin)
             live = dry.profile  # the calibrated profile as refined by this run's measurements so far
 
-            prompts = Prompts(req, tok, lambda n: live.predict_ttft_s(n, 0))
+            prompts = Prompts(req, tok, lambda n, live=live: live.predict_ttft_s(n, 0))
             eligible_pred = prompts.predicted([req["answer_index"]], len(prompts.turns))
             eligible = eligible_pred <= target
             plans: dict[str, dict[str, Any]] = {

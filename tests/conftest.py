@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,7 +75,29 @@ def llm(model_path):
     return trimkit.default_llama(model_path=model_path, n_ctx=4096)
 
 
+#: fixtures that load a real model or start a real server: a test using one is marked ``real``
+REAL_FIXTURES = frozenset({"llm", "smollm2_llm", "quick_profile", "model_path", "smollm2_model_path", "llama_server",
+                           "two_llama_servers", "server"})
+#: what a test module calls when it starts real parts itself (a model, a server, a subprocess)
+REAL_CALLS = ("running_server", "running_servers", "start_server", "default_llama(", "open_llama(", "Llama(", "subprocess",
+              "default_model_path(", "smollm2_path(")
+
+
+def _module_is_real(path: Any, seen: dict[str, bool] = {}) -> bool:  # noqa: B006 - a per-session memo
+    key = str(path)
+    if key not in seen:
+        seen[key] = any(call in Path(key).read_text(encoding="utf-8") for call in REAL_CALLS)
+    return seen[key]
+
+
 def pytest_collection_modifyitems(config, items):
+    """Mark ``real`` every test that runs a real model, server or subprocess, so that
+    ``pytest -m "not real"`` runs the unit tests alone (seconds); and, with ``TRIMKIT_TEST_MODEL``
+    set, skip the tests about the embedded model's own template."""
+    real = pytest.mark.real
+    for item in items:
+        if REAL_FIXTURES.intersection(getattr(item, "fixturenames", ())) or _module_is_real(item.fspath):
+            item.add_marker(real)
     if not OTHER_MODEL:
         return
     skip = pytest.mark.skip(reason="about the embedded model's Gemma 3 template (TRIMKIT_TEST_MODEL is set)")

@@ -73,11 +73,11 @@ def _events_of(events, call) -> tuple[object, list[str]]:
 
 def test_chat_and_complete_answer_as_the_raw_llm_does(raw, wrapped, events):
     for llm in (raw, wrapped):
-        reply, chat_events = _events_of(events, lambda: llm.chat(ASK))
+        reply, chat_events = _events_of(events, lambda llm=llm: llm.chat(ASK))
         assert isinstance(reply, ChatResponse) and reply.message.role == MessageRole.ASSISTANT and isinstance(reply.message.content, str)
         assert reply.raw is not None
         assert chat_events[0] == "LLMChatStartEvent" and chat_events[-1] == "LLMChatEndEvent"
-        done, completion_events = _events_of(events, lambda: llm.complete("A colour:"))
+        done, completion_events = _events_of(events, lambda llm=llm: llm.complete("A colour:"))
         assert isinstance(done, CompletionResponse) and isinstance(done.text, str)
         assert completion_events[0] == "LLMCompletionStartEvent" and completion_events[-1] == "LLMCompletionEndEvent"
     assert wrapped.chat(ASK).additional_kwargs["trimkit"] is wrapped.last_report

@@ -255,7 +255,7 @@ def test_wrap_url_gives_the_same_api_with_plain_dicts(llama_server, profile):  #
         chunks = list(stream)
         assert all(isinstance(c, dict) for c in chunks) and stream.report.measured_ttft_s > 0
         with pytest.raises(AttributeError):
-            chat.models  # no client to delegate to
+            _ = chat.models  # no client to delegate to
 
 
 # -- async ------------------------------------------------------------------------------------------
@@ -453,8 +453,8 @@ def test_the_async_wrapper_has_no_sync_calls():
 class BreakingStream(httpx.SyncByteStream, httpx.AsyncByteStream):
     """A streamed reply whose connection resets 0.05 s after its first content chunk."""
 
-    EVENT = ('data: {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "fake-model", '
-             '"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": null}]}\n\n').encode()
+    EVENT = (b'data: {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "fake-model", '
+             b'"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": null}]}\n\n')
 
     def __iter__(self):
         yield self.EVENT

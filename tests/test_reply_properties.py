@@ -283,7 +283,7 @@ def test_any_event_stream_decodes_the_same_however_it_is_cut(lines, newline, cut
     data = newline.join(lines).encode() + tail
     whole = _events(data, [])
     cut = _events(data, cuts)
-    for events, error in (whole, cut):
+    for _events_seen, error in (whole, cut):
         assert error is None or error in ("MalformedReplyError", "ServerError", "StreamInterruptedError")
     # the same events however the bytes arrived, and the same error (or none) after them
     assert frozen(cut[0]) == frozen(whole[0]) and cut[1] == whole[1]

@@ -304,7 +304,7 @@ class Backend(abc.ABC):
     #: little about attention; None when the engine does not tell (a server)
     attention_prior_tokens: float | None = None
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> None:  # noqa: B027 - an optional hook: most backends need no warm-up
         """Pay one-off costs (first eval after load) before measuring."""
 
     @abc.abstractmethod

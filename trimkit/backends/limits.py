@@ -188,7 +188,7 @@ def with_retries(attempt: Callable[[Wait], Any], deadline: Deadline, url: str, l
                 wait = run.wait()
                 if not deadline.bounded:
                     return attempt(wait)
-                return run_within(lambda: attempt(wait), wait.remaining_s, discard, run.timed_out)
+                return run_within(lambda wait=wait: attempt(wait), wait.remaining_s, discard, run.timed_out)
     except ServerUnreachableError as exc:
         raise run.gave_up(exc, retrying) from exc
     raise AssertionError("unreachable")  # pragma: no cover

@@ -306,8 +306,8 @@ def retry_after_s(value: Any) -> float | None:
         except (TypeError, ValueError, IndexError, OverflowError):
             return None
         if when.tzinfo is None:  # "-0000": UTC, as HTTP dates are
-            when = when.replace(tzinfo=datetime.timezone.utc)
-        seconds = (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+            when = when.replace(tzinfo=datetime.UTC)
+        seconds = (when - datetime.datetime.now(datetime.UTC)).total_seconds()
     if not math.isfinite(seconds):
         return None
     return min(max(seconds, 0.0), 3600.0)

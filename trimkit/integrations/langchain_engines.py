@@ -237,7 +237,7 @@ class _RootClient:
         return getattr(Unsupported("ChatOpenAI.root_client"), name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _both(trimkit_type: type, openai_type: type) -> type:
     """An exception type that is both ``trimkit_type`` and ``openai_type``."""
     return type(trimkit_type.__name__, (trimkit_type, openai_type), {"__module__": trimkit_type.__module__})
