@@ -268,3 +268,31 @@ def test_uses_the_global_api_provider_without_installing_one(monkeypatch):
 def test_a_bad_report_log_is_a_typed_error_before_anything_is_sent(llm, quick_profile):
     with pytest.raises(InvalidInputError, match="report_log"):
         trimkit.wrap(llm, ttft_budget_s=1.0, profile=quick_profile, report_log=42)
+
+
+def test_trimkit_report_prints_the_figures_and_draws_the_log(llm, quick_profile, tmp_path, capsys):
+    from trimkit.cli import main
+
+    log_path = tmp_path / "r.jsonl"
+    chat = trimkit.wrap(llm, ttft_budget_s=30.0, profile=quick_profile, report_log=log_path)
+    chat.create_chat_completion(messages=ask("Say hello."), max_tokens=2)
+    chat.create_chat_completion(messages=ask("Say hello again."), max_tokens=2, ttft_budget_s=0.001)  # a miss
+    png = tmp_path / "r.png"
+    assert main(["report", str(log_path), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "2 requests:" in out and "budget met: 1 of 2 budgeted requests (50%)" in out and f"plot: {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trimkit_report_errors_are_clear(tmp_path, capsys, monkeypatch):
+    from trimkit.cli import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"predicted_ttft_s": 1.0, "measured_ttft_s": 0.5}\nnot json\n')
+    assert main(["report", str(bad), "--no-plot"]) == 2
+    assert "line 2: not JSON" in capsys.readouterr().err
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"predicted_ttft_s": 1.0, "measured_ttft_s": 0.5}\n')
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the plot extra were not installed
+    assert main(["report", str(good)]) == 2
+    assert "pip install 'trimkit[plot]'" in capsys.readouterr().err
