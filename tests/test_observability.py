@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import logging
 import subprocess
 import sys
 
@@ -33,8 +34,9 @@ SECRET = "zanzibar-quokka-7731"  # in every prompt: must appear in no span, metr
 
 
 @pytest.fixture
-def otel():
-    """trimkit instrumented with SDK providers of the test's own (no global provider is set)."""
+def otel(caplog):
+    """trimkit instrumented with SDK providers of the test's own (no global provider is set); the
+    SDK must not have refused anything (it logs a warning, e.g. for a negative histogram value)."""
     spans = InMemorySpanExporter()
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
@@ -43,6 +45,8 @@ def otel():
     inst = trimkit.otel.instrument(tracer_provider=tracer_provider, meter_provider=meter_provider)
     yield spans, reader
     inst.uninstrument()
+    refused = [r.getMessage() for r in caplog.records if r.name.startswith("opentelemetry") and r.levelno >= logging.WARNING]
+    assert refused == []
 
 
 @pytest.fixture
@@ -122,6 +126,12 @@ def test_a_passthrough_request_is_one_span_tree_with_the_genai_attributes(llm, q
     assert ttft.count == 1 and ttft.sum == pytest.approx(r.measured_ttft_s)
     assert tuple(points["gen_ai.client.operation.duration"][1][0].explicit_bounds) == trimkit.otel.GENAI_DURATION_BUCKETS_S
     assert "gen_ai.client.operation.time_to_first_chunk" not in points  # not a streamed call (the conventions: streamed only)
+    error = points["trimkit.prediction.error"][1][0]  # recorded (a histogram takes no negative value: the direction is an attribute)
+    assert error.count == 1 and error.sum == pytest.approx(abs(r.ttft_error_pct) / 100)
+    assert dict(error.attributes)["trimkit.prediction.direction"] == ("over" if r.ttft_error_pct > 0 else "under")
+    assert points["trimkit.budget.use"][1][0].sum == pytest.approx(r.measured_ttft_s / 30.0)
+    assert points["trimkit.budget.attainment"][1][0].value == 1 and points["trimkit.budget.attainment"][0] == "{request}"
+    assert points["trimkit.decode.speed"][0] == "{token}/s"
     assert_no_text(got, SECRET)
 
 

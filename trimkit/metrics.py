@@ -14,7 +14,7 @@ The series (labels ``model`` and ``endpoint`` on all; buckets in :mod:`trimkit.o
 - ``trimkit_predicted_ttft_seconds`` (histogram): the TTFT predicted for the prompt sent;
 - ``trimkit_budget_attainment_total{met="true|false"}``: budgeted requests;
 - ``trimkit_budget_use_ratio`` (histogram): measured TTFT ÷ budget;
-- ``trimkit_prediction_error_ratio`` (histogram): (predicted − measured) ÷ measured;
+- ``trimkit_prediction_error_ratio{direction="over|under"}`` (histogram): |predicted − measured| ÷ measured;
 - ``trimkit_tokens_removed_total``: prompt tokens the plans removed;
 - ``trimkit_replans_total``: re-plans of watched prefills;
 - ``trimkit_decode_tokens_per_second`` (histogram): the stream's measured speed;
@@ -59,7 +59,8 @@ class PrometheusMetrics:
         self.ttft = hist("trimkit_ttft_seconds", "Measured time to first token (the wait for the engine included).", TTFT_BUCKETS_S)
         self.predicted_ttft = hist("trimkit_predicted_ttft_seconds", "Predicted time to first token of the prompt sent.", TTFT_BUCKETS_S)
         self.budget_use = hist("trimkit_budget_use_ratio", "Measured TTFT divided by the TTFT budget.", BUDGET_USE_BUCKETS)
-        self.prediction_error = hist("trimkit_prediction_error_ratio", "(predicted - measured) / measured TTFT.", PREDICTION_ERROR_BUCKETS)
+        self.prediction_error = Histogram("trimkit_prediction_error_ratio", "|predicted - measured| / measured TTFT, by direction.",
+                                          (*_LABELS, "direction"), buckets=PREDICTION_ERROR_BUCKETS, registry=r)
         self.decode_speed = hist("trimkit_decode_tokens_per_second", "Measured decode speed (left untouched).", DECODE_SPEED_BUCKETS)
         self.attainment = Counter("trimkit_budget_attainment", "Budgeted requests, by whether the measured TTFT met the budget.",
                                   (*_LABELS, "met"), registry=r)
@@ -82,7 +83,7 @@ class PrometheusMetrics:
         if f.budget_use is not None:
             self.budget_use.labels(**labels).observe(f.budget_use)
         if f.prediction_error is not None:
-            self.prediction_error.labels(**labels).observe(f.prediction_error)
+            self.prediction_error.labels(**labels, direction=f.prediction_direction).observe(f.prediction_error)
         if f.decode_tokens_per_s is not None:
             self.decode_speed.labels(**labels).observe(f.decode_tokens_per_s)
         self.tokens_removed.labels(**labels).inc(f.tokens_removed)

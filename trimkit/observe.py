@@ -43,8 +43,8 @@ log = logging.getLogger("trimkit")
 TTFT_BUCKETS_S: tuple[float, ...] = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 #: measured TTFT ÷ budget (1.0: the whole budget used)
 BUDGET_USE_BUCKETS: tuple[float, ...] = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
-#: (predicted − measured) ÷ measured TTFT (negative: the prediction was low)
-PREDICTION_ERROR_BUCKETS: tuple[float, ...] = (-0.75, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
+#: |predicted − measured| ÷ measured TTFT (its direction, "over" or "under", is a label)
+PREDICTION_ERROR_BUCKETS: tuple[float, ...] = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
 #: decode speed, tokens/s
 DECODE_SPEED_BUCKETS: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
 
@@ -71,7 +71,8 @@ class Figures:
     budget_s: float | None
     budget_met: bool | None
     budget_use: float | None
-    prediction_error: float | None
+    prediction_error: float | None  # |predicted − measured| ÷ measured
+    prediction_direction: str  # "over" (predicted above measured), "under" or "exact"; "" when unknown
     input_tokens: int
     input_tokens_before: int | None
     tokens_removed: int
@@ -102,7 +103,8 @@ def figures(c: Completed) -> Figures:
     return Figures(
         outcome=outcome, ttft_s=ttft, predicted_ttft_s=r.predicted_ttft_s, budget_s=budget, budget_met=r.budget_met,
         budget_use=None if ttft is None or not budget else ttft / budget,
-        prediction_error=None if r.ttft_error_pct is None else r.ttft_error_pct / 100.0,
+        prediction_error=None if r.ttft_error_pct is None else abs(r.ttft_error_pct) / 100.0,
+        prediction_direction="" if r.ttft_error_pct is None else "over" if r.ttft_error_pct > 0 else "under" if r.ttft_error_pct < 0 else "exact",
         input_tokens=r.prompt_tokens, input_tokens_before=before, tokens_removed=max((before or 0) - r.prompt_tokens, 0),
         cached_tokens=r.cached_tokens,
         output_tokens=r.completion_tokens, decode_tokens_per_s=r.decode_tokens_per_s, replans=len(r.replans),

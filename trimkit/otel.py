@@ -81,7 +81,7 @@ class Instrumentation:
                          explicit_bucket_boundaries_advisory=TTFT_BUCKETS_S)
         self.budget_use = hist("trimkit.budget.use", unit="1", description="Measured TTFT divided by the TTFT budget.",
                                explicit_bucket_boundaries_advisory=BUDGET_USE_BUCKETS)
-        self.prediction_error = hist("trimkit.prediction.error", unit="1", description="(predicted - measured) / measured TTFT.",
+        self.prediction_error = hist("trimkit.prediction.error", unit="1", description="|predicted - measured| / measured TTFT; trimkit.prediction.direction: over or under.",
                                      explicit_bucket_boundaries_advisory=PREDICTION_ERROR_BUCKETS)
         self.decode_speed = hist("trimkit.decode.speed", unit="{token}/s", description="Measured decode speed (left untouched).",
                                  explicit_bucket_boundaries_advisory=DECODE_SPEED_BUCKETS)
@@ -161,7 +161,7 @@ class Instrumentation:
         if f.budget_use is not None:
             self.budget_use.record(f.budget_use, own)
         if f.prediction_error is not None:
-            self.prediction_error.record(f.prediction_error, own)
+            self.prediction_error.record(f.prediction_error, {**own, "trimkit.prediction.direction": f.prediction_direction})
         if f.tokens_removed:
             self.tokens_removed.add(f.tokens_removed, own)
         if f.decode_tokens_per_s is not None:
