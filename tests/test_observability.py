@@ -306,3 +306,30 @@ def test_trimkit_report_errors_are_clear(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the plot extra were not installed
     assert main(["report", str(good)]) == 2
     assert "pip install 'trimkit[plot]'" in capsys.readouterr().err
+
+
+def test_the_frameworks_callbacks_keep_working_alongside(model_path, otel):
+    from langchain_community.chat_models import ChatLlamaCpp
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    from trimkit.integrations.langchain import REPORT_EVENT, TrimmedChatModel
+
+    class Events(BaseCallbackHandler):
+        def __init__(self):
+            self.names, self.ends = [], 0
+
+        def on_custom_event(self, name, data, *, run_id, **kwargs):
+            self.names.append(name)
+
+        def on_llm_end(self, response, *, run_id, **kwargs):
+            self.ends += 1
+
+    spans, _ = otel
+    inner = ChatLlamaCpp(model_path=model_path, n_ctx=2048, max_tokens=3, temperature=0.0, verbose=False)
+    model = TrimmedChatModel(inner, ttft_budget_s=30.0)
+    events = Events()
+    model.invoke([("user", f"Say hello. {SECRET}")], config={"callbacks": [events]})
+    assert events.names == [REPORT_EVENT] and events.ends == 1
+    roots = [s for s in spans.get_finished_spans() if s.name.startswith("chat ")]
+    assert len(roots) == 1 and roots[0].attributes["gen_ai.usage.input_tokens"] == model.last_report.prompt_tokens
+    assert_no_text(spans.get_finished_spans(), SECRET)
