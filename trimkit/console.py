@@ -132,9 +132,15 @@ def plot_profile(profile: Profile, path: str, budget_s: float | None = None) -> 
         ax.plot(xs, [profile.model.prefill_s(x, k) for x in xs], ":", alpha=0.6)
     if budget_s:
         ax.axhline(budget_s - profile.first_token_s, color="red", ls="--", label=f"prefill share of a {budget_s:g} s TTFT budget")
-    ax.set_xlabel("prompt tokens evaluated (n)")
-    ax.set_ylabel("prefill time (s)")
-    ax.set_title(f"Prefill cost on this host — {profile.key.model.split(':')[0]}")
+    return _finish(plt, fig, ax, path, "prompt tokens evaluated (n)", "prefill time (s)",
+                   f"Prefill cost on this host — {profile.key.model.split(':')[0]}")
+
+
+def _finish(plt: Any, fig: Any, ax: Any, path: str, xlabel: str, ylabel: str, title: str) -> str:
+    """Label the axes, add the grid and the legend, write the figure to ``path`` and close it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -227,16 +233,8 @@ def plot_report_log(rows: Sequence[Mapping[str, Any]], path: str, title: str = "
     for i, x in enumerate(failed):
         ax.axvline(x, color="grey", ls=":", label=f"ended in an error ({len(failed)})" if i == 0 else None)
     ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
-    ax.set_xlabel("request")
-    ax.set_ylabel("time to first token (s)")
     ax.set_ylim(bottom=0)
-    ax.set_title(title or "Predicted vs measured TTFT")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, ax, path, "request", "time to first token (s)", title or "Predicted vs measured TTFT")
 
 
 def _nan(value: Any) -> float:

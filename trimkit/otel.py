@@ -192,18 +192,14 @@ def _request_attributes(c: Completed, f: Figures) -> dict[str, Any]:
         value = p.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             a[f"gen_ai.request.{key}"] = value
-    _put(a, "trimkit.budget_s", f.budget_s)
-    _put(a, "trimkit.ttft.predicted_s", f.predicted_ttft_s)
-    _put(a, "trimkit.ttft.predicted_before_s", r.predicted_ttft_before_s)
-    _put(a, "trimkit.ttft.measured_s", f.ttft_s)
-    _put(a, "trimkit.ttft.engine_s", r.engine_ttft_s)
-    _put(a, "trimkit.queue.wait_s", r.queue_wait_s)
-    _put(a, "trimkit.safety_margin", r.safety_margin)
-    _put(a, "trimkit.budget.met", f.budget_met)
-    _put(a, "trimkit.feasible", r.feasible)
-    _put(a, "trimkit.verdict", r.verdict)
-    _put(a, "trimkit.endpoint", r.endpoint)
-    _put(a, "trimkit.decode.tokens_per_s", f.decode_tokens_per_s)
+    optional = {
+        "trimkit.budget_s": f.budget_s, "trimkit.ttft.predicted_s": f.predicted_ttft_s,
+        "trimkit.ttft.predicted_before_s": r.predicted_ttft_before_s, "trimkit.ttft.measured_s": f.ttft_s,
+        "trimkit.ttft.engine_s": r.engine_ttft_s, "trimkit.queue.wait_s": r.queue_wait_s, "trimkit.safety_margin": r.safety_margin,
+        "trimkit.budget.met": f.budget_met, "trimkit.feasible": r.feasible, "trimkit.verdict": r.verdict,
+        "trimkit.endpoint": r.endpoint, "trimkit.decode.tokens_per_s": f.decode_tokens_per_s,
+    }
+    a.update({k: v for k, v in optional.items() if v is not None})
     a.update({
         "trimkit.outcome": f.outcome,
         "trimkit.trimmed": r.trimmed,
@@ -234,9 +230,8 @@ def _plan_attributes(r: Any, f: Figures) -> dict[str, Any]:
 
 
 def _send_attributes(r: Any, f: Figures) -> dict[str, Any]:
-    a: dict[str, Any] = {"trimkit.tokens.after": f.input_tokens, "trimkit.replans": f.replans}
+    a: dict[str, Any] = {"trimkit.tokens.after": f.input_tokens, "trimkit.replans": f.replans, "trimkit.queue.wait_s": r.queue_wait_s}
     _put(a, "trimkit.ttft.measured_s", f.ttft_s)
-    _put(a, "trimkit.queue.wait_s", r.queue_wait_s)
     return a
 
 
