@@ -220,6 +220,8 @@ def test_a_stream_broken_mid_way_is_an_error_span_and_an_error_line(server, otel
     r = err.value.report
     got = spans.get_finished_spans()
     root = [s for s in got if s.name.startswith("chat ")][0]
+    assert root.name == "chat m" and root.attributes["gen_ai.request.model"] == "m"  # the report's "m @ url" split
+    assert root.attributes["server.address"] == "127.0.0.1" and root.attributes["server.port"] == int(server.base_url.split(":")[2].split("/")[0])
     assert root.kind == SpanKind.CLIENT and root.status.status_code == StatusCode.ERROR
     assert root.attributes["error.type"] == "trimkit.errors.StreamInterruptedError" and root.attributes["trimkit.outcome"] == "error"
     assert by_name(got, "trimkit.send")[0].status.status_code == StatusCode.ERROR
@@ -227,7 +229,7 @@ def test_a_stream_broken_mid_way_is_an_error_span_and_an_error_line(server, otel
     assert dict(duration.attributes)["error.type"] == "trimkit.errors.StreamInterruptedError"
     row = json.loads(log.getvalue())
     assert row["error_type"] == "trimkit.errors.StreamInterruptedError" and row["measured_ttft_s"] == pytest.approx(r.measured_ttft_s)
-    assert prom.get_sample_value("trimkit_requests_total", {"model": r.model, "endpoint": "", "outcome": "error"}) == 1.0
+    assert prom.get_sample_value("trimkit_requests_total", {"model": "m", "endpoint": "", "outcome": "error"}) == 1.0
     assert_no_text(got, SECRET)
 
 

@@ -72,7 +72,7 @@ class PrometheusMetrics:
 
     def __call__(self, c: Completed) -> None:
         f = figures(c)
-        labels = {"model": c.report.model or "", "endpoint": c.report.endpoint or ""}
+        labels = {"model": f.model, "endpoint": c.report.endpoint or ""}
         self.requests.labels(**labels, outcome=f.outcome).inc()
         if f.ttft_s is not None:
             self.ttft.labels(**labels).observe(f.ttft_s)

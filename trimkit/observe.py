@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import attrs
 
@@ -66,6 +67,9 @@ class Figures:
     """The numbers of one request that every exporter records (None: not known)."""
 
     outcome: str  # "passthrough", "trimmed", "infeasible", "refused" or "error"
+    model: str  # the model asked for (the report's ``model`` without its `` @ url``)
+    server_address: str | None  # the server's host, from that url (None in process)
+    server_port: int | None
     ttft_s: float | None
     predicted_ttft_s: float | None
     budget_s: float | None
@@ -100,8 +104,16 @@ def figures(c: Completed) -> Figures:
         outcome = "passthrough" if r.passthrough else "trimmed"
     before = r.prompt_tokens_before
     ttft, budget = r.measured_ttft_s, r.ttft_budget_s
+    model, _, url = (r.model or "").partition(" @ ")
+    where = urlsplit(url) if url else None
+    try:
+        port = where.port if where is not None else None
+    except ValueError:
+        port = None
     return Figures(
-        outcome=outcome, ttft_s=ttft, predicted_ttft_s=r.predicted_ttft_s, budget_s=budget, budget_met=r.budget_met,
+        outcome=outcome, model=model, server_address=where.hostname if where is not None else None,
+        server_port=port or ({"http": 80, "https": 443}.get(where.scheme) if where is not None and where.hostname else None),
+        ttft_s=ttft, predicted_ttft_s=r.predicted_ttft_s, budget_s=budget, budget_met=r.budget_met,
         budget_use=None if ttft is None or not budget else ttft / budget,
         prediction_error=None if r.ttft_error_pct is None else abs(r.ttft_error_pct) / 100.0,
         prediction_direction="" if r.ttft_error_pct is None else "over" if r.ttft_error_pct > 0 else "under" if r.ttft_error_pct < 0 else "exact",

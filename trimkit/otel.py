@@ -98,7 +98,7 @@ class Instrumentation:
 
     def __call__(self, c: Completed) -> None:
         f = figures(c)
-        base = _base_attributes(c)
+        base = _base_attributes(c, f)
         self._spans(c, f, base)
         self._metrics(c, f, base)
 
@@ -110,7 +110,7 @@ class Instrumentation:
         send_start = end - send_ns
         plan_start = send_start - int(max(c.prepare_s, 0.0) * 1e9)
         kind = SpanKind.INTERNAL if r.backend == "llama_cpp" else SpanKind.CLIENT
-        root = self.tracer.start_span(f"chat {r.model}" if r.model else "chat", kind=kind, start_time=plan_start,
+        root = self.tracer.start_span(f"chat {f.model}" if f.model else "chat", kind=kind, start_time=plan_start,
                                       attributes={**base, **_request_attributes(c, f)})
         if c.error_type is not None:
             root.set_status(Status(StatusCode.ERROR))
@@ -170,11 +170,12 @@ class Instrumentation:
             self.replans.add(f.replans, own)
 
 
-def _base_attributes(c: Completed) -> dict[str, Any]:
+def _base_attributes(c: Completed, f: Figures) -> dict[str, Any]:
     """The GenAI attributes every span and metric of a request carries."""
-    r = c.report
-    a: dict[str, Any] = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": r.backend}
-    _put(a, "gen_ai.request.model", r.model or None)
+    a: dict[str, Any] = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": c.report.backend}
+    _put(a, "gen_ai.request.model", f.model or None)
+    _put(a, "server.address", f.server_address)
+    _put(a, "server.port", f.server_port if f.server_address else None)
     _put(a, "error.type", c.error_type)
     return a
 
