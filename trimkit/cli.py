@@ -1,4 +1,4 @@
-"""The ``trimkit`` command line: calibrate, diagnose, plan, demo.
+"""The ``trimkit`` command line: calibrate, diagnose, plan, demo, report.
 
 Every sub-command's ``--help`` is its documentation. Errors reach you as one line on stderr and
 a non-zero exit status (2 for bad input, 1 for engine failures), never as a traceback.
@@ -22,7 +22,7 @@ from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.llama import LlamaBackend
 from trimkit.calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, calibrate
 from trimkit.calibration_schedule import mode_for_budget
-from trimkit.console import ProgressBar, open_llama, plot_profile, profile_lines
+from trimkit.console import ProgressBar, open_llama, plot_profile, plot_report_log, profile_lines, read_report_log, report_log_lines
 from trimkit.demo import TIME_TARGET_S, run_demo
 from trimkit.diagnose import DEFAULT_WAIT_THRESHOLD_S, READING_SPEED_TOKENS_PER_S, diagnose
 from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError
@@ -154,7 +154,8 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(model=args.model, budget_s=args.budget, budget_share=args.budget_share, turns=args.turns, n_ctx=args.n_ctx,
-                    quick=args.quick, json_path=args.json, time_target_s=args.time_target)
+                    quick=args.quick, json_path=args.json, time_target_s=args.time_target,
+                    report_log=args.report_log)
 
 
 def _share(text: str) -> float:
@@ -278,6 +279,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    rows = read_report_log(args.log)
+    for line in report_log_lines(rows):
+        print(line)
+    if not args.no_plot:
+        out = args.plot or str(Path(args.log).with_suffix(".png"))
+        print(f"plot: {plot_report_log(rows, out, title=f'Predicted vs measured TTFT — {Path(args.log).name}')}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="trimkit",
@@ -349,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--time-target", type=_positive_float, default=TIME_TARGET_S, metavar="S",
                    help=f"what the whole demo aims to take on this host, in seconds (default {TIME_TARGET_S:g})")
     m.add_argument("--json", metavar="FILE", help="also write every report as JSON to FILE")
+    m.add_argument("--report-log", metavar="FILE", help="append every report as a JSON line to FILE (draw it: trimkit report FILE)")
     m.set_defaults(func=_cmd_demo)
 
     pl = sub.add_parser("plan", help="show what a TTFT budget would keep and drop from a request, without generating",
@@ -365,6 +377,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--profile", metavar="PATH", help="a profile JSON file (trimkit calibrate --json) instead of the stored one")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=_cmd_plan)
+
+    rp = sub.add_parser("report", help="summarize a report log and plot predicted vs measured TTFT per request",
+                        description="Read a report log (wrap(..., report_log=FILE): one report a line), print the summary "
+                                    "figures and draw predicted vs measured TTFT per request, with the budget line and the "
+                                    "re-plans and misses marked, to a PNG (needs matplotlib: pip install 'trimkit[plot]').")
+    rp.add_argument("log", help="the report log (JSON lines)")
+    rp.add_argument("--plot", metavar="PNG", help="where to write the plot (default: the log's name with .png)")
+    rp.add_argument("--no-plot", action="store_true", help="print the figures only")
+    rp.set_defaults(func=_cmd_report)
     return p
 
 

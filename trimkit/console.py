@@ -1,9 +1,13 @@
 """What the command line and the demo show a person: the model they open, a progress bar while
-calibrating, and a calibration profile as a table or a plot."""
+calibrating, a calibration profile as a table or a plot, and a report log
+(``wrap(..., report_log=...)``) as summary figures and a plot of predicted vs measured TTFT."""
 
 from __future__ import annotations
 
+import json
+import statistics
 import sys
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llama_cpp import Llama
@@ -15,7 +19,8 @@ from trimkit.model import check_model_path
 from trimkit.profile import Profile
 from trimkit.templates import default_llama
 
-__all__ = ["open_llama", "ProgressBar", "profile_lines", "decode_text", "plot_profile"]
+__all__ = ["open_llama", "ProgressBar", "profile_lines", "decode_text", "plot_profile", "read_report_log", "report_log_lines",
+           "plot_report_log"]
 
 
 def open_llama(model: str | None, n_ctx: int, chat_format: str | None = None, **kwargs: Any) -> Llama:
@@ -113,13 +118,7 @@ def decode_text(profile: Profile) -> str:
 def plot_profile(profile: Profile, path: str, budget_s: float | None = None) -> str:
     """Measured prefill time against prompt length, with the fitted curve (and a budget line),
     written to ``path``. Needs matplotlib (``pip install 'trimkit[plot]'``)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise InvalidInputError("--plot needs matplotlib: pip install 'trimkit[plot]'") from None
+    plt = _pyplot("--plot")
     cold = [s for s in profile.samples if s.cached_tokens == 0]
     deep = [s for s in profile.samples if s.cached_tokens > 0]
     top = max(s.new_tokens + s.cached_tokens for s in profile.samples)
@@ -133,12 +132,110 @@ def plot_profile(profile: Profile, path: str, budget_s: float | None = None) -> 
         ax.plot(xs, [profile.model.prefill_s(x, k) for x in xs], ":", alpha=0.6)
     if budget_s:
         ax.axhline(budget_s - profile.first_token_s, color="red", ls="--", label=f"prefill share of a {budget_s:g} s TTFT budget")
-    ax.set_xlabel("prompt tokens evaluated (n)")
-    ax.set_ylabel("prefill time (s)")
-    ax.set_title(f"Prefill cost on this host — {profile.key.model.split(':')[0]}")
+    return _finish(plt, fig, ax, path, "prompt tokens evaluated (n)", "prefill time (s)",
+                   f"Prefill cost on this host — {profile.key.model.split(':')[0]}")
+
+
+def _finish(plt: Any, fig: Any, ax: Any, path: str, xlabel: str, ylabel: str, title: str) -> str:
+    """Label the axes, add the grid and the legend, write the figure to ``path`` and close it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def _pyplot(needed_by: str) -> Any:
+    """matplotlib's pyplot, drawing to files only; a clear error naming the extra when it is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InvalidInputError(f"{needed_by} needs matplotlib: pip install 'trimkit[plot]'") from None
+    return plt
+
+
+def read_report_log(path: str) -> list[dict[str, Any]]:
+    """The reports of a report log (one JSON object a line; blank lines skipped)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise InvalidInputError(f"cannot read the report log {path}: {exc.strerror or exc}") from None
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise InvalidInputError(f"{path}, line {n}: not JSON (a report log has one report's to_dict() a line)") from None
+        if not isinstance(row, dict) or "predicted_ttft_s" not in row or "measured_ttft_s" not in row:
+            raise InvalidInputError(f"{path}, line {n}: not a trimkit report (no predicted_ttft_s / measured_ttft_s)")
+        rows.append(row)
+    if not rows:
+        raise InvalidInputError(f"{path} holds no reports")
+    return rows
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q * 100) - 1] if len(values) > 1 else values[0]
+
+
+def report_log_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The summary figures of a report log, as lines a person reads."""
+    measured = [r["measured_ttft_s"] for r in rows if r.get("measured_ttft_s") is not None]
+    budgeted = [r for r in rows if r.get("budget_met") is not None]
+    met = sum(1 for r in budgeted if r["budget_met"])
+    errors = [abs(r["ttft_error_pct"]) for r in rows if r.get("ttft_error_pct") is not None]
+    decode = [r["decode_tokens_per_s"] for r in rows if r.get("decode_tokens_per_s")]
+    removed = sum(max((r.get("prompt_tokens_before") or 0) - (r.get("prompt_tokens") or 0), 0) for r in rows)
+    lines = [f"{len(rows)} requests: {sum(1 for r in rows if not r.get('passthrough', True))} trimmed, "
+             f"{sum(1 for r in rows if r.get('replans'))} re-planned while prefilling, "
+             f"{sum(1 for r in rows if r.get('error_type'))} ended in an error, {removed:,} prompt tokens removed"]
+    if budgeted:
+        lines.append(f"budget met: {met} of {len(budgeted)} budgeted requests ({met / len(budgeted):.0%})")
+    if measured:
+        lines.append(f"measured TTFT: median {statistics.median(measured):.3f} s, p90 {_quantile(measured, 0.9):.3f} s, "
+                     f"max {max(measured):.3f} s")
+    if errors:
+        lines.append(f"prediction error |predicted − measured| / measured: median {statistics.median(errors):.1f} %, "
+                     f"p90 {_quantile(errors, 0.9):.1f} %")
+    if decode:
+        lines.append(f"decode (left untouched): median {statistics.median(decode):.1f} tokens/s")
+    return lines
+
+
+def plot_report_log(rows: Sequence[Mapping[str, Any]], path: str, title: str = "") -> str:
+    """Predicted and measured TTFT per request with the budget line; re-plans and misses marked.
+    Written to ``path`` (PNG). Needs matplotlib (``pip install 'trimkit[plot]'``)."""
+    plt = _pyplot("trimkit report")
+    xs = list(range(1, len(rows) + 1))
+    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=110)
+    budget = [r.get("ttft_budget_s") for r in rows]
+    if any(b is not None for b in budget):
+        ax.step(xs, [float("nan") if b is None else b for b in budget], where="mid", color="red", ls="--", lw=1.2, label="TTFT budget")
+    ax.plot(xs, [_nan(r.get("predicted_ttft_s")) for r in rows], "o", mfc="none", color="tab:blue", label="predicted (prompt sent)")
+    ax.plot(xs, [_nan(r.get("measured_ttft_s")) for r in rows], ".", ms=9, color="tab:green", label="measured")
+    misses = [(x, r["measured_ttft_s"]) for x, r in zip(xs, rows) if r.get("budget_met") is False and r.get("measured_ttft_s") is not None]
+    if misses:
+        ax.plot(*zip(*misses), "x", ms=10, mew=2, color="red", label=f"missed the budget ({len(misses)})")
+    replanned = [x for x, r in zip(xs, rows) if r.get("replans")]
+    for i, x in enumerate(replanned):
+        ax.axvline(x, color="tab:orange", alpha=0.35, lw=3, label=f"re-planned while prefilling ({len(replanned)})" if i == 0 else None)
+    failed = [x for x, r in zip(xs, rows) if r.get("error_type")]
+    for i, x in enumerate(failed):
+        ax.axvline(x, color="grey", ls=":", label=f"ended in an error ({len(failed)})" if i == 0 else None)
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    ax.set_ylim(bottom=0)
+    return _finish(plt, fig, ax, path, "request", "time to first token (s)", title or "Predicted vs measured TTFT")
+
+
+def _nan(value: Any) -> float:
+    return float("nan") if value is None else float(value)

@@ -186,6 +186,7 @@ def run_demo(
     time_target_s: float = TIME_TARGET_S,
     llm: Any = None,
     clock: Callable[[], float] = time.perf_counter,
+    report_log: Any = None,
 ) -> int:
     """Run the demo in about ``time_target_s`` at most, on any host: a stored profile or a
     calibration bounded in time, then requests sized from the profile's predictions to the time
@@ -194,7 +195,8 @@ def run_demo(
     (so it trims on any machine), capped so each turn fits.
 
     ``llm``: an opened ``llama_cpp.Llama`` or a trimkit backend to use instead of opening
-    ``model`` (tests pass a :class:`~trimkit.testing.FakeBackend` and its ``clock``)."""
+    ``model`` (tests pass a :class:`~trimkit.testing.FakeBackend` and its ``clock``); ``report_log``:
+    every request's report as a JSON line there too (``trimkit report FILE`` draws it)."""
     tl = Timeline(time_target_s, clock)
     try:  # a line per step, also when stdout is a pipe (make demo | tee)
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
@@ -218,7 +220,7 @@ def run_demo(
     print(f"  ({how})")
 
     corpus = load_corpus()
-    plain = wrap(llm, profile=profile)  # no budget: measure and report only
+    plain = wrap(llm, profile=profile, report_log=report_log)  # no budget: measure and report only
     speed = HostSpeed(plain)
     history = load_history()
     questions = list(load_questions())[: turns + 1]
@@ -284,7 +286,7 @@ def run_demo(
 
     _rule(f"4. The same chat under a TTFT budget of {budget_s:.2f} s, turn after turn")
     print(derived)
-    chat = wrap(llm, ttft_budget_s=budget_s, profile=plain.profile)
+    chat = wrap(llm, ttft_budget_s=budget_s, profile=plain.profile, report_log=report_log)
     convo = [{"role": "system", "content": SYSTEM}, *history]
     kept_answer = 0
     for turn, q in enumerate(questions[1 : turns + 1], start=1):

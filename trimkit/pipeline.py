@@ -41,6 +41,8 @@ from trimkit.control_tokens import KNOWN as KNOWN_CONTROLS
 from trimkit.control_tokens import check_mode as check_control_mode
 from trimkit.control_tokens import neutralize_chunks, neutralize_messages
 from trimkit.errors import ContextTooSmallError, InfeasibleBudgetError, InvalidInputError, QueueBudgetError
+from trimkit.observe import completed as report_completed
+from trimkit.observe import report_log as report_sinks
 from trimkit.messages import (
     DEFAULT_RAG_CHUNK_TEMPLATE,
     DEFAULT_RAG_TEMPLATE,
@@ -130,7 +132,7 @@ class Pipeline:
         quick_calibration: bool | None = None, watch_prefill: bool = True, clock: Callable[[], float] = time.perf_counter,
         attainment_target: float = DEFAULT_TARGET, values: Any = None, model_label: ModelLabel | None = None,
         report_notes: ReportNotes | None = None, endpoint_label: str | None = None, tokens_per_s_target: float | None = None,
-        neutralize_control_tokens: str = "chunks",
+        neutralize_control_tokens: str = "chunks", report_log: Any = None,
     ) -> None:
         if values is not None and not isinstance(values, ValueModel):
             raise InvalidInputError(f"values must be a trimkit.ValueModel or None, got {type(values).__name__}")
@@ -138,6 +140,8 @@ class Pipeline:
         if on_infeasible not in ("best_effort", "raise"):
             raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
         check_rag_templates(rag_template, rag_chunk_template)
+        #: where each finished request's report goes besides the process-wide observers (:mod:`trimkit.observe`)
+        self._sinks = report_sinks(report_log)
         #: what may not become control tokens of the chat template: retrieved text ("chunks"),
         #: message content too ("all"), nothing ("off") (:mod:`trimkit.control_tokens`)
         self.neutralize_control_tokens = check_control_mode(neutralize_control_tokens)
@@ -307,7 +311,7 @@ class Pipeline:
             queue_wait_s=wait, queue_ahead=ahead, ticket=ticket, request=(messages, tuple(chunks), dict(params)),
         )
         if busy.refuse:
-            report = self.report(prepared, Measurement(ttft_s=None, total_s=0.0), params, sent=False)
+            report = self.report(prepared, Measurement(ttft_s=None, total_s=0.0), params, sent=False, error=QueueBudgetError)
             raise QueueBudgetError(busy.refusal(budget), wait_s=w, ahead=ahead, report=report)
         if plan is None or budget is None:
             return prepared
@@ -315,7 +319,7 @@ class Pipeline:
         # the prompt's own part: with on_busy="wait" a wait that breaks the budget is not the prompt's fault
         ttft = sent.predicted_s + busy.counted_wait_s
         if not (plan.feasible and ttft <= budget) and self.on_infeasible == "raise":
-            report = self.report(prepared, Measurement(ttft_s=None, total_s=0.0), params, sent=False)
+            report = self.report(prepared, Measurement(ttft_s=None, total_s=0.0), params, sent=False, error=InfeasibleBudgetError)
             raise InfeasibleBudgetError(f"TTFT budget {budget:.3f} s cannot be met: the minimal prompt is predicted at {ttft:.3f} s",
                                         plan=plan, report=report)
         return prepared
@@ -484,27 +488,34 @@ class Pipeline:
         self.last_prepared = prepared
         return prepared
 
-    def report(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any], *, sent: bool = True) -> Report:
-        """The report of ``prepared`` with what was measured of it (nothing learned from it)."""
+    def report(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any], *, sent: bool = True,
+               error: type[BaseException] | None = None) -> Report:
+        """The report of ``prepared`` with what was measured of it (nothing learned from it) — the
+        one place every request's report is completed, so the report log and the installed
+        exporters (:mod:`trimkit.observe`) see it here. ``error``: what the request ended with."""
         notes = self._report_notes(m, params) if self._report_notes is not None else ()
         model = self._model_label(params) if self._model_label is not None else self._model_file_label()
-        return Report.of_request(prepared, m, params, backend=self.backend.name, model=model, profile=self.profile, notes=notes, sent=sent,
-                                 endpoint=self.endpoint_label, tokens_per_s_target=self.tokens_per_s_target)
+        report = Report.of_request(prepared, m, params, backend=self.backend.name, model=model, profile=self.profile, notes=notes, sent=sent,
+                                   endpoint=self.endpoint_label, tokens_per_s_target=self.tokens_per_s_target)
+        report_completed(report, error_type=None if error is None else f"{error.__module__}.{error.__qualname__}",
+                         prepare_s=prepared.prepare_s or 0.0, sinks=self._sinks)
+        return report
 
-    def error_report(self, prepared: Prepared, ts: TimedStream, params: Mapping[str, Any]) -> Report:
-        """The report of a request whose stream failed: what was sent, the TTFT if it came, and
-        ``total_s`` from sending to the failure (0.0 if the stream never started)."""
+    def error_report(self, prepared: Prepared, ts: TimedStream, params: Mapping[str, Any],
+                     error: type[BaseException] | None = None) -> Report:
+        """The report of a request whose stream failed (with ``error``): what was sent, the TTFT
+        if it came, and ``total_s`` from sending to the failure (0.0 if the stream never started)."""
         total = ts.total_s if ts.started is not None else 0.0
         self._leave(prepared)
         m = Measurement(ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=total, queue_s=getattr(ts, "queue_s", 0.0))
-        return self.report(prepared, m, params)
+        return self.report(prepared, m, params, error=error)
 
     def attach_report(self, exc: BaseException, ts: TimedStream, prepared: Prepared, params: Mapping[str, Any]) -> None:
         """Give an error that carries a report (any BackendError: StreamInterruptedError, a
         ServerError or MalformedReplyError mid-stream, a ServerTimeoutError) the report of what
         was sent, unless it has one."""
         if getattr(exc, "report", "absent") is None:
-            exc.report = self.error_report(prepared, ts, params)  # type: ignore[attr-defined]
+            exc.report = self.error_report(prepared, ts, params, type(exc))  # type: ignore[attr-defined]
 
     def finish(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any]) -> Report:
         """A request finished: its report, and what it teaches (drift, margin, next summary)."""

@@ -189,6 +189,9 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
       breaks the budget raises :class:`~trimkit.errors.QueueBudgetError` before anything is
       sent. Per call: ``create_chat_completion(..., on_busy=...)``;
     - ``endpoint_label``: the replica every report names (``report.endpoint``);
+    - ``report_log``: a path or a file-like object that gets one JSON line per request (the
+      report's ``to_dict()``, nothing of the prompt's text); ``trimkit report FILE`` draws it
+      (docs/observability.md);
     - ``tokens_per_s_target``: the stream speed you need (tokens/s). Every report judges the
       stream against it (without it, against reading speed, ~7 tokens/s) and the wait against
       the budget (without one, 1 s): ``report.verdict`` is ``"none"``, ``"wait"``, ``"stream"``

@@ -1,0 +1,103 @@
+"""Prometheus metrics of every wrapped request, without OpenTelemetry (``pip install 'trimkit[prometheus]'``).
+
+The smallest set-up::
+
+    import trimkit.metrics
+    from prometheus_client import start_http_server
+
+    trimkit.metrics.enable()           # or enable(registry=my_registry)
+    start_http_server(9464)            # GET :9464/metrics
+
+The series (labels ``model`` and ``endpoint`` on all; buckets in :mod:`trimkit.observe`):
+
+- ``trimkit_ttft_seconds`` (histogram): the measured TTFT, the wait for the engine included;
+- ``trimkit_predicted_ttft_seconds`` (histogram): the TTFT predicted for the prompt sent;
+- ``trimkit_budget_attainment_total{met="true|false"}``: budgeted requests;
+- ``trimkit_budget_use_ratio`` (histogram): measured TTFT ÷ budget;
+- ``trimkit_prediction_error_ratio{direction="over|under"}`` (histogram): |predicted − measured| ÷ measured;
+- ``trimkit_tokens_removed_total``: prompt tokens the plans removed;
+- ``trimkit_replans_total``: re-plans of watched prefills;
+- ``trimkit_decode_tokens_per_second`` (histogram): the stream's measured speed;
+- ``trimkit_requests_total{outcome="passthrough|trimmed|infeasible|refused|error"}``.
+
+No prompt text, chunk id or message is a label. See docs/observability.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+
+from trimkit.observe import (
+    BUDGET_USE_BUCKETS,
+    DECODE_SPEED_BUCKETS,
+    PREDICTION_ERROR_BUCKETS,
+    TTFT_BUCKETS_S,
+    Completed,
+    add_observer,
+    figures,
+    remove_observer,
+)
+
+__all__ = ["PrometheusMetrics", "enable"]
+
+_LABELS = ("model", "endpoint")
+
+
+class PrometheusMetrics:
+    """trimkit's series in ``registry`` (default: prometheus-client's global one); the observer
+    :func:`enable` installs. :meth:`disable` stops recording and unregisters the series."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = REGISTRY if registry is None else registry
+        r = self.registry
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, _LABELS, buckets=buckets, registry=r)
+
+        self.ttft = hist("trimkit_ttft_seconds", "Measured time to first token (the wait for the engine included).", TTFT_BUCKETS_S)
+        self.predicted_ttft = hist("trimkit_predicted_ttft_seconds", "Predicted time to first token of the prompt sent.", TTFT_BUCKETS_S)
+        self.budget_use = hist("trimkit_budget_use_ratio", "Measured TTFT divided by the TTFT budget.", BUDGET_USE_BUCKETS)
+        self.prediction_error = Histogram("trimkit_prediction_error_ratio", "|predicted - measured| / measured TTFT, by direction.",
+                                          (*_LABELS, "direction"), buckets=PREDICTION_ERROR_BUCKETS, registry=r)
+        self.decode_speed = hist("trimkit_decode_tokens_per_second", "Measured decode speed (left untouched).", DECODE_SPEED_BUCKETS)
+        self.attainment = Counter("trimkit_budget_attainment", "Budgeted requests, by whether the measured TTFT met the budget.",
+                                  (*_LABELS, "met"), registry=r)
+        self.tokens_removed = Counter("trimkit_tokens_removed", "Prompt tokens the plan removed (before minus sent).", _LABELS, registry=r)
+        self.replans = Counter("trimkit_replans", "Re-plans of watched prefills.", _LABELS, registry=r)
+        self.requests = Counter("trimkit_requests", "Requests, by outcome.", (*_LABELS, "outcome"), registry=r)
+        self._collectors = (self.ttft, self.predicted_ttft, self.budget_use, self.prediction_error, self.decode_speed, self.attainment,
+                            self.tokens_removed, self.replans, self.requests)
+
+    def __call__(self, c: Completed) -> None:
+        f = figures(c)
+        labels = {"model": f.model, "endpoint": c.report.endpoint or ""}
+        self.requests.labels(**labels, outcome=f.outcome).inc()
+        if f.ttft_s is not None:
+            self.ttft.labels(**labels).observe(f.ttft_s)
+        if f.predicted_ttft_s is not None and "not sent" not in c.report.warnings:
+            self.predicted_ttft.labels(**labels).observe(f.predicted_ttft_s)
+        if f.budget_met is not None:
+            self.attainment.labels(**labels, met=str(f.budget_met).lower()).inc()
+        if f.budget_use is not None:
+            self.budget_use.labels(**labels).observe(f.budget_use)
+        if f.prediction_error is not None:
+            self.prediction_error.labels(**labels, direction=f.prediction_direction).observe(f.prediction_error)
+        if f.decode_tokens_per_s is not None:
+            self.decode_speed.labels(**labels).observe(f.decode_tokens_per_s)
+        self.tokens_removed.labels(**labels).inc(f.tokens_removed)
+        self.replans.labels(**labels).inc(f.replans)
+
+    def disable(self) -> None:
+        remove_observer(self)
+        for collector in self._collectors:
+            self.registry.unregister(collector)
+
+
+def enable(registry: Any = None) -> PrometheusMetrics:
+    """Record every wrapped request of this process in ``registry`` (default: prometheus-client's
+    global one, which ``start_http_server`` serves). Returns the metrics; ``.disable()`` stops them."""
+    m = PrometheusMetrics(registry)
+    add_observer(m)
+    return m
