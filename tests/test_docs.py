@@ -261,7 +261,7 @@ MOVED = {
     "trimkit.profile": "Profile ProfileKey",
     "trimkit.planning.drift": "LiveProfile",
     "trimkit.profile_store": "load_profile save_profile",
-    "trimkit.report": "Report DECODE_PARAMETERS_UNTOUCHED DECODE_UNTOUCHED",
+    "trimkit.report": "Report DECODE_PARAMETERS_UNTOUCHED",
     "trimkit.strategies": "Strategy chain default_strategies reuse_prefix cap_rag_chunks summarize_history drop_oldest_turns keep_cached_cut",
     "trimkit.strategies.summarize": "ExtractiveSummarizer PromptSummarizer Summary SummaryCache summary_job next_summary_job",
     "trimkit.tokens": "PromptTokenizer TiktokenTokenizer",

@@ -16,7 +16,7 @@ from tests._core_helpers import make_measurement
 from trimkit.decode_model import DecodePoint
 from trimkit.errors import InvalidNumberError
 from trimkit.prepared import Prepared
-from trimkit.report import DECODE_PARAMETERS_UNTOUCHED, DECODE_UNTOUCHED, Report
+from trimkit.report import DECODE_PARAMETERS_UNTOUCHED, Report
 from trimkit.testing import FakeBackend
 from trimkit.verdict import NOT_THE_STREAM_CURE, STREAM_CURES, WAIT_CURES
 
@@ -279,7 +279,7 @@ def test_to_dict_round_trips_through_strict_json():
     assert d["budget_met"] is True
     assert d["dominant_phase"] == "prefill"
     assert d["verdict"] == "none" and d["advice"] == [] and d["judgement"]["verdict"] == "none"
-    assert d["decode_untouched"] == DECODE_PARAMETERS_UNTOUCHED == DECODE_UNTOUCHED
+    assert d["decode_untouched"] == DECODE_PARAMETERS_UNTOUCHED
     assert d["decode_statement"] == "decode parameters untouched by trimkit"
     assert d["decode_side_effect_pct"] is None and d["tokens_per_s_target"] is None
     assert d["decode_tokens_per_s"] == pytest.approx(40.0)

@@ -69,15 +69,14 @@ def test_wrap_uses_a_stored_profile_of_any_mode_without_measuring(isolated_cache
 
 @pytest.mark.parametrize(
     ("kwargs", "mode"),
-    [({}, "micro"), ({"calibration": "quick"}, "quick"), ({"calibration": "full"}, "full"),
-     ({"quick_calibration": True}, "quick"), ({"quick_calibration": False}, "full")],
+    [({}, "micro"), ({"calibration": "quick"}, "quick"), ({"calibration": "full"}, "full")],
 )
 def test_the_calibration_up_front_can_be_chosen(isolated_cache, kwargs, mode):
     engine = fake()
     assert Trimmer(engine, clock=engine.clock, **kwargs).profile.mode == mode
 
 
-@pytest.mark.parametrize("kwargs", [{"calibration": "slow"}, {"calibration": "quick", "quick_calibration": True}])
+@pytest.mark.parametrize("kwargs", [{"calibration": "slow"}, {"calibration": True}])
 def test_a_bad_calibration_choice_is_invalid_input(isolated_cache, kwargs):
     with pytest.raises(InvalidInputError):
         Trimmer(fake(), **kwargs)

@@ -35,8 +35,9 @@ why these and where everything else lives, and ``docs/`` for the quickstart and 
 
 from __future__ import annotations
 
+from typing import Any
+
 from trimkit import backends, errors, strategies, testing
-from trimkit.backends.llama import llama_summarizer
 from trimkit.calibration import calibrate
 from trimkit.diagnose import diagnose
 from trimkit.errors import TrimkitError
@@ -49,7 +50,6 @@ from trimkit.profile import Profile
 from trimkit.profile_store import load_profile
 from trimkit.report import Report
 from trimkit.strategies import Strategy
-from trimkit.templates import default_llama
 from trimkit.wrapper import wrap
 
 __version__ = "0.1.0"
@@ -82,3 +82,13 @@ __all__ = [
     "backends",
     "testing",
 ]
+
+#: in-process names, imported on first use: ``import trimkit`` imports no engine, so the core
+#: (servers, frameworks over servers) installs and runs without llama-cpp-python (``trimkit[llama]``)
+_IN_PROCESS = {"default_llama": "trimkit.templates", "llama_summarizer": "trimkit.backends.llama"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _IN_PROCESS:
+        return getattr(errors.require_extra(_IN_PROCESS[name], "llama", f"trimkit.{name}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,7 +33,6 @@ import attrs
 from trimkit.backends.base import Backend
 from trimkit.backends.clients import client_kind
 from trimkit.backends.http import OpenAIHTTPBackend
-from trimkit.backends.llama import LlamaBackend
 from trimkit.calibration_run import CalibrationRun, Progress
 from trimkit.calibration_schedule import (ATTENTION_PRIOR_TOKENS, FULL_BUDGET_S, MICRO_BUDGET_S, MIN_N_CTX, MIN_SAMPLES, QUICK_BUDGET_S, Probe,
                                           calibration_probes, context_cap, get_mode, mode_for_budget)
@@ -61,6 +60,8 @@ def as_backend(target: Any) -> Backend:
     if kind == "wrapper":
         return target.backend
     if kind == "llama":
+        from trimkit.backends.llama import LlamaBackend  # a Llama was passed: llama-cpp-python is installed
+
         return LlamaBackend(target)
     if kind == "openai":
         return OpenAIHTTPBackend.from_openai_client(target)

@@ -19,7 +19,6 @@ from typing import Any
 from trimkit import __version__
 from trimkit.backends.base import Backend
 from trimkit.backends.http import OpenAIHTTPBackend
-from trimkit.backends.llama import LlamaBackend
 from trimkit.calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, calibrate
 from trimkit.calibration_schedule import mode_for_budget
 from trimkit.console import ProgressBar, open_llama, plot_profile, plot_report_log, profile_lines, read_report_log, report_log_lines
@@ -230,7 +229,10 @@ def _index_ranges(indices: Sequence[int]) -> str:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     messages, chunks, tools = read_request(args.request)  # bad input fails before the model loads
-    backend = LlamaBackend(open_llama(args.model, args.n_ctx))
+    llm = open_llama(args.model, args.n_ctx)  # names the extra when llama-cpp-python is missing
+    from trimkit.backends.llama import LlamaBackend
+
+    backend = LlamaBackend(llm)
     profile, source = _plan_profile(args, backend)
     tok = backend.tokenizer
     as_is = place_chunks(messages, chunks) if chunks else messages

@@ -10,23 +10,25 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from llama_cpp import Llama
-from llama_cpp._utils import suppress_stdout_stderr
 from tqdm import tqdm
 
-from trimkit.errors import InvalidInputError
+from trimkit.errors import InvalidInputError, require_extra
 from trimkit.model import check_model_path
 from trimkit.profile import Profile
-from trimkit.templates import default_llama
 
 __all__ = ["open_llama", "ProgressBar", "profile_lines", "decode_text", "plot_profile", "read_report_log", "report_log_lines",
            "plot_report_log"]
 
 
-def open_llama(model: str | None, n_ctx: int, chat_format: str | None = None, **kwargs: Any) -> Llama:
+def open_llama(model: str | None, n_ctx: int, chat_format: str | None = None, **kwargs: Any) -> Any:
     """A ``llama_cpp.Llama`` for ``model`` (a GGUF path; None = the embedded model), checked
     first, opened quietly (llama.cpp prints some context-creation notes even with
     ``verbose=False``; a failed load still raises, with its message)."""
+    llama_cpp = require_extra("llama_cpp", "llama", "opening a GGUF model in process")
+    from llama_cpp._utils import suppress_stdout_stderr
+
+    from trimkit.templates import default_llama
+
     if model is None:
         # the embedded GGUF carries no chat template: Gemma 3's own, which keeps system prompts
         # (llama-cpp-python's "gemma" format drops them; its fallback, llama-2, is wrong)
@@ -36,7 +38,7 @@ def open_llama(model: str | None, n_ctx: int, chat_format: str | None = None, **
             return default_llama(n_ctx=n_ctx, **kwargs)
     path = str(check_model_path(model))
     with suppress_stdout_stderr(disable=False):
-        return Llama(model_path=path, n_ctx=n_ctx, verbose=False, chat_format=chat_format, **kwargs)
+        return llama_cpp.Llama(model_path=path, n_ctx=n_ctx, verbose=False, chat_format=chat_format, **kwargs)
 
 
 class ProgressBar:

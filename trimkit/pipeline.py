@@ -99,14 +99,11 @@ def _label(value: Any) -> str | None:
     return value
 
 
-def calibration_mode(calibration: str | None, quick_calibration: bool | None) -> str:
+def calibration_mode(calibration: str | None) -> str:
     """The calibration mode ``wrap()`` asks for when it has no profile (:data:`CALIBRATION_MODES`):
-    ``calibration``, else the older ``quick_calibration`` (True: "quick", False: "full"), else
-    "micro" (about 3 s, provisional)."""
+    ``calibration``, else "micro" (about 3 s, provisional)."""
     if calibration is None:
-        return "micro" if quick_calibration is None else ("quick" if quick_calibration else "full")
-    if quick_calibration is not None:
-        raise InvalidInputError("pass calibration= or quick_calibration=, not both")
+        return "micro"
     if calibration not in CALIBRATION_MODES:
         raise InvalidInputError(f"calibration must be one of {', '.join(map(repr, CALIBRATION_MODES))}, got {calibration!r}")
     return calibration
@@ -129,7 +126,7 @@ class Pipeline:
         self, backend: Backend, *, ttft_budget_s: float | None = None, profile: Profile | None = None, strategies: Any = None,
         on_infeasible: str = "best_effort", on_busy: str = "trim", summarizer: Any = "extractive", background_summaries: bool = True,
         rag_template: str = DEFAULT_RAG_TEMPLATE, rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE, calibration: str | None = None,
-        quick_calibration: bool | None = None, watch_prefill: bool = True, clock: Callable[[], float] = time.perf_counter,
+        watch_prefill: bool = True, clock: Callable[[], float] = time.perf_counter,
         attainment_target: float = DEFAULT_TARGET, values: Any = None, model_label: ModelLabel | None = None,
         report_notes: ReportNotes | None = None, endpoint_label: str | None = None, tokens_per_s_target: float | None = None,
         neutralize_control_tokens: str = "chunks", report_log: Any = None,
@@ -160,7 +157,7 @@ class Pipeline:
         #: computes summaries of older turns after each response (off the critical path); the
         #: planner may put a ready one in their place. Default: the model-free extractive one.
         self.summary_worker = SummaryWorker(summarizer, background=background_summaries, tokenizer=lambda: self.backend.background_tokenizer)
-        mode = calibration_mode(calibration, quick_calibration)
+        mode = calibration_mode(calibration)
         if profile is None:  # the stored one (any mode satisfies "micro"), else measured now
             profile = calibrate(backend, mode=mode)
         self.attainment_target = attainment_target

@@ -41,11 +41,7 @@ if TYPE_CHECKING:  # for annotations only: prepared sits above this module
     from trimkit.prepared import Prepared
     from trimkit.profile import Profile
 
-__all__ = ["Report", "DECODE_PARAMETERS_UNTOUCHED", "DECODE_UNTOUCHED", "template_warnings"]
-
-#: the former name of :data:`~trimkit.verdict.DECODE_PARAMETERS_UNTOUCHED` (same text)
-DECODE_UNTOUCHED = DECODE_PARAMETERS_UNTOUCHED
-
+__all__ = ["Report", "DECODE_PARAMETERS_UNTOUCHED", "template_warnings"]
 
 def template_warnings(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Any) -> list[str]:
     """Say so when the chat template drops a message (the model never sees it); ``tokenizer``:

@@ -13,13 +13,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trimkit.backends.base import Backend
 from trimkit.backends.clients import client_kind
 from trimkit.backends.completion import assemble_chat_completion
 from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease
-from trimkit.backends.llama import LlamaBackend
 from trimkit.errors import InvalidInputError
 from trimkit.fleet import wrap_fleet
 from trimkit.frontend import FrontEnd, ReportingStream, send_params, usage_counts
@@ -28,6 +27,9 @@ from trimkit.openai_wrapper import wrap_openai
 from trimkit.pipeline import Pipeline
 from trimkit.planning.queue import wait_bound_s
 from trimkit.prepared import Prepared, place_chunks
+
+if TYPE_CHECKING:
+    from trimkit.backends.llama import LlamaBackend
 
 __all__ = ["Trimmer", "TrimmedLlama", "ReportingStream", "Prepared", "wrap", "place_chunks"]
 
@@ -125,7 +127,11 @@ class TrimmedLlama(Trimmer):
 
     def __init__(self, llm: Any, *, backend: LlamaBackend | None = None, **kwargs: Any) -> None:
         self.llm = llm
-        super().__init__(backend or LlamaBackend(llm), **kwargs)
+        if backend is None:
+            from trimkit.backends.llama import LlamaBackend  # a Llama was passed: llama-cpp-python is installed
+
+            backend = LlamaBackend(llm)
+        super().__init__(backend, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # drop-in: everything else is the Llama's
         if name in ("llm", "pipeline"):
@@ -167,8 +173,7 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
       micro-calibration now (about 3 s): a *provisional* profile, planned with a wider margin
       (``report.provisional``) and refined by every measured request;
     - ``calibration``: what to measure when there is no profile: ``"micro"`` (default),
-      ``"quick"`` (~10 s) or ``"full"`` (~30 s) up front (``quick_calibration=True/False`` still
-      means ``"quick"``/``"full"``);
+      ``"quick"`` (~10 s) or ``"full"`` (~30 s) up front;
     - ``watch_prefill``: (default True) watch the prefill of every budgeted request on an
       in-process engine and re-plan it at its measured pace when the first token would come too
       late (:mod:`trimkit.planning.watch`; ``report.replans`` says what changed). Servers are

@@ -17,8 +17,18 @@ options (``OpenAIHTTPBackend(url, model=..., n_ctx=8192)``) and pass it to ``tri
 
 from __future__ import annotations
 
+from typing import Any
+
 from trimkit.backends.base import Backend, Measurement, TimedStream
 from trimkit.backends.http import OpenAIHTTPBackend, ServerInfo
-from trimkit.backends.llama import LlamaBackend
 
 __all__ = ["Backend", "Measurement", "TimedStream", "LlamaBackend", "OpenAIHTTPBackend", "ServerInfo"]
+
+
+def __getattr__(name: str) -> Any:
+    """``LlamaBackend`` on first use: ``import trimkit`` imports no engine (``trimkit[llama]``)."""
+    if name == "LlamaBackend":
+        from trimkit.errors import require_extra
+
+        return require_extra("trimkit.backends.llama", "llama", "LlamaBackend (an in-process engine)").LlamaBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,10 +16,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jinja2
-from llama_cpp import llama_chat_format
 
 from trimkit.control_tokens import llama_control_texts
-from trimkit.errors import InvalidInputError, InvalidMessageError
+from trimkit.errors import InvalidInputError, InvalidMessageError, require_extra
 from trimkit.tokens import PromptTokenizer, chatml_render
 
 __all__ = ["LlamaTextTokenizer", "handler_formatter", "chat_formatter", "chat_format_renderer", "llama_prompt_tokenizer"]
@@ -43,6 +42,12 @@ class LlamaTextTokenizer:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
 
+def _chat_format_module() -> Any:
+    """llama-cpp-python's chat formats, imported on first use (``trimkit[llama]``): a server
+    wrapper that names no ``chat_format`` never needs them."""
+    return require_extra("llama_cpp.llama_chat_format", "llama", "rendering a named chat_format")
+
+
 def handler_formatter(handler: Any) -> Any:
     """The ChatFormatter a llama-cpp-python chat handler closes over, or None."""
     code = getattr(handler, "__code__", None)
@@ -53,7 +58,7 @@ def handler_formatter(handler: Any) -> Any:
 
 
 def _handler_by_name(name: str) -> Any:
-    return llama_chat_format.LlamaChatCompletionHandlerRegistry().get_chat_completion_handler_by_name(name)
+    return _chat_format_module().LlamaChatCompletionHandlerRegistry().get_chat_completion_handler_by_name(name)
 
 
 def chat_format_renderer(chat_format: str) -> Render:
@@ -63,7 +68,7 @@ def chat_format_renderer(chat_format: str) -> Render:
     Use it to count tokens exactly for a server whose template you know but which has no
     template endpoint (llama-cpp-python's server started with ``--chat_format``)."""
     if "{%" in chat_format or "{{" in chat_format:
-        formatter: Any = llama_chat_format.Jinja2ChatFormatter(template=chat_format, eos_token="", bos_token="")
+        formatter: Any = _chat_format_module().Jinja2ChatFormatter(template=chat_format, eos_token="", bos_token="")
     else:
         try:
             handler = _handler_by_name(chat_format)

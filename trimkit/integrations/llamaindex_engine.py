@@ -50,7 +50,7 @@ class Engine:
         with the sync front-end's profile (no second calibration) and sharing its engine's state."""
         assert self.url is not None
         base_url, model, api_key, kwargs = self.url
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("profile", "calibration", "quick_calibration")}
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("profile", "calibration")}
         return wrap_url(base_url, model=model, api_key=api_key, asynchronous=True, ttft_budget_s=self.front_end.ttft_budget_s,
                         profile=self.front_end.profile, **kwargs)
 
