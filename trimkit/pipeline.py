@@ -66,6 +66,7 @@ from trimkit.planning.summaries import SummaryCache
 from trimkit.planning.values import ValueModel, chunk_values
 from trimkit.prepared import Prepared, PreviousCut, place_chunks
 from trimkit.profile import CALIBRATION_MODES, Profile
+from trimkit.profile_store import save_profile
 from trimkit.report import Report, template_warnings
 from trimkit.summary_worker import SummaryWorker
 from trimkit.tokens import reusable_prefix_len
@@ -517,8 +518,13 @@ class Pipeline:
     def finish(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any]) -> Report:
         """A request finished: its report, and what it teaches (drift, margin, next summary)."""
         report = self.report(prepared, m, params)
-        self.engine.learn(_whole_request(m, prepared), persist_every=self.persist_every, answer_capped=answer_cap(params) is not None,
-                          watched=prepared.watched)
+        refined = self.engine.learn(_whole_request(m, prepared), persist_every=self.persist_every,
+                                    answer_capped=answer_cap(params) is not None, watched=prepared.watched)
+        if refined is not None:
+            try:
+                save_profile(refined)
+            except OSError as exc:  # a read-only cache must not break requests
+                log.warning("trimkit: could not store the refined profile: %s", exc)
         with self._lock:
             self._last_report = report
             self.reports.append(report)

@@ -32,7 +32,6 @@ from trimkit.planning.drift import LiveProfile
 from trimkit.planning.queue import EngineQueue
 from trimkit.planning.speed import DEFAULT_TARGET, MARGIN_CAP, margin_for_ratio, usable_cores
 from trimkit.profile import Profile
-from trimkit.profile_store import save_profile
 
 __all__ = ["DEFAULT_TARGET", "EngineState", "engine_state", "forget_engines", "PROVISIONAL_PERSIST_EVERY"]
 
@@ -95,13 +94,14 @@ class EngineState:
         """The slowdown notice while the engine runs ≥ 2× slower than calibrated (none otherwise)."""
         return self.speed.slowdown_warnings(self.live.speed_factor(), lambda: _threads_hint(self.live.current))
 
-    def learn(self, m: Any, *, persist_every: int = 0, answer_capped: bool = True, watched: bool = False) -> None:
+    def learn(self, m: Any, *, persist_every: int = 0, answer_capped: bool = True, watched: bool = False) -> Profile | None:
         """What one finished request (its :class:`~trimkit.backends.base.Measurement` ``m``)
         teaches the engine: its prefill to the live profile (the speed estimate — unless
         ``watched``: its steps joined it already — and the refit), its decode speed and
         first-token overhead. Every ``persist_every`` measured prefills (every
-        :data:`PROVISIONAL_PERSIST_EVERY` at most while the profile is provisional; 0: never) the
-        refined profile is stored, so the next process starts from it. To the in-flight queue:
+        :data:`PROVISIONAL_PERSIST_EVERY` at most while the profile is provisional; 0: never) it
+        returns the refined profile for the caller to store, so the next process starts from it
+        (planning writes nothing: the pipeline stores it); else None. To the in-flight queue:
         how fast its answer streamed, and (``answer_capped`` False: the call set no
         ``max_tokens``) how long it was."""
         measured = m.ttft_s if m.ttft_s is not None else m.first_output_s
@@ -111,15 +111,11 @@ class EngineState:
         self.live.observe_decode(m.decode_tokens_per_s, m.completion_tokens, m.prompt_tokens)
         self.live.observe_first_token(m.ttft_s, m.engine_prefill_s, m.prompt_tokens)
         if m.engine_prefill_s is None or not m.evaluated_tokens:
-            return
+            return None
         self.live.observe(m.evaluated_tokens, m.cached_tokens or 0, m.engine_prefill_s, speed=not watched)
         seen = self.live.observations
         every = min(persist_every, PROVISIONAL_PERSIST_EVERY) if self.live.current.provisional else persist_every
-        if every and seen and seen % every == 0:
-            try:
-                save_profile(self.live.current)
-            except OSError as exc:  # a read-only cache must not break requests
-                log.warning("trimkit: could not store the refined profile: %s", exc)
+        return self.live.current if every and seen and seen % every == 0 else None
 
 
 def _threads_hint(profile: Profile) -> str:
