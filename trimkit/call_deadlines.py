@@ -67,6 +67,7 @@ class CallDeadlines:
         speed = decode_tokens_per_s
         if base is None or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (max_tokens, n)):
             return None
+        assert isinstance(max_tokens, int)  # checked above; for the type checker
         if not isinstance(speed, (int, float)) or not math.isfinite(speed) or speed <= 0:
             return None
         return base + 2.0 * n * max_tokens / speed

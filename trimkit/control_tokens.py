@@ -93,7 +93,7 @@ def llama_control_texts(llm: Any) -> ControlTexts:
     """The control tokens of a ``llama_cpp.Llama``'s vocabulary (token attribute CONTROL: the
     ones only parsed as special because the prompt is tokenized with ``special=True``) and the
     known ones; read once per model (about 0.1 s for a 262k vocabulary)."""
-    model = getattr(llm, "_model", None)
+    model: Any = getattr(llm, "_model", None)
     try:
         cached = _BY_MODEL.get(model) if model is not None else None
     except TypeError:

@@ -174,6 +174,7 @@ def _slope_within_noise(points: list[DecodePoint], slope: float) -> bool:
         return False
     ws = []
     for p in points:
+        assert p.spread_pct is not None  # checked above
         sigma = max(MEDIAN_SE_PER_MAD * p.spread_pct / 100.0 / math.sqrt(p.steps), 1e-9) * p.step_s
         ws.append(1.0 / (sigma * sigma))
     mx = sum(w * p.context_tokens for w, p in zip(ws, points, strict=True)) / sum(ws)

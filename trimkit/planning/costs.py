@@ -79,7 +79,7 @@ def _check_str(value: object, name: str) -> None:
         raise InvalidInputError(f"{name} must be a str, got {type(value).__name__}")
 
 
-def _check_pct(instance: object, attribute: attrs.Attribute, value: float) -> None:  # type: ignore[type-arg]
+def _check_pct(instance: object, attribute: attrs.Attribute, value: float) -> None:
     """An error percentage: >= 0, or NaN when nothing was measured (infinity is allowed: a
     prediction for a near-zero measurement). Negative would be no error at all."""
     if value < 0:

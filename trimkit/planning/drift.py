@@ -177,7 +177,7 @@ class LiveProfile:
     def _sample(new_tokens: Any, cached_tokens: Any, seconds: Any) -> PrefillSample | None:
         if not (_is_count(new_tokens) and new_tokens >= 1 and _is_count(cached_tokens) and cached_tokens >= 0):
             return None
-        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not (seconds > 0 and math.isfinite(seconds)):
+        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not (float(seconds) > 0 and math.isfinite(seconds)):
             return None
         return PrefillSample(int(new_tokens), int(cached_tokens), float(seconds), source="live")
 
@@ -192,7 +192,7 @@ class LiveProfile:
             return
         if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, numbers.Real):
             return
-        if not (tokens_per_s > 0 and math.isfinite(tokens_per_s)):
+        if not (float(tokens_per_s) > 0 and math.isfinite(tokens_per_s)):
             return
         context = mean_context(int(context_tokens), int(completion_tokens)) if _is_count(context_tokens) and context_tokens >= 0 else 0
         with self._lock:
@@ -279,7 +279,7 @@ class LiveProfile:
         at the calibration's speed, so the speed estimate goes on reading the host against it."""
         model = profile.model
         calib = [s for s in profile.samples if s.source == "calibration"]
-        kwargs = {"n_batch": model.n_batch, "batched": model.per_batch_s > 0, "depth_prior_tokens": profile.depth_prior_tokens}
+        kwargs: dict[str, Any] = {"n_batch": model.n_batch, "batched": model.per_batch_s > 0, "depth_prior_tokens": profile.depth_prior_tokens}
         speed_only = error_stats((model.prefill_s(s.new_tokens, s.cached_tokens) * math.exp(_median_log_ratio(model, live)), s.seconds)
                                  for s in live)
         speed = math.exp(_median_log_ratio(self._calibration_fit(calib, kwargs) if calib else self._calibration.model, live))

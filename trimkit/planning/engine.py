@@ -412,7 +412,7 @@ class _Solver:
 
 
 def _variant_chunk(payload: Any) -> Chunk:
-    return payload.chunk if isinstance(payload, Excerpt) else payload  # type: ignore[no-any-return]
+    return payload.chunk if isinstance(payload, Excerpt) else payload
 
 
 def _variant_text(payload: Any) -> str:

@@ -277,7 +277,7 @@ class RequestContext:
         """The candidate's prompt counted through the template (cached per message)."""
         if c.unchanged:
             return self.prefix_tokens[-1] + self.tail  # the caller's request, counted at the start
-        return self.tokenizer.segment_counts(self.build(c), self.tools).total  # type: ignore[no-any-return]
+        return self.tokenizer.segment_counts(self.build(c), self.tools).total
 
     def probe(self, c: Candidate) -> int | None:
         """Ask the engine how many tokens of ``c`` it has cached: at most :data:`MAX_PROBES`

@@ -79,9 +79,9 @@ def _counter(count_tokens: Any) -> TokenCounter:
     if count_tokens is None:
         return approx_tokens
     if hasattr(count_tokens, "count") and callable(count_tokens.count):
-        return count_tokens.count  # type: ignore[no-any-return]
+        return count_tokens.count
     if callable(count_tokens):
-        return count_tokens  # type: ignore[no-any-return]
+        return count_tokens
     raise InvalidInputError(f"count_tokens must be a PromptTokenizer or a callable, got {type(count_tokens).__name__}")
 
 
