@@ -30,6 +30,10 @@ from trimkit.profile import Profile
 from trimkit.profile_store import load_profile
 from trimkit.testing import FakeBackend
 
+#: every calibration here measures, in a cache of its own: never a profile another test stored for
+#: the same fake key
+pytestmark = pytest.mark.usefixtures("isolated_cache")
+
 #: the default fake engine: a per-token cost and a small attention term
 LINEAR = CostModel(overhead_s=0.01, per_token_s=0.0014, depth_s=1e-7)
 #: a small model whose attention soon costs more than its weights (per-token cost ×6 at 3,000 tokens)
@@ -106,6 +110,8 @@ def minimum_s(backend: HostFake) -> float:
 
 def elapsed(backend: HostFake, **kwargs) -> tuple[Profile, float]:
     start = backend.clock()
+    # a calibration, measured: never a profile another test stored for the same fake key
+    kwargs.setdefault("recalibrate", True)
     profile = calibrate(backend, store=False, **kwargs)
     return profile, backend.clock() - start
 
@@ -414,7 +420,7 @@ def test_micro_calibration_of_the_real_model_is_usable(llm):
 
 def test_probes_too_noisy_or_short_for_a_slope_give_a_proportional_model_not_a_flat_one():
     flat = FakeBackend(CostModel(overhead_s=0.5, per_token_s=0.0, depth_s=0.0))  # every probe the same time
-    profile = calibrate(flat, time_budget_s=1.0, store=False)
+    profile = calibrate(flat, time_budget_s=1.0, store=False, recalibrate=True)
     assert profile.model.per_token_s > 0 and "proportional" in profile.alternatives
     assert profile.predict_prefill_s(4000) > 10 * profile.predict_prefill_s(32)
 
@@ -427,7 +433,7 @@ def test_progress_ends_at_its_total_when_the_plan_is_cut_short():
 
 
 def test_the_over_budget_warning_says_when_the_engine_threads_were_starved():
-    from trimkit.calibration_run import starved_threads_hint
+    from trimkit.calibration import starved_threads_hint
 
     # two threads busy the whole time (llama.cpp's threads spin): a host that was just slow
     assert starved_threads_hint(cpu_s=2.0, wall_s=1.0, threads=2, cpus=2) == ""

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trimkit.errors import InfeasibleBudgetError
-from trimkit.planning.knapsack import RESOLUTION, knapsack
+from trimkit.planning.engine import RESOLUTION, knapsack
 from trimkit.messages import Chunk
 from trimkit.planning.planner import plan
 from trimkit.strategies import cap_rag_chunks, drop_oldest_turns

@@ -8,8 +8,7 @@ Read it in this order:
   :class:`Proposal`, :class:`Lead`, :class:`Action`);
 - :mod:`~trimkit.planning.request` — one request's fixed inputs, candidate prompts and their
   estimates;
-- :mod:`~trimkit.planning.engine` — the value-per-second choice (with
-  :mod:`~trimkit.planning.knapsack`);
+- :mod:`~trimkit.planning.engine` — the value-per-second choice (and its knapsack);
 - :mod:`~trimkit.planning.costs` — the prefill cost model (:class:`CostModel`);
 - :mod:`~trimkit.planning.values`, :mod:`~trimkit.planning.relevance`,
   :mod:`~trimkit.planning.excerpts` — what each piece is worth (:class:`ValueModel`);

@@ -13,7 +13,7 @@ oldest turns. This engine decides *what does change*, in one pass:
    with the first ``d`` turns after it kept verbatim (and so cached). Each scenario gives a
    token allowance from the profile (:meth:`~trimkit.profile.Profile.max_new_tokens` after the
    cached prefix) and the room left after the fixed content.
-3. In each scenario a knapsack (:mod:`trimkit.planning.knapsack`: at most one variant per item,
+3. In each scenario a knapsack (:func:`knapsack`, below: at most one variant per item,
    a chunk whole or one of its excerpts) picks the items with the most value that fit the room.
    The scenario with the most value wins; ties go to the faster prompt.
 
@@ -29,14 +29,54 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from trimkit.messages import Chunk, message_text
 from trimkit.planning.costs import evaluated_tokens
 from trimkit.planning.excerpts import Excerpt, excerpts_of, index_runs, question_idf, span_label
-from trimkit.planning.knapsack import knapsack
 from trimkit.planning.request import Candidate
 from trimkit.planning.state import Action, Lead, PlanState, Proposal
 from trimkit.planning.values import ValueModel, chunk_values, turn_values
+
+#: capacity resolution of the knapsack: item sizes are rounded up to room / RESOLUTION tokens
+RESOLUTION = 512
+
+
+def knapsack(groups: Sequence[Sequence[tuple[int, float]]], room: int) -> tuple[float, list[int]]:
+    """Pick at most one ``(tokens, value)`` variant per group, most total value within ``room``
+    tokens. Returns the value and the chosen variant index per group (-1: none).
+
+    Sizes are rounded *up* to ``room / RESOLUTION`` tokens, so a selection never exceeds ``room``.
+    """
+    chosen = [-1] * len(groups)
+    if room <= 0 or not groups:
+        return 0.0, chosen
+    quantum = max(1, -(-room // RESOLUTION))
+    cap = room // quantum
+    dp = np.zeros(cap + 1)
+    choices = np.full((len(groups), cap + 1), -1, dtype=np.int16)
+    sizes = [[-(-w // quantum) for w, _ in variants] for variants in groups]
+    for g, variants in enumerate(groups):
+        best = dp.copy()
+        arg = choices[g]
+        for vi, (_, value) in enumerate(variants):
+            wq = sizes[g][vi]
+            if wq > cap or value <= 0:
+                continue
+            cand = dp[: cap + 1 - wq] + value
+            seg = best[wq:]
+            better = cand > seg + 1e-12
+            seg[better] = cand[better]
+            arg[wq:][better] = vi
+        dp = best
+    c = cap
+    for g in range(len(groups) - 1, -1, -1):
+        vi = int(choices[g][c])
+        if vi >= 0:
+            chosen[g] = vi
+            c -= sizes[g][vi]
+    return float(dp[cap]), chosen
+
 
 # Lead and Proposal are defined in trimkit.planning.state; importable from here as before.
 __all__ = ["solve", "Lead", "Proposal"]
