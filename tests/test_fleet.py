@@ -30,7 +30,7 @@ from trimkit.backends.server_load import (
 )
 from trimkit.errors import InvalidInputError, ServerUnreachableError, StreamInterruptedError
 from trimkit.fleet import FLEET_BACKEND_DEFAULTS, AsyncFleetFrontEnd, FleetFrontEnd, FleetStream, FleetUnavailableError, wrap_fleet
-from trimkit.fleet_state import Health, HeldPrompts, slot_wait_s
+from trimkit.fleet_endpoint import Health, HeldPrompts, slot_wait_s
 from trimkit.testing import FakeBackend, FakeOpenAIServer
 
 SYSTEM = {"role": "system", "content": "You answer questions about the harbour town of Marrowby, briefly and exactly. " * 6}

@@ -17,7 +17,7 @@ import pytest
 import trimkit
 from tests.test_server_faults import ASK, GOOD_STREAM, PROFILE, FaultServer, sse_reply
 from trimkit.errors import OverloadedError, ServerTimeoutError
-from trimkit.fleet_call import FleetCall, Route
+from trimkit.fleet_frontend import FleetCall, Route
 from trimkit.fleet_endpoint import FleetOverloadedError, FleetUnavailableError
 
 pytestmark = pytest.mark.timeout(120)

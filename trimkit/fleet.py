@@ -16,7 +16,7 @@ clients, all sync or all async) give a :class:`FleetFrontEnd` (:class:`AsyncFlee
   endpoint), or a micro-calibration, one endpoint after the other at construction
   (``parallel_calibration=True`` for servers on separate machines: on one host they would disturb
   each other's measurements). An endpoint down at construction joins when a probe reaches it.
-- **Routing** (:mod:`trimkit.fleet_call`): each request goes to the endpoint with the lowest
+- **Routing** (:class:`trimkit.fleet_frontend.FleetCall`): each request goes to the endpoint with the lowest
   predicted TTFT for it — the wait behind the requests ahead of it there plus the prefill of what
   that endpoint does not hold — so a conversation stays on the replica that holds its prefix
   unless that replica is busy enough to lose. The endpoint's pipeline plans against the budget less
@@ -56,7 +56,7 @@ from trimkit.backends.transport import normalize_base_url
 from trimkit.errors import InvalidInputError
 from trimkit.fleet_endpoint import FleetEndpoint, FleetOverloadedError, FleetUnavailableError
 from trimkit.fleet_frontend import AsyncFleetFrontEnd, AsyncFleetStream, FleetBase, FleetFrontEnd, FleetStream
-from trimkit.fleet_state import Health
+from trimkit.fleet_endpoint import Health
 from trimkit.openai_wrapper import AsyncTrimmedOpenAI, OpenAIFrontEnd, TrimmedOpenAI, split_backend_kwargs
 from trimkit.openai_wrapper import wrap_url as wrap_one_url
 from trimkit.profile import Profile
