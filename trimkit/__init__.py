@@ -39,7 +39,7 @@ from typing import Any
 
 from trimkit import backends, errors, strategies, testing
 from trimkit.calibration import calibrate
-from trimkit.diagnose import diagnose
+from trimkit.verdict import diagnose
 from trimkit.errors import TrimkitError
 from trimkit.fleet import wrap_url
 from trimkit.messages import Chunk

@@ -23,7 +23,7 @@ from trimkit.calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, c
 from trimkit.calibration_schedule import mode_for_budget
 from trimkit.console import ProgressBar, open_llama, plot_profile, plot_report_log, profile_lines, read_report_log, report_log_lines
 from trimkit.demo import TIME_TARGET_S, run_demo
-from trimkit.diagnose import DEFAULT_WAIT_THRESHOLD_S, READING_SPEED_TOKENS_PER_S, diagnose
+from trimkit.verdict import DEFAULT_WAIT_THRESHOLD_S, READING_SPEED_TOKENS_PER_S, diagnose
 from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError
 from trimkit.messages import coerce_chunks, validate_messages
 from trimkit.planning.planner import plan as make_plan
