@@ -12,7 +12,7 @@ stream is finished, closed or garbage-collected — in whichever thread that hap
 The pieces: :mod:`trimkit.backends.lease` (who holds the engine),
 :mod:`trimkit.backends.llama_format` (the chat template and tokenizer),
 :mod:`trimkit.backends.llama_context` (perf counters, KV snapshots, the usable context size),
-:mod:`trimkit.backends.llama_abort` (an abortable decode, for calibration's probes).
+:func:`trimkit.backends.llama_context.abort_when` (an abortable decode, for calibration's probes).
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ from typing import Any
 import attrs
 import llama_cpp
 
+from trimkit.architecture import llama_attention_prior
 from trimkit.backends.base import Backend, Clock, Measurement, TimedStream, first_token_overhead_s, probe_text
 from trimkit.backends.completion import chunk_content
 from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease, engine_lease
 from trimkit.backends.llama_context import (
     PerfCounts,
     PrefixSnapshot,
+    abort_when,
     cpu_name,
     effective_n_ctx,
     load_prefix,
@@ -42,8 +44,6 @@ from trimkit.backends.llama_context import (
     save_sequence,
 )
 from trimkit.backends.llama_format import chat_format_renderer, llama_prompt_tokenizer
-from trimkit.backends.llama_abort import abort_when
-from trimkit.architecture import llama_attention_prior
 from trimkit.errors import BackendError, ContextTooSmallError
 from trimkit.model import model_identity
 from trimkit.profile import ProfileKey

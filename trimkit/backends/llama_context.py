@@ -17,13 +17,91 @@ import ctypes
 import functools
 import os
 import platform
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import attrs
 import llama_cpp
 
 from trimkit.errors import BackendError
+
+
+class AbortState:
+    """Whether :func:`abort_when`'s predicate stopped the decode."""
+
+    fired: bool = False
+
+
+#: what llama.cpp logs (at error level) when a decode is stopped and its batch's cells are dropped
+ABORT_NOTICE = b"removing memory module entries"
+# the AbortState of the abortable decode running on this thread, if any
+_RUNNING = threading.local()
+_FILTER_LOCK = threading.Lock()
+# the installed filter and the callback it forwards to (kept referenced while llama.cpp holds them)
+_FILTER: list[Any] = []
+
+
+def quiet_planned_aborts() -> bool:
+    """Install, once per process, a llama.cpp log callback that drops :data:`ABORT_NOTICE` when
+    it comes from a decode :func:`abort_when` stopped on the logging thread, and forwards every
+    other message to the callback installed before it (``llama_log_get``; none: stderr, as
+    llama.cpp would). False when this llama-cpp-python cannot say which callback was installed
+    (nothing is changed then). An application that sets its own callback later replaces it."""
+    with _FILTER_LOCK:
+        if _FILTER:
+            return True
+        try:
+            previous = llama_cpp.llama_log_callback()
+            previous_data = ctypes.c_void_p()
+            llama_cpp.llama_log_get(ctypes.byref(previous), ctypes.byref(previous_data))
+        except (AttributeError, TypeError, ValueError, OSError):
+            return False
+
+        def forward(level: int, text: bytes | None, _data: Any) -> None:
+            state = getattr(_RUNNING, "state", None)
+            if state is not None and state.fired and text and ABORT_NOTICE in text:
+                return
+            if previous:
+                previous(level, text, previous_data)
+            elif text:
+                os.write(2, text)
+
+        callback = llama_cpp.llama_log_callback(forward)
+        llama_cpp.llama_log_set(callback, None)
+        _FILTER.extend((callback, previous, previous_data))
+        return True
+
+
+@contextmanager
+def abort_when(llm: Any, should_abort: Callable[[], bool]) -> Iterator[AbortState]:
+    """Within the block llama.cpp stops a decode of ``llm`` as soon as ``should_abort()`` is true
+    (``llama_decode`` returns 2, so ``Llama.eval`` raises ``RuntimeError``; ``.fired`` tells it
+    from another failure). A predicate that raises counts as true."""
+    state = AbortState()
+
+    def check(_data: Any) -> bool:
+        try:
+            stop = bool(should_abort())
+        except Exception:  # never let an exception cross into C: stop instead
+            stop = True
+        if stop:
+            state.fired = True
+        return stop
+
+    callback = llama_cpp.ggml_abort_callback(check)
+    quiet_planned_aborts()
+    outer = getattr(_RUNNING, "state", None)
+    _RUNNING.state = state
+    llama_cpp.llama_set_abort_callback(llm._ctx.ctx, callback, None)
+    try:
+        yield state
+    finally:
+        llama_cpp.llama_set_abort_callback(llm._ctx.ctx, llama_cpp.ggml_abort_callback(), None)
+        _RUNNING.state = outer
+        del callback  # kept alive until llama.cpp no longer holds it
+
 
 __all__ = [
     "effective_n_ctx",
