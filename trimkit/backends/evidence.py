@@ -79,16 +79,19 @@ class ServerEvidence:
 
     def measure(self, stats: ServerStats, *, ttft_s: float | None, total_s: float, client_decode_s: float | None,
                 sent: list[int] | None, predicted_cached: int, finish_reason: str | None, content_chunks: int | None,
-                first_output_s: float | None = None) -> Measurement:
+                first_output_s: float | None = None, context_tokens: int | None = None) -> Measurement:
         """The measurement of one request (and what it teaches, learned). An estimated count is
-        compared with the server's after correction, and only a clear shortfall is truncation."""
+        compared with the server's after correction, and only a clear shortfall is truncation —
+        or a prompt counted over ``context_tokens`` (the window the request ran in, when trimkit
+        set it) of which the server took in no more than the window."""
         exact = self.counts_exact()
         sent_n = len(sent) if sent is not None else None
         if exact or sent_n is None:
-            truncated = detect_truncation(sent_n, stats, predicted_cached=predicted_cached)
+            truncated = detect_truncation(sent_n, stats, predicted_cached=predicted_cached, context_tokens=context_tokens)
         else:
             expected = self.corrected_count(sent_n)
-            truncated = detect_truncation(expected, stats, predicted_cached=predicted_cached, tolerance_tokens=max(32, expected // 4))
+            truncated = detect_truncation(expected, stats, predicted_cached=predicted_cached, tolerance_tokens=max(32, expected // 4),
+                                          context_tokens=context_tokens)
         self.learn(sent, predicted_cached, stats, truncated)
         extra: dict[str, Any] = {
             "predicted_cached_tokens": predicted_cached,
