@@ -19,17 +19,24 @@ from trimkit.backends.server_timings import ServerStats, build_measurement, dete
 from trimkit.backends.streams import StreamState
 from trimkit.tokens import reusable_prefix_len
 
-__all__ = ["ServerEvidence"]
+__all__ = ["ServerEvidence", "CACHE_REPORT_FLAGS"]
 
 log = logging.getLogger("trimkit")
+
+#: the server flag that makes an engine report its cached prompt tokens (without it the field is
+#: absent or ``null``: "not reported", never 0)
+CACHE_REPORT_FLAGS = {"vllm": "--enable-prompt-tokens-details", "sglang": "--enable-cache-report"}
 
 
 class ServerEvidence:
     """Cache and count evidence of one server. ``cache_block`` gives the engine's prefix-cache
     granularity (it may need the server's facts, so it is asked only when needed);
-    ``counts_exact`` whether trimkit's prompt counts are the server's own."""
+    ``counts_exact`` whether trimkit's prompt counts are the server's own; ``engine`` the engine
+    recognised (None: not yet known), so that one which reports counts but no cached tokens is
+    told, once, the flag that would make it (:data:`CACHE_REPORT_FLAGS`)."""
 
-    def __init__(self, url: str, cache_block: Callable[[], int], counts_exact: Callable[[], bool]) -> None:
+    def __init__(self, url: str, cache_block: Callable[[], int], counts_exact: Callable[[], bool],
+                 engine: Callable[[], str | None] = lambda: None) -> None:
         self.url = url
         self.cache_block = cache_block
         self.counts_exact = counts_exact  # is trimkit's prompt count the server's own?
@@ -39,6 +46,8 @@ class ServerEvidence:
         self.correction = 1.0
         self._samples = 0
         self._reuse_warned = False
+        self.engine = engine
+        self.flag_warned = False  # the cache-report flag was named
 
     def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         """The longest common prefix with the last prompt sent, rounded down to the engine's
@@ -58,6 +67,12 @@ class ServerEvidence:
 
     def learn(self, sent: list[int] | None, predicted_cached: int, stats: ServerStats, truncated: int) -> None:
         block = self.cache_block() if stats.cached_tokens == 0 else 1
+        if stats.cached_tokens is None and stats.prompt_tokens is not None and not self.flag_warned:
+            flag = CACHE_REPORT_FLAGS.get(self.engine() or "")
+            if flag is not None:
+                self.flag_warned = True
+                log.warning("trimkit: %s (%s) reports prompt tokens but not how many it reused from its prefix cache: start it with %s "
+                            "so that reports show the cached tokens (until then they read n/a, never 0)", self.url, self.engine(), flag)
         with self.lock:
             if stats.cached_tokens is not None:
                 if stats.cached_tokens > 0:

@@ -118,7 +118,8 @@ class OpenAIHTTPBackend(Backend):
         #: replaces :meth:`predict_cached_tokens`' evidence when set (``cache_view(prompt_tokens) -> int``)
         self.cache_view: Callable[[Sequence[int]], int] | None = None
         self._include_usage = True  # cleared if the server refuses stream_options
-        self.evidence = ServerEvidence(self.base_url, lambda: self.cache_block_tokens, self._counts_exact)
+        self.evidence = ServerEvidence(self.base_url, lambda: self.cache_block_tokens, self._counts_exact,
+                                       engine=lambda: self._info.engine if self._info is not None else None)
         self.probes = ServerProbes(self)
 
     @classmethod
