@@ -77,3 +77,64 @@ def test_no_flag_warning_where_it_would_not_help(server, caplog, owned_by, usage
     with caplog.at_level(logging.WARNING, logger="trimkit"):
         chat.chat.completions.create(messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert not [m for m in caplog.records if "--enable-" in m.getMessage()]
+
+
+# -- vLLM's /tokenize with messages: exact counts ------------------------------------------------------
+# The reply shapes are those vLLM's own tests check (vllm-project/vllm
+# tests/entrypoints/openai/test_tokenization.py: /tokenize answers {"count", "max_model_len",
+# "tokens", "token_strs": null} for a prompt or for messages with add_generation_prompt, and
+# /detokenize {"prompt"}). The tokenizer behind them here is a word-level stand-in, so the test
+# checks what trimkit asks and how it counts, not vLLM's tokenizer.
+class WordVocab:
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {"<s>": 1}
+        self.words = {1: "<s>"}
+        self.bodies: list[dict[str, Any]] = []
+
+    def encode(self, text: str) -> list[int]:
+        out = []
+        for word in text.split():
+            if word not in self.ids:
+                self.ids[word] = len(self.ids) + 1
+                self.words[self.ids[word]] = word
+            out.append(self.ids[word])
+        return out
+
+    def render(self, messages: list[dict[str, Any]]) -> str:  # a zephyr-like template, as in vLLM's test
+        return " ".join(f"<|{m['role']}|> {m['content']} </s>" for m in messages) + " <|assistant|>"
+
+
+def vllm_server(server: Any) -> WordVocab:
+    vocab = WordVocab()
+    server.routes["/v1/models"] = json_reply({"object": "list", "data": [{"id": "m", "owned_by": "vllm", "max_model_len": 8192}]})
+
+    def tokenize(h: Any, body: dict[str, Any]) -> None:
+        vocab.bodies.append(body)
+        if "messages" in body:
+            tokens = vocab.encode(vocab.render(body["messages"]))
+        else:
+            tokens = ([1] if body.get("add_special_tokens") else []) + vocab.encode(body["prompt"])
+        json_reply({"count": len(tokens), "max_model_len": 8192, "tokens": tokens, "token_strs": None})(h, body)
+
+    def detokenize(h: Any, body: dict[str, Any]) -> None:
+        json_reply({"prompt": " ".join(vocab.words[t] for t in body["tokens"])})(h, body)
+
+    server.routes["/tokenize"] = tokenize
+    server.routes["/detokenize"] = detokenize
+    engine_server(server, "vllm", VLLM_CACHED)
+    server.routes["/v1/models"] = json_reply({"object": "list", "data": [{"id": "m", "owned_by": "vllm", "max_model_len": 8192}]})
+    return vocab
+
+
+def test_vllm_counts_come_from_its_tokenize_with_messages(server):
+    vocab = vllm_server(server)
+    chat = wrap_url(server.base_url, model="m", profile=make_profile(), summarizer=None)
+    messages = [{"role": "user", "content": "Hi there!"}, {"role": "assistant", "content": "Nice to meet you!"},
+                {"role": "user", "content": "Can I ask a question?"}]
+    chat.chat.completions.create(messages=messages, max_tokens=4)
+    assert chat.backend.server_info().engine == "vllm" and chat.backend.prompt_count_exact
+    assert chat.backend.n_ctx == 8192
+    asked = [b for b in vocab.bodies if "messages" in b]
+    assert asked and asked[-1]["add_generation_prompt"] is True and asked[-1]["model"] == "m"
+    expected = len(vocab.encode(vocab.render(messages)))  # vLLM's chat path adds no special tokens
+    assert chat.last_report.prompt_tokens == expected
