@@ -66,7 +66,7 @@ class ServerEvidence:
         return int(round(counted_tokens * self.correction))
 
     def learn(self, sent: list[int] | None, predicted_cached: int, stats: ServerStats, truncated: int) -> None:
-        block = self.cache_block() if stats.cached_tokens == 0 else 1
+        block = self.cache_block() if stats.cached_tokens is not None and stats.cached_tokens <= 1 else 1
         if stats.cached_tokens is None and stats.prompt_tokens is not None and not self.flag_warned:
             flag = CACHE_REPORT_FLAGS.get(self.engine() or "")
             if flag is not None:
@@ -75,13 +75,15 @@ class ServerEvidence:
                             "so that reports show the cached tokens (until then they read n/a, never 0)", self.url, self.engine(), flag)
         with self.lock:
             if stats.cached_tokens is not None:
-                if stats.cached_tokens > 0:
+                # one token kept is no reuse: llama-server keeps the BOS of a prompt it re-processes in full
+                if stats.cached_tokens > 1:
                     self.prefix_reuse = True
                 elif predicted_cached >= max(32, 2 * block):
                     if not self._reuse_warned:
-                        log.warning("trimkit: %s reused no cached tokens although %d matched the previous prompt "
-                                    "(sliding-window model or prefix caching off?); predicting no reuse from now on",
-                                    self.url, predicted_cached)
+                        cure = ("a sliding-window model (Gemma 2/3, ...) re-prefills every turn unless llama-server is started with "
+                                "--swa-full" if self.engine() == "llama.cpp" else "sliding-window model or prefix caching off?")
+                        log.warning("trimkit: %s reused no cached tokens although %d matched the previous prompt (%s); predicting "
+                                    "no reuse from now on", self.url, predicted_cached, cure)
                         self._reuse_warned = True
                     self.prefix_reuse = False
             if sent is not None and stats.prompt_tokens and not truncated:

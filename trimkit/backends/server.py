@@ -25,6 +25,7 @@ from trimkit.backends.server_facts import (
     parse_models,
     parse_openapi_version,
     parse_props,
+    parse_props_sleeping,
     parse_template,
     parse_tokens,
     parse_version,
@@ -84,7 +85,11 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
     models = parse_models(request_json("GET", base_url + "/models", missing_ok=True, deadline=deadline))
     n_ctx = models.n_ctx
     version = ""
-    props_n_ctx, build_info = parse_props(request_json("GET", root_url + "/props", missing_ok=True))
+    props = request_json("GET", root_url + "/props", missing_ok=True)
+    props_n_ctx, build_info = parse_props(props)
+    if parse_props_sleeping(props):
+        log.warning("trimkit: %s is sleeping (/props is_sleeping: it unloaded the model, --sleep-idle-seconds): the next request "
+                    "pays a model load, which is no prefill and counts in its TTFT", base_url)
     if props_n_ctx is not None:
         n_ctx = props_n_ctx
     if build_info:

@@ -19,6 +19,7 @@ __all__ = [
     "ModelList",
     "parse_models",
     "parse_props",
+    "parse_props_sleeping",
     "parse_version",
     "parse_openapi_version",
     "is_tokenize_reply",
@@ -118,6 +119,18 @@ def parse_props(body: Any) -> tuple[int | None, str]:
     if n_ctx is None:
         n_ctx = _context_size(body.get("n_ctx"), what, "n_ctx")
     return n_ctx, _version_text(body.get("build_info"), what, "build_info")
+
+
+def parse_props_sleeping(body: Any) -> bool:
+    """Whether llama.cpp's ``/props`` says the server is sleeping (``is_sleeping``: it unloaded
+    the model after ``--sleep-idle-seconds``; the next request pays a load). False when it does
+    not say, or the body is not an object."""
+    if not isinstance(body, Mapping):
+        return False
+    value = body.get("is_sleeping")
+    if value is not None and not isinstance(value, bool):
+        fail("/props reply", "is_sleeping", "a boolean", value)
+    return value is True
 
 
 def parse_version(body: Any) -> str:
