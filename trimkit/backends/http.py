@@ -338,10 +338,12 @@ class OpenAIHTTPBackend(Backend):
         ``/completion`` of those token ids with ``n_predict: 0`` (evaluated and cached, nothing
         generated) — returning (seconds the step took, where the server's evaluation started:
         its ``timings.cache_n``). Only for llama.cpp's ``llama-server`` with exact counts (its
-        tokenizer and chat template, so the steps are the prompt the chat request renders) and a
-        sync client; None elsewhere: those requests are planned once, before sending."""
+        tokenizer and chat template, so the steps are the prompt the chat request renders) whose
+        ``/props`` names its build (llama-server's own, not a server that only shares its
+        tokenize endpoints), and a sync client; None elsewhere: those requests are planned once,
+        before sending."""
         info = self.server_info()
-        if info.engine != "llama.cpp" or self.client_is_async or not self.prompt_count_exact:
+        if info.engine != "llama.cpp" or not info.engine_version.startswith("llama.cpp ") or self.client_is_async or not self.prompt_count_exact:
             return None
         return self._evaluate_step
 
