@@ -138,3 +138,22 @@ def test_vllm_counts_come_from_its_tokenize_with_messages(server):
     assert asked and asked[-1]["add_generation_prompt"] is True and asked[-1]["model"] == "m"
     expected = len(vocab.encode(vocab.render(messages)))  # vLLM's chat path adds no special tokens
     assert chat.last_report.prompt_tokens == expected
+
+
+# -- llama-server's /props: a sleeping server ---------------------------------------------------------
+# /props as llama-server builds it (ggml-org/llama.cpp tools/server/server-context.cpp,
+# get_res_props: default_generation_settings.n_ctx, total_slots, build_info, is_sleeping, …);
+# the real server is run in tests/test_llama_cpp_server.py, but sleeping takes --sleep-idle-seconds
+# and an idle wait, so the reply is replayed here.
+@pytest.mark.parametrize("sleeping", [True, False])
+def test_a_sleeping_llama_server_is_warned_of_once(server, caplog, sleeping):
+    from trimkit.backends.http import OpenAIHTTPBackend
+
+    server.routes["/props"] = json_reply({"default_generation_settings": {"n_ctx": 4096}, "total_slots": 1, "build_info": "b8000-abc",
+                                          "endpoint_slots": True, "endpoint_metrics": False, "is_sleeping": sleeping})
+    with caplog.at_level(logging.WARNING, logger="trimkit"):
+        backend = OpenAIHTTPBackend(server.base_url, model="m")
+        assert backend.n_ctx == 4096
+        backend.server_info()
+    warned = [r for r in caplog.records if "is sleeping" in r.getMessage()]
+    assert len(warned) == (1 if sleeping else 0)
