@@ -287,3 +287,30 @@ def test_calibration_probes_go_to_generate_raw(replay):
     assert seconds == pytest.approx(0.342546)
     assert bodies[-1]["raw"] is True and bodies[-1]["options"]["num_ctx"] == 2048 and bodies[-1]["options"]["num_predict"] == 1
     assert backend.profile_key().engine_version == "0.5.1"
+
+
+def test_python_function_tools_are_sent_as_the_client_sends_them(replay):
+    def get_current_weather(location: str, format: str) -> str:
+        """Get the current weather for a location.
+
+        Args:
+          location: The location to get the weather for, e.g. San Francisco, CA
+          format: The format to return the weather in, e.g. 'celsius' or 'fahrenheit'
+        """
+        return "sunny"
+
+    replay.replay(DOCS_TOOLS)
+    out = wrapped(replay).chat(model="llama3.2", messages=[{"role": "user", "content": "What is the weather today in Paris?"}],
+                               tools=[get_current_weather])
+    sent = replay.bodies[-1]["tools"][0]
+    assert sent["type"] == "function" and sent["function"]["name"] == "get_current_weather"
+    assert set(sent["function"]["parameters"]["properties"]) == {"location", "format"}
+    assert out.message.tool_calls[0].function.name == "get_current_weather"
+
+
+def test_images_are_sent_as_the_client_sends_them(replay):
+    png = b"\x89PNG\r\n\x1a\n" + b"\x00" * 8  # bytes, as a caller passes them; the client sends base64
+    wrapped(replay).chat(model="llava", messages=[{"role": "user", "content": "what is in this image?", "images": [png]}])
+    import base64
+
+    assert replay.bodies[-1]["messages"][0]["images"] == [base64.b64encode(png).decode()]

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from trimkit.backends.base import Measurement
-from trimkit.backends.ollama import OllamaBackend, plain_messages
+from trimkit.backends.ollama import OllamaBackend, client_tools, plain_messages
 from trimkit.errors import InvalidInputError, PromptTruncatedError
 from trimkit.frontend import AsyncReportingStream, ReportingStream, send_params
 from trimkit.prepared import Prepared
@@ -173,6 +173,8 @@ class TrimmedOllama(Trimmer):
         rag_chunks = kwargs.pop("rag_chunks", None)
         budget = kwargs.pop("ttft_budget_s", None)
         params = {k: v for k, v in kwargs.items() if v is not None}
+        if params.get("tools"):  # Python functions become their schema here, as the client makes them: counted as sent
+            params["tools"] = client_tools(params["tools"])
         if model:
             params["model"] = model
         options = params.get("options")

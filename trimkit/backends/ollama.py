@@ -50,7 +50,7 @@ from trimkit.profile import ProfileKey
 from trimkit.tokens import PromptTokenizer, TiktokenTokenizer
 from trimkit.validation import count
 
-__all__ = ["OllamaBackend", "plain_messages", "DEFAULT_OLLAMA_CTX", "OLLAMA_SEND_KEYS"]
+__all__ = ["OllamaBackend", "plain_messages", "client_messages", "client_tools", "DEFAULT_OLLAMA_CTX", "OLLAMA_SEND_KEYS"]
 
 log = logging.getLogger("trimkit")
 
@@ -72,6 +72,29 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
+
+
+def client_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """The messages as the ``ollama`` client itself sends them (its ``_copy_messages``: images
+    as base64, empty fields left out); plain copies where the client lacks that helper."""
+    try:
+        from ollama._client import _copy_messages
+    except ImportError:  # pragma: no cover - another client version
+        return [_plain(m) for m in messages]
+    return [m.model_dump(exclude_none=True) for m in _copy_messages(messages)]
+
+
+def client_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
+    """The tools as the ``ollama`` client sends them (its ``_copy_tools``: a Python function
+    becomes its JSON schema, from the docstring), so that they are counted as they are sent."""
+    try:
+        from ollama._client import _copy_tools
+    except ImportError:  # pragma: no cover - another client version
+        return [_plain(t) for t in tools]
+    try:
+        return [t.model_dump(exclude_none=True) for t in _copy_tools(tools)]
+    except (TypeError, ValueError) as exc:
+        raise InvalidInputError(f"tools: the ollama client cannot read them: {exc}"[:500]) from None
 
 
 def plain_messages(messages: Any) -> list[dict[str, Any]]:
@@ -243,7 +266,7 @@ class OllamaBackend(Backend):
         if params.get("max_tokens") is not None and "num_predict" not in options:  # calibration's probes name it so
             options["num_predict"] = params["max_tokens"]
         body["options"] = options
-        body["messages"] = [_plain(m) for m in messages]
+        body["messages"] = client_messages(messages)
         body["stream"] = True
         return body
 
