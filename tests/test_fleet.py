@@ -541,3 +541,19 @@ def test_when_every_endpoint_must_trim_the_one_that_keeps_the_most_wins():
     assert idle.planned_prefill_s == 1.0 and busy_nothing.planned_prefill_s == 0.0
     # without a budget, the lowest predicted TTFT wins as before
     assert best_route([attrs.evolve(busy, budget_s=None, kept_tokens=None), attrs.evolve(idle, budget_s=None, kept_tokens=None)]).endpoint.label == "busy"
+
+
+def test_identical_replicas_share_one_profile(hosts, isolated_cache):
+    """Only replica A has a stored profile; B — the same engine, model and context — starts from
+    it instead of calibrating on its own (the fakes have nothing to calibrate against: without
+    sharing, B could not be built and would stay down)."""
+    from trimkit.backends.http import OpenAIHTTPBackend
+    from trimkit.profile_store import save_profile
+
+    stored = trimkit.calibrate(FakeBackend(), quick=True, store=False)
+    key_a = OpenAIHTTPBackend(A, model="fake-model", http_client=hosts.http()).profile_key()
+    save_profile(attrs.evolve(stored, key=key_a))
+    chat = trimkit.wrap_url([A, B], model="fake-model", http_client=hosts.http(), ttft_budget_s=2.0)
+    a, b = chat.endpoints
+    assert a.is_up and b.is_up
+    assert a.profile.model == b.profile.model == stored.model
