@@ -147,6 +147,7 @@ def _build_front(cls: type[OpenAIFrontEnd], client: Any, backend: OpenAIHTTPBack
     def make(shared: Profile | None) -> OpenAIFrontEnd:
         front = cls(client, backend=backend, endpoint_label=label, profile=shared, **kwargs)
         front.bound_side_requests()
+        front.pipeline.watch_prefill = False  # the fleet sends in one piece: planned with the whole prediction's margin
         return front
 
     if profile is not None or twins is None:

@@ -385,6 +385,12 @@ class AsyncTrimmedOpenAI(OpenAIFrontEnd):
 
     is_async = True
 
+    def __init__(self, client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> None:
+        super().__init__(client, ttft_budget_s, **kwargs)
+        # async requests go in one piece (the watched prefill's steps are sync requests): they are
+        # planned with the whole prediction's margin, as an unwatched request
+        self.pipeline.watch_prefill = False
+
     async def _create(self, kwargs: dict[str, Any]) -> Any:
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
         prepared = await asyncio.to_thread(self.prepare, messages, rag_chunks, params, ttft_budget_s=budget, **call_options(kwargs))
