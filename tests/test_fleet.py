@@ -14,6 +14,8 @@ import attrs
 import asyncio
 import gc
 import json
+import logging
+from typing import Any
 import time
 
 import httpx
@@ -557,3 +559,19 @@ def test_identical_replicas_share_one_profile(hosts, isolated_cache):
     a, b = chat.endpoints
     assert a.is_up and b.is_up
     assert a.profile.model == b.profile.model == stored.model
+
+
+# /props as llama-server builds it (ggml-org/llama.cpp tools/server/server-context.cpp, get_res_props)
+def props(metrics: bool) -> Any:
+    body = {"default_generation_settings": {"n_ctx": 8192}, "total_slots": 1, "build_info": "b8000-abc",
+            "endpoint_slots": True, "endpoint_metrics": metrics, "is_sleeping": False}
+    return lambda request: httpx.Response(200, json=body)
+
+
+@pytest.mark.parametrize("metrics, read_load, warned", [(False, True, 2), (True, True, 0), (False, False, 0)])
+def test_the_metrics_flag_is_named_where_the_fleet_would_read_it(hosts, profile, caplog, metrics, read_load, warned):
+    for host in ("a", "b"):
+        hosts.routes[(host, "/props")] = props(metrics)
+    with caplog.at_level(logging.WARNING, logger="trimkit"):
+        fleet_of(hosts, profile, read_load=read_load)
+    assert len([r for r in caplog.records if "--metrics" in r.getMessage()]) == warned  # once per endpoint

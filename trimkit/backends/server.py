@@ -25,7 +25,7 @@ from trimkit.backends.server_facts import (
     parse_models,
     parse_openapi_version,
     parse_props,
-    parse_props_sleeping,
+    parse_props_switches,
     parse_template,
     parse_tokens,
     parse_version,
@@ -57,6 +57,7 @@ class ServerInfo:
     tokenize_endpoint: str | None = None  # "/tokenize", "/extras/tokenize" or None
     apply_template: bool = False
     bos_prefix: tuple[int, ...] = ()  # what /extras/tokenize prepends to every text
+    metrics_off: bool = False  # llama.cpp's /props says /metrics is off (started without --metrics)
 
 
 def engine_of(owned_by: str, tokenize_endpoint: str | None) -> str:
@@ -87,7 +88,8 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
     version = ""
     props = request_json("GET", root_url + "/props", missing_ok=True)
     props_n_ctx, build_info = parse_props(props)
-    if parse_props_sleeping(props):
+    switches = parse_props_switches(props)
+    if switches.get("is_sleeping"):
         log.warning("trimkit: %s is sleeping (/props is_sleeping: it unloaded the model, --sleep-idle-seconds): the next request "
                     "pays a model load, which is no prefill and counts in its TTFT", base_url)
     if props_n_ctx is not None:
@@ -122,7 +124,8 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
     if not version and tokenize_endpoint == "/extras/tokenize":
         version = parse_openapi_version(request_json("GET", root_url + "/openapi.json", missing_ok=True))
     info = ServerInfo(engine=engine_of(models.owned_by, tokenize_endpoint), engine_version=version, model_ids=models.ids, n_ctx=n_ctx,
-                      tokenize_endpoint=tokenize_endpoint, apply_template=apply_template, bos_prefix=bos_prefix)
+                      tokenize_endpoint=tokenize_endpoint, apply_template=apply_template, bos_prefix=bos_prefix,
+                      metrics_off=switches.get("endpoint_metrics") is False)
     log.debug("trimkit: server %s is %s", base_url, info)
     return info
 

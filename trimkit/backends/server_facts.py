@@ -19,7 +19,7 @@ __all__ = [
     "ModelList",
     "parse_models",
     "parse_props",
-    "parse_props_sleeping",
+    "parse_props_switches",
     "parse_version",
     "parse_openapi_version",
     "is_tokenize_reply",
@@ -121,16 +121,21 @@ def parse_props(body: Any) -> tuple[int | None, str]:
     return n_ctx, _version_text(body.get("build_info"), what, "build_info")
 
 
-def parse_props_sleeping(body: Any) -> bool:
-    """Whether llama.cpp's ``/props`` says the server is sleeping (``is_sleeping``: it unloaded
-    the model after ``--sleep-idle-seconds``; the next request pays a load). False when it does
-    not say, or the body is not an object."""
+def parse_props_switches(body: Any) -> dict[str, bool]:
+    """The switches llama.cpp's ``/props`` reports, those it says: ``is_sleeping`` (it unloaded
+    the model after ``--sleep-idle-seconds``; the next request pays a load), ``endpoint_metrics``
+    (``--metrics``), ``endpoint_slots``. Empty when the body is not an object."""
     if not isinstance(body, Mapping):
-        return False
-    value = body.get("is_sleeping")
-    if value is not None and not isinstance(value, bool):
-        fail("/props reply", "is_sleeping", "a boolean", value)
-    return value is True
+        return {}
+    out: dict[str, bool] = {}
+    for key in ("is_sleeping", "endpoint_metrics", "endpoint_slots"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            fail("/props reply", key, "a boolean", value)
+        out[key] = value
+    return out
 
 
 def parse_version(body: Any) -> str:
