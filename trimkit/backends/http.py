@@ -35,7 +35,7 @@ from trimkit.backends.evidence import ServerEvidence
 from trimkit.backends.faults import TRANSIENT_STATUSES
 from trimkit.backends.limits import Deadline, RequestLimits, Wait, awith_retries
 from trimkit.backends.llama_format import chat_format_renderer
-from trimkit.backends.probes import MAX_PROBE_TEXT_BYTES, PROBE_WORDS_PER_TOKEN, ServerProbes
+from trimkit.backends.probes import MAX_PROBE_TEXT_BYTES, PROBE_WORDS_PER_TOKEN, DelegatedProbes, ServerProbes
 from trimkit.backends.replies import parse_completion
 from trimkit.backends.server_timings import parse_server_stats
 from trimkit.backends.server import ServerInfo, probe_server, server_prompt_tokenizer
@@ -56,7 +56,7 @@ def _limit(name: str, doc: str) -> property:
     return property(lambda self: getattr(self.limits, name), lambda self, value: setattr(self.limits, name, value), doc=doc)
 
 
-class OpenAIHTTPBackend(Backend):
+class OpenAIHTTPBackend(DelegatedProbes, Backend):
     """An OpenAI-compatible endpoint. Use when the model is served by llama.cpp server, vLLM,
     SGLang, Ollama or llama-cpp-python's server rather than loaded in-process.
 
@@ -477,15 +477,3 @@ class OpenAIHTTPBackend(Backend):
         """A short chat request as a calibration probe: over httpx when the client is async
         (a probe runs synchronously), never bounded by a deadline."""
         return self._stream(messages, params, None, None, via_url=self.client_is_async, probe=True)[0].drain()
-
-    def warm_up(self) -> None:
-        self.probes.warm_up()
-
-    def measure_prefill(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        return self.probes.measure_prefill(new_tokens, cached_tokens)
-
-    def measure_decode(self, n_tokens: int = 32) -> float:
-        return self.probes.measure_decode(n_tokens)
-
-    def measure_first_token_overhead(self) -> float:
-        return self.probes.measure_first_token_overhead()

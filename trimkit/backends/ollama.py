@@ -40,7 +40,7 @@ from trimkit.backends.evidence import ServerEvidence
 from trimkit.backends.faults import status_error, transport_error
 from trimkit.backends.fields import MAX_EVENT_BYTES, load_json
 from trimkit.backends.llama_format import chat_format_renderer
-from trimkit.backends.probes import ServerProbes
+from trimkit.backends.probes import DelegatedProbes, ServerProbes
 from trimkit.backends.replies import error_message
 from trimkit.backends.server_timings import ServerStats, as_mapping, parse_server_stats
 from trimkit.backends.streams import AsyncTimedStream
@@ -150,7 +150,7 @@ def content_of(chunk: Any) -> str | None:
     return "" if getattr(chunk, "done", False) else None
 
 
-class OllamaBackend(Backend):
+class OllamaBackend(DelegatedProbes, Backend):
     """Ollama's native API through an ``ollama.Client`` / ``ollama.AsyncClient``.
 
     ``n_ctx`` is the context window every request asks for (``options.num_ctx``) and the plan
@@ -375,16 +375,4 @@ class OllamaBackend(Backend):
         options = {"num_predict": params.get("max_tokens", 2), "temperature": params.get("temperature", 0.0)}
         body = self.chat_body(messages, {"options": options})
         return self._stream("/api/chat", body, self._prompt(messages, {}, None), is_async=False).drain()
-
-    def warm_up(self) -> None:
-        self.probes.warm_up()
-
-    def measure_prefill(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        return self.probes.measure_prefill(new_tokens, cached_tokens)
-
-    def measure_decode(self, n_tokens: int = 32) -> float:
-        return self.probes.measure_decode(n_tokens)
-
-    def measure_first_token_overhead(self) -> float:
-        return self.probes.measure_first_token_overhead()
 
