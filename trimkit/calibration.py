@@ -388,6 +388,9 @@ def as_backend(target: Any) -> Backend:
         return LlamaBackend(target)
     if kind == "openai":
         return OpenAIHTTPBackend.from_openai_client(target)
+    if kind == "ollama":
+        raise InvalidInputError("an ollama client does not say which model to calibrate: pass "
+                                "trimkit.backends.OllamaBackend(client, model=...) or the wrapper trimkit.wrap(client, model=...) gave")
     raise InvalidInputError(
         f"cannot use {type(target).__name__} as a model: pass a llama_cpp.Llama, an OpenAI-style client or a trimkit Backend"
     )

@@ -23,6 +23,8 @@ subclasses the builtin it naturally is, so code that already catches ``ValueErro
     └── BackendError (RuntimeError)             the model engine or server failed (``.report``: see below)
         ├── ServerError                         the server answered with an error (``.status``, ``.server_message``)
         │   ├── TransientServerError            502/503/504/429: retried before it is raised
+        │   ├── PromptTruncatedError            the server answered but took in fewer prompt tokens than
+        │   │                                   were sent: it cut the prompt (``.truncated_tokens``, ``.report``)
         │   └── MalformedReplyError             a reply the protocol does not allow: not JSON, the wrong
         │                                       shape, a number out of range, nested too deep, over the
         │                                       size cap, the wrong content type (``.field`` says where)
@@ -67,6 +69,7 @@ __all__ = [
     "BackendError",
     "ServerError",
     "TransientServerError",
+    "PromptTruncatedError",
     "ServerUnreachableError",
     "StreamInterruptedError",
     "EngineBusyError",
@@ -189,6 +192,19 @@ class ServerError(BackendError):
 
 class TransientServerError(ServerError):
     """A server error worth retrying (429, 502, 503, 504). Raised once retries are exhausted."""
+
+
+class PromptTruncatedError(ServerError):
+    """The server answered (HTTP 200) but evaluated fewer prompt tokens than trimkit sent: it
+    cut the prompt to fit its context window (Ollama drops the front of an over-long prompt).
+    Raised once the answer is complete, when the wrapper was built with
+    ``on_truncation="raise"``; ``.truncated_tokens`` says how many were missing and
+    ``.report`` is the request's report (the answer is in it only as the stream read it)."""
+
+    def __init__(self, message: str, *, truncated_tokens: int, report: Any = None) -> None:
+        super().__init__(message, status=200)
+        self.truncated_tokens = truncated_tokens
+        self.report = report
 
 
 class ServerUnreachableError(BackendError, ConnectionError):

@@ -12,8 +12,11 @@ clients, all sync or all async) give a :class:`FleetFrontEnd` (:class:`AsyncFlee
 ``.endpoints`` (:class:`~trimkit.fleet_endpoint.FleetEndpoint`: in flight, up or down, profile, load).
 
 - **Each endpoint is a wrapper of its own** (:class:`~trimkit.openai_wrapper.TrimmedOpenAI`): its
-  backend, pipeline and profile — the stored one, a ``profile=`` given (one for all, or one per
-  endpoint), or a micro-calibration, one endpoint after the other at construction
+  backend, pipeline and profile — a ``profile=`` given (one for all, or one per endpoint), else
+  the one of an identical replica already reached (same engine, version, models and context:
+  identical replicas share one profile, so calibration noise cannot make one look faster; each
+  endpoint's live refinement still learns its own speed), else the stored one or a
+  micro-calibration, one endpoint after the other at construction
   (``parallel_calibration=True`` for servers on separate machines: on one host they would disturb
   each other's measurements). An endpoint down at construction joins when a probe reaches it.
 - **Routing** (:class:`trimkit.fleet_frontend.FleetCall`): each request goes to the endpoint with the lowest
@@ -46,6 +49,7 @@ locally and exactly instead (no request at all)::
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -105,12 +109,50 @@ def _profiles(profile: Any, n: int) -> list[Profile | None]:
     raise InvalidInputError(f"profile must be a Profile (for every endpoint) or a list of {n} (one per endpoint), got {type(profile).__name__}")
 
 
+class _TwinProfiles:
+    """One profile for identical replicas: the first replica of an engine, version, model list
+    and context size to be reached loads or calibrates its profile, and every later one starts
+    from it (calibration noise alone must not make one twin look faster: each endpoint's live
+    refinement still learns its own speed from its own requests). A replica reached while its
+    twin calibrates waits for that profile."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.profiles: dict[Any, Profile] = {}
+        self.busy: dict[Any, threading.Lock] = {}
+
+    @staticmethod
+    def identity(backend: OpenAIHTTPBackend) -> Any:
+        info = backend.server_info()
+        return (info.engine, info.engine_version, info.model_ids, backend.n_ctx, backend.model or "")
+
+    def build(self, backend: OpenAIHTTPBackend, make: Any) -> OpenAIFrontEnd:
+        """``make(profile)`` with the twin's profile (None: the first of its kind: its own)."""
+        twin = self.identity(backend)
+        with self.lock:
+            turn = self.busy.setdefault(twin, threading.Lock())
+        with turn:
+            shared = self.profiles.get(twin)
+            front = make(shared)
+            if shared is None:
+                self.profiles[twin] = front.profile
+            return front
+
+
 def _build_front(cls: type[OpenAIFrontEnd], client: Any, backend: OpenAIHTTPBackend, label: str, profile: Profile | None,
-                 kwargs: Mapping[str, Any]) -> OpenAIFrontEnd:
-    """One endpoint's wrapper over its backend (its pipeline; its profile stored, given or calibrated now)."""
-    front = cls(client, backend=backend, endpoint_label=label, profile=profile, **kwargs)
-    front.bound_side_requests()
-    return front
+                 kwargs: Mapping[str, Any], twins: _TwinProfiles | None = None) -> OpenAIFrontEnd:
+    """One endpoint's wrapper over its backend (its pipeline; its profile given, an identical
+    replica's, stored, or calibrated now)."""
+
+    def make(shared: Profile | None) -> OpenAIFrontEnd:
+        front = cls(client, backend=backend, endpoint_label=label, profile=shared, **kwargs)
+        front.bound_side_requests()
+        front.pipeline.watch_prefill = False  # the fleet sends in one piece: planned with the whole prediction's margin
+        return front
+
+    if profile is not None or twins is None:
+        return make(profile)
+    return twins.build(backend, make)
 
 
 def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, model: str | None = None, api_key: str | None = None,
@@ -157,6 +199,7 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
     cls = AsyncTrimmedOpenAI if is_async else TrimmedOpenAI
     kwargs.update(ttft_budget_s=ttft_budget_s, retry_deadline_s=retry_deadline_s)
     endpoints: list[FleetEndpoint] = []
+    twins = _TwinProfiles()
     try:
         for target, base, prof in zip(targets, urls, profiles):
             if kind == "url":
@@ -164,7 +207,7 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
             else:
                 backend, client = OpenAIHTTPBackend.from_openai_client(target, model=model, **backend_kwargs), target
             load = ServerLoadReader(backend.transport.http, backend.root_url, backend.transport.headers) if read_load else None
-            build = functools.partial(_build_front, cls, client, backend, backend.base_url, prof, kwargs)
+            build = functools.partial(_build_front, cls, client, backend, backend.base_url, prof, kwargs, twins)
             endpoints.append(FleetEndpoint(backend.base_url, backend, build, health=Health(probe_after_s, probe_max_s), slots=slots,
                                            held_prompts=held_prompts, load=load, probe_timeout_s=probe_timeout_s))
         fleet = (AsyncFleetFrontEnd if is_async else FleetFrontEnd)(endpoints, ttft_budget_s=ttft_budget_s, retry_deadline_s=retry_deadline_s,

@@ -335,12 +335,15 @@ class FleetEndpoint:
         """Build the front-end and learn what the server is; a failure leaves it down."""
         try:
             front = self.build()
-            self.backend.server_info()
+            info = self.backend.server_info()
         except BackendError as exc:
             log.warning("trimkit: fleet endpoint %s is not reachable yet (%s); it will be probed again", self.label, describe_error(exc))
             self.health.down(self.clock(), describe_error(exc))
             return
         self.front = front
+        if self.load is not None and info.engine == "llama.cpp" and info.metrics_off:
+            log.warning("trimkit: fleet endpoint %s: start llama-server with --metrics so that the fleet sees the requests waiting "
+                        "there (llamacpp:requests_deferred); /slots shows only those running", self.label)
 
     def probe(self) -> bool:
         """Is it back? Builds the front-end if it was never reached (calibrating if needed),

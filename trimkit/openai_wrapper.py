@@ -334,9 +334,14 @@ class TrimmedOpenAI(OpenAIFrontEnd):
 
     def execute(self, prepared: Prepared, params: Mapping[str, Any]) -> ReportingOpenAIStream:
         """Send a prepared request; a stream of the client's chunks that reports when done."""
+        # a budgeted request to a llama-server is watched while it prefills (OpenAIHTTPBackend.evaluate_to)
+        watch = self.pipeline.watched(prepared)
+        extra = {"watch": watch} if watch is not None else {}
+        ts = self.backend.send(prepared.messages, send_params(params), **self._stream_args(prepared), **extra)
         prepared = self.pipeline.sent(prepared)
-        ts = self.backend.send(prepared.messages, send_params(params), **self._stream_args(prepared))
-        return ReportingOpenAIStream(ts, self.pipeline, prepared, params)
+        if watch is not None:
+            watch.prepared = prepared
+        return ReportingOpenAIStream(ts, self.pipeline, prepared, params, watch=watch)
 
     def _create(self, kwargs: dict[str, Any]) -> Any:
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
@@ -379,6 +384,12 @@ class AsyncTrimmedOpenAI(OpenAIFrontEnd):
     """
 
     is_async = True
+
+    def __init__(self, client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> None:
+        super().__init__(client, ttft_budget_s, **kwargs)
+        # async requests go in one piece (the watched prefill's steps are sync requests): they are
+        # planned with the whole prediction's margin, as an unwatched request
+        self.pipeline.watch_prefill = False
 
     async def _create(self, kwargs: dict[str, Any]) -> Any:
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)

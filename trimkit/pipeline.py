@@ -578,7 +578,12 @@ def _takes_watch(backend: Any) -> bool:
 
 def _whole_request(m: Measurement, prepared: Prepared) -> Measurement:
     """What the refit may learn of a request's whole prefill: all of it, unless a re-plan left
-    evaluated tokens out of the prompt sent (then its counts describe no one prompt)."""
+    evaluated tokens out of the prompt sent (then its counts describe no one prompt). A model
+    load the server reported (``server["load_s"]``: Ollama's ``load_duration``) is no part of
+    the first-token overhead: the TTFT learned is without it."""
+    load = m.server.get("load_s")
+    if isinstance(load, float) and load > 0 and m.ttft_s is not None:
+        m = attrs.evolve(m, ttft_s=max(m.ttft_s - load, 0.0))
     if prepared.replans and m.evaluated_tokens is not None and m.prompt_tokens is not None and m.evaluated_tokens > m.prompt_tokens:
         return attrs.evolve(m, evaluated_tokens=None)
     return m

@@ -160,7 +160,9 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
 
     ``client`` is a ``llama_cpp.Llama`` (returns a :class:`TrimmedLlama`, a drop-in for its
     chat API), an OpenAI-style client with ``.chat.completions.create`` (returns a drop-in
-    for that: :func:`~trimkit.openai_wrapper.wrap_openai`), a trimkit
+    for that: :func:`~trimkit.openai_wrapper.wrap_openai`), an ``ollama.Client`` /
+    ``ollama.AsyncClient`` (a drop-in for its ``chat()`` on Ollama's native API:
+    :func:`~trimkit.ollama_wrapper.wrap_ollama`), a trimkit
     :class:`~trimkit.backends.base.Backend` (returns a :class:`Trimmer`), or a list of
     OpenAI-style clients (all sync or all async) → a fleet (:func:`trimkit.fleet.wrap_fleet`:
     routing, failover). ``kwargs``:
@@ -213,6 +215,11 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
         return Trimmer(client, ttft_budget_s=ttft_budget_s, **kwargs)
     if kind == "openai":
         return wrap_openai(client, ttft_budget_s=ttft_budget_s, **kwargs)
+    if kind == "ollama":
+        from trimkit.ollama_wrapper import wrap_ollama  # it builds on Trimmer, defined here
+
+        return wrap_ollama(client, ttft_budget_s=ttft_budget_s, **kwargs)
     raise InvalidInputError(
-        f"cannot wrap {type(client).__name__}: pass a llama_cpp.Llama or an OpenAI-style client (with .chat.completions.create)"
+        f"cannot wrap {type(client).__name__}: pass a llama_cpp.Llama, an OpenAI-style client (with .chat.completions.create) "
+        "or an ollama.Client"
     )

@@ -8,7 +8,9 @@ through it too. Two are built in:
 - :class:`LlamaBackend` — a ``llama_cpp.Llama`` in this process (:mod:`trimkit.backends.llama`);
 - :class:`OpenAIHTTPBackend` — an OpenAI-compatible server (llama.cpp server, Ollama, vLLM,
   SGLang, LM Studio), through the ``openai`` client or plain ``httpx``; :class:`ServerInfo`
-  is what it learned about the server (engine, version, context size, tokenizer endpoint).
+  is what it learned about the server (engine, version, context size, tokenizer endpoint);
+- :class:`OllamaBackend` — Ollama's native API (``/api/chat``) through an ``ollama.Client`` /
+  ``ollama.AsyncClient`` (:mod:`trimkit.backends.ollama`).
 
 ``trimkit.wrap()`` picks the backend for the client you pass; build one yourself to set its
 options (``OpenAIHTTPBackend(url, model=..., n_ctx=8192)``) and pass it to ``trimkit.wrap`` or
@@ -21,8 +23,9 @@ from typing import Any
 
 from trimkit.backends.base import Backend, Measurement, TimedStream
 from trimkit.backends.http import OpenAIHTTPBackend, ServerInfo
+from trimkit.backends.ollama import OllamaBackend
 
-__all__ = ["Backend", "Measurement", "TimedStream", "LlamaBackend", "OpenAIHTTPBackend", "ServerInfo"]
+__all__ = ["Backend", "Measurement", "TimedStream", "LlamaBackend", "OpenAIHTTPBackend", "OllamaBackend", "ServerInfo"]
 
 
 def __getattr__(name: str) -> Any:

@@ -12,15 +12,15 @@ from typing import Any, Literal
 
 from trimkit.backends.base import Backend
 
-__all__ = ["ClientKind", "client_kind", "is_llama", "is_openai_client", "client_is_async"]
+__all__ = ["ClientKind", "client_kind", "is_llama", "is_openai_client", "is_ollama_client", "client_is_async"]
 
 #: what :func:`client_kind` says a target is
-ClientKind = Literal["backend", "wrapper", "llama", "openai"]
+ClientKind = Literal["backend", "wrapper", "llama", "openai", "ollama"]
 
 
 def client_kind(target: Any) -> ClientKind | None:
     """What ``target`` is: a trimkit Backend, a trimkit wrapper (a Backend at ``.backend``), a
-    ``llama_cpp.Llama``, an OpenAI-style client; None: none of these. The one dispatch that
+    ``llama_cpp.Llama``, an OpenAI-style client, an ``ollama`` client; None: none of these. The one dispatch that
     ``wrap()`` and calibration both use."""
     if isinstance(target, Backend):
         return "backend"
@@ -30,6 +30,8 @@ def client_kind(target: Any) -> ClientKind | None:
         return "llama"
     if is_openai_client(target):
         return "openai"
+    if is_ollama_client(target):
+        return "ollama"
     return None
 
 
@@ -44,6 +46,16 @@ def is_openai_client(client: Any) -> bool:
     """An ``openai.OpenAI``-style client: anything with a callable ``.chat.completions.create``."""
     create = getattr(getattr(getattr(client, "chat", None), "completions", None), "create", None)
     return callable(create)
+
+
+def is_ollama_client(client: Any) -> bool:
+    """An ``ollama.Client`` / ``ollama.AsyncClient`` (or subclass): a ``chat`` method and the
+    ``httpx`` client it sends through (``._client``), from the ``ollama`` package."""
+    module = type(client).__module__ or ""
+    http = getattr(client, "_client", None)
+    httpx = sys.modules.get("httpx")
+    return (module.split(".")[0] == "ollama" and callable(getattr(client, "chat", None)) and httpx is not None
+            and isinstance(http, (httpx.Client, httpx.AsyncClient)))
 
 
 def client_is_async(client: Any) -> bool:

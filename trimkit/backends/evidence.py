@@ -19,17 +19,24 @@ from trimkit.backends.server_timings import ServerStats, build_measurement, dete
 from trimkit.backends.streams import StreamState
 from trimkit.tokens import reusable_prefix_len
 
-__all__ = ["ServerEvidence"]
+__all__ = ["ServerEvidence", "CACHE_REPORT_FLAGS"]
 
 log = logging.getLogger("trimkit")
+
+#: the server flag that makes an engine report its cached prompt tokens (without it the field is
+#: absent or ``null``: "not reported", never 0)
+CACHE_REPORT_FLAGS = {"vllm": "--enable-prompt-tokens-details", "sglang": "--enable-cache-report"}
 
 
 class ServerEvidence:
     """Cache and count evidence of one server. ``cache_block`` gives the engine's prefix-cache
     granularity (it may need the server's facts, so it is asked only when needed);
-    ``counts_exact`` whether trimkit's prompt counts are the server's own."""
+    ``counts_exact`` whether trimkit's prompt counts are the server's own; ``engine`` the engine
+    recognised (None: not yet known), so that one which reports counts but no cached tokens is
+    told, once, the flag that would make it (:data:`CACHE_REPORT_FLAGS`)."""
 
-    def __init__(self, url: str, cache_block: Callable[[], int], counts_exact: Callable[[], bool]) -> None:
+    def __init__(self, url: str, cache_block: Callable[[], int], counts_exact: Callable[[], bool],
+                 engine: Callable[[], str | None] = lambda: None) -> None:
         self.url = url
         self.cache_block = cache_block
         self.counts_exact = counts_exact  # is trimkit's prompt count the server's own?
@@ -39,6 +46,8 @@ class ServerEvidence:
         self.correction = 1.0
         self._samples = 0
         self._reuse_warned = False
+        self.engine = engine
+        self.flag_warned = False  # the cache-report flag was named
 
     def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         """The longest common prefix with the last prompt sent, rounded down to the engine's
@@ -57,16 +66,24 @@ class ServerEvidence:
         return int(round(counted_tokens * self.correction))
 
     def learn(self, sent: list[int] | None, predicted_cached: int, stats: ServerStats, truncated: int) -> None:
-        block = self.cache_block() if stats.cached_tokens == 0 else 1
+        block = self.cache_block() if stats.cached_tokens is not None and stats.cached_tokens <= 1 else 1
+        if stats.cached_tokens is None and stats.prompt_tokens is not None and not self.flag_warned:
+            flag = CACHE_REPORT_FLAGS.get(self.engine() or "")
+            if flag is not None:
+                self.flag_warned = True
+                log.warning("trimkit: %s (%s) reports prompt tokens but not how many it reused from its prefix cache: start it with %s "
+                            "so that reports show the cached tokens (until then they read n/a, never 0)", self.url, self.engine(), flag)
         with self.lock:
             if stats.cached_tokens is not None:
-                if stats.cached_tokens > 0:
+                # one token kept is no reuse: llama-server keeps the BOS of a prompt it re-processes in full
+                if stats.cached_tokens > 1:
                     self.prefix_reuse = True
                 elif predicted_cached >= max(32, 2 * block):
                     if not self._reuse_warned:
-                        log.warning("trimkit: %s reused no cached tokens although %d matched the previous prompt "
-                                    "(sliding-window model or prefix caching off?); predicting no reuse from now on",
-                                    self.url, predicted_cached)
+                        cure = ("a sliding-window model (Gemma 2/3, ...) re-prefills every turn unless llama-server is started with "
+                                "--swa-full" if self.engine() == "llama.cpp" else "sliding-window model or prefix caching off?")
+                        log.warning("trimkit: %s reused no cached tokens although %d matched the previous prompt (%s); predicting "
+                                    "no reuse from now on", self.url, predicted_cached, cure)
                         self._reuse_warned = True
                     self.prefix_reuse = False
             if sent is not None and stats.prompt_tokens and not truncated:
@@ -79,16 +96,19 @@ class ServerEvidence:
 
     def measure(self, stats: ServerStats, *, ttft_s: float | None, total_s: float, client_decode_s: float | None,
                 sent: list[int] | None, predicted_cached: int, finish_reason: str | None, content_chunks: int | None,
-                first_output_s: float | None = None) -> Measurement:
+                first_output_s: float | None = None, context_tokens: int | None = None) -> Measurement:
         """The measurement of one request (and what it teaches, learned). An estimated count is
-        compared with the server's after correction, and only a clear shortfall is truncation."""
+        compared with the server's after correction, and only a clear shortfall is truncation —
+        or a prompt counted over ``context_tokens`` (the window the request ran in, when trimkit
+        set it) of which the server took in no more than the window."""
         exact = self.counts_exact()
         sent_n = len(sent) if sent is not None else None
         if exact or sent_n is None:
-            truncated = detect_truncation(sent_n, stats, predicted_cached=predicted_cached)
+            truncated = detect_truncation(sent_n, stats, predicted_cached=predicted_cached, context_tokens=context_tokens)
         else:
             expected = self.corrected_count(sent_n)
-            truncated = detect_truncation(expected, stats, predicted_cached=predicted_cached, tolerance_tokens=max(32, expected // 4))
+            truncated = detect_truncation(expected, stats, predicted_cached=predicted_cached, tolerance_tokens=max(32, expected // 4),
+                                          context_tokens=context_tokens)
         self.learn(sent, predicted_cached, stats, truncated)
         extra: dict[str, Any] = {
             "predicted_cached_tokens": predicted_cached,

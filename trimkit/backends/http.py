@@ -21,9 +21,10 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import attrs
 import httpx
 
 from trimkit.backends.base import Backend, Clock, Measurement, TimedStream
@@ -34,8 +35,9 @@ from trimkit.backends.evidence import ServerEvidence
 from trimkit.backends.faults import TRANSIENT_STATUSES
 from trimkit.backends.limits import Deadline, RequestLimits, Wait, awith_retries
 from trimkit.backends.llama_format import chat_format_renderer
-from trimkit.backends.probes import MAX_PROBE_TEXT_BYTES, PROBE_WORDS_PER_TOKEN, ServerProbes
+from trimkit.backends.probes import MAX_PROBE_TEXT_BYTES, PROBE_WORDS_PER_TOKEN, DelegatedProbes, ServerProbes
 from trimkit.backends.replies import parse_completion
+from trimkit.backends.server_timings import parse_server_stats
 from trimkit.backends.server import ServerInfo, probe_server, server_prompt_tokenizer
 from trimkit.backends.streams import AsyncTimedStream, StreamState, aread_chunks, read_chunks, timed_stream
 from trimkit.backends.transport import HTTPTransport, Opened, normalize_base_url, url_credentials, without_retries
@@ -54,7 +56,7 @@ def _limit(name: str, doc: str) -> property:
     return property(lambda self: getattr(self.limits, name), lambda self, value: setattr(self.limits, name, value), doc=doc)
 
 
-class OpenAIHTTPBackend(Backend):
+class OpenAIHTTPBackend(DelegatedProbes, Backend):
     """An OpenAI-compatible endpoint. Use when the model is served by llama.cpp server, vLLM,
     SGLang, Ollama or llama-cpp-python's server rather than loaded in-process.
 
@@ -118,7 +120,8 @@ class OpenAIHTTPBackend(Backend):
         #: replaces :meth:`predict_cached_tokens`' evidence when set (``cache_view(prompt_tokens) -> int``)
         self.cache_view: Callable[[Sequence[int]], int] | None = None
         self._include_usage = True  # cleared if the server refuses stream_options
-        self.evidence = ServerEvidence(self.base_url, lambda: self.cache_block_tokens, self._counts_exact)
+        self.evidence = ServerEvidence(self.base_url, lambda: self.cache_block_tokens, self._counts_exact,
+                                       engine=lambda: self._info.engine if self._info is not None else None)
         self.probes = ServerProbes(self)
 
     @classmethod
@@ -318,14 +321,72 @@ class OpenAIHTTPBackend(Backend):
         return self.transport.retried(attempt, deadline, self.base_url)
 
     def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
-             retry_deadline_s: float | None = None, deadline_s: float | None = None) -> TimedStream:
+             retry_deadline_s: float | None = None, deadline_s: float | None = None, watch: Any = None) -> TimedStream:
         """Stream a chat request. The request goes out on the first ``next()`` (that is when
         the TTFT clock starts); it is retried on transient failures until ``retry_deadline_s``
         but never after the first chunk. ``deadline_s`` (else the instance's ``deadline_s``)
         also bounds every wait before the first chunk: past it, ServerTimeoutError. Yields plain
         dicts (URL form) or the client's own chunk objects; the usage-only chunk trimkit adds
-        with ``stream_options`` is not yielded."""
+        with ``stream_options`` is not yielded. ``watch``: the driver of a watched prefill
+        (:class:`~trimkit.pipeline.WatchedPrefill`, llama-server only: :attr:`evaluate_to`):
+        the prompt is prefilled in steps first, re-planned if its pace says the first token would
+        come too late, and the chat request then finds all of it in the slot's cache."""
+        if watch is not None:
+            return self._watched_stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s, watch)
         return self._stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s)[0]
+
+    # -- the watched prefill over llama-server (trimkit.pipeline.WatchedPrefill) ----------------------
+    @property
+    def evaluate_to(self) -> Callable[[Sequence[int], int], tuple[float, int]] | None:
+        """One step of a watched prefill — the server's slot made to hold ``tokens[:end]``, by a
+        ``/completion`` of those token ids with ``n_predict: 0`` (evaluated and cached, nothing
+        generated) — returning (seconds the step took, where the server's evaluation started:
+        its ``timings.cache_n``). Only for llama.cpp's ``llama-server`` with exact counts (its
+        tokenizer and chat template, so the steps are the prompt the chat request renders) whose
+        ``/props`` names its build (llama-server's own, not a server that only shares its
+        tokenize endpoints), and a sync client; None elsewhere: those requests are planned once,
+        before sending."""
+        info = self.server_info()
+        if info.engine != "llama.cpp" or not info.engine_version.startswith("llama.cpp ") or self.client_is_async or not self.prompt_count_exact:
+            return None
+        return self._evaluate_step
+
+    def _evaluate_step(self, tokens: Sequence[int], end: int, deadline: Deadline | None = None) -> tuple[float, int]:
+        body = {"prompt": [int(t) for t in tokens[:end]], "n_predict": 0, "cache_prompt": True}
+        started = self.clock()
+        reply = self.transport.request_json("POST", self.root_url + "/completion", body, deadline=deadline or self.limits.deadline())
+        seconds = self.clock() - started
+        stats = parse_server_stats(reply, strict=True)
+        with self.evidence.lock:  # what the slot holds now: the cache predictions of a re-plan start from it
+            self.evidence.last_prompt = [int(t) for t in tokens[:end]]
+        return seconds, min(stats.cached_tokens or 0, end)
+
+    def _watched_stream(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], prompt_tokens: Sequence[int] | None,
+                        retry_deadline_s: float | None, deadline_s: float | None, watch: Any) -> TimedStream:
+        """:meth:`send` with the prompt prefilled in steps first (the TTFT clock runs from the
+        first step): the chat request that follows names what the watch returned."""
+        deadline = self.limits.deadline(retry_deadline_s, deadline_s)
+        state = StreamState(self.base_url, deadline=deadline)
+        decided: dict[str, ChatCall] = {}
+
+        def step(tokens: Sequence[int], end: int) -> tuple[float, int]:
+            return self._evaluate_step(tokens, end, deadline)
+
+        def chunks() -> Iterator[Any]:
+            planned = list(prompt_tokens) if prompt_tokens is not None else self.tokenizer.prompt_tokens(messages, params.get("tools"))
+            to_send, tokens = watch(step, self.clock, self.predict_cached_tokens(planned))
+            call = self._call(to_send, params, tokens, deadline, stream=True)
+            # the steps left the whole prompt in the slot: all of it but the token llama.cpp re-evaluates
+            call = attrs.evolve(call, predicted=max(len(call.sent) - 1, 0))
+            decided["call"] = call
+            state.hide_usage_chunk = call.hide_usage
+            yield from read_chunks(lambda: self._open("/chat/completions", call.body, state, call.deadline, self.send_client), state)
+
+        def measure(state: StreamState, ts: TimedStream) -> Measurement:
+            call = decided["call"]
+            return self.evidence.stream_measure(call.sent, call.predicted, self.clock)(state, ts)
+
+        return timed_stream(chunks(), state, self.clock, measure)
 
     def complete(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
                  measure_ttft: bool = True, retry_deadline_s: float | None = None, deadline_s: float | None = None) -> tuple[Any, Measurement]:
@@ -420,15 +481,3 @@ class OpenAIHTTPBackend(Backend):
         """A short chat request as a calibration probe: over httpx when the client is async
         (a probe runs synchronously), never bounded by a deadline."""
         return self._stream(messages, params, None, None, via_url=self.client_is_async, probe=True)[0].drain()
-
-    def warm_up(self) -> None:
-        self.probes.warm_up()
-
-    def measure_prefill(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        return self.probes.measure_prefill(new_tokens, cached_tokens)
-
-    def measure_decode(self, n_tokens: int = 32) -> float:
-        return self.probes.measure_decode(n_tokens)
-
-    def measure_first_token_overhead(self) -> float:
-        return self.probes.measure_first_token_overhead()

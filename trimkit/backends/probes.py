@@ -20,7 +20,7 @@ from trimkit.backends.base import Measurement, first_token_overhead_s, probe_tex
 from trimkit.errors import CalibrationError, ContextTooSmallError, InvalidInputError
 from trimkit.tokens import PromptTokenizer
 
-__all__ = ["MAX_PROBE_TEXT_BYTES", "PROBE_WORDS_PER_TOKEN", "ProbedServer", "ServerProbes", "default_probe_text"]
+__all__ = ["DelegatedProbes", "MAX_PROBE_TEXT_BYTES", "PROBE_WORDS_PER_TOKEN", "ProbedServer", "ServerProbes", "default_probe_text"]
 
 log = logging.getLogger("trimkit")
 
@@ -186,3 +186,23 @@ class ServerProbes:
             return m.engine_prefill_s if m.engine_prefill_s is not None else self.measure_prefill(max(m.prompt_tokens or 1, 1))
 
         return first_token_overhead_s((probe(i) for i in range(3)), prefill_s)
+
+
+class DelegatedProbes:
+    """The calibration probes of a server backend, delegated to its :class:`ServerProbes`
+    (``self.probes``): mixed in before :class:`~trimkit.backends.base.Backend` by the HTTP and
+    Ollama backends."""
+
+    probes: ServerProbes
+
+    def warm_up(self) -> None:
+        self.probes.warm_up()
+
+    def measure_prefill(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        return self.probes.measure_prefill(new_tokens, cached_tokens)
+
+    def measure_decode(self, n_tokens: int = 32) -> float:
+        return self.probes.measure_decode(n_tokens)
+
+    def measure_first_token_overhead(self) -> float:
+        return self.probes.measure_first_token_overhead()

@@ -1,6 +1,6 @@
 """What a server is, learned once by asking it: which engine and version, its ``n_ctx``, its
 models, and whether it has a tokenizer endpoint (llama.cpp's ``/tokenize`` + ``/apply-template``,
-llama-cpp-python's ``/extras/tokenize``) — :func:`probe_server` gives a :class:`ServerInfo`. With
+llama-cpp-python's ``/extras/tokenize``, vLLM's ``/tokenize`` taking ``messages``) — :func:`probe_server` gives a :class:`ServerInfo`. With
 one, prompts are counted by the server itself (:class:`ServerTokenizer`,
 :func:`server_prompt_tokenizer`); without, with tiktoken and a chat-template estimate.
 
@@ -11,7 +11,9 @@ every reply is parsed by :mod:`trimkit.backends.server_facts`.
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -23,6 +25,7 @@ from trimkit.backends.server_facts import (
     parse_models,
     parse_openapi_version,
     parse_props,
+    parse_props_switches,
     parse_template,
     parse_tokens,
     parse_version,
@@ -36,6 +39,8 @@ log = logging.getLogger("trimkit")
 #: special tokens a tokenizer may add beyond two per byte of text
 TOKENIZE_SLACK = 16
 _BOS_TEXTS = ("<s>", "<bos>", "<|begin_of_text|>")
+#: how many rendered prompts' tokens a vLLM tokenizer keeps (the planner renders a few per call)
+_RENDERED_KEPT = 16
 
 RequestJSON = Callable[..., Any]
 Render = Callable[..., str]
@@ -52,6 +57,7 @@ class ServerInfo:
     tokenize_endpoint: str | None = None  # "/tokenize", "/extras/tokenize" or None
     apply_template: bool = False
     bos_prefix: tuple[int, ...] = ()  # what /extras/tokenize prepends to every text
+    metrics_off: bool = False  # llama.cpp's /props says /metrics is off (started without --metrics)
 
 
 def engine_of(owned_by: str, tokenize_endpoint: str | None) -> str:
@@ -80,7 +86,12 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
     models = parse_models(request_json("GET", base_url + "/models", missing_ok=True, deadline=deadline))
     n_ctx = models.n_ctx
     version = ""
-    props_n_ctx, build_info = parse_props(request_json("GET", root_url + "/props", missing_ok=True))
+    props = request_json("GET", root_url + "/props", missing_ok=True)
+    props_n_ctx, build_info = parse_props(props)
+    switches = parse_props_switches(props)
+    if switches.get("is_sleeping"):
+        log.warning("trimkit: %s is sleeping (/props is_sleeping: it unloaded the model, --sleep-idle-seconds): the next request "
+                    "pays a model load, which is no prefill and counts in its TTFT", base_url)
     if props_n_ctx is not None:
         n_ctx = props_n_ctx
     if build_info:
@@ -88,6 +99,16 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
     if not version:
         version = parse_version(request_json("GET", root_url + "/version", missing_ok=True))
     tokenize_endpoint, bos_prefix = None, ()
+    apply_template = False
+    if "vllm" in models.owned_by:  # vLLM's /tokenize takes a prompt or the messages (it renders them itself)
+        probe = request_json("POST", root_url + "/tokenize", {"prompt": "", "add_special_tokens": True} | _model_field(model), missing_ok=True)
+        if is_tokenize_reply(probe):
+            parse_tokens(probe, what="/tokenize reply", max_tokens=TOKENIZE_SLACK)
+            tokenize_endpoint, apply_template = "/tokenize", True
+        info = ServerInfo(engine="vllm", engine_version=version, model_ids=models.ids, n_ctx=n_ctx, tokenize_endpoint=tokenize_endpoint,
+                          apply_template=apply_template)
+        log.debug("trimkit: server %s is %s", base_url, info)
+        return info
     probe = request_json("POST", root_url + "/tokenize", {"content": "", "add_special": True, "parse_special": True}, missing_ok=True)
     if is_tokenize_reply(probe):
         parse_tokens(probe, what="/tokenize reply", max_tokens=TOKENIZE_SLACK)
@@ -97,14 +118,14 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
         if is_tokenize_reply(probe):
             tokenize_endpoint = "/extras/tokenize"
             bos_prefix = tuple(parse_tokens(probe, what="/extras/tokenize reply", max_tokens=TOKENIZE_SLACK))
-    apply_template = False
     if tokenize_endpoint == "/tokenize":
         rendered = request_json("POST", root_url + "/apply-template", {"messages": [{"role": "user", "content": "x"}]}, missing_ok=True)
         apply_template = isinstance(rendered, Mapping) and isinstance(rendered.get("prompt"), str)
     if not version and tokenize_endpoint == "/extras/tokenize":
         version = parse_openapi_version(request_json("GET", root_url + "/openapi.json", missing_ok=True))
     info = ServerInfo(engine=engine_of(models.owned_by, tokenize_endpoint), engine_version=version, model_ids=models.ids, n_ctx=n_ctx,
-                      tokenize_endpoint=tokenize_endpoint, apply_template=apply_template, bos_prefix=bos_prefix)
+                      tokenize_endpoint=tokenize_endpoint, apply_template=apply_template, bos_prefix=bos_prefix,
+                      metrics_off=switches.get("endpoint_metrics") is False)
     log.debug("trimkit: server %s is %s", base_url, info)
     return info
 
@@ -120,6 +141,10 @@ class ServerTokenizer:
         self.info = info
         self.model = model
         self.name = f"server{info.tokenize_endpoint}:{info.engine}"
+        #: vLLM: the tokens of the prompts :meth:`render` made, by text (its chat path tokenizes
+        #: the rendered prompt without adding special tokens; a raw completion adds them)
+        self._rendered: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        self._lock = threading.Lock()
 
     def encode(self, text: str) -> list[int]:
         """The tokens of a piece of text (no BOS)."""
@@ -130,10 +155,17 @@ class ServerTokenizer:
         return self.tokenize(text, whole_prompt=True)
 
     def tokenize(self, text: str, *, whole_prompt: bool) -> list[int]:
+        if whole_prompt and self._rendered:
+            with self._lock:
+                known = self._rendered.get(text)
+            if known is not None:
+                return list(known)
         # a tokenizer gives at most a token or two per byte (byte fallback), plus special tokens
         most = 2 * len(text.encode("utf-8", "replace")) + TOKENIZE_SLACK
         if self.info.tokenize_endpoint == "/tokenize":
             body = {"content": text, "add_special": whole_prompt, "parse_special": True}
+            if self.info.engine == "vllm":
+                body = {"prompt": text, "add_special_tokens": whole_prompt} | _model_field(self.model)
             tokens = parse_tokens(self.request_json("POST", self.root_url + "/tokenize", body), what="/tokenize reply", max_tokens=most)
             if whole_prompt and len(tokens) > 1 and tokens[0] == tokens[1] and text.startswith(_BOS_TEXTS):
                 tokens = tokens[1:]  # the template wrote BOS and the tokenizer added another
@@ -147,11 +179,23 @@ class ServerTokenizer:
         return tokens
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
-        """The prompt the server's chat template makes of ``messages`` (``/apply-template``)."""
+        """The prompt the server's chat template makes of ``messages``: llama.cpp's
+        ``/apply-template``; vLLM's ``/tokenize`` with ``messages`` (its template, with the
+        generation prompt), turned back into text by its ``/detokenize``."""
         body: dict[str, Any] = {"messages": list(messages)}
         if tools:
             body["tools"] = tools
-        return parse_template(self.request_json("POST", self.root_url + "/apply-template", body))
+        if self.info.engine != "vllm":
+            return parse_template(self.request_json("POST", self.root_url + "/apply-template", body))
+        body |= {"add_generation_prompt": True} | _model_field(self.model)
+        most = 2 * sum(len(str(m.get("content") or "").encode("utf-8", "replace")) + 64 for m in messages) + 4 * len(str(tools or "")) + TOKENIZE_SLACK
+        tokens = parse_tokens(self.request_json("POST", self.root_url + "/tokenize", body), what="/tokenize reply", max_tokens=most)
+        text = parse_template(self.request_json("POST", self.root_url + "/detokenize", {"tokens": tokens} | _model_field(self.model)))
+        with self._lock:
+            self._rendered[text] = tokens
+            while len(self._rendered) > _RENDERED_KEPT:
+                self._rendered.popitem(last=False)
+        return text
 
 
 def server_prompt_tokenizer(request_json: RequestJSON, root_url: str, info: ServerInfo, model: str | None, *,

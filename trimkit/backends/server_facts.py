@@ -19,6 +19,7 @@ __all__ = [
     "ModelList",
     "parse_models",
     "parse_props",
+    "parse_props_switches",
     "parse_version",
     "parse_openapi_version",
     "is_tokenize_reply",
@@ -118,6 +119,23 @@ def parse_props(body: Any) -> tuple[int | None, str]:
     if n_ctx is None:
         n_ctx = _context_size(body.get("n_ctx"), what, "n_ctx")
     return n_ctx, _version_text(body.get("build_info"), what, "build_info")
+
+
+def parse_props_switches(body: Any) -> dict[str, bool]:
+    """The switches llama.cpp's ``/props`` reports, those it says: ``is_sleeping`` (it unloaded
+    the model after ``--sleep-idle-seconds``; the next request pays a load), ``endpoint_metrics``
+    (``--metrics``), ``endpoint_slots``. Empty when the body is not an object."""
+    if not isinstance(body, Mapping):
+        return {}
+    out: dict[str, bool] = {}
+    for key in ("is_sleeping", "endpoint_metrics", "endpoint_slots"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            fail("/props reply", key, "a boolean", value)
+        out[key] = value
+    return out
 
 
 def parse_version(body: Any) -> str:

@@ -276,6 +276,7 @@ def detect_truncation(
     *,
     predicted_cached: int = 0,
     tolerance_tokens: int = 0,
+    context_tokens: int | None = None,
 ) -> int:
     """Prompt tokens the server silently dropped: ``sent_tokens`` (trimkit's count) minus what
     the server says it took in, when that exceeds ``tolerance_tokens`` (use 0 only when the
@@ -283,7 +284,10 @@ def detect_truncation(
     server did not say.
 
     When the server gives only the evaluated count (Ollama without a cached count), the tokens
-    trimkit predicted to be cached are added to it.
+    trimkit predicted to be cached are added to it. ``context_tokens``: the context window the
+    request ran in (Ollama's ``num_ctx``, which trimkit set); a prompt counted over it of which
+    the server took in no more than the window was cut, whatever the tolerance (an estimated
+    count's tolerance would hide a cut of a prompt just over the window).
     """
     if sent_tokens is None:
         return 0
@@ -293,7 +297,8 @@ def detect_truncation(
     if seen is None:
         return 0
     missing = sent_tokens - seen
-    if missing <= tolerance_tokens:
+    over_window = context_tokens is not None and sent_tokens > context_tokens >= seen
+    if missing <= tolerance_tokens and not over_window:
         return 0
     log.warning(
         "trimkit: the server took in %d prompt tokens but trimkit sent %d: %d tokens were silently "
