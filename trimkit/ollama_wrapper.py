@@ -102,7 +102,7 @@ class OllamaStream:
 
     def __next__(self) -> Any:
         try:
-            return next(self.inner)  # type: ignore[call-overload]
+            return next(self.inner)  # type: ignore[arg-type]
         except StopIteration:
             self._check()
             raise
@@ -207,7 +207,7 @@ class AsyncTrimmedOllama(TrimmedOllama):
 
     is_async = True
 
-    async def chat(self, model: str = "", messages: Any = None, **kwargs: Any) -> Any:  # type: ignore[override]
+    async def chat(self, model: str = "", messages: Any = None, **kwargs: Any) -> Any:
         import asyncio
 
         prepared, params, stream = await asyncio.to_thread(self._prepare, model, messages, kwargs)

@@ -336,7 +336,7 @@ class TrimmedOpenAI(OpenAIFrontEnd):
         """Send a prepared request; a stream of the client's chunks that reports when done."""
         # a budgeted request to a llama-server is watched while it prefills (OpenAIHTTPBackend.evaluate_to)
         watch = self.pipeline.watched(prepared)
-        extra = {"watch": watch} if watch is not None else {}
+        extra: dict[str, Any] = {"watch": watch} if watch is not None else {}
         ts = self.backend.send(prepared.messages, send_params(params), **self._stream_args(prepared), **extra)
         prepared = self.pipeline.sent(prepared)
         if watch is not None:
