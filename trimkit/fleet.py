@@ -58,9 +58,8 @@ from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.server_load import ServerLoadReader
 from trimkit.backends.transport import normalize_base_url
 from trimkit.errors import InvalidInputError
-from trimkit.fleet_endpoint import FleetEndpoint, FleetOverloadedError, FleetUnavailableError
+from trimkit.fleet_endpoint import FleetEndpoint, FleetOverloadedError, FleetUnavailableError, Health
 from trimkit.fleet_frontend import AsyncFleetFrontEnd, AsyncFleetStream, FleetBase, FleetFrontEnd, FleetStream
-from trimkit.fleet_endpoint import Health
 from trimkit.openai_wrapper import AsyncTrimmedOpenAI, OpenAIFrontEnd, TrimmedOpenAI, split_backend_kwargs
 from trimkit.openai_wrapper import wrap_url as wrap_one_url
 from trimkit.profile import Profile

@@ -37,8 +37,8 @@ from trimkit.backends.limits import Deadline, RequestLimits, Wait, awith_retries
 from trimkit.backends.llama_format import chat_format_renderer
 from trimkit.backends.probes import MAX_PROBE_TEXT_BYTES, PROBE_WORDS_PER_TOKEN, DelegatedProbes, ServerProbes
 from trimkit.backends.replies import parse_completion
-from trimkit.backends.server_timings import parse_server_stats
 from trimkit.backends.server import ServerInfo, probe_server, server_prompt_tokenizer
+from trimkit.backends.server_timings import parse_server_stats
 from trimkit.backends.streams import AsyncTimedStream, StreamState, aread_chunks, read_chunks, timed_stream
 from trimkit.backends.transport import HTTPTransport, Opened, normalize_base_url, url_credentials, without_retries
 from trimkit.errors import InvalidInputError, ServerError

@@ -19,9 +19,9 @@ import httpx
 
 from trimkit.backends.base import Clock, Measurement, TimedStream
 from trimkit.backends.faults import empty_stream_error, is_transport_failure, undecodable
+from trimkit.backends.limits import Deadline
 from trimkit.backends.replies import Reply, parse_chunk, parse_completion
 from trimkit.backends.transport import END, Opened
-from trimkit.backends.limits import Deadline
 from trimkit.errors import ServerTimeoutError, StreamInterruptedError, TrimkitError
 
 __all__ = ["StreamState", "read_chunks", "aread_chunks", "timed_stream", "AsyncTimedStream"]
