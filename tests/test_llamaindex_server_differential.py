@@ -19,6 +19,7 @@ import asyncio
 import json
 
 import httpx
+import openai
 import pytest
 
 try:
@@ -34,6 +35,7 @@ except ImportError as exc:  # the dev extra is part of the suite's set-up: fail,
     raise ImportError(f"tests/test_llamaindex_server_differential.py needs the dev extra's LlamaIndex packages "
                       f"(llama-index-llms-openai-like, pinned in constraints.txt): {exc}") from exc
 
+import trimkit
 from trimkit.integrations.llamaindex import TrimkitPostprocessor, TrimmedLLM
 
 MAX_TOKENS = 32
@@ -205,10 +207,12 @@ def test_async_and_streamed_tool_calls_end_as_the_raw_llm_s(raw, wrapped):
 
 
 def test_a_tool_turn_goes_back_to_the_server_as_the_raw_llm_sends_it(raw, wrapped):
-    """The assistant's tool-call message (built by the raw LLM's own conversion) and its result in
-    the history of the next call: both arms send it, and answer the same."""
+    """The assistant's tool-call message (as the raw LLM's own conversion builds it) and its result
+    in the history of the next call: both arms send it, and end the same way — the same answer,
+    or, where llama-cpp-python's server refuses an assistant turn holding only tool calls (a 500),
+    the same ``openai`` error: the wrapped one is also trimkit's ``ServerError``."""
     tool = FunctionTool.from_defaults(fn=lookup_record)
-    answers = {}
+    outcomes = {}
     for arm, llm in (("raw", raw), ("wrapped", wrapped)):
         call = llm.chat_with_tools([tool], user_msg="Look up the lighthouse.", tool_choice="lookup_record")
         selection = llm.get_tool_calls_from_response(call)[0]
@@ -216,10 +220,13 @@ def test_a_tool_turn_goes_back_to_the_server_as_the_raw_llm_sends_it(raw, wrappe
                    ChatMessage(role=MessageRole.TOOL, content=lookup_record(**selection.tool_kwargs),
                                additional_kwargs={"tool_call_id": selection.tool_id, "name": selection.tool_name})]
         try:
-            answers[arm] = llm.chat(history + [ChatMessage(role=MessageRole.USER, content="When was it lit?")]).message.content
-        except Exception as exc:  # llama-cpp-python's server may refuse an assistant turn holding only tool calls
-            answers[arm] = f"refused: {exc}"[:80] if arm == "raw" else "refused"
-    assert answers["wrapped"] == answers["raw"] or answers["raw"].startswith("refused") and answers["wrapped"] == "refused", answers
+            outcomes[arm] = llm.chat(history + [ChatMessage(role=MessageRole.USER, content="When was it lit?")]).message.content
+        except openai.APIError as exc:
+            openai_type = next(t for t in type(exc).__mro__ if t.__module__.startswith("openai"))
+            outcomes[arm] = (openai_type, getattr(exc, "status_code", None))
+            if arm == "wrapped":
+                assert isinstance(exc, trimkit.errors.ServerError) and exc.status == exc.status_code
+    assert outcomes["wrapped"] == outcomes["raw"]
 
 
 # -- the node postprocessor in a real query engine ----------------------------------------------------

@@ -28,6 +28,7 @@ what trimkit counts: a ``LlamaCPP``'s own ``messages_to_prompt`` is not used.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -53,9 +54,11 @@ from llama_index.core.llms.llm import ToolSelection
 
 from trimkit.backends.completion import assemble_chat_completion
 from trimkit.backends.replies import parse_chunk
+from trimkit.errors import BackendError
 from trimkit.frontend import usage_counts
 from trimkit.integrations.llamaindex_convert import is_node, node_chunk, reply_message, to_openai_messages, tool_selections
 from trimkit.integrations.llamaindex_engine import Engine, engine_of, send
+from trimkit.integrations.openai_errors import as_openai_error
 from trimkit.validation import budget as valid_budget
 
 __all__ = ["TrimmedLLM", "StreamReplies"]
@@ -297,14 +300,29 @@ class TrimmedLLM(FunctionCallingLLM):
         self._last = (replies.stream.report, replies.stream.prepared, replies.layer_s)
         return final
 
+    @contextlib.contextmanager
+    def _inner_errors(self) -> Iterator[None]:
+        """Where the wrapped LLM is an ``OpenAI`` / ``OpenAILike``, trimkit's server errors are
+        raised as the ``openai`` errors its client raises for the same failure (still trimkit's:
+        the type subclasses both; :func:`~trimkit.integrations.openai_errors.as_openai_error`)."""
+        try:
+            yield
+        except BackendError as exc:
+            if not openai_family(self._engine.inner):
+                raise
+            base = self._engine.url[0] if self._engine.url is not None else "http://localhost/v1"
+            raise as_openai_error(exc, base.rstrip("/") + "/chat/completions") from exc
+
     def _open(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> StreamReplies:
         call, layer = self._call(messages, kwargs)
-        return self._replies(send(self._engine.front_end, call), layer)
+        with self._inner_errors():
+            return self._replies(send(self._engine.front_end, call), layer)
 
     def _responses(self, replies: StreamReplies) -> Iterator[ChatResponse]:
         try:
-            for chunk in replies.stream:
-                yield replies.step(chunk)
+            with self._inner_errors():
+                for chunk in replies.stream:
+                    yield replies.step(chunk)
             yield self._finish(replies)
         finally:
             replies.stream.close()
@@ -312,8 +330,9 @@ class TrimmedLLM(FunctionCallingLLM):
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
         replies = self._open(messages, kwargs)
         try:
-            for _ in replies.stream:
-                pass
+            with self._inner_errors():
+                for _ in replies.stream:
+                    pass
         finally:
             replies.stream.close()
         return self._finish(replies)
@@ -333,7 +352,8 @@ class TrimmedLLM(FunctionCallingLLM):
         if front is None:
             return await asyncio.to_thread(self._open, messages, kwargs), False
         call, layer = self._call(messages, kwargs)
-        return self._replies(await send(front, call), layer), True
+        with self._inner_errors():
+            return self._replies(await send(front, call), layer), True
 
     async def _aresponses(self, replies: StreamReplies, is_async: bool) -> AsyncIterator[ChatResponse]:
         if not is_async:
@@ -345,8 +365,9 @@ class TrimmedLLM(FunctionCallingLLM):
                 await asyncio.to_thread(sync.close)
             return
         try:
-            async for chunk in replies.stream:
-                yield replies.step(chunk)
+            with self._inner_errors():
+                async for chunk in replies.stream:
+                    yield replies.step(chunk)
             yield self._finish(replies)
         finally:
             await replies.stream.close()
@@ -356,10 +377,12 @@ class TrimmedLLM(FunctionCallingLLM):
         if front is None:
             return await asyncio.to_thread(self._chat, messages, kwargs)
         call, layer = self._call(messages, kwargs)
-        replies = self._replies(await send(front, call), layer)
+        with self._inner_errors():
+            replies = self._replies(await send(front, call), layer)
         try:
-            async for _ in replies.stream:
-                pass
+            with self._inner_errors():
+                async for _ in replies.stream:
+                    pass
         finally:
             await replies.stream.close()
         return self._finish(replies)
