@@ -28,9 +28,11 @@ try:
     from llama_index.core.embeddings import MockEmbedding
     from llama_index.core.instrumentation import get_dispatcher
     from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+    from llama_index.core.prompts import PromptTemplate
     from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
     from llama_index.core.tools import FunctionTool
     from llama_index.llms.openai_like import OpenAILike
+    from pydantic import BaseModel
 except ImportError as exc:  # the dev extra is part of the suite's set-up: fail, do not skip
     raise ImportError(f"tests/test_llamaindex_server_differential.py needs the dev extra's LlamaIndex packages "
                       f"(llama-index-llms-openai-like, pinned in constraints.txt): {exc}") from exc
@@ -227,6 +229,36 @@ def test_a_tool_turn_goes_back_to_the_server_as_the_raw_llm_sends_it(raw, wrappe
             if arm == "wrapped":
                 assert isinstance(exc, trimkit.errors.ServerError) and exc.status == exc.status_code
     assert outcomes["wrapped"] == outcomes["raw"]
+
+
+class Colour(BaseModel):
+    name: str
+
+
+def _outcome(call) -> object:
+    """What a call returned, or the kind of error it raised (its ``openai`` type where it has one)."""
+    try:
+        return call()
+    except Exception as exc:
+        return next((t for t in type(exc).__mro__ if t.__module__.startswith("openai")), ValueError if isinstance(exc, ValueError) else type(exc))
+
+
+def test_structured_predict_ends_as_the_raw_llm_s(raw, wrapped, llama_server, served_model):
+    """``OpenAI.structured_predict`` asks for a forced tool call (``tool_choice="required"``: LlamaIndex's
+    program drops a ``tool_choice`` of the call's), or, with ``should_use_structured_outputs``, for a
+    ``response_format``. Both arms end the same way, whatever the server and the model make of it: an
+    object, or the same kind of error (llama-cpp-python's gemma-3 format does not constrain
+    ``"required"``, and its server refuses ``json_schema`` response formats)."""
+    prompt = PromptTemplate("Name the colour of {what}.")
+    schema_raw = openai_like(llama_server, served_model, is_function_calling_model=True, should_use_structured_outputs=True)
+    schema_wrapped = TrimmedLLM(schema_raw, ttft_budget_s=NO_BUDGET, profile=wrapped.trimkit_chat.profile, chat_format="gemma-3")
+    outcomes = {}
+    for arm, llm, schema_llm in (("raw", raw, schema_raw), ("wrapped", wrapped, schema_wrapped)):
+        outcomes[arm] = (_outcome(lambda llm=llm: llm.structured_predict(Colour, prompt, what="the sea")),
+                         _outcome(lambda llm=llm: asyncio.run(llm.astructured_predict(Colour, prompt, what="grass"))),
+                         _outcome(lambda llm=schema_llm: llm.structured_predict(Colour, prompt, what="the sky")))
+    assert outcomes["wrapped"] == outcomes["raw"]
+    assert outcomes["raw"][2] is not ValueError  # the response_format was sent, not a tool call
 
 
 # -- the node postprocessor in a real query engine ----------------------------------------------------

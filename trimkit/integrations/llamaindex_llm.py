@@ -51,6 +51,8 @@ from llama_index.core.constants import DEFAULT_NUM_OUTPUTS
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.prompts import PromptTemplate
+from llama_index.core.types import Model
 
 from trimkit.backends.completion import assemble_chat_completion
 from trimkit.backends.replies import parse_chunk
@@ -434,6 +436,40 @@ class TrimmedLLM(FunctionCallingLLM):
                 yield _as_completion(r)
 
         return gen()
+
+    # -- structured outputs --------------------------------------------------------------------------
+    def _structured_kwargs(self, output_cls: type[Model], llm_kwargs: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+        """``llm_kwargs`` as an ``OpenAI`` / ``OpenAILike`` makes them for a structured prediction,
+        and whether it asks for a ``response_format`` (its ``should_use_structured_outputs``)
+        rather than a forced tool call (``tool_choice="required"`` unless the call names one)."""
+        kwargs = dict(llm_kwargs or {})
+        inner = self._engine.inner
+        if not openai_family(inner):
+            return kwargs, False
+        if inner._should_use_structure_outputs():
+            return inner._prepare_schema(kwargs, output_cls), True
+        kwargs.setdefault("tool_choice", "required")
+        return kwargs, False
+
+    def structured_predict(self, output_cls: type[Model], prompt: PromptTemplate, llm_kwargs: dict[str, Any] | None = None,
+                           **prompt_args: Any) -> Model:
+        """As the wrapped LLM predicts it: an ``OpenAI`` / ``OpenAILike`` with a forced tool call
+        (or its ``response_format``, when it uses structured outputs); any other LLM as LlamaIndex
+        does for a function-calling or a plain LLM. Every call goes through trimkit."""
+        kwargs, schema = self._structured_kwargs(output_cls, llm_kwargs)
+        if schema:
+            response = self.chat(self._extend_messages(prompt.format_messages(**prompt_args)), **kwargs)
+            return output_cls.model_validate_json(str(response.message.content))
+        return super().structured_predict(output_cls, prompt, llm_kwargs=kwargs, **prompt_args)
+
+    async def astructured_predict(self, output_cls: type[Model], prompt: PromptTemplate, llm_kwargs: dict[str, Any] | None = None,
+                                  **prompt_args: Any) -> Model:
+        """The async :meth:`structured_predict`."""
+        kwargs, schema = self._structured_kwargs(output_cls, llm_kwargs)
+        if schema:
+            response = await self.achat(self._extend_messages(prompt.format_messages(**prompt_args)), **kwargs)
+            return output_cls.model_validate_json(str(response.message.content))
+        return await super().astructured_predict(output_cls, prompt, llm_kwargs=kwargs, **prompt_args)
 
     # -- tools (FunctionCallingLLM) -------------------------------------------------------------------
     def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
