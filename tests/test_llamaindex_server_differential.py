@@ -1,6 +1,6 @@
 """The LlamaIndex LLM wrapper over a real server, against the LLM it wraps: a raw ``OpenAILike``
 (llama-index-llms-openai-like, a ``FunctionCallingLLM``) and ``TrimmedLLM(OpenAILike)`` on the
-suite's ``python -m llama_cpp.server`` on loopback (the embedded model, greedy decoding), call for
+a real ``python -m llama_cpp.server`` on loopback (SmolLM2-135M-Instruct, greedy decoding), call for
 call — ``chat``, ``stream_chat``, ``complete``, ``achat``, ``astream_chat``, the metadata, the
 token counts — and tool calling as LlamaIndex does it (``chat_with_tools``, ``predict_and_call``,
 ``get_tool_calls_from_response``); then trimkit's node postprocessor inside a real query engine
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -38,8 +39,11 @@ except ImportError as exc:  # the dev extra is part of the suite's set-up: fail,
                       f"(llama-index-llms-openai-like, pinned in constraints.txt): {exc}") from exc
 
 import trimkit
+from tests._server import running_server
 from trimkit.integrations.llamaindex import TrimkitPostprocessor, TrimmedLLM
 
+#: the server's chat format: SmolLM2-135M-Instruct's template is ChatML (llama-cpp-python's "chatml")
+CHAT_FORMAT = "chatml"
 MAX_TOKENS = 32
 ASK = [ChatMessage(role=MessageRole.SYSTEM, content="Answer briefly."), ChatMessage(role=MessageRole.USER, content="Name a colour of the sea.")]
 NO_BUDGET = 1000.0  # a budget nothing exceeds: nothing is trimmed, the request is the raw one
@@ -83,25 +87,46 @@ def events():
 
 
 @pytest.fixture(scope="module")
-def served_model(llama_server) -> str:
-    return httpx.get(llama_server + "/models", timeout=10).json()["data"][0]["id"]
+def served(smollm2_model_path) -> Iterator[tuple[str, str]]:
+    """(base URL, model name) of a real ``python -m llama_cpp.server`` serving SmolLM2-135M-Instruct
+    (an instruction-tuned model; its GGUF's template is ChatML, named here), for this module."""
+    with running_server(model_path=smollm2_model_path, chat_format=CHAT_FORMAT) as server:
+        yield server.base_url, httpx.get(server.base_url + "/models", timeout=10).json()["data"][0]["id"]
 
 
 def openai_like(url: str, model: str, **fields) -> OpenAILike:
     """An ``OpenAILike`` as a user configures one for a local server (greedy, a chat model)."""
-    config = {"is_chat_model": True, "context_window": 4096, "max_tokens": MAX_TOKENS, "temperature": 0.0, "max_retries": 0, "timeout": 120.0}
+    # reuse_client=False: a new openai client per call, so that no async client outlives the event loop of an asyncio.run
+    config = {"is_chat_model": True, "context_window": 4096, "max_tokens": MAX_TOKENS, "temperature": 0.0, "max_retries": 0, "timeout": 120.0,
+              "reuse_client": False}
     return OpenAILike(model=model, api_base=url, api_key="sk-local", **{**config, **fields})
 
 
 @pytest.fixture(scope="module")
-def raw(llama_server, served_model) -> OpenAILike:
-    return openai_like(llama_server, served_model, is_function_calling_model=True)
+def raw(served) -> OpenAILike:
+    return openai_like(*served, is_function_calling_model=True)
 
 
 @pytest.fixture(scope="module")
 def wrapped(raw) -> TrimmedLLM:
     # the server's template named: trimkit's counts are then exact, and fill the usage a stream lacks (docs/servers.md)
-    return TrimmedLLM(raw, ttft_budget_s=NO_BUDGET, calibration="micro", chat_format="gemma-3")
+    return TrimmedLLM(raw, ttft_budget_s=NO_BUDGET, calibration="micro", chat_format=CHAT_FORMAT)
+
+
+def arms(served: tuple[str, str], raw: OpenAILike, wrapped: TrimmedLLM) -> Iterator[tuple[str, object]]:
+    """The raw arm, then the wrapped one, each from the same server state: llama-cpp-python reuses
+    the longest cached prefix of the previous prompt, and a prompt evaluated from another split can
+    round differently and change a greedy answer. An unrelated request first leaves both arms the
+    same (short) prefix."""
+    for arm, llm in (("raw", raw), ("wrapped", wrapped)):
+        evict(served)
+        yield arm, llm
+
+
+def evict(served: tuple[str, str]) -> None:
+    """Send the server an unrelated one-token request (see :func:`arms`)."""
+    body = {"model": served[1], "messages": [{"role": "user", "content": "Unrelated."}], "max_tokens": 1}
+    httpx.post(served[0] + "/chat/completions", json=body, timeout=120).raise_for_status()
 
 
 def _calls(llm, response: ChatResponse) -> list[tuple[str, dict]]:
@@ -110,9 +135,9 @@ def _calls(llm, response: ChatResponse) -> list[tuple[str, dict]]:
 
 
 # -- plain calls ------------------------------------------------------------------------------------
-def test_chat_and_complete_answer_as_the_raw_llm(raw, wrapped, events):
+def test_chat_and_complete_answer_as_the_raw_llm(raw, wrapped, served, events):
     answers = {}
-    for arm, llm in (("raw", raw), ("wrapped", wrapped)):
+    for arm, llm in arms(served, raw, wrapped):
         events.names.clear()
         reply = llm.chat(ASK)
         assert isinstance(reply, ChatResponse) and reply.message.role == MessageRole.ASSISTANT
@@ -126,9 +151,9 @@ def test_chat_and_complete_answer_as_the_raw_llm(raw, wrapped, events):
     assert report.passthrough and report.decode_params["max_tokens"] == MAX_TOKENS and report.decode_params["temperature"] == 0.0
 
 
-def test_streams_add_up_to_the_raw_llm_s_answer(raw, wrapped):
+def test_streams_add_up_to_the_raw_llm_s_answer(raw, wrapped, served):
     answers = {}
-    for arm, llm in (("raw", raw), ("wrapped", wrapped)):
+    for arm, llm in arms(served, raw, wrapped):
         parts = list(llm.stream_chat(ASK))
         assert parts and all(isinstance(p, ChatResponse) for p in parts)
         assert "".join(p.delta or "" for p in parts) == parts[-1].message.content
@@ -137,39 +162,39 @@ def test_streams_add_up_to_the_raw_llm_s_answer(raw, wrapped):
     assert parts[-1].additional_kwargs["trimkit"] is wrapped.last_report  # documented: one more response, with the report
 
 
-def test_async_calls_answer_as_the_raw_llm(raw, wrapped):
+def test_async_calls_answer_as_the_raw_llm(raw, wrapped, served):
     async def run(llm):
         reply = await llm.achat(ASK)
         parts = [p async for p in await llm.astream_chat(ASK)]
         return reply.message.content, "".join(p.delta or "" for p in parts)
 
-    answers = {arm: asyncio.run(run(llm)) for arm, llm in (("raw", raw), ("wrapped", wrapped))}
+    answers = {arm: asyncio.run(run(llm)) for arm, llm in arms(served, raw, wrapped)}
     assert answers["wrapped"] == answers["raw"] and answers["raw"][0]
     assert answers["raw"][0] == answers["raw"][1]
 
 
-def test_metadata_is_the_raw_llm_s(raw, wrapped, llama_server, served_model):
+def test_metadata_is_the_raw_llm_s(raw, wrapped, served):
     m_raw, m_wrapped = raw.metadata, wrapped.metadata
     for field in ("context_window", "num_output", "is_chat_model", "is_function_calling_model", "model_name"):
         assert getattr(m_wrapped, field) == getattr(m_raw, field), field
     # a context window larger than the server's is capped at the server's (trimkit reads it)
-    big = TrimmedLLM(openai_like(llama_server, served_model, context_window=1 << 20), profile=wrapped.trimkit_chat.profile)
+    big = TrimmedLLM(openai_like(*served, context_window=1 << 20), profile=wrapped.trimkit_chat.profile)
     assert big.metadata.context_window == int(wrapped.trimkit_chat.backend.n_ctx) < 1 << 20
     assert big.metadata.is_function_calling_model is False  # the raw LLM's default, kept
 
 
 # -- tools --------------------------------------------------------------------------------------------
-def test_chat_with_tools_returns_the_raw_llm_s_tool_calls(raw, wrapped):
+def test_chat_with_tools_returns_the_raw_llm_s_tool_calls(raw, wrapped, served):
     tools = [FunctionTool.from_defaults(fn=lookup_record), FunctionTool.from_defaults(fn=harbour_ledger)]
     history = [ChatMessage(role=MessageRole.SYSTEM, content="Use the tools.")]
     outcomes = {}
-    for arm, llm in (("raw", raw), ("wrapped", wrapped)):
+    for arm, llm in arms(served, raw, wrapped):
         mine = list(history)
         forced = llm.chat_with_tools(tools, user_msg="Look up the lighthouse.", chat_history=mine, tool_choice="lookup_record")
         calls = _calls(llm, forced)
         blocks = [type(b).__name__ for b in forced.message.blocks]
         listed = forced.message.additional_kwargs["tool_calls"]
-        # without a forced choice llama-cpp-python's gemma-3 format renders no tools: whatever it does, both arms do
+        # without a forced choice llama-cpp-python's chat formats do not constrain the reply: whatever it does, both arms do
         required = llm.chat_with_tools(tools[:1], user_msg="Look up the slipway.", tool_required=True)
         outcomes[arm] = (calls, blocks, [c.function.name for c in listed], _calls(llm, required), required.message.content, len(mine))
     assert outcomes["wrapped"][:5] == outcomes["raw"][:5]
@@ -178,10 +203,10 @@ def test_chat_with_tools_returns_the_raw_llm_s_tool_calls(raw, wrapped):
     assert outcomes["raw"][5] == len(history) + 1 and outcomes["wrapped"][5] == len(history)
 
 
-def test_predict_and_call_calls_the_tool_as_the_raw_llm(raw, wrapped):
+def test_predict_and_call_calls_the_tool_as_the_raw_llm(raw, wrapped, served):
     tool = FunctionTool.from_defaults(fn=harbour_ledger)
     outcomes = {}
-    for arm, llm in (("raw", raw), ("wrapped", wrapped)):
+    for arm, llm in arms(served, raw, wrapped):
         out = llm.predict_and_call([tool], user_msg="What does the ledger say about the lighthouse in 1902?", tool_choice="harbour_ledger",
                                    max_tokens=48)
         outcomes[arm] = (out.response, [(s.tool_name, s.raw_input) for s in out.sources])
@@ -193,7 +218,7 @@ def test_predict_and_call_calls_the_tool_as_the_raw_llm(raw, wrapped):
     assert [t["function"]["name"] for t in report.decode_params["tools"]] == ["harbour_ledger"]
 
 
-def test_async_and_streamed_tool_calls_end_as_the_raw_llm_s(raw, wrapped):
+def test_async_and_streamed_tool_calls_end_as_the_raw_llm_s(raw, wrapped, served):
     tool = FunctionTool.from_defaults(fn=lookup_record)
 
     async def run(llm):
@@ -201,21 +226,22 @@ def test_async_and_streamed_tool_calls_end_as_the_raw_llm_s(raw, wrapped):
         out = await llm.apredict_and_call([tool], user_msg="Look up the slipway.", tool_choice="lookup_record")
         return _calls(llm, reply), out.response
 
-    answers = {arm: asyncio.run(run(llm)) for arm, llm in (("raw", raw), ("wrapped", wrapped))}
+    answers = {arm: asyncio.run(run(llm)) for arm, llm in arms(served, raw, wrapped)}
     assert answers["wrapped"] == answers["raw"] and answers["raw"][0]
+    evict(served)
     parts = list(wrapped.stream_chat_with_tools([tool], user_msg="Look up the slipway.", tool_choice="lookup_record"))
     # whole names: llama-cpp-python repeats a call's name in every streamed chunk (docs/integrations.md)
     assert _calls(wrapped, parts[-1]) == answers["raw"][0]
 
 
-def test_a_tool_turn_goes_back_to_the_server_as_the_raw_llm_sends_it(raw, wrapped):
+def test_a_tool_turn_goes_back_to_the_server_as_the_raw_llm_sends_it(raw, wrapped, served):
     """The assistant's tool-call message (as the raw LLM's own conversion builds it) and its result
     in the history of the next call: both arms send it, and end the same way — the same answer,
     or, where llama-cpp-python's server refuses an assistant turn holding only tool calls (a 500),
     the same ``openai`` error: the wrapped one is also trimkit's ``ServerError``."""
     tool = FunctionTool.from_defaults(fn=lookup_record)
     outcomes = {}
-    for arm, llm in (("raw", raw), ("wrapped", wrapped)):
+    for arm, llm in arms(served, raw, wrapped):
         call = llm.chat_with_tools([tool], user_msg="Look up the lighthouse.", tool_choice="lookup_record")
         selection = llm.get_tool_calls_from_response(call)[0]
         history = [ChatMessage(role=MessageRole.USER, content="Look up the lighthouse."), call.message,
@@ -243,15 +269,15 @@ def _outcome(call) -> object:
         return next((t for t in type(exc).__mro__ if t.__module__.startswith("openai")), ValueError if isinstance(exc, ValueError) else type(exc))
 
 
-def test_structured_predict_ends_as_the_raw_llm_s(raw, wrapped, llama_server, served_model):
+def test_structured_predict_ends_as_the_raw_llm_s(raw, wrapped, served):
     """``OpenAI.structured_predict`` asks for a forced tool call (``tool_choice="required"``: LlamaIndex's
     program drops a ``tool_choice`` of the call's), or, with ``should_use_structured_outputs``, for a
     ``response_format``. Both arms end the same way, whatever the server and the model make of it: an
-    object, or the same kind of error (llama-cpp-python's gemma-3 format does not constrain
+    object, or the same kind of error (llama-cpp-python's chat formats do not constrain
     ``"required"``, and its server refuses ``json_schema`` response formats)."""
     prompt = PromptTemplate("Name the colour of {what}.")
-    schema_raw = openai_like(llama_server, served_model, is_function_calling_model=True, should_use_structured_outputs=True)
-    schema_wrapped = TrimmedLLM(schema_raw, ttft_budget_s=NO_BUDGET, profile=wrapped.trimkit_chat.profile, chat_format="gemma-3")
+    schema_raw = openai_like(*served, is_function_calling_model=True, should_use_structured_outputs=True)
+    schema_wrapped = TrimmedLLM(schema_raw, ttft_budget_s=NO_BUDGET, profile=wrapped.trimkit_chat.profile, chat_format=CHAT_FORMAT)
     outcomes = {}
     for arm, llm, schema_llm in (("raw", raw, schema_raw), ("wrapped", wrapped, schema_wrapped)):
         outcomes[arm] = (_outcome(lambda llm=llm: llm.structured_predict(Colour, prompt, what="the sea")),
@@ -304,7 +330,7 @@ def _squeezing_budget(llm, nodes: list[NodeWithScore]) -> float:
     return budget
 
 
-def test_query_engine_with_the_postprocessor_sends_the_kept_nodes(raw, wrapped, events):
+def test_query_engine_with_the_postprocessor_sends_the_kept_nodes(raw, wrapped, served, events):
     nodes = _ledger()
     before = [n.model_dump() for n in nodes]
     index = VectorStoreIndex(nodes, embed_model=MockEmbedding(embed_dim=8))
@@ -315,7 +341,7 @@ def test_query_engine_with_the_postprocessor_sends_the_kept_nodes(raw, wrapped, 
     # wrapped LLM behind it answers what the raw one answers behind it
     plain = index.as_query_engine(llm=raw, similarity_top_k=len(nodes)).query(QUESTION)
     answers = {}
-    for arm, llm in (("raw", raw), ("wrapped", wrapped)):
+    for arm, llm in arms(served, raw, wrapped):
         kept_all = TrimkitPostprocessor(llm=llm, ttft_budget_s=NO_BUDGET)
         response = index.as_query_engine(llm=llm, similarity_top_k=len(nodes), node_postprocessors=[kept_all]).query(QUESTION)
         assert kept_all.last_plan.passthrough and [n.node.node_id for n in response.source_nodes] == [c.id for c in kept_all.last_plan.kept_chunks]
