@@ -178,9 +178,10 @@ def test_metadata_is_the_raw_llm_s(raw, wrapped, served):
     for field in ("context_window", "num_output", "is_chat_model", "is_function_calling_model", "model_name"):
         assert getattr(m_wrapped, field) == getattr(m_raw, field), field
     # a context window larger than the server's is capped at the server's (trimkit reads it)
-    big = TrimmedLLM(openai_like(*served, context_window=1 << 20), profile=wrapped.trimkit_chat.profile)
+    big = TrimmedLLM(openai_like(*served, context_window=1 << 20, default_headers={"X-Team": "harbour"}), profile=wrapped.trimkit_chat.profile)
     assert big.metadata.context_window == int(wrapped.trimkit_chat.backend.n_ctx) < 1 << 20
     assert big.metadata.is_function_calling_model is False  # the raw LLM's default, kept
+    assert big.trimkit_chat.backend.transport.headers["X-Team"] == "harbour"  # the headers its client sends, sent by trimkit
 
 
 # -- tools --------------------------------------------------------------------------------------------

@@ -110,6 +110,9 @@ def engine_of(target: Any, ttft_budget_s: float | None = None, **kwargs: Any) ->
         api_base = getattr(target, "api_base", None)
         if isinstance(api_base, str):  # OpenAILike, OpenAI with a local api_base, …
             name, api_key = getattr(target, "model", None), getattr(target, "api_key", None)
+            headers = getattr(target, "default_headers", None)
+            if isinstance(headers, Mapping) and headers and "headers" not in kwargs:  # what its client sends with every request
+                kwargs["headers"] = dict(headers)
             front = wrap_url(api_base, model=name, api_key=api_key, ttft_budget_s=ttft_budget_s, **kwargs)
             return Engine(front, params=_decode_params(target), url=(api_base, name, api_key, dict(kwargs)), model_name=name or api_base,
                           function_calling=_function_calling(target), system_prompt=target.system_prompt, inner=target)
