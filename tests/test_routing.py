@@ -328,3 +328,17 @@ def test_an_answer_within_max_tokens_says_nothing(server, params):
     chat = make_chat("url", server)
     chat.chat.completions.create(messages=[{"role": "user", "content": "Count to ten."}], **params)
     assert not [w for w in chat.last_report.warnings if "ran past" in w]
+
+
+@pytest.mark.parametrize("completion_tokens, warned", [(6, False), (7, True)])
+def test_with_several_choices_the_limit_is_per_choice(server, completion_tokens, warned):
+    choice = {"message": {"role": "assistant", "content": "a b c"}, "finish_reason": "length"}
+    server.chat(json_reply({"id": "c1", "object": "chat.completion", "created": 1, "model": "m",
+                            "choices": [{"index": 0, **choice}, {"index": 1, **choice}],
+                            "usage": {"prompt_tokens": 9, "completion_tokens": completion_tokens, "total_tokens": 9 + completion_tokens}}))
+    chat = make_chat("url", server)
+    chat.chat.completions.create(messages=[{"role": "user", "content": "Count to ten."}], max_tokens=3, n=2)
+    notes = [w for w in chat.last_report.warnings if "ran past" in w]
+    assert bool(notes) is warned
+    if warned:
+        assert "max_tokens=3 per choice, 6 for n=2: 7 completion tokens" in notes[0]

@@ -170,10 +170,16 @@ def max_tokens_note(m: Measurement, params: Mapping[str, Any]) -> tuple[str, ...
     which llama-cpp-python's server ignores), and the decode ran on."""
     limit = _limit(params)
     n = m.completion_tokens
-    if limit is None or n is None or n <= limit:
+    choices = params.get("n")
+    if isinstance(choices, int) and not isinstance(choices, bool) and choices > 1 and limit is not None:
+        limit_all = limit * choices  # the server counts the tokens of every choice
+    else:
+        limit_all = limit
+    if limit is None or limit_all is None or n is None or n <= limit_all:
         return ()
     name = "max_tokens" if params.get("max_tokens") == limit else "max_completion_tokens"
-    return (f"the answer ran past {name}={limit}: {n} completion tokens. Something between trimkit and the engine dropped the limit "
+    per = f" per choice, {limit_all} for n={choices}" if limit_all != limit else ""
+    return (f"the answer ran past {name}={limit}{per}: {n} completion tokens. Something between trimkit and the engine dropped the limit "
             "(sglang-router forwards max_tokens as max_completion_tokens, which llama-cpp-python's server ignores); "
             "the decode ran on and its time is not the one asked for",)
 
@@ -259,7 +265,7 @@ class OpenAIFrontEnd(FrontEnd):
     Requests to a server are planned once, before sending (open loop): nothing watches their
     prefill, so the safety margin covers the whole prediction.
 
-    Behind a router (vllm-router, sglang-router: docs/scaling.md §3), a call's ``routing_key=``
+    Behind a router (vllm-router, sglang-router: docs/scaling.md §4), a call's ``routing_key=``
     goes in the headers the routers read (``x-session-id``, ``x-smg-routing-key``;
     ``routing_headers=`` names others); ``auto_routing_key=True`` gives a call without one its
     conversation's key (a digest of its first messages), so that one wrapper serves many
