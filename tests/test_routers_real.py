@@ -81,7 +81,7 @@ def test_vllm_router_keeps_each_conversation_on_one_worker_and_is_recognised(shi
         chat = chat_on(router.base_url, auto_routing_key=True)
         info = chat.backend.server_info()
         since = [len(s.chats()) for s in shims]
-        convs = conversations(chat, 4, 3)
+        convs = conversations(chat, 4, 3)  # were the key ignored (each body hashed anew), all four would stay put 1 time in 256
     where = workers_of(shims, "x-session-id", since)
     assert set(where) == {conversation_key(c) for c in convs}  # vllm-router forwarded trimkit's x-session-id
     assert all(len(ws) == 1 for ws in where.values()), where  # and kept each conversation on one worker
@@ -106,7 +106,7 @@ def test_sglang_router_keeps_conversations_by_its_key_and_its_max_tokens_rewrite
         chat = chat_on(router.base_url, model="gemma", auto_routing_key=True)
         info = chat.backend.server_info()
         since = [len(s.chats()) for s in shims]
-        convs = conversations(chat, 3, 2)
+        convs = conversations(chat, 4, 3)  # were the key ignored (a random worker each), all four would stay put 1 time in 256
         where = workers_of(shims, "x-smg-routing-key", since)
         chat.chat.completions.create(messages=count, max_tokens=3, temperature=0.0)
         through = chat.last_report
