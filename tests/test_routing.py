@@ -31,6 +31,7 @@ from trimkit.backends.routing import MAX_ROUTING_KEY_CHARS, ROUTING_HEADERS, Rou
 from trimkit.backends.server_facts import parse_workers
 from trimkit.errors import InvalidInputError
 from trimkit.openai_wrapper import wrap_url
+from trimkit.tokens import reusable_prefix_len
 
 openai = pytest.importorskip("openai")
 
@@ -303,6 +304,27 @@ def test_no_watched_prefill_behind_a_router(server):
     behind = make_chat("url", server).backend
     assert behind.server_info().engine == "llama.cpp" and behind.server_info().router is not None
     assert behind.evaluate_to is None
+
+
+@pytest.mark.parametrize("router", [True, False])
+def test_behind_a_router_the_cache_is_predicted_on_the_worker_the_key_stays_on(server, router):
+    # two conversations interleaved on one wrapper: behind a router, conversation A's second turn
+    # is predicted against A's first (the worker its key stays on), not against B's, the last sent;
+    # a server alone holds the last prompt whatever the key
+    recording(server)
+    if router:
+        server.routes["/workers"] = json_reply(VLLM_ROUTER_WORKERS)
+    chat = make_chat("url", server, auto_routing_key=True)
+    a1 = [SYSTEM, {"role": "user", "content": "Tell me about the harbour and its forty moorings, please."}]
+    b1 = [SYSTEM, {"role": "user", "content": "What is the capital of France?"}]
+    a2 = [*a1, {"role": "assistant", "content": "Hello there"}, {"role": "user", "content": "And the lighthouse?"}]
+    for messages in (a1, b1, a2):
+        chat.chat.completions.create(messages=messages, max_tokens=4)
+    count = chat.backend.tokenizer.prompt_tokens
+    on_a, on_b = reusable_prefix_len(count(a1), count(a2)), reusable_prefix_len(count(b1), count(a2))
+    assert on_a > on_b > 0
+    r = chat.last_report
+    assert r.cached_tokens_predicted == r.measurement.server["predicted_cached_tokens"] == (on_a if router else on_b)
 
 
 # -- an answer longer than asked ------------------------------------------------------------------------------

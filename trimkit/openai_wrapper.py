@@ -30,11 +30,12 @@ from trimkit.backends.base import Measurement
 from trimkit.backends.clients import client_is_async, is_openai_client
 from trimkit.backends.completion import assemble_chat_completion
 from trimkit.backends.http import OpenAIHTTPBackend
-from trimkit.backends.routing import NOT_GIVEN, RoutingOptions, check_routing_key
+from trimkit.backends.routing import NOT_GIVEN, RoutingOptions, check_routing_key, planning_for, routing_headers
 from trimkit.backends.server_timings import SOURCE_CLIENT
 from trimkit.call_deadlines import MIN_RETRY_DEADLINE_S, CallDeadlines, retry_deadline_for
 from trimkit.errors import InvalidInputError, InvalidMessageError
 from trimkit.frontend import AsyncReportingStream, FrontEnd, ReportingOpenAIStream, StreamReporter, send_params, usage_counts
+from trimkit.messages import validate_messages
 from trimkit.pipeline import Pipeline
 from trimkit.prepared import Prepared
 from trimkit.validation import positive_finite
@@ -170,12 +171,13 @@ def max_tokens_note(m: Measurement, params: Mapping[str, Any]) -> tuple[str, ...
     which llama-cpp-python's server ignores), and the decode ran on."""
     limit = _limit(params)
     n = m.completion_tokens
+    if limit is None or n is None:
+        return ()
     choices = params.get("n")
-    if isinstance(choices, int) and not isinstance(choices, bool) and choices > 1 and limit is not None:
-        limit_all = limit * choices  # the server counts the tokens of every choice
-    else:
-        limit_all = limit
-    if limit is None or limit_all is None or n is None or n <= limit_all:
+    if not isinstance(choices, int) or isinstance(choices, bool) or choices < 1:
+        choices = 1
+    limit_all = limit * choices  # the server counts the tokens of every choice
+    if n <= limit_all:
         return ()
     name = "max_tokens" if params.get("max_tokens") == limit else "max_completion_tokens"
     per = f" per choice, {limit_all} for n={choices}" if limit_all != limit else ""
@@ -360,6 +362,14 @@ class OpenAIFrontEnd(FrontEnd):
         self.backend.deadline_s = self.deadline_for_call(self.ttft_budget_s)
 
     # -- one call, apart from its I/O -----------------------------------------------------------------
+    def call_key(self, given: Any, messages: Any) -> str | None:
+        """A call's routing key: the one it gave (:func:`call_routing_key`), else with
+        ``auto_routing_key`` its conversation's (the messages validated first: bad ones raise
+        :class:`~trimkit.errors.InvalidMessageError` before anything is sent)."""
+        if given is NOT_GIVEN and self.routing.auto:
+            validate_messages(messages)
+        return self.routing.key(given, messages)
+
     def _stream_args(self, prepared: Prepared) -> dict[str, Any]:
         """The backend's keyword arguments to stream ``prepared``."""
         return {"prompt_tokens": prepared.prompt_tokens, "retry_deadline_s": self.retry_deadline_for_call(prepared.budget_s),
@@ -415,9 +425,10 @@ class TrimmedOpenAI(OpenAIFrontEnd):
 
     def _create(self, kwargs: dict[str, Any]) -> Any:
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        given_key = call_routing_key(kwargs)
-        prepared = self.prepare(messages, rag_chunks, params, ttft_budget_s=budget, **call_options(kwargs))
-        headers = self.routing.headers_for(given_key, messages)
+        key = self.call_key(call_routing_key(kwargs), messages)
+        with planning_for(key):  # behind a router the cache is predicted on the worker this key stays on
+            prepared = self.prepare(messages, rag_chunks, params, ttft_budget_s=budget, **call_options(kwargs))
+        headers = routing_headers(key, self.routing.headers)
         unstreamed = self.unstreamed(prepared, params, stream)
         if unstreamed is not None:
             prepared, args = unstreamed
@@ -465,9 +476,10 @@ class AsyncTrimmedOpenAI(OpenAIFrontEnd):
 
     async def _create(self, kwargs: dict[str, Any]) -> Any:
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        given_key = call_routing_key(kwargs)
-        prepared = await asyncio.to_thread(self.prepare, messages, rag_chunks, params, ttft_budget_s=budget, **call_options(kwargs))
-        headers = self.routing.headers_for(given_key, messages)
+        key = self.call_key(call_routing_key(kwargs), messages)
+        with planning_for(key):  # the worker thread runs in a copy of this context
+            prepared = await asyncio.to_thread(self.prepare, messages, rag_chunks, params, ttft_budget_s=budget, **call_options(kwargs))
+        headers = routing_headers(key, self.routing.headers)
         unstreamed = self.unstreamed(prepared, params, stream)
         if unstreamed is not None:
             prepared, args = unstreamed

@@ -37,6 +37,7 @@ from trimkit.backends.limits import Deadline, RequestLimits, Wait, awith_retries
 from trimkit.backends.llama_format import chat_format_renderer
 from trimkit.backends.probes import MAX_PROBE_TEXT_BYTES, PROBE_WORDS_PER_TOKEN, DelegatedProbes, ServerProbes
 from trimkit.backends.replies import parse_completion
+from trimkit.backends.routing import current_key, key_of
 from trimkit.backends.server import ServerInfo, probe_server, server_prompt_tokenizer
 from trimkit.backends.server_timings import parse_server_stats
 from trimkit.backends.streams import AsyncTimedStream, StreamState, aread_chunks, read_chunks, timed_stream
@@ -248,7 +249,12 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         prediction when one is set."""
         if self.cache_view is not None:
             return self.cache_view(prompt_tokens)
-        return self.evidence.predict_cached_tokens(prompt_tokens)
+        return self.evidence.predict_cached_tokens(prompt_tokens, key=self._router_key(current_key.get()))
+
+    def _router_key(self, key: str | None) -> str | None:
+        """``key`` where it decides the worker: behind a recognised router (a server alone keeps
+        its cache whatever key a request carries)."""
+        return key if key is not None and self._info is not None and self._info.router is not None else None
 
     # -- requests: the decisions ---------------------------------------------------------------------
     def _known_model(self, params: Mapping[str, Any]) -> str | None:
@@ -270,7 +276,13 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
             self._server_info(deadline)
         sent = list(prompt_tokens) if prompt_tokens is not None else self.tokenizer.prompt_tokens(messages, params.get("tools"))
         body, hide = chat_body(messages, params, self._known_model(params), stream=stream, include_usage=self._include_usage)
-        return ChatCall(sent, self.predict_cached_tokens(sent), body, hide, deadline, dict(headers or {}))
+        key = self._router_key(key_of(headers))
+        if self.cache_view is not None or key is None:
+            predicted = self.predict_cached_tokens(sent)
+        else:  # behind a router: the worker this key stays on holds the last prompt sent with it, and will hold this one
+            predicted = self.evidence.predict_cached_tokens(sent, key=key)
+            self.evidence.remember(key, sent)
+        return ChatCall(sent, predicted, body, hide, deadline, dict(headers or {}))
 
     def _request_facts(self, call: ChatCall) -> dict[str, Any]:
         """What the report's ``measurement.server`` says of how a request went: the headers its

@@ -14,10 +14,12 @@ what trimkit's probes could and could not see through it. No I/O.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -33,6 +35,9 @@ __all__ = [
     "check_routing_key",
     "check_routing_headers",
     "conversation_key",
+    "current_key",
+    "key_of",
+    "planning_for",
     "routing_headers",
 ]
 
@@ -97,6 +102,27 @@ def conversation_key(messages: Sequence[Mapping[str, Any]]) -> str:
 def routing_headers(key: str | None, names: Sequence[str] = ROUTING_HEADERS) -> dict[str, str]:
     """The headers that carry ``key`` (none without one)."""
     return {} if key is None else {name: key for name in names}
+
+
+def key_of(headers: Mapping[str, str] | None) -> str | None:
+    """The routing key a request's own headers carry (:func:`routing_headers` put it in each)."""
+    return next(iter(headers.values()), None) if headers else None
+
+
+#: the routing key of the call being planned in this context (a front-end sets it around
+#: planning, :func:`planning_for`): behind a router, the backend predicts the cache against the
+#: last prompt sent with that key — the worker the router keeps the conversation on
+current_key: contextvars.ContextVar[str | None] = contextvars.ContextVar("trimkit_routing_key", default=None)
+
+
+@contextlib.contextmanager
+def planning_for(key: str | None) -> Iterator[None]:
+    """Plan a call with routing key ``key`` (:data:`current_key`) inside the block."""
+    token = current_key.set(key)
+    try:
+        yield
+    finally:
+        current_key.reset(token)
 
 
 @attrs.frozen
