@@ -24,6 +24,7 @@ import json
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -349,4 +350,35 @@ def test_a_stream_still_open_when_asyncio_run_ends(server, form):
     backend = getattr(chat, "backend", None)
     if backend is not None:
         backend.close()
+    assert problems == []
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_an_unfinished_async_stream_is_freed_without_the_cyclic_collector(server, form):
+    """With the collector off, a stream read in part and dropped is freed at once by reference
+    counting — the stream, its timed stream and its chunk generator — so asyncio closes the
+    generator on its own, in order, while the loop runs. In a reference cycle (issue 34, item 1)
+    the collector freed all of a stream's async generators together, at a random moment."""
+    server.chat(Trickle())
+    chat = make(form, server)
+
+    async def run(problems: list[str]) -> list[bool]:
+        watch_loop(problems)
+        gc.collect()
+        gc.disable()
+        try:
+            stream = await chat.chat.completions.create(messages=ASK, stream=True)
+            for _ in range(3):
+                await stream.__anext__()
+            inner = stream.inner if form == "fleet" else stream
+            refs = [weakref.ref(stream), weakref.ref(inner), weakref.ref(inner.timed), weakref.ref(inner.timed._achunks)]
+            del stream, inner
+            freed = [r() is None for r in refs]
+        finally:
+            gc.enable()
+        await chat.close()
+        return freed
+
+    with watched() as problems:
+        assert asyncio.run(run(problems)) == [True] * 4
     assert problems == []
