@@ -382,3 +382,75 @@ def test_an_unfinished_async_stream_is_freed_without_the_cyclic_collector(server
     with watched() as problems:
         assert asyncio.run(run(problems)) == [True] * 4
     assert problems == []
+
+
+# -- Ollama's native API (trimkit.wrap of an ollama.AsyncClient): the same stream, NDJSON lines -------
+def ollama_trickle(h: Any, body: dict[str, Any]) -> None:
+    """A long Ollama answer: a line every 20 ms until the client goes away or the server closes."""
+    h.head(200, "application/x-ndjson")
+    i = 0
+    while True:
+        line = {"model": "llama3.2", "message": {"role": "assistant", "content": f"w{i} "}, "done": False}
+        h.wfile.write(json.dumps(line).encode() + b"\n")
+        h.wfile.flush()
+        if h.server.owner.released.wait(0.02):
+            return
+        i += 1
+
+
+@pytest.fixture
+def ollama_chat():
+    ollama = pytest.importorskip("ollama")
+    from tests.test_ollama import OllamaReplay
+
+    server = OllamaReplay()
+    server.routes["/api/chat"] = ollama_trickle
+    chat = trimkit.wrap(ollama.AsyncClient(host=server.host), model="llama3.2", profile=PROFILE)
+    yield chat
+    chat.close()
+    server.close()
+
+
+def test_an_ollama_stream_closed_while_its_cancelled_reader_unwinds(ollama_chat):
+    """``task.cancel()`` then ``close()`` at once, awaited or in a task of its own, on Ollama's
+    native stream: nothing raised, nothing logged."""
+
+    async def run(problems: list[str]) -> None:
+        watch_loop(problems)
+        closers = []
+        for how in ("await", "task") * 3:
+            stream = await ollama_chat.chat(model="llama3.2", messages=ASK, stream=True)
+            reader, _ = await read_in_task(stream)
+            reader.cancel()
+            if how == "await":
+                await stream.close()
+            else:
+                closers.append(asyncio.ensure_future(stream.close()))
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+        await asyncio.wait(closers)
+        assert [c.exception() for c in closers] == [None] * len(closers)
+
+    with watched() as problems:
+        asyncio.run(run(problems))
+    assert problems == []
+
+
+def test_an_ollama_stream_still_open_when_asyncio_run_ends(ollama_chat):
+    """Ollama's stream was an async generator inside another, inside ``httpx``'s ``stream()``
+    context manager: the loop's ``shutdown_asyncgens()`` closed them in any order — "an error
+    occurred during closing of asynchronous generator ``_alines``: RuntimeError: athrow():
+    asynchronous generator is already running", in every run."""
+    held: list[Any] = []
+
+    async def run(problems: list[str]) -> None:
+        watch_loop(problems)
+        stream = await ollama_chat.chat(model="llama3.2", messages=ASK, stream=True)
+        await stream.__anext__()
+        held.append(stream)
+
+    with watched() as problems:
+        for _ in range(8):
+            asyncio.run(run(problems))
+        held.clear()
+    assert problems == []
