@@ -453,8 +453,13 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         return self.as_client_response(assemble_chat_completion(state.chunks or [], state.stats_reply))
 
     # -- requests: async --------------------------------------------------------------------------------
-    async def _achunks(self, call: ChatCall, state: StreamState) -> AsyncIterator[Any]:
-        async with self.transport.async_client(needed=self.send_client is None) as http:
+    def _achunks(self, call: ChatCall, state: StreamState) -> AsyncIterator[Any]:
+        """The chunks of an async stream: ONE async generator (:func:`~trimkit.backends.streams.aread_chunks`),
+        which closes its response itself — no generator of trimkit's wraps it, for asyncio to close
+        on its own and out of order (issue 34, item 9)."""
+
+        async def open_() -> Opened:
+            http = self.transport.stream_client(needed=self.send_client is None)  # on the loop: its pooled client
 
             async def attempt(wait: Wait) -> Opened:
                 try:
@@ -464,8 +469,9 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
                         raise
                     return await self.transport.aopen_stream(http, "/chat/completions", call.body, wait, self.send_client, call.headers)
 
-            async for chunk in aread_chunks(lambda: awith_retries(attempt, call.deadline, self.base_url, self.limits), state):
-                yield chunk
+            return await awith_retries(attempt, call.deadline, self.base_url, self.limits)
+
+        return aread_chunks(open_, state)
 
     async def asend(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
                     retry_deadline_s: float | None = None, deadline_s: float | None = None, headers: Mapping[str, str] | None = None) -> AsyncTimedStream:

@@ -366,11 +366,11 @@ class HTTPTransport:
         assert http is not None, "an async stream over httpx needs an AsyncClient"
         return await self.aopen_url(http, path, body, wait, headers)
 
-    @contextlib.asynccontextmanager
-    async def async_client(self, *, needed: bool = True) -> AsyncIterator[httpx.AsyncClient | None]:
-        """The ``async_http_client`` given, else the pooled one of this event loop
-        (:meth:`loop_client`); None if not ``needed`` (the client form)."""
-        yield self.async_http if self.async_http is not None or not needed else self.loop_client()
+    def stream_client(self, *, needed: bool = True) -> httpx.AsyncClient | None:
+        """The ``async_http_client`` given, else the pooled one of the running event loop
+        (:meth:`loop_client`); None if not ``needed`` (the client form). A plain call, not an
+        async context manager: a stream's chunks are one async generator (issue 34, item 9)."""
+        return self.async_http if self.async_http is not None or not needed else self.loop_client()
 
     # through the openai client -------------------------------------------------------------------
     def client_kwargs(self, body: Mapping[str, Any], wait: Wait, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
