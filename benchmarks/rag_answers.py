@@ -48,6 +48,12 @@ within the budget ≥ 97 %.
     python benchmarks/rag_answers.py [--model smollm2|gemma|PATH] [--quick] [--requests N]
                                      [--seed 7] [--shares 0.25,0.35,0.5,0.8] [--out PATH]
 
+llama.cpp runs on one thread (``--threads 1``, for prefill and decode): on the project's shared
+2-core host a second thread waits on the busy core: a cold 512-token prefill took 2.9–3.4 s on
+one thread against 7.7–9.2 s on two, under a load average of 5. Every arm runs the same way.
+The default run (12 requests, 204 sends) took about 30 minutes under a load average of 5 (an
+estimate for an idle host, at ~4 ms a prompt token: about 12); ``--quick`` (3 requests at
+shares 0.35 and 0.8) a third of that.
 It prints its predicted duration first. Results: ``benchmarks/results/rag_answers.json``
 (smollm2), ``rag_answers_gemma.json`` (gemma), ``rag_answers_<file stem>.json`` (a path);
 ``--quick`` adds ``_quick``.
@@ -216,22 +222,25 @@ def gemma_path() -> str:
     return str(check_model_path(package.assemble()))
 
 
-def open_model(name: str, n_ctx: int, seed: int) -> tuple[Any, str]:
+def open_model(name: str, n_ctx: int, seed: int, threads: int = 0) -> tuple[Any, str]:
     """``(Llama, label)``: ``smollm2`` (its GGUF's own ChatML template), ``gemma`` (Gemma 3's
-    template from ``trimkit.templates``, which keeps the system prompt) or a GGUF path."""
+    template from ``trimkit.templates``, which keeps the system prompt) or a GGUF path.
+    ``threads`` > 0: llama.cpp's ``n_threads`` and ``n_threads_batch`` (0: its defaults)."""
     from llama_cpp import Llama
 
     from trimkit.model import check_model_path
 
+    kw: dict[str, Any] = {"n_ctx": n_ctx, "seed": seed, "verbose": False}
+    if threads > 0:
+        kw.update(n_threads=threads, n_threads_batch=threads)
     if name == "smollm2":
-        return Llama(model_path=smollm2_path(), n_ctx=n_ctx, seed=seed, verbose=False), "smollm2"
+        return Llama(model_path=smollm2_path(), **kw), "smollm2"
     if name == "gemma":
         from trimkit import templates
 
-        return Llama(model_path=gemma_path(), n_ctx=n_ctx, seed=seed, verbose=False, chat_format=templates.GEMMA3_CHAT_FORMAT,
-                     chat_handler=templates.gemma3_chat_handler), "gemma"
+        return Llama(model_path=gemma_path(), chat_format=templates.GEMMA3_CHAT_FORMAT, chat_handler=templates.gemma3_chat_handler, **kw), "gemma"
     path = check_model_path(name)
-    return Llama(model_path=str(path), n_ctx=n_ctx, seed=seed, verbose=False), path.stem
+    return Llama(model_path=str(path), **kw), path.stem
 
 
 def tool_call_content(tok: Any) -> str | None:
@@ -377,6 +386,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "answer_kept_eligible": sum(1 for r in elig if r["answer_kept"]),
         "right_when_answer_kept": sum(1 for r in rows if r["right"] and r["answer_kept"]),
         "within_budget": met if budgeted else None,
+        # the answer a user gets within the budget: right, and its first token in time
+        "right_within_budget": sum(1 for r in budgeted if r["right"] and r["measured_ttft_s"] is not None and r["measured_ttft_s"] <= r["budget_s"])
+        if budgeted or any(r.get("budget_s") for r in rows) else None,
         "budgeted": len(budgeted),
         "median_use": median([r["measured_ttft_s"] / r["budget_s"] for r in budgeted if r["measured_ttft_s"] is not None]),
         "median_ttft_s": median([r["measured_ttft_s"] for r in rows]),
@@ -396,6 +408,7 @@ def print_line(label: str, s: dict[str, Any]) -> None:
     print(f"  {label:<14s} right {frac(s['right'], s['n']):>15s}   answer chunk kept {s['answer_kept']:>2d}/{s['n']:<2d}"
           f"{elig:<16s}   within budget {wb:>15s}   use {'—' if use is None else f'{use:.2f}':>4s}"
           f"   TTFT {s['median_ttft_s'] or float('nan'):5.2f} s   tokens {s['median_prompt_tokens'] or 0:6.0f}   echoes {s['echoed_a_marker']}"
+          + (f"   right within budget {s['right_within_budget']}/{s['n']}" if s["right_within_budget"] is not None else "")
           + (f"   no question sent {s['question_not_sent']}" if s["question_not_sent"] else ""))
 
 
@@ -413,6 +426,11 @@ def targets(by_share: dict[str, dict[str, dict[str, Any]]], pooled: dict[str, An
         worse = [b for b in baselines if arms[b]["right"] > t["right"]]
         out[f"right_vs_baselines@{share}"] = {"trimkit": t["right"], **{b: arms[b]["right"] for b in baselines}, "met": not worse,
                                               "beaten_by": worse}
+        # not a target of the issue: the same comparison counting only answers whose first token came within the budget
+        late = [b for b in baselines if (arms[b]["right_within_budget"] or 0) > (t["right_within_budget"] or 0)]
+        out[f"right_within_budget_vs_baselines@{share}"] = {"trimkit": t["right_within_budget"],
+                                                            **{b: arms[b]["right_within_budget"] for b in baselines}, "met": not late,
+                                                            "beaten_by": late, "informational": True}
     elig = pooled["eligible"]
     out["answer_kept"] = {"kept": pooled["answer_kept_eligible"], "eligible": elig, "all_kept": pooled["answer_kept"], "n": pooled["n"],
                           "met": elig > 0 and pooled["answer_kept_eligible"] / elig >= TARGETS["answer_kept"]}
@@ -420,6 +438,66 @@ def targets(by_share: dict[str, dict[str, dict[str, Any]]], pooled: dict[str, An
                             "met": pooled["budgeted"] > 0 and pooled["within_budget"] / pooled["budgeted"] >= TARGETS["within_budget"]}
     out["echoes"] = {"n": pooled["echoed_a_marker"], "met": pooled["echoed_a_marker"] == 0}
     return out
+
+
+def figures(rows: list[dict[str, Any]], requests: list[dict[str, Any]], info: dict[str, dict[str, Any]], shares: Sequence[float],
+            label: str) -> dict[str, Any]:
+    """Print the figures of a run's ``rows`` per arm and share, the targets and examples of wrong
+    answers; return them for the JSON."""
+    unt = summarize([r for r in rows if r["arm"] == "untrimmed"])
+    by_share = {str(s): {"untrimmed": unt, **{a: summarize([r for r in rows if r["arm"] == a and r["share"] == s]) for a in ("trimkit", *BASELINES)}}
+                for s in shares}
+    pooled = {a: summarize([r for r in rows if r["arm"] == a]) for a in ARMS}
+    tg = targets(by_share, pooled["trimkit"], BASELINES)
+    print()
+    print(f"{label}: {len(requests)} requests × shares {list(shares)}; judged: the response contains the expected answer (normalised)")
+    print("untrimmed (no budget):")
+    print_line("untrimmed", unt)
+    for s in shares:
+        print(f"share {s}:")
+        for a in ("trimkit", *BASELINES):
+            print_line(a, by_share[str(s)][a])
+    print("targets (trimkit):")
+    for name, t in tg.items():
+        print(f"  {name:<28s} {'met' if t['met'] else 'MISSED'}   {json.dumps({k: v for k, v in t.items() if k != 'met'}, default=str)}")
+    ambiguous = sum(1 for i in info.values() if i["expected_also_elsewhere"])
+    print(f"requests whose expected answer also stands elsewhere in the prompt (a distractor or the history): {ambiguous}/{len(requests)}")
+    for a in ARMS:
+        why = pooled[a]["why_wrong"]
+        if why:
+            print(f"  why wrong, {a}: " + ", ".join(f"{k} {v}" for k, v in why.items()))
+    wrong_t = [r for r in rows if r["arm"] == "trimkit" and not r["right"]]
+    wrong_t.sort(key=lambda r: (-(r["share"] or 0), r["request"]))
+    examples = []
+    seen: set[str] = set()
+    for r in wrong_t:
+        if r["request"] in seen:
+            continue
+        seen.add(r["request"])
+        req = next(q for q in requests if q["id"] == r["request"])
+        u = next(x for x in rows if x["arm"] == "untrimmed" and x["request"] == r["request"])
+        examples.append({"request": r["request"], "share": r["share"], "question": req["question"], "expected": req["expected_answer"],
+                         "response": r["response"], "why": r.get("why_wrong"), "answer_chunk_kept": r["answer_kept"],
+                         "prompt_tokens": r["prompt_tokens"], "untrimmed_response": u["response"], "untrimmed_right": u["right"]})
+        if len(examples) == 5:
+            break
+    if examples:
+        print("wrong answers (trimkit), examples:")
+        for e in examples:
+            print(f"  {e['request']} @ {e['share']}: Q: {e['question']}\n    expected: {e['expected']}\n    response: {e['response']!r}"
+                  f"\n    why: {e['why']}; untrimmed said: {e['untrimmed_response']!r}")
+    return {"targets_result": tg, "untrimmed": unt, "by_share": by_share, "pooled": pooled, "wrong_examples": examples}
+
+
+def resummarize(path: str) -> int:
+    """``--resummarize JSON``: the figures again from a results file's rows (the set regenerated
+    from its seed), written back to the same file."""
+    data = json.loads(Path(path).read_text())
+    n = len(data["requests"])
+    requests = rag_qa.generate(data["seed"], n, **data.get("set_shape", SET_SHAPE))
+    data.update(figures(data["rows"], requests, data["requests"], data["shares"], data["model"]))
+    write_results(path, data)
+    return 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,9 +510,15 @@ def main() -> int:
     ap.add_argument("--shares", default=None, help="budget shares of the predicted untrimmed TTFT (default 0.25,0.35,0.5,0.8; --quick 0.35,0.8)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--n-ctx", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="llama.cpp threads for prefill and decode (default 1: on a shared 2-core host a second thread waits on "
+                         "the busy core and prefill runs 2-3x slower; 0: llama.cpp's defaults)")
     ap.add_argument("--recalibrate", action="store_true", help="measure a fresh profile instead of reusing the stored one")
     ap.add_argument("--out", default=None, help="JSON results (default benchmarks/results/rag_answers[_<model>][_quick].json)")
+    ap.add_argument("--resummarize", metavar="JSON", default=None, help="print and rewrite the figures of an earlier run's JSON (no model runs)")
     args = ap.parse_args()
+    if args.resummarize:
+        return resummarize(args.resummarize)
 
     n_requests = args.requests or (3 if args.quick else 12)
     shares = [float(x) for x in (args.shares or ("0.35,0.8" if args.quick else ",".join(map(str, SHARES)))).split(",")]
@@ -445,7 +529,7 @@ def main() -> int:
     from trimkit.messages import coerce_chunks
     from trimkit.prepared import place_chunks
 
-    llm, label = open_model(args.model, args.n_ctx, args.seed)
+    llm, label = open_model(args.model, args.n_ctx, args.seed, args.threads)
     stem = "rag_answers" + ("" if label == "smollm2" else f"_{label}") + ("_quick" if args.quick else "")
     out_path = Path(args.out or HERE / "results" / f"{stem}.json")
     backend = trimkit.backends.LlamaBackend(llm)
@@ -458,7 +542,8 @@ def main() -> int:
     calib_s = time.perf_counter() - t0
     print(f"model {label} ({os.path.basename(model_path)}); profile: {'quick' if profile.quick else 'full'} calibration "
           f"({'measured now' if calib_s > 2 else 'stored'}, {calib_s:.1f} s), held-out median {profile.error.median_pct:.1f} %, "
-          f"decode {profile.decode_tokens_per_s:.1f} tokens/s; load average {os.getloadavg()[0]:.2f}", flush=True)
+          f"decode {profile.decode_tokens_per_s:.1f} tokens/s; threads {llm.context_params.n_threads}/{llm.context_params.n_threads_batch} "
+          f"(decode/prefill); load average {os.getloadavg()[0]:.2f}", flush=True)
 
     # -- the set, its budgets, the predicted duration ---------------------------------------------
     requests = rag_qa.generate(args.seed, n_requests, **SET_SHAPE)
@@ -578,44 +663,7 @@ def main() -> int:
 
     # -- figures ---------------------------------------------------------------------------------
     wall = time.perf_counter() - t_run
-    unt = summarize([r for r in rows if r["arm"] == "untrimmed"])
-    by_share = {str(s): {"untrimmed": unt, **{a: summarize([r for r in rows if r["arm"] == a and r["share"] == s]) for a in ("trimkit", *BASELINES)}}
-                for s in shares}
-    pooled = {a: summarize([r for r in rows if r["arm"] == a]) for a in ARMS}
-    tg = targets(by_share, pooled["trimkit"], BASELINES)
-    print()
-    print(f"{label}: {len(requests)} requests × shares {shares}; judged: the response contains the expected answer (normalised)")
-    print("untrimmed (no budget):")
-    print_line("untrimmed", unt)
-    for s in shares:
-        print(f"share {s}:")
-        for a in ("trimkit", *BASELINES):
-            print_line(a, by_share[str(s)][a])
-    print("targets (trimkit):")
-    for name, t in tg.items():
-        print(f"  {name:<28s} {'met' if t['met'] else 'MISSED'}   {json.dumps({k: v for k, v in t.items() if k != 'met'}, default=str)}")
-    ambiguous = sum(1 for i in info.values() if i["expected_also_elsewhere"])
-    print(f"requests whose expected answer also stands elsewhere in the prompt (a distractor or the history): {ambiguous}/{len(requests)}")
-    wrong_t = [r for r in rows if r["arm"] == "trimkit" and not r["right"]]
-    wrong_t.sort(key=lambda r: (-(r["share"] or 0), r["request"]))
-    examples = []
-    seen: set[str] = set()
-    for r in wrong_t:
-        if r["request"] in seen:
-            continue
-        seen.add(r["request"])
-        req = next(q for q in requests if q["id"] == r["request"])
-        u = next(x for x in rows if x["arm"] == "untrimmed" and x["request"] == r["request"])
-        examples.append({"request": r["request"], "share": r["share"], "question": req["question"], "expected": req["expected_answer"],
-                         "response": r["response"], "why": r.get("why_wrong"), "answer_chunk_kept": r["answer_kept"],
-                         "untrimmed_response": u["response"], "untrimmed_right": u["right"]})
-        if len(examples) == 5:
-            break
-    if examples:
-        print("wrong answers (trimkit), examples:")
-        for e in examples:
-            print(f"  {e['request']} @ {e['share']}: Q: {e['question']}\n    expected: {e['expected']}\n    response: {e['response']!r}"
-                  f"\n    why: {e['why']}; untrimmed said: {e['untrimmed_response']!r}")
+    fig = figures(rows, requests, info, shares, label)
     print(f"run took {wall / 60:.1f} min (predicted {est / 60:.1f}); load average {os.getloadavg()[0]:.2f}")
 
     result = {
@@ -627,6 +675,7 @@ def main() -> int:
         "shares": shares,
         "params": params,
         "n_ctx": args.n_ctx,
+        "threads": {"n_threads": llm.context_params.n_threads, "n_threads_batch": llm.context_params.n_threads_batch},
         "set_shape": SET_SHAPE,
         "tool_call_turns_content": "None (as generated)" if tool_content is None else repr(tool_content),
         "trimkit_version": getattr(trimkit, "__version__", "?"),
@@ -639,11 +688,7 @@ def main() -> int:
         "markers": MARKERS,
         "targets": {"right_vs_untrimmed": "≥ untrimmed − 2 points at every share ≥ 0.35", "right_vs_baselines": "≥ every baseline at the same share",
                     "answer_kept": "≥ 98 % of eligible sends", "within_budget": "≥ 97 %", "echoes": "never"},
-        "targets_result": tg,
-        "untrimmed": unt,
-        "by_share": by_share,
-        "pooled": pooled,
-        "wrong_examples": examples,
+        **fig,
         "requests": info,
         "rows": rows,
     }
