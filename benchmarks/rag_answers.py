@@ -640,6 +640,7 @@ def main() -> int:
             "eligible": eligible, "answer_alone_predicted_s": alone_s, "drift": getattr(chat.profile, "drift", None), "kept_chunks": len(plan.kept_chunks) if plan is not None else len(job["chunks"]),
             "dropped_turns": req["n_turns"] - n_turns_sent, "replans": len(report.replans), "safety_margin": margin,
             "actions": [a.strategy for a in plan.actions] if plan is not None else [], "warnings": list(report.warnings),
+            "sent_messages": [dict(m) for m in prepared.messages[1:]],  # what the model read (the system prompt is the set's)
         })
         line = [f"trimkit {t_row['measured_ttft_s']:5.2f}s{'' if t_row['measured_ttft_s'] <= budget else '!'} {n_tokens:5d} tok "
                 f"{'A' if t_row['answer_kept'] else '-'} {'RIGHT' if t_row['right'] else 'wrong'}"]
