@@ -395,6 +395,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "median_prompt_tokens": median([r["prompt_tokens"] for r in rows]),
         "median_kept_chunks": median([r["kept_chunks"] for r in rows if r.get("kept_chunks") is not None]),
         "question_not_sent": sum(1 for r in rows if not r["question_sent"]),
+        "replanned": sum(1 for r in rows if r.get("replans")),
+        "answer_cut_by_replan": sum(1 for r in rows if r.get("answer_cut_by_replan")),
         "echoed_a_marker": sum(1 for r in rows if r["echoes"]),
         "echoes_by_marker": echoes,
         "why_wrong": {k: sum(1 for r in rows if r.get("why_wrong") == k) for k in sorted({r["why_wrong"] for r in rows if r.get("why_wrong")})},
@@ -462,6 +464,12 @@ def figures(rows: list[dict[str, Any]], requests: list[dict[str, Any]], info: di
         print(f"  {name:<28s} {'met' if t['met'] else 'MISSED'}   {json.dumps({k: v for k, v in t.items() if k != 'met'}, default=str)}")
     ambiguous = sum(1 for i in info.values() if i["expected_also_elsewhere"])
     print(f"requests whose expected answer also stands elsewhere in the prompt (a distractor or the history): {ambiguous}/{len(requests)}")
+    t = pooled["trimkit"]
+    elig_lost = [r for r in rows if r["arm"] == "trimkit" and r.get("eligible") and not r["answer_kept"]]
+    print(f"trimkit: {t['replanned']}/{t['n']} requests re-planned during their watched prefill; a re-plan cut the answer chunk in "
+          f"{t['answer_cut_by_replan']}; of the {len(elig_lost)} eligible sends without the answer, "
+          f"{sum(1 for r in elig_lost if r.get('replans'))} had been re-planned, "
+          f"{sum(1 for r in elig_lost if r.get('answer_in_first_plan'))} had it in the plan made before the prefill")
     for a in ARMS:
         why = pooled[a]["why_wrong"]
         if why:
@@ -636,9 +644,17 @@ def main() -> int:
         margin = report.safety_margin or 0.0
         eligible = alone_s <= budget * (1 - margin)
         n_turns_sent = sum(1 for m in prepared.messages[1:-1] if m.get("role") == "user")
+        answer_id = str(job["chunks"][req["answer_index"]].id)
+        cut = {d for r in report.replans for d in r.dropped if not d.startswith("+")}
+        back = {d[1:] for r in report.replans for d in r.dropped if d.startswith("+")}
+        kept_ids = {str(c.id) for c in plan.kept_chunks} if plan is not None else set()
         t_row = record(req, "trimkit", share, budget, text, report, prepared.messages, {
             "eligible": eligible, "answer_alone_predicted_s": alone_s, "drift": getattr(chat.profile, "drift", None), "kept_chunks": len(plan.kept_chunks) if plan is not None else len(job["chunks"]),
             "dropped_turns": req["n_turns"] - n_turns_sent, "replans": len(report.replans), "safety_margin": margin,
+            "replan_summaries": [r.summary() for r in report.replans],
+            # the answer chunk in the plan made before the prefill started, and cut by a re-plan during it
+            "answer_in_first_plan": (answer_id in kept_ids or answer_id in cut) and answer_id not in back,
+            "answer_cut_by_replan": answer_id in cut,
             "actions": [a.strategy for a in plan.actions] if plan is not None else [], "warnings": list(report.warnings),
             "sent_messages": [dict(m) for m in prepared.messages[1:]],  # what the model read (the system prompt is the set's)
         })
