@@ -4,8 +4,9 @@ Issue 36. ``benchmarks/rag_answer_kept.py`` counts whether the chunk holding the
 the model; this benchmark lets the model answer and judges the answer. The set is
 ``benchmarks/rag_qa.py``'s records-assistant chats (system prompt, earlier turns with tool
 turns, 8–16 retrieved chunks with near distractors, the answer sentence inside one chunk),
-generated shorter than ``rag_answer_kept.py``'s (about 600–2,000 prompt tokens) so that a run
-that decodes every answer fits a few minutes on a slow host. Each request carries
+generated shorter than ``rag_answer_kept.py``'s (2–10 earlier turns, chunks of ~30–150 tokens:
+about 1,200–2,000 prompt tokens with SmolLM2's or Gemma 3's tokenizer), so that a run that
+decodes every answer stays under half an hour on a loaded 2-core host. Each request carries
 ``expected_answer``: the short fact its answer sentence holds (a date, a person, a price, a
 company, a permit number, an inspection finding), as the set writes it.
 
