@@ -467,10 +467,11 @@ def figures(rows: list[dict[str, Any]], requests: list[dict[str, Any]], info: di
     print(f"requests whose expected answer also stands elsewhere in the prompt (a distractor or the history): {ambiguous}/{len(requests)}")
     t = pooled["trimkit"]
     elig_lost = [r for r in rows if r["arm"] == "trimkit" and r.get("eligible") and not r["answer_kept"]]
-    print(f"trimkit: {t['replanned']}/{t['n']} requests re-planned during their watched prefill; a re-plan cut the answer chunk in "
-          f"{t['answer_cut_by_replan']}; of the {len(elig_lost)} eligible sends without the answer, "
-          f"{sum(1 for r in elig_lost if r.get('replans'))} had been re-planned, "
-          f"{sum(1 for r in elig_lost if r.get('answer_in_first_plan'))} had it in the plan made before the prefill")
+    recorded = any("answer_cut_by_replan" in r for r in rows)  # not in runs before the field was added
+    print(f"trimkit: {t['replanned']}/{t['n']} requests re-planned during their watched prefill; "
+          + (f"a re-plan cut the answer chunk in {t['answer_cut_by_replan']}; " if recorded else "")
+          + f"of the {len(elig_lost)} eligible sends without the answer, {sum(1 for r in elig_lost if r.get('replans'))} had been re-planned"
+          + (f", {sum(1 for r in elig_lost if r.get('answer_in_first_plan'))} had it in the plan made before the prefill" if recorded else ""))
     for a in ARMS:
         why = pooled[a]["why_wrong"]
         if why:
