@@ -106,7 +106,7 @@ _COLLECTIONS = [
 #: same wording and another fact (same entity); ``tool``: the record type a tool call names.
 ATTRIBUTES: list[dict[str, Any]] = [
     {
-        "name": "lease_renewal", "tool": "lease",
+        "name": "lease_renewal", "expect": "date", "tool": "lease",
         "q": ["When was the lease on the {E} last renewed?", "On what date was the lease on the {E} last renewed, and under which file?"],
         "a": "The lease on the {E} was last renewed on {date}, recorded under file {code}.",
         "near": [
@@ -116,7 +116,7 @@ ATTRIBUTES: list[dict[str, Any]] = [
         ],
     },
     {
-        "name": "survey_signer", "tool": "survey",
+        "name": "survey_signer", "expect": "person", "tool": "survey",
         "q": ["Who signed the boundary survey of the {E}?", "Which surveyor signed the boundary survey of the {E}?"],
         "a": "The boundary survey of the {E} was signed by {person} on {date}, reference {code}.",
         "near": [
@@ -126,7 +126,7 @@ ATTRIBUTES: list[dict[str, Any]] = [
         ],
     },
     {
-        "name": "sale_price", "tool": "sale",
+        "name": "sale_price", "expect": "price", "tool": "sale",
         "q": ["What price did the {E} sell for in its last recorded sale?", "How much was paid for the {E} at its last recorded sale?"],
         "a": "At its last recorded sale the {E} went to {person} for {price}, entry {code}.",
         "near": [
@@ -136,7 +136,7 @@ ATTRIBUTES: list[dict[str, Any]] = [
         ],
     },
     {
-        "name": "fire_insurer", "tool": "insurance",
+        "name": "fire_insurer", "expect": "company", "tool": "insurance",
         "q": ["Which company insured the {E} against fire?", "Who insured the {E} against fire?"],
         "a": "The {E} was insured against fire by the {company} under policy {code}.",
         "near": [
@@ -146,7 +146,7 @@ ATTRIBUTES: list[dict[str, Any]] = [
         ],
     },
     {
-        "name": "extension_permit", "tool": "permit",
+        "name": "extension_permit", "expect": "code", "tool": "permit",
         "q": ["What was the permit number for the extension to the {E}?", "Under which permit was the extension to the {E} approved?"],
         "a": "The extension to the {E} was approved under permit {code} on {date}.",
         "near": [
@@ -156,7 +156,7 @@ ATTRIBUTES: list[dict[str, Any]] = [
         ],
     },
     {
-        "name": "flood_claim", "tool": "claim",
+        "name": "flood_claim", "expect": "price", "tool": "claim",
         "q": ["How much was paid on the flood damage claim for the {E}?", "What was the settlement of the flood damage claim for the {E}?"],
         "a": "The flood damage claim for the {E} was settled at {price} on {date}, claim {code}.",
         "near": [
@@ -166,7 +166,7 @@ ATTRIBUTES: list[dict[str, Any]] = [
         ],
     },
     {
-        "name": "inspection_finding", "tool": "inspection",
+        "name": "inspection_finding", "expect": "finding", "tool": "inspection",
         "q": ["What did the last safety inspection of the {E} find?", "What was found at the last safety inspection of the {E}?"],
         "a": "The last safety inspection of the {E} found {finding}, report {code}.",
         "near": [
@@ -176,7 +176,7 @@ ATTRIBUTES: list[dict[str, Any]] = [
         ],
     },
     {
-        "name": "ownership_transfer", "tool": "transfer",
+        "name": "ownership_transfer", "expect": "person", "tool": "transfer",
         "q": ["Who took ownership of the {E} at the last transfer?", "To whom did the {E} pass at the last transfer?"],
         "a": "At the last transfer the {E} passed to {person} on {date}, deed {code}.",
         "near": [
@@ -351,6 +351,15 @@ class _Gen:
         return " ".join(body), pos
 
 
+def _expected(attr: dict[str, Any], slots: dict[str, Any]) -> str:
+    """The short fact the answer sentence holds, as the sentence writes it: a date, person,
+    price, company, permit number, or an inspection finding without its leading article."""
+    value = str(slots[attr["expect"]])
+    if attr["expect"] == "finding":
+        value = re.sub(r"^(?:a|an|the) ", "", value)
+    return value
+
+
 def _log_uniform(rng: random.Random, lo: float, hi: float) -> int:
     return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
 
@@ -414,7 +423,9 @@ def generate(
     ``question``, ``chunks`` (retriever order; each ``text``, ``id`` (None for ``plain``),
     ``score`` (None unless ``scored``), ``kind``: answer | near_same_entity |
     near_same_fact | unrelated), ``answer_index`` (position in ``chunks``),
-    ``answer_sentence``, ``answer_score_rank`` (1-based, ``scored`` only), ``chunk_mode``,
+    ``answer_sentence``, ``expected_answer`` (the short fact the answer sentence holds, as it
+    writes it: a date, person, price, company, permit number or inspection finding) and its
+    ``expected_kind``, ``answer_score_rank`` (1-based, ``scored`` only), ``chunk_mode``,
     ``order``, ``entity``, ``attribute``, ``n_turns``.
 
     ``max_prompt_tokens`` caps the estimated untrimmed prompt: chunk lengths are scaled down
@@ -452,7 +463,9 @@ def generate(
             targets = [t if k == short else max(chunk_tokens[0], int(t * scale)) for k, t in enumerate(targets)]
             targets[long_] = max(targets[long_], 4 * chunk_tokens[0])  # still long: uneven whatever the history
         # the answer chunk
-        answer = g.fill(attr["a"], entity, prefix)
+        slots = g.slots(entity, prefix)  # the same draws as g.fill(attr["a"], entity, prefix)
+        answer = attr["a"].format(**slots)
+        expected = _expected(attr, slots)
         ans_text, ans_pos = g.chunk_text(entity, max(targets[0], 60), [], middle=answer)
         items = [{"text": ans_text, "kind": "answer", "answer_sentence_index": ans_pos}]
         near_templates = list(attr["near"])
@@ -497,6 +510,8 @@ def generate(
             "chunks": listed,
             "answer_index": answer_index,
             "answer_sentence": answer,
+            "expected_answer": expected,
+            "expected_kind": attr["expect"],
             "answer_score_rank": rank if mode == "scored" else None,
             "chunk_mode": mode,
             "order": order,
