@@ -50,10 +50,10 @@ test: $(STAMP) lint
 	$(PY) -m pytest
 
 # ruff and mypy as configured in pyproject.toml; mypy against mypy-baseline.txt (errors that were
-# there before: the list may only shrink — `mypy | mypy-baseline sync` after fixing some)
+# there before: the list may only shrink — a new error fails, a fixed one does not; `mypy | mypy-baseline sync` drops it)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check trimkit tests benchmarks
-	$(VENV)/bin/mypy | $(VENV)/bin/mypy-baseline filter --no-colors
+	$(VENV)/bin/mypy | $(VENV)/bin/mypy-baseline filter --no-colors --allow-unsynced
 
 bench: $(STAMP)
 	$(PY) benchmarks/prediction_accuracy.py
