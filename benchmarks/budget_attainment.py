@@ -32,8 +32,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-from trimkit.planning.costs import quantile as pct  # noqa: E402
 from _results import write_results  # noqa: E402 - the sibling module of benchmarks/
+
+from trimkit.planning.costs import quantile as pct  # noqa: E402
 
 
 def main() -> int:

@@ -100,7 +100,7 @@ def open_model(name: str, n_ctx: int, threads_batch: int) -> Any:
     if name == "smollm2" and path is None:
         raise SystemExit(smollm2_path()[1])
     return open_llama(path, n_ctx, n_threads=threads_batch, n_threads_batch=threads_batch) if path else \
-        trimkit.default_llama(n_ctx=n_ctx, n_threads=threads_batch, n_threads_batch=threads_batch)
+        trimkit.default_llama("gemma", n_ctx=n_ctx, n_threads=threads_batch, n_threads_batch=threads_batch)
 
 
 def send(chat: Any, llm: Any, request: dict[str, Any], budget: float | None) -> dict[str, Any]:

@@ -560,7 +560,7 @@ def run_inprocess(args: argparse.Namespace, convs: list[list[Turn]]) -> dict[str
     import trimkit
     from trimkit.backends.llama import LlamaBackend
 
-    llm = trimkit.default_llama(n_ctx=args.n_ctx)
+    llm = trimkit.default_llama("gemma", n_ctx=args.n_ctx)
     t0 = time.perf_counter()
     mode = "quick" if args.smoke else args.calibration  # even --smoke: a micro profile extrapolates too far
     profile = trimkit.calibrate(LlamaBackend(llm), mode=mode, recalibrate=True, store=False)
@@ -731,13 +731,13 @@ def main() -> int:
     mode = "micro" if args.smoke else args.calibration
     wrapper_kwargs: dict[str, Any] = {"chat_format": CHAT_FORMAT, "n_ctx": args.n_ctx}
     if not args.server_tokenizer:  # exact counts without asking a server that may be busy (every arm alike)
-        wrapper_kwargs["tokenizer"] = llama_prompt_tokenizer(trimkit.default_llama(vocab_only=True))
+        wrapper_kwargs["tokenizer"] = llama_prompt_tokenizer(trimkit.default_llama("gemma", vocab_only=True))
     result: dict[str, Any] = {"smoke": args.smoke, "arms": {}, "rows": {}, "inprocess": None}
     t_start = time.perf_counter()
     fleet_kwargs: dict[str, Any] = {}
     if args.prompt_cache_mib > 0:  # every arm's servers keep several prompts; trimkit's router is told how many
-        fleet_kwargs["held_prompts"] = held_prompts_bound(trimkit.default_llama(vocab_only=True), args.n_ctx, args.prompt_cache_mib)
-    with running_replicas(2, trimkit.default_model_path(), args.n_ctx, threads=1, prompt_cache_mib=args.prompt_cache_mib) as replicas:
+        fleet_kwargs["held_prompts"] = held_prompts_bound(trimkit.default_llama("gemma", vocab_only=True), args.n_ctx, args.prompt_cache_mib)
+    with running_replicas(2, trimkit.default_model_path("gemma"), args.n_ctx, threads=1, prompt_cache_mib=args.prompt_cache_mib) as replicas:
         profiles, calibration = [], {}
         for r in replicas:
             with OpenAIHTTPBackend(r.base_url, **wrapper_kwargs) as backend:

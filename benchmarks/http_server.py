@@ -50,8 +50,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from prediction_accuracy import build_text, percentile  # noqa: E402  (the same held-out prompt builder)
 from _results import write_results  # noqa: E402 - the sibling module of benchmarks/
+from prediction_accuracy import build_text, percentile  # noqa: E402  (the same held-out prompt builder)
 
 BAN_END = {"1": -100.0, "106": -100.0}  # Gemma's <eos> and <end_of_turn>: a content chunk always comes
 
@@ -166,12 +166,12 @@ def main() -> int:
     from trimkit.demo import load_corpus, load_history, load_questions
     from trimkit.tokens import common_prefix_len
 
-    model_path = trimkit.default_model_path()
+    model_path = trimkit.default_model_path("gemma")
     cpus = multiprocessing.cpu_count()
     threads, threads_batch = max(cpus // 2, 1), max(cpus, 1)  # llama_cpp.server's defaults on this host
 
     # the in-process reference: exact Gemma tokens and a quick in-process profile, for the HTTP overhead
-    llm = trimkit.default_llama(model_path=model_path, n_ctx=args.n_ctx, n_threads=threads, n_threads_batch=threads_batch)
+    llm = trimkit.default_llama("gemma", model_path=model_path, n_ctx=args.n_ctx, n_threads=threads, n_threads_batch=threads_batch)
     exact = llama_prompt_tokenizer(llm)
     t0 = time.perf_counter()
     inproc = trimkit.calibrate(LlamaBackend(llm), quick=True, recalibrate=True, store=False)

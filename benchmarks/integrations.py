@@ -59,8 +59,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import rag_qa  # noqa: E402
-from rag_answer_kept import median, open_model, pct, share_text  # noqa: E402
 from _results import write_results  # noqa: E402 - the sibling module of benchmarks/
+from rag_answer_kept import median, open_model, pct, share_text  # noqa: E402
 
 LAYER_TARGET_MS = 5.0
 #: what every path's trimkit wrapper is given besides the profile: nothing runs in the
@@ -220,10 +220,10 @@ OVERHEAD_MS_TARGET = 3.0
 
 def overhead(n_pairs: int, seed: int, out_path: Path) -> int:
     """``--overhead``: raw ``ChatLlamaCpp.invoke`` against ``TrimmedChatModel.invoke``, interleaved."""
-    import trimkit
     from langchain_community.chat_models import ChatLlamaCpp
     from langchain_core.messages import HumanMessage
 
+    import trimkit
     from trimkit.integrations.langchain import TrimmedChatModel
 
     rng = random.Random(seed)

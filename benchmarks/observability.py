@@ -49,7 +49,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE / "results" / "observability.json"))
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    llm = trimkit.default_llama(n_ctx=2048, verbose=False)
+    llm = trimkit.default_llama("gemma", n_ctx=2048, verbose=False)
     chat = trimkit.wrap(llm, ttft_budget_s=5.0)
     params = {"max_tokens": 4, "temperature": 0.0, "logit_bias": {llm.token_eos(): -1e9}}
 

@@ -55,8 +55,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import trimkit  # noqa: E402
 from phases_decode import DEFAULT_CONTEXTS, decode_sweep, summary  # noqa: E402
+
+import trimkit  # noqa: E402
 from trimkit.backends.base import probe_text  # noqa: E402
 from trimkit.console import open_llama  # noqa: E402
 from trimkit.demo import load_corpus  # noqa: E402

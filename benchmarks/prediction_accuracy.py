@@ -758,6 +758,7 @@ class StealMeter:
 
 def host_facts() -> dict[str, Any]:
     import llama_cpp
+
     from trimkit.backends.llama_context import cpu_name
 
     facts: dict[str, Any] = {
@@ -791,7 +792,7 @@ def run_model(name: str, path: str | None, args: argparse.Namespace, caches: Cac
     key = b.backend.profile_key()
     label = key.model.split(":")[0]
     print(f"\n== {name}: {label}  (n_ctx {key.n_ctx}, n_batch {key.n_batch}, threads {key.n_threads}/{key.n_threads_batch}) " + "=" * 8)
-    res: dict[str, Any] = {"model_path": path or "embedded (trimkit.default_model_path())", "model": label, "key": key.to_dict()}
+    res: dict[str, Any] = {"model_path": path or "embedded (trimkit.default_model_path('gemma'))", "model": label, "key": key.to_dict()}
     print("calibration (each mode in a fresh cache folder, recalibrate=True):")
     res["calibration"] = b.calibrations()
     res["cpu_steal_pct"] = {"calibration": steal.mark()}

@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=8192)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    llm = trimkit.default_llama(n_ctx=args.n_ctx)
+    llm = trimkit.default_llama("gemma", n_ctx=args.n_ctx)
     profile = trimkit.calibrate(llm, mode="quick", store=False)
     out = queue_prediction_check(llm, profile, threads=args.threads, turns=args.turns, max_tokens=args.max_tokens, seed=args.seed)
     short = {k: v for k, v in out.items() if k != "requests"}

@@ -88,16 +88,17 @@ def share_text(k: int, n: int) -> str:
 def open_model(path: str | None, chat_format: str | None, n_ctx: int) -> Any:
     """The model: ``--model PATH``, else ``trimkit.default_llama`` when it exists, else the
     embedded GGUF with ``chat_format="gemma"`` (it carries no chat template of its own)."""
-    import trimkit
     from llama_cpp import Llama
+
+    import trimkit
 
     if path is None and hasattr(trimkit, "default_llama"):
         try:
-            return trimkit.default_llama(n_ctx=n_ctx)
+            return trimkit.default_llama("gemma", n_ctx=n_ctx)
         except TypeError:
-            return trimkit.default_llama()
+            return trimkit.default_llama("gemma")
     if path is None:
-        return Llama(model_path=trimkit.default_model_path(), n_ctx=n_ctx, verbose=False, chat_format=chat_format or "gemma")
+        return Llama(model_path=trimkit.default_model_path("gemma"), n_ctx=n_ctx, verbose=False, chat_format=chat_format or "gemma")
     return Llama(model_path=str(trimkit.model.check_model_path(path)), n_ctx=n_ctx, verbose=False, chat_format=chat_format)
 
 

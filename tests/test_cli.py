@@ -224,8 +224,8 @@ def test_plan_needs_one_valid_budget(args, tmp_path):
 def test_demo_reads_what_the_plan_did_with_the_answer_chunk():
     from types import SimpleNamespace
 
-    from trimkit.messages import Chunk
     from trimkit.demo import answer_chunk_status
+    from trimkit.messages import Chunk
 
     chunks = [Chunk(text="The lamp was first lit in 1863. It burns oil.", id="doc-04"), Chunk(text="Other text.", id="doc-09")]
     whole = SimpleNamespace(kept_chunks=(chunks[0],), dropped_chunks=(chunks[1],))

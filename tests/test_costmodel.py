@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests._core_helpers import PROBES, TRUE_MODEL, exact_samples
-from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, cross_validate, error_stats, fit_cost_model
 from trimkit.errors import InvalidNumberError
+from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, cross_validate, error_stats, fit_cost_model
 
 
 def _rel(actual: float, expected: float) -> float:

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from trimkit.verdict import DEFAULT_WAIT_THRESHOLD_S, NOT_THE_STREAM_CURE, READING_SPEED_TOKENS_PER_S, STREAM_CURES, WAIT_CURES, diagnose
 from trimkit.errors import InvalidBudgetError, InvalidNumberError
+from trimkit.verdict import DEFAULT_WAIT_THRESHOLD_S, NOT_THE_STREAM_CURE, READING_SPEED_TOKENS_PER_S, STREAM_CURES, WAIT_CURES, diagnose
 
 
 def test_the_documented_defaults():

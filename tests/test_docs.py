@@ -225,7 +225,7 @@ def test_the_examples_run(path):
 
 def test_the_package_docstring_quick_start_runs():
     example = docstring_example()
-    assert "trimkit.default_llama()" in example.code  # what the embedded model needs: Gemma 3's template
+    assert "trimkit.default_llama()" in example.code  # the embedded default model, opened with a template that keeps system prompts
     run_isolated("trimkit")
 
 

@@ -1,5 +1,5 @@
-from trimkit.planning.excerpts import MIN_SENTENCES, excerpts_of, question_idf
 from trimkit.messages import Chunk
+from trimkit.planning.excerpts import MIN_SENTENCES, excerpts_of, question_idf
 
 SENTENCES = [
     "The archive opened in 1950.",
@@ -19,7 +19,8 @@ def test_the_best_matching_sentence_is_kept_with_its_neighbours_in_order():
     idf = question_idf("When did the flood damage the basement stacks?", [CHUNK, OTHER])
     first, *rest = excerpts_of(CHUNK, idf)
     assert first.spans == ((3, 5),)
-    assert first.chunk.text == "(excerpt: sentences 3–5 of 8) " + " ".join(SENTENCES[2:5])
+    # read as text: an ellipsis where sentences were left out, and no bookkeeping for the model to echo
+    assert first.chunk.text == "… " + " ".join(SENTENCES[2:5]) + " …"
     assert first.chunk.id == "arch" and first.chunk.score == 0.5
     assert first.chunk.metadata == {"source": "a.txt", "excerpt": {"spans": [[3, 5]], "sentences": 8}}
     assert CHUNK.metadata == {"source": "a.txt"}  # the caller's chunk is untouched
@@ -33,6 +34,18 @@ def test_separate_runs_are_joined_with_an_ellipsis():
     excerpts = excerpts_of(CHUNK, idf)
     last = excerpts[-1]
     assert len(last.spans) == 2 and " … " in last.chunk.text
+
+
+def test_an_excerpt_is_only_the_chunks_sentences_and_ellipses():
+    idf = question_idf("Who was the first director, and when did the new wing open?", [CHUNK, OTHER])
+    for ex in excerpts_of(CHUNK, idf):
+        parts = [p for p in ex.chunk.text.split("…") if p.strip()]
+        kept = [" ".join(SENTENCES[a - 1 : b]) for a, b in ex.spans]
+        assert [p.strip() for p in parts] == kept
+        assert "excerpt" not in ex.chunk.text and "(" not in ex.chunk.text
+        # an ellipsis at an edge exactly where sentences were left out there
+        assert ex.chunk.text.startswith("…") == (ex.spans[0][0] > 1)
+        assert ex.chunk.text.endswith("…") == (ex.spans[-1][1] < len(SENTENCES))
 
 
 def test_no_excerpt_without_a_match_or_for_a_short_chunk():

@@ -10,14 +10,14 @@ FakeBackend-calibrated profile: ~1.4 ms a prompt token, 50 tokens/s decode).
 
 from __future__ import annotations
 
-import attrs
 import asyncio
 import gc
 import json
 import logging
-from typing import Any
 import time
+from typing import Any
 
+import attrs
 import httpx
 import pytest
 

@@ -17,8 +17,8 @@ import pytest
 import trimkit
 from tests.test_server_faults import ASK, GOOD_STREAM, PROFILE, FaultServer, sse_reply
 from trimkit.errors import OverloadedError, ServerTimeoutError
-from trimkit.fleet_frontend import FleetCall, Route
 from trimkit.fleet_endpoint import FleetOverloadedError, FleetUnavailableError
+from trimkit.fleet_frontend import FleetCall, Route
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -67,7 +67,7 @@ def fleet(two_llama_servers, sent_paths):  # noqa: F811
     Gemma 3's template): routing and planning never ask a server that is busy (llama-cpp-python's
     server answers a tokenize request only once its model is free)."""
     a, b = two_llama_servers
-    tokenizer = llama_prompt_tokenizer(trimkit.default_llama(vocab_only=True, n_ctx=512))
+    tokenizer = llama_prompt_tokenizer(trimkit.default_llama("gemma", vocab_only=True, n_ctx=512))
     chat = trimkit.wrap_url([a.base_url, b.base_url], ttft_budget_s=3.0, tokenizer=tokenizer, n_ctx=4096,
                             http_client=httpx.Client(event_hooks={"request": [sent_paths]}))
     yield chat

@@ -20,11 +20,10 @@ import httpx
 import pytest
 
 from tests._server import free_port, running_server, start_server, stop_server
-
 from trimkit.backends.base import TimedStream
+from trimkit.backends.completion import assemble_chat_completion, chunk_content
 from trimkit.backends.http import AsyncTimedStream, OpenAIHTTPBackend
 from trimkit.backends.sse import EventReader, iter_events
-from trimkit.backends.completion import assemble_chat_completion, chunk_content
 from trimkit.errors import (
     InvalidInputError,
     ServerError,

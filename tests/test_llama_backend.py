@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import copy
+import os
 
 import pytest
 
-from trimkit.backends.llama import LlamaBackend
 from trimkit.backends.completion import chunk_content
+from trimkit.backends.llama import LlamaBackend
 from trimkit.errors import ContextTooSmallError
 
 HISTORY = [
@@ -124,7 +124,7 @@ SENTENCE = "The ferry to the island leaves the quay at nine and returns before d
 def llm_300(model_path):
     import trimkit
 
-    llm = trimkit.default_llama(model_path=model_path, n_ctx=300)
+    llm = trimkit.default_llama("gemma", model_path=model_path, n_ctx=300)
     yield llm
     llm.close()
 
@@ -133,7 +133,7 @@ def llm_300(model_path):
 def llm_1000(model_path):
     import trimkit
 
-    llm = trimkit.default_llama(model_path=model_path, n_ctx=1000)
+    llm = trimkit.default_llama("gemma", model_path=model_path, n_ctx=1000)
     yield llm
     llm.close()
 

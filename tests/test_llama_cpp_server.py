@@ -118,7 +118,10 @@ def test_the_closed_loop_runs_over_the_server_and_the_slot_keeps_the_prefix(smol
     from trimkit.planning.costs import CostModel
 
     optimistic = make_profile(model=CostModel(overhead_s=0.001, per_token_s=1e-5, depth_s=0.0), first_token_s=0.001, p90_pct=1.0)
-    chat = wrap_url(smol_server.base_url, profile=optimistic, summarizer=None)
+    # the 0.05 s budget is there to force re-plans; the wait is not what is tested, so the
+    # deadline before the first chunk is fixed well past any host's pace (a loaded host took
+    # over the 5 s a tight budget allows by default)
+    chat = wrap_url(smol_server.base_url, profile=optimistic, summarizer=None, retry_deadline_s=600.0)
     assert chat.pipeline.watches()
     chunks = [f"Record {i}: " + words(120, 200 * i) for i in range(12)]
     question = [{"role": "user", "content": "Which record mentions the harbour?"}]

@@ -12,14 +12,15 @@ import pytest
 
 import trimkit
 from tests._core_helpers import TRUE_MODEL, exact_samples, make_profile
-from trimkit.testing import FakeBackend, FakeClock
-from trimkit.wrapper import Trimmer
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.llama import LlamaBackend
 from trimkit.planning.costs import CostModel, PrefillSample
 from trimkit.planning.drift import calibration_seed
 from trimkit.planning.margin import EngineState, engine_state
 from trimkit.planning.speed import FACTOR_WINDOW, MARGIN_CAP, MARGIN_FLOOR, WINDOW, SpeedEstimate, margin_for_ratio, quantile
+from trimkit.testing import FakeBackend, FakeClock
+from trimkit.wrapper import Trimmer
+
 COST = CostModel(overhead_s=0.01, per_token_s=0.002, depth_s=1e-7)
 WORDS = "the harbour lamp keeper rows out at dawn and counts the fishing boats along the quay".split()
 

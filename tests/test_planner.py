@@ -6,6 +6,7 @@ import statistics
 import attrs
 import pytest
 
+from tests._planner_helpers import PROFILE, budget_for_tokens, conversation, fresh_tokenizer, tokenizer, tokens_of, tool_turn
 from trimkit.errors import (
     InfeasibleBudgetError,
     InvalidBudgetError,
@@ -15,13 +16,11 @@ from trimkit.errors import (
     InvalidNumberError,
 )
 from trimkit.messages import Chunk
-from trimkit.planning.planner import Plan, plan
 from trimkit.planning.drift import LiveProfile
+from trimkit.planning.planner import Plan, plan
+from trimkit.planning.values import ValueModel
 from trimkit.strategies import cap_rag_chunks, drop_oldest_turns, reuse_prefix, summarize_history
 from trimkit.strategies.summarize import ExtractiveSummarizer, SummaryCache, summary_job
-from trimkit.planning.values import ValueModel
-
-from tests._planner_helpers import PROFILE, budget_for_tokens, conversation, fresh_tokenizer, tokenizer, tokens_of, tool_turn
 
 
 def run(messages, budget, **kw):
@@ -162,11 +161,12 @@ def test_list_content_last_user_message_gets_chunks_in_its_text_part():
     assert parts[1] == before[0]["content"][1] and msgs == before
 
 
-def test_chunks_are_placed_most_relevant_first():
+def test_chunks_are_placed_most_relevant_last_next_to_the_question():
     chunks = [Chunk("Parrots talk.", id="p"), Chunk("Cats purr. Cats nap.", id="c"), Chunk("Cats hunt.", id="h")]
     p = run(conversation(0, question="Do cats purr?"), 10.0, rag_chunks=chunks)
     text = p.messages[-1]["content"]
-    assert text.index("[c]") < text.index("[h]") < text.index("[p]")
+    assert text.index("[p]") < text.index("[h]") < text.index("[c]") < text.index("Question: Do cats purr?")
+    assert [c.id for c in p.kept_chunks] == ["c", "h", "p"]  # the plan keeps them most relevant first
     assert [c.id for c in p.kept_chunks] == ["c", "h", "p"]
 
 
@@ -413,9 +413,9 @@ def test_room_left_after_whole_chunks_is_filled_with_an_excerpt():
     assert excerpt.detail["chunk"] == "long-doc"
     kept = {c.id: c for c in p.kept_chunks}
     cut = kept["long-doc"].text
-    assert cut.startswith("(excerpt: sentences ") and len(cut) < len(chunks[0].text)
-    body = cut.split(") ", 1)[1]
-    assert all(part in chunks[0].text for part in body.split(" … "))  # whole sentences, in order
-    assert body.endswith("sharp.")  # a sentence boundary, never mid-sentence
+    assert "…" in cut and "excerpt" not in cut and len(cut) < len(chunks[0].text)
+    parts = [part.strip() for part in cut.split("…") if part.strip()]
+    assert all(part in chunks[0].text for part in parts)  # whole sentences, in order
+    assert all(part.endswith("sharp.") for part in parts)  # a sentence boundary, never mid-sentence
     assert p.predicted_ttft_s <= p.budget_s * (1 - p.safety_margin)
     assert p.predicted_ttft_s / p.budget_s > 0.8

@@ -10,11 +10,10 @@ import attrs
 import pytest
 
 from tests._core_helpers import TRUE_MODEL, exact_samples, make_key, make_profile
-from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample
 from trimkit.errors import InvalidNumberError
+from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample
 from trimkit.planning.drift import LiveProfile
 from trimkit.profile_store import cache_dir, load_profile, profile_path, save_profile
-
 
 
 def _warnings(caplog) -> list[logging.LogRecord]:
@@ -618,8 +617,8 @@ def test_error_stats_and_samples_refuse_wrong_types_when_made():
 
 
 def test_a_corrupt_profile_is_recalibrated_with_one_warning_and_overwritten(isolated_cache, caplog):
-    from trimkit.testing import FakeBackend
     from trimkit.calibration import calibrate
+    from trimkit.testing import FakeBackend
 
     backend = FakeBackend(TRUE_MODEL)
     path = profile_path(backend.profile_key())
@@ -706,8 +705,8 @@ def test_an_explicit_unwritable_path_still_raises(tmp_path):
 def test_calibrate_and_wrap_survive_an_unwritable_cache(tmp_path, monkeypatch, caplog):
     """wrap() used to fail with NotADirectoryError after calibrating."""
     import trimkit
-    from trimkit.testing import FakeBackend
     from trimkit.calibration import calibrate
+    from trimkit.testing import FakeBackend
 
     _cache_is_a_file(tmp_path, monkeypatch)
     backend = FakeBackend(TRUE_MODEL)

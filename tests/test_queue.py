@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 import trimkit
+from tests._core_helpers import make_measurement, make_profile
 from trimkit.backends.base import TimedStream
 from trimkit.backends.completion import chunk_content
 from trimkit.backends.http import OpenAIHTTPBackend
@@ -40,8 +41,6 @@ from trimkit.planning.queue import (
 from trimkit.report import Report
 from trimkit.testing import FakeBackend, FakeClock, FakeOpenAIServer
 from trimkit.wrapper import Trimmer
-
-from tests._core_helpers import make_measurement, make_profile
 
 JOIN_S = 30.0
 MAX_TOKENS = 10

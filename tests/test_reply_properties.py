@@ -20,10 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.test_server_faults import DEADLINE_S, FaultServer, json_reply, make_chat, raw_reply, sse_reply
-from trimkit.backends.http import OpenAIHTTPBackend
-from trimkit.backends.sse import EventReader, iter_events
 from trimkit.backends.completion import assemble_chat_completion, chunk_content
 from trimkit.backends.fields import MAX_JSON_DEPTH, load_json
+from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.replies import Choice, Reply, error_message, parse_chunk, parse_completion, retry_after_s
 from trimkit.backends.server_facts import (
     MAX_CONTEXT_TOKENS,
@@ -36,6 +35,7 @@ from trimkit.backends.server_facts import (
     parse_version,
 )
 from trimkit.backends.server_timings import MAX_SERVER_SECONDS, MAX_TOKEN_COUNT, ServerStats, parse_server_stats
+from trimkit.backends.sse import EventReader, iter_events
 from trimkit.errors import MalformedReplyError, ServerError, TrimkitError
 
 pytestmark = pytest.mark.timeout(300)

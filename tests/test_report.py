@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-
 import types
 
 import attrs
 import pytest
 
 import trimkit
-
 from tests._core_helpers import make_measurement
 from trimkit.decode_model import DecodePoint
 from trimkit.errors import InvalidNumberError

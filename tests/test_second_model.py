@@ -16,9 +16,8 @@ import time
 
 import pytest
 
-from tests._core_helpers import contains, evaluated_tokens
-
 import trimkit
+from tests._core_helpers import contains, evaluated_tokens
 from trimkit.backends.llama import llama_prompt_tokenizer
 from trimkit.demo import load_corpus, load_history
 

@@ -32,8 +32,8 @@ import pytest
 
 import trimkit
 from tests._core_helpers import make_profile
-from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.completion import chunk_content
+from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.errors import (
     CalibrationError,
     MalformedReplyError,

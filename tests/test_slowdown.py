@@ -11,8 +11,8 @@ import pytest
 import trimkit
 from trimkit.planning.costs import CostModel
 from trimkit.planning.margin import EngineState
-from trimkit.profile import ProfileKey
 from trimkit.planning.speed import SLOWDOWN_FACTOR, usable_cores
+from trimkit.profile import ProfileKey
 from trimkit.testing import FakeBackend
 
 BASE = CostModel(overhead_s=0.01, per_token_s=0.0014, depth_s=1e-7)

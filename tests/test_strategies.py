@@ -4,6 +4,7 @@ from typing import ClassVar
 import attrs
 import pytest
 
+from tests._planner_helpers import budget_for_tokens, conversation, state, tokens_of, tool_turn
 from trimkit.errors import InvalidInputError
 from trimkit.messages import Chunk
 from trimkit.planning.state import Action, PlanState
@@ -18,8 +19,6 @@ from trimkit.strategies import (
     summarize_history,
 )
 from trimkit.strategies.summarize import PromptSummarizer, Summary, SummaryCache
-
-from tests._planner_helpers import budget_for_tokens, conversation, state, tokens_of, tool_turn
 
 
 @attrs.frozen

@@ -4,6 +4,7 @@ import threading
 
 import pytest
 
+from tests._planner_helpers import conversation, tokenizer
 from trimkit.errors import InvalidInputError
 from trimkit.strategies.summarize import (
     ExtractiveSummarizer,
@@ -16,8 +17,6 @@ from trimkit.strategies.summarize import (
     messages_key,
     summary_job,
 )
-
-from tests._planner_helpers import conversation, tokenizer
 
 
 def _summary(text="s", covered=2):

@@ -7,7 +7,6 @@ import httpx
 import pytest
 
 from tests._core_helpers import contains, evaluated_tokens
-
 from trimkit.templates import GEMMA3_CHAT_FORMAT, format_gemma3, gemma3_chat_handler
 
 SYSTEM = "Always answer as Captain Quill, keeper of the Marrowby lighthouse."

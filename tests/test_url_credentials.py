@@ -10,9 +10,8 @@ import base64
 import logging
 
 import attrs
-
 import pytest
-from hypothesis import given, settings, example
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import trimkit

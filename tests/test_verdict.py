@@ -9,8 +9,8 @@ import pytest
 
 from trimkit.errors import InvalidBudgetError, InvalidNumberError
 from trimkit.verdict import (
-    MIN_STATED_DECODE_CHANGE_PCT,
     DEFAULT_WAIT_THRESHOLD_S,
+    MIN_STATED_DECODE_CHANGE_PCT,
     READING_SPEED_TOKENS_PER_S,
     STREAM_CURES,
     VERDICTS,

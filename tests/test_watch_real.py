@@ -9,8 +9,8 @@ import copy
 import attrs
 
 import trimkit
-from trimkit.planning.watch import FIRST_STEP_TOKENS
 from trimkit.demo import load_corpus
+from trimkit.planning.watch import FIRST_STEP_TOKENS
 
 SYSTEM = {"role": "system", "content": "You answer questions about the town of Marrowby briefly."}
 QUESTION = "When was the lighthouse first lit?"

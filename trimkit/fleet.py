@@ -55,12 +55,12 @@ from typing import Any
 
 from trimkit.backends.clients import client_is_async, is_openai_client
 from trimkit.backends.http import OpenAIHTTPBackend
+from trimkit.backends.routing import RoutingOptions
 from trimkit.backends.server_load import ServerLoadReader
 from trimkit.backends.transport import normalize_base_url
 from trimkit.errors import InvalidInputError
-from trimkit.fleet_endpoint import FleetEndpoint, FleetOverloadedError, FleetUnavailableError
+from trimkit.fleet_endpoint import FleetEndpoint, FleetOverloadedError, FleetUnavailableError, Health
 from trimkit.fleet_frontend import AsyncFleetFrontEnd, AsyncFleetStream, FleetBase, FleetFrontEnd, FleetStream
-from trimkit.fleet_endpoint import Health
 from trimkit.openai_wrapper import AsyncTrimmedOpenAI, OpenAIFrontEnd, TrimmedOpenAI, split_backend_kwargs
 from trimkit.openai_wrapper import wrap_url as wrap_one_url
 from trimkit.profile import Profile
@@ -193,6 +193,7 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
     for value, name in ((probe_after_s, "probe_after_s"), (probe_max_s, "probe_max_s"), (probe_timeout_s, "probe_timeout_s")):
         positive_finite(value, name)
     valid_tokens_per_s_target(kwargs.get("tokens_per_s_target"))  # checked now: an endpoint's pipeline may be built later
+    RoutingOptions.of(kwargs.get("auto_routing_key", False), kwargs.get("routing_headers"))  # the same
     profiles = _profiles(profile, len(targets))
     backend_kwargs = {**FLEET_BACKEND_DEFAULTS, **split_backend_kwargs(kwargs)}
     is_async = kind == "async" or (kind == "url" and bool(asynchronous))

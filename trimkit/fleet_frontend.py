@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from trimkit.backends.routing import NOT_GIVEN
 from trimkit.call_deadlines import CallDeadlines
 from trimkit.errors import TrimkitError
 from trimkit.fleet_endpoint import (
@@ -33,7 +34,7 @@ from trimkit.fleet_endpoint import (
 )
 from trimkit.frontend import AsyncReportingStream, ReportingOpenAIStream, StreamReporter, send_params
 from trimkit.messages import coerce_chunks, validate_messages
-from trimkit.openai_wrapper import call_arguments, call_options
+from trimkit.openai_wrapper import call_arguments, call_options, call_routing_key
 from trimkit.planning.queue import check_on_busy
 from trimkit.prepared import Prepared, place_chunks
 from trimkit.report import Report
@@ -84,8 +85,11 @@ class FleetCall:
     (:meth:`failed`)."""
 
     def __init__(self, fleet: Fleet, messages: Any, rag_chunks: Any, budget: float | None, params: Mapping[str, Any], *,
-                 on_busy: str | None = None) -> None:
+                 on_busy: str | None = None, routing_key: Any = NOT_GIVEN) -> None:
         validate_messages(messages)
+        #: the call's routing key as given (validated by :func:`~trimkit.openai_wrapper.call_routing_key`);
+        #: each endpoint's wrapper decides the headers (:meth:`headers_for`)
+        self.routing_key = routing_key
         self.on_busy = None if on_busy is None else check_on_busy(on_busy)
         self.chunks = coerce_chunks(rag_chunks)
         self.fleet = fleet
@@ -98,6 +102,10 @@ class FleetCall:
         self.attempts: list[tuple[str, str]] = []
         self._tried: set[str] = set()
         self._overloaded: set[str] = set()  # endpoints that were alive but too busy for this call
+
+    def headers_for(self, ep: FleetEndpoint) -> dict[str, str]:
+        """The routing-key headers of this call on ``ep`` (a router behind a fleet endpoint reads them)."""
+        return ep.front.routing.headers_for(self.routing_key, self.messages)
 
     # -- time ----------------------------------------------------------------------------------------
     def elapsed_s(self) -> float:
@@ -489,7 +497,7 @@ class FleetFrontEnd(FleetBase):
 
     def _create(self, kwargs: dict[str, Any]) -> Any:
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        call = FleetCall(self, messages, rag_chunks, budget, params, **call_options(kwargs))
+        call = FleetCall(self, messages, rag_chunks, budget, params, routing_key=call_routing_key(kwargs), **call_options(kwargs))
         while True:
             route = call.route()
             try:
@@ -510,13 +518,13 @@ class FleetFrontEnd(FleetBase):
         try:
             if unstreamed is not None:
                 prepared, args = unstreamed
-                response, m = ep.backend.complete(prepared.messages, send_params(params), **args)
+                response, m = ep.backend.complete(prepared.messages, send_params(params), headers=call.headers_for(ep), **args)
                 self._answered_whole(route, prepared, m, params)
                 return response
             prepared = ep.pipeline.sent(route.prepared)
             deadline = call.attempt_deadline_s(route)
             ts = ep.backend.send(prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens, retry_deadline_s=deadline,
-                                 deadline_s=deadline)
+                                 deadline_s=deadline, headers=call.headers_for(ep))
             ep.sent(route.key, prepared.prompt_tokens)
         except BaseException:
             route.release(failed=True)
@@ -563,7 +571,7 @@ class AsyncFleetFrontEnd(FleetBase):
 
     async def _create(self, kwargs: dict[str, Any]) -> Any:  # type: ignore[override]
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        call = FleetCall(self, messages, rag_chunks, budget, params, **call_options(kwargs))
+        call = FleetCall(self, messages, rag_chunks, budget, params, routing_key=call_routing_key(kwargs), **call_options(kwargs))
         while True:
             route = await _routed(call)
             try:
@@ -583,13 +591,13 @@ class AsyncFleetFrontEnd(FleetBase):
         try:
             if unstreamed is not None:
                 prepared, args = unstreamed
-                response, m = await ep.backend.acomplete(prepared.messages, send_params(params), **args)
+                response, m = await ep.backend.acomplete(prepared.messages, send_params(params), headers=call.headers_for(ep), **args)
                 self._answered_whole(route, prepared, m, params)
                 return response
             prepared = ep.pipeline.sent(route.prepared)
             deadline = call.attempt_deadline_s(route)
             ts = await ep.backend.asend(prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens,
-                                        retry_deadline_s=deadline, deadline_s=deadline)
+                                        retry_deadline_s=deadline, deadline_s=deadline, headers=call.headers_for(ep))
             ep.sent(route.key, prepared.prompt_tokens)
         except BaseException:
             route.release(failed=True)

@@ -9,8 +9,9 @@ llama-cpp-python's server, vLLM, SGLang, Ollama's ``/v1``, LM Studio) rather tha
     print(chat.last_report)
 
 :class:`TrimmedOpenAI` (``openai.OpenAI``) and :class:`AsyncTrimmedOpenAI` (``openai.AsyncOpenAI``)
-are drop-ins: ``.chat.completions.create`` takes the client's arguments plus ``rag_chunks=`` and
-a per-call ``ttft_budget_s=``, passes every other argument through unchanged, and returns what
+are drop-ins: ``.chat.completions.create`` takes the client's arguments plus ``rag_chunks=``, a
+per-call ``ttft_budget_s=`` and ``routing_key=`` (sent in the headers routers read, never in the
+body: :mod:`trimkit.backends.routing`), passes every other argument through unchanged, and returns what
 the client returns. Any other attribute is the client's own. :func:`wrap_url` gives the same API
 over plain ``httpx`` for users without the ``openai`` package (responses are plain dicts).
 
@@ -29,10 +30,12 @@ from trimkit.backends.base import Measurement
 from trimkit.backends.clients import client_is_async, is_openai_client
 from trimkit.backends.completion import assemble_chat_completion
 from trimkit.backends.http import OpenAIHTTPBackend
+from trimkit.backends.routing import NOT_GIVEN, RoutingOptions, check_routing_key, planning_for, routing_headers
 from trimkit.backends.server_timings import SOURCE_CLIENT
 from trimkit.call_deadlines import MIN_RETRY_DEADLINE_S, CallDeadlines, retry_deadline_for
 from trimkit.errors import InvalidInputError, InvalidMessageError
 from trimkit.frontend import AsyncReportingStream, FrontEnd, ReportingOpenAIStream, StreamReporter, send_params, usage_counts
+from trimkit.messages import validate_messages
 from trimkit.pipeline import Pipeline
 from trimkit.prepared import Prepared
 from trimkit.validation import positive_finite
@@ -50,6 +53,9 @@ __all__ = [
     "MIN_RETRY_DEADLINE_S",
     "call_arguments",
     "call_options",
+    "call_routing_key",
+    "max_tokens_note",
+    "router_note",
     "split_backend_kwargs",
 ]
 
@@ -92,7 +98,7 @@ def call_arguments(kwargs: Mapping[str, Any]) -> tuple[Any, Any, float | None, d
     messages = params.pop("messages")
     rag_chunks = params.pop("rag_chunks", None)
     budget = params.pop("ttft_budget_s", None)
-    for name in TRIMKIT_CALL_OPTIONS:
+    for name in (*TRIMKIT_CALL_OPTIONS, ROUTING_KEY_OPTION):
         params.pop(name, None)
     stream = params.get("stream", False)
     if stream not in (True, False, None):
@@ -102,11 +108,23 @@ def call_arguments(kwargs: Mapping[str, Any]) -> tuple[Any, Any, float | None, d
 
 #: a call's options that are trimkit's, never sent to the server
 TRIMKIT_CALL_OPTIONS = ("on_busy",)
+#: a call's routing key: trimkit's option, sent as headers, never in the body (:mod:`trimkit.backends.routing`)
+ROUTING_KEY_OPTION = "routing_key"
 
 
 def call_options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """trimkit's own options of a ``create()`` call (``on_busy``), as given (None: not given)."""
+    """trimkit's own planning options of a ``create()`` call (``on_busy``), as given (None: not given)."""
     return {name: kwargs.get(name) for name in TRIMKIT_CALL_OPTIONS if not _is_not_given(kwargs.get(name))}
+
+
+def call_routing_key(kwargs: Mapping[str, Any]) -> Any:
+    """A call's ``routing_key=``, validated (:class:`~trimkit.errors.InvalidInputError` before
+    anything is sent): the key, ``None`` (given as None: no key for this call) or
+    :data:`~trimkit.backends.routing.NOT_GIVEN`."""
+    if ROUTING_KEY_OPTION not in kwargs or _is_not_given(kwargs[ROUTING_KEY_OPTION]):
+        return NOT_GIVEN
+    key = kwargs[ROUTING_KEY_OPTION]
+    return None if key is None else check_routing_key(key)
 
 
 def _not_a_list(target: Any, what: str) -> None:
@@ -137,6 +155,50 @@ def _usage_note(m: Measurement, params: Mapping[str, Any]) -> tuple[str, ...]:
         return ("the server reported no usage while streaming: the response's usage holds trimkit's counts "
                 "(prompt tokens as trimkit counted them, completion tokens = content chunks)",)
     return ()
+
+
+def _limit(params: Mapping[str, Any]) -> int | None:
+    """The answer's length the caller asked for: the smaller of ``max_tokens`` and
+    ``max_completion_tokens`` given as positive ints (None: neither)."""
+    asked = [v for v in (params.get("max_tokens"), params.get("max_completion_tokens"))
+             if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    return min(asked) if asked else None
+
+
+def max_tokens_note(m: Measurement, params: Mapping[str, Any]) -> tuple[str, ...]:
+    """The report's warning when an answer ran past the ``max_tokens`` asked for: something on
+    the way dropped the limit (sglang-router forwards ``max_tokens`` as ``max_completion_tokens``,
+    which llama-cpp-python's server ignores), and the decode ran on."""
+    limit = _limit(params)
+    n = m.completion_tokens
+    if limit is None or n is None:
+        return ()
+    choices = params.get("n")
+    if not isinstance(choices, int) or isinstance(choices, bool) or choices < 1:
+        choices = 1
+    limit_all = limit * choices  # the server counts the tokens of every choice
+    if n <= limit_all:
+        return ()
+    name = "max_tokens" if params.get("max_tokens") == limit else "max_completion_tokens"
+    per = f" per choice, {limit_all} for n={choices}" if limit_all != limit else ""
+    return (f"the answer ran past {name}={limit}{per}: {n} completion tokens. Something between trimkit and the engine dropped the limit "
+            "(sglang-router forwards max_tokens as max_completion_tokens, which llama-cpp-python's server ignores); "
+            "the decode ran on and its time is not the one asked for",)
+
+
+def router_note(backend: OpenAIHTTPBackend, m: Measurement) -> tuple[str, ...]:
+    """The report's warning when the request went through a router (vllm-router,
+    sglang-router): what trimkit's probes could and could not see through it, and whether the
+    request carried a routing key."""
+    if not isinstance(m.server, Mapping) or "router" not in m.server:  # the request's facts: the backend saw a router
+        return ()
+    info = backend.server_info()  # probed already (the request was sent)
+    if info.router is None:
+        return ()
+    sent = m.server.get("routing_headers")
+    key = (f"sent with a routing key ({', '.join(sent)})" if sent else
+           "sent without a routing key: the router chose the worker by its policy, and the cache predicted is the last request's worker's")
+    return (f"{info.router.describe()}; {key}",)
 
 
 def _model_note(asked: str | None, m: Measurement) -> tuple[str, ...]:
@@ -204,6 +266,12 @@ class OpenAIFrontEnd(FrontEnd):
     provisional profile then improves from every request the server reports timings for.
     Requests to a server are planned once, before sending (open loop): nothing watches their
     prefill, so the safety margin covers the whole prediction.
+
+    Behind a router (vllm-router, sglang-router: docs/scaling.md §4), a call's ``routing_key=``
+    goes in the headers the routers read (``x-session-id``, ``x-smg-routing-key``;
+    ``routing_headers=`` names others); ``auto_routing_key=True`` gives a call without one its
+    conversation's key (a digest of its first messages), so that one wrapper serves many
+    conversations, each kept on one worker. ``routing_key=None`` sends none for that call.
     """
 
     #: whether the wrapped client's calls are awaited
@@ -214,6 +282,8 @@ class OpenAIFrontEnd(FrontEnd):
                  backend: OpenAIHTTPBackend | None = None, **kwargs: Any) -> None:
         if retry_deadline_s is not None:
             positive_finite(retry_deadline_s, "retry_deadline_s")
+        #: the routing key of a call that gives none, and the headers a key goes in
+        self.routing = RoutingOptions.of(kwargs.pop("auto_routing_key", False), kwargs.pop("routing_headers", None))
         backend_kwargs = split_backend_kwargs(kwargs)
         own_backend = backend is None
         if backend is None:
@@ -234,7 +304,7 @@ class OpenAIFrontEnd(FrontEnd):
 
             def notes(m: Measurement, params: Mapping[str, Any]) -> tuple[str, ...]:
                 asked = params.get("model") if isinstance(params.get("model"), str) else configured
-                return (*_usage_note(m, params), *_model_note(asked, m))
+                return (*_usage_note(m, params), *_model_note(asked, m), *max_tokens_note(m, params), *router_note(backend, m))
 
             self.pipeline = Pipeline(backend, ttft_budget_s=ttft_budget_s, model_label=self._model_label, report_notes=notes, **kwargs)
         except BaseException:
@@ -292,6 +362,14 @@ class OpenAIFrontEnd(FrontEnd):
         self.backend.deadline_s = self.deadline_for_call(self.ttft_budget_s)
 
     # -- one call, apart from its I/O -----------------------------------------------------------------
+    def call_key(self, given: Any, messages: Any) -> str | None:
+        """A call's routing key: the one it gave (:func:`call_routing_key`), else with
+        ``auto_routing_key`` its conversation's (the messages validated first: bad ones raise
+        :class:`~trimkit.errors.InvalidMessageError` before anything is sent)."""
+        if given is NOT_GIVEN and self.routing.auto:
+            validate_messages(messages)
+        return self.routing.key(given, messages)
+
     def _stream_args(self, prepared: Prepared) -> dict[str, Any]:
         """The backend's keyword arguments to stream ``prepared``."""
         return {"prompt_tokens": prepared.prompt_tokens, "retry_deadline_s": self.retry_deadline_for_call(prepared.budget_s),
@@ -332,11 +410,13 @@ class TrimmedOpenAI(OpenAIFrontEnd):
     ``close()`` / ``with`` close the wrapped client too, as the client's own would.
     """
 
-    def execute(self, prepared: Prepared, params: Mapping[str, Any]) -> ReportingOpenAIStream:
-        """Send a prepared request; a stream of the client's chunks that reports when done."""
+    def execute(self, prepared: Prepared, params: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> ReportingOpenAIStream:
+        """Send a prepared request (``headers``: its routing key's); a stream of the client's chunks that reports when done."""
         # a budgeted request to a llama-server is watched while it prefills (OpenAIHTTPBackend.evaluate_to)
         watch = self.pipeline.watched(prepared)
         extra: dict[str, Any] = {"watch": watch} if watch is not None else {}
+        if headers:
+            extra["headers"] = headers
         ts = self.backend.send(prepared.messages, send_params(params), **self._stream_args(prepared), **extra)
         prepared = self.pipeline.sent(prepared)
         if watch is not None:
@@ -345,14 +425,17 @@ class TrimmedOpenAI(OpenAIFrontEnd):
 
     def _create(self, kwargs: dict[str, Any]) -> Any:
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        prepared = self.prepare(messages, rag_chunks, params, ttft_budget_s=budget, **call_options(kwargs))
+        key = self.call_key(call_routing_key(kwargs), messages)
+        with planning_for(key):  # behind a router the cache is predicted on the worker this key stays on
+            prepared = self.prepare(messages, rag_chunks, params, ttft_budget_s=budget, **call_options(kwargs))
+        headers = routing_headers(key, self.routing.headers)
         unstreamed = self.unstreamed(prepared, params, stream)
         if unstreamed is not None:
             prepared, args = unstreamed
-            response, m = self.backend.complete(prepared.messages, send_params(params), **args)
+            response, m = self.backend.complete(prepared.messages, send_params(params), headers=headers, **args)
             self.pipeline.finish(prepared, m, params)
             return response
-        rs = self.execute(prepared, params)
+        rs = self.execute(prepared, params, headers)
         if stream:
             return rs
         for _ in rs:
@@ -393,15 +476,18 @@ class AsyncTrimmedOpenAI(OpenAIFrontEnd):
 
     async def _create(self, kwargs: dict[str, Any]) -> Any:
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        prepared = await asyncio.to_thread(self.prepare, messages, rag_chunks, params, ttft_budget_s=budget, **call_options(kwargs))
+        key = self.call_key(call_routing_key(kwargs), messages)
+        with planning_for(key):  # the worker thread runs in a copy of this context
+            prepared = await asyncio.to_thread(self.prepare, messages, rag_chunks, params, ttft_budget_s=budget, **call_options(kwargs))
+        headers = routing_headers(key, self.routing.headers)
         unstreamed = self.unstreamed(prepared, params, stream)
         if unstreamed is not None:
             prepared, args = unstreamed
-            response, m = await self.backend.acomplete(prepared.messages, send_params(params), **args)
+            response, m = await self.backend.acomplete(prepared.messages, send_params(params), headers=headers, **args)
             self.pipeline.finish(prepared, m, params)
             return response
         prepared = self.pipeline.sent(prepared)
-        ts = await self.backend.asend(prepared.messages, send_params(params), **self._stream_args(prepared))
+        ts = await self.backend.asend(prepared.messages, send_params(params), headers=headers, **self._stream_args(prepared))
         ars = AsyncReportingStream(ts, self.pipeline, prepared, params)
         if stream:
             return ars

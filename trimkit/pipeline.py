@@ -41,8 +41,6 @@ from trimkit.control_tokens import KNOWN as KNOWN_CONTROLS
 from trimkit.control_tokens import check_mode as check_control_mode
 from trimkit.control_tokens import neutralize_chunks, neutralize_messages
 from trimkit.errors import ContextTooSmallError, InfeasibleBudgetError, InvalidInputError, QueueBudgetError
-from trimkit.observe import completed as report_completed
-from trimkit.observe import report_log as report_sinks
 from trimkit.messages import (
     DEFAULT_RAG_CHUNK_TEMPLATE,
     DEFAULT_RAG_TEMPLATE,
@@ -54,23 +52,26 @@ from trimkit.messages import (
     validate_messages,
     validate_params,
 )
+from trimkit.observe import completed as report_completed
+from trimkit.observe import report_log as report_sinks
 from trimkit.planning.costs import evaluated_tokens
 from trimkit.planning.drift import LiveProfile
 from trimkit.planning.margin import DEFAULT_TARGET, EngineState, engine_state
-from trimkit.planning.state import Action
-from trimkit.planning.watch import PrefillWatch, Replan, cut_chunks
 from trimkit.planning.planner import Plan
 from trimkit.planning.planner import plan as make_plan
 from trimkit.planning.queue import EngineQueue, Ticket, answer_cap, busy_decision, check_on_busy, queue_wait
+from trimkit.planning.state import Action
 from trimkit.planning.summaries import SummaryCache
 from trimkit.planning.values import ValueModel, chunk_values
+from trimkit.planning.watch import PrefillWatch, Replan, cut_chunks
 from trimkit.prepared import Prepared, PreviousCut, place_chunks
 from trimkit.profile import CALIBRATION_MODES, Profile
 from trimkit.profile_store import save_profile
 from trimkit.report import Report, template_warnings
 from trimkit.summary_worker import SummaryWorker
 from trimkit.tokens import reusable_prefix_len
-from trimkit.validation import budget as valid_budget, open_share
+from trimkit.validation import budget as valid_budget
+from trimkit.validation import open_share
 from trimkit.verdict import valid_tokens_per_s_target
 
 __all__ = ["Pipeline", "ModelLabel", "ReportNotes"]

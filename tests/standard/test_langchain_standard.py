@@ -137,7 +137,7 @@ TrimmedChatOpenAI = _wrapped(ChatOpenAI, "TrimmedChatOpenAI")
 def _llama_params() -> dict[str, Any]:
     import trimkit
 
-    return {"model_path": OTHER_MODEL or trimkit.default_model_path(), "n_ctx": 4096, "n_batch": 512, "verbose": False,
+    return {"model_path": OTHER_MODEL or trimkit.default_model_path("gemma"), "n_ctx": 4096, "n_batch": 512, "verbose": False,
             "model_kwargs": {} if OTHER_MODEL else {"chat_format": "gemma-3"}}
 
 

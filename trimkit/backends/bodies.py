@@ -28,6 +28,8 @@ class ChatCall:
     body: dict[str, Any]
     hide_usage: bool
     deadline: Deadline
+    #: headers of this request only (a routing key: :mod:`trimkit.backends.routing`)
+    headers: Mapping[str, str] = attrs.field(factory=dict)
 
 
 def chat_body(messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], model: str | None, *, stream: bool,

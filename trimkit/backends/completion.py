@@ -5,8 +5,8 @@ replies, from llama-cpp-python or any OpenAI-compatible server)."""
 from __future__ import annotations
 
 import time
-from typing import Any
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from trimkit.backends.replies import Reply, parse_chunk
 

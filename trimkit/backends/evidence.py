@@ -6,6 +6,7 @@ from the server's (:attr:`ServerEvidence.correction`), and the
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -19,13 +20,15 @@ from trimkit.backends.server_timings import ServerStats, build_measurement, dete
 from trimkit.backends.streams import StreamState
 from trimkit.tokens import reusable_prefix_len
 
-__all__ = ["ServerEvidence", "CACHE_REPORT_FLAGS"]
+__all__ = ["ServerEvidence", "CACHE_REPORT_FLAGS", "KEYED_PROMPTS"]
 
 log = logging.getLogger("trimkit")
 
 #: the server flag that makes an engine report its cached prompt tokens (without it the field is
 #: absent or ``null``: "not reported", never 0)
 CACHE_REPORT_FLAGS = {"vllm": "--enable-prompt-tokens-details", "sglang": "--enable-cache-report"}
+#: how many routing keys' last prompts are kept (the least recently sent forgotten first)
+KEYED_PROMPTS = 1024
 
 
 class ServerEvidence:
@@ -48,19 +51,30 @@ class ServerEvidence:
         self._reuse_warned = False
         self.engine = engine
         self.flag_warned = False  # the cache-report flag was named
+        #: behind a router: the last prompt sent with each routing key (the router keeps a key on one worker)
+        self.keyed: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
 
-    def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
-        """The longest common prefix with the last prompt sent, rounded down to the engine's
-        cache block, leaving at least one token to evaluate; 0 once the server has shown it does
-        not reuse prefixes."""
+    def predict_cached_tokens(self, prompt_tokens: Sequence[int], key: str | None = None) -> int:
+        """The longest common prefix with the last prompt sent — with routing ``key``, when one
+        was sent with it (behind a router, the worker that key stays on) — rounded down to the
+        engine's cache block, leaving at least one token to evaluate; 0 once the server has shown
+        it does not reuse prefixes."""
         with self.lock:
-            last = self.last_prompt
+            last = self.keyed.get(key, self.last_prompt) if key is not None else self.last_prompt
             reuse = self.prefix_reuse
         if reuse is False or not last or not prompt_tokens:
             return 0
         lcp = reusable_prefix_len(last, prompt_tokens)
         block = self.cache_block()
         return (lcp // block) * block
+
+    def remember(self, key: str, prompt_tokens: Sequence[int]) -> None:
+        """``prompt_tokens`` were sent with routing ``key``: what that key's worker holds next."""
+        with self.lock:
+            self.keyed[key] = list(prompt_tokens)
+            self.keyed.move_to_end(key)
+            while len(self.keyed) > KEYED_PROMPTS:
+                self.keyed.popitem(last=False)
 
     def corrected_count(self, counted_tokens: int) -> int:
         return int(round(counted_tokens * self.correction))

@@ -37,8 +37,9 @@ from trimkit.backends.limits import Deadline, RequestLimits, Wait, awith_retries
 from trimkit.backends.llama_format import chat_format_renderer
 from trimkit.backends.probes import MAX_PROBE_TEXT_BYTES, PROBE_WORDS_PER_TOKEN, DelegatedProbes, ServerProbes
 from trimkit.backends.replies import parse_completion
-from trimkit.backends.server_timings import parse_server_stats
+from trimkit.backends.routing import current_key, key_of
 from trimkit.backends.server import ServerInfo, probe_server, server_prompt_tokenizer
+from trimkit.backends.server_timings import parse_server_stats
 from trimkit.backends.streams import AsyncTimedStream, StreamState, aread_chunks, read_chunks, timed_stream
 from trimkit.backends.transport import HTTPTransport, Opened, normalize_base_url, url_credentials, without_retries
 from trimkit.errors import InvalidInputError, ServerError
@@ -248,7 +249,12 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         prediction when one is set."""
         if self.cache_view is not None:
             return self.cache_view(prompt_tokens)
-        return self.evidence.predict_cached_tokens(prompt_tokens)
+        return self.evidence.predict_cached_tokens(prompt_tokens, key=self._router_key(current_key.get()))
+
+    def _router_key(self, key: str | None) -> str | None:
+        """``key`` where it decides the worker: behind a recognised router (a server alone keeps
+        its cache whatever key a request carries)."""
+        return key if key is not None and self._info is not None and self._info.router is not None else None
 
     # -- requests: the decisions ---------------------------------------------------------------------
     def _known_model(self, params: Mapping[str, Any]) -> str | None:
@@ -260,16 +266,34 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         return None  # the URL form may leave it out: single-model servers serve their model
 
     def _call(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], prompt_tokens: Sequence[int] | None,
-              deadline: Deadline, *, stream: bool) -> ChatCall:
+              deadline: Deadline, *, stream: bool, headers: Mapping[str, str] | None = None) -> ChatCall:
         """Count the prompt, predict its cached prefix and build the body. Probing the server,
-        when needed (tokenizer, cache block), waits for a server still starting, within ``deadline``."""
+        when needed (tokenizer, cache block), waits for a server still starting, within ``deadline``.
+        ``headers``: the request's own (a routing key, :mod:`trimkit.backends.routing`)."""
         if not isinstance(params, Mapping):
             raise InvalidInputError(f"params must be a mapping, got {type(params).__name__}")
         if prompt_tokens is None or self._block_arg is None:
             self._server_info(deadline)
         sent = list(prompt_tokens) if prompt_tokens is not None else self.tokenizer.prompt_tokens(messages, params.get("tools"))
         body, hide = chat_body(messages, params, self._known_model(params), stream=stream, include_usage=self._include_usage)
-        return ChatCall(sent, self.predict_cached_tokens(sent), body, hide, deadline)
+        key = self._router_key(key_of(headers))
+        if self.cache_view is not None or key is None:
+            predicted = self.predict_cached_tokens(sent)
+        else:  # behind a router: the worker this key stays on holds the last prompt sent with it, and will hold this one
+            predicted = self.evidence.predict_cached_tokens(sent, key=key)
+            self.evidence.remember(key, sent)
+        return ChatCall(sent, predicted, body, hide, deadline, dict(headers or {}))
+
+    def _request_facts(self, call: ChatCall) -> dict[str, Any]:
+        """What the report's ``measurement.server`` says of how a request went: the headers its
+        routing key went in (never the key), and the router it went through (``router``, ``router_workers``)."""
+        facts: dict[str, Any] = {}
+        if call.headers:
+            facts["routing_headers"] = sorted(call.headers)
+        router = self._info.router if self._info is not None else None
+        if router is not None:
+            facts |= {"router": router.kind, "router_workers": router.workers}
+        return facts
 
     def _refused_stream_options(self, exc: ServerError, body: dict[str, Any], state: StreamState) -> bool:
         """A server that refuses ``stream_options`` is asked again without (and from now on)."""
@@ -294,34 +318,37 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
     # -- requests: sync -------------------------------------------------------------------------------
     def _stream(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], prompt_tokens: Sequence[int] | None,
                 retry_deadline_s: float | None, *, deadline_s: float | None = None, collect: bool = False, is_async: bool = False,
-                via_url: bool = False, probe: bool = False) -> tuple[Any, StreamState]:
+                via_url: bool = False, probe: bool = False, headers: Mapping[str, str] | None = None) -> tuple[Any, StreamState]:
         """``via_url``: a sync request over ``httpx`` even when an (async) client is wrapped —
         for calibration probes, which run synchronously whatever the client. ``probe``: a
         calibration probe, never bounded by a deadline (a long probe is meant to take long)."""
         if not via_url:
             self._check_form(is_async)
-        call = self._call(messages, params, prompt_tokens, self.limits.deadline(retry_deadline_s, deadline_s, unbounded=probe), stream=True)
+        call = self._call(messages, params, prompt_tokens, self.limits.deadline(retry_deadline_s, deadline_s, unbounded=probe), stream=True,
+                          headers=headers)
         state = StreamState(self.base_url, hide_usage_chunk=call.hide_usage, chunks=[] if collect else None, deadline=call.deadline)
-        measure = self.evidence.stream_measure(call.sent, call.predicted, self.clock)
+        measure = _with_facts(self.evidence.stream_measure(call.sent, call.predicted, self.clock), self._request_facts(call))
         if is_async:
             return timed_stream(self._achunks(call, state), state, self.clock, measure, cls=AsyncTimedStream), state
         client = self.send_client if not via_url else None
-        chunks = read_chunks(lambda: self._open("/chat/completions", call.body, state, call.deadline, client), state)
+        chunks = read_chunks(lambda: self._open("/chat/completions", call.body, state, call.deadline, client, call.headers), state)
         return timed_stream(chunks, state, self.clock, measure), state
 
-    def _open(self, path: str, body: dict[str, Any], state: StreamState, deadline: Deadline, client: Any = None) -> Opened:
+    def _open(self, path: str, body: dict[str, Any], state: StreamState, deadline: Deadline, client: Any = None,
+              headers: Mapping[str, str] | None = None) -> Opened:
         def attempt(wait: Wait) -> Opened:
             try:
-                return self.transport.open_stream(path, body, wait, client)
+                return self.transport.open_stream(path, body, wait, client, headers)
             except ServerError as exc:
                 if not self._refused_stream_options(exc, body, state):
                     raise
-                return self.transport.open_stream(path, body, wait, client)
+                return self.transport.open_stream(path, body, wait, client, headers)
 
         return self.transport.retried(attempt, deadline, self.base_url)
 
     def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
-             retry_deadline_s: float | None = None, deadline_s: float | None = None, watch: Any = None) -> TimedStream:
+             retry_deadline_s: float | None = None, deadline_s: float | None = None, watch: Any = None,
+             headers: Mapping[str, str] | None = None) -> TimedStream:
         """Stream a chat request. The request goes out on the first ``next()`` (that is when
         the TTFT clock starts); it is retried on transient failures until ``retry_deadline_s``
         but never after the first chunk. ``deadline_s`` (else the instance's ``deadline_s``)
@@ -330,10 +357,11 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         with ``stream_options`` is not yielded. ``watch``: the driver of a watched prefill
         (:class:`~trimkit.pipeline.WatchedPrefill`, llama-server only: :attr:`evaluate_to`):
         the prompt is prefilled in steps first, re-planned if its pace says the first token would
-        come too late, and the chat request then finds all of it in the slot's cache."""
+        come too late, and the chat request then finds all of it in the slot's cache. ``headers``:
+        this request's own (a routing key: :func:`~trimkit.backends.routing.routing_headers`)."""
         if watch is not None:
-            return self._watched_stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s, watch)
-        return self._stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s)[0]
+            return self._watched_stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s, watch, headers)
+        return self._stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s, headers=headers)[0]
 
     # -- the watched prefill over llama-server (trimkit.pipeline.WatchedPrefill) ----------------------
     @property
@@ -345,9 +373,10 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         tokenizer and chat template, so the steps are the prompt the chat request renders) whose
         ``/props`` names its build (llama-server's own, not a server that only shares its
         tokenize endpoints), and a sync client; None elsewhere: those requests are planned once,
-        before sending."""
+        before sending — and behind a router (``info.router``), whose workers the steps and the
+        chat request could reach apart."""
         info = self.server_info()
-        if info.engine != "llama.cpp" or not info.engine_version.startswith("llama.cpp ") or self.client_is_async or not self.prompt_count_exact:
+        if info.router is not None or info.engine != "llama.cpp" or not info.engine_version.startswith("llama.cpp ") or self.client_is_async or not self.prompt_count_exact:
             return None
         return self._evaluate_step
 
@@ -362,7 +391,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         return seconds, min(stats.cached_tokens or 0, end)
 
     def _watched_stream(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], prompt_tokens: Sequence[int] | None,
-                        retry_deadline_s: float | None, deadline_s: float | None, watch: Any) -> TimedStream:
+                        retry_deadline_s: float | None, deadline_s: float | None, watch: Any, headers: Mapping[str, str] | None = None) -> TimedStream:
         """:meth:`send` with the prompt prefilled in steps first (the TTFT clock runs from the
         first step): the chat request that follows names what the watch returned."""
         deadline = self.limits.deadline(retry_deadline_s, deadline_s)
@@ -375,21 +404,22 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         def chunks() -> Iterator[Any]:
             planned = list(prompt_tokens) if prompt_tokens is not None else self.tokenizer.prompt_tokens(messages, params.get("tools"))
             to_send, tokens = watch(step, self.clock, self.predict_cached_tokens(planned))
-            call = self._call(to_send, params, tokens, deadline, stream=True)
+            call = self._call(to_send, params, tokens, deadline, stream=True, headers=headers)
             # the steps left the whole prompt in the slot: all of it but the token llama.cpp re-evaluates
             call = attrs.evolve(call, predicted=max(len(call.sent) - 1, 0))
             decided["call"] = call
             state.hide_usage_chunk = call.hide_usage
-            yield from read_chunks(lambda: self._open("/chat/completions", call.body, state, call.deadline, self.send_client), state)
+            yield from read_chunks(lambda: self._open("/chat/completions", call.body, state, call.deadline, self.send_client, call.headers), state)
 
         def measure(state: StreamState, ts: TimedStream) -> Measurement:
             call = decided["call"]
-            return self.evidence.stream_measure(call.sent, call.predicted, self.clock)(state, ts)
+            return _with_facts(self.evidence.stream_measure(call.sent, call.predicted, self.clock), self._request_facts(call))(state, ts)
 
         return timed_stream(chunks(), state, self.clock, measure)
 
     def complete(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
-                 measure_ttft: bool = True, retry_deadline_s: float | None = None, deadline_s: float | None = None) -> tuple[Any, Measurement]:
+                 measure_ttft: bool = True, retry_deadline_s: float | None = None, deadline_s: float | None = None,
+                 headers: Mapping[str, str] | None = None) -> tuple[Any, Measurement]:
         """A non-streaming chat request: ``(response, measurement)``. The response is a
         ``chat.completion`` dict (URL form) or the client's own ``ChatCompletion``.
 
@@ -401,70 +431,81 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         instance's is for first chunks) bounds the whole answer: allow for the decode in it.
         """
         if measure_ttft:
-            ts, state = self._stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s, collect=True)
+            ts, state = self._stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s, collect=True, headers=headers)
             m = ts.drain()
             return self._assembled(state), m
         if self.client_is_async:
             raise InvalidInputError("this backend wraps an async client: use acomplete()")
-        call = self._call(messages, params, prompt_tokens, self.limits.deadline(retry_deadline_s, deadline_s), stream=False)
+        call = self._call(messages, params, prompt_tokens, self.limits.deadline(retry_deadline_s, deadline_s), stream=False, headers=headers)
         url = self.base_url + "/chat/completions"
 
         def attempt(wait: Wait) -> Any:
             if self.client is None:
-                return self.transport.request_json_once("POST", url, call.body, wait=wait)
-            return self.transport.create(self.send_client, call.body, wait, url)
+                return self.transport.request_json_once("POST", url, call.body, wait=wait, headers=call.headers)
+            return self.transport.create(self.send_client, call.body, wait, url, call.headers)
 
         start = self.clock()
         response = self.transport.retried(attempt, self.limits.whole_answer_deadline(retry_deadline_s, deadline_s), url)
-        return response, self.evidence.whole_measure(parse_completion(response), self.clock() - start, call.sent, call.predicted)
+        m = self.evidence.whole_measure(parse_completion(response), self.clock() - start, call.sent, call.predicted)
+        return response, _facts_added(m, self._request_facts(call))
 
     def _assembled(self, state: StreamState) -> Any:
         return self.as_client_response(assemble_chat_completion(state.chunks or [], state.stats_reply))
 
     # -- requests: async --------------------------------------------------------------------------------
-    async def _achunks(self, call: ChatCall, state: StreamState) -> AsyncIterator[Any]:
-        async with self.transport.async_client(needed=self.send_client is None) as http:
+    def _achunks(self, call: ChatCall, state: StreamState) -> AsyncIterator[Any]:
+        """The chunks of an async stream: ONE async generator (:func:`~trimkit.backends.streams.aread_chunks`),
+        which closes its response itself — no generator of trimkit's wraps it, for asyncio to close
+        on its own and out of order (issue 34, item 9)."""
+
+        async def open_() -> Opened:
+            http = self.transport.stream_client(needed=self.send_client is None)  # on the loop: its pooled client
 
             async def attempt(wait: Wait) -> Opened:
                 try:
-                    return await self.transport.aopen_stream(http, "/chat/completions", call.body, wait, self.send_client)
+                    return await self.transport.aopen_stream(http, "/chat/completions", call.body, wait, self.send_client, call.headers)
                 except ServerError as exc:
                     if not self._refused_stream_options(exc, call.body, state):
                         raise
-                    return await self.transport.aopen_stream(http, "/chat/completions", call.body, wait, self.send_client)
+                    return await self.transport.aopen_stream(http, "/chat/completions", call.body, wait, self.send_client, call.headers)
 
-            async for chunk in aread_chunks(lambda: awith_retries(attempt, call.deadline, self.base_url, self.limits), state):
-                yield chunk
+            return await awith_retries(attempt, call.deadline, self.base_url, self.limits)
+
+        return aread_chunks(open_, state)
 
     async def asend(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
-                    retry_deadline_s: float | None = None, deadline_s: float | None = None) -> AsyncTimedStream:
+                    retry_deadline_s: float | None = None, deadline_s: float | None = None, headers: Mapping[str, str] | None = None) -> AsyncTimedStream:
         """:meth:`send` for asyncio, through the wrapped ``openai.AsyncOpenAI`` client, the
         ``async_http_client`` given, or one pooled ``httpx.AsyncClient`` per event loop (an
         AsyncClient is bound to its loop; ``aclose`` closes it). Side requests (tokenize, server facts) run in a worker thread."""
-        return (await asyncio.to_thread(self._stream, messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s, is_async=True))[0]
+        return (await asyncio.to_thread(self._stream, messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s, is_async=True,
+                                        headers=headers))[0]
 
     async def acomplete(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
-                        measure_ttft: bool = True, retry_deadline_s: float | None = None, deadline_s: float | None = None) -> tuple[Any, Measurement]:
+                        measure_ttft: bool = True, retry_deadline_s: float | None = None, deadline_s: float | None = None,
+                        headers: Mapping[str, str] | None = None) -> tuple[Any, Measurement]:
         """Async :meth:`complete`: streamed and assembled so TTFT is measured, or with
         ``measure_ttft=False`` one ``stream=False`` request (server numbers only)."""
         if measure_ttft:
             ts, state = await asyncio.to_thread(self._stream, messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s,
-                                                collect=True, is_async=True)
+                                                collect=True, is_async=True, headers=headers)
             m = await ts.adrain()
             return self._assembled(state), m
         if self.client is not None and not self.client_is_async:
             raise InvalidInputError("this backend wraps a sync client: use complete()")
-        call = await asyncio.to_thread(self._call, messages, params, prompt_tokens, self.limits.deadline(retry_deadline_s, deadline_s), stream=False)
+        call = await asyncio.to_thread(self._call, messages, params, prompt_tokens, self.limits.deadline(retry_deadline_s, deadline_s), stream=False,
+                                       headers=headers)
         url = self.base_url + "/chat/completions"
 
         async def attempt(wait: Wait) -> Any:
             if self.client is None:  # the URL form: the pooled sync client, off the event loop
-                return await asyncio.to_thread(self.transport.request_json_once, "POST", url, call.body, wait=wait)
-            return await self.transport.acreate(self.send_client, call.body, wait, url)
+                return await asyncio.to_thread(self.transport.request_json_once, "POST", url, call.body, wait=wait, headers=call.headers)
+            return await self.transport.acreate(self.send_client, call.body, wait, url, call.headers)
 
         start = self.clock()
         response = await awith_retries(attempt, self.limits.whole_answer_deadline(retry_deadline_s, deadline_s), url, self.limits)
-        return response, self.evidence.whole_measure(parse_completion(response), self.clock() - start, call.sent, call.predicted)
+        m = self.evidence.whole_measure(parse_completion(response), self.clock() - start, call.sent, call.predicted)
+        return response, _facts_added(m, self._request_facts(call))
 
     # -- calibration probes (trimkit.backends.probes) ----------------------------------------------------
     def probe_completion(self, text: str, tokens: list[int], *, max_tokens: int = 1, extra: Mapping[str, Any] | None = None) -> Measurement:
@@ -481,3 +522,14 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         """A short chat request as a calibration probe: over httpx when the client is async
         (a probe runs synchronously), never bounded by a deadline."""
         return self._stream(messages, params, None, None, via_url=self.client_is_async, probe=True)[0].drain()
+
+
+def _facts_added(m: Measurement, facts: Mapping[str, Any]) -> Measurement:
+    return attrs.evolve(m, server={**m.server, **facts}) if facts else m
+
+
+def _with_facts(measure: Callable[[StreamState, TimedStream], Measurement], facts: Mapping[str, Any]) -> Callable[[StreamState, TimedStream], Measurement]:
+    """``measure`` whose measurement's ``server`` also holds ``facts``."""
+    if not facts:
+        return measure
+    return lambda state, ts: _facts_added(measure(state, ts), facts)

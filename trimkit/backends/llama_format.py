@@ -58,6 +58,8 @@ def handler_formatter(handler: Any) -> Any:
 
 
 def _handler_by_name(name: str) -> Any:
+    if name == "gemma-3":  # trimkit's own format: registered when trimkit.templates is imported
+        import trimkit.templates  # noqa: F401
     return _chat_format_module().LlamaChatCompletionHandlerRegistry().get_chat_completion_handler_by_name(name)
 
 

@@ -308,16 +308,28 @@ class OllamaBackend(DelegatedProbes, Backend):
         except httpx.HTTPError as exc:
             raise transport_error(exc, self.base_url) or exc from None
 
-    async def _alines(self, path: str, body: dict[str, Any]) -> AsyncIterator[str]:
+    async def _achunks(self, path: str, body: dict[str, Any], lines: _Lines, generate: bool, held: list[httpx.Response]) -> AsyncIterator[Any]:
+        """The async stream's chunks: ONE async generator, which opens the answer and closes it
+        itself (``finally``) — not one inside another and inside ``httpx``'s ``stream()`` context
+        manager, which asyncio closes on its own and in any order when the loop shuts down (issue
+        34, item 9). ``held`` gets the open response (what ``abort`` closes)."""
+        response: httpx.Response | None = None
         try:
-            async with self.http.stream("POST", path, json=body) as response:
+            try:
+                response = await self.http.send(self.http.build_request("POST", path, json=body), stream=True)
+                held.append(response)
                 if response.status_code != 200:
                     await response.aread()
                     raise status_error(response.status_code, response.text, response.headers)
                 async for line in response.aiter_lines():
-                    yield line
-        except httpx.HTTPError as exc:
-            raise transport_error(exc, self.base_url) or exc from None
+                    if (data := lines.take(line)) is not None:
+                        yield self._chunk(data, generate)
+            except httpx.HTTPError as exc:
+                raise transport_error(exc, self.base_url) or exc from None
+            lines.end()
+        finally:
+            if response is not None:
+                await response.aclose()
 
     def _stream(self, path: str, body: dict[str, Any], sent: list[int], *, is_async: bool, generate: bool = False) -> TimedStream:
         lines = _Lines(self.base_url + path)
@@ -329,17 +341,18 @@ class OllamaBackend(DelegatedProbes, Backend):
                     yield self._chunk(data, generate)
             lines.end()
 
-        async def achunks() -> AsyncIterator[Any]:
-            async for line in self._alines(path, body):
-                if (data := lines.take(line)) is not None:
-                    yield self._chunk(data, generate)
-            lines.end()
-
         def finish(ts: TimedStream) -> Measurement:
             return self._measure(lines, ts, sent, predicted)
 
         if is_async:
-            return AsyncTimedStream(achunks(), started=None, clock=self.clock, content_of=content_of, finish=finish)
+            held: list[httpx.Response] = []
+
+            async def abort() -> None:  # close() from another task while one reads
+                for response in held:
+                    await response.aclose()
+
+            return AsyncTimedStream(self._achunks(path, body, lines, generate, held), started=None, clock=self.clock, content_of=content_of,
+                                    finish=finish, abort=abort)
         return TimedStream(chunks(), started=None, clock=self.clock, content_of=content_of, finish=finish)
 
     def _prompt(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], prompt_tokens: Sequence[int] | None) -> list[int]:

@@ -20,7 +20,9 @@ from typing import Any
 import attrs
 
 from trimkit.backends.limits import Deadline
+from trimkit.backends.routing import RouterInfo
 from trimkit.backends.server_facts import (
+    ModelList,
     is_tokenize_reply,
     parse_models,
     parse_openapi_version,
@@ -29,7 +31,9 @@ from trimkit.backends.server_facts import (
     parse_template,
     parse_tokens,
     parse_version,
+    parse_workers,
 )
+from trimkit.errors import ServerError
 from trimkit.tokens import PromptTokenizer, TiktokenTokenizer, chatml_render
 
 __all__ = ["ServerInfo", "probe_server", "engine_of", "ServerTokenizer", "server_prompt_tokenizer", "TOKENIZE_SLACK"]
@@ -58,6 +62,7 @@ class ServerInfo:
     apply_template: bool = False
     bos_prefix: tuple[int, ...] = ()  # what /extras/tokenize prepends to every text
     metrics_off: bool = False  # llama.cpp's /props says /metrics is off (started without --metrics)
+    router: RouterInfo | None = None  # a router in front of the workers (vllm-router, sglang-router), and what it let through
 
 
 def engine_of(owned_by: str, tokenize_endpoint: str | None) -> str:
@@ -84,6 +89,7 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
     starting), then llama.cpp's ``/props``, ``/version``, the tokenize endpoints, ``/apply-template``
     and ``/openapi.json``, each optional."""
     models = parse_models(request_json("GET", base_url + "/models", missing_ok=True, deadline=deadline))
+    router = _router(request_json, root_url, models)
     n_ctx = models.n_ctx
     version = ""
     props = request_json("GET", root_url + "/props", missing_ok=True)
@@ -106,7 +112,8 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
             parse_tokens(probe, what="/tokenize reply", max_tokens=TOKENIZE_SLACK)
             tokenize_endpoint, apply_template = "/tokenize", True
         info = ServerInfo(engine="vllm", engine_version=version, model_ids=models.ids, n_ctx=n_ctx, tokenize_endpoint=tokenize_endpoint,
-                          apply_template=apply_template)
+                          apply_template=apply_template, router=_router_saw(router, models, props, tokenize_endpoint, apply_template))
+        _log_router(base_url, info.router)
         log.debug("trimkit: server %s is %s", base_url, info)
         return info
     probe = request_json("POST", root_url + "/tokenize", {"content": "", "add_special": True, "parse_special": True}, missing_ok=True)
@@ -125,9 +132,57 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
         version = parse_openapi_version(request_json("GET", root_url + "/openapi.json", missing_ok=True))
     info = ServerInfo(engine=engine_of(models.owned_by, tokenize_endpoint), engine_version=version, model_ids=models.ids, n_ctx=n_ctx,
                       tokenize_endpoint=tokenize_endpoint, apply_template=apply_template, bos_prefix=bos_prefix,
-                      metrics_off=switches.get("endpoint_metrics") is False)
+                      metrics_off=switches.get("endpoint_metrics") is False,
+                      router=_router_saw(router, models, props, tokenize_endpoint, apply_template))
+    _log_router(base_url, info.router)
     log.debug("trimkit: server %s is %s", base_url, info)
     return info
+
+
+def _router(request_json: RequestJSON, root_url: str, models: ModelList) -> RouterInfo | None:
+    """The router in front of the workers, if ``GET /workers`` says there is one (vllm-router,
+    sglang-router); None for an engine itself. A router that refuses the request (401, 500, ...)
+    is not recognised: the probe is optional."""
+    try:
+        router = parse_workers(request_json("GET", root_url + "/workers", missing_ok=True))
+    except ServerError as exc:
+        log.debug("trimkit: GET /workers on %s failed (%s): no router recognised", root_url, exc.status)
+        return None
+    if router is None:
+        return None
+    # sglang-router answers /v1/models itself: model "unknown", owned by "local"
+    return attrs.evolve(router, models_own=models.owned_by == "local" and models.ids in ((), ("unknown",)))
+
+
+def _router_saw(router: RouterInfo | None, models: ModelList, props: Any, tokenize_endpoint: str | None, apply_template: bool) -> RouterInfo | None:
+    """``router`` with what trimkit's probes reached through it, and what not. What a router
+    forwards is what its workers answered (vllm-router 0.1.17 forwards every path it does not
+    serve itself to one worker; sglang-router 0.3.2 answers ``/v1/models`` itself and 404s the rest)."""
+    if router is None:
+        return None
+    seen = ["/v1/models (the router's own list)" if router.models_own else "/v1/models"]
+    if isinstance(props, Mapping):
+        seen.append("/props")
+    if tokenize_endpoint is not None:
+        seen.append(tokenize_endpoint + (" and /apply-template" if apply_template else ""))
+    if len(seen) > 1 or not router.models_own:
+        seen[-1] += " — from whichever worker the router picked (identical workers assumed)"
+    unseen = ["which worker answered", "each worker's queue and cache (/workers gives a load snapshot; /slots and /metrics, where "
+              "forwarded, are one worker's)"]
+    if not isinstance(props, Mapping):
+        unseen.append("/props (the context size: pass n_ctx=)")
+    if tokenize_endpoint is None:
+        unseen.append("a tokenize endpoint (prompt counts are estimates)")
+    if router.models_own:
+        unseen.append("the workers' model names (pass model=)")
+    return attrs.evolve(router, seen=tuple(seen), unseen=tuple(unseen))
+
+
+def _log_router(base_url: str, router: RouterInfo | None) -> None:
+    if router is not None:
+        log.warning("trimkit: %s is %s. Prefer wrapping the workers themselves (trimkit.wrap_url([...])); through a router, send a "
+                    "routing key (routing_key= per call, or auto_routing_key=True) so that a conversation stays on one worker",
+                    base_url, router.describe())
 
 
 class ServerTokenizer:

@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 from trimkit.backends.fields import excerpt, fail, join_path, opt_list, opt_mapping, opt_str
+from trimkit.backends.routing import RouterInfo
 from trimkit.errors import MalformedReplyError
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "is_tokenize_reply",
     "parse_tokens",
     "parse_template",
+    "parse_workers",
 ]
 
 #: the largest context size a server may report, in tokens
@@ -190,3 +192,36 @@ def parse_template(body: Any) -> str:
     if not isinstance(prompt, str):
         fail(what, "prompt", "a string", prompt)
     return prompt
+
+
+#: the largest worker count or load a router may report
+_MAX_WORKERS = 1 << 20
+
+
+def _load(value: Any) -> int | None:
+    """A worker's ``load`` (its requests in flight); None when absent, not an integer, or
+    negative (vllm-router and sglang-router say -1 where their policy keeps no count)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_WORKERS:
+        return value
+    return None
+
+
+def parse_workers(body: Any) -> RouterInfo | None:
+    """A router's ``GET /workers`` (vllm-router 0.1.17, sglang-router 0.3.2:
+    ``{"workers": [{"url": ..., "is_healthy": ..., "load": ...}, ...], "total": N, ...}``), or
+    None when the body is not that (no router: the server has no such endpoint, or another
+    one). Only the count, health and load are read; the workers' URLs are not kept (they may
+    carry credentials and are the router's business). sglang-router's entries carry an ``id``
+    (and ``disable_health_check``), vllm-router's do not."""
+    if not isinstance(body, Mapping):
+        return None
+    workers = body.get("workers")
+    if not isinstance(workers, list) or not workers or len(workers) > _MAX_WORKERS:
+        return None
+    if not all(isinstance(w, Mapping) and isinstance(w.get("url"), str) for w in workers):
+        return None
+    health = [w.get("is_healthy") for w in workers]
+    healthy = sum(1 for h in health if h is True) if all(isinstance(h, bool) for h in health) else None
+    sglang = any("id" in w or "disable_health_check" in w for w in workers)
+    return RouterInfo(kind="sglang-router" if sglang else "vllm-router", workers=len(workers), healthy=healthy,
+                      loads=tuple(_load(w.get("load")) for w in workers))

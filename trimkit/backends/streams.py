@@ -8,6 +8,8 @@ and :func:`aread_chunks` only move events through it.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import operator
 import time
 import weakref
@@ -19,9 +21,9 @@ import httpx
 
 from trimkit.backends.base import Clock, Measurement, TimedStream
 from trimkit.backends.faults import empty_stream_error, is_transport_failure, undecodable
+from trimkit.backends.limits import Deadline
 from trimkit.backends.replies import Reply, parse_chunk, parse_completion
 from trimkit.backends.transport import END, Opened
-from trimkit.backends.limits import Deadline
 from trimkit.errors import ServerTimeoutError, StreamInterruptedError, TrimkitError
 
 __all__ = ["StreamState", "read_chunks", "aread_chunks", "timed_stream", "AsyncTimedStream"]
@@ -46,6 +48,9 @@ class StreamState:
     started: float | None = None  # time.monotonic() when the request went out
     has_output: bool = False
     served_model: str | None = None  # the model the server says answered (its chunks' ``model``)
+    #: the response once an async stream has it open (what :func:`aread_chunks` closes; and what
+    #: :meth:`AsyncTimedStream.aclose` closes under a step another task is inside)
+    opened: Opened | None = attrs.field(default=None, repr=False)
 
     def start(self) -> None:
         self.started = time.monotonic()
@@ -111,10 +116,16 @@ def read_chunks(open_: Callable[[], Opened], state: StreamState) -> Iterator[Any
 
 
 async def aread_chunks(open_: Callable[[], Awaitable[Opened]], state: StreamState) -> AsyncIterator[Any]:
+    """:func:`read_chunks` for asyncio. This generator is the whole stream: it opens the request
+    and closes its response itself (``finally``), so closing it (``aclose()``, or asyncio when it
+    is dropped unfinished or its loop shuts down) closes the response there and then — never
+    through another async generator of trimkit's, which asyncio would close on its own, in any
+    order, even while this one is still closing it (issue 34, item 9)."""
     opened = None
     state.start()
     try:
         opened = await open_()
+        state.opened = opened
         state.begin(opened)
         if (chunk := state.take(opened.first, opened)) is not _SKIP:
             yield chunk
@@ -164,9 +175,18 @@ def timed_stream(chunks: Any, state: StreamState, clock: Clock, measure: Callabl
             reply = parse_chunk(chunk)
         return output_of(reply)
 
-    ts = cls(chunks, started=None, clock=clock, content_of=content_of, finish=lambda ts: measure(state, ts), on_error=_stream_error(state.url, lambda: ref() if ref is not None else None))
+    extra: dict[str, Any] = {"abort": functools.partial(_close_opened, state)} if issubclass(cls, AsyncTimedStream) else {}
+    ts = cls(chunks, started=None, clock=clock, content_of=content_of, finish=lambda ts: measure(state, ts),
+             on_error=_stream_error(state.url, lambda: ref() if ref is not None else None), **extra)
     ref = weakref.ref(ts)
     return ts
+
+
+async def _close_opened(state: StreamState) -> None:
+    """Close the response an async stream has open (closing it twice is harmless)."""
+    opened = state.opened
+    if opened is not None:
+        await opened.close()
 
 
 def _raising(exc: BaseException) -> Iterator[Any]:
@@ -176,16 +196,28 @@ def _raising(exc: BaseException) -> Iterator[Any]:
 
 class AsyncTimedStream(TimedStream):
     """:class:`TimedStream` over an async iterator: ``async for`` it; the timing, ``finish`` and
-    ``on_done`` behave exactly as in the sync stream."""
+    ``on_done`` behave exactly as in the sync stream.
 
-    def __init__(self, chunks: AsyncIterator[Any], **kwargs: Any) -> None:
+    :meth:`aclose` works from any task, also while another task is inside ``__anext__`` — a
+    reader just cancelled (``task.cancel()``, ``asyncio.wait_for``) that has not unwound yet, or
+    one still reading: ``abort()`` (given by the backend) then closes the response under that
+    step, and the step ends the stream (``StopAsyncIteration``; a cancelled reader gets its
+    ``CancelledError``). Closing an async generator another task is running raises
+    ``RuntimeError: aclose(): asynchronous generator is already running`` instead — or, where
+    the close was a task of its own, logs "Task exception was never retrieved" (issue 34, item 9)."""
+
+    def __init__(self, chunks: AsyncIterator[Any], *, abort: Callable[[], Awaitable[None]] | None = None, **kwargs: Any) -> None:
         super().__init__(iter(()), **kwargs)
         self._achunks = chunks
+        self._abort = abort
+        self._closed = False
 
     def __aiter__(self) -> AsyncTimedStream:
         return self
 
     async def __anext__(self) -> Any:
+        if self._closed:
+            raise StopAsyncIteration
         if self.started is None:
             self.started = self.clock()  # the request goes out on the first step
         try:
@@ -193,15 +225,32 @@ class AsyncTimedStream(TimedStream):
         except StopAsyncIteration:
             self._chunks = iter(())
         except BaseException as exc:
+            if self._closed:  # aclose() ended the request under this step (a cancelled reader keeps its CancelledError)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                raise StopAsyncIteration from None
             self._chunks = _raising(exc)
+        if self._closed:  # aclose() came from another task during this step: the stream ends here
+            await self._close_chunks()
+            raise StopAsyncIteration
         try:  # the sync step records, completes or translates exactly as for a sync stream
             return TimedStream.__next__(self)
         except StopIteration:
             raise StopAsyncIteration from None
 
     async def aclose(self) -> None:
+        """Stop the stream; its response is closed before this returns (unless it is not open
+        yet: a step another task is inside then ends the stream when its wait ends)."""
+        self._closed = True
+        if getattr(self._achunks, "ag_running", False):  # another task is inside __anext__
+            if self._abort is not None:
+                await self._abort()
+            return
+        await self._close_chunks()
+
+    async def _close_chunks(self) -> None:
         aclose = getattr(self._achunks, "aclose", None)
-        if aclose:
+        if aclose is not None:
             await aclose()
 
     async def adrain(self) -> Measurement:

@@ -291,12 +291,14 @@ class HTTPTransport:
         deadline = deadline or self.limits.deadline()
         return with_retries(lambda wait: self.request_json_once(method, url, body, wait=wait, missing_ok=missing_ok), deadline, url, self.limits)
 
-    def request_json_once(self, method: str, url: str, body: Any = None, *, wait: Wait | None = None, missing_ok: bool = False) -> Any:
+    def request_json_once(self, method: str, url: str, body: Any = None, *, wait: Wait | None = None, missing_ok: bool = False,
+                          headers: Mapping[str, str] | None = None) -> Any:
         """One request. Returns the JSON body (at most MAX_REPLY_BYTES, nested at most
         MAX_JSON_DEPTH deep); ``None`` for 404/405/501, or a body that is not JSON, when
-        ``missing_ok`` (an endpoint this server does not have)."""
+        ``missing_ok`` (an endpoint this server does not have). ``headers``: this request's own, added."""
+        sent_headers = {**self.headers, **(headers or {})}
         with translated(lambda exc: transport_error(exc, url, "the reply")):
-            with self.http.stream(method, url, json=body, headers=self.headers, timeout=self.limits.httpx_timeout(wait)) as resp:
+            with self.http.stream(method, url, json=body, headers=sent_headers, timeout=self.limits.httpx_timeout(wait)) as resp:
                 status, headers = resp.status_code, resp.headers
                 if missing_ok and status in _MISSING_STATUSES:
                     return None
@@ -313,15 +315,16 @@ class HTTPTransport:
         return with_retries(attempt, deadline, url, self.limits, _discard)
 
     # streams over httpx --------------------------------------------------------------------------
-    def _stream_request(self, client: httpx.Client | httpx.AsyncClient, url: str, body: Mapping[str, Any], wait: Wait) -> httpx.Request:
-        headers = {**self.headers, "Accept": "text/event-stream"}
-        return client.build_request("POST", url, json=body, headers=headers, timeout=self.limits.httpx_timeout(wait))
+    def _stream_request(self, client: httpx.Client | httpx.AsyncClient, url: str, body: Mapping[str, Any], wait: Wait,
+                        headers: Mapping[str, str] | None = None) -> httpx.Request:
+        sent_headers = {**self.headers, **(headers or {}), "Accept": "text/event-stream"}
+        return client.build_request("POST", url, json=body, headers=sent_headers, timeout=self.limits.httpx_timeout(wait))
 
-    def open_url(self, path: str, body: Mapping[str, Any], wait: Wait) -> Opened:
-        """POST ``body`` to ``base_url + path`` and read up to the first event."""
+    def open_url(self, path: str, body: Mapping[str, Any], wait: Wait, headers: Mapping[str, str] | None = None) -> Opened:
+        """POST ``body`` to ``base_url + path`` (with this request's own ``headers`` added) and read up to the first event."""
         url = self.base_url + path
         with translated(lambda exc: transport_error(exc, url)):
-            resp = self.http.send(self._stream_request(self.http, url, body, wait), stream=True)
+            resp = self.http.send(self._stream_request(self.http, url, body, wait, headers), stream=True)
             try:
                 plan = stream_body_plan(resp.status_code, resp.headers, url)
                 if plan is not None:
@@ -334,10 +337,11 @@ class HTTPTransport:
                 resp.close()
                 raise
 
-    async def aopen_url(self, client: httpx.AsyncClient, path: str, body: Mapping[str, Any], wait: Wait) -> Opened:
+    async def aopen_url(self, client: httpx.AsyncClient, path: str, body: Mapping[str, Any], wait: Wait,
+                        headers: Mapping[str, str] | None = None) -> Opened:
         url = self.base_url + path
         with translated(lambda exc: transport_error(exc, url)):
-            resp = await client.send(self._stream_request(client, url, body, wait), stream=True)
+            resp = await client.send(self._stream_request(client, url, body, wait, headers), stream=True)
             try:
                 plan = stream_body_plan(resp.status_code, resp.headers, url)
                 if plan is not None:
@@ -350,44 +354,49 @@ class HTTPTransport:
                 await resp.aclose()
                 raise
 
-    def open_stream(self, path: str, body: Mapping[str, Any], wait: Wait, client: Any = None) -> Opened:
-        """A stream through the ``openai`` ``client`` when one is given, else over httpx."""
-        return self.open_client(client, body, wait) if client is not None else self.open_url(path, body, wait)
+    def open_stream(self, path: str, body: Mapping[str, Any], wait: Wait, client: Any = None, headers: Mapping[str, str] | None = None) -> Opened:
+        """A stream through the ``openai`` ``client`` when one is given, else over httpx;
+        ``headers`` are this request's own (a routing key), added to the backend's."""
+        return self.open_client(client, body, wait, headers) if client is not None else self.open_url(path, body, wait, headers)
 
-    async def aopen_stream(self, http: httpx.AsyncClient | None, path: str, body: Mapping[str, Any], wait: Wait, client: Any = None) -> Opened:
+    async def aopen_stream(self, http: httpx.AsyncClient | None, path: str, body: Mapping[str, Any], wait: Wait, client: Any = None,
+                           headers: Mapping[str, str] | None = None) -> Opened:
         if client is not None:
-            return await self.aopen_client(client, body, wait)
+            return await self.aopen_client(client, body, wait, headers)
         assert http is not None, "an async stream over httpx needs an AsyncClient"
-        return await self.aopen_url(http, path, body, wait)
+        return await self.aopen_url(http, path, body, wait, headers)
 
-    @contextlib.asynccontextmanager
-    async def async_client(self, *, needed: bool = True) -> AsyncIterator[httpx.AsyncClient | None]:
-        """The ``async_http_client`` given, else the pooled one of this event loop
-        (:meth:`loop_client`); None if not ``needed`` (the client form)."""
-        yield self.async_http if self.async_http is not None or not needed else self.loop_client()
+    def stream_client(self, *, needed: bool = True) -> httpx.AsyncClient | None:
+        """The ``async_http_client`` given, else the pooled one of the running event loop
+        (:meth:`loop_client`); None if not ``needed`` (the client form). A plain call, not an
+        async context manager: a stream's chunks are one async generator (issue 34, item 9)."""
+        return self.async_http if self.async_http is not None or not needed else self.loop_client()
 
     # through the openai client -------------------------------------------------------------------
-    def client_kwargs(self, body: Mapping[str, Any], wait: Wait) -> dict[str, Any]:
+    def client_kwargs(self, body: Mapping[str, Any], wait: Wait, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         """``create()``'s arguments: the body, and with a bounded deadline the request's own
-        timeout in seconds (unless the caller gave ``timeout``): whichever httpx the client is built on."""
+        timeout in seconds (unless the caller gave ``timeout``): whichever httpx the client is built on.
+        ``headers`` (a routing key) join the caller's ``extra_headers`` (a copy: the caller's stays as it was)."""
         kwargs = dict(body)
         if wait.bound_s is not None and "timeout" not in kwargs:
             kwargs["timeout"] = self.limits.read_timeout_s(wait)
+        if headers:
+            kwargs["extra_headers"] = {**(kwargs.get("extra_headers") or {}), **headers}
         return kwargs
 
-    def create(self, client: Any, body: Mapping[str, Any], wait: Wait, url: str) -> Any:
+    def create(self, client: Any, body: Mapping[str, Any], wait: Wait, url: str, headers: Mapping[str, str] | None = None) -> Any:
         """``client.chat.completions.create(**body)``, its exceptions as trimkit errors."""
         with translated(lambda exc: client_error(exc, url)):
-            return client.chat.completions.create(**self.client_kwargs(body, wait))
+            return client.chat.completions.create(**self.client_kwargs(body, wait, headers))
 
-    async def acreate(self, client: Any, body: Mapping[str, Any], wait: Wait, url: str) -> Any:
+    async def acreate(self, client: Any, body: Mapping[str, Any], wait: Wait, url: str, headers: Mapping[str, str] | None = None) -> Any:
         with translated(lambda exc: client_error(exc, url)):
-            return await client.chat.completions.create(**self.client_kwargs(body, wait))
+            return await client.chat.completions.create(**self.client_kwargs(body, wait, headers))
 
-    def open_client(self, client: Any, body: Mapping[str, Any], wait: Wait) -> Opened:
+    def open_client(self, client: Any, body: Mapping[str, Any], wait: Wait, headers: Mapping[str, str] | None = None) -> Opened:
         """A stream through the ``openai`` client, read up to its first chunk."""
         url = self.base_url
-        stream = self.create(client, body, wait, url)
+        stream = self.create(client, body, wait, url, headers)
         close = getattr(stream, "close", lambda: None)
         with translated(lambda exc: client_open_error(exc, url)):
             try:
@@ -402,9 +411,9 @@ class HTTPTransport:
                     close()
                 raise
 
-    async def aopen_client(self, client: Any, body: Mapping[str, Any], wait: Wait) -> Opened:
+    async def aopen_client(self, client: Any, body: Mapping[str, Any], wait: Wait, headers: Mapping[str, str] | None = None) -> Opened:
         url = self.base_url
-        stream = await self.acreate(client, body, wait, url)
+        stream = await self.acreate(client, body, wait, url, headers)
         with translated(lambda exc: client_open_error(exc, url)):
             try:
                 response = _client_response(stream)

@@ -19,7 +19,6 @@ Ollama's OpenAI-compatible endpoint (``base_url="http://localhost:11434/v1"``) i
 
 from __future__ import annotations
 
-import functools
 import inspect
 import threading
 import time
@@ -28,9 +27,10 @@ from typing import Any
 
 from trimkit.backends.clients import client_kind
 from trimkit.backends.completion import assemble_chat_completion
-from trimkit.errors import BackendError, InvalidInputError, ServerError, ServerTimeoutError, ServerUnreachableError
+from trimkit.errors import BackendError, InvalidInputError
 from trimkit.frontend import usage_counts
 from trimkit.integrations.langchain_documents import find_context
+from trimkit.integrations.openai_errors import as_openai_error
 from trimkit.messages import Chunk
 from trimkit.prepared import Prepared
 from trimkit.report import Report
@@ -235,55 +235,6 @@ class _RootClient:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(Unsupported("ChatOpenAI.root_client"), name)
-
-
-@functools.cache
-def _both(trimkit_type: type, openai_type: type) -> type:
-    """An exception type that is both ``trimkit_type`` and ``openai_type``."""
-    return type(trimkit_type.__name__, (trimkit_type, openai_type), {"__module__": trimkit_type.__module__})
-
-
-def as_openai_error(exc: BaseException, url: str = "http://localhost/v1/chat/completions") -> BaseException:
-    """A trimkit backend error as the ``openai`` error the raw client raises for the same
-    failure, still the trimkit error (its type subclasses both): ``ServerTimeoutError`` →
-    ``openai.APITimeoutError``, ``ServerUnreachableError`` → ``openai.APIConnectionError``, a
-    ``ServerError`` with an HTTP status → ``openai.APIStatusError``'s subclass for it
-    (``BadRequestError``, ``RateLimitError``, ``InternalServerError``, ...), any other
-    ``BackendError`` (an interrupted stream, a malformed reply) → ``openai.APIError``. Anything
-    else is returned as it is."""
-    try:
-        import httpx
-        import openai
-    except ImportError:  # pragma: no cover - ChatOpenAI needs both
-        return exc
-    if not isinstance(exc, BackendError) or isinstance(exc, openai.APIError):
-        return exc
-    request = httpx.Request("POST", url)
-    status = getattr(exc, "status", None)
-    if isinstance(exc, ServerTimeoutError):
-        base: type = openai.APITimeoutError
-    elif isinstance(exc, ServerUnreachableError):
-        base = openai.APIConnectionError
-    elif isinstance(exc, ServerError) and isinstance(status, int) and status >= 400:
-        base = {400: openai.BadRequestError, 401: openai.AuthenticationError, 403: openai.PermissionDeniedError,
-                404: openai.NotFoundError, 409: openai.ConflictError, 422: openai.UnprocessableEntityError,
-                429: openai.RateLimitError}.get(status, openai.InternalServerError if status >= 500 else openai.APIStatusError)
-    else:
-        base = openai.APIError
-    # the trimkit error's __init__ (its keywords have defaults) ends in the builtin exception's,
-    # which calls no further __init__: the openai one is not run, its fields are set below
-    new = _both(type(exc), base)(str(exc))
-    new.__dict__.update(exc.__dict__)
-    new.args = exc.args
-    new.message = str(exc)
-    new.request = request
-    new.body = getattr(exc, "server_message", None) or None
-    new.code = new.param = new.type = None
-    if issubclass(base, openai.APIStatusError):
-        new.response = httpx.Response(status, request=request)
-        new.status_code = status
-        new.request_id = None
-    return new.with_traceback(exc.__traceback__)
 
 
 class _Converting:

@@ -36,7 +36,9 @@ class Engine:
     decode parameters sent with every call (a call's own override them); ``url``: for a server,
     ``(base_url, model, api_key, wrap_url keyword arguments)``, from which the async twin is
     made (None: async calls run the sync front-end in a worker thread); ``model_name``;
-    ``function_calling``: what the LlamaIndex LLM's metadata said (None: it did not say)."""
+    ``function_calling``: what the LlamaIndex LLM's metadata said (None: it did not say);
+    ``inner``: that LlamaIndex LLM itself (None for a ``Llama``, a URL or a trimkit wrapper), whose
+    own conversions (tools, replies, metadata) the wrapper reuses; it never sends through it."""
 
     front_end: Any
     params: Mapping[str, Any] = attrs.field(factory=dict)
@@ -44,6 +46,7 @@ class Engine:
     model_name: str = ""
     function_calling: bool | None = None
     system_prompt: str | None = None
+    inner: Any = None
 
     def async_twin(self) -> Any:
         """An ``AsyncTrimmedOpenAI`` on the same server (for ``achat``/``astream_chat``), planning
@@ -103,13 +106,16 @@ def engine_of(target: Any, ttft_budget_s: float | None = None, **kwargs: Any) ->
         model = getattr(target, "_model", None)  # LlamaCPP keeps its llama_cpp.Llama here
         if is_llama(model):
             return Engine(wrap(model, ttft_budget_s, **kwargs), params=_decode_params(target), model_name=str(getattr(target, "model_path", "")),
-                          function_calling=_function_calling(target), system_prompt=target.system_prompt)
+                          function_calling=_function_calling(target), system_prompt=target.system_prompt, inner=target)
         api_base = getattr(target, "api_base", None)
         if isinstance(api_base, str):  # OpenAILike, OpenAI with a local api_base, …
             name, api_key = getattr(target, "model", None), getattr(target, "api_key", None)
+            headers = getattr(target, "default_headers", None)
+            if isinstance(headers, Mapping) and headers and "headers" not in kwargs:  # what its client sends with every request
+                kwargs["headers"] = dict(headers)
             front = wrap_url(api_base, model=name, api_key=api_key, ttft_budget_s=ttft_budget_s, **kwargs)
             return Engine(front, params=_decode_params(target), url=(api_base, name, api_key, dict(kwargs)), model_name=name or api_base,
-                          function_calling=_function_calling(target), system_prompt=target.system_prompt)
+                          function_calling=_function_calling(target), system_prompt=target.system_prompt, inner=target)
     raise InvalidInputError(
         f"cannot reach the engine behind {type(target).__name__}: pass a LlamaIndex LlamaCPP (its llama_cpp.Llama), a LlamaIndex LLM "
         "with an api_base (OpenAILike), a llama_cpp.Llama, a server URL, or a sync trimkit wrapper (trimkit.wrap / trimkit.wrap_url)"

@@ -28,8 +28,10 @@ what trimkit counts: a ``LlamaCPP``'s own ``messages_to_prompt`` is not used.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -49,11 +51,16 @@ from llama_index.core.constants import DEFAULT_NUM_OUTPUTS
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.prompts import PromptTemplate
+from llama_index.core.types import Model
 
 from trimkit.backends.completion import assemble_chat_completion
 from trimkit.backends.replies import parse_chunk
+from trimkit.errors import BackendError
+from trimkit.frontend import usage_counts
 from trimkit.integrations.llamaindex_convert import is_node, node_chunk, reply_message, to_openai_messages, tool_selections
 from trimkit.integrations.llamaindex_engine import Engine, engine_of, send
+from trimkit.integrations.openai_errors import as_openai_error
 from trimkit.validation import budget as valid_budget
 
 __all__ = ["TrimmedLLM", "StreamReplies"]
@@ -75,19 +82,55 @@ def _first_message(completion: Mapping[str, Any]) -> ChatMessage:
     return reply_message(choices[0]["message"]) if choices else ChatMessage(role=MessageRole.ASSISTANT, content="")
 
 
+def openai_family(llm: Any) -> bool:
+    """Whether ``llm`` is llama-index-llms-openai's ``OpenAI`` (``OpenAILike`` is one). Nothing is
+    imported: an instance exists only once its module is."""
+    module = sys.modules.get("llama_index.llms.openai.base")
+    return module is not None and isinstance(llm, module.OpenAI)
+
+
+def _openai_reply(inner: Any) -> Callable[[Mapping[str, Any]], ChatMessage]:
+    """Reply messages as ``inner`` (an ``OpenAI`` / ``OpenAILike``) builds them from its client's
+    ``ChatCompletionMessage``: a text block only for text, ``ToolCallBlock`` blocks whose
+    ``tool_kwargs`` are the arguments' JSON text, the ``openai`` tool-call objects in
+    ``additional_kwargs["tool_calls"]``. A message its client would not parse gets trimkit's."""
+    from llama_index.llms.openai.utils import from_openai_message
+    from openai.types.chat import ChatCompletionMessage
+
+    modalities = list(getattr(inner, "modalities", None) or ["text"])
+
+    def convert(completion: Mapping[str, Any]) -> ChatMessage:
+        choices = completion.get("choices") or []
+        if not choices:
+            return ChatMessage(role=MessageRole.ASSISTANT, content="")
+        try:
+            message = ChatCompletionMessage.model_validate({**choices[0]["message"], "role": "assistant"})
+        except ValueError:  # pydantic's ValidationError: not the shape the openai client reads
+            return reply_message(choices[0]["message"])
+        return from_openai_message(message, modalities=modalities)
+
+    return convert
+
+
 class StreamReplies:
     """LlamaIndex responses from a trimkit stream, one per chunk, shared by the sync and async
     paths: :meth:`step` turns a chunk into a ``ChatResponse`` (the text so far, the tool calls so
     far, the chunk's ``delta``), :meth:`final` is the last response — the whole reply, ``raw`` the
-    assembled completion, the report in ``additional_kwargs["trimkit"]``. ``layer_s`` adds up the
-    time spent converting."""
+    assembled completion (``usage`` from trimkit's counts where the server sent none), the report
+    in ``additional_kwargs["trimkit"]``, with ``extra(completion)`` (the wrapped LLM's token
+    counts). ``message`` turns a completion into the reply message (by default trimkit's
+    :func:`~trimkit.integrations.llamaindex_convert.reply_message`). ``layer_s`` adds up the time
+    spent converting."""
 
-    def __init__(self, stream: Any, layer_s: float) -> None:
+    def __init__(self, stream: Any, layer_s: float, message: Callable[[Mapping[str, Any]], ChatMessage] | None = None,
+                 extra: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None) -> None:
         self.stream = stream
         self.layer_s = layer_s
         self.text = ""
         self.calls = False  # a tool call began: the message is rebuilt from the chunks so far
         self.message = ChatMessage(role=MessageRole.ASSISTANT, content="")
+        self.convert = message or _first_message
+        self.extra = extra
 
     def step(self, chunk: Any) -> ChatResponse:
         t0 = time.perf_counter()
@@ -96,7 +139,7 @@ class StreamReplies:
         self.text += delta
         self.calls = self.calls or any(c.tool_calls for c in choices)
         if self.calls:
-            self.message = _first_message(assemble_chat_completion(self.stream.chunks))
+            self.message = self.convert(assemble_chat_completion(self.stream.chunks))
         elif delta:
             self.message = ChatMessage(role=MessageRole.ASSISTANT, content=self.text)
         response = ChatResponse(message=self.message, delta=delta, raw=chunk)
@@ -105,9 +148,11 @@ class StreamReplies:
 
     def final(self) -> ChatResponse:
         t0 = time.perf_counter()
-        completion = assemble_chat_completion(self.stream.chunks)
-        response = ChatResponse(message=_first_message(completion), delta="", raw=completion,
-                                additional_kwargs={"trimkit": self.stream.report})
+        report = self.stream.report
+        usage = None if report is None else usage_counts(report.prompt_tokens, report.completion_tokens or 0)
+        completion = assemble_chat_completion(self.stream.chunks, usage=usage)
+        extra = dict(self.extra(completion)) if self.extra is not None else {}
+        response = ChatResponse(message=self.convert(completion), delta="", raw=completion, additional_kwargs={**extra, "trimkit": report})
         self.layer_s += time.perf_counter() - t0
         return response
 
@@ -144,6 +189,7 @@ class TrimmedLLM(FunctionCallingLLM):
     _engine: Engine = PrivateAttr()
     _async_front: Any = PrivateAttr(default=None)
     _last: tuple[Any, Any, float] = PrivateAttr(default=(None, None, 0.0))
+    _own: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     def __init__(self, llm: Any, ttft_budget_s: float | None = None, *, max_tokens: int | None = None, temperature: float | None = None,
                  additional_kwargs: Mapping[str, Any] | None = None, is_function_calling_model: bool | None = None, **kwargs: Any) -> None:
@@ -158,6 +204,7 @@ class TrimmedLLM(FunctionCallingLLM):
         super().__init__(ttft_budget_s=ttft_budget_s, is_function_calling_model=calling, model_name=engine.model_name,
                          callback_manager=getattr(llm, "callback_manager", None), system_prompt=engine.system_prompt)
         self._engine = engine
+        self._own = own
 
     @classmethod
     def class_name(cls) -> str:
@@ -173,7 +220,19 @@ class TrimmedLLM(FunctionCallingLLM):
     @property
     def decode_params(self) -> dict[str, Any]:
         """The decode parameters every call sends (the wrapped LLM's; a call's own override them)."""
-        return dict(self._engine.params)
+        return self._params({})
+
+    def _params(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """A call's decode parameters. An ``OpenAI`` / ``OpenAILike`` builds them itself, as for
+        its own requests (its ``max_tokens`` and ``additional_kwargs`` over the call's, as it
+        sends them); what this wrapper was given (``max_tokens=``, ...) comes over the wrapped
+        LLM's configuration, and a call's own arguments over both."""
+        inner = self._engine.inner
+        if not openai_family(inner):
+            return {**self._engine.params, **kwargs}
+        params = dict(inner._get_model_kwargs(**{**self._own, **kwargs}))
+        params.update({k: v for k, v in self._own.items() if k not in kwargs})
+        return params
 
     @property
     def last_report(self) -> Any:
@@ -192,16 +251,44 @@ class TrimmedLLM(FunctionCallingLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
+        """The wrapped LLM's metadata where it describes the engine (``context_window``, capped at
+        the engine's context; ``num_output``; ``model_name``), sent as a chat (``is_chat_model``)."""
+        n_ctx = int(self._engine.front_end.backend.n_ctx)
         max_tokens = self._engine.params.get("max_tokens")
-        return LLMMetadata(context_window=int(self._engine.front_end.backend.n_ctx), num_output=max_tokens or DEFAULT_NUM_OUTPUTS,
-                           is_chat_model=True, is_function_calling_model=self.is_function_calling_model, model_name=self.model_name)
+        inner = self._inner_metadata()
+        context_window = min(inner.context_window, n_ctx) if inner is not None and inner.context_window > 0 else n_ctx
+        num_output = max_tokens or (inner.num_output if inner is not None else DEFAULT_NUM_OUTPUTS)
+        return LLMMetadata(context_window=context_window, num_output=num_output, is_chat_model=True,
+                           is_function_calling_model=self.is_function_calling_model, model_name=self.model_name)
+
+    def _inner_metadata(self) -> LLMMetadata | None:
+        inner = self._engine.inner
+        if inner is None:
+            return None
+        try:
+            return inner.metadata
+        except Exception:  # an LLM whose metadata needs what it cannot reach: the engine's own
+            return None
+
+    @property
+    def _tool_llm(self) -> FunctionCallingLLM | None:
+        """The wrapped LLM when it calls tools itself (``OpenAI``, ``OpenAILike``): its own
+        conversions of tools and tool calls are used, so that the request is the one it sends."""
+        inner = self._engine.inner
+        return inner if isinstance(inner, FunctionCallingLLM) else None
+
+    def _replies(self, stream: Any, layer_s: float) -> StreamReplies:
+        inner = self._engine.inner
+        if openai_family(inner):
+            return StreamReplies(stream, layer_s, _openai_reply(inner), inner._get_response_token_counts)
+        return StreamReplies(stream, layer_s)
 
     # -- one request --------------------------------------------------------------------------------
     def _call(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[dict[str, Any], float]:
         t0 = time.perf_counter()
         budget = kwargs.pop("ttft_budget_s", None)
         rag = _rag_chunks(kwargs.pop("rag_chunks", None))
-        call = {**self._engine.params, **kwargs, "messages": to_openai_messages(messages), "stream": True}
+        call = {**self._params(kwargs), "messages": to_openai_messages(messages), "stream": True}
         if rag is not None:
             call["rag_chunks"] = rag
         budget = budget if budget is not None else self.ttft_budget_s
@@ -215,14 +302,29 @@ class TrimmedLLM(FunctionCallingLLM):
         self._last = (replies.stream.report, replies.stream.prepared, replies.layer_s)
         return final
 
+    @contextlib.contextmanager
+    def _inner_errors(self) -> Iterator[None]:
+        """Where the wrapped LLM is an ``OpenAI`` / ``OpenAILike``, trimkit's server errors are
+        raised as the ``openai`` errors its client raises for the same failure (still trimkit's:
+        the type subclasses both; :func:`~trimkit.integrations.openai_errors.as_openai_error`)."""
+        try:
+            yield
+        except BackendError as exc:
+            if not openai_family(self._engine.inner):
+                raise
+            base = self._engine.url[0] if self._engine.url is not None else "http://localhost/v1"
+            raise as_openai_error(exc, base.rstrip("/") + "/chat/completions") from exc
+
     def _open(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> StreamReplies:
         call, layer = self._call(messages, kwargs)
-        return StreamReplies(send(self._engine.front_end, call), layer)
+        with self._inner_errors():
+            return self._replies(send(self._engine.front_end, call), layer)
 
     def _responses(self, replies: StreamReplies) -> Iterator[ChatResponse]:
         try:
-            for chunk in replies.stream:
-                yield replies.step(chunk)
+            with self._inner_errors():
+                for chunk in replies.stream:
+                    yield replies.step(chunk)
             yield self._finish(replies)
         finally:
             replies.stream.close()
@@ -230,8 +332,9 @@ class TrimmedLLM(FunctionCallingLLM):
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
         replies = self._open(messages, kwargs)
         try:
-            for _ in replies.stream:
-                pass
+            with self._inner_errors():
+                for _ in replies.stream:
+                    pass
         finally:
             replies.stream.close()
         return self._finish(replies)
@@ -251,7 +354,8 @@ class TrimmedLLM(FunctionCallingLLM):
         if front is None:
             return await asyncio.to_thread(self._open, messages, kwargs), False
         call, layer = self._call(messages, kwargs)
-        return StreamReplies(await send(front, call), layer), True
+        with self._inner_errors():
+            return self._replies(await send(front, call), layer), True
 
     async def _aresponses(self, replies: StreamReplies, is_async: bool) -> AsyncIterator[ChatResponse]:
         if not is_async:
@@ -263,8 +367,9 @@ class TrimmedLLM(FunctionCallingLLM):
                 await asyncio.to_thread(sync.close)
             return
         try:
-            async for chunk in replies.stream:
-                yield replies.step(chunk)
+            with self._inner_errors():
+                async for chunk in replies.stream:
+                    yield replies.step(chunk)
             yield self._finish(replies)
         finally:
             await replies.stream.close()
@@ -274,10 +379,12 @@ class TrimmedLLM(FunctionCallingLLM):
         if front is None:
             return await asyncio.to_thread(self._chat, messages, kwargs)
         call, layer = self._call(messages, kwargs)
-        replies = StreamReplies(await send(front, call), layer)
+        with self._inner_errors():
+            replies = self._replies(await send(front, call), layer)
         try:
-            async for _ in replies.stream:
-                pass
+            with self._inner_errors():
+                async for _ in replies.stream:
+                    pass
         finally:
             await replies.stream.close()
         return self._finish(replies)
@@ -330,15 +437,58 @@ class TrimmedLLM(FunctionCallingLLM):
 
         return gen()
 
+    # -- structured outputs --------------------------------------------------------------------------
+    def _structured_kwargs(self, output_cls: type[Model], llm_kwargs: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
+        """``llm_kwargs`` as an ``OpenAI`` / ``OpenAILike`` makes them for a structured prediction,
+        and whether it asks for a ``response_format`` (its ``should_use_structured_outputs``)
+        rather than a forced tool call (``tool_choice="required"`` unless the call names one)."""
+        kwargs = dict(llm_kwargs or {})
+        inner = self._engine.inner
+        if not openai_family(inner):
+            return kwargs, False
+        if inner._should_use_structure_outputs():
+            return inner._prepare_schema(kwargs, output_cls), True
+        kwargs.setdefault("tool_choice", "required")
+        return kwargs, False
+
+    def structured_predict(self, output_cls: type[Model], prompt: PromptTemplate, llm_kwargs: dict[str, Any] | None = None,
+                           **prompt_args: Any) -> Model:
+        """As the wrapped LLM predicts it: an ``OpenAI`` / ``OpenAILike`` with a forced tool call
+        (or its ``response_format``, when it uses structured outputs); any other LLM as LlamaIndex
+        does for a function-calling or a plain LLM. Every call goes through trimkit."""
+        kwargs, schema = self._structured_kwargs(output_cls, llm_kwargs)
+        if schema:
+            response = self.chat(self._extend_messages(prompt.format_messages(**prompt_args)), **kwargs)
+            return output_cls.model_validate_json(str(response.message.content))
+        return super().structured_predict(output_cls, prompt, llm_kwargs=kwargs, **prompt_args)
+
+    async def astructured_predict(self, output_cls: type[Model], prompt: PromptTemplate, llm_kwargs: dict[str, Any] | None = None,
+                                  **prompt_args: Any) -> Model:
+        """The async :meth:`structured_predict`."""
+        kwargs, schema = self._structured_kwargs(output_cls, llm_kwargs)
+        if schema:
+            response = await self.achat(self._extend_messages(prompt.format_messages(**prompt_args)), **kwargs)
+            return output_cls.model_validate_json(str(response.message.content))
+        return await super().astructured_predict(output_cls, prompt, llm_kwargs=kwargs, **prompt_args)
+
     # -- tools (FunctionCallingLLM) -------------------------------------------------------------------
     def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
                                  chat_history: list[ChatMessage] | None = None, verbose: bool = False,
                                  allow_parallel_tool_calls: bool = False, tool_required: bool = False, **kwargs: Any) -> dict[str, Any]:
-        """The chat arguments for a call that may use ``tools``: OpenAI tool specs, and
-        ``tool_choice`` — the one tool by name when a call is required and there is one tool
-        (llama-cpp-python then constrains the reply to its JSON schema), ``"required"`` for
-        several, ``"auto"`` otherwise."""
-        messages = list(chat_history or [])
+        """The chat arguments for a call that may use ``tools``. A wrapped LLM that calls tools
+        itself (``OpenAILike``) prepares them: its tool specs, ``tool_choice``, ``strict``,
+        ``parallel_tool_calls`` — the request it would send (on a copy of ``chat_history``, which
+        it would extend in place). Otherwise (``LlamaCPP``): OpenAI tool specs, and ``tool_choice``
+        — the one tool by name when a call is required and there is one tool (llama-cpp-python
+        then constrains the reply to its JSON schema), ``"required"`` for several, ``"auto"``
+        otherwise."""
+        history = list(chat_history) if chat_history is not None else None
+        inner = self._tool_llm
+        if inner is not None:
+            return inner._prepare_chat_with_tools_compat(tools, user_msg=user_msg, chat_history=history, verbose=verbose,
+                                                         allow_parallel_tool_calls=allow_parallel_tool_calls, tool_required=tool_required,
+                                                         **kwargs)
+        messages = history or []
         if user_msg is not None:
             messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg)
         specs = [tool.metadata.to_openai_tool() for tool in tools]
@@ -352,7 +502,11 @@ class TrimmedLLM(FunctionCallingLLM):
 
     def _validate_chat_with_tools_response(self, response: ChatResponse, tools: Sequence[Any], allow_parallel_tool_calls: bool = False,
                                            **kwargs: Any) -> ChatResponse:
-        """Without ``allow_parallel_tool_calls``, only the first tool call is kept (in a new message)."""
+        """The wrapped LLM's check where it calls tools itself; otherwise, without
+        ``allow_parallel_tool_calls``, only the first tool call is kept (in a new message)."""
+        inner = self._tool_llm
+        if inner is not None:
+            return inner._validate_chat_with_tools_response(response, tools, allow_parallel_tool_calls=allow_parallel_tool_calls, **kwargs)
         calls = response.message.additional_kwargs.get("tool_calls") or []
         if allow_parallel_tool_calls or len(calls) <= 1:
             return response
@@ -361,6 +515,11 @@ class TrimmedLLM(FunctionCallingLLM):
 
     def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
                                      **kwargs: Any) -> list[ToolSelection]:
+        """The tool calls of a reply, read by the wrapped LLM where it calls tools itself (the
+        reply is built as it builds its own), else by trimkit."""
+        inner = self._tool_llm
+        if inner is not None:
+            return inner.get_tool_calls_from_response(response, error_on_no_tool_call=error_on_no_tool_call, **kwargs)
         selections = tool_selections(response.message)
         if not selections and error_on_no_tool_call:
             raise ValueError("Expected at least one tool call, but got 0 tool calls.")

@@ -2,9 +2,12 @@
 
 When a whole chunk does not fit the budget, the planner may keep an excerpt of it instead. An
 excerpt keeps, in the chunk's own order, the sentences that share the most (IDF-weighted)
-words with the question, each with one neighbour on either side, and says so in its text:
-``(excerpt: sentences 4–6 of 12) …``. The :class:`~trimkit.messages.Chunk` keeps its id; its
-``metadata["excerpt"]`` holds the span for reports.
+words with the question, each with one neighbour on either side. The model reads it as a person
+would read a quotation with gaps: an ellipsis (``…``) stands where sentences were left out —
+before the first kept span, between spans and after the last — and nothing else is added, so
+there is no bookkeeping text for the model to copy into its answer. The
+:class:`~trimkit.messages.Chunk` keeps its id; its ``metadata["excerpt"]`` holds the kept
+sentence spans for reports (``spans`` 1-based inclusive, ``sentences`` in the whole chunk).
 
 An excerpt is worth a share of its chunk's value: ``0.75 * (share of the chunk's squared
 question-match scores it keeps) + 0.25 * (share of the chunk's length it keeps)``. Squaring puts
@@ -60,15 +63,24 @@ def index_runs(indices: Iterable[int]) -> tuple[tuple[int, int], ...]:
 
 
 def span_label(spans: Sequence[Sequence[int]]) -> str:
-    """``((4, 6), (9, 9))`` → ``"4–6, 9"``: ranges as the excerpt marker and the report name them."""
+    """``((4, 6), (9, 9))`` → ``"4–6, 9"``: ranges as the report names them."""
     return ", ".join(f"{a}–{b}" if a != b else str(a) for a, b in spans)
 
 
+#: what stands where sentences were left out
+ELLIPSIS = "…"
+
+
 def _render(sentences: Sequence[str], keep: Sequence[int]) -> tuple[str, tuple[tuple[int, int], ...]]:
+    """The kept sentences as text, an ellipsis wherever sentences were left out."""
     spans = tuple((a + 1, b + 1) for a, b in index_runs(keep))  # 1-based sentence numbers
-    label = span_label(spans)
     parts = [" ".join(sentences[a - 1 : b]) for a, b in spans]
-    return f"(excerpt: sentences {label} of {len(sentences)}) " + " … ".join(parts), spans
+    text = f" {ELLIPSIS} ".join(parts)
+    if spans[0][0] > 1:
+        text = f"{ELLIPSIS} {text}"
+    if spans[-1][1] < len(sentences):
+        text = f"{text} {ELLIPSIS}"
+    return text, spans
 
 
 def excerpts_of(chunk: Chunk, idf: Mapping[str, float], *, max_excerpts: int = 5) -> list[Excerpt]:
