@@ -611,7 +611,11 @@ class WatchedPrefill:
         pipeline = self.pipeline
         profile = pipeline.profile
         budget = p.budget_s - self.waited_s if p.budget_s is not None else math.inf
-        margin = pipeline.engine.safety_margin(pipeline.attainment_target, share=_tail_share(profile, len(p.prompt_tokens) - held))
+        # the target the plan filled to: a watch held to a stricter one (a margin sized for the
+        # planned prompt's tail, larger than the plan's, sized for the untrimmed prompt's) re-planned
+        # requests running on pace and cut what the plan had kept
+        margin = p.plan.safety_margin if p.plan is not None else \
+            pipeline.engine.safety_margin(pipeline.attainment_target, share=_tail_share(profile, len(p.prompt_tokens) - held))
         watch = PrefillWatch(p.prompt_tokens, held, profile, budget, margin=margin, n_batch=_n_batch(profile))
         if not watch.watched:
             return p.messages, p.prompt_tokens
