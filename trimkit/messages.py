@@ -30,7 +30,6 @@ __all__ = [
     "turn_spans",
     "last_user_index",
     "render_rag_question",
-    "in_prompt_order",
     "with_chunks",
     "append_text",
     "check_rag_templates",
@@ -40,8 +39,7 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 SYSTEM_ROLES = frozenset({"system", "developer"})
 
 #: How retrieved chunks are placed into the last user message. Chunks come before the question
-#: (docs/design.md, §3 "The prompt layout": stable → volatile, the question last), the most relevant
-#: chunk last, next to the question (:func:`in_prompt_order`). Override with ``rag_template=``:
+#: (docs/design.md, §3 "The prompt layout": stable → volatile, the question last). Override with ``rag_template=``:
 #: a format string with ``{chunks}`` and ``{question}``; each chunk is rendered with
 #: ``rag_chunk_template`` (fields ``{id}``, ``{text}``, ``{n}``) and joined by a blank line.
 DEFAULT_RAG_TEMPLATE = "Use the following retrieved context to answer.\n\n{chunks}\n\nQuestion: {question}"
@@ -338,20 +336,8 @@ def render_rag_question(
     return template.format(chunks=body, question=question)
 
 
-def in_prompt_order(chunks: Sequence[Chunk]) -> tuple[Chunk, ...]:
-    """``chunks`` (most relevant first, as the planner keeps them) in the order the prompt shows
-    them: **most relevant last**, next to the question. A model reads best what stands at the end
-    of its context, by the question ("lost in the middle"); and when chunks are cut, the ones
-    left nearest the question would otherwise be the near distractors, worded like it. On the
-    project's generated records set (12 requests planned to half their untrimmed TTFT, greedy),
-    SmolLM2-135M-Instruct answered 4 of 12 right with the kept chunks most relevant first and 7
-    of 12 with the same chunks most relevant last (docs/benchmarks.md)."""
-    return tuple(reversed(chunks))
-
-
 def with_chunks(message: Mapping[str, Any], chunks: Sequence[Chunk], template: str, chunk_template: str) -> dict[str, Any]:
-    """A copy of ``message`` (the last user message) with ``chunks`` placed before its question,
-    in the order given (the planner gives them :func:`in_prompt_order`).
+    """A copy of ``message`` (the last user message) with ``chunks`` placed before its question.
 
     String content is rewritten through ``template``; for a list of parts the first text part
     is, or a text part is appended. ``message`` itself is not modified."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from trimkit.messages import DEFAULT_RAG_CHUNK_TEMPLATE, DEFAULT_RAG_TEMPLATE, Chunk, in_prompt_order, last_user_index, message_text, with_chunks
+from trimkit.messages import DEFAULT_RAG_CHUNK_TEMPLATE, DEFAULT_RAG_TEMPLATE, Chunk, last_user_index, message_text, with_chunks
 from trimkit.planning.relevance import rank_chunks
 from trimkit.strategies import default_strategies
 
@@ -25,14 +25,14 @@ def place_chunks(
 ) -> list[Mapping[str, Any]]:
     """A new message list with ``chunks`` placed into the last user message (caller's list untouched).
 
-    Chunks go most relevant last, next to the question (:func:`~trimkit.messages.in_prompt_order`),
-    ranked by the caller's scores when every chunk has one, else by BM25 against the question —
-    as the planner places them, so an untrimmed plan and this placement give the same prompt."""
+    Chunks go most relevant first — the caller's scores when every chunk has one, else BM25
+    against the question — the same order the planner uses, so an untrimmed plan and this
+    placement give the same prompt."""
     out = list(messages)
     if not chunks:
         return out
     i = last_user_index(messages)
-    out[i] = with_chunks(messages[i], in_prompt_order(rank_chunks(chunks, message_text(messages[i]))), template, chunk_template)
+    out[i] = with_chunks(messages[i], rank_chunks(chunks, message_text(messages[i])), template, chunk_template)
     return out
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from trimkit.messages import SYSTEM_ROLES, Chunk, append_text, in_prompt_order, last_user_index, message_text, turn_spans, with_chunks
+from trimkit.messages import SYSTEM_ROLES, Chunk, append_text, last_user_index, message_text, turn_spans, with_chunks
 from trimkit.planning.costs import reusable_cached_tokens
 from trimkit.planning.relevance import rank_chunks
 from trimkit.planning.summaries import Summary, SummaryCache, summary_note
@@ -269,7 +269,7 @@ class RequestContext:
             if i == 0 and c.summary is not None and self.leading_system:
                 m = append_text(m, _summary_block(c.summary))
             elif i == self.last_user and c.kept_chunks:
-                m = with_chunks(m, in_prompt_order(c.kept_chunks), self.rag_template, self.rag_chunk_template)
+                m = with_chunks(m, c.kept_chunks, self.rag_template, self.rag_chunk_template)
             out.append(m)
         return out
 

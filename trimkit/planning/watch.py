@@ -30,7 +30,7 @@ from typing import Any
 
 import attrs
 
-from trimkit.messages import in_prompt_order, last_user_index, with_chunks
+from trimkit.messages import last_user_index, with_chunks
 from trimkit.profile import Profile
 from trimkit.tokens import common_prefix_len
 
@@ -242,9 +242,8 @@ class PrefillWatch:
 
 @attrs.frozen
 class Cut:
-    """A re-planned prompt: the chunks it keeps (most relevant first, as a plan keeps them; any put
-    back after them), its messages and tokens, what the context holds of it and its predicted
-    TTFT from now."""
+    """A re-planned prompt: the chunks it keeps (in their order), its messages and tokens, what
+    the context holds of it and its predicted TTFT from now."""
 
     chunks: tuple[Any, ...]
     messages: Sequence[Any]
@@ -266,8 +265,7 @@ def cut_chunks(plan: Any, original_last_user: Mapping[str, Any], price: Callable
     ``position``: how much of the prompt the context holds. A binary search over how many of the
     free chunks to keep, densest first. None when there is no chunk to choose or even none of the
     free ones fits."""
-    own = in_prompt_order(getattr(plan, "kept_chunks", ()))
-    kept = (*own, *extra)  # as the prompt shows them: the plan's own (most relevant last), then any put back
+    kept = (*getattr(plan, "kept_chunks", ()), *extra)
     if not kept:
         return None
     where = last_user_index(plan.messages)
@@ -276,13 +274,11 @@ def cut_chunks(plan: Any, original_last_user: Mapping[str, Any], price: Callable
     def cut(chosen: Sequence[int]) -> Cut:
         key = tuple(chosen)
         if key not in memo:
-            shown = tuple(kept[i] for i in key)
+            chunks = tuple(kept[i] for i in key)
             messages = list(plan.messages)
-            messages[where] = with_chunks(original_last_user, shown, rag_template, rag_chunk_template) if shown else dict(original_last_user)
+            messages[where] = with_chunks(original_last_user, chunks, rag_template, rag_chunk_template) if chunks else dict(original_last_user)
             tokens, cached, predicted = price(messages)
-            # the plan's order back (most relevant first), then what was put back
-            ranked = (*in_prompt_order([kept[i] for i in key if i < len(own)]), *(kept[i] for i in key if i >= len(own)))
-            memo[key] = Cut(ranked, messages, tokens, cached, predicted)
+            memo[key] = Cut(chunks, messages, tokens, cached, predicted)
         return memo[key]
 
     # the leading chunks the context already holds (in part): chunk i starts where the prompts
