@@ -299,15 +299,9 @@ class Prompts:
     @staticmethod
     def _largest(lo: int, hi: int, fits: Callable[[int], bool]) -> int | None:
         """The largest x in [lo, hi] with fits(x), fits true up to some x; None if none."""
-        if not fits(lo):
-            return None
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        from trimkit.planning.costs import largest_fitting
+
+        return largest_fitting(fits, lo, hi) if fits(lo) else None
 
     def first_k(self, n_tokens: int) -> dict[str, Any]:
         n, t = len(self.chunks), len(self.turns)

@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 import httpx
 
-from tests._server import _die_with_parent, free_port
+from tests._server import ServerProcess, _die_with_parent, free_port
 
 __all__ = ["HealthShim", "RouterProcess", "router_module", "running_router"]
 
@@ -123,21 +123,10 @@ class HealthShim:
 
 
 @attrs.define
-class RouterProcess:
-    kind: str
-    port: int
-    proc: subprocess.Popen[bytes]
-    log_path: Path
+class RouterProcess(ServerProcess):
+    """A router on loopback: a server process (its port, log) of a ``kind``."""
 
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def log_tail(self, n_chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n_chars:]
-        except OSError:
-            return ""
+    kind: str = ""
 
 
 def _wait_routing(router: RouterProcess, n_workers: int, timeout_s: float) -> None:
@@ -169,7 +158,7 @@ def running_router(kind: str, worker_urls: Sequence[str], *, policy: str, timeou
     with os.fdopen(fd, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-    router = RouterProcess(kind, port, proc, Path(log_name))
+    router = RouterProcess(port, proc, Path(log_name), kind=kind)
     try:
         _wait_routing(router, len(worker_urls), timeout_s)
         yield router
