@@ -21,19 +21,22 @@ def request():
     return [SYSTEM, {"role": "user", "content": QUESTION}], chunks
 
 
-def test_a_five_times_optimistic_profile_is_replanned_and_the_evaluated_prefix_is_kept(llm, quick_profile):
-    messages, chunks = request()
-    given = copy.deepcopy((messages, chunks))
-    # what the whole request costs this engine now (llama.cpp's own prefill time, unbudgeted) —
-    # the profile is then made five times too optimistic about it, and the budget is half of it
+def optimistic_chat(llm, quick_profile, messages, chunks):
+    """A chat whose profile is five times too optimistic about this request, under a budget of half
+    what the whole request costs this engine now (llama.cpp's own prefill time, unbudgeted)."""
     plain = trimkit.wrap(llm, profile=quick_profile, summarizer=None)
     llm.reset()
     plain.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=1)
     m = plain.last_report.measurement
     truth = m.engine_prefill_s / quick_profile.predict_prefill_s(m.evaluated_tokens, 0)  # the host's speed vs the profile, now
     optimistic = attrs.evolve(quick_profile, drift=quick_profile.drift * truth / 5, created_at=quick_profile.created_at + 1)
-    budget = 0.5 * m.engine_prefill_s
-    chat = trimkit.wrap(llm, ttft_budget_s=budget, profile=optimistic, summarizer=None)
+    return trimkit.wrap(llm, ttft_budget_s=0.5 * m.engine_prefill_s, profile=optimistic, summarizer=None)
+
+
+def test_a_five_times_optimistic_profile_is_replanned_and_the_evaluated_prefix_is_kept(llm, quick_profile):
+    messages, chunks = request()
+    given = copy.deepcopy((messages, chunks))
+    chat = optimistic_chat(llm, quick_profile, messages, chunks)
     llm.reset()  # a cold context: the whole prompt is evaluated by this request
     stream = chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=8, temperature=0.0, stream=True)
     text = "".join((c["choices"][0]["delta"].get("content") or "") for c in stream)
@@ -58,6 +61,20 @@ def test_a_five_times_optimistic_profile_is_replanned_and_the_evaluated_prefix_i
     kept = [c.id for c in stream.prepared.plan.kept_chunks]
     assert kept and set(first.dropped).isdisjoint(kept)  # what the re-plan cut is gone, the rest stays
     assert "re-planned after" in str(r) and r.to_dict()["replans"]
+
+
+def test_a_replanned_completion_counts_the_prompt_it_sent(llm, quick_profile):
+    """Not streamed: the completion's usage, the report and ``last_prepared`` all state the
+    re-plan's prompt — what llama.cpp evaluated — not the plan made before the watch."""
+    messages, chunks = request()
+    chat = optimistic_chat(llm, quick_profile, messages, chunks)
+    llm.reset()
+    out = chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=2, temperature=0.0)
+    r = chat.last_report
+    assert r.replans  # the watch cut the plan
+    assert out["usage"]["prompt_tokens"] == r.prompt_tokens == r.measurement.prompt_tokens == r.replans[-1].prompt_tokens_after
+    assert r.prompt_tokens < r.replans[0].prompt_tokens
+    assert chat.last_prepared.replans == r.replans and len(chat.last_prepared.prompt_tokens) == r.prompt_tokens
 
 
 def test_on_a_true_profile_a_request_that_fits_is_watched_and_sent_as_planned(llm, quick_profile):

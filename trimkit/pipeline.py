@@ -637,4 +637,6 @@ class WatchedPrefill:
         new, cached, so_far = watch.prefill_so_far
         if so_far > 0 and new > 0:  # the whole evaluation as one prefill: the speed estimate's sample
             pipeline.engine.live.observe_step(new, cached, so_far)
+        if self.prepared.replans:
+            pipeline.last_prepared = self.prepared  # the request as sent is the re-plan's
         return self.prepared.messages, self.prepared.prompt_tokens

@@ -110,7 +110,8 @@ class Trimmer(FrontEnd):
         for _ in rs:
             pass
         completion_tokens = rs.report.completion_tokens if rs.report is not None else None
-        return assemble_chat_completion(rs.chunks, usage=usage_counts(len(prepared.prompt_tokens), completion_tokens or 0))
+        # the request as sent: a watched prefill's re-plan may have changed it
+        return assemble_chat_completion(rs.chunks, usage=usage_counts(len(rs.prepared.prompt_tokens), completion_tokens or 0))
 
 
 class TrimmedLlama(Trimmer):

@@ -353,7 +353,7 @@ class Call:
             return self.engine.chat.assemble(rs)
         report = rs.report
         completion_tokens = report.completion_tokens if report is not None else None
-        return assemble_chat_completion(rs.chunks, usage=usage_counts(len(self.prepared.prompt_tokens), completion_tokens or 0))
+        return assemble_chat_completion(rs.chunks, usage=usage_counts(len(rs.prepared.prompt_tokens), completion_tokens or 0))
 
     def _url(self) -> str:
         base = getattr(getattr(self.engine.chat, "backend", None), "base_url", None) or "http://localhost/v1"
