@@ -49,7 +49,7 @@ def main() -> int:
     import trimkit
     from trimkit.cli import open_llama
     from trimkit.demo import SYSTEM, load_corpus, load_history, load_questions
-    from trimkit.planning.relevance import rank_chunks
+    from trimkit.planning.values import rank_chunks
 
     llm = open_llama(None, 8192)
     backend = trimkit.backends.LlamaBackend(llm)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import tracemalloc
 
-from trimkit.planning.relevance import bm25_scores
+from trimkit.planning.values import bm25_scores
 from trimkit.sized_cache import SizedCache
 from trimkit.tokens import PromptTokenizer, chatml_render
 

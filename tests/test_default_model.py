@@ -21,7 +21,7 @@ from trimkit.demo_sizing import BUDGET_SHARE
 from trimkit.errors import InvalidInputError, MissingExtraError
 from trimkit.messages import Chunk
 from trimkit.planning.costs import CostModel
-from trimkit.planning.relevance import rank_chunks
+from trimkit.planning.values import rank_chunks
 
 #: a host shaped like this project's (about 4 ms per prompt token on SmolLM2, a visible depth
 #: term): fixed, so the plans do not depend on how fast the machine running the test is

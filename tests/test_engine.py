@@ -176,7 +176,7 @@ def _next_question_plans(tok, budgets, margins):
 
     from trimkit.demo import SYSTEM, load_corpus, load_history, load_questions
     from trimkit.planning.costs import CostModel
-    from trimkit.planning.relevance import rank_chunks
+    from trimkit.planning.values import rank_chunks
     from trimkit.tokens import reusable_prefix_len
 
     corpus = [Chunk(text=d["text"], id=d["id"]) for d in load_corpus()]

@@ -1,5 +1,5 @@
 from trimkit.messages import Chunk
-from trimkit.planning.relevance import bm25_scores, rank_chunks, words
+from trimkit.planning.values import bm25_scores, rank_chunks, words
 
 
 def test_words_lowercases_and_drops_stopwords():

@@ -36,7 +36,7 @@ from trimkit.demo_sizing import (
     turn_budget,
 )
 from trimkit.messages import Chunk
-from trimkit.planning.relevance import rank_chunks
+from trimkit.planning.values import rank_chunks
 from trimkit.profile_store import load_profile
 from trimkit.wrapper import wrap
 

@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 
 from trimkit.messages import DEFAULT_RAG_CHUNK_TEMPLATE, DEFAULT_RAG_TEMPLATE, Chunk, last_user_index, message_text, with_chunks
-from trimkit.planning.relevance import rank_chunks
+from trimkit.planning.values import rank_chunks
 from trimkit.strategies import default_strategies
 
 __all__ = ["Prepared", "PreviousCut", "place_chunks"]

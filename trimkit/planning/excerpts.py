@@ -23,8 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 
 from trimkit.messages import Chunk
-from trimkit.planning.relevance import question_idf as text_idf
-from trimkit.planning.relevance import sentence_score, split_sentences
+from trimkit.planning.values import question_idf as text_idf
+from trimkit.planning.values import sentence_score, split_sentences
 
 __all__ = ["Excerpt", "question_idf", "excerpts_of", "index_runs", "span_label", "MIN_SENTENCES"]
 

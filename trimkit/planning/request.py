@@ -23,8 +23,8 @@ import attrs
 
 from trimkit.messages import SYSTEM_ROLES, Chunk, append_text, last_user_index, message_text, turn_spans, with_chunks
 from trimkit.planning.costs import reusable_cached_tokens
-from trimkit.planning.relevance import rank_chunks
 from trimkit.planning.summaries import Summary, SummaryCache, summary_note
+from trimkit.planning.values import rank_chunks
 
 __all__ = ["Candidate", "Estimate", "RequestContext", "Layout", "CacheProbe", "MAX_PROBES"]
 
@@ -133,7 +133,7 @@ class RequestContext:
         protected_from = next(s for s, e in spans if s <= self.last_user < e)
         #: turns that may be summarized or dropped, oldest first (never the last user's turn)
         self.history_turns: tuple[tuple[int, int], ...] = tuple((s, e) for s, e in spans if e <= protected_from)
-        #: every chunk of the request, most relevant first (:func:`~trimkit.planning.relevance.rank_chunks`)
+        #: every chunk of the request, most relevant first (:func:`~trimkit.planning.values.rank_chunks`)
         self.chunks = rank_chunks(chunks, message_text(messages[self.last_user])) if chunks else ()
         #: the chunks in the caller's (the retriever's) order, which relevance weighs
         self.given_chunks = chunks

@@ -1,18 +1,25 @@
 """What each piece of a request is worth: the *value* side of value per predicted second.
 
-The planner (:mod:`trimkit.planning.engine`) keeps the set of history turns, summaries, retrieved chunks
-and chunk excerpts with the most value whose predicted TTFT fits the budget. This module says
-what those values are. A :class:`ValueModel` holds the knobs; :func:`chunk_values` and
-:func:`turn_values` apply them to one request.
+The planner (:mod:`trimkit.planning.engine`) keeps the set of history turns, summaries, retrieved
+chunks and chunk excerpts with the most value whose predicted TTFT fits the budget. This module says
+what those values are: first how well each piece matches the question (lexical relevance, BM25),
+then what it is worth (a :class:`ValueModel` holds the knobs; :func:`chunk_values` and
+:func:`turn_values` apply them to one request).
+
+Relevance. Use :func:`rank_chunks` to put retrieved chunks in the order
+:func:`~trimkit.strategies.cap_rag_chunks` keeps them (most relevant first). When the caller's
+retriever already scored every chunk (``Chunk.score``), those scores win; BM25 is the model-free
+fallback, cheap enough to run on every request (a few microseconds per chunk). It is lexical only:
+it rewards shared words, not shared meaning, so pass your retriever's scores when you have them.
 
 Chunks. Relevance ``r`` in ``[0, 1]`` is the lexical match with the question (BM25 over the
-chunk and its best sentence, :func:`~trimkit.planning.relevance.chunk_relevance`), fused with the caller's
-scores when every chunk has one (``lexical_weight`` for the lexical side), else blended with
-the retriever's order (the order the caller passed; ``order_weight``). A chunk is worth ``chunk_weight * r ** relevance_power /
-log2(rank + 2)``: with the default power 2 a chunk half as relevant is worth a quarter as much,
-because the answer to a question over retrieved text usually sits in the top few chunks, and a
-pile of weak chunks must not outvote the best one; the rank discount (as in DCG) gives
-diminishing returns to many similar chunks.
+chunk and its best sentence, :func:`chunk_relevance`), fused with the caller's scores when every
+chunk has one (``lexical_weight`` for the lexical side), else blended with the retriever's order
+(the order the caller passed; ``order_weight``). A chunk is worth ``chunk_weight * r **
+relevance_power / log2(rank + 2)``: with the default power 2 a chunk half as relevant is worth a
+quarter as much, because the answer to a question over retrieved text usually sits in the top few
+chunks, and a pile of weak chunks must not outvote the best one; the rank discount (as in DCG)
+gives diminishing returns to many similar chunks.
 
 Turns. An earlier turn is worth ``history_weight * recency * (1 + relevance) / 2``, where
 ``recency`` halves every ``recency_half_life_turns`` turns back and ``relevance`` is the turn's
@@ -25,7 +32,10 @@ A summary standing in for turns is worth ``summary_share`` of the turns it cover
 
 from __future__ import annotations
 
+import functools
 import math
+import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,10 +43,174 @@ import attrs
 
 from trimkit.errors import InvalidNumberError
 from trimkit.messages import Chunk, message_text
-from trimkit.planning.relevance import bm25_scores, chunk_relevance
+from trimkit.sized_cache import SizedCache
 from trimkit.validation import non_negative_finite, positive_finite
 
-__all__ = ["ValueModel", "chunk_values", "turn_values"]
+__all__ = [
+    "STOPWORDS",
+    "words",
+    "bm25_scores",
+    "split_sentences",
+    "question_idf",
+    "sentence_score",
+    "chunk_relevance",
+    "rank_chunks",
+    "ValueModel",
+    "chunk_values",
+    "turn_values",
+]
+
+
+#: Very common English words that carry no topic. Kept short on purpose: BM25's IDF already
+#: discounts frequent words; this list only removes the ones that dominate short questions.
+STOPWORDS = frozenset(
+    "a an and are as at be by can could did do does for from had has have how i if in into is it its "
+    "me my of on or our she he so than that the their them then there these they this to was we were "
+    "what when where which who why will with would you your".split()
+)
+
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
+
+
+#: words are cut to this many characters before counting: a truncation stemmer ("settlement"
+#: and "settled" both count as "settl"), which retrieves about as well as Porter's for English
+STEM_CHARS = 5
+
+
+def words(text: str) -> list[str]:
+    """Lower-cased word tokens of ``text`` without stopwords, cut to :data:`STEM_CHARS`
+    characters (the unit BM25 counts)."""
+    return [w[:STEM_CHARS] for w in _WORD.findall(text.lower()) if w not in STOPWORDS]
+
+
+#: the documents whose word counts are kept, bounded by their characters (not their number: a
+#: service fed 20 KB chunks stays flat)
+_TERM_COUNTS: SizedCache[str, Counter[str]] = SizedCache(8 << 20, max_entries=1 << 16)
+
+
+def _term_counts(text: str) -> Counter[str]:
+    """Word counts of a document, cached: the same chunks come back request after request.
+    Callers must not modify the returned Counter."""
+    hit = _TERM_COUNTS.get(text)
+    if hit is None:
+        hit = Counter(words(text))
+        _TERM_COUNTS.put(text, hit)
+    return hit
+
+
+def bm25_scores(query: str, documents: Sequence[str], *, k1: float = 1.5, b: float = 0.75) -> list[float]:
+    """Okapi BM25 score of each document against ``query`` (higher is more relevant).
+
+    IDF is the non-negative Lucene form ``log(1 + (N - df + 0.5) / (df + 0.5))``, so a word that
+    appears in every document still counts a little instead of going negative.
+    """
+    docs = [_term_counts(d) for d in documents]
+    if not docs:
+        return []
+    lengths = [sum(d.values()) for d in docs]
+    avg_len = (sum(lengths) / len(docs)) or 1.0
+    n_docs = len(docs)
+    scores = [0.0] * n_docs
+    for term in set(words(query)):
+        df = sum(1 for d in docs if term in d)
+        if df == 0:
+            continue
+        idf = math.log(1.0 + (n_docs - df + 0.5) / (df + 0.5))
+        for i, d in enumerate(docs):
+            tf = d.get(term, 0)
+            if tf:
+                scores[i] += idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * lengths[i] / avg_len))
+    return scores
+
+
+def split_sentences(text: str) -> list[str]:
+    """``text`` cut into sentences (after ``.``, ``!`` or ``?`` followed by space, and at line breaks)."""
+    return [s.strip() for s in _SENTENCE_END.split(text) if s and s.strip()]
+
+
+def chunk_relevance(
+    chunks: Sequence[Chunk], question: str, order_weight: float = 0.25, lexical_weight: float = 0.5
+) -> list[float]:
+    """Relevance of each chunk in ``[0, 1]`` (1: the most relevant), in the caller's order.
+
+    The lexical match with ``question`` is half BM25 over the whole chunk and half its best
+    sentence ("MaxP": an answer is one sentence, and a long chunk holding it should not be
+    outscored by short ones that merely share words). If every chunk carries a caller
+    ``score``, the scores (min–max normalised) are fused with the lexical match, which gets
+    ``lexical_weight`` (hybrid retrieval: a retriever's scores are noisy, exact names matter;
+    ``lexical_weight=0`` trusts the scores alone). Otherwise the lexical match is blended with
+    the retriever's order (the order the chunks were passed in), which gets ``order_weight``.
+    """
+    if not chunks:
+        return []
+    # the planner ranks the chunks and then values them: one computation per request
+    return list(_relevance(tuple((c.text, c.score) for c in chunks), question, order_weight, lexical_weight))
+
+
+@functools.lru_cache(maxsize=8)  # a request ranks, then values, the same chunks: a few requests' worth (each key holds every chunk's text)
+def _relevance(
+    chunks: tuple[tuple[str, float | None], ...], question: str, order_weight: float, lexical_weight: float
+) -> tuple[float, ...]:
+    n = len(chunks)
+    order = [1.0 - i / n for i in range(n)]
+    texts = [t for t, _ in chunks]
+    bm25 = bm25_scores(question, texts)
+    idf = question_idf(question, texts)
+    best_sentence = [max((sentence_score(s, idf) for s in split_sentences(t)), default=0.0) for t in texts]
+    top, top_sentence = max(bm25), max(best_sentence)
+    lexical = (
+        [0.5 * b / top + 0.5 * (m / top_sentence if top_sentence > 0 else 0.0) for b, m in zip(bm25, best_sentence, strict=True)]
+        if top > 0
+        else None
+    )
+    if all(score is not None for _, score in chunks):
+        scores = _normalise([float(score) for _, score in chunks])  # type: ignore[arg-type]
+        if lexical is None or lexical_weight <= 0:
+            return tuple(scores)
+        return tuple((1.0 - lexical_weight) * s + lexical_weight * x for s, x in zip(scores, lexical, strict=True))
+    if lexical is None:
+        return tuple(order)
+    return tuple((1.0 - order_weight) * x + order_weight * o for x, o in zip(lexical, order, strict=True))
+
+
+def question_idf(question: str, documents: Sequence[str]) -> dict[str, float]:
+    """IDF over ``documents`` of each content word of ``question`` (words in none are left out)."""
+    terms = set(words(question))
+    docs = [_term_counts(d) for d in documents]
+    n = len(docs)
+    out = {}
+    for t in terms:
+        df = sum(1 for d in docs if t in d)
+        if df:
+            out[t] = math.log(1.0 + (n - df + 0.5) / (df + 0.5))
+    return out
+
+
+def sentence_score(sentence: str, idf: Mapping[str, float]) -> float:
+    """How well one sentence matches the question: the IDF of the question words it contains."""
+    return sum(idf.get(w, 0.0) for w in set(words(sentence)))
+
+
+def _normalise(scores: Sequence[float]) -> list[float]:
+    lo, hi = min(scores), max(scores)
+    if hi - lo <= 1e-12 * max(abs(hi), 1.0):
+        return [1.0] * len(scores)
+    return [(s - lo) / (hi - lo) for s in scores]
+
+
+def rank_chunks(
+    chunks: Sequence[Chunk], question: str, order_weight: float = 0.25, lexical_weight: float = 0.5
+) -> tuple[Chunk, ...]:
+    """``chunks`` ordered most relevant first (:func:`chunk_relevance`); ties keep the caller's order."""
+    if not chunks:
+        return ()
+    rel = chunk_relevance(chunks, question, order_weight, lexical_weight)
+    order = sorted(range(len(chunks)), key=lambda i: (-rel[i], i))
+    return tuple(chunks[i] for i in order)
 
 
 def _non_negative(instance: Any, attribute: Any, value: Any) -> None:

@@ -38,8 +38,8 @@ import attrs
 
 from trimkit.errors import InvalidInputError
 from trimkit.messages import message_text, turn_spans
-from trimkit.planning.relevance import split_sentences, words
 from trimkit.planning.summaries import SUMMARY_HEADING, Summary, SummaryCache, messages_key, summary_note
+from trimkit.planning.values import split_sentences, words
 from trimkit.validation import count
 
 __all__ = [
