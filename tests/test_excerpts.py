@@ -1,5 +1,5 @@
 from trimkit.messages import Chunk
-from trimkit.planning.excerpts import MIN_SENTENCES, excerpts_of, question_idf
+from trimkit.planning.values import MIN_SENTENCES, excerpts_of, question_idf
 
 SENTENCES = [
     "The archive opened in 1950.",

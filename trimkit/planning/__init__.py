@@ -11,7 +11,7 @@ Read it in this order:
 - :mod:`~trimkit.planning.engine` — the value-per-second choice (and its knapsack);
 - :mod:`~trimkit.planning.costs` — the prefill cost model (:class:`CostModel`);
 - :mod:`~trimkit.planning.values`, :mod:`~trimkit.planning.values`,
-  :mod:`~trimkit.planning.excerpts` — what each piece is worth (:class:`ValueModel`);
+  :mod:`~trimkit.planning.values` — what each piece is worth (:class:`ValueModel`);
 - :mod:`~trimkit.planning.summaries` — the summaries the planner may use;
 - :mod:`~trimkit.planning.margin`, :mod:`~trimkit.planning.drift` — what one engine learns as it
   runs (the safety margin, the profile's drift).

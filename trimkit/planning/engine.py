@@ -33,10 +33,9 @@ import numpy as np
 
 from trimkit.messages import Chunk, message_text
 from trimkit.planning.costs import evaluated_tokens
-from trimkit.planning.excerpts import Excerpt, excerpts_of, index_runs, question_idf, span_label
 from trimkit.planning.request import Candidate
 from trimkit.planning.state import Action, Lead, PlanState, Proposal
-from trimkit.planning.values import ValueModel, chunk_values, turn_values
+from trimkit.planning.values import Excerpt, ValueModel, chunk_values, excerpts_of, index_runs, question_idf, span_label, turn_values
 
 #: capacity resolution of the knapsack: item sizes are rounded up to room / RESOLUTION tokens
 RESOLUTION = 512
