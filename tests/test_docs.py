@@ -262,7 +262,7 @@ MOVED = {
     "trimkit.profile_store": "load_profile save_profile",
     "trimkit.report": "Report DECODE_PARAMETERS_UNTOUCHED",
     "trimkit.strategies": "Strategy chain default_strategies reuse_prefix cap_rag_chunks summarize_history drop_oldest_turns keep_cached_cut",
-    "trimkit.strategies.summarize": "ExtractiveSummarizer PromptSummarizer Summary SummaryCache summary_job next_summary_job",
+    "trimkit.planning.summaries": "ExtractiveSummarizer PromptSummarizer Summary SummaryCache summary_job next_summary_job",
     "trimkit.tokens": "PromptTokenizer TiktokenTokenizer",
     "trimkit.planning.values": "ValueModel",
     "trimkit.openai_wrapper": "TrimmedOpenAI AsyncTrimmedOpenAI wrap_openai wrap_url",

@@ -18,9 +18,9 @@ from trimkit.errors import (
 from trimkit.messages import Chunk
 from trimkit.planning.drift import LiveProfile
 from trimkit.planning.planner import Plan, plan
+from trimkit.planning.summaries import ExtractiveSummarizer, SummaryCache, summary_job
 from trimkit.planning.values import ValueModel
 from trimkit.strategies import cap_rag_chunks, drop_oldest_turns, reuse_prefix, summarize_history
-from trimkit.strategies.summarize import ExtractiveSummarizer, SummaryCache, summary_job
 
 
 def run(messages, budget, **kw):
@@ -286,7 +286,7 @@ def test_a_failing_cache_probe_is_ignored(caplog):
 
 
 def _summary(covered):
-    from trimkit.strategies.summarize import make_summary
+    from trimkit.planning.summaries import make_summary
 
     return make_summary(ExtractiveSummarizer(), covered, target_tokens=30, count_tokens=tokenizer())
 
@@ -387,7 +387,7 @@ def test_a_template_that_depends_on_position_is_corrected_by_the_exact_count():
 
 
 def test_next_summary_job_summarizes_the_plans_request_for_the_next_turn():
-    from trimkit.strategies.summarize import next_summary_job
+    from trimkit.planning.summaries import next_summary_job
 
     cache = SummaryCache()
     msgs = conversation(8)

@@ -11,8 +11,8 @@ from tests._planner_helpers import PROFILE, tokenizer
 from trimkit.errors import InfeasibleBudgetError, InvalidBudgetError
 from trimkit.messages import SYSTEM_ROLES, Chunk, coerce_chunks, last_user_index
 from trimkit.planning.planner import plan
+from trimkit.planning.summaries import SummaryCache
 from trimkit.strategies import cap_rag_chunks, drop_oldest_turns, reuse_prefix, summarize_history
-from trimkit.strategies.summarize import SummaryCache
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -238,7 +238,7 @@ def test_the_fast_estimate_agrees_with_the_layout_estimate(msgs, chunks, data):
     import attrs
 
     from trimkit.planning.planner import PlanState
-    from trimkit.strategies.summarize import Summary
+    from trimkit.planning.summaries import Summary
 
     s = PlanState.start(
         msgs, ttft_budget_s=1.0, profile=PROFILE, tokenizer=tokenizer(), rag_chunks=chunks,

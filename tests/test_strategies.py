@@ -8,6 +8,7 @@ from tests._planner_helpers import budget_for_tokens, conversation, state, token
 from trimkit.errors import InvalidInputError
 from trimkit.messages import Chunk
 from trimkit.planning.state import Action, PlanState
+from trimkit.planning.summaries import PromptSummarizer, Summary, SummaryCache
 from trimkit.strategies import (
     Chain,
     Strategy,
@@ -18,7 +19,6 @@ from trimkit.strategies import (
     reuse_prefix,
     summarize_history,
 )
-from trimkit.strategies.summarize import PromptSummarizer, Summary, SummaryCache
 
 
 @attrs.frozen

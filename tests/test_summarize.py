@@ -6,7 +6,7 @@ import pytest
 
 from tests._planner_helpers import conversation, tokenizer
 from trimkit.errors import InvalidInputError
-from trimkit.strategies.summarize import (
+from trimkit.planning.summaries import (
     ExtractiveSummarizer,
     PromptSummarizer,
     Summary,

@@ -237,7 +237,7 @@ def test_concurrent_calls_from_threads_all_report(trimmer, fake):
 def test_summaries_are_computed_off_the_critical_path_and_reused(fake):
     profile = trimkit.calibrate(fake)
     strategies = [trimkit.strategies.summarize_history(), trimkit.strategies.drop_oldest_turns()]  # no previous-cut reuse competing
-    t = Trimmer(fake, ttft_budget_s=0.9, profile=profile, summarizer=trimkit.strategies.summarize.ExtractiveSummarizer(), clock=fake.clock, strategies=strategies)
+    t = Trimmer(fake, ttft_budget_s=0.9, profile=profile, summarizer=trimkit.planning.summaries.ExtractiveSummarizer(), clock=fake.clock, strategies=strategies)
     convo = conversation(10, 80)
     summarized_turns = 0
     cached = []
@@ -320,7 +320,7 @@ def test_with_a_budget_a_prompt_over_the_context_window_is_trimmed_to_fit(isolat
 
 def test_summaries_are_on_by_default_and_can_be_turned_off(fake):
     profile = trimkit.calibrate(fake, quick=True)
-    assert isinstance(Trimmer(fake, profile=profile).summarizer, trimkit.strategies.summarize.ExtractiveSummarizer)
+    assert isinstance(Trimmer(fake, profile=profile).summarizer, trimkit.planning.summaries.ExtractiveSummarizer)
     assert Trimmer(fake, profile=profile, summarizer=None).summarizer is None
     with pytest.raises(InvalidInputError):
         Trimmer(fake, profile=profile, summarizer="abstractive")

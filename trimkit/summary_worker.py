@@ -1,7 +1,7 @@
 """Summaries of older turns, computed off the critical path.
 
 After each response the :class:`~trimkit.pipeline.Pipeline` hands the request's plan to a
-:class:`SummaryWorker`; it asks :func:`~trimkit.strategies.summarize.next_summary_job` what to
+:class:`SummaryWorker`; it asks :func:`~trimkit.planning.summaries.next_summary_job` what to
 summarize next and runs that job in a background thread (one at a time), or on
 :meth:`SummaryWorker.idle` when background work is turned off. The planner may put a ready
 summary in place of the turns it covers on a later request (:class:`SummaryCache`).
@@ -15,8 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trimkit.errors import InvalidInputError
-from trimkit.planning.summaries import SummaryCache
-from trimkit.strategies.summarize import ExtractiveSummarizer, next_summary_job
+from trimkit.planning.summaries import ExtractiveSummarizer, SummaryCache, next_summary_job
 
 __all__ = ["SummaryWorker", "as_summarizer"]
 
@@ -25,7 +24,7 @@ log = logging.getLogger("trimkit")
 
 def as_summarizer(summarizer: Any) -> Any:
     """``summarizer`` as the wrappers take it: a Summarizer, ``"extractive"`` (the model-free
-    :class:`~trimkit.strategies.summarize.ExtractiveSummarizer`) or None (summaries off)."""
+    :class:`~trimkit.planning.summaries.ExtractiveSummarizer`) or None (summaries off)."""
     if isinstance(summarizer, str) and summarizer == "extractive":
         return ExtractiveSummarizer()
     if summarizer is not None and not callable(getattr(summarizer, "summarize", None)):

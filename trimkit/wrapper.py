@@ -184,7 +184,7 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
     - ``summarizer``: computes summaries of older turns *after* each response, in a background
       thread (``background_summaries=False``: on ``.idle()``); the planner may put a
       ready one in their place on a later turn. Default ``"extractive"``
-      (:class:`~trimkit.strategies.summarize.ExtractiveSummarizer`, model-free, milliseconds);
+      (:class:`~trimkit.planning.summaries.ExtractiveSummarizer`, model-free, milliseconds);
       ``None`` turns summaries off;
     - ``attainment_target``: the share of budgeted requests the learned safety margin aims to
       keep inside the budget (default 0.97);

@@ -46,8 +46,8 @@ from trimkit.backends.llama_context import (
 from trimkit.backends.llama_format import chat_format_renderer, llama_prompt_tokenizer
 from trimkit.errors import BackendError, ContextTooSmallError
 from trimkit.model import model_identity
+from trimkit.planning.summaries import PromptSummarizer
 from trimkit.profile import ProfileKey
-from trimkit.strategies.summarize import PromptSummarizer
 from trimkit.tokens import common_prefix_len, reusable_prefix_len
 
 __all__ = [
@@ -413,7 +413,7 @@ class LlamaBackend(Backend):
 
 
 def llama_summarizer(llm: Any, *, n_ctx: int = 4096, max_tokens: int = 200, **llama_kwargs: Any) -> Any:
-    """A :class:`~trimkit.strategies.summarize.PromptSummarizer` running the same model on a *separate*
+    """A :class:`~trimkit.planning.summaries.PromptSummarizer` running the same model on a *separate*
     llama.cpp context, so summarizing never evicts the conversation's KV cache.
 
     The weights are memory-mapped, so the second context shares them with ``llm``; it adds its

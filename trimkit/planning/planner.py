@@ -30,10 +30,9 @@ from trimkit.messages import DEFAULT_RAG_CHUNK_TEMPLATE, DEFAULT_RAG_TEMPLATE, C
 from trimkit.planning.engine import solve
 from trimkit.planning.request import CacheProbe, Candidate, Estimate
 from trimkit.planning.state import Action, PlanState
+from trimkit.planning.strategies import chain, default_strategies
 from trimkit.planning.summaries import Summary, SummaryCache
 from trimkit.planning.values import ValueModel
-from trimkit.strategies.base import chain
-from trimkit.strategies.builtin import default_strategies
 
 __all__ = ["plan", "Plan", "Action", "PlanState", "Candidate", "Estimate", "CacheProbe"]
 
@@ -75,7 +74,7 @@ class Plan:
     planning_s: float = 0.0
     tokenizer: str = ""
     #: the caller's messages as given (not a copy; never modified) — what
-    #: :func:`~trimkit.strategies.summarize.next_summary_job` summarizes after the response
+    #: :func:`~trimkit.planning.summaries.next_summary_job` summarizes after the response
     request_messages: Sequence[Mapping[str, Any]] = attrs.field(default=(), repr=False, eq=False)
 
     @property
@@ -228,7 +227,7 @@ def plan(
     - ``rag_chunks`` go into the last user message, most relevant first (caller scores if every
       chunk has one, else BM25 blended with the retriever's order); each is kept whole, kept as
       an excerpt (the sentences matching the question, marked as such) or dropped.
-    - ``summaries``: precomputed summaries (:func:`~trimkit.strategies.summarize.summary_job`) that may
+    - ``summaries``: precomputed summaries (:func:`~trimkit.planning.summaries.summary_job`) that may
       stand in for the oldest turns.
     - ``strategies``: a strategy, a chain or a list; default
       ``reuse_prefix() + cap_rag_chunks() + summarize_history() + drop_oldest_turns()``. If

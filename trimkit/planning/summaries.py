@@ -5,28 +5,75 @@ conversation; the planner appends it to the system message under :data:`SUMMARY_
 (Gemma-style templates forbid extra system messages). A :class:`SummaryCache` keeps summaries by
 the exact messages they cover, so the planner only *reads* summaries computed earlier, off the
 critical path. Computing them (the summarizers and the background jobs) is
-:mod:`trimkit.strategies.summarize`; this module is what the planner needs to use them.
+:mod:`trimkit.planning.summaries`; this module is what the planner needs to use them.
 
 A cached summary stays byte-identical until the next re-summarization, so the prompt prefix
 that carries it stays in the engine's KV cache from one turn to the next.
+
+Summaries of older conversation turns, and the cache that keeps them off the critical path.
+
+A summary replaces the oldest turns of a conversation with a short text that the planner
+appends to the system message (see :func:`~trimkit.strategies.summarize_history`). Summaries
+cost time to compute, so trimkit computes them *after* a response, in the background or on an
+explicit idle call, and caches them by the exact messages they cover:
+
+1. after each response the wrapper calls :func:`next_summary_job` with the request's plan (or
+   :func:`summary_job` with the conversation); it returns ``None`` (nothing is due) or a
+   zero-argument callable that computes the next summary and stores it in the
+   :class:`~trimkit.planning.summaries.SummaryCache`;
+2. the next :func:`~trimkit.planning.planner.plan` finds it with
+   :meth:`~trimkit.planning.summaries.SummaryCache.best_prefix` and uses it only if the prompt is
+   over budget.
+
+The :class:`~trimkit.planning.summaries.Summary` value and the cache live in
+:mod:`trimkit.planning.summaries` (the planner reads them); they are importable from here too.
+
+A cached summary stays byte-identical until the next re-summarization, so the prompt prefix
+that carries it stays in the engine's KV cache from one turn to the next.
+
+Two summarizers ship: :class:`ExtractiveSummarizer` (model-free, milliseconds: keeps the most
+salient sentences) and :class:`PromptSummarizer` (asks a model through a completion function
+you supply — run it on a *separate* context so the conversation's KV cache survives).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import logging
+import math
 import os
 import threading
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from typing import Any
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
 from trimkit.errors import InvalidInputError
+from trimkit.messages import message_text, turn_spans
+from trimkit.planning.values import split_sentences, words
 from trimkit.validation import count
 
-__all__ = ["Summary", "SummaryCache", "SUMMARY_HEADING", "summary_note", "messages_key"]
+__all__ = [
+    "Summary",
+    "SummaryCache",
+    "SUMMARY_HEADING",
+    "summary_note",
+    "messages_key",
+    "Summarizer",
+    "ExtractiveSummarizer",
+    "PromptSummarizer",
+    "DEFAULT_SUMMARY_PROMPT",
+    "make_summary",
+    "approx_tokens",
+    "cap_to_tokens",
+    "summary_job",
+    "next_summary_job",
+]
+
 
 #: How a summary is introduced where the planner places it (end of the first system message).
 SUMMARY_HEADING = "Summary of the earlier conversation:"
@@ -80,7 +127,7 @@ class SummaryCache:
 
     Share one per conversation (or one per wrapper: keys are content hashes, so conversations
     cannot collide). The wrapper fills it off the critical path
-    (:func:`~trimkit.strategies.summarize.summary_job`); the planner only reads it.
+    (:func:`~trimkit.planning.summaries.summary_job`); the planner only reads it.
     """
 
     def __init__(self, max_entries: int = 64) -> None:
@@ -135,3 +182,300 @@ class SummaryCache:
             if hit is not None:
                 self._entries.move_to_end(key)
             return hit
+
+
+log = logging.getLogger("trimkit")
+
+
+#: The prompt :class:`PromptSummarizer` sends. Fields: ``{transcript}`` and ``{max_tokens}``.
+DEFAULT_SUMMARY_PROMPT = (
+    "Summarize the conversation below in at most {max_tokens} tokens. Keep facts, names, numbers, "
+    "decisions and open questions. Write plain sentences, no preamble.\n\n{transcript}\n\nSummary:"
+)
+
+
+TokenCounter = Callable[[str], int]
+
+
+def approx_tokens(text: str) -> int:
+    """A tokenizer-free estimate (~4 characters a token). Pass a real counter when you have one."""
+    return math.ceil(len(text) / 4) if text else 0
+
+
+def _counter(count_tokens: Any) -> TokenCounter:
+    """Accept a ``PromptTokenizer`` (uses its cached ``count``), a callable, or None."""
+    if count_tokens is None:
+        return approx_tokens
+    if hasattr(count_tokens, "count") and callable(count_tokens.count):
+        return count_tokens.count
+    if callable(count_tokens):
+        return count_tokens
+    raise InvalidInputError(f"count_tokens must be a PromptTokenizer or a callable, got {type(count_tokens).__name__}")
+
+
+@runtime_checkable
+class Summarizer(Protocol):
+    """Turns a list of chat messages into a summary text of about ``target_tokens`` tokens.
+
+    Implement ``name`` and ``summarize``; ``count_tokens`` counts tokens the way the planner
+    does, so a summarizer can stay within its target. It may raise; the planner logs the error
+    and carries on without a summary.
+    """
+
+    name: str
+
+    def summarize(self, messages: Sequence[Mapping[str, Any]], *, target_tokens: int, count_tokens: TokenCounter) -> str: ...
+
+
+_ROLE_LABEL = {"user": "User", "assistant": "Assistant", "tool": "Tool", "function": "Tool", "system": "Note", "developer": "Note"}
+
+
+def cap_to_tokens(text: str, max_tokens: int, count_tokens: TokenCounter) -> str:
+    """``text`` cut to at most ``max_tokens`` tokens at a sentence boundary (word boundary with
+    an ellipsis if even the first sentence is too long)."""
+    if count_tokens(text) <= max_tokens:
+        return text
+    kept: list[str] = []
+    for sentence in split_sentences(text):
+        trial = " ".join([*kept, sentence])
+        if count_tokens(trial) > max_tokens:
+            break
+        kept.append(sentence)
+    if kept:
+        return " ".join(kept)
+    out: list[str] = []
+    for word in text.split():
+        if count_tokens(" ".join([*out, word]) + " …") > max_tokens:
+            break
+        out.append(word)
+    return (" ".join(out) + " …") if out else ""
+
+
+@attrs.frozen
+class ExtractiveSummarizer:
+    """Model-free summarizer: keeps the most salient sentences of the covered turns.
+
+    Use it when a summarizer must cost (almost) nothing — it runs in milliseconds on a CPU, so it
+    is the one to use inline. Each sentence is scored by how many of the conversation's frequent
+    content words it carries (normalised by length), with a bonus for the first sentence of a
+    message and for user messages (they set the topic). The best sentences are kept while they
+    fit ``target_tokens`` and written out in conversation order as ``- User: …`` lines.
+    """
+
+    lead_bonus: float = 2.0
+    user_bonus: float = 1.5
+    name: str = "extractive"
+
+    def summarize(
+        self, messages: Sequence[Mapping[str, Any]], *, target_tokens: int, count_tokens: TokenCounter = approx_tokens
+    ) -> str:
+        candidates: list[tuple[float, int, int, str]] = []  # (score, message index, position, sentence)
+        freq: Counter[str] = Counter()
+        split: list[tuple[str, list[str]]] = []
+        for m in messages:
+            sentences = split_sentences(message_text(m))
+            split.append((_ROLE_LABEL.get(str(m.get("role")), "Note"), sentences))
+            for s in sentences:
+                freq.update(set(words(s)))
+        for mi, (label, sentences) in enumerate(split):
+            for pos, s in enumerate(sentences):
+                ws = set(words(s))
+                score = sum(freq[w] for w in ws) / math.sqrt(1 + len(ws))
+                if pos == 0:
+                    score *= self.lead_bonus
+                if label == "User":
+                    score *= self.user_bonus
+                candidates.append((score, mi, pos, s))
+        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+        chosen: list[tuple[int, int, str]] = []
+        used = 0
+        for _, mi, pos, s in candidates:
+            cost = count_tokens(s) + 1
+            if used + cost + 3 > target_tokens:  # +3: the "- User:" label of a new line
+                continue
+            chosen.append((mi, pos, s))
+            used += cost
+        text = self._render(chosen, split)
+        while chosen and count_tokens(text) > target_tokens:  # labels/joins cost more than estimated
+            chosen.pop()  # the lowest-scoring sentence kept so far
+            text = self._render(chosen, split)
+        return text
+
+    @staticmethod
+    def _render(chosen: list[tuple[int, int, str]], split: list[tuple[str, list[str]]]) -> str:
+        by_message: dict[int, list[tuple[int, str]]] = {}
+        for mi, pos, s in chosen:
+            by_message.setdefault(mi, []).append((pos, s))
+        lines = []
+        for mi in sorted(by_message):
+            body = " ".join(s for _, s in sorted(by_message[mi]))
+            lines.append(f"- {split[mi][0]}: {body}")
+        return "\n".join(lines)
+
+
+def _check_template(instance: Any, attribute: Any, value: Any) -> None:
+    try:
+        value.format(transcript="", max_tokens=1)
+    except (KeyError, IndexError, ValueError, AttributeError) as exc:
+        raise InvalidInputError(f"summary prompt template must use only {{transcript}} and {{max_tokens}}: {exc!r}") from None
+
+
+@attrs.frozen
+class PromptSummarizer:
+    """Summarizer that asks a model: ``complete(prompt) -> text``.
+
+    Use it when summaries must read well and a model call is affordable off the critical path.
+    ``complete`` is yours: run it on a *separate* context or server slot, never on the
+    conversation's own ``Llama`` — that would evict the conversation's KV cache and the next
+    turn would pay full prefill. The answer is cut to ``max_tokens`` at a sentence boundary.
+    """
+
+    complete: Callable[[str], str]
+    max_tokens: int = attrs.field(default=256, validator=lambda i, a, v: count(v, a.name, minimum=1))
+    template: str = attrs.field(default=DEFAULT_SUMMARY_PROMPT, validator=_check_template)
+    name: str = "prompt"
+
+    def build_prompt(self, messages: Sequence[Mapping[str, Any]], target_tokens: int) -> str:
+        transcript = "\n".join(
+            f"{_ROLE_LABEL.get(str(m.get('role')), 'Note')}: {message_text(m)}" for m in messages if message_text(m)
+        )
+        return self.template.format(transcript=transcript, max_tokens=min(target_tokens, self.max_tokens))
+
+    def summarize(
+        self, messages: Sequence[Mapping[str, Any]], *, target_tokens: int, count_tokens: TokenCounter = approx_tokens
+    ) -> str:
+        text = self.complete(self.build_prompt(messages, target_tokens))
+        if not isinstance(text, str):
+            raise TypeError(f"complete() must return str, got {type(text).__name__}")
+        return cap_to_tokens(text.strip(), min(target_tokens, self.max_tokens), count_tokens)
+
+
+def make_summary(
+    summarizer: Summarizer,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    target_tokens: int,
+    count_tokens: Any = None,
+    covered_messages: int | None = None,
+    source_tokens: int | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Summary:
+    """Run ``summarizer`` on ``messages`` and wrap the text, its size and its timing in a :class:`Summary`.
+
+    ``covered_messages``/``source_tokens`` default to ``messages`` itself; pass them when
+    ``messages`` is an incremental source (an earlier summary plus the newer turns).
+    """
+    counter = _counter(count_tokens)
+    started = clock()
+    text = summarizer.summarize(messages, target_tokens=target_tokens, count_tokens=counter)
+    seconds = max(clock() - started, 0.0)
+    return Summary(
+        text=text,
+        covered_messages=len(messages) if covered_messages is None else covered_messages,
+        source_tokens=sum(counter(message_text(m)) for m in messages) if source_tokens is None else source_tokens,
+        summary_tokens=counter(text),
+        seconds=seconds,
+        summarizer=getattr(summarizer, "name", type(summarizer).__name__),
+    )
+
+
+#: what a summary reads of a message whose other fields cannot be copied (nested too deep)
+_SUMMARY_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "function_call")
+
+
+def _snapshot(messages: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Deep copies of ``messages``; a message with a field nested too deep to copy keeps only
+    what a summary reads (its key then differs from the message's: no summary is found for it)."""
+    out: list[Mapping[str, Any]] = []
+    for m in messages:
+        try:
+            out.append(copy.deepcopy(m))
+        except RecursionError:
+            out.append({k: copy.deepcopy(m[k]) for k in _SUMMARY_FIELDS if k in m})
+    return out
+
+
+def summary_job(
+    messages: Sequence[Mapping[str, Any]],
+    summarizer: Summarizer,
+    cache: SummaryCache,
+    *,
+    plan: Any = None,
+    count_tokens: Any = None,
+    target_tokens: int = 200,
+    keep_recent_turns: int = 2,
+    resummarize_after_turns: int = 2,
+    min_pressure: float = 0.6,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Callable[[], Summary | None] | None:
+    """What to summarize next, off the critical path: a zero-argument job, or None if nothing is due.
+
+    Call it after a response with the conversation so far (the request's messages plus the
+    assistant's reply) and run the job in the background or on ``idle()``. The job summarizes
+    every turn except the ``keep_recent_turns`` newest (the next request adds a new turn, so
+    those stay verbatim), building on the longest summary already cached (earlier summary +
+    newer turns, not the whole history again), stores the result in ``cache`` and returns it.
+
+    Nothing is due when the history is too short, when a cached summary already covers all but
+    the recent turns, when fewer than ``resummarize_after_turns`` new turns have accumulated
+    since the cached one (keeps the summary — and the cached prompt prefix that carries it —
+    byte-stable for a few turns), or when ``plan`` (the request's :class:`~trimkit.planning.planner.Plan`)
+    shows the prompt below ``min_pressure`` of its budget (no summary needed yet).
+
+    ``messages`` are snapshotted now, so the caller may go on changing its own list.
+    """
+    count(keep_recent_turns, "keep_recent_turns", minimum=0)
+    count(resummarize_after_turns, "resummarize_after_turns", minimum=1)
+    count(target_tokens, "target_tokens", minimum=1)
+    if plan is not None and plan.predicted_ttft_before_s < min_pressure * plan.budget_s:
+        return None
+    turns = [[messages[i] for i in range(s, e)] for s, e in turn_spans(messages)]
+    upto = len(turns) - keep_recent_turns
+    if upto < 1:
+        return None
+    hit = cache.best_prefix(turns[:upto])
+    done = hit[0] if hit else 0
+    if done >= upto or (hit is not None and upto - done < resummarize_after_turns):
+        return None
+    covered = _snapshot([m for t in turns[:upto] for m in t])
+    source: list[Mapping[str, Any]] = _snapshot([m for t in turns[done:upto] for m in t])
+    if hit is not None:
+        source.insert(0, {"role": "system", "content": summary_note(hit[1])})
+    counter = _counter(count_tokens)
+
+    def job() -> Summary | None:
+        try:
+            summary = make_summary(
+                summarizer,
+                source,
+                target_tokens=target_tokens,
+                count_tokens=counter,
+                covered_messages=len(covered),
+                source_tokens=sum(counter(message_text(m)) for m in covered),
+                clock=clock,
+            )
+        except Exception as exc:  # a background job must not take the caller down
+            log.warning("summary job failed (%s: %s); the planner will carry on without it", type(exc).__name__, exc)
+            return None
+        if not summary.text.strip():
+            return None
+        cache.put(covered, summary)
+        log.debug("summarized %d messages (%d → %d tokens) in %.3f s", len(covered), summary.source_tokens, summary.summary_tokens, summary.seconds)
+        return summary
+
+    return job
+
+
+def next_summary_job(
+    plan: Any, summarizer: Summarizer, cache: SummaryCache, **options: Any
+) -> Callable[[], Summary | None] | None:
+    """:func:`summary_job` for the request a :class:`~trimkit.planning.planner.Plan` was made for.
+
+    Call it after the response to that request. The plan's ``request_messages`` (the caller's
+    messages as given) end with the current turn, which the next request continues, so it
+    always stays verbatim; ``options`` go to :func:`summary_job` (pass ``count_tokens=`` your
+    ``PromptTokenizer`` for exact summary sizes).
+    """
+    if plan is None or not getattr(plan, "request_messages", None):
+        return None
+    return summary_job(plan.request_messages, summarizer, cache, plan=plan, **options)

@@ -20,18 +20,19 @@ that instead overrides ``__call__(state)`` to return ``state.apply(candidate, ac
 the prompt itself; the engine applies such edits, in order, before it chooses. Calling any
 strategy, ``strategy(state)``, plans with that strategy alone.
 
-The modules: :mod:`~trimkit.strategies.base` (the protocol, :class:`Chain`),
-:mod:`~trimkit.strategies.builtin` (the built-in strategies) and
-:mod:`~trimkit.strategies.summarize` (summarizers and the summary jobs).
+The public namespace of :mod:`trimkit.planning.strategies` (the protocol, :class:`Chain`, the
+built-in strategies); summarizers and the summary jobs are in :mod:`trimkit.planning.summaries`.
 """
 
 from __future__ import annotations
 
 from trimkit.planning.state import Action, Lead, PlanState, Proposal
-from trimkit.strategies.base import Chain, Strategy, chain
-from trimkit.strategies.builtin import (
+from trimkit.planning.strategies import (
     MAX_SUMMARIES,
+    Chain,
+    Strategy,
     cap_rag_chunks,
+    chain,
     default_strategies,
     drop_oldest_turns,
     keep_cached_cut,

@@ -1,4 +1,12 @@
-"""The built-in strategies: what each allows the planning engine to change.
+"""The strategy protocol and how strategies combine.
+
+A :class:`Strategy` looks at the one :class:`~trimkit.planning.state.PlanState` and returns a
+:class:`~trimkit.planning.state.Proposal` from ``propose(state)``: what the engine
+(:mod:`trimkit.planning.engine`) may change. Strategies combine with ``+`` or :func:`chain`
+(nested chains flatten) into a :class:`Chain`, planned together. The built-in strategies are in
+:mod:`trimkit.planning.strategies`.
+
+The built-in strategies: what each allows the planning engine to change.
 
 - :class:`reuse_prefix`: count the KV-cache prefix exactly (removes nothing);
 - :class:`cap_rag_chunks`: drop retrieved chunks, or cut them to excerpts;
@@ -13,19 +21,24 @@ results stay together; system messages and the last user turn are never candidat
 
 from __future__ import annotations
 
+import abc
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import attrs
 
+from trimkit.errors import InvalidInputError
+from trimkit.planning.engine import solve
 from trimkit.planning.state import Action, Lead, PlanState, Proposal
-from trimkit.planning.summaries import Summary
-from trimkit.strategies.base import Chain, Strategy, chain
-from trimkit.strategies.summarize import ExtractiveSummarizer, Summarizer, make_summary
+from trimkit.planning.summaries import ExtractiveSummarizer, Summarizer, Summary, make_summary
+from trimkit.planning.values import ValueModel
 from trimkit.validation import count
 
 __all__ = [
+    "Strategy",
+    "Chain",
+    "chain",
     "reuse_prefix",
     "cap_rag_chunks",
     "summarize_history",
@@ -34,6 +47,75 @@ __all__ = [
     "default_strategies",
     "MAX_SUMMARIES",
 ]
+
+
+class Strategy(abc.ABC):  # noqa: B024 - a strategy implements propose() or __call__()
+    """One way to make a prompt cheaper: ``propose(state)`` says what the engine may change."""
+
+    __slots__ = ()
+    name: ClassVar[str] = "strategy"
+    #: True for a strategy that edits the prompt itself (overrides ``__call__`` only, returning
+    #: ``state.apply(candidate, action)``); the engine applies such edits, in order, before it
+    #: chooses. Set for each subclass from what it overrides.
+    edits_prompt: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.edits_prompt = cls.__call__ is not Strategy.__call__ and cls.propose is Strategy.propose
+
+    def propose(self, state: PlanState) -> Proposal | None:
+        """What this strategy allows the engine to change in ``state`` (None: nothing)."""
+        return None
+
+    def __call__(self, state: PlanState) -> PlanState | None:
+        """Plan ``state`` with this strategy alone: the state the engine reaches, or None when
+        nothing changes."""
+        strategies = list(self) if isinstance(self, Chain) else [self]
+        out = solve(state, strategies, ValueModel())
+        if out.candidate == state.candidate and out.actions == state.actions:
+            return None
+        return out
+
+    def __add__(self, other: Strategy | Iterable[Strategy]) -> Chain:
+        return chain(self, other)
+
+    def __radd__(self, other: Strategy | Iterable[Strategy]) -> Chain:
+        return chain(other, self)
+
+
+@attrs.frozen
+class Chain(Strategy):
+    """Strategies planned together: the engine combines what each allows."""
+
+    strategies: tuple[Strategy, ...]
+    name: ClassVar[str] = "chain"
+
+    def __iter__(self) -> Iterator[Strategy]:
+        return iter(self.strategies)
+
+    def __len__(self) -> int:
+        return len(self.strategies)
+
+
+def chain(*strategies: Strategy | Iterable[Strategy]) -> Chain:
+    """Compose strategies (or lists / chains of them) into one flat :class:`Chain`."""
+    flat: list[Strategy] = []
+
+    def add(item: Any) -> None:
+        if isinstance(item, Chain):
+            flat.extend(item.strategies)
+        elif isinstance(item, Strategy):
+            flat.append(item)
+        elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
+            for sub in item:
+                add(sub)
+        else:
+            raise InvalidInputError(f"not a strategy: {item!r} (subclass trimkit.strategies.Strategy)")
+
+    for s in strategies:
+        add(s)
+    return Chain(tuple(flat))
+
 
 log = logging.getLogger("trimkit")
 
@@ -120,9 +202,9 @@ class summarize_history(Strategy):
 
     Use it to keep the gist of a long conversation instead of losing it. By default it only
     offers a summary already in the plan's ``summaries`` cache (computed off the critical path,
-    see :func:`~trimkit.strategies.summarize.summary_job`; the wrapper does this after each response) and
+    see :func:`~trimkit.planning.summaries.summary_job`; the wrapper does this after each response) and
     does nothing when none is ready. With ``inline=True`` it computes one now with
-    ``summarizer`` (default :class:`~trimkit.strategies.summarize.ExtractiveSummarizer`), covering the
+    ``summarizer`` (default :class:`~trimkit.planning.summaries.ExtractiveSummarizer`), covering the
     fewest oldest turns that make room, and the time that takes counts against the budget. The
     newest ``keep_last_turns`` turns (the current one included) are never summarized. The
     engine uses the summary only where it keeps more value than the turns it covers would (a
