@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from tests._planner_helpers import PROFILE, budget_for_tokens, conversation, tokenizer, tokens_of
 from trimkit.errors import InfeasibleBudgetError
 from trimkit.messages import Chunk
-from trimkit.planning.engine import RESOLUTION, knapsack
 from trimkit.planning.planner import plan
+from trimkit.planning.solver import RESOLUTION, knapsack
 from trimkit.planning.values import ValueModel
 from trimkit.strategies import cap_rag_chunks, drop_oldest_turns
 

@@ -7,7 +7,7 @@ import pytest
 from tests._planner_helpers import budget_for_tokens, conversation, state, tokens_of, tool_turn
 from trimkit.errors import InvalidInputError
 from trimkit.messages import Chunk
-from trimkit.planning.state import Action, PlanState
+from trimkit.planning.solver import Action, PlanState
 from trimkit.planning.summaries import PromptSummarizer, Summary, SummaryCache
 from trimkit.strategies import (
     Chain,

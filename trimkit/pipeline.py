@@ -60,7 +60,7 @@ from trimkit.planning.margin import DEFAULT_TARGET, EngineState, engine_state
 from trimkit.planning.planner import Plan
 from trimkit.planning.planner import plan as make_plan
 from trimkit.planning.queue import EngineQueue, Ticket, answer_cap, busy_decision, check_on_busy, queue_wait
-from trimkit.planning.state import Action
+from trimkit.planning.solver import Action
 from trimkit.planning.summaries import SummaryCache
 from trimkit.planning.values import ValueModel, chunk_values
 from trimkit.planning.watch import PrefillWatch, Replan, cut_chunks

@@ -1,9 +1,9 @@
 """Trimming strategies: small frozen objects that say what the planner may change.
 
-A strategy looks at the one :class:`~trimkit.planning.state.PlanState` and returns a
-:class:`~trimkit.planning.state.Proposal` from ``propose(state)``: history turns that may be
+A strategy looks at the one :class:`~trimkit.planning.solver.PlanState` and returns a
+:class:`~trimkit.planning.solver.Proposal` from ``propose(state)``: history turns that may be
 dropped, chunks that may be dropped or cut to excerpts, a summary or an earlier cut that may
-stand in for the oldest turns. The engine (:mod:`trimkit.planning.engine`) then keeps the most
+stand in for the oldest turns. The engine (:mod:`trimkit.planning.solver`) then keeps the most
 *value* whose predicted TTFT fits — the order of strategies does not decide what goes. Whatever
 no strategy offers stays. Compose them with ``+`` or :func:`chain` (nested chains flatten)::
 
@@ -26,7 +26,7 @@ built-in strategies); summarizers and the summary jobs are in :mod:`trimkit.plan
 
 from __future__ import annotations
 
-from trimkit.planning.state import Action, Lead, PlanState, Proposal
+from trimkit.planning.solver import Action, Lead, PlanState, Proposal
 from trimkit.planning.strategies import (
     MAX_SUMMARIES,
     Chain,
@@ -51,7 +51,7 @@ __all__ = [
     "keep_cached_cut",
     "default_strategies",
     "MAX_SUMMARIES",
-    # what a strategy receives and returns (defined in trimkit.planning.state)
+    # what a strategy receives and returns (defined in trimkit.planning.solver)
     "PlanState",
     "Proposal",
     "Lead",

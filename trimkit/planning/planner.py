@@ -4,14 +4,14 @@
 prompt as it stands (counting only the tokens the engine must evaluate — a prefix already in
 the KV cache is nearly free); if that fits the budget less the profile's safety margin, the
 request passes through untouched. Otherwise the strategies (:mod:`trimkit.strategies`) say what
-may change and the engine (:mod:`trimkit.planning.engine`) keeps the most value whose predicted
-TTFT fits, saying in :class:`~trimkit.planning.state.Action` values what it removed, summarized
+may change and the engine (:mod:`trimkit.planning.solver`) keeps the most value whose predicted
+TTFT fits, saying in :class:`~trimkit.planning.solver.Action` values what it removed, summarized
 or excerpted and why. If even the minimal prompt (system messages and the last user turn)
 cannot fit, the plan is infeasible.
 
-The pieces, in the order a request meets them: :mod:`~trimkit.planning.state` (what strategies
-see: :class:`PlanState`), :mod:`~trimkit.planning.request` (the request's fixed inputs,
-candidate prompts and their estimates), :mod:`~trimkit.planning.engine` (the value-per-second
+The pieces, in the order a request meets them: :mod:`~trimkit.planning.solver` (what strategies
+see: :class:`PlanState`), :mod:`~trimkit.planning.solver` (the request's fixed inputs,
+candidate prompts and their estimates), :mod:`~trimkit.planning.solver` (the value-per-second
 choice), :mod:`~trimkit.planning.costs` (the prefill cost model) and
 :mod:`~trimkit.planning.values` (what each piece is worth).
 """
@@ -27,9 +27,7 @@ import attrs
 
 from trimkit.errors import InfeasibleBudgetError, InvalidInputError
 from trimkit.messages import DEFAULT_RAG_CHUNK_TEMPLATE, DEFAULT_RAG_TEMPLATE, Chunk
-from trimkit.planning.engine import solve
-from trimkit.planning.request import CacheProbe, Candidate, Estimate
-from trimkit.planning.state import Action, PlanState
+from trimkit.planning.solver import Action, CacheProbe, Candidate, Estimate, PlanState, solve
 from trimkit.planning.strategies import chain, default_strategies
 from trimkit.planning.summaries import Summary, SummaryCache
 from trimkit.planning.values import ValueModel
@@ -212,7 +210,7 @@ def plan(
 
     Use it before every request (the wrapper does); it is pure and cheap — it never mutates
     ``messages`` or ``rag_chunks`` and tokenizes only text it has not seen. Under budget the
-    request passes through as it is. Over budget, the engine (:mod:`trimkit.planning.engine`) keeps the
+    request passes through as it is. Over budget, the engine (:mod:`trimkit.planning.solver`) keeps the
     history turns, summary, chunks and chunk excerpts with the most *value* (:mod:`trimkit.planning.values`:
     relevance to the question, recency) whose predicted TTFT fits; the strategies say what may
     change.

@@ -1,8 +1,8 @@
 """The strategy protocol and how strategies combine.
 
-A :class:`Strategy` looks at the one :class:`~trimkit.planning.state.PlanState` and returns a
-:class:`~trimkit.planning.state.Proposal` from ``propose(state)``: what the engine
-(:mod:`trimkit.planning.engine`) may change. Strategies combine with ``+`` or :func:`chain`
+A :class:`Strategy` looks at the one :class:`~trimkit.planning.solver.PlanState` and returns a
+:class:`~trimkit.planning.solver.Proposal` from ``propose(state)``: what the engine
+(:mod:`trimkit.planning.solver`) may change. Strategies combine with ``+`` or :func:`chain`
 (nested chains flatten) into a :class:`Chain`, planned together. The built-in strategies are in
 :mod:`trimkit.planning.strategies`.
 
@@ -29,8 +29,7 @@ from typing import Any, ClassVar
 import attrs
 
 from trimkit.errors import InvalidInputError
-from trimkit.planning.engine import solve
-from trimkit.planning.state import Action, Lead, PlanState, Proposal
+from trimkit.planning.solver import Action, Lead, PlanState, Proposal, solve
 from trimkit.planning.summaries import ExtractiveSummarizer, Summarizer, Summary, make_summary
 from trimkit.planning.values import ValueModel
 from trimkit.validation import count

@@ -1,6 +1,6 @@
 """What each piece of a request is worth: the *value* side of value per predicted second.
 
-The planner (:mod:`trimkit.planning.engine`) keeps the set of history turns, summaries, retrieved
+The planner (:mod:`trimkit.planning.solver`) keeps the set of history turns, summaries, retrieved
 chunks and chunk excerpts with the most value whose predicted TTFT fits the budget. This module says
 what those values are: first how well each piece matches the question (lexical relevance, BM25),
 then what it is worth (a :class:`ValueModel` holds the knobs; :func:`chunk_values` and

@@ -1,0 +1,1053 @@
+"""The solver: the request as the planner sees it, the state strategies work on, and the search
+that keeps the most value whose predicted TTFT fits the budget.
+
+Three parts, in the order a plan uses them:
+
+- :class:`RequestContext` / :class:`Candidate` — one request's fixed inputs (per-message token
+  counts, turns, what is known about the engine's KV cache) and the candidate prompts, edits of
+  the caller's request whose size and TTFT are estimated from those counts, so trying candidates
+  never re-tokenizes the conversation; :meth:`RequestContext.build` makes the concrete message
+  list, counted exactly once at the end.
+- :class:`PlanState` / :class:`Proposal` / :class:`Action` — what a strategy
+  (:mod:`trimkit.strategies`) receives and returns: turns and chunks that may go, chunks that may
+  be cut to excerpts, other starts of the prompt (:class:`Lead`).
+- :func:`solve` — which of the proposed changes are made: the most value per predicted second.
+
+Prompt layout (stable → volatile, docs/design.md §3): system (+ summary of old turns appended to
+it) → recent turns → the last user message, whose content becomes ``rag_template`` with the
+kept chunks, most relevant first, before the question.
+
+The search (:func:`solve`).
+
+Strategies (:mod:`trimkit.strategies`) say *what may change*: which history turns may go, which
+chunks may be dropped or cut to an excerpt, which summary or earlier cut may stand in for the
+oldest turns. The solver decides *what does change*, in one pass:
+
+1. Every optional item gets a value (:mod:`trimkit.planning.values`) and a cost in tokens, which the
+   profile turns into predicted seconds; pinned content (system messages, the last user turn,
+   turns and chunks no strategy may touch) is fixed.
+2. The cache decides the rest of the cost. Dropping a turn inside the cached prefix forfeits the
+   cache after it, so the engine tries a few *scenarios*: each start of the prompt a strategy
+   proposed (the caller's history, a summary of the oldest turns, the previous request's cut)
+   with the first ``d`` turns after it kept verbatim (and so cached). Each scenario gives a
+   token allowance from the profile (:meth:`~trimkit.profile.Profile.max_new_tokens` after the
+   cached prefix) and the room left after the fixed content.
+3. In each scenario a knapsack (:func:`knapsack`, below: at most one variant per item,
+   a chunk whole or one of its excerpts) picks the items with the most value that fit the room.
+   The scenario with the most value wins; ties go to the faster prompt.
+
+The chosen candidate is returned as a :class:`~trimkit.planning.solver.PlanState` whose actions name
+every removed, summarized or excerpted item with its value and predicted cost. The engine knows
+strategies only through what they return (:class:`~trimkit.planning.solver.Proposal`), so it does
+not import :mod:`trimkit.strategies`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from trimkit.errors import InvalidInputError
+from trimkit.messages import (
+    DEFAULT_RAG_CHUNK_TEMPLATE,
+    DEFAULT_RAG_TEMPLATE,
+    SYSTEM_ROLES,
+    Chunk,
+    append_text,
+    check_rag_templates,
+    coerce_chunks,
+    last_user_index,
+    message_text,
+    turn_spans,
+    validate_messages,
+    with_chunks,
+)
+from trimkit.planning.costs import evaluated_tokens, reusable_cached_tokens
+from trimkit.planning.summaries import Summary, SummaryCache, summary_note
+from trimkit.planning.values import Excerpt, ValueModel, chunk_values, excerpts_of, index_runs, question_idf, rank_chunks, span_label, turn_values
+from trimkit.validation import budget, count, fraction
+
+__all__ = [
+    "Candidate",
+    "Estimate",
+    "RequestContext",
+    "Layout",
+    "CacheProbe",
+    "MAX_PROBES",
+    "Action",
+    "Lead",
+    "Proposal",
+    "PlanState",
+    "check_inputs",
+    "solve",
+]
+
+
+log = logging.getLogger("trimkit")
+
+
+CacheProbe = Callable[[list[dict[str, Any]]], int]
+
+
+#: Probes of the engine's cache a single plan may make (the wrapper tokenizes for each).
+MAX_PROBES = 2
+
+
+#: A prompt as (segment key, tokens) pairs in prompt order; equal keys mean equal text.
+Layout = tuple[tuple[Hashable, int], ...]
+
+
+@attrs.frozen
+class Candidate:
+    """A candidate prompt, as edits of the caller's request.
+
+    ``kept_chunks`` are placed in this order; ``removed``/``summarized`` are indices into the
+    caller's messages; ``summary`` replaces the summarized ones; ``extra_s`` is inline work
+    (e.g. a summary computed now) that delays the first token and so counts against the budget.
+    """
+
+    kept_chunks: tuple[Chunk, ...] = ()
+    removed: frozenset[int] = frozenset()
+    summarized: frozenset[int] = frozenset()
+    summary: Summary | None = None
+    extra_s: float = 0.0
+
+    gone: frozenset[int] = attrs.field(init=False, eq=False, repr=False)
+    """Indices not sent verbatim (removed or summarized)."""
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "gone", self.removed | self.summarized)
+
+    @property
+    def unchanged(self) -> bool:
+        """No message is dropped or summarized and no chunk placed: the caller's request as given."""
+        return not self.kept_chunks and not self.gone and self.summary is None
+
+
+@attrs.frozen
+class Estimate:
+    """Predicted size and TTFT of a candidate. ``cached_tokens`` is the prefix predicted to be in
+    the KV cache; ``ttft_s`` includes the candidate's inline work."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+
+    @property
+    def new_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+def _summary_block(summary: Summary) -> str:
+    """The summary as appended to the first system message."""
+    return f"\n\n{summary_note(summary)}"
+
+
+class RequestContext:
+    """Everything fixed for one request, computed once: inputs, per-message token counts, turns,
+    and what is known about the engine's KV cache (the caller's ``cached_tokens`` and probes).
+
+    Built by :meth:`~trimkit.planning.solver.PlanState.start` from validated inputs; strategies
+    reach it through the state."""
+
+    def __init__(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        ttft_budget_s: float,
+        profile: Any,
+        tokenizer: Any,
+        chunks: tuple[Chunk, ...],
+        tools: Any,
+        cached_tokens: int,
+        cache_probe: CacheProbe | None,
+        summaries: SummaryCache | None,
+        rag_template: str,
+        rag_chunk_template: str,
+        clock: Callable[[], float],
+        safety_margin: float | None = None,
+        max_prompt_tokens: int | None = None,
+    ) -> None:
+        self.messages = messages
+        self.tools = tools
+        self.budget_s = ttft_budget_s
+        self.profile = profile
+        self.safety_margin = float(profile.safety_margin if safety_margin is None else safety_margin)
+        self.target_s = ttft_budget_s * (1.0 - self.safety_margin)
+        #: the most prompt tokens the context window takes (n_ctx less max_tokens), if known
+        self.max_prompt_tokens = max_prompt_tokens
+        self.tokenizer = tokenizer
+        self.summaries = summaries
+        self.cache_probe = cache_probe
+        self.rag_template = rag_template
+        self.rag_chunk_template = rag_chunk_template
+        self.clock = clock
+        self.last_user = last_user_index(messages)
+        self.leading_system = messages[0].get("role") in SYSTEM_ROLES
+        segments = tokenizer.segment_counts(messages, tools)
+        self.base = segments.counts
+        self.tail = segments.tail
+        spans = turn_spans(messages)
+        protected_from = next(s for s, e in spans if s <= self.last_user < e)
+        #: turns that may be summarized or dropped, oldest first (never the last user's turn)
+        self.history_turns: tuple[tuple[int, int], ...] = tuple((s, e) for s, e in spans if e <= protected_from)
+        #: every chunk of the request, most relevant first (:func:`~trimkit.planning.values.rank_chunks`)
+        self.chunks = rank_chunks(chunks, message_text(messages[self.last_user])) if chunks else ()
+        #: the chunks in the caller's (the retriever's) order, which relevance weighs
+        self.given_chunks = chunks
+        self._chunk_costs: dict[tuple[str | None, int, str], int] = {}
+        self.chunk_overhead = self.chunk_separator = 0
+        if chunks:
+            self.chunk_overhead = tokenizer.count(rag_template.format(chunks="", question=""))
+            self.chunk_separator = tokenizer.count("\n\n")
+        self._system_overhead: int | None = None
+        #: tokens added to every estimate after a plan's estimates proved optimistic
+        self.correction = 0
+        self.prefix_tokens = [0]  # prefix_tokens[i]: tokens before the caller's message i
+        for n in self.base:
+            self.prefix_tokens.append(self.prefix_tokens[-1] + n)
+        self.caller_layout: Layout = tuple((i, n) for i, n in enumerate(self.base)) + (("tail", self.tail),)
+        self.knowledge: list[tuple[Layout, int]] = [(self.caller_layout, cached_tokens)]
+        self.probed: dict[tuple[Hashable, ...], int] = {}
+        self.probes_used = 0
+
+    # -- token costs of edited messages (additive estimates; the final prompt is counted exactly)
+    def chunk_tokens(self, chunks: Sequence[Chunk]) -> int:
+        """Tokens ``chunks`` add to the last user message (template text and separators included)."""
+        if not chunks:
+            return 0
+        total = self.chunk_overhead + self.chunk_separator * (len(chunks) - 1)
+        for n, c in enumerate(chunks, start=1):
+            key = (c.id, n, c.text)  # text too: a chunk cut at a sentence boundary keeps its id
+            cost = self._chunk_costs.get(key)
+            if cost is None:
+                cost = self.tokenizer.count(self.rag_chunk_template.format(id=c.id, text=c.text, n=n))
+                self._chunk_costs[key] = cost
+            total += cost
+        return total
+
+    def summary_tokens(self, summary: Summary) -> int:
+        """Tokens the summary adds (a system message of its own when the request has none)."""
+        tokens = self.tokenizer.count(_summary_block(summary))
+        if not self.leading_system:
+            if self._system_overhead is None:
+                probe = [{"role": "system", "content": ""}]
+                self._system_overhead = self.tokenizer.segment_counts(probe).counts[0]
+            tokens += self._system_overhead
+        return tokens
+
+    def layout(self, c: Candidate) -> Layout:
+        """The candidate as (segment key, tokens) pairs in prompt order; equal keys mean equal text."""
+        segs: list[tuple[Hashable, int]] = []
+        gone = c.gone
+        summary_tokens = self.summary_tokens(c.summary) if c.summary is not None else 0
+        if c.summary is not None and not self.leading_system:
+            segs.append((("summary", c.summary.text), summary_tokens))
+        for i, n in enumerate(self.base):
+            if i in gone:
+                continue
+            if i == 0 and c.summary is not None and self.leading_system:
+                segs.append((("summary", c.summary.text), n + summary_tokens))
+            elif i == self.last_user and c.kept_chunks:
+                segs.append((("chunks", tuple(ch.id for ch in c.kept_chunks)), n + self.chunk_tokens(c.kept_chunks)))
+            else:
+                segs.append((i, n))
+        segs.append(("tail", self.tail))
+        return tuple(segs)
+
+    # -- predictions --------------------------------------------------------------------------
+    def cached_for(self, layout: Layout, total: int) -> int:
+        """Predicted cached prefix: exact if this very prompt was probed; else, over everything
+        known, the cached tokens of the longest prefix shared with a prompt whose count is known."""
+        keys = tuple(k for k, _ in layout)
+        if keys in self.probed:
+            cached = self.probed[keys]
+        else:
+            cached = 0
+            for known_layout, known_cached in self.knowledge:
+                shared = 0
+                for (k1, n1), (k2, _) in zip(layout, known_layout, strict=False):
+                    if k1 != k2:
+                        break
+                    shared += n1
+                cached = max(cached, min(known_cached, shared))
+        return reusable_cached_tokens(total, cached)
+
+    def predict(self, tokens: int, cached: int, extra_s: float = 0.0) -> float:
+        """Predicted TTFT of a ``tokens`` prompt with ``cached`` of them in the KV cache, plus
+        ``extra_s`` of inline work."""
+        cached = reusable_cached_tokens(tokens, cached)
+        return float(self.profile.predict_ttft_s(tokens - cached, cached) + extra_s)
+
+    def fits(self, tokens: int, predicted_s: float) -> bool:
+        """A ``tokens`` prompt predicted at ``predicted_s`` is within the target (and, when
+        known, the context window)."""
+        return predicted_s <= self.target_s and (self.max_prompt_tokens is None or tokens <= self.max_prompt_tokens)
+
+    def estimate(self, c: Candidate) -> Estimate:
+        """Predicted size, cached prefix and TTFT of ``c`` (no tokenization of unchanged text)."""
+        if len(self.knowledge) > 1:  # probes are known: compare whole layouts
+            return self.estimate_by_layout(c)
+        # only the caller's cached_tokens is known: the prompt is shared up to the first edit
+        n = len(self.base)
+        total = self.prefix_tokens[n] + self.tail + self.correction
+        first_edit = n + 1
+        if c.summary is not None:
+            total += self.summary_tokens(c.summary)
+            first_edit = 0
+        if c.kept_chunks:
+            total += self.chunk_tokens(c.kept_chunks)
+            first_edit = min(first_edit, self.last_user)
+        gone = c.gone
+        if gone:
+            total -= sum(self.base[i] for i in gone)
+            first_edit = min(first_edit, min(gone))
+        shared = self.prefix_tokens[first_edit] if first_edit <= n else self.prefix_tokens[n] + self.tail
+        cached = reusable_cached_tokens(total, min(self.knowledge[0][1], shared))
+        return Estimate(total, cached, self.predict(total, cached, c.extra_s))
+
+    def estimate_by_layout(self, c: Candidate) -> Estimate:
+        """:meth:`estimate` the general way, through the candidate's layout."""
+        layout = self.layout(c)
+        total = sum(n for _, n in layout) + self.correction
+        cached = self.cached_for(layout, total)
+        return Estimate(total, cached, self.predict(total, cached, c.extra_s))
+
+    # -- concrete prompts ---------------------------------------------------------------------
+    def build(self, c: Candidate) -> list[dict[str, Any]]:
+        """The message list for a candidate. The caller's list itself when nothing changes."""
+        if c.unchanged:
+            return self.messages  # type: ignore[return-value]
+        out: list[Any] = []
+        if c.summary is not None and not self.leading_system:
+            out.append({"role": "system", "content": summary_note(c.summary)})
+        for i, m in enumerate(self.messages):
+            if i in c.gone:
+                continue
+            if i == 0 and c.summary is not None and self.leading_system:
+                m = append_text(m, _summary_block(c.summary))
+            elif i == self.last_user and c.kept_chunks:
+                m = with_chunks(m, c.kept_chunks, self.rag_template, self.rag_chunk_template)
+            out.append(m)
+        return out
+
+    def exact_tokens(self, c: Candidate) -> int:
+        """The candidate's prompt counted through the template (cached per message)."""
+        if c.unchanged:
+            return self.prefix_tokens[-1] + self.tail  # the caller's request, counted at the start
+        return self.tokenizer.segment_counts(self.build(c), self.tools).total
+
+    def probe(self, c: Candidate) -> int | None:
+        """Ask the engine how many tokens of ``c`` it has cached: at most :data:`MAX_PROBES`
+        times per request, memoised; None when there is no probe, the allowance is spent or
+        the probe failed (it is an optimisation and never fails a request)."""
+        if self.cache_probe is None:
+            return None
+        keys = tuple(k for k, _ in self.layout(c))
+        if keys in self.probed:
+            return self.probed[keys]
+        if self.probes_used >= MAX_PROBES:
+            return None
+        self.probes_used += 1
+        try:
+            cached = self.cache_probe(self.build(c))
+        except Exception as exc:  # the probe is an optimisation; never fail a request for it
+            log.warning("cache_probe failed (%s: %s); estimating the cached prefix instead", type(exc).__name__, exc)
+            return None
+        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+            log.warning("cache_probe returned %r, not a token count >= 0; ignored", cached)
+            return None
+        self.probed[keys] = cached
+        self.knowledge.append((self.layout(c), cached))
+        return cached
+
+
+@attrs.frozen
+class Action:
+    """One thing a strategy did, for the report. Indices refer to the caller's message list;
+    chunks are named by id. Token counts are the prompt's (estimated) size before and after."""
+
+    strategy: str
+    summary: str
+    removed_messages: tuple[int, ...] = ()
+    summarized_messages: tuple[int, ...] = ()
+    removed_chunks: tuple[str, ...] = ()
+    tokens_before: int = 0
+    tokens_after: int = 0
+    detail: Mapping[str, Any] = attrs.field(factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "summary": self.summary,
+            "removed_messages": list(self.removed_messages),
+            "summarized_messages": list(self.summarized_messages),
+            "removed_chunks": list(self.removed_chunks),
+            "tokens_before": self.tokens_before,
+            "tokens_after": self.tokens_after,
+            "detail": dict(self.detail),
+        }
+
+    def __str__(self) -> str:
+        return f"{self.strategy}: {self.summary}"
+
+
+@attrs.frozen
+class Lead:
+    """A different start of the prompt: the ``covers`` oldest history turns replaced by
+    ``summary`` (summarized) or, with no summary, dropped (e.g. the previous request's cut)."""
+
+    covers: int
+    summary: Summary | None
+    strategy: str
+    source: str = ""
+    extra_s: float = 0.0
+
+
+@attrs.frozen
+class Proposal:
+    """What one strategy allows: turns (positions in ``state.history_turns``) that may be
+    dropped, chunk ids that may be dropped and cut to excerpts, alternative starts of the
+    prompt, and notes (actions that removed nothing, e.g. a probed cache) for the report."""
+
+    droppable_turns: frozenset[int] = frozenset()
+    droppable_chunks: frozenset[str] = frozenset()
+    excerpt_chunks: frozenset[str] = frozenset()
+    leads: tuple[Lead, ...] = ()
+    notes: tuple[Action, ...] = ()
+
+
+@attrs.frozen
+class PlanState:
+    """What every strategy receives: the request, the current candidate and its prediction.
+
+    A strategy reads ``state.candidate`` and ``state.prediction`` (or calls :meth:`estimate` on
+    candidates of its own), and returns ``state.apply(new_candidate, action)`` — or None to
+    leave things as they are. Build one for a test with :meth:`start`.
+    """
+
+    ctx: RequestContext = attrs.field(repr=False)
+    candidate: Candidate
+    actions: tuple[Action, ...] = ()
+    prediction: Estimate = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "prediction", self.ctx.estimate(self.candidate))
+
+    @classmethod
+    def start(
+        cls,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        ttft_budget_s: float,
+        profile: Any,
+        tokenizer: Any,
+        rag_chunks: Any = (),
+        tools: Any = None,
+        cached_tokens: int = 0,
+        cache_probe: CacheProbe | None = None,
+        summaries: SummaryCache | None = None,
+        rag_template: str = DEFAULT_RAG_TEMPLATE,
+        rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
+        clock: Callable[[], float] = time.perf_counter,
+        safety_margin: float | None = None,
+        max_prompt_tokens: int | None = None,
+    ) -> PlanState:
+        """The initial state: the whole request, every chunk kept (most relevant first).
+
+        Validates like :func:`~trimkit.planning.planner.plan`; use it to test a strategy on its own.
+        """
+        chunks, profile = check_inputs(
+            messages, ttft_budget_s, rag_chunks, cached_tokens, rag_template, rag_chunk_template, profile, tokenizer
+        )
+        if safety_margin is not None:
+            fraction(safety_margin, "safety_margin")
+        if max_prompt_tokens is not None:
+            count(max_prompt_tokens, "max_prompt_tokens", minimum=1)
+        ctx = RequestContext(
+            messages,
+            ttft_budget_s=float(ttft_budget_s),
+            profile=profile,
+            tokenizer=tokenizer,
+            chunks=chunks,
+            tools=tools,
+            cached_tokens=cached_tokens,
+            cache_probe=cache_probe,
+            summaries=summaries,
+            rag_template=rag_template,
+            rag_chunk_template=rag_chunk_template,
+            clock=clock,
+            safety_margin=safety_margin,
+            max_prompt_tokens=max_prompt_tokens,
+        )
+        return cls(ctx, Candidate(kept_chunks=ctx.chunks))
+
+    # -- reading -----------------------------------------------------------------------------
+    @property
+    def messages(self) -> Sequence[Mapping[str, Any]]:
+        """The caller's messages (read only)."""
+        return self.ctx.messages
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        """All chunks of the request, most relevant first."""
+        return self.ctx.chunks
+
+    @property
+    def history_turns(self) -> tuple[tuple[int, int], ...]:
+        """``[start, end)`` spans of the turns that may be summarized or dropped, oldest first."""
+        return self.ctx.history_turns
+
+    @property
+    def budget_s(self) -> float:
+        return self.ctx.budget_s
+
+    @property
+    def target_s(self) -> float:
+        """The budget less the safety margin: what a prediction must fit."""
+        return self.ctx.target_s
+
+    @property
+    def profile(self) -> Any:
+        return self.ctx.profile
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.ctx.tokenizer
+
+    @property
+    def summaries(self) -> SummaryCache | None:
+        return self.ctx.summaries
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.ctx.clock
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_estimate(self.prediction)
+
+    @property
+    def last_user_index(self) -> int:
+        """Index of the last user message in the caller's list (chunks go there)."""
+        return self.ctx.last_user
+
+    @property
+    def caller_cached_tokens(self) -> int:
+        """The ``cached_tokens`` the caller passed (for ``messages`` as given)."""
+        return self.ctx.knowledge[0][1]
+
+    def message_tokens(self, index: int) -> int:
+        """Tokens of the caller's message ``index`` as rendered (its template wrapper included)."""
+        return self.ctx.base[index]
+
+    # -- predicting --------------------------------------------------------------------------
+    def estimate(self, candidate: Candidate) -> Estimate:
+        """Predicted size, cached prefix and TTFT of ``candidate`` (no tokenization of unchanged text)."""
+        return self.ctx.estimate(candidate)
+
+    def fits_estimate(self, estimate: Estimate) -> bool:
+        """The estimate is within the target (and, when known, the context window)."""
+        return self.ctx.fits(estimate.prompt_tokens, estimate.ttft_s)
+
+    def token_allowance(self, cached_tokens: int, extra_s: float = 0.0) -> int | None:
+        """The most prompt tokens that fit the target when ``cached_tokens`` of them are cached,
+        or None if not even one new token fits."""
+        profile = self.ctx.profile
+        new = profile.max_new_tokens(self.ctx.target_s - extra_s, cached_tokens)
+        # the inverse is found by bisection on seconds; agree exactly with the forward prediction
+        for _ in range(2):
+            if profile.predict_ttft_s(new + 1, cached_tokens) + extra_s <= self.ctx.target_s:
+                new += 1
+        return cached_tokens + new if new > 0 else None
+
+    def offset_of(self, candidate: Candidate, index: int) -> int:
+        """Tokens before the caller's message ``index`` in ``candidate``'s prompt."""
+        offset = 0
+        for key, n in self.ctx.layout(candidate):
+            if key == index or (isinstance(key, tuple) and key[0] == "chunks" and index == self.ctx.last_user):
+                break
+            offset += n
+        return offset
+
+    def chunk_tokens(self, chunks: Sequence[Chunk]) -> int:
+        """Tokens ``chunks`` add to the last user message (template text and separators included)."""
+        return self.ctx.chunk_tokens(chunks)
+
+    def probe(self, candidate: Candidate) -> int | None:
+        """Ask the engine how many tokens of ``candidate`` it has cached (at most twice per
+        plan, memoised; None when there is no probe or the allowance is spent)."""
+        return self.ctx.probe(candidate)
+
+    def build_messages(self, candidate: Candidate) -> list[dict[str, Any]]:
+        """The concrete message list for ``candidate`` (new dicts only where something changed)."""
+        return self.ctx.build(candidate)
+
+    # -- changing ----------------------------------------------------------------------------
+    def apply(self, candidate: Candidate, action: Action | None) -> PlanState:
+        """A new state with ``candidate`` as the current prompt and ``action`` recorded."""
+        actions = self.actions if action is None else (*self.actions, action)
+        return PlanState(self.ctx, candidate, actions)
+
+
+def check_inputs(
+    messages: Any,
+    ttft_budget_s: Any,
+    rag_chunks: Any,
+    cached_tokens: Any,
+    rag_template: Any,
+    rag_chunk_template: Any,
+    profile: Any,
+    tokenizer: Any,
+) -> tuple[tuple[Chunk, ...], Any]:
+    """Check every argument of a plan before any work; return the coerced chunks and the profile
+    to use (a LiveProfile's current one)."""
+    validate_messages(messages)
+    budget(ttft_budget_s)
+    chunks = coerce_chunks(rag_chunks)
+    count(cached_tokens, "cached_tokens")
+    check_rag_templates(rag_template, rag_chunk_template)
+    current = getattr(profile, "current", None)  # a LiveProfile follows the machine
+    if current is not None and hasattr(current, "predict_ttft_s"):
+        profile = current
+    for attr in ("predict_ttft_s", "max_new_tokens", "safety_margin"):
+        if not hasattr(profile, attr):
+            raise InvalidInputError(f"profile must be a Profile (no {attr!r}), got {type(profile).__name__}")
+    for attr in ("segment_counts", "count"):
+        if not hasattr(tokenizer, attr):
+            raise InvalidInputError(f"tokenizer must be a PromptTokenizer (no {attr!r}), got {type(tokenizer).__name__}")
+    return chunks, profile
+
+
+#: capacity resolution of the knapsack: item sizes are rounded up to room / RESOLUTION tokens
+RESOLUTION = 512
+
+
+def knapsack(groups: Sequence[Sequence[tuple[int, float]]], room: int) -> tuple[float, list[int]]:
+    """Pick at most one ``(tokens, value)`` variant per group, most total value within ``room``
+    tokens. Returns the value and the chosen variant index per group (-1: none).
+
+    Sizes are rounded *up* to ``room / RESOLUTION`` tokens, so a selection never exceeds ``room``.
+    """
+    chosen = [-1] * len(groups)
+    if room <= 0 or not groups:
+        return 0.0, chosen
+    quantum = max(1, -(-room // RESOLUTION))
+    cap = room // quantum
+    dp = np.zeros(cap + 1)
+    choices = np.full((len(groups), cap + 1), -1, dtype=np.int16)
+    sizes = [[-(-w // quantum) for w, _ in variants] for variants in groups]
+    for g, variants in enumerate(groups):
+        best = dp.copy()
+        arg = choices[g]
+        for vi, (_, value) in enumerate(variants):
+            wq = sizes[g][vi]
+            if wq > cap or value <= 0:
+                continue
+            cand = dp[: cap + 1 - wq] + value
+            seg = best[wq:]
+            better = cand > seg + 1e-12
+            seg[better] = cand[better]
+            arg[wq:][better] = vi
+        dp = best
+    c = cap
+    for g in range(len(groups) - 1, -1, -1):
+        vi = int(choices[g][c])
+        if vi >= 0:
+            chosen[g] = vi
+            c -= sizes[g][vi]
+    return float(dp[cap]), chosen
+
+
+#: scenarios tried per start of the prompt (how many leading turns to keep cached)
+MAX_KEEP_SCENARIOS = 6
+
+
+#: exact counts spent putting back chunks the additive estimates left out
+MAX_REFILL_COUNTS = 4
+
+
+#: times a scenario's room shrinks when its choice, estimated again, does not fit
+MAX_SCENARIO_TIGHTENINGS = 3
+
+
+#: how far (tokens) an additive estimate may overcount a chunk at its joins
+REFILL_TOLERANCE_TOKENS = 3
+
+
+@attrs.frozen
+class _Item:
+    kind: str  # "turn" | "chunk"
+    key: Any  # turn position | chunk id
+    variants: tuple[tuple[int, float, Any], ...]  # (tokens, value, payload: None | Chunk)
+
+
+def solve(state: PlanState, strategies: Sequence[Any], values: ValueModel) -> PlanState:
+    """The candidate with the most value that fits ``state``'s target, or ``state`` itself
+    (not fitting) when nothing the strategies allow can make it fit.
+
+    ``strategies`` are :class:`~trimkit.strategies.Strategy` objects: each ``propose(state)``
+    says what may change; one whose ``edits_prompt`` is true edits the prompt itself when
+    called, and is applied in order before the engine chooses."""
+    ctx = state.ctx
+    proposals: list[tuple[str, Proposal]] = []
+    for s in strategies:
+        if getattr(s, "edits_prompt", False):  # a user's edit: applied in order, before the engine chooses
+            if not state.fits:
+                state = s(state) or state
+            continue
+        p = s.propose(state)
+        if p is not None:
+            proposals.append((s.name, p))
+    notes = tuple(a for _, p in proposals for a in p.notes)
+    state = PlanState(ctx, state.candidate, (*state.actions, *notes))  # a probe may have changed the prediction
+    if state.fits:
+        return state
+    return _Solver(state, proposals, values).best() or state
+
+
+class _Solver:
+    def __init__(self, state: PlanState, proposals: list[tuple[str, Proposal]], values: ValueModel) -> None:
+        self.state = state
+        self.ctx = ctx = state.ctx
+        self.values = values
+        c0 = state.candidate
+        self.base = c0
+        turns = ctx.history_turns
+        droppable_turns = frozenset().union(*(p.droppable_turns for _, p in proposals))
+        self.turn_owner = next((n for n, p in proposals if p.droppable_turns), "drop_oldest_turns")
+        self.chunk_owner = next((n for n, p in proposals if p.droppable_chunks), "cap_rag_chunks")
+        self.droppable_turns = frozenset(j for j in droppable_turns if 0 <= j < len(turns) and turns[j][0] not in c0.gone)
+        present = {str(ch.id): ch for ch in c0.kept_chunks}
+        self.droppable_chunks = frozenset().union(*(p.droppable_chunks for _, p in proposals)) & present.keys()
+        excerptable = frozenset().union(*(p.excerpt_chunks for _, p in proposals)) & self.droppable_chunks
+        self.leads = [Lead(0, None, "")] + [lead for _, p in proposals for lead in p.leads if 0 < lead.covers <= len(turns)]
+        question = message_text(ctx.messages[ctx.last_user])
+        self.turn_value = turn_values(ctx.messages, turns, question, values)
+        self.chunk_value = chunk_values(ctx.given_chunks, question, values)  # the retriever's order counts
+        self.pinned_chunks = tuple(ch for ch in c0.kept_chunks if str(ch.id) not in self.droppable_chunks)
+        # chunk items: whole, or one of its excerpts
+        self.chunk_items: list[_Item] = []
+        idf = question_idf(question, ctx.chunks) if excerptable else {}
+        for ch in c0.kept_chunks:
+            cid = str(ch.id)
+            if cid not in self.droppable_chunks:
+                continue
+            v = self.chunk_value.get(cid, 0.0)
+            variants: list[tuple[int, float, Any]] = [(self._chunk_cost(ch), v, ch)]
+            if cid in excerptable:
+                for ex in excerpts_of(ch, idf):
+                    variants.append((self._chunk_cost(ex.chunk), v * ex.value_share, ex))
+            self.chunk_items.append(_Item("chunk", cid, tuple(variants)))
+
+    def _chunk_cost(self, chunk: Chunk) -> int:
+        ctx = self.ctx
+        return ctx.chunk_tokens([chunk]) - ctx.chunk_overhead + ctx.chunk_separator
+
+    def _allowance(self, cached_tokens: int, extra_s: float) -> int | None:
+        """The most prompt tokens that fit the target (and the context window) with
+        ``cached_tokens`` cached; None when not even one new token fits."""
+        allowance = self.state.token_allowance(cached_tokens, extra_s)
+        if allowance is not None and self.ctx.max_prompt_tokens is not None:
+            allowance = min(allowance, self.ctx.max_prompt_tokens)
+        return allowance
+
+    # -- scenarios ------------------------------------------------------------------------------
+    def best(self) -> PlanState | None:
+        found: tuple[float, float, Candidate, Lead] | None = None
+        for lead in self.leads:
+            for keep in self._keep_options(lead):
+                result = self._scenario(lead, keep)
+                if result is None:
+                    continue
+                value, candidate = result
+                ttft = self.ctx.estimate(candidate).ttft_s
+                tie = found is not None and abs(value - found[0]) <= 1e-9 and abs(ttft - found[1]) <= 1e-9
+                if (
+                    found is None
+                    or value > found[0] + 1e-9
+                    or (value >= found[0] - 1e-9 and ttft < found[1] - 1e-9)
+                    or (tie and lead.covers > 0 and candidate == found[2])  # name the start that explains the cache
+                ):
+                    found = (value, ttft, candidate, lead)
+        if found is None:
+            return None
+        _, _, candidate, lead = found
+        return self._explain(self._refill(candidate), lead)
+
+    def _refill(self, c: Candidate) -> Candidate:
+        """Put back chunks (whole, or an excerpt) that fit after all by an exact count.
+
+        Per-chunk token counts are additive estimates, a token or two pessimistic at joins; the
+        exact count of the chosen prompt can leave room. The most valuable chunks dropped or cut
+        are tried, a few exact counts at most."""
+        ctx = self.ctx
+        if not self.chunk_items:
+            return c
+        exact = ctx.exact_tokens(c)
+        allowance = self._allowance(ctx.cached_for(ctx.layout(c), exact), c.extra_s)
+        if allowance is None or exact >= allowance:
+            return c
+        kept = {str(ch.id): ch for ch in c.kept_chunks}
+        # each option priced additively (its variant's tokens less those of what it replaces):
+        # linear in the chunks; only the few tried are built in order and counted exactly
+        options: list[tuple[float, int, Chunk]] = []
+        for it in self.chunk_items:
+            current = kept.get(it.key)
+            now_v, now_w = 0.0, 0
+            if current is not None:
+                now_w, now_v = next(((w, v) for w, v, p in it.variants if _variant_text(p) == current.text), (0, 0.0))
+            options += [(v - now_v, w - now_w, _variant_chunk(p)) for w, v, p in it.variants if v > now_v + 1e-12]
+        options.sort(key=lambda o: -o[0])
+        tries = 0
+        upgraded: set[str] = set()
+        position = {str(x.id): i for i, x in enumerate(self.base.kept_chunks)}
+        for _, delta, ch in options:
+            cid = str(ch.id)
+            if cid in upgraded:
+                continue
+            if exact + delta - REFILL_TOLERANCE_TOKENS > allowance:
+                continue
+            if tries >= MAX_REFILL_COUNTS:
+                break
+            tries += 1
+            trial_kept = {**kept, cid: ch}
+            order = tuple(trial_kept[k] for k in sorted(trial_kept, key=position.__getitem__))
+            trial = attrs.evolve(c, kept_chunks=order)
+            trial_exact = ctx.exact_tokens(trial)
+            # a chunk put back ahead of the others can end the cached prefix earlier: price it with its own
+            trial_allowance = self._allowance(ctx.cached_for(ctx.layout(trial), trial_exact), trial.extra_s)
+            if trial_allowance is not None and trial_exact <= trial_allowance:
+                c, exact, kept = trial, trial_exact, trial_kept
+                upgraded.add(cid)
+        return c
+
+    def _lead_candidate(self, lead: Lead, keep: int) -> Candidate:
+        """The scenario's fixed part: the lead, turns ``[covers, keep)`` verbatim, pinned chunks,
+        every other droppable turn out."""
+        turns = self.ctx.history_turns
+        covered = frozenset(i for s, e in turns[: lead.covers] for i in range(s, e))
+        optional = frozenset(
+            i for j, (s, e) in enumerate(turns) if j >= max(keep, lead.covers) and j in self.droppable_turns for i in range(s, e)
+        )
+        c = self.base
+        if lead.summary is not None:
+            c = attrs.evolve(c, summarized=c.summarized | covered, summary=lead.summary, extra_s=c.extra_s + lead.extra_s)
+            removed = c.removed | optional
+        else:
+            removed = c.removed | covered | optional
+        return attrs.evolve(c, removed=removed - c.summarized, kept_chunks=self.pinned_chunks)
+
+    def _keep_options(self, lead: Lead) -> list[int]:
+        """How many leading turns after the lead to keep verbatim: from none to all that lie in
+        the predicted cached prefix (a few points between), and all of them."""
+        ctx = self.ctx
+        turns = ctx.history_turns
+        start = lead.covers
+        full = self._lead_candidate(lead, len(turns))
+        cached = ctx.estimate(full).cached_tokens
+        if cached <= 0:
+            return [start]
+        offsets: dict[Any, int] = {}
+        pos = 0
+        for key, n in ctx.layout(full):
+            pos += n
+            offsets[key] = pos
+        last = start
+        for j in range(start, len(turns)):
+            end = offsets.get(turns[j][1] - 1)
+            if end is None or end > cached:
+                break
+            last = j + 1
+        # and every turn: the offsets above add per-message counts, which overcount a token or so
+        # at each join, so over a long history the last cached turns can look uncached
+        if last == start:
+            return sorted({start, len(turns)})
+        span = last - start
+        steps = min(span, MAX_KEEP_SCENARIOS - 1)
+        return sorted({start + round(i * span / steps) for i in range(steps + 1)} | {len(turns)})
+
+    def _scenario(self, lead: Lead, keep: int) -> tuple[float, Candidate] | None:
+        """The most valuable candidate of one scenario that fits, or None.
+
+        The room is priced with the fixed part's cached prefix; what the knapsack adds can end
+        that prefix earlier (chunks go into the last user turn, whose start the previous prompt
+        may share), so the chosen candidate is estimated again and, while it does not fit, the
+        room becomes what the fixed part leaves under the prefix the choice really keeps cached
+        (:data:`MAX_SCENARIO_TIGHTENINGS` times at most). When no choice with chunks fits, the
+        turns alone are chosen, and failing that the fixed part alone, which fits whenever the
+        scenario has room at all."""
+        ctx = self.ctx
+        fixed_c = self._lead_candidate(lead, keep)
+        est = ctx.estimate(fixed_c)
+        allowance = self._allowance(est.cached_tokens, fixed_c.extra_s)
+        if allowance is None:
+            return None
+        room0 = room = allowance - est.prompt_tokens
+        if room0 < 0:
+            return None
+        fixed_value = self._fixed_value(lead, keep)
+        for _ in range(MAX_SCENARIO_TIGHTENINGS + 1):
+            if room < 0:
+                break
+            value, candidate = self._fill(lead, keep, fixed_c, room)
+            after = ctx.estimate(candidate)
+            if ctx.fits(after.prompt_tokens, after.ttft_s):
+                return value + fixed_value, candidate
+            # the room the fixed part leaves when the prefix is cached only as far as this choice's
+            real = self._allowance(after.cached_tokens, candidate.extra_s)
+            if real is None:
+                break
+            room = min(room - 1, real - est.prompt_tokens)
+        value, candidate = self._fill(lead, keep, fixed_c, room0, chunks=False)
+        after = ctx.estimate(candidate)
+        if ctx.fits(after.prompt_tokens, after.ttft_s):
+            return value + fixed_value, candidate
+        return (fixed_value, fixed_c) if ctx.fits(est.prompt_tokens, est.ttft_s) else None
+
+    def _fill(self, lead: Lead, keep: int, fixed_c: Candidate, room: int, *, chunks: bool = True) -> tuple[float, Candidate]:
+        """The knapsack's choice of optional turns (and, with ``chunks``, chunks) within ``room``
+        tokens: ``(value, candidate)``."""
+        ctx = self.ctx
+        turns = ctx.history_turns
+        items = [
+            _Item("turn", j, ((sum(ctx.base[i] for i in range(s, e)), self.turn_value[j], None),))
+            for j, (s, e) in enumerate(turns)
+            if j >= max(keep, lead.covers) and j in self.droppable_turns
+        ]
+        value, chosen = knapsack([[(w, v) for w, v, _ in it.variants] for it in items], room)
+        if chunks and self.chunk_items:
+            # the RAG template's own text comes with the first chunk: unless a pinned chunk already
+            # paid for it, chunks compete for what is left after it
+            shared = 0 if fixed_c.kept_chunks else ctx.chunk_overhead - ctx.chunk_separator
+            all_items = items + self.chunk_items
+            value2, chosen2 = knapsack([[(w, v) for w, v, _ in it.variants] for it in all_items], room - shared)
+            if value2 > value + 1e-12:
+                items, value, chosen = all_items, value2, chosen2
+        kept_turns: set[int] = set()
+        picked: dict[str, Any] = {}
+        for it, vi in zip(items, chosen, strict=True):
+            if vi < 0:
+                continue
+            if it.kind == "turn":
+                kept_turns.add(it.key)
+            else:
+                picked[it.key] = _variant_chunk(it.variants[vi][2])
+        back = frozenset(i for j in kept_turns for i in range(*turns[j]))
+        kept_chunks = tuple(picked.get(str(ch.id), ch) for ch in self.base.kept_chunks if str(ch.id) in picked or ch in self.pinned_chunks)
+        return value, attrs.evolve(fixed_c, removed=fixed_c.removed - back, kept_chunks=kept_chunks)
+
+    def _fixed_value(self, lead: Lead, keep: int) -> float:
+        """Value of what the scenario keeps without choosing: the lead (a summary is worth a share of
+        the turns it covers), turns kept verbatim, and turns no strategy may drop."""
+        total = 0.0
+        for j, v in enumerate(self.turn_value):
+            if j < lead.covers:
+                total += v * self.values.summary_share if lead.summary is not None else 0.0
+            elif j < keep or j not in self.droppable_turns:
+                total += v
+        return total + sum(self.chunk_value.get(str(ch.id), 0.0) for ch in self.pinned_chunks)
+
+    # -- the report -----------------------------------------------------------------------------
+    def _explain(self, c: Candidate, lead: Lead) -> PlanState:
+        ctx = self.ctx
+        state = self.state
+        after = ctx.estimate(c)
+        new0 = evaluated_tokens(after.prompt_tokens, after.cached_tokens)
+
+        def cost_s(tokens: int) -> float:
+            p = ctx.profile
+            return float(p.predict_prefill_s(new0 + tokens, after.cached_tokens) - p.predict_prefill_s(new0, after.cached_tokens))
+
+        def item(kind_value: float, tokens: int, **extra: Any) -> dict[str, Any]:
+            return {**extra, "tokens": tokens, "value": round(kind_value, 4), "cost_s": round(cost_s(tokens), 4)}
+
+        actions: list[Action] = list(state.actions)
+        turns = ctx.history_turns
+        before_tokens = state.prediction.prompt_tokens
+        if lead.covers:
+            covered = tuple(i for s, e in turns[: lead.covers] for i in range(s, e))
+            span = _span_text(covered)
+            if lead.summary is not None:
+                sm = lead.summary
+                actions.append(Action(
+                    strategy=lead.strategy,
+                    summary=f"replaced {len(covered)} message(s) in the {lead.covers} oldest turn(s) (messages {span}, "
+                    f"{sm.source_tokens:,} tokens) with a {sm.summary_tokens:,}-token {lead.source} summary"
+                    + (f", computed inline in {lead.extra_s:.3f} s" if lead.extra_s else ""),
+                    summarized_messages=covered,
+                    tokens_before=before_tokens,
+                    tokens_after=after.prompt_tokens,
+                    detail={"turns": lead.covers, "source": lead.source, "summarizer": sm.summarizer,
+                            "source_tokens": sm.source_tokens, "summary_tokens": sm.summary_tokens, "inline_s": lead.extra_s},
+                ))
+            else:
+                actions.append(Action(
+                    strategy=lead.strategy,
+                    summary=f"dropped the {lead.covers} oldest turn(s) (messages {span}), the same cut as the previous "
+                    f"request, so {after.cached_tokens:,} cached tokens are reused",
+                    removed_messages=covered,
+                    tokens_before=before_tokens,
+                    tokens_after=after.prompt_tokens,
+                    detail={"turns": lead.covers, "cached_tokens": after.cached_tokens},
+                ))
+        lead_gone = {i for s, e in turns[: lead.covers] for i in range(s, e)}
+        dropped = [(j, s, e) for j, (s, e) in enumerate(turns) if s in c.removed and s not in lead_gone and s not in self.base.gone]
+        if dropped:
+            removed = tuple(i for _, s, e in dropped for i in range(s, e))
+            actions.append(Action(
+                strategy=self.turn_owner,
+                summary=f"dropped {len(dropped)} turn(s) (messages {_span_text(removed)}): the least value per predicted second",
+                removed_messages=removed,
+                tokens_before=before_tokens,
+                tokens_after=after.prompt_tokens,
+                detail={"turns": [item(self.turn_value[j], sum(ctx.base[i] for i in range(s, e)), messages=[s, e - 1]) for j, s, e in dropped]},
+            ))
+        kept = {str(ch.id): ch for ch in c.kept_chunks}
+        gone_chunks = [it for it in self.chunk_items if it.key not in kept]
+        cut = [it for it in self.chunk_items if it.key in kept and kept[it.key].text != it.variants[0][2].text]
+        if gone_chunks:
+            ids = tuple(it.key for it in gone_chunks)
+            actions.append(Action(
+                strategy=self.chunk_owner,
+                summary=f"kept {len(c.kept_chunks)} of {len(ctx.chunks)} chunks ({len(cut)} as excerpts); dropped {', '.join(ids)}: "
+                "the least value per predicted second",
+                removed_chunks=ids,
+                tokens_before=before_tokens,
+                tokens_after=after.prompt_tokens,
+                detail={"kept": list(kept), "dropped": [item(it.variants[0][1], it.variants[0][0], chunk=it.key) for it in gone_chunks]},
+            ))
+        for it in cut:
+            ex = kept[it.key]
+            info = ex.metadata.get("excerpt", {})
+            spans = span_label(info.get("spans", []))
+            tokens = self._chunk_cost(ex)
+            share = next((v for w, v, p in it.variants if isinstance(p, Excerpt) and p.chunk.text == ex.text), 0.0)
+            actions.append(Action(
+                strategy="excerpt_chunk",
+                summary=f"kept sentences {spans} of {info.get('sentences', '?')} of {it.key} (those matching the question, "
+                f"with their neighbours): {it.variants[0][0] - tokens:,} of {it.variants[0][0]:,} tokens cut",
+                tokens_before=before_tokens,
+                tokens_after=after.prompt_tokens,
+                detail={"chunk": it.key, "spans": info.get("spans", []), "sentences": info.get("sentences"),
+                        **item(share, tokens), "whole_tokens": it.variants[0][0], "whole_value": round(it.variants[0][1], 4)},
+            ))
+        return PlanState(ctx, c, tuple(actions))
+
+
+def _variant_chunk(payload: Any) -> Chunk:
+    return payload.chunk if isinstance(payload, Excerpt) else payload
+
+
+def _variant_text(payload: Any) -> str:
+    return _variant_chunk(payload).text
+
+
+def _span_text(indices: Sequence[int]) -> str:
+    """``[1, 2, 3, 5]`` → ``"1–3, 5"``."""
+    return span_label(index_runs(indices))
