@@ -160,7 +160,7 @@ def overhead(llm: Any, profile: Any, requests: list[dict[str, Any]], pairs: int,
 def run_condition(name: str, llm: Any, profile: Any, jobs: list[tuple[dict[str, Any], float]], load: Load, args: argparse.Namespace,
                   rng: random.Random) -> dict[str, Any]:
     import trimkit
-    from trimkit.planning.margin import forget_engines
+    from trimkit.planning.speed import forget_engines
 
     forget_engines()  # each condition starts from the calibration
     arms = {True: trimkit.wrap(llm, profile=profile, summarizer=None, watch_prefill=True),

@@ -526,7 +526,7 @@ class Bench:
 
     # -- 3. held-out prompts -------------------------------------------------------------------
     def heldout(self, words: list[str], history: list[dict], rng: random.Random) -> list[dict[str, Any]]:
-        from trimkit.planning.drift import LiveProfile
+        from trimkit.planning.speed import LiveProfile
 
         args, tok = self.args, self.backend.tokenizer
         rows: list[dict[str, Any]] = []
@@ -617,7 +617,7 @@ def zero_wait(name: str, path: str | None, args: argparse.Namespace, caches: Cac
     requests. ``idle``: "off", "on" or "default" (the wrapper's own)."""
     import trimkit
     from trimkit.console import open_llama
-    from trimkit.planning.margin import forget_engines
+    from trimkit.planning.speed import forget_engines
 
     switch = wrap_param(IDLE_SWITCHES)
     kwargs: dict[str, Any] = {}

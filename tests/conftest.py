@@ -139,7 +139,7 @@ def isolated_cache(tmp_path, monkeypatch):
 @pytest.fixture(autouse=True)
 def _fresh_engine_state():
     """Each test starts with no learned drift or margin (an engine's state outlives its wrappers)."""
-    from trimkit.planning.margin import forget_engines
+    from trimkit.planning.speed import forget_engines
 
     forget_engines()
     yield

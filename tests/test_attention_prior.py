@@ -18,7 +18,7 @@ from trimkit.architecture import attention_doubling_prior, idle_expert_params, l
 from trimkit.calibration import _fit, calibrate
 from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError
 from trimkit.planning.costs import PROBE_NOISE, PROBE_NOISE_FLOOR, CostModel, PrefillSample, fit_cost_model, probe_noise
-from trimkit.planning.drift import LiveProfile
+from trimkit.planning.speed import LiveProfile
 from trimkit.profile import Profile
 from trimkit.testing import FakeBackend
 

@@ -12,7 +12,7 @@ import pytest
 from tests._core_helpers import make_profile
 from trimkit.decode_model import FLAT_NOTE, WITHIN_NOISE_NOTE, DecodeModel, DecodePoint, fit_decode, mean_context
 from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError
-from trimkit.planning.drift import LiveProfile
+from trimkit.planning.speed import LiveProfile
 from trimkit.profile import LEGACY_DECODE_CONTEXT_TOKENS, Profile
 
 #: a small model on a CPU: 60 ms a token with an empty cache, +12 µs per token of context
@@ -214,7 +214,7 @@ def test_live_profile_learns_the_line_from_served_requests():
 
 
 def test_live_decode_points_are_bounded():
-    from trimkit.planning.drift import KEEP_DECODE_POINTS
+    from trimkit.planning.speed import KEEP_DECODE_POINTS
 
     live = LiveProfile(attrs.evolve(make_profile(), decode_points=tuple(points(0, 1536))))
     for i in range(KEEP_DECODE_POINTS + 10):

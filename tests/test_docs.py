@@ -258,7 +258,7 @@ MOVED = {
     "trimkit.messages": "Chunk DEFAULT_RAG_TEMPLATE DEFAULT_RAG_CHUNK_TEMPLATE",
     "trimkit.model": "check_model_path default_model_path",
     "trimkit.profile": "Profile ProfileKey",
-    "trimkit.planning.drift": "LiveProfile",
+    "trimkit.planning.speed": "LiveProfile",
     "trimkit.profile_store": "load_profile save_profile",
     "trimkit.report": "Report DECODE_PARAMETERS_UNTOUCHED",
     "trimkit.strategies": "Strategy chain default_strategies reuse_prefix cap_rag_chunks summarize_history drop_oldest_turns keep_cached_cut",

@@ -15,9 +15,18 @@ from tests._core_helpers import TRUE_MODEL, exact_samples, make_profile
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.llama import LlamaBackend
 from trimkit.planning.costs import CostModel, PrefillSample
-from trimkit.planning.drift import calibration_seed
-from trimkit.planning.margin import EngineState, engine_state
-from trimkit.planning.speed import FACTOR_WINDOW, MARGIN_CAP, MARGIN_FLOOR, WINDOW, SpeedEstimate, margin_for_ratio, quantile
+from trimkit.planning.speed import (
+    FACTOR_WINDOW,
+    MARGIN_CAP,
+    MARGIN_FLOOR,
+    WINDOW,
+    EngineState,
+    SpeedEstimate,
+    calibration_seed,
+    engine_state,
+    margin_for_ratio,
+    quantile,
+)
 from trimkit.testing import FakeBackend, FakeClock
 from trimkit.wrapper import Trimmer
 
@@ -184,7 +193,7 @@ def test_wrappers_of_one_backend_share_one_state_and_another_calibration_starts_
 def test_an_engine_named_by_an_object_is_forgotten_with_it():
     import gc
 
-    from trimkit.planning import margin
+    from trimkit.planning import speed as margin
 
     fake = FakeBackend(COST, clock=FakeClock())
     engine_state(fake, make_profile())

@@ -16,8 +16,8 @@ from trimkit.errors import (
     InvalidNumberError,
 )
 from trimkit.messages import Chunk
-from trimkit.planning.drift import LiveProfile
 from trimkit.planning.planner import Plan, plan
+from trimkit.planning.speed import LiveProfile
 from trimkit.planning.summaries import ExtractiveSummarizer, SummaryCache, summary_job
 from trimkit.planning.values import ValueModel
 from trimkit.strategies import cap_rag_chunks, drop_oldest_turns, reuse_prefix, summarize_history

@@ -12,7 +12,7 @@ import pytest
 from tests._core_helpers import TRUE_MODEL, exact_samples, make_key, make_profile
 from trimkit.errors import InvalidNumberError
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample
-from trimkit.planning.drift import LiveProfile
+from trimkit.planning.speed import LiveProfile
 from trimkit.profile_store import cache_dir, load_profile, profile_path, save_profile
 
 

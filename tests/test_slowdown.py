@@ -10,8 +10,7 @@ import pytest
 
 import trimkit
 from trimkit.planning.costs import CostModel
-from trimkit.planning.margin import EngineState
-from trimkit.planning.speed import SLOWDOWN_FACTOR, usable_cores
+from trimkit.planning.speed import SLOWDOWN_FACTOR, EngineState, usable_cores
 from trimkit.profile import ProfileKey
 from trimkit.testing import FakeBackend
 

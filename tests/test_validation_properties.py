@@ -24,8 +24,8 @@ from trimkit.errors import (
     ProfileError,
     TrimkitError,
 )
-from trimkit.planning.drift import LiveProfile
 from trimkit.planning.planner import Plan, plan
+from trimkit.planning.speed import LiveProfile
 from trimkit.profile import Profile
 from trimkit.profile_store import load_profile
 

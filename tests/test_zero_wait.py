@@ -11,9 +11,7 @@ import trimkit
 from tests._core_helpers import make_measurement, make_profile
 from trimkit.errors import InvalidInputError
 from trimkit.planning.costs import CostModel, PrefillSample, fit_cost_model
-from trimkit.planning.drift import LiveProfile
-from trimkit.planning.margin import EngineState
-from trimkit.planning.speed import MARGIN_CAP, MARGIN_FLOOR, margin_for_ratio
+from trimkit.planning.speed import MARGIN_CAP, MARGIN_FLOOR, EngineState, LiveProfile, margin_for_ratio
 from trimkit.profile_store import load_profile
 from trimkit.report import Report
 from trimkit.testing import FakeBackend, FakeClock

@@ -16,7 +16,7 @@ profile records the budget, the mode and the range it probed. Calibration also m
 speed, and in process decode steps at the deepest context its probes leave cached and at an
 empty one: the profile predicts decode speed at any context (:mod:`trimkit.decode_model`,
 :meth:`~trimkit.profile.Profile.decode_tokens_per_s_at`). Served requests refine the profile from then on
-(:mod:`trimkit.planning.drift`), and in process every budgeted request is watched while it
+(:mod:`trimkit.planning.speed`), and in process every budgeted request is watched while it
 prefills (:mod:`trimkit.planning.watch`).
 """
 
@@ -475,7 +475,7 @@ def calibrate(
         calibration_wall_s=run.wall_s,
         quick=name != "full",
         created_at=time.time(),
-        residuals=tuple(heldout),  # seeds the learned safety margin (trimkit.planning.margin)
+        residuals=tuple(heldout),  # seeds the learned safety margin (trimkit.planning.speed)
         mode=name,
         time_budget_s=budget_s,
         first_token_estimated=run.first_token_estimated,

@@ -55,12 +55,11 @@ from trimkit.messages import (
 from trimkit.observe import completed as report_completed
 from trimkit.observe import report_log as report_sinks
 from trimkit.planning.costs import evaluated_tokens
-from trimkit.planning.drift import LiveProfile
-from trimkit.planning.margin import DEFAULT_TARGET, EngineState, engine_state
 from trimkit.planning.planner import Plan
 from trimkit.planning.planner import plan as make_plan
 from trimkit.planning.queue import EngineQueue, Ticket, answer_cap, busy_decision, check_on_busy, queue_wait
 from trimkit.planning.solver import Action
+from trimkit.planning.speed import DEFAULT_TARGET, EngineState, LiveProfile, engine_state
 from trimkit.planning.summaries import SummaryCache
 from trimkit.planning.values import ValueModel, chunk_values
 from trimkit.planning.watch import PrefillWatch, Replan, cut_chunks
@@ -205,7 +204,7 @@ class Pipeline:
     def safety_margin(self) -> float:
         """The fraction of a budget an open-loop request holds back: what would have absorbed
         ``attainment_target`` of this engine's recent measured ÷ predicted prefills
-        (:mod:`trimkit.planning.margin`); a watched request holds back only its share after the
+        (:mod:`trimkit.planning.speed`); a watched request holds back only its share after the
         watch's last step."""
         return self.engine.safety_margin(self.attainment_target)
 

@@ -5,7 +5,7 @@ own held-out error, the measured decode speed — as a function of the context
 (:meth:`Profile.decode_tokens_per_s_at`, :mod:`trimkit.decode_model`) — and the
 :class:`ProfileKey` it is valid for; it predicts a request's TTFT (:meth:`Profile.predict_ttft_s`). Storing and loading profiles in the
 user cache is :mod:`trimkit.profile_store`; a profile that follows the machine as it runs is
-:class:`~trimkit.planning.drift.LiveProfile`.
+:class:`~trimkit.planning.speed.LiveProfile`.
 
 A stored file is untrusted input: :meth:`Profile.from_dict` is the one place its JSON becomes a
 :class:`Profile` — every type, count and number is checked there (the field readers are
@@ -269,7 +269,7 @@ class Profile:
     drift: float = 1.0
     #: calibration's held-out residuals: (predicted, measured) prefill seconds per calibration
     #: sample, each predicted by a fit without its probe; they seed the learned safety margin
-    #: (:mod:`trimkit.planning.margin`). Empty for profiles stored before they were kept.
+    #: (:mod:`trimkit.planning.speed`). Empty for profiles stored before they were kept.
     residuals: tuple[tuple[float, float], ...] = attrs.field(default=(), converter=_pairs, repr=False)
     #: how it was calibrated: "micro" (provisional), "quick" or "full" (default: from ``quick``)
     mode: str = attrs.field(default=attrs.Factory(lambda self: "quick" if self.quick else "full", takes_self=True))
@@ -293,7 +293,7 @@ class Profile:
     attention_prior_tokens: float = attrs.field(default=0.0, converter=real_float)
     #: seconds of first-token overhead per prompt token (cached ones included): what tokenizing
     #: the whole prompt costs on each request, on top of ``first_token_s``; 0.0 when unknown
-    #: (a profile stored before it was kept), learned from served requests (trimkit.planning.drift)
+    #: (a profile stored before it was kept), learned from served requests (trimkit.planning.speed)
     first_token_per_token_s: float = attrs.field(default=0.0, converter=real_float)
 
     def __attrs_post_init__(self) -> None:

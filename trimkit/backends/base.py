@@ -275,7 +275,7 @@ class Backend(abc.ABC):
 
     def engine_identity(self) -> Any:
         """What names the engine doing the work, so that every wrapper of it shares one live
-        state (drift, learned margin — :func:`trimkit.planning.margin.engine_state`): an object (held
+        state (drift, learned margin — :func:`trimkit.planning.speed.engine_state`): an object (held
         weakly, e.g. the ``Llama``) or a hashable value (e.g. a server's URL and model).
         Cheap, never does I/O. By default the backend object itself."""
         return self

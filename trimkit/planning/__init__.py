@@ -12,7 +12,7 @@ Read it in this order:
 - :mod:`~trimkit.planning.values` — relevance, excerpts, and what each piece is worth (:class:`ValueModel`);
 - :mod:`~trimkit.planning.summaries` — summarizers and the summaries the planner may use;
 - :mod:`~trimkit.planning.watch` — the watched prefill (the closed loop);
-- :mod:`~trimkit.planning.margin`, :mod:`~trimkit.planning.drift` — what one engine learns as it
+- :mod:`~trimkit.planning.speed` — what one engine learns as it
   runs (the safety margin, the profile's drift).
 
 Dependencies go one way: the strategies build on the solver; only the planner imports the

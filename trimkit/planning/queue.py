@@ -3,7 +3,7 @@
 One in-process ``Llama`` serves one request at a time (:class:`~trimkit.backends.lease.EngineLease`);
 a request sent while others hold or wait for it waits for their work first. Every wrapper of the
 engine shares one :class:`EngineQueue` (it lives in the engine's
-:class:`~trimkit.planning.margin.EngineState`), so each request sees all the others.
+:class:`~trimkit.planning.speed.EngineState`), so each request sees all the others.
 
 **What a request counts for** (its predicted remaining work, :meth:`Ticket.remaining_s`): being
 planned or waiting for the engine, its predicted TTFT + its predicted decode; holding the engine

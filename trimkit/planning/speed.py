@@ -1,4 +1,15 @@
-"""One estimate of the host's speed per engine: measured ÷ predicted over a recent window.
+"""What one engine learns as it runs: the one speed estimate, the live profile, and the margin.
+
+Three parts, each built on the one before:
+
+- :class:`SpeedEstimate` — measured ÷ predicted over a recent window: the speed factor every
+  prediction is multiplied by, and the spread the safety margin is read from;
+- :class:`LiveProfile` — calibration's cost model, the current speed factor, and what serving
+  taught (a refitted shape, the decode line, the first-token overhead);
+- :class:`EngineState` — one engine's live profile and in-flight queue, found by
+  :func:`engine_state`, and the safety margin a request plans with.
+
+One estimate of the host's speed per engine: measured ÷ predicted over a recent window.
 
 A host's speed moves between requests (another process, thermal throttling, a power-saving
 mode), so every prediction is the cost model's times a **speed factor**. There is one source of
@@ -22,19 +33,59 @@ them against the current cost model:
 
 The samples are kept (not their ratios), so a refit of the model's shape re-reads them all.
 Thread-safe.
+
+The live profile: calibration's cost model, the host's current speed, and what serving taught.
+
+Calibration measures the host once; its speed then changes (thermal throttling, other load, a
+model moved to another device). :class:`LiveProfile` keeps one engine's current
+:class:`~trimkit.profile.Profile`: its cost model (calibration's, refitted when served requests
+show a shape the calibration got wrong), its speed factor (:attr:`Profile.drift`) from the one
+:class:`~trimkit.planning.speed.SpeedEstimate`, which every measured prefill feeds — served
+requests, and each step of a watched prefill (:mod:`trimkit.planning.watch`) —, its decode speed
+(the decode-vs-context line of :mod:`trimkit.decode_model`, whose latest served points set its
+level) and its first-token overhead. One engine's ``LiveProfile`` lives in its
+:class:`~trimkit.planning.speed.EngineState`.
+
+One engine's live state — its profile, its one speed estimate, its queue — and the safety margin.
+
+**The engine's state.** One ``Llama`` (or one server URL + model) runs at one speed: its live
+profile (:class:`~trimkit.planning.speed.LiveProfile`, which holds the one
+:class:`~trimkit.planning.speed.SpeedEstimate`) and its in-flight queue
+(:class:`~trimkit.planning.queue.EngineQueue`) live in one :class:`EngineState`, found by
+:func:`engine_state` from the backend's :meth:`~trimkit.backends.base.Backend.engine_identity`.
+A second ``trimkit.wrap()`` of the same engine with the same calibration starts from what the
+first learned; a different calibration (another profile key or creation time) starts afresh.
+
+**The margin** is read off the speed estimate's spread (:meth:`SpeedEstimate.margin`): the share
+of a budget that would have absorbed the ``target`` quantile of recent measured ÷ predicted
+prefills, each taken relative to the current speed factor. A request whose prefill is watched
+(in process, :mod:`trimkit.planning.watch`) re-plans at its measured pace, so its margin covers
+only what comes after the last step (``watched_share``); one sent to a server is open loop and
+holds the margin for its whole prediction. A prompt longer than the profile has measured
+(:meth:`Profile.extrapolation` = x > 1) is less certain: its spread is taken x times.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 import statistics
 import threading
+import time
+import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
 
-from trimkit.planning.costs import CostModel, PrefillSample
+import attrs
+import numpy as np
+
+from trimkit.decode_model import DecodePoint, mean_context
+from trimkit.planning.costs import CostModel, PrefillSample, error_stats, evaluated_tokens, fit_cost_model
+from trimkit.planning.queue import EngineQueue
+from trimkit.profile import Profile
 
 __all__ = [
     "SpeedEstimate",
@@ -47,24 +98,45 @@ __all__ = [
     "margin_for_ratio",
     "quantile",
     "usable_cores",
+    "LiveProfile",
+    "covering",
+    "calibration_seed",
+    "EngineState",
+    "engine_state",
+    "forget_engines",
+    "PROVISIONAL_PERSIST_EVERY",
 ]
+
 
 log = logging.getLogger("trimkit")
 
+
 #: measured prefills kept per engine (one a request): the spread the margin reads
 WINDOW = 24
+
+
 #: the speed factor is the middle of this many latest: a step of the host's speed is followed
 #: after 3 requests, one request's hiccup moves nothing
 FACTOR_WINDOW = 5
+
+
 #: the share of budgeted requests whose TTFT should stay inside the budget
 DEFAULT_TARGET = 0.97
+
+
 #: the margin never drops below this, nor rises above the cap (beyond it trimming would throw
 #: away most of the budget)
 MARGIN_FLOOR = 0.01
+
+
 MARGIN_CAP = 0.60
+
+
 #: the engine counts as slowed down when it runs at least this many times slower than calibrated:
 #: twice the time is beyond any measured host's noise (docs/design.md, "The host's speed")
 SLOWDOWN_FACTOR = 2.0
+
+
 #: one wild measurement moves nothing further than this factor either way
 RATIO_CLIP = 5.0
 
@@ -182,3 +254,449 @@ class SpeedEstimate:
         if first:
             log.warning("trimkit: %s", text)
         return [text]
+
+
+log = logging.getLogger("trimkit")
+
+
+#: a measured decode speed counts only over at least this many generated tokens (the first
+#: token belongs to the prefill; a speed over one or two steps is mostly noise)
+MIN_DECODE_TOKENS = 4
+
+
+#: how many served requests' decode points the profile keeps (the latest), besides calibration's
+KEEP_DECODE_POINTS = 32
+
+
+#: how many served requests' (prompt tokens, first-token overhead) pairs the profile keeps to
+#: learn how the overhead grows with the prompt (tokenizing it), and how many it needs first
+KEEP_FIRST_TOKEN_POINTS = 16
+
+
+MIN_FIRST_TOKEN_POINTS = 4
+
+
+#: ...spanning prompt lengths at least this many times apart (a slope from lengths close
+#: together is mostly the overhead's jitter)
+FIRST_TOKEN_LENGTH_SPREAD = 2.0
+
+
+#: the fixed part of the first-token overhead: the median over this many recent requests
+FIRST_TOKEN_RECENT = 5
+
+
+#: a refit must explain the live samples better than the speed factor alone by more than this
+#: (median absolute % error): a candidate only as good is no change of shape (exact ties, rounding)
+REFIT_TIE_PCT = 1e-6
+
+
+def _median_log_ratio(model: CostModel, samples: Sequence[PrefillSample]) -> float:
+    """The median of log(measured / ``model``) over ``samples`` (0 when none is predicted)."""
+    logs = []
+    for s in samples:
+        predicted = model.prefill_s(s.new_tokens, s.cached_tokens)
+        if predicted > 0 and s.seconds > 0:
+            logs.append(math.log(min(max(s.seconds / predicted, 0.2), 5.0)))
+    return statistics.median(logs) if logs else 0.0
+
+
+def covering(profile: Profile, samples: Sequence[PrefillSample]) -> Profile:
+    """``profile`` with its probed range grown to cover ``samples`` (measured lengths)."""
+    new, context = profile.probed_range()
+    new = max([new, *(s.new_tokens for s in samples)])
+    context = max([context, *(s.new_tokens + s.cached_tokens for s in samples)])
+    return attrs.evolve(profile, probed_new_tokens=new, probed_context_tokens=context)
+
+
+def calibration_seed(profile: Profile) -> list[PrefillSample]:
+    """What the speed estimate starts from: the larger half of the calibration's samples (a
+    small probe's time is mostly fixed overhead and its jitter, which says nothing of a request
+    large enough to need a budget), at the profile's stored speed factor."""
+    priced = []
+    for s in profile.samples:
+        try:
+            predicted = profile.model.prefill_s(s.new_tokens, s.cached_tokens)
+        except (ValueError, ArithmeticError):  # a stored sample no model can price: left out
+            continue
+        if s.source == "calibration" and s.seconds > 0 and math.isfinite(predicted):
+            priced.append((predicted, s))
+    calib = [s for _, s in priced]
+    if len(priced) >= 4:
+        cut = sorted(p for p, _ in priced)[len(priced) // 2]
+        calib = [s for p, s in priced if p >= cut]
+    if profile.drift != 1.0:
+        calib = [attrs.evolve(s, seconds=s.seconds * profile.drift) for s in calib]
+    return calib
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+class LiveProfile:
+    """A profile that follows the machine (see the module docstring). Thread-safe.
+
+    Every measured prefill joins the engine's :class:`~trimkit.planning.speed.SpeedEstimate`
+    (:attr:`speed`); the profile's ``drift`` is its middle. After every ``refit_every``
+    whole-request observations (default: each one; it costs 1–5 ms, after the response; and after
+    each of the first ``eager_refits``, while the shape is still being learned) the model
+    is refitted on calibration plus the served requests brought to the calibration's speed, and
+    kept only if it explains them better than the speed factor alone: a shape the calibration got
+    wrong (too little attention from short probes) is corrected, while a host that only changed
+    speed moves the factor and leaves the model alone."""
+
+    def __init__(self, profile: Profile, *, refit_every: int = 1, eager_refits: int = 0, keep_live: int = 64) -> None:
+        if not (_is_count(refit_every) and refit_every >= 1):
+            raise ValueError(f"refit_every must be an int >= 1, got {refit_every!r}")
+        if not (_is_count(eager_refits) and eager_refits >= 0):
+            raise ValueError(f"eager_refits must be an int >= 0, got {eager_refits!r}")
+        self._eager_refits = eager_refits
+        self._calibration = profile
+        self._calib_fit: CostModel | None = None
+        self._refit_every = refit_every
+        self._live: deque[PrefillSample] = deque(maxlen=keep_live)
+        self._seen = 0
+        #: the one estimate of this engine's speed
+        self.speed = SpeedEstimate(calibration_seed(profile), prior=profile.drift)
+        #: the decode points of recent requests (decode speed vs context), starting from those a
+        #: stored refined profile kept
+        self._decode_points: deque[DecodePoint] = deque((p for p in profile.decode_points if p.source == "live"), maxlen=KEEP_DECODE_POINTS)
+        self._first_token: deque[tuple[int | None, float]] = deque(maxlen=KEEP_FIRST_TOKEN_POINTS)
+        self._lock = threading.Lock()
+        self._profile = profile
+
+    @property
+    def current(self) -> Profile:
+        return self._profile
+
+    @property
+    def calibration(self) -> Profile:
+        """The calibration this live state started from."""
+        return self._calibration
+
+    def speed_factor(self, new_tokens: int | None = None, cached_tokens: int = 0) -> float:
+        """How many times slower than calibrated the host runs now for ``new_tokens`` (default:
+        one batch) after ``cached_tokens``: the prediction as served (the model after live
+        refits, times the speed factor) over the calibration's own model."""
+        profile = self._profile
+        n = max(int(new_tokens if new_tokens is not None else (profile.model.n_batch or 512)), 1)
+        now = profile.model.prefill_s(n, cached_tokens) * profile.drift
+        then = self._calibration.model.prefill_s(n, cached_tokens) * self._calibration.drift
+        return now / then if now > 0 and then > 0 else 1.0
+
+    def observe_step(self, new_tokens: int, cached_tokens: int, measured_s: float) -> None:
+        """A watched prefill, as one prefill of what it evaluated: it joins the speed estimate
+        (its whole request joins the refit after the response, :meth:`observe`)."""
+        sample = self._sample(new_tokens, cached_tokens, measured_s)
+        if sample is None:
+            return
+        with self._lock:
+            self.speed.observe(sample)
+            self._profile = attrs.evolve(self._profile, drift=self.speed.factor(self._profile.model))
+
+    def observe(self, new_tokens: int, cached_tokens: int, measured_prefill_s: float, *, speed: bool = True) -> None:
+        """Feed one request's measured prefill back (``speed=False``: its steps were fed already).
+        Unusable measurements (no tokens, a negative or missing count, a time that is zero,
+        negative, NaN or infinite) are ignored: this runs after a response was delivered and must
+        never fail it."""
+        sample = self._sample(new_tokens, cached_tokens, measured_prefill_s)
+        if sample is None:
+            return
+        with self._lock:
+            if speed:
+                self.speed.observe(sample)
+            self._live.append(sample)
+            self._seen += 1
+            self._update(refit=self._seen <= self._eager_refits or self._seen % self._refit_every == 0)
+
+    @staticmethod
+    def _sample(new_tokens: Any, cached_tokens: Any, seconds: Any) -> PrefillSample | None:
+        if not (_is_count(new_tokens) and new_tokens >= 1 and _is_count(cached_tokens) and cached_tokens >= 0):
+            return None
+        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not (float(seconds) > 0 and math.isfinite(seconds)):
+            return None
+        return PrefillSample(int(new_tokens), int(cached_tokens), float(seconds), source="live")
+
+    def observe_decode(self, tokens_per_s: Any, completion_tokens: Any, context_tokens: Any = None) -> None:
+        """Feed one request's measured decode speed back; ``context_tokens`` is its prompt
+        length (the KV cache its first decode step reads). The request becomes a point of the
+        decode-vs-context line (:meth:`decode_tokens_per_s_at`) at its mean context
+        (:func:`~trimkit.decode_model.mean_context`), and the profile's one decode speed
+        (``decode_tokens_per_s``) is that line at the latest request's context. Answers of fewer
+        than :data:`MIN_DECODE_TOKENS` tokens, and unusable numbers, are ignored."""
+        if not (_is_count(completion_tokens) and completion_tokens >= MIN_DECODE_TOKENS):
+            return
+        if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, numbers.Real):
+            return
+        if not (float(tokens_per_s) > 0 and math.isfinite(tokens_per_s)):
+            return
+        context = mean_context(int(context_tokens), int(completion_tokens)) if _is_count(context_tokens) and context_tokens >= 0 else 0
+        with self._lock:
+            self._decode_points.append(DecodePoint(context, float(tokens_per_s), int(completion_tokens) - 1, source="live"))
+            profile = attrs.evolve(self._profile, decode_points=self._with_live_decode(self._profile))
+            at = profile.decode_tokens_per_s_at(int(context), 0)
+            self._profile = attrs.evolve(profile, decode_tokens_per_s=at if at is not None else float(tokens_per_s))
+
+    def _with_live_decode(self, profile: Profile) -> tuple[DecodePoint, ...]:
+        """``profile``'s calibration decode points followed by the served requests' (oldest first)."""
+        return tuple(p for p in profile.decode_points if p.source != "live") + tuple(self._decode_points)
+
+    def decode_tokens_per_s_at(self, context_tokens: int, output_tokens: int = 0) -> float | None:
+        """Predicted decode speed at ``context_tokens`` prompt tokens (:meth:`~trimkit.profile.Profile.decode_tokens_per_s_at`
+        of :attr:`current`); None when nothing measured decode."""
+        return self.current.decode_tokens_per_s_at(context_tokens, output_tokens)
+
+    def observe_first_token(self, ttft_s: Any, engine_prefill_s: Any, prompt_tokens: Any = None) -> None:
+        """Feed one request's first-token overhead back: its TTFT less the engine's own prefill
+        time (template, tokenization, the first sampling step, the HTTP round trip for a
+        server); ``prompt_tokens`` is its whole prompt's length, cached tokens included. The
+        profile learns both parts (:meth:`_first_token_parts`): how the overhead grows per
+        prompt token, from the last :data:`KEEP_FIRST_TOKEN_POINTS` requests once they span
+        lengths :data:`FIRST_TOKEN_LENGTH_SPREAD` times apart, and the fixed part, from the last
+        :data:`FIRST_TOKEN_RECENT`. Unusable numbers are ignored."""
+        values = (ttft_s, engine_prefill_s)
+        if any(isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) for v in values):
+            return
+        if not (ttft_s > 0 and engine_prefill_s > 0):
+            return
+        prompt = int(prompt_tokens) if _is_count(prompt_tokens) and prompt_tokens >= 1 else None
+        with self._lock:
+            self._first_token.append((prompt, max(float(ttft_s) - float(engine_prefill_s), 0.0)))
+            first, per = self._first_token_parts(self._profile)
+            self._profile = attrs.evolve(self._profile, first_token_s=first, first_token_per_token_s=per)
+
+    def _first_token_parts(self, profile: Profile) -> tuple[float, float]:
+        """Under the lock: (fixed, per prompt token) first-token overhead from the requests seen
+        (``profile``'s own while none). Per token: the median slope between pairs of recent
+        requests (Theil–Sen), at least 0, once enough requests of lengths far enough apart were
+        seen; else ``profile``'s. Fixed: the median over the last :data:`FIRST_TOKEN_RECENT`
+        requests of their overhead less the per-token part."""
+        if not self._first_token:
+            return profile.first_token_s, profile.first_token_per_token_s
+        per = profile.first_token_per_token_s
+        known = [(x, y) for x, y in self._first_token if x is not None]
+        if len(known) >= MIN_FIRST_TOKEN_POINTS and max(x for x, _ in known) >= FIRST_TOKEN_LENGTH_SPREAD * min(x for x, _ in known):
+            slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(known) for x2, y2 in known[i + 1:] if x2 != x1]
+            per = max(statistics.median(slopes), 0.0)
+        recent = list(self._first_token)[-FIRST_TOKEN_RECENT:]
+        first = statistics.median(y - per * (x or 0) for x, y in recent)
+        return max(first, 0.0), per
+
+    def _update(self, *, refit: bool) -> None:
+        """Under the lock: (``refit``) a refit round on calibration plus live samples, then the
+        speed factor against the model in force."""
+        profile = self._profile
+        model = profile.model
+        if refit and self._live:
+            live = list(self._live)
+            try:
+                refit_model = self._refit(profile, live)
+            except (ValueError, ArithmeticError, np.linalg.LinAlgError) as exc:
+                # a stored profile's samples no fit can use: the speed factor alone; learning runs
+                # after a response was delivered and must never fail it
+                log.debug("trimkit: live refit skipped: %s", exc)
+            else:
+                if refit_model is not None:
+                    model = refit_model
+                # the measured lengths are no longer an extrapolation: either they are in the
+                # refit, or the model explains them at least as well as a refit on them would
+                profile = covering(profile, live)
+        self._profile = attrs.evolve(profile, model=model, drift=self.speed.factor(model))
+
+    def _refit(self, profile: Profile, live: list[PrefillSample]) -> CostModel | None:
+        """Under the lock: the refit round's model, or None when it does not explain the live
+        samples better than ``profile``'s model at its best single speed factor (their median
+        ratio: what the speed factor alone could reach).
+
+        The live samples are first brought to the calibration's speed — divided by their median
+        ratio to a fit of the calibration's samples alone — and fitted with the calibration's
+        samples: a fit mixing samples measured at one speed with samples measured at another
+        bends the model's shape, a change of speed read as a change of shape. The model kept is
+        at the calibration's speed, so the speed estimate goes on reading the host against it."""
+        model = profile.model
+        calib = [s for s in profile.samples if s.source == "calibration"]
+        kwargs: dict[str, Any] = {"n_batch": model.n_batch, "batched": model.per_batch_s > 0, "depth_prior_tokens": profile.depth_prior_tokens}
+        speed_only = error_stats((model.prefill_s(s.new_tokens, s.cached_tokens) * math.exp(_median_log_ratio(model, live)), s.seconds)
+                                 for s in live)
+        speed = math.exp(_median_log_ratio(self._calibration_fit(calib, kwargs) if calib else self._calibration.model, live))
+        candidate = fit_cost_model(calib + [attrs.evolve(s, seconds=s.seconds / speed) for s in live], **kwargs)
+        refit = error_stats((candidate.prefill_s(s.new_tokens, s.cached_tokens) * speed, s.seconds) for s in live)
+        if refit.median_pct < speed_only.median_pct - REFIT_TIE_PCT:
+            return candidate
+        return None
+
+    def _calibration_fit(self, calib: list[PrefillSample], kwargs: dict[str, Any]) -> CostModel:
+        """Under the lock: the cost model of the calibration's samples ``calib`` alone, fitted once."""
+        if self._calib_fit is None:
+            self._calib_fit = fit_cost_model(calib, **kwargs)
+        return self._calib_fit
+
+    @property
+    def observations(self) -> int:
+        """How many whole-request measurements were accepted."""
+        return self._seen
+
+    @property
+    def live_samples(self) -> Sequence[PrefillSample]:
+        with self._lock:
+            return tuple(self._live)
+
+
+log = logging.getLogger("trimkit")
+
+
+#: the cost model is refitted after each of the first EAGER_REFITS measured requests (a shape the
+#: calibration got wrong is corrected at once), then after every REFIT_EVERY-th: a refit costs
+#: more than the rest of a short request's bookkeeping, and the speed estimate moves every request
+EAGER_REFITS = 16
+
+
+REFIT_EVERY = 4
+
+
+#: while the profile is provisional, the refined profile is stored at least every this many
+#: measured requests (so a short first session is not lost)
+PROVISIONAL_PERSIST_EVERY = 4
+
+
+def _usable(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+class EngineState:
+    """What one engine has learned: the live profile (its cost model, speed factor, decode and
+    first-token overhead) and the requests in flight on it (``queue``). Shared by every wrapper of
+    that engine. ``queue``: an existing one to keep (the requests in flight do not change when the
+    engine is calibrated again); else a new one on ``clock``."""
+
+    def __init__(self, profile: Profile, *, queue: EngineQueue | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.live = LiveProfile(profile, refit_every=REFIT_EVERY, eager_refits=EAGER_REFITS)
+        #: the requests in flight on this engine, for the wait each new one is predicted to have
+        self.queue = queue if queue is not None else EngineQueue(clock)
+        #: which calibration this state grew from
+        self.calibration = _calibration_tag(profile)
+
+    @property
+    def speed(self) -> Any:
+        """The engine's one :class:`~trimkit.planning.speed.SpeedEstimate`."""
+        return self.live.speed
+
+    def safety_margin(self, target: float = DEFAULT_TARGET, *, extrapolation: float = 1.0, share: float = 1.0) -> float:
+        """The fraction of a budget to hold back for ``target`` (default 0.97) of requests inside
+        it (see the module docstring): ``share`` of the prediction uncertain (1: open loop),
+        ``extrapolation`` ≥ 1 how far beyond the probed range the prompt reaches."""
+        profile = self.live.current
+        base = self.speed.margin(profile.model, target, fallback=profile.safety_margin, share=share)
+        x = extrapolation if math.isfinite(extrapolation) and extrapolation > 1.0 else 1.0
+        if x <= 1.0:
+            return base
+        return margin_for_ratio(1.0 + x * (1.0 / (1.0 - base) - 1.0), cap=MARGIN_CAP)
+
+    def request_margin(self, target: float, budget_s: float, prompt_tokens: int, cached_tokens: int, *, watched_share: float = 1.0) -> float:
+        """One request's margin: :meth:`safety_margin` for the longest prompt its plan may send
+        (all ``prompt_tokens``, or what ``budget_s`` allows) with ``watched_share`` of it after the
+        watch's last step (1: not watched)."""
+        profile = self.live.current
+        allowed = profile.max_new_tokens(budget_s * (1.0 - self.safety_margin(target, share=watched_share)), cached_tokens)
+        new = max(min(evaluated_tokens(prompt_tokens, cached_tokens), allowed), 1)
+        return self.safety_margin(target, extrapolation=profile.extrapolation(new, cached_tokens), share=watched_share)
+
+    def slowdown_warnings(self) -> list[str]:
+        """The slowdown notice while the engine runs ≥ 2× slower than calibrated (none otherwise)."""
+        return self.speed.slowdown_warnings(self.live.speed_factor(), lambda: _threads_hint(self.live.current))
+
+    def learn(self, m: Any, *, persist_every: int = 0, answer_capped: bool = True, watched: bool = False) -> Profile | None:
+        """What one finished request (its :class:`~trimkit.backends.base.Measurement` ``m``)
+        teaches the engine: its prefill to the live profile (the speed estimate — unless
+        ``watched``: its steps joined it already — and the refit), its decode speed and
+        first-token overhead. Every ``persist_every`` measured prefills (every
+        :data:`PROVISIONAL_PERSIST_EVERY` at most while the profile is provisional; 0: never) it
+        returns the refined profile for the caller to store, so the next process starts from it
+        (planning writes nothing: the pipeline stores it); else None. To the in-flight queue:
+        how fast its answer streamed, and (``answer_capped`` False: the call set no
+        ``max_tokens``) how long it was."""
+        measured = m.ttft_s if m.ttft_s is not None else m.first_output_s
+        self.queue.observe_stream(m.completion_tokens, measured, m.total_s)
+        if not answer_capped:
+            self.queue.observe_answer(m.completion_tokens)
+        self.live.observe_decode(m.decode_tokens_per_s, m.completion_tokens, m.prompt_tokens)
+        self.live.observe_first_token(m.ttft_s, m.engine_prefill_s, m.prompt_tokens)
+        if m.engine_prefill_s is None or not m.evaluated_tokens:
+            return None
+        self.live.observe(m.evaluated_tokens, m.cached_tokens or 0, m.engine_prefill_s, speed=not watched)
+        seen = self.live.observations
+        every = min(persist_every, PROVISIONAL_PERSIST_EVERY) if self.live.current.provisional else persist_every
+        return self.live.current if every and seen and seen % every == 0 else None
+
+
+def _threads_hint(profile: Profile) -> str:
+    """For an in-process engine computing prefill on every core the process may use: why one
+    other busy process stalls it, and the cure (measured: docs/design.md, "The host's speed")."""
+    key = profile.key
+    cores = usable_cores()
+    if key.backend == "llama_cpp" and key.n_threads_batch and cores and key.n_threads_batch >= cores:
+        return (f" — llama.cpp computes prefill on {key.n_threads_batch} threads and this process may use {cores} cores, so one "
+                "other busy process stalls every step: fewer threads (n_threads_batch) than the cores left free keep their speed")
+    return ""
+
+
+def _calibration_tag(profile: Profile) -> tuple[Any, ...]:
+    return (profile.key, profile.created_at)
+
+
+_lock = threading.Lock()
+
+
+_by_object: weakref.WeakKeyDictionary[Any, EngineState] = weakref.WeakKeyDictionary()
+
+
+_by_value: dict[Hashable, EngineState] = {}
+
+
+_MAX_BY_VALUE = 256
+
+
+def _identity_of(backend: Any) -> Any:
+    get = getattr(backend, "engine_identity", None)
+    if get is None:
+        return backend
+    try:
+        return get()
+    except Exception:  # an identity that cannot be told: the backend object is its own engine
+        return backend
+
+
+def engine_state(backend: Any, profile: Profile) -> EngineState:
+    """The live state of ``backend``'s engine: the existing one when it grew from the same
+    calibration as ``profile``, else a new one started from ``profile`` (and remembered; it
+    keeps the old one's in-flight queue, whose clock is the first backend's ``clock``).
+
+    Engines named by an object (a ``Llama``, a backend) are held weakly: the state goes when
+    the object does. Engines named by a value (``(url, model)``) are kept for the process
+    (the 256 most recent)."""
+    identity = _identity_of(backend)
+    tag = _calibration_tag(profile)
+    try:
+        weakref.ref(identity)
+        table: Any = _by_object
+    except TypeError:
+        table = _by_value
+    with _lock:
+        state = table.get(identity)
+        if state is None or state.calibration != tag:
+            old = state
+            state = EngineState(profile, queue=old.queue if old is not None else None,
+                                clock=getattr(backend, "clock", None) or time.perf_counter)
+            if table is _by_value:
+                _by_value.pop(identity, None)
+                while len(_by_value) >= _MAX_BY_VALUE:
+                    _by_value.pop(next(iter(_by_value)))
+            table[identity] = state
+        return state
+
+
+def forget_engines() -> None:
+    """Drop every engine's learned state (the next wrapper starts from its profile)."""
+    with _lock:
+        _by_object.clear()
+        _by_value.clear()
