@@ -83,14 +83,22 @@ def _module_is_real(path: Any, seen: dict[str, bool] = {}) -> bool:  # noqa: B00
     return seen[key]
 
 
+def _is_slow(item: Any) -> bool:
+    """A property test (hypothesis generates its examples: seconds each) or one marked ``slow`` by hand."""
+    return bool(getattr(getattr(item, "obj", None), "is_hypothesis_test", False)) or item.get_closest_marker("slow") is not None
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark ``real`` every test that runs a real model, server or subprocess, so that
-    ``pytest -m "not real"`` runs the unit tests alone (seconds); and, with ``TRIMKIT_TEST_MODEL``
-    set, skip the tests about the embedded model's own template."""
-    real = pytest.mark.real
+    """Mark ``real`` every test that runs a real model, server or subprocess, and ``slow`` the
+    property tests, so that ``pytest -m "not real and not slow"`` runs the unit tests alone in
+    seconds; and, with ``TRIMKIT_TEST_MODEL`` set, skip the tests about the embedded model's own
+    template."""
+    real, slow = pytest.mark.real, pytest.mark.slow
     for item in items:
         if REAL_FIXTURES.intersection(getattr(item, "fixturenames", ())) or _module_is_real(item.fspath):
             item.add_marker(real)
+        elif _is_slow(item):
+            item.add_marker(slow)
     if not OTHER_MODEL:
         return
     skip = pytest.mark.skip(reason="about the embedded model's Gemma 3 template (TRIMKIT_TEST_MODEL is set)")

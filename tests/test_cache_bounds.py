@@ -9,6 +9,8 @@ from __future__ import annotations
 import gc
 import tracemalloc
 
+import pytest
+
 from trimkit.planning.values import bm25_scores
 from trimkit.sized_cache import SizedCache
 from trimkit.tokens import PromptTokenizer, chatml_render
@@ -49,6 +51,7 @@ def _retained(fn) -> int:
         tracemalloc.stop()
 
 
+@pytest.mark.slow  # seconds: retries against dead ports, or thousands of inputs
 def test_token_counts_of_thousands_of_long_texts_stay_within_the_bound():
     tok = PromptTokenizer(_Words(), chatml_render)
 
@@ -61,6 +64,7 @@ def test_token_counts_of_thousands_of_long_texts_stay_within_the_bound():
     assert tok.count("document 3 lorem") == 3  # still a cache that answers
 
 
+@pytest.mark.slow  # seconds: retries against dead ports, or thousands of inputs
 def test_bm25_term_counts_of_thousands_of_long_documents_stay_within_the_bound():
     def run() -> None:
         batch: list[str] = []

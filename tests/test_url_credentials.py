@@ -61,6 +61,7 @@ def test_a_password_in_the_url_is_sent_as_basic_auth_and_named_nowhere(server, c
         wrapped.close()
 
 
+@pytest.mark.slow  # seconds: retries against dead ports, or thousands of inputs
 def test_errors_naming_an_unreachable_endpoint_carry_no_password(caplog):
     dead = f"http://127.0.0.1:{free_port()}/v1"
     caplog.set_level(logging.DEBUG, logger="trimkit")
