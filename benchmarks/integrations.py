@@ -146,7 +146,7 @@ class LangChain:
     def prepare(self, req: dict[str, Any], budget_s: float, params: dict[str, Any]) -> Any:
         """The request planned as this path plans it, without sending it: the messages as
         ``ChatLlamaCpp`` converts them (its own converter), the documents as the integration does."""
-        from trimkit.integrations.langchain_documents import as_chunks
+        from trimkit.integrations.langchain import as_chunks
 
         messages, docs = self.inputs(req)
         dicts = self.model.inner._create_message_dicts(messages)  # ChatLlamaCpp's conversion, as its _stream does

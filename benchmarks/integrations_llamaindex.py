@@ -66,7 +66,7 @@ def prepare_llamaindex_arm(arm: str, llm: Any, request: dict[str, Any], *, budge
     """Plan one request as ``arm`` would send it, without sending it (trimkit's ``Prepared``): for
     comparing plans made from the same engine state, and it warms this path's token counts as the
     harness's preparation warms the direct path's."""
-    from trimkit.integrations.llamaindex_convert import from_openai_messages
+    from trimkit.integrations.llamaindex import from_openai_messages
 
     trimmed = _trimmed_llm(llm, profile, dict(options or {}))
     messages, nodes = from_openai_messages(request["messages"]), _nodes(request)
@@ -79,7 +79,7 @@ def run_llamaindex_arm(arm: str, llm: Any, request: dict[str, Any], *, budget_s:
                        reset: Callable[[], None], options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Send one request of the set through LlamaIndex and trimkit's LlamaIndex integration, cold
     (see ``benchmarks/integrations.py`` for the returned dict)."""
-    from trimkit.integrations.llamaindex_convert import from_openai_messages
+    from trimkit.integrations.llamaindex import from_openai_messages
 
     if arm not in ARMS:
         raise ValueError(f"unknown LlamaIndex arm {arm!r}: one of {ARMS}")

@@ -33,8 +33,7 @@ except ImportError as exc:  # the dev extra installs them: fail, do not skip
                 "llama-index-core and llama-index-llms-llama-cpp)", pytrace=False)
 
 from trimkit.backends.llama import llama_prompt_tokenizer
-from trimkit.integrations.llamaindex import TrimkitPostprocessor, TrimmedLLM
-from trimkit.integrations.llamaindex_convert import EXCERPT_KEY, from_openai_messages, nodes_to_chunks, to_openai_messages
+from trimkit.integrations.llamaindex import EXCERPT_KEY, TrimkitPostprocessor, TrimmedLLM, from_openai_messages, nodes_to_chunks, to_openai_messages
 
 QUESTION = "When was the Marrowby lighthouse lamp lit for the first time?"
 ANSWER = "1863"  # in doc-04 (trimkit/data/questions.jsonl)

@@ -12,6 +12,10 @@ Each integration is its own module and imports its framework only when you impor
 - :mod:`trimkit.integrations.llamaindex` (extra ``trimkit[llamaindex]``, on ``llama-index-core``):
   a node postprocessor and a wrapper for a LlamaIndex LLM (see that module).
 
+One module per framework holds all of that framework's integration (its wrapper, its conversions,
+the engine behind its model); ``_openai_errors`` (no framework) is what both share: trimkit's
+server errors as the ``openai`` errors the frameworks' OpenAI clients raise.
+
 How to use them, what is trimmed where and how to read the report from inside each framework:
 ``docs/integrations.md``. The planner, the guarantees and the report are trimkit's own
 (``docs/design.md``): an integration converts the framework's messages and documents, and sends

@@ -13,8 +13,7 @@ Every request is converted by ``inner`` exactly as ``inner`` converts it (messag
 on the engine ``inner`` talks to (its ``Llama``, or its ``base_url``): the same planner, the same
 guarantees and the same :class:`~trimkit.report.Report` as the direct path. Retrieved documents
 come with the call (``model.invoke(messages, rag_chunks=[Document, ...])``) or through the
-prompt's context variable formatted by :func:`trimkit_context`
-(:mod:`trimkit.integrations.langchain_documents`).
+prompt's context variable formatted by :func:`trimkit_context` (see "Retrieved documents" below).
 
 The report of each request is
 
@@ -36,7 +35,7 @@ metadata and ``output_version`` apply, tracing reads ``inner``'s ``_get_ls_param
 ``bind_tools`` (``tool_choice`` included) and ``with_structured_output`` are ``inner``'s, nothing
 is measured at construction (the first request loads the profile or calibrates), it pickles and
 serialises as ``inner`` does, and with a ``ChatOpenAI`` trimkit's server errors are also the
-``openai`` errors the raw client raises (:func:`~trimkit.integrations.langchain_engines.as_openai_error`).
+``openai`` errors the raw client raises (:func:`~trimkit.integrations._openai_errors.as_openai_error`).
 The async calls run the sync path in a worker thread (LangChain's default for a chat model),
 which is what trimkit's planning does anyway; with a ``ChatOpenAI`` they use its sync client. Not
 through trimkit (they raise :class:`~trimkit.errors.InvalidInputError` instead of sending around
@@ -44,33 +43,598 @@ the budget): ``ChatOpenAI``'s Responses API and its ``response_format`` streamin
 ``ChatOllama`` (Ollama's own API) is not supported: use ``ChatOpenAI`` on Ollama's ``/v1``. Bad
 input raises a typed :mod:`trimkit.errors` error before anything is sent; the caller's messages
 and documents are never changed. See ``docs/integrations.md``.
+
+**The engine behind the model.** A LangChain chat model for a local engine already holds the
+client trimkit wraps: ``ChatLlamaCpp.client`` is a ``llama_cpp.Llama``, ``ChatOpenAI.root_client``
+an ``openai.OpenAI`` pointed at its ``base_url``. :class:`Engine` wraps that client once with
+:func:`trimkit.wrap` (the stored profile of that engine, else a micro-calibration through that
+very client, bounded as ``wrap`` bounds it), and :class:`Call` stands in for the client during
+one request: the LangChain model converts its messages and parameters exactly as it always does
+and calls ``create_chat_completion(...)`` (``ChatLlamaCpp``) or ``chat.completions.create(...)``
+(``ChatOpenAI``) on the stand-in, which plans the request with trimkit and sends it through the
+wrapper. trimkit streams every request (the only way to see the first token): a streamed call
+gets the stream, a non-streamed call the completion assembled from it
+(:func:`~trimkit.backends.completion.assemble_chat_completion`: the reply the inner model would
+have got, with ``usage``), which the inner model then turns into its ``AIMessage`` as always.
+``ChatOllama`` talks Ollama's own API, which trimkit does not speak: point a ``ChatOpenAI`` at
+Ollama's OpenAI-compatible endpoint (``base_url="http://localhost:11434/v1"``) instead.
+
+**Retrieved documents.** Two ways bring retrieved documents to trimkit in a LangChain pipeline:
+
+- **Passed with the call**: ``model.invoke(messages, rag_chunks=[Document, ...])``.
+  :func:`as_chunks` turns each ``Document`` into a :class:`~trimkit.messages.Chunk`: its
+  ``page_content`` is the text, its id is ``Document.id`` (else the metadata's ``id``,
+  ``doc_id``, ``chunk_id`` or ``document_id``), its score the metadata's ``score``,
+  ``relevance_score``, ``similarity_score`` or ``similarity`` — the keys retrievers and
+  rerankers put there (higher = more relevant; a distance is not a score and is not read).
+  trimkit's own ``Chunk``, plain strings and ``{"text", "id", "score"}`` dicts pass as they are.
+- **Through the prompt's context variable**: ``{"context": retriever | trimkit_context(), ...}
+  | prompt | model``. :func:`trimkit_context` formats the documents as trimkit formats chunks
+  (``"[id] text"`` blocks, blank lines between) and remembers which documents made that text.
+  When a prompt reaches a trimkit step (:class:`TrimmedChatModel` or :func:`trimkit_trimmer`),
+  :func:`find_context` looks for a remembered text in its last user message: the documents
+  become chunks again, the message keeps the text around them, and the chunks kept go back
+  where the context was (most relevant first). A context formatted any other way (your own
+  ``format_docs``) is plain text to trimkit: it is sent as it is, never cut.
+
+The documents and messages passed in are read, never changed.
+
+**``prompt | trimkit_trimmer(...) | llm``: trim a prompt's messages in an LCEL chain.**
+:func:`trimkit_trimmer` returns a :class:`TrimkitTrimmer`, a ``Runnable`` that takes what a
+prompt template produces (a ``PromptValue``, a list of messages, a string, or a dict with
+``"messages"`` and, optionally, ``"documents"``), plans it with :func:`trimkit.plan` and returns
+the messages to send, as LangChain messages, for any chat model after it. It plans only — it
+sends nothing and so measures nothing: its record is the :class:`~trimkit.planning.planner.Plan`
+(``trimmer.last_plan``, and the custom callback event ``"trimkit_plan"`` with ``plan.to_dict()``).
+To plan *and* measure, use :class:`TrimmedChatModel` instead.
+
+What it plans with (``target``):
+
+- a :class:`TrimmedChatModel` or a trimkit wrapper (``trimkit.wrap(...)``): its engine's current
+  profile, tokenizer, learned safety margin, strategies, values and summaries, and its default
+  budget;
+- a ``ChatLlamaCpp`` / ``ChatOpenAI``: wrapped as ``TrimmedChatModel`` wraps it (its stored
+  profile, else a micro-calibration through its client);
+- a :class:`~trimkit.profile.Profile` with ``tokenizer=`` (a ``PromptTokenizer`` of the engine
+  that will run the prompt).
+
+Retrieved documents come from the input dict's ``"documents"`` (Documents or trimkit chunks) or
+from the prompt's context variable formatted by ``trimkit_context()``. Kept messages are the
+caller's very objects; an edited one (the last user message with its chunks placed) is a copy
+with new content.
 """
 
 from __future__ import annotations
 
+import collections
+import inspect
+import numbers
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
+
+import attrs
 
 try:
     from langchain_core.callbacks import CallbackManager, CallbackManagerForLLMRun, dispatch_custom_event
     from langchain_core.language_models import BaseChatModel
     from langchain_core.language_models.base import LangSmithParams
     from langchain_core.load.serializable import Serializable
-    from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+    from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, convert_to_messages, convert_to_openai_messages
     from langchain_core.outputs import ChatGenerationChunk, ChatResult
-    from langchain_core.runnables import Runnable
+    from langchain_core.prompt_values import PromptValue
+    from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
     from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(f"trimkit.integrations.langchain needs langchain-core: pip install 'trimkit[langchain]' ({exc})") from exc
 
-from trimkit.errors import InvalidInputError
-from trimkit.integrations.langchain_documents import as_chunks, trimkit_context
-from trimkit.integrations.langchain_engines import Call, Engine
-from trimkit.integrations.langchain_trimmer import PLAN_EVENT, TrimkitTrimmer, trimkit_trimmer
+from trimkit.backends.clients import client_kind
+from trimkit.backends.completion import assemble_chat_completion
+from trimkit.errors import BackendError, InvalidBudgetError, InvalidChunkError, InvalidInputError, InvalidMessageError
+from trimkit.frontend import usage_counts
+from trimkit.integrations._openai_errors import as_openai_error, chat_completions_url
+from trimkit.messages import (
+    DEFAULT_RAG_CHUNK_TEMPLATE,
+    SYSTEM_ROLES,
+    Chunk,
+    check_rag_templates,
+    coerce_chunks,
+    last_user_index,
+    render_rag_question,
+)
+from trimkit.planning.planner import Plan, plan
+from trimkit.prepared import Prepared
+from trimkit.profile import Profile
 from trimkit.report import Report
+from trimkit.validation import budget as valid_budget
+from trimkit.wrapper import wrap
 
 __all__ = ["TrimmedChatModel", "trimkit_trimmer", "trimkit_context", "TrimkitTrimmer", "REPORT_EVENT", "PLAN_EVENT"]
+
+
+# -- retrieved documents ---------------------------------------------------------------------------------
+
+#: metadata keys read as a document's relevance score, in this order (higher = more relevant)
+SCORE_KEYS = ("score", "relevance_score", "similarity_score", "similarity")
+#: metadata keys read as a document's id when ``Document.id`` is empty, in this order
+ID_KEYS = ("id", "doc_id", "chunk_id", "document_id")
+#: how many formatted contexts are remembered (the most recent); a context is found again only
+#: while it is remembered — a prompt is formatted and sent within the same chain call
+MAX_REMEMBERED = 256
+
+_BODY_ONLY = "{chunks}{question}"  # renders the chunks alone (the question is empty)
+
+
+def _is_document(value: Any) -> bool:
+    """A LangChain ``Document`` (or anything shaped like one: ``page_content`` and ``metadata``)."""
+    return isinstance(getattr(value, "page_content", None), str) and isinstance(getattr(value, "metadata", None), Mapping)
+
+
+def document_chunk(doc: Any, index: int = 0) -> Chunk:
+    """One LangChain ``Document`` as a :class:`~trimkit.messages.Chunk` (id and score as the
+    module docstring says). Raises :class:`~trimkit.errors.InvalidChunkError` for an empty text
+    or a score that is not a finite number."""
+    meta: Mapping[str, Any] = doc.metadata
+    doc_id = getattr(doc, "id", None)
+    if doc_id in (None, ""):
+        doc_id = next((meta[k] for k in ID_KEYS if meta.get(k) not in (None, "")), None)
+    score = next((meta[k] for k in SCORE_KEYS if meta.get(k) is not None), None)
+    if score is not None and (isinstance(score, bool) or not isinstance(score, numbers.Real)):
+        raise InvalidChunkError(f"rag_chunks[{index}]: metadata score {score!r} is not a number")
+    try:
+        return Chunk(text=doc.page_content, score=score, id=None if doc_id is None else str(doc_id))
+    except InvalidChunkError as exc:
+        raise InvalidChunkError(f"rag_chunks[{index}]: {exc}") from None
+
+
+def as_chunks(documents: Any) -> tuple[Chunk, ...]:
+    """``rag_chunks`` as trimkit takes them: Documents converted, the rest (``Chunk``, ``str``,
+    dicts with ``text``) as given; then validated, with ids made unique
+    (:func:`~trimkit.messages.coerce_chunks`). None → no chunks."""
+    if documents is None:
+        return ()
+    if isinstance(documents, (str, bytes, Mapping)) or _is_document(documents) or not isinstance(documents, Sequence):
+        raise InvalidChunkError(f"rag_chunks must be a list of Documents (or str / trimkit.Chunk), got {type(documents).__name__}")
+    return coerce_chunks([document_chunk(d, i) if _is_document(d) else d for i, d in enumerate(documents)])
+
+
+def render_context(chunks: Sequence[Chunk], chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE) -> str:
+    """The chunks as trimkit places them in a prompt: each through ``chunk_template``, blank lines between."""
+    return render_rag_question("", chunks, _BODY_ONLY, chunk_template)
+
+
+@attrs.frozen
+class ContextMatch:
+    """A remembered context found in a request's last user message.
+
+    ``messages`` is the request with that message's context taken out (a new list and a new
+    message; the rest are the caller's objects); ``rag_template`` puts the chunks back where the
+    context was, and renders the text around it alone when no chunk is kept."""
+
+    messages: list[Mapping[str, Any]]
+    chunks: tuple[Chunk, ...]
+    rag_template: str
+    rag_chunk_template: str
+
+
+class _Contexts:
+    """The recently formatted contexts: text → (chunks, chunk template), most recent last."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.lock = threading.Lock()
+        self.items: collections.OrderedDict[str, tuple[tuple[Chunk, ...], str]] = collections.OrderedDict()
+
+    def remember(self, text: str, chunks: tuple[Chunk, ...], chunk_template: str) -> None:
+        with self.lock:
+            self.items[text] = (chunks, chunk_template)
+            self.items.move_to_end(text)
+            while len(self.items) > self.size:
+                self.items.popitem(last=False)
+
+    def find(self, content: str) -> tuple[str, tuple[Chunk, ...], str] | None:
+        with self.lock:
+            entries = list(self.items.items())
+        for text, (chunks, chunk_template) in reversed(entries):  # the longest match would be safer, the newest is the usual
+            if text in content:
+                return text, chunks, chunk_template
+        return None
+
+
+_CONTEXTS = _Contexts(MAX_REMEMBERED)
+
+
+def _escape(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def format_documents(documents: Any, chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE) -> str:
+    """Documents (a list, or one) as the context text of a prompt, remembered for
+    :func:`find_context`. No documents → ``""`` (nothing remembered)."""
+    docs = [documents] if _is_document(documents) else documents
+    chunks = as_chunks(docs)
+    if not chunks:
+        return ""
+    text = render_context(chunks, chunk_template)
+    _CONTEXTS.remember(text, chunks, chunk_template)
+    return text
+
+
+def trimkit_context(chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE) -> Any:
+    """An LCEL step formatting retrieved documents for a prompt's context variable so that a
+    trimkit step later in the chain finds them again and can drop or cut them — use it where a
+    chain has ``format_docs``::
+
+        chain = {"context": retriever | trimkit_context(), "question": RunnablePassthrough()} | prompt | model
+
+    ``chunk_template`` formats each document (``{id}``, ``{text}``, ``{n}``); it must be the
+    trimkit step's ``rag_chunk_template`` (both default to ``"[{id}] {text}"``)."""
+    check_rag_templates("{chunks}{question}", chunk_template)
+    return RunnableLambda(lambda docs: format_documents(docs, chunk_template), name="trimkit_context")
+
+
+def find_context(messages: Sequence[Mapping[str, Any]]) -> ContextMatch | None:
+    """The remembered context in the last user message of ``messages`` (string content), or None.
+
+    The message keeps the text before and after the context; the returned ``rag_template``
+    renders ``before + chunks + after`` when chunks are kept and ``before + after`` (the
+    question trimkit ranks the chunks against) when none is."""
+    i = last_user_index(messages)
+    content = messages[i].get("content")
+    if not isinstance(content, str):
+        return None
+    found = _CONTEXTS.find(content)
+    if found is None:
+        return None
+    text, chunks, chunk_template = found
+    before, after = content.split(text, 1)
+    template = _escape(before) + "{chunks}" + _escape(after) + "{question:.0}"
+    out = list(messages)
+    out[i] = {**messages[i], "content": before + after}
+    return ContextMatch(messages=out, chunks=chunks, rag_template=template, rag_chunk_template=chunk_template)
+
+
+# -- the engine behind the inner model, and the client standing in for it during a request ---------------
+
+def inner_client(inner: Any) -> tuple[str, Any]:
+    """(``"llama"`` or ``"openai"``, the client) of a LangChain chat model trimkit can reach;
+    :class:`~trimkit.errors.InvalidInputError` for any other."""
+    client = getattr(inner, "client", None)
+    if client_kind(client) == "llama":
+        return "llama", client
+    root = getattr(inner, "root_client", None)
+    if client_kind(root) == "openai":
+        return "openai", root
+    name = type(inner).__name__
+    if name == "ChatOllama":
+        raise InvalidInputError(
+            "ChatOllama talks Ollama's own API, which trimkit does not speak: use langchain_openai.ChatOpenAI("
+            "base_url='http://localhost:11434/v1', api_key='ollama', model=...) (Ollama's OpenAI-compatible endpoint)"
+        )
+    raise InvalidInputError(
+        f"cannot trim {name}: pass a ChatLlamaCpp (langchain-community; its .client is a llama_cpp.Llama) or a ChatOpenAI "
+        "pointed at a local OpenAI-compatible server (langchain-openai); bind tools and arguments on the TrimmedChatModel, not before"
+    )
+
+
+class Unsupported:
+    """Stands in for a client attribute trimkit cannot put a budget on (the Responses API,
+    ``response_format`` streaming helpers, raw responses, the async client): using it raises
+    instead of sending a request around the budget."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise InvalidInputError(f"{self._what}.{name} is not supported through trimkit: it would send the request without its budget")
+
+
+def _option_names(kind: str) -> frozenset[str]:
+    """The keyword arguments :func:`trimkit.wrap` takes for an engine of this kind."""
+    from trimkit.openai_wrapper import BACKEND_KWARGS, TrimmedOpenAI
+    from trimkit.pipeline import Pipeline
+
+    names = {n for n, p in inspect.signature(Pipeline.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    if kind == "openai":
+        names |= set(BACKEND_KWARGS) | {n for n, p in inspect.signature(TrimmedOpenAI.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    return frozenset(names - {"backend", "ttft_budget_s"})
+
+
+def check_options(kind: str, options: Mapping[str, Any]) -> None:
+    """An option :func:`trimkit.wrap` does not take raises now, before anything is measured."""
+    unknown = sorted(set(options) - _option_names(kind))
+    if unknown:
+        raise InvalidInputError(f"TrimmedChatModel: unexpected option(s) {', '.join(map(repr, unknown))} (trimkit.wrap's options, or the chat model's fields)")
+
+
+class Engine:
+    """The trimkit wrapper of the engine an inner chat model talks to, shared by its requests.
+
+    ``options`` are :func:`trimkit.wrap`'s (``profile``, ``strategies``, ``values``,
+    ``on_infeasible``, ``on_busy``, ``calibration``, ``rag_template``, ...).
+
+    Nothing is measured here: the wrapper (the stored profile, else a calibration through the
+    inner model's client) is made on first use (:attr:`chat`), so that building a chat model
+    does no I/O (recorded-HTTP test harnesses, start-up time)."""
+
+    def __init__(self, inner: Any, ttft_budget_s: float | None, options: Mapping[str, Any]) -> None:
+        self.kind, self._client = inner_client(inner)
+        options = dict(options)
+        check_options(self.kind, options)
+        if self.kind == "openai":
+            options.setdefault("model", getattr(inner, "model_name", None))
+        self._options = options
+        self._ttft_budget_s = ttft_budget_s
+        self._chat: Any = None
+        self._made = threading.Lock()
+        # a request found its context in the prompt: it is planned with its own RAG templates
+        # (the wrapper's are swapped while it is prepared, so every preparation holds the lock)
+        self._lock = threading.Lock()
+        # llama-cpp-python's server (by default) cuts the stream in flight short when another
+        # request arrives, even a tokenize request: its requests go one at a time (serial())
+        self._one_at_a_time = threading.Lock()
+
+    @property
+    def chat(self) -> Any:
+        """The trimkit wrapper (``TrimmedLlama`` or ``TrimmedOpenAI``): ``.profile``, ``.reports``,
+        ... Made on first use: the stored profile, else a micro-calibration through the client."""
+        chat = self._chat
+        if chat is None:
+            with self._made:
+                if self._chat is None:
+                    try:
+                        self._chat = wrap(self._client, ttft_budget_s=self._ttft_budget_s, **self._options)
+                    except TypeError as exc:  # an option trimkit.wrap does not take
+                        raise InvalidInputError(f"TrimmedChatModel: {exc}") from None
+                chat = self._chat
+        return chat
+
+    @property
+    def made(self) -> bool:
+        """Whether the wrapper exists yet (the first request makes it)."""
+        return self._chat is not None
+
+    def serial(self) -> threading.Lock | None:
+        """The lock every request to this engine holds from its planning to the end of its
+        stream where the server interrupts the stream in flight when another request arrives
+        (``python -m llama_cpp.server``, whose ``interrupt_requests`` is on by default; the
+        non-streamed calls the raw chat model sends are not cut there): None elsewhere."""
+        if self.kind != "openai":
+            return None
+        backend = getattr(self.chat, "backend", None)
+        info = getattr(backend, "server_info", None)
+        try:
+            engine = info().engine if info is not None else "unknown"
+        except Exception:  # the request itself will say what is wrong with the server
+            return None
+        return self._one_at_a_time if engine == "llama-cpp-python" else None
+
+    def client_fields(self, call: Call) -> dict[str, Any]:
+        """What a copy of the inner model takes in place of its client(s) for one request."""
+        if self.kind == "llama":
+            return {"client": call}
+        return {
+            "client": call,
+            "root_client": _RootClient(call),
+            "async_client": Unsupported("ChatOpenAI.async_client"),
+            "root_async_client": Unsupported("ChatOpenAI.root_async_client"),
+            "include_response_headers": False,
+        }
+
+    def prepare(self, messages: Sequence[Mapping[str, Any]], chunks: tuple[Chunk, ...] | None, params: Mapping[str, Any], *,
+                ttft_budget_s: float | None, on_busy: str | None) -> tuple[Prepared, float]:
+        """Plan one request (``chunks`` None: look for a context in the prompt). Returns the
+        prepared request and the seconds spent finding the context (this layer's own work)."""
+        t0 = time.perf_counter()
+        match = find_context(messages) if chunks is None and messages else None
+        found_s = time.perf_counter() - t0
+        pipeline = self.chat.pipeline
+        with self._lock:
+            if match is None:
+                return self.chat.prepare(messages, chunks, params, ttft_budget_s=ttft_budget_s, on_busy=on_busy), found_s
+            saved = (pipeline.rag_template, pipeline.rag_chunk_template)
+            pipeline.rag_template, pipeline.rag_chunk_template = match.rag_template, match.rag_chunk_template
+            try:
+                return self.chat.prepare(match.messages, match.chunks, params, ttft_budget_s=ttft_budget_s, on_busy=on_busy), found_s
+            finally:
+                pipeline.rag_template, pipeline.rag_chunk_template = saved
+
+
+class _Raw:
+    """What ``with_raw_response.create(...)`` returns: ``.parse()`` is the reply; no headers."""
+
+    def __init__(self, reply: Any) -> None:
+        self._reply = reply
+        self.headers: dict[str, str] = {}
+
+    def parse(self) -> Any:
+        return self._reply
+
+
+class _RawCreate:
+    def __init__(self, create: Any) -> None:
+        self._create = create
+
+    def create(self, **payload: Any) -> _Raw:
+        return _Raw(self._create(**payload))
+
+    parse = create
+
+
+class _Completions:
+    """``root_client.chat.completions`` for one request: ``parse`` (``response_format``
+    structured output, non-streamed) goes through trimkit; the rest cannot keep the budget."""
+
+    def __init__(self, call: Call) -> None:
+        self.with_raw_response = _RawCreate(call.parse)
+        self.parse = call.parse
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(Unsupported("ChatOpenAI.root_client.chat.completions"), name)
+
+
+class _Chat:
+    def __init__(self, call: Call) -> None:
+        self.completions = _Completions(call)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(Unsupported("ChatOpenAI.root_client.chat"), name)
+
+
+class _RootClient:
+    """``ChatOpenAI.root_client`` for one request: ``chat.completions.parse`` through trimkit,
+    anything else (the Responses API, ``beta`` streaming helpers) raises before sending."""
+
+    def __init__(self, call: Call) -> None:
+        self.chat = _Chat(call)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(Unsupported("ChatOpenAI.root_client"), name)
+
+
+class _Converting:
+    """The stream a ``ChatOpenAI`` reads: trimkit's, its backend errors raised as
+    :func:`as_openai_error` makes them (``ChatOpenAI`` handles ``openai.APIError`` as always)."""
+
+    def __init__(self, stream: Any, url: str) -> None:
+        self._stream = stream
+        self._url = url
+
+    def __iter__(self) -> Any:
+        try:
+            yield from self._stream
+        except BackendError as exc:
+            raise as_openai_error(exc, self._url) from exc
+
+    def __enter__(self) -> _Converting:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class Call:
+    """The inner model's client for one request: plans it with trimkit and sends it (streamed).
+
+    ``create_chat_completion(messages=..., **params)`` is ``ChatLlamaCpp``'s call,
+    ``create(messages=..., **payload)`` ``ChatOpenAI``'s (its ``max_completion_tokens``, an
+    OpenAI-only name local servers ignore, is sent as ``max_tokens``, which the user set), and
+    ``with_raw_response.create`` / ``root_client.chat.completions.parse`` its non-streamed and
+    ``response_format`` calls. A streamed call returns the stream; a non-streamed one drains it
+    and returns the assembled completion (a dict for ``ChatLlamaCpp``, the client's
+    ``ChatCompletion`` — ``ParsedChatCompletion`` for ``parse`` — for ``ChatOpenAI``)."""
+
+    def __init__(self, engine: Engine, chunks: tuple[Chunk, ...] | None, ttft_budget_s: float | None, on_busy: str | None) -> None:
+        self.engine = engine
+        self.chunks = chunks
+        self.ttft_budget_s = ttft_budget_s
+        self.on_busy = on_busy
+        self.prepared: Prepared | None = None
+        self.stream: Any = None
+        #: seconds this layer spent on its own work during the call (not trimkit's planning)
+        self.layer_s = 0.0
+
+    @property
+    def report(self) -> Report | None:
+        """The request's report, once its stream is finished."""
+        return getattr(self.stream, "report", None)
+
+    def create_chat_completion(self, messages: Any = None, **params: Any) -> Any:
+        return self._send(messages, params)
+
+    @property
+    def with_raw_response(self) -> _RawCreate:
+        return _RawCreate(self.create)
+
+    def create(self, **payload: Any) -> Any:
+        messages = payload.pop("messages", None)
+        if "max_completion_tokens" in payload and "max_tokens" not in payload:
+            payload["max_tokens"] = payload.pop("max_completion_tokens")
+        return self._send(messages, payload)
+
+    def parse(self, **payload: Any) -> Any:
+        """``chat.completions.parse``: ``response_format`` (a pydantic class, sent as the
+        ``openai`` client sends it, or a dict) and ``tools`` through trimkit, the reply parsed by
+        the ``openai`` client's own parser."""
+        from openai import omit
+        from openai.lib._parsing._completions import parse_chat_completion, type_to_response_format_param
+
+        response_format = payload.get("response_format")
+        if isinstance(response_format, type):
+            payload["response_format"] = type_to_response_format_param(response_format)
+        tools = payload.get("tools")
+        completion = self.create(**payload)
+        return parse_chat_completion(response_format=response_format if response_format is not None else omit,
+                                     input_tools=tools if tools is not None else omit, chat_completion=completion)
+
+    def _send(self, messages: Any, params: dict[str, Any]) -> Any:
+        if self.stream is not None:
+            raise InvalidInputError("one TrimmedChatModel call sends one request")
+        streamed = bool(params.get("stream", False))
+        params = {**params, "stream": True}
+        try:
+            serial = self.engine.serial()
+            if serial is not None:
+                serial.acquire()
+                self._serial = serial
+            self.prepared, found_s = self.engine.prepare(messages, self.chunks, params, ttft_budget_s=self.ttft_budget_s, on_busy=self.on_busy)
+            self.layer_s += found_s
+            self.stream = self.engine.chat.execute(self.prepared, params)
+            if streamed:
+                return self.stream if self.engine.kind == "llama" else _Converting(self.stream, self._url())
+            for _ in self.stream:
+                pass
+        except BackendError as exc:
+            self.close()
+            if self.engine.kind == "openai":
+                raise as_openai_error(exc, self._url()) from exc
+            raise
+        except BaseException:
+            self.close()
+            raise
+        self.release()
+        return self._assembled()
+
+    def _assembled(self) -> Any:
+        """The completion of the drained stream, as the inner model's client returns it."""
+        rs = self.stream
+        if self.engine.kind == "openai":
+            return self.engine.chat.assemble(rs)
+        report = rs.report
+        completion_tokens = report.completion_tokens if report is not None else None
+        return assemble_chat_completion(rs.chunks, usage=usage_counts(len(rs.prepared.prompt_tokens), completion_tokens or 0))
+
+    def _url(self) -> str:
+        return chat_completions_url(getattr(getattr(self.engine.chat, "backend", None), "base_url", None))
+
+    _serial: threading.Lock | None = None
+
+    def release(self) -> None:
+        """Let the engine's next request go (where requests go one at a time)."""
+        serial, self._serial = self._serial, None
+        if serial is not None:
+            serial.release()
+
+    def close(self) -> None:
+        """End the stream if the caller stopped reading it early (frees an in-process engine),
+        and let the engine's next request go."""
+        try:
+            if self.stream is not None and self.report is None:
+                self.stream.close()
+        finally:
+            self.release()
+
+
+# -- the chat model --------------------------------------------------------------------------------------
 
 #: the name of the custom callback event carrying ``report.to_dict()``
 REPORT_EVENT = "trimkit_report"
@@ -180,9 +744,7 @@ class TrimmedChatModel(BaseChatModel):
         if "output_version" not in own and getattr(inner, "output_version", None) is not None:
             own["output_version"] = inner.output_version
         if ttft_budget_s is not None:
-            from trimkit.validation import budget
-
-            budget(ttft_budget_s)
+            valid_budget(ttft_budget_s)
         engine = Engine(inner, ttft_budget_s, options)  # checks the options; measures nothing
         super().__init__(inner=inner, ttft_budget_s=ttft_budget_s, trimkit_options=options, **own)
         self._engine = engine
@@ -361,3 +923,141 @@ class TrimmedChatModel(BaseChatModel):
         finally:
             call.close()
         yield last
+
+
+# -- the trimmer step ------------------------------------------------------------------------------------
+
+#: the name of the custom callback event carrying ``plan.to_dict()``
+PLAN_EVENT = "trimkit_plan"
+
+
+def as_openai_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages as OpenAI-style dicts, one each (tool calls and tool results whole)."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, BaseMessage):
+            raise InvalidMessageError(f"messages[{i}] must be a LangChain message, got {type(m).__name__}")
+        out.append(convert_to_openai_messages(m))
+    return out
+
+
+def as_langchain_messages(sent: Sequence[Mapping[str, Any]], planned: Sequence[Mapping[str, Any]], originals: Sequence[BaseMessage],
+                          converted: Sequence[Mapping[str, Any]] | None = None) -> list[BaseMessage]:
+    """The dicts ``sent`` (a plan of ``planned``) back as LangChain messages. ``converted[i]``
+    is ``originals[i]`` as converted (default: ``planned`` itself); a sent dict that is one of
+    them becomes its original message, the caller's very object; an edited one (the last user
+    message, or the first system message, or a message of ``planned`` that differs from its
+    conversion) a copy of its original with the new content; anything else is converted."""
+    converted = planned if converted is None else converted
+    at = {id(d): i for i, d in enumerate(planned)}
+    kept = {id(d) for d in sent}
+    out: list[BaseMessage] = []
+    for d in sent:
+        i = at.get(id(d))
+        if i is None:
+            i = _edited_index(d, planned, kept)
+        if i is None:
+            out.append(convert_to_messages([d])[0])
+        else:
+            out.append(originals[i] if d is converted[i] else originals[i].model_copy(update={"content": d.get("content")}))
+    return out
+
+
+def _edited_index(d: Mapping[str, Any], planned: Sequence[Mapping[str, Any]], kept: set[int]) -> int | None:
+    role = d.get("role")
+    if role == "user":
+        return last_user_index(planned)
+    if role in SYSTEM_ROLES:
+        return next((i for i, p in enumerate(planned) if p.get("role") in SYSTEM_ROLES and id(p) not in kept), None)
+    return None
+
+
+class TrimkitTrimmer(Runnable[Any, list[BaseMessage]]):
+    """Trims a prompt's messages to a TTFT budget (see the module docstring). ``last_plan``: the
+    plan of the most recent call. ``plan_options`` go to :func:`trimkit.plan` (``strategies``,
+    ``values``, ``on_infeasible``, ``rag_template``, ``rag_chunk_template``, ``safety_margin``,
+    ``max_prompt_tokens``, ``tools``) and override the target's own."""
+
+    def __init__(self, target: Any, ttft_budget_s: float | None = None, *, tokenizer: Any = None, **plan_options: Any) -> None:
+        self.wrapper: Any = None
+        self.profile: Profile | None = None
+        self.tokenizer = tokenizer
+        if isinstance(target, Profile):
+            if tokenizer is None:
+                raise InvalidInputError("trimkit_trimmer(profile) needs tokenizer=: the engine's PromptTokenizer (e.g. chat.backend.tokenizer)")
+            self.profile = target
+        elif getattr(getattr(target, "trimkit", None), "pipeline", None) is not None:  # a TrimmedChatModel
+            self.wrapper = target.trimkit
+        elif getattr(target, "pipeline", None) is not None and getattr(target, "backend", None) is not None:  # trimkit.wrap(...)
+            self.wrapper = target
+        elif isinstance(target, BaseChatModel):
+            self.wrapper = Engine(target, ttft_budget_s, {}).chat
+        else:
+            raise InvalidInputError(f"trimkit_trimmer needs a TrimmedChatModel, a trimkit wrapper, a ChatLlamaCpp/ChatOpenAI or a "
+                                    f"trimkit Profile (with tokenizer=), got {type(target).__name__}")
+        default = getattr(self.wrapper, "ttft_budget_s", None) if ttft_budget_s is None else ttft_budget_s
+        if default is None:
+            raise InvalidBudgetError("trimkit_trimmer needs ttft_budget_s= (or a target with a default budget)")
+        self.ttft_budget_s = valid_budget(default)
+        self.plan_options = plan_options
+        #: the plan of the most recent call (None before the first)
+        self.last_plan: Plan | None = None
+
+    def _engine_options(self) -> dict[str, Any]:
+        w = self.wrapper
+        if w is None:
+            return {"profile": self.profile, "tokenizer": self.tokenizer}
+        p = w.pipeline
+        return {"profile": w.profile, "tokenizer": w.backend.tokenizer, "safety_margin": w.safety_margin, "strategies": w.strategies,
+                "values": w.values, "on_infeasible": w.on_infeasible, "summaries": w.summaries, "rag_template": p.rag_template,
+                "rag_chunk_template": p.rag_chunk_template}
+
+    def _split(self, value: Any) -> tuple[list[BaseMessage], Any]:
+        docs = None
+        if isinstance(value, Mapping):
+            if "messages" not in value:
+                raise InvalidMessageError("a dict given to trimkit_trimmer needs 'messages' (and may have 'documents')")
+            value, docs = value["messages"], value.get("documents")
+        if isinstance(value, PromptValue):
+            return value.to_messages(), docs
+        if isinstance(value, str):
+            return [HumanMessage(content=value)], docs
+        if isinstance(value, Sequence):
+            return list(value), docs
+        raise InvalidMessageError(f"trimkit_trimmer takes a prompt value, messages, a str or a dict, got {type(value).__name__}")
+
+    def trim(self, value: Any, ttft_budget_s: float | None = None) -> list[BaseMessage]:
+        """Plan ``value`` and return the messages to send (outside any LangChain run)."""
+        originals, docs = self._split(value)
+        planned = converted = as_openai_messages(originals)
+        options = {**self._engine_options(), **self.plan_options}
+        chunks = as_chunks(docs) if docs is not None else None
+        match = find_context(planned) if chunks is None and planned else None
+        if match is not None:
+            planned, chunks = match.messages, match.chunks
+            options.update(rag_template=match.rag_template, rag_chunk_template=match.rag_chunk_template)
+        try:
+            result = plan(planned, ttft_budget_s=self.ttft_budget_s if ttft_budget_s is None else ttft_budget_s, rag_chunks=chunks or (),
+                          **options)
+        except TypeError as exc:  # an option trimkit.plan does not take
+            raise InvalidInputError(f"trimkit_trimmer: {exc}") from None
+        self.last_plan = result
+        return as_langchain_messages(result.messages, planned, originals, converted)
+
+    def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> list[BaseMessage]:
+        return self._call_with_config(self._run, input, config, run_type="prompt", **kwargs)
+
+    def _run(self, value: Any, **kwargs: Any) -> list[BaseMessage]:
+        out = self.trim(value, kwargs.get("ttft_budget_s"))
+        if self.last_plan is not None:
+            dispatch_custom_event(PLAN_EVENT, self.last_plan.to_dict())
+        return out
+
+
+def trimkit_trimmer(target: Any, ttft_budget_s: float | None = None, *, tokenizer: Any = None, **plan_options: Any) -> TrimkitTrimmer:
+    """An LCEL step that trims a prompt's messages to ``ttft_budget_s``::
+
+        chain = prompt | trimkit_trimmer(trimmed_model_or_wrapper, ttft_budget_s=1.0) | llm
+
+    See :class:`TrimkitTrimmer` for what ``target`` may be and what the step records."""
+    return TrimkitTrimmer(target, ttft_budget_s, tokenizer=tokenizer, **plan_options)

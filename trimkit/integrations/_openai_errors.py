@@ -9,7 +9,10 @@ import threading
 
 from trimkit.errors import BackendError, ServerError, ServerTimeoutError, ServerUnreachableError
 
-__all__ = ["as_openai_error"]
+__all__ = ["as_openai_error", "chat_completions_url"]
+
+#: the base URL an error's request names when the server's is not known
+_DEFAULT_BASE_URL = "http://localhost/v1"
 
 
 #: the exception types made so far, one per (trimkit type, openai type)
@@ -27,7 +30,13 @@ def _both(trimkit_type: type, openai_type: type) -> type:
         return made
 
 
-def as_openai_error(exc: BaseException, url: str = "http://localhost/v1/chat/completions") -> BaseException:
+def chat_completions_url(base_url: str | None) -> str:
+    """The chat completions URL of a server at ``base_url`` (None or empty: a local default), the
+    request an ``openai`` error names."""
+    return str(base_url or _DEFAULT_BASE_URL).rstrip("/") + "/chat/completions"
+
+
+def as_openai_error(exc: BaseException, url: str = _DEFAULT_BASE_URL + "/chat/completions") -> BaseException:
     """A trimkit backend error as the ``openai`` error the raw client raises for the same
     failure, still the trimkit error (its type subclasses both): ``ServerTimeoutError`` →
     ``openai.APITimeoutError``, ``ServerUnreachableError`` → ``openai.APIConnectionError``, a
