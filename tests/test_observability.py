@@ -138,8 +138,11 @@ def test_a_passthrough_request_is_one_span_tree_with_the_genai_attributes(llm, q
 def test_a_trimmed_request_says_what_was_removed_by_count_and_id_never_text(llm, quick_profile, otel, prom, tmp_path):
     spans, reader = otel
     log_path = tmp_path / "reports.jsonl"
-    chat = trimkit.wrap(llm, ttft_budget_s=1.5, profile=quick_profile, report_log=log_path)
     messages, chunks = long_request()
+    # a budget from the engine's own predictions (half the request's, as cut to the context window):
+    # it must trim, on any host at any load; whether the host then keeps it is not this test's business
+    budget = trimkit.wrap(llm, ttft_budget_s=1e6, profile=quick_profile).prepare(messages, chunks).predicted_ttft_s / 2
+    chat = trimkit.wrap(llm, ttft_budget_s=budget, profile=quick_profile, report_log=log_path)
     before = copy.deepcopy((messages, chunks))
     for _ in chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4, stream=True):
         pass
@@ -151,7 +154,8 @@ def test_a_trimmed_request_says_what_was_removed_by_count_and_id_never_text(llm,
     a = root.attributes
     removed_chunks = list(dict.fromkeys([c for x in r.actions for c in x.removed_chunks]
                                         + [d for p in r.replans for d in p.dropped if not d.startswith(("+", "message "))]))
-    assert a["trimkit.outcome"] == "trimmed" and a["trimkit.trimmed"] is True
+    # infeasible when even the minimal prompt is predicted over the budget (a re-plan on a slow host)
+    assert a["trimkit.outcome"] == ("infeasible" if r.feasible is False else "trimmed") and a["trimkit.trimmed"] is True
     assert a["trimkit.tokens.before"] == r.prompt_tokens_before > a["trimkit.tokens.after"] == r.prompt_tokens
     assert a["trimkit.tokens.removed"] == r.prompt_tokens_before - r.prompt_tokens
     assert list(a["trimkit.removed.chunks.ids"]) == removed_chunks and a["trimkit.removed.chunks.count"] == len(removed_chunks)
@@ -172,7 +176,7 @@ def test_a_trimmed_request_says_what_was_removed_by_count_and_id_never_text(llm,
     assert "trimkit_ttft_seconds_bucket" in text and 'le="60.0"' in text and 'le="0.01"' in text
     assert f'trimkit_budget_attainment_total{{endpoint="",met="{str(r.budget_met).lower()}",model="{r.model}"}} 1.0' in text
     assert prom.get_sample_value("trimkit_tokens_removed_total", {"model": r.model, "endpoint": ""}) == r.prompt_tokens_before - r.prompt_tokens
-    assert prom.get_sample_value("trimkit_requests_total", {"model": r.model, "endpoint": "", "outcome": "trimmed"}) == 1.0
+    assert prom.get_sample_value("trimkit_requests_total", {"model": r.model, "endpoint": "", "outcome": a["trimkit.outcome"]}) == 1.0
     assert prom.get_sample_value("trimkit_ttft_seconds_count", {"model": r.model, "endpoint": ""}) == 1.0
     assert SECRET not in text
     # the report log: one line, the report's to_dict(), nothing of the text
