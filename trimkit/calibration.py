@@ -32,8 +32,7 @@ from typing import Any
 
 import attrs
 
-from trimkit.backends.base import Backend
-from trimkit.backends.clients import client_kind
+from trimkit.backends.base import Backend, client_kind
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.calibration_schedule import (
     ATTENTION_PRIOR_TOKENS,

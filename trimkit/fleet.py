@@ -53,10 +53,10 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trimkit.backends.clients import client_is_async, is_openai_client
+from trimkit.backends.base import client_is_async, is_openai_client
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.routing import RoutingOptions
-from trimkit.backends.server_load import ServerLoadReader
+from trimkit.backends.server import ServerLoadReader
 from trimkit.backends.transport import normalize_base_url
 from trimkit.errors import InvalidInputError
 from trimkit.fleet_endpoint import FleetEndpoint, FleetOverloadedError, FleetUnavailableError, Health

@@ -26,7 +26,7 @@ import attrs
 from trimkit.backends.base import Measurement
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.limits import Wait
-from trimkit.backends.server_load import ServerLoad, ServerLoadReader
+from trimkit.backends.server import ServerLoad, ServerLoadReader
 from trimkit.errors import (
     BackendError,
     MalformedReplyError,

@@ -15,10 +15,9 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from trimkit.backends.base import Backend
-from trimkit.backends.clients import client_kind
-from trimkit.backends.completion import assemble_chat_completion
+from trimkit.backends.base import Backend, client_kind
 from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease
+from trimkit.backends.replies import assemble_chat_completion
 from trimkit.errors import InvalidInputError
 from trimkit.fleet import wrap_fleet
 from trimkit.frontend import FrontEnd, ReportingStream, send_params, usage_counts

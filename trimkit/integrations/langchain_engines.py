@@ -25,8 +25,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trimkit.backends.clients import client_kind
-from trimkit.backends.completion import assemble_chat_completion
+from trimkit.backends.base import client_kind
+from trimkit.backends.replies import assemble_chat_completion
 from trimkit.errors import BackendError, InvalidInputError
 from trimkit.frontend import usage_counts
 from trimkit.integrations.langchain_documents import find_context

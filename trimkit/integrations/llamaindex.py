@@ -31,7 +31,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.prompts.chat_prompts import TEXT_QA_PROMPT_TMPL_MSGS
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
-from trimkit.backends.clients import client_kind
+from trimkit.backends.base import client_kind
 from trimkit.errors import InvalidInputError
 from trimkit.integrations.llamaindex_convert import excerpts_possible, kept_nodes, nodes_to_chunks
 from trimkit.integrations.llamaindex_engine import engine_of

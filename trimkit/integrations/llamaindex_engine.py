@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 from llama_index.core.llms import LLM
 
-from trimkit.backends.clients import client_kind, is_llama
+from trimkit.backends.base import client_kind, is_llama
 from trimkit.errors import InvalidInputError
 from trimkit.fleet import wrap_url
 from trimkit.wrapper import wrap

@@ -54,8 +54,7 @@ from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.types import Model
 
-from trimkit.backends.completion import assemble_chat_completion
-from trimkit.backends.replies import parse_chunk
+from trimkit.backends.replies import assemble_chat_completion, parse_chunk
 from trimkit.errors import BackendError
 from trimkit.frontend import usage_counts
 from trimkit.integrations.llamaindex_convert import is_node, node_chunk, reply_message, to_openai_messages, tool_selections
