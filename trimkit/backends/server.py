@@ -83,7 +83,7 @@ from trimkit.backends.replies import (
     opt_str,
 )
 from trimkit.backends.routing import RouterInfo
-from trimkit.backends.transport import StreamState, read_capped
+from trimkit.backends.transport import MISSING_STATUSES, StreamState, read_capped
 from trimkit.errors import CalibrationError, ContextTooSmallError, InvalidInputError, MalformedReplyError, ServerError
 from trimkit.tokens import PromptTokenizer, TiktokenTokenizer, chatml_render, reusable_prefix_len
 
@@ -1015,7 +1015,6 @@ LOAD_ENDPOINTS: tuple[tuple[str, Callable[[bytes], ServerLoad | None]], ...] = (
     ("/metrics", _from_text),
     ("/get_load", _from_json(load_from_sglang)),
 )
-_MISSING = (404, 405, 501)
 
 
 class ServerLoadReader:
@@ -1099,8 +1098,8 @@ class ServerLoadReader:
             self.skip_until[path] = self.clock() + self.retry_s
             log.debug("trimkit: %s gave no load: %s", url, exc)
             return None
-        if status in _MISSING or status >= 400:
-            self.skip_until[path] = self.clock() + (self.recheck_s if status in _MISSING else self.retry_s)
+        if status in MISSING_STATUSES or status >= 400:
+            self.skip_until[path] = self.clock() + (self.recheck_s if status in MISSING_STATUSES else self.retry_s)
             return None
         try:
             load = parse(body)

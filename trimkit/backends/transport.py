@@ -92,9 +92,10 @@ __all__ = [
     "TRANSIENT_STATUSES", "status_error", "unreachable", "undecodable", "transport_error", "client_error",
     "client_read_error", "client_open_error", "is_transport_failure", "translated", "wrong_content_type",
     "redirect_error", "stream_reply_error", "empty_stream_error", "EventReader", "iter_events",
-    "aiter_events", "END", "ERROR_BODY_BYTES", "Opened", "BodyPlan", "HTTPTransport", "normalize_base_url",
-    "url_credentials", "redact_url", "stream_body_plan", "json_answer", "read_capped", "aread_capped",
-    "without_retries", "StreamState", "read_chunks", "aread_chunks", "timed_stream", "AsyncTimedStream",
+    "aiter_events", "END", "ERROR_BODY_BYTES", "MISSING_STATUSES", "Opened", "BodyPlan", "HTTPTransport",
+    "normalize_base_url", "url_credentials", "redact_url", "stream_body_plan", "json_answer", "read_capped",
+    "aread_capped", "without_retries", "StreamState", "read_chunks", "aread_chunks", "timed_stream",
+    "AsyncTimedStream",
 ]
 
 
@@ -362,7 +363,8 @@ async def aiter_events(byte_chunks: AsyncIterable[bytes], reader: EventReader | 
 END = object()
 #: what is read of an error status's body (for its message)
 ERROR_BODY_BYTES = 64 * 1024
-_MISSING_STATUSES = (404, 405, 501)  # an endpoint this server does not have
+#: the statuses of an endpoint this server does not have
+MISSING_STATUSES = (404, 405, 501)
 
 
 @attrs.define
@@ -614,7 +616,7 @@ class HTTPTransport:
         with translated(lambda exc: transport_error(exc, url, "the reply")):
             with self.http.stream(method, url, json=body, headers=sent_headers, timeout=self.limits.httpx_timeout(wait)) as resp:
                 status, headers = resp.status_code, resp.headers
-                if missing_ok and status in _MISSING_STATUSES:
+                if missing_ok and status in MISSING_STATUSES:
                     return None
                 if status >= 400:
                     content = read_capped(resp.iter_bytes(), ERROR_BODY_BYTES, "error body", truncate=True)
