@@ -432,11 +432,11 @@ def test_a_stream_line_that_never_ends_is_refused_at_the_cap_not_read_to_the_end
 
 
 def test_a_body_over_the_cap_is_refused(server, monkeypatch):
-    import trimkit.backends.replies as fields
+    import trimkit.backends.replies as replies
     import trimkit.backends.transport as transport
 
     monkeypatch.setattr(transport, "MAX_REPLY_BYTES", 1 << 20)
-    monkeypatch.setattr(fields, "MAX_REPLY_BYTES", 1 << 20)
+    monkeypatch.setattr(replies, "MAX_REPLY_BYTES", 1 << 20)
     server.chat(raw_reply(json.dumps({**COMPLETION, "pad": "x" * (2 << 20)}).encode()))
     for form in ("url", "url_async"):
         expect(call(form, server, stream=True, max_tokens=4), MalformedReplyError, "cap")

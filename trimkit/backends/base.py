@@ -357,6 +357,7 @@ def first_token_overhead_s(
             gaps.append(max(first - prefill, 0.0))
     return statistics.median_high(gaps) if gaps else 0.0
 
+
 # == what kind of client the caller handed over ==============================================================
 
 #: what :func:`client_kind` says a target is

@@ -66,6 +66,8 @@ __all__ = [
     "ServerInfo", "TRANSIENT_STATUSES", "MAX_PROBE_TEXT_BYTES", "PROBE_WORDS_PER_TOKEN",
 ]
 
+log = logging.getLogger("trimkit")
+
 
 # == what is sent, decided without I/O =======================================================================
 
@@ -117,10 +119,8 @@ def refuses_stream_options(exc: ServerError, body: Mapping[str, Any]) -> bool:
     """Did the server refuse the request for its ``stream_options`` (ask again without)?"""
     return "stream_options" in body and exc.status in (400, 422) and "stream_options" in exc.server_message
 
+
 # == the backend =============================================================================================
-
-log = logging.getLogger("trimkit")
-
 
 def _limit(name: str, doc: str) -> property:
     """A setting of the backend's :class:`~trimkit.backends.limits.RequestLimits`, readable

@@ -59,6 +59,8 @@ __all__ = [
     "chat_format_renderer", "llama_prompt_tokenizer", "llama_summarizer",
 ]
 
+log = logging.getLogger("trimkit")
+
 
 # == the context: what it holds and reports ==================================================================
 
@@ -248,10 +250,8 @@ def load_prefix(llm: Any, tokens: Sequence[int], data: bytes) -> None:
     llm.n_tokens = n
     llm._requires_eval = True
 
+
 # == the backend =============================================================================================
-
-log = logging.getLogger("trimkit")
-
 
 class LlamaBackend(Backend):
     """In-process llama.cpp through llama-cpp-python. Serializes access to the one ``Llama``.

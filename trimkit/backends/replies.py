@@ -93,6 +93,8 @@ __all__ = [
     "as_chat_completion", "chunk_content", "probe_output",
 ]
 
+log = logging.getLogger("trimkit")
+
 
 # == fields: bounded JSON and typed readers ==================================================================
 
@@ -227,9 +229,8 @@ def as_object(obj: Any, what: str) -> Mapping[str, Any]:
         fail(what, "", "a JSON object", obj)
     return check_depth(data, what)
 
-# == the server's numbers ====================================================================================
 
-log = logging.getLogger("trimkit")
+# == the server's numbers ====================================================================================
 
 SOURCE_LLAMA_SERVER = "llama.cpp server timings"
 SOURCE_OLLAMA = "ollama"
@@ -529,6 +530,7 @@ def build_measurement(
         server=server,
     )
 
+
 # == chat replies ============================================================================================
 
 #: the most choices (``n``) and tool calls one reply may index
@@ -769,6 +771,7 @@ def retry_after_s(value: Any) -> float | None:
     if not math.isfinite(seconds):
         return None
     return min(max(seconds, 0.0), 3600.0)
+
 
 # == the completion a stream amounts to ======================================================================
 

@@ -97,6 +97,8 @@ __all__ = [
     "load_from_metrics", "load_from_slots", "load_from_sglang", "ServerLoadReader", "LOAD_ENDPOINTS",
 ]
 
+log = logging.getLogger("trimkit")
+
 
 # == what a server says about itself, parsed =================================================================
 
@@ -297,9 +299,8 @@ def parse_workers(body: Any) -> RouterInfo | None:
     return RouterInfo(kind="sglang-router" if sglang else "vllm-router", workers=len(workers), healthy=healthy,
                       loads=tuple(_load(w.get("load")) for w in workers))
 
-# == what the server is, asked once ==========================================================================
 
-log = logging.getLogger("trimkit")
+# == what the server is, asked once ==========================================================================
 
 #: special tokens a tokenizer may add beyond two per byte of text
 TOKENIZE_SLACK = 16
@@ -531,8 +532,8 @@ def server_prompt_tokenizer(request_json: RequestJSON, root_url: str, info: Serv
         return PromptTokenizer(tok, render_local, encode_prompt=tok.encode_prompt, name=tok.name + f"+{label} template")
     return PromptTokenizer(tok, chatml_render, encode_prompt=tok.encode_prompt, name=tok.name + "+chatml(estimate)")
 
-# == calibration probes ======================================================================================
 
+# == calibration probes ======================================================================================
 
 #: a calibration probe's text never exceeds this many bytes: a tokenize endpoint that counts too
 #: few tokens would otherwise make the probe grow without end (CalibrationError instead)
@@ -717,8 +718,8 @@ class DelegatedProbes:
     def measure_first_token_overhead(self) -> float:
         return self.probes.measure_first_token_overhead()
 
-# == evidence: what the server's numbers teach ===============================================================
 
+# == evidence: what the server's numbers teach ===============================================================
 
 #: the server flag that makes an engine report its cached prompt tokens (without it the field is
 #: absent or ``null``: "not reported", never 0)
@@ -857,8 +858,8 @@ class ServerEvidence:
                          finish_reason=reply.finish_reason, content_chunks=None)
         return attrs.evolve(m, server={**m.server, "model": reply.model}) if reply.model else m
 
-# == load ====================================================================================================
 
+# == load ====================================================================================================
 
 #: (running, waiting) metric names, per engine, in the Prometheus text of ``/metrics``
 LOAD_METRICS = (

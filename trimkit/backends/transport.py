@@ -249,6 +249,7 @@ def empty_stream_error() -> ServerError:
     message = "the server closed the stream without sending a chunk (llama-cpp-python does this when the prompt exceeds its context window)"
     return ServerError(message, status=200, server_message="empty stream")
 
+
 # == server-sent events ======================================================================================
 
 _LINE_ENDS = re.compile(rb"[\r\n]+")  # a run of line ends; two or more in a run end an event
@@ -356,6 +357,7 @@ async def aiter_events(byte_chunks: AsyncIterable[bytes], reader: EventReader | 
                 yield value
             if reader.done:
                 return
+
 
 # == sending a request and opening its answer ================================================================
 
@@ -742,6 +744,7 @@ class HTTPTransport:
                 with contextlib.suppress(Exception):
                     await stream.close()
                 raise
+
 
 # == reading an open stream ==================================================================================
 
