@@ -759,7 +759,7 @@ class StealMeter:
 def host_facts() -> dict[str, Any]:
     import llama_cpp
 
-    from trimkit.backends.llama_context import cpu_name
+    from trimkit.backends.llama import cpu_name
 
     facts: dict[str, Any] = {
         "cpu_count": os.cpu_count(), "cpu": cpu_name(), "platform": platform.platform(), "machine": platform.machine(),

@@ -1,6 +1,6 @@
 """The server flags that decide whether cached tokens are seen: vLLM and SGLang report them only
 when started with a flag; without it the field is ``null`` — "not reported", never 0 — and
-trimkit names the flag once (trimkit.backends.evidence.CACHE_REPORT_FLAGS).
+trimkit names the flag once (trimkit.backends.server.CACHE_REPORT_FLAGS).
 
 No GPU engine runs here: the replies are replayed on loopback in the shapes the engines send.
 
@@ -23,7 +23,7 @@ import pytest
 
 from tests._core_helpers import make_profile
 from tests.test_server_faults import chunk, json_reply, sse_reply
-from trimkit.backends.server_timings import SOURCE_USAGE, parse_server_stats
+from trimkit.backends.replies import SOURCE_USAGE, parse_server_stats
 from trimkit.openai_wrapper import wrap_url
 
 VLLM_USAGE = {"completion_tokens": 16, "prompt_tokens": 4, "prompt_tokens_details": None, "total_tokens": 20}

@@ -40,7 +40,7 @@ import httpx
 import pytest
 
 import trimkit
-from trimkit.backends.clients import is_llama
+from trimkit.backends.base import is_llama
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.profile_store import save_profile
 from trimkit.testing import FakeBackend, FakeOpenAIServer

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 import trimkit
-from trimkit.backends.server_load import (
+from trimkit.backends.server import (
     ServerLoad,
     ServerLoadReader,
     load_from_metrics,

@@ -15,8 +15,8 @@ import pytest
 
 import trimkit
 from tests._server import two_llama_servers  # noqa: F401
-from trimkit.backends.completion import chunk_content
 from trimkit.backends.llama import llama_prompt_tokenizer
+from trimkit.backends.replies import chunk_content
 from trimkit.errors import StreamInterruptedError
 from trimkit.fleet import FleetFrontEnd, FleetUnavailableError
 

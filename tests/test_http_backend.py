@@ -21,9 +21,9 @@ import pytest
 
 from tests._server import free_port, running_server, start_server, stop_server
 from trimkit.backends.base import TimedStream
-from trimkit.backends.completion import assemble_chat_completion, chunk_content
 from trimkit.backends.http import AsyncTimedStream, OpenAIHTTPBackend
-from trimkit.backends.sse import EventReader, iter_events
+from trimkit.backends.replies import assemble_chat_completion, chunk_content
+from trimkit.backends.transport import EventReader, iter_events
 from trimkit.errors import (
     InvalidInputError,
     ServerError,

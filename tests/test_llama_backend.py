@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from trimkit.backends.completion import chunk_content
 from trimkit.backends.llama import LlamaBackend
+from trimkit.backends.replies import chunk_content
 from trimkit.errors import ContextTooSmallError
 
 HISTORY = [

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from tests._llama_cpp_server import gemma3_template_args, needs_llama_server, running_llama_cpp_server
-from trimkit.backends.server_load import ServerLoadReader
-from trimkit.backends.server_timings import SOURCE_LLAMA_SERVER
+from trimkit.backends.replies import SOURCE_LLAMA_SERVER
+from trimkit.backends.server import ServerLoadReader
 from trimkit.openai_wrapper import wrap_url
 
 pytestmark = needs_llama_server
@@ -25,7 +25,7 @@ SYSTEM = {"role": "system", "content": "You are a careful assistant. Answer in o
 
 
 def words(n: int, offset: int = 0) -> str:
-    from trimkit.backends.probes import default_probe_text
+    from trimkit.backends.server import default_probe_text
 
     text = default_probe_text().split()
     return " ".join(text[offset: offset + n])

@@ -188,7 +188,7 @@ def test_a_prompt_that_fits_is_not_called_truncated(replay):
 
 
 def test_a_prompt_over_the_window_is_caught_whatever_the_estimates_tolerance():
-    from trimkit.backends.server_timings import ServerStats, detect_truncation
+    from trimkit.backends.replies import ServerStats, detect_truncation
 
     stats = ServerStats(source="ollama", prompt_tokens=4096)
     assert detect_truncation(4500, stats, tolerance_tokens=1125) == 0

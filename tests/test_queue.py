@@ -20,9 +20,9 @@ import pytest
 import trimkit
 from tests._core_helpers import make_measurement, make_profile
 from trimkit.backends.base import TimedStream
-from trimkit.backends.completion import chunk_content
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.lease import EngineLease
+from trimkit.backends.replies import chunk_content
 from trimkit.errors import (
     EngineBusyError,
     InfeasibleBudgetError,

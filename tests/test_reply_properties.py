@@ -20,11 +20,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.test_server_faults import DEADLINE_S, FaultServer, json_reply, make_chat, raw_reply, sse_reply
-from trimkit.backends.completion import assemble_chat_completion, chunk_content
-from trimkit.backends.fields import MAX_JSON_DEPTH, load_json
 from trimkit.backends.http import OpenAIHTTPBackend
-from trimkit.backends.replies import Choice, Reply, error_message, parse_chunk, parse_completion, retry_after_s
-from trimkit.backends.server_facts import (
+from trimkit.backends.replies import (
+    MAX_JSON_DEPTH,
+    MAX_SERVER_SECONDS,
+    MAX_TOKEN_COUNT,
+    Choice,
+    Reply,
+    ServerStats,
+    assemble_chat_completion,
+    chunk_content,
+    error_message,
+    load_json,
+    parse_chunk,
+    parse_completion,
+    parse_server_stats,
+    retry_after_s,
+)
+from trimkit.backends.server import (
     MAX_CONTEXT_TOKENS,
     MAX_TOKEN_ID,
     ModelList,
@@ -34,8 +47,7 @@ from trimkit.backends.server_facts import (
     parse_tokens,
     parse_version,
 )
-from trimkit.backends.server_timings import MAX_SERVER_SECONDS, MAX_TOKEN_COUNT, ServerStats, parse_server_stats
-from trimkit.backends.sse import EventReader, iter_events
+from trimkit.backends.transport import EventReader, iter_events
 from trimkit.errors import MalformedReplyError, ServerError, TrimkitError
 
 pytestmark = pytest.mark.timeout(300)

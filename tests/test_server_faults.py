@@ -32,8 +32,8 @@ import pytest
 
 import trimkit
 from tests._core_helpers import make_profile
-from trimkit.backends.completion import chunk_content
 from trimkit.backends.http import OpenAIHTTPBackend
+from trimkit.backends.replies import chunk_content
 from trimkit.errors import (
     CalibrationError,
     MalformedReplyError,
@@ -432,11 +432,11 @@ def test_a_stream_line_that_never_ends_is_refused_at_the_cap_not_read_to_the_end
 
 
 def test_a_body_over_the_cap_is_refused(server, monkeypatch):
-    import trimkit.backends.fields as fields
+    import trimkit.backends.replies as replies
     import trimkit.backends.transport as transport
 
     monkeypatch.setattr(transport, "MAX_REPLY_BYTES", 1 << 20)
-    monkeypatch.setattr(fields, "MAX_REPLY_BYTES", 1 << 20)
+    monkeypatch.setattr(replies, "MAX_REPLY_BYTES", 1 << 20)
     server.chat(raw_reply(json.dumps({**COMPLETION, "pad": "x" * (2 << 20)}).encode()))
     for form in ("url", "url_async"):
         expect(call(form, server, stream=True, max_tokens=4), MalformedReplyError, "cap")
@@ -633,7 +633,7 @@ def _tokenize_route(count_of: Callable[[str], int], limit_bytes: int = 8 << 20) 
     (lambda text: 5000 if text else 1, MalformedReplyError, "tokens for a text"),  # more tokens than the text has bytes
 ], ids=["constant", "too_few", "too_many"])
 def test_a_tokenizer_that_does_not_count_the_text_stops_calibration(server, count_of, error, match):
-    from trimkit.backends.probes import MAX_PROBE_TEXT_BYTES
+    from trimkit.backends.server import MAX_PROBE_TEXT_BYTES
 
     server.routes["/extras/tokenize"] = _tokenize_route(count_of)
     backend = OpenAIHTTPBackend(server.base_url, model="m", retry_backoff_s=0.01)
@@ -649,7 +649,7 @@ def test_a_tokenizer_that_does_not_count_the_text_stops_calibration(server, coun
 
 
 def test_calibration_probes_against_a_fair_tokenizer_stay_within_the_cap(server):
-    from trimkit.backends.probes import MAX_PROBE_TEXT_BYTES
+    from trimkit.backends.server import MAX_PROBE_TEXT_BYTES
 
     server.routes["/extras/tokenize"] = _tokenize_route(lambda text: 1 + len(text.split()))
     backend = OpenAIHTTPBackend(server.base_url, model="m")

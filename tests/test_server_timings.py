@@ -1,4 +1,4 @@
-"""Parsing servers' own numbers (trimkit.backends.server_timings).
+"""Parsing servers' own numbers (trimkit.backends.replies).
 
 Shapes the local llama-cpp-python server does not produce — llama.cpp server ``timings``,
 Ollama's native counters, vLLM's ``prompt_tokens_details.cached_tokens`` — are constructed
@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from trimkit.backends.server_timings import (
+from trimkit.backends.replies import (
     SOURCE_CLIENT,
     SOURCE_LLAMA_SERVER,
     SOURCE_OLLAMA,

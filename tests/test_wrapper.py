@@ -11,7 +11,7 @@ import pytest
 
 import trimkit
 from trimkit.backends.base import TimedStream
-from trimkit.backends.completion import chunk_content
+from trimkit.backends.replies import chunk_content
 from trimkit.errors import (
     InfeasibleBudgetError,
     InvalidBudgetError,

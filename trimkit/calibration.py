@@ -32,8 +32,7 @@ from typing import Any
 
 import attrs
 
-from trimkit.backends.base import Backend
-from trimkit.backends.clients import client_kind
+from trimkit.backends.base import Backend, client_kind
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.calibration_schedule import (
     ATTENTION_PRIOR_TOKENS,
@@ -376,7 +375,7 @@ FLAT_GROWTH = 1.1
 
 def as_backend(target: Any) -> Backend:
     """A :class:`Backend` for ``target``: a Backend, a trimkit wrapper's, a ``llama_cpp.Llama``, or an OpenAI-style client
-    (what it is: :func:`~trimkit.backends.clients.client_kind`, as for :func:`trimkit.wrap`)."""
+    (what it is: :func:`~trimkit.backends.base.client_kind`, as for :func:`trimkit.wrap`)."""
     kind = client_kind(target)
     if kind == "backend":
         return target

@@ -244,7 +244,7 @@ class MalformedReplyError(ServerError):
     """The server's reply is not what the protocol allows, so trimkit cannot use it: a body that
     is not JSON (or not the JSON it should be), a field of the wrong type (``choices: 5``), a
     number out of range (a 400-digit token count, a NaN time), JSON nested deeper than
-    :data:`trimkit.backends.fields.MAX_JSON_DEPTH`, a reply over the size cap, or the wrong
+    :data:`trimkit.backends.replies.MAX_JSON_DEPTH`, a reply over the size cap, or the wrong
     content type. ``.field`` names where (``choices[0].delta``, ``usage.prompt_tokens``; ``""``
     for the body as a whole); ``.server_message`` holds the start of what was received.
     Never retried: the same server gives the same reply."""

@@ -25,7 +25,7 @@ clients, all sync or all async) give a :class:`FleetFrontEnd` (:class:`AsyncFlee
   unless that replica is busy enough to lose. The endpoint's pipeline plans against the budget less
   that wait. ``report.endpoint`` names the replica; the report shows the wait predicted and the
   cached tokens. The wait counts what this client sent (predicted TTFT + ``max_tokens`` / decode
-  speed each) and, where the server says its load (:mod:`trimkit.backends.server_load`), other
+  speed each) and, where the server says its load (:mod:`trimkit.backends.server`), other
   clients' requests.
 - **Failover**: an endpoint that refuses, times out or fails before a request's first token is taken
   out of rotation and probed again later (``GET /v1/models`` after ``probe_after_s``, doubling to
@@ -53,10 +53,10 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trimkit.backends.clients import client_is_async, is_openai_client
+from trimkit.backends.base import client_is_async, is_openai_client
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.routing import RoutingOptions
-from trimkit.backends.server_load import ServerLoadReader
+from trimkit.backends.server import ServerLoadReader
 from trimkit.backends.transport import normalize_base_url
 from trimkit.errors import InvalidInputError
 from trimkit.fleet_endpoint import FleetEndpoint, FleetOverloadedError, FleetUnavailableError, Health

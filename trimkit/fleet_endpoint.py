@@ -2,7 +2,7 @@
 :class:`~trimkit.backends.http.OpenAIHTTPBackend` and a :class:`~trimkit.pipeline.Pipeline`
 with its own profile — and what the fleet knows of it (:class:`Health`, :class:`HeldPrompts`, below): the requests
 this client has in flight there, the prompts its prefix cache holds, its load where the server
-says it (:mod:`trimkit.backends.server_load`) and whether it is in rotation.
+says it (:mod:`trimkit.backends.server`) and whether it is in rotation.
 
 :meth:`FleetEndpoint.cost` prices a request on it: the predicted wait behind the requests ahead
 plus the predicted prefill of what it does not hold. An endpoint that refuses, times out or
@@ -26,7 +26,7 @@ import attrs
 from trimkit.backends.base import Measurement
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.limits import Wait
-from trimkit.backends.server_load import ServerLoad, ServerLoadReader
+from trimkit.backends.server import ServerLoad, ServerLoadReader
 from trimkit.errors import (
     BackendError,
     MalformedReplyError,

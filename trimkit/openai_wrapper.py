@@ -26,12 +26,10 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-from trimkit.backends.base import Measurement
-from trimkit.backends.clients import client_is_async, is_openai_client
-from trimkit.backends.completion import assemble_chat_completion
+from trimkit.backends.base import Measurement, client_is_async, is_openai_client
 from trimkit.backends.http import OpenAIHTTPBackend
+from trimkit.backends.replies import SOURCE_CLIENT, assemble_chat_completion
 from trimkit.backends.routing import NOT_GIVEN, RoutingOptions, check_routing_key, planning_for, routing_headers
-from trimkit.backends.server_timings import SOURCE_CLIENT
 from trimkit.call_deadlines import MIN_RETRY_DEADLINE_S, CallDeadlines, retry_deadline_for
 from trimkit.errors import InvalidInputError, InvalidMessageError
 from trimkit.frontend import AsyncReportingStream, FrontEnd, ReportingOpenAIStream, StreamReporter, send_params, usage_counts

@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 
 from trimkit.backends.base import Backend, Measurement, TimedStream
-from trimkit.backends.completion import chunk_content
 from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease
+from trimkit.backends.replies import chunk_content
 from trimkit.errors import ContextTooSmallError
 from trimkit.planning.costs import CostModel
 from trimkit.profile import ProfileKey

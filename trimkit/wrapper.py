@@ -1,6 +1,6 @@
 """The drop-in wrapper: ``trimkit.wrap(llm, ttft_budget_s=...)``, and the in-process front-ends.
 
-:func:`wrap` looks at what it is given (:func:`~trimkit.backends.clients.client_kind`) and returns
+:func:`wrap` looks at what it is given (:func:`~trimkit.backends.base.client_kind`) and returns
 the matching front-end. Every front-end holds a :class:`~trimkit.pipeline.Pipeline` (validate →
 plan → measure → report) and only sends: :class:`Trimmer` sends through any
 :class:`~trimkit.backends.base.Backend` (taking an in-process engine for the length of the
@@ -15,10 +15,9 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from trimkit.backends.base import Backend
-from trimkit.backends.clients import client_kind
-from trimkit.backends.completion import assemble_chat_completion
+from trimkit.backends.base import Backend, client_kind
 from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease
+from trimkit.backends.replies import assemble_chat_completion
 from trimkit.errors import InvalidInputError
 from trimkit.fleet import wrap_fleet
 from trimkit.frontend import FrontEnd, ReportingStream, send_params, usage_counts

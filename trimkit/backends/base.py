@@ -1,4 +1,5 @@
-"""The seam between trimkit and a model engine.
+"""The seam between trimkit and a model engine, and the one place trimkit asks what kind of client
+the caller handed over.
 
 A :class:`Backend` does four things: tokenize a chat prompt as the engine will
 (:attr:`Backend.tokenizer`), say how many of its tokens the engine will reuse from its KV cache
@@ -13,25 +14,36 @@ took — ``evaluate_to(tokens, end) -> (seconds, start)``, the context then hold
 ``watch(evaluate_to, clock, held) -> (messages, tokens)``, it returns what to generate from) takes
 part in the closed loop (:mod:`trimkit.planning.watch`). :class:`~trimkit.backends.llama.LlamaBackend`
 does; a backend without ``evaluate_to`` is planned once, before sending.
+
+**Clients.** ``wrap()``, calibration and the HTTP backend all dispatch through
+:func:`client_kind` and its checks, so a client-like object is judged the same way everywhere.
 """
 
 from __future__ import annotations
 
 import abc
 import functools
+import inspect
 import statistics
+import sys
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
 from trimkit.profile import ProfileKey
 from trimkit.tokens import PromptTokenizer
 
-__all__ = ["Measurement", "TimedStream", "Backend", "Clock", "first_token_overhead_s", "probe_text"]
+__all__ = [
+    "Measurement", "TimedStream", "Backend", "Clock", "first_token_overhead_s", "probe_text", "ClientKind",
+    "client_kind", "is_llama", "is_openai_client", "is_ollama_client", "client_is_async",
+]
+
+
+# == the seam ================================================================================================
 
 Clock = Callable[[], float]
 
@@ -344,3 +356,57 @@ def first_token_overhead_s(
         if prefill is not None:
             gaps.append(max(first - prefill, 0.0))
     return statistics.median_high(gaps) if gaps else 0.0
+
+
+# == what kind of client the caller handed over ==============================================================
+
+#: what :func:`client_kind` says a target is
+ClientKind = Literal["backend", "wrapper", "llama", "openai", "ollama"]
+
+
+def client_kind(target: Any) -> ClientKind | None:
+    """What ``target`` is: a trimkit Backend, a trimkit wrapper (a Backend at ``.backend``), a
+    ``llama_cpp.Llama``, an OpenAI-style client, an ``ollama`` client; None: none of these. The one dispatch that
+    ``wrap()`` and calibration both use."""
+    if isinstance(target, Backend):
+        return "backend"
+    if isinstance(getattr(target, "backend", None), Backend):
+        return "wrapper"
+    if is_llama(target):
+        return "llama"
+    if is_openai_client(target):
+        return "openai"
+    if is_ollama_client(target):
+        return "ollama"
+    return None
+
+
+def is_llama(client: Any) -> bool:
+    """A ``llama_cpp.Llama`` (or subclass), without importing llama_cpp when it is not loaded."""
+    llama_cpp = sys.modules.get("llama_cpp")
+    Llama = getattr(llama_cpp, "Llama", None) if llama_cpp is not None else None
+    return Llama is not None and isinstance(client, Llama)
+
+
+def is_openai_client(client: Any) -> bool:
+    """An ``openai.OpenAI``-style client: anything with a callable ``.chat.completions.create``."""
+    create = getattr(getattr(getattr(client, "chat", None), "completions", None), "create", None)
+    return callable(create)
+
+
+def is_ollama_client(client: Any) -> bool:
+    """An ``ollama.Client`` / ``ollama.AsyncClient`` (or subclass): a ``chat`` method and the
+    ``httpx`` client it sends through (``._client``), from the ``ollama`` package."""
+    module = type(client).__module__ or ""
+    http = getattr(client, "_client", None)
+    httpx = sys.modules.get("httpx")
+    return (module.split(".")[0] == "ollama" and callable(getattr(client, "chat", None)) and httpx is not None
+            and isinstance(http, (httpx.Client, httpx.AsyncClient)))
+
+
+def client_is_async(client: Any) -> bool:
+    """Whether an OpenAI-style client's ``chat.completions.create`` must be awaited."""
+    create = client.chat.completions.create
+    if inspect.iscoroutinefunction(inspect.unwrap(create)):
+        return True
+    return type(client).__name__.startswith("Async")

@@ -6,12 +6,14 @@ plain dicts shaped like OpenAI's), or :meth:`OpenAIHTTPBackend.from_openai_clien
 user's ``openai.OpenAI`` / ``openai.AsyncOpenAI`` client (chat requests go through it, its own
 retries turned off; the stream yields its own chunk objects).
 
-The class is thin: what the server is (:mod:`~trimkit.backends.server`), the I/O
-(:mod:`~trimkit.backends.transport`, :mod:`~trimkit.backends.sse`), retries and deadlines
-(:mod:`~trimkit.backends.limits`), errors (:mod:`~trimkit.backends.faults`), replies parsed at
-the boundary (:mod:`~trimkit.backends.replies`), reading a stream
-(:mod:`~trimkit.backends.streams`), cache and count evidence (:mod:`~trimkit.backends.evidence`)
-and calibration probes (:mod:`~trimkit.backends.probes`) each have their module.
+The class is thin: what the server is, its calibration probes and the evidence its numbers give
+(:mod:`~trimkit.backends.server`), the I/O, reading a stream and the errors on the wire
+(:mod:`~trimkit.backends.transport`), retries and deadlines (:mod:`~trimkit.backends.limits`)
+and replies parsed at the boundary (:mod:`~trimkit.backends.replies`) each have their module.
+What it sends is decided here, without I/O (:class:`ChatCall`, :func:`chat_body`,
+:func:`probe_body`): the body of a chat request (the caller's parameters, the model, and
+``stream_options`` asking for usage) and of a calibration probe, and what to do when a server
+refuses ``stream_options``.
 """
 
 from __future__ import annotations
@@ -27,29 +29,98 @@ from typing import Any
 import attrs
 import httpx
 
-from trimkit.backends.base import Backend, Clock, Measurement, TimedStream
-from trimkit.backends.bodies import ChatCall, chat_body, probe_body, refuses_stream_options
-from trimkit.backends.clients import client_is_async, is_openai_client
-from trimkit.backends.completion import as_chat_completion, assemble_chat_completion, probe_output
-from trimkit.backends.evidence import ServerEvidence
-from trimkit.backends.faults import TRANSIENT_STATUSES
+from trimkit.backends.base import Backend, Clock, Measurement, TimedStream, client_is_async, is_openai_client
 from trimkit.backends.limits import Deadline, RequestLimits, Wait, awith_retries
 from trimkit.backends.llama_format import chat_format_renderer
-from trimkit.backends.probes import MAX_PROBE_TEXT_BYTES, PROBE_WORDS_PER_TOKEN, DelegatedProbes, ServerProbes
-from trimkit.backends.replies import parse_completion
+from trimkit.backends.replies import as_chat_completion, assemble_chat_completion, parse_completion, parse_server_stats, probe_output
 from trimkit.backends.routing import current_key, key_of
-from trimkit.backends.server import ServerInfo, probe_server, server_prompt_tokenizer
-from trimkit.backends.server_timings import parse_server_stats
-from trimkit.backends.streams import AsyncTimedStream, StreamState, aread_chunks, read_chunks, timed_stream
-from trimkit.backends.transport import HTTPTransport, Opened, normalize_base_url, url_credentials, without_retries
+from trimkit.backends.server import (
+    MAX_PROBE_TEXT_BYTES,
+    PROBE_WORDS_PER_TOKEN,
+    DelegatedProbes,
+    ServerEvidence,
+    ServerInfo,
+    ServerProbes,
+    probe_server,
+    server_prompt_tokenizer,
+)
+from trimkit.backends.transport import (
+    TRANSIENT_STATUSES,
+    AsyncTimedStream,
+    HTTPTransport,
+    Opened,
+    StreamState,
+    aread_chunks,
+    normalize_base_url,
+    read_chunks,
+    timed_stream,
+    url_credentials,
+    without_retries,
+)
 from trimkit.errors import InvalidInputError, ServerError
 from trimkit.profile import ProfileKey
 from trimkit.tokens import PromptTokenizer, TiktokenTokenizer
 
-__all__ = ["OpenAIHTTPBackend", "AsyncTimedStream", "ServerInfo", "TRANSIENT_STATUSES", "MAX_PROBE_TEXT_BYTES", "PROBE_WORDS_PER_TOKEN"]
+__all__ = [
+    "ChatCall", "chat_body", "probe_body", "refuses_stream_options", "OpenAIHTTPBackend", "AsyncTimedStream",
+    "ServerInfo", "TRANSIENT_STATUSES", "MAX_PROBE_TEXT_BYTES", "PROBE_WORDS_PER_TOKEN",
+]
 
 log = logging.getLogger("trimkit")
 
+
+# == what is sent, decided without I/O =======================================================================
+
+_USAGE = {"include_usage": True}
+
+
+@attrs.frozen
+class ChatCall:
+    """A chat request decided: the prompt as counted (``sent``), its predicted cached prefix,
+    the body, whether the usage-only chunk is trimkit's own (``hide_usage``), and how long its
+    first chunk may take."""
+
+    sent: list[int]
+    predicted: int
+    body: dict[str, Any]
+    hide_usage: bool
+    deadline: Deadline
+    #: headers of this request only (a routing key: :mod:`trimkit.backends.routing`)
+    headers: Mapping[str, str] = attrs.field(factory=dict)
+
+
+def chat_body(messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], model: str | None, *, stream: bool,
+              include_usage: bool) -> tuple[dict[str, Any], bool]:
+    """``(body, hide_usage)``: the caller's parameters as given, the model if known, and for a
+    stream ``stream_options`` asking for usage (unless the caller set it or the server refuses
+    it): then the usage-only chunk is trimkit's, not to be handed on."""
+    body: dict[str, Any] = {"messages": list(messages), **params, "stream": stream}
+    if model:
+        body["model"] = model
+    hide = stream and "stream_options" not in params and include_usage
+    if hide:
+        body["stream_options"] = dict(_USAGE)
+    elif not stream:
+        body.pop("stream_options", None)
+    return body, hide
+
+
+def probe_body(text: str, model: str | None, *, max_tokens: int, include_usage: bool, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A streamed ``/v1/completions`` calibration probe: raw prompt text, greedy."""
+    body: dict[str, Any] = {"prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "stream": True, **(extra or {})}
+    if model:
+        body["model"] = model
+    if include_usage:
+        body["stream_options"] = dict(_USAGE)
+    return body
+
+
+def refuses_stream_options(exc: ServerError, body: Mapping[str, Any]) -> bool:
+    """Did the server refuse the request for its ``stream_options`` (ask again without)?"""
+    return "stream_options" in body and exc.status in (400, 422) and "stream_options" in exc.server_message
+
+
+# == the backend =============================================================================================
 
 def _limit(name: str, doc: str) -> property:
     """A setting of the backend's :class:`~trimkit.backends.limits.RequestLimits`, readable
@@ -245,7 +316,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
     def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         """The longest common prefix with the last prompt sent, rounded down to the engine's
         cache block, leaving at least one token to evaluate; 0 once the server has shown it does
-        not reuse prefixes (:class:`~trimkit.backends.evidence.ServerEvidence`); ``cache_view``'s
+        not reuse prefixes (:class:`~trimkit.backends.server.ServerEvidence`); ``cache_view``'s
         prediction when one is set."""
         if self.cache_view is not None:
             return self.cache_view(prompt_tokens)
@@ -454,7 +525,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
 
     # -- requests: async --------------------------------------------------------------------------------
     def _achunks(self, call: ChatCall, state: StreamState) -> AsyncIterator[Any]:
-        """The chunks of an async stream: ONE async generator (:func:`~trimkit.backends.streams.aread_chunks`),
+        """The chunks of an async stream: ONE async generator (:func:`~trimkit.backends.transport.aread_chunks`),
         which closes its response itself — no generator of trimkit's wraps it, for asyncio to close
         on its own and out of order (issue 34, item 9)."""
 
@@ -507,7 +578,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         m = self.evidence.whole_measure(parse_completion(response), self.clock() - start, call.sent, call.predicted)
         return response, _facts_added(m, self._request_facts(call))
 
-    # -- calibration probes (trimkit.backends.probes) ----------------------------------------------------
+    # -- calibration probes (trimkit.backends.server) ----------------------------------------------------
     def probe_completion(self, text: str, tokens: list[int], *, max_tokens: int = 1, extra: Mapping[str, Any] | None = None) -> Measurement:
         """One streamed ``/v1/completions`` request with raw prompt text, never bounded by a
         deadline (a long probe is meant to take long); TTFT at the first chunk."""

@@ -30,16 +30,18 @@ import attrs
 import httpx
 import tenacity
 
-from trimkit.backends.faults import RETRIED
 from trimkit.errors import InvalidInputError, ServerTimeoutError, ServerUnreachableError, TransientServerError, TrimkitError
 from trimkit.validation import count
 
-__all__ = ["MIN_WAIT_S", "Deadline", "Wait", "RequestLimits", "RetryRun", "with_retries", "awith_retries", "run_within"]
+__all__ = ["MIN_WAIT_S", "RETRIED", "Deadline", "Wait", "RequestLimits", "RetryRun", "with_retries", "awith_retries", "run_within"]
 
 log = logging.getLogger("trimkit")
 
 #: no single network wait is set shorter than this
 MIN_WAIT_S = 0.05
+#: the errors a request is retried on, inside its deadline: transient statuses
+#: (:data:`~trimkit.backends.transport.TRANSIENT_STATUSES`) and unreachable servers
+RETRIED = (TransientServerError, ServerUnreachableError)
 
 
 @attrs.frozen

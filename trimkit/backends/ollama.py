@@ -14,7 +14,7 @@ every answer (docs/servers.md, "Ollama"):
 - an over-long prompt is cut from the front and still answered 200 (ollama#3839): the only
   tell is ``prompt_eval_count``. trimkit sets ``options.num_ctx`` to the window it plans
   within (``n_ctx``), so the plan keeps the prompt inside it, and compares what was sent with
-  what was taken in (:func:`~trimkit.backends.server_timings.detect_truncation`).
+  what was taken in (:func:`~trimkit.backends.replies.detect_truncation`).
 
 The request goes out through the client's own ``httpx`` client (its host, headers and auth);
 each NDJSON line is parsed at the boundary and handed on as the client's own ``ChatResponse``,
@@ -34,17 +34,11 @@ from typing import Any
 import attrs
 import httpx
 
-from trimkit.backends.base import Backend, Clock, Measurement, TimedStream
-from trimkit.backends.clients import is_ollama_client
-from trimkit.backends.evidence import ServerEvidence
-from trimkit.backends.faults import status_error, transport_error
-from trimkit.backends.fields import MAX_EVENT_BYTES, load_json
+from trimkit.backends.base import Backend, Clock, Measurement, TimedStream, is_ollama_client
 from trimkit.backends.llama_format import chat_format_renderer
-from trimkit.backends.probes import DelegatedProbes, ServerProbes
-from trimkit.backends.replies import error_message
-from trimkit.backends.server_timings import ServerStats, as_mapping, parse_server_stats
-from trimkit.backends.streams import AsyncTimedStream
-from trimkit.backends.transport import redact_url
+from trimkit.backends.replies import MAX_EVENT_BYTES, ServerStats, as_mapping, error_message, load_json, parse_server_stats
+from trimkit.backends.server import DelegatedProbes, ServerEvidence, ServerProbes
+from trimkit.backends.transport import AsyncTimedStream, redact_url, status_error, transport_error
 from trimkit.errors import InvalidInputError, MalformedReplyError, ServerError, StreamInterruptedError
 from trimkit.profile import ProfileKey
 from trimkit.tokens import PromptTokenizer, TiktokenTokenizer
@@ -374,7 +368,7 @@ class OllamaBackend(DelegatedProbes, Backend):
         body = self.chat_body(messages, params)
         return self._stream("/api/chat", body, self._prompt(messages, params, prompt_tokens), is_async=True)  # type: ignore[return-value]
 
-    # -- calibration probes (trimkit.backends.probes) --------------------------------------------------
+    # -- calibration probes (trimkit.backends.server) --------------------------------------------------
     def probe_completion(self, text: str, tokens: list[int], *, max_tokens: int = 1, extra: Mapping[str, Any] | None = None) -> Measurement:
         """One raw ``/api/generate`` request (no template), ``num_predict=max_tokens``; sync
         whatever the client. ``extra`` (``ignore_eos``) has no Ollama equivalent and is left out."""

@@ -1,25 +1,26 @@
 """What an OpenAI-compatible server sent, parsed at the boundary: validated values, or one typed
-error naming what was wrong. Pure functions, no I/O.
+error naming what was wrong; the numbers a server reports about each request; and the
+``chat.completion`` a finished stream amounts to. Pure functions, no I/O.
 
 Every reply the HTTP backend reads goes through exactly one parser before any other code looks
-at it, so past these modules the code trusts its types:
+at it, so past these parsers the code trusts its types:
 
-=============================  ==============================================  ===========================
-reply                          parser                                          gives
-=============================  ==============================================  ===========================
-any JSON body or SSE event     :func:`~trimkit.backends.fields.load_json`      a JSON value nested at most
-                                                                               ``MAX_JSON_DEPTH`` deep
-a stream chunk                 :func:`parse_chunk`                             :class:`Reply`
-a whole (non-streamed) answer  :func:`parse_completion`                        :class:`Reply`
-its ``usage`` / ``timings``    (inside both)                                   :class:`~trimkit.backends.server_timings.ServerStats`
-``/v1/models``                 :func:`~trimkit.backends.server_facts.parse_models`  :class:`~trimkit.backends.server_facts.ModelList`
-``/props``, ``/version``, …    :func:`~trimkit.backends.server_facts.parse_props`, …  numbers and strings
-``/tokenize``                  :func:`~trimkit.backends.server_facts.parse_tokens`  ``list[int]``
-``/apply-template``            :func:`~trimkit.backends.server_facts.parse_template`  ``str``
-a ``text/event-stream``        :func:`~trimkit.backends.sse.iter_events`       JSON events (bounded, in order)
-an error status's body         :func:`error_message`                           ``str``
-``Retry-After``                :func:`retry_after_s`                           ``float | None``
-=============================  ==============================================  ===========================
+=============================  ======================================================  ===========================
+reply                          parser                                                  gives
+=============================  ======================================================  ===========================
+any JSON body or SSE event     :func:`load_json`                                       a JSON value nested at most
+                                                                                       ``MAX_JSON_DEPTH`` deep
+a stream chunk                 :func:`parse_chunk`                                     :class:`Reply`
+a whole (non-streamed) answer  :func:`parse_completion`                                :class:`Reply`
+its ``usage`` / ``timings``    (inside both)                                           :class:`ServerStats`
+``/v1/models``                 :func:`~trimkit.backends.server.parse_models`           :class:`~trimkit.backends.server.ModelList`
+``/props``, ``/version``, …    :func:`~trimkit.backends.server.parse_props`, …         numbers and strings
+``/tokenize``                  :func:`~trimkit.backends.server.parse_tokens`           ``list[int]``
+``/apply-template``            :func:`~trimkit.backends.server.parse_template`         ``str``
+a ``text/event-stream``        :func:`~trimkit.backends.transport.iter_events`         JSON events (bounded, in order)
+an error status's body         :func:`error_message`                                   ``str``
+``Retry-After``                :func:`retry_after_s`                                   ``float | None``
+=============================  ======================================================  ===========================
 
 The rules, the same everywhere:
 
@@ -31,9 +32,39 @@ The rules, the same everywhere:
 - only the fields trimkit reads are checked; every other field passes through untouched, and the
   caller receives the server's object itself (``Reply.raw``), never a copy trimkit changed;
 - numbers are range-checked: token counts and ids ``0..2**31-1``, context sizes up to
-  ``MAX_CONTEXT_TOKENS``, times finite (see :mod:`trimkit.backends.server_timings`);
-- sizes are capped: a body at ``MAX_REPLY_BYTES``, one stream event at ``MAX_EVENT_BYTES``
-  (:mod:`trimkit.backends.fields`).
+  ``MAX_CONTEXT_TOKENS``, times finite (see the server's numbers, below);
+- sizes are capped: a body at ``MAX_REPLY_BYTES``, one stream event at ``MAX_EVENT_BYTES``.
+
+**Fields.** Reading the JSON a server sent: bounded decoding (:func:`load_json`) and the typed
+field readers every reply parser uses (:func:`opt_str`, :func:`opt_int`, …). A value the
+protocol does not allow raises :class:`~trimkit.errors.MalformedReplyError` naming its field
+(``choices[0].delta``); ``null`` reads as "not said".
+
+**The server's numbers.** OpenAI-compatible engines report what they did in different shapes.
+:func:`parse_server_stats` turns a response body or the last stream chunk into one
+:class:`ServerStats` record:
+
+- **llama.cpp server** adds ``timings``: ``prompt_n`` (evaluated), ``cache_n`` (reused),
+  ``prompt_ms``, ``predicted_n``, ``predicted_ms``;
+- **Ollama** native responses carry ``prompt_eval_count``, ``prompt_eval_cached_count`` (newer
+  versions, omitted when zero), ``prompt_eval_duration`` and ``eval_duration`` in nanoseconds;
+- **vLLM, SGLang, recent llama.cpp, llama-cpp-python** give ``usage.prompt_tokens``,
+  ``usage.completion_tokens`` and, where enabled, ``usage.prompt_tokens_details.cached_tokens``.
+
+Every number is range-checked where it is read (:func:`_count`, :func:`_seconds`): token counts
+are integers in ``0..MAX_TOKEN_COUNT``, times finite and at most ``MAX_SERVER_SECONDS``. With
+``strict=True`` (what the HTTP backend uses) a number that is present but not valid raises
+:class:`~trimkit.errors.MalformedReplyError` naming its field (``usage.prompt_tokens``); by
+default it is dropped, as if the server had not said. ``null`` always means "not said".
+
+:func:`build_measurement` fills a :class:`~trimkit.backends.base.Measurement` from the record
+and the client-side timing; :func:`detect_truncation` compares the tokens trimkit sent with the
+tokens the server says it took in, and warns loudly when the server dropped some.
+
+**The completion.** One reading of a chat stream, for every backend: the text a chunk carries
+(:func:`chunk_content`), and the ``chat.completion`` a finished stream amounts to
+(:func:`assemble_chat_completion`; chunks as dicts, ``openai`` objects or parsed replies, from
+llama-cpp-python or any OpenAI-compatible server).
 """
 
 from __future__ import annotations
@@ -41,37 +72,466 @@ from __future__ import annotations
 import datetime
 import email.utils
 import json
+import logging
 import math
-from collections.abc import Mapping
-from typing import Any
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
 
 import attrs
 
-from trimkit.backends.fields import (
-    as_object,
-    describe,
-    excerpt,
-    fail,
-    join_path,
-    load_json,
-    opt_int,
-    opt_list,
-    opt_mapping,
-    opt_str,
-)
-from trimkit.backends.server_timings import ServerStats, parse_server_stats
+from trimkit.backends.base import Measurement
 from trimkit.errors import MalformedReplyError, ServerError
 
 __all__ = [
-    "Choice",
-    "ToolCallPart",
-    "Reply",
-    "parse_chunk",
-    "parse_completion",
-    "error_message",
-    "retry_after_s",
-    "body_kind",
+    "MAX_JSON_DEPTH", "MAX_REPLY_BYTES", "MAX_EVENT_BYTES", "as_object", "check_depth", "describe",
+    "excerpt", "fail", "join_path", "load_json", "opt_int", "opt_list", "opt_mapping", "opt_str",
+    "ServerStats", "SOURCE_LLAMA_SERVER", "SOURCE_OLLAMA", "SOURCE_USAGE", "SOURCE_CLIENT", "as_mapping",
+    "field_of", "has_server_stats", "parse_server_stats", "detect_truncation", "build_measurement",
+    "MAX_TOKEN_COUNT", "MAX_SERVER_SECONDS", "Choice", "ToolCallPart", "Reply", "parse_chunk",
+    "parse_completion", "error_message", "retry_after_s", "body_kind", "assemble_chat_completion",
+    "as_chat_completion", "chunk_content", "probe_output",
 ]
+
+log = logging.getLogger("trimkit")
+
+
+# == fields: bounded JSON and typed readers ==================================================================
+
+#: JSON nested deeper than this (objects and arrays) is refused; real replies are < 10 deep
+MAX_JSON_DEPTH = 64
+#: the largest whole reply body read, in bytes (a non-streamed answer, a tokenize reply, …)
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+#: the largest single server-sent event, in bytes
+MAX_EVENT_BYTES = 8 * 1024 * 1024
+
+
+# -- what was wrong ---------------------------------------------------------------------------------------
+def describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        text = repr(value)
+        return text if len(text) <= 40 else f"a {len(text)}-digit number"
+    if isinstance(value, str):
+        return f"a string {value[:40]!r}" + ("…" if len(value) > 40 else "")
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, (list, tuple)):
+        return f"an array of {len(value)}"
+    return type(value).__name__
+
+
+def excerpt(data: Any, n_chars: int = 500) -> str:
+    """The start of what the server sent, as text (for ``server_message``)."""
+    if isinstance(data, (bytes, bytearray)):
+        data = bytes(data[: n_chars * 4]).decode("utf-8", "replace")
+    elif not isinstance(data, str):
+        data = describe(data)
+    return data[:n_chars]
+
+
+def fail(what: str, field: str, expected: str, value: Any) -> NoReturn:
+    where = f"{what}: {field}" if field else what
+    raise MalformedReplyError(f"the server sent a malformed {where}: expected {expected}, got {describe(value)}",
+                              field=field, server_message=excerpt(value if isinstance(value, (str, bytes)) else describe(value)))
+
+
+def join_path(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+# -- JSON -------------------------------------------------------------------------------------------
+def _too_deep(value: Any, limit: int) -> bool:
+    """Is ``value`` nested more than ``limit`` containers deep? Iterative: no recursion to overflow."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (Mapping, list, tuple)))
+    return False
+
+
+def check_depth(value: Any, what: str) -> Any:
+    """``value`` itself, if it is nested at most :data:`MAX_JSON_DEPTH` deep."""
+    if _too_deep(value, MAX_JSON_DEPTH):
+        raise MalformedReplyError(f"the server sent a {what} nested more than {MAX_JSON_DEPTH} levels deep", server_message=what)
+    return value
+
+
+def load_json(data: bytes | str, *, what: str, status: int | None = 200) -> Any:
+    """Decode a reply body or an SSE event's data: JSON of at most :data:`MAX_REPLY_BYTES`,
+    nested at most :data:`MAX_JSON_DEPTH` deep. Raises MalformedReplyError for anything else
+    (not JSON, not UTF-8, too big, too deep — including deep enough to overflow the decoder)."""
+    if len(data) > MAX_REPLY_BYTES:
+        raise MalformedReplyError(f"the server sent a {what} of {len(data)} bytes, over the {MAX_REPLY_BYTES}-byte cap",
+                                  status=status, server_message=excerpt(data))
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise MalformedReplyError(f"the server sent a {what} nested too deep to decode (more than {MAX_JSON_DEPTH} levels)",
+                                  status=status, server_message=excerpt(data)) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int over Python's digit limit
+        raise MalformedReplyError(f"the server sent a {what} that is not JSON ({exc}): {excerpt(data, 200)!r}",
+                                  status=status, server_message=excerpt(data)) from None
+    if _too_deep(value, MAX_JSON_DEPTH):
+        raise MalformedReplyError(f"the server sent a {what} nested more than {MAX_JSON_DEPTH} levels deep",
+                                  status=status, server_message=excerpt(data))
+    return value
+
+
+# -- field readers ------------------------------------------------------------------------------------
+def opt_str(obj: Mapping[str, Any], key: str, what: str, path: str) -> str | None:
+    value = obj.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    fail(what, join_path(path, key), "a string", value)
+
+
+def opt_int(obj: Mapping[str, Any], key: str, what: str, path: str, hi: int) -> int | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= hi:
+        return value
+    fail(what, join_path(path, key), f"an integer 0..{hi}", value)
+
+
+def opt_mapping(obj: Mapping[str, Any], key: str, what: str, path: str) -> Mapping[str, Any] | None:
+    value = obj.get(key)
+    if value is None or isinstance(value, Mapping):
+        return value
+    fail(what, join_path(path, key), "an object", value)
+
+
+def opt_list(obj: Mapping[str, Any], key: str, what: str, path: str) -> list[Any] | None:
+    value = obj.get(key)
+    if value is None or isinstance(value, list):
+        return value
+    fail(what, join_path(path, key), "an array", value)
+
+
+def as_object(obj: Any, what: str) -> Mapping[str, Any]:
+    """A reply as a mapping: dicts as they are, the ``openai`` client's objects dumped."""
+    data = as_mapping(obj)
+    if data is None:
+        fail(what, "", "a JSON object", obj)
+    return check_depth(data, what)
+
+
+# == the server's numbers ====================================================================================
+
+SOURCE_LLAMA_SERVER = "llama.cpp server timings"
+SOURCE_OLLAMA = "ollama"
+SOURCE_USAGE = "usage"
+SOURCE_CLIENT = "client"
+
+#: the largest token count a server may report (usage, timings, counters): 2**31 - 1
+MAX_TOKEN_COUNT = 2**31 - 1
+#: the longest time a server may report for one request, in seconds (about 11.6 days)
+MAX_SERVER_SECONDS = 1e6
+
+_OLLAMA_KEYS = ("prompt_eval_count", "prompt_eval_duration", "eval_count", "eval_duration")
+
+
+@attrs.frozen
+class ServerStats:
+    """What the server said about one request. ``None`` means it did not say.
+
+    ``prompt_tokens`` is the whole prompt as the server took it in (evaluated + reused);
+    ``evaluated_tokens`` the part it had to prefill; ``cached_tokens`` the part it reused.
+    ``raw`` keeps the server's own numbers, flattened (``"timings.prompt_ms"``).
+    """
+
+    source: str = SOURCE_CLIENT
+    prompt_tokens: int | None = None
+    evaluated_tokens: int | None = None
+    cached_tokens: int | None = None
+    prefill_s: float | None = None
+    completion_tokens: int | None = None
+    decode_s: float | None = None
+    raw: Mapping[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def reported(self) -> bool:
+        return self.source != SOURCE_CLIENT
+
+
+def as_mapping(obj: Any) -> Mapping[str, Any] | None:
+    """A response or chunk as a mapping: dicts as they are, pydantic objects (the ``openai``
+    client's, whose extra fields such as ``timings`` are kept) through ``model_dump()``."""
+    if obj is None:
+        return None
+    if isinstance(obj, Mapping):
+        return obj
+    dump = getattr(obj, "model_dump", None)
+    if callable(dump):
+        try:
+            try:  # an object built from a malformed reply must not warn while it is dumped
+                data = dump(warnings=False)
+            except TypeError:
+                data = dump()
+        except Exception:
+            return None
+        return data if isinstance(data, Mapping) else None
+    return None
+
+
+def field_of(obj: Any, name: str) -> Any:
+    """``obj[name]`` for mappings, else the attribute (or pydantic extra field); None if absent."""
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    value = getattr(obj, name, None)
+    if value is None:
+        extra = getattr(obj, "model_extra", None)
+        if isinstance(extra, Mapping):
+            value = extra.get(name)
+    return value
+
+
+def has_server_stats(chunk: Any) -> bool:
+    """Cheap per-chunk test: does this response/chunk carry usage, timings or Ollama counters?"""
+    return any(field_of(chunk, key) is not None for key in ("usage", "timings", "prompt_eval_count", "eval_count"))
+
+
+def _describe(value: Any) -> str:
+    text = repr(value) if isinstance(value, (str, int, float, bool)) or value is None else type(value).__name__
+    if isinstance(value, int) and not isinstance(value, bool) and len(text) > 40:
+        return f"a {len(text)}-digit number"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _invalid(field: str, expected: str, value: Any) -> MalformedReplyError:
+    return MalformedReplyError(f"the server's {field} is not {expected}: {_describe(value)}", field=field, server_message=_describe(value))
+
+
+def _count(value: Any, field: str = "", strict: bool = False) -> int | None:
+    """A token count the server reported: an integer (or integral-valued float) in
+    ``0..MAX_TOKEN_COUNT``; None when absent (or invalid and not ``strict``)."""
+    if value is None:
+        return None
+    if not isinstance(value, bool) and isinstance(value, (int, float)):
+        if isinstance(value, int) and 0 <= value <= MAX_TOKEN_COUNT:
+            return value
+        if isinstance(value, float) and math.isfinite(value) and 0 <= value <= MAX_TOKEN_COUNT:
+            return int(value)
+    if strict:
+        raise _invalid(field, f"a token count (0..{MAX_TOKEN_COUNT})", value)
+    return None
+
+
+def _seconds(value: Any, per_second: float, field: str = "", strict: bool = False) -> float | None:
+    """A duration the server reported in units of ``1/per_second`` s: finite, >= 0 and at most
+    ``MAX_SERVER_SECONDS``; None when absent (or invalid and not ``strict``)."""
+    if value is None:
+        return None
+    if not isinstance(value, bool) and isinstance(value, (int, float)):
+        try:
+            seconds = float(value) / per_second
+        except OverflowError:  # an int too large for a float
+            seconds = math.inf
+        if math.isfinite(seconds) and 0 <= seconds <= MAX_SERVER_SECONDS:
+            return seconds
+    if strict:
+        raise _invalid(field, f"a duration (finite, 0..{MAX_SERVER_SECONDS:g} s)", value)
+    return None
+
+
+def _mapping(value: Any, field: str, strict: bool) -> Mapping[str, Any] | None:
+    if value is None or isinstance(value, Mapping):
+        return value
+    if strict:
+        raise _invalid(field, "an object", value)
+    return None
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "", depth: int = 3) -> dict[str, Any]:
+    """Scalars of ``data`` keyed by their dotted path, ``depth`` levels down (no deeper: the
+    shapes read here are at most three levels deep)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            if depth > 1:
+                out.update(_flatten(value, name + ".", depth - 1))
+        elif isinstance(value, (str, bool)) or value is None:
+            out[name] = value if not isinstance(value, str) or len(value) <= 200 else value[:200]
+        elif isinstance(value, int):
+            out[name] = value if abs(value) <= 2**53 else float("inf") if value > 0 else float("-inf")
+        elif isinstance(value, float):
+            out[name] = value
+    return out
+
+
+def _usage_numbers(usage: Mapping[str, Any] | None, strict: bool = False) -> tuple[int | None, int | None, int | None]:
+    """(prompt_tokens, completion_tokens, cached_tokens) from an OpenAI ``usage`` block."""
+    if not usage:
+        return None, None, None
+    details = _mapping(usage.get("prompt_tokens_details"), "usage.prompt_tokens_details", strict)
+    cached = _count(details.get("cached_tokens"), "usage.prompt_tokens_details.cached_tokens", strict) if details else None
+    return (_count(usage.get("prompt_tokens"), "usage.prompt_tokens", strict),
+            _count(usage.get("completion_tokens"), "usage.completion_tokens", strict), cached)
+
+
+def parse_server_stats(payload: Any, *, strict: bool = False) -> ServerStats:
+    """The server's own numbers in a response body or stream chunk (dict or ``openai`` object).
+
+    Precedence: llama.cpp ``timings`` (they carry times), then Ollama's counters, then
+    ``usage`` (counts only), else an empty record with ``source="client"``. ``strict``: a
+    field that is present but not a valid number (or object) raises
+    :class:`~trimkit.errors.MalformedReplyError` instead of being dropped.
+    """
+    data = as_mapping(payload)
+    if not data:
+        return ServerStats()
+    usage = _mapping(data.get("usage"), "usage", strict)
+    u_prompt, u_completion, u_cached = _usage_numbers(usage, strict)
+    timings = _mapping(data.get("timings"), "timings", strict)
+    if timings is not None and ("prompt_n" in timings or "prompt_ms" in timings):
+        evaluated = _count(timings.get("prompt_n"), "timings.prompt_n", strict)
+        cached = _count(timings.get("cache_n"), "timings.cache_n", strict)
+        if cached is None:
+            cached = u_cached
+        prompt = u_prompt
+        if prompt is None and evaluated is not None and cached is not None:
+            prompt = min(evaluated + cached, MAX_TOKEN_COUNT)
+        completion = _count(timings.get("predicted_n"), "timings.predicted_n", strict)
+        raw = _flatten({"timings": timings, **({"usage": usage} if usage else {})})
+        return ServerStats(
+            source=SOURCE_LLAMA_SERVER,
+            prompt_tokens=prompt,
+            evaluated_tokens=evaluated,
+            cached_tokens=cached,
+            prefill_s=_seconds(timings.get("prompt_ms"), 1e3, "timings.prompt_ms", strict),
+            completion_tokens=completion if completion is not None else u_completion,
+            decode_s=_seconds(timings.get("predicted_ms"), 1e3, "timings.predicted_ms", strict),
+            raw=raw,
+        )
+    if any(key in data for key in _OLLAMA_KEYS):
+        count = _count(data.get("prompt_eval_count"), "prompt_eval_count", strict)
+        cached = _count(data.get("prompt_eval_cached_count"), "prompt_eval_cached_count", strict)
+        if cached is not None and count is not None:
+            prompt, evaluated = count, max(count - cached, 0)
+        else:
+            # Without the cached count (older Ollama, or Go's omitempty hiding a zero) the
+            # count is what was evaluated; treating it as the whole prompt would mistake a
+            # cache hit for truncation.
+            prompt, evaluated = None, count
+        keys = (*_OLLAMA_KEYS, "prompt_eval_cached_count", "total_duration", "load_duration")
+        return ServerStats(
+            source=SOURCE_OLLAMA,
+            prompt_tokens=prompt,
+            evaluated_tokens=evaluated,
+            cached_tokens=cached,
+            prefill_s=_seconds(data.get("prompt_eval_duration"), 1e9, "prompt_eval_duration", strict),
+            completion_tokens=_count(data.get("eval_count"), "eval_count", strict),
+            decode_s=_seconds(data.get("eval_duration"), 1e9, "eval_duration", strict),
+            raw=_flatten({key: data[key] for key in keys if key in data}, depth=1),
+        )
+    if usage and (u_prompt is not None or u_completion is not None):
+        return ServerStats(
+            source=SOURCE_USAGE,
+            prompt_tokens=u_prompt,
+            evaluated_tokens=max(u_prompt - u_cached, 0) if u_prompt is not None and u_cached is not None else None,
+            cached_tokens=u_cached,
+            completion_tokens=u_completion,
+            raw=_flatten({"usage": usage}),
+        )
+    return ServerStats()
+
+
+def detect_truncation(
+    sent_tokens: int | None,
+    stats: ServerStats,
+    *,
+    predicted_cached: int = 0,
+    tolerance_tokens: int = 0,
+    context_tokens: int | None = None,
+) -> int:
+    """Prompt tokens the server silently dropped: ``sent_tokens`` (trimkit's count) minus what
+    the server says it took in, when that exceeds ``tolerance_tokens`` (use 0 only when the
+    count is exact). Logs a WARNING on ``trimkit`` when tokens are missing; returns 0 if the
+    server did not say.
+
+    When the server gives only the evaluated count (Ollama without a cached count), the tokens
+    trimkit predicted to be cached are added to it. ``context_tokens``: the context window the
+    request ran in (Ollama's ``num_ctx``, which trimkit set); a prompt counted over it of which
+    the server took in no more than the window was cut, whatever the tolerance (an estimated
+    count's tolerance would hide a cut of a prompt just over the window).
+    """
+    if sent_tokens is None:
+        return 0
+    seen = stats.prompt_tokens
+    if seen is None and stats.evaluated_tokens is not None:
+        seen = stats.evaluated_tokens + (stats.cached_tokens if stats.cached_tokens is not None else predicted_cached)
+    if seen is None:
+        return 0
+    missing = sent_tokens - seen
+    over_window = context_tokens is not None and sent_tokens > context_tokens >= seen
+    if missing <= tolerance_tokens and not over_window:
+        return 0
+    log.warning(
+        "trimkit: the server took in %d prompt tokens but trimkit sent %d: %d tokens were silently "
+        "truncated (the prompt is longer than the server's context window?)", seen, sent_tokens, missing,
+    )
+    return missing
+
+
+def build_measurement(
+    stats: ServerStats,
+    *,
+    ttft_s: float | None,
+    total_s: float,
+    first_output_s: float | None = None,
+    client_decode_s: float | None = None,
+    sent_tokens: int | None = None,
+    finish_reason: str | None = None,
+    truncated_tokens: int = 0,
+    extra: Mapping[str, Any] | None = None,
+) -> Measurement:
+    """A :class:`Measurement` showing the client TTFT and, where reported, the server's prefill.
+
+    ``server`` holds the server's raw numbers, ``cached_tokens_reported`` and, when both times
+    are known, ``network_overhead_s`` = client TTFT − server prefill time.
+    """
+    server: dict[str, Any] = dict(stats.raw)
+    server["cached_tokens_reported"] = stats.cached_tokens is not None
+    if sent_tokens is not None:
+        server["sent_prompt_tokens"] = sent_tokens
+    if ttft_s is not None and stats.prefill_s is not None:
+        server["network_overhead_s"] = ttft_s - stats.prefill_s
+    if extra:
+        server.update(extra)
+    return Measurement(
+        ttft_s=ttft_s,
+        total_s=total_s,
+        first_output_s=first_output_s,
+        prompt_tokens=stats.prompt_tokens if stats.prompt_tokens is not None else sent_tokens,
+        cached_tokens=stats.cached_tokens,
+        evaluated_tokens=stats.evaluated_tokens,
+        engine_prefill_s=stats.prefill_s,
+        completion_tokens=stats.completion_tokens,
+        engine_decode_s=stats.decode_s,
+        client_decode_s=client_decode_s,
+        timing_source=stats.source,
+        finish_reason=finish_reason,
+        truncated_tokens=truncated_tokens,
+        server=server,
+    )
+
+
+# == chat replies ============================================================================================
 
 #: the most choices (``n``) and tool calls one reply may index
 _MAX_INDEX = 1 << 16
@@ -311,3 +771,83 @@ def retry_after_s(value: Any) -> float | None:
     if not math.isfinite(seconds):
         return None
     return min(max(seconds, 0.0), 3600.0)
+
+
+# == the completion a stream amounts to ======================================================================
+
+def chunk_content(chunk: Any) -> str | None:
+    """The generated text a chat or completion chunk carries (dict or ``openai`` object):
+    ``""`` for a finish chunk without text, ``None`` for a bare role delta or a usage-only
+    chunk. Tool calls and reasoning count as content: they are the first generated tokens.
+    A malformed chunk raises :class:`~trimkit.errors.MalformedReplyError`."""
+    return parse_chunk(chunk).output
+
+
+def probe_output(reply: Reply) -> str | None:
+    """Completion probes: every chunk with a choice is a generated token, even one whose text
+    is an empty piece of a multi-byte character; a text-less finish chunk is not."""
+    if not reply.choices:
+        return None
+    choice = reply.choices[0]
+    return "·" if choice.text or not choice.finish_reason else ""
+
+
+def assemble_chat_completion(chunks: Sequence[Any], stats_chunk: Any = None, *, usage: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Rebuild a non-streaming ``chat.completion`` dict from the chunks of a finished stream
+    (dicts, ``openai`` objects or parsed replies): content, tool-call and logprob pieces joined per
+    choice, the last finish reason, and ``usage`` if the server reported it (else ``None``).
+    ``usage`` stands in where no chunk carries one (llama-cpp-python streams report none).
+    A malformed chunk raises :class:`~trimkit.errors.MalformedReplyError`."""
+    replies = [parse_chunk(c) for c in chunks]
+    first = replies[0] if replies else None
+    choices: dict[int, dict[str, Any]] = {}
+    for reply in replies:
+        for ch in reply.choices:
+            acc = choices.setdefault(ch.index, {"index": ch.index, "parts": [], "tools": {}, "finish_reason": None, "role": "assistant", "logprobs": None})
+            if ch.role:
+                acc["role"] = ch.role
+            if ch.content:
+                acc["parts"].append(ch.content)
+            for call in ch.tool_calls:
+                key = call.index if call.index is not None else len(acc["tools"])
+                slot = acc["tools"].setdefault(key, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                slot["id"] = call.id or slot["id"]
+                # OpenAI sends a call's name once; llama-cpp-python repeats the whole name in every chunk
+                if call.name and call.name != slot["function"]["name"]:
+                    slot["function"]["name"] += call.name
+                slot["function"]["arguments"] += call.arguments or ""
+            if ch.logprobs:
+                acc["logprobs"] = (acc["logprobs"] or []) + list(ch.logprobs)
+            if ch.finish_reason:
+                acc["finish_reason"] = ch.finish_reason
+    out_choices = []
+    for idx in sorted(choices):
+        acc = choices[idx]
+        message: dict[str, Any] = {"role": acc["role"], "content": "".join(acc["parts"]) if acc["parts"] or not acc["tools"] else None}
+        if acc["tools"]:
+            message["tool_calls"] = [acc["tools"][k] for k in sorted(acc["tools"])]
+        logprobs = {"content": acc["logprobs"]} if acc["logprobs"] is not None else None
+        out_choices.append({"index": idx, "message": message, "finish_reason": acc["finish_reason"], "logprobs": logprobs})
+    stats = parse_chunk(stats_chunk) if stats_chunk is not None else None
+    return {
+        "id": first.id if first is not None and first.id is not None else "",
+        "object": "chat.completion",
+        "created": first.created if first is not None and first.created is not None else int(time.time()),
+        "model": first.model if first is not None and first.model is not None else "",
+        "system_fingerprint": first.system_fingerprint if first is not None else None,
+        "choices": out_choices,
+        "usage": dict(stats.usage) if stats is not None and stats.usage is not None else (dict(usage) if usage is not None else None),
+    }
+
+
+def as_chat_completion(response: dict[str, Any]) -> Any:
+    """An assembled ``chat.completion`` dict as the ``openai`` client's ``ChatCompletion`` (the
+    dict itself without ``openai`` installed)."""
+    try:
+        from openai.types.chat import ChatCompletion  # optional dependency
+    except ImportError:  # pragma: no cover
+        return response
+    try:
+        return ChatCompletion.model_validate(response)
+    except Exception:
+        return ChatCompletion.model_construct(**response)

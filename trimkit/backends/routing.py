@@ -8,7 +8,7 @@ given per call (``create(..., routing_key="user-42")``) or derived per conversat
 (:func:`conversation_key`: a digest of the conversation's first messages, never the text).
 
 :class:`RouterInfo` is what trimkit learned of a router in front of the workers (its
-``GET /workers``, parsed by :func:`~trimkit.backends.server_facts.parse_workers`), and says
+``GET /workers``, parsed by :func:`~trimkit.backends.server.parse_workers`), and says
 what trimkit's probes could and could not see through it. No I/O.
 """
 

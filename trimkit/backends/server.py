@@ -1,44 +1,306 @@
-"""What a server is, learned once by asking it: which engine and version, its ``n_ctx``, its
+"""What trimkit learns about a model server: what it is (asked once), what it says about itself,
+how fast it is (calibration probes), what its own numbers teach request after request, and its
+load.
+
+**What the server is.** Learned once by asking it: which engine and version, its ``n_ctx``, its
 models, and whether it has a tokenizer endpoint (llama.cpp's ``/tokenize`` + ``/apply-template``,
-llama-cpp-python's ``/extras/tokenize``, vLLM's ``/tokenize`` taking ``messages``) — :func:`probe_server` gives a :class:`ServerInfo`. With
-one, prompts are counted by the server itself (:class:`ServerTokenizer`,
-:func:`server_prompt_tokenizer`); without, with tiktoken and a chat-template estimate.
+llama-cpp-python's ``/extras/tokenize``, vLLM's ``/tokenize`` taking ``messages``) —
+:func:`probe_server` gives a :class:`ServerInfo`. With one, prompts are counted by the server
+itself (:class:`ServerTokenizer`, :func:`server_prompt_tokenizer`); without, with tiktoken and a
+chat-template estimate.
 
 The requests go through a ``request_json(method, url, body=None, *, missing_ok=False,
-deadline=None)`` callable (:meth:`trimkit.backends.transport.HTTPTransport.request_json`);
-every reply is parsed by :mod:`trimkit.backends.server_facts`.
+deadline=None)`` callable (:meth:`trimkit.backends.transport.HTTPTransport.request_json`).
+Every reply is parsed at the boundary (:func:`parse_models`, :func:`parse_props`,
+:func:`parse_version`, :func:`parse_openapi_version`, :func:`parse_tokens`,
+:func:`parse_template`, :func:`parse_workers`: ``/v1/models``, llama.cpp's ``/props``,
+``/version``, ``/openapi.json``, the tokenize endpoints and ``/apply-template``); pure functions,
+no I/O, with the rules of :mod:`trimkit.backends.replies`.
+
+**Calibration probes** (:class:`ServerProbes`): how long the server takes to prefill, to decode,
+and what a request costs beyond the prefill. Probes are real English text (the packaged corpus,
+:func:`default_probe_text`) cut to a length counted by the server's own tokenizer, a different
+leading text for every cold probe so the server's prefix cache cannot serve it. Prefill probes
+stream ``/v1/completions`` with raw text and one generated token; the server's own prompt time
+is used where it reports one, else the client TTFT.
+
+**Evidence** (:class:`ServerEvidence`): what a server's own numbers teach about it, request after
+request: whether it reuses cached prompt prefixes (:attr:`ServerEvidence.prefix_reuse`), how far
+trimkit's token count is off from the server's (:attr:`ServerEvidence.correction`), and the
+:class:`~trimkit.backends.base.Measurement` of each request. No I/O.
+
+**Load** (:class:`ServerLoadReader`): how many requests the server runs now and how many wait.
+A fleet (:mod:`trimkit.fleet`) adds the requests it cannot see — other clients' — to the queue
+it predicts for each endpoint. Servers say so in different places, each optional:
+
+- **llama.cpp** ``llama-server``: ``GET /slots`` (one entry per slot, ``is_processing``, or
+  ``state`` in older builds; on by default in recent builds, ``--slots`` in some, off with
+  ``--no-slots``) gives the slots busy and how many there are; ``GET /metrics`` (with
+  ``--metrics``) gives ``llamacpp:requests_processing`` and ``llamacpp:requests_deferred``.
+  Both are answered by the server's main loop, so they may wait for a prefill batch to finish.
+- **vLLM**: ``GET /metrics``, ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``.
+- **SGLang**: ``GET /metrics`` (with ``--enable-metrics``), ``sglang:num_running_reqs`` and
+  ``sglang:num_queue_reqs``; ``GET /get_load`` (per data-parallel rank: ``num_reqs``,
+  ``num_waiting_reqs``) or ``/v1/loads`` in newer builds.
+- **TGI**: ``GET /metrics``, ``tgi_batch_current_size`` and ``tgi_queue_size``.
+- **llama-cpp-python** (``python -m llama_cpp.server``) exposes none of these (404): a fleet of
+  them counts only the requests this client sent.
+
+The parsers are pure (:func:`parse_prometheus`, :func:`load_from_metrics`,
+:func:`load_from_slots`, :func:`load_from_sglang`). :class:`ServerLoadReader` asks a server
+with a short timeout, remembers which endpoints it does not have (re-checked rarely, never on
+every request), and can refresh in the background so that a request never waits for it
+(:meth:`ServerLoadReader.latest`).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
+import random
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 import attrs
+import httpx
 
+from trimkit.backends.base import Clock, Measurement, TimedStream, first_token_overhead_s, probe_text
 from trimkit.backends.limits import Deadline
-from trimkit.backends.routing import RouterInfo
-from trimkit.backends.server_facts import (
-    ModelList,
-    is_tokenize_reply,
-    parse_models,
-    parse_openapi_version,
-    parse_props,
-    parse_props_switches,
-    parse_template,
-    parse_tokens,
-    parse_version,
-    parse_workers,
+from trimkit.backends.replies import (
+    Reply,
+    ServerStats,
+    build_measurement,
+    detect_truncation,
+    excerpt,
+    fail,
+    join_path,
+    load_json,
+    opt_list,
+    opt_mapping,
+    opt_str,
 )
-from trimkit.errors import ServerError
-from trimkit.tokens import PromptTokenizer, TiktokenTokenizer, chatml_render
+from trimkit.backends.routing import RouterInfo
+from trimkit.backends.transport import MISSING_STATUSES, StreamState, read_capped
+from trimkit.errors import CalibrationError, ContextTooSmallError, InvalidInputError, MalformedReplyError, ServerError
+from trimkit.tokens import PromptTokenizer, TiktokenTokenizer, chatml_render, reusable_prefix_len
 
-__all__ = ["ServerInfo", "probe_server", "engine_of", "ServerTokenizer", "server_prompt_tokenizer", "TOKENIZE_SLACK"]
+__all__ = [
+    "MAX_CONTEXT_TOKENS", "MAX_TOKEN_ID", "ModelEntry", "ModelList", "parse_models", "parse_props",
+    "parse_props_switches", "parse_version", "parse_openapi_version", "is_tokenize_reply", "parse_tokens",
+    "parse_template", "parse_workers", "ServerInfo", "probe_server", "engine_of", "ServerTokenizer",
+    "server_prompt_tokenizer", "TOKENIZE_SLACK", "DelegatedProbes", "MAX_PROBE_TEXT_BYTES",
+    "PROBE_WORDS_PER_TOKEN", "ProbedServer", "ServerProbes", "default_probe_text", "ServerEvidence",
+    "CACHE_REPORT_FLAGS", "KEYED_PROMPTS", "ServerLoad", "LOAD_METRICS", "parse_prometheus",
+    "load_from_metrics", "load_from_slots", "load_from_sglang", "ServerLoadReader", "LOAD_ENDPOINTS",
+]
 
 log = logging.getLogger("trimkit")
+
+
+# == what a server says about itself, parsed =================================================================
+
+#: the largest context size a server may report, in tokens
+MAX_CONTEXT_TOKENS = 1 << 26
+#: the largest token id a tokenize endpoint may return
+MAX_TOKEN_ID = 2**31 - 1
+#: a server's version or build string is kept to this many characters (it goes into profile keys)
+_MAX_VERSION_CHARS = 200
+
+
+# -- sizes and versions ---------------------------------------------------------------------------------
+def _context_size(value: Any, what: str, field: str) -> int | None:
+    """A context size: None or 0 mean "not said"; else an integer 1..MAX_CONTEXT_TOKENS."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value == 0):
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_CONTEXT_TOKENS:
+        return value
+    fail(what, field, f"a context size (1..{MAX_CONTEXT_TOKENS})", value)
+
+
+def _version_text(value: Any, what: str, field: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value[:_MAX_VERSION_CHARS]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return excerpt(repr(value), _MAX_VERSION_CHARS)
+    fail(what, field, "a version string", value)
+
+
+@attrs.frozen
+class ModelEntry:
+    """One entry of ``/v1/models``."""
+
+    id: str | None = None
+    owned_by: str = ""
+    n_ctx: int | None = None  # vLLM's max_model_len, llama.cpp's meta.n_ctx
+
+
+@attrs.frozen
+class ModelList:
+    """``/v1/models``: the models the server lists (none when it has no such endpoint)."""
+
+    entries: tuple[ModelEntry, ...] = ()
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        return tuple(e.id for e in self.entries if e.id)
+
+    @property
+    def owned_by(self) -> str:
+        return self.entries[0].owned_by.lower() if self.entries else ""
+
+    @property
+    def n_ctx(self) -> int | None:
+        return self.entries[0].n_ctx if self.entries else None
+
+
+def parse_models(body: Any) -> ModelList:
+    """``/v1/models`` (None: the endpoint is missing). ``data`` must be an array of objects
+    (``null``: no models); ``id`` / ``owned_by`` strings, context sizes in range."""
+    what = "/v1/models reply"
+    if body is None:
+        return ModelList()
+    if not isinstance(body, Mapping):
+        fail(what, "", "an object", body)
+    data = opt_list(body, "data", what, "")
+    entries = []
+    for i, entry in enumerate(data or ()):
+        path = f"data[{i}]"
+        if not isinstance(entry, Mapping):
+            fail(what, path, "an object", entry)
+        meta = opt_mapping(entry, "meta", what, path) or {}
+        n_ctx = _context_size(entry.get("max_model_len"), what, join_path(path, "max_model_len"))
+        meta_ctx = _context_size(meta.get("n_ctx"), what, join_path(join_path(path, "meta"), "n_ctx"))
+        entries.append(ModelEntry(
+            id=opt_str(entry, "id", what, path),
+            owned_by=opt_str(entry, "owned_by", what, path) or "",
+            n_ctx=n_ctx if n_ctx is not None else meta_ctx,
+        ))
+    return ModelList(tuple(entries))
+
+
+def parse_props(body: Any) -> tuple[int | None, str]:
+    """``(n_ctx, build_info)`` from llama.cpp's ``/props``; ``(None, "")`` when the body is not
+    an object (another engine's endpoint)."""
+    what = "/props reply"
+    if not isinstance(body, Mapping):
+        return None, ""
+    settings = opt_mapping(body, "default_generation_settings", what, "") or {}
+    n_ctx = _context_size(settings.get("n_ctx"), what, "default_generation_settings.n_ctx")
+    if n_ctx is None:
+        n_ctx = _context_size(body.get("n_ctx"), what, "n_ctx")
+    return n_ctx, _version_text(body.get("build_info"), what, "build_info")
+
+
+def parse_props_switches(body: Any) -> dict[str, bool]:
+    """The switches llama.cpp's ``/props`` reports, those it says: ``is_sleeping`` (it unloaded
+    the model after ``--sleep-idle-seconds``; the next request pays a load), ``endpoint_metrics``
+    (``--metrics``), ``endpoint_slots``. Empty when the body is not an object."""
+    if not isinstance(body, Mapping):
+        return {}
+    out: dict[str, bool] = {}
+    for key in ("is_sleeping", "endpoint_metrics", "endpoint_slots"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            fail("/props reply", key, "a boolean", value)
+        out[key] = value
+    return out
+
+
+def parse_version(body: Any) -> str:
+    """``/version`` (vLLM): its ``version``, or "" when the body is not an object."""
+    if not isinstance(body, Mapping):
+        return ""
+    return _version_text(body.get("version"), "/version reply", "version")
+
+
+def parse_openapi_version(body: Any) -> str:
+    """``"<title> <version>"`` from ``/openapi.json`` (llama-cpp-python), or ""."""
+    what = "/openapi.json reply"
+    if not isinstance(body, Mapping):
+        return ""
+    info = opt_mapping(body, "info", what, "")
+    if not info:
+        return ""
+    version = _version_text(info.get("version"), what, "info.version")
+    title = _version_text(info.get("title"), what, "info.title") or "server"
+    return f"{title} {version}"[:_MAX_VERSION_CHARS] if version else ""
+
+
+def is_tokenize_reply(body: Any) -> bool:
+    """Does this body claim to be a tokenize endpoint's reply (an object with ``tokens``)?"""
+    return isinstance(body, Mapping) and body.get("tokens") is not None
+
+
+def parse_tokens(body: Any, *, what: str, max_tokens: int) -> list[int]:
+    """A tokenize reply's ``tokens``: at most ``max_tokens`` integer ids ``0..MAX_TOKEN_ID``.
+    (A tokenizer cannot give more tokens than the text has bytes, plus a few special ones:
+    the caller passes that bound.)"""
+    if not isinstance(body, Mapping):
+        fail(what, "", "an object with tokens", body)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        fail(what, "tokens", "an array of token ids", tokens)
+    if len(tokens) > max_tokens:
+        raise MalformedReplyError(f"the server sent a malformed {what}: {len(tokens)} tokens for a text that can have at most {max_tokens}",
+                                  field="tokens", server_message=f"{len(tokens)} tokens")
+    for i, token in enumerate(tokens):
+        if type(token) is not int or not 0 <= token <= MAX_TOKEN_ID:
+            fail(what, f"tokens[{i}]", f"a token id (an integer 0..{MAX_TOKEN_ID})", token)
+    return list(tokens)
+
+
+def parse_template(body: Any) -> str:
+    """``/apply-template``'s rendered ``prompt``."""
+    what = "/apply-template reply"
+    if not isinstance(body, Mapping):
+        fail(what, "", "an object", body)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        fail(what, "prompt", "a string", prompt)
+    return prompt
+
+
+#: the largest worker count or load a router may report
+_MAX_WORKERS = 1 << 20
+
+
+def _load(value: Any) -> int | None:
+    """A worker's ``load`` (its requests in flight); None when absent, not an integer, or
+    negative (vllm-router and sglang-router say -1 where their policy keeps no count)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_WORKERS:
+        return value
+    return None
+
+
+def parse_workers(body: Any) -> RouterInfo | None:
+    """A router's ``GET /workers`` (vllm-router 0.1.17, sglang-router 0.3.2:
+    ``{"workers": [{"url": ..., "is_healthy": ..., "load": ...}, ...], "total": N, ...}``), or
+    None when the body is not that (no router: the server has no such endpoint, or another
+    one). Only the count, health and load are read; the workers' URLs are not kept (they may
+    carry credentials and are the router's business). sglang-router's entries carry an ``id``
+    (and ``disable_health_check``), vllm-router's do not."""
+    if not isinstance(body, Mapping):
+        return None
+    workers = body.get("workers")
+    if not isinstance(workers, list) or not workers or len(workers) > _MAX_WORKERS:
+        return None
+    if not all(isinstance(w, Mapping) and isinstance(w.get("url"), str) for w in workers):
+        return None
+    health = [w.get("is_healthy") for w in workers]
+    healthy = sum(1 for h in health if h is True) if all(isinstance(h, bool) for h in health) else None
+    sglang = any("id" in w or "disable_health_check" in w for w in workers)
+    return RouterInfo(kind="sglang-router" if sglang else "vllm-router", workers=len(workers), healthy=healthy,
+                      loads=tuple(_load(w.get("load")) for w in workers))
+
+
+# == what the server is, asked once ==========================================================================
 
 #: special tokens a tokenizer may add beyond two per byte of text
 TOKENIZE_SLACK = 16
@@ -269,3 +531,585 @@ def server_prompt_tokenizer(request_json: RequestJSON, root_url: str, info: Serv
         label = chat_format if len(chat_format or "") < 40 else "jinja"
         return PromptTokenizer(tok, render_local, encode_prompt=tok.encode_prompt, name=tok.name + f"+{label} template")
     return PromptTokenizer(tok, chatml_render, encode_prompt=tok.encode_prompt, name=tok.name + "+chatml(estimate)")
+
+
+# == calibration probes ======================================================================================
+
+#: a calibration probe's text never exceeds this many bytes: a tokenize endpoint that counts too
+#: few tokens would otherwise make the probe grow without end (CalibrationError instead)
+MAX_PROBE_TEXT_BYTES = 1 << 20
+#: ... nor this many words per token asked for (real tokenizers give about 1.3 tokens a word)
+PROBE_WORDS_PER_TOKEN = 8
+
+
+def default_probe_text() -> str:
+    """Real English text for calibration prompts: the packaged corpus, else a generated one."""
+    try:
+        return probe_text()
+    except OSError:
+        rng = random.Random(20240601)
+        subjects = ["The engineer", "A small model", "The server", "Every request", "The old library", "A careful reader",
+                    "The cache", "Our team", "The river", "A quiet village", "The committee", "The first draft"]
+        verbs = ["reads", "measures", "describes", "remembers", "ignores", "explains", "compares", "follows", "rebuilds", "questions"]
+        objects = ["the long report", "each number in turn", "the history of the valley", "what the budget allows",
+                   "the weather of last spring", "a map of the harbour", "the cost of waiting", "the next chapter",
+                   "every token it was given", "the letters from home"]
+        tails = ["before the evening train.", "with some patience.", "because nobody else would.", "and then rests.",
+                 "while the tea grows cold.", "in plain words.", "as the rules require.", "for the second time."]
+        sentences = [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} {rng.choice(tails)}" for _ in range(3000)]
+        return " ".join(sentences)
+
+
+class ProbedServer(Protocol):
+    """What the probes need of a backend."""
+
+    base_url: str
+    client_is_async: bool
+
+    @property
+    def tokenizer(self) -> PromptTokenizer: ...
+
+    @property
+    def n_ctx(self) -> int: ...
+
+    @property
+    def cache_block_tokens(self) -> int: ...
+
+    def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Any: ...
+
+    def probe_completion(self, text: str, tokens: list[int], *, max_tokens: int = 1, extra: Mapping[str, Any] | None = None) -> Measurement: ...
+
+    def probe_chat(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Measurement: ...
+
+
+class ServerProbes:
+    """The calibration probes of one server (:class:`~trimkit.backends.base.Backend`'s
+    ``warm_up`` and ``measure_*``)."""
+
+    def __init__(self, server: ProbedServer, words: Callable[[], str] = default_probe_text) -> None:
+        self.server = server
+        self._text = words
+        self._words: list[str] | None = None
+        self._seq = 0
+        self._cache: dict[tuple[int, int], tuple[str, list[int]]] = {}
+
+    @property
+    def words(self) -> list[str]:
+        if self._words is None:
+            self._words = self._text().split()
+        return self._words
+
+    def next_offset(self) -> int:
+        self._seq += 1
+        return self._seq * 7919  # a different leading text for every cold probe
+
+    def prompt(self, n_tokens: int, offset: int) -> tuple[str, list[int]]:
+        """Real text starting at word ``offset`` of the probe corpus whose prompt tokenization
+        (as the server counts it, BOS included) is ``n_tokens`` long, or as close as word
+        boundaries allow. Longer probes at the same offset extend shorter ones."""
+        key = (n_tokens, offset)
+        if key in self._cache:
+            return self._cache[key]
+        words = self.words
+        rotated = words[offset % len(words) :] + words[: offset % len(words)]
+        encode = self.server.tokenizer.encode_prompt
+        url = self.server.base_url
+
+        def text_of(k: int) -> str:
+            reps = k // len(rotated) + 1
+            return " ".join((rotated * reps)[:k])
+
+        # the probe text is capped (MAX_PROBE_TEXT_BYTES, PROBE_WORDS_PER_TOKEN): a tokenizer that
+        # counts too few tokens, or the same count whatever the text, must not grow it without end
+        bytes_per_word = (sum(len(w) for w in rotated) + len(rotated)) / len(rotated)
+        max_words = min(PROBE_WORDS_PER_TOKEN * n_tokens + 64, int(MAX_PROBE_TEXT_BYTES / bytes_per_word))
+        lo, hi = 1, n_tokens + 2
+        if hi > max_words:
+            raise CalibrationError(f"a probe of {n_tokens} tokens would need a text over the {MAX_PROBE_TEXT_BYTES}-byte probe cap")
+        count = len(encode(text_of(hi)))
+        while count < n_tokens:
+            if hi >= max_words:
+                raise CalibrationError(f"the server at {url} counts only {count} tokens in {hi} words of text: a {n_tokens}-token "
+                                       f"probe would pass the probe cap ({PROBE_WORDS_PER_TOKEN} words a token, {MAX_PROBE_TEXT_BYTES} bytes)")
+            longer = min(hi * 2, max_words)
+            longer_count = len(encode(text_of(longer)))
+            if longer_count <= count:
+                raise CalibrationError(f"the server at {url} counts {count} tokens in {hi} words and {longer_count} in {longer}: "
+                                       "its tokenize endpoint's counts do not grow with the text, so no probe length can be chosen")
+            lo, hi, count = hi, longer, longer_count
+        while lo < hi:  # the most words whose tokenization fits n_tokens
+            mid = (lo + hi + 1) // 2
+            if len(encode(text_of(mid))) <= n_tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        text = text_of(lo)
+        result = (text, encode(text))
+        self._cache[key] = result
+        return result
+
+    def warm_up(self) -> None:
+        """One short completion and one short chat request: pays the server's first-eval costs."""
+        self.server.probe_completion(*self.prompt(min(64, self.server.n_ctx // 4), self.next_offset()))
+        if not self.server.client_is_async:
+            self.server.send([{"role": "user", "content": "Hello."}], {"max_tokens": 1}).drain()
+
+    def measure_prefill(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """Seconds to prefill ``new_tokens`` after ``cached_tokens`` the server has cached: the
+        server's own prompt time where it reports one, else the client TTFT of a one-token
+        completion. A cached probe first sends the prefix alone, then prefix + new tokens."""
+        if new_tokens < 1 or cached_tokens < 0:
+            raise InvalidInputError(f"new_tokens must be >= 1 and cached_tokens >= 0, got {new_tokens}, {cached_tokens}")
+        if new_tokens + cached_tokens + 1 > self.server.n_ctx:  # the prompt and the one generated token
+            raise ContextTooSmallError(f"a probe of {new_tokens + cached_tokens} tokens does not fit the server's n_ctx={self.server.n_ctx}")
+        offset = self.next_offset()
+        if cached_tokens:
+            self.server.probe_completion(*self.prompt(cached_tokens, offset))
+        m = self.server.probe_completion(*self.prompt(cached_tokens + new_tokens, offset))
+        if cached_tokens and m.cached_tokens is not None and m.cached_tokens < cached_tokens - max(self.server.cache_block_tokens, 8):
+            log.info("trimkit: depth probe: the server reused %d of the %d primed tokens", m.cached_tokens, cached_tokens)
+        seconds = m.engine_prefill_s if m.engine_prefill_s is not None else m.ttft_s
+        if seconds is None or seconds <= 0:
+            raise CalibrationError(f"the server at {self.server.base_url} sent no token for a prefill probe")
+        return seconds
+
+    def measure_decode(self, n_tokens: int = 32) -> float:
+        """Decode tokens/s over ``n_tokens`` generated tokens: the server's numbers where it
+        reports them, else client-side chunk timing (one token per chunk). One token more than
+        ``n_tokens`` is asked for: the first belongs to the prefill, so one step needs two."""
+        text, tokens = self.prompt(64, self.next_offset())
+        speed = self.server.probe_completion(text, tokens, max_tokens=n_tokens + 1, extra={"ignore_eos": True}).decode_tokens_per_s
+        if not speed or not math.isfinite(speed):
+            raise CalibrationError(f"the server at {self.server.base_url} produced too few tokens to measure decode speed")
+        return speed
+
+    def measure_first_token_overhead(self) -> float:
+        """Median over three short chat requests of client TTFT minus prefill (the server's
+        prefill time, else a completion probe of the same length measured the same way)."""
+        words = self.words
+
+        def probe(i: int) -> Measurement:
+            start = self.next_offset() % max(len(words) - 40, 1)
+            messages = [{"role": "user", "content": f"Probe {i}: " + " ".join(words[start : start + 30])}]
+            return self.server.probe_chat(messages, {"max_tokens": 2, "temperature": 0.0})
+
+        def prefill_s(m: Measurement) -> float:
+            return m.engine_prefill_s if m.engine_prefill_s is not None else self.measure_prefill(max(m.prompt_tokens or 1, 1))
+
+        return first_token_overhead_s((probe(i) for i in range(3)), prefill_s)
+
+
+class DelegatedProbes:
+    """The calibration probes of a server backend, delegated to its :class:`ServerProbes`
+    (``self.probes``): mixed in before :class:`~trimkit.backends.base.Backend` by the HTTP and
+    Ollama backends."""
+
+    probes: ServerProbes
+
+    def warm_up(self) -> None:
+        self.probes.warm_up()
+
+    def measure_prefill(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        return self.probes.measure_prefill(new_tokens, cached_tokens)
+
+    def measure_decode(self, n_tokens: int = 32) -> float:
+        return self.probes.measure_decode(n_tokens)
+
+    def measure_first_token_overhead(self) -> float:
+        return self.probes.measure_first_token_overhead()
+
+
+# == evidence: what the server's numbers teach ===============================================================
+
+#: the server flag that makes an engine report its cached prompt tokens (without it the field is
+#: absent or ``null``: "not reported", never 0)
+CACHE_REPORT_FLAGS = {"vllm": "--enable-prompt-tokens-details", "sglang": "--enable-cache-report"}
+#: how many routing keys' last prompts are kept (the least recently sent forgotten first)
+KEYED_PROMPTS = 1024
+
+
+class ServerEvidence:
+    """Cache and count evidence of one server. ``cache_block`` gives the engine's prefix-cache
+    granularity (it may need the server's facts, so it is asked only when needed);
+    ``counts_exact`` whether trimkit's prompt counts are the server's own; ``engine`` the engine
+    recognised (None: not yet known), so that one which reports counts but no cached tokens is
+    told, once, the flag that would make it (:data:`CACHE_REPORT_FLAGS`)."""
+
+    def __init__(self, url: str, cache_block: Callable[[], int], counts_exact: Callable[[], bool],
+                 engine: Callable[[], str | None] = lambda: None) -> None:
+        self.url = url
+        self.cache_block = cache_block
+        self.counts_exact = counts_exact  # is trimkit's prompt count the server's own?
+        self.lock = threading.Lock()
+        self.last_prompt: list[int] | None = None
+        self.prefix_reuse: bool | None = None  # None: the server never said how much it reused
+        self.correction = 1.0
+        self._samples = 0
+        self._reuse_warned = False
+        self.engine = engine
+        self.flag_warned = False  # the cache-report flag was named
+        #: behind a router: the last prompt sent with each routing key (the router keeps a key on one worker)
+        self.keyed: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+
+    def predict_cached_tokens(self, prompt_tokens: Sequence[int], key: str | None = None) -> int:
+        """The longest common prefix with the last prompt sent — with routing ``key``, when one
+        was sent with it (behind a router, the worker that key stays on) — rounded down to the
+        engine's cache block, leaving at least one token to evaluate; 0 once the server has shown
+        it does not reuse prefixes."""
+        with self.lock:
+            last = self.keyed.get(key, self.last_prompt) if key is not None else self.last_prompt
+            reuse = self.prefix_reuse
+        if reuse is False or not last or not prompt_tokens:
+            return 0
+        lcp = reusable_prefix_len(last, prompt_tokens)
+        block = self.cache_block()
+        return (lcp // block) * block
+
+    def remember(self, key: str, prompt_tokens: Sequence[int]) -> None:
+        """``prompt_tokens`` were sent with routing ``key``: what that key's worker holds next."""
+        with self.lock:
+            self.keyed[key] = list(prompt_tokens)
+            self.keyed.move_to_end(key)
+            while len(self.keyed) > KEYED_PROMPTS:
+                self.keyed.popitem(last=False)
+
+    def corrected_count(self, counted_tokens: int) -> int:
+        return int(round(counted_tokens * self.correction))
+
+    def learn(self, sent: list[int] | None, predicted_cached: int, stats: ServerStats, truncated: int) -> None:
+        block = self.cache_block() if stats.cached_tokens is not None and stats.cached_tokens <= 1 else 1
+        if stats.cached_tokens is None and stats.prompt_tokens is not None and not self.flag_warned:
+            flag = CACHE_REPORT_FLAGS.get(self.engine() or "")
+            if flag is not None:
+                self.flag_warned = True
+                log.warning("trimkit: %s (%s) reports prompt tokens but not how many it reused from its prefix cache: start it with %s "
+                            "so that reports show the cached tokens (until then they read n/a, never 0)", self.url, self.engine(), flag)
+        with self.lock:
+            if stats.cached_tokens is not None:
+                # one token kept is no reuse: llama-server keeps the BOS of a prompt it re-processes in full
+                if stats.cached_tokens > 1:
+                    self.prefix_reuse = True
+                elif predicted_cached >= max(32, 2 * block):
+                    if not self._reuse_warned:
+                        cure = ("a sliding-window model (Gemma 2/3, ...) re-prefills every turn unless llama-server is started with "
+                                "--swa-full" if self.engine() == "llama.cpp" else "sliding-window model or prefix caching off?")
+                        log.warning("trimkit: %s reused no cached tokens although %d matched the previous prompt (%s); predicting "
+                                    "no reuse from now on", self.url, predicted_cached, cure)
+                        self._reuse_warned = True
+                    self.prefix_reuse = False
+            if sent is not None and stats.prompt_tokens and not truncated:
+                # a tokenizer estimate is never off by 5x: a ratio beyond is not a count correction
+                ratio = min(max(stats.prompt_tokens / max(len(sent), 1), 0.2), 5.0)
+                self._samples += 1
+                alpha = max(1.0 / self._samples, 0.2)
+                self.correction = (1 - alpha) * self.correction + alpha * ratio
+            self.last_prompt = list(sent) if sent is not None else None
+
+    def measure(self, stats: ServerStats, *, ttft_s: float | None, total_s: float, client_decode_s: float | None,
+                sent: list[int] | None, predicted_cached: int, finish_reason: str | None, content_chunks: int | None,
+                first_output_s: float | None = None, context_tokens: int | None = None) -> Measurement:
+        """The measurement of one request (and what it teaches, learned). An estimated count is
+        compared with the server's after correction, and only a clear shortfall is truncation —
+        or a prompt counted over ``context_tokens`` (the window the request ran in, when trimkit
+        set it) of which the server took in no more than the window."""
+        exact = self.counts_exact()
+        sent_n = len(sent) if sent is not None else None
+        if exact or sent_n is None:
+            truncated = detect_truncation(sent_n, stats, predicted_cached=predicted_cached, context_tokens=context_tokens)
+        else:
+            expected = self.corrected_count(sent_n)
+            truncated = detect_truncation(expected, stats, predicted_cached=predicted_cached, tolerance_tokens=max(32, expected // 4),
+                                          context_tokens=context_tokens)
+        self.learn(sent, predicted_cached, stats, truncated)
+        extra: dict[str, Any] = {
+            "predicted_cached_tokens": predicted_cached,
+            "prompt_count_exact": exact,
+            "token_count_correction": self.correction,
+        }
+        if stats.completion_tokens is None and content_chunks:
+            extra["completion_tokens_from"] = "content chunks (server did not report)"
+        m = build_measurement(stats, ttft_s=ttft_s, total_s=total_s, first_output_s=first_output_s, client_decode_s=client_decode_s,
+                              sent_tokens=sent_n, finish_reason=finish_reason, truncated_tokens=truncated, extra=extra)
+        if m.completion_tokens is None and content_chunks:
+            m = attrs.evolve(m, completion_tokens=content_chunks)
+        return m
+
+    def stream_measure(self, sent: list[int] | None, predicted_cached: int, clock: Clock) -> Callable[[StreamState, TimedStream], Measurement]:
+        """The ``measure`` of :func:`~trimkit.backends.transport.timed_stream`: a streamed request's
+        client timing and the server's numbers from its last chunk that carried any."""
+
+        def measure(state: StreamState, ts: TimedStream) -> Measurement:
+            client_decode = None
+            if ts.first_content_at is not None and ts.last_chunk_at is not None:
+                client_decode = ts.last_chunk_at - ts.first_content_at
+            stats = state.stats_reply.stats if state.stats_reply is not None else ServerStats()
+            m = self.measure(stats, ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=(ts.ended_at or clock()) - (ts.started or 0.0),
+                             client_decode_s=client_decode, sent=sent, predicted_cached=predicted_cached, finish_reason=state.finish_reason,
+                             content_chunks=ts.n_content_chunks)
+            if state.served_model:  # what the server says answered: the report compares it with the model asked for
+                m = attrs.evolve(m, server={**m.server, "model": state.served_model})
+            return m
+
+        return measure
+
+    def whole_measure(self, reply: Reply, total_s: float, sent: list[int], predicted_cached: int) -> Measurement:
+        """The measurement of a non-streamed response: the server's numbers only, no TTFT."""
+        m = self.measure(reply.stats, ttft_s=None, total_s=total_s, client_decode_s=None, sent=sent, predicted_cached=predicted_cached,
+                         finish_reason=reply.finish_reason, content_chunks=None)
+        return attrs.evolve(m, server={**m.server, "model": reply.model}) if reply.model else m
+
+
+# == load ====================================================================================================
+
+#: (running, waiting) metric names, per engine, in the Prometheus text of ``/metrics``
+LOAD_METRICS = (
+    ("llamacpp:requests_processing", "llamacpp:requests_deferred"),
+    ("vllm:num_requests_running", "vllm:num_requests_waiting"),
+    ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
+    ("tgi_batch_current_size", "tgi_queue_size"),
+)
+#: the largest load body read (vLLM's /metrics with histograms is ~100 KB)
+MAX_LOAD_BYTES = 4 * 1024 * 1024
+#: a count above this is not a request count
+_MAX_COUNT = 1_000_000
+
+
+@attrs.frozen
+class ServerLoad:
+    """What a server said about its load (None: it did not say). Counts cover every client."""
+
+    running: int | None = None  # requests being processed now
+    waiting: int | None = None  # requests queued, not started
+    slots: int | None = None  # requests the server runs at once (llama.cpp /slots)
+    source: str = ""  # the endpoint(s) that said so
+    at: float = 0.0  # when it was read (the reader's clock)
+
+    @property
+    def requests(self) -> int:
+        """Running and waiting requests together (0 for what was not said)."""
+        return (self.running or 0) + (self.waiting or 0)
+
+    def merged(self, other: ServerLoad) -> ServerLoad:
+        """This reading, with what it did not say taken from ``other``."""
+        return ServerLoad(
+            running=self.running if self.running is not None else other.running,
+            waiting=self.waiting if self.waiting is not None else other.waiting,
+            slots=self.slots if self.slots is not None else other.slots,
+            source="+".join(s for s in (self.source, other.source) if s),
+            at=max(self.at, other.at),
+        )
+
+
+def _count(value: Any) -> int | None:
+    """A request count, or None for anything that is not one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return int(value) if 0 <= value <= _MAX_COUNT else None
+
+
+def _metric_line(line: str) -> tuple[str, float] | None:
+    """``name{labels} value [timestamp]`` → (name, value); None for comments and lines that are not samples."""
+    line = line.strip()
+    if not line or line.startswith("#"):
+        return None
+    brace = line.find("{")
+    space = len(line) if " " not in line else line.index(" ")
+    if 0 <= brace < space:
+        name, i, quoted = line[:brace], brace + 1, False
+        while i < len(line) and (quoted or line[i] != "}"):  # label values may hold braces and spaces
+            if line[i] == "\\":
+                i += 1
+            elif line[i] == '"':
+                quoted = not quoted
+            i += 1
+        rest = line[i + 1 :]
+    else:
+        name, rest = line[:space], line[space:]
+    fields = rest.split()
+    if not name or not fields:
+        return None
+    try:
+        value = float(fields[0])
+    except ValueError:
+        return None
+    return name, value
+
+
+def parse_prometheus(text: str, names: Iterable[str]) -> dict[str, float]:
+    """The samples named ``names`` in Prometheus text, each summed over its label sets (vLLM
+    labels by model and engine); a name absent from the text is absent from the result."""
+    wanted = set(names)
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        sample = _metric_line(line)
+        if sample is not None and sample[0] in wanted and math.isfinite(sample[1]):
+            out[sample[0]] = out.get(sample[0], 0.0) + sample[1]
+    return out
+
+
+def load_from_metrics(text: str) -> ServerLoad | None:
+    """The load in a ``/metrics`` body (llama.cpp, vLLM, SGLang, TGI); None if it has none."""
+    names = [n for pair in LOAD_METRICS for n in pair]
+    values = parse_prometheus(text, names)
+    for running, waiting in LOAD_METRICS:
+        if running in values or waiting in values:
+            return ServerLoad(running=_count(values.get(running)), waiting=_count(values.get(waiting)), source="/metrics")
+    return None
+
+
+def load_from_slots(body: Any) -> ServerLoad | None:
+    """The load in llama.cpp's ``/slots`` reply: one object per slot, busy when
+    ``is_processing`` is true (or, in older builds, ``state`` is not 0); None for another shape."""
+    if not isinstance(body, list) or not body:
+        return None
+    busy = 0
+    for slot in body:
+        if not isinstance(slot, Mapping):
+            return None
+        processing = slot.get("is_processing")
+        if processing is None:
+            processing = slot.get("state")
+        if not isinstance(processing, (bool, int)):
+            return None
+        busy += bool(processing)
+    return ServerLoad(running=busy, slots=len(body), source="/slots")
+
+
+def load_from_sglang(body: Any) -> ServerLoad | None:
+    """The load in SGLang's ``/get_load`` reply (per rank ``num_reqs``, which counts the waiting
+    ones too, and ``num_waiting_reqs``) or ``/v1/loads`` (``{"loads": [{"num_running_reqs",
+    "num_waiting_reqs"}, ...]}``); None for another shape."""
+    ranks = body.get("loads") if isinstance(body, Mapping) else body
+    if not isinstance(ranks, list) or not ranks:
+        return None
+    running = waiting = 0
+    for rank in ranks:
+        if not isinstance(rank, Mapping):
+            return None
+        wait = _count(rank.get("num_waiting_reqs"))
+        if wait is None:
+            return None
+        run = _count(rank.get("num_running_reqs"))
+        if run is None:
+            total = _count(rank.get("num_reqs"))
+            if total is None:
+                return None
+            run = max(total - wait, 0)
+        running, waiting = running + run, waiting + wait
+    return ServerLoad(running=running, waiting=waiting, source="/get_load")
+
+
+def _from_json(parse: Callable[[Any], ServerLoad | None]) -> Callable[[bytes], ServerLoad | None]:
+    def read(body: bytes) -> ServerLoad | None:
+        return parse(load_json(body, what="load reply"))
+
+    return read
+
+
+def _from_text(body: bytes) -> ServerLoad | None:
+    return load_from_metrics(body.decode("utf-8", "replace"))
+
+
+#: where a server may say its load, in the order asked, and how each answer is read
+LOAD_ENDPOINTS: tuple[tuple[str, Callable[[bytes], ServerLoad | None]], ...] = (
+    ("/slots", _from_json(load_from_slots)),
+    ("/metrics", _from_text),
+    ("/get_load", _from_json(load_from_sglang)),
+)
+
+
+class ServerLoadReader:
+    """Reads a server's load from the endpoints it has (:data:`LOAD_ENDPOINTS`).
+
+    ``http`` is the client to ask with (the backend's, so its transport and headers apply) and
+    ``root_url`` the server root. Each ask waits at most ``timeout_s``. An endpoint the server
+    does not have (404/405/501, or a body without load in it) is not asked again for
+    ``recheck_s``; one that failed (unreachable, timed out, an error status) for ``retry_s``.
+    A reading older than ``stale_s`` is not used.
+    """
+
+    def __init__(self, http: httpx.Client, root_url: str, headers: Mapping[str, str] | None = None, *, timeout_s: float = 0.5,
+                 max_age_s: float = 0.5, stale_s: float = 5.0, recheck_s: float = 600.0, retry_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.http = http
+        self.root_url = root_url.rstrip("/")
+        self.headers = dict(headers or {})
+        self.timeout_s, self.max_age_s, self.stale_s = timeout_s, max_age_s, stale_s
+        self.recheck_s, self.retry_s = recheck_s, retry_s
+        self.clock = clock
+        #: endpoint path → when it may be asked again (absent or failing until then)
+        self.skip_until: dict[str, float] = {}
+        #: the endpoints that answered with a load
+        self.present: set[str] = set()
+        self.last: ServerLoad | None = None
+        self._lock = threading.Lock()
+        self._refreshing = False
+
+    @property
+    def absent(self) -> set[str]:
+        """The endpoints not asked now (the server lacks them, or they failed recently)."""
+        now = self.clock()
+        return {path for path, until in self.skip_until.items() if until > now}
+
+    def read(self) -> ServerLoad | None:
+        """Ask the server now (each endpoint it may have, once); None when none says anything."""
+        reading: ServerLoad | None = None
+        for path, parse in LOAD_ENDPOINTS:
+            if self.skip_until.get(path, 0.0) > self.clock():
+                continue
+            load = self._ask(path, parse)
+            if load is not None:
+                reading = load if reading is None else reading.merged(load)
+        if reading is not None:
+            reading = attrs.evolve(reading, at=self.clock())
+        with self._lock:
+            self.last = reading if reading is not None else self.last
+        return reading
+
+    def latest(self) -> ServerLoad | None:
+        """The last reading if it is recent, without waiting: one older than ``max_age_s`` is
+        refreshed in a background thread (at most one at a time) for the next call."""
+        now = self.clock()
+        with self._lock:
+            last = self.last
+            due = (last is None or now - last.at >= self.max_age_s) and not self._refreshing
+            nothing_to_ask = all(self.skip_until.get(path, 0.0) > now for path, _ in LOAD_ENDPOINTS)
+            if due and not nothing_to_ask:
+                self._refreshing = True
+        if due and not nothing_to_ask:
+            threading.Thread(target=self._refresh, name="trimkit-load", daemon=True).start()
+        return last if last is not None and now - last.at < self.stale_s else None
+
+    def _refresh(self) -> None:
+        try:
+            self.read()
+        except Exception:  # a load reading must never fail anything
+            log.debug("trimkit: reading the load of %s failed", self.root_url, exc_info=True)
+        finally:
+            with self._lock:
+                self._refreshing = False
+
+    def _ask(self, path: str, parse: Callable[[bytes], ServerLoad | None]) -> ServerLoad | None:
+        url = self.root_url + path
+        try:
+            with self.http.stream("GET", url, headers=self.headers, timeout=httpx.Timeout(self.timeout_s)) as resp:
+                status = resp.status_code
+                body = read_capped(resp.iter_bytes(), MAX_LOAD_BYTES, f"reply from {url}") if status < 400 else b""
+        except (httpx.HTTPError, MalformedReplyError) as exc:
+            self.skip_until[path] = self.clock() + self.retry_s
+            log.debug("trimkit: %s gave no load: %s", url, exc)
+            return None
+        if status in MISSING_STATUSES or status >= 400:
+            self.skip_until[path] = self.clock() + (self.recheck_s if status in MISSING_STATUSES else self.retry_s)
+            return None
+        try:
+            load = parse(body)
+        except MalformedReplyError:
+            load = None
+        if load is None:  # not the shape this server's endpoint would have: another engine's path
+            self.skip_until[path] = self.clock() + self.recheck_s
+            self.present.discard(path)
+            return None
+        self.present.add(path)
+        self.skip_until.pop(path, None)
+        return load

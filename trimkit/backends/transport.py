@@ -1,12 +1,46 @@
-"""Sending a request and opening its answer, over ``httpx`` or through the user's ``openai`` client.
+"""The HTTP wire: sending a request and opening its answer, over ``httpx`` or through the user's
+``openai`` client; the server-sent events of a chat stream; reading the stream once it is open;
+and what goes wrong on the way, as trimkit errors. How long each wait may be and what is retried
+is :mod:`trimkit.backends.limits`; what a reply means, :mod:`trimkit.backends.replies`.
 
-:class:`HTTPTransport` is all the I/O of the HTTP backend: a side request answered with JSON
-(:meth:`~HTTPTransport.request_json`, retried), and a stream opened up to its first event —
-sync and async, over httpx (:meth:`~HTTPTransport.open_url`) or the ``openai`` client
-(:meth:`~HTTPTransport.open_client`). What an answer means is decided without I/O
-(:func:`stream_body_plan`, :func:`json_answer`, :mod:`trimkit.backends.faults`); the sync and
+**Sending and opening.** :class:`HTTPTransport` is all the I/O of the HTTP backend: a side
+request answered with JSON (:meth:`~HTTPTransport.request_json`, retried), and a stream opened up
+to its first event — sync and async, over httpx (:meth:`~HTTPTransport.open_url`) or the
+``openai`` client (:meth:`~HTTPTransport.open_client`). What an answer means is decided without
+I/O (:func:`stream_body_plan`, :func:`json_answer`, the error functions below); the sync and
 async openers differ only in the lines that read. Every body read is capped
-(:data:`~trimkit.backends.fields.MAX_REPLY_BYTES`; an error status's body at 64 KiB).
+(:data:`~trimkit.backends.replies.MAX_REPLY_BYTES`; an error status's body at 64 KiB).
+
+**Errors.** What goes wrong on the wire, as trimkit errors: error statuses, unreachable or silent
+servers, bodies that do not decode, the ``openai`` client's own exceptions. Pure functions, no
+I/O: the transport raises what they return. Which errors are retried is decided in
+:mod:`trimkit.backends.limits` (:data:`~trimkit.backends.limits.RETRIED`): transient statuses
+(:data:`TRANSIENT_STATUSES`) and unreachable servers, before the first chunk only.
+
+**Server-sent events.** ``httpx-sse`` reads the ``text/event-stream`` protocol, and
+:class:`EventReader` adds what llama.cpp-style servers need on top of it:
+
+- each event's data is JSON (:func:`~trimkit.backends.replies.load_json`), or
+  :class:`~trimkit.errors.MalformedReplyError`; ``data: [DONE]`` ends the stream
+  (:attr:`EventReader.done`); events without data (comments, ``retry:``) are skipped;
+- an ``error`` event, or a JSON ``{"error": ...}`` event without ``choices``, raises
+  :class:`~trimkit.errors.ServerError` with the server's message;
+- no event may run longer than ``max_event_bytes`` without the blank line that ends it (a line
+  that never ends, endless ``data:`` lines): MalformedReplyError, raised after the events
+  before it, and nothing past the cap is buffered;
+- a stream that ends in the middle of an event (its JSON cut short) raises
+  :class:`~trimkit.errors.StreamInterruptedError`; a complete last event without its closing
+  blank line is read.
+
+The content type is the caller's to check (:func:`~trimkit.backends.replies.body_kind`): servers
+send ``text/event-stream``, ``text/plain`` or none. :class:`EventReader` holds every decision and
+does no I/O; :func:`iter_events` and :func:`aiter_events` only move bytes and events through it.
+
+**Reading an open stream.** Every event parsed once, what it says recorded, the usage chunk
+trimkit asked for itself hidden, a stream that ends badly refused; and the timing around it
+(:class:`~trimkit.backends.base.TimedStream`, :class:`AsyncTimedStream`). :class:`StreamState`
+holds every decision about the events and does no I/O; :func:`read_chunks` and
+:func:`aread_chunks` only move events through it.
 """
 
 from __future__ import annotations
@@ -14,41 +48,325 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
+import json
+import operator
 import re
 import threading
+import time
 import weakref
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from types import ModuleType
 from typing import Any
 
 import attrs
 import httpx
+from httpx_sse import EventSource, ServerSentEvent
 
-from trimkit.backends.faults import (
-    client_error,
-    client_open_error,
-    client_read_error,
-    redirect_error,
-    status_error,
-    stream_reply_error,
-    translated,
-    transport_error,
-    wrong_content_type,
-)
-from trimkit.backends.fields import MAX_REPLY_BYTES, excerpt, load_json
+from trimkit.backends.base import Clock, Measurement, TimedStream
 from trimkit.backends.limits import Deadline, RequestLimits, Wait, with_retries
-from trimkit.backends.replies import body_kind
-from trimkit.backends.sse import EventReader, aiter_events, iter_events
-from trimkit.errors import InvalidInputError, MalformedReplyError
+from trimkit.backends.replies import (
+    MAX_EVENT_BYTES,
+    MAX_REPLY_BYTES,
+    Reply,
+    body_kind,
+    error_message,
+    excerpt,
+    load_json,
+    parse_chunk,
+    parse_completion,
+    retry_after_s,
+)
+from trimkit.errors import (
+    InvalidInputError,
+    MalformedReplyError,
+    ServerError,
+    ServerTimeoutError,
+    ServerUnreachableError,
+    StreamInterruptedError,
+    TransientServerError,
+    TrimkitError,
+)
 
-__all__ = ["END", "ERROR_BODY_BYTES", "Opened", "BodyPlan", "HTTPTransport", "normalize_base_url", "url_credentials",
-           "redact_url", "stream_body_plan", "json_answer",
-           "read_capped", "aread_capped", "without_retries"]
+__all__ = [
+    "TRANSIENT_STATUSES", "status_error", "unreachable", "undecodable", "transport_error", "client_error",
+    "client_read_error", "client_open_error", "is_transport_failure", "translated", "wrong_content_type",
+    "redirect_error", "stream_reply_error", "empty_stream_error", "EventReader", "iter_events",
+    "aiter_events", "END", "ERROR_BODY_BYTES", "MISSING_STATUSES", "Opened", "BodyPlan", "HTTPTransport",
+    "normalize_base_url", "url_credentials", "redact_url", "stream_body_plan", "json_answer", "read_capped",
+    "aread_capped", "without_retries", "StreamState", "read_chunks", "aread_chunks", "timed_stream",
+    "AsyncTimedStream",
+]
+
+
+# == errors: what goes wrong on the wire =====================================================================
+
+#: HTTP statuses worth retrying (before the first chunk only).
+TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
+
+#: what the ``openai`` client raises while decoding a reply it cannot make sense of (JSON errors,
+#: and its model constructors meeting the wrong types)
+_CLIENT_DECODE_ERRORS = (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError)
+
+
+def _openai() -> ModuleType | None:
+    """The ``openai`` package (an optional dependency), or None when it is not installed."""
+    try:
+        import openai
+    except ImportError:  # pragma: no cover - a client without openai installed
+        return None
+    return openai
+
+
+def status_error(status: int, body: Any, headers: Any = None) -> ServerError:
+    """An error status as ServerError (TransientServerError for a retried status), with the
+    server's message and its ``Retry-After`` as ``retry_after_s``."""
+    message = error_message(body)
+    cls = TransientServerError if status in TRANSIENT_STATUSES else ServerError
+    err = cls(f"the server answered HTTP {status}: {message}", status=status, server_message=message)
+    err.retry_after_s = retry_after_s(headers.get("retry-after") if headers is not None else None)  # type: ignore[attr-defined]
+    return err
+
+
+def unreachable(exc: BaseException, url: str) -> ServerUnreachableError:
+    if isinstance(exc, httpx.TimeoutException):
+        return ServerTimeoutError(f"{url} timed out: {type(exc).__name__}: {exc}")
+    return ServerUnreachableError(f"{url} could not be reached: {type(exc).__name__}: {exc}")
+
+
+def undecodable(exc: BaseException, what: str) -> MalformedReplyError:
+    text = f"{type(exc).__name__}: {exc}"
+    return MalformedReplyError(f"{what} could not be decoded: {text[:300]}", server_message=text[:500])
+
+
+def transport_error(exc: BaseException, url: str, what: str = "the stream") -> TrimkitError | None:
+    """An ``httpx`` exception of a request trimkit sent itself: unreachable, or a body its
+    ``Content-Encoding`` does not decode (None: not one of those)."""
+    if isinstance(exc, httpx.TransportError):
+        return unreachable(exc, url)
+    if isinstance(exc, httpx.DecodingError):
+        return undecodable(exc, f"{what} from {url}")
+    return None
+
+
+def client_error(exc: BaseException, url: str) -> TrimkitError | None:
+    """An ``openai`` client exception raised by ``create()`` as a trimkit error (``None`` if it
+    is not one: a TypeError for an argument the client does not take is the caller's)."""
+    if isinstance(exc, TrimkitError):
+        return None
+    if isinstance(exc, httpx.TransportError):
+        return unreachable(exc, url)
+    if isinstance(exc, (json.JSONDecodeError, RecursionError)):
+        return undecodable(exc, f"the reply from {url}")
+    openai = _openai()
+    if openai is None:
+        return None
+    if isinstance(exc, openai.APIStatusError):
+        response = getattr(exc, "response", None)
+        body = exc.body if exc.body is not None else exc.message
+        return status_error(exc.status_code, body, getattr(response, "headers", None))
+    if isinstance(exc, openai.APITimeoutError):
+        return ServerTimeoutError(f"{url} timed out: {exc}")
+    if isinstance(exc, openai.APIConnectionError):
+        if type(exc.__cause__).__name__ == "DecodingError":  # a body its Content-Encoding does not decode
+            return undecodable(exc.__cause__, f"the reply from {url}")
+        return unreachable(exc, url)
+    if isinstance(exc, openai.APIResponseValidationError):
+        return undecodable(exc, f"the reply from {url}")
+    if isinstance(exc, openai.APIError):  # an error event inside the stream
+        message = error_message(exc.body) if exc.body is not None else str(exc.message)
+        return ServerError(f"the server reported an error mid-stream: {message}", status=200, server_message=message)
+    return None
+
+
+def client_read_error(exc: BaseException, url: str) -> TrimkitError | None:
+    """An exception from iterating the ``openai`` client's stream as a trimkit error: an error
+    event, or a reply it could not decode. Transport failures are left to the stream's error
+    handler (StreamInterruptedError after the first chunk)."""
+    if isinstance(exc, (TrimkitError, httpx.TransportError)):
+        return None
+    openai = _openai()
+    if openai is not None and isinstance(exc, openai.APIError):
+        if isinstance(exc, (openai.APIConnectionError, openai.APIStatusError)):
+            return None
+        return client_error(exc, url)
+    if isinstance(exc, _CLIENT_DECODE_ERRORS):
+        return undecodable(exc, f"the stream from {url}")
+    return None
+
+
+def client_open_error(exc: BaseException, url: str) -> TrimkitError | None:
+    """An exception while the ``openai`` client's stream is opened (up to its first chunk)."""
+    return client_read_error(exc, url) or client_error(exc, url)
+
+
+def is_transport_failure(exc: BaseException) -> bool:
+    """A broken connection (httpx's, the OS's or the ``openai`` client's)."""
+    if isinstance(exc, (httpx.TransportError, OSError)):
+        return True
+    openai = _openai()
+    return openai is not None and isinstance(exc, openai.APIError)
+
+
+@contextlib.contextmanager
+def translated(translate: Callable[[BaseException], TrimkitError | None]) -> Iterator[None]:
+    """Raise an exception of the block as the trimkit error ``translate`` gives (as it is: None)."""
+    try:
+        yield
+    except Exception as exc:
+        error = translate(exc)
+        if error is None:
+            raise
+        raise error from exc
+
+
+def redirect_error(status: int, headers: Any, url: str) -> ServerError:
+    """A 3xx answer (trimkit does not follow redirects unless the ``http_client`` given does):
+    where the server sends the request, so the caller can point trimkit there."""
+    location = headers.get("location") if headers is not None else None
+    where = f" to {redact_url(location)}" if location else ""
+    message = (f"{url} redirected the request (HTTP {status}){where}: trimkit does not follow redirects; use that URL, or pass "
+               "http_client=httpx.Client(follow_redirects=True)")
+    return ServerError(message, status=status, server_message=f"redirect{where}")
+
+
+def wrong_content_type(content_type: str | None, head: bytes, url: str) -> MalformedReplyError:
+    return MalformedReplyError(f"{url} answered a stream request with content type {content_type or 'none'!r}, "
+                               f"not text/event-stream: {excerpt(head, 200)!r}", field="content-type", server_message=excerpt(head))
+
+
+def stream_reply_error(content_type: str | None, head: bytes, url: str) -> ServerError:
+    """The error for a stream request the ``openai`` client got something other than an event
+    stream for: the server's error if the body is one, else MalformedReplyError."""
+    if body_kind(content_type) == "json":
+        parse_completion(load_json(head, what=f"reply from {url}"))  # raises ServerError for {"error": ...}
+        return MalformedReplyError(f"{url} answered a stream request with one JSON body, which this client cannot stream",
+                                   field="content-type", server_message=excerpt(head))
+    return wrong_content_type(content_type, head, url)
+
+
+def empty_stream_error() -> ServerError:
+    message = "the server closed the stream without sending a chunk (llama-cpp-python does this when the prompt exceeds its context window)"
+    return ServerError(message, status=200, server_message="empty stream")
+
+
+# == server-sent events ======================================================================================
+
+_LINE_ENDS = re.compile(rb"[\r\n]+")  # a run of line ends; two or more in a run end an event
+_ONE_LINE_END = (b"\r", b"\n", b"\r\n")
+_END_OF_STREAM = b"\n\n"  # ends a last event that came without its blank line
+_EVENT_STREAM = {"content-type": "text/event-stream"}
+
+
+class EventReader:
+    """The decisions about one event stream, without I/O: :meth:`feed` the bytes as they arrive
+    (it passes them on, or stops at the size cap), :meth:`end` when the body ends, and
+    :meth:`values` each event httpx-sse parsed from them."""
+
+    def __init__(self, max_event_bytes: int | None = None) -> None:
+        self.max_event_bytes = MAX_EVENT_BYTES if max_event_bytes is None else max_event_bytes
+        self.done = False  #: the server sent ``data: [DONE]``
+        self._pending = 0  # bytes since the blank line that ended the last event
+        self._tail = b""  # the last bytes fed: a run of line ends may continue in the next read
+        self._ended = False
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        """The bytes to hand to the parser; an event over the cap is cut off where it starts
+        and MalformedReplyError raised after the bytes before it (their events are still read)."""
+        kept, error = self._cut(data)
+        yield kept
+        if error is not None:
+            raise error
+
+    def _cut(self, data: bytes) -> tuple[bytes, MalformedReplyError | None]:
+        tail, buf = self._tail, self._tail + data
+        event_start = None  # in ``data``: where the event being read began
+        for run in _LINE_ENDS.finditer(buf):
+            if run.group() not in _ONE_LINE_END:
+                event_start = max(run.end() - len(tail), 0)
+                self._pending = len(buf) - run.end()
+        if event_start is None:
+            self._pending += len(data)
+        self._tail = buf[-3:]
+        if self._pending <= self.max_event_bytes:
+            return data, None
+        kept = data[: event_start or 0]
+        if (tail + kept).endswith(b"\r"):  # the parser holds a last \r until it sees what follows
+            kept += b"\n"
+        return kept, MalformedReplyError(f"the server sent a stream event longer than {self.max_event_bytes} bytes",
+                                         server_message=excerpt(data[event_start or 0 :][:500]))
+
+    def end(self) -> bytes:
+        """The bytes that end the stream: they complete a last event sent without its blank line."""
+        self._ended = True
+        return _END_OF_STREAM
+
+    def values(self, event: ServerSentEvent) -> tuple[Any, ...]:
+        """The JSON value an event carries (none for ``[DONE]`` or an event without data)."""
+        data = event.data
+        if not data or self.done:
+            return ()
+        if data.strip() == "[DONE]":
+            self.done = True
+            return ()
+        if self._ended:  # the stream closed in the middle of this event: cut short, not garbled
+            try:
+                json.loads(data)
+            except json.JSONDecodeError:
+                raise StreamInterruptedError(f"the stream ended in the middle of an event: {data[:200]!r}") from None
+            except (ValueError, RecursionError):
+                pass  # load_json says what is wrong with it
+        value = load_json(data, what="stream event")
+        if event.event == "error" or (isinstance(value, Mapping) and value.get("error") is not None and value.get("choices") is None):
+            message = error_message(value)
+            raise ServerError(f"the server reported an error mid-stream: {message}", status=200, server_message=message)
+        return (value,)
+
+
+def iter_events(byte_chunks: Iterable[bytes], reader: EventReader | None = None) -> Iterator[Any]:
+    """The JSON events of an event stream's bytes, in order, until ``[DONE]`` or the end."""
+    reader = reader or EventReader()
+
+    def body() -> Iterator[bytes]:
+        for data in byte_chunks:
+            yield from reader.feed(data)
+        yield reader.end()
+
+    stream = httpx.Response(200, headers=_EVENT_STREAM, content=body())
+    with contextlib.closing(EventSource(stream).iter_sse()) as events:
+        for event in events:
+            yield from reader.values(event)
+            if reader.done:
+                return
+
+
+async def aiter_events(byte_chunks: AsyncIterable[bytes], reader: EventReader | None = None) -> AsyncIterator[Any]:
+    """:func:`iter_events` over an async byte stream."""
+    reader = reader or EventReader()
+
+    async def body() -> AsyncIterator[bytes]:
+        async for data in byte_chunks:
+            for passed in reader.feed(data):
+                yield passed
+        yield reader.end()
+
+    stream = httpx.Response(200, headers=_EVENT_STREAM, content=body())
+    async with contextlib.aclosing(EventSource(stream).aiter_sse()) as events:
+        async for event in events:
+            for value in reader.values(event):
+                yield value
+            if reader.done:
+                return
+
+
+# == sending a request and opening its answer ================================================================
 
 #: what a stream that ended before its first event gives as its first event
 END = object()
 #: what is read of an error status's body (for its message)
 ERROR_BODY_BYTES = 64 * 1024
-_MISSING_STATUSES = (404, 405, 501)  # an endpoint this server does not have
+#: the statuses of an endpoint this server does not have
+MISSING_STATUSES = (404, 405, 501)
 
 
 @attrs.define
@@ -300,7 +618,7 @@ class HTTPTransport:
         with translated(lambda exc: transport_error(exc, url, "the reply")):
             with self.http.stream(method, url, json=body, headers=sent_headers, timeout=self.limits.httpx_timeout(wait)) as resp:
                 status, headers = resp.status_code, resp.headers
-                if missing_ok and status in _MISSING_STATUSES:
+                if missing_ok and status in MISSING_STATUSES:
                     return None
                 if status >= 400:
                     content = read_capped(resp.iter_bytes(), ERROR_BODY_BYTES, "error body", truncate=True)
@@ -426,3 +744,237 @@ class HTTPTransport:
                 with contextlib.suppress(Exception):
                     await stream.close()
                 raise
+
+
+# == reading an open stream ==================================================================================
+
+_SKIP = object()  # an event not handed to the caller
+
+
+@attrs.define
+class StreamState:
+    """What one stream has said so far."""
+
+    url: str
+    hide_usage_chunk: bool = False  # trimkit added stream_options: the usage-only chunk is its own
+    stats_reply: Reply | None = None  # the last reply that carried usage / timings
+    finish_reason: str | None = None
+    chunks: list[Reply] | None = None  # filled when the response is to be assembled
+    last: Reply | None = None  # the reply of the chunk just yielded (read by the TimedStream)
+    n_seen: int = 0
+    #: the request's deadline: a bounded one holds until the first output (content, a tool call,
+    #: a finish), whatever arrives before it — role deltas, ``content: null`` chunks, keep-alives
+    deadline: Deadline | None = None
+    started: float | None = None  # time.monotonic() when the request went out
+    has_output: bool = False
+    served_model: str | None = None  # the model the server says answered (its chunks' ``model``)
+    #: the response once an async stream has it open (what :func:`aread_chunks` closes; and what
+    #: :meth:`AsyncTimedStream.aclose` closes under a step another task is inside)
+    opened: Opened | None = attrs.field(default=None, repr=False)
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+
+    def begin(self, opened: Opened) -> None:
+        if opened.first is END:
+            raise empty_stream_error()
+
+    def _check_deadline(self) -> None:
+        d = self.deadline
+        if d is None or not d.bounded or self.started is None:
+            return
+        if time.monotonic() - self.started > d.seconds:
+            raise ServerTimeoutError(f"{self.url} sent {self.n_seen} chunks but no content within the request's deadline of "
+                                     f"{d.seconds:.2f} s")
+
+    def take(self, item: Any, opened: Opened) -> Any:
+        """Parse an event (a chunk, or the whole completion of a server that ignored
+        ``stream=true``) and record what it says; the chunk to hand on, or ``_SKIP``."""
+        self.n_seen += 1
+        reply = parse_completion(item) if opened.whole else parse_chunk(item)
+        if self.served_model is None and reply.model:
+            self.served_model = reply.model
+        if not self.has_output:
+            if reply.output is not None:
+                self.has_output = True
+            elif not reply.usage_only:
+                self._check_deadline()
+        self.last = reply
+        if self.chunks is not None:
+            self.chunks.append(reply)
+        if reply.has_stats:
+            self.stats_reply = reply
+        if reply.finish_reason:
+            self.finish_reason = reply.finish_reason
+        return _SKIP if self.hide_usage_chunk and reply.usage_only else reply.raw
+
+    def end(self, opened: Opened) -> None:
+        if self.finish_reason is not None:
+            return
+        if not opened.done():
+            raise StreamInterruptedError(f"the stream from {self.url} ended after {self.n_seen} chunks without a finish reason or [DONE]")
+        if not self.has_output:  # [DONE] before anything was generated: the same outcome as through an openai client
+            raise StreamInterruptedError(f"the stream from {self.url} ended ([DONE]) after {self.n_seen} chunks without content "
+                                         "or a finish reason")
+
+
+def read_chunks(open_: Callable[[], Opened], state: StreamState) -> Iterator[Any]:
+    """The chunks of a stream, opened on the first ``next()`` (when the TTFT clock starts)."""
+    state.start()
+    opened = open_()
+    try:
+        state.begin(opened)
+        if (chunk := state.take(opened.first, opened)) is not _SKIP:
+            yield chunk
+        if opened.rest is not None:
+            for item in opened.rest:
+                if (chunk := state.take(item, opened)) is not _SKIP:
+                    yield chunk
+        state.end(opened)
+    finally:
+        opened.close()
+
+
+async def aread_chunks(open_: Callable[[], Awaitable[Opened]], state: StreamState) -> AsyncIterator[Any]:
+    """:func:`read_chunks` for asyncio. This generator is the whole stream: it opens the request
+    and closes its response itself (``finally``), so closing it (``aclose()``, or asyncio when it
+    is dropped unfinished or its loop shuts down) closes the response there and then — never
+    through another async generator of trimkit's, which asyncio would close on its own, in any
+    order, even while this one is still closing it (issue 34, item 9)."""
+    opened = None
+    state.start()
+    try:
+        opened = await open_()
+        state.opened = opened
+        state.begin(opened)
+        if (chunk := state.take(opened.first, opened)) is not _SKIP:
+            yield chunk
+        if opened.rest is not None:
+            async for item in opened.rest:
+                if (chunk := state.take(item, opened)) is not _SKIP:
+                    yield chunk
+        state.end(opened)
+    finally:
+        if opened is not None:
+            await opened.close()
+
+
+def _stream_error(url: str, stream_of: Callable[[], TimedStream | None]) -> Callable[[BaseException], BaseException | None]:
+    """A stream's failure after it was opened as a trimkit error (None: left as it is).
+    ``stream_of()`` is the stream (held weakly: see :func:`timed_stream`)."""
+
+    def on_error(exc: BaseException) -> BaseException | None:
+        if isinstance(exc, TrimkitError):
+            return None
+        if isinstance(exc, httpx.DecodingError):  # a body its Content-Encoding does not decode
+            return undecodable(exc, f"the stream from {url}")
+        if not is_transport_failure(exc):
+            return None
+        ts = stream_of()
+        n = ts.n_chunks if ts is not None else 0
+        return StreamInterruptedError(f"the stream from {url} broke after {n} chunks: {type(exc).__name__}: {exc}")
+
+    return on_error
+
+
+def timed_stream(chunks: Any, state: StreamState, clock: Clock, measure: Callable[[StreamState, TimedStream], Measurement], *,
+                 output_of: Callable[[Reply], str | None] = operator.attrgetter("output"), cls: type[TimedStream] = TimedStream) -> Any:
+    """The :class:`TimedStream` (``cls``) over ``chunks``: each chunk's output is read from the
+    reply :class:`StreamState` parsed; at the end ``measure(state, stream)`` is the measurement.
+
+    Nothing the stream holds refers back to it (its error handler holds it weakly): a stream
+    dropped unfinished is freed — its generator closed, its connection given back to the pool —
+    at once, on the thread that dropped it, never later by the cyclic garbage collector on
+    whatever thread it happens to run (inside httpcore's pool, holding the pool's lock, a
+    ``close()`` that needs that lock deadlocked every later request)."""
+    ref: weakref.ref[TimedStream] | None = None
+
+    def content_of(chunk: Any) -> str | None:
+        reply = state.last
+        if reply is None or reply.raw is not chunk:  # (never: each chunk is yielded right after it is parsed)
+            reply = parse_chunk(chunk)
+        return output_of(reply)
+
+    extra: dict[str, Any] = {"abort": functools.partial(_close_opened, state)} if issubclass(cls, AsyncTimedStream) else {}
+    ts = cls(chunks, started=None, clock=clock, content_of=content_of, finish=lambda ts: measure(state, ts),
+             on_error=_stream_error(state.url, lambda: ref() if ref is not None else None), **extra)
+    ref = weakref.ref(ts)
+    return ts
+
+
+async def _close_opened(state: StreamState) -> None:
+    """Close the response an async stream has open (closing it twice is harmless)."""
+    opened = state.opened
+    if opened is not None:
+        await opened.close()
+
+
+def _raising(exc: BaseException) -> Iterator[Any]:
+    raise exc
+    yield  # pragma: no cover
+
+
+class AsyncTimedStream(TimedStream):
+    """:class:`TimedStream` over an async iterator: ``async for`` it; the timing, ``finish`` and
+    ``on_done`` behave exactly as in the sync stream.
+
+    :meth:`aclose` works from any task, also while another task is inside ``__anext__`` — a
+    reader just cancelled (``task.cancel()``, ``asyncio.wait_for``) that has not unwound yet, or
+    one still reading: ``abort()`` (given by the backend) then closes the response under that
+    step, and the step ends the stream (``StopAsyncIteration``; a cancelled reader gets its
+    ``CancelledError``). Closing an async generator another task is running raises
+    ``RuntimeError: aclose(): asynchronous generator is already running`` instead — or, where
+    the close was a task of its own, logs "Task exception was never retrieved" (issue 34, item 9)."""
+
+    def __init__(self, chunks: AsyncIterator[Any], *, abort: Callable[[], Awaitable[None]] | None = None, **kwargs: Any) -> None:
+        super().__init__(iter(()), **kwargs)
+        self._achunks = chunks
+        self._abort = abort
+        self._closed = False
+
+    def __aiter__(self) -> AsyncTimedStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._closed:
+            raise StopAsyncIteration
+        if self.started is None:
+            self.started = self.clock()  # the request goes out on the first step
+        try:
+            self._chunks = iter((await self._achunks.__anext__(),))
+        except StopAsyncIteration:
+            self._chunks = iter(())
+        except BaseException as exc:
+            if self._closed:  # aclose() ended the request under this step (a cancelled reader keeps its CancelledError)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                raise StopAsyncIteration from None
+            self._chunks = _raising(exc)
+        if self._closed:  # aclose() came from another task during this step: the stream ends here
+            await self._close_chunks()
+            raise StopAsyncIteration
+        try:  # the sync step records, completes or translates exactly as for a sync stream
+            return TimedStream.__next__(self)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        """Stop the stream; its response is closed before this returns (unless it is not open
+        yet: a step another task is inside then ends the stream when its wait ends)."""
+        self._closed = True
+        if getattr(self._achunks, "ag_running", False):  # another task is inside __anext__
+            if self._abort is not None:
+                await self._abort()
+            return
+        await self._close_chunks()
+
+    async def _close_chunks(self) -> None:
+        aclose = getattr(self._achunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    async def adrain(self) -> Measurement:
+        async for _ in self:
+            pass
+        assert self.measurement is not None
+        return self.measurement

@@ -54,7 +54,7 @@ and calls ``create_chat_completion(...)`` (``ChatLlamaCpp``) or ``chat.completio
 (``ChatOpenAI``) on the stand-in, which plans the request with trimkit and sends it through the
 wrapper. trimkit streams every request (the only way to see the first token): a streamed call
 gets the stream, a non-streamed call the completion assembled from it
-(:func:`~trimkit.backends.completion.assemble_chat_completion`: the reply the inner model would
+(:func:`~trimkit.backends.replies.assemble_chat_completion`: the reply the inner model would
 have got, with ``usage``), which the inner model then turns into its ``AIMessage`` as always.
 ``ChatOllama`` talks Ollama's own API, which trimkit does not speak: point a ``ChatOpenAI`` at
 Ollama's OpenAI-compatible endpoint (``base_url="http://localhost:11434/v1"``) instead.
@@ -129,8 +129,8 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(f"trimkit.integrations.langchain needs langchain-core: pip install 'trimkit[langchain]' ({exc})") from exc
 
-from trimkit.backends.clients import client_kind
-from trimkit.backends.completion import assemble_chat_completion
+from trimkit.backends.base import client_kind
+from trimkit.backends.replies import assemble_chat_completion
 from trimkit.errors import BackendError, InvalidBudgetError, InvalidChunkError, InvalidInputError, InvalidMessageError
 from trimkit.frontend import usage_counts
 from trimkit.integrations._openai_errors import as_openai_error, chat_completions_url

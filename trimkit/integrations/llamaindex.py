@@ -106,9 +106,8 @@ from llama_index.core.prompts.chat_prompts import TEXT_QA_PROMPT_TMPL_MSGS
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.core.types import Model
 
-from trimkit.backends.clients import client_kind, is_llama
-from trimkit.backends.completion import assemble_chat_completion
-from trimkit.backends.replies import parse_chunk
+from trimkit.backends.base import client_kind, is_llama
+from trimkit.backends.replies import assemble_chat_completion, parse_chunk
 from trimkit.errors import BackendError, InvalidChunkError, InvalidInputError, InvalidMessageError
 from trimkit.fleet import wrap_url
 from trimkit.frontend import usage_counts
