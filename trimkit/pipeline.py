@@ -34,12 +34,19 @@ from typing import Any
 
 import attrs
 
+from trimkit._calibration import calibrate
+from trimkit._profile import CALIBRATION_MODES, Profile, save_profile
+from trimkit._report import Report, template_warnings, valid_tokens_per_s_target
+from trimkit._report import completed as report_completed
+from trimkit._report import report_log as report_sinks
+from trimkit._summary_worker import SummaryWorker
+from trimkit._tokens import KNOWN as KNOWN_CONTROLS
+from trimkit._tokens import check_mode as check_control_mode
+from trimkit._tokens import neutralize_chunks, neutralize_messages, reusable_prefix_len
+from trimkit._validation import budget as valid_budget
+from trimkit._validation import open_share
 from trimkit.backends.base import Backend, Measurement, TimedStream
 from trimkit.backends.lease import EngineLease
-from trimkit.calibration import calibrate
-from trimkit.control_tokens import KNOWN as KNOWN_CONTROLS
-from trimkit.control_tokens import check_mode as check_control_mode
-from trimkit.control_tokens import neutralize_chunks, neutralize_messages
 from trimkit.errors import ContextTooSmallError, InfeasibleBudgetError, InvalidInputError, QueueBudgetError
 from trimkit.messages import (
     DEFAULT_RAG_CHUNK_TEMPLATE,
@@ -52,8 +59,6 @@ from trimkit.messages import (
     validate_messages,
     validate_params,
 )
-from trimkit.observe import completed as report_completed
-from trimkit.observe import report_log as report_sinks
 from trimkit.planning.costs import evaluated_tokens
 from trimkit.planning.planner import Plan
 from trimkit.planning.planner import plan as make_plan
@@ -64,14 +69,6 @@ from trimkit.planning.summaries import SummaryCache
 from trimkit.planning.values import ValueModel, chunk_values
 from trimkit.planning.watch import PrefillWatch, Replan, cut_chunks
 from trimkit.prepared import Prepared, PreviousCut, place_chunks
-from trimkit.profile import CALIBRATION_MODES, Profile
-from trimkit.profile_store import save_profile
-from trimkit.report import Report, template_warnings
-from trimkit.summary_worker import SummaryWorker
-from trimkit.tokens import reusable_prefix_len
-from trimkit.validation import budget as valid_budget
-from trimkit.validation import open_share
-from trimkit.verdict import valid_tokens_per_s_target
 
 __all__ = ["Pipeline", "ModelLabel", "ReportNotes"]
 

@@ -217,7 +217,7 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
     if kind == "openai":
         return wrap_openai(client, ttft_budget_s=ttft_budget_s, **kwargs)
     if kind == "ollama":
-        from trimkit.ollama_wrapper import wrap_ollama  # it builds on Trimmer, defined here
+        from trimkit._ollama_wrapper import wrap_ollama  # it builds on Trimmer, defined here
 
         return wrap_ollama(client, ttft_budget_s=ttft_budget_s, **kwargs)
     raise InvalidInputError(

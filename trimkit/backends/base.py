@@ -28,8 +28,8 @@ from typing import Any
 
 import attrs
 
-from trimkit.profile import ProfileKey
-from trimkit.tokens import PromptTokenizer
+from trimkit._profile import ProfileKey
+from trimkit._tokens import PromptTokenizer
 
 __all__ = ["Measurement", "TimedStream", "Backend", "Clock", "first_token_overhead_s", "probe_text"]
 

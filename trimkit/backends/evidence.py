@@ -14,11 +14,11 @@ from typing import Any
 
 import attrs
 
+from trimkit._tokens import reusable_prefix_len
 from trimkit.backends.base import Clock, Measurement, TimedStream
 from trimkit.backends.replies import Reply
 from trimkit.backends.server_timings import ServerStats, build_measurement, detect_truncation
 from trimkit.backends.streams import StreamState
-from trimkit.tokens import reusable_prefix_len
 
 __all__ = ["ServerEvidence", "CACHE_REPORT_FLAGS", "KEYED_PROMPTS"]
 

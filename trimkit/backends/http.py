@@ -27,6 +27,8 @@ from typing import Any
 import attrs
 import httpx
 
+from trimkit._profile import ProfileKey
+from trimkit._tokens import PromptTokenizer, TiktokenTokenizer
 from trimkit.backends.base import Backend, Clock, Measurement, TimedStream
 from trimkit.backends.bodies import ChatCall, chat_body, probe_body, refuses_stream_options
 from trimkit.backends.clients import client_is_async, is_openai_client
@@ -43,8 +45,6 @@ from trimkit.backends.server_timings import parse_server_stats
 from trimkit.backends.streams import AsyncTimedStream, StreamState, aread_chunks, read_chunks, timed_stream
 from trimkit.backends.transport import HTTPTransport, Opened, normalize_base_url, url_credentials, without_retries
 from trimkit.errors import InvalidInputError, ServerError
-from trimkit.profile import ProfileKey
-from trimkit.tokens import PromptTokenizer, TiktokenTokenizer
 
 __all__ = ["OpenAIHTTPBackend", "AsyncTimedStream", "ServerInfo", "TRANSIENT_STATUSES", "MAX_PROBE_TEXT_BYTES", "PROBE_WORDS_PER_TOKEN"]
 

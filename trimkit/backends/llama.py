@@ -28,7 +28,8 @@ from typing import Any
 import attrs
 import llama_cpp
 
-from trimkit.architecture import llama_attention_prior
+from trimkit._profile import ProfileKey, llama_attention_prior
+from trimkit._tokens import common_prefix_len, reusable_prefix_len
 from trimkit.backends.base import Backend, Clock, Measurement, TimedStream, first_token_overhead_s, probe_text
 from trimkit.backends.completion import chunk_content
 from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease, engine_lease
@@ -47,8 +48,6 @@ from trimkit.backends.llama_format import chat_format_renderer, llama_prompt_tok
 from trimkit.errors import BackendError, ContextTooSmallError
 from trimkit.model import model_identity
 from trimkit.planning.summaries import PromptSummarizer
-from trimkit.profile import ProfileKey
-from trimkit.tokens import common_prefix_len, reusable_prefix_len
 
 __all__ = [
     "LlamaBackend",

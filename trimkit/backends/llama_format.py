@@ -17,9 +17,8 @@ from typing import Any
 
 import jinja2
 
-from trimkit.control_tokens import llama_control_texts
+from trimkit._tokens import PromptTokenizer, chatml_render, llama_control_texts
 from trimkit.errors import InvalidInputError, InvalidMessageError, require_extra
-from trimkit.tokens import PromptTokenizer, chatml_render
 
 __all__ = ["LlamaTextTokenizer", "handler_formatter", "chat_formatter", "chat_format_renderer", "llama_prompt_tokenizer"]
 

@@ -34,6 +34,9 @@ from typing import Any
 import attrs
 import httpx
 
+from trimkit._profile import ProfileKey
+from trimkit._tokens import PromptTokenizer, TiktokenTokenizer
+from trimkit._validation import count
 from trimkit.backends.base import Backend, Clock, Measurement, TimedStream
 from trimkit.backends.clients import is_ollama_client
 from trimkit.backends.evidence import ServerEvidence
@@ -46,9 +49,6 @@ from trimkit.backends.server_timings import ServerStats, as_mapping, parse_serve
 from trimkit.backends.streams import AsyncTimedStream
 from trimkit.backends.transport import redact_url
 from trimkit.errors import InvalidInputError, MalformedReplyError, ServerError, StreamInterruptedError
-from trimkit.profile import ProfileKey
-from trimkit.tokens import PromptTokenizer, TiktokenTokenizer
-from trimkit.validation import count
 
 __all__ = ["OllamaBackend", "plain_messages", "client_messages", "client_tools", "DEFAULT_OLLAMA_CTX", "OLLAMA_SEND_KEYS"]
 

@@ -16,9 +16,9 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from trimkit._tokens import PromptTokenizer
 from trimkit.backends.base import Measurement, first_token_overhead_s, probe_text
 from trimkit.errors import CalibrationError, ContextTooSmallError, InvalidInputError
-from trimkit.tokens import PromptTokenizer
 
 __all__ = ["DelegatedProbes", "MAX_PROBE_TEXT_BYTES", "PROBE_WORDS_PER_TOKEN", "ProbedServer", "ServerProbes", "default_probe_text"]
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 
+from trimkit._tokens import PromptTokenizer, TiktokenTokenizer, chatml_render
 from trimkit.backends.limits import Deadline
 from trimkit.backends.routing import RouterInfo
 from trimkit.backends.server_facts import (
@@ -34,7 +35,6 @@ from trimkit.backends.server_facts import (
     parse_workers,
 )
 from trimkit.errors import ServerError
-from trimkit.tokens import PromptTokenizer, TiktokenTokenizer, chatml_render
 
 __all__ = ["ServerInfo", "probe_server", "engine_of", "ServerTokenizer", "server_prompt_tokenizer", "TOKENIZE_SLACK"]
 

@@ -129,6 +129,9 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(f"trimkit.integrations.langchain needs langchain-core: pip install 'trimkit[langchain]' ({exc})") from exc
 
+from trimkit._profile import Profile
+from trimkit._report import Report
+from trimkit._validation import budget as valid_budget
 from trimkit.backends.clients import client_kind
 from trimkit.backends.completion import assemble_chat_completion
 from trimkit.errors import BackendError, InvalidBudgetError, InvalidChunkError, InvalidInputError, InvalidMessageError
@@ -145,9 +148,6 @@ from trimkit.messages import (
 )
 from trimkit.planning.planner import Plan, plan
 from trimkit.prepared import Prepared
-from trimkit.profile import Profile
-from trimkit.report import Report
-from trimkit.validation import budget as valid_budget
 from trimkit.wrapper import wrap
 
 __all__ = ["TrimmedChatModel", "trimkit_trimmer", "trimkit_context", "TrimkitTrimmer", "REPORT_EVENT", "PLAN_EVENT"]

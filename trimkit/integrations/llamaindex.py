@@ -106,6 +106,9 @@ from llama_index.core.prompts.chat_prompts import TEXT_QA_PROMPT_TMPL_MSGS
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.core.types import Model
 
+from trimkit._profile import Profile
+from trimkit._tokens import PromptTokenizer
+from trimkit._validation import budget as valid_budget
 from trimkit.backends.clients import client_kind, is_llama
 from trimkit.backends.completion import assemble_chat_completion
 from trimkit.backends.replies import parse_chunk
@@ -117,10 +120,7 @@ from trimkit.messages import Chunk, check_rag_templates
 from trimkit.planning.planner import Plan, plan
 from trimkit.planning.values import ValueModel
 from trimkit.prepared import place_chunks
-from trimkit.profile import Profile
 from trimkit.strategies import cap_rag_chunks, chain, reuse_prefix
-from trimkit.tokens import PromptTokenizer
-from trimkit.validation import budget as valid_budget
 from trimkit.wrapper import wrap
 
 __all__ = ["TrimkitPostprocessor", "TrimmedLLM", "QA_SYSTEM_PROMPT", "QA_RAG_TEMPLATE", "QA_CHUNK_TEMPLATE"]

@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 import numpy as np
 
+from trimkit._validation import attrs_non_negative, count, positive_finite, real_float
 from trimkit.errors import InvalidInputError, InvalidNumberError
-from trimkit.validation import attrs_non_negative, count, positive_finite, real_float
 
 __all__ = [
     "PrefillSample",

@@ -52,6 +52,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from trimkit._validation import budget, count, fraction
 from trimkit.errors import InvalidInputError
 from trimkit.messages import (
     DEFAULT_RAG_CHUNK_TEMPLATE,
@@ -70,7 +71,6 @@ from trimkit.messages import (
 from trimkit.planning.costs import evaluated_tokens, reusable_cached_tokens
 from trimkit.planning.summaries import Summary, SummaryCache, summary_note
 from trimkit.planning.values import Excerpt, ValueModel, chunk_values, excerpts_of, index_runs, question_idf, rank_chunks, span_label, turn_values
-from trimkit.validation import budget, count, fraction
 
 __all__ = [
     "Candidate",

@@ -82,10 +82,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from trimkit.decode_model import DecodePoint, mean_context
+from trimkit._profile import DecodePoint, Profile, mean_context
 from trimkit.planning.costs import CostModel, PrefillSample, error_stats, evaluated_tokens, fit_cost_model
 from trimkit.planning.queue import EngineQueue
-from trimkit.profile import Profile
 
 __all__ = [
     "SpeedEstimate",
