@@ -47,8 +47,8 @@ def main() -> int:
     os.environ.setdefault("TRIMKIT_CACHE_DIR", tempfile.mkdtemp(prefix="trimkit-bench-"))
 
     import trimkit
+    from trimkit._demo import SYSTEM, load_corpus, load_history, load_questions
     from trimkit.cli import open_llama
-    from trimkit.demo import SYSTEM, load_corpus, load_history, load_questions
     from trimkit.planning.values import rank_chunks
 
     llm = open_llama(None, 8192)
@@ -133,7 +133,7 @@ def main() -> int:
     full = [*prefix_msgs, new_turn]
     full_tokens = backend.tokenizer.prompt_tokens(full)
     # the KV cache holds everything before the new turn's text, as after a previous turn
-    from trimkit.tokens import common_prefix_len
+    from trimkit._tokens import common_prefix_len
 
     shared = common_prefix_len(full_tokens, backend.tokenizer.prompt_tokens([*prefix_msgs, {"role": "user", "content": "x"}]))
     warm, cold, limit, new_counts = [], [], [], []

@@ -135,7 +135,7 @@ def user_text(tokenizer: Any, target_tokens: int, words: list[str], rng: random.
 
 def heldout_words() -> list[str]:
     """Words of the demo conversation and questions (not the calibration probe corpus)."""
-    from trimkit.demo import load_history, load_questions
+    from trimkit._demo import load_history, load_questions
 
     return " ".join(m["content"] for m in load_history()).split() + " ".join(q["question"] for q in load_questions()).split()
 
@@ -277,7 +277,7 @@ def calibrate_mode(backend: Any, mode: str, time_budget_s: float | None) -> tupl
     """Calibrate ``backend`` in ``mode`` (recalibrate, stored in the current cache folder):
     (profile or None, wall seconds, note, the wall-time target). Falls back to ``quick=`` where
     ``mode=`` is unknown; ``time_budget_s`` (when calibrate takes it) is then the target."""
-    from trimkit.calibration import calibrate
+    from trimkit._calibration import calibrate
 
     params = inspect.signature(calibrate).parameters
     kwargs: dict[str, Any] = {"recalibrate": True, "store": True}
@@ -338,8 +338,8 @@ class Bench:
     """One model's run: the ``Llama``, its backend, the measuring harness."""
 
     def __init__(self, name: str, path: str | None, args: argparse.Namespace, caches: CacheDirs) -> None:
+        from trimkit._console import open_llama
         from trimkit.backends.llama import LlamaBackend
-        from trimkit.console import open_llama
 
         self.name, self.path, self.args, self.caches = name, path, args, caches
         self.llm = open_llama(path, args.n_ctx)
@@ -458,7 +458,7 @@ class Bench:
                 "decode_tokens_per_s": profile.decode_tokens_per_s,
                 # the host's speed trend its repeated probes showed, and the samples were steadied by (trimkit.host_trend)
                 "host_trend": profile.alternatives.get("host_trend"),
-                # where the model's architecture says attention doubles the per-token cost (trimkit.architecture),
+                # where the model's architecture says attention doubles the per-token cost (trimkit._profile),
                 # and where the fit (which leans on it) put it
                 "attention_prior_tokens": getattr(profile, "attention_prior_tokens", 0.0),
                 "fitted_doubling_tokens": profile.model.per_token_s / profile.model.depth_s if profile.model.depth_s > 0 else None,
@@ -616,7 +616,7 @@ def zero_wait(name: str, path: str | None, args: argparse.Namespace, caches: Cac
     one) with an empty cache folder and no engine state, then ``--zero-wait-requests``
     requests. ``idle``: "off", "on" or "default" (the wrapper's own)."""
     import trimkit
-    from trimkit.console import open_llama
+    from trimkit._console import open_llama
     from trimkit.planning.speed import forget_engines
 
     switch = wrap_param(IDLE_SWITCHES)
@@ -984,7 +984,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from trimkit.demo import load_history
+    from trimkit._demo import load_history
 
     t_all = time.perf_counter()
     steal_all = StealMeter()

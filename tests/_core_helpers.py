@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from trimkit._profile import Profile, ProfileKey
 from trimkit.backends.base import Measurement
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample
-from trimkit.profile import Profile, ProfileKey
 
 #: a cost model shaped like the measurements in docs/design.md / benchmarks.md (ms-scale, a visible depth term)
 TRUE_MODEL = CostModel(overhead_s=0.01, per_token_s=0.0014, depth_s=1e-7)
@@ -80,9 +80,9 @@ def make_measurement(**overrides: Any) -> Measurement:
 
 
 def exact_predictor(model: CostModel, probes: Iterable[tuple[int, int]]) -> Any:
-    """A calibration :class:`~trimkit.calibration_schedule.CostPredictor` that observed ``probes``
+    """A calibration :class:`~trimkit._calibration.CostPredictor` that observed ``probes``
     taking exactly what ``model`` says (engine time = wall time)."""
-    from trimkit.calibration_schedule import CostPredictor
+    from trimkit._calibration import CostPredictor
 
     p = CostPredictor()
     for n, k in probes:

@@ -120,7 +120,7 @@ def smollm2_model_path() -> str:
 def smollm2_llm(smollm2_model_path):
     """One real llama.cpp context on SmolLM2-135M-Instruct for the session (n_ctx 4096, the chat
     template its GGUF carries: nothing of Gemma's)."""
-    from trimkit.console import open_llama
+    from trimkit._console import open_llama
 
     return open_llama(smollm2_model_path, 4096)
 
@@ -134,7 +134,7 @@ def quick_profile(llm):
     and prediction, not how much a 10 s calibration can see on a slow host (the benchmark does)."""
     import trimkit
 
-    return trimkit.calibrate(llm, mode="quick", time_budget_s=2 * trimkit.calibration.QUICK_BUDGET_S)
+    return trimkit.calibrate(llm, mode="quick", time_budget_s=2 * trimkit._calibration.QUICK_BUDGET_S)
 
 
 @pytest.fixture

@@ -9,11 +9,12 @@ import math
 import pytest
 
 from tests._core_helpers import exact_predictor
-from trimkit.calibration import FULL_BUDGET_S, calibrate
-from trimkit.calibration_schedule import (
+from trimkit._calibration import (
     ATTENTION_PRIOR_MAX_FACTOR,
     ATTENTION_PRIOR_TOKENS,
+    FULL_BUDGET_S,
     attention_doubling_tokens,
+    calibrate,
 )
 from trimkit.planning.costs import CostModel
 from trimkit.testing import FakeBackend

@@ -6,12 +6,10 @@ import logging
 
 import pytest
 
-from trimkit.calibration import MIN_N_CTX, as_backend, calibrate, calibration_probes
-from trimkit.calibration_schedule import MODES, schedule
-from trimkit.decode_model import FLAT_NOTE
+from trimkit._calibration import MIN_N_CTX, MODES, as_backend, calibrate, calibration_probes, schedule
+from trimkit._profile import FLAT_NOTE, load_profile, profile_path
 from trimkit.errors import ContextTooSmallError, InvalidInputError
 from trimkit.planning.costs import CostModel, PrefillSample
-from trimkit.profile_store import load_profile, profile_path
 from trimkit.testing import FakeBackend
 
 FAKE_MODEL = CostModel(overhead_s=0.01, per_token_s=0.0014, depth_s=1e-7)
@@ -345,8 +343,7 @@ def test_calibrate_refuses_an_int(isolated_cache):
 def test_an_implausible_attention_term_is_replaced_by_the_conservative_allowance(caplog):
     """Noisy minimum probes on a busy host can fit an attention term that prices a 1,000-token
     prompt in minutes; the fit falls back to a per-token rate with the schedule's allowance."""
-    from trimkit.calibration import _fit
-    from trimkit.calibration_schedule import ATTENTION_PRIOR_TOKENS
+    from trimkit._calibration import ATTENTION_PRIOR_TOKENS, _fit
 
     samples = [PrefillSample(32, 0, 0.060), PrefillSample(16, 32, 0.400), PrefillSample(16, 0, 0.050)]
     with caplog.at_level("WARNING", logger="trimkit"):
@@ -358,7 +355,7 @@ def test_an_implausible_attention_term_is_replaced_by_the_conservative_allowance
 
 
 def test_a_plausible_fit_is_kept():
-    from trimkit.calibration import _fit
+    from trimkit._calibration import _fit
 
     truth = CostModel(overhead_s=0.02, per_token_s=0.002, depth_s=1e-6)
     samples = [PrefillSample(n, k, truth.prefill_s(n, k)) for n, k in ((16, 0), (64, 0), (256, 0), (1024, 0), (128, 1024), (512, 1024))]

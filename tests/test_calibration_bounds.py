@@ -13,20 +13,22 @@ import attrs
 import pytest
 
 from tests._core_helpers import exact_predictor
-from trimkit.calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, calibrate
-from trimkit.calibration_schedule import (
+from trimkit._calibration import (
+    FULL_BUDGET_S,
+    MICRO_BUDGET_S,
     MODES,
+    QUICK_BUDGET_S,
+    calibrate,
     choose_top,
     decode_tokens,
     mode_for_budget,
     remaining_cost,
     top_candidates,
 )
+from trimkit._profile import Profile, load_profile
 from trimkit.cli import main
 from trimkit.errors import InvalidBudgetError, InvalidInputError, ProfileError
 from trimkit.planning.costs import CostModel
-from trimkit.profile import Profile
-from trimkit.profile_store import load_profile
 from trimkit.testing import FakeBackend
 
 #: every calibration here measures, in a cache of its own: never a profile another test stored for
@@ -432,7 +434,7 @@ def test_progress_ends_at_its_total_when_the_plan_is_cut_short():
 
 
 def test_the_over_budget_warning_says_when_the_engine_threads_were_starved():
-    from trimkit.calibration import starved_threads_hint
+    from trimkit._calibration import starved_threads_hint
 
     # two threads busy the whole time (llama.cpp's threads spin): a host that was just slow
     assert starved_threads_hint(cpu_s=2.0, wall_s=1.0, threads=2, cpus=2) == ""
@@ -445,7 +447,7 @@ def test_the_over_budget_warning_says_when_the_engine_threads_were_starved():
 
 
 def test_calibration_checks_for_starved_threads_with_the_engine_threads_of_its_profile_key(monkeypatch):
-    import trimkit.calibration as calibration_module
+    import trimkit._calibration as calibration_module
 
     seen = []
     real = calibration_module.CalibrationRun

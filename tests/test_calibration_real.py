@@ -6,9 +6,9 @@ import json
 import logging
 
 import trimkit
-import trimkit.demo
+import trimkit._demo
+from trimkit._profile import profile_path
 from trimkit.backends.llama import LlamaBackend
-from trimkit.profile_store import profile_path
 
 
 def test_quick_calibration_measures_a_sensible_profile(quick_profile):
@@ -30,7 +30,7 @@ def test_quick_calibration_measures_a_sensible_profile(quick_profile):
 
 def test_prediction_is_close_to_a_measured_request(llm, quick_profile):
     backend = LlamaBackend(llm)
-    text = " ".join(d["text"] for d in trimkit.demo.load_corpus()[:4])
+    text = " ".join(d["text"] for d in trimkit._demo.load_corpus()[:4])
     messages = [{"role": "user", "content": "Summarise in one line: " + text}]
     with backend.lock:
         llm.reset()  # cold, so the prediction is for the whole prompt

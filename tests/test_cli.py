@@ -127,7 +127,7 @@ def test_help_documents_every_command():
 @pytest.fixture(scope="module")
 def request_file(tmp_path_factory):
     """A 30-message RAG chat with 12 retrieved chunks, as a request file."""
-    from trimkit.demo import SYSTEM, load_corpus, load_history, load_questions
+    from trimkit._demo import SYSTEM, load_corpus, load_history, load_questions
 
     q = load_questions()[1]
     req = {
@@ -141,7 +141,7 @@ def request_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def profile_file(quick_profile, tmp_path_factory):
-    from trimkit.profile_store import save_profile
+    from trimkit._profile import save_profile
 
     return str(save_profile(quick_profile, tmp_path_factory.mktemp("profile") / "profile.json"))
 
@@ -224,7 +224,7 @@ def test_plan_needs_one_valid_budget(args, tmp_path):
 def test_demo_reads_what_the_plan_did_with_the_answer_chunk():
     from types import SimpleNamespace
 
-    from trimkit.demo import answer_chunk_status
+    from trimkit._demo import answer_chunk_status
     from trimkit.messages import Chunk
 
     chunks = [Chunk(text="The lamp was first lit in 1863. It burns oil.", id="doc-04"), Chunk(text="Other text.", id="doc-09")]

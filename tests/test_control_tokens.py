@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import trimkit
 from tests._core_helpers import make_profile
-from trimkit.control_tokens import KNOWN, ZERO_WIDTH_SPACE, ControlTexts, llama_control_texts, neutralize_text
+from trimkit._tokens import KNOWN, ZERO_WIDTH_SPACE, ControlTexts, llama_control_texts, neutralize_text
 from trimkit.errors import InvalidInputError
 
 FORGED = {

@@ -1,4 +1,4 @@
-"""The decode-vs-context model (trimkit/decode_model.py): the line, its clamps, its level from
+"""The decode-vs-context model (trimkit/_profile.py): the line, its clamps, its level from
 served requests, its noise; and the profile's interface to it (decode_tokens_per_s_at)."""
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ import attrs
 import pytest
 
 from tests._core_helpers import make_profile
-from trimkit.decode_model import FLAT_NOTE, WITHIN_NOISE_NOTE, DecodeModel, DecodePoint, fit_decode, mean_context
+from trimkit._profile import FLAT_NOTE, LEGACY_DECODE_CONTEXT_TOKENS, WITHIN_NOISE_NOTE, DecodeModel, DecodePoint, Profile, fit_decode, mean_context
 from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError
 from trimkit.planning.speed import LiveProfile
-from trimkit.profile import LEGACY_DECODE_CONTEXT_TOKENS, Profile
 
 #: a small model on a CPU: 60 ms a token with an empty cache, +12 µs per token of context
 BASE, SLOPE = 0.060, 12e-6

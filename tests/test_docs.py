@@ -40,9 +40,9 @@ import httpx
 import pytest
 
 import trimkit
+from trimkit._profile import save_profile
 from trimkit.backends.base import is_llama
 from trimkit.backends.http import OpenAIHTTPBackend
-from trimkit.profile_store import save_profile
 from trimkit.testing import FakeBackend, FakeOpenAIServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -254,16 +254,15 @@ MOVED = {
     "trimkit.testing": "FakeBackend FakeClock FakeOpenAIServer",
     "trimkit.planning.costs": "CostModel ErrorStats PrefillSample",
     "trimkit.planning.planner": "Action Plan PlanState plan",
-    "trimkit.verdict": "Diagnosis diagnose Verdict judge DecodeContext VERDICTS READING_SPEED_TOKENS_PER_S DEFAULT_WAIT_THRESHOLD_S",
+    "trimkit._report": "Report DECODE_PARAMETERS_UNTOUCHED Diagnosis diagnose Verdict judge DecodeContext VERDICTS READING_SPEED_TOKENS_PER_S "
+                       "DEFAULT_WAIT_THRESHOLD_S",
     "trimkit.messages": "Chunk DEFAULT_RAG_TEMPLATE DEFAULT_RAG_CHUNK_TEMPLATE",
     "trimkit.model": "check_model_path default_model_path",
-    "trimkit.profile": "Profile ProfileKey",
+    "trimkit._profile": "Profile ProfileKey load_profile save_profile",
     "trimkit.planning.speed": "LiveProfile",
-    "trimkit.profile_store": "load_profile save_profile",
-    "trimkit.report": "Report DECODE_PARAMETERS_UNTOUCHED",
     "trimkit.strategies": "Strategy chain default_strategies reuse_prefix cap_rag_chunks summarize_history drop_oldest_turns keep_cached_cut",
     "trimkit.planning.summaries": "ExtractiveSummarizer PromptSummarizer Summary SummaryCache summary_job next_summary_job",
-    "trimkit.tokens": "PromptTokenizer TiktokenTokenizer",
+    "trimkit._tokens": "PromptTokenizer TiktokenTokenizer",
     "trimkit.planning.values": "ValueModel",
     "trimkit.openai_wrapper": "TrimmedOpenAI AsyncTrimmedOpenAI wrap_openai wrap_url",
     "trimkit.wrapper": "Trimmer TrimmedLlama ReportingStream place_chunks wrap",

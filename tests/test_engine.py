@@ -174,10 +174,10 @@ def _next_question_plans(tok, budgets, margins):
     12 new chunks. Yields ``(plan, target, answer chunk id)`` for each budget and margin."""
     import attrs
 
-    from trimkit.demo import SYSTEM, load_corpus, load_history, load_questions
+    from trimkit._demo import SYSTEM, load_corpus, load_history, load_questions
+    from trimkit._tokens import reusable_prefix_len
     from trimkit.planning.costs import CostModel
     from trimkit.planning.values import rank_chunks
-    from trimkit.tokens import reusable_prefix_len
 
     corpus = [Chunk(text=d["text"], id=d["id"]) for d in load_corpus()]
     history, questions = load_history(), load_questions()

@@ -32,7 +32,7 @@ from trimkit.backends.server import (
 )
 from trimkit.errors import InvalidInputError, ServerUnreachableError, StreamInterruptedError
 from trimkit.fleet import FLEET_BACKEND_DEFAULTS, AsyncFleetFrontEnd, FleetFrontEnd, FleetStream, FleetUnavailableError, wrap_fleet
-from trimkit.fleet_endpoint import Health, HeldPrompts, slot_wait_s
+from trimkit.fleet._endpoint import Health, HeldPrompts, slot_wait_s
 from trimkit.testing import FakeBackend, FakeOpenAIServer
 
 SYSTEM = {"role": "system", "content": "You answer questions about the harbour town of Marrowby, briefly and exactly. " * 6}
@@ -526,7 +526,7 @@ def test_when_every_endpoint_must_trim_the_one_that_keeps_the_most_wins():
     router picks the endpoint that keeps the most of the prompt within the budget."""
     from types import SimpleNamespace
 
-    from trimkit.fleet_endpoint import RouteCost, best_route
+    from trimkit.fleet._endpoint import RouteCost, best_route
 
     busy = RouteCost(SimpleNamespace(label="busy"), wait_s=1.9, cached_tokens=900, prefill_s=0.4, decode_s=1.0, in_flight=2,
                      kept_tokens=950, budget_s=1.0)
@@ -549,8 +549,8 @@ def test_identical_replicas_share_one_profile(hosts, isolated_cache):
     """Only replica A has a stored profile; B — the same engine, model and context — starts from
     it instead of calibrating on its own (the fakes have nothing to calibrate against: without
     sharing, B could not be built and would stay down)."""
+    from trimkit._profile import save_profile
     from trimkit.backends.http import OpenAIHTTPBackend
-    from trimkit.profile_store import save_profile
 
     stored = trimkit.calibrate(FakeBackend(), quick=True, store=False)
     key_a = OpenAIHTTPBackend(A, model="fake-model", http_client=hosts.http()).profile_key()

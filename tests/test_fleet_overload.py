@@ -2,7 +2,7 @@
 one request at a time and queue the rest (as llama.cpp-style servers do), twelve concurrent
 requests through ``wrap_url([a, b])``. A timeout on a replica that is working through this
 client's requests keeps it in rotation; every request ends in an answer or a typed
-:class:`~trimkit.fleet_endpoint.FleetOverloadedError` with a retry hint — never
+:class:`~trimkit.fleet.FleetOverloadedError` with a retry hint — never
 ``FleetUnavailableError`` while both servers are alive. Nothing here asserts a speed: which
 requests are answered in time depends on the machine, what each outcome may be does not."""
 
@@ -17,8 +17,8 @@ import pytest
 import trimkit
 from tests.test_server_faults import ASK, GOOD_STREAM, PROFILE, FaultServer, sse_reply
 from trimkit.errors import OverloadedError, ServerTimeoutError
-from trimkit.fleet_endpoint import FleetOverloadedError, FleetUnavailableError
-from trimkit.fleet_frontend import FleetCall, Route
+from trimkit.fleet._endpoint import FleetOverloadedError, FleetUnavailableError
+from trimkit.fleet._frontend import FleetCall, Route
 
 pytestmark = pytest.mark.timeout(120)
 

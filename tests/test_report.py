@@ -11,12 +11,11 @@ import pytest
 
 import trimkit
 from tests._core_helpers import make_measurement
-from trimkit.decode_model import DecodePoint
+from trimkit._profile import DecodePoint
+from trimkit._report import DECODE_PARAMETERS_UNTOUCHED, NOT_THE_STREAM_CURE, STREAM_CURES, WAIT_CURES, Report
 from trimkit.errors import InvalidNumberError
 from trimkit.prepared import Prepared
-from trimkit.report import DECODE_PARAMETERS_UNTOUCHED, Report
 from trimkit.testing import FakeBackend
-from trimkit.verdict import NOT_THE_STREAM_CURE, STREAM_CURES, WAIT_CURES
 
 
 def make_report(measurement=None, **overrides) -> Report:

@@ -18,8 +18,8 @@ import pytest
 
 import trimkit
 from tests._core_helpers import contains, evaluated_tokens
+from trimkit._demo import load_corpus, load_history
 from trimkit.backends.llama import llama_prompt_tokenizer
-from trimkit.demo import load_corpus, load_history
 
 SYSTEM = "Always answer as Captain Quill, keeper of the Marrowby lighthouse."
 ASK = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who lit the lamp?"}]
@@ -80,8 +80,8 @@ def test_trimkit_counts_what_the_template_adds_itself(smollm2_llm):
 
 
 def test_micro_calibration_is_quick_and_gives_a_valid_profile(micro, smollm2_llm):
+    from trimkit._calibration import MICRO_BUDGET_S
     from trimkit.backends.llama import LlamaBackend
-    from trimkit.calibration import MICRO_BUDGET_S
 
     p, wall = micro
     # the bound itself is held in test_calibration_bounds (fake clocks); here the wall time

@@ -9,9 +9,9 @@ import attrs
 import pytest
 
 import trimkit
+from trimkit._profile import ProfileKey
 from trimkit.planning.costs import CostModel
 from trimkit.planning.speed import SLOWDOWN_FACTOR, EngineState, usable_cores
-from trimkit.profile import ProfileKey
 from trimkit.testing import FakeBackend
 
 BASE = CostModel(overhead_s=0.01, per_token_s=0.0014, depth_s=1e-7)

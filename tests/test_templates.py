@@ -219,7 +219,7 @@ def test_dropped_messages_names_what_the_gemma_format_leaves_out(llm, plain_gemm
 
 
 def test_dropped_messages_with_a_template_that_drops_tool_results_too():
-    from trimkit.tokens import PromptTokenizer
+    from trimkit._tokens import PromptTokenizer
 
     def render_(messages, tools=None):  # like "gemma": only user and assistant turns survive
         return "".join(f"<{m['role']}>{m['content']}" for m in messages if m["role"] in ("user", "assistant"))
@@ -233,7 +233,7 @@ def test_dropped_messages_with_a_template_that_drops_tool_results_too():
 def test_dropped_messages_cannot_tell_for_a_template_that_rewrites_content():
     import json
 
-    from trimkit.tokens import PromptTokenizer
+    from trimkit._tokens import PromptTokenizer
 
     def render_(messages, tools=None):  # escapes every non-ASCII character, the markers included
         return "".join(f"<{m['role']}>{json.dumps(m['content'])}" for m in messages)

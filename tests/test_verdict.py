@@ -1,4 +1,4 @@
-"""trimkit.verdict: each phase judged against its own standard, at its boundaries, and the
+"""trimkit._report (the verdict): each phase judged against its own standard, at its boundaries, and the
 truthful statement of what a shorter context did to decode."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ import math
 
 import pytest
 
-from trimkit.errors import InvalidBudgetError, InvalidNumberError
-from trimkit.verdict import (
+from trimkit._report import (
     DEFAULT_WAIT_THRESHOLD_S,
     MIN_STATED_DECODE_CHANGE_PCT,
     READING_SPEED_TOKENS_PER_S,
@@ -19,6 +18,7 @@ from trimkit.verdict import (
     judge,
     valid_tokens_per_s_target,
 )
+from trimkit.errors import InvalidBudgetError, InvalidNumberError
 
 FAST = 50.0  # a stream well above every standard used here
 SHORT = 0.1  # a wait well inside every standard used here

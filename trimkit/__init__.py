@@ -39,18 +39,16 @@ from __future__ import annotations
 from typing import Any
 
 from trimkit import backends, errors, strategies, testing
-from trimkit.calibration import calibrate
+from trimkit._calibration import calibrate
+from trimkit._profile import Profile, load_profile
+from trimkit._report import Report, diagnose
 from trimkit.errors import TrimkitError
 from trimkit.fleet import wrap_url
 from trimkit.messages import Chunk
 from trimkit.model import default_model_path
 from trimkit.planning.planner import Plan, plan
 from trimkit.planning.values import ValueModel
-from trimkit.profile import Profile
-from trimkit.profile_store import load_profile
-from trimkit.report import Report
 from trimkit.strategies import Strategy
-from trimkit.verdict import diagnose
 from trimkit.wrapper import wrap
 
 __version__ = "0.1.0"

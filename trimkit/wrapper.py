@@ -162,7 +162,7 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
     chat API), an OpenAI-style client with ``.chat.completions.create`` (returns a drop-in
     for that: :func:`~trimkit.openai_wrapper.wrap_openai`), an ``ollama.Client`` /
     ``ollama.AsyncClient`` (a drop-in for its ``chat()`` on Ollama's native API:
-    :func:`~trimkit.ollama_wrapper.wrap_ollama`), a trimkit
+    :func:`~trimkit._ollama_wrapper.wrap_ollama`), a trimkit
     :class:`~trimkit.backends.base.Backend` (returns a :class:`Trimmer`), or a list of
     OpenAI-style clients (all sync or all async) → a fleet (:func:`trimkit.fleet.wrap_fleet`:
     routing, failover). ``kwargs``:
@@ -202,7 +202,7 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
     - ``tokens_per_s_target``: the stream speed you need (tokens/s). Every report judges the
       stream against it (without it, against reading speed, ~7 tokens/s) and the wait against
       the budget (without one, 1 s): ``report.verdict`` is ``"none"``, ``"wait"``, ``"stream"``
-      or ``"both"`` (:mod:`trimkit.verdict`). It changes nothing that is sent: trimkit leaves
+      or ``"both"`` (:mod:`trimkit._report`). It changes nothing that is sent: trimkit leaves
       the decode parameters untouched and never aims at the stream;
     - ``rag_template``, ``rag_chunk_template``, ``clock``.
     """
@@ -216,7 +216,7 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
     if kind == "openai":
         return wrap_openai(client, ttft_budget_s=ttft_budget_s, **kwargs)
     if kind == "ollama":
-        from trimkit.ollama_wrapper import wrap_ollama  # it builds on Trimmer, defined here
+        from trimkit._ollama_wrapper import wrap_ollama  # it builds on Trimmer, defined here
 
         return wrap_ollama(client, ttft_budget_s=ttft_budget_s, **kwargs)
     raise InvalidInputError(

@@ -42,7 +42,8 @@ from typing import Any
 import attrs
 import llama_cpp
 
-from trimkit.architecture import llama_attention_prior
+from trimkit._profile import ProfileKey, llama_attention_prior
+from trimkit._tokens import common_prefix_len, reusable_prefix_len
 from trimkit.backends.base import Backend, Clock, Measurement, TimedStream, first_token_overhead_s, probe_text
 from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease, engine_lease
 from trimkit.backends.llama_format import chat_format_renderer, llama_prompt_tokenizer
@@ -50,8 +51,6 @@ from trimkit.backends.replies import chunk_content
 from trimkit.errors import BackendError, ContextTooSmallError
 from trimkit.model import model_identity
 from trimkit.planning.summaries import PromptSummarizer
-from trimkit.profile import ProfileKey
-from trimkit.tokens import common_prefix_len, reusable_prefix_len
 
 __all__ = [
     "effective_n_ctx", "cpu_name", "PerfCounts", "reset_perf", "read_perf", "PrefixSnapshot",

@@ -17,9 +17,8 @@ from typing import Any
 
 import jinja2
 
-from trimkit.control_tokens import llama_control_texts
+from trimkit._tokens import PromptTokenizer, chatml_render, llama_control_texts
 from trimkit.errors import InvalidInputError, InvalidMessageError, require_extra
-from trimkit.tokens import PromptTokenizer, chatml_render
 
 __all__ = ["LlamaTextTokenizer", "handler_formatter", "chat_formatter", "chat_format_renderer", "llama_prompt_tokenizer"]
 
@@ -29,7 +28,7 @@ Render = Callable[..., str]
 
 
 class LlamaTextTokenizer:
-    """A ``Llama``'s own tokenizer for message text (a :class:`~trimkit.tokens.Tokenizer`):
+    """A ``Llama``'s own tokenizer for message text (a :class:`~trimkit._tokens.Tokenizer`):
     no BOS, special tokens parsed as they will be in the rendered prompt."""
 
     exact = True
@@ -101,7 +100,7 @@ def chat_formatter(llm: Any) -> Any:
 
 
 def llama_prompt_tokenizer(llm: Any) -> PromptTokenizer:
-    """A :class:`~trimkit.tokens.PromptTokenizer` that renders and tokenizes exactly as
+    """A :class:`~trimkit._tokens.PromptTokenizer` that renders and tokenizes exactly as
     ``llm.create_chat_completion`` does (a ChatML estimate, with a warning, for a custom handler)."""
     text_tok = LlamaTextTokenizer(llm)
     formatter = chat_formatter(llm)

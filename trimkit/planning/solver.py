@@ -30,7 +30,7 @@ oldest turns. The solver decides *what does change*, in one pass:
    cache after it, so the engine tries a few *scenarios*: each start of the prompt a strategy
    proposed (the caller's history, a summary of the oldest turns, the previous request's cut)
    with the first ``d`` turns after it kept verbatim (and so cached). Each scenario gives a
-   token allowance from the profile (:meth:`~trimkit.profile.Profile.max_new_tokens` after the
+   token allowance from the profile (:meth:`~trimkit._profile.Profile.max_new_tokens` after the
    cached prefix) and the room left after the fixed content.
 3. In each scenario a knapsack (:func:`knapsack`, below: at most one variant per item,
    a chunk whole or one of its excerpts) picks the items with the most value that fit the room.
@@ -52,6 +52,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from trimkit._validation import budget, count, fraction
 from trimkit.errors import InvalidInputError
 from trimkit.messages import (
     DEFAULT_RAG_CHUNK_TEMPLATE,
@@ -70,7 +71,6 @@ from trimkit.messages import (
 from trimkit.planning.costs import evaluated_tokens, reusable_cached_tokens
 from trimkit.planning.summaries import Summary, SummaryCache, summary_note
 from trimkit.planning.values import Excerpt, ValueModel, chunk_values, excerpts_of, index_runs, question_idf, rank_chunks, span_label, turn_values
-from trimkit.validation import budget, count, fraction
 
 __all__ = [
     "Candidate",

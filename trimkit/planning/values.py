@@ -58,10 +58,10 @@ from typing import Any
 
 import attrs
 
+from trimkit._tokens import SizedCache
+from trimkit._validation import non_negative_finite, positive_finite
 from trimkit.errors import InvalidNumberError
 from trimkit.messages import Chunk, message_text
-from trimkit.sized_cache import SizedCache
-from trimkit.validation import non_negative_finite, positive_finite
 
 __all__ = [
     "STOPWORDS",

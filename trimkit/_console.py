@@ -12,9 +12,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from trimkit._profile import Profile
 from trimkit.errors import InvalidInputError, require_extra
 from trimkit.model import DEFAULT_MODEL, EMBEDDED_MODELS, check_model_path
-from trimkit.profile import Profile
 
 __all__ = ["open_llama", "ProgressBar", "profile_lines", "decode_text", "plot_profile", "read_report_log", "report_log_lines",
            "plot_report_log"]

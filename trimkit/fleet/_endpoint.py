@@ -23,6 +23,7 @@ from typing import Any
 
 import attrs
 
+from trimkit._tokens import reusable_prefix_len
 from trimkit.backends.base import Measurement
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.limits import Wait
@@ -39,7 +40,6 @@ from trimkit.errors import (
 )
 from trimkit.planning.costs import evaluated_tokens
 from trimkit.planning.queue import EngineQueue, Ticket, answer_cap
-from trimkit.tokens import reusable_prefix_len
 
 
 def slot_wait_s(remaining_s: Sequence[float], slots: int) -> float:

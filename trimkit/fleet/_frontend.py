@@ -18,10 +18,11 @@ from typing import Any, Protocol
 
 import attrs
 
+from trimkit._report import Report
+from trimkit._validation import budget as valid_budget
 from trimkit.backends.routing import NOT_GIVEN
-from trimkit.call_deadlines import CallDeadlines
 from trimkit.errors import TrimkitError
-from trimkit.fleet_endpoint import (
+from trimkit.fleet._endpoint import (
     MIN_RETRY_AFTER_S,
     FleetEndpoint,
     FleetOverloadedError,
@@ -34,11 +35,9 @@ from trimkit.fleet_endpoint import (
 )
 from trimkit.frontend import AsyncReportingStream, ReportingOpenAIStream, StreamReporter, send_params
 from trimkit.messages import coerce_chunks, validate_messages
-from trimkit.openai_wrapper import call_arguments, call_options, call_routing_key
+from trimkit.openai_wrapper import CallDeadlines, call_arguments, call_options, call_routing_key
 from trimkit.planning.queue import check_on_busy
 from trimkit.prepared import Prepared, place_chunks
-from trimkit.report import Report
-from trimkit.validation import budget as valid_budget
 
 log = logging.getLogger("trimkit")
 
@@ -54,7 +53,7 @@ class Fleet(Protocol):
     endpoints: Sequence[FleetEndpoint]
     ttft_budget_s: float | None
     clock: Callable[[], float]
-    deadlines: Any  # a trimkit.call_deadlines.CallDeadlines
+    deadlines: Any  # a trimkit.openai_wrapper.CallDeadlines
     routing_lock: threading.Lock
 
     def in_rotation(self, *, exclude: Collection[str] = ()) -> list[FleetEndpoint]: ...
@@ -193,7 +192,7 @@ class FleetCall:
         """``ep`` failed before this request's first token: take it out of rotation and let the
         call go on elsewhere; an error that is the request's own (not the endpoint's) is raised.
         A timeout (or 429) of an endpoint that is alive (``route``'s, or one asked at ``since``
-        with ``ahead`` of this client's requests there: :meth:`~trimkit.fleet_endpoint.FleetEndpoint.alive_since`)
+        with ``ahead`` of this client's requests there: :meth:`~trimkit.fleet.FleetEndpoint.alive_since`)
         is overload: it stays in rotation, and the call goes on elsewhere."""
         if not is_endpoint_failure(exc):
             raise exc
@@ -211,7 +210,7 @@ class FleetCall:
 
     def unavailable(self, why: str) -> FleetUnavailableError:
         """The error when nothing is left to try: what this call tried, and every other endpoint's
-        state; :class:`~trimkit.fleet_endpoint.FleetOverloadedError` when an endpoint tried was
+        state; :class:`~trimkit.fleet.FleetOverloadedError` when an endpoint tried was
         alive but busy (the fleet is not unavailable: retry after ``retry_after_s``)."""
         if self._overloaded or any(ep.busy_not_dead for ep in self.fleet.endpoints):
             return self.overloaded(why)

@@ -6,6 +6,26 @@ tokenizes the result. Planning needs per-message counts many times over; those c
 :meth:`PromptTokenizer.segment_counts`, which splits the rendered prompt into one segment per
 message (the template's wrapper text plus the message text) and caches each segment's count,
 so recounting a long conversation tokenizes only what is new.
+
+**Control tokens.** Retrieved text must not become control tokens of the model's chat template.
+
+llama-cpp-python (and llama.cpp's server, and trimkit's own counts) tokenize the *rendered*
+prompt with special tokens parsed, so a retrieved chunk that contains ``<end_of_turn>\\n<start_of_turn>system``
+(Gemma) or ``<|im_start|>system`` (ChatML) becomes real turn markers: text nobody vetted forges a
+turn of the conversation. trimkit is the layer that puts retrieved text into the prompt, so it
+neutralises it there: each occurrence of a control token's text gets a zero-width space (U+200B)
+after its first character, so it tokenizes as plain text (``<\\u200bstart_of_turn>``), and the
+report says how many it broke and where.
+
+Which texts: the model's own control tokens where trimkit can read its vocabulary (an in-process
+``Llama``, or a ``tokenizer=`` built from one: :func:`llama_control_texts`), else the control
+tokens of the common chat templates (:data:`KNOWN_CONTROL_TEXTS`). Pure functions; the vocabulary
+is read once per model.
+
+**The caches.** :class:`SizedCache` is a least-recently-used cache bounded by the size of what it
+holds, not by its number of entries: the text-keyed caches of a long-running service (token
+counts, BM25 term counts) stay flat however long the texts are (20 KB retrieved chunks filled an
+entry-bounded cache of 8,192 to hundreds of MB). Thread-safe.
 """
 
 from __future__ import annotations
@@ -13,28 +33,92 @@ from __future__ import annotations
 import json
 import re
 import threading
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import attrs
 import numpy as np
 import tiktoken
 
-from trimkit.messages import SYSTEM_ROLES, message_text
+from trimkit.errors import InvalidInputError
+from trimkit.messages import SYSTEM_ROLES, Chunk, message_text
 from trimkit.planning.costs import reusable_cached_tokens
-from trimkit.sized_cache import SizedCache
 
-__all__ = [
-    "Tokenizer",
-    "TiktokenTokenizer",
-    "PromptTokenizer",
-    "Segments",
-    "chatml_render",
-    "common_prefix_len",
-    "reusable_prefix_len",
-]
+__all__ = ["Tokenizer", "TiktokenTokenizer", "PromptTokenizer", "Segments", "chatml_render", "common_prefix_len", "reusable_prefix_len",
+    "KNOWN_CONTROL_TEXTS", "KNOWN", "ZERO_WIDTH_SPACE", "ControlTexts", "NEUTRALIZE_MODES", "llama_control_texts", "neutralize_text",
+    "neutralize_chunks", "neutralize_messages", "check_mode", "SizedCache", "text_size"]
 
+
+# -- the text-keyed caches: least recently used, bounded by the size of what they hold -------------------
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+def text_size(key: object) -> int:
+    """The characters of a key: a string's length, a tuple's strings' lengths summed (plus a
+    little for each entry's own overhead)."""
+    if isinstance(key, str):
+        return len(key) + 64
+    if isinstance(key, tuple):
+        return sum(text_size(k) for k in key)
+    return 64
+
+
+class SizedCache(Generic[K, V]):
+    """At most ``max_size`` (the sum of ``size_of(key)`` over the entries; characters for text
+    keys) and at most ``max_entries`` entries; the least recently used go first. An entry larger
+    than a quarter of ``max_size`` is not kept at all (it would push out everything else)."""
+
+    def __init__(self, max_size: int, *, max_entries: int | None = None, size_of: Callable[[K], int] = text_size) -> None:
+        self.max_size = int(max_size)
+        self.max_entries = max_entries
+        self._size_of = size_of
+        self._entries: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    @property
+    def size(self) -> int:
+        """What the entries hold now (in ``size_of`` units)."""
+        with self._lock:
+            return self._size
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is None:
+                return None
+            self._entries.move_to_end(key)
+            return hit[0]
+
+    def put(self, key: K, value: V) -> None:
+        size = self._size_of(key)
+        if size > self.max_size // 4:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._size -= old[1]
+            self._entries[key] = (value, size)
+            self._size += size
+            while self._entries and (self._size > self.max_size or (self.max_entries is not None and len(self._entries) > self.max_entries)):
+                _, (_, dropped) = self._entries.popitem(last=False)
+                self._size -= dropped
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._size = 0
+
+
+# -- counting prompt tokens ------------------------------------------------------------------------------
 
 @runtime_checkable
 class Tokenizer(Protocol):
@@ -166,7 +250,7 @@ class PromptTokenizer:
 
     @property
     def control_texts(self) -> Any:
-        """The texts of the model's control tokens (a :class:`trimkit.control_tokens.ControlTexts`,
+        """The texts of the model's control tokens (a :class:`trimkit._tokens.ControlTexts`,
         read once from its vocabulary), or None when this tokenizer does not know the model's."""
         if self._control_texts is None and self._control_texts_of is not None:
             self._control_texts = self._control_texts_of()
@@ -304,3 +388,174 @@ class PromptTokenizer:
         if self._prefix_tokens is None:
             self._prefix_tokens = len(self.encode_prompt(""))
         return self._prefix_tokens
+
+
+# -- retrieved text must not become control tokens -------------------------------------------------------
+
+#: what is inserted after a control token's first character
+ZERO_WIDTH_SPACE = "\u200b"
+#: the control tokens of the common chat templates (Gemma, ChatML/Qwen/SmolLM, Llama 2/3, Mistral, Phi, Zephyr, DeepSeek)
+KNOWN_CONTROL_TEXTS: tuple[str, ...] = (
+    "<start_of_turn>", "<end_of_turn>", "<bos>", "<eos>", "<pad>",
+    "<|im_start|>", "<|im_end|>", "<|endoftext|>",
+    "<s>", "</s>", "[INST]", "[/INST]", "<<SYS>>", "<</SYS>>",
+    "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>",
+    "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>",
+    "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+    "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+)
+#: ``neutralize_control_tokens=``: ``"chunks"`` (default: retrieved text), ``"all"`` (message content too), ``"off"``
+NEUTRALIZE_MODES = ("chunks", "all", "off")
+
+
+def check_mode(mode: Any) -> str:
+    if mode not in NEUTRALIZE_MODES:
+        raise InvalidInputError(f"neutralize_control_tokens must be one of {NEUTRALIZE_MODES}, got {mode!r}")
+    return str(mode)
+
+
+class ControlTexts:
+    """A set of control-token texts, searchable fast in long text: grouped by first character,
+    with the lengths each first character starts."""
+
+    def __init__(self, texts: Iterable[str]) -> None:
+        kept = sorted({t for t in texts if isinstance(t, str) and len(t) >= 3 and not t.isalnum() and not t.isspace()}, key=len, reverse=True)
+        self.texts = frozenset(kept)
+        self._by_first: dict[str, tuple[int, ...]] = {}
+        for t in kept:
+            self._by_first[t[0]] = tuple(sorted({*self._by_first.get(t[0], ()), len(t)}, reverse=True))
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def find(self, text: str) -> list[tuple[int, int]]:
+        """``(start, end)`` of each occurrence in ``text``, left to right, not overlapping."""
+        out: list[tuple[int, int]] = []
+        if not self._by_first:
+            return out
+        i, n = 0, len(text)
+        firsts = self._by_first
+        while i < n:
+            lengths = firsts.get(text[i])
+            if lengths is not None:
+                hit = next((k for k in lengths if i + k <= n and text[i : i + k] in self.texts), None)
+                if hit is not None:
+                    out.append((i, i + hit))
+                    i += hit
+                    continue
+            # jump to the next character that starts a control text
+            j = min((p for c in firsts if (p := text.find(c, i + 1)) != -1), default=n)
+            i = j
+        return out
+
+
+KNOWN = ControlTexts(KNOWN_CONTROL_TEXTS)
+_BY_MODEL: weakref.WeakKeyDictionary[Any, ControlTexts] = weakref.WeakKeyDictionary()
+
+
+def llama_control_texts(llm: Any) -> ControlTexts:
+    """The control tokens of a ``llama_cpp.Llama``'s vocabulary (token attribute CONTROL: the
+    ones only parsed as special because the prompt is tokenized with ``special=True``) and the
+    known ones; read once per model (about 0.1 s for a 262k vocabulary)."""
+    model: Any = getattr(llm, "_model", None)
+    try:
+        cached = _BY_MODEL.get(model) if model is not None else None
+    except TypeError:
+        cached = None
+    if cached is not None:
+        return cached
+    texts: list[str] = list(KNOWN_CONTROL_TEXTS)
+    try:
+        import llama_cpp
+
+        for i in range(llm.n_vocab()):
+            if model.token_get_attr(i) & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL:
+                t = model.token_get_text(i)
+                texts.append(t.decode("utf-8", errors="ignore") if isinstance(t, bytes) else str(t))
+    except Exception:  # not a llama_cpp model: the known texts
+        pass
+    found = ControlTexts(texts)
+    try:
+        if model is not None:
+            _BY_MODEL[model] = found
+    except TypeError:
+        pass
+    return found
+
+
+def neutralize_text(text: str, controls: ControlTexts) -> tuple[str, int]:
+    """``text`` with every control-token text broken by a zero-width space after its first
+    character, and how many were broken."""
+    spans = controls.find(text)
+    if not spans:
+        return text, 0
+    parts, last = [], 0
+    for start, end in spans:
+        parts.append(text[last : start + 1])
+        parts.append(ZERO_WIDTH_SPACE)
+        parts.append(text[start + 1 : end])
+        last = end
+    parts.append(text[last:])
+    return "".join(parts), len(spans)
+
+
+def _found(controls: ControlTexts, text: str) -> list[str]:
+    return sorted({text[s:e] for s, e in controls.find(text)})
+
+
+def neutralize_chunks(chunks: Sequence[Chunk], controls: ControlTexts) -> tuple[tuple[Chunk, ...], str | None]:
+    """The chunks with their control-token texts neutralised (new Chunk objects for those that
+    had any: the caller's are not changed) and the report's warning (None: nothing found)."""
+    out, hits, names, which = [], 0, set(), []
+    for ch in chunks:
+        text, n = neutralize_text(ch.text, controls)
+        if n:
+            names.update(_found(controls, ch.text))
+            hits += n
+            which.append(str(ch.id))
+            ch = attrs.evolve(ch, text=text)
+        out.append(ch)
+    if not hits:
+        return tuple(chunks), None
+    return tuple(out), (f"neutralised {hits} control-token text(s) ({', '.join(sorted(names)[:6])}) in retrieved chunk(s) "
+                        f"{', '.join(which[:10])}{' …' if len(which) > 10 else ''}: a zero-width space keeps them plain text, "
+                        "so retrieved text cannot forge a turn of the chat template")
+
+
+def _content(content: Any, controls: ControlTexts) -> tuple[Any, int, set[str]]:
+    if isinstance(content, str):
+        text, n = neutralize_text(content, controls)
+        return text, n, set(_found(controls, content)) if n else set()
+    if isinstance(content, list):
+        parts, total, names = [], 0, set()
+        for part in content:
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                text, n = neutralize_text(part["text"], controls)
+                if n:
+                    names.update(_found(controls, part["text"]))
+                    part = {**part, "text": text}
+                    total += n
+            parts.append(part)
+        return (parts if total else content), total, names
+    return content, 0, set()
+
+
+def neutralize_messages(messages: Sequence[Mapping[str, Any]], controls: ControlTexts) -> tuple[Sequence[Mapping[str, Any]], str | None]:
+    """The messages with control-token texts in their content neutralised (system messages, the
+    developer's own, are left as they are); new dicts for those changed, the list itself when
+    nothing was; and the report's warning."""
+    out: list[Mapping[str, Any]] = []
+    hits, names, which = 0, set(), []
+    for i, m in enumerate(messages):
+        if isinstance(m, Mapping) and m.get("role") not in ("system", "developer") and "content" in m:
+            content, n, found = _content(m["content"], controls)
+            if n:
+                hits += n
+                names |= found
+                which.append(i)
+                m = {**m, "content": content}
+        out.append(m)
+    if not hits:
+        return messages, None
+    return out, (f"neutralised {hits} control-token text(s) ({', '.join(sorted(names)[:6])}) in message(s) "
+                 f"{', '.join(map(str, which[:10]))}: a zero-width space keeps them plain text")

@@ -9,7 +9,7 @@
 ``trimkit.wrap_url([...])`` (URLs, plain dicts back) and ``trimkit.wrap([client, ...])`` (``openai``
 clients, all sync or all async) give a :class:`FleetFrontEnd` (:class:`AsyncFleetFrontEnd`) with the
 ``.chat.completions.create`` of one endpoint's wrapper, ``last_report``, ``reports`` and
-``.endpoints`` (:class:`~trimkit.fleet_endpoint.FleetEndpoint`: in flight, up or down, profile, load).
+``.endpoints`` (:class:`~trimkit.fleet.FleetEndpoint`: in flight, up or down, profile, load).
 
 - **Each endpoint is a wrapper of its own** (:class:`~trimkit.openai_wrapper.TrimmedOpenAI`): its
   backend, pipeline and profile — a ``profile=`` given (one for all, or one per endpoint), else
@@ -19,7 +19,7 @@ clients, all sync or all async) give a :class:`FleetFrontEnd` (:class:`AsyncFlee
   micro-calibration, one endpoint after the other at construction
   (``parallel_calibration=True`` for servers on separate machines: on one host they would disturb
   each other's measurements). An endpoint down at construction joins when a probe reaches it.
-- **Routing** (:class:`trimkit.fleet_frontend.FleetCall`): each request goes to the endpoint with the lowest
+- **Routing** (:class:`trimkit.fleet._frontend.FleetCall`): each request goes to the endpoint with the lowest
   predicted TTFT for it — the wait behind the requests ahead of it there plus the prefill of what
   that endpoint does not hold — so a conversation stays on the replica that holds its prefix
   unless that replica is busy enough to lose. The endpoint's pipeline plans against the budget less
@@ -32,7 +32,7 @@ clients, all sync or all async) give a :class:`FleetFrontEnd` (:class:`AsyncFlee
   ``probe_max_s``); the request is re-planned on the next-best endpoint with what is left of its
   budget. A stream that breaks after its first token raises
   :class:`~trimkit.errors.StreamInterruptedError` with its report, as on one endpoint. All down:
-  :class:`~trimkit.fleet_endpoint.FleetUnavailableError` listing what was tried. A fleet retries one
+  :class:`~trimkit.fleet.FleetUnavailableError` listing what was tried. A fleet retries one
   endpoint briefly (``max_attempts=2`` unless given) and moves on.
 
 Replicas must serve one model with one tokenizer (prompts are counted once, for routing, by the
@@ -53,19 +53,19 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from trimkit._profile import Profile
+from trimkit._report import valid_tokens_per_s_target
+from trimkit._validation import positive_finite
 from trimkit.backends.base import client_is_async, is_openai_client
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.routing import RoutingOptions
 from trimkit.backends.server import ServerLoadReader
 from trimkit.backends.transport import normalize_base_url
 from trimkit.errors import InvalidInputError
-from trimkit.fleet_endpoint import FleetEndpoint, FleetOverloadedError, FleetUnavailableError, Health
-from trimkit.fleet_frontend import AsyncFleetFrontEnd, AsyncFleetStream, FleetBase, FleetFrontEnd, FleetStream
+from trimkit.fleet._endpoint import FleetEndpoint, FleetOverloadedError, FleetUnavailableError, Health
+from trimkit.fleet._frontend import AsyncFleetFrontEnd, AsyncFleetStream, FleetBase, FleetFrontEnd, FleetStream
 from trimkit.openai_wrapper import AsyncTrimmedOpenAI, OpenAIFrontEnd, TrimmedOpenAI, split_backend_kwargs
 from trimkit.openai_wrapper import wrap_url as wrap_one_url
-from trimkit.profile import Profile
-from trimkit.validation import positive_finite
-from trimkit.verdict import valid_tokens_per_s_target
 
 __all__ = ["wrap_fleet", "wrap_url", "FleetFrontEnd", "AsyncFleetFrontEnd", "FleetStream", "AsyncFleetStream", "FleetEndpoint",
            "FleetUnavailableError", "FleetOverloadedError", "FLEET_BACKEND_DEFAULTS"]
@@ -167,7 +167,7 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
     stored profile, else a micro-calibration). ``parallel_calibration``: reach the endpoints in
     parallel threads (servers on separate machines). ``slots`` / ``held_prompts``: how many
     requests each server runs at once and how many recent prompts its cache holds (None: from
-    the server, see :class:`~trimkit.fleet_endpoint.FleetEndpoint`). ``read_load``: read the
+    the server, see :class:`~trimkit.fleet.FleetEndpoint`). ``read_load``: read the
     servers' own load (``/slots``, ``/metrics``, ``/get_load``). ``probe_after_s``,
     ``probe_max_s``, ``probe_timeout_s``: when an endpoint out of rotation is probed again, the
     longest backoff, and how long a probe waits. Backend settings (``n_ctx``, ``chat_format``,
@@ -177,7 +177,7 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
 
     Bad input (not a list, empty, mixed kinds, the same endpoint twice, a malformed URL) raises
     :class:`~trimkit.errors.InvalidInputError` before anything is sent; no endpoint reachable:
-    :class:`~trimkit.fleet_endpoint.FleetUnavailableError`.
+    :class:`~trimkit.fleet.FleetUnavailableError`.
     """
     kind = _kind(targets)
     if kind != "url" and asynchronous is not None and asynchronous != (kind == "async"):

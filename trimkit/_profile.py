@@ -1,0 +1,1051 @@
+"""Calibration profiles: what prefill costs on this host, for one model and one set of settings.
+
+A :class:`Profile` carries its samples, the fitted :class:`~trimkit.planning.costs.CostModel`, its
+own held-out error, the measured decode speed — as a function of the context
+(:meth:`Profile.decode_tokens_per_s_at`, :class:`DecodeModel`, below) — and the
+:class:`ProfileKey` it is valid for; it predicts a request's TTFT (:meth:`Profile.predict_ttft_s`). Storing and loading profiles in the
+user cache is :func:`save_profile` / :func:`load_profile` (below); a profile that follows the machine as it runs is
+:class:`~trimkit.planning.speed.LiveProfile`.
+
+This module is the host model, in four parts: the profile and its stored form's field readers;
+the decode line; the architecture's attention prior; the profile store.
+
+A stored file is untrusted input: :meth:`Profile.from_dict` is the one place its JSON becomes a
+:class:`Profile` — every type, count and number is checked there (the field readers are
+below: ``read_model``, ``read_samples``, …), and the model must predict a positive, finite time for a 1- and a
+1000-token prompt. Anything else is a :class:`~trimkit.errors.ProfileError`.
+
+A profile records how it was calibrated: its ``mode`` (``micro`` — a provisional ~3 s profile —,
+``quick`` or ``full``), the wall-time budget it ran under, and the range it probed (the most new
+tokens and the deepest context of its samples). A prediction outside that range is an
+extrapolation (:meth:`Profile.extrapolation`), which the planner meets with a wider margin.
+Files stored before these fields existed still load: the mode follows their ``quick`` flag, the
+probed range is read off their samples, and their single decode speed becomes one decode point
+at a short context (a flat decode line).
+
+**The decode line.** Decode speed as a function of context: the time of one generated token grows with the KV cache.
+
+Each decode step reads the model's weights *and* the KV cache of every token before it. On a
+large model the weights dominate and the speed barely depends on the prompt; on a small one (a
+100M–300M-parameter model on a CPU) the cache of a few thousand tokens is a large share of what
+is read, and the stream slows visibly as the context grows. The model here is a line:
+
+    t(c) = base_s + per_context_s · c          (seconds per generated token)
+
+where ``c`` is the number of tokens in the cache before the step. It is fitted on measured
+points (:class:`DecodePoint`: calibration's decode steps at a short and at a long context, and
+the streams of served requests), by least squares on **relative** error, with
+``per_context_s ≥ 0``. With points at a single context the slope is unknown and the speed is
+taken as flat (:attr:`DecodeModel.note` says so). The latest served requests also set the
+*level*: the older points are scaled so that the line meets those requests (median ratio 1), so
+a host that got busier is followed while the shape still comes from every context measured.
+
+A request of ``P`` prompt tokens that generates ``N`` tokens times ``N − 1`` decode steps (the
+first token belongs to the prefill), evaluating the tokens at positions ``P … P + N − 2``: its
+mean context is ``P + (N − 2) / 2`` (:func:`mean_context`), and its measured tokens/s is
+``1 / t(mean context)``. Pure: no engine, no clock (docs/design.md, §2).
+
+**The attention prior.** What a model's architecture says about its prefill cost before anything is measured.
+
+Prefilling one token costs about ``2·P`` floating-point operations for the weights it passes
+through (``P``: the parameters a prompt token uses — every layer's, not the vocabulary table,
+which is a lookup; the output projection runs for the last token only) and about
+``4·L·H·d_head·p`` for attention at context position ``p`` (``L`` layers, ``H`` query heads of
+``d_head`` dimensions: ``Q·Kᵀ`` and the weighted sum of ``V``). The per-token cost therefore
+doubles every
+
+    D = 2·P / (4·L·H·d_head) = P / (2·L·H·d_head)
+
+tokens of context: the *attention doubling length* (docs/design.md, §2 "The attention prior").
+The cost model's depth term is ``per_token_s / D``. Calibration measures that term only when its
+probes reach deep enough into the context for attention to show above the host's noise; a
+micro or quick calibration seldom does, and the fit then extrapolates from short prompts. This
+prior, read from the model file, is what the fit leans on where the probes say little
+(:func:`trimkit.planning.costs.fit_cost_model`).
+
+It is a FLOP ratio, not a measurement: an engine may run attention more or less efficiently per
+FLOP than the weight matrices (a fused flash-attention kernel, a GPU), a mixture-of-experts
+model's unused experts are estimated from its GGUF's expert counts (:func:`idle_expert_params`),
+and sliding-window layers are counted as full ones (llama.cpp computes them over
+the whole cache unless told otherwise). The fit weighs it accordingly
+(:data:`~trimkit.planning.costs.ATTENTION_PRIOR_SPREAD`).
+
+**The store.** Stored profiles: where they live, and reading and writing them safely.
+
+A :class:`Profile` is stored as JSON in the user cache folder
+(:func:`cache_dir`: ``$TRIMKIT_CACHE_DIR``, else the platform's user cache folder for trimkit —
+``$XDG_CACHE_HOME/trimkit`` or ``~/.cache/trimkit`` on Linux) under a file named by its key's
+hash, written atomically, and reused by the next run with the same key.
+
+A stored file is untrusted input: :func:`load_profile` reads only a regular file of at most
+:data:`MAX_PROFILE_BYTES` (a FIFO or a device at the path never blocks it) and builds the
+profile with :meth:`Profile.from_dict`, which checks every field. A file that
+is unusable is reported by one warning naming it, and ``load_profile`` returns None (so the
+caller calibrates again). A cache folder that cannot be written only costs the reuse:
+:func:`save_profile` warns once and the profile stays in memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import stat
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import platformdirs
+
+from trimkit._validation import count, non_negative_finite, positive_finite, real_float
+from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError
+from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, evaluated_tokens, largest_fitting
+
+__all__ = ["ProfileKey", "Profile", "SCHEMA_VERSION", "CALIBRATION_MODES", "DecodePoint", "DecodeModel", "fit_decode", "mean_context",
+    "DECODE_SOURCES", "LEVEL_WINDOW", "FLAT_NOTE", "WITHIN_NOISE_NOTE", "attention_doubling_prior", "idle_expert_params", "llama_attention_prior",
+    "cache_dir", "profile_path", "load_profile", "save_profile", "MAX_PROFILE_BYTES", "STALE_TMP_S"]
+
+
+# -- the decode line: decode speed as a function of context ----------------------------------------------
+
+#: where a point comes from: calibration's decode steps, or a served request's stream
+DECODE_SOURCES = ("calibration", "live")
+#: the level of the line is the median ratio measured / predicted over this many latest live points
+LEVEL_WINDOW = 5
+#: the level correction is clipped to this range (as the prefill drift is: one absurd stream moves nothing far)
+LEVEL_CLIP = (0.2, 5.0)
+#: what a model fitted on a single context says about itself
+FLAT_NOTE = ("decode measured at one context length only: how it slows as the context grows is not known yet "
+             "(predicted flat until served requests at other lengths measure it)")
+#: what a model says whose measured slowdown is within the noise of its measurements
+WITHIN_NOISE_NOTE = "no slowdown measurable over the contexts measured: assumed flat beyond them"
+#: the standard error of the median of n samples, per median absolute deviation, times √n:
+#: 1.4826 (MAD → standard deviation, normal) × 1.2533 (the median's efficiency)
+MEDIAN_SE_PER_MAD = 1.858
+#: a slope is used only when it exceeds this many standard errors (about 95 % one-sided)
+SLOPE_SIGNIFICANCE = 2.0
+
+
+def mean_context(prompt_tokens: int, output_tokens: int = 0) -> float:
+    """The mean number of cached tokens over the decode steps of a request of ``prompt_tokens``
+    that generates ``output_tokens``: ``prompt + (output − 2) / 2`` (its ``output − 1`` steps
+    evaluate positions ``prompt … prompt + output − 2``); ``prompt_tokens`` for fewer than 2."""
+    return float(prompt_tokens) + max(int(output_tokens) - 2, 0) / 2.0
+
+
+def _context(value: Any) -> float:
+    return non_negative_finite(value, "context_tokens")
+
+
+def _source(instance: Any, attribute: Any, value: Any) -> None:
+    if value not in DECODE_SOURCES:
+        raise InvalidInputError(f"source must be one of {', '.join(DECODE_SOURCES)}, got {value!r}")
+
+
+@attrs.frozen
+class DecodePoint:
+    """One measured decode speed: ``tokens_per_s`` over ``steps`` decode steps whose mean
+    context (tokens in the KV cache before each step) was ``context_tokens``. ``spread_pct``:
+    how much the single steps varied around their median (median absolute deviation, % of the
+    median; None when the steps were not timed one by one)."""
+
+    context_tokens: float = attrs.field(converter=_context)
+    tokens_per_s: float = attrs.field(converter=lambda v: positive_finite(v, "tokens_per_s"))
+    steps: int = attrs.field(default=1, converter=lambda v: count(v, "steps", minimum=1))
+    source: str = attrs.field(default="calibration", validator=_source)
+    spread_pct: float | None = attrs.field(default=None, converter=lambda v: None if v is None else non_negative_finite(v, "spread_pct"))
+
+    @classmethod
+    def of_steps(cls, context_tokens: float, step_seconds: Sequence[float], source: str = "calibration") -> DecodePoint:
+        """The point of single steps timed one by one at ``context_tokens``: their median and spread."""
+        times = [t for t in step_seconds if t > 0 and math.isfinite(t)]
+        if not times:
+            raise InvalidInputError("no positive, finite step time to make a decode point of")
+        mid = statistics.median(times)
+        spread = statistics.median(abs(t - mid) for t in times) / mid * 100.0
+        return cls(context_tokens, 1.0 / mid, len(times), source, spread)
+
+    @property
+    def step_s(self) -> float:
+        return 1.0 / self.tokens_per_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"context_tokens": self.context_tokens, "tokens_per_s": self.tokens_per_s, "steps": self.steps, "source": self.source,
+                "spread_pct": self.spread_pct}
+
+
+@attrs.frozen
+class DecodeModel:
+    """Seconds per generated token as a line in the context: ``base_s + per_context_s · c``.
+
+    ``context_range`` is the (shortest, longest) mean context measured; ``note`` is
+    :data:`FLAT_NOTE` when every point had the same context (the slope could not be measured),
+    :data:`WITHIN_NOISE_NOTE` when the slowdown measured was within the measurements' noise,
+    else empty (a slope fitted below 0 is clamped to a flat line: measured, not assumed).
+    ``noise_pct``: how much a decode measurement varies on this host, % (the larger of the
+    steps' median spread within calibration's points and the median deviation of served
+    requests from the line, once there are :data:`LEVEL_WINDOW`); None when unknown."""
+
+    base_s: float
+    per_context_s: float = 0.0
+    context_range: tuple[float, float] = (0.0, 0.0)
+    points: int = 1
+    note: str = ""
+    noise_pct: float | None = None
+
+    @property
+    def context_dependent(self) -> bool:
+        """True when the fitted speed falls with context (a positive slope was measured)."""
+        return self.per_context_s > 0
+
+    def step_s(self, context_tokens: float) -> float:
+        """Seconds of one decode step with ``context_tokens`` tokens already in the cache."""
+        return self.base_s + self.per_context_s * max(float(context_tokens), 0.0)
+
+    def tokens_per_s_at(self, context_tokens: int, output_tokens: int = 0) -> float:
+        """Predicted decode speed of a request of ``context_tokens`` prompt tokens (with
+        ``output_tokens`` > 1: averaged over its steps, as a measured stream is)."""
+        return 1.0 / self.step_s(mean_context(context_tokens, output_tokens))
+
+
+def _weighted_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
+    """Least squares of ``y = a + b·x`` on relative error (weights 1/y²); None when singular."""
+    ws = [1.0 / (y * y) for y in ys]
+    sw = sum(ws)
+    mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / sw
+    my = sum(w * y for w, y in zip(ws, ys, strict=True)) / sw
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
+    if sxx <= 0:
+        return None
+    b = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True)) / sxx
+    return my - b * mx, b
+
+
+def _flat(ys: list[float]) -> float:
+    """The constant nearest every ``y`` in relative error: Σ(1/y) / Σ(1/y²)."""
+    return sum(1.0 / y for y in ys) / sum(1.0 / (y * y) for y in ys)
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """``(base, slope)`` of the relative-error line through the points, flat (slope 0) when
+    the points share one context, when the slope comes out below 0 (a decode step never gets
+    cheaper with more context: noise) or when the line reaches 0 s at no context (wild noise)."""
+    line = _weighted_line(xs, ys) if len(set(xs)) > 1 else None
+    if line is None or line[1] < 0 or line[0] <= 0:
+        return _flat(ys), 0.0
+    return line
+
+
+def _slope_within_noise(points: list[DecodePoint], slope: float) -> bool:
+    """True when ``slope`` (s per token of context, > 0) is smaller than :data:`SLOPE_SIGNIFICANCE`
+    standard errors, the errors known from the points' own step spreads (each point's median of
+    ``steps`` single steps: relative standard error ``MEDIAN_SE_PER_MAD · spread / √steps``). A
+    slope over a short span of context, on a noisy host, is mostly noise, and extrapolated far it
+    would predict a slowdown no measurement showed. False (significant) when a point's spread is
+    unknown (served requests: many steps each)."""
+    if any(p.spread_pct is None for p in points):
+        return False
+    ws = []
+    for p in points:
+        assert p.spread_pct is not None  # checked above
+        sigma = max(MEDIAN_SE_PER_MAD * p.spread_pct / 100.0 / math.sqrt(p.steps), 1e-9) * p.step_s
+        ws.append(1.0 / (sigma * sigma))
+    mx = sum(w * p.context_tokens for w, p in zip(ws, points, strict=True)) / sum(ws)
+    sxx = sum(w * (p.context_tokens - mx) ** 2 for w, p in zip(ws, points, strict=True))
+    return sxx <= 0 or slope < SLOPE_SIGNIFICANCE / math.sqrt(sxx)
+
+
+def _clip(level: float) -> float:
+    return min(max(level, LEVEL_CLIP[0]), LEVEL_CLIP[1])
+
+
+def fit_decode(points: Iterable[DecodePoint], *, level_window: int = LEVEL_WINDOW) -> DecodeModel | None:
+    """The decode line through ``points`` (calibration first, then live points oldest first);
+    None for no points.
+
+    The ``level_window`` latest live points say how fast the host decodes *now*; every other
+    point (calibration's, older requests') says how the speed falls with context, measured
+    when the host may have run at another speed. So the older points are scaled by a common
+    level ``λ`` and the line is fitted on all of them (relative error, slope ≥ 0, see
+    :func:`_line`), with ``λ`` chosen so that the latest points' median ratio measured /
+    predicted is 1 (clipped to :data:`LEVEL_CLIP`): a host that got busier moves the whole line,
+    while its shape still comes from every context measured. A slope smaller than its own
+    standard error allows (:func:`_slope_within_noise`) is not extrapolated: the line is flat,
+    and says so (:data:`WITHIN_NOISE_NOTE`)."""
+    pts = [p for p in points if isinstance(p, DecodePoint)]
+    if not pts:
+        return None
+    xs = [p.context_tokens for p in pts]
+    ys = [p.step_s for p in pts]
+    live = [i for i, p in enumerate(pts) if p.source == "live"]
+    latest = set(live[-level_window:]) if level_window > 0 else set()
+    level = 1.0
+    for _ in range(20):  # converges in a few rounds: each moves λ by the latest points' median ratio
+        base, slope = _line(xs, [y if i in latest else y * level for i, y in enumerate(ys)])
+        if not latest:
+            break
+        ratio = statistics.median(ys[i] / (base + slope * xs[i]) for i in latest)
+        if abs(ratio - 1.0) < 1e-6 or len(latest) == len(pts) or _clip(level * ratio) == level:
+            base, slope = base * ratio, slope * ratio  # what is left of the latest points' level
+            break
+        level = _clip(level * ratio)
+    note = FLAT_NOTE if len(set(xs)) == 1 else ""
+    if slope > 0 and _slope_within_noise(pts, slope):  # only calibration's points: no level was applied
+        base, slope, note = _flat(ys), 0.0, WITHIN_NOISE_NOTE
+    if not (math.isfinite(base) and base > 0):  # pragma: no cover - every y is positive and finite
+        return None
+    return DecodeModel(base_s=base, per_context_s=slope, context_range=(min(xs), max(xs)), points=len(pts), note=note,
+                       noise_pct=_noise_pct(pts, base, slope, level_window))
+
+
+def _noise_pct(points: list[DecodePoint], base: float, slope: float, window: int) -> float | None:
+    """The larger of the median step spread of the points timed step by step and, over the
+    latest ``window`` live points (when there are that many), their median |deviation| from the line."""
+    spreads = [p.spread_pct for p in points if p.spread_pct is not None]
+    live = [p for p in points if p.source == "live"][-window:] if window > 0 else []
+    found = [statistics.median(spreads)] if spreads else []
+    if live and len(live) >= window:
+        found.append(statistics.median(abs(p.step_s / (base + slope * p.context_tokens) - 1.0) * 100.0 for p in live))
+    return max(found) if found else None
+
+
+# -- the attention prior: what the model's architecture says before anything is measured -----------------
+
+def attention_doubling_prior(*, n_params: int, n_vocab: int, n_embd: int, n_layer: int, n_head: int, head_dim: int,
+                             idle_params: float = 0.0) -> float | None:
+    """The context length (tokens) over which the per-token prefill cost doubles by the FLOP
+    ratio above; None when the numbers do not describe a transformer (any of them not
+    positive, or no parameters left outside the vocabulary table). ``idle_params``: parameters
+    a token does not pass through (a mixture of experts' unused experts, :func:`idle_expert_params`)."""
+    values = (n_params, n_vocab, n_embd, n_layer, n_head, head_dim)
+    if any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values):
+        return None
+    if isinstance(idle_params, bool) or not isinstance(idle_params, (int, float)) or not (0 <= idle_params < math.inf):
+        return None
+    per_token = n_params - n_vocab * n_embd - idle_params
+    if per_token <= 0:
+        return None
+    doubling = per_token / (2.0 * n_layer * n_head * head_dim)
+    return doubling if math.isfinite(doubling) and doubling > 0 else None
+
+
+def idle_expert_params(*, n_layer: int, n_embd: int, expert_count: int, expert_used_count: int, expert_ff: int) -> float:
+    """The parameters a token of a mixture-of-experts model does not use: of the ``expert_count``
+    experts per layer (each a gated feed-forward block of ``3·n_embd·expert_ff`` parameters),
+    all but ``expert_used_count``. Counting every layer as a mixture one (some models keep a
+    few dense layers) overstates it, which makes the prior read attention as steeper — the side
+    that prices long prompts long. 0 for a dense model (fewer than 2 experts, or all used)."""
+    if expert_count < 2 or expert_used_count >= expert_count or min(n_layer, n_embd, expert_used_count, expert_ff) <= 0:
+        return 0.0
+    return float(n_layer) * (expert_count - expert_used_count) * 3.0 * n_embd * expert_ff
+
+
+def _int(value: Any) -> int | None:
+    try:
+        out = int(str(value).strip())
+    except (TypeError, ValueError):
+        return None
+    return out if out > 0 else None
+
+
+def llama_attention_prior(llm: Any) -> float | None:
+    """:func:`attention_doubling_prior` for a ``llama_cpp.Llama``, from the loaded model's own
+    counts (llama.cpp's ``llama_model_n_params``, ``_n_layer``, ``_n_head``) and the GGUF's
+    ``<arch>.attention.key_length`` (default: the embedding width over the heads). None when
+    any of it cannot be read: the fit then has no prior, as for a server."""
+    import llama_cpp  # in process only: the llama backend calls this; ``import trimkit`` imports no engine
+
+    try:
+        model = llm.model
+        n_params = int(llama_cpp.llama_model_n_params(model))
+        n_layer = int(llama_cpp.llama_model_n_layer(model))
+        n_head = int(llama_cpp.llama_model_n_head(model))
+        n_embd, n_vocab = int(llm.n_embd()), int(llm.n_vocab())
+        metadata = getattr(llm, "metadata", None) or {}
+    except Exception:  # a stand-in Llama, an engine build without these calls: no prior
+        return None
+    arch = metadata.get("general.architecture", "")
+    head_dim = _int(metadata.get(f"{arch}.attention.key_length")) if arch else None
+    if head_dim is None and n_head > 0:
+        head_dim = n_embd // n_head
+    if head_dim is None:
+        return None
+    idle = 0.0
+    experts, used = _int(metadata.get(f"{arch}.expert_count")), _int(metadata.get(f"{arch}.expert_used_count"))
+    if experts and used:  # a mixture of experts: only the used experts' weights cost a token anything
+        ff = _int(metadata.get(f"{arch}.expert_feed_forward_length")) or _int(metadata.get(f"{arch}.feed_forward_length"))
+        if ff is None:
+            return None  # the unused share cannot be told: no prior rather than one far too flat
+        idle = idle_expert_params(n_layer=n_layer, n_embd=n_embd, expert_count=experts, expert_used_count=used, expert_ff=ff)
+    return attention_doubling_prior(n_params=n_params, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+                                    head_dim=head_dim, idle_params=idle)
+
+
+# -- the profile, and its stored form's field readers ----------------------------------------------------
+
+
+def _where(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
+
+
+def json_object(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise ProfileError(f"{where or 'the file'} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def json_field(data: Mapping[str, Any], name: str, where: str = "") -> Any:
+    if name not in data:
+        raise ProfileError(f"{_where(where, name)} is missing")
+    return data[name]
+
+
+def json_str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ProfileError(f"{where} must be a string, got {type(value).__name__}")
+    return value
+
+
+def json_bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ProfileError(f"{where} must be true or false, got {type(value).__name__}")
+    return value
+
+
+def json_int(value: Any, where: str, minimum: int = 0) -> int:
+    try:
+        return count(value, where, minimum=minimum)
+    except InvalidNumberError as exc:
+        raise ProfileError(str(exc)) from None
+
+
+def json_number(value: Any, where: str, check: Callable[[float, str], Any] | None = None) -> float:
+    try:
+        v = real_float(value)
+        if check is not None:
+            check(v, where)
+    except InvalidInputError as exc:
+        raise ProfileError(f"{where}: {exc}" if where not in str(exc) else str(exc)) from None
+    return v
+
+
+def must_be_finite(value: float, where: str) -> None:
+    if not math.isfinite(value):
+        raise InvalidNumberError(f"{where} must be finite, got {value!r}")
+
+
+def checked(make: Callable[..., Any], where: str, **kwargs: Any) -> Any:
+    """``make(**kwargs)``, its validation errors as a ProfileError naming ``where``."""
+    try:
+        return make(**kwargs)
+    except InvalidInputError as exc:
+        raise ProfileError(f"{where}: {exc}") from None
+
+
+def read_model(data: Any) -> CostModel:
+    data = json_object(data, "model")
+    kwargs = {name: json_number(json_field(data, name, "model"), f"model.{name}") for name in ("overhead_s", "per_token_s", "depth_s")}
+    if "per_batch_s" in data:
+        kwargs["per_batch_s"] = json_number(data["per_batch_s"], "model.per_batch_s")
+    if "n_batch" in data:
+        kwargs["n_batch"] = json_int(data["n_batch"], "model.n_batch", minimum=1)
+    model: CostModel = checked(CostModel, "model", **kwargs)
+    for n in (1, 1000):
+        try:
+            predicted = model.prefill_s(n, 0)
+        except (OverflowError, ZeroDivisionError):  # pragma: no cover - coefficients are finite floats
+            predicted = math.inf
+        if not (predicted > 0 and math.isfinite(predicted)):
+            raise ProfileError(f"model predicts {predicted!r} s for a {n}-token prompt (need a finite time > 0)")
+    return model
+
+
+def _read_sample(data: Any, where: str) -> PrefillSample:
+    data = json_object(data, where)
+    kwargs: dict[str, Any] = {
+        "new_tokens": json_int(json_field(data, "new_tokens", where), f"{where}.new_tokens", minimum=1),
+        "cached_tokens": json_int(json_field(data, "cached_tokens", where), f"{where}.cached_tokens"),
+        "seconds": json_number(json_field(data, "seconds", where), f"{where}.seconds", non_negative_finite),
+    }
+    if "source" in data:
+        kwargs["source"] = json_str(data["source"], f"{where}.source")
+    return checked(PrefillSample, where, **kwargs)
+
+
+def read_samples(data: Any) -> tuple[PrefillSample, ...]:
+    if not isinstance(data, list):
+        raise ProfileError(f"samples must be a list, got {type(data).__name__}")
+    return tuple(_read_sample(s, f"samples[{i}]") for i, s in enumerate(data))
+
+
+def read_error(data: Any) -> ErrorStats:
+    data = json_object(data, "error")
+    kwargs: dict[str, Any] = {name: json_number(json_field(data, name, "error"), f"error.{name}") for name in ("median_pct", "p90_pct", "max_pct")}
+    kwargs["n"] = json_int(json_field(data, "n", "error"), "error.n")
+    return checked(ErrorStats, "error", **kwargs)
+
+
+def read_residuals(data: Any) -> tuple[tuple[float, float], ...]:
+    if not isinstance(data, list):
+        raise ProfileError(f"residuals must be a list, got {type(data).__name__}")
+    out = []
+    for i, pair in enumerate(data):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ProfileError(f"residuals[{i}] must be a [predicted, measured] pair")
+        out.append(tuple(json_number(v, f"residuals[{i}][{j}]", non_negative_finite) for j, v in enumerate(pair)))
+    return tuple(out)  # type: ignore[arg-type]
+
+
+def read_decode_points(data: Any) -> tuple[DecodePoint, ...]:
+    """``decode_points``: a list of objects (:meth:`~trimkit._profile.DecodePoint.to_dict`)."""
+    if not isinstance(data, list):
+        raise ProfileError(f"decode_points must be a list, got {type(data).__name__}")
+    out = []
+    for i, item in enumerate(data):
+        where = f"decode_points[{i}]"
+        item = json_object(item, where)
+        kwargs: dict[str, Any] = {
+            "context_tokens": json_number(json_field(item, "context_tokens", where), f"{where}.context_tokens", non_negative_finite),
+            "tokens_per_s": json_number(json_field(item, "tokens_per_s", where), f"{where}.tokens_per_s"),
+        }
+        if "steps" in item:
+            kwargs["steps"] = json_int(item["steps"], f"{where}.steps", minimum=1)
+        if "source" in item:
+            kwargs["source"] = json_str(item["source"], f"{where}.source")
+        if item.get("spread_pct") is not None:
+            kwargs["spread_pct"] = json_number(item["spread_pct"], f"{where}.spread_pct", non_negative_finite)
+        out.append(checked(DecodePoint, where, **kwargs))
+    return tuple(out)
+
+
+SCHEMA_VERSION = 1
+#: how a profile was calibrated, least thorough first (trimkit._calibration.MODES)
+CALIBRATION_MODES = ("micro", "quick", "full")
+#: the context of the decode speed of a profile stored before decode points were kept:
+#: calibration then measured it in process after a 16-token prompt
+LEGACY_DECODE_CONTEXT_TOKENS = 16
+
+
+@attrs.frozen
+class ProfileKey:
+    """Everything that changes prefill timings. A profile is only reused under an equal key."""
+
+    backend: str
+    model: str
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int = 0
+    n_threads: int = 0
+    n_threads_batch: int = 0
+    flash_attn: str = ""
+    n_gpu_layers: int = 0
+    engine_version: str = ""
+    cpu: str = ""
+    extra: str = ""
+
+    def digest(self) -> str:
+        blob = json.dumps(attrs.asdict(self), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:20]
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ProfileKey:
+        return cls(**{f.name: data[f.name] for f in attrs.fields(cls) if f.name in data})
+
+
+def _pairs(value: Any) -> tuple[tuple[float, float], ...]:
+    """(predicted, measured) pairs as a tuple of float 2-tuples (JSON gives lists)."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise InvalidNumberError(f"residuals must be a list of (predicted, measured) pairs, got {type(value).__name__}")
+    out = []
+    for pair in value:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise InvalidNumberError(f"each residual must be a (predicted, measured) pair, got {type(pair).__name__}")
+        p, m = pair
+        out.append((real_float(p), real_float(m)))
+    return tuple(out)
+
+
+def _legacy_decode_points(profile: Any) -> tuple[DecodePoint, ...]:
+    """A profile given no decode points: its decode speed (if any) as one point at a short context."""
+    tps = profile.decode_tokens_per_s
+    return (DecodePoint(LEGACY_DECODE_CONTEXT_TOKENS, tps),) if tps > 0 and math.isfinite(tps) else ()
+
+
+def _decode_points(value: Any) -> tuple[DecodePoint, ...]:
+    points = tuple(value)
+    for i, p in enumerate(points):
+        if not isinstance(p, DecodePoint):
+            raise InvalidInputError(f"decode_points[{i}] must be a DecodePoint, got {type(p).__name__}")
+    return points
+
+
+def _reach(samples: Sequence[PrefillSample]) -> tuple[int, int]:
+    """(most new tokens, deepest context) of ``samples``; (0, 0) for none."""
+    ok = [s for s in samples if isinstance(s, PrefillSample)]
+    return max((s.new_tokens for s in ok), default=0), max((s.new_tokens + s.cached_tokens for s in ok), default=0)
+
+
+@attrs.frozen
+class Profile:
+    """A measured prefill profile. Use :meth:`predict_ttft_s` to predict a request's TTFT.
+
+    ``first_token_s`` is what a request adds on top of prefill before its first content chunk
+    (chat template, tokenization, the first sampling step), measured end to end during
+    calibration; ``first_token_per_token_s`` the part of it that grows with the whole prompt,
+    cached tokens included (the engine's tokenizer reads the whole conversation every turn).
+    ``error`` is the cost model's leave-one-probe-out error on its own samples.
+    """
+
+    key: ProfileKey
+    model: CostModel
+    first_token_s: float = attrs.field(converter=real_float)
+    decode_tokens_per_s: float = attrs.field(converter=real_float)
+    samples: tuple[PrefillSample, ...] = attrs.field(converter=tuple, repr=False)
+    error: ErrorStats
+    alternatives: Mapping[str, Any] = attrs.field(factory=dict, repr=False)
+    calibration_wall_s: float = attrs.field(default=0.0, converter=real_float)
+    quick: bool = attrs.field(default=False, converter=bool)  # a stored file must hold a real bool (from_dict)
+    created_at: float = attrs.field(default=0.0, converter=real_float)
+    drift: float = 1.0
+    #: calibration's held-out residuals: (predicted, measured) prefill seconds per calibration
+    #: sample, each predicted by a fit without its probe; they seed the learned safety margin
+    #: (:mod:`trimkit.planning.speed`). Empty for profiles stored before they were kept.
+    residuals: tuple[tuple[float, float], ...] = attrs.field(default=(), converter=_pairs, repr=False)
+    #: how it was calibrated: "micro" (provisional), "quick" or "full" (default: from ``quick``)
+    mode: str = attrs.field(default=attrs.Factory(lambda self: "quick" if self.quick else "full", takes_self=True))
+    #: the most new tokens of any sample, and the deepest context (new + cached) of any sample;
+    #: read off the samples by default (0 = unknown: :meth:`probed_range` reads the samples)
+    probed_new_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[0], takes_self=True))
+    probed_context_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[1], takes_self=True))
+    #: the wall-time budget calibration ran under, seconds (0.0: unknown, before budgets)
+    time_budget_s: float = attrs.field(default=0.0, converter=real_float)
+    #: True when the first-token overhead was estimated, not measured (no time for its requests)
+    first_token_estimated: bool = attrs.field(default=False)
+    #: measured decode speeds at known contexts (calibration's, then served requests'): the
+    #: decode-vs-context line (:meth:`decode_model`). Default: ``decode_tokens_per_s`` as one
+    #: point at :data:`LEGACY_DECODE_CONTEXT_TOKENS` (a flat line); empty when decode was not
+    #: measured (calibration had no time for it).
+    decode_points: tuple[DecodePoint, ...] = attrs.field(default=attrs.Factory(_legacy_decode_points, takes_self=True),
+                                                         converter=_decode_points, repr=False)
+    #: the model architecture's attention doubling length, tokens (trimkit._profile): the
+    #: prior every fit of this profile's samples leans on where they say little about attention;
+    #: 0.0 when unknown (a server, a profile stored before it was kept): the samples alone
+    attention_prior_tokens: float = attrs.field(default=0.0, converter=real_float)
+    #: seconds of first-token overhead per prompt token (cached ones included): what tokenizing
+    #: the whole prompt costs on each request, on top of ``first_token_s``; 0.0 when unknown
+    #: (a profile stored before it was kept), learned from served requests (trimkit.planning.speed)
+    first_token_per_token_s: float = attrs.field(default=0.0, converter=real_float)
+
+    def __attrs_post_init__(self) -> None:
+        # past construction, code trusts these types: check them once here
+        for name, kind in (("key", ProfileKey), ("model", CostModel), ("error", ErrorStats), ("alternatives", Mapping)):
+            if not isinstance(getattr(self, name), kind):
+                raise InvalidInputError(f"{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
+        for i, s in enumerate(self.samples):
+            if not isinstance(s, PrefillSample):
+                raise InvalidInputError(f"samples[{i}] must be a PrefillSample, got {type(s).__name__}")
+        non_negative_finite(self.first_token_s, "first_token_s")
+        non_negative_finite(self.decode_tokens_per_s, "decode_tokens_per_s")
+        non_negative_finite(self.calibration_wall_s, "calibration_wall_s")
+        if not math.isfinite(self.created_at):
+            raise InvalidNumberError(f"created_at must be finite, got {self.created_at!r}")
+        # predictions multiply by drift and budgets divide by it: 0, negative or NaN would poison both
+        positive_finite(self.drift, "drift")
+        if not isinstance(self.mode, str) or self.mode not in CALIBRATION_MODES:
+            raise InvalidInputError(f"mode must be one of {', '.join(CALIBRATION_MODES)}, got {self.mode!r}")
+        if self.quick != (self.mode != "full"):
+            raise InvalidInputError(f"quick={self.quick} contradicts mode={self.mode!r} (quick is True for micro and quick profiles)")
+        count(self.probed_new_tokens, "probed_new_tokens")
+        count(self.probed_context_tokens, "probed_context_tokens")
+        non_negative_finite(self.time_budget_s, "time_budget_s")
+        if not isinstance(self.first_token_estimated, bool):
+            raise InvalidInputError(f"first_token_estimated must be a bool, got {type(self.first_token_estimated).__name__}")
+        non_negative_finite(self.attention_prior_tokens, "attention_prior_tokens")
+        non_negative_finite(self.first_token_per_token_s, "first_token_per_token_s")
+
+    @property
+    def depth_prior_tokens(self) -> float | None:
+        """:attr:`attention_prior_tokens` as the fits take it: None when unknown."""
+        return self.attention_prior_tokens or None
+
+    @property
+    def provisional(self) -> bool:
+        """A micro-calibration's profile: a few seconds of probes, planned with a wider margin."""
+        return self.mode == "micro"
+
+    def probed_range(self) -> tuple[int, int]:
+        """``(most new tokens, deepest context)`` this profile has measured: the recorded range,
+        widened by any sample it holds beyond it (a profile refined after it was recorded)."""
+        new, ctx = _reach(self.samples)
+        return max(self.probed_new_tokens, new), max(self.probed_context_tokens, ctx)
+
+    def extrapolation(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """How far a prediction for ``new_tokens`` after ``cached_tokens`` reaches beyond what
+        was measured: 1.0 inside the probed range, else the larger of new tokens / the most new
+        tokens probed and context / the deepest context probed (2.0: twice as far). A profile
+        without samples has probed nothing: the ratio is to one token."""
+        probed_new, probed_ctx = self.probed_range()
+        n = evaluated_tokens(int(new_tokens), 0)
+        ctx = n + max(int(cached_tokens), 0)
+        return max(1.0, n / max(probed_new, 1), ctx / max(probed_ctx, 1))
+
+    def extrapolated(self, new_tokens: int, cached_tokens: int = 0) -> bool:
+        """True when :meth:`extrapolation` is above 1: the prediction leaves the probed range."""
+        return self.extrapolation(new_tokens, cached_tokens) > 1.0
+
+    def decode_model(self) -> DecodeModel | None:
+        """Seconds per generated token as a function of context, fitted on :attr:`decode_points`
+        (:func:`~trimkit._profile.fit_decode`); None when decode was not measured."""
+        return _fit_decode(tuple(self.decode_points))
+
+    def decode_tokens_per_s_at(self, context_tokens: int, output_tokens: int = 0) -> float | None:
+        """Predicted decode speed (tokens/s) of a request whose prompt is ``context_tokens``
+        tokens long — each generated token reads the KV cache of every token before it, so a
+        longer context decodes slower. With ``output_tokens`` (> 1) the speed is averaged over
+        that many tokens, as a measured stream's is. None when the profile has no decode
+        measurement. Flat (the same at every context) when decode was measured at one context
+        only (:attr:`DecodeModel.note`)."""
+        n = count(context_tokens, "context_tokens")
+        out = count(output_tokens, "output_tokens")
+        model = self.decode_model()
+        return None if model is None else model.tokens_per_s_at(n, out)
+
+    @property
+    def decode_noise_pct(self) -> float | None:
+        """How much a decode measurement varies on this host, percent
+        (:attr:`DecodeModel.noise_pct`); None when unknown. A predicted difference of decode
+        speed smaller than this is within noise."""
+        model = self.decode_model()
+        return None if model is None else model.noise_pct
+
+    def predict_prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """Predicted prefill time for ``new_tokens`` evaluated after ``cached_tokens`` cached ones."""
+        return self.model.prefill_s(evaluated_tokens(int(new_tokens), 0), cached_tokens) * self.drift
+
+    def first_token_overhead_s(self, prompt_tokens: int) -> float:
+        """The first-token overhead of a request whose whole prompt is ``prompt_tokens`` long."""
+        return self.first_token_s + self.first_token_per_token_s * max(int(prompt_tokens), 0)
+
+    def predict_ttft_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """Predicted time to first token: prefill of the tokens the engine must evaluate plus the
+        per-request cost (:meth:`first_token_overhead_s` of the whole prompt). llama.cpp always
+        evaluates at least one token, even on a full hit."""
+        prompt = evaluated_tokens(int(new_tokens), 0) + int(cached_tokens)
+        return self.predict_prefill_s(new_tokens, cached_tokens) + self.first_token_overhead_s(prompt)
+
+    def max_new_tokens(self, ttft_budget_s: float, cached_tokens: int = 0) -> int:
+        """The most new tokens that fit ``ttft_budget_s`` after ``cached_tokens`` cached ones."""
+        prefill_budget = (ttft_budget_s - self.first_token_overhead_s(cached_tokens)) / self.drift
+        hi = self.model.max_new_tokens(prefill_budget, cached_tokens)
+        if self.first_token_per_token_s <= 0 or hi == 0:
+            return hi
+        # the overhead grows with the new tokens too: the most of 0..hi that fit (0 always "fits":
+        # the caller reads 0 as nothing fits)
+        return largest_fitting(lambda n: n == 0 or self.predict_ttft_s(n, cached_tokens) <= ttft_budget_s, 0, hi)
+
+    @property
+    def safety_margin(self) -> float:
+        """Fraction of a budget to hold back: the profile's own p90 held-out error, 3–25 %."""
+        p90 = self.error.p90_pct if math.isfinite(self.error.p90_pct) else 10.0
+        return min(max(p90 / 100.0, 0.03), 0.25)
+
+    def table(self) -> list[dict[str, float]]:
+        """Per probe: tokens, measured (median) and predicted prefill time, per-token cost."""
+        groups: dict[tuple[int, int], list[float]] = {}
+        for s in self.samples:
+            if s.source == "calibration":
+                groups.setdefault((s.new_tokens, s.cached_tokens), []).append(s.seconds)
+        rows = []
+        for (n, k), times in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            measured = statistics.median_high(times)
+            predicted = self.model.prefill_s(n, k)
+            rows.append({
+                "new_tokens": n,
+                "cached_tokens": k,
+                "measured_s": measured,
+                "predicted_s": predicted,
+                "error_pct": (predicted - measured) / measured * 100 if measured > 0 else float("nan"),
+                "ms_per_token": measured / n * 1000,
+                "repeats": len(times),
+            })
+        return rows
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA_VERSION,
+            "key": self.key.to_dict(),
+            "model": self.model.to_dict(),
+            "first_token_s": self.first_token_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "samples": [s.to_dict() for s in self.samples],
+            "error": self.error.to_dict(),
+            "alternatives": dict(self.alternatives),
+            "calibration_wall_s": self.calibration_wall_s,
+            "quick": self.quick,
+            "created_at": self.created_at,
+            "drift": self.drift,
+            "residuals": [list(pair) for pair in self.residuals],
+            "mode": self.mode,
+            "probed_new_tokens": self.probed_new_tokens,
+            "probed_context_tokens": self.probed_context_tokens,
+            "time_budget_s": self.time_budget_s,
+            "first_token_estimated": self.first_token_estimated,
+            "first_token_per_token_s": self.first_token_per_token_s,
+            "decode_points": [p.to_dict() for p in self.decode_points],
+            "attention_prior_tokens": self.attention_prior_tokens,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Profile:
+        """The profile stored as ``data`` (parsed JSON), fully checked: raises
+        :class:`~trimkit.errors.ProfileError` naming the first field that is missing, of the
+        wrong type or out of range, and never another exception."""
+        return _structure(data)
+
+
+# -- reading a stored profile: the one boundary where untrusted JSON becomes a Profile ----------
+
+
+def _read_key(data: Any) -> ProfileKey:
+    data = json_object(data, "key")
+    values: dict[str, Any] = {}
+    for f in attrs.fields(ProfileKey):
+        if f.name not in data:
+            if f.default is attrs.NOTHING:
+                raise ProfileError(f"key.{f.name} is missing")
+            continue
+        if f.type in (int, "int"):
+            values[f.name] = json_int(data[f.name], f"key.{f.name}")
+        else:
+            values[f.name] = json_str(data[f.name], f"key.{f.name}")
+    return ProfileKey(**values)
+
+
+def _structure(data: Any) -> Profile:
+    """Parsed profile JSON → :class:`Profile`, or :class:`ProfileError` saying what is wrong."""
+    data = json_object(data, "")
+    schema = data.get("schema")
+    if type(schema) is not int or schema != SCHEMA_VERSION:  # not True, not 1.0
+        shown = repr(schema) if isinstance(schema, (int, str, type(None))) and len(repr(schema)) < 40 else type(schema).__name__
+        raise ProfileError(f"profile schema {shown} is not {SCHEMA_VERSION}")
+    alternatives = data.get("alternatives", {})
+    if not isinstance(alternatives, dict):
+        raise ProfileError(f"alternatives must be a JSON object, got {type(alternatives).__name__}")
+    quick = json_bool(data.get("quick", False), "quick")
+    # fields added after schema 1 was released: a file without them loads with their defaults
+    # (values are checked by Profile itself: checked() makes its errors ProfileErrors)
+    extra: dict[str, Any] = {}
+    for name, read in (("mode", json_str), ("probed_new_tokens", json_int), ("probed_context_tokens", json_int),
+                       ("time_budget_s", lambda v, w: json_number(v, w, non_negative_finite)), ("first_token_estimated", json_bool),
+                       ("decode_points", lambda v, w: read_decode_points(v)),
+                       ("attention_prior_tokens", lambda v, w: json_number(v, w, non_negative_finite)),
+                       ("first_token_per_token_s", lambda v, w: json_number(v, w, non_negative_finite))):
+        if name in data:
+            extra[name] = read(data[name], name)
+    return checked(
+        Profile,
+        "profile",
+        key=_read_key(json_field(data, "key")),
+        model=read_model(json_field(data, "model")),
+        first_token_s=json_number(json_field(data, "first_token_s"), "first_token_s", non_negative_finite),
+        decode_tokens_per_s=json_number(json_field(data, "decode_tokens_per_s"), "decode_tokens_per_s", non_negative_finite),
+        samples=read_samples(json_field(data, "samples")),
+        error=read_error(json_field(data, "error")),
+        alternatives=alternatives,
+        calibration_wall_s=json_number(data.get("calibration_wall_s", 0.0), "calibration_wall_s", non_negative_finite),
+        quick=quick,
+        created_at=json_number(data.get("created_at", 0.0), "created_at", must_be_finite),
+        drift=json_number(data.get("drift", 1.0), "drift", positive_finite),
+        residuals=read_residuals(data.get("residuals", [])),
+        **extra,
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _fit_decode(points: tuple[DecodePoint, ...]) -> DecodeModel | None:
+    """:func:`~trimkit._profile.fit_decode`, memoised by the points: a request asks its
+    profile's decode speed several times, and the profile changes only when a request finishes."""
+    return fit_decode(points)
+
+
+# -- the store: where profiles live, reading and writing them safely -------------------------------------
+
+log = logging.getLogger("trimkit")
+
+#: a stored profile larger than this is refused unread (a real one is a few KiB)
+MAX_PROFILE_BYTES = 16 * 1024 * 1024
+#: a ``.profile-*.tmp`` file older than this is left over from a killed save and is removed
+STALE_TMP_S = 60.0
+
+
+def cache_dir() -> Path:
+    """trimkit's cache folder: ``$TRIMKIT_CACHE_DIR`` when set, else the user cache folder
+    (:func:`platformdirs.user_cache_dir`: ``$XDG_CACHE_HOME/trimkit``, else ``~/.cache/trimkit``
+    on Linux; ``~/Library/Caches/trimkit`` on macOS; ``%LOCALAPPDATA%\\trimkit\\Cache`` on Windows)."""
+    env = os.environ.get("TRIMKIT_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(platformdirs.user_cache_dir("trimkit", appauthor=False))
+
+
+def profile_path(key: ProfileKey) -> Path:
+    """Where the profile for ``key`` is stored: ``<cache_dir>/profiles/<key digest>.json``."""
+    return cache_dir() / "profiles" / f"{key.digest()}.json"
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    """The file's status, None when there is no file; ProfileError when it cannot be looked at."""
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError) as exc:  # permission denied, a name the OS refuses
+        raise ProfileError(f"unreadable ({getattr(exc, 'strerror', None) or exc})") from None
+
+
+def _read_json(path: Path, st: os.stat_result) -> Any:
+    """The parsed JSON of the file at ``path`` (status ``st``); ProfileError when it is not a
+    regular file, too large, not UTF-8 or not JSON. Never blocks: the type is checked before
+    opening and the open is non-blocking (a FIFO swapped in between is caught by ``fstat``)."""
+    if not stat.S_ISREG(st.st_mode):
+        raise ProfileError("not a regular file")
+    if st.st_size > MAX_PROFILE_BYTES:
+        raise ProfileError(f"{st.st_size} bytes, over the {MAX_PROFILE_BYTES}-byte limit for a profile")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise ProfileError(f"unreadable ({exc.strerror or exc})") from None
+    with os.fdopen(fd, "rb") as fh:
+        try:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise ProfileError("not a regular file")
+            raw = fh.read(MAX_PROFILE_BYTES + 1)
+        except OSError as exc:
+            raise ProfileError(f"unreadable ({exc.strerror or exc})") from None
+    if len(raw) > MAX_PROFILE_BYTES:
+        raise ProfileError(f"over the {MAX_PROFILE_BYTES}-byte limit for a profile")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProfileError("not UTF-8 text") from None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, a 5000-digit int, [[[[…
+        raise ProfileError(f"not JSON ({type(exc).__name__}: {str(exc)[:120]})") from None
+
+
+#: (path, file identity, reason) of unusable profiles already warned about: one warning per file
+_warned_unusable: set[tuple[Any, ...]] = set()
+#: cache folders already warned about as unwritable (cleared when a save there succeeds)
+_warned_unwritable: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def _first_time(seen: set[Any], mark: Any) -> bool:
+    """Record ``mark`` in ``seen``; True the first time (one warning per file or folder)."""
+    with _warn_lock:
+        first = mark not in seen
+        seen.add(mark)
+    return first
+
+
+def _warn_unusable(path: Path, ident: Any, reason: str) -> None:
+    """One warning per unusable file (wrap() and the CLI may look at it twice before recalibrating)."""
+    first = _first_time(_warned_unusable, (str(path), ident, reason))
+    (log.warning if first else log.info)("stored profile %s is unusable: %s; calibrating again", path, reason)
+
+
+def _clean_stale_tmp(folder: Path, now: float | None = None) -> None:
+    """Remove ``.profile-*.tmp`` files older than :data:`STALE_TMP_S`: left by a save that was
+    killed (SIGKILL, power loss) between writing and renaming. Best effort."""
+    now = time.time() if now is None else now
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if not (entry.name.startswith(".profile-") and entry.name.endswith(".tmp")):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > STALE_TMP_S:
+                os.unlink(entry.path)
+        except OSError:
+            continue
+
+
+def _warn_unwritable(folder: Path, exc: OSError) -> None:
+    first = _first_time(_warned_unwritable, str(folder))
+    (log.warning if first else log.debug)(
+        "trimkit: cannot store the calibration profile in %s (%s); it is kept in memory only, so the next "
+        "process calibrates again (set TRIMKIT_CACHE_DIR to a writable folder)", folder, exc.strerror or exc,
+    )
+
+
+def save_profile(profile: Profile, path: Path | None = None) -> Path | None:
+    """Write ``profile`` as JSON atomically (temp file + rename). Returns the path.
+
+    Without ``path`` it goes to the user cache (:func:`profile_path`); a cache folder that
+    cannot be written (read-only, a file in the way, disk full) is then no error: one warning
+    per folder is logged, the profile is kept in memory only, and None is returned. An explicit
+    ``path`` that cannot be written raises the OSError. Leftover temp files of a killed save
+    older than a minute are removed from the folder."""
+    explicit = path is not None
+    path = path or profile_path(profile.key)
+    blob = json.dumps(profile.to_dict(), indent=1)  # fails (TypeError) before anything is written
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _clean_stale_tmp(path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(blob)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        if explicit or not isinstance(exc, OSError):
+            raise
+        _warn_unwritable(path.parent, exc)
+        return None
+    with _warn_lock:
+        _warned_unwritable.discard(str(path.parent))
+    return path
+
+
+def load_profile(key: ProfileKey, path: Path | None = None) -> Profile | None:
+    """The stored profile for ``key``, or None when there is none, it was made under another
+    key, or it is unusable: not a regular file, over :data:`MAX_PROFILE_BYTES`, not JSON, or
+    any field missing, mistyped or out of range. An unusable file is reported by one warning
+    naming it and what is wrong (the caller calibrates again and overwrites it)."""
+    path = path or profile_path(key)
+    st = None
+    try:
+        st = _stat(path)
+        if st is None:
+            return None
+        profile = Profile.from_dict(_read_json(path, st))
+    except ProfileError as exc:
+        ident = None if st is None else (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        _warn_unusable(path, ident, str(exc))
+        return None
+    if profile.key != key:
+        log.info("stored profile %s was made for another configuration; calibrating again", path)
+        return None
+    return profile
