@@ -113,8 +113,8 @@ def _worker(tree: str, model_path: str, chat_format: str, n_ctx: int) -> int:
     import attrs
 
     import trimkit
-    from trimkit._profile import Profile
-    from trimkit.costmodel import CostModel, ErrorStats, PrefillSample  # the old tree's module (commit 3018083)
+    from trimkit.costmodel import CostModel, ErrorStats, PrefillSample  # the old tree's modules (commit 3018083)
+    from trimkit.profile import Profile
 
     where = Path(trimkit.__file__).resolve()
     if Path(tree).resolve() not in where.parents:
