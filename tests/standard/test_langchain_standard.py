@@ -65,6 +65,11 @@ EXPECTED_FAILURES: dict[tuple[str, str, str, str], str] = {
        for n in (*_TOOLS_AND_STRUCTURE, "test_tool_choice")},
     **{("openai", "integration", "both", n): "llama-cpp-python's server rejects an assistant message holding only tool calls"
        for n in ("test_tool_message_error_status", "test_tool_message_histories_list_content", "test_tool_message_histories_string_content")},
+    # another model (TRIMKIT_TEST_MODEL=smollm2): SmolLM2's ChatML template concatenates every message's content, so an
+    # assistant turn holding only tool calls (content None) fails it — the raw arm's TypeError, the wrapped arm's typed error
+    **({("llama", "integration", "both", n): "this model's template cannot render an assistant turn holding only tool calls"
+        for n in ("test_tool_message_error_status", "test_tool_message_histories_list_content", "test_tool_message_histories_string_content")}
+       if OTHER_MODEL else {}),
     ("openai", "integration", "raw", "test_usage_metadata_streaming"): "the server sends no usage in streams (wrapped: trimkit's counts)",
     ("openai", "integration", "raw", "test_astream"): "sometimes 'Event loop is closed': the raw async client outlives the test's loop",
     ("openai", "integration", "raw", "test_astream_events_v3"): "sometimes 'Event loop is closed': the raw async client outlives the test's loop",
@@ -136,6 +141,7 @@ TrimmedChatOpenAI = _wrapped(ChatOpenAI, "TrimmedChatOpenAI")
 
 def _llama_params() -> dict[str, Any]:
     import trimkit
+    import trimkit.templates  # noqa: F401 - registers "gemma-3", which ChatLlamaCpp's Llama looks up by name
 
     return {"model_path": OTHER_MODEL or trimkit.default_model_path("gemma"), "n_ctx": 4096, "n_batch": 512, "verbose": False,
             "model_kwargs": {} if OTHER_MODEL else {"chat_format": "gemma-3"}}
