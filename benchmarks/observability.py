@@ -35,7 +35,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import trimkit  # noqa: E402
 import trimkit.otel  # noqa: E402
-from trimkit._report import add_observer, remove_observer  # noqa: E402
+from trimkit.report import add_observer, remove_observer  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Name a colour."}]
 RATIO_TARGET = 1.02

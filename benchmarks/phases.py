@@ -60,8 +60,8 @@ from phases_decode import DEFAULT_CONTEXTS, decode_sweep, summary  # noqa: E402
 import trimkit  # noqa: E402
 from trimkit._console import open_llama  # noqa: E402
 from trimkit._demo import load_corpus  # noqa: E402
-from trimkit._report import READING_SPEED_TOKENS_PER_S  # noqa: E402
 from trimkit.backends.base import probe_text  # noqa: E402
+from trimkit.report import READING_SPEED_TOKENS_PER_S  # noqa: E402
 
 #: a stream standard is this far from the speed the profile predicts, on the side the request is built for
 STANDARD_FACTOR = 1.5

@@ -458,7 +458,7 @@ class Bench:
                 "decode_tokens_per_s": profile.decode_tokens_per_s,
                 # the host's speed trend its repeated probes showed, and the samples were steadied by (trimkit.host_trend)
                 "host_trend": profile.alternatives.get("host_trend"),
-                # where the model's architecture says attention doubles the per-token cost (trimkit._profile),
+                # where the model's architecture says attention doubles the per-token cost (trimkit.planning.profile),
                 # and where the fit (which leans on it) put it
                 "attention_prior_tokens": getattr(profile, "attention_prior_tokens", 0.0),
                 "fitted_doubling_tokens": profile.model.per_token_s / profile.model.depth_s if profile.model.depth_s > 0 else None,

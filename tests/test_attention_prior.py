@@ -1,4 +1,4 @@
-"""The architecture's attention prior (trimkit._profile) and the fit that leans on it.
+"""The architecture's attention prior (trimkit.planning.profile) and the fit that leans on it.
 
 Short probes say little about attention: a micro or quick calibration fitted on them alone
 extrapolates a depth term that is noise (an implausible one falls back to the conservative
@@ -15,9 +15,10 @@ import random
 import pytest
 
 from trimkit._calibration import _fit, calibrate
-from trimkit._profile import Profile, attention_doubling_prior, idle_expert_params, llama_attention_prior
+from trimkit.backends.llama import llama_attention_prior
 from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError
 from trimkit.planning.costs import PROBE_NOISE, PROBE_NOISE_FLOOR, CostModel, PrefillSample, fit_cost_model, probe_noise
+from trimkit.planning.profile import Profile, attention_doubling_prior, idle_expert_params
 from trimkit.planning.speed import LiveProfile
 from trimkit.testing import FakeBackend
 
@@ -199,7 +200,7 @@ def test_a_stored_profile_without_the_prior_loads_and_a_bad_one_is_refused(isola
 
 
 def test_a_stored_profile_from_before_the_prior_gets_the_engines_prior_when_reused(isolated_cache):
-    from trimkit._profile import save_profile
+    from trimkit._calibration import save_profile
 
     fake = FakeBackend(attention_prior_tokens=2500.0)
     old = calibrate(FakeBackend(), mode="micro", store=False, recalibrate=True)  # no prior, as stored by an older trimkit

@@ -1,5 +1,5 @@
 """The text caches of a long-running service stay flat with long texts (issue 34, item 7): token
-counts (:class:`~trimkit._tokens.PromptTokenizer`) and BM25 term counts are bounded by the
+counts (:class:`~trimkit.planning.tokens.PromptTokenizer`) and BM25 term counts are bounded by the
 characters they hold, not only by their number of entries. Measured with ``tracemalloc`` after
 thousands of distinct 20 KB texts: what the caches keep stays under their bound (the old
 entry-bounded caches kept every text — tens of MB here, hundreds in a service)."""
@@ -11,7 +11,7 @@ import tracemalloc
 
 import pytest
 
-from trimkit._tokens import PromptTokenizer, SizedCache, chatml_render
+from trimkit.planning.tokens import PromptTokenizer, SizedCache, chatml_render
 from trimkit.planning.values import bm25_scores
 
 TEXT_CHARS = 20_000

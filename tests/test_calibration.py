@@ -6,10 +6,10 @@ import logging
 
 import pytest
 
-from trimkit._calibration import MIN_N_CTX, MODES, as_backend, calibrate, calibration_probes, schedule
-from trimkit._profile import FLAT_NOTE, load_profile, profile_path
+from trimkit._calibration import MIN_N_CTX, MODES, as_backend, calibrate, calibration_probes, load_profile, profile_path, schedule
 from trimkit.errors import ContextTooSmallError, InvalidInputError
 from trimkit.planning.costs import CostModel, PrefillSample
+from trimkit.planning.profile import FLAT_NOTE
 from trimkit.testing import FakeBackend
 
 FAKE_MODEL = CostModel(overhead_s=0.01, per_token_s=0.0014, depth_s=1e-7)

@@ -21,14 +21,15 @@ from trimkit._calibration import (
     calibrate,
     choose_top,
     decode_tokens,
+    load_profile,
     mode_for_budget,
     remaining_cost,
     top_candidates,
 )
-from trimkit._profile import Profile, load_profile
 from trimkit.cli import main
 from trimkit.errors import InvalidBudgetError, InvalidInputError, ProfileError
 from trimkit.planning.costs import CostModel
+from trimkit.planning.profile import Profile
 from trimkit.testing import FakeBackend
 
 #: every calibration here measures, in a cache of its own: never a profile another test stored for

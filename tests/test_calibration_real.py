@@ -7,7 +7,7 @@ import logging
 
 import trimkit
 import trimkit._demo
-from trimkit._profile import profile_path
+from trimkit._calibration import profile_path
 from trimkit.backends.llama import LlamaBackend
 
 

@@ -141,7 +141,7 @@ def request_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def profile_file(quick_profile, tmp_path_factory):
-    from trimkit._profile import save_profile
+    from trimkit._calibration import save_profile
 
     return str(save_profile(quick_profile, tmp_path_factory.mktemp("profile") / "profile.json"))
 

@@ -21,9 +21,9 @@ import attrs
 import pytest
 
 from tests._core_helpers import make_profile
-from trimkit._profile import DecodePoint
 from trimkit.backends.base import probe_text
 from trimkit.backends.llama import LlamaBackend
+from trimkit.planning.profile import DecodePoint
 
 OUTPUT_TOKENS = 24
 

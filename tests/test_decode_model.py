@@ -1,4 +1,4 @@
-"""The decode-vs-context model (trimkit/_profile.py): the line, its clamps, its level from
+"""The decode-vs-context model (trimkit/planning/profile.py): the line, its clamps, its level from
 served requests, its noise; and the profile's interface to it (decode_tokens_per_s_at)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import attrs
 import pytest
 
 from tests._core_helpers import make_profile
-from trimkit._profile import FLAT_NOTE, LEGACY_DECODE_CONTEXT_TOKENS, WITHIN_NOISE_NOTE, DecodeModel, DecodePoint, Profile, fit_decode, mean_context
 from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError
+from trimkit.planning.profile import FLAT_NOTE, LEGACY_DECODE_CONTEXT_TOKENS, WITHIN_NOISE_NOTE, DecodeModel, DecodePoint, Profile, fit_decode, mean_context
 from trimkit.planning.speed import LiveProfile
 
 #: a small model on a CPU: 60 ms a token with an empty cache, +12 µs per token of context

@@ -1,4 +1,4 @@
-"""trimkit.diagnose (in trimkit._report): the verdict for measured numbers, its cures, its text and JSON, bad input.
+"""trimkit.diagnose (in trimkit.report): the verdict for measured numbers, its cures, its text and JSON, bad input.
 
 The judging itself, at every boundary, is tests/test_verdict.py; here, what diagnose adds."""
 
@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from trimkit._report import DEFAULT_WAIT_THRESHOLD_S, NOT_THE_STREAM_CURE, READING_SPEED_TOKENS_PER_S, STREAM_CURES, WAIT_CURES, diagnose
 from trimkit.errors import InvalidBudgetError, InvalidNumberError
+from trimkit.report import DEFAULT_WAIT_THRESHOLD_S, NOT_THE_STREAM_CURE, READING_SPEED_TOKENS_PER_S, STREAM_CURES, WAIT_CURES, diagnose
 
 
 def test_the_documented_defaults():

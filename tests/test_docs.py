@@ -40,7 +40,7 @@ import httpx
 import pytest
 
 import trimkit
-from trimkit._profile import save_profile
+from trimkit._calibration import save_profile
 from trimkit.backends.base import is_llama
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.testing import FakeBackend, FakeOpenAIServer
@@ -254,15 +254,16 @@ MOVED = {
     "trimkit.testing": "FakeBackend FakeClock FakeOpenAIServer",
     "trimkit.planning.costs": "CostModel ErrorStats PrefillSample",
     "trimkit.planning.planner": "Action Plan PlanState plan",
-    "trimkit._report": "Report DECODE_PARAMETERS_UNTOUCHED Diagnosis diagnose Verdict judge DecodeContext VERDICTS READING_SPEED_TOKENS_PER_S "
+    "trimkit.report": "Report DECODE_PARAMETERS_UNTOUCHED Diagnosis diagnose Verdict judge DecodeContext VERDICTS READING_SPEED_TOKENS_PER_S "
                        "DEFAULT_WAIT_THRESHOLD_S",
     "trimkit.messages": "Chunk DEFAULT_RAG_TEMPLATE DEFAULT_RAG_CHUNK_TEMPLATE",
-    "trimkit.model": "check_model_path default_model_path",
-    "trimkit._profile": "Profile ProfileKey load_profile save_profile",
+    "trimkit.backends.llama_format": "check_model_path default_model_path",
+    "trimkit.planning.profile": "Profile ProfileKey",
+    "trimkit._calibration": "calibrate load_profile save_profile",
     "trimkit.planning.speed": "LiveProfile",
     "trimkit.strategies": "Strategy chain default_strategies reuse_prefix cap_rag_chunks summarize_history drop_oldest_turns keep_cached_cut",
     "trimkit.planning.summaries": "ExtractiveSummarizer PromptSummarizer Summary SummaryCache summary_job next_summary_job",
-    "trimkit._tokens": "PromptTokenizer TiktokenTokenizer",
+    "trimkit.planning.tokens": "PromptTokenizer TiktokenTokenizer",
     "trimkit.planning.values": "ValueModel",
     "trimkit.openai_wrapper": "TrimmedOpenAI AsyncTrimmedOpenAI wrap_openai wrap_url",
     "trimkit.wrapper": "Trimmer TrimmedLlama ReportingStream place_chunks wrap",

@@ -175,8 +175,8 @@ def _next_question_plans(tok, budgets, margins):
     import attrs
 
     from trimkit._demo import SYSTEM, load_corpus, load_history, load_questions
-    from trimkit._tokens import reusable_prefix_len
     from trimkit.planning.costs import CostModel
+    from trimkit.planning.tokens import reusable_prefix_len
     from trimkit.planning.values import rank_chunks
 
     corpus = [Chunk(text=d["text"], id=d["id"]) for d in load_corpus()]

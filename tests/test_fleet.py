@@ -549,7 +549,7 @@ def test_identical_replicas_share_one_profile(hosts, isolated_cache):
     """Only replica A has a stored profile; B — the same engine, model and context — starts from
     it instead of calibrating on its own (the fakes have nothing to calibrate against: without
     sharing, B could not be built and would stay down)."""
-    from trimkit._profile import save_profile
+    from trimkit._calibration import save_profile
     from trimkit.backends.http import OpenAIHTTPBackend
 
     stored = trimkit.calibrate(FakeBackend(), quick=True, store=False)

@@ -101,7 +101,7 @@ def tool_pairs_whole(messages: list[dict]) -> bool:
 @pytest.fixture(scope="module")
 def chat_llama(model_path):
     """A real ChatLlamaCpp, built as a user builds it (its own Llama on the embedded model)."""
-    import trimkit.templates  # noqa: F401 - registers "gemma-3", which ChatLlamaCpp's Llama looks up by name
+    import trimkit.backends.llama  # noqa: F401 - registers "gemma-3", which ChatLlamaCpp's Llama looks up by name
 
     return ChatLlamaCpp(model_path=model_path, n_ctx=4096, n_batch=512, max_tokens=4, temperature=0.0, verbose=False,
                         model_kwargs={} if OTHER_MODEL else {"chat_format": "gemma-3"})

@@ -25,7 +25,7 @@ try:
 except ImportError as exc:  # the dev extra is part of the suite's set-up: fail, do not skip
     raise ImportError(f"tests/test_llamaindex_differential.py needs the dev extra's LlamaIndex packages: {exc}") from exc
 
-import trimkit.templates  # noqa: F401 - registers chat_format="gemma-3", which the raw LlamaCPP's Llama looks up when it is made
+import trimkit.backends.llama  # noqa: F401 - registers chat_format="gemma-3", which the raw LlamaCPP's Llama looks up when it is made
 from tests.conftest import OTHER_MODEL
 from trimkit.integrations.llamaindex import TrimmedLLM
 

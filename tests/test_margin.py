@@ -221,7 +221,7 @@ def test_a_server_and_model_is_one_engine_whatever_the_client_object():
     c = OpenAIHTTPBackend("http://mock.test/v1", model="other")
     try:
         assert a.engine_identity() == b.engine_identity() != c.engine_identity()
-        p = make_profile(key=trimkit._profile.ProfileKey(backend="openai_http", model="http://mock.test/v1|m", n_ctx=4096, n_batch=512))
+        p = make_profile(key=trimkit.planning.profile.ProfileKey(backend="openai_http", model="http://mock.test/v1|m", n_ctx=4096, n_batch=512))
         assert engine_state(a, p) is engine_state(b, p) is not engine_state(c, p)
     finally:
         for x in (a, b, c):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from trimkit.backends.llama_format import check_model_path, default_model_path, model_identity
 from trimkit.errors import ModelError, ModelNotFoundError, NotGGUFError, TrimkitError
-from trimkit.model import check_model_path, default_model_path, model_identity
 
 MiB = 1 << 20
 

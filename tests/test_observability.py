@@ -1,4 +1,4 @@
-"""OpenTelemetry, Prometheus and the report log (trimkit.otel, trimkit.metrics, trimkit._report),
+"""OpenTelemetry, Prometheus and the report log (trimkit.otel, trimkit.metrics, trimkit.report),
 with the real OpenTelemetry SDK (in-memory span exporter and metric reader), the real
 prometheus-client registry, the real embedded engine in process, the real llama.cpp server on
 loopback (a fleet) and the scripted fault server (a stream broken mid-way)."""
@@ -26,8 +26,8 @@ import trimkit.metrics
 import trimkit.otel
 from tests.test_server_faults import chunk, reset, sse_reply
 from trimkit._demo import load_corpus, load_history
-from trimkit._report import TTFT_BUCKETS_S
 from trimkit.errors import InfeasibleBudgetError, InvalidInputError, StreamInterruptedError
+from trimkit.report import TTFT_BUCKETS_S
 
 SYSTEM = {"role": "system", "content": "You answer questions about the town of Marrowby briefly."}
 SECRET = "zanzibar-quokka-7731"  # in every prompt: must appear in no span, metric or log line
@@ -256,7 +256,7 @@ def test_a_fleet_request_names_its_endpoint(llama_server, otel, prom, tmp_path):
 
 
 def test_a_failing_observer_never_fails_the_request(llm, quick_profile, caplog):
-    from trimkit._report import add_observer, remove_observer
+    from trimkit.report import add_observer, remove_observer
 
     def broken(c):
         raise RuntimeError(SECRET)

@@ -28,9 +28,9 @@ ollama = pytest.importorskip("ollama")
 import trimkit  # noqa: E402
 from tests._core_helpers import make_profile  # noqa: E402
 from tests.test_server_faults import FaultServer, json_reply, raw_reply  # noqa: E402
-from trimkit._ollama_wrapper import AsyncTrimmedOllama, TrimmedOllama, cold_load_note  # noqa: E402
 from trimkit.backends.ollama import OllamaBackend  # noqa: E402
 from trimkit.errors import InvalidInputError, PromptTruncatedError, ServerError, StreamInterruptedError  # noqa: E402
+from trimkit.wrapper import AsyncTrimmedOllama, TrimmedOllama, cold_load_note  # noqa: E402
 
 # DOCS, "Chat request (Streaming)": a content line, then the final line
 DOCS_STREAM_LINE = {"model": "llama3.2", "created_at": "2023-08-04T08:52:19.385406455-07:00",

@@ -365,8 +365,8 @@ def test_plan_to_dict_is_json_and_str_is_readable():
 def test_a_template_that_depends_on_position_is_corrected_by_the_exact_count():
     """Gemma-like templates render the first user message differently; the additive estimate
     misses that when old turns are dropped, and the exact count of the final prompt catches it."""
-    from trimkit._tokens import PromptTokenizer, TiktokenTokenizer
     from trimkit.messages import message_text
+    from trimkit.planning.tokens import PromptTokenizer, TiktokenTokenizer
 
     def render(messages, tools=None):
         out, first = [], True

@@ -265,7 +265,7 @@ def test_the_minimal_prompt_only_when_keeping_the_cached_history_does_not_fit(ms
     the history and dropping every chunk is a plan the default strategies allow, so when it fits
     the planner never falls back to the minimal prompt (it did when the chosen chunks ended the
     cached prefix earlier than the engine had priced)."""
-    from trimkit._tokens import reusable_prefix_len
+    from trimkit.planning.tokens import reusable_prefix_len
 
     tok = tokenizer()
     previous = [*msgs[:-1], {"role": "user", "content": question}]

@@ -10,7 +10,7 @@ import sys
 
 import trimkit
 from tests._core_helpers import make_profile
-from trimkit._tokens import PromptTokenizer
+from trimkit.planning.tokens import PromptTokenizer
 
 ASK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "When was pier 42 rebuilt?"}]
 

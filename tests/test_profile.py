@@ -10,7 +10,7 @@ import attrs
 import pytest
 
 from tests._core_helpers import TRUE_MODEL, exact_samples, make_key, make_profile
-from trimkit._profile import cache_dir, load_profile, profile_path, save_profile
+from trimkit._calibration import cache_dir, load_profile, profile_path, save_profile
 from trimkit.errors import InvalidNumberError
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample
 from trimkit.planning.speed import LiveProfile
@@ -588,8 +588,8 @@ def test_a_stored_profile_round_trips_with_nan_and_infinite_error_stats(isolated
 
 
 def test_from_dict_raises_profile_error_for_every_shape():
-    from trimkit._profile import Profile
     from trimkit.errors import ProfileError
+    from trimkit.planning.profile import Profile
 
     for bad in (None, [], "x", {"schema": 1}, {"schema": 1, "key": []}, {**make_profile().to_dict(), "error": {"n": 1}}):
         with pytest.raises(ProfileError):
@@ -668,7 +668,7 @@ def test_a_fifo_at_the_profile_path_never_blocks_the_load(isolated_cache, caplog
 
 
 def test_an_oversized_profile_is_refused_unread(isolated_cache, caplog):
-    from trimkit._profile import MAX_PROFILE_BYTES
+    from trimkit._calibration import MAX_PROFILE_BYTES
 
     path = save_profile(make_profile())
     text = path.read_text()

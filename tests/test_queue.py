@@ -19,7 +19,6 @@ import pytest
 
 import trimkit
 from tests._core_helpers import make_measurement, make_profile
-from trimkit._report import Report
 from trimkit.backends.base import TimedStream
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.lease import EngineLease
@@ -39,6 +38,7 @@ from trimkit.planning.queue import (
     busy_decision,
     wait_bound_s,
 )
+from trimkit.report import Report
 from trimkit.testing import FakeBackend, FakeClock, FakeOpenAIServer
 from trimkit.wrapper import Trimmer
 

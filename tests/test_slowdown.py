@@ -9,8 +9,8 @@ import attrs
 import pytest
 
 import trimkit
-from trimkit._profile import ProfileKey
 from trimkit.planning.costs import CostModel
+from trimkit.planning.profile import ProfileKey
 from trimkit.planning.speed import SLOWDOWN_FACTOR, EngineState, usable_cores
 from trimkit.testing import FakeBackend
 

@@ -1,4 +1,4 @@
-"""Gemma 3's chat template (trimkit.templates) on the real embedded model: the system prompt
+"""Gemma 3's chat template (trimkit.backends.llama) on the real embedded model: the system prompt
 reaches the model, and trimkit counts exactly the tokens the model evaluates."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from tests._core_helpers import contains, evaluated_tokens
-from trimkit.templates import GEMMA3_CHAT_FORMAT, format_gemma3, gemma3_chat_handler
+from trimkit.backends.llama import GEMMA3_CHAT_FORMAT, format_gemma3, gemma3_chat_handler
 
 SYSTEM = "Always answer as Captain Quill, keeper of the Marrowby lighthouse."
 ASK = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who lit the lamp?"}]
@@ -219,7 +219,7 @@ def test_dropped_messages_names_what_the_gemma_format_leaves_out(llm, plain_gemm
 
 
 def test_dropped_messages_with_a_template_that_drops_tool_results_too():
-    from trimkit._tokens import PromptTokenizer
+    from trimkit.planning.tokens import PromptTokenizer
 
     def render_(messages, tools=None):  # like "gemma": only user and assistant turns survive
         return "".join(f"<{m['role']}>{m['content']}" for m in messages if m["role"] in ("user", "assistant"))
@@ -233,7 +233,7 @@ def test_dropped_messages_with_a_template_that_drops_tool_results_too():
 def test_dropped_messages_cannot_tell_for_a_template_that_rewrites_content():
     import json
 
-    from trimkit._tokens import PromptTokenizer
+    from trimkit.planning.tokens import PromptTokenizer
 
     def render_(messages, tools=None):  # escapes every non-ASCII character, the markers included
         return "".join(f"<{m['role']}>{json.dumps(m['content'])}" for m in messages)

@@ -9,9 +9,9 @@ import threading
 import httpx
 import pytest
 
-from trimkit._tokens import TiktokenTokenizer, chatml_render
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.errors import EngineBusyError
+from trimkit.planning.tokens import TiktokenTokenizer, chatml_render
 from trimkit.testing import FakeBackend, FakeOpenAIServer, fake_openai_transport
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]

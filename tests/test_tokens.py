@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trimkit._tokens import PromptTokenizer, Segments, TiktokenTokenizer, chatml_render, common_prefix_len, reusable_prefix_len
+from trimkit.planning.tokens import PromptTokenizer, Segments, TiktokenTokenizer, chatml_render, common_prefix_len, reusable_prefix_len
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 CONVERSATION = [

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import trimkit
 from tests._server import free_port
 from tests.test_server_faults import ASK, GOOD_STREAM, PROFILE, FaultServer, sse_reply
-from trimkit._profile import save_profile
+from trimkit._calibration import save_profile
 from trimkit.backends.transport import normalize_base_url, redact_url
 from trimkit.errors import ServerUnreachableError
 from trimkit.fleet import FleetUnavailableError

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tests._core_helpers import make_key, make_profile
 from tests._planner_helpers import PROFILE, tokenizer
-from trimkit._profile import Profile, load_profile
+from trimkit._calibration import load_profile
 from trimkit.errors import (
     InvalidBudgetError,
     InvalidInputError,
@@ -26,6 +26,7 @@ from trimkit.errors import (
     TrimkitError,
 )
 from trimkit.planning.planner import Plan, plan
+from trimkit.planning.profile import Profile
 from trimkit.planning.speed import LiveProfile
 
 EXAMPLES = 2000
@@ -190,7 +191,7 @@ def test_a_budget_too_large_for_a_float_is_an_invalid_budget(budget):
 
 @pytest.mark.parametrize("value", [10**400, -(10**400), 10**5000], ids=["1e400", "-1e400", "1e5000"])
 def test_number_helpers_refuse_ints_too_large_for_a_float(value):
-    from trimkit import _validation as validation
+    from trimkit import errors as validation
 
     for check in (
         lambda v: validation.positive_finite(v, "x"),

@@ -1,4 +1,4 @@
-"""trimkit._report (the verdict): each phase judged against its own standard, at its boundaries, and the
+"""trimkit.report (the verdict): each phase judged against its own standard, at its boundaries, and the
 truthful statement of what a shorter context did to decode."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from trimkit._report import (
+from trimkit.errors import InvalidBudgetError, InvalidNumberError
+from trimkit.report import (
     DEFAULT_WAIT_THRESHOLD_S,
     MIN_STATED_DECODE_CHANGE_PCT,
     READING_SPEED_TOKENS_PER_S,
@@ -18,7 +19,6 @@ from trimkit._report import (
     judge,
     valid_tokens_per_s_target,
 )
-from trimkit.errors import InvalidBudgetError, InvalidNumberError
 
 FAST = 50.0  # a stream well above every standard used here
 SHORT = 0.1  # a wait well inside every standard used here

@@ -9,11 +9,11 @@ import pytest
 
 import trimkit
 from tests._core_helpers import make_measurement, make_profile
-from trimkit._profile import load_profile
-from trimkit._report import Report
+from trimkit._calibration import load_profile
 from trimkit.errors import InvalidInputError
 from trimkit.planning.costs import CostModel, PrefillSample, fit_cost_model
 from trimkit.planning.speed import MARGIN_CAP, MARGIN_FLOOR, EngineState, LiveProfile, margin_for_ratio
+from trimkit.report import Report
 from trimkit.testing import FakeBackend, FakeClock
 from trimkit.wrapper import Trimmer
 

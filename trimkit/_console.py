@@ -12,9 +12,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from trimkit._profile import Profile
+from trimkit.backends.llama_format import DEFAULT_MODEL, EMBEDDED_MODELS, check_model_path
 from trimkit.errors import InvalidInputError, require_extra
-from trimkit.model import DEFAULT_MODEL, EMBEDDED_MODELS, check_model_path
+from trimkit.planning.profile import Profile
 
 __all__ = ["open_llama", "ProgressBar", "profile_lines", "decode_text", "plot_profile", "read_report_log", "report_log_lines",
            "plot_report_log"]
@@ -22,13 +22,13 @@ __all__ = ["open_llama", "ProgressBar", "profile_lines", "decode_text", "plot_pr
 
 def open_llama(model: str | None, n_ctx: int, chat_format: str | None = None, **kwargs: Any) -> Any:
     """A ``llama_cpp.Llama`` for ``model`` — a GGUF path, or the name of an embedded model
-    (``"smollm2"``, ``"gemma"``; None = the default, see :mod:`trimkit.model`) — checked first,
+    (``"smollm2"``, ``"gemma"``; None = the default, see :mod:`trimkit.backends.llama_format`) — checked first,
     opened quietly (llama.cpp prints some context-creation notes even with ``verbose=False``; a
     failed load still raises, with its message)."""
     llama_cpp = require_extra("llama_cpp", "llama", "opening a GGUF model in process")
     from llama_cpp._utils import suppress_stdout_stderr
 
-    from trimkit.templates import default_llama
+    from trimkit.backends.llama import default_llama
 
     if model is None or model in EMBEDDED_MODELS:
         # each with a template that keeps system prompts: SmolLM2's own (in its GGUF), Gemma 3's

@@ -22,9 +22,8 @@ from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
 
-from trimkit._calibration import FULL_BUDGET_S, QUICK_BUDGET_S, as_backend, calibrate
+from trimkit._calibration import FULL_BUDGET_S, QUICK_BUDGET_S, as_backend, calibrate, load_profile
 from trimkit._console import ProgressBar, open_llama, profile_lines
-from trimkit._profile import load_profile
 from trimkit.messages import Chunk
 from trimkit.planning.values import rank_chunks
 from trimkit.wrapper import wrap

@@ -17,18 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from trimkit import __version__
-from trimkit._calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, calibrate, mode_for_budget
+from trimkit._calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, calibrate, load_profile, mode_for_budget
 from trimkit._console import ProgressBar, open_llama, plot_profile, plot_report_log, profile_lines, read_report_log, report_log_lines
 from trimkit._demo import TIME_TARGET_S, run_demo
-from trimkit._profile import Profile, load_profile
-from trimkit._report import DEFAULT_WAIT_THRESHOLD_S, READING_SPEED_TOKENS_PER_S, diagnose
-from trimkit._validation import budget
 from trimkit.backends.base import Backend
 from trimkit.backends.http import OpenAIHTTPBackend
-from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError
+from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError, budget
 from trimkit.messages import coerce_chunks, validate_messages
 from trimkit.planning.planner import plan as make_plan
+from trimkit.planning.profile import Profile
 from trimkit.prepared import place_chunks
+from trimkit.report import DEFAULT_WAIT_THRESHOLD_S, READING_SPEED_TOKENS_PER_S, diagnose
 from trimkit.wrapper import wrap
 
 __all__ = ["main", "build_parser", "open_llama", "read_request", "profile_lines"]

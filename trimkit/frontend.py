@@ -23,12 +23,12 @@ from typing import Any
 
 import attrs
 
-from trimkit._report import Report
 from trimkit.backends.base import Measurement, TimedStream
 from trimkit.errors import TrimkitError
 from trimkit.pipeline import Pipeline
 from trimkit.planning.queue import Ticket
 from trimkit.prepared import Prepared
+from trimkit.report import Report
 
 __all__ = [
     "FrontEnd",

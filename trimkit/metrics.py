@@ -8,7 +8,7 @@ The smallest set-up::
     trimkit.metrics.enable()           # or enable(registry=my_registry)
     start_http_server(9464)            # GET :9464/metrics
 
-The series (labels ``model`` and ``endpoint`` on all; buckets in :mod:`trimkit._report`):
+The series (labels ``model`` and ``endpoint`` on all; buckets in :mod:`trimkit.report`):
 
 - ``trimkit_ttft_seconds`` (histogram): the measured TTFT, the wait for the engine included;
 - ``trimkit_predicted_ttft_seconds`` (histogram): the TTFT predicted for the prompt sent;
@@ -29,7 +29,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
-from trimkit._report import (
+from trimkit.report import (
     BUDGET_USE_BUCKETS,
     DECODE_SPEED_BUCKETS,
     PREDICTION_ERROR_BUCKETS,

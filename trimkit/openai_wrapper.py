@@ -38,12 +38,11 @@ from typing import Any
 
 import attrs
 
-from trimkit._validation import positive_finite
 from trimkit.backends.base import Measurement, client_is_async, is_openai_client
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.replies import SOURCE_CLIENT, assemble_chat_completion
 from trimkit.backends.routing import NOT_GIVEN, RoutingOptions, check_routing_key, planning_for, routing_headers
-from trimkit.errors import InvalidInputError, InvalidMessageError
+from trimkit.errors import InvalidInputError, InvalidMessageError, positive_finite
 from trimkit.frontend import AsyncReportingStream, FrontEnd, ReportingOpenAIStream, StreamReporter, send_params, usage_counts
 from trimkit.messages import validate_messages
 from trimkit.pipeline import Pipeline

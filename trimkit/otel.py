@@ -9,7 +9,7 @@ whatever you installed, are used; trimkit never installs a global provider)::
 Each request becomes a span ``chat {model}`` (span kind CLIENT for a server, INTERNAL in
 process) with children ``trimkit.plan``, one ``trimkit.replan`` per re-plan of the watched
 prefill, and ``trimkit.send``. The spans are written when the request's report is complete
-(:mod:`trimkit._report`), with the start and end times it measured, under the span current at
+(:mod:`trimkit.report`), with the start and end times it measured, under the span current at
 that moment. Names follow the OpenTelemetry GenAI semantic conventions v1.41.1
 (open-telemetry/semantic-conventions, docs/gen-ai; development status), listed with the
 ``trimkit.*`` attributes and metrics in docs/observability.md. No prompt or answer text is ever
@@ -24,7 +24,7 @@ from typing import Any
 from opentelemetry import metrics, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from trimkit._report import (
+from trimkit.report import (
     BUDGET_USE_BUCKETS,
     DECODE_SPEED_BUCKETS,
     PREDICTION_ERROR_BUCKETS,

@@ -4,7 +4,7 @@
 nothing itself. :meth:`Pipeline.prepare` turns a call's arguments into a :class:`Prepared`
 request (validated messages, chunks and budget; the plan; the exact prompt tokens and the
 predicted TTFT); :meth:`Pipeline.finish` turns the :class:`~trimkit.backends.base.Measurement`
-of a sent request into a :class:`~trimkit._report.Report` and learns from it (drift, the safety
+of a sent request into a :class:`~trimkit.report.Report` and learns from it (drift, the safety
 margin, the next summary); :meth:`Pipeline.error_report` reports a request that failed while it
 streamed. The front-ends hold a Pipeline and differ only where they read and write:
 :mod:`trimkit.wrapper` (in-process engines) and :mod:`trimkit.openai_wrapper` (servers, sync
@@ -34,20 +34,12 @@ from typing import Any
 
 import attrs
 
-from trimkit._calibration import calibrate
-from trimkit._profile import CALIBRATION_MODES, Profile, save_profile
-from trimkit._report import Report, template_warnings, valid_tokens_per_s_target
-from trimkit._report import completed as report_completed
-from trimkit._report import report_log as report_sinks
+from trimkit._calibration import calibrate, save_profile
 from trimkit._summary_worker import SummaryWorker
-from trimkit._tokens import KNOWN as KNOWN_CONTROLS
-from trimkit._tokens import check_mode as check_control_mode
-from trimkit._tokens import neutralize_chunks, neutralize_messages, reusable_prefix_len
-from trimkit._validation import budget as valid_budget
-from trimkit._validation import open_share
 from trimkit.backends.base import Backend, Measurement, TimedStream
 from trimkit.backends.lease import EngineLease
-from trimkit.errors import ContextTooSmallError, InfeasibleBudgetError, InvalidInputError, QueueBudgetError
+from trimkit.errors import ContextTooSmallError, InfeasibleBudgetError, InvalidInputError, QueueBudgetError, open_share
+from trimkit.errors import budget as valid_budget
 from trimkit.messages import (
     DEFAULT_RAG_CHUNK_TEMPLATE,
     DEFAULT_RAG_TEMPLATE,
@@ -62,13 +54,20 @@ from trimkit.messages import (
 from trimkit.planning.costs import evaluated_tokens
 from trimkit.planning.planner import Plan
 from trimkit.planning.planner import plan as make_plan
+from trimkit.planning.profile import CALIBRATION_MODES, Profile
 from trimkit.planning.queue import EngineQueue, Ticket, answer_cap, busy_decision, check_on_busy, queue_wait
 from trimkit.planning.solver import Action
 from trimkit.planning.speed import DEFAULT_TARGET, EngineState, LiveProfile, engine_state
 from trimkit.planning.summaries import SummaryCache
+from trimkit.planning.tokens import KNOWN as KNOWN_CONTROLS
+from trimkit.planning.tokens import check_mode as check_control_mode
+from trimkit.planning.tokens import neutralize_chunks, neutralize_messages, reusable_prefix_len
 from trimkit.planning.values import ValueModel, chunk_values
 from trimkit.planning.watch import PrefillWatch, Replan, cut_chunks
 from trimkit.prepared import Prepared, PreviousCut, place_chunks
+from trimkit.report import Report, template_warnings, valid_tokens_per_s_target
+from trimkit.report import completed as report_completed
+from trimkit.report import report_log as report_sinks
 
 __all__ = ["Pipeline", "ModelLabel", "ReportNotes"]
 
@@ -135,10 +134,10 @@ class Pipeline:
         if on_infeasible not in ("best_effort", "raise"):
             raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
         check_rag_templates(rag_template, rag_chunk_template)
-        #: where each finished request's report goes besides the process-wide observers (:mod:`trimkit._report`)
+        #: where each finished request's report goes besides the process-wide observers (:mod:`trimkit.report`)
         self._sinks = report_sinks(report_log)
         #: what may not become control tokens of the chat template: retrieved text ("chunks"),
-        #: message content too ("all"), nothing ("off") (:mod:`trimkit._tokens`)
+        #: message content too ("all"), nothing ("off") (:mod:`trimkit.planning.tokens`)
         self.neutralize_control_tokens = check_control_mode(neutralize_control_tokens)
         self.backend = backend
         self.ttft_budget_s = ttft_budget_s  # validated by the property
@@ -487,7 +486,7 @@ class Pipeline:
                error: type[BaseException] | None = None) -> Report:
         """The report of ``prepared`` with what was measured of it (nothing learned from it) — the
         one place every request's report is completed, so the report log and the installed
-        exporters (:mod:`trimkit._report`) see it here. ``error``: what the request ended with."""
+        exporters (:mod:`trimkit.report`) see it here. ``error``: what the request ended with."""
         notes = self._report_notes(m, params) if self._report_notes is not None else ()
         model = self._model_label(params) if self._model_label is not None else self._model_file_label()
         report = Report.of_request(prepared, m, params, backend=self.backend.name, model=model, profile=self.profile, notes=notes, sent=sent,

@@ -23,14 +23,13 @@ from typing import Any
 
 import httpx
 
-from trimkit._profile import ProfileKey
-from trimkit._tokens import PromptTokenizer, TiktokenTokenizer, Tokenizer, chatml_render, common_prefix_len, reusable_prefix_len
-from trimkit._validation import positive_finite
 from trimkit.backends.base import Backend, Measurement, TimedStream
 from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease
 from trimkit.backends.replies import chunk_content
-from trimkit.errors import ContextTooSmallError
+from trimkit.errors import ContextTooSmallError, positive_finite
 from trimkit.planning.costs import CostModel
+from trimkit.planning.profile import ProfileKey
+from trimkit.planning.tokens import PromptTokenizer, TiktokenTokenizer, Tokenizer, chatml_render, common_prefix_len, reusable_prefix_len
 
 __all__ = ["FakeClock", "FakeBackend", "FakeOpenAIServer", "fake_openai_transport"]
 
@@ -67,7 +66,7 @@ class FakeBackend(Backend):
     ``decode_tokens_per_s``; replies with ``reply`` split into words. ``slowdown`` makes it a
     host that many times slower (every cost multiplied, decode speed divided).
     ``attention_prior_tokens``: what the model's architecture would say of its attention
-    (:mod:`trimkit._profile`; None: nothing, as a server).
+    (:mod:`trimkit.planning.profile`; None: nothing, as a server).
 
     ``calls`` records every request's messages and parameters exactly as received. Like an
     in-process engine it runs one request at a time: a stream holds :attr:`engine` (an

@@ -141,7 +141,7 @@ TrimmedChatOpenAI = _wrapped(ChatOpenAI, "TrimmedChatOpenAI")
 
 def _llama_params() -> dict[str, Any]:
     import trimkit
-    import trimkit.templates  # noqa: F401 - registers "gemma-3", which ChatLlamaCpp's Llama looks up by name
+    import trimkit.backends.llama  # noqa: F401 - registers "gemma-3", which ChatLlamaCpp's Llama looks up by name
 
     return {"model_path": OTHER_MODEL or trimkit.default_model_path("gemma"), "n_ctx": 4096, "n_batch": 512, "verbose": False,
             "model_kwargs": {} if OTHER_MODEL else {"chat_format": "gemma-3"}}

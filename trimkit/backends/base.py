@@ -34,8 +34,8 @@ from typing import Any, Literal
 
 import attrs
 
-from trimkit._profile import ProfileKey
-from trimkit._tokens import PromptTokenizer
+from trimkit.planning.profile import ProfileKey
+from trimkit.planning.tokens import PromptTokenizer
 
 __all__ = [
     "Measurement", "TimedStream", "Backend", "Clock", "first_token_overhead_s", "probe_text", "ClientKind",
@@ -312,7 +312,7 @@ class Backend(abc.ABC):
     #: budgets its depth probes' wall time by it.
     depth_probe_keeps_prefix: bool = True
     #: the model's attention doubling length by its architecture, tokens
-    #: (:mod:`trimkit._profile`): the prior calibration's fit leans on where its probes say
+    #: (:mod:`trimkit.planning.profile`): the prior calibration's fit leans on where its probes say
     #: little about attention; None when the engine does not tell (a server)
     attention_prior_tokens: float | None = None
 

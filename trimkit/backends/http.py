@@ -29,8 +29,6 @@ from typing import Any
 import attrs
 import httpx
 
-from trimkit._profile import ProfileKey
-from trimkit._tokens import PromptTokenizer, TiktokenTokenizer
 from trimkit.backends.base import Backend, Clock, Measurement, TimedStream, client_is_async, is_openai_client
 from trimkit.backends.limits import Deadline, RequestLimits, Wait, awith_retries
 from trimkit.backends.llama_format import chat_format_renderer
@@ -60,6 +58,8 @@ from trimkit.backends.transport import (
     without_retries,
 )
 from trimkit.errors import InvalidInputError, ServerError
+from trimkit.planning.profile import ProfileKey
+from trimkit.planning.tokens import PromptTokenizer, TiktokenTokenizer
 
 __all__ = [
     "ChatCall", "chat_body", "probe_body", "refuses_stream_options", "OpenAIHTTPBackend", "AsyncTimedStream",
@@ -140,7 +140,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
     ``"gemma"``, or a Jinja template) when the server has no ``/apply-template`` endpoint, so
     prompt counts are exact instead of a ChatML estimate. ``cache_block_tokens`` is the engine's
     prefix-cache granularity: ``None`` picks 16 for vLLM (its KV block size) and 1 elsewhere.
-    ``tokenizer`` (a :class:`~trimkit._tokens.PromptTokenizer`) counts locally, never asking the
+    ``tokenizer`` (a :class:`~trimkit.planning.tokens.PromptTokenizer`) counts locally, never asking the
     server (``llama_prompt_tokenizer(Llama(path, vocab_only=True))``: exact, and llama-cpp-python's
     server takes its model lock for a tokenize). ``cache_view`` (settable, see :meth:`predict_cached_tokens`).
     """
@@ -186,7 +186,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         self._lock = threading.RLock()
         self._info: ServerInfo | None = None
         if tokenizer is not None and not isinstance(tokenizer, PromptTokenizer):
-            raise InvalidInputError(f"tokenizer must be a trimkit._tokens.PromptTokenizer, got {type(tokenizer).__name__}")
+            raise InvalidInputError(f"tokenizer must be a trimkit.planning.tokens.PromptTokenizer, got {type(tokenizer).__name__}")
         self._tokenizer: PromptTokenizer | None = tokenizer
         self._local_tokenizer = tokenizer
         #: replaces :meth:`predict_cached_tokens`' evidence when set (``cache_view(prompt_tokens) -> int``)

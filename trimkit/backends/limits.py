@@ -30,8 +30,7 @@ import attrs
 import httpx
 import tenacity
 
-from trimkit._validation import count
-from trimkit.errors import InvalidInputError, ServerTimeoutError, ServerUnreachableError, TransientServerError, TrimkitError
+from trimkit.errors import InvalidInputError, ServerTimeoutError, ServerUnreachableError, TransientServerError, TrimkitError, count
 
 __all__ = ["MIN_WAIT_S", "RETRIED", "Deadline", "Wait", "RequestLimits", "RetryRun", "with_retries", "awith_retries", "run_within"]
 

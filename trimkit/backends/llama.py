@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import platform
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -41,22 +42,26 @@ from typing import Any
 
 import attrs
 import llama_cpp
+from llama_cpp import Llama, llama_chat_format
 
-from trimkit._profile import ProfileKey, llama_attention_prior
-from trimkit._tokens import common_prefix_len, reusable_prefix_len
 from trimkit.backends.base import Backend, Clock, Measurement, TimedStream, first_token_overhead_s, probe_text
 from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease, engine_lease
-from trimkit.backends.llama_format import chat_format_renderer, llama_prompt_tokenizer
+from trimkit.backends.llama_format import (
+    DEFAULT_MODEL,
+    EMBEDDED_MODELS,
+    chat_format_renderer,
+    default_model_path,
+    handler_formatter,
+    llama_prompt_tokenizer,
+    model_identity,
+)
 from trimkit.backends.replies import chunk_content
-from trimkit.errors import BackendError, ContextTooSmallError
-from trimkit.model import model_identity
+from trimkit.errors import BackendError, ContextTooSmallError, InvalidInputError
+from trimkit.planning.profile import ProfileKey, attention_doubling_prior, idle_expert_params
 from trimkit.planning.summaries import PromptSummarizer
+from trimkit.planning.tokens import common_prefix_len, reusable_prefix_len
 
-__all__ = [
-    "effective_n_ctx", "cpu_name", "PerfCounts", "reset_perf", "read_perf", "PrefixSnapshot",
-    "save_sequence", "load_prefix", "LlamaBackend", "EngineLease", "DEFAULT_ENGINE_WAIT_S",
-    "chat_format_renderer", "llama_prompt_tokenizer", "llama_summarizer",
-]
+__all__ = ["llama_attention_prior", "effective_n_ctx", "cpu_name", "PerfCounts", "reset_perf", "read_perf", "PrefixSnapshot", "save_sequence", "load_prefix", "LlamaBackend", "EngineLease", "DEFAULT_ENGINE_WAIT_S", "chat_format_renderer", "llama_prompt_tokenizer", "llama_summarizer", "GEMMA3_CHAT_FORMAT", "format_gemma3", "gemma3_chat_handler", "default_llama", "server_command"]
 
 log = logging.getLogger("trimkit")
 
@@ -630,3 +635,182 @@ def llama_summarizer(llm: Any, *, n_ctx: int = 4096, max_tokens: int = 200, **ll
             return out["choices"][0]["message"]["content"] or ""
 
     return PromptSummarizer(complete, max_tokens=max_tokens, name="llama-separate-context")
+
+
+# -- Gemma 3's chat template as a llama-cpp-python chat handler, and the embedded models opened as ``Llama``. ---
+
+log = logging.getLogger("trimkit")
+
+#: The name the Gemma 3 handler is registered under in llama-cpp-python's handler registry.
+GEMMA3_CHAT_FORMAT = "gemma-3"
+
+_START = "<start_of_turn>"
+_END = "<end_of_turn>\n"
+_SYSTEM_ROLES = ("system", "developer")
+
+
+def _content_text(content: Any, *, trim: bool) -> str:
+    """A message's content as text: a string, or the text parts of a list (each trimmed when
+    ``trim``), concatenated as Gemma's template does. Anything else contributes nothing."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content.strip() if trim else content
+    if isinstance(content, Sequence):
+        out = []
+        for part in content:
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                out.append(part["text"].strip() if trim else part["text"])
+        return "".join(out)
+    return ""
+
+
+def _call_lines(message: Mapping[str, Any]) -> list[str]:
+    """An assistant message's tool calls as ``name(arguments)`` lines."""
+    calls: list[Any] = list(message.get("tool_calls") or [])
+    if message.get("function_call"):
+        calls.append({"function": message["function_call"]})
+    lines = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(fn, Mapping):
+            lines.append(f"{fn.get('name', '')}({fn.get('arguments', '')})")
+    return lines
+
+
+def format_gemma3(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> Any:
+    """Render ``messages`` with Gemma 3's chat template (see the module docstring).
+
+    A llama-cpp-python ``ChatFormatter``: returns a ``ChatFormatterResponse`` with the prompt
+    (BOS left to the tokenizer: ``added_special=False``) and the stop string ``<end_of_turn>``.
+    Other keyword arguments (``tools``, ``functions``, …) are accepted and ignored.
+    """
+    out: list[str] = []
+    pending: list[str] = []  # system/developer text waiting for the next user turn
+
+    def flush_system() -> None:
+        if pending:
+            out.append(f"{_START}user\n" + "\n\n".join(pending).strip() + _END)
+            pending.clear()
+
+    for message in messages or ():
+        if not isinstance(message, Mapping):
+            continue
+        role = message.get("role")
+        content = message.get("content")
+        if role in _SYSTEM_ROLES:
+            pending.append(_content_text(content, trim=False))
+            continue
+        if role == "assistant":
+            flush_system()
+            text = "\n".join([t for t in [_content_text(content, trim=True)] if t] + _call_lines(message))
+            out.append(f"{_START}model\n{text}{_END}")
+            continue
+        # user, and tool/function results (and any unknown role): a user turn
+        head = "\n\n".join(pending) + "\n\n" if pending else ""
+        pending.clear()
+        out.append(f"{_START}user\n{head}{_content_text(content, trim=True)}{_END}")
+    flush_system()
+    if add_generation_prompt:
+        out.append(f"{_START}model\n")
+    return llama_chat_format.ChatFormatterResponse(prompt="".join(out), stop=_END.rstrip("\n"), added_special=False)
+
+
+#: The llama-cpp-python chat completion handler for :func:`format_gemma3` (pass it as
+#: ``Llama(chat_handler=...)``). It closes over the formatter as ``chat_formatter``, which is
+#: how trimkit finds the template to count tokens exactly as the model sees them.
+gemma3_chat_handler = llama_chat_format.chat_formatter_to_chat_completion_handler(format_gemma3)
+
+
+def _register() -> None:
+    registry = llama_chat_format.LlamaChatCompletionHandlerRegistry()
+    existing = registry._chat_handlers.get(GEMMA3_CHAT_FORMAT)
+    formatter = handler_formatter(existing)
+    if existing is None or getattr(formatter, "__module__", None) == __name__:
+        # free, or ours from an earlier import of this module (a reload): (re)register
+        registry.register_chat_completion_handler(GEMMA3_CHAT_FORMAT, gemma3_chat_handler, overwrite=True)
+    else:  # pragma: no cover - a future llama-cpp-python might ship its own "gemma-3"
+        log.debug("trimkit: chat format %r is already registered; default_llama() passes its own handler", GEMMA3_CHAT_FORMAT)
+
+
+_register()
+
+
+def default_llama(model: str = DEFAULT_MODEL, **llama_kwargs: Any) -> Any:
+    """An embedded model as a ``llama_cpp.Llama`` whose chat template keeps system prompts.
+
+    ``model="smollm2"`` (the default) is SmolLM2-135M-Instruct, an instruction-tuned model that
+    answers, with the ChatML template its GGUF carries. ``model="gemma"`` is Gemma-3-270M, the
+    pretrained base model (a prefill workload; it continues text rather than answering), opened
+    with :data:`gemma3_chat_handler` (Gemma 3's own template, see this module). Both get
+    ``n_ctx=8192`` and ``verbose=False``; any ``Llama`` keyword passes through and overrides them
+    (``model_path``, ``n_ctx``, ``n_threads``, ``chat_format``, ``chat_handler``, …): with
+    ``model_path``, ``model`` only chooses the template. Nothing is downloaded: see
+    :func:`trimkit.backends.llama_format.default_model_path` for the packages.
+    """
+    if model not in EMBEDDED_MODELS:
+        raise InvalidInputError(f"unknown embedded model {model!r}: one of {', '.join(map(repr, EMBEDDED_MODELS))}")
+    kwargs: dict[str, Any] = {"n_ctx": 8192, "verbose": False}
+    if model == "gemma" and "chat_format" not in llama_kwargs and "chat_handler" not in llama_kwargs:
+        kwargs.update(chat_format=GEMMA3_CHAT_FORMAT, chat_handler=gemma3_chat_handler)
+    kwargs.update(llama_kwargs)
+    if kwargs.get("model_path") is None:
+        kwargs["model_path"] = default_model_path(model)
+    return Llama(**kwargs)
+
+
+#: Python code that registers ``"gemma-3"`` and then runs llama-cpp-python's server.
+_SERVER_LAUNCHER = (
+    "import runpy, trimkit.backends.llama; "
+    "runpy.run_module('llama_cpp.server', run_name='__main__', alter_sys=True)"
+)
+
+
+def server_command(*server_args: str, python: str | None = None) -> list[str]:
+    """The command line for ``python -m llama_cpp.server SERVER_ARGS…`` with ``"gemma-3"``
+    registered first, so ``--chat_format gemma-3`` works (llama_cpp.server itself knows only
+    its built-in names). Needs ``llama-cpp-python[server]``."""
+    return [python or sys.executable, "-c", _SERVER_LAUNCHER, *server_args]
+
+
+def _int(value: Any) -> int | None:
+    try:
+        out = int(str(value).strip())
+    except (TypeError, ValueError):
+        return None
+    return out if out > 0 else None
+
+
+def llama_attention_prior(llm: Any) -> float | None:
+    """:func:`attention_doubling_prior` for a ``llama_cpp.Llama``, from the loaded model's own
+    counts (llama.cpp's ``llama_model_n_params``, ``_n_layer``, ``_n_head``) and the GGUF's
+    ``<arch>.attention.key_length`` (default: the embedding width over the heads). None when
+    any of it cannot be read: the fit then has no prior, as for a server."""
+    import llama_cpp  # in process only: the llama backend calls this; ``import trimkit`` imports no engine
+
+    try:
+        model = llm.model
+        n_params = int(llama_cpp.llama_model_n_params(model))
+        n_layer = int(llama_cpp.llama_model_n_layer(model))
+        n_head = int(llama_cpp.llama_model_n_head(model))
+        n_embd, n_vocab = int(llm.n_embd()), int(llm.n_vocab())
+        metadata = getattr(llm, "metadata", None) or {}
+    except Exception:  # a stand-in Llama, an engine build without these calls: no prior
+        return None
+    arch = metadata.get("general.architecture", "")
+    head_dim = _int(metadata.get(f"{arch}.attention.key_length")) if arch else None
+    if head_dim is None and n_head > 0:
+        head_dim = n_embd // n_head
+    if head_dim is None:
+        return None
+    idle = 0.0
+    experts, used = _int(metadata.get(f"{arch}.expert_count")), _int(metadata.get(f"{arch}.expert_used_count"))
+    if experts and used:  # a mixture of experts: only the used experts' weights cost a token anything
+        ff = _int(metadata.get(f"{arch}.expert_feed_forward_length")) or _int(metadata.get(f"{arch}.feed_forward_length"))
+        if ff is None:
+            return None  # the unused share cannot be told: no prior rather than one far too flat
+        idle = idle_expert_params(n_layer=n_layer, n_embd=n_embd, expert_count=experts, expert_used_count=used, expert_ff=ff)
+    return attention_doubling_prior(n_params=n_params, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+                                    head_dim=head_dim, idle_params=idle)
+
+

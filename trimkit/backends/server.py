@@ -67,7 +67,6 @@ from typing import Any, Protocol
 import attrs
 import httpx
 
-from trimkit._tokens import PromptTokenizer, TiktokenTokenizer, chatml_render, reusable_prefix_len
 from trimkit.backends.base import Clock, Measurement, TimedStream, first_token_overhead_s, probe_text
 from trimkit.backends.limits import Deadline
 from trimkit.backends.replies import (
@@ -86,6 +85,7 @@ from trimkit.backends.replies import (
 from trimkit.backends.routing import RouterInfo
 from trimkit.backends.transport import MISSING_STATUSES, StreamState, read_capped
 from trimkit.errors import CalibrationError, ContextTooSmallError, InvalidInputError, MalformedReplyError, ServerError
+from trimkit.planning.tokens import PromptTokenizer, TiktokenTokenizer, chatml_render, reusable_prefix_len
 
 __all__ = [
     "MAX_CONTEXT_TOKENS", "MAX_TOKEN_ID", "ModelEntry", "ModelList", "parse_models", "parse_props",

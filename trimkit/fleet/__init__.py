@@ -53,19 +53,18 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trimkit._profile import Profile
-from trimkit._report import valid_tokens_per_s_target
-from trimkit._validation import positive_finite
 from trimkit.backends.base import client_is_async, is_openai_client
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.routing import RoutingOptions
 from trimkit.backends.server import ServerLoadReader
 from trimkit.backends.transport import normalize_base_url
-from trimkit.errors import InvalidInputError
-from trimkit.fleet._endpoint import FleetEndpoint, FleetOverloadedError, FleetUnavailableError, Health
+from trimkit.errors import FleetOverloadedError, FleetUnavailableError, InvalidInputError, positive_finite
+from trimkit.fleet._endpoint import FleetEndpoint, Health
 from trimkit.fleet._frontend import AsyncFleetFrontEnd, AsyncFleetStream, FleetBase, FleetFrontEnd, FleetStream
 from trimkit.openai_wrapper import AsyncTrimmedOpenAI, OpenAIFrontEnd, TrimmedOpenAI, split_backend_kwargs
 from trimkit.openai_wrapper import wrap_url as wrap_one_url
+from trimkit.planning.profile import Profile
+from trimkit.report import valid_tokens_per_s_target
 
 __all__ = ["wrap_fleet", "wrap_url", "FleetFrontEnd", "AsyncFleetFrontEnd", "FleetStream", "AsyncFleetStream", "FleetEndpoint",
            "FleetUnavailableError", "FleetOverloadedError", "FLEET_BACKEND_DEFAULTS"]

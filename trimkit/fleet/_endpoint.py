@@ -23,7 +23,6 @@ from typing import Any
 
 import attrs
 
-from trimkit._tokens import reusable_prefix_len
 from trimkit.backends.base import Measurement
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.limits import Wait
@@ -31,7 +30,6 @@ from trimkit.backends.server import ServerLoad, ServerLoadReader
 from trimkit.errors import (
     BackendError,
     MalformedReplyError,
-    OverloadedError,
     ServerError,
     ServerTimeoutError,
     ServerUnreachableError,
@@ -40,6 +38,7 @@ from trimkit.errors import (
 )
 from trimkit.planning.costs import evaluated_tokens
 from trimkit.planning.queue import EngineQueue, Ticket, answer_cap
+from trimkit.planning.tokens import reusable_prefix_len
 
 
 def slot_wait_s(remaining_s: Sequence[float], slots: int) -> float:
@@ -126,7 +125,7 @@ class Health:
         self.retry_at = 0.0
 
 
-__all__ = ["FleetEndpoint", "RouteCost", "FleetUnavailableError", "FleetOverloadedError", "best_route", "is_endpoint_failure",
+__all__ = ["FleetEndpoint", "RouteCost", "best_route", "is_endpoint_failure",
            "is_overload", "describe_error", "ENGINE_SLOTS", "TIE_SHARE", "MIN_RETRY_AFTER_S"]
 
 log = logging.getLogger("trimkit")
@@ -140,26 +139,8 @@ TIE_SHARE = 0.01
 MIN_RETRY_AFTER_S = 0.5
 
 
-class FleetUnavailableError(ServerUnreachableError):
-    """No endpoint of the fleet could take the request: all are out of rotation, or each one
-    tried failed before the first token. ``.attempts`` lists ``(endpoint, what went wrong)``
-    for every endpoint tried or found down. Nothing was answered."""
-
-    def __init__(self, message: str, *, attempts: Sequence[tuple[str, str]] = ()) -> None:
-        super().__init__(message)
-        self.attempts = tuple(attempts)
 
 
-class FleetOverloadedError(OverloadedError):
-    """Every endpoint of the fleet that could take the request is alive but too busy to start it
-    within the call's deadline (each timed out with this client's own requests ahead of it, or
-    while it was answering others, or said 429). No endpoint was taken out of rotation. Nothing
-    was answered: retry after ``.retry_after_s`` (the predicted wait for the least busy
-    endpoint), or shed the load. ``.attempts`` lists ``(endpoint, what went wrong)``."""
-
-    def __init__(self, message: str, *, retry_after_s: float, attempts: Sequence[tuple[str, str]] = ()) -> None:
-        super().__init__(message, retry_after_s=retry_after_s)
-        self.attempts = tuple(attempts)
 
 
 def is_overload(exc: BaseException) -> bool:

@@ -18,26 +18,16 @@ from typing import Any, Protocol
 
 import attrs
 
-from trimkit._report import Report
-from trimkit._validation import budget as valid_budget
 from trimkit.backends.routing import NOT_GIVEN
-from trimkit.errors import TrimkitError
-from trimkit.fleet._endpoint import (
-    MIN_RETRY_AFTER_S,
-    FleetEndpoint,
-    FleetOverloadedError,
-    FleetUnavailableError,
-    RouteCost,
-    best_route,
-    describe_error,
-    is_endpoint_failure,
-    is_overload,
-)
+from trimkit.errors import FleetOverloadedError, FleetUnavailableError, TrimkitError
+from trimkit.errors import budget as valid_budget
+from trimkit.fleet._endpoint import MIN_RETRY_AFTER_S, FleetEndpoint, RouteCost, best_route, describe_error, is_endpoint_failure, is_overload
 from trimkit.frontend import AsyncReportingStream, ReportingOpenAIStream, StreamReporter, send_params
 from trimkit.messages import coerce_chunks, validate_messages
 from trimkit.openai_wrapper import CallDeadlines, call_arguments, call_options, call_routing_key
 from trimkit.planning.queue import check_on_busy
 from trimkit.prepared import Prepared, place_chunks
+from trimkit.report import Report
 
 log = logging.getLogger("trimkit")
 

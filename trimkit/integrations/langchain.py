@@ -11,7 +11,7 @@ existing chain changes by one line::
 Every request is converted by ``inner`` exactly as ``inner`` converts it (messages, tool calls,
 ``bind_tools``, stop words, decode parameters), then planned and sent by :func:`trimkit.wrap`
 on the engine ``inner`` talks to (its ``Llama``, or its ``base_url``): the same planner, the same
-guarantees and the same :class:`~trimkit._report.Report` as the direct path. Retrieved documents
+guarantees and the same :class:`~trimkit.report.Report` as the direct path. Retrieved documents
 come with the call (``model.invoke(messages, rag_chunks=[Document, ...])``) or through the
 prompt's context variable formatted by :func:`trimkit_context` (see "Retrieved documents" below).
 
@@ -19,7 +19,7 @@ The report of each request is
 
 - in the response: ``response_metadata["trimkit"]`` (``report.to_dict()``) of the ``AIMessage``,
   or of the last chunk of a stream (so also of the chunks added up);
-- on the model: ``model.last_report`` (the :class:`~trimkit._report.Report`),
+- on the model: ``model.last_report`` (the :class:`~trimkit.report.Report`),
   ``model.trimkit.reports`` (recent ones);
 - in callbacks: a custom event ``"trimkit_report"`` with ``report.to_dict()``
   (``on_custom_event``; ``astream_events`` shows it as ``on_custom_event``) — sent with the model's
@@ -95,7 +95,7 @@ What it plans with (``target``):
   budget;
 - a ``ChatLlamaCpp`` / ``ChatOpenAI``: wrapped as ``TrimmedChatModel`` wraps it (its stored
   profile, else a micro-calibration through its client);
-- a :class:`~trimkit._profile.Profile` with ``tokenizer=`` (a ``PromptTokenizer`` of the engine
+- a :class:`~trimkit.planning.profile.Profile` with ``tokenizer=`` (a ``PromptTokenizer`` of the engine
   that will run the prompt).
 
 Retrieved documents come from the input dict's ``"documents"`` (Documents or trimkit chunks) or
@@ -129,12 +129,10 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(f"trimkit.integrations.langchain needs langchain-core: pip install 'trimkit[langchain]' ({exc})") from exc
 
-from trimkit._profile import Profile
-from trimkit._report import Report
-from trimkit._validation import budget as valid_budget
 from trimkit.backends.base import client_kind
 from trimkit.backends.replies import assemble_chat_completion
 from trimkit.errors import BackendError, InvalidBudgetError, InvalidChunkError, InvalidInputError, InvalidMessageError
+from trimkit.errors import budget as valid_budget
 from trimkit.frontend import usage_counts
 from trimkit.integrations._openai_errors import as_openai_error, chat_completions_url
 from trimkit.messages import (
@@ -147,7 +145,9 @@ from trimkit.messages import (
     render_rag_question,
 )
 from trimkit.planning.planner import Plan, plan
+from trimkit.planning.profile import Profile
 from trimkit.prepared import Prepared
+from trimkit.report import Report
 from trimkit.wrapper import wrap
 
 __all__ = ["TrimmedChatModel", "trimkit_trimmer", "trimkit_context", "TrimkitTrimmer", "REPORT_EVENT", "PLAN_EVENT"]

@@ -106,17 +106,17 @@ from llama_index.core.prompts.chat_prompts import TEXT_QA_PROMPT_TMPL_MSGS
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.core.types import Model
 
-from trimkit._profile import Profile
-from trimkit._tokens import PromptTokenizer
-from trimkit._validation import budget as valid_budget
 from trimkit.backends.base import client_kind, is_llama
 from trimkit.backends.replies import assemble_chat_completion, parse_chunk
 from trimkit.errors import BackendError, InvalidChunkError, InvalidInputError, InvalidMessageError
+from trimkit.errors import budget as valid_budget
 from trimkit.fleet import wrap_url
 from trimkit.frontend import usage_counts
 from trimkit.integrations._openai_errors import as_openai_error, chat_completions_url
 from trimkit.messages import Chunk, check_rag_templates
 from trimkit.planning.planner import Plan, plan
+from trimkit.planning.profile import Profile
+from trimkit.planning.tokens import PromptTokenizer
 from trimkit.planning.values import ValueModel
 from trimkit.prepared import place_chunks
 from trimkit.strategies import cap_rag_chunks, chain, reuse_prefix
@@ -595,7 +595,7 @@ class TrimmedLLM(FunctionCallingLLM):
 
     @property
     def last_report(self) -> Any:
-        """The :class:`~trimkit._report.Report` of the latest finished request (sync or async)."""
+        """The :class:`~trimkit.report.Report` of the latest finished request (sync or async)."""
         return self._last[0]
 
     @property

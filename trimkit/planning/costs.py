@@ -11,7 +11,7 @@ non-negative least squares on *relative* error, so a 32-token prompt matters as 
 
 The depth term shows in the probes only once they reach deep enough into the context for
 attention to stand above the host's noise; short probes leave it to chance. Where the model's
-architecture is known (:mod:`trimkit._profile`), the fit is given its attention doubling
+architecture is known (:mod:`trimkit.planning.profile`), the fit is given its attention doubling
 length ``D`` as a prior — ``c ≈ a / D``, to within :data:`ATTENTION_PRIOR_SPREAD` — weighed as
 one more observation against the probes (a maximum a posteriori fit): probes that span a long
 context outweigh it, short ones lean on it.
@@ -27,8 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 import numpy as np
 
-from trimkit._validation import attrs_non_negative, count, positive_finite, real_float
-from trimkit.errors import InvalidInputError, InvalidNumberError
+from trimkit.errors import InvalidInputError, InvalidNumberError, attrs_non_negative, count, positive_finite, real_float
 
 __all__ = [
     "PrefillSample",
@@ -50,7 +49,7 @@ __all__ = [
 
 #: how far the architecture's attention prior may be off, as a relative standard deviation of
 #: the depth term: a FLOP ratio says nothing of how efficiently an engine runs attention next to
-#: the weight matrices (:mod:`trimkit._profile`), so it is trusted to within about half
+#: the weight matrices (:mod:`trimkit.planning.profile`), so it is trusted to within about half
 ATTENTION_PRIOR_SPREAD = 0.5
 #: the relative noise of one probe the prior is weighed against is read off the probes (the
 #: scatter of a fit without the prior, :func:`probe_noise`); this where they are too few to

@@ -56,8 +56,7 @@ from typing import Any
 
 import attrs
 
-from trimkit._validation import non_negative_finite
-from trimkit.errors import InvalidInputError
+from trimkit.errors import InvalidInputError, non_negative_finite
 
 __all__ = ["ON_BUSY", "DEFAULT_ANSWER_TOKENS", "ANSWER_WINDOW", "WAIT_BOUND_FACTOR", "MIN_PLAN_BUDGET_S", "PLANNED_TURN_S",
            "Ticket", "EngineQueue", "answer_cap", "BusyDecision", "busy_decision", "check_on_busy", "queue_wait", "wait_bound_s"]

@@ -30,7 +30,7 @@ oldest turns. The solver decides *what does change*, in one pass:
    cache after it, so the engine tries a few *scenarios*: each start of the prompt a strategy
    proposed (the caller's history, a summary of the oldest turns, the previous request's cut)
    with the first ``d`` turns after it kept verbatim (and so cached). Each scenario gives a
-   token allowance from the profile (:meth:`~trimkit._profile.Profile.max_new_tokens` after the
+   token allowance from the profile (:meth:`~trimkit.planning.profile.Profile.max_new_tokens` after the
    cached prefix) and the room left after the fixed content.
 3. In each scenario a knapsack (:func:`knapsack`, below: at most one variant per item,
    a chunk whole or one of its excerpts) picks the items with the most value that fit the room.
@@ -52,8 +52,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from trimkit._validation import budget, count, fraction
-from trimkit.errors import InvalidInputError
+from trimkit.errors import InvalidInputError, budget, count, fraction
 from trimkit.messages import (
     DEFAULT_RAG_CHUNK_TEMPLATE,
     DEFAULT_RAG_TEMPLATE,

@@ -38,11 +38,11 @@ The live profile: calibration's cost model, the host's current speed, and what s
 
 Calibration measures the host once; its speed then changes (thermal throttling, other load, a
 model moved to another device). :class:`LiveProfile` keeps one engine's current
-:class:`~trimkit._profile.Profile`: its cost model (calibration's, refitted when served requests
+:class:`~trimkit.planning.profile.Profile`: its cost model (calibration's, refitted when served requests
 show a shape the calibration got wrong), its speed factor (:attr:`Profile.drift`) from the one
 :class:`~trimkit.planning.speed.SpeedEstimate`, which every measured prefill feeds — served
 requests, and each step of a watched prefill (:mod:`trimkit.planning.watch`) —, its decode speed
-(the decode-vs-context line of :mod:`trimkit._profile`, whose latest served points set its
+(the decode-vs-context line of :mod:`trimkit.planning.profile`, whose latest served points set its
 level) and its first-token overhead. One engine's ``LiveProfile`` lives in its
 :class:`~trimkit.planning.speed.EngineState`.
 
@@ -82,8 +82,8 @@ from typing import Any
 import attrs
 import numpy as np
 
-from trimkit._profile import DecodePoint, Profile, mean_context
 from trimkit.planning.costs import CostModel, PrefillSample, error_stats, evaluated_tokens, fit_cost_model
+from trimkit.planning.profile import DecodePoint, Profile, mean_context
 from trimkit.planning.queue import EngineQueue
 
 __all__ = [
@@ -420,7 +420,7 @@ class LiveProfile:
         """Feed one request's measured decode speed back; ``context_tokens`` is its prompt
         length (the KV cache its first decode step reads). The request becomes a point of the
         decode-vs-context line (:meth:`decode_tokens_per_s_at`) at its mean context
-        (:func:`~trimkit._profile.mean_context`), and the profile's one decode speed
+        (:func:`~trimkit.planning.profile.mean_context`), and the profile's one decode speed
         (``decode_tokens_per_s``) is that line at the latest request's context. Answers of fewer
         than :data:`MIN_DECODE_TOKENS` tokens, and unusable numbers, are ignored."""
         if not (_is_count(completion_tokens) and completion_tokens >= MIN_DECODE_TOKENS):
@@ -441,7 +441,7 @@ class LiveProfile:
         return tuple(p for p in profile.decode_points if p.source != "live") + tuple(self._decode_points)
 
     def decode_tokens_per_s_at(self, context_tokens: int, output_tokens: int = 0) -> float | None:
-        """Predicted decode speed at ``context_tokens`` prompt tokens (:meth:`~trimkit._profile.Profile.decode_tokens_per_s_at`
+        """Predicted decode speed at ``context_tokens`` prompt tokens (:meth:`~trimkit.planning.profile.Profile.decode_tokens_per_s_at`
         of :attr:`current`); None when nothing measured decode."""
         return self.current.decode_tokens_per_s_at(context_tokens, output_tokens)
 

@@ -28,8 +28,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from trimkit._validation import count
-from trimkit.errors import InvalidInputError
+from trimkit.errors import InvalidInputError, count
 from trimkit.planning.solver import Action, Lead, PlanState, Proposal, solve
 from trimkit.planning.summaries import ExtractiveSummarizer, Summarizer, Summary, make_summary
 from trimkit.planning.values import ValueModel

@@ -52,8 +52,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from trimkit._validation import count
-from trimkit.errors import InvalidInputError
+from trimkit.errors import InvalidInputError, count
 from trimkit.messages import message_text, turn_spans
 from trimkit.planning.values import split_sentences, words
 

@@ -58,10 +58,9 @@ from typing import Any
 
 import attrs
 
-from trimkit._tokens import SizedCache
-from trimkit._validation import non_negative_finite, positive_finite
-from trimkit.errors import InvalidNumberError
+from trimkit.errors import InvalidNumberError, non_negative_finite, positive_finite
 from trimkit.messages import Chunk, message_text
+from trimkit.planning.tokens import SizedCache
 
 __all__ = [
     "STOPWORDS",

@@ -30,9 +30,9 @@ from typing import Any
 
 import attrs
 
-from trimkit._profile import Profile
-from trimkit._tokens import common_prefix_len
 from trimkit.messages import last_user_index, with_chunks
+from trimkit.planning.profile import Profile
+from trimkit.planning.tokens import common_prefix_len
 
 __all__ = ["PrefillWatch", "WatchStep", "Replan", "Cut", "cut_chunks", "FIRST_STEP_TOKENS", "MAX_REPLANS", "MIN_WATCHED_TOKENS"]
 

@@ -90,28 +90,18 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import logging
 import math
-import os
-import stat
 import statistics
-import tempfile
-import threading
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
-import platformdirs
 
-from trimkit._validation import count, non_negative_finite, positive_finite, real_float
-from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError
+from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError, count, non_negative_finite, positive_finite, real_float
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, evaluated_tokens, largest_fitting
 
 __all__ = ["ProfileKey", "Profile", "SCHEMA_VERSION", "CALIBRATION_MODES", "DecodePoint", "DecodeModel", "fit_decode", "mean_context",
-    "DECODE_SOURCES", "LEVEL_WINDOW", "FLAT_NOTE", "WITHIN_NOISE_NOTE", "attention_doubling_prior", "idle_expert_params", "llama_attention_prior",
-    "cache_dir", "profile_path", "load_profile", "save_profile", "MAX_PROFILE_BYTES", "STALE_TMP_S"]
+    "DECODE_SOURCES", "LEVEL_WINDOW", "FLAT_NOTE", "WITHIN_NOISE_NOTE", "attention_doubling_prior", "idle_expert_params"]
 
 
 # -- the decode line: decode speed as a function of context ----------------------------------------------
@@ -348,45 +338,8 @@ def idle_expert_params(*, n_layer: int, n_embd: int, expert_count: int, expert_u
     return float(n_layer) * (expert_count - expert_used_count) * 3.0 * n_embd * expert_ff
 
 
-def _int(value: Any) -> int | None:
-    try:
-        out = int(str(value).strip())
-    except (TypeError, ValueError):
-        return None
-    return out if out > 0 else None
 
 
-def llama_attention_prior(llm: Any) -> float | None:
-    """:func:`attention_doubling_prior` for a ``llama_cpp.Llama``, from the loaded model's own
-    counts (llama.cpp's ``llama_model_n_params``, ``_n_layer``, ``_n_head``) and the GGUF's
-    ``<arch>.attention.key_length`` (default: the embedding width over the heads). None when
-    any of it cannot be read: the fit then has no prior, as for a server."""
-    import llama_cpp  # in process only: the llama backend calls this; ``import trimkit`` imports no engine
-
-    try:
-        model = llm.model
-        n_params = int(llama_cpp.llama_model_n_params(model))
-        n_layer = int(llama_cpp.llama_model_n_layer(model))
-        n_head = int(llama_cpp.llama_model_n_head(model))
-        n_embd, n_vocab = int(llm.n_embd()), int(llm.n_vocab())
-        metadata = getattr(llm, "metadata", None) or {}
-    except Exception:  # a stand-in Llama, an engine build without these calls: no prior
-        return None
-    arch = metadata.get("general.architecture", "")
-    head_dim = _int(metadata.get(f"{arch}.attention.key_length")) if arch else None
-    if head_dim is None and n_head > 0:
-        head_dim = n_embd // n_head
-    if head_dim is None:
-        return None
-    idle = 0.0
-    experts, used = _int(metadata.get(f"{arch}.expert_count")), _int(metadata.get(f"{arch}.expert_used_count"))
-    if experts and used:  # a mixture of experts: only the used experts' weights cost a token anything
-        ff = _int(metadata.get(f"{arch}.expert_feed_forward_length")) or _int(metadata.get(f"{arch}.feed_forward_length"))
-        if ff is None:
-            return None  # the unused share cannot be told: no prior rather than one far too flat
-        idle = idle_expert_params(n_layer=n_layer, n_embd=n_embd, expert_count=experts, expert_used_count=used, expert_ff=ff)
-    return attention_doubling_prior(n_params=n_params, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-                                    head_dim=head_dim, idle_params=idle)
 
 
 # -- the profile, and its stored form's field readers ----------------------------------------------------
@@ -505,7 +458,7 @@ def read_residuals(data: Any) -> tuple[tuple[float, float], ...]:
 
 
 def read_decode_points(data: Any) -> tuple[DecodePoint, ...]:
-    """``decode_points``: a list of objects (:meth:`~trimkit._profile.DecodePoint.to_dict`)."""
+    """``decode_points``: a list of objects (:meth:`~trimkit.planning.profile.DecodePoint.to_dict`)."""
     if not isinstance(data, list):
         raise ProfileError(f"decode_points must be a list, got {type(data).__name__}")
     out = []
@@ -638,7 +591,7 @@ class Profile:
     #: measured (calibration had no time for it).
     decode_points: tuple[DecodePoint, ...] = attrs.field(default=attrs.Factory(_legacy_decode_points, takes_self=True),
                                                          converter=_decode_points, repr=False)
-    #: the model architecture's attention doubling length, tokens (trimkit._profile): the
+    #: the model architecture's attention doubling length, tokens (trimkit.planning.profile): the
     #: prior every fit of this profile's samples leans on where they say little about attention;
     #: 0.0 when unknown (a server, a profile stored before it was kept): the samples alone
     attention_prior_tokens: float = attrs.field(default=0.0, converter=real_float)
@@ -706,7 +659,7 @@ class Profile:
 
     def decode_model(self) -> DecodeModel | None:
         """Seconds per generated token as a function of context, fitted on :attr:`decode_points`
-        (:func:`~trimkit._profile.fit_decode`); None when decode was not measured."""
+        (:func:`~trimkit.planning.profile.fit_decode`); None when decode was not measured."""
         return _fit_decode(tuple(self.decode_points))
 
     def decode_tokens_per_s_at(self, context_tokens: int, output_tokens: int = 0) -> float | None:
@@ -874,178 +827,8 @@ def _structure(data: Any) -> Profile:
 
 @functools.lru_cache(maxsize=16)
 def _fit_decode(points: tuple[DecodePoint, ...]) -> DecodeModel | None:
-    """:func:`~trimkit._profile.fit_decode`, memoised by the points: a request asks its
+    """:func:`~trimkit.planning.profile.fit_decode`, memoised by the points: a request asks its
     profile's decode speed several times, and the profile changes only when a request finishes."""
     return fit_decode(points)
 
 
-# -- the store: where profiles live, reading and writing them safely -------------------------------------
-
-log = logging.getLogger("trimkit")
-
-#: a stored profile larger than this is refused unread (a real one is a few KiB)
-MAX_PROFILE_BYTES = 16 * 1024 * 1024
-#: a ``.profile-*.tmp`` file older than this is left over from a killed save and is removed
-STALE_TMP_S = 60.0
-
-
-def cache_dir() -> Path:
-    """trimkit's cache folder: ``$TRIMKIT_CACHE_DIR`` when set, else the user cache folder
-    (:func:`platformdirs.user_cache_dir`: ``$XDG_CACHE_HOME/trimkit``, else ``~/.cache/trimkit``
-    on Linux; ``~/Library/Caches/trimkit`` on macOS; ``%LOCALAPPDATA%\\trimkit\\Cache`` on Windows)."""
-    env = os.environ.get("TRIMKIT_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(platformdirs.user_cache_dir("trimkit", appauthor=False))
-
-
-def profile_path(key: ProfileKey) -> Path:
-    """Where the profile for ``key`` is stored: ``<cache_dir>/profiles/<key digest>.json``."""
-    return cache_dir() / "profiles" / f"{key.digest()}.json"
-
-
-def _stat(path: Path) -> os.stat_result | None:
-    """The file's status, None when there is no file; ProfileError when it cannot be looked at."""
-    try:
-        return os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except (OSError, ValueError) as exc:  # permission denied, a name the OS refuses
-        raise ProfileError(f"unreadable ({getattr(exc, 'strerror', None) or exc})") from None
-
-
-def _read_json(path: Path, st: os.stat_result) -> Any:
-    """The parsed JSON of the file at ``path`` (status ``st``); ProfileError when it is not a
-    regular file, too large, not UTF-8 or not JSON. Never blocks: the type is checked before
-    opening and the open is non-blocking (a FIFO swapped in between is caught by ``fstat``)."""
-    if not stat.S_ISREG(st.st_mode):
-        raise ProfileError("not a regular file")
-    if st.st_size > MAX_PROFILE_BYTES:
-        raise ProfileError(f"{st.st_size} bytes, over the {MAX_PROFILE_BYTES}-byte limit for a profile")
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        raise ProfileError(f"unreadable ({exc.strerror or exc})") from None
-    with os.fdopen(fd, "rb") as fh:
-        try:
-            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-                raise ProfileError("not a regular file")
-            raw = fh.read(MAX_PROFILE_BYTES + 1)
-        except OSError as exc:
-            raise ProfileError(f"unreadable ({exc.strerror or exc})") from None
-    if len(raw) > MAX_PROFILE_BYTES:
-        raise ProfileError(f"over the {MAX_PROFILE_BYTES}-byte limit for a profile")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ProfileError("not UTF-8 text") from None
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, a 5000-digit int, [[[[…
-        raise ProfileError(f"not JSON ({type(exc).__name__}: {str(exc)[:120]})") from None
-
-
-#: (path, file identity, reason) of unusable profiles already warned about: one warning per file
-_warned_unusable: set[tuple[Any, ...]] = set()
-#: cache folders already warned about as unwritable (cleared when a save there succeeds)
-_warned_unwritable: set[str] = set()
-_warn_lock = threading.Lock()
-
-
-def _first_time(seen: set[Any], mark: Any) -> bool:
-    """Record ``mark`` in ``seen``; True the first time (one warning per file or folder)."""
-    with _warn_lock:
-        first = mark not in seen
-        seen.add(mark)
-    return first
-
-
-def _warn_unusable(path: Path, ident: Any, reason: str) -> None:
-    """One warning per unusable file (wrap() and the CLI may look at it twice before recalibrating)."""
-    first = _first_time(_warned_unusable, (str(path), ident, reason))
-    (log.warning if first else log.info)("stored profile %s is unusable: %s; calibrating again", path, reason)
-
-
-def _clean_stale_tmp(folder: Path, now: float | None = None) -> None:
-    """Remove ``.profile-*.tmp`` files older than :data:`STALE_TMP_S`: left by a save that was
-    killed (SIGKILL, power loss) between writing and renaming. Best effort."""
-    now = time.time() if now is None else now
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return
-    for entry in entries:
-        if not (entry.name.startswith(".profile-") and entry.name.endswith(".tmp")):
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > STALE_TMP_S:
-                os.unlink(entry.path)
-        except OSError:
-            continue
-
-
-def _warn_unwritable(folder: Path, exc: OSError) -> None:
-    first = _first_time(_warned_unwritable, str(folder))
-    (log.warning if first else log.debug)(
-        "trimkit: cannot store the calibration profile in %s (%s); it is kept in memory only, so the next "
-        "process calibrates again (set TRIMKIT_CACHE_DIR to a writable folder)", folder, exc.strerror or exc,
-    )
-
-
-def save_profile(profile: Profile, path: Path | None = None) -> Path | None:
-    """Write ``profile`` as JSON atomically (temp file + rename). Returns the path.
-
-    Without ``path`` it goes to the user cache (:func:`profile_path`); a cache folder that
-    cannot be written (read-only, a file in the way, disk full) is then no error: one warning
-    per folder is logged, the profile is kept in memory only, and None is returned. An explicit
-    ``path`` that cannot be written raises the OSError. Leftover temp files of a killed save
-    older than a minute are removed from the folder."""
-    explicit = path is not None
-    path = path or profile_path(profile.key)
-    blob = json.dumps(profile.to_dict(), indent=1)  # fails (TypeError) before anything is written
-    tmp: str | None = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _clean_stale_tmp(path.parent)
-        fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(blob)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-        if explicit or not isinstance(exc, OSError):
-            raise
-        _warn_unwritable(path.parent, exc)
-        return None
-    with _warn_lock:
-        _warned_unwritable.discard(str(path.parent))
-    return path
-
-
-def load_profile(key: ProfileKey, path: Path | None = None) -> Profile | None:
-    """The stored profile for ``key``, or None when there is none, it was made under another
-    key, or it is unusable: not a regular file, over :data:`MAX_PROFILE_BYTES`, not JSON, or
-    any field missing, mistyped or out of range. An unusable file is reported by one warning
-    naming it and what is wrong (the caller calibrates again and overwrites it)."""
-    path = path or profile_path(key)
-    st = None
-    try:
-        st = _stat(path)
-        if st is None:
-            return None
-        profile = Profile.from_dict(_read_json(path, st))
-    except ProfileError as exc:
-        ident = None if st is None else (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        _warn_unusable(path, ident, str(exc))
-        return None
-    if profile.key != key:
-        log.info("stored profile %s was made for another configuration; calibrating again", path)
-        return None
-    return profile

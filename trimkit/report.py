@@ -69,14 +69,13 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from trimkit._validation import budget as valid_budget
-from trimkit._validation import count, non_negative_finite, positive_finite
 from trimkit.backends.base import Measurement
-from trimkit.errors import InvalidInputError
+from trimkit.errors import InvalidInputError, count, non_negative_finite, positive_finite
+from trimkit.errors import budget as valid_budget
 from trimkit.planning.costs import evaluated_tokens
 
 if TYPE_CHECKING:  # for annotations only: prepared sits above this module
-    from trimkit._profile import Profile
+    from trimkit.planning.profile import Profile
     from trimkit.prepared import Prepared
 
 __all__ = ["Report", "DECODE_PARAMETERS_UNTOUCHED", "template_warnings", "VerdictName", "VERDICTS", "VERDICT_LABELS", "DEFAULT_WAIT_THRESHOLD_S",
@@ -433,7 +432,7 @@ def _fmt_n(value: int | None) -> str:
 
 
 def report_lines(r: Any) -> list[str]:
-    """A report (:class:`~trimkit._report.Report`) as lines a person reads."""
+    """A report (:class:`~trimkit.report.Report`) as lines a person reads."""
     m = r.measurement
     out = [f"trimkit report — {r.backend}" + (f" ({r.model})" if r.model else "") + (f" @ {r.endpoint}" if r.endpoint else "")]
     if r.ttft_budget_s is not None:
@@ -613,7 +612,7 @@ class Report:
     ``decode_predicted_tokens_per_s`` / ``decode_predicted_before_tokens_per_s``: the decode
     speed the profile predicts at the context sent / at the untrimmed one (same answer length;
     None: unknown); ``decode_noise_pct``: the profile's decode noise, % (None: unknown), which
-    with :data:`~trimkit._report.MIN_STATED_DECODE_CHANGE_PCT` sets the smallest difference stated.
+    with :data:`~trimkit.report.MIN_STATED_DECODE_CHANGE_PCT` sets the smallest difference stated.
     """
 
     backend: str
@@ -655,7 +654,7 @@ class Report:
         it was planned with, ``notes`` are the front-end's warnings, ``sent=False`` for a request
         that never went out, ``endpoint`` the replica it went to, ``tokens_per_s_target`` the
         stream's standard. The decode predictions are the profile's
-        (:meth:`~trimkit._profile.Profile.decode_tokens_per_s_at`, over the measured answer's length)."""
+        (:meth:`~trimkit.planning.profile.Profile.decode_tokens_per_s_at`, over the measured answer's length)."""
         plan = prepared.plan
         warnings = list(prepared.warnings)
         if plan is not None and not plan.feasible:
@@ -776,7 +775,7 @@ class Report:
 
     @property
     def judgement(self) -> Verdict | None:
-        """Each phase judged against its own standard (:func:`~trimkit._report.judge`): the wait
+        """Each phase judged against its own standard (:func:`~trimkit.report.judge`): the wait
         the caller felt (:attr:`measured_ttft_s`) against the budget (without one, 1 s), the
         stream against ``tokens_per_s_target`` (without one, reading speed). None: no first token."""
         if self.measured_ttft_s is None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
@@ -47,7 +46,7 @@ from trimkit.messages import SYSTEM_ROLES, Chunk, message_text
 from trimkit.planning.costs import reusable_cached_tokens
 
 __all__ = ["Tokenizer", "TiktokenTokenizer", "PromptTokenizer", "Segments", "chatml_render", "common_prefix_len", "reusable_prefix_len",
-    "KNOWN_CONTROL_TEXTS", "KNOWN", "ZERO_WIDTH_SPACE", "ControlTexts", "NEUTRALIZE_MODES", "llama_control_texts", "neutralize_text",
+    "KNOWN_CONTROL_TEXTS", "KNOWN", "ZERO_WIDTH_SPACE", "ControlTexts", "NEUTRALIZE_MODES", "neutralize_text",
     "neutralize_chunks", "neutralize_messages", "check_mode", "SizedCache", "text_size"]
 
 
@@ -250,7 +249,7 @@ class PromptTokenizer:
 
     @property
     def control_texts(self) -> Any:
-        """The texts of the model's control tokens (a :class:`trimkit._tokens.ControlTexts`,
+        """The texts of the model's control tokens (a :class:`trimkit.planning.tokens.ControlTexts`,
         read once from its vocabulary), or None when this tokenizer does not know the model's."""
         if self._control_texts is None and self._control_texts_of is not None:
             self._control_texts = self._control_texts_of()
@@ -450,37 +449,8 @@ class ControlTexts:
 
 
 KNOWN = ControlTexts(KNOWN_CONTROL_TEXTS)
-_BY_MODEL: weakref.WeakKeyDictionary[Any, ControlTexts] = weakref.WeakKeyDictionary()
 
 
-def llama_control_texts(llm: Any) -> ControlTexts:
-    """The control tokens of a ``llama_cpp.Llama``'s vocabulary (token attribute CONTROL: the
-    ones only parsed as special because the prompt is tokenized with ``special=True``) and the
-    known ones; read once per model (about 0.1 s for a 262k vocabulary)."""
-    model: Any = getattr(llm, "_model", None)
-    try:
-        cached = _BY_MODEL.get(model) if model is not None else None
-    except TypeError:
-        cached = None
-    if cached is not None:
-        return cached
-    texts: list[str] = list(KNOWN_CONTROL_TEXTS)
-    try:
-        import llama_cpp
-
-        for i in range(llm.n_vocab()):
-            if model.token_get_attr(i) & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL:
-                t = model.token_get_text(i)
-                texts.append(t.decode("utf-8", errors="ignore") if isinstance(t, bytes) else str(t))
-    except Exception:  # not a llama_cpp model: the known texts
-        pass
-    found = ControlTexts(texts)
-    try:
-        if model is not None:
-            _BY_MODEL[model] = found
-    except TypeError:
-        pass
-    return found
 
 
 def neutralize_text(text: str, controls: ControlTexts) -> tuple[str, int]:
