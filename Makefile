@@ -50,9 +50,11 @@ test: $(STAMP) lint
 	$(PY) -m pytest
 
 # ruff and mypy as configured in pyproject.toml; mypy against mypy-baseline.txt (errors that were
-# there before: the list may only shrink — a new error fails, a fixed one does not; `mypy | mypy-baseline sync` drops it)
+# there before: the list may only shrink — a new error fails, a fixed one does not; `mypy | mypy-baseline sync` drops it);
+# lint-imports: the packages import one way (pyproject.toml's [tool.importlinter], docs/design.md §10)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check trimkit tests benchmarks
+	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy | $(VENV)/bin/mypy-baseline filter --no-colors --allow-unsynced
 
 bench: $(STAMP)

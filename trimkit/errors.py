@@ -29,10 +29,12 @@ subclasses the builtin it naturally is, so code that already catches ``ValueErro
         │                                       shape, a number out of range, nested too deep, over the
         │                                       size cap, the wrong content type (``.field`` says where)
         ├── ServerUnreachableError (ConnectionError)  connection refused / DNS / timeout after retries
-        │   └── ServerTimeoutError (TimeoutError)     no first chunk (side request: no answer) within the
-        │                                             request's deadline
+        │   ├── ServerTimeoutError (TimeoutError)     no first chunk (side request: no answer) within the
+        │   │                                         request's deadline
+        │   └── FleetUnavailableError           no endpoint of a fleet could take it (``.attempts``)
         ├── OverloadedError (TimeoutError)      live but too busy to start the request in time
-        │                                       (``.retry_after_s``: when to try again)
+        │   │                                   (``.retry_after_s``: when to try again)
+        │   └── FleetOverloadedError            every live endpoint of a fleet too busy (``.attempts``)
         ├── StreamInterruptedError              the stream broke mid-response (carries ``.report``)
         └── EngineBusyError (TimeoutError)      another request or open stream held the in-process
                                                 engine past this request's wait bound

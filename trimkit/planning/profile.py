@@ -4,11 +4,12 @@ A :class:`Profile` carries its samples, the fitted :class:`~trimkit.planning.cos
 own held-out error, the measured decode speed — as a function of the context
 (:meth:`Profile.decode_tokens_per_s_at`, :class:`DecodeModel`, below) — and the
 :class:`ProfileKey` it is valid for; it predicts a request's TTFT (:meth:`Profile.predict_ttft_s`). Storing and loading profiles in the
-user cache is :func:`save_profile` / :func:`load_profile` (below); a profile that follows the machine as it runs is
+user cache is the host's (``trimkit._calibration``: :func:`trimkit.load_profile`); a profile that follows the machine as it runs is
 :class:`~trimkit.planning.speed.LiveProfile`.
 
-This module is the host model, in four parts: the profile and its stored form's field readers;
-the decode line; the architecture's attention prior; the profile store.
+This module is the host model, in three parts: the profile and its stored form's field readers;
+the decode line; the architecture's attention prior (read from a loaded ``Llama`` by
+``trimkit.backends.llama.llama_attention_prior``). Pure: no engine, no disk.
 
 A stored file is untrusted input: :meth:`Profile.from_dict` is the one place its JSON becomes a
 :class:`Profile` — every type, count and number is checked there (the field readers are
