@@ -23,7 +23,7 @@ import pytest
 from tests._core_helpers import make_profile
 from tests._routers import HealthShim, router_module, running_router
 from tests._server import REPLICA_ARGS, running_servers
-from trimkit.backends.routing import conversation_key
+from trimkit.backends.server import conversation_key
 from trimkit.openai_wrapper import wrap_url
 
 pytestmark = pytest.mark.timeout(600)

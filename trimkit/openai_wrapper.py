@@ -11,7 +11,7 @@ llama-cpp-python's server, vLLM, SGLang, Ollama's ``/v1``, LM Studio) rather tha
 :class:`TrimmedOpenAI` (``openai.OpenAI``) and :class:`AsyncTrimmedOpenAI` (``openai.AsyncOpenAI``)
 are drop-ins: ``.chat.completions.create`` takes the client's arguments plus ``rag_chunks=``, a
 per-call ``ttft_budget_s=`` and ``routing_key=`` (sent in the headers routers read, never in the
-body: :mod:`trimkit.backends.routing`), passes every other argument through unchanged, and returns what
+body: :mod:`trimkit.backends.server`), passes every other argument through unchanged, and returns what
 the client returns. Any other attribute is the client's own. :func:`wrap_url` gives the same API
 over plain ``httpx`` for users without the ``openai`` package (responses are plain dicts).
 
@@ -21,7 +21,7 @@ wrapper holds; the wrappers only send, through :class:`~trimkit.backends.http.Op
 
 **Deadlines.** How long a wrapped call to a served model may wait, from its TTFT budget: how long it is
 retried before its first chunk, and its deadline. (How a backend applies them, per request and
-per attempt, is :mod:`trimkit.backends.limits`.)
+per attempt, is :mod:`trimkit.backends.transport`.)
 
 Once the first token is later than twice the budget the answer has failed its purpose, and
 retrying longer only hides an outage from the caller; but a tight budget (0.3 s) must not turn a
@@ -41,7 +41,7 @@ import attrs
 from trimkit.backends.base import Measurement, client_is_async, is_openai_client
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.replies import SOURCE_CLIENT, assemble_chat_completion
-from trimkit.backends.routing import NOT_GIVEN, RoutingOptions, check_routing_key, planning_for, routing_headers
+from trimkit.backends.server import NOT_GIVEN, RoutingOptions, check_routing_key, planning_for, routing_headers
 from trimkit.errors import InvalidInputError, InvalidMessageError, positive_finite
 from trimkit.frontend import AsyncReportingStream, FrontEnd, ReportingOpenAIStream, StreamReporter, send_params, usage_counts
 from trimkit.messages import validate_messages
@@ -176,7 +176,7 @@ def call_arguments(kwargs: Mapping[str, Any]) -> tuple[Any, Any, float | None, d
 
 #: a call's options that are trimkit's, never sent to the server
 TRIMKIT_CALL_OPTIONS = ("on_busy",)
-#: a call's routing key: trimkit's option, sent as headers, never in the body (:mod:`trimkit.backends.routing`)
+#: a call's routing key: trimkit's option, sent as headers, never in the body (:mod:`trimkit.backends.server`)
 ROUTING_KEY_OPTION = "routing_key"
 
 
@@ -188,7 +188,7 @@ def call_options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
 def call_routing_key(kwargs: Mapping[str, Any]) -> Any:
     """A call's ``routing_key=``, validated (:class:`~trimkit.errors.InvalidInputError` before
     anything is sent): the key, ``None`` (given as None: no key for this call) or
-    :data:`~trimkit.backends.routing.NOT_GIVEN`."""
+    :data:`~trimkit.backends.server.NOT_GIVEN`."""
     if ROUTING_KEY_OPTION not in kwargs or _is_not_given(kwargs[ROUTING_KEY_OPTION]):
         return NOT_GIVEN
     key = kwargs[ROUTING_KEY_OPTION]

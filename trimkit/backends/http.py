@@ -8,7 +8,7 @@ retries turned off; the stream yields its own chunk objects).
 
 The class is thin: what the server is, its calibration probes and the evidence its numbers give
 (:mod:`~trimkit.backends.server`), the I/O, reading a stream and the errors on the wire
-(:mod:`~trimkit.backends.transport`), retries and deadlines (:mod:`~trimkit.backends.limits`)
+(:mod:`~trimkit.backends.transport`), retries and deadlines (:mod:`~trimkit.backends.transport`)
 and replies parsed at the boundary (:mod:`~trimkit.backends.replies`) each have their module.
 What it sends is decided here, without I/O (:class:`ChatCall`, :func:`chat_body`,
 :func:`probe_body`): the body of a chat request (the caller's parameters, the model, and
@@ -30,10 +30,8 @@ import attrs
 import httpx
 
 from trimkit.backends.base import Backend, Clock, Measurement, TimedStream, client_is_async, is_openai_client
-from trimkit.backends.limits import Deadline, RequestLimits, Wait, awith_retries
 from trimkit.backends.llama_format import chat_format_renderer
 from trimkit.backends.replies import as_chat_completion, assemble_chat_completion, parse_completion, parse_server_stats, probe_output
-from trimkit.backends.routing import current_key, key_of
 from trimkit.backends.server import (
     MAX_PROBE_TEXT_BYTES,
     PROBE_WORDS_PER_TOKEN,
@@ -41,16 +39,22 @@ from trimkit.backends.server import (
     ServerEvidence,
     ServerInfo,
     ServerProbes,
+    current_key,
+    key_of,
     probe_server,
     server_prompt_tokenizer,
 )
 from trimkit.backends.transport import (
     TRANSIENT_STATUSES,
     AsyncTimedStream,
+    Deadline,
     HTTPTransport,
     Opened,
+    RequestLimits,
     StreamState,
+    Wait,
     aread_chunks,
+    awith_retries,
     normalize_base_url,
     read_chunks,
     timed_stream,
@@ -85,7 +89,7 @@ class ChatCall:
     body: dict[str, Any]
     hide_usage: bool
     deadline: Deadline
-    #: headers of this request only (a routing key: :mod:`trimkit.backends.routing`)
+    #: headers of this request only (a routing key: :mod:`trimkit.backends.server`)
     headers: Mapping[str, str] = attrs.field(factory=dict)
 
 
@@ -123,7 +127,7 @@ def refuses_stream_options(exc: ServerError, body: Mapping[str, Any]) -> bool:
 # == the backend =============================================================================================
 
 def _limit(name: str, doc: str) -> property:
-    """A setting of the backend's :class:`~trimkit.backends.limits.RequestLimits`, readable
+    """A setting of the backend's :class:`~trimkit.backends.transport.RequestLimits`, readable
     and settable on the backend."""
     return property(lambda self: getattr(self.limits, name), lambda self, value: setattr(self.limits, name, value), doc=doc)
 
@@ -135,7 +139,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
     ``retry_deadline_s`` bounds the total time spent retrying a request that has not yet
     produced a chunk (set it from the TTFT budget); it can be changed on the instance or per
     call. ``deadline_s`` (per call, or on the instance for calls and side requests that give
-    none) bounds every wait before the first chunk as well (:mod:`trimkit.backends.limits`).
+    none) bounds every wait before the first chunk as well (:mod:`trimkit.backends.transport`).
     ``chat_format`` names the server's chat template (a llama-cpp-python format name such as
     ``"gemma"``, or a Jinja template) when the server has no ``/apply-template`` endpoint, so
     prompt counts are exact instead of a ChatML estimate. ``cache_block_tokens`` is the engine's
@@ -340,7 +344,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
               deadline: Deadline, *, stream: bool, headers: Mapping[str, str] | None = None) -> ChatCall:
         """Count the prompt, predict its cached prefix and build the body. Probing the server,
         when needed (tokenizer, cache block), waits for a server still starting, within ``deadline``.
-        ``headers``: the request's own (a routing key, :mod:`trimkit.backends.routing`)."""
+        ``headers``: the request's own (a routing key, :mod:`trimkit.backends.server`)."""
         if not isinstance(params, Mapping):
             raise InvalidInputError(f"params must be a mapping, got {type(params).__name__}")
         if prompt_tokens is None or self._block_arg is None:
@@ -429,7 +433,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         (:class:`~trimkit.pipeline.WatchedPrefill`, llama-server only: :attr:`evaluate_to`):
         the prompt is prefilled in steps first, re-planned if its pace says the first token would
         come too late, and the chat request then finds all of it in the slot's cache. ``headers``:
-        this request's own (a routing key: :func:`~trimkit.backends.routing.routing_headers`)."""
+        this request's own (a routing key: :func:`~trimkit.backends.server.routing_headers`)."""
         if watch is not None:
             return self._watched_stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s, watch, headers)
         return self._stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s, headers=headers)[0]

@@ -1,7 +1,7 @@
 """The HTTP wire: sending a request and opening its answer, over ``httpx`` or through the user's
 ``openai`` client; the server-sent events of a chat stream; reading the stream once it is open;
 and what goes wrong on the way, as trimkit errors. How long each wait may be and what is retried
-is :mod:`trimkit.backends.limits`; what a reply means, :mod:`trimkit.backends.replies`.
+is :mod:`trimkit.backends.transport`; what a reply means, :mod:`trimkit.backends.replies`.
 
 **Sending and opening.** :class:`HTTPTransport` is all the I/O of the HTTP backend: a side
 request answered with JSON (:meth:`~HTTPTransport.request_json`, retried), and a stream opened up
@@ -14,7 +14,7 @@ async openers differ only in the lines that read. Every body read is capped
 **Errors.** What goes wrong on the wire, as trimkit errors: error statuses, unreachable or silent
 servers, bodies that do not decode, the ``openai`` client's own exceptions. Pure functions, no
 I/O: the transport raises what they return. Which errors are retried is decided in
-:mod:`trimkit.backends.limits` (:data:`~trimkit.backends.limits.RETRIED`): transient statuses
+:mod:`trimkit.backends.transport` (:data:`~trimkit.backends.transport.RETRIED`): transient statuses
 (:data:`TRANSIENT_STATUSES`) and unreachable servers, before the first chunk only.
 
 **Server-sent events.** ``httpx-sse`` reads the ``text/event-stream`` protocol, and
@@ -47,9 +47,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import functools
 import json
+import logging
 import operator
 import re
 import threading
@@ -61,10 +63,10 @@ from typing import Any
 
 import attrs
 import httpx
+import tenacity
 from httpx_sse import EventSource, ServerSentEvent
 
 from trimkit.backends.base import Clock, Measurement, TimedStream
-from trimkit.backends.limits import Deadline, RequestLimits, Wait, with_retries
 from trimkit.backends.replies import (
     MAX_EVENT_BYTES,
     MAX_REPLY_BYTES,
@@ -86,17 +88,10 @@ from trimkit.errors import (
     StreamInterruptedError,
     TransientServerError,
     TrimkitError,
+    count,
 )
 
-__all__ = [
-    "TRANSIENT_STATUSES", "status_error", "unreachable", "undecodable", "transport_error", "client_error",
-    "client_read_error", "client_open_error", "is_transport_failure", "translated", "wrong_content_type",
-    "redirect_error", "stream_reply_error", "empty_stream_error", "EventReader", "iter_events",
-    "aiter_events", "END", "ERROR_BODY_BYTES", "MISSING_STATUSES", "Opened", "BodyPlan", "HTTPTransport",
-    "normalize_base_url", "url_credentials", "redact_url", "stream_body_plan", "json_answer", "read_capped",
-    "aread_capped", "without_retries", "StreamState", "read_chunks", "aread_chunks", "timed_stream",
-    "AsyncTimedStream",
-]
+__all__ = ["TRANSIENT_STATUSES", "status_error", "unreachable", "undecodable", "transport_error", "client_error", "client_read_error", "client_open_error", "is_transport_failure", "translated", "wrong_content_type", "redirect_error", "stream_reply_error", "empty_stream_error", "EventReader", "iter_events", "aiter_events", "END", "ERROR_BODY_BYTES", "MISSING_STATUSES", "Opened", "BodyPlan", "HTTPTransport", "normalize_base_url", "url_credentials", "redact_url", "stream_body_plan", "json_answer", "read_capped", "aread_capped", "without_retries", "StreamState", "read_chunks", "aread_chunks", "timed_stream", "AsyncTimedStream", "MIN_WAIT_S", "RETRIED", "Deadline", "Wait", "RequestLimits", "RetryRun", "with_retries", "awith_retries", "run_within"]
 
 
 # == errors: what goes wrong on the wire =====================================================================
@@ -628,7 +623,7 @@ class HTTPTransport:
         return json_answer(status, headers, content, url, missing_ok=missing_ok, root_only=root_only)
 
     def retried(self, attempt: Callable[[Wait], Any], deadline: Deadline, url: str) -> Any:
-        """:func:`~trimkit.backends.limits.with_retries` with this transport's limits; a
+        """:func:`~trimkit.backends.transport.with_retries` with this transport's limits; a
         stream an abandoned attempt opens is closed."""
         return with_retries(attempt, deadline, url, self.limits, _discard)
 
@@ -978,3 +973,217 @@ class AsyncTimedStream(TimedStream):
             pass
         assert self.measurement is not None
         return self.measurement
+
+
+# -- How long a request may wait, and how it is retried. -------------------------------------------------
+
+log = logging.getLogger("trimkit")
+
+#: no single network wait is set shorter than this
+MIN_WAIT_S = 0.05
+#: the errors a request is retried on, inside its deadline: transient statuses
+#: (:data:`~trimkit.backends.transport.TRANSIENT_STATUSES`) and unreachable servers
+RETRIED = (TransientServerError, ServerUnreachableError)
+
+
+@attrs.frozen
+class Deadline:
+    """How long a request may take to produce its first chunk (a side request: its answer).
+
+    ``seconds`` always bounds the retries. ``bounded``: it also bounds every wait — a request
+    still waiting when it passes raises ServerTimeoutError — and each network read of the
+    request waits at most ``seconds`` (and ``timeout_s``)."""
+
+    seconds: float
+    bounded: bool = False
+
+
+@attrs.frozen
+class Wait:
+    """What one attempt may wait: ``remaining_s`` of its deadline; ``bound_s`` (bounded
+    deadlines only) the longest any single read may take."""
+
+    remaining_s: float
+    bound_s: float | None = None
+
+
+def _positive(value: Any, label: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidInputError(f"{label} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+@attrs.define
+class RequestLimits:
+    """A backend's timeouts and retry settings; they may be changed on the instance."""
+
+    timeout_s: float = attrs.field(default=300.0, converter=lambda v: _positive(v, "timeout_s"))
+    connect_timeout_s: float = attrs.field(default=5.0, converter=lambda v: _positive(v, "connect_timeout_s"))
+    retry_deadline_s: float = attrs.field(default=30.0, converter=lambda v: _positive(v, "retry_deadline_s"))
+    max_attempts: int = attrs.field(default=10, converter=lambda v: count(v, "max_attempts", minimum=1))
+    retry_backoff_s: float = attrs.field(default=0.1, converter=float)
+    retry_backoff_max_s: float = attrs.field(default=2.0, converter=float)
+    #: the deadline of calls and side requests that give none (None: waits bounded by timeout_s only)
+    deadline_s: float | None = None
+
+    def deadline(self, retry_deadline_s: float | None = None, deadline_s: float | None = None, *, unbounded: bool = False) -> Deadline:
+        """A request's deadline: ``deadline_s`` (else the instance's), bounding every wait; without
+        one (or ``unbounded``: calibration probes, non-streamed answers) the retry window only."""
+        if not unbounded:
+            bound = deadline_s if deadline_s is not None else self.deadline_s
+            if bound is not None:
+                return Deadline(float(bound), bounded=True)
+        return Deadline(float(self.retry_deadline_s if retry_deadline_s is None else retry_deadline_s))
+
+    def whole_answer_deadline(self, retry_deadline_s: float | None, deadline_s: float | None) -> Deadline:
+        """A non-streamed request's deadline: bounded only by a ``deadline_s`` given for it (its
+        first byte comes after the whole answer)."""
+        return self.deadline(retry_deadline_s, deadline_s, unbounded=deadline_s is None)
+
+    def read_timeout_s(self, wait: Wait | None) -> float:
+        """The longest one read may wait: ``timeout_s``, or with a bounded deadline at most the deadline."""
+        if wait is None or wait.bound_s is None:
+            return self.timeout_s
+        return max(min(self.timeout_s, wait.bound_s), MIN_WAIT_S)
+
+    def httpx_timeout(self, wait: Wait | None = None) -> httpx.Timeout:
+        """The httpx timeouts of one attempt: connect within what is left of the deadline, each
+        other wait :meth:`read_timeout_s`."""
+        if wait is None:
+            return httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s)
+        return httpx.Timeout(self.read_timeout_s(wait), connect=max(min(self.connect_timeout_s, wait.remaining_s), MIN_WAIT_S))
+
+    def retry_arguments(self, deadline: Deadline) -> dict[str, Any]:
+        """The tenacity arguments of a request (for ``Retrying`` and ``AsyncRetrying`` alike):
+        retry transient failures with exponential backoff (at least the server's
+        ``Retry-After``), within ``max_attempts`` and the deadline."""
+        expo = tenacity.wait_exponential(multiplier=self.retry_backoff_s, min=self.retry_backoff_s, max=self.retry_backoff_max_s)
+
+        def wait(state: tenacity.RetryCallState) -> float:
+            exc = state.outcome.exception() if state.outcome else None
+            retry_after = getattr(exc, "retry_after_s", None)
+            base = expo(state)
+            return max(base, retry_after) if retry_after else base
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            exc = state.outcome.exception() if state.outcome else None
+            log.info("trimkit: attempt %d failed (%s); retrying in %.2f s", state.attempt_number, exc, state.upcoming_sleep)
+
+        return dict(
+            stop=tenacity.stop_after_attempt(self.max_attempts) | tenacity.stop_before_delay(deadline.seconds),
+            wait=wait,
+            retry=tenacity.retry_if_exception_type(RETRIED),
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+
+
+class RetryRun:
+    """The books of one retried call: when it started, the last attempt's error, what each
+    attempt may wait and what to raise when the deadline passes or the retries give up."""
+
+    def __init__(self, deadline: Deadline, url: str) -> None:
+        self.deadline = deadline
+        self.url = url
+        self.start = time.monotonic()
+        self.previous: BaseException | None = None
+
+    def wait(self) -> Wait:
+        remaining = self.deadline.seconds - (time.monotonic() - self.start)
+        return Wait(remaining, self.deadline.seconds if self.deadline.bounded else None)
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[None]:
+        """Around one attempt: keep its error (see :meth:`timed_out`)."""
+        try:
+            yield
+        except BaseException as exc:
+            self.previous = exc
+            raise
+
+    def timed_out(self) -> BaseException:
+        """The error for an attempt still waiting when the deadline passed: the previous
+        attempt's error status if there was one (the server was answering, with 503s), else
+        ServerTimeoutError."""
+        if isinstance(self.previous, TransientServerError):
+            return self.previous
+        return ServerTimeoutError(f"{self.url} did not answer within the request's deadline of {self.deadline.seconds:.2f} s "
+                                  "(no first chunk, or no reply to a side request)")
+
+    def gave_up(self, exc: ServerUnreachableError, retrying: tenacity.BaseRetrying) -> ServerUnreachableError:
+        attempts = retrying.statistics.get("attempt_number", 1)
+        return type(exc)(f"{exc} (gave up after {attempts} attempts in {time.monotonic() - self.start:.1f} s)")
+
+
+def _keep(value: Any) -> None:
+    """What an abandoned attempt returned needs nothing done with it."""
+
+
+def with_retries(attempt: Callable[[Wait], Any], deadline: Deadline, url: str, limits: RequestLimits,
+                 discard: Callable[[Any], None] = _keep) -> Any:
+    """Run ``attempt(wait)`` until it succeeds, a non-transient error, or the deadline; with a
+    bounded deadline no attempt is waited for past it (ServerTimeoutError), and what an
+    abandoned attempt opens later is ``discard``-ed."""
+    run = RetryRun(deadline, url)
+    retrying = tenacity.Retrying(**limits.retry_arguments(deadline))
+    try:
+        for try_ in retrying:
+            with try_, run.attempt():
+                wait = run.wait()
+                if not deadline.bounded:
+                    return attempt(wait)
+                return run_within(lambda wait=wait: attempt(wait), wait.remaining_s, discard, run.timed_out)
+    except ServerUnreachableError as exc:
+        raise run.gave_up(exc, retrying) from exc
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def awith_retries(attempt: Callable[[Wait], Awaitable[Any]], deadline: Deadline, url: str, limits: RequestLimits) -> Any:
+    """:func:`with_retries` for asyncio (an attempt past the deadline is cancelled)."""
+    run = RetryRun(deadline, url)
+    retrying = tenacity.AsyncRetrying(**limits.retry_arguments(deadline))
+    try:
+        async for try_ in retrying:
+            with try_, run.attempt():
+                wait = run.wait()
+                if not deadline.bounded:
+                    return await attempt(wait)
+                try:
+                    async with asyncio.timeout(max(wait.remaining_s, 0.0)):
+                        return await attempt(wait)
+                except TimeoutError as exc:
+                    if isinstance(exc, TrimkitError):
+                        raise
+                    raise run.timed_out() from None
+    except ServerUnreachableError as exc:
+        raise run.gave_up(exc, retrying) from exc
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def run_within(fn: Callable[[], Any], seconds: float, discard: Callable[[Any], None], timed_out: Callable[[], BaseException]) -> Any:
+    """``fn()`` in a worker thread, waited for at most ``seconds``; then ``timed_out()`` is raised.
+
+    Why a thread: a blocking socket read cannot be given an overall deadline (httpx bounds each
+    read, and a server may trickle bytes forever), and the ``openai`` client's stream cannot be
+    interrupted from outside. The abandoned worker ends on its own — each of its network waits
+    is bounded too — and whatever it returns after the caller gave up is ``discard``-ed."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # handed to the caller
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="trimkit-request", daemon=True).start()
+    done, _ = concurrent.futures.wait([future], timeout=max(seconds, 0.0))
+    if not done:
+        future.add_done_callback(lambda f: _discard_quietly(f, discard))
+        raise timed_out()
+    return future.result()
+
+
+def _discard_quietly(future: concurrent.futures.Future[Any], discard: Callable[[Any], None]) -> None:
+    if future.exception() is None:
+        with contextlib.suppress(Exception):
+            discard(future.result())

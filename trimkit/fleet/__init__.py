@@ -55,8 +55,7 @@ from typing import Any
 
 from trimkit.backends.base import client_is_async, is_openai_client
 from trimkit.backends.http import OpenAIHTTPBackend
-from trimkit.backends.routing import RoutingOptions
-from trimkit.backends.server import ServerLoadReader
+from trimkit.backends.server import RoutingOptions, ServerLoadReader
 from trimkit.backends.transport import normalize_base_url
 from trimkit.errors import FleetOverloadedError, FleetUnavailableError, InvalidInputError, positive_finite
 from trimkit.fleet._endpoint import FleetEndpoint, Health

@@ -25,8 +25,8 @@ import attrs
 
 from trimkit.backends.base import Measurement
 from trimkit.backends.http import OpenAIHTTPBackend
-from trimkit.backends.limits import Wait
 from trimkit.backends.server import ServerLoad, ServerLoadReader
+from trimkit.backends.transport import Wait
 from trimkit.errors import (
     BackendError,
     MalformedReplyError,

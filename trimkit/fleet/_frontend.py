@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from trimkit.backends.routing import NOT_GIVEN
+from trimkit.backends.server import NOT_GIVEN
 from trimkit.errors import FleetOverloadedError, FleetUnavailableError, TrimkitError
 from trimkit.errors import budget as valid_budget
 from trimkit.fleet._endpoint import MIN_RETRY_AFTER_S, FleetEndpoint, RouteCost, best_route, describe_error, is_endpoint_failure, is_overload
