@@ -261,7 +261,7 @@ def test_as_the_inner_model_forced_tool_calls_tokens_tracing_fields_and_pickling
 
 def test_trimkit_errors_are_the_openai_errors_the_raw_client_raises():
     from trimkit.errors import ServerError, ServerTimeoutError, StreamInterruptedError
-    from trimkit.integrations._openai_errors import as_openai_error
+    from trimkit.integrations import as_openai_error
 
     busy = as_openai_error(ServerError("busy", status=503, server_message="overloaded"))
     assert isinstance(busy, ServerError) and isinstance(busy, openai.InternalServerError) and busy.status_code == 503

@@ -35,7 +35,7 @@ metadata and ``output_version`` apply, tracing reads ``inner``'s ``_get_ls_param
 ``bind_tools`` (``tool_choice`` included) and ``with_structured_output`` are ``inner``'s, nothing
 is measured at construction (the first request loads the profile or calibrates), it pickles and
 serialises as ``inner`` does, and with a ``ChatOpenAI`` trimkit's server errors are also the
-``openai`` errors the raw client raises (:func:`~trimkit.integrations._openai_errors.as_openai_error`).
+``openai`` errors the raw client raises (:func:`~trimkit.integrations.as_openai_error`).
 The async calls run the sync path in a worker thread (LangChain's default for a chat model),
 which is what trimkit's planning does anyway; with a ``ChatOpenAI`` they use its sync client. Not
 through trimkit (they raise :class:`~trimkit.errors.InvalidInputError` instead of sending around
@@ -134,7 +134,7 @@ from trimkit.backends.replies import assemble_chat_completion
 from trimkit.errors import BackendError, InvalidBudgetError, InvalidChunkError, InvalidInputError, InvalidMessageError
 from trimkit.errors import budget as valid_budget
 from trimkit.frontend import usage_counts
-from trimkit.integrations._openai_errors import as_openai_error, chat_completions_url
+from trimkit.integrations import as_openai_error, chat_completions_url
 from trimkit.messages import (
     DEFAULT_RAG_CHUNK_TEMPLATE,
     SYSTEM_ROLES,

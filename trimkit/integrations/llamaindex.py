@@ -112,7 +112,7 @@ from trimkit.errors import BackendError, InvalidChunkError, InvalidInputError, I
 from trimkit.errors import budget as valid_budget
 from trimkit.fleet import wrap_url
 from trimkit.frontend import usage_counts
-from trimkit.integrations._openai_errors import as_openai_error, chat_completions_url
+from trimkit.integrations import as_openai_error, chat_completions_url
 from trimkit.messages import Chunk, check_rag_templates
 from trimkit.planning.planner import Plan, plan
 from trimkit.planning.profile import Profile
@@ -665,7 +665,7 @@ class TrimmedLLM(FunctionCallingLLM):
     def _inner_errors(self) -> Iterator[None]:
         """Where the wrapped LLM is an ``OpenAI`` / ``OpenAILike``, trimkit's server errors are
         raised as the ``openai`` errors its client raises for the same failure (still trimkit's:
-        the type subclasses both; :func:`~trimkit.integrations._openai_errors.as_openai_error`)."""
+        the type subclasses both; :func:`~trimkit.integrations.as_openai_error`)."""
         try:
             yield
         except BackendError as exc:
