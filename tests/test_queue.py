@@ -234,10 +234,10 @@ def test_a_wait_that_leaves_no_room_sends_the_minimal_prompt_or_raises_as_on_inf
     best = chat.prepare(msgs, None, {"max_tokens": 4}, ttft_budget_s=2.0)  # on_busy="trim", wait > budget
     assert best.plan.minimal and best.feasible is False
     assert best.predicted_ttft_s > 2.0
-    chat.on_infeasible = "raise"
-    with pytest.raises(InfeasibleBudgetError) as info:
+    chat.on_infeasible = "raise"  # the wait alone breaks the budget: refused unplanned, as the queue's fault
+    with pytest.raises(QueueBudgetError) as info:
         chat.prepare(msgs, None, {"max_tokens": 4}, ttft_budget_s=2.0)
-    assert not isinstance(info.value, QueueBudgetError) and info.value.report.queue_wait_predicted_s > 2.0
+    assert info.value.plan is None and info.value.report.queue_wait_predicted_s > 2.0
     del best
     gc.collect()
     assert [t.seq for t in chat.queue.in_flight()] == [ahead.ticket.seq]  # neither stayed in the queue
@@ -264,8 +264,8 @@ def test_on_busy_wait_plans_the_whole_budget_and_says_the_wait_breaks_it(chat, f
     assert len(chat.queue) == 0
 
 
-def test_on_busy_raise_refuses_before_anything_is_sent_with_the_report(fake, profile):
-    chat = Trimmer(fake, profile=profile, clock=fake.clock, summarizer=None, on_busy="raise")
+def test_on_infeasible_raise_refuses_a_late_request_before_anything_is_sent_with_the_report(fake, profile):
+    chat = Trimmer(fake, profile=profile, clock=fake.clock, summarizer=None, on_infeasible="raise")
     _, rs = start(chat, conversation(8), params={"max_tokens": 100})
     sent_before = len(fake.calls)
     with pytest.raises(QueueBudgetError) as info:
@@ -287,7 +287,7 @@ def test_on_busy_raise_refuses_before_anything_is_sent_with_the_report(fake, pro
     rs.close()
 
 
-@pytest.mark.parametrize("bad", ["queue", "", None, 3, "TRIM"])
+@pytest.mark.parametrize("bad", ["queue", "", None, 3, "TRIM", "raise"])
 def test_a_bad_on_busy_is_refused(fake, profile, chat, bad):
     with pytest.raises(InvalidInputError):
         Trimmer(fake, profile=profile, on_busy=bad)
@@ -472,63 +472,35 @@ def test_queued_threads_are_served_in_turn_and_report_their_waits(chat, fake):
     assert len(chat.queue) == 0
 
 
-def test_the_lease_serves_waiters_lowest_turn_first():
+def test_the_lease_serves_waiters_first_come_first_served_and_bounds_each_wait():
     lease = EngineLease()
     release, _ = lease.hold()
-    turns = [lease.take_turn() for _ in range(3)]
     got: list[int] = []
-
-    def wait_turn(turn: int) -> None:
-        with lease.section(JOIN_S, turn=turn):
-            got.append(turn)
-
-    threads = [threading.Thread(target=wait_turn, args=(t,), daemon=True) for t in reversed(turns)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + JOIN_S
-    while lease.waiters < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    release()
-    for t in threads:
-        t.join(JOIN_S)
-    assert got == turns
-
-
-def test_a_reserved_turn_holds_later_ones_back_until_it_arrives_lapses_or_is_cancelled():
-    lease = EngineLease()
     box: dict[str, object] = {}
 
-    def later(timeout_s: float) -> None:  # another thread, without a turn: it comes after every reserved one
-        try:
-            with lease.section(timeout_s) as waited:
-                box["waited"] = waited
-        except EngineBusyError as exc:
-            box["error"] = exc
+    def wait(i: int) -> None:
+        with lease.section(JOIN_S):
+            got.append(i)
 
-    def run(timeout_s: float) -> None:
-        box.clear()
-        t = threading.Thread(target=later, args=(timeout_s,), daemon=True)
+    threads = []
+    for i in range(3):
+        t = threading.Thread(target=wait, args=(i,), daemon=True)
         t.start()
+        threads.append(t)
+        wait_until(lambda n=i + 1: lease.waiters == n, f"{i + 1} waiter(s)")
+    try:
+        with lease.section(0.05):
+            pass
+    except EngineBusyError as exc:  # bounded: a stream holds it, three are ahead
+        box["error"] = exc
+    assert isinstance(box.get("error"), EngineBusyError) and "unfinished stream" in str(box["error"])
+    release()
+    release()  # only the first release counts
+    for t in threads:
         t.join(JOIN_S)
-        assert not t.is_alive()
-
-    turn = lease.take_turn()  # a request being planned: the engine is free, yet later ones wait for it
-    run(0.05)
-    assert isinstance(box.get("error"), EngineBusyError) and "planned" in str(box["error"])
-    with lease.section(0.05) as waited:  # the thread that reserved a turn never waits for itself
-        assert waited == 0.0
-    lease.keep_turn(turn, 0.05)  # planned: kept a moment for it to be sent, then it lapses
-    run(JOIN_S)
-    assert "waited" in box and "error" not in box
-    lease.cancel_turn(lease.take_turn())  # given up: holds nobody back
-    run(0.05)
-    assert box.get("waited") == 0.0
-    turn = lease.take_turn()
-    with lease.section(0.05, turn=turn) as waited:  # it arrives: it is in line like any waiter
-        assert waited == 0.0
-    run(0.05)
-    assert box.get("waited") == 0.0
+    assert got == [0, 1, 2] and not lease.busy and lease.waiters == 0
+    with lease.section(0.05) as waited, lease.section(0.05) as again:  # re-entrant for its thread
+        assert waited == 0.0 and again == 0.0
 
 
 def test_busy_decision_and_wait_bound():
@@ -538,7 +510,9 @@ def test_busy_decision_and_wait_bound():
     assert d.plan_budget_s * 0.9 + 0.45 == pytest.approx(0.9)  # wait + prompt = budget × (1 − margin)
     assert busy_decision("trim", 1.0, 5.0, 0.1).plan_budget_s == MIN_PLAN_BUDGET_S
     assert busy_decision("wait", 1.0, 5.0, 0.1).plan_budget_s == 1.0
-    assert busy_decision("raise", 1.0, 0.89, 0.1).refuse is False
-    assert busy_decision("raise", 1.0, 0.9, 0.1).refuse is True
+    assert busy_decision("trim", 1.0, 0.89, 0.1, refuse=True).refuse is False
+    assert busy_decision("trim", 1.0, 0.9, 0.1, refuse=True).refuse is True
+    assert busy_decision("trim", 1.0, 0.9, 0.1).refuse is False  # on_infeasible="best_effort": the minimal prompt
+    assert busy_decision("wait", 1.0, 5.0, 0.1, refuse=True).refuse is False
     assert busy_decision("trim", None, 5.0, 0.0).plan_budget_s is None
     assert wait_bound_s(1.0, 0.5, 120.0) == 2.0 and wait_bound_s(None, None, 120.0) == 120.0

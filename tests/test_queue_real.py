@@ -114,12 +114,13 @@ def test_four_threads_at_once_with_a_budget_all_finish_consistently(llm, quick_p
     assert max(r.queue_ahead for r in chat.reports) >= 1  # they did not all run alone
 
 
-def test_on_busy_raise_refuses_a_request_the_queue_makes_late_before_sending(chat):
+def test_on_infeasible_raise_refuses_a_request_the_queue_makes_late_before_sending(chat):
+    chat.on_infeasible = "raise"
     holder = chat.create_chat_completion(messages=ask(20), stream=True, max_tokens=MAX_TOKENS)
     next(holder)
     try:
         with pytest.raises(QueueBudgetError) as info:
-            chat.create_chat_completion(messages=ask(21), max_tokens=MAX_TOKENS, ttft_budget_s=0.001, on_busy="raise")
+            chat.create_chat_completion(messages=ask(21), max_tokens=MAX_TOKENS, ttft_budget_s=0.001)
         err = info.value
         assert err.report is not None and err.report.queue_wait_predicted_s == err.wait_s > 0
         assert err.report.measurement.ttft_s is None and len(chat.queue) == 1  # only the holder

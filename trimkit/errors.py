@@ -18,7 +18,7 @@ subclasses the builtin it naturally is, so code that already catches ``ValueErro
     ├── CalibrationError (RuntimeError)         calibration could not measure (e.g. no samples)
     ├── InfeasibleBudgetError                   even the minimal prompt cannot meet the budget
     │   │                                       (carries ``.plan`` and ``.report``)
-    │   └── QueueBudgetError                    on_busy="raise": the predicted wait for the requests
+    │   └── QueueBudgetError                    on_infeasible="raise": the predicted wait for the requests
     │                                           ahead alone breaks the budget (``.wait_s``, ``.ahead``)
     └── BackendError (RuntimeError)             the model engine or server failed (``.report``: see below)
         ├── ServerError                         the server answered with an error (``.status``, ``.server_message``)
@@ -169,8 +169,8 @@ class QueueBudgetError(InfeasibleBudgetError):
     """The requests ahead of this one on the engine are predicted to take its whole budget: the
     predicted wait alone reaches the budget less the safety margin, so no prompt can meet it.
 
-    Raised only with ``on_busy="raise"``, before anything is sent (the request never joined the
-    engine's queue). ``.wait_s`` is the predicted wait, ``.ahead`` how many requests are ahead,
+    Raised only with ``on_infeasible="raise"`` (and ``on_busy="trim"``), before anything is
+    planned or sent (the request leaves the engine's queue). ``.wait_s`` is the predicted wait, ``.ahead`` how many requests are ahead,
     ``.report`` the report of the request as it would have been sent (``queue_wait_predicted_s``
     says the wait); ``.plan`` is None (nothing was planned). An :class:`InfeasibleBudgetError`:
     code that handles an unmeetable budget handles this one too."""

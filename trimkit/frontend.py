@@ -81,7 +81,7 @@ class FrontEnd:
     strategies = _delegated("strategies", "What the planner may change (None: the defaults).", settable=True)
     values = _delegated("values", "What each kind of content is worth (None: the defaults).", settable=True)
     on_infeasible = _delegated("on_infeasible", '"best_effort" or "raise".', settable=True)
-    on_busy = _delegated("on_busy", '"trim", "wait" or "raise": what the wait for the requests ahead does to a plan.', settable=True)
+    on_busy = _delegated("on_busy", '"trim" or "wait": what the wait for the requests ahead does to a plan.', settable=True)
     endpoint_label = _delegated("endpoint_label", "The replica every report names (None: one engine).", settable=True)
     queue = _delegated("queue", "The engine's in-flight queue, shared by its wrappers (None: not an in-process engine).")
     attainment_target = _delegated("attainment_target", "The share of budgeted requests the margin aims to keep in budget.", settable=True)

@@ -183,7 +183,7 @@ class Pipeline:
 
     ttft_budget_s = _checked("ttft_budget_s", lambda v: None if v is None else valid_budget(v),
                              "The default TTFT budget of a call (None: no budget); validated when set.")
-    on_busy = _checked("on_busy", check_on_busy, '''"trim", "wait" or "raise": what the predicted wait for the requests
+    on_busy = _checked("on_busy", check_on_busy, '''"trim" or "wait": what the predicted wait for the requests
         ahead does to a plan (:func:`~trimkit.planning.queue.busy_decision`); validated when set.''')
     endpoint_label = _checked("endpoint_label", _label, "The replica every report names (``report.endpoint``; None: one engine).")
     tokens_per_s_target = _checked("tokens_per_s_target", valid_tokens_per_s_target, "The stream's standard in every report's verdict.")
@@ -242,7 +242,7 @@ class Pipeline:
         busy = self.on_busy if on_busy is None else check_on_busy(on_busy)
         given = queue_wait(queue_wait_s)
         # in line now, before counting: a request planned at the same time counts this one ahead
-        ticket = self.queue.enter(self.backend.engine) if self.queue is not None else None  # type: ignore[attr-defined]
+        ticket = self.queue.enter() if self.queue is not None else None
         try:
             prepared = self._prepare(messages, chunks, params, budget, busy, given, ticket, t0)
         except BaseException:
@@ -283,7 +283,7 @@ class Pipeline:
         wait, ahead = (given_wait, 0) if given_wait is not None or self.queue is None else self.queue.predict(ticket)
         margin = 0.0 if budget is None else self.engine.request_margin(self.attainment_target, budget, len(before.tokens), before.cached,
                                                                        watched_share=self._watched_share(before))
-        busy = busy_decision(on_busy, budget, wait, margin, ahead)
+        busy = busy_decision(on_busy, budget, wait, margin, ahead, refuse=self.on_infeasible == "raise")
         plan: Plan | None = None
         sent, warnings, w = before, [], wait or 0.0
         if budget is None and len(before.tokens) > self.backend.n_ctx:

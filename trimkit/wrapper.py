@@ -49,10 +49,9 @@ class Trimmer(FrontEnd):
     def execute(self, prepared: Prepared, params: Mapping[str, Any]) -> ReportingStream:
         """Send a prepared request; returns a stream of the engine's chunks that reports when done.
 
-        An in-process engine is taken here, for the stream (restoring a snapshot and starting
-        the stream are one step), in the request's turn (taken when it was prepared: the engine
-        goes to the requests ahead first); the stream gives it back when it is finished, closed
-        or garbage-collected, from any thread. This waits at most the request's TTFT budget
+        An in-process engine is taken here, once, for the stream (restoring a snapshot and
+        starting the stream are one step; requests are served first come, first served); the
+        stream gives it back when it is finished, closed or garbage-collected, from any thread. This waits at most the request's TTFT budget
         (without one, the backend's ``engine_wait_s``) plus twice the wait predicted for it
         (:func:`~trimkit.planning.queue.wait_bound_s`), then raises
         :class:`~trimkit.errors.EngineBusyError`. The wait is reported (``measurement.queue_s``
@@ -86,14 +85,13 @@ class Trimmer(FrontEnd):
         return ReportingStream(ts, self.pipeline, prepared, params, watch=watch)
 
     def _engine_section(self, prepared: Prepared) -> AbstractContextManager[float]:
-        """The engine for this request (yields the seconds waited): a section of its lease, in
-        the request's turn; ``hold_engine`` for a backend without a lease; nothing for a server."""
+        """The engine for this request (yields the seconds waited): a section of its lease;
+        ``hold_engine`` for a backend without a lease; nothing for a server."""
         backend = self.pipeline.backend
         bound = wait_bound_s(prepared.budget_s, getattr(prepared, "queue_wait_s", None), getattr(backend, "engine_wait_s", DEFAULT_ENGINE_WAIT_S))
         lease = getattr(backend, "engine", None)
         if isinstance(lease, EngineLease):
-            ticket = getattr(prepared, "ticket", None)
-            return lease.section(bound, turn=ticket.turn if ticket is not None else None)
+            return lease.section(bound)
         hold_engine = getattr(backend, "hold_engine", None)
         return hold_engine(bound) if hold_engine is not None else contextlib.nullcontext(0.0)
 
@@ -194,10 +192,10 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
       threads, one ``Llama``; :mod:`trimkit.planning.queue`). Each request's predicted TTFT
       includes the predicted wait for them, and so does the measured TTFT it is compared with.
       ``"trim"`` (default): the prompt is planned to the budget less that wait (nothing fits:
-      ``on_infeasible`` applies); ``"wait"``: planned to the whole budget as if the engine were
-      free (the report says when the wait breaks the budget); ``"raise"``: a wait that alone
-      breaks the budget raises :class:`~trimkit.errors.QueueBudgetError` before anything is
-      sent. Per call: ``create_chat_completion(..., on_busy=...)``;
+      ``on_infeasible`` applies; with ``"raise"``, a wait that alone breaks the budget raises
+      :class:`~trimkit.errors.QueueBudgetError` before anything is sent); ``"wait"``: planned
+      to the whole budget as if the engine were free (the report says when the wait breaks the
+      budget). Per call: ``create_chat_completion(..., on_busy=...)``;
     - ``endpoint_label``: the replica every report names (``report.endpoint``);
     - ``report_log``: a path or a file-like object that gets one JSON line per request (the
       report's ``to_dict()``, nothing of the prompt's text); ``trimkit report FILE`` draws it

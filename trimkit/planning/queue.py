@@ -21,11 +21,10 @@ median completion length of the engine's last :data:`ANSWER_WINDOW` requests tha
 
 **The wait** of a request (:meth:`EngineQueue.wait_s`) is the sum of the remaining work of the
 requests in flight that entered the queue before it. A request enters when it starts being
-planned, before its prompt is counted, and takes its turn for the engine then
-(:meth:`~trimkit.backends.lease.EngineLease.take_turn`): no request behind it takes the engine
-while it is planned, or for :data:`PLANNED_TURN_S` after, while it is sent. So the engine is
-handed on in the order the waits were predicted in, and two requests planned at the same time
-see each other (one whose prompt is not counted yet counts as much as the one asking).
+planned, before its prompt is counted, so two requests planned at the same time see each other
+(one whose prompt is not counted yet counts as much as the one asking). The engine itself is
+handed on first come, first served (:class:`~trimkit.backends.lease.EngineLease`): requests sent
+in the order they were planned are served in the order their waits were predicted in.
 
 **The cache a queued request finds.** The requests ahead run first, so a queued request finds the
 engine's context holding the prompt of the last one ahead, not what it holds now: its cached
@@ -37,14 +36,14 @@ its tickets weakly, and a ticket whose stream has ended (or is gone) no longer c
 leaks from a request that nobody finishes.
 
 **What happens when the wait breaks the budget** is ``on_busy`` (:func:`busy_decision`):
-``"trim"`` (default) plans the prompt to the budget less the wait, ``"wait"`` plans it to the
-whole budget as if the engine were free, ``"raise"`` refuses a request whose wait alone leaves no
-room, before anything is sent (:class:`~trimkit.errors.QueueBudgetError`).
+``"trim"`` (default) plans the prompt to the budget less the wait (a wait that leaves no room makes
+the plan infeasible: ``on_infeasible`` applies, and ``"raise"`` raises
+:class:`~trimkit.errors.QueueBudgetError` before anything is sent), ``"wait"`` plans it to the
+whole budget as if the engine were free.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import statistics
 import threading
@@ -58,11 +57,11 @@ import attrs
 
 from trimkit.errors import InvalidInputError, non_negative_finite
 
-__all__ = ["ON_BUSY", "DEFAULT_ANSWER_TOKENS", "ANSWER_WINDOW", "WAIT_BOUND_FACTOR", "MIN_PLAN_BUDGET_S", "PLANNED_TURN_S",
+__all__ = ["ON_BUSY", "DEFAULT_ANSWER_TOKENS", "ANSWER_WINDOW", "WAIT_BOUND_FACTOR", "MIN_PLAN_BUDGET_S",
            "Ticket", "EngineQueue", "answer_cap", "BusyDecision", "busy_decision", "check_on_busy", "queue_wait", "wait_bound_s"]
 
 #: what a request does when the predicted wait for the engine breaks its budget
-ON_BUSY = ("trim", "wait", "raise")
+ON_BUSY = ("trim", "wait")
 #: the answer length a request without ``max_tokens`` is predicted to decode, until the engine
 #: has finished one such request (a typical chat answer of a few paragraphs)
 DEFAULT_ANSWER_TOKENS = 256
@@ -71,9 +70,6 @@ ANSWER_WINDOW = 32
 #: a request waits for the engine at most its budget (else the backend's ``engine_wait_s``) plus
 #: this many times the wait predicted for it: room for answers ahead that run longer than predicted
 WAIT_BOUND_FACTOR = 2.0
-#: how long a planned request keeps its turn for the engine before it is sent: the requests behind
-#: it wait for it that long at most (one planned and never sent, or sent later, holds nobody back)
-PLANNED_TURN_S = 0.5
 #: the budget a prompt is planned to when the wait leaves no room (the plan is then infeasible)
 MIN_PLAN_BUDGET_S = 1e-6
 
@@ -81,7 +77,8 @@ MIN_PLAN_BUDGET_S = 1e-6
 def check_on_busy(value: Any) -> str:
     """``value`` if it is one of :data:`ON_BUSY`, else :class:`~trimkit.errors.InvalidInputError`."""
     if not isinstance(value, str) or value not in ON_BUSY:
-        raise InvalidInputError(f"on_busy must be 'trim', 'wait' or 'raise', got {value!r}")
+        hint = " (on_busy='raise' is gone: use on_infeasible='raise')" if value == "raise" else ""
+        raise InvalidInputError(f"on_busy must be 'trim' or 'wait', got {value!r}{hint}")
     return value
 
 
@@ -97,12 +94,9 @@ class Ticket:
     calls :meth:`planned`, :meth:`sent`, :meth:`holding`, :meth:`attach`, :meth:`first_token` and
     :meth:`done` as the request goes. Every call is idempotent and safe from any thread."""
 
-    def __init__(self, queue: EngineQueue, seq: int, turn: int | None, line: Any = None) -> None:
+    def __init__(self, queue: EngineQueue, seq: int) -> None:
         self.queue = queue
         self.seq = seq
-        #: the request's place in line for the engine (:meth:`EngineLease.take_turn`), if any
-        self.turn = turn
-        self._line = line
         self.ttft_s: float | None = None  # predicted TTFT of the prompt sent (engine side)
         self.decode_s = 0.0  # predicted decode
         self.prompt_tokens: Sequence[int] | None = None  # the prompt it sends (what the context holds after it)
@@ -122,11 +116,8 @@ class Ticket:
 
     def planned(self) -> None:
         """The request is planned (``prepare`` returned it): it counts for nobody's wait until it
-        is sent (:meth:`sent`) — a request planned and never sent must not make others trim — and
-        keeps its turn for the engine :data:`PLANNED_TURN_S` more."""
+        is sent (:meth:`sent`) — a request planned and never sent must not make others trim."""
         self.parked = True
-        if self._line is not None and self.turn is not None:
-            self._line.keep_turn(self.turn, PLANNED_TURN_S)
 
     def sent(self) -> None:
         """The request is being sent (it waits for the engine, or has it): it counts again."""
@@ -202,22 +193,16 @@ class EngineQueue:
         self._lock = threading.Lock()
         self._seq = 0
         self._tickets: dict[int, weakref.ref[Ticket]] = {}  # seq → ticket, in entry order
-        self._on_leave: dict[int, Callable[[], None]] = {}  # seq → gives up its reserved turn
         self._dropped: deque[int] = deque()  # tickets garbage-collected, to remove (never under a lock)
         self._answers: deque[int] = deque(maxlen=answer_window)
         self._speeds: deque[float] = deque(maxlen=answer_window)  # decode tokens/s of recent streams
 
-    def enter(self, line: Any = None) -> Ticket:
-        """A new request, behind every request in flight now. ``line``: the engine's
-        :class:`~trimkit.backends.lease.EngineLease`; the request takes its turn for the engine
-        now, and gives it up when it leaves before it arrives."""
-        turn = line.take_turn() if line is not None else None
+    def enter(self) -> Ticket:
+        """A new request, behind every request in flight now."""
         with self._lock:
             self._seq += 1
-            ticket = Ticket(self, self._seq, turn, line)
+            ticket = Ticket(self, self._seq)
             self._tickets[ticket.seq] = weakref.ref(ticket, self._forget(ticket.seq))
-            if turn is not None:
-                self._on_leave[ticket.seq] = functools.partial(line.cancel_turn, turn)
             return ticket
 
     def _forget(self, seq: int) -> Callable[[Any], None]:
@@ -230,9 +215,6 @@ class EngineQueue:
     def _remove(self, seq: int) -> None:
         with self._lock:
             self._tickets.pop(seq, None)
-            leave = self._on_leave.pop(seq, None)
-        if leave is not None:
-            leave()
 
     def drop(self, ticket: Ticket) -> None:
         """Remove ``ticket`` (it left)."""
@@ -343,7 +325,8 @@ class BusyDecision:
     """What the predicted wait (``wait_s``, None: nobody predicts one; for ``ahead`` requests)
     does to one request's plan (:func:`busy_decision`): the budget the prompt is planned to with
     ``margin`` (``plan_budget_s``; None without a budget), the part of the wait the plan made room
-    for (``counted_wait_s``; 0 with ``"wait"``), and whether ``on_busy="raise"`` refuses it."""
+    for (``counted_wait_s``; 0 with ``"wait"``), and whether the request is refused
+    (``refuse``: the wait alone leaves no room and ``on_infeasible="raise"``)."""
 
     on_busy: str
     wait_s: float | None
@@ -370,25 +353,26 @@ class BusyDecision:
     def refusal(self, budget_s: float) -> str:
         """The message of the :class:`~trimkit.errors.QueueBudgetError` a refused request raises."""
         return (f"the {self.ahead} request(s) ahead on the engine are predicted to take {self.wait_s or 0.0:.3f} s of the "
-                f"{budget_s:.3f} s TTFT budget (on_busy='raise'): no prompt can meet it; nothing was sent")
+                f"{budget_s:.3f} s TTFT budget (on_infeasible='raise'): no prompt can meet it; nothing was sent")
 
 
-def busy_decision(on_busy: str, budget_s: float | None, wait_s: float | None, margin: float, ahead: int = 0) -> BusyDecision:
+def busy_decision(on_busy: str, budget_s: float | None, wait_s: float | None, margin: float, ahead: int = 0, *,
+                  refuse: bool = False) -> BusyDecision:
     """The plan's budget given the predicted ``wait_s`` for ``ahead`` requests (None or 0: no one).
 
     The prediction the report compares with the measured TTFT is the wait plus the prompt's
-    TTFT, and the margin holds back its share of the whole budget: with ``"trim"`` (and
-    ``"raise"``) the prompt is planned so that wait + TTFT fits ``budget × (1 − margin)``, i.e. to
-    a plan budget of ``budget − wait / (1 − margin)`` (at least :data:`MIN_PLAN_BUDGET_S`: when the
-    wait leaves no room the plan is infeasible and ``on_infeasible`` applies). With ``"wait"``
-    the prompt is planned to the whole budget. With ``"raise"``, a wait that alone reaches
-    ``budget × (1 − margin)`` refuses the request."""
+    TTFT, and the margin holds back its share of the whole budget: with ``"trim"`` the prompt is
+    planned so that wait + TTFT fits ``budget × (1 − margin)``, i.e. to a plan budget of
+    ``budget − wait / (1 − margin)`` (at least :data:`MIN_PLAN_BUDGET_S`: when the wait leaves no
+    room the plan is infeasible and ``on_infeasible`` applies — with ``refuse`` (its ``"raise"``)
+    a wait that alone reaches ``budget × (1 − margin)`` refuses the request unplanned). With
+    ``"wait"`` the prompt is planned to the whole budget."""
     decision = BusyDecision(on_busy, wait_s, ahead, margin, budget_s)
     wait = wait_s or 0.0
     if budget_s is None or on_busy == "wait" or wait <= 0.0:
         return decision
     keep = max(1.0 - margin, 1e-9)
-    if on_busy == "raise" and wait >= budget_s * keep:
+    if refuse and wait >= budget_s * keep:
         return attrs.evolve(decision, plan_budget_s=None, counted_wait_s=wait, refuse=True)
     return attrs.evolve(decision, plan_budget_s=max(budget_s - wait / keep, MIN_PLAN_BUDGET_S), counted_wait_s=wait)
 
