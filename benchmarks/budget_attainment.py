@@ -188,7 +188,7 @@ def main() -> int:
                 times[label].append(p.planning_s * 1000)
 
     result = {
-        "profile": {"model": profile.model.to_dict(), "heldout": profile.error.to_dict(), "quick": profile.quick},
+        "profile": {"model": profile.model.to_dict(), "heldout": profile.error.to_dict(), "quick": (profile.mode != "full")},
         "requests": len(rows),
         "feasible": len(feasible),
         "within_budget_share": within / len(feasible) if feasible else float("nan"),

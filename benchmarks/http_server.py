@@ -174,7 +174,7 @@ def main() -> int:
     llm = trimkit.default_llama("gemma", model_path=model_path, n_ctx=args.n_ctx, n_threads=threads, n_threads_batch=threads_batch)
     exact = llama_prompt_tokenizer(llm)
     t0 = time.perf_counter()
-    inproc = trimkit.calibrate(LlamaBackend(llm), quick=True, recalibrate=True, store=False)
+    inproc = trimkit.calibrate(LlamaBackend(llm), mode="quick", recalibrate=True, store=False)
     inproc_wall = time.perf_counter() - t0
     print(f"in-process reference profile (quick, {inproc_wall:.1f} s): {inproc.model}")
 
@@ -185,7 +185,7 @@ def main() -> int:
         chat_format = None if args.engine == "llama-server" else (args.chat_format or None)
         backend = OpenAIHTTPBackend(base_url, n_ctx=args.n_ctx, chat_format=chat_format)
         t0 = time.perf_counter()
-        quick = trimkit.calibrate(backend, quick=True, recalibrate=True, store=False)
+        quick = trimkit.calibrate(backend, mode="quick", recalibrate=True, store=False)
         quick_wall = time.perf_counter() - t0
         full_wall = None
         if args.smoke:

@@ -248,7 +248,7 @@ class CacheDirs:
 
 
 def profile_mode(profile: Any) -> str:
-    return getattr(profile, "mode", None) or ("quick" if profile.quick else "full")
+    return getattr(profile, "mode", None) or ("quick" if getattr(profile, "quick", False) else "full")
 
 
 def probed_range(profile: Any) -> tuple[int, int]:

@@ -443,7 +443,7 @@ def main() -> int:
     t0 = time.perf_counter()
     profile = trimkit.calibrate(llm, recalibrate=args.recalibrate)
     calib_s = time.perf_counter() - t0
-    print(f"profile: {os.path.basename(model_path)}, {'quick' if profile.quick else 'full'} calibration "
+    print(f"profile: {os.path.basename(model_path)}, {profile.mode} calibration "
           f"({'measured now' if calib_s > 2 else 'stored'}, {calib_s:.1f} s), held-out median {profile.error.median_pct:.1f} %, "
           f"p90 {profile.error.p90_pct:.1f} %, decode {profile.decode_tokens_per_s:.1f} tokens/s")
 
@@ -671,7 +671,7 @@ def main() -> int:
         "n_ctx": args.n_ctx,
         "max_tokens": args.max_tokens,
         "trimkit_version": getattr(trimkit, "__version__", "?"),
-        "profile": {"quick": profile.quick, "heldout": profile.error.to_dict(), "decode_tokens_per_s": profile.decode_tokens_per_s,
+        "profile": {"quick": (profile.mode != "full"), "heldout": profile.error.to_dict(), "decode_tokens_per_s": profile.decode_tokens_per_s,
                     "first_token_s": profile.first_token_s, "calibration_s_this_run": calib_s},
         "host": host,
         "wall_s": wall,

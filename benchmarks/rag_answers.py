@@ -544,7 +544,7 @@ def main() -> int:
     t0 = time.perf_counter()
     profile = trimkit.calibrate(llm, recalibrate=args.recalibrate)
     calib_s = time.perf_counter() - t0
-    print(f"model {label} ({os.path.basename(model_path)}); profile: {'quick' if profile.quick else 'full'} calibration "
+    print(f"model {label} ({os.path.basename(model_path)}); profile: {profile.mode} calibration "
           f"({'measured now' if calib_s > 2 else 'stored'}, {calib_s:.1f} s), held-out median {profile.error.median_pct:.1f} %, "
           f"decode {profile.decode_tokens_per_s:.1f} tokens/s; threads {llm.context_params.n_threads}/{llm.context_params.n_threads_batch} "
           f"(decode/prefill); load average {os.getloadavg()[0]:.2f}", flush=True)
@@ -692,7 +692,7 @@ def main() -> int:
         "set_shape": SET_SHAPE,
         "tool_call_turns_content": "None (as generated)" if tool_content is None else repr(tool_content),
         "trimkit_version": getattr(trimkit, "__version__", "?"),
-        "profile": {"quick": profile.quick, "heldout_median_pct": profile.error.median_pct, "decode_tokens_per_s": profile.decode_tokens_per_s,
+        "profile": {"quick": (profile.mode != "full"), "heldout_median_pct": profile.error.median_pct, "decode_tokens_per_s": profile.decode_tokens_per_s,
                     "calibration_s_this_run": calib_s},
         "host": {"cpu_count": os.cpu_count(), "load_average_end": list(os.getloadavg())},
         "wall_s": wall,

@@ -41,7 +41,7 @@ def make_profile(
     p90_pct: float = 5.0,
     drift: float = 1.0,
     key: ProfileKey | None = None,
-    quick: bool = False,
+    mode: str = "full",
 ) -> Profile:
     """A profile with finite, hand-chosen numbers (no NaN, so equality after a round trip holds)."""
     return Profile(
@@ -53,7 +53,7 @@ def make_profile(
         error=ErrorStats(median_pct=p90_pct / 2, p90_pct=p90_pct, max_pct=p90_pct * 2, n=7),
         alternatives={"design": {"model": model.to_dict()}},
         calibration_wall_s=1.5,
-        quick=quick,
+        mode=mode,
         created_at=1_700_000_000.0,
         drift=drift,
     )

@@ -194,9 +194,9 @@ def test_a_decode_speed_only_estimated_predicts_none(isolated_cache):
 
 def test_calibrate_profile_carries_the_backends_key_and_the_quick_flag(isolated_cache):
     backend = fake()
-    assert calibrate(backend, quick=True, store=False).key == backend.profile_key()
-    assert calibrate(backend, quick=True, store=False).quick is True
-    assert calibrate(backend, store=False).quick is False
+    assert calibrate(backend, mode="quick", store=False).key == backend.profile_key()
+    assert (calibrate(backend, mode="quick", store=False).mode != "full")
+    assert (calibrate(backend, store=False).mode == "full")
 
 
 def test_calibrate_times_itself_with_the_backends_clock(isolated_cache):
@@ -216,7 +216,7 @@ def test_an_injected_clock_replaces_the_backends(isolated_cache):
 
 
 def test_calibrate_in_the_smallest_context_works(isolated_cache):
-    profile = calibrate(fake(n_ctx=MIN_N_CTX), quick=True)
+    profile = calibrate(fake(n_ctx=MIN_N_CTX), mode="quick")
     assert profile.model.per_token_s == pytest.approx(FAKE_MODEL.per_token_s, rel=0.01)
 
 
@@ -265,18 +265,18 @@ def test_recalibrate_measures_again_and_replaces_the_stored_profile(isolated_cac
 
 
 def test_a_stored_quick_profile_does_not_satisfy_a_full_calibration(isolated_cache):
-    calibrate(fake(), quick=True)
+    calibrate(fake(), mode="quick")
     backend = fake()
     profile = calibrate(backend)
     assert backend.prefill_calls > 0
-    assert profile.quick is False
-    assert load_profile(backend.profile_key()).quick is False
+    assert (profile.mode == "full")
+    assert (load_profile(backend.profile_key()).mode == "full")
 
 
 def test_a_stored_full_profile_satisfies_a_quick_calibration(isolated_cache):
     full = calibrate(fake())
     backend = fake()
-    assert calibrate(backend, quick=True) == full
+    assert calibrate(backend, mode="quick") == full
     assert backend.events == []
 
 

@@ -295,13 +295,13 @@ def test_mode_for_budget_picks_the_most_thorough_mode_it_affords():
 
 def test_the_profile_records_its_mode_budget_and_probed_range():
     profile, _ = elapsed(HostFake(STEEP, n_ctx=8192), mode="quick", time_budget_s=7.5)
-    assert (profile.mode, profile.quick, profile.provisional, profile.time_budget_s) == ("quick", True, False, 7.5)
+    assert (profile.mode, (profile.mode != "full"), profile.provisional, profile.time_budget_s) == ("quick", True, False, 7.5)
     new, ctx = profile.probed_range()
     assert (new, ctx) == (profile.probed_new_tokens, profile.probed_context_tokens)
     assert new == max(s.new_tokens for s in profile.samples)
     assert ctx == max(s.new_tokens + s.cached_tokens for s in profile.samples)
     micro, _ = elapsed(HostFake(STEEP, n_ctx=8192), mode="micro")
-    assert micro.provisional and micro.quick and micro.time_budget_s == MICRO_BUDGET_S
+    assert micro.provisional and (micro.mode != "full") and micro.time_budget_s == MICRO_BUDGET_S
 
 
 def test_extrapolation_is_one_inside_the_probed_range_and_the_overshoot_beyond():
@@ -321,7 +321,7 @@ def test_a_profile_stored_before_these_fields_loads_with_them_derived():
     for name in ("mode", "probed_new_tokens", "probed_context_tokens", "time_budget_s", "first_token_estimated"):
         del data[name]
     old = Profile.from_dict(data)
-    assert old.mode == "quick" and old.quick and old.time_budget_s == 0.0 and not old.first_token_estimated
+    assert old.mode == "quick" and (old.mode != "full") and old.time_budget_s == 0.0 and not old.first_token_estimated
     assert old.probed_range() == profile.probed_range()
     data["quick"] = False
     assert Profile.from_dict(data).mode == "full"
@@ -351,13 +351,17 @@ def test_a_stored_profile_with_bad_new_fields_is_a_profile_error(edit, match):
         Profile.from_dict(data)
 
 
-def test_a_profile_refuses_a_mode_that_contradicts_quick():
+def test_a_profile_refuses_an_unknown_mode_and_a_stored_file_whose_mode_contradicts_quick():
     profile, _ = elapsed(HostFake(STEEP, n_ctx=8192), mode="quick")
-    with pytest.raises(InvalidInputError):
-        attrs.evolve(profile, mode="full")
     with pytest.raises(InvalidInputError):
         attrs.evolve(profile, mode="slow")
     assert attrs.evolve(profile, mode="micro").provisional
+    data = profile.to_dict()
+    assert data["quick"] is True and Profile.from_dict(data) == profile  # what older readers check
+    with pytest.raises(ProfileError, match="contradicts"):
+        Profile.from_dict({**data, "mode": "full"})
+    legacy = {k: v for k, v in data.items() if k != "mode"}  # a file from before ``mode``
+    assert Profile.from_dict(legacy).mode == "quick"
 
 
 # -- budgets, modes and stored profiles ----------------------------------------------------------
@@ -371,7 +375,7 @@ def test_a_bad_time_budget_is_a_typed_error_before_anything_runs(bad):
     assert backend.clock() == backend.started
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [({"mode": "fast"}, "mode"), ({"mode": "full", "quick": True}, "contradicts")])
+@pytest.mark.parametrize(("kwargs", "match"), [({"mode": "fast"}, "mode"), ({"mode": 3}, "mode")])
 def test_a_bad_mode_is_a_typed_error(kwargs, match):
     with pytest.raises(InvalidInputError, match=match):
         calibrate(HostFake(LINEAR), store=False, **kwargs)

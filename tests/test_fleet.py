@@ -77,7 +77,7 @@ class Hosts:
 
 @pytest.fixture
 def profile(isolated_cache):
-    return trimkit.calibrate(FakeBackend(), quick=True, store=False)
+    return trimkit.calibrate(FakeBackend(), mode="quick", store=False)
 
 
 @pytest.fixture
@@ -552,7 +552,7 @@ def test_identical_replicas_share_one_profile(hosts, isolated_cache):
     from trimkit._calibration import save_profile
     from trimkit.backends.http import OpenAIHTTPBackend
 
-    stored = trimkit.calibrate(FakeBackend(), quick=True, store=False)
+    stored = trimkit.calibrate(FakeBackend(), mode="quick", store=False)
     key_a = OpenAIHTTPBackend(A, model="fake-model", http_client=hosts.http()).profile_key()
     save_profile(attrs.evolve(stored, key=key_a))
     chat = trimkit.wrap_url([A, B], model="fake-model", http_client=hosts.http(), ttft_budget_s=2.0)

@@ -163,7 +163,7 @@ def test_n_ctx_is_what_the_llama_can_hold_not_what_llama_cpp_rounded_to(llm_300,
 def test_a_rounded_context_calibrates_and_serves(llm_300, isolated_cache):
     import trimkit
 
-    profile = trimkit.calibrate(llm_300, quick=True)
+    profile = trimkit.calibrate(llm_300, mode="quick")
     assert profile.key.n_ctx == 300
     assert max(s.new_tokens + s.cached_tokens for s in profile.samples) <= 300
     chat = trimkit.wrap(llm_300, profile=profile, summarizer=None)

@@ -68,7 +68,7 @@ class Recorder:
 def profile(llama_server):  # noqa: F811
     """One quick calibration against the endpoint, stored in the session's test cache."""
     client = openai.OpenAI(base_url=llama_server, api_key="x", max_retries=0)
-    p = trimkit.calibrate(client, quick=True)
+    p = trimkit.calibrate(client, mode="quick")
     client.close()
     return p
 
@@ -87,7 +87,7 @@ def chat(llama_server, profile, recorder):  # noqa: F811
 
 # -- calibration ------------------------------------------------------------------------------------
 def test_quick_calibration_against_the_endpoint_is_stored_with_a_positive_cost(profile, llama_server):  # noqa: F811
-    assert profile.quick and profile.model.per_token_s > 0
+    assert (profile.mode != "full") and profile.model.per_token_s > 0
     assert profile.key.backend == "openai_http" and profile.key.model.startswith(llama_server + "|")
     assert trimkit.load_profile(profile.key) == profile
     # wrapping the same endpoint without a profile reuses the stored one instead of measuring again
@@ -398,7 +398,7 @@ def fake_server():
 def fake_profile(isolated_cache):
     from trimkit.testing import FakeBackend
 
-    return trimkit.calibrate(FakeBackend(), quick=True, store=False)
+    return trimkit.calibrate(FakeBackend(), mode="quick", store=False)
 
 
 def fake_http(server):

@@ -72,7 +72,7 @@ def test_every_key_field_changes_the_digest():
 
 
 def test_save_then_load_returns_an_equal_profile(isolated_cache):
-    profile = make_profile(drift=1.25, quick=True)
+    profile = make_profile(drift=1.25, mode="quick")
     path = save_profile(profile)
     assert path == profile_path(profile.key)
     loaded = load_profile(profile.key)
@@ -627,7 +627,7 @@ def test_a_corrupt_profile_is_recalibrated_with_one_warning_and_overwritten(isol
     bad["error"]["p90_pct"] = "high"
     path.write_text(json.dumps(bad))
     with caplog.at_level(logging.WARNING, logger="trimkit"):
-        profile = calibrate(backend, quick=True)
+        profile = calibrate(backend, mode="quick")
     assert isinstance(profile.error.p90_pct, float) and profile.safety_margin > 0
     warnings = _warnings(caplog)
     assert len(warnings) == 1 and str(path) in warnings[0].getMessage() and "error.p90_pct" in warnings[0].getMessage()
@@ -713,7 +713,7 @@ def test_calibrate_and_wrap_survive_an_unwritable_cache(tmp_path, monkeypatch, c
     with caplog.at_level(logging.WARNING, logger="trimkit"):
         chat = trimkit.wrap(backend, ttft_budget_s=2.0)  # calibrates quickly: nothing stored
         assert chat.profile.model.prefill_s(100) > 0
-        profile = calibrate(FakeBackend(TRUE_MODEL), quick=True)
+        profile = calibrate(FakeBackend(TRUE_MODEL), mode="quick")
         assert profile.model.prefill_s(100) > 0
     assert len([w for w in _warnings(caplog) if "kept in memory" in w.getMessage()]) == 1
 

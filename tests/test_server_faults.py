@@ -641,7 +641,7 @@ def test_a_tokenizer_that_does_not_count_the_text_stops_calibration(server, coun
         with pytest.raises(error, match=match):
             backend.measure_prefill(512)
         with pytest.raises(error):
-            trimkit.calibrate(backend, quick=True, store=False)
+            trimkit.calibrate(backend, mode="quick", store=False)
     finally:
         backend.close()
     assert server.largest_body < MAX_PROBE_TEXT_BYTES + 4096

@@ -272,7 +272,7 @@ def test_later_turns_keep_the_previous_cut_to_reuse_the_cache(fake):
 
 
 def test_safety_margin_is_read_from_the_speed_estimate(fake):
-    profile = trimkit.calibrate(fake, quick=True)
+    profile = trimkit.calibrate(fake, mode="quick")
     t = Trimmer(fake, ttft_budget_s=1.0, profile=profile, clock=fake.clock)
     assert isinstance(t.safety_margin, float)
     for i in range(30):
@@ -309,7 +309,7 @@ def test_a_second_wrap_of_the_same_engine_starts_from_what_the_first_learned(fak
 
 def test_with_a_budget_a_prompt_over_the_context_window_is_trimmed_to_fit(isolated_cache):
     fake = FakeBackend(CostModel(overhead_s=0.01, per_token_s=0.002, depth_s=1e-7), clock=FakeClock(), n_ctx=1024)
-    profile = trimkit.calibrate(fake, quick=True)
+    profile = trimkit.calibrate(fake, mode="quick")
     t = Trimmer(fake, ttft_budget_s=1e3, profile=profile, clock=fake.clock)  # the budget alone would keep everything
     convo = conversation(20, 60)
     assert len(fake.tokenizer.prompt_tokens(convo)) > 1024
@@ -319,7 +319,7 @@ def test_with_a_budget_a_prompt_over_the_context_window_is_trimmed_to_fit(isolat
 
 
 def test_summaries_are_on_by_default_and_can_be_turned_off(fake):
-    profile = trimkit.calibrate(fake, quick=True)
+    profile = trimkit.calibrate(fake, mode="quick")
     assert isinstance(Trimmer(fake, profile=profile).summarizer, trimkit.planning.summaries.ExtractiveSummarizer)
     assert Trimmer(fake, profile=profile, summarizer=None).summarizer is None
     with pytest.raises(InvalidInputError):
@@ -343,7 +343,7 @@ def test_a_template_that_drops_a_message_is_named_in_the_report(trimmer):
 
 
 def test_values_are_validated_and_used(fake):
-    profile = trimkit.calibrate(fake, quick=True)
+    profile = trimkit.calibrate(fake, mode="quick")
     with pytest.raises(InvalidInputError):
         Trimmer(fake, profile=profile, values={"history_weight": 1})
     chunks = [trimkit.Chunk(text=text(120, i), id=f"c{i}", score=1.0 - i / 10) for i in range(4)]

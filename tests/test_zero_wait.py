@@ -39,7 +39,7 @@ def ask(t: Trimmer, words: int, seed: int = 0, chunks=None, budget=None) -> Repo
 
 
 def provisional(profile):
-    return attrs.evolve(profile, mode="micro", quick=True)
+    return attrs.evolve(profile, mode="micro")
 
 
 # -- wrap() without a profile -------------------------------------------------------------------------
@@ -155,7 +155,7 @@ def micro_guess() -> tuple:
     ``TRUE`` timed 15-20 % off, and the model fitted on them."""
     noisy = [PrefillSample(n, 0, TRUE.prefill_s(n, 0) * f) for n, f in ((32, 1.15), (64, 0.85), (128, 1.2), (256, 0.8))]
     model = fit_cost_model(noisy, n_batch=512)
-    profile = attrs.evolve(make_profile(model=model, samples=noisy, first_token_s=0.02, p90_pct=15.0), mode="micro", quick=True,
+    profile = attrs.evolve(make_profile(model=model, samples=noisy, first_token_s=0.02, p90_pct=15.0), mode="micro",
                            probed_new_tokens=256, probed_context_tokens=256)
     return profile
 
@@ -179,7 +179,7 @@ def test_every_profile_refits_from_its_first_requests_unless_told_to_wait():
     """By default a profile refits on each measured request (a shape its calibration got wrong is
     corrected at once); ``refit_every`` spaces the refits."""
     guess = micro_guess()
-    full = attrs.evolve(guess, mode="full", quick=False)
+    full = attrs.evolve(guess, mode="full")
     fast, default, slow = LiveProfile(guess), LiveProfile(full), LiveProfile(full, refit_every=16)
     for n in (700, 1100, 500):
         for live in (fast, default, slow):

@@ -741,15 +741,10 @@ def as_backend(target: Any) -> Backend:
     )
 
 
-def _mode_name(quick: bool, mode: str | None, time_budget_s: float | None) -> str:
-    """``mode`` if given; else quick's; else, with a budget, the most thorough mode it affords."""
+def _mode_name(mode: str | None, time_budget_s: float | None) -> str:
+    """``mode`` if given; else, with a budget, the most thorough mode it affords; else ``full``."""
     if mode is not None:
-        name = get_mode(mode).name
-        if quick and name == "full":
-            raise InvalidInputError("quick=True contradicts mode='full'")
-        return name
-    if quick:
-        return "quick"
+        return get_mode(mode).name
     return mode_for_budget(time_budget_s) if time_budget_s is not None else "full"
 
 
@@ -761,7 +756,6 @@ def _satisfies(stored: Profile, mode: str) -> bool:
 def calibrate(
     target: Any,
     *,
-    quick: bool = False,
     mode: str | None = None,
     time_budget_s: float | None = None,
     recalibrate: bool = False,
@@ -774,8 +768,8 @@ def calibrate(
 
     ``target`` is the ``llama_cpp.Llama`` you already use (or a trimkit backend / OpenAI-style
     client). ``mode``: ``"micro"`` (3 s, a provisional profile), ``"quick"`` (10 s) or
-    ``"full"`` (30 s); default ``quick`` when ``quick``, else the most thorough mode
-    ``time_budget_s`` affords, else ``full``. ``time_budget_s`` replaces the mode's budget: the
+    ``"full"`` (30 s); default the most thorough mode ``time_budget_s`` affords, else
+    ``full``. ``time_budget_s`` replaces the mode's budget: the
     whole call — warm-up, probes, decode (and its points at two contexts), first-token
     overhead — ends within it on any host
     (the minimum of 3 probes excepted, with a warning, on a host too slow for even that).
@@ -788,7 +782,7 @@ def calibrate(
     """
     backend = as_backend(target)
     budget_s = None if time_budget_s is None else budget(time_budget_s, "time_budget_s")
-    name = _mode_name(quick, mode, budget_s)
+    name = _mode_name(mode, budget_s)
     budget_s = get_mode(name).budget_s if budget_s is None else budget_s
     context_cap(backend.n_ctx)  # ContextTooSmallError before anything is measured
     key = backend.profile_key()
@@ -818,7 +812,6 @@ def calibrate(
         error=err,
         alternatives=alternatives,
         calibration_wall_s=run.wall_s,
-        quick=name != "full",
         created_at=time.time(),
         residuals=tuple(heldout),  # seeds the learned safety margin (trimkit.planning.speed)
         mode=name,

@@ -210,7 +210,7 @@ def _plan_profile(args: argparse.Namespace, backend: Backend) -> tuple[Profile, 
         return stored, f"the stored {stored.mode} calibration profile"
     print("trimkit: no stored calibration profile for this model and settings: calibrating quickly (stored for next time)…",
           file=sys.stderr)
-    return calibrate(backend, quick=True), "a quick calibration measured now (no stored profile)"
+    return calibrate(backend, mode="quick"), "a quick calibration measured now (no stored profile)"
 
 
 def _index_ranges(indices: Sequence[int]) -> str:

@@ -569,15 +569,14 @@ class Profile:
     error: ErrorStats
     alternatives: Mapping[str, Any] = attrs.field(factory=dict, repr=False)
     calibration_wall_s: float = attrs.field(default=0.0, converter=real_float)
-    quick: bool = attrs.field(default=False, converter=bool)  # a stored file must hold a real bool (from_dict)
     created_at: float = attrs.field(default=0.0, converter=real_float)
     drift: float = 1.0
     #: calibration's held-out residuals: (predicted, measured) prefill seconds per calibration
     #: sample, each predicted by a fit without its probe; they seed the learned safety margin
     #: (:mod:`trimkit.planning.speed`). Empty for profiles stored before they were kept.
     residuals: tuple[tuple[float, float], ...] = attrs.field(default=(), converter=_pairs, repr=False)
-    #: how it was calibrated: "micro" (provisional), "quick" or "full" (default: from ``quick``)
-    mode: str = attrs.field(default=attrs.Factory(lambda self: "quick" if self.quick else "full", takes_self=True))
+    #: how it was calibrated: "micro" (provisional), "quick" or "full"
+    mode: str = "full"
     #: the most new tokens of any sample, and the deepest context (new + cached) of any sample;
     #: read off the samples by default (0 = unknown: :meth:`probed_range` reads the samples)
     probed_new_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[0], takes_self=True))
@@ -618,8 +617,6 @@ class Profile:
         positive_finite(self.drift, "drift")
         if not isinstance(self.mode, str) or self.mode not in CALIBRATION_MODES:
             raise InvalidInputError(f"mode must be one of {', '.join(CALIBRATION_MODES)}, got {self.mode!r}")
-        if self.quick != (self.mode != "full"):
-            raise InvalidInputError(f"quick={self.quick} contradicts mode={self.mode!r} (quick is True for micro and quick profiles)")
         count(self.probed_new_tokens, "probed_new_tokens")
         count(self.probed_context_tokens, "probed_context_tokens")
         non_negative_finite(self.time_budget_s, "time_budget_s")
@@ -746,7 +743,7 @@ class Profile:
             "error": self.error.to_dict(),
             "alternatives": dict(self.alternatives),
             "calibration_wall_s": self.calibration_wall_s,
-            "quick": self.quick,
+            "quick": self.mode != "full",  # what files before ``mode`` said (older readers check it)
             "created_at": self.created_at,
             "drift": self.drift,
             "residuals": [list(pair) for pair in self.residuals],
@@ -796,7 +793,7 @@ def _structure(data: Any) -> Profile:
     alternatives = data.get("alternatives", {})
     if not isinstance(alternatives, dict):
         raise ProfileError(f"alternatives must be a JSON object, got {type(alternatives).__name__}")
-    quick = json_bool(data.get("quick", False), "quick")
+    quick = json_bool(data.get("quick", False), "quick")  # files before ``mode``: quick or full
     # fields added after schema 1 was released: a file without them loads with their defaults
     # (values are checked by Profile itself: checked() makes its errors ProfileErrors)
     extra: dict[str, Any] = {}
@@ -807,6 +804,9 @@ def _structure(data: Any) -> Profile:
                        ("first_token_per_token_s", lambda v, w: json_number(v, w, non_negative_finite))):
         if name in data:
             extra[name] = read(data[name], name)
+    extra.setdefault("mode", "quick" if quick else "full")
+    if (extra["mode"] != "full") != quick and "quick" in data:
+        raise ProfileError(f"quick={quick} contradicts mode={extra['mode']!r} (quick is True for micro and quick profiles)")
     return checked(
         Profile,
         "profile",
@@ -818,7 +818,6 @@ def _structure(data: Any) -> Profile:
         error=read_error(json_field(data, "error")),
         alternatives=alternatives,
         calibration_wall_s=json_number(data.get("calibration_wall_s", 0.0), "calibration_wall_s", non_negative_finite),
-        quick=quick,
         created_at=json_number(data.get("created_at", 0.0), "created_at", must_be_finite),
         drift=json_number(data.get("drift", 1.0), "drift", positive_finite),
         residuals=read_residuals(data.get("residuals", [])),
