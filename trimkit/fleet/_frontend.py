@@ -8,18 +8,20 @@ attempt up to its first token, where a failure still moves the request to anothe
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
 from trimkit._report import Report
 from trimkit._validation import budget as valid_budget
+from trimkit.backends.base import Measurement
 from trimkit.backends.routing import NOT_GIVEN
 from trimkit.errors import TrimkitError
 from trimkit.fleet._endpoint import (
@@ -33,9 +35,9 @@ from trimkit.fleet._endpoint import (
     is_endpoint_failure,
     is_overload,
 )
-from trimkit.frontend import AsyncReportingStream, ReportingOpenAIStream, StreamReporter, send_params
+from trimkit.frontend import Io, Steps, StreamReporter, run_async, run_sync
 from trimkit.messages import coerce_chunks, validate_messages
-from trimkit.openai_wrapper import CallDeadlines, call_arguments, call_options, call_routing_key
+from trimkit.openai_wrapper import CallDeadlines, Send, call_arguments, call_options, call_routing_key
 from trimkit.planning.queue import check_on_busy
 from trimkit.prepared import Prepared, place_chunks
 
@@ -45,18 +47,6 @@ log = logging.getLogger("trimkit")
 MIN_ATTEMPT_S = 1.0
 #: after a failover the plan's budget is what is left of it, but never under this share of it
 MIN_REPLAN_SHARE = 0.1
-
-
-class Fleet(Protocol):
-    """What a call needs of its fleet (:class:`trimkit.fleet.FleetFrontEnd` and its async twin)."""
-
-    endpoints: Sequence[FleetEndpoint]
-    ttft_budget_s: float | None
-    clock: Callable[[], float]
-    deadlines: Any  # a trimkit.openai_wrapper.CallDeadlines
-    routing_lock: threading.Lock
-
-    def in_rotation(self, *, exclude: Collection[str] = ()) -> list[FleetEndpoint]: ...
 
 
 @attrs.define
@@ -83,7 +73,7 @@ class FleetCall:
     (:meth:`route`) and, after each endpoint failure before the first token, routed again
     (:meth:`failed`)."""
 
-    def __init__(self, fleet: Fleet, messages: Any, rag_chunks: Any, budget: float | None, params: Mapping[str, Any], *,
+    def __init__(self, fleet: FleetBase, messages: Any, rag_chunks: Any, budget: float | None, params: Mapping[str, Any], *,
                  on_busy: str | None = None, routing_key: Any = NOT_GIVEN) -> None:
         validate_messages(messages)
         #: the call's routing key as given (validated by :func:`~trimkit.openai_wrapper.call_routing_key`);
@@ -375,13 +365,13 @@ class _Completions:
 
     def create(self, **kwargs: Any) -> Any:
         """Like ``client.chat.completions.create``, routed to the best endpoint, inside the TTFT budget."""
-        return self._owner._create(kwargs)
+        return run_sync(self._owner.call_steps(kwargs))
 
 
 class _AsyncCompletions(_Completions):
     async def create(self, **kwargs: Any) -> Any:  # type: ignore[override]
         """Like ``await client.chat.completions.create``, routed to the best endpoint, inside the TTFT budget."""
-        return await self._owner._create(kwargs)
+        return await run_async(self._owner.call_steps(kwargs))
 
 
 class _Chat:
@@ -476,16 +466,54 @@ class FleetBase:
             if ep.pipeline is not None:
                 ep.pipeline.idle(timeout_s)
 
-    def _create(self, kwargs: dict[str, Any]) -> Any:
-        raise NotImplementedError
+    def call_steps(self, kwargs: dict[str, Any]) -> Steps:
+        """A ``create()`` call, sync or async: routed (:class:`FleetCall`), then sent through the
+        endpoint's send path (:class:`FleetSend`); a failure before the first token routes it
+        again."""
+        messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
+        call = FleetCall(self, messages, rag_chunks, budget, params, routing_key=call_routing_key(kwargs), **call_options(kwargs))
+        while True:
+            route = yield Io(call.route, functools.partial(_routed, call))
+            send = FleetSend(self, call, route, params, stream)
+            try:
+                out = yield from send.reply(route.prepared)
+            except TrimkitError as exc:  # before the first token: the next endpoint, if it was this one's fault
+                call.failed(route.endpoint, exc, route)
+                continue
+            return (yield from send.completion(out))
 
-    def _answered_whole(self, route: Route, prepared: Any, m: Any, params: Mapping[str, Any]) -> None:
-        """A request sent whole (``n > 1``) was answered: it leaves the queue; its report."""
-        ep = route.endpoint
-        ep.sent(route.key, prepared.prompt_tokens)
-        route.release()
-        self.record(ep.pipeline.finish(prepared, m, params))
-        ep.observe(params, m)
+
+class FleetSend(Send):
+    """One attempt of a fleet's call, on the endpoint it was routed to: that endpoint's send
+    path (:class:`~trimkit.openai_wrapper.Send`) with the attempt's deadline, the request's
+    place in the endpoint's queue, and its stream read up to the first token (:class:`FleetStream`)."""
+
+    def __init__(self, fleet: FleetBase, call: FleetCall, route: Route, params: Mapping[str, Any], stream: bool) -> None:
+        super().__init__(route.endpoint.front, params, stream, call.headers_for(route.endpoint))
+        self.fleet, self.call, self.route = fleet, call, route
+
+    def stream_args(self, prepared: Prepared) -> dict[str, Any]:
+        deadline = self.call.attempt_deadline_s(self.route)
+        return {"prompt_tokens": prepared.prompt_tokens, "retry_deadline_s": deadline, "deadline_s": deadline}
+
+    def answered(self, prepared: Prepared, m: Measurement) -> None:
+        """Sent whole (``n > 1``) and answered: it leaves the queue; its report."""
+        ep = self.route.endpoint
+        ep.sent(self.route.key, prepared.prompt_tokens)
+        self.route.release()
+        self.fleet.record(ep.pipeline.finish(prepared, m, self.params))
+        ep.observe(self.params, m)
+
+    def went_out(self, prepared: Prepared) -> None:
+        self.route.endpoint.sent(self.route.key, prepared.prompt_tokens)
+
+    def failed(self) -> None:
+        self.route.release(failed=True)
+
+    def reading(self, rs: StreamReporter) -> Steps:
+        fs = (AsyncFleetStream if self.front.is_async else FleetStream)(self.fleet, self.route, rs)
+        yield Io(fs.open, fs.open)
+        return fs
 
 
 class FleetFrontEnd(FleetBase):
@@ -493,44 +521,6 @@ class FleetFrontEnd(FleetBase):
     module). Returns what one endpoint's wrapper returns: a ``ChatCompletion`` (a dict for
     URLs), or with ``stream=True`` a :class:`FleetStream`. ``close()`` / ``with`` close every
     endpoint (and the clients wrapped)."""
-
-    def _create(self, kwargs: dict[str, Any]) -> Any:
-        messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        call = FleetCall(self, messages, rag_chunks, budget, params, routing_key=call_routing_key(kwargs), **call_options(kwargs))
-        while True:
-            route = call.route()
-            try:
-                sent = self._send(call, route, params, stream)
-            except TrimkitError as exc:  # before the first token: the next endpoint, if it was this one's fault
-                call.failed(route.endpoint, exc, route)
-                continue
-            if not isinstance(sent, FleetStream) or stream:
-                return sent
-            for _ in sent:
-                pass
-            return route.endpoint.front.assemble(sent.inner)
-
-    def _send(self, call: FleetCall, route: Route, params: Mapping[str, Any], stream: bool) -> Any:
-        """Send one attempt and read it up to its first token."""
-        ep = route.endpoint
-        unstreamed = ep.front.unstreamed(route.prepared, params, stream)
-        try:
-            if unstreamed is not None:
-                prepared, args = unstreamed
-                response, m = ep.backend.complete(prepared.messages, send_params(params), headers=call.headers_for(ep), **args)
-                self._answered_whole(route, prepared, m, params)
-                return response
-            prepared = ep.pipeline.sent(route.prepared)
-            deadline = call.attempt_deadline_s(route)
-            ts = ep.backend.send(prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens, retry_deadline_s=deadline,
-                                 deadline_s=deadline, headers=call.headers_for(ep))
-            ep.sent(route.key, prepared.prompt_tokens)
-        except BaseException:
-            route.release(failed=True)
-            raise
-        fs = FleetStream(self, route, ReportingOpenAIStream(ts, ep.pipeline, prepared, params))
-        fs.open()
-        return fs
 
     def close(self) -> None:
         for ep in self.endpoints:
@@ -567,43 +557,6 @@ class AsyncFleetFrontEnd(FleetBase):
     event loop. Build it before the loop starts or through ``asyncio.to_thread`` (it may calibrate)."""
 
     is_async = True
-
-    async def _create(self, kwargs: dict[str, Any]) -> Any:  # type: ignore[override]
-        messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        call = FleetCall(self, messages, rag_chunks, budget, params, routing_key=call_routing_key(kwargs), **call_options(kwargs))
-        while True:
-            route = await _routed(call)
-            try:
-                sent = await self._send(call, route, params, stream)
-            except TrimkitError as exc:
-                call.failed(route.endpoint, exc, route)
-                continue
-            if not isinstance(sent, AsyncFleetStream) or stream:
-                return sent
-            async for _ in sent:
-                pass
-            return route.endpoint.front.assemble(sent.inner)
-
-    async def _send(self, call: FleetCall, route: Route, params: Mapping[str, Any], stream: bool) -> Any:
-        ep = route.endpoint
-        unstreamed = ep.front.unstreamed(route.prepared, params, stream)
-        try:
-            if unstreamed is not None:
-                prepared, args = unstreamed
-                response, m = await ep.backend.acomplete(prepared.messages, send_params(params), headers=call.headers_for(ep), **args)
-                self._answered_whole(route, prepared, m, params)
-                return response
-            prepared = ep.pipeline.sent(route.prepared)
-            deadline = call.attempt_deadline_s(route)
-            ts = await ep.backend.asend(prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens,
-                                        retry_deadline_s=deadline, deadline_s=deadline, headers=call.headers_for(ep))
-            ep.sent(route.key, prepared.prompt_tokens)
-        except BaseException:
-            route.release(failed=True)
-            raise
-        fs = AsyncFleetStream(self, route, AsyncReportingStream(ts, ep.pipeline, prepared, params))
-        await fs.open()
-        return fs
 
     async def close(self) -> None:
         for ep in self.endpoints:
