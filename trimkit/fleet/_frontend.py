@@ -1,8 +1,9 @@
 """The front-ends of a fleet (:mod:`trimkit.fleet`): :class:`FleetFrontEnd` (sync) and
 :class:`AsyncFleetFrontEnd`, and the streams their calls return (:class:`FleetStream`,
 :class:`AsyncFleetStream`). Routing and failover decisions are :class:`FleetCall`'s;
-these only send — through the chosen endpoint's backend, reported by its pipeline — and read each
-attempt up to its first token, where a failure still moves the request to another endpoint.
+each attempt goes out by the endpoint's own send path (:class:`FleetSend`, a
+:class:`~trimkit.openai_wrapper.Send`), reported by its pipeline, and is read up to its first
+token, where a failure still moves the request to another endpoint.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from trimkit.frontend import Io, Steps, StreamReporter, run_async, run_sync
 from trimkit.messages import coerce_chunks, validate_messages
 from trimkit.openai_wrapper import CallDeadlines, Send, call_arguments, call_options, call_routing_key
 from trimkit.planning.queue import check_on_busy
-from trimkit.prepared import Prepared, place_chunks
+from trimkit.prepared import Prepared
 
 log = logging.getLogger("trimkit")
 
@@ -82,7 +83,9 @@ class FleetCall:
         self.on_busy = None if on_busy is None else check_on_busy(on_busy)
         self.chunks = coerce_chunks(rag_chunks)
         self.fleet = fleet
-        self.messages, self.rag_chunks, self.params = messages, rag_chunks, params
+        self.messages, self.params = messages, params
+        #: the prompt as given, counted for routing: (the tokenizer's name, its tokens); None until counted
+        self.counted: tuple[str, list[int]] | None = None
         self.budget = fleet.ttft_budget_s if budget is None else valid_budget(budget)
         self.clock = fleet.clock
         self.start = self.clock()
@@ -126,13 +129,15 @@ class FleetCall:
         Endpoints that fail while this is decided are taken out and the next is tried."""
         while True:
             candidates = self._candidates()
-            counter = min(candidates, key=lambda ep: (ep.in_flight, self.fleet.endpoints.index(ep)))
-            asked = self.clock()
-            try:
-                tokens = self._untrimmed_tokens(counter)
-            except TrimkitError as exc:
-                self.failed(counter, exc, since=asked, ahead=counter.in_flight)
-                continue
+            if self.counted is None:  # counted once, by the endpoint with fewest in flight, for every route of this call
+                counter = min(candidates, key=lambda ep: (ep.in_flight, self.fleet.endpoints.index(ep)))
+                asked = self.clock()
+                try:
+                    self.counted = (counter.backend.tokenizer.name, counter.pipeline.untrimmed_tokens(self.messages, self.chunks, self.params))
+                except TrimkitError as exc:
+                    self.failed(counter, exc, since=asked, ahead=counter.in_flight)
+                    continue
+            tokens = self.counted[1]
             with self.fleet.routing_lock:
                 now = self.clock()
                 budget_left = self.budget_left_s() if self.budget is not None else None
@@ -158,17 +163,13 @@ class FleetCall:
             raise self.unavailable("no endpoint of the fleet is in rotation" if not self._overloaded else "every endpoint was too busy")
         return up
 
-    def _untrimmed_tokens(self, ep: FleetEndpoint) -> list[int]:
-        """The prompt as the caller gave it (chunks placed as the pipeline places them), counted by ``ep``."""
-        pipeline = ep.pipeline
-        as_is = place_chunks(self.messages, self.chunks, pipeline.rag_template, pipeline.rag_chunk_template) if self.chunks else self.messages
-        return ep.backend.tokenizer.prompt_tokens(as_is, self.params.get("tools"))
-
     def _prepare(self, cost: RouteCost) -> Prepared:
         ep = cost.endpoint
         plan_budget = self.budget_left_s()
-        prepared = ep.pipeline.prepare(self.messages, self.rag_chunks, self.params, ttft_budget_s=plan_budget, queue_wait_s=cost.wait_s,
-                                       on_busy=self.on_busy)
+        name, tokens = self.counted or ("", None)
+        untrimmed = tokens if ep.backend.tokenizer.name == name else None  # counted by the same tokenizer: not again
+        prepared = ep.pipeline.prepare(self.messages, self.chunks, self.params, ttft_budget_s=plan_budget, queue_wait_s=cost.wait_s,
+                                       on_busy=self.on_busy, untrimmed=untrimmed)
         for label, error in self.attempts:
             prepared = prepared.with_warning(
                 f"failover: {label} failed before the first token ({error}); re-planned on {ep.label}"
