@@ -68,6 +68,7 @@ __all__ = [
     "AsyncTrimmedOpenAI",
     "OpenAIFrontEnd",
     "Send",
+    "ClientChat",
     "ReportingOpenAIStream",
     "AsyncReportingStream",
     "wrap_openai",
@@ -296,11 +297,12 @@ def _model_note(asked: str | None, m: Measurement) -> tuple[str, ...]:
 
 class _ClientPart:
     """A part of the wrapper's drop-in client (``.chat``, ``.chat.completions``): what trimkit
-    does not define is the wrapped client's own."""
+    does not define is the wrapped client's own. ``owner``: an :class:`OpenAIFrontEnd` or a fleet
+    (:mod:`trimkit.fleet`), whose ``call_steps`` a call runs."""
 
     _path: tuple[str, ...] = ()
 
-    def __init__(self, owner: OpenAIFrontEnd) -> None:
+    def __init__(self, owner: Any) -> None:
         self._owner = owner
 
     def __getattr__(self, name: str) -> Any:
@@ -325,12 +327,14 @@ class _AsyncCompletions(_ClientPart):
         return await run_async(self._owner.call_steps(kwargs))
 
 
-class _Chat(_ClientPart):
+class ClientChat(_ClientPart):
+    """``.chat`` of a wrapper or a fleet: ``.completions.create`` runs the owner's calls."""
+
     _path = ("chat",)
 
-    def __init__(self, owner: OpenAIFrontEnd, completions: _ClientPart) -> None:
+    def __init__(self, owner: Any) -> None:
         super().__init__(owner)
-        self.completions = completions
+        self.completions = _AsyncCompletions(owner) if owner.is_async else _Completions(owner)
 
 
 class OpenAIFrontEnd(FrontEnd):
@@ -396,7 +400,7 @@ class OpenAIFrontEnd(FrontEnd):
             raise
         if own_backend:
             self.bound_side_requests()
-        self.chat = _Chat(self, _AsyncCompletions(self) if self.is_async else _Completions(self))
+        self.chat = ClientChat(self)
 
     # -- drop-in ------------------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:  # everything else is the client's

@@ -36,9 +36,9 @@ from trimkit.fleet._endpoint import (
     is_endpoint_failure,
     is_overload,
 )
-from trimkit.frontend import Io, Steps, StreamReporter, run_async, run_sync
+from trimkit.frontend import Io, Steps, StreamReporter
 from trimkit.messages import coerce_chunks, validate_messages
-from trimkit.openai_wrapper import CallDeadlines, Send, call_arguments, call_options, call_routing_key
+from trimkit.openai_wrapper import CallDeadlines, ClientChat, Send, call_arguments, call_options, call_routing_key
 from trimkit.planning.queue import check_on_busy
 from trimkit.prepared import Prepared
 
@@ -360,26 +360,6 @@ class AsyncFleetStream(_FleetStreamBase):
 
 
 # -- the front-ends ---------------------------------------------------------------------------------
-class _Completions:
-    def __init__(self, owner: FleetBase) -> None:
-        self._owner = owner
-
-    def create(self, **kwargs: Any) -> Any:
-        """Like ``client.chat.completions.create``, routed to the best endpoint, inside the TTFT budget."""
-        return run_sync(self._owner.call_steps(kwargs))
-
-
-class _AsyncCompletions(_Completions):
-    async def create(self, **kwargs: Any) -> Any:  # type: ignore[override]
-        """Like ``await client.chat.completions.create``, routed to the best endpoint, inside the TTFT budget."""
-        return await run_async(self._owner.call_steps(kwargs))
-
-
-class _Chat:
-    def __init__(self, owner: FleetBase) -> None:
-        self.completions = _AsyncCompletions(owner) if owner.is_async else _Completions(owner)
-
-
 class FleetBase:
     """What the sync and async fleet front-ends share: the endpoints, the default budget, the
     reports, and which endpoints are in rotation. Build one with :func:`wrap_fleet`."""
@@ -400,10 +380,13 @@ class FleetBase:
         self.max_reports = 256
         self._last_report: Report | None = None
         self._lock = threading.Lock()
-        self.chat = _Chat(self)
+        self.chat = ClientChat(self)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({list(self.endpoints)})"
+
+    def _client_part(self, *path: str) -> Any:
+        raise AttributeError(f"{'.'.join(path)}: a fleet has no client of its own")
 
     @property
     def ttft_budget_s(self) -> float | None:
