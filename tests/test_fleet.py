@@ -266,6 +266,21 @@ def test_a_stream_dying_before_its_first_token_moves_to_the_next_endpoint(hosts,
     assert not chat.endpoints[0].is_up and chat.endpoints[0].in_flight == 0
 
 
+def test_a_call_counts_its_prompt_once_for_routing_and_planning_even_after_a_failover(hosts, profile, monkeypatch):
+    """The prompt as given is counted once, for routing, and handed to the pipeline that plans it
+    (no second render and tokenize request): after a failover too."""
+    chat = fleet_of(hosts, profile)
+    counted = []
+    tokenizer = type(chat.endpoints[0].backend.tokenizer)  # every endpoint's (the server's /tokenize)
+    count = tokenizer.prompt_tokens
+    monkeypatch.setattr(tokenizer, "prompt_tokens", lambda self, messages, tools=None: counted.append(list(messages)) or count(self, messages, tools))
+    hosts.chat_fault["a"] = breaking(events(chunk({"role": "assistant"})))
+    messages = ask("lighthouse")
+    chat.chat.completions.create(messages=messages, max_tokens=4)
+    assert chat.last_report.endpoint == B and any("StreamInterruptedError" in w for w in chat.last_report.warnings)
+    assert counted.count(messages) == 1
+
+
 def test_a_stream_dying_after_its_first_token_raises_with_its_report(hosts, profile):
     chat = fleet_of(hosts, profile)
     hosts.chat_fault["a"] = breaking(events(chunk({"role": "assistant"}), chunk({"content": "Hi"})))

@@ -12,13 +12,16 @@ the stream ends (``.report``) — or attaches one to the error that ended it. On
 engine it also keeps the request's place in the engine's queue up to date
 (:mod:`trimkit.planning.queue`): the first token, and the end — finished, failed, closed or
 garbage-collected.
+
+A call's send path is written once for sync and async front-ends: a generator that yields each
+I/O step (:class:`Io`), which :func:`run_sync` calls and :func:`run_async` awaits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -38,6 +41,10 @@ __all__ = [
     "AsyncReportingStream",
     "send_params",
     "usage_counts",
+    "Io",
+    "Steps",
+    "run_sync",
+    "run_async",
 ]
 
 
@@ -50,6 +57,58 @@ def send_params(params: Mapping[str, Any]) -> dict[str, Any]:
 def usage_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     """A response's ``usage`` from trimkit's counts."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Io:
+    """One I/O step of a send path: ``sync(*args, **kwargs)`` on a sync front-end,
+    ``await asyn(*args, **kwargs)`` on an async one."""
+
+    def __init__(self, sync: Callable[..., Any], asyn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
+        self.sync, self.asyn, self.args, self.kwargs = sync, asyn, args, kwargs
+
+
+#: a send path: yields its I/O steps, is sent each one's result (or thrown its error), returns the call's
+Steps = Generator[Io, Any, Any]
+
+
+def run_sync(steps: Steps) -> Any:
+    """Run a send path with sync I/O: what it returns (what it raises)."""
+    resume, value = steps.send, None
+    while True:
+        try:
+            io = resume(value)
+        except StopIteration as done:
+            return done.value
+        try:
+            resume, value = steps.send, io.sync(*io.args, **io.kwargs)
+        except BaseException as exc:
+            resume, value = steps.throw, exc
+
+
+async def run_async(steps: Steps) -> Any:
+    """:func:`run_sync` with async I/O."""
+    resume, value = steps.send, None
+    while True:
+        try:
+            io = resume(value)
+        except StopIteration as done:
+            return done.value
+        try:
+            resume, value = steps.send, await io.asyn(*io.args, **io.kwargs)
+        except BaseException as exc:
+            resume, value = steps.throw, exc
+
+
+def drain(stream: Any) -> None:
+    """Read a stream to its end (its chunks are kept for the completion)."""
+    for _ in stream:
+        pass
+
+
+async def adrain(stream: Any) -> None:
+    """:func:`drain` for an async stream."""
+    async for _ in stream:
+        pass
 
 
 def _delegated(name: str, doc: str, *, settable: bool = False) -> property:

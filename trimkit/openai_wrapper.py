@@ -32,8 +32,9 @@ are always allowed (:func:`retry_deadline_for`). Retries never happen after the 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -43,7 +44,20 @@ from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.replies import SOURCE_CLIENT, assemble_chat_completion
 from trimkit.backends.server import NOT_GIVEN, RoutingOptions, check_routing_key, planning_for, routing_headers
 from trimkit.errors import InvalidInputError, InvalidMessageError, positive_finite
-from trimkit.frontend import AsyncReportingStream, FrontEnd, ReportingOpenAIStream, StreamReporter, send_params, usage_counts
+from trimkit.frontend import (
+    AsyncReportingStream,
+    FrontEnd,
+    Io,
+    ReportingOpenAIStream,
+    Steps,
+    StreamReporter,
+    adrain,
+    drain,
+    run_async,
+    run_sync,
+    send_params,
+    usage_counts,
+)
 from trimkit.messages import validate_messages
 from trimkit.pipeline import Pipeline
 from trimkit.prepared import Prepared
@@ -52,6 +66,8 @@ __all__ = [
     "TrimmedOpenAI",
     "AsyncTrimmedOpenAI",
     "OpenAIFrontEnd",
+    "Send",
+    "ClientChat",
     "ReportingOpenAIStream",
     "AsyncReportingStream",
     "wrap_openai",
@@ -280,11 +296,12 @@ def _model_note(asked: str | None, m: Measurement) -> tuple[str, ...]:
 
 class _ClientPart:
     """A part of the wrapper's drop-in client (``.chat``, ``.chat.completions``): what trimkit
-    does not define is the wrapped client's own."""
+    does not define is the wrapped client's own. ``owner``: an :class:`OpenAIFrontEnd` or a fleet
+    (:mod:`trimkit.fleet`), whose ``call_steps`` a call runs."""
 
     _path: tuple[str, ...] = ()
 
-    def __init__(self, owner: OpenAIFrontEnd) -> None:
+    def __init__(self, owner: Any) -> None:
         self._owner = owner
 
     def __getattr__(self, name: str) -> Any:
@@ -298,7 +315,7 @@ class _Completions(_ClientPart):
 
     def create(self, **kwargs: Any) -> Any:
         """Like ``client.chat.completions.create``, inside the TTFT budget (see :class:`TrimmedOpenAI`)."""
-        return self._owner._create(kwargs)
+        return run_sync(self._owner.call_steps(kwargs))
 
 
 class _AsyncCompletions(_ClientPart):
@@ -306,15 +323,17 @@ class _AsyncCompletions(_ClientPart):
 
     async def create(self, **kwargs: Any) -> Any:
         """Like ``await client.chat.completions.create``, inside the TTFT budget (see :class:`AsyncTrimmedOpenAI`)."""
-        return await self._owner._create(kwargs)
+        return await run_async(self._owner.call_steps(kwargs))
 
 
-class _Chat(_ClientPart):
+class ClientChat(_ClientPart):
+    """``.chat`` of a wrapper or a fleet: ``.completions.create`` runs the owner's calls."""
+
     _path = ("chat",)
 
-    def __init__(self, owner: OpenAIFrontEnd, completions: _ClientPart) -> None:
+    def __init__(self, owner: Any) -> None:
         super().__init__(owner)
-        self.completions = completions
+        self.completions = _AsyncCompletions(owner) if owner.is_async else _Completions(owner)
 
 
 class OpenAIFrontEnd(FrontEnd):
@@ -380,7 +399,7 @@ class OpenAIFrontEnd(FrontEnd):
             raise
         if own_backend:
             self.bound_side_requests()
-        self.chat = _Chat(self, _AsyncCompletions(self) if self.is_async else _Completions(self))
+        self.chat = ClientChat(self)
 
     # -- drop-in ------------------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:  # everything else is the client's
@@ -417,11 +436,6 @@ class OpenAIFrontEnd(FrontEnd):
         """The deadline bounding every wait before a request's first chunk (None without a budget)."""
         return self.deadlines.first_chunk_s(ttft_budget_s)
 
-    def whole_answer_deadline(self, ttft_budget_s: float | None, params: Mapping[str, Any]) -> float | None:
-        """The deadline of a request that cannot be streamed (``n > 1``): see
-        :meth:`CallDeadlines.whole_answer_s` (at the profile's decode speed)."""
-        return self.deadlines.whole_answer_s(ttft_budget_s, params, self.profile.decode_tokens_per_s)
-
     def bound_side_requests(self) -> None:
         """Retry (and, with a default budget, bound) the side requests made while a call is planned
         (tokenize, server facts) within the default budget's deadline too; construction (a server
@@ -438,21 +452,17 @@ class OpenAIFrontEnd(FrontEnd):
             validate_messages(messages)
         return self.routing.key(given, messages)
 
-    def _stream_args(self, prepared: Prepared) -> dict[str, Any]:
-        """The backend's keyword arguments to stream ``prepared``."""
-        return {"prompt_tokens": prepared.prompt_tokens, "retry_deadline_s": self.retry_deadline_for_call(prepared.budget_s),
-                "deadline_s": self.deadline_for_call(prepared.budget_s)}
-
-    def unstreamed(self, prepared: Prepared, params: Mapping[str, Any], stream: bool) -> tuple[Prepared, dict[str, Any]] | None:
-        """A non-streamed call that streaming cannot measure faithfully (``n > 1``): the request
-        as sent, with its report's warning, and the backend's keyword arguments to send it
-        whole. None for every other call."""
-        blocker = None if stream else _streaming_blocker(params)
-        if blocker is None:
-            return None
-        prepared = self.pipeline.sent(prepared.with_warning(blocker))
-        args = {**self._stream_args(prepared), "measure_ttft": False, "deadline_s": self.whole_answer_deadline(prepared.budget_s, params)}
-        return prepared, args
+    def call_steps(self, kwargs: dict[str, Any]) -> Steps:
+        """A ``create()`` call, sync or async (:func:`~trimkit.frontend.run_sync`,
+        :func:`~trimkit.frontend.run_async`): planned (an async call's in a worker thread, off
+        the event loop), then sent (:class:`Send`)."""
+        messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
+        key = self.call_key(call_routing_key(kwargs), messages)
+        # behind a router the cache is predicted on the worker this key stays on (an async call's
+        # worker thread runs in a copy of this context)
+        with planning_for(key):
+            prepared = yield Io(self.prepare, _in_thread(self.prepare), messages, rag_chunks, params, ttft_budget_s=budget, **call_options(kwargs))
+        return (yield from Send(self, params, stream, routing_headers(key, self.routing.headers)).steps(prepared))
 
     def assemble(self, rs: StreamReporter) -> Any:
         """The client's ``ChatCompletion`` (a dict for :func:`wrap_url`) rebuilt from a drained stream."""
@@ -460,6 +470,93 @@ class OpenAIFrontEnd(FrontEnd):
         if response["usage"] is None and rs.report is not None:
             response["usage"] = _usage_of(rs.report.measurement)
         return self.backend.as_client_response(response)
+
+
+def _in_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, awaited in a worker thread (an async call plans off the event loop)."""
+    return functools.partial(asyncio.to_thread, fn)
+
+
+class Send:
+    """One request's way out through an OpenAI-style front-end — the one send path of every
+    call, one endpoint's or a fleet's attempt (:mod:`trimkit.fleet`), sync or async: its steps
+    yield the I/O (:class:`~trimkit.frontend.Io`).
+
+    A non-streamed request that streaming cannot measure (``n > 1``) is sent whole; every other
+    is streamed, and a non-streamed one drained and its completion assembled from the stream.
+    :meth:`reply` is everything up to the answer or the stream the caller reads (a fleet fails
+    over on an error there); the hooks (:meth:`stream_args`, :meth:`answered`,
+    :meth:`went_out`, :meth:`failed`, :meth:`reading`) are where a fleet's attempt differs."""
+
+    def __init__(self, front: OpenAIFrontEnd, params: Mapping[str, Any], stream: bool, headers: Mapping[str, str] | None = None) -> None:
+        self.front, self.params, self.stream, self.headers = front, params, stream, headers
+        #: the stream's reporter (None until streamed; stays None for an answer sent whole)
+        self.reporter: StreamReporter | None = None
+
+    def steps(self, prepared: Prepared) -> Steps:
+        """Send ``prepared``: what the call returns."""
+        out = yield from self.reply(prepared)
+        return (yield from self.completion(out))
+
+    def reply(self, prepared: Prepared) -> Steps:
+        """The answer sent whole, or the stream the caller reads."""
+        front, params = self.front, self.params
+        backend, pipeline = front.backend, front.pipeline
+        extra: dict[str, Any] = {"headers": self.headers} if self.headers else {}
+        blocker = None if self.stream else _streaming_blocker(params)
+        try:
+            if blocker is not None:  # a real non-streaming request, its first byte after the whole answer
+                prepared = pipeline.sent(prepared.with_warning(blocker))
+                deadline = front.deadlines.whole_answer_s(prepared.budget_s, params, front.profile.decode_tokens_per_s)
+                response, m = yield Io(backend.complete, backend.acomplete, prepared.messages, send_params(params), **extra, measure_ttft=False,
+                                       prompt_tokens=prepared.prompt_tokens, retry_deadline_s=front.retry_deadline_for_call(prepared.budget_s),
+                                       deadline_s=deadline)
+                self.answered(prepared, m)
+                return response
+            # a budgeted sync request to a llama-server is watched while it prefills (OpenAIHTTPBackend.evaluate_to)
+            watch = pipeline.watched(prepared)
+            if watch is not None:
+                extra["watch"] = watch
+            ts = yield Io(backend.send, backend.asend, prepared.messages, send_params(params), **self.stream_args(prepared), **extra)
+            prepared = pipeline.sent(prepared)
+            if watch is not None:
+                watch.prepared = prepared
+            self.went_out(prepared)
+        except BaseException:
+            self.failed()
+            raise
+        self.reporter = (AsyncReportingStream if front.is_async else ReportingOpenAIStream)(ts, pipeline, prepared, params, watch=watch)
+        return (yield from self.reading(self.reporter))
+
+    def completion(self, out: Any) -> Steps:
+        """What the call returns: the reply as it is (an answer sent whole, a stream asked
+        for), or the stream drained and its completion assembled."""
+        if self.reporter is None or self.stream:
+            return out
+        yield Io(drain, adrain, out)
+        return self.front.assemble(self.reporter)
+
+    # -- hooks (a fleet's attempt: trimkit.fleet._frontend.FleetSend) ------------------------------
+    def stream_args(self, prepared: Prepared) -> dict[str, Any]:
+        """The backend's keyword arguments to stream ``prepared``."""
+        budget = prepared.budget_s
+        return {"prompt_tokens": prepared.prompt_tokens, "retry_deadline_s": self.front.retry_deadline_for_call(budget),
+                "deadline_s": self.front.deadline_for_call(budget)}
+
+    def answered(self, prepared: Prepared, m: Measurement) -> None:
+        """The request sent whole was answered."""
+        self.front.pipeline.finish(prepared, m, self.params)
+
+    def went_out(self, prepared: Prepared) -> None:
+        """The request was sent to be streamed."""
+
+    def failed(self) -> None:
+        """Sending failed."""
+
+    def reading(self, rs: StreamReporter) -> Steps:
+        """The stream the caller reads."""
+        yield from ()
+        return rs
 
 
 class TrimmedOpenAI(OpenAIFrontEnd):
@@ -480,35 +577,7 @@ class TrimmedOpenAI(OpenAIFrontEnd):
 
     def execute(self, prepared: Prepared, params: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> ReportingOpenAIStream:
         """Send a prepared request (``headers``: its routing key's); a stream of the client's chunks that reports when done."""
-        # a budgeted request to a llama-server is watched while it prefills (OpenAIHTTPBackend.evaluate_to)
-        watch = self.pipeline.watched(prepared)
-        extra: dict[str, Any] = {"watch": watch} if watch is not None else {}
-        if headers:
-            extra["headers"] = headers
-        ts = self.backend.send(prepared.messages, send_params(params), **self._stream_args(prepared), **extra)
-        prepared = self.pipeline.sent(prepared)
-        if watch is not None:
-            watch.prepared = prepared
-        return ReportingOpenAIStream(ts, self.pipeline, prepared, params, watch=watch)
-
-    def _create(self, kwargs: dict[str, Any]) -> Any:
-        messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        key = self.call_key(call_routing_key(kwargs), messages)
-        with planning_for(key):  # behind a router the cache is predicted on the worker this key stays on
-            prepared = self.prepare(messages, rag_chunks, params, ttft_budget_s=budget, **call_options(kwargs))
-        headers = routing_headers(key, self.routing.headers)
-        unstreamed = self.unstreamed(prepared, params, stream)
-        if unstreamed is not None:
-            prepared, args = unstreamed
-            response, m = self.backend.complete(prepared.messages, send_params(params), headers=headers, **args)
-            self.pipeline.finish(prepared, m, params)
-            return response
-        rs = self.execute(prepared, params, headers)
-        if stream:
-            return rs
-        for _ in rs:
-            pass
-        return self.assemble(rs)
+        return run_sync(Send(self, params, True, headers).steps(prepared))
 
     def close(self) -> None:
         """Close the backend's connections and the wrapped client."""
@@ -541,27 +610,6 @@ class AsyncTrimmedOpenAI(OpenAIFrontEnd):
         # async requests go in one piece (the watched prefill's steps are sync requests): they are
         # planned with the whole prediction's margin, as an unwatched request
         self.pipeline.watch_prefill = False
-
-    async def _create(self, kwargs: dict[str, Any]) -> Any:
-        messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        key = self.call_key(call_routing_key(kwargs), messages)
-        with planning_for(key):  # the worker thread runs in a copy of this context
-            prepared = await asyncio.to_thread(self.prepare, messages, rag_chunks, params, ttft_budget_s=budget, **call_options(kwargs))
-        headers = routing_headers(key, self.routing.headers)
-        unstreamed = self.unstreamed(prepared, params, stream)
-        if unstreamed is not None:
-            prepared, args = unstreamed
-            response, m = await self.backend.acomplete(prepared.messages, send_params(params), headers=headers, **args)
-            self.pipeline.finish(prepared, m, params)
-            return response
-        prepared = self.pipeline.sent(prepared)
-        ts = await self.backend.asend(prepared.messages, send_params(params), headers=headers, **self._stream_args(prepared))
-        ars = AsyncReportingStream(ts, self.pipeline, prepared, params)
-        if stream:
-            return ars
-        async for _ in ars:
-            pass
-        return self.assemble(ars)
 
     async def close(self) -> None:
         """Close the backend's connections and the wrapped client (``await``, as on ``AsyncOpenAI``)."""

@@ -225,10 +225,12 @@ class Pipeline:
 
     # -- validate and plan ----------------------------------------------------------------------
     def prepare(self, messages: Any, rag_chunks: Any = None, params: Mapping[str, Any] | None = None, *, ttft_budget_s: float | None = None,
-                on_busy: str | None = None, queue_wait_s: float | None = None) -> Prepared:
+                on_busy: str | None = None, queue_wait_s: float | None = None, untrimmed: Sequence[int] | None = None) -> Prepared:
         """Validate, plan and check a request without sending it. ``on_busy``: this call's
         (default :attr:`on_busy`); ``queue_wait_s``: a wait the caller predicts (a fleet router,
-        for one endpoint), planned with instead of the engine queue's.
+        for one endpoint), planned with instead of the engine queue's; ``untrimmed``: the
+        request's prompt counted already (:meth:`untrimmed_tokens`: a fleet router's count, by
+        the same tokenizer), not counted again.
 
         On an in-process engine the request enters the engine's queue here and leaves it when
         its stream ends — or when the returned request is dropped unsent."""
@@ -244,7 +246,7 @@ class Pipeline:
         # in line now, before counting: a request planned at the same time counts this one ahead
         ticket = self.queue.enter() if self.queue is not None else None
         try:
-            prepared = self._prepare(messages, chunks, params, budget, busy, given, ticket, t0)
+            prepared = self._prepare(messages, chunks, params, budget, busy, given, ticket, t0, untrimmed)
         except BaseException:
             if ticket is not None:
                 ticket.done()
@@ -254,6 +256,16 @@ class Pipeline:
         for note in guarded:
             prepared = prepared.with_warning(note)
         return prepared
+
+    def untrimmed_tokens(self, messages: Any, chunks: Sequence[Chunk], params: Mapping[str, Any]) -> list[int]:
+        """The request's prompt as given (retrieved text neutralised and placed as
+        :meth:`prepare` places it), counted: what a router prices a request by before it is planned."""
+        messages, chunks, _ = self._neutralized(messages, chunks)
+        return self.backend.tokenizer.prompt_tokens(self._as_is(messages, chunks), params.get("tools"))
+
+    def _as_is(self, messages: Any, chunks: Sequence[Chunk]) -> Any:
+        """The messages with the retrieved chunks placed, untrimmed."""
+        return place_chunks(messages, chunks, self.rag_template, self.rag_chunk_template) if chunks else messages
 
     def _neutralized(self, messages: Any, chunks: Sequence[Chunk]) -> tuple[Any, Sequence[Chunk], list[str]]:
         """Retrieved text (and, with ``"all"``, message content) whose control-token texts are
@@ -273,12 +285,12 @@ class Pipeline:
         return messages, chunks, notes
 
     def _prepare(self, messages: Any, chunks: Sequence[Chunk], params: Mapping[str, Any], budget: float | None, on_busy: str,
-                 given_wait: float | None, ticket: Ticket | None, t0: float) -> Prepared:
+                 given_wait: float | None, ticket: Ticket | None, t0: float, untrimmed: Sequence[int] | None = None) -> Prepared:
         tools = params.get("tools")
-        as_is = place_chunks(messages, chunks, self.rag_template, self.rag_chunk_template) if chunks else messages
+        as_is = self._as_is(messages, chunks)
         # queued behind others, the request finds the context the last of them leaves
         priced = functools.partial(self._price, after=self.queue.context_after(ticket) if self.queue is not None else None)
-        before = priced(self.backend.tokenizer.prompt_tokens(as_is, tools))
+        before = priced(list(untrimmed) if untrimmed is not None else self.backend.tokenizer.prompt_tokens(as_is, tools))
         self._estimate(ticket, before, params)
         wait, ahead = (given_wait, 0) if given_wait is not None or self.queue is None else self.queue.predict(ticket)
         margin = 0.0 if budget is None else self.engine.request_margin(self.attainment_target, budget, len(before.tokens), before.cached,
@@ -431,7 +443,7 @@ class Pipeline:
             tokens, predicted = cut.tokens, cut.predicted_s
             dropped = gone_ids + [f"+{i}" for i in back_ids]
         else:  # no cut of the chunks fits: the whole request again, at the measured pace
-            as_is = place_chunks(messages, chunks, self.rag_template, self.rag_chunk_template) if chunks else messages
+            as_is = self._as_is(messages, chunks)
 
             def priced(tokens: Sequence[int]) -> _Priced:
                 cached = self.backend.predict_cached_tokens(tokens)

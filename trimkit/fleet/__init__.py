@@ -35,9 +35,9 @@ clients, all sync or all async) give a :class:`FleetFrontEnd` (:class:`AsyncFlee
   :class:`~trimkit.fleet.FleetUnavailableError` listing what was tried. A fleet retries one
   endpoint briefly (``max_attempts=2`` unless given) and moves on.
 
-Replicas must serve one model with one tokenizer (prompts are counted once, for routing, by the
-endpoint with fewest requests in flight). llama-cpp-python's server (``python -m llama_cpp.server``)
-exposes no load, cuts the stream in flight short when a second request arrives unless started with
+Replicas must serve one model with one tokenizer (a prompt is counted once, for routing, by the
+endpoint with fewest requests in flight, and planned from that count). llama-cpp-python's server
+(``python -m llama_cpp.server``) exposes no load, cuts the stream in flight short when a second request arrives unless started with
 ``--interrupt_requests false``, and answers a tokenize request only once its model is free; count
 locally and exactly instead (no request at all)::
 

@@ -1,32 +1,35 @@
 """The front-ends of a fleet (:mod:`trimkit.fleet`): :class:`FleetFrontEnd` (sync) and
 :class:`AsyncFleetFrontEnd`, and the streams their calls return (:class:`FleetStream`,
 :class:`AsyncFleetStream`). Routing and failover decisions are :class:`FleetCall`'s;
-these only send — through the chosen endpoint's backend, reported by its pipeline — and read each
-attempt up to its first token, where a failure still moves the request to another endpoint.
+each attempt goes out by the endpoint's own send path (:class:`FleetSend`, a
+:class:`~trimkit.openai_wrapper.Send`), reported by its pipeline, and is read up to its first
+token, where a failure still moves the request to another endpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
+from trimkit.backends.base import Measurement
 from trimkit.backends.server import NOT_GIVEN
 from trimkit.errors import FleetOverloadedError, FleetUnavailableError, TrimkitError
 from trimkit.errors import budget as valid_budget
 from trimkit.fleet._endpoint import MIN_RETRY_AFTER_S, FleetEndpoint, RouteCost, best_route, describe_error, is_endpoint_failure, is_overload
-from trimkit.frontend import AsyncReportingStream, ReportingOpenAIStream, StreamReporter, send_params
+from trimkit.frontend import Io, Steps, StreamReporter
 from trimkit.messages import coerce_chunks, validate_messages
-from trimkit.openai_wrapper import CallDeadlines, call_arguments, call_options, call_routing_key
+from trimkit.openai_wrapper import CallDeadlines, ClientChat, Send, call_arguments, call_options, call_routing_key
 from trimkit.planning.queue import check_on_busy
-from trimkit.prepared import Prepared, place_chunks
+from trimkit.prepared import Prepared
 from trimkit.report import Report
 
 log = logging.getLogger("trimkit")
@@ -35,18 +38,6 @@ log = logging.getLogger("trimkit")
 MIN_ATTEMPT_S = 1.0
 #: after a failover the plan's budget is what is left of it, but never under this share of it
 MIN_REPLAN_SHARE = 0.1
-
-
-class Fleet(Protocol):
-    """What a call needs of its fleet (:class:`trimkit.fleet.FleetFrontEnd` and its async twin)."""
-
-    endpoints: Sequence[FleetEndpoint]
-    ttft_budget_s: float | None
-    clock: Callable[[], float]
-    deadlines: Any  # a trimkit.openai_wrapper.CallDeadlines
-    routing_lock: threading.Lock
-
-    def in_rotation(self, *, exclude: Collection[str] = ()) -> list[FleetEndpoint]: ...
 
 
 @attrs.define
@@ -73,7 +64,7 @@ class FleetCall:
     (:meth:`route`) and, after each endpoint failure before the first token, routed again
     (:meth:`failed`)."""
 
-    def __init__(self, fleet: Fleet, messages: Any, rag_chunks: Any, budget: float | None, params: Mapping[str, Any], *,
+    def __init__(self, fleet: FleetBase, messages: Any, rag_chunks: Any, budget: float | None, params: Mapping[str, Any], *,
                  on_busy: str | None = None, routing_key: Any = NOT_GIVEN) -> None:
         validate_messages(messages)
         #: the call's routing key as given (validated by :func:`~trimkit.openai_wrapper.call_routing_key`);
@@ -82,7 +73,9 @@ class FleetCall:
         self.on_busy = None if on_busy is None else check_on_busy(on_busy)
         self.chunks = coerce_chunks(rag_chunks)
         self.fleet = fleet
-        self.messages, self.rag_chunks, self.params = messages, rag_chunks, params
+        self.messages, self.params = messages, params
+        #: the prompt as given, counted for routing: (the tokenizer's name, its tokens); None until counted
+        self.counted: tuple[str, list[int]] | None = None
         self.budget = fleet.ttft_budget_s if budget is None else valid_budget(budget)
         self.clock = fleet.clock
         self.start = self.clock()
@@ -126,13 +119,15 @@ class FleetCall:
         Endpoints that fail while this is decided are taken out and the next is tried."""
         while True:
             candidates = self._candidates()
-            counter = min(candidates, key=lambda ep: (ep.in_flight, self.fleet.endpoints.index(ep)))
-            asked = self.clock()
-            try:
-                tokens = self._untrimmed_tokens(counter)
-            except TrimkitError as exc:
-                self.failed(counter, exc, since=asked, ahead=counter.in_flight)
-                continue
+            if self.counted is None:  # counted once, by the endpoint with fewest in flight, for every route of this call
+                counter = min(candidates, key=lambda ep: (ep.in_flight, self.fleet.endpoints.index(ep)))
+                asked = self.clock()
+                try:
+                    self.counted = (counter.backend.tokenizer.name, counter.pipeline.untrimmed_tokens(self.messages, self.chunks, self.params))
+                except TrimkitError as exc:
+                    self.failed(counter, exc, since=asked, ahead=counter.in_flight)
+                    continue
+            tokens = self.counted[1]
             with self.fleet.routing_lock:
                 now = self.clock()
                 budget_left = self.budget_left_s() if self.budget is not None else None
@@ -158,17 +153,13 @@ class FleetCall:
             raise self.unavailable("no endpoint of the fleet is in rotation" if not self._overloaded else "every endpoint was too busy")
         return up
 
-    def _untrimmed_tokens(self, ep: FleetEndpoint) -> list[int]:
-        """The prompt as the caller gave it (chunks placed as the pipeline places them), counted by ``ep``."""
-        pipeline = ep.pipeline
-        as_is = place_chunks(self.messages, self.chunks, pipeline.rag_template, pipeline.rag_chunk_template) if self.chunks else self.messages
-        return ep.backend.tokenizer.prompt_tokens(as_is, self.params.get("tools"))
-
     def _prepare(self, cost: RouteCost) -> Prepared:
         ep = cost.endpoint
         plan_budget = self.budget_left_s()
-        prepared = ep.pipeline.prepare(self.messages, self.rag_chunks, self.params, ttft_budget_s=plan_budget, queue_wait_s=cost.wait_s,
-                                       on_busy=self.on_busy)
+        name, tokens = self.counted or ("", None)
+        untrimmed = tokens if ep.backend.tokenizer.name == name else None  # counted by the same tokenizer: not again
+        prepared = ep.pipeline.prepare(self.messages, self.chunks, self.params, ttft_budget_s=plan_budget, queue_wait_s=cost.wait_s,
+                                       on_busy=self.on_busy, untrimmed=untrimmed)
         for label, error in self.attempts:
             prepared = prepared.with_warning(
                 f"failover: {label} failed before the first token ({error}); re-planned on {ep.label}"
@@ -359,26 +350,6 @@ class AsyncFleetStream(_FleetStreamBase):
 
 
 # -- the front-ends ---------------------------------------------------------------------------------
-class _Completions:
-    def __init__(self, owner: FleetBase) -> None:
-        self._owner = owner
-
-    def create(self, **kwargs: Any) -> Any:
-        """Like ``client.chat.completions.create``, routed to the best endpoint, inside the TTFT budget."""
-        return self._owner._create(kwargs)
-
-
-class _AsyncCompletions(_Completions):
-    async def create(self, **kwargs: Any) -> Any:  # type: ignore[override]
-        """Like ``await client.chat.completions.create``, routed to the best endpoint, inside the TTFT budget."""
-        return await self._owner._create(kwargs)
-
-
-class _Chat:
-    def __init__(self, owner: FleetBase) -> None:
-        self.completions = _AsyncCompletions(owner) if owner.is_async else _Completions(owner)
-
-
 class FleetBase:
     """What the sync and async fleet front-ends share: the endpoints, the default budget, the
     reports, and which endpoints are in rotation. Build one with :func:`wrap_fleet`."""
@@ -399,10 +370,13 @@ class FleetBase:
         self.max_reports = 256
         self._last_report: Report | None = None
         self._lock = threading.Lock()
-        self.chat = _Chat(self)
+        self.chat = ClientChat(self)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({list(self.endpoints)})"
+
+    def _client_part(self, *path: str) -> Any:
+        raise AttributeError(f"{'.'.join(path)}: a fleet has no client of its own")
 
     @property
     def ttft_budget_s(self) -> float | None:
@@ -466,16 +440,54 @@ class FleetBase:
             if ep.pipeline is not None:
                 ep.pipeline.idle(timeout_s)
 
-    def _create(self, kwargs: dict[str, Any]) -> Any:
-        raise NotImplementedError
+    def call_steps(self, kwargs: dict[str, Any]) -> Steps:
+        """A ``create()`` call, sync or async: routed (:class:`FleetCall`), then sent through the
+        endpoint's send path (:class:`FleetSend`); a failure before the first token routes it
+        again."""
+        messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
+        call = FleetCall(self, messages, rag_chunks, budget, params, routing_key=call_routing_key(kwargs), **call_options(kwargs))
+        while True:
+            route = yield Io(call.route, functools.partial(_routed, call))
+            send = FleetSend(self, call, route, params, stream)
+            try:
+                out = yield from send.reply(route.prepared)
+            except TrimkitError as exc:  # before the first token: the next endpoint, if it was this one's fault
+                call.failed(route.endpoint, exc, route)
+                continue
+            return (yield from send.completion(out))
 
-    def _answered_whole(self, route: Route, prepared: Any, m: Any, params: Mapping[str, Any]) -> None:
-        """A request sent whole (``n > 1``) was answered: it leaves the queue; its report."""
-        ep = route.endpoint
-        ep.sent(route.key, prepared.prompt_tokens)
-        route.release()
-        self.record(ep.pipeline.finish(prepared, m, params))
-        ep.observe(params, m)
+
+class FleetSend(Send):
+    """One attempt of a fleet's call, on the endpoint it was routed to: that endpoint's send
+    path (:class:`~trimkit.openai_wrapper.Send`) with the attempt's deadline, the request's
+    place in the endpoint's queue, and its stream read up to the first token (:class:`FleetStream`)."""
+
+    def __init__(self, fleet: FleetBase, call: FleetCall, route: Route, params: Mapping[str, Any], stream: bool) -> None:
+        super().__init__(route.endpoint.front, params, stream, call.headers_for(route.endpoint))
+        self.fleet, self.call, self.route = fleet, call, route
+
+    def stream_args(self, prepared: Prepared) -> dict[str, Any]:
+        deadline = self.call.attempt_deadline_s(self.route)
+        return {"prompt_tokens": prepared.prompt_tokens, "retry_deadline_s": deadline, "deadline_s": deadline}
+
+    def answered(self, prepared: Prepared, m: Measurement) -> None:
+        """Sent whole (``n > 1``) and answered: it leaves the queue; its report."""
+        ep = self.route.endpoint
+        ep.sent(self.route.key, prepared.prompt_tokens)
+        self.route.release()
+        self.fleet.record(ep.pipeline.finish(prepared, m, self.params))
+        ep.observe(self.params, m)
+
+    def went_out(self, prepared: Prepared) -> None:
+        self.route.endpoint.sent(self.route.key, prepared.prompt_tokens)
+
+    def failed(self) -> None:
+        self.route.release(failed=True)
+
+    def reading(self, rs: StreamReporter) -> Steps:
+        fs = (AsyncFleetStream if self.front.is_async else FleetStream)(self.fleet, self.route, rs)
+        yield Io(fs.open, fs.open)
+        return fs
 
 
 class FleetFrontEnd(FleetBase):
@@ -483,44 +495,6 @@ class FleetFrontEnd(FleetBase):
     module). Returns what one endpoint's wrapper returns: a ``ChatCompletion`` (a dict for
     URLs), or with ``stream=True`` a :class:`FleetStream`. ``close()`` / ``with`` close every
     endpoint (and the clients wrapped)."""
-
-    def _create(self, kwargs: dict[str, Any]) -> Any:
-        messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        call = FleetCall(self, messages, rag_chunks, budget, params, routing_key=call_routing_key(kwargs), **call_options(kwargs))
-        while True:
-            route = call.route()
-            try:
-                sent = self._send(call, route, params, stream)
-            except TrimkitError as exc:  # before the first token: the next endpoint, if it was this one's fault
-                call.failed(route.endpoint, exc, route)
-                continue
-            if not isinstance(sent, FleetStream) or stream:
-                return sent
-            for _ in sent:
-                pass
-            return route.endpoint.front.assemble(sent.inner)
-
-    def _send(self, call: FleetCall, route: Route, params: Mapping[str, Any], stream: bool) -> Any:
-        """Send one attempt and read it up to its first token."""
-        ep = route.endpoint
-        unstreamed = ep.front.unstreamed(route.prepared, params, stream)
-        try:
-            if unstreamed is not None:
-                prepared, args = unstreamed
-                response, m = ep.backend.complete(prepared.messages, send_params(params), headers=call.headers_for(ep), **args)
-                self._answered_whole(route, prepared, m, params)
-                return response
-            prepared = ep.pipeline.sent(route.prepared)
-            deadline = call.attempt_deadline_s(route)
-            ts = ep.backend.send(prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens, retry_deadline_s=deadline,
-                                 deadline_s=deadline, headers=call.headers_for(ep))
-            ep.sent(route.key, prepared.prompt_tokens)
-        except BaseException:
-            route.release(failed=True)
-            raise
-        fs = FleetStream(self, route, ReportingOpenAIStream(ts, ep.pipeline, prepared, params))
-        fs.open()
-        return fs
 
     def close(self) -> None:
         for ep in self.endpoints:
@@ -557,43 +531,6 @@ class AsyncFleetFrontEnd(FleetBase):
     event loop. Build it before the loop starts or through ``asyncio.to_thread`` (it may calibrate)."""
 
     is_async = True
-
-    async def _create(self, kwargs: dict[str, Any]) -> Any:  # type: ignore[override]
-        messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        call = FleetCall(self, messages, rag_chunks, budget, params, routing_key=call_routing_key(kwargs), **call_options(kwargs))
-        while True:
-            route = await _routed(call)
-            try:
-                sent = await self._send(call, route, params, stream)
-            except TrimkitError as exc:
-                call.failed(route.endpoint, exc, route)
-                continue
-            if not isinstance(sent, AsyncFleetStream) or stream:
-                return sent
-            async for _ in sent:
-                pass
-            return route.endpoint.front.assemble(sent.inner)
-
-    async def _send(self, call: FleetCall, route: Route, params: Mapping[str, Any], stream: bool) -> Any:
-        ep = route.endpoint
-        unstreamed = ep.front.unstreamed(route.prepared, params, stream)
-        try:
-            if unstreamed is not None:
-                prepared, args = unstreamed
-                response, m = await ep.backend.acomplete(prepared.messages, send_params(params), headers=call.headers_for(ep), **args)
-                self._answered_whole(route, prepared, m, params)
-                return response
-            prepared = ep.pipeline.sent(route.prepared)
-            deadline = call.attempt_deadline_s(route)
-            ts = await ep.backend.asend(prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens,
-                                        retry_deadline_s=deadline, deadline_s=deadline, headers=call.headers_for(ep))
-            ep.sent(route.key, prepared.prompt_tokens)
-        except BaseException:
-            route.release(failed=True)
-            raise
-        fs = AsyncFleetStream(self, route, AsyncReportingStream(ts, ep.pipeline, prepared, params))
-        await fs.open()
-        return fs
 
     async def close(self) -> None:
         for ep in self.endpoints:
