@@ -47,8 +47,7 @@ def main() -> int:
     os.environ.setdefault("TRIMKIT_CACHE_DIR", tempfile.mkdtemp(prefix="trimkit-bench-"))
 
     import trimkit
-    from trimkit._demo import SYSTEM, load_corpus, load_history, load_questions
-    from trimkit.cli import open_llama
+    from trimkit.cli import SYSTEM, load_corpus, load_history, load_questions, open_llama
     from trimkit.planning.values import rank_chunks
 
     llm = open_llama(None, 8192)

@@ -94,7 +94,7 @@ class Load:
 
 def open_model(name: str, n_ctx: int, threads_batch: int) -> Any:
     import trimkit
-    from trimkit._console import open_llama
+    from trimkit.cli import open_llama
 
     path = None if name == "gemma" else (smollm2_path()[0] if name == "smollm2" else name)
     if name == "smollm2" and path is None:

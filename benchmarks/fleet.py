@@ -18,7 +18,7 @@ then sends the same workload through four arms, one after the other:
   answered, and the rest must fail over to replica 1.
 
 **Workload** (fixed by ``--seed``, the same for every arm): ``--conversations`` concurrent
-conversations (threads) of ``--turns`` turns over the demo data (``trimkit._demo``): the shared
+conversations (threads) of ``--turns`` turns over the demo data (``trimkit.cli``): the shared
 system prompt, a different slice of the demo conversation per conversation, then per turn one
 demo question with ``--chunks`` retrieved documents (the answer's and random others, placed by
 trimkit into the question). Each answered turn is appended to the history (the question without
@@ -262,7 +262,7 @@ class Turn:
 def build_conversations(n_conv: int, n_turns: int, history_pairs: int, n_chunks: int, rng: random.Random) -> list[list[Turn]]:
     """Conversations over the demo data: each starts from its own slice of the demo conversation."""
     import trimkit
-    from trimkit._demo import SYSTEM, load_corpus, load_history, load_questions
+    from trimkit.cli import SYSTEM, load_corpus, load_history, load_questions
 
     corpus, history, questions = load_corpus(), load_history(), load_questions()
     docs = {d["id"]: d for d in corpus}

@@ -132,7 +132,7 @@ def llama_server(model_path: str, n_ctx: int, stock: bool, engine: str = "llama-
 
 # -- prompts --------------------------------------------------------------------------------------
 def held_out_words() -> list[str]:
-    from trimkit._demo import load_history, load_questions
+    from trimkit.cli import load_history, load_questions
 
     return " ".join(m["content"] for m in load_history()).split() + " ".join(q["question"] for q in load_questions()).split()
 
@@ -161,9 +161,9 @@ def main() -> int:
     os.environ.setdefault("TRIMKIT_CACHE_DIR", tempfile.mkdtemp(prefix="trimkit-bench-cache-"))
 
     import trimkit
-    from trimkit._demo import load_corpus, load_history, load_questions
     from trimkit.backends.http import OpenAIHTTPBackend
     from trimkit.backends.llama import LlamaBackend, llama_prompt_tokenizer
+    from trimkit.cli import load_corpus, load_history, load_questions
     from trimkit.planning.tokens import common_prefix_len
 
     model_path = trimkit.default_model_path("gemma")

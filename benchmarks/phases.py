@@ -58,9 +58,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from phases_decode import DEFAULT_CONTEXTS, decode_sweep, summary  # noqa: E402
 
 import trimkit  # noqa: E402
-from trimkit._console import open_llama  # noqa: E402
-from trimkit._demo import load_corpus  # noqa: E402
 from trimkit.backends.base import probe_text  # noqa: E402
+from trimkit.cli import (
+    load_corpus,  # noqa: E402
+    open_llama,  # noqa: E402
+)
 from trimkit.report import READING_SPEED_TOKENS_PER_S  # noqa: E402
 
 #: a stream standard is this far from the speed the profile predicts, on the side the request is built for

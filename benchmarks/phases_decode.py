@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import trimkit
-from trimkit._console import open_llama
 from trimkit.backends.base import probe_text
 from trimkit.backends.llama import LlamaBackend
+from trimkit.cli import open_llama
 
 DEFAULT_CONTEXTS = (0, 1000, 2000, 3000, 4000, 6000)
 #: the sweep's target: median |prediction error| across the contexts, percent

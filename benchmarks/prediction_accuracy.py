@@ -135,7 +135,7 @@ def user_text(tokenizer: Any, target_tokens: int, words: list[str], rng: random.
 
 def heldout_words() -> list[str]:
     """Words of the demo conversation and questions (not the calibration probe corpus)."""
-    from trimkit._demo import load_history, load_questions
+    from trimkit.cli import load_history, load_questions
 
     return " ".join(m["content"] for m in load_history()).split() + " ".join(q["question"] for q in load_questions()).split()
 
@@ -338,8 +338,8 @@ class Bench:
     """One model's run: the ``Llama``, its backend, the measuring harness."""
 
     def __init__(self, name: str, path: str | None, args: argparse.Namespace, caches: CacheDirs) -> None:
-        from trimkit._console import open_llama
         from trimkit.backends.llama import LlamaBackend
+        from trimkit.cli import open_llama
 
         self.name, self.path, self.args, self.caches = name, path, args, caches
         self.llm = open_llama(path, args.n_ctx)
@@ -616,7 +616,7 @@ def zero_wait(name: str, path: str | None, args: argparse.Namespace, caches: Cac
     one) with an empty cache folder and no engine state, then ``--zero-wait-requests``
     requests. ``idle``: "off", "on" or "default" (the wrapper's own)."""
     import trimkit
-    from trimkit._console import open_llama
+    from trimkit.cli import open_llama
     from trimkit.planning.speed import forget_engines
 
     switch = wrap_param(IDLE_SWITCHES)
@@ -984,7 +984,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from trimkit._demo import load_history
+    from trimkit.cli import load_history
 
     t_all = time.perf_counter()
     steal_all = StealMeter()

@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 import trimkit
-from trimkit._demo import load_corpus, load_questions
+from trimkit.cli import load_corpus, load_questions
 
 SYSTEM = "You answer questions about the town of Marrowby. Answer in full sentences, with detail."
 

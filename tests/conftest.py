@@ -120,7 +120,7 @@ def smollm2_model_path() -> str:
 def smollm2_llm(smollm2_model_path):
     """One real llama.cpp context on SmolLM2-135M-Instruct for the session (n_ctx 4096, the chat
     template its GGUF carries: nothing of Gemma's)."""
-    from trimkit._console import open_llama
+    from trimkit.cli import open_llama
 
     return open_llama(smollm2_model_path, 4096)
 

@@ -6,7 +6,7 @@ import json
 import logging
 
 import trimkit
-import trimkit._demo
+import trimkit.cli
 from trimkit._calibration import profile_path
 from trimkit.backends.llama import LlamaBackend
 
@@ -30,7 +30,7 @@ def test_quick_calibration_measures_a_sensible_profile(quick_profile):
 
 def test_prediction_is_close_to_a_measured_request(llm, quick_profile):
     backend = LlamaBackend(llm)
-    text = " ".join(d["text"] for d in trimkit._demo.load_corpus()[:4])
+    text = " ".join(d["text"] for d in trimkit.cli.load_corpus()[:4])
     messages = [{"role": "user", "content": "Summarise in one line: " + text}]
     with backend.lock:
         llm.reset()  # cold, so the prediction is for the whole prompt

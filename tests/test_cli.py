@@ -127,7 +127,7 @@ def test_help_documents_every_command():
 @pytest.fixture(scope="module")
 def request_file(tmp_path_factory):
     """A 30-message RAG chat with 12 retrieved chunks, as a request file."""
-    from trimkit._demo import SYSTEM, load_corpus, load_history, load_questions
+    from trimkit.cli import SYSTEM, load_corpus, load_history, load_questions
 
     q = load_questions()[1]
     req = {
@@ -224,7 +224,7 @@ def test_plan_needs_one_valid_budget(args, tmp_path):
 def test_demo_reads_what_the_plan_did_with_the_answer_chunk():
     from types import SimpleNamespace
 
-    from trimkit._demo import answer_chunk_status
+    from trimkit.cli import answer_chunk_status
     from trimkit.messages import Chunk
 
     chunks = [Chunk(text="The lamp was first lit in 1863. It burns oil.", id="doc-04"), Chunk(text="Other text.", id="doc-09")]

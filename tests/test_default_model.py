@@ -15,8 +15,8 @@ import pytest
 
 import trimkit
 from tests._core_helpers import contains, evaluated_tokens, make_key, make_profile
-from trimkit._demo import BUDGET_SHARE, SYSTEM, answer_is_right, demo_questions, load_corpus, load_history
 from trimkit.backends.llama import llama_prompt_tokenizer
+from trimkit.cli import BUDGET_SHARE, SYSTEM, answer_is_right, demo_questions, load_corpus, load_history
 from trimkit.errors import InvalidInputError, MissingExtraError
 from trimkit.messages import Chunk
 from trimkit.planning.costs import CostModel
@@ -69,7 +69,7 @@ def test_without_its_package_the_default_model_is_a_missing_extra_naming_the_com
 
 def _demo_request(question: str) -> tuple[list[dict[str, str]], list[Chunk]]:
     """The demo's budgeted request for ``question``: its system prompt, its 30 earlier messages,
-    the question, and the 12 chunks its retriever hands over (trimkit._demo.run_demo)."""
+    the question, and the 12 chunks its retriever hands over (trimkit.cli.run_demo)."""
     chunks = [Chunk(text=d["text"], id=d["id"]) for d in load_corpus()]
     messages = [{"role": "system", "content": SYSTEM}, *load_history(), {"role": "user", "content": question}]
     return messages, list(rank_chunks(chunks, question)[:12])

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from trimkit._demo import Timeline, answer_tokens, run_demo, turn_budget
+from trimkit.cli import Timeline, answer_tokens, run_demo, turn_budget
 from trimkit.planning.costs import CostModel
 from trimkit.testing import FakeBackend, FakeClock
 
@@ -105,8 +105,7 @@ def test_the_chat_budget_is_capped_to_a_turns_share():
 
 
 def test_demo_time_target_option():
-    from trimkit._demo import TIME_TARGET_S
-    from trimkit.cli import build_parser
+    from trimkit.cli import TIME_TARGET_S, build_parser
 
     assert build_parser().parse_args(["demo"]).time_target == TIME_TARGET_S
     assert build_parser().parse_args(["demo", "--time-target", "60"]).time_target == 60.0
@@ -117,7 +116,7 @@ def test_demo_time_target_option():
 def test_the_demo_plans_decode_with_the_speed_a_request_measured():
     from types import SimpleNamespace
 
-    from trimkit._demo import HostSpeed
+    from trimkit.cli import HostSpeed
 
     trimmer = SimpleNamespace(profile=SimpleNamespace(decode_tokens_per_s=0.5, predict_ttft_s=lambda n, k=0: n * 0.01))
     speed = HostSpeed(trimmer)

@@ -174,7 +174,7 @@ def _next_question_plans(tok, budgets, margins):
     12 new chunks. Yields ``(plan, target, answer chunk id)`` for each budget and margin."""
     import attrs
 
-    from trimkit._demo import SYSTEM, load_corpus, load_history, load_questions
+    from trimkit.cli import SYSTEM, load_corpus, load_history, load_questions
     from trimkit.planning.costs import CostModel
     from trimkit.planning.tokens import reusable_prefix_len
     from trimkit.planning.values import rank_chunks

@@ -17,7 +17,7 @@ import pytest
 
 import trimkit
 from tests.conftest import tool_turns_render
-from trimkit._demo import load_corpus
+from trimkit.cli import load_corpus
 
 try:
     from llama_index.core import VectorStoreIndex

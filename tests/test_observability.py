@@ -25,7 +25,7 @@ import trimkit
 import trimkit.metrics
 import trimkit.otel
 from tests.test_server_faults import chunk, reset, sse_reply
-from trimkit._demo import load_corpus, load_history
+from trimkit.cli import load_corpus, load_history
 from trimkit.errors import InfeasibleBudgetError, InvalidInputError, StreamInterruptedError
 from trimkit.report import TTFT_BUCKETS_S
 

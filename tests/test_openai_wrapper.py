@@ -21,8 +21,8 @@ import pytest
 import trimkit
 from tests._server import free_port, running_server
 from tests.test_http_backend import llama_cpp_server_handler
-from trimkit._demo import load_corpus, load_history
 from trimkit.backends.replies import chunk_content
+from trimkit.cli import load_corpus, load_history
 from trimkit.errors import (
     InvalidBudgetError,
     InvalidChunkError,

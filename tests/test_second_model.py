@@ -18,8 +18,8 @@ import pytest
 
 import trimkit
 from tests._core_helpers import contains, evaluated_tokens
-from trimkit._demo import load_corpus, load_history
 from trimkit.backends.llama import llama_prompt_tokenizer
+from trimkit.cli import load_corpus, load_history
 
 SYSTEM = "Always answer as Captain Quill, keeper of the Marrowby lighthouse."
 ASK = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who lit the lamp?"}]

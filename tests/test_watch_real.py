@@ -9,7 +9,7 @@ import copy
 import attrs
 
 import trimkit
-from trimkit._demo import load_corpus
+from trimkit.cli import load_corpus
 from trimkit.planning.watch import FIRST_STEP_TOKENS
 
 SYSTEM = {"role": "system", "content": "You answer questions about the town of Marrowby briefly."}

@@ -7,7 +7,7 @@ import copy
 import pytest
 
 import trimkit
-from trimkit._demo import load_corpus, load_history
+from trimkit.cli import load_corpus, load_history
 
 SYSTEM = {"role": "system", "content": "You answer questions about the town of Marrowby briefly."}
 

@@ -2,6 +2,9 @@
 
 Every sub-command's ``--help`` is its documentation. Errors reach you as one line on stderr and
 a non-zero exit status (2 for bad input, 1 for engine failures), never as a traceback.
+
+In three parts: the commands; what they print (progress, the profile and the report log, as text
+and plots); the demo (``trimkit demo`` and ``make demo``: its corpus, questions and sizing).
 """
 
 from __future__ import annotations
@@ -10,27 +13,33 @@ import argparse
 import json
 import logging
 import os
+import re
+import statistics
 import sys
 import time
-from collections.abc import Sequence
+import unicodedata
+from collections.abc import Callable, Mapping, Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from trimkit import __version__
-from trimkit._calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, calibrate, load_profile, mode_for_budget
-from trimkit._console import ProgressBar, open_llama, plot_profile, plot_report_log, profile_lines, read_report_log, report_log_lines
-from trimkit._demo import TIME_TARGET_S, run_demo
+from trimkit._calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, as_backend, calibrate, load_profile, mode_for_budget
 from trimkit.backends.base import Backend
 from trimkit.backends.http import OpenAIHTTPBackend
-from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError, budget
-from trimkit.messages import coerce_chunks, validate_messages
+from trimkit.backends.llama_format import DEFAULT_MODEL, EMBEDDED_MODELS, check_model_path
+from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError, budget, require_extra
+from trimkit.messages import Chunk, coerce_chunks, validate_messages
 from trimkit.planning.planner import plan as make_plan
 from trimkit.planning.profile import Profile
+from trimkit.planning.values import rank_chunks
 from trimkit.prepared import place_chunks
 from trimkit.report import DEFAULT_WAIT_THRESHOLD_S, READING_SPEED_TOKENS_PER_S, diagnose
 from trimkit.wrapper import wrap
 
-__all__ = ["main", "build_parser", "open_llama", "read_request", "profile_lines"]
+__all__ = ["main", "build_parser", "open_llama", "read_request", "profile_lines", "ProgressBar", "decode_text", "plot_profile", "read_report_log", "report_log_lines", "plot_report_log", "run_demo", "load_corpus", "load_history", "load_questions", "demo_questions", "answer_chunk_status", "answer_is_right", "SYSTEM", "Timeline", "forecast", "size_long_prompt", "answer_tokens", "turn_budget", "HostSpeed", "TIME_TARGET_S", "CALIBRATION_SHARE", "BUDGET_SHARE", "LONG_PROMPT_ANSWER_TOKENS", "SHORT_PROMPT_ANSWER_TOKENS", "TURN_ANSWER_TOKENS", "LONG_PROMPT_DOCS", "SHORT_PROMPT", "decode_s", "predicted_total_s"]
 
 EMBEDDED = "the embedded SmolLM2-135M-Instruct; \"gemma\" names the embedded Gemma-3-270M"
 #: the share of ``trimkit calibrate``'s time budget left for printing and unloading the model
@@ -407,3 +416,707 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+# -- What the command line and the demo show a person: the model they open, a progress bar while ---------
+
+def open_llama(model: str | None, n_ctx: int, chat_format: str | None = None, **kwargs: Any) -> Any:
+    """A ``llama_cpp.Llama`` for ``model`` — a GGUF path, or the name of an embedded model
+    (``"smollm2"``, ``"gemma"``; None = the default, see :mod:`trimkit.backends.llama_format`) — checked first,
+    opened quietly (llama.cpp prints some context-creation notes even with ``verbose=False``; a
+    failed load still raises, with its message)."""
+    llama_cpp = require_extra("llama_cpp", "llama", "opening a GGUF model in process")
+    from llama_cpp._utils import suppress_stdout_stderr
+
+    from trimkit.backends.llama import default_llama
+
+    if model is None or model in EMBEDDED_MODELS:
+        # each with a template that keeps system prompts: SmolLM2's own (in its GGUF), Gemma 3's
+        # (its GGUF has none; llama-cpp-python's "gemma" format drops system messages)
+        if chat_format is not None:
+            kwargs["chat_format"] = chat_format
+        with suppress_stdout_stderr(disable=False):
+            return default_llama(model or DEFAULT_MODEL, n_ctx=n_ctx, **kwargs)
+    path = str(check_model_path(model))
+    with suppress_stdout_stderr(disable=False):
+        return llama_cpp.Llama(model_path=path, n_ctx=n_ctx, verbose=False, chat_format=chat_format, **kwargs)
+
+
+class ProgressBar:
+    """A tqdm progress bar on stderr as a calibration ``progress(done, total, label)`` callback;
+    drawn only when ``enabled``, and only from the first call on."""
+
+    def __init__(self, desc: str, enabled: bool) -> None:
+        self.desc = desc
+        self.enabled = enabled
+        self.bar: tqdm | None = None
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc=self.desc, unit="step", file=sys.stderr, leave=False)
+        self.bar.set_postfix_str(label, refresh=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def profile_lines(profile: Profile) -> list[str]:
+    """The profile as a table a person can read."""
+    key = profile.key
+    out = [
+        f"profile for {key.model}",
+        f"  n_ctx={key.n_ctx} n_batch={key.n_batch} threads={key.n_threads}/{key.n_threads_batch} "
+        f"flash_attn={key.flash_attn} gpu_layers={key.n_gpu_layers} · {key.engine_version} · {key.cpu}",
+        f"  {'prompt tokens':>13} {'cached':>7} {'measured':>10} {'predicted':>10} {'error':>8} {'ms/token':>9}",
+    ]
+    for r in profile.table():
+        out.append(
+            f"  {r['new_tokens']:>13,} {r['cached_tokens']:>7,} {r['measured_s']:>9.3f}s {r['predicted_s']:>9.3f}s "
+            f"{r['error_pct']:>+7.1f}% {r['ms_per_token']:>9.2f}"
+        )
+    m = profile.model
+    out += [
+        f"  model ({m.name}): T(n|k) = {m.overhead_s * 1000:.1f} ms + {m.per_token_s * 1000:.3f} ms·n + "
+        f"{m.depth_s * 1e6:.3f} µs·(n·k + n²/2)" + (f" + {m.per_batch_s * 1000:.1f} ms·⌈n/{m.n_batch}⌉" if m.per_batch_s else ""),
+        f"  held-out error (leave one probe out): median {profile.error.median_pct:.1f} %, p90 {profile.error.p90_pct:.1f} %",
+        _attention_text(profile),
+        f"  first-token overhead {profile.first_token_s * 1000:.1f} ms"
+        + (f" + {profile.first_token_per_token_s * 1e6:.1f} ms per 1,000 prompt tokens (tokenizing it)" if profile.first_token_per_token_s else "")
+        + f" · {decode_text(profile)}",
+        f"  calibrated in {profile.calibration_wall_s:.1f} s ({profile.mode}"
+        + (f", time budget {profile.time_budget_s:g} s" if profile.time_budget_s else "")
+        + (", provisional: it improves from requests" if profile.provisional else "") + ")",
+        f"  probed up to {profile.probed_new_tokens:,} new tokens and {profile.probed_context_tokens:,} tokens of context; "
+        "predictions beyond are extrapolated and get a wider margin",
+    ]
+    return out
+
+
+def _attention_text(profile: Profile) -> str:
+    """Where the per-token cost doubles with context: fitted, and what the model's architecture
+    says (the prior the fit leans on where the probes reach too little context to show it)."""
+    m = profile.model
+    fitted = f"every {m.per_token_s / m.depth_s:,.0f} tokens of context" if m.depth_s > 0 else "not seen in the probes"
+    prior = (f"; the architecture says every {profile.attention_prior_tokens:,.0f} (the prior the fit leans on)"
+             if profile.attention_prior_tokens else "; no architecture prior (the fit has the probes alone)")
+    return f"  attention: the per-token cost doubles {fitted}{prior}"
+
+
+def decode_text(profile: Profile) -> str:
+    """The stream's speed as the profile predicts it: at the shortest and the longest context
+    it measured when decode slows with context (each generated token reads the KV cache of
+    every token before it), else the one speed, with the profile's note."""
+    model = profile.decode_model()
+    if model is None or not model.context_dependent:
+        return f"decode {profile.decode_tokens_per_s:.1f} tokens/s" + (f" ({model.note})" if model is not None and model.note else "")
+    lo, hi = (round(c) for c in model.context_range)
+    return (f"decode {profile.decode_tokens_per_s_at(lo):.1f} tokens/s at {lo:,} tokens of context, "
+            f"{profile.decode_tokens_per_s_at(hi):.1f} at {hi:,} (a longer context decodes slower: each token reads the KV cache)")
+
+
+def plot_profile(profile: Profile, path: str, budget_s: float | None = None) -> str:
+    """Measured prefill time against prompt length, with the fitted curve (and a budget line),
+    written to ``path``. Needs matplotlib (``pip install 'trimkit[plot]'``)."""
+    plt = _pyplot("--plot")
+    cold = [s for s in profile.samples if s.cached_tokens == 0]
+    deep = [s for s in profile.samples if s.cached_tokens > 0]
+    top = max(s.new_tokens + s.cached_tokens for s in profile.samples)
+    xs = list(range(1, top + 1, max(top // 200, 1)))
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    ax.plot([s.new_tokens for s in cold], [s.seconds for s in cold], "o", label="measured (cold prompt)", alpha=0.8)
+    ax.plot(xs, [profile.model.prefill_s(x) for x in xs], "-", label=f"fitted cost model ({profile.model.name})")
+    for k in sorted({s.cached_tokens for s in deep}):
+        pts = [s for s in deep if s.cached_tokens == k]
+        ax.plot([s.new_tokens for s in pts], [s.seconds for s in pts], "s", label=f"measured, after {k:,} cached tokens")
+        ax.plot(xs, [profile.model.prefill_s(x, k) for x in xs], ":", alpha=0.6)
+    if budget_s:
+        ax.axhline(budget_s - profile.first_token_s, color="red", ls="--", label=f"prefill share of a {budget_s:g} s TTFT budget")
+    return _finish(plt, fig, ax, path, "prompt tokens evaluated (n)", "prefill time (s)",
+                   f"Prefill cost on this host — {profile.key.model.split(':')[0]}")
+
+
+def _finish(plt: Any, fig: Any, ax: Any, path: str, xlabel: str, ylabel: str, title: str) -> str:
+    """Label the axes, add the grid and the legend, write the figure to ``path`` and close it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _pyplot(needed_by: str) -> Any:
+    """matplotlib's pyplot, drawing to files only; a clear error naming the extra when it is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InvalidInputError(f"{needed_by} needs matplotlib: pip install 'trimkit[plot]'") from None
+    return plt
+
+
+def read_report_log(path: str) -> list[dict[str, Any]]:
+    """The reports of a report log (one JSON object a line; blank lines skipped)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise InvalidInputError(f"cannot read the report log {path}: {exc.strerror or exc}") from None
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise InvalidInputError(f"{path}, line {n}: not JSON (a report log has one report's to_dict() a line)") from None
+        if not isinstance(row, dict) or "predicted_ttft_s" not in row or "measured_ttft_s" not in row:
+            raise InvalidInputError(f"{path}, line {n}: not a trimkit report (no predicted_ttft_s / measured_ttft_s)")
+        rows.append(row)
+    if not rows:
+        raise InvalidInputError(f"{path} holds no reports")
+    return rows
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q * 100) - 1] if len(values) > 1 else values[0]
+
+
+def report_log_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The summary figures of a report log, as lines a person reads."""
+    measured = [r["measured_ttft_s"] for r in rows if r.get("measured_ttft_s") is not None]
+    budgeted = [r for r in rows if r.get("budget_met") is not None]
+    met = sum(1 for r in budgeted if r["budget_met"])
+    errors = [abs(r["ttft_error_pct"]) for r in rows if r.get("ttft_error_pct") is not None]
+    decode = [r["decode_tokens_per_s"] for r in rows if r.get("decode_tokens_per_s")]
+    removed = sum(max((r.get("prompt_tokens_before") or 0) - (r.get("prompt_tokens") or 0), 0) for r in rows)
+    lines = [f"{len(rows)} requests: {sum(1 for r in rows if not r.get('passthrough', True))} trimmed, "
+             f"{sum(1 for r in rows if r.get('replans'))} re-planned while prefilling, "
+             f"{sum(1 for r in rows if r.get('error_type'))} ended in an error, {removed:,} prompt tokens removed"]
+    if budgeted:
+        lines.append(f"budget met: {met} of {len(budgeted)} budgeted requests ({met / len(budgeted):.0%})")
+    if measured:
+        lines.append(f"measured TTFT: median {statistics.median(measured):.3f} s, p90 {_quantile(measured, 0.9):.3f} s, "
+                     f"max {max(measured):.3f} s")
+    if errors:
+        lines.append(f"prediction error |predicted − measured| / measured: median {statistics.median(errors):.1f} %, "
+                     f"p90 {_quantile(errors, 0.9):.1f} %")
+    if decode:
+        lines.append(f"decode (left untouched): median {statistics.median(decode):.1f} tokens/s")
+    return lines
+
+
+def plot_report_log(rows: Sequence[Mapping[str, Any]], path: str, title: str = "") -> str:
+    """Predicted and measured TTFT per request with the budget line; re-plans and misses marked.
+    Written to ``path`` (PNG). Needs matplotlib (``pip install 'trimkit[plot]'``)."""
+    plt = _pyplot("trimkit report")
+    xs = list(range(1, len(rows) + 1))
+    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=110)
+    budget = [r.get("ttft_budget_s") for r in rows]
+    if any(b is not None for b in budget):
+        ax.step(xs, [float("nan") if b is None else b for b in budget], where="mid", color="red", ls="--", lw=1.2, label="TTFT budget")
+    ax.plot(xs, [_nan(r.get("predicted_ttft_s")) for r in rows], "o", mfc="none", color="tab:blue", label="predicted (prompt sent)")
+    ax.plot(xs, [_nan(r.get("measured_ttft_s")) for r in rows], ".", ms=9, color="tab:green", label="measured")
+    misses = [(x, r["measured_ttft_s"]) for x, r in zip(xs, rows) if r.get("budget_met") is False and r.get("measured_ttft_s") is not None]
+    if misses:
+        ax.plot(*zip(*misses), "x", ms=10, mew=2, color="red", label=f"missed the budget ({len(misses)})")
+    replanned = [x for x, r in zip(xs, rows) if r.get("replans")]
+    for i, x in enumerate(replanned):
+        ax.axvline(x, color="tab:orange", alpha=0.35, lw=3, label=f"re-planned while prefilling ({len(replanned)})" if i == 0 else None)
+    failed = [x for x, r in zip(xs, rows) if r.get("error_type")]
+    for i, x in enumerate(failed):
+        ax.axvline(x, color="grey", ls=":", label=f"ended in an error ({len(failed)})" if i == 0 else None)
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+    ax.set_ylim(bottom=0)
+    return _finish(plt, fig, ax, path, "request", "time to first token (s)", title or "Predicted vs measured TTFT")
+
+
+def _nan(value: Any) -> float:
+    return float("nan") if value is None else float(value)
+
+
+# -- ``trimkit demo``: the two phases, then a RAG chat kept under a TTFT budget, on the embedded model. ---
+
+# -- sizing: how much of the demo fits this host ---------------------------------------------------------
+
+#: What the whole demo aims to take on any host: loading the model, calibrating (unless a profile
+#: is stored) and every request. What it runs is sized to this from the host's measured speed.
+TIME_TARGET_S = 150.0
+#: The share of the time target a calibration may take when no usable profile is stored.
+CALIBRATION_SHARE = 0.2
+#: Without ``--budget``, the chat's budget is the predicted TTFT of this share of the untrimmed prompt.
+BUDGET_SHARE = 0.45
+#: Generated tokens: the long prompt's short answer, the short prompt's long answer (at most; fewer
+#: where decode is slow), a chat turn's answer.
+LONG_PROMPT_ANSWER_TOKENS = 24
+SHORT_PROMPT_ANSWER_TOKENS = 96
+TURN_ANSWER_TOKENS = 32
+#: The long prompt of part 2 holds up to this many corpus documents (fewer where prefill is slow).
+LONG_PROMPT_DOCS = 10
+
+
+class Timeline:
+    """The demo's clock: time spent, time left of the target, each request's share, a line per step.
+
+    A request may take an equal share of the time left among the requests still to come, so time
+    one request did not use goes to the next ones and time one overran is taken from them."""
+
+    def __init__(self, target_s: float, clock: Callable[[], float] = time.perf_counter, out: Any = None) -> None:
+        self.target_s = target_s
+        self.clock = clock
+        self.out = out
+        self.t0 = clock()
+
+    def elapsed(self) -> float:
+        return self.clock() - self.t0
+
+    def left(self) -> float:
+        return max(self.target_s - self.elapsed(), 0.0)
+
+    def share(self, requests_left: int) -> float:
+        """The most the next request may take (predicted TTFT + decode)."""
+        return self.left() / max(requests_left, 1)
+
+    def step(self, text: str) -> None:
+        print(f"[{self.elapsed():6.1f} s] {text}", file=self.out or sys.stdout, flush=True)
+
+
+class HostSpeed:
+    """What the demo plans with: the wrapper's (live) profile for TTFT, and the decode speed the
+    last request measured — the profile's until one has (a calibration short of time may only
+    have estimated it)."""
+
+    def __init__(self, trimmer: Any) -> None:
+        self.trimmer = trimmer
+        self.measured_tps: float | None = None
+
+    def predict_ttft_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        return self.trimmer.profile.predict_ttft_s(new_tokens, cached_tokens)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.measured_tps or self.trimmer.profile.decode_tokens_per_s
+
+    def learn(self, report: Any) -> None:
+        tps = getattr(report, "decode_tokens_per_s", None)
+        if tps is not None and tps > 0:
+            self.measured_tps = tps
+
+
+def decode_s(speed: Any, max_tokens: int) -> float:
+    tps = speed.decode_tokens_per_s
+    return max_tokens / tps if tps > 0 else 0.0
+
+
+def predicted_total_s(speed: Any, prepared: Any, max_tokens: int) -> float:
+    """Predicted TTFT plus the decode of ``max_tokens``."""
+    return (prepared.predicted_ttft_s or 0.0) + decode_s(speed, max_tokens)
+
+
+def answer_tokens(speed: Any, wanted: int, room_s: float) -> int:
+    """Tokens an answer may generate: ``wanted``, fewer when their decode would not fit in
+    ``room_s`` at the decode speed (at least one: the wait before it is the point)."""
+    tps = speed.decode_tokens_per_s
+    if tps <= 0:
+        return wanted
+    return int(min(wanted, max(room_s * tps, 1)))
+
+
+def _long_prompt(corpus: Sequence[dict[str, Any]], docs: int) -> list[dict[str, Any]]:
+    text = "\n\n".join(d["text"] for d in corpus[:docs])
+    return [{"role": "user", "content": text + "\n\nIn one sentence: what is this text about?"}]
+
+
+SHORT_PROMPT = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+def size_long_prompt(trimmer: Any, speed: Any, corpus: Sequence[dict[str, Any]], bound_s: float, max_tokens: int) -> tuple[Any, int]:
+    """The longest prompt of up to :data:`LONG_PROMPT_DOCS` corpus documents whose predicted TTFT
+    plus ``max_tokens`` of decode fits ``bound_s`` (one document if none fits): ``(prepared, documents)``."""
+    lo, hi = 1, min(LONG_PROMPT_DOCS, len(corpus))
+    best = None
+    while lo <= hi:  # the prediction grows with the documents: bisect
+        mid = (lo + hi) // 2
+        prepared = trimmer.prepare(_long_prompt(corpus, mid))
+        if predicted_total_s(speed, prepared, max_tokens) <= bound_s:
+            best, lo = (prepared, mid), mid + 1
+        else:
+            hi = mid - 1
+    return best or (trimmer.prepare(_long_prompt(corpus, 1)), 1)
+
+
+def turn_budget(speed: Any, untrimmed: int, minimal_ttft_s: float, bound_s: float, share: float, max_tokens: int) -> tuple[float, str]:
+    """The chat's TTFT budget without ``--budget``: the predicted TTFT of ``share`` of the untrimmed
+    prompt, capped so a turn (TTFT + ``max_tokens`` of decode) fits ``bound_s``, but never under the
+    predicted TTFT of the smallest prompt (system and question alone). ``(budget, how it was derived)``."""
+    share_tokens = max(int(untrimmed * share), 1)
+    budget = speed.predict_ttft_s(share_tokens, 0)
+    derived = (
+        f"  budget {budget:.2f} s: the profile's predicted TTFT for {share:.0%} of the untrimmed "
+        f"prompt ({share_tokens:,} of {untrimmed:,} tokens, nothing cached) on this host"
+    )
+    cap = bound_s - decode_s(speed, max_tokens)
+    if budget > cap:
+        budget = max(cap, minimal_ttft_s)
+        derived += (f",\n  capped at {budget:.2f} s so a turn (TTFT + {max_tokens} tokens of decode) fits its "
+                    f"{bound_s:.1f} s share of the time left")
+    return budget, derived
+
+
+# -- the demo: its data, its steps, its checks -----------------------------------------------------------
+
+def _data_lines(name: str) -> list[dict[str, Any]]:
+    text = resources.files("trimkit").joinpath(f"data/{name}").read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def load_corpus() -> list[dict[str, Any]]:
+    """The demo corpus: 40 short documents about the fictional town of Marrowby."""
+    return _data_lines("corpus.jsonl")
+
+
+def load_history() -> list[dict[str, str]]:
+    """A 30-message demo conversation (user/assistant alternating)."""
+    return _data_lines("history.jsonl")
+
+
+def load_questions() -> list[dict[str, str]]:
+    """One question per corpus document, with its answer and document id."""
+    return _data_lines("questions.jsonl")
+
+
+#: The documents whose questions the demo asks, in order: the first for the untrimmed request,
+#: the others turn after turn under the budget. Chosen as questions the default model
+#: (SmolLM2-135M-Instruct, greedy) answers right when it reads the answer's chunk — the demo shows
+#: what trimming does, not how often a 135M model reads right: that is benchmarks/rag_answers.py's
+#: figure, on a generated set nobody chose (docs/benchmarks.md).
+DEMO_DOCS = ("doc-04", "doc-03", "doc-05", "doc-06", "doc-07")
+
+
+def demo_questions(turns: int) -> list[dict[str, str]]:
+    """The demo's questions (:data:`DEMO_DOCS`, then the corpus's others in order) for ``turns``
+    budgeted turns after the untrimmed request."""
+    every = load_questions()
+    chosen = [q for d in DEMO_DOCS for q in every if q["doc_id"] == d]
+    return (chosen + [q for q in every if q["doc_id"] not in DEMO_DOCS])[: turns + 1]
+
+
+# The model sees this (the default model's ChatML template gives it a system turn; Gemma 3's template
+# puts it at the head of the first user turn). Phrased as a task, not as "You are …": the 270M base
+# model tends to repeat a "You are …" preamble as its answer.
+SYSTEM = (
+    "Answer the visitor's question about Marrowby in one short sentence, using only the retrieved "
+    "context and the conversation. If the context does not hold the answer, say so."
+)
+
+
+def _rule(title: str) -> None:
+    print()
+    print(f"== {title} " + "=" * max(4, 76 - len(title)), flush=True)
+
+
+def _normalised(text: str) -> str:
+    """Lower case, dashes and quotes made plain, punctuation off, whitespace collapsed."""
+    text = unicodedata.normalize("NFKC", text).casefold()
+    text = text.translate(_PLAIN)
+    text = re.sub(r"[^\w\s]", " ", text)
+    return " ".join(text.split())
+
+
+_PLAIN = str.maketrans({"\u2010": "-", "\u2011": "-", "\u2012": "-", "\u2013": "-", "\u2014": "-", "\u2019": "'", "\u2018": "'",
+                        "\u201c": '"', "\u201d": '"'})
+
+
+def answer_is_right(answer: str | None, expected: str) -> bool:
+    """True when ``answer`` contains ``expected`` as whole words, both normalised (case, dashes,
+    quotes, punctuation and spacing do not count): ``"It was lit in 1863."`` answers ``"1863"``,
+    ``"18630"`` does not. An empty or missing answer is wrong."""
+    want = _normalised(expected)
+    if not answer or not want:
+        return False
+    return f" {want} " in f" {_normalised(answer)} "
+
+
+def answer_chunk_status(plan: Any, chunks: Sequence[Any], doc_id: str) -> str:
+    """What a plan did with the chunk that holds the answer: ``"kept whole"``, ``"kept as an
+    excerpt"``, ``"dropped"`` or ``"not retrieved"`` (it was not among ``chunks``).
+
+    Reads only ``plan.kept_chunks`` and ``plan.dropped_chunks``; a kept excerpt is a chunk with
+    the original id and shorter text. ``plan`` None means nothing was planned: all kept."""
+    original = {c.id: c.text for c in chunks}
+    if doc_id not in original:
+        return "not retrieved"
+    if plan is None:
+        return "kept whole"
+    for c in plan.kept_chunks:
+        if c.id == doc_id:
+            return "kept whole" if c.text == original[doc_id] else "kept as an excerpt"
+    return "dropped"
+
+
+def _send(trimmer: Any, prepared: Any, params: dict[str, Any]) -> tuple[str, Any]:
+    """Send a planned request, printing the answer as it streams: ``(answer, report)``."""
+    stream = trimmer.execute(prepared, params)
+    parts: list[str] = []
+    print("   answer: ", end="", flush=True)
+    for chunk in stream:
+        for choice in chunk.get("choices", []):
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                if not parts:
+                    text = text.lstrip()
+                parts.append(text)
+                print(text.replace("\n", "\n           "), end="", flush=True)
+    print(flush=True)
+    return "".join(parts), stream.report
+
+
+def _run(trimmer: Any, speed: HostSpeed, prepared: Any, params: dict[str, Any], tl: Timeline, bound_s: float) -> tuple[str | None, Any, float]:
+    """Send ``prepared`` unless it is predicted to take over ``bound_s``; a line says which, with
+    the prediction. ``(answer or None, report or None, predicted seconds)``."""
+    max_tokens = params["max_tokens"]
+    predicted = predicted_total_s(speed, prepared, max_tokens)
+    what = (
+        f"{len(prepared.prompt_tokens):,} prompt tokens" + (f" ({prepared.cached_tokens:,} cached)" if prepared.cached_tokens else "")
+        + f": predicted TTFT {prepared.predicted_ttft_s or 0.0:.1f} s + up to {max_tokens} tokens of decode = {predicted:.1f} s"
+    )
+    if predicted > bound_s:
+        tl.step(f"not run — {what}, over the {bound_s:.1f} s this request may take (its share of the {tl.left():.0f} s left)")
+        return None, None, predicted
+    tl.step(f"running — {what}")
+    answer, report = _send(trimmer, prepared, params)
+    speed.learn(report)
+    return answer, report, predicted
+
+
+def _calibrated(target: Any, quick: bool, tl: Timeline, clock: Callable[[], float]) -> tuple[Any, str]:
+    """The stored profile (quick or full) if there is one, else a calibration bounded to
+    :data:`CALIBRATION_SHARE` of the time target (and to the mode's own bound)."""
+    stored = load_profile(as_backend(target).profile_key())
+    if stored is not None and not stored.provisional:
+        return stored, f"reused the profile stored on {time.strftime('%Y-%m-%d %H:%M', time.localtime(stored.created_at))}"
+    mode = "quick" if quick else "full"
+    budget = min(QUICK_BUDGET_S if quick else FULL_BUDGET_S, CALIBRATION_SHARE * tl.target_s)
+    tl.step(f"calibrating ({mode}, at most {budget:.0f} s: a first short probe measures this host's speed, the "
+            "other probes are sized to the time left; stored for next time)")
+    bar = ProgressBar("calibrating", enabled=True)
+
+    def progress(done: int, total: int, label: str) -> None:
+        if bar.bar is not None and bar.bar.total != total:  # the schedule is resized as it learns the speed
+            bar.bar.total = total
+        bar(done, total, label)
+
+    t0 = clock()
+    try:
+        profile = calibrate(target, mode=mode, time_budget_s=budget, progress=progress, clock=clock)
+    finally:
+        bar.close()
+    return profile, f"measured now in {clock() - t0:.1f} s"
+
+
+def forecast(
+    plain: Any, speed: Any, corpus: Sequence[dict[str, Any]], rag: Any, minimal_ttft_s: float, left_s: float, turns: int,
+    budget_s: float | None, budget_share: float,
+) -> tuple[float, int]:
+    """What the demo's requests are predicted to take in all on this host, sized and shared out
+    as :func:`run_demo` will: ``(seconds, requests predicted to run)``."""
+    n, total, ran = 3 + turns, 0.0, 0
+
+    def take(predicted: float, bound: float) -> None:
+        nonlocal n, total, ran, left_s
+        n -= 1
+        if predicted <= bound:
+            total, ran, left_s = total + predicted, ran + 1, left_s - predicted
+
+    bound = left_s / n
+    max_tokens = answer_tokens(speed, LONG_PROMPT_ANSWER_TOKENS, bound / 2)
+    long_prep, _ = size_long_prompt(plain, speed, corpus, bound, max_tokens)
+    take(predicted_total_s(speed, long_prep, max_tokens), bound)
+    bound = left_s / n
+    short_prep = plain.prepare(SHORT_PROMPT)
+    max_tokens = answer_tokens(speed, SHORT_PROMPT_ANSWER_TOKENS, bound - (short_prep.predicted_ttft_s or 0.0))
+    take(predicted_total_s(speed, short_prep, max_tokens), bound)
+    bound = left_s / n
+    take(predicted_total_s(speed, rag, answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2)), bound)
+    bound = left_s / n
+    max_tokens = answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2)
+    if budget_s is None:
+        budget_s, _ = turn_budget(speed, len(rag.prompt_tokens), minimal_ttft_s, bound, budget_share, max_tokens)
+    for _ in range(turns):
+        bound = left_s / n
+        take(min(budget_s, rag.predicted_ttft_s or 0.0) + decode_s(speed, max_tokens), bound)
+    return total, ran
+
+
+def run_demo(
+    *,
+    model: str | None = None,
+    budget_s: float | None = None,
+    budget_share: float = BUDGET_SHARE,
+    turns: int = 3,
+    n_ctx: int = 8192,
+    quick: bool = False,
+    json_path: str | None = None,
+    time_target_s: float = TIME_TARGET_S,
+    llm: Any = None,
+    clock: Callable[[], float] = time.perf_counter,
+    report_log: Any = None,
+) -> int:
+    """Run the demo in about ``time_target_s`` at most, on any host: a stored profile or a
+    calibration bounded in time, then requests sized from the profile's predictions to the time
+    left (one predicted not to fit is not run: its prediction is printed). ``budget_s`` None: the
+    chat's budget is the predicted TTFT of ``budget_share`` of the untrimmed prompt on this host
+    (so it trims on any machine), capped so each turn fits.
+
+    ``llm``: an opened ``llama_cpp.Llama`` or a trimkit backend to use instead of opening
+    ``model`` (tests pass a :class:`~trimkit.testing.FakeBackend` and its ``clock``); ``report_log``:
+    every request's report as a JSON line there too (``trimkit report FILE`` draws it)."""
+    tl = Timeline(time_target_s, clock)
+    try:  # a line per step, also when stdout is a pipe (make demo | tee)
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    except (AttributeError, ValueError):
+        pass
+    requests = 3 + turns
+    print(
+        f"trimkit demo: sized to finish within about {time_target_s:.0f} s on this host — load the model, calibrate\n"
+        f"(at most {CALIBRATION_SHARE * time_target_s:.0f} s; none if a profile is stored), then up to {requests} requests, "
+        "each sized from the profile\nto its share of the time left. A request predicted not to fit is not run; its "
+        "prediction is printed.",
+        flush=True,
+    )
+    reports: list[dict[str, Any]] = []
+    if llm is None:
+        tl.step(f"loading the model ({model or 'the embedded SmolLM2-135M-Instruct'}, n_ctx {n_ctx:,})")
+        llm = open_llama(model, n_ctx)
+    _rule("1. Calibration: what prefill costs on this machine")
+    profile, how = _calibrated(llm, quick, tl, clock)
+    print("\n".join(profile_lines(profile)))
+    print(f"  ({how})")
+
+    corpus = load_corpus()
+    plain = wrap(llm, profile=profile, report_log=report_log)  # no budget: measure and report only
+    speed = HostSpeed(plain)
+    history = load_history()
+    questions = demo_questions(turns)
+    chunk_texts = [Chunk(text=d["text"], id=d["id"]) for d in corpus]
+
+    def retrieved(question: str) -> list[Any]:
+        # a retriever would hand over its top 12; we use the library's own BM25 for that here
+        return list(rank_chunks(chunk_texts, question)[:12])
+
+    q0 = questions[0]["question"]
+    rag_msgs = [{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": q0}]
+    rag = plain.prepare(rag_msgs, retrieved(q0))
+    minimal_ttft_s = plain.prepare([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q0}]).predicted_ttft_s or 0.0
+    est, fit = forecast(plain, speed, corpus, rag, minimal_ttft_s, tl.left(), turns, budget_s, budget_share)
+    tl.step(
+        f"estimate: {fit} of {requests} requests fit, predicted {est:.0f} s in all → about {tl.elapsed() + est:.0f} s for the "
+        f"demo (target {time_target_s:.0f} s; on this host TTFT {profile.predict_ttft_s(1000, 0):.2f} s for 1,000 prompt "
+        f"tokens, decode {profile.decode_tokens_per_s:.1f} tokens/s)"
+    )
+
+    _rule("2. The two phases: a long prompt and a short one, no budget")
+    bound = tl.share(requests)
+    max_tokens = answer_tokens(speed, LONG_PROMPT_ANSWER_TOKENS, bound / 2)
+    prepared, docs = size_long_prompt(plain, speed, corpus, bound, max_tokens)
+    print(f"\n-- long prompt ({docs} document{'s' if docs > 1 else ''}), short answer")
+    _answer, rep, predicted = _run(plain, speed, prepared, {"max_tokens": max_tokens, "temperature": 0.7}, tl, bound)
+    requests -= 1
+    _record(reports, "two phases", "long prompt, short answer", rep, predicted, bound)
+
+    bound = tl.share(requests)
+    prepared = plain.prepare(SHORT_PROMPT)
+    max_tokens = answer_tokens(speed, SHORT_PROMPT_ANSWER_TOKENS, bound - (prepared.predicted_ttft_s or 0.0))
+    print(f"\n-- short prompt, long answer (up to {max_tokens} tokens)")
+    _answer, rep, predicted = _run(plain, speed, prepared, {"max_tokens": max_tokens, "temperature": 0.7}, tl, bound)
+    requests -= 1
+    _record(reports, "two phases", "short prompt, long answer", rep, predicted, bound)
+    print(
+        "\n  The long prompt waits before its first token (prefill grows with the prompt); the short one\n"
+        "  starts at once. Its stream is faster too (each generated token reads the KV cache of the\n"
+        "  prompt: compare the two decode lines), but the wait is what grows most. trimkit aims at the wait."
+    )
+
+    _rule(f"3. A RAG chat: {len(history)} earlier messages + 12 retrieved chunks")
+    print("\n-- untrimmed")
+    bound = tl.share(requests)
+    rag = plain.prepare(rag_msgs, retrieved(q0))  # again: what is cached now is not what was cached then
+    params = {"max_tokens": answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2), "temperature": 0.2}
+    _answer, rep, predicted = _run(plain, speed, rag, params, tl, bound)
+    requests -= 1
+    _record(reports, "rag chat", "untrimmed", rep, predicted, bound)
+
+    # the budget: given, or what this host needs to prefill a share of the untrimmed prompt
+    q1 = questions[1]["question"] if len(questions) > 1 else q0
+    first = [{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": q1}]
+    untrimmed = len(plain.prepare(first, retrieved(q1)).prompt_tokens)
+    bound = tl.share(requests)
+    params = {"max_tokens": answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2), "temperature": 0.2}
+    if budget_s is None:
+        budget_s, derived = turn_budget(speed, untrimmed, minimal_ttft_s, bound, budget_share, params["max_tokens"])
+    else:
+        derived = f"  budget {budget_s:g} s (--budget); the untrimmed prompt is {untrimmed:,} tokens, " \
+                  f"predicted {plain.profile.predict_ttft_s(untrimmed, 0):.2f} s with nothing cached"
+
+    _rule(f"4. The same chat under a TTFT budget of {budget_s:.2f} s, turn after turn")
+    print(derived)
+    chat = wrap(llm, ttft_budget_s=budget_s, profile=plain.profile, report_log=report_log)
+    convo = [{"role": "system", "content": SYSTEM}, *history]
+    kept_answer = right = 0
+    turn_params = {**params, "temperature": 0.0}  # greedy: the same prompt gets the same answer
+    for turn, q in enumerate(questions[1 : turns + 1], start=1):
+        convo.append({"role": "user", "content": q["question"]})
+        chunks = retrieved(q["question"])
+        prepared = chat.prepare(convo, chunks, turn_params)
+        status = answer_chunk_status(prepared.plan, chunks, q["doc_id"])
+        kept_answer += status.startswith("kept")
+        plan = prepared.plan
+        kept_n = len(plan.kept_chunks) if plan is not None else len(chunks)
+        print(f"\n-- turn {turn}: {q['question']}")
+        print(f"   answer chunk {q['doc_id']}: {status} ({kept_n} of {len(chunks)} chunks kept)")
+        bound = tl.share(requests)
+        answer, rep, predicted = _run(chat, speed, prepared, turn_params, tl, bound)
+        requests -= 1
+        is_right = answer_is_right(answer, q["answer"])
+        _record(reports, "budget", f"turn {turn}", rep, predicted, bound,
+                answer_chunk={"id": q["doc_id"], "status": status}, answer=answer, expected=q["answer"], right=is_right)
+        if rep is None:
+            convo.pop()
+            continue
+        right += is_right
+        print(f"   expected {q['answer']!r}: {'right' if is_right else 'WRONG'}")
+        convo.append({"role": "assistant", "content": answer or ""})
+        chat.idle()
+    met = [r["report"]["budget_met"] for r in reports if r["part"] == "budget" and r["report"] is not None]
+    print(
+        f"\n  budget met on {sum(bool(m) for m in met)} of {len(met)} turns run; answered right on {right} of {len(met)}; the "
+        f"answer's chunk was kept on {kept_answer} of {turns} turns; decode parameters were never touched (a faster stream is the shorter "
+        "context's side effect, stated as such in the reports)."
+    )
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(reports, fh, indent=1)
+        print(f"  reports written to {json_path}")
+    tl.step(f"done in {tl.elapsed():.0f} s (target {time_target_s:.0f} s; the requests were predicted at {est:.0f} s)")
+    return 0
+
+
+def _record(reports: list[dict[str, Any]], part: str, label: str, rep: Any, predicted: float, bound: float, **extra: Any) -> None:
+    """Print a run request's report and keep it for ``--json``; a request not run is kept with
+    its prediction and the share of time it would have exceeded."""
+    if rep is not None:
+        print(rep)
+    entry: dict[str, Any] = {"part": part, "label": label, "report": rep.to_dict() if rep is not None else None}
+    if rep is None:
+        entry["not_run"] = {"predicted_s": predicted, "bound_s": bound}
+    entry.update(extra)
+    reports.append(entry)
