@@ -43,6 +43,7 @@ from trimkit.backends.replies import MAX_EVENT_BYTES, ServerStats, as_mapping, e
 from trimkit.backends.server import DelegatedProbes, ServerEvidence, ServerProbes
 from trimkit.backends.transport import AsyncTimedStream, redact_url, status_error, transport_error
 from trimkit.errors import InvalidInputError, MalformedReplyError, ServerError, StreamInterruptedError
+from trimkit.planning.costs import CacheState
 
 __all__ = ["OllamaBackend", "plain_messages", "client_messages", "client_tools", "DEFAULT_OLLAMA_CTX", "OLLAMA_SEND_KEYS"]
 
@@ -208,6 +209,9 @@ class OllamaBackend(DelegatedProbes, Backend):
 
     def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         return self.evidence.predict_cached_tokens(prompt_tokens)
+
+    def cache_state(self) -> CacheState:
+        return self.evidence.cache_state()
 
     def _sync_http(self) -> httpx.Client:
         if not self.client_is_async:

@@ -86,6 +86,7 @@ from trimkit.backends.replies import (
 from trimkit.backends.routing import RouterInfo
 from trimkit.backends.transport import MISSING_STATUSES, StreamState, read_capped
 from trimkit.errors import CalibrationError, ContextTooSmallError, InvalidInputError, MalformedReplyError, ServerError
+from trimkit.planning.costs import CacheState
 
 __all__ = [
     "MAX_CONTEXT_TOKENS", "MAX_TOKEN_ID", "ModelEntry", "ModelList", "parse_models", "parse_props",
@@ -764,6 +765,16 @@ class ServerEvidence:
         lcp = reusable_prefix_len(last, prompt_tokens)
         block = self.cache_block()
         return (lcp // block) * block
+
+    def cache_state(self, key: str | None = None) -> CacheState:
+        """:meth:`predict_cached_tokens` as data: the last prompt sent (with ``key``, as there)
+        and the cache block; nothing once the server has shown it does not reuse prefixes."""
+        with self.lock:
+            last = self.keyed.get(key, self.last_prompt) if key is not None else self.last_prompt
+            reuse = self.prefix_reuse
+        if reuse is False or not last:
+            return CacheState()
+        return CacheState(prompts=(last,), block=self.cache_block())
 
     def remember(self, key: str, prompt_tokens: Sequence[int]) -> None:
         """``prompt_tokens`` were sent with routing ``key``: what that key's worker holds next."""
