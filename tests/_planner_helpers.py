@@ -4,9 +4,12 @@ need no model, and small conversation builders."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from trimkit.planning.costs import CostModel, ErrorStats
+import attrs
+
+from trimkit.planning.costs import CacheState, CostModel, ErrorStats
 from trimkit.planning.planner import PlanState
 from trimkit.planning.profile import Profile, ProfileKey
 from trimkit.planning.tokens import PromptTokenizer
@@ -65,6 +68,27 @@ def tokens_of(messages: list[dict[str, Any]]) -> int:
 def budget_for_tokens(n: int, profile: Profile = PROFILE) -> float:
     """A budget whose target (budget less the safety margin) fits exactly ``n`` uncached tokens."""
     return profile.predict_ttft_s(n) / (1 - profile.safety_margin)
+
+
+def holding(*held: tuple[list[dict[str, Any]], int]) -> CacheSpy:
+    """An engine's cache holding, for each ``(messages, n)``, the first ``n`` tokens of that
+    prompt (and then tokens no prompt has)."""
+    prompts = []
+    for messages, n in held:
+        tokens = tokenizer().prompt_tokens(messages)
+        prompts.append([*tokens[:n], *[-1] * (len(tokens) - n + 1)])
+    return CacheSpy(prompts=prompts)
+
+
+@attrs.frozen(eq=False)
+class CacheSpy(CacheState):
+    """A :class:`CacheState` that records the prompts a plan looks up in it."""
+
+    looked_up: list[list[int]] = attrs.field(factory=list)
+
+    def cached(self, tokens: Sequence[int], cost: Callable[[int, int], float] | None = None) -> int:
+        self.looked_up.append(list(tokens))
+        return super().cached(tokens, cost)
 
 
 def state(messages: list[dict[str, Any]], *, budget: float, **kwargs: Any) -> PlanState:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from tests._planner_helpers import PROFILE, budget_for_tokens, conversation, tokenizer, tokens_of
 from trimkit.errors import InfeasibleBudgetError
 from trimkit.messages import Chunk
+from trimkit.planning.costs import CacheState
 from trimkit.planning.planner import plan
 from trimkit.planning.solver import RESOLUTION, knapsack
 from trimkit.planning.values import ValueModel
@@ -194,13 +195,10 @@ def _next_question_plans(tok, budgets, margins):
     cached = reusable_prefix_len(cache, tok.prompt_tokens(untrimmed.messages, None))
     assert cached > len(tok.prompt_tokens(msgs[:1] + msgs[-1:], None))  # the history is cached
 
-    def probe(candidate):
-        return reusable_prefix_len(cache, tok.prompt_tokens(candidate, None))
-
     for budget in budgets:
         for margin in margins:
             p = plan(msgs, ttft_budget_s=budget, profile=profile, tokenizer=tok, rag_chunks=chunks, cached_tokens=cached,
-                     cache_probe=probe, safety_margin=margin)
+                     cache=CacheState(prompts=(cache,)), safety_margin=margin)
             yield p, budget * (1 - margin), questions[1]["doc_id"]
 
 

@@ -173,6 +173,9 @@ def test_a_conversation_sticks_to_the_replica_holding_its_prefix(hosts, profile)
         assert chat.last_report.endpoint == B and chat.last_report.cached_tokens_predicted > 200
         assert chat.last_report.measurement.cached_tokens == chat.last_report.cached_tokens_predicted  # the server agrees
         y1 = y
+    for ep in chat.endpoints:  # what a plan reads of a replica's cache (data) is what the replica predicts
+        tokens = ep.backend.tokenizer.prompt_tokens(follow_up(x1, "Once more?"))
+        assert ep.backend.cache_state().cached(tokens) == ep.backend.predict_cached_tokens(tokens)
 
 
 def test_a_busy_replica_loses_only_when_its_wait_outweighs_its_cache(hosts, profile):

@@ -502,6 +502,8 @@ def test_vllm_is_recognised_and_predictions_round_to_its_block():
     assert backend.predict_cached_tokens(prompt[:90] + [9999] * 10) == 80  # LCP 90 → 5 blocks of 16
     assert backend.predict_cached_tokens(prompt) == 96  # at least one token is evaluated again
     assert backend.prefix_reuse is True
+    for tokens in (prompt[:90] + [9999] * 10, prompt, [5]):  # the same counts, as data a plan reads
+        assert backend.cache_state().cached(tokens) == backend.predict_cached_tokens(tokens)
 
 
 def test_a_server_that_shows_no_reuse_is_predicted_to_reuse_nothing(caplog):
@@ -514,6 +516,7 @@ def test_a_server_that_shows_no_reuse_is_predicted_to_reuse_nothing(caplog):
         backend.send(ASK, {}, prompt_tokens=prompt + [7, 8]).drain()
     assert m.cached_tokens == 0 and m.server["predicted_cached_tokens"] == 96
     assert backend.prefix_reuse is False and backend.predict_cached_tokens(prompt + [7, 8, 9]) == 0
+    assert backend.cache_state().cached(prompt + [7, 8, 9]) == 0
     assert caplog.text.count("reused no cached tokens") == 1
 
 

@@ -57,6 +57,7 @@ def test_second_turn_reuses_the_cached_prefix_and_prediction_matches(backend):
     second = [*HISTORY, {"role": "user", "content": "And what about the ferry to the island?"}]
     tokens = backend.tokenizer.prompt_tokens(second)
     predicted = backend.predict_cached_tokens(tokens)
+    assert backend.cache_state().cached(tokens) == predicted  # the same count, as data a plan reads
     m = backend.send(second, {"max_tokens": 4}, prompt_tokens=tokens).drain()
     assert predicted > 10
     assert m.cached_tokens == predicted
@@ -90,6 +91,7 @@ def test_prefix_snapshot_restores_kv_without_prefill(backend):
     q_tokens = backend.tokenizer.prompt_tokens(question)
     cached, chosen = backend.best_cache(q_tokens)
     assert chosen is snap and cached >= len(tokens) - 8  # up to where the texts diverge
+    assert backend.cache_state().cached(q_tokens) == cached  # the snapshot counts in the data a plan reads
     backend.restore_prefix(chosen)
     m = backend.send(question, {"max_tokens": 2}, prompt_tokens=q_tokens).drain()
     assert m.cached_tokens == cached

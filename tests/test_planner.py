@@ -6,7 +6,7 @@ import statistics
 import attrs
 import pytest
 
-from tests._planner_helpers import PROFILE, budget_for_tokens, conversation, fresh_tokenizer, tokenizer, tokens_of, tool_turn
+from tests._planner_helpers import PROFILE, budget_for_tokens, conversation, fresh_tokenizer, holding, tokenizer, tokens_of, tool_turn
 from trimkit.errors import (
     InfeasibleBudgetError,
     InvalidBudgetError,
@@ -15,10 +15,10 @@ from trimkit.errors import (
     InvalidMessageError,
     InvalidNumberError,
 )
-from trimkit.messages import Chunk
+from trimkit.messages import Chunk, append_text
 from trimkit.planning.planner import Plan, plan
 from trimkit.planning.speed import LiveProfile
-from trimkit.planning.summaries import ExtractiveSummarizer, SummaryCache, summary_job
+from trimkit.planning.summaries import ExtractiveSummarizer, SummaryCache, summary_job, summary_note
 from trimkit.planning.values import ValueModel
 from trimkit.strategies import cap_rag_chunks, drop_oldest_turns, reuse_prefix, summarize_history
 
@@ -227,7 +227,11 @@ def test_strategies_that_cannot_fit_fall_back_to_the_minimal_prompt():
         ({"cached_tokens": -1}, InvalidNumberError),
         ({"strategies": ["drop"]}, InvalidInputError),
         ({"summaries": {}}, InvalidInputError),
-        ({"cache_probe": 3}, InvalidInputError),
+        ({"cache": 3}, InvalidInputError),
+        ({"cache": [[1, 2, 3]]}, InvalidInputError),
+        ({"values": 3}, InvalidInputError),
+        ({"safety_margin": 1.5}, InvalidNumberError),
+        ({"max_prompt_tokens": 0}, InvalidNumberError),
         ({"rag_template": "{context}"}, InvalidInputError),
         ({"profile": object()}, InvalidInputError),
     ],
@@ -262,27 +266,25 @@ def test_planning_time_uses_the_injected_clock():
     assert p.planning_s == 1.0
 
 
-# -- cache probe and summaries --------------------------------------------------------------------------
-def test_cache_probe_is_called_at_most_twice():
-    calls = []
-
-    def probe(messages):
-        calls.append(messages)
-        return 0
-
+# -- the engine's cache state and summaries --------------------------------------------------------------
+def test_the_cache_state_is_looked_up_at_most_twice():
     msgs = conversation(10)
+    held = holding((msgs, 0))
     cache = SummaryCache()
     cache.put(msgs[1:9], _summary(msgs[1:9]))
-    run(msgs, budget_for_tokens(tokens_of(msgs) // 4), cache_probe=probe, summaries=cache, rag_chunks=CHUNKS)
-    assert 1 <= len(calls) <= 2
+    run(msgs, budget_for_tokens(tokens_of(msgs) // 4), cache=held, summaries=cache, rag_chunks=CHUNKS)
+    assert 1 <= len(held.looked_up) <= 2
 
 
-def test_a_failing_cache_probe_is_ignored(caplog):
-    def probe(messages):
-        raise RuntimeError("engine busy")
+def test_a_candidate_the_tokenizer_cannot_count_is_estimated(caplog):
+    tok = fresh_tokenizer()
 
-    p = run(conversation(6), budget_for_tokens(100), cache_probe=probe)
-    assert p.feasible and "engine busy" in caplog.text
+    def prompt_tokens(messages, tools=None):
+        raise RuntimeError("tokenizer down")
+
+    tok.prompt_tokens = prompt_tokens
+    p = run(conversation(6), budget_for_tokens(100), tokenizer=tok, cache=holding((conversation(6), 50)))
+    assert p.feasible and "tokenizer down" in caplog.text
 
 
 def _summary(covered):
@@ -312,19 +314,15 @@ def test_a_byte_stable_summary_already_in_the_kv_cache_is_counted_as_cached():
     cache = SummaryCache()
     msgs = conversation(8)
     cache.put(msgs[1:13], _summary(msgs[1:13]))
-    sent = []
-
-    def probe(messages):
-        sent.append(messages)
-        if "Summary of the earlier" in messages[0]["content"]:
-            return tokens_of(messages) - 30  # the engine served this very prompt last turn
-        return 5  # the caller's unsummarized history diverges inside the system message
-
+    # the engine served this very prompt last turn (all but its last 30 tokens are cached); the
+    # caller's unsummarized history diverges from it inside the system message
+    summarized = [append_text(msgs[0], f"\n\n{summary_note(cache.get(msgs[1:13]))}"), *msgs[13:]]
+    held = holding((summarized, len(tokenizer().prompt_tokens(summarized)) - 30))
     budget = budget_for_tokens(120)
-    p = run(msgs, budget, summaries=cache, cache_probe=probe)
+    p = run(msgs, budget, summaries=cache, cache=held)
     assert p.feasible and p.summary is not None and p.removed_message_indices == ()
-    assert p.cached_tokens >= p.prompt_tokens - 30
-    assert len(sent) == 2  # reuse_prefix asked about the prompt as it stands, the summary about its candidate
+    assert p.messages == summarized and p.cached_tokens == len(tokenizer().prompt_tokens(summarized)) - 30
+    assert len(held.looked_up) == 2  # reuse_prefix looked up the prompt as it stands, the summary its candidate
 
 
 def test_live_profile_is_accepted():

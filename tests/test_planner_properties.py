@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from tests._planner_helpers import PROFILE, tokenizer
 from trimkit.errors import InfeasibleBudgetError, InvalidBudgetError
 from trimkit.messages import SYSTEM_ROLES, Chunk, coerce_chunks, last_user_index
+from trimkit.planning.costs import CacheState
 from trimkit.planning.planner import plan
 from trimkit.planning.summaries import SummaryCache
 from trimkit.strategies import cap_rag_chunks, drop_oldest_turns, reuse_prefix, summarize_history
@@ -272,13 +273,12 @@ def test_the_minimal_prompt_only_when_keeping_the_cached_history_does_not_fit(ms
     sent_before = plan(previous, ttft_budget_s=1e9, profile=PROFILE, tokenizer=tok, rag_chunks=before)
     cache = tok.prompt_tokens(sent_before.messages, None)
 
-    def probe(candidate):
-        return reusable_prefix_len(cache, tok.prompt_tokens(candidate, None))
-
-    everything = plan(msgs, ttft_budget_s=1e9, profile=PROFILE, tokenizer=tok, rag_chunks=chunks, cache_probe=probe)
+    held = CacheState(prompts=(cache,))
+    cached = reusable_prefix_len(cache, tok.prompt_tokens(msgs, None))
+    everything = plan(msgs, ttft_budget_s=1e9, profile=PROFILE, tokenizer=tok, rag_chunks=chunks, cache=held)
     p = plan(msgs, ttft_budget_s=everything.predicted_ttft_s * scale, profile=PROFILE, tokenizer=tok, rag_chunks=chunks,
-             cached_tokens=probe(msgs), cache_probe=probe)
+             cached_tokens=cached, cache=held)
     _check_guarantees(msgs, chunks, p, summaries_given=False)
     if p.minimal:
-        history_only = plan(msgs, ttft_budget_s=1e9, profile=PROFILE, tokenizer=tok, cached_tokens=probe(msgs), cache_probe=probe)
+        history_only = plan(msgs, ttft_budget_s=1e9, profile=PROFILE, tokenizer=tok, cached_tokens=cached, cache=held)
         assert history_only.predicted_ttft_s > p.target_s, (p.target_s, history_only.predicted_ttft_s, p.actions)

@@ -4,11 +4,11 @@ from typing import ClassVar
 import attrs
 import pytest
 
-from tests._planner_helpers import budget_for_tokens, conversation, state, tokens_of, tool_turn
+from tests._planner_helpers import budget_for_tokens, conversation, holding, state, tokenizer, tokens_of, tool_turn
 from trimkit.errors import InvalidInputError
-from trimkit.messages import Chunk
+from trimkit.messages import Chunk, append_text
 from trimkit.planning.solver import Action, PlanState
-from trimkit.planning.summaries import PromptSummarizer, Summary, SummaryCache
+from trimkit.planning.summaries import PromptSummarizer, Summary, SummaryCache, summary_note
 from trimkit.strategies import (
     Chain,
     Strategy,
@@ -99,26 +99,22 @@ def test_reuse_prefix_without_a_probe_does_nothing():
 def test_reuse_prefix_probes_once_and_counts_the_cached_prefix():
     msgs = conversation(6)
     total = tokens_of(msgs)
-    probed = []
-
-    def probe(m):
-        probed.append(m)
-        return total - 10
-
-    s = state(msgs, budget=budget_for_tokens(50), cache_probe=probe)
+    cache = holding((msgs, total - 10))
+    s = state(msgs, budget=budget_for_tokens(50), cache=cache)
     assert not s.fits
     out = reuse_prefix()(s)
     assert out is not None and out.fits
     assert out.prediction.cached_tokens == total - 10
     assert out.candidate == s.candidate  # nothing removed
     assert [a.strategy for a in out.actions] == ["reuse_prefix"]
-    assert len(probed) == 1 and probed[0] is msgs
+    assert cache.looked_up == [tokenizer().prompt_tokens(msgs)]
 
 
 def test_reuse_prefix_trusts_cached_tokens_from_the_caller():
     msgs = conversation(6)
-    s = state(msgs, budget=0.3, cached_tokens=40, cache_probe=lambda m: pytest.fail("probed"))
-    assert reuse_prefix()(s) is None
+    cache = holding((msgs, 100))
+    s = state(msgs, budget=0.3, cached_tokens=40, cache=cache)
+    assert reuse_prefix()(s) is None and cache.looked_up == []
 
 
 # -- cap_rag_chunks ------------------------------------------------------------------------------
@@ -230,16 +226,14 @@ def test_summarize_history_skips_a_summary_that_does_not_help():
 def test_summarize_history_probes_a_cached_summary_candidate():
     msgs = conversation(6)
     cache = SummaryCache()
-    cache.put(_turn_messages(msgs, 4), _summary(covered=8))
-    probed = []
-
-    def probe(m):
-        probed.append(m)
-        return 10_000  # the engine holds this exact prompt from the previous turn
-
-    out = summarize_history()(state(msgs, budget=0.3, summaries=cache, cache_probe=probe))
-    assert len(probed) == 1 and "Summary of the earlier" in probed[0][0]["content"]
-    assert out.prediction.cached_tokens == out.prediction.prompt_tokens - 1
+    summary = _summary(covered=8)
+    cache.put(_turn_messages(msgs, 4), summary)
+    # the engine holds this exact prompt from the previous turn
+    sent = [append_text(msgs[0], f"\n\n{summary_note(summary)}"), *msgs[9:]]
+    held = holding((sent, 10_000))
+    out = summarize_history()(state(msgs, budget=0.3, summaries=cache, cache=held))
+    assert held.looked_up == [tokenizer().prompt_tokens(sent)]
+    assert out.prediction.cached_tokens == len(held.looked_up[0]) - 1  # all but the last token of the exact prompt
     assert out.fits
 
 

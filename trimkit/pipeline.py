@@ -50,7 +50,7 @@ from trimkit.messages import (
     validate_messages,
     validate_params,
 )
-from trimkit.planning.costs import evaluated_tokens
+from trimkit.planning.costs import CacheState, evaluated_tokens
 from trimkit.planning.planner import Plan
 from trimkit.planning.planner import plan as make_plan
 from trimkit.planning.profile import CALIBRATION_MODES, Profile
@@ -289,7 +289,8 @@ class Pipeline:
         tools = params.get("tools")
         as_is = self._as_is(messages, chunks)
         # queued behind others, the request finds the context the last of them leaves
-        priced = functools.partial(self._price, after=self.queue.context_after(ticket) if self.queue is not None else None)
+        after = self.queue.context_after(ticket) if self.queue is not None else None
+        priced = functools.partial(self._price, after=after)
         before = priced(list(untrimmed) if untrimmed is not None else self.backend.tokenizer.prompt_tokens(as_is, tools))
         self._estimate(ticket, before, params)
         wait, ahead = (given_wait, 0) if given_wait is not None or self.queue is None else self.queue.predict(ticket)
@@ -301,7 +302,8 @@ class Pipeline:
         if budget is None and len(before.tokens) > self.backend.n_ctx:
             raise ContextTooSmallError(f"prompt of {len(before.tokens)} tokens does not fit the context window (n_ctx={self.backend.n_ctx})")
         if busy.plan_budget_s is not None:
-            plan, sent, warnings = self._plan(messages, chunks, as_is, before, busy.plan_budget_s, params, busy.margin, priced)
+            plan, sent, warnings = self._plan(messages, chunks, as_is, before, busy.plan_budget_s, params, busy.margin, priced,
+                                              self._cache_state(after))
             self._estimate(ticket, sent, params)
         to_send = plan.messages if plan is not None else as_is
         warnings.extend(busy.warnings(budget, sent.predicted_s))
@@ -344,22 +346,29 @@ class Pipeline:
         restore = getattr(snapshot, "restore_s", 0.0) if snapshot is not None else 0.0
         return _Priced(tokens, cached, snapshot, self.profile.predict_ttft_s(evaluated_tokens(len(tokens), cached), cached) + restore)
 
+    def _cache_state(self, after: Sequence[int] | None = None, *, snapshots: bool = True) -> CacheState | None:
+        """What the engine's cache holds, read here for the plan (planning asks the engine
+        nothing), as :meth:`_price` counts it: ``after`` bounds the context's part; without
+        ``snapshots``, the context alone (as a re-plan prices)."""
+        state = self.backend.cache_state()
+        if state is None or (after is None and snapshots):
+            return state
+        return attrs.evolve(state, after=after, snapshots=state.snapshots if snapshots else ())
+
     def _plan(self, messages: Any, chunks: Sequence[Chunk], as_is: Any, before: _Priced, budget: float, params: Mapping[str, Any],
-              margin: float, priced: Callable[[Sequence[int]], _Priced], profile: Profile | None = None) -> tuple[Plan, _Priced, list[str]]:
+              margin: float, priced: Callable[[Sequence[int]], _Priced], cache: CacheState | None,
+              profile: Profile | None = None) -> tuple[Plan, _Priced, list[str]]:
         """Plan to ``budget`` (less the wait the prompt makes room for) with ``margin`` and
-        ``profile`` (default: the current one), and price the exact prompt it sends. The planner
-        checks its own estimates against the exact token count; in process the watched prefill
-        corrects what the prediction still gets wrong, with the measured pace."""
+        ``profile`` (default: the current one), against what the engine's ``cache`` holds, and
+        price the exact prompt it sends. The planner checks its own estimates against the exact
+        token count; in process the watched prefill corrects what the prediction still gets
+        wrong, with the measured pace."""
         tools = params.get("tools")
         tok = self.backend.tokenizer
-
-        def probe(candidate: Sequence[Mapping[str, Any]]) -> int:
-            return priced(tok.prompt_tokens(candidate, tools)).cached
-
         plan = make_plan(
             messages, ttft_budget_s=budget, profile=profile or self.profile, tokenizer=tok, rag_chunks=chunks,
             strategies=self.previous_cut.strategies_for(messages, self.strategies), tools=tools, cached_tokens=before.cached,
-            cache_probe=probe, summaries=self.summaries, rag_template=self.rag_template, rag_chunk_template=self.rag_chunk_template,
+            cache=cache, summaries=self.summaries, rag_template=self.rag_template, rag_chunk_template=self.rag_chunk_template,
             on_infeasible="best_effort", clock=self.clock, values=self.values, safety_margin=margin,
             max_prompt_tokens=self._max_prompt_tokens(params),
         )
@@ -450,7 +459,8 @@ class Pipeline:
                 return _Priced(tokens, cached, None, profile.predict_ttft_s(evaluated_tokens(len(tokens), cached), cached))
 
             before = priced(tok.prompt_tokens(as_is, tools))
-            plan, sent, _ = self._plan(messages, chunks, as_is, before, left, params, margin, priced, profile=profile)
+            plan, sent, _ = self._plan(messages, chunks, as_is, before, left, params, margin, priced, self._cache_state(snapshots=False),
+                                       profile=profile)
             tokens, predicted = sent.tokens, sent.predicted_s
             kept_now = {str(c.id) for c in plan.kept_chunks}
             dropped = [str(c.id) for c in old.kept_chunks if str(c.id) not in kept_now]

@@ -27,7 +27,7 @@ from trimkit.backends.base import Backend, Measurement, TimedStream
 from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease
 from trimkit.backends.replies import chunk_content
 from trimkit.errors import ContextTooSmallError, positive_finite
-from trimkit.planning.costs import CostModel
+from trimkit.planning.costs import CacheState, CostModel
 from trimkit.planning.profile import ProfileKey
 from trimkit.planning.tokens import PromptTokenizer, TiktokenTokenizer, Tokenizer, chatml_render, common_prefix_len, reusable_prefix_len
 
@@ -132,6 +132,9 @@ class FakeBackend(Backend):
 
     def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         return reusable_prefix_len(self.kv, prompt_tokens) if self.reuse_prefix else 0
+
+    def cache_state(self) -> CacheState:
+        return CacheState(prompts=(self.kv,) if self.reuse_prefix else ())
 
     def evaluate_to(self, tokens: Sequence[int], end: int) -> tuple[float, int]:
         """One step of a watched prefill (:meth:`trimkit.backends.base.Backend.evaluate_to`):

@@ -24,8 +24,9 @@ from typing import Any
 from trimkit.backends.base import Backend, Measurement, TimedStream
 from trimkit.backends.http import OpenAIHTTPBackend, ServerInfo
 from trimkit.backends.ollama import OllamaBackend
+from trimkit.planning.costs import CacheState
 
-__all__ = ["Backend", "Measurement", "TimedStream", "LlamaBackend", "OpenAIHTTPBackend", "OllamaBackend", "ServerInfo"]
+__all__ = ["Backend", "CacheState", "Measurement", "TimedStream", "LlamaBackend", "OpenAIHTTPBackend", "OllamaBackend", "ServerInfo"]
 
 
 def __getattr__(name: str) -> Any:

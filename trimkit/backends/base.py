@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import attrs
 
+from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey
 from trimkit.planning.tokens import PromptTokenizer
 
@@ -295,6 +296,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         """How many leading tokens of ``prompt_tokens`` the engine will reuse from its KV cache."""
+
+    def cache_state(self) -> CacheState | None:
+        """What the engine's KV cache holds now, as data for a plan (its ``cache``), so that
+        planning asks the engine nothing: ``cache_state().cached(tokens)`` is
+        :meth:`predict_cached_tokens`. None (this default): not told — a plan then knows only
+        how much of the request as given is cached."""
+        return None
 
     @abc.abstractmethod
     def send(

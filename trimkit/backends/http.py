@@ -62,6 +62,7 @@ from trimkit.backends.transport import (
     without_retries,
 )
 from trimkit.errors import InvalidInputError, ServerError
+from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey
 from trimkit.planning.tokens import PromptTokenizer, TiktokenTokenizer
 
@@ -195,6 +196,8 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         self._local_tokenizer = tokenizer
         #: replaces :meth:`predict_cached_tokens`' evidence when set (``cache_view(prompt_tokens) -> int``)
         self.cache_view: Callable[[Sequence[int]], int] | None = None
+        #: :meth:`cache_state` when ``cache_view`` is set (``cache_state_view() -> CacheState``)
+        self.cache_state_view: Callable[[], CacheState] | None = None
         self._include_usage = True  # cleared if the server refuses stream_options
         self.evidence = ServerEvidence(self.base_url, lambda: self.cache_block_tokens, self._counts_exact,
                                        engine=lambda: self._info.engine if self._info is not None else None)
@@ -325,6 +328,13 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         if self.cache_view is not None:
             return self.cache_view(prompt_tokens)
         return self.evidence.predict_cached_tokens(prompt_tokens, key=self._router_key(current_key.get()))
+
+    def cache_state(self) -> CacheState | None:
+        """:meth:`predict_cached_tokens` as data: ``cache_state_view``'s when set (with a
+        ``cache_view``; None: not told), else the evidence's."""
+        if self.cache_view is not None:
+            return self.cache_state_view() if self.cache_state_view is not None else None
+        return self.evidence.cache_state(key=self._router_key(current_key.get()))
 
     def _router_key(self, key: str | None) -> str | None:
         """``key`` where it decides the worker: behind a recognised router (a server alone keeps

@@ -57,6 +57,7 @@ from trimkit.backends.llama_format import (
 )
 from trimkit.backends.replies import chunk_content
 from trimkit.errors import BackendError, ContextTooSmallError, InvalidInputError
+from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey, attention_doubling_prior, idle_expert_params
 from trimkit.planning.summaries import PromptSummarizer
 from trimkit.planning.tokens import common_prefix_len, reusable_prefix_len
@@ -336,6 +337,14 @@ class LlamaBackend(Backend):
             return 0
         held = self.cached_tokens_in_context()
         return reusable_prefix_len(held, prompt_tokens) if len(held) else 0
+
+    def cache_state(self) -> CacheState:
+        """The context's tokens and the stored snapshots (:meth:`best_cache`'s), as data; nothing
+        once partial KV removal failed on this model."""
+        if self.prefix_reuse_works is False:
+            return CacheState()
+        snapshots = [(snap.tokens, snap.restore_s) for snap in list(self.snapshots.values())]  # another thread may store one
+        return CacheState(prompts=(self.cached_tokens_in_context(),), snapshots=snapshots)
 
     # -- requests ---------------------------------------------------------------------------
     def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,

@@ -40,6 +40,7 @@ from trimkit.backends.replies import MAX_EVENT_BYTES, ServerStats, as_mapping, e
 from trimkit.backends.server import DelegatedProbes, ServerEvidence, ServerProbes
 from trimkit.backends.transport import AsyncTimedStream, redact_url, status_error, transport_error
 from trimkit.errors import InvalidInputError, MalformedReplyError, ServerError, StreamInterruptedError, count
+from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey
 from trimkit.planning.tokens import PromptTokenizer, TiktokenTokenizer
 
@@ -207,6 +208,9 @@ class OllamaBackend(DelegatedProbes, Backend):
 
     def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         return self.evidence.predict_cached_tokens(prompt_tokens)
+
+    def cache_state(self) -> CacheState:
+        return self.evidence.cache_state()
 
     def _sync_http(self) -> httpx.Client:
         if not self.client_is_async:

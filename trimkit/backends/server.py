@@ -88,6 +88,7 @@ from trimkit.backends.replies import (
 )
 from trimkit.backends.transport import MISSING_STATUSES, Deadline, StreamState, read_capped
 from trimkit.errors import CalibrationError, ContextTooSmallError, InvalidInputError, MalformedReplyError, ServerError
+from trimkit.planning.costs import CacheState
 from trimkit.planning.tokens import PromptTokenizer, TiktokenTokenizer, chatml_render, reusable_prefix_len
 
 __all__ = ["MAX_CONTEXT_TOKENS", "MAX_TOKEN_ID", "ModelEntry", "ModelList", "parse_models", "parse_props", "parse_props_switches", "parse_version", "parse_openapi_version", "is_tokenize_reply", "parse_tokens", "parse_template", "parse_workers", "ServerInfo", "probe_server", "engine_of", "ServerTokenizer", "server_prompt_tokenizer", "TOKENIZE_SLACK", "DelegatedProbes", "MAX_PROBE_TEXT_BYTES", "PROBE_WORDS_PER_TOKEN", "ProbedServer", "ServerProbes", "default_probe_text", "ServerEvidence", "CACHE_REPORT_FLAGS", "KEYED_PROMPTS", "ServerLoad", "LOAD_METRICS", "parse_prometheus", "load_from_metrics", "load_from_slots", "load_from_sglang", "ServerLoadReader", "LOAD_ENDPOINTS", "ROUTING_HEADERS", "MAX_ROUTING_KEY_CHARS", "NOT_GIVEN", "RouterInfo", "RoutingOptions", "check_routing_key", "check_routing_headers", "conversation_key", "current_key", "key_of", "planning_for", "routing_headers"]
@@ -759,6 +760,16 @@ class ServerEvidence:
         lcp = reusable_prefix_len(last, prompt_tokens)
         block = self.cache_block()
         return (lcp // block) * block
+
+    def cache_state(self, key: str | None = None) -> CacheState:
+        """:meth:`predict_cached_tokens` as data: the last prompt sent (with ``key``, as there)
+        and the cache block; nothing once the server has shown it does not reuse prefixes."""
+        with self.lock:
+            last = self.keyed.get(key, self.last_prompt) if key is not None else self.last_prompt
+            reuse = self.prefix_reuse
+        if reuse is False or not last:
+            return CacheState()
+        return CacheState(prompts=(last,), block=self.cache_block())
 
     def remember(self, key: str, prompt_tokens: Sequence[int]) -> None:
         """``prompt_tokens`` were sent with routing ``key``: what that key's worker holds next."""

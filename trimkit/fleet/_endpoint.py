@@ -36,7 +36,7 @@ from trimkit.errors import (
     StreamInterruptedError,
     TransientServerError,
 )
-from trimkit.planning.costs import evaluated_tokens
+from trimkit.planning.costs import CacheState, evaluated_tokens
 from trimkit.planning.queue import EngineQueue, Ticket, answer_cap
 from trimkit.planning.tokens import reusable_prefix_len
 
@@ -78,11 +78,13 @@ class HeldPrompts:
         with self._lock:
             self._prompts = deque((k, t) for k, t in self._prompts if k != key)
 
+    def prompts(self) -> list[tuple[int, ...]]:
+        with self._lock:
+            return [t for _, t in self._prompts]
+
     def cached(self, tokens: Sequence[int]) -> int:
         """The longest prefix of ``tokens`` a held prompt shares (leaving one token to evaluate)."""
-        with self._lock:
-            prompts = [t for _, t in self._prompts]
-        return max((reusable_prefix_len(p, tokens) for p in prompts), default=0)
+        return max((reusable_prefix_len(p, tokens) for p in self.prompts()), default=0)
 
 
 @attrs.define
@@ -253,7 +255,7 @@ class FleetEndpoint:
         self.last_progress_at: float | None = None
         #: taken out of rotation by a timeout (or 429) alone, not a refusal or an error
         self.timed_out = False
-        backend.cache_view = self.cache_view
+        backend.cache_view, backend.cache_state_view = self.cache_view, self.cache_state
 
     def __repr__(self) -> str:
         state = "up" if self.is_up else f"down ({self.health.last_error})"
@@ -408,6 +410,14 @@ class FleetEndpoint:
             return self.backend.evidence.predict_cached_tokens(tokens)
         block = self.backend.cache_block_tokens
         return self.held.cached(tokens) // block * block
+
+    def cache_state(self) -> CacheState:
+        """:meth:`cache_view` as data, for a plan: the held prompts and the cache block."""
+        if self.backend.prefix_reuse is False:
+            return CacheState()
+        if not len(self.held):
+            return self.backend.evidence.cache_state()
+        return CacheState(prompts=self.held.prompts(), block=self.backend.cache_block_tokens)
 
     def prefill_s(self, n_tokens: int, cached: int) -> float:
         """The predicted TTFT of an ``n_tokens`` prompt with ``cached`` of them held, once started."""

@@ -1012,7 +1012,7 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
             decode = self._llm.decode_params if self._llm is not None else self._decode
             max_tokens = decode.get("max_tokens") or 0  # the context window keeps room for the answer
             engine = {"profile": front.profile, "tokenizer": tokenizer, "safety_margin": margin,
-                      "cache_probe": lambda m: backend.predict_cached_tokens(tokenizer.prompt_tokens(m)),
+                      "cache": backend.cache_state(),
                       "max_prompt_tokens": max(int(backend.n_ctx) - int(max_tokens), 1)}
         values = self._values if self._values is not None or front is None else front.values
         result = plan(messages, rag_chunks=chunks, ttft_budget_s=budget, strategies=strategies, values=values,

@@ -35,6 +35,7 @@ __all__ = [
     "ErrorStats",
     "evaluated_tokens",
     "reusable_cached_tokens",
+    "CacheState",
     "fit_cost_model",
     "cross_validate",
     "heldout_predictions",
@@ -71,6 +72,66 @@ def reusable_cached_tokens(n_tokens: int, cached_tokens: int) -> int:
     """The part of ``cached_tokens`` an ``n_tokens`` prompt can reuse: never more than
     ``n_tokens - 1`` (see :func:`evaluated_tokens`), never negative."""
     return max(0, min(cached_tokens, n_tokens - 1))
+
+
+def _tokens_copy(tokens: Iterable[int]) -> Sequence[int]:
+    """``tokens`` as a sequence nobody changes: a tuple, or a read-only copy of a numpy array (an
+    engine's input ids, which it overwrites as it evaluates)."""
+    if isinstance(tokens, tuple):
+        return tokens
+    if isinstance(tokens, np.ndarray):
+        copy = tokens.copy()
+        copy.flags.writeable = False
+        return copy  # type: ignore[return-value]
+    return tuple(tokens)
+
+
+def _token_tuples(prompts: Iterable[Iterable[int]]) -> tuple[Sequence[int], ...]:
+    return tuple(_tokens_copy(p) for p in prompts)
+
+
+def _snapshot_tuples(snapshots: Iterable[tuple[Iterable[int], float]]) -> tuple[tuple[Sequence[int], float], ...]:
+    return tuple((_tokens_copy(tokens), float(restore_s)) for tokens, restore_s in snapshots)
+
+
+@attrs.frozen(eq=False)
+class CacheState:
+    """What the engine's KV cache holds, as data a plan reads: planning asks the engine nothing.
+    The caller reads it before planning (:meth:`~trimkit.backends.base.Backend.cache_state`).
+
+    ``prompts``: the token ids of prompts whose prefix the engine reuses as it is (the context
+    the next request finds; the last prompts a server was sent; none: it reuses nothing);
+    ``snapshots``: ``(tokens, restore_s)`` stored prefixes, restored first where that and the
+    prefill of the rest is predicted faster; ``block``: reuse of ``prompts`` rounds down to this
+    many tokens (a server's prefix-cache block); ``after``: queued behind other requests, the
+    prompt the context holds when this request's turn comes, which bounds what it reuses of
+    ``prompts``."""
+
+    prompts: tuple[Sequence[int], ...] = attrs.field(default=(), converter=_token_tuples)
+    snapshots: tuple[tuple[Sequence[int], float], ...] = attrs.field(default=(), converter=_snapshot_tuples)
+    block: int = attrs.field(default=1, validator=lambda _i, _a, v: count(v, "block", minimum=1))
+    after: Sequence[int] | None = attrs.field(default=None, converter=attrs.converters.optional(_tokens_copy))
+
+    def cached(self, tokens: Sequence[int], cost: Callable[[int, int], float] | None = None) -> int:
+        """How many leading tokens of ``tokens`` the engine reuses (at least one is evaluated):
+        the longest prefix shared with a held prompt (in blocks, bounded by ``after``), or a
+        snapshot's where restoring it is predicted faster (``cost(new, cached)`` → seconds)."""
+        from trimkit.planning.tokens import reusable_prefix_len  # _tokens imports this module
+
+        current = max((reusable_prefix_len(p, tokens) for p in self.prompts), default=0) // self.block * self.block
+        n = len(tokens)
+
+        def seconds(cached: int, restore_s: float) -> float:
+            return restore_s + (cost(n - cached, cached) if cost is not None else (n - cached) * 1e-3)
+
+        best, best_s, snapshot = current, seconds(current, 0.0) if self.snapshots else 0.0, False
+        for snap, restore_s in self.snapshots:
+            k = reusable_prefix_len(snap, tokens)
+            if k > current and seconds(k, restore_s) < best_s:
+                best, best_s, snapshot = k, seconds(k, restore_s), True
+        if self.after is not None and not snapshot:
+            best = min(best, reusable_prefix_len(self.after, tokens))
+        return best
 
 
 def _check_str(value: object, name: str) -> None:

@@ -25,14 +25,15 @@ from typing import Any
 
 import attrs
 
-from trimkit.errors import InfeasibleBudgetError, InvalidInputError
+from trimkit.errors import InfeasibleBudgetError
 from trimkit.messages import DEFAULT_RAG_CHUNK_TEMPLATE, DEFAULT_RAG_TEMPLATE, Chunk
-from trimkit.planning.solver import Action, CacheProbe, Candidate, Estimate, PlanState, solve
+from trimkit.planning.costs import CacheState
+from trimkit.planning.solver import Action, Candidate, Estimate, PlanState, solve
 from trimkit.planning.strategies import chain, default_strategies
 from trimkit.planning.summaries import Summary, SummaryCache
 from trimkit.planning.values import ValueModel
 
-__all__ = ["plan", "Plan", "Action", "PlanState", "Candidate", "Estimate", "CacheProbe"]
+__all__ = ["plan", "Plan", "Action", "PlanState", "Candidate", "Estimate", "CacheState"]
 
 log = logging.getLogger("trimkit")
 
@@ -196,7 +197,7 @@ def plan(
     strategies: Any = None,
     tools: Any = None,
     cached_tokens: int = 0,
-    cache_probe: CacheProbe | None = None,
+    cache: CacheState | None = None,
     summaries: SummaryCache | None = None,
     rag_template: str = DEFAULT_RAG_TEMPLATE,
     rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
@@ -209,7 +210,8 @@ def plan(
     """Decide what to send so the predicted TTFT fits ``ttft_budget_s`` less the safety margin.
 
     Use it before every request (the wrapper does); it is pure and cheap — it never mutates
-    ``messages`` or ``rag_chunks`` and tokenizes only text it has not seen. Under budget the
+    ``messages`` or ``rag_chunks``, asks the engine nothing (what its cache holds comes as
+    data: ``cache``), writes nothing, and tokenizes only text it has not seen. Under budget the
     request passes through as it is. Over budget, the engine (:mod:`trimkit.planning.solver`) keeps the
     history turns, summary, chunks and chunk excerpts with the most *value* (:mod:`trimkit.planning.values`:
     relevance to the question, recency) whose predicted TTFT fits; the strategies say what may
@@ -218,8 +220,11 @@ def plan(
     - ``cached_tokens``: how many leading tokens of ``messages`` as given (without chunks) the
       engine already holds in its KV cache. A candidate that edits message ``i`` keeps at most
       the tokens before ``i`` cached.
-    - ``cache_probe(messages) -> int``: optional exact cached count for a concrete list; called
-      at most twice per plan (memoised): by ``reuse_prefix`` when ``cached_tokens`` is 0, for a
+    - ``cache``: optional :class:`~trimkit.planning.costs.CacheState`, what the engine's KV cache
+      holds (the token ids of its context, a server's last prompts, snapshots), read by the
+      caller before planning (``backend.cache_state()``). With it a candidate prompt's cached
+      count is exact: the candidate is tokenized (``tokenizer.prompt_tokens``) and looked up, at
+      most twice per plan (memoised): by ``reuse_prefix`` when ``cached_tokens`` is 0, for a
       prompt carrying a cached summary or the previous cut, and for a final prompt whose history
       was edited.
     - ``rag_chunks`` go into the last user message, most relevant first (caller scores if every
@@ -239,19 +244,9 @@ def plan(
     - ``on_infeasible``: ``"best_effort"`` returns the minimal plan with ``feasible=False``;
       ``"raise"`` raises :class:`~trimkit.errors.InfeasibleBudgetError` carrying it.
     """
-    if on_infeasible not in ("best_effort", "raise"):
-        raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
-    if cache_probe is not None and not callable(cache_probe):
-        raise InvalidInputError("cache_probe must be callable or None")
-    if summaries is not None and not isinstance(summaries, SummaryCache):
-        raise InvalidInputError(f"summaries must be a SummaryCache or None, got {type(summaries).__name__}")
-    if values is None:
-        values = ValueModel()
-    elif not isinstance(values, ValueModel):
-        raise InvalidInputError(f"values must be a trimkit.planning.values.ValueModel or None, got {type(values).__name__}")
-    pipeline = chain(default_strategies() if strategies is None else strategies)
+    pipeline = chain(default_strategies() if strategies is None else strategies)  # checks the strategies
     started = clock()
-    state0 = PlanState.start(  # validates the rest before any work
+    state0 = PlanState.start(  # checks every other argument (check_inputs) before any work
         messages,
         ttft_budget_s=ttft_budget_s,
         profile=profile,
@@ -259,14 +254,17 @@ def plan(
         rag_chunks=rag_chunks,
         tools=tools,
         cached_tokens=cached_tokens,
-        cache_probe=cache_probe,
+        cache=cache,
         summaries=summaries,
         rag_template=rag_template,
         rag_chunk_template=rag_chunk_template,
         clock=clock,
         safety_margin=safety_margin,
         max_prompt_tokens=max_prompt_tokens,
+        on_infeasible=on_infeasible,
+        values=values,
     )
+    values = ValueModel() if values is None else values
     ctx = state0.ctx
     tokens_before = ctx.exact_tokens(state0.candidate)
     before = (tokens_before, ctx.predict(tokens_before, state0.prediction.cached_tokens, 0.0))
@@ -278,13 +276,13 @@ def plan(
         c = state.candidate
         if c == state0.candidate and not state.fits:
             break  # nothing the strategies allow fits
-        if (c.gone or c.summary is not None) and ctx.cache_probe is not None:
+        if (c.gone or c.summary is not None) and ctx.cache is not None:
             ctx.probe(c)  # history was edited: learn the real cached prefix of what will be sent
         exact = ctx.exact_tokens(c)
         predicted = ctx.predict(exact, ctx.cached_for(ctx.layout(c), exact), c.extra_s)
         if ctx.fits(exact, predicted):
             return _finish(state, exact_tokens=exact, before=before, minimal=False, feasible=True, started=started)
-        # estimates were optimistic by a few tokens (template boundaries), or the cache probe found
+        # estimates were optimistic by a few tokens (template boundaries), or the cache lookup found
         # less of the prompt cached than estimated: plan again, stricter and better informed
         ctx.correction += max(exact - state.prediction.prompt_tokens, 1)
     ctx.correction = 0

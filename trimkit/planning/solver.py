@@ -67,7 +67,7 @@ from trimkit.messages import (
     validate_messages,
     with_chunks,
 )
-from trimkit.planning.costs import evaluated_tokens, reusable_cached_tokens
+from trimkit.planning.costs import CacheState, evaluated_tokens, reusable_cached_tokens
 from trimkit.planning.summaries import Summary, SummaryCache, summary_note
 from trimkit.planning.values import Excerpt, ValueModel, chunk_values, excerpts_of, index_runs, question_idf, rank_chunks, span_label, turn_values
 
@@ -76,7 +76,7 @@ __all__ = [
     "Estimate",
     "RequestContext",
     "Layout",
-    "CacheProbe",
+    "CacheState",
     "MAX_PROBES",
     "Action",
     "Lead",
@@ -90,10 +90,8 @@ __all__ = [
 log = logging.getLogger("trimkit")
 
 
-CacheProbe = Callable[[list[dict[str, Any]]], int]
-
-
-#: Probes of the engine's cache a single plan may make (the wrapper tokenizes for each).
+#: Exact cached counts a single plan looks up in the engine's cache (:class:`CacheState`, data
+#: read before planning): each tokenizes the whole candidate prompt.
 MAX_PROBES = 2
 
 
@@ -149,7 +147,7 @@ def _summary_block(summary: Summary) -> str:
 
 class RequestContext:
     """Everything fixed for one request, computed once: inputs, per-message token counts, turns,
-    and what is known about the engine's KV cache (the caller's ``cached_tokens`` and probes).
+    and what is known about the engine's KV cache (the caller's ``cached_tokens`` and ``cache``).
 
     Built by :meth:`~trimkit.planning.solver.PlanState.start` from validated inputs; strategies
     reach it through the state."""
@@ -164,7 +162,7 @@ class RequestContext:
         chunks: tuple[Chunk, ...],
         tools: Any,
         cached_tokens: int,
-        cache_probe: CacheProbe | None,
+        cache: CacheState | None,
         summaries: SummaryCache | None,
         rag_template: str,
         rag_chunk_template: str,
@@ -182,7 +180,7 @@ class RequestContext:
         self.max_prompt_tokens = max_prompt_tokens
         self.tokenizer = tokenizer
         self.summaries = summaries
-        self.cache_probe = cache_probe
+        self.cache = cache
         self.rag_template = rag_template
         self.rag_chunk_template = rag_chunk_template
         self.clock = clock
@@ -342,10 +340,11 @@ class RequestContext:
         return self.tokenizer.segment_counts(self.build(c), self.tools).total
 
     def probe(self, c: Candidate) -> int | None:
-        """Ask the engine how many tokens of ``c`` it has cached: at most :data:`MAX_PROBES`
-        times per request, memoised; None when there is no probe, the allowance is spent or
-        the probe failed (it is an optimisation and never fails a request)."""
-        if self.cache_probe is None:
+        """How many tokens of ``c`` the engine has cached, exactly: ``c`` tokenized and looked up
+        in :attr:`cache` (data: the engine is not asked), at most :data:`MAX_PROBES` times per
+        request, memoised; None when there is no cache state, the allowance is spent or the
+        tokenizer failed (it is an optimisation and never fails a request)."""
+        if self.cache is None:
             return None
         keys = tuple(k for k, _ in self.layout(c))
         if keys in self.probed:
@@ -354,13 +353,11 @@ class RequestContext:
             return None
         self.probes_used += 1
         try:
-            cached = self.cache_probe(self.build(c))
-        except Exception as exc:  # the probe is an optimisation; never fail a request for it
-            log.warning("cache_probe failed (%s: %s); estimating the cached prefix instead", type(exc).__name__, exc)
+            tokens = self.tokenizer.prompt_tokens(self.build(c), self.tools)
+        except Exception as exc:  # the lookup is an optimisation; never fail a request for it
+            log.warning("counting a candidate's cached prefix failed (%s: %s); estimating it instead", type(exc).__name__, exc)
             return None
-        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
-            log.warning("cache_probe returned %r, not a token count >= 0; ignored", cached)
-            return None
+        cached = self.cache.cached(tokens, getattr(self.profile, "predict_prefill_s", None))
         self.probed[keys] = cached
         self.knowledge.append((self.layout(c), cached))
         return cached
@@ -449,25 +446,26 @@ class PlanState:
         rag_chunks: Any = (),
         tools: Any = None,
         cached_tokens: int = 0,
-        cache_probe: CacheProbe | None = None,
+        cache: CacheState | None = None,
         summaries: SummaryCache | None = None,
         rag_template: str = DEFAULT_RAG_TEMPLATE,
         rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
         clock: Callable[[], float] = time.perf_counter,
         safety_margin: float | None = None,
         max_prompt_tokens: int | None = None,
+        on_infeasible: str = "best_effort",
+        values: Any = None,
     ) -> PlanState:
         """The initial state: the whole request, every chunk kept (most relevant first).
 
-        Validates like :func:`~trimkit.planning.planner.plan`; use it to test a strategy on its own.
+        Validates every argument of :func:`~trimkit.planning.planner.plan` (``on_infeasible`` and
+        ``values`` are only checked: :func:`check_inputs`); use it to test a strategy on its own.
         """
         chunks, profile = check_inputs(
-            messages, ttft_budget_s, rag_chunks, cached_tokens, rag_template, rag_chunk_template, profile, tokenizer
+            messages, ttft_budget_s, rag_chunks, cached_tokens, rag_template, rag_chunk_template, profile, tokenizer,
+            cache=cache, summaries=summaries, safety_margin=safety_margin, max_prompt_tokens=max_prompt_tokens,
+            on_infeasible=on_infeasible, values=values,
         )
-        if safety_margin is not None:
-            fraction(safety_margin, "safety_margin")
-        if max_prompt_tokens is not None:
-            count(max_prompt_tokens, "max_prompt_tokens", minimum=1)
         ctx = RequestContext(
             messages,
             ttft_budget_s=float(ttft_budget_s),
@@ -476,7 +474,7 @@ class PlanState:
             chunks=chunks,
             tools=tools,
             cached_tokens=cached_tokens,
-            cache_probe=cache_probe,
+            cache=cache,
             summaries=summaries,
             rag_template=rag_template,
             rag_chunk_template=rag_chunk_template,
@@ -579,8 +577,8 @@ class PlanState:
         return self.ctx.chunk_tokens(chunks)
 
     def probe(self, candidate: Candidate) -> int | None:
-        """Ask the engine how many tokens of ``candidate`` it has cached (at most twice per
-        plan, memoised; None when there is no probe or the allowance is spent)."""
+        """How many tokens of ``candidate`` the engine has cached, counted in the plan's ``cache``
+        state (at most twice per plan, memoised; None when there is none or the allowance is spent)."""
         return self.ctx.probe(candidate)
 
     def build_messages(self, candidate: Candidate) -> list[dict[str, Any]]:
@@ -603,13 +601,32 @@ def check_inputs(
     rag_chunk_template: Any,
     profile: Any,
     tokenizer: Any,
+    *,
+    cache: Any = None,
+    summaries: Any = None,
+    safety_margin: Any = None,
+    max_prompt_tokens: Any = None,
+    on_infeasible: Any = "best_effort",
+    values: Any = None,
 ) -> tuple[tuple[Chunk, ...], Any]:
-    """Check every argument of a plan before any work; return the coerced chunks and the profile
-    to use (a LiveProfile's current one)."""
+    """Check every argument of a plan before any work — the one place that does; return the
+    coerced chunks and the profile to use (a LiveProfile's current one)."""
+    if on_infeasible not in ("best_effort", "raise"):
+        raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
     validate_messages(messages)
     budget(ttft_budget_s)
     chunks = coerce_chunks(rag_chunks)
     count(cached_tokens, "cached_tokens")
+    if cache is not None and not isinstance(cache, CacheState):
+        raise InvalidInputError(f"cache must be a trimkit.planning.costs.CacheState or None, got {type(cache).__name__}")
+    if summaries is not None and not isinstance(summaries, SummaryCache):
+        raise InvalidInputError(f"summaries must be a SummaryCache or None, got {type(summaries).__name__}")
+    if values is not None and not isinstance(values, ValueModel):
+        raise InvalidInputError(f"values must be a trimkit.planning.values.ValueModel or None, got {type(values).__name__}")
+    if safety_margin is not None:
+        fraction(safety_margin, "safety_margin")
+    if max_prompt_tokens is not None:
+        count(max_prompt_tokens, "max_prompt_tokens", minimum=1)
     check_rag_templates(rag_template, rag_chunk_template)
     current = getattr(profile, "current", None)  # a LiveProfile follows the machine
     if current is not None and hasattr(current, "predict_ttft_s"):
@@ -617,7 +634,7 @@ def check_inputs(
     for attr in ("predict_ttft_s", "max_new_tokens", "safety_margin"):
         if not hasattr(profile, attr):
             raise InvalidInputError(f"profile must be a Profile (no {attr!r}), got {type(profile).__name__}")
-    for attr in ("segment_counts", "count"):
+    for attr in ("segment_counts", "count", *(("prompt_tokens",) if cache is not None else ())):
         if not hasattr(tokenizer, attr):
             raise InvalidInputError(f"tokenizer must be a PromptTokenizer (no {attr!r}), got {type(tokenizer).__name__}")
     return chunks, profile

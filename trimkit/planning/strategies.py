@@ -139,9 +139,9 @@ class reuse_prefix(Strategy):
     """Count the KV-cache prefix exactly; removes nothing.
 
     Use it first: it costs no quality. When the wrapper could not say how many tokens are
-    cached (``cached_tokens=0``) but gave a ``cache_probe``, it asks the engine once; if more
-    is cached than estimated, the prediction drops — possibly under the budget, and then
-    nothing is trimmed. The cache an edit keeps is counted by the engine in any case.
+    cached (``cached_tokens=0``) but gave the engine's ``cache`` state, it counts the prompt's
+    cached prefix in it once; if more is cached than estimated, the prediction drops — possibly
+    under the budget, and then nothing is trimmed. The cache an edit keeps is counted in any case.
     """
 
     name: ClassVar[str] = "reuse_prefix"
@@ -297,7 +297,7 @@ class keep_cached_cut(Strategy):
     the prompt and pays the whole prefill again; dropping the same ones — the new turn is
     appended at the end — reuses it, so the prompt keeps *more* history for *less* time. The
     wrapper adds this strategy with the index of the first history message it kept last time;
-    it probes the engine once, and the engine weighs the cut against the other starts.
+    it counts that prompt's cached prefix once, and the solver weighs the cut against the other starts.
     """
 
     first_kept: int = attrs.field(validator=lambda i, a, v: count(v, a.name, minimum=1))
