@@ -27,7 +27,7 @@ cache before each send; greedy decoding: temperature 0, top_k 1, a fixed seed; `
   ``drop_oldest`` (every chunk, the oldest whole turns dropped until it fits).
 
 Every chunk is placed in the last user message the way trimkit places it
-(``trimkit.prepared.place_chunks``: trimkit's RAG templates, most relevant first), and the
+(``trimkit.pipeline.place_chunks``: trimkit's RAG templates, most relevant first), and the
 baselines' and the untrimmed prompts go through an unbudgeted ``trimkit.wrap(llm,
 profile=profile)``, so every arm's TTFT is measured the same way. Units (a request at a share)
 run in a random order; within a unit trimkit goes first (the baselines need its token count),
@@ -287,7 +287,7 @@ class Prompts:
     def build(self, chunk_idx: Sequence[int], drop_turns: int) -> tuple[list[dict[str, Any]], int]:
         """The messages with the chunks ``chunk_idx`` (retriever positions) and the oldest
         ``drop_turns`` turns left out, and their prompt tokens."""
-        from trimkit.prepared import place_chunks
+        from trimkit.pipeline import place_chunks
 
         key = (tuple(chunk_idx), drop_turns)
         if key not in self._memo:
@@ -531,7 +531,7 @@ def main() -> int:
 
     import trimkit
     from trimkit.messages import coerce_chunks
-    from trimkit.prepared import place_chunks
+    from trimkit.pipeline import place_chunks
 
     llm, label = open_model(args.model, args.n_ctx, args.seed, args.threads)
     stem = "rag_answers" + ("" if label == "smollm2" else f"_{label}") + ("_quick" if args.quick else "")

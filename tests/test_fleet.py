@@ -31,8 +31,17 @@ from trimkit.backends.server import (
     parse_prometheus,
 )
 from trimkit.errors import InvalidInputError, ServerUnreachableError, StreamInterruptedError
-from trimkit.fleet import FLEET_BACKEND_DEFAULTS, AsyncFleetFrontEnd, FleetFrontEnd, FleetStream, FleetUnavailableError, wrap_fleet
-from trimkit.fleet._endpoint import Health, HeldPrompts, slot_wait_s
+from trimkit.fleet import (
+    FLEET_BACKEND_DEFAULTS,
+    AsyncFleetFrontEnd,
+    FleetFrontEnd,
+    FleetStream,
+    FleetUnavailableError,
+    Health,
+    HeldPrompts,
+    slot_wait_s,
+    wrap_fleet,
+)
 from trimkit.testing import FakeBackend, FakeOpenAIServer
 
 SYSTEM = {"role": "system", "content": "You answer questions about the harbour town of Marrowby, briefly and exactly. " * 6}
@@ -544,7 +553,7 @@ def test_when_every_endpoint_must_trim_the_one_that_keeps_the_most_wins():
     router picks the endpoint that keeps the most of the prompt within the budget."""
     from types import SimpleNamespace
 
-    from trimkit.fleet._endpoint import RouteCost, best_route
+    from trimkit.fleet import RouteCost, best_route
 
     busy = RouteCost(SimpleNamespace(label="busy"), wait_s=1.9, cached_tokens=900, prefill_s=0.4, decode_s=1.0, in_flight=2,
                      kept_tokens=950, budget_s=1.0)

@@ -11,7 +11,7 @@ import pytest
 
 import trimkit
 from tests.test_server_faults import ASK, PROFILE, FaultServer, hang
-from trimkit.fleet._frontend import FleetCall
+from trimkit.fleet import FleetCall
 
 pytestmark = pytest.mark.timeout(60)
 

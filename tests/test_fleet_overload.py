@@ -17,7 +17,7 @@ import pytest
 import trimkit
 from tests.test_server_faults import ASK, GOOD_STREAM, PROFILE, FaultServer, sse_reply
 from trimkit.errors import FleetOverloadedError, FleetUnavailableError, OverloadedError, ServerTimeoutError
-from trimkit.fleet._frontend import FleetCall, Route
+from trimkit.fleet import FleetCall, Route
 
 pytestmark = pytest.mark.timeout(120)
 

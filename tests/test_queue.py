@@ -21,7 +21,6 @@ import trimkit
 from tests._core_helpers import make_measurement, make_profile
 from trimkit.backends.base import TimedStream
 from trimkit.backends.http import OpenAIHTTPBackend
-from trimkit.backends.lease import EngineLease
 from trimkit.backends.replies import chunk_content
 from trimkit.errors import (
     EngineBusyError,
@@ -34,6 +33,7 @@ from trimkit.planning.costs import CostModel
 from trimkit.planning.queue import (
     DEFAULT_ANSWER_TOKENS,
     MIN_PLAN_BUDGET_S,
+    EngineLease,
     EngineQueue,
     busy_decision,
     wait_bound_s,

@@ -12,8 +12,8 @@ import pytest
 import trimkit
 from tests._core_helpers import make_measurement
 from trimkit.errors import InvalidNumberError
+from trimkit.pipeline import Prepared
 from trimkit.planning.profile import DecodePoint
-from trimkit.prepared import Prepared
 from trimkit.report import DECODE_PARAMETERS_UNTOUCHED, NOT_THE_STREAM_CURE, STREAM_CURES, WAIT_CURES, Report
 from trimkit.testing import FakeBackend
 

@@ -32,10 +32,10 @@ from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.llama_format import DEFAULT_MODEL, EMBEDDED_MODELS, check_model_path
 from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError, budget, require_extra
 from trimkit.messages import Chunk, coerce_chunks, validate_messages
+from trimkit.pipeline import place_chunks
 from trimkit.planning.planner import plan as make_plan
 from trimkit.planning.profile import Profile
 from trimkit.planning.values import rank_chunks
-from trimkit.prepared import place_chunks
 from trimkit.report import DEFAULT_WAIT_THRESHOLD_S, READING_SPEED_TOKENS_PER_S, diagnose
 from trimkit.wrapper import wrap
 

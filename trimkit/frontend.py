@@ -28,9 +28,8 @@ import attrs
 
 from trimkit.backends.base import Measurement, TimedStream
 from trimkit.errors import TrimkitError
-from trimkit.pipeline import Pipeline
+from trimkit.pipeline import Pipeline, Prepared
 from trimkit.planning.queue import Ticket
-from trimkit.prepared import Prepared
 from trimkit.report import Report
 
 __all__ = [

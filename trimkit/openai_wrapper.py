@@ -59,8 +59,7 @@ from trimkit.frontend import (
     usage_counts,
 )
 from trimkit.messages import validate_messages
-from trimkit.pipeline import Pipeline
-from trimkit.prepared import Prepared
+from trimkit.pipeline import Pipeline, Prepared
 
 __all__ = [
     "TrimmedOpenAI",
@@ -536,7 +535,7 @@ class Send:
         yield Io(drain, adrain, out)
         return self.front.assemble(self.reporter)
 
-    # -- hooks (a fleet's attempt: trimkit.fleet._frontend.FleetSend) ------------------------------
+    # -- hooks (a fleet's attempt: trimkit.fleet.FleetSend) ------------------------------
     def stream_args(self, prepared: Prepared) -> dict[str, Any]:
         """The backend's keyword arguments to stream ``prepared``."""
         budget = prepared.budget_s

@@ -75,8 +75,8 @@ from trimkit.errors import budget as valid_budget
 from trimkit.planning.costs import evaluated_tokens
 
 if TYPE_CHECKING:  # for annotations only: prepared sits above this module
+    from trimkit.pipeline import Prepared
     from trimkit.planning.profile import Profile
-    from trimkit.prepared import Prepared
 
 __all__ = ["Report", "DECODE_PARAMETERS_UNTOUCHED", "template_warnings", "VerdictName", "VERDICTS", "VERDICT_LABELS", "DEFAULT_WAIT_THRESHOLD_S",
     "READING_SPEED_TOKENS_PER_S", "MIN_STATED_DECODE_CHANGE_PCT", "WAIT_CURES", "STREAM_CURES", "NOT_THE_STREAM_CURE", "NOTHING_TO_CURE", "Verdict",

@@ -24,11 +24,11 @@ from typing import Any
 import httpx
 
 from trimkit.backends.base import Backend, Measurement, TimedStream
-from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease
 from trimkit.backends.replies import chunk_content
 from trimkit.errors import ContextTooSmallError, positive_finite
 from trimkit.planning.costs import CacheState, CostModel
 from trimkit.planning.profile import ProfileKey
+from trimkit.planning.queue import DEFAULT_ENGINE_WAIT_S, EngineLease
 from trimkit.planning.tokens import PromptTokenizer, TiktokenTokenizer, Tokenizer, chatml_render, common_prefix_len, reusable_prefix_len
 
 __all__ = ["FakeClock", "FakeBackend", "FakeOpenAIServer", "fake_openai_transport"]
@@ -70,7 +70,7 @@ class FakeBackend(Backend):
 
     ``calls`` records every request's messages and parameters exactly as received. Like an
     in-process engine it runs one request at a time: a stream holds :attr:`engine` (an
-    :class:`~trimkit.backends.lease.EngineLease`; ``with fake.lock:`` is a section of it)
+    :class:`~trimkit.planning.queue.EngineLease`; ``with fake.lock:`` is a section of it)
     from ``send`` until it is finished, closed or garbage-collected.
     """
 

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from trimkit.backends.base import Backend, Measurement, client_kind
-from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease
 from trimkit.backends.ollama import OllamaBackend, client_tools, plain_messages
 from trimkit.backends.replies import assemble_chat_completion
 from trimkit.errors import InvalidInputError, PromptTruncatedError
@@ -26,9 +25,8 @@ from trimkit.fleet import wrap_fleet
 from trimkit.frontend import AsyncReportingStream, FrontEnd, ReportingStream, send_params, usage_counts
 from trimkit.messages import validate_messages
 from trimkit.openai_wrapper import wrap_openai
-from trimkit.pipeline import Pipeline
-from trimkit.planning.queue import wait_bound_s
-from trimkit.prepared import Prepared, place_chunks
+from trimkit.pipeline import Pipeline, Prepared, place_chunks
+from trimkit.planning.queue import DEFAULT_ENGINE_WAIT_S, EngineLease, wait_bound_s
 
 if TYPE_CHECKING:
     from trimkit.backends.llama import LlamaBackend

@@ -7,11 +7,11 @@ computes it (longest common token prefix with what is in the context). It never 
 ``Llama.reset()`` between requests — that would throw the cached prefix away.
 
 One ``Llama`` is one engine: every :class:`LlamaBackend` over it shares one
-:class:`~trimkit.backends.lease.EngineLease`, and a request holds it from ``send`` until its
+:class:`~trimkit.planning.queue.EngineLease`, and a request holds it from ``send`` until its
 stream is finished, closed or garbage-collected — in whichever thread that happens.
 
 **The context.** :class:`LlamaBackend` builds on these; none of them takes the engine's lease
-(:mod:`trimkit.backends.lease`): the caller holds it.
+(:mod:`trimkit.planning.queue`): the caller holds it.
 
 - :func:`effective_n_ctx`: how many tokens a ``Llama`` can really hold;
 - :func:`reset_perf` / :func:`read_perf`: the context's perf counters around one request, as
@@ -21,7 +21,7 @@ stream is finished, closed or garbage-collected — in whichever thread that hap
 - :func:`cpu_name`: the host's CPU, part of every in-process profile key;
 - :func:`abort_when`: an abortable decode, for calibration's probes.
 
-The other pieces: :mod:`trimkit.backends.lease` (who holds the engine) and
+The other pieces: :mod:`trimkit.planning.queue` (who holds the engine) and
 :mod:`trimkit.backends.llama_format` (the chat template and tokenizer), which import no engine.
 """
 
@@ -45,7 +45,6 @@ import llama_cpp
 from llama_cpp import Llama, llama_chat_format
 
 from trimkit.backends.base import Backend, Clock, Measurement, TimedStream, first_token_overhead_s, probe_text
-from trimkit.backends.lease import DEFAULT_ENGINE_WAIT_S, EngineLease, engine_lease
 from trimkit.backends.llama_format import (
     DEFAULT_MODEL,
     EMBEDDED_MODELS,
@@ -59,6 +58,7 @@ from trimkit.backends.replies import chunk_content
 from trimkit.errors import BackendError, ContextTooSmallError, InvalidInputError
 from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey, attention_doubling_prior, idle_expert_params
+from trimkit.planning.queue import DEFAULT_ENGINE_WAIT_S, EngineLease, engine_lease
 from trimkit.planning.summaries import PromptSummarizer
 from trimkit.planning.tokens import common_prefix_len, reusable_prefix_len
 

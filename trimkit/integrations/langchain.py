@@ -144,9 +144,9 @@ from trimkit.messages import (
     last_user_index,
     render_rag_question,
 )
+from trimkit.pipeline import Prepared
 from trimkit.planning.planner import Plan, plan
 from trimkit.planning.profile import Profile
-from trimkit.prepared import Prepared
 from trimkit.report import Report
 from trimkit.wrapper import wrap
 

@@ -114,11 +114,11 @@ from trimkit.fleet import wrap_url
 from trimkit.frontend import usage_counts
 from trimkit.integrations import as_openai_error, chat_completions_url
 from trimkit.messages import Chunk, check_rag_templates
+from trimkit.pipeline import place_chunks
 from trimkit.planning.planner import Plan, plan
 from trimkit.planning.profile import Profile
 from trimkit.planning.tokens import PromptTokenizer
 from trimkit.planning.values import ValueModel
-from trimkit.prepared import place_chunks
 from trimkit.strategies import cap_rag_chunks, chain, reuse_prefix
 from trimkit.wrapper import wrap
 
@@ -749,7 +749,7 @@ class TrimmedLLM(FunctionCallingLLM):
 
     def prepare(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Any:
         """Plan a chat as :meth:`chat` would send it, without sending it: trimkit's
-        :class:`~trimkit.prepared.Prepared` (``.messages``, ``.plan``, ``.predicted_ttft_s``).
+        :class:`~trimkit.pipeline.Prepared` (``.messages``, ``.plan``, ``.predicted_ttft_s``).
         Same arguments as :meth:`chat`."""
         call, _ = self._call(messages, dict(kwargs))
         chat_messages, chunks, budget = call.pop("messages"), call.pop("rag_chunks", None), call.pop("ttft_budget_s", None)
