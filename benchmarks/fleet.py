@@ -291,7 +291,7 @@ def build_conversations(n_conv: int, n_turns: int, history_pairs: int, n_chunks:
 def price_workload(convs: list[list[Turn]], tokenizer: Any, profile: Any, *, share_: float, floor: float, load: float,
                    n_replicas: int, rng: random.Random) -> list[list[Turn]]:
     """Budgets from the calibrated profile, and think times that make the nominal load ``load``."""
-    from trimkit.wrapper import place_chunks
+    from trimkit.pipeline import place_chunks
 
     priced = []
     for turns in convs:
@@ -769,7 +769,7 @@ def main() -> int:
                               "budget_median_s": statistics.median(budgets),
                               "think_mean_s": statistics.mean(thinks) if thinks else 0.0,
                               "untrimmed_tokens_median": statistics.median(t.untrimmed_tokens for c in convs for t in c)}
-        from trimkit.wrapper import place_chunks
+        from trimkit.pipeline import place_chunks
 
         first = convs[0][0]
         warm_up(replicas, place_chunks(first.messages, first.chunks))

@@ -266,7 +266,8 @@ MOVED = {
     "trimkit.planning.tokens": "PromptTokenizer TiktokenTokenizer",
     "trimkit.planning.values": "ValueModel",
     "trimkit.openai_wrapper": "TrimmedOpenAI AsyncTrimmedOpenAI wrap_openai wrap_url",
-    "trimkit.wrapper": "Trimmer TrimmedLlama ReportingStream place_chunks wrap",
+    "trimkit.wrapper": "Trimmer TrimmedLlama ReportingStream wrap",
+    "trimkit.pipeline": "Pipeline Prepared place_chunks",
     "trimkit.errors": " ".join(trimkit.errors.__all__),
 }
 

@@ -77,3 +77,19 @@ def test_planning_imports_no_engine_no_http_and_no_store(graph):
     reached = graph.find_upstream_modules("trimkit.planning", as_package=True)
     assert not {m for m in reached if m.split(".")[0] in {"llama_cpp", "httpx", "openai", "ollama", "platformdirs"}}
     assert not {m for m in reached if room(m) in {"trimkit.backends", "trimkit.fleet", "trimkit.integrations"}}
+
+
+#: the namespaces docs/reference.md documents: only these say (``__all__``) what they export
+DOCUMENTED = {"trimkit", "trimkit.strategies", "trimkit.errors", "trimkit.backends", "trimkit.testing", "trimkit.otel",
+              "trimkit.metrics", "trimkit.fleet", "trimkit.openai_wrapper", "trimkit.planning", "trimkit.planning.summaries",
+              "trimkit.integrations.langchain", "trimkit.integrations.llamaindex"}
+
+
+def test_only_the_documented_namespaces_declare_what_they_export():
+    declaring = set()
+    for path in ROOT.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        if any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets) for n in tree.body):
+            declaring.add(".".join(path.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__"))
+    assert declaring <= DOCUMENTED, sorted(declaring - DOCUMENTED)
+    assert {"trimkit", "trimkit.errors", "trimkit.strategies", "trimkit.backends"} <= declaring

@@ -200,7 +200,7 @@ def test_a_budget_trims_the_prompt_into_the_effective_window(llm_1000, quick_pro
     base = [f"Note {i}: " + " ".join([SENTENCE] * 8) for i in range(6)]
     for k in range(1, 400):  # untrimmed: inside llama.cpp's 1024 less max_tokens, over the Llama's 1000
         chunks = [*base, "Last note: " + " ".join(words[i % len(words)] for i in range(k))]
-        untrimmed = len(chat.backend.tokenizer.prompt_tokens(trimkit.wrapper.place_chunks(question, coerce_chunks(chunks))))
+        untrimmed = len(chat.backend.tokenizer.prompt_tokens(trimkit.pipeline.place_chunks(question, coerce_chunks(chunks))))
         if untrimmed > 1001:
             break
     assert 1001 < untrimmed <= 1016, untrimmed

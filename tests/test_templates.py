@@ -114,7 +114,7 @@ def test_non_alternating_roles_never_raise(messages):
 def test_the_name_is_registered_with_llama_cpp_python():
     from llama_cpp import llama_chat_format
 
-    from trimkit.backends.llama import chat_format_renderer
+    from trimkit.backends.llama_format import chat_format_renderer
 
     assert llama_chat_format.get_chat_completion_handler(GEMMA3_CHAT_FORMAT) is gemma3_chat_handler
     assert chat_format_renderer(GEMMA3_CHAT_FORMAT)(ASK) == render(ASK)

@@ -63,9 +63,6 @@ from trimkit.errors import CalibrationError, ContextTooSmallError, InvalidInputE
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, error_stats, fit_cost_model, heldout_predictions, per_token_rate
 from trimkit.planning.profile import CALIBRATION_MODES, DecodePoint, Profile, ProfileKey
 
-__all__ = ["calibrate", "calibration_probes", "as_backend", "Probe", "MIN_N_CTX", "MICRO_BUDGET_S", "QUICK_BUDGET_S", "FULL_BUDGET_S", "ATTENTION_PRIOR_TOKENS", "ATTENTION_PRIOR_MAX_FACTOR", "attention_doubling_tokens", "FIRST_PROBE_TOKENS", "MIN_SAMPLES", "MODES", "Mode", "CostPredictor", "get_mode", "mode_for_budget", "context_cap", "top_limit", "top_candidates", "cold_lengths", "repeats", "depth_lengths", "schedule", "missing", "remaining_cost", "choose_top", "fits", "decode_tokens", "first_token_cost_s", "DECODE_PROMPT_TOKENS", "MIN_DECODE_POINT_STEPS", "cache_dir", "profile_path", "load_profile", "save_profile", "MAX_PROFILE_BYTES", "STALE_TMP_S"]
-
-
 # -- the schedule: how much calibration fits in a time budget (pure: no engine, no clock) ----------------
 
 #: default wall-time budgets of the three modes, seconds (the whole calibrate() call)

@@ -39,8 +39,6 @@ from trimkit.planning.values import rank_chunks
 from trimkit.report import DEFAULT_WAIT_THRESHOLD_S, READING_SPEED_TOKENS_PER_S, diagnose
 from trimkit.wrapper import wrap
 
-__all__ = ["main", "build_parser", "open_llama", "read_request", "profile_lines", "ProgressBar", "decode_text", "plot_profile", "read_report_log", "report_log_lines", "plot_report_log", "run_demo", "load_corpus", "load_history", "load_questions", "demo_questions", "answer_chunk_status", "answer_is_right", "SYSTEM", "Timeline", "forecast", "size_long_prompt", "answer_tokens", "turn_budget", "HostSpeed", "TIME_TARGET_S", "CALIBRATION_SHARE", "BUDGET_SHARE", "LONG_PROMPT_ANSWER_TOKENS", "SHORT_PROMPT_ANSWER_TOKENS", "TURN_ANSWER_TOKENS", "LONG_PROMPT_DOCS", "SHORT_PROMPT", "decode_s", "predicted_total_s"]
-
 EMBEDDED = "the embedded SmolLM2-135M-Instruct; \"gemma\" names the embedded Gemma-3-270M"
 #: the share of ``trimkit calibrate``'s time budget left for printing and unloading the model
 EXIT_SHARE = 0.05

@@ -32,20 +32,6 @@ from trimkit.pipeline import Pipeline, Prepared
 from trimkit.planning.queue import Ticket
 from trimkit.report import Report
 
-__all__ = [
-    "FrontEnd",
-    "StreamReporter",
-    "ReportingStream",
-    "ReportingOpenAIStream",
-    "AsyncReportingStream",
-    "send_params",
-    "usage_counts",
-    "Io",
-    "Steps",
-    "run_sync",
-    "run_async",
-]
-
 
 def send_params(params: Mapping[str, Any]) -> dict[str, Any]:
     """What goes to the backend: every argument the caller gave but ``stream`` (a backend always

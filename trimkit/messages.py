@@ -18,23 +18,6 @@ import attrs
 
 from trimkit.errors import InvalidChunkError, InvalidInputError, InvalidMessageError
 
-__all__ = [
-    "Chunk",
-    "ROLES",
-    "SYSTEM_ROLES",
-    "DEFAULT_RAG_TEMPLATE",
-    "DEFAULT_RAG_CHUNK_TEMPLATE",
-    "validate_messages",
-    "coerce_chunks",
-    "message_text",
-    "turn_spans",
-    "last_user_index",
-    "render_rag_question",
-    "with_chunks",
-    "append_text",
-    "check_rag_templates",
-]
-
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 SYSTEM_ROLES = frozenset({"system", "developer"})
 

@@ -68,8 +68,6 @@ from trimkit.report import completed as report_completed
 from trimkit.report import report_log as report_sinks
 from trimkit.strategies import default_strategies
 
-__all__ = ["Pipeline", "ModelLabel", "ReportNotes", "SummaryWorker", "as_summarizer", "Prepared", "PreviousCut", "place_chunks"]
-
 log = logging.getLogger("trimkit")
 
 

@@ -78,11 +78,6 @@ if TYPE_CHECKING:  # for annotations only: prepared sits above this module
     from trimkit.pipeline import Prepared
     from trimkit.planning.profile import Profile
 
-__all__ = ["Report", "DECODE_PARAMETERS_UNTOUCHED", "template_warnings", "VerdictName", "VERDICTS", "VERDICT_LABELS", "DEFAULT_WAIT_THRESHOLD_S",
-    "READING_SPEED_TOKENS_PER_S", "MIN_STATED_DECODE_CHANGE_PCT", "WAIT_CURES", "STREAM_CURES", "NOT_THE_STREAM_CURE", "NOTHING_TO_CURE", "Verdict",
-    "judge", "DecodeContext", "valid_tokens_per_s_target", "Diagnosis", "diagnose", "Completed", "Figures", "ReportLog", "TTFT_BUCKETS_S",
-    "add_observer", "completed", "figures", "loggable", "remove_observer", "report_log"]
-
 
 # -- the verdict: each phase judged against its own standard; diagnose() ---------------------------------
 

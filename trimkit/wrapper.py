@@ -25,13 +25,11 @@ from trimkit.fleet import wrap_fleet
 from trimkit.frontend import AsyncReportingStream, FrontEnd, ReportingStream, send_params, usage_counts
 from trimkit.messages import validate_messages
 from trimkit.openai_wrapper import wrap_openai
-from trimkit.pipeline import Pipeline, Prepared, place_chunks
+from trimkit.pipeline import Pipeline, Prepared
 from trimkit.planning.queue import DEFAULT_ENGINE_WAIT_S, EngineLease, wait_bound_s
 
 if TYPE_CHECKING:
     from trimkit.backends.llama import LlamaBackend
-
-__all__ = ["Trimmer", "TrimmedLlama", "ReportingStream", "Prepared", "wrap", "place_chunks", "TrimmedOllama", "AsyncTrimmedOllama", "OllamaStream", "wrap_ollama", "assemble_chat_response", "cold_load_note"]
 
 
 class Trimmer(FrontEnd):

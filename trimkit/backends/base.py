@@ -38,12 +38,6 @@ from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey
 from trimkit.planning.tokens import PromptTokenizer
 
-__all__ = [
-    "Measurement", "TimedStream", "Backend", "Clock", "first_token_overhead_s", "probe_text", "ClientKind",
-    "client_kind", "is_llama", "is_openai_client", "is_ollama_client", "client_is_async",
-]
-
-
 # == the seam ================================================================================================
 
 Clock = Callable[[], float]

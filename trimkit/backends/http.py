@@ -33,8 +33,6 @@ from trimkit.backends.base import Backend, Clock, Measurement, TimedStream, clie
 from trimkit.backends.llama_format import chat_format_renderer
 from trimkit.backends.replies import as_chat_completion, assemble_chat_completion, parse_completion, parse_server_stats, probe_output
 from trimkit.backends.server import (
-    MAX_PROBE_TEXT_BYTES,
-    PROBE_WORDS_PER_TOKEN,
     DelegatedProbes,
     ServerEvidence,
     ServerInfo,
@@ -45,7 +43,6 @@ from trimkit.backends.server import (
     server_prompt_tokenizer,
 )
 from trimkit.backends.transport import (
-    TRANSIENT_STATUSES,
     AsyncTimedStream,
     Deadline,
     HTTPTransport,
@@ -65,11 +62,6 @@ from trimkit.errors import InvalidInputError, ServerError
 from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey
 from trimkit.planning.tokens import PromptTokenizer, TiktokenTokenizer
-
-__all__ = [
-    "ChatCall", "chat_body", "probe_body", "refuses_stream_options", "OpenAIHTTPBackend", "AsyncTimedStream",
-    "ServerInfo", "TRANSIENT_STATUSES", "MAX_PROBE_TEXT_BYTES", "PROBE_WORDS_PER_TOKEN",
-]
 
 log = logging.getLogger("trimkit")
 

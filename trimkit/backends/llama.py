@@ -48,7 +48,6 @@ from trimkit.backends.base import Backend, Clock, Measurement, TimedStream, firs
 from trimkit.backends.llama_format import (
     DEFAULT_MODEL,
     EMBEDDED_MODELS,
-    chat_format_renderer,
     default_model_path,
     handler_formatter,
     llama_prompt_tokenizer,
@@ -58,11 +57,9 @@ from trimkit.backends.replies import chunk_content
 from trimkit.errors import BackendError, ContextTooSmallError, InvalidInputError
 from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey, attention_doubling_prior, idle_expert_params
-from trimkit.planning.queue import DEFAULT_ENGINE_WAIT_S, EngineLease, engine_lease
+from trimkit.planning.queue import DEFAULT_ENGINE_WAIT_S, engine_lease
 from trimkit.planning.summaries import PromptSummarizer
 from trimkit.planning.tokens import common_prefix_len, reusable_prefix_len
-
-__all__ = ["llama_attention_prior", "effective_n_ctx", "cpu_name", "PerfCounts", "reset_perf", "read_perf", "PrefixSnapshot", "save_sequence", "load_prefix", "LlamaBackend", "EngineLease", "DEFAULT_ENGINE_WAIT_S", "chat_format_renderer", "llama_prompt_tokenizer", "llama_summarizer", "GEMMA3_CHAT_FORMAT", "format_gemma3", "gemma3_chat_handler", "default_llama", "server_command"]
 
 log = logging.getLogger("trimkit")
 

@@ -24,8 +24,6 @@ import jinja2
 from trimkit.errors import InvalidInputError, InvalidMessageError, MissingExtraError, ModelNotFoundError, NotGGUFError, require_extra
 from trimkit.planning.tokens import KNOWN_CONTROL_TEXTS, ControlTexts, PromptTokenizer, chatml_render
 
-__all__ = ["llama_control_texts", "LlamaTextTokenizer", "handler_formatter", "chat_formatter", "chat_format_renderer", "llama_prompt_tokenizer", "default_model_path", "check_model_path", "model_identity", "DEFAULT_MODEL", "EMBEDDED_MODELS"]
-
 log = logging.getLogger("trimkit")
 
 Render = Callable[..., str]

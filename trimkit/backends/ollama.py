@@ -44,8 +44,6 @@ from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey
 from trimkit.planning.tokens import PromptTokenizer, TiktokenTokenizer
 
-__all__ = ["OllamaBackend", "plain_messages", "client_messages", "client_tools", "DEFAULT_OLLAMA_CTX", "OLLAMA_SEND_KEYS"]
-
 log = logging.getLogger("trimkit")
 
 #: the context trimkit asks for when ``n_ctx`` is not given: Ollama's own default on machines

@@ -83,16 +83,6 @@ import attrs
 from trimkit.backends.base import Measurement
 from trimkit.errors import MalformedReplyError, ServerError
 
-__all__ = [
-    "MAX_JSON_DEPTH", "MAX_REPLY_BYTES", "MAX_EVENT_BYTES", "as_object", "check_depth", "describe",
-    "excerpt", "fail", "join_path", "load_json", "opt_int", "opt_list", "opt_mapping", "opt_str",
-    "ServerStats", "SOURCE_LLAMA_SERVER", "SOURCE_OLLAMA", "SOURCE_USAGE", "SOURCE_CLIENT", "as_mapping",
-    "field_of", "has_server_stats", "parse_server_stats", "detect_truncation", "build_measurement",
-    "MAX_TOKEN_COUNT", "MAX_SERVER_SECONDS", "Choice", "ToolCallPart", "Reply", "parse_chunk",
-    "parse_completion", "error_message", "retry_after_s", "body_kind", "assemble_chat_completion",
-    "as_chat_completion", "chunk_content", "probe_output",
-]
-
 log = logging.getLogger("trimkit")
 
 

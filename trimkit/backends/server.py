@@ -91,8 +91,6 @@ from trimkit.errors import CalibrationError, ContextTooSmallError, InvalidInputE
 from trimkit.planning.costs import CacheState
 from trimkit.planning.tokens import PromptTokenizer, TiktokenTokenizer, chatml_render, reusable_prefix_len
 
-__all__ = ["MAX_CONTEXT_TOKENS", "MAX_TOKEN_ID", "ModelEntry", "ModelList", "parse_models", "parse_props", "parse_props_switches", "parse_version", "parse_openapi_version", "is_tokenize_reply", "parse_tokens", "parse_template", "parse_workers", "ServerInfo", "probe_server", "engine_of", "ServerTokenizer", "server_prompt_tokenizer", "TOKENIZE_SLACK", "DelegatedProbes", "MAX_PROBE_TEXT_BYTES", "PROBE_WORDS_PER_TOKEN", "ProbedServer", "ServerProbes", "default_probe_text", "ServerEvidence", "CACHE_REPORT_FLAGS", "KEYED_PROMPTS", "ServerLoad", "LOAD_METRICS", "parse_prometheus", "load_from_metrics", "load_from_slots", "load_from_sglang", "ServerLoadReader", "LOAD_ENDPOINTS", "ROUTING_HEADERS", "MAX_ROUTING_KEY_CHARS", "NOT_GIVEN", "RouterInfo", "RoutingOptions", "check_routing_key", "check_routing_headers", "conversation_key", "current_key", "key_of", "planning_for", "routing_headers"]
-
 log = logging.getLogger("trimkit")
 
 

@@ -91,9 +91,6 @@ from trimkit.errors import (
     count,
 )
 
-__all__ = ["TRANSIENT_STATUSES", "status_error", "unreachable", "undecodable", "transport_error", "client_error", "client_read_error", "client_open_error", "is_transport_failure", "translated", "wrong_content_type", "redirect_error", "stream_reply_error", "empty_stream_error", "EventReader", "iter_events", "aiter_events", "END", "ERROR_BODY_BYTES", "MISSING_STATUSES", "Opened", "BodyPlan", "HTTPTransport", "normalize_base_url", "url_credentials", "redact_url", "stream_body_plan", "json_answer", "read_capped", "aread_capped", "without_retries", "StreamState", "read_chunks", "aread_chunks", "timed_stream", "AsyncTimedStream", "MIN_WAIT_S", "RETRIED", "Deadline", "Wait", "RequestLimits", "RetryRun", "with_retries", "awith_retries", "run_within"]
-
-
 # == errors: what goes wrong on the wire =====================================================================
 
 #: HTTP statuses worth retrying (before the first chunk only).

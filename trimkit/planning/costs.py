@@ -29,25 +29,6 @@ import numpy as np
 
 from trimkit.errors import InvalidInputError, InvalidNumberError, attrs_non_negative, count, positive_finite, real_float
 
-__all__ = [
-    "PrefillSample",
-    "CostModel",
-    "ErrorStats",
-    "evaluated_tokens",
-    "reusable_cached_tokens",
-    "CacheState",
-    "fit_cost_model",
-    "cross_validate",
-    "heldout_predictions",
-    "error_stats",
-    "quantile",
-    "per_token_rate",
-    "probe_noise",
-    "PROBE_NOISE_FLOOR",
-    "ATTENTION_PRIOR_SPREAD",
-    "PROBE_NOISE",
-]
-
 #: how far the architecture's attention prior may be off, as a relative standard deviation of
 #: the depth term: a FLOP ratio says nothing of how efficiently an engine runs attention next to
 #: the weight matrices (:mod:`trimkit.planning.profile`), so it is trusted to within about half

@@ -28,12 +28,10 @@ import attrs
 from trimkit.errors import InfeasibleBudgetError
 from trimkit.messages import DEFAULT_RAG_CHUNK_TEMPLATE, DEFAULT_RAG_TEMPLATE, Chunk
 from trimkit.planning.costs import CacheState
-from trimkit.planning.solver import Action, Candidate, Estimate, PlanState, solve
+from trimkit.planning.solver import Action, Candidate, PlanState, solve
 from trimkit.planning.strategies import chain, default_strategies
 from trimkit.planning.summaries import Summary, SummaryCache
 from trimkit.planning.values import ValueModel
-
-__all__ = ["plan", "Plan", "Action", "PlanState", "Candidate", "Estimate", "CacheState"]
 
 log = logging.getLogger("trimkit")
 

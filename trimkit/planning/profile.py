@@ -101,10 +101,6 @@ import attrs
 from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError, count, non_negative_finite, positive_finite, real_float
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, evaluated_tokens, largest_fitting
 
-__all__ = ["ProfileKey", "Profile", "SCHEMA_VERSION", "CALIBRATION_MODES", "DecodePoint", "DecodeModel", "fit_decode", "mean_context",
-    "DECODE_SOURCES", "LEVEL_WINDOW", "FLAT_NOTE", "WITHIN_NOISE_NOTE", "attention_doubling_prior", "idle_expert_params"]
-
-
 # -- the decode line: decode speed as a function of context ----------------------------------------------
 
 #: where a point comes from: calibration's decode steps, or a served request's stream

@@ -59,8 +59,6 @@ import attrs
 
 from trimkit.errors import EngineBusyError, InvalidInputError, non_negative_finite
 
-__all__ = ["ON_BUSY", "DEFAULT_ANSWER_TOKENS", "ANSWER_WINDOW", "WAIT_BOUND_FACTOR", "MIN_PLAN_BUDGET_S", "Ticket", "EngineQueue", "answer_cap", "BusyDecision", "busy_decision", "check_on_busy", "queue_wait", "wait_bound_s", "EngineLease", "engine_lease", "DEFAULT_ENGINE_WAIT_S"]
-
 #: what a request does when the predicted wait for the engine breaks its budget
 ON_BUSY = ("trim", "wait")
 #: the answer length a request without ``max_tokens`` is predicted to decode, until the engine

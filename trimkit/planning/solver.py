@@ -71,22 +71,6 @@ from trimkit.planning.costs import CacheState, evaluated_tokens, reusable_cached
 from trimkit.planning.summaries import Summary, SummaryCache, summary_note
 from trimkit.planning.values import Excerpt, ValueModel, chunk_values, excerpts_of, index_runs, question_idf, rank_chunks, span_label, turn_values
 
-__all__ = [
-    "Candidate",
-    "Estimate",
-    "RequestContext",
-    "Layout",
-    "CacheState",
-    "MAX_PROBES",
-    "Action",
-    "Lead",
-    "Proposal",
-    "PlanState",
-    "check_inputs",
-    "solve",
-]
-
-
 log = logging.getLogger("trimkit")
 
 

@@ -86,27 +86,6 @@ from trimkit.planning.costs import CostModel, PrefillSample, error_stats, evalua
 from trimkit.planning.profile import DecodePoint, Profile, mean_context
 from trimkit.planning.queue import EngineQueue
 
-__all__ = [
-    "SpeedEstimate",
-    "WINDOW",
-    "FACTOR_WINDOW",
-    "DEFAULT_TARGET",
-    "MARGIN_FLOOR",
-    "MARGIN_CAP",
-    "SLOWDOWN_FACTOR",
-    "margin_for_ratio",
-    "quantile",
-    "usable_cores",
-    "LiveProfile",
-    "covering",
-    "calibration_seed",
-    "EngineState",
-    "engine_state",
-    "forget_engines",
-    "PROVISIONAL_PERSIST_EVERY",
-]
-
-
 log = logging.getLogger("trimkit")
 
 

@@ -33,19 +33,6 @@ from trimkit.planning.solver import Action, Lead, PlanState, Proposal, solve
 from trimkit.planning.summaries import ExtractiveSummarizer, Summarizer, Summary, make_summary
 from trimkit.planning.values import ValueModel
 
-__all__ = [
-    "Strategy",
-    "Chain",
-    "chain",
-    "reuse_prefix",
-    "cap_rag_chunks",
-    "summarize_history",
-    "drop_oldest_turns",
-    "keep_cached_cut",
-    "default_strategies",
-    "MAX_SUMMARIES",
-]
-
 
 class Strategy(abc.ABC):  # noqa: B024 - a strategy implements propose() or __call__()
     """One way to make a prompt cheaper: ``propose(state)`` says what the engine may change."""

@@ -45,11 +45,6 @@ from trimkit.errors import InvalidInputError
 from trimkit.messages import SYSTEM_ROLES, Chunk, message_text
 from trimkit.planning.costs import reusable_cached_tokens
 
-__all__ = ["Tokenizer", "TiktokenTokenizer", "PromptTokenizer", "Segments", "chatml_render", "common_prefix_len", "reusable_prefix_len",
-    "KNOWN_CONTROL_TEXTS", "KNOWN", "ZERO_WIDTH_SPACE", "ControlTexts", "NEUTRALIZE_MODES", "neutralize_text",
-    "neutralize_chunks", "neutralize_messages", "check_mode", "SizedCache", "text_size"]
-
-
 # -- the text-keyed caches: least recently used, bounded by the size of what they hold -------------------
 
 K = TypeVar("K", bound=Hashable)

@@ -62,27 +62,6 @@ from trimkit.errors import InvalidNumberError, non_negative_finite, positive_fin
 from trimkit.messages import Chunk, message_text
 from trimkit.planning.tokens import SizedCache
 
-__all__ = [
-    "STOPWORDS",
-    "words",
-    "bm25_scores",
-    "split_sentences",
-    "text_idf",
-    "question_idf",
-    "sentence_score",
-    "chunk_relevance",
-    "rank_chunks",
-    "ValueModel",
-    "chunk_values",
-    "turn_values",
-    "Excerpt",
-    "excerpts_of",
-    "index_runs",
-    "span_label",
-    "MIN_SENTENCES",
-]
-
-
 #: Very common English words that carry no topic. Kept short on purpose: BM25's IDF already
 #: discounts frequent words; this list only removes the ones that dominate short questions.
 STOPWORDS = frozenset(

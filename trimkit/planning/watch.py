@@ -34,8 +34,6 @@ from trimkit.messages import last_user_index, with_chunks
 from trimkit.planning.profile import Profile
 from trimkit.planning.tokens import common_prefix_len
 
-__all__ = ["PrefillWatch", "WatchStep", "Replan", "Cut", "cut_chunks", "FIRST_STEP_TOKENS", "MAX_REPLANS", "MIN_WATCHED_TOKENS"]
-
 #: the first step: short, so the first reading of the pace comes early, and long enough that its
 #: fixed cost does not swamp the per-token pace (benchmarks/closed_loop.py measures its cost)
 FIRST_STEP_TOKENS = 64
