@@ -255,7 +255,7 @@ def main() -> int:
             chat = trimkit.wrap(client, profile=full, n_ctx=args.n_ctx, chat_format=args.chat_format or None)
             client_kind = "openai.OpenAI"
         except ImportError:
-            from trimkit.openai_wrapper import wrap_url
+            from trimkit import wrap_url
 
             chat = wrap_url(base_url, profile=full, n_ctx=args.n_ctx, chat_format=args.chat_format or None)
             client_kind = "wrap_url (httpx)"

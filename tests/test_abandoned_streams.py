@@ -16,7 +16,7 @@ import pytest
 
 import trimkit
 from tests.test_server_faults import ASK, PROFILE, FaultServer, chunk, hang, make_chat, sse_reply
-from trimkit.openai_wrapper import wrap_url
+from trimkit import wrap_url
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -23,8 +23,8 @@ import pytest
 
 from tests._core_helpers import make_profile
 from tests.test_server_faults import chunk, json_reply, sse_reply
+from trimkit import wrap_url
 from trimkit.backends.replies import SOURCE_USAGE, parse_server_stats
-from trimkit.openai_wrapper import wrap_url
 
 VLLM_USAGE = {"completion_tokens": 16, "prompt_tokens": 4, "prompt_tokens_details": None, "total_tokens": 20}
 SGLANG_USAGE = {"prompt_tokens": 22, "total_tokens": 24, "completion_tokens": 2, "prompt_tokens_details": None}

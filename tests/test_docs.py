@@ -265,7 +265,7 @@ MOVED = {
     "trimkit.planning.summaries": "ExtractiveSummarizer PromptSummarizer Summary SummaryCache summary_job next_summary_job",
     "trimkit.planning.tokens": "PromptTokenizer TiktokenTokenizer",
     "trimkit.planning.values": "ValueModel",
-    "trimkit.openai_wrapper": "TrimmedOpenAI AsyncTrimmedOpenAI wrap_openai wrap_url",
+    "trimkit.openai_wrapper": "TrimmedOpenAI AsyncTrimmedOpenAI wrap_openai",
     "trimkit.wrapper": "Trimmer TrimmedLlama ReportingStream wrap",
     "trimkit.pipeline": "Pipeline Prepared place_chunks",
     "trimkit.errors": " ".join(trimkit.errors.__all__),

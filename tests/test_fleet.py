@@ -363,7 +363,7 @@ def test_bad_fleets_are_invalid_input_before_anything_is_sent(hosts, profile):
     with pytest.raises(InvalidInputError, match="one per endpoint"):
         wrap_fleet([A, B], profile=[profile], http_client=hosts.http())
     with pytest.raises(InvalidInputError, match="several URLs"):
-        trimkit.openai_wrapper.wrap_url([A, B])
+        trimkit.openai_wrapper.wrap_one_url([A, B])
     chat = fleet_of(hosts, profile)
     n = len(hosts.log)
     with pytest.raises(InvalidInputError):

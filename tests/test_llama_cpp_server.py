@@ -16,9 +16,9 @@ import pytest
 
 from tests._llama_cpp_server import gemma3_template_args, needs_llama_server, running_llama_cpp_server
 from tests.conftest import OTHER_MODEL
+from trimkit import wrap_url
 from trimkit.backends.replies import SOURCE_LLAMA_SERVER
 from trimkit.backends.server import ServerLoadReader
-from trimkit.openai_wrapper import wrap_url
 
 pytestmark = needs_llama_server
 

@@ -23,8 +23,8 @@ import pytest
 from tests._core_helpers import make_profile
 from tests._routers import HealthShim, router_module, running_router
 from tests._server import REPLICA_ARGS, running_servers
+from trimkit import wrap_url
 from trimkit.backends.server import conversation_key
-from trimkit.openai_wrapper import wrap_url
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -27,9 +27,9 @@ import pytest
 import trimkit
 from tests._core_helpers import make_profile
 from tests.test_server_faults import GOOD_STREAM, FaultServer, chunk, json_reply, sse_reply, status_reply
+from trimkit import wrap_url
 from trimkit.backends.server import MAX_ROUTING_KEY_CHARS, ROUTING_HEADERS, RoutingOptions, check_routing_key, conversation_key, parse_workers
 from trimkit.errors import InvalidInputError
-from trimkit.openai_wrapper import wrap_url
 from trimkit.planning.tokens import reusable_prefix_len
 
 openai = pytest.importorskip("openai")

@@ -32,6 +32,7 @@ import pytest
 
 import trimkit
 from tests._core_helpers import make_profile
+from trimkit import wrap_url
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.replies import chunk_content
 from trimkit.errors import (
@@ -44,7 +45,6 @@ from trimkit.errors import (
     TransientServerError,
     TrimkitError,
 )
-from trimkit.openai_wrapper import wrap_url
 
 openai = pytest.importorskip("openai")
 

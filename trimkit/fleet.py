@@ -96,8 +96,8 @@ from trimkit.openai_wrapper import (
     call_options,
     call_routing_key,
     split_backend_kwargs,
+    wrap_one_url,
 )
-from trimkit.openai_wrapper import wrap_url as wrap_one_url
 from trimkit.pipeline import Prepared
 from trimkit.planning.costs import CacheState, evaluated_tokens
 from trimkit.planning.profile import Profile
@@ -1246,7 +1246,7 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
 
 def wrap_url(base_url: str | Sequence[str], *, model: str | None = None, ttft_budget_s: float | None = None, api_key: str | None = None,
              asynchronous: bool = False, **kwargs: Any) -> Any:
-    """``trimkit.wrap_url``: one URL gives :func:`trimkit.openai_wrapper.wrap_url`'s wrapper; a
+    """``trimkit.wrap_url``: one URL gives :func:`trimkit.openai_wrapper.wrap_one_url`'s wrapper; a
     list of URLs a fleet (:func:`wrap_fleet`) with the same ``.chat.completions.create``."""
     if isinstance(base_url, (list, tuple)):
         return wrap_fleet(base_url, ttft_budget_s, model=model, api_key=api_key, asynchronous=asynchronous, **kwargs)

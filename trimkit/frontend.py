@@ -232,7 +232,7 @@ class ReportingStream(StreamReporter):
 
 class ReportingOpenAIStream(ReportingStream):
     """What ``create(stream=True)`` returns: iterate it like the client's own stream (it yields
-    the client's chunk objects, or dicts for :func:`~trimkit.openai_wrapper.wrap_url`);
+    the client's chunk objects, or dicts for :func:`trimkit.wrap_url`);
     ``.report`` is set once it is exhausted; ``with`` and :meth:`close` work as on ``openai.Stream``."""
 
     def __enter__(self) -> ReportingOpenAIStream:

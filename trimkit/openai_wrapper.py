@@ -12,7 +12,7 @@ llama-cpp-python's server, vLLM, SGLang, Ollama's ``/v1``, LM Studio) rather tha
 are drop-ins: ``.chat.completions.create`` takes the client's arguments plus ``rag_chunks=``, a
 per-call ``ttft_budget_s=`` and ``routing_key=`` (sent in the headers routers read, never in the
 body: :mod:`trimkit.backends.server`), passes every other argument through unchanged, and returns what
-the client returns. Any other attribute is the client's own. :func:`wrap_url` gives the same API
+the client returns. Any other attribute is the client's own. :func:`trimkit.wrap_url` gives the same API
 over plain ``httpx`` for users without the ``openai`` package (responses are plain dicts).
 
 All planning, measuring and reporting is the :class:`~trimkit.pipeline.Pipeline`'s, which each
@@ -70,7 +70,6 @@ __all__ = [
     "ReportingOpenAIStream",
     "AsyncReportingStream",
     "wrap_openai",
-    "wrap_url",
     "retry_deadline_for",
     "BACKEND_KWARGS",
     "MIN_RETRY_DEADLINE_S",
@@ -464,7 +463,7 @@ class OpenAIFrontEnd(FrontEnd):
         return (yield from Send(self, params, stream, routing_headers(key, self.routing.headers)).steps(prepared))
 
     def assemble(self, rs: StreamReporter) -> Any:
-        """The client's ``ChatCompletion`` (a dict for :func:`wrap_url`) rebuilt from a drained stream."""
+        """The client's ``ChatCompletion`` (a dict for :func:`trimkit.wrap_url`) rebuilt from a drained stream."""
         response = assemble_chat_completion(rs.chunks)
         if response["usage"] is None and rs.report is not None:
             response["usage"] = _usage_of(rs.report.measurement)
@@ -637,7 +636,7 @@ def wrap_openai(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) 
     return cls(client, ttft_budget_s=ttft_budget_s, **kwargs)
 
 
-def wrap_url(base_url: str, *, model: str | None = None, ttft_budget_s: float | None = None, api_key: str | None = None,
+def wrap_one_url(base_url: str, *, model: str | None = None, ttft_budget_s: float | None = None, api_key: str | None = None,
              asynchronous: bool = False, **kwargs: Any) -> OpenAIFrontEnd:
     """The same ``.chat.completions.create(...)`` API for an OpenAI-compatible server, without
     the ``openai`` package: requests go out through ``httpx`` and responses are plain dicts in
