@@ -21,6 +21,7 @@ import pytest
 import trimkit
 from tests._server import free_port, running_server
 from tests.test_http_backend import llama_cpp_server_handler
+from trimkit import wrap_url
 from trimkit.backends.replies import chunk_content
 from trimkit.cli import load_corpus, load_history
 from trimkit.errors import (
@@ -38,7 +39,6 @@ from trimkit.openai_wrapper import (
     TrimmedOpenAI,
     retry_deadline_for,
     wrap_openai,
-    wrap_url,
 )
 
 openai = pytest.importorskip("openai")
