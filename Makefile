@@ -63,4 +63,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/rag_answer_kept.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) build dist trimkit.egg-info

@@ -3,14 +3,17 @@ wheels into a fresh venv and wraps a real ``llama_cpp.server`` that runs from th
 venv; ``import trimkit`` imports no engine, and what needs one names the extra.
 
 Offline: the core's dependencies are the binary wheels ``make venv`` downloads into
-``.venv/wheelhouse`` (``--only-binary :all:``); trimkit itself is built as a wheel from this
-checkout; ``CC``/``CXX`` point at ``false``, so a build that needed a compiler would fail.
+``.venv/wheelhouse`` (``--only-binary :all:``); trimkit itself is built as a wheel from a copy of
+this checkout without its build outputs (setuptools reuses a ``build/`` folder: a module moved since
+the last build would ship twice); ``CC``/``CXX`` point at ``false``, so a build that needed a
+compiler would fail.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +65,10 @@ def test_the_core_installs_from_wheels_without_a_compiler_and_wraps_a_real_serve
     _run([sys.executable, "-m", "venv", str(venv)], env, tmp_path)
     py = str(venv / "bin" / "python")
     offline = ["--no-index", "--find-links", str(WHEELHOUSE)]
-    _run([py, "-m", "pip", "wheel", "--quiet", "--no-deps", *offline, "-w", str(tmp_path / "dist"), str(ROOT)], env, tmp_path)
+    source = tmp_path / "source"  # what a release builds from: the checkout, not its build outputs or venv
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-info", "__pycache__",
+                                                                 ".pytest_cache", ".hypothesis", ".import_linter_cache"))
+    _run([py, "-m", "pip", "wheel", "--quiet", "--no-deps", *offline, "-w", str(tmp_path / "dist"), str(source)], env, tmp_path)
     (wheel,) = (tmp_path / "dist").glob("trimkit-*.whl")
     _run([py, "-m", "pip", "install", "--quiet", *offline, "--only-binary", ":all:", str(wheel)], env, tmp_path)
 
