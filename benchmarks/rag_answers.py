@@ -237,7 +237,7 @@ def open_model(name: str, n_ctx: int, seed: int, threads: int = 0) -> tuple[Any,
     if name == "smollm2":
         return Llama(model_path=smollm2_path(), **kw), "smollm2"
     if name == "gemma":
-        from trimkit import templates
+        from trimkit.backends import llama as templates
 
         return Llama(model_path=gemma_path(), chat_format=templates.GEMMA3_CHAT_FORMAT, chat_handler=templates.gemma3_chat_handler, **kw), "gemma"
     path = check_model_path(name)
