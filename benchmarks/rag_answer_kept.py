@@ -114,7 +114,7 @@ def _worker(tree: str, model_path: str, chat_format: str, n_ctx: int) -> int:
 
     import trimkit
     from trimkit.costmodel import CostModel, ErrorStats, PrefillSample  # the old tree's modules (commit 3018083)
-    from trimkit.planning.profile import Profile
+    from trimkit.profile import Profile  # the old tree's modules too
 
     where = Path(trimkit.__file__).resolve()
     if Path(tree).resolve() not in where.parents:

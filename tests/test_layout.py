@@ -93,3 +93,44 @@ def test_only_the_documented_namespaces_declare_what_they_export():
             declaring.add(".".join(path.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__"))
     assert declaring <= DOCUMENTED, sorted(declaring - DOCUMENTED)
     assert {"trimkit", "trimkit.errors", "trimkit.strategies", "trimkit.backends"} <= declaring
+
+
+def trimkit_imports(path: pathlib.Path) -> list[tuple[int, str, str | None]]:
+    """``(line, module, name)`` for every import of trimkit in a file, those inside functions too
+    (``name`` None for ``import trimkit.x``), less those marked as an earlier commit's."""
+    found: list[tuple[int, str, str | None]] = []
+    text = path.read_text()
+    lines = text.splitlines()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import | ast.ImportFrom) and "the old tree's" in lines[node.lineno - 1]:
+            continue  # a worker that imports trimkit as of an earlier commit (rag_answer_kept.py)
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] == "trimkit":
+            found += [(node.lineno, node.module, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, None) for a in node.names if a.name.split(".")[0] == "trimkit"]
+    return found
+
+
+def test_every_trimkit_import_in_benchmarks_examples_and_tests_resolves():
+    """A module moved inside trimkit leaves no import behind in a script that imports it lazily
+    (a benchmark's ``--model gemma`` branch imported ``trimkit.templates`` after it moved)."""
+    import importlib
+
+    repo = ROOT.parent
+    broken = []
+    for folder in ("benchmarks", "examples", "tests"):
+        for path in sorted((repo / folder).rglob("*.py")):
+            for line, module, name in trimkit_imports(path):
+                try:
+                    mod = importlib.import_module(module)
+                except ModuleNotFoundError as e:
+                    if e.name and e.name.split(".")[0] != "trimkit":
+                        continue  # an optional engine or framework this environment lacks
+                    broken.append(f"{path.relative_to(repo)}:{line} {module}")
+                    continue
+                if name is not None and name != "*" and not hasattr(mod, name):
+                    try:
+                        importlib.import_module(f"{module}.{name}")
+                    except ModuleNotFoundError:
+                        broken.append(f"{path.relative_to(repo)}:{line} {module}.{name}")
+    assert broken == []

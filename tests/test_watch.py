@@ -165,3 +165,40 @@ def test_a_short_first_step_decides_alone_only_when_there_is_no_later_chance():
     w = PrefillWatch(tokens, 0, profile, budget_s=0.5 * whole, margin=0.0, n_batch=512)
     w.record(FIRST_STEP_TOKENS, 6.0 * first)
     assert w.over_budget(6.0 * first)
+
+
+def chat_request(n_chunks: int = 12, n_turns: int = 6) -> tuple[list[dict], list[trimkit.Chunk]]:
+    """A RAG chat: ``n_turns`` earlier exchanges before the question."""
+    messages = [{"role": "system", "content": "Answer from the records."}]
+    for t in range(n_turns):
+        messages += [{"role": "user", "content": f"Earlier question {t}: " + " ".join(WORDS[:30])},
+                     {"role": "assistant", "content": f"Earlier answer {t}: " + " ".join(WORDS[5:40])}]
+    messages.append({"role": "user", "content": "Which vessel sailed first from the quay?"})
+    _, chunks = rag_request(n_chunks)
+    return messages, chunks
+
+
+def test_a_slowdown_no_cut_absorbs_keeps_the_evaluated_prefix_rather_than_start_over_and_miss():
+    """Late in the prefill the host slows to 1.5×: no cut of the chunks not evaluated yet meets
+    the budget, and neither would starting over with the system prompt and the question alone
+    (the time left is shorter than their prefill). Starting over would send the question without
+    its history or any chunk for nothing; the cut that keeps the evaluated prefix goes instead."""
+    messages, chunks = chat_request()
+    fake, chat = wrapped(watch=False)
+    chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4)
+    budget = 0.8 * chat.last_report.predicted_ttft_before_s
+    fake, chat = wrapped()
+    chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4, ttft_budget_s=budget)
+    planned, planned_messages = chat.last_report.prompt_tokens, fake.calls[-1][0]
+    fake, chat = wrapped(pace=lambda position: 1.0 if position < planned // 2 else 1.5)
+    chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4, ttft_budget_s=budget)
+    r = chat.last_report
+    assert len(r.replans) == 1 and not r.budget_met
+    x = r.replans[0]
+    assert x.predicted_ttft_after_s > budget  # said as it is: the budget is missed
+    assert x.dropped and not any(d.startswith("message") for d in x.dropped)  # chunks not evaluated yet, no turn
+    # no token evaluated twice: the prefill went on from where it was
+    assert all(b == e for (_, e), (b, _) in zip(fake.steps, fake.steps[1:]))
+    sent = fake.calls[-1][0]
+    assert sent[:-1] == planned_messages[:-1] and len(sent) > 2  # the planned turns, all of them
+    assert "starting over would miss it too" in str(r)

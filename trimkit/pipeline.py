@@ -62,7 +62,7 @@ from trimkit.planning.tokens import KNOWN as KNOWN_CONTROLS
 from trimkit.planning.tokens import check_mode as check_control_mode
 from trimkit.planning.tokens import neutralize_chunks, neutralize_messages, reusable_prefix_len
 from trimkit.planning.values import ValueModel, chunk_values, rank_chunks
-from trimkit.planning.watch import PrefillWatch, Replan, cut_chunks
+from trimkit.planning.watch import Cut, PrefillWatch, Replan, cut_chunks
 from trimkit.report import Report, template_warnings, valid_tokens_per_s_target
 from trimkit.report import completed as report_completed
 from trimkit.report import report_log as report_sinks
@@ -399,9 +399,13 @@ class Pipeline:
         """``prepared`` planned again ``spent_s`` into it (the wait for the engine included), for
         the time left at the measured pace (:meth:`PrefillWatch.paced_profile`), against what the
         engine's context holds now — the evaluated prefix. First the plan's chunks are cut from
-        the end (:func:`~trimkit.planning.watch.cut_chunks`), which keeps that prefix; only when
-        no cut fits is the whole request planned again (history turns may go, and the cache after
-        them). With ``grow`` (the request runs ahead of its plan) the chunks the plan dropped may
+        the end (:func:`~trimkit.planning.watch.cut_chunks`), which keeps that prefix: to the
+        target with its margin, else to the budget itself. Only when no such cut fits the budget
+        is the whole request planned again (history turns may go, and the cache after them), and
+        that start-over is taken only when it is predicted within the budget: one that misses it
+        too would send the question without the context it was asked in, to save a part of a
+        budget already lost, so the cut that keeps the prefix and drops every chunk not yet
+        evaluated goes instead. With ``grow`` (the request runs ahead of its plan) the chunks the plan dropped may
         be put back after its own, where nothing is evaluated yet. None when nothing would change:
         the request as planned fits after all (or nothing more fits), or it carries no record of
         its inputs."""
@@ -425,8 +429,29 @@ class Pipeline:
         extra = tuple(old.dropped_chunks) if grow else ()
         question = message_text(original)
         worth = chunk_values((*old.kept_chunks, *extra), question, self.values or ValueModel())
-        cut = cut_chunks(old, original, price, target, self.rag_template, self.rag_chunk_template, position=watch.position,
-                         value=lambda c: worth.get(str(c.id), 0.0), extra=extra)
+
+        def cut_to(target_s: float, *, least: bool = False) -> Cut | None:
+            return cut_chunks(old, original, price, target_s, self.rag_template, self.rag_chunk_template, position=watch.position,
+                              value=lambda c: worth.get(str(c.id), 0.0), extra=extra, least=least)
+
+        cut, how = cut_to(target), ""
+        if cut is None and not grow:
+            cut, how = cut_to(left), " (within the budget, not its margin: starting over would forfeit the evaluated prefix)"
+        full = None
+        if cut is None and not grow:  # nothing that keeps the prefix fits: the whole request again, at the measured pace
+            as_is = self._as_is(messages, chunks)
+
+            def priced(tokens: Sequence[int]) -> _Priced:
+                cached = self.backend.predict_cached_tokens(tokens)
+                return _Priced(tokens, cached, None, profile.predict_ttft_s(evaluated_tokens(len(tokens), cached), cached))
+
+            before = priced(tok.prompt_tokens(as_is, tools))
+            full = self._plan(messages, chunks, as_is, before, left, params, margin, priced, self._cache_state(snapshots=False),
+                              profile=profile)
+            if full[1].predicted_s > left:  # starting over misses the budget too: keep the prefix, cut the most
+                least = cut_to(left, least=True)
+                if least is not None:
+                    cut, how, full = least, " (nothing fits the budget; starting over would miss it too)", None
         old_ids = [str(c.id) for c in old.kept_chunks]
         new_ids = [str(c.id) for c in cut.chunks] if cut is not None else []
         gone_ids = [i for i in old_ids if i not in new_ids]
@@ -441,7 +466,7 @@ class Pipeline:
             if back_ids:
                 said.append(f"put back {', '.join(back_ids)}, dropped by the plan, before the question")
             action = Action(strategy="watch", summary=f"re-planned at the measured pace ({watch.pace:.2f}× predicted): "
-                            + "; ".join(said) + " — the evaluated prefix kept",
+                            + "; ".join(said) + " — the evaluated prefix kept" + how,
                             removed_chunks=tuple(gone_ids), tokens_before=len(prepared.prompt_tokens), tokens_after=len(cut.tokens))
             plan = attrs.evolve(old, messages=list(cut.messages), kept_chunks=tuple(cut.chunks),
                                 dropped_chunks=(*(c for c in old.dropped_chunks if str(c.id) not in back_ids), *gone),
@@ -449,16 +474,9 @@ class Pipeline:
                                 new_tokens=len(cut.tokens) - cut.cached, predicted_ttft_s=spent_s + cut.predicted_s, feasible=True)
             tokens, predicted = cut.tokens, cut.predicted_s
             dropped = gone_ids + [f"+{i}" for i in back_ids]
-        else:  # no cut of the chunks fits: the whole request again, at the measured pace
-            as_is = self._as_is(messages, chunks)
-
-            def priced(tokens: Sequence[int]) -> _Priced:
-                cached = self.backend.predict_cached_tokens(tokens)
-                return _Priced(tokens, cached, None, profile.predict_ttft_s(evaluated_tokens(len(tokens), cached), cached))
-
-            before = priced(tok.prompt_tokens(as_is, tools))
-            plan, sent, _ = self._plan(messages, chunks, as_is, before, left, params, margin, priced, self._cache_state(snapshots=False),
-                                       profile=profile)
+        else:  # the whole request planned again
+            assert full is not None
+            plan, sent, _ = full
             tokens, predicted = sent.tokens, sent.predicted_s
             kept_now = {str(c.id) for c in plan.kept_chunks}
             dropped = [str(c.id) for c in old.kept_chunks if str(c.id) not in kept_now]

@@ -252,7 +252,7 @@ class Cut:
 
 def cut_chunks(plan: Any, original_last_user: Mapping[str, Any], price: Callable[[Sequence[Any]], tuple[Sequence[int], int, float]],
                target_s: float, rag_template: str, rag_chunk_template: str, *, position: int, value: Callable[[Any], float],
-               extra: Sequence[Any] = ()) -> Cut | None:
+               extra: Sequence[Any] = (), least: bool = False) -> Cut | None:
     """The re-plan that keeps the evaluated prefix: the plan's chunks that are (even in part)
     evaluated stay — they are in the context, and dropping one would forfeit everything after
     it — and of the others, which nothing has evaluated yet, the most value per character that
@@ -262,7 +262,7 @@ def cut_chunks(plan: Any, original_last_user: Mapping[str, Any], price: Callable
     predicted_s)`` prices a prompt against the engine's context at the measured pace;
     ``position``: how much of the prompt the context holds. A binary search over how many of the
     free chunks to keep, densest first. None when there is no chunk to choose or even none of the
-    free ones fits."""
+    free ones fits. ``least``: the cut that keeps none of the free chunks, whatever it costs."""
     kept = (*getattr(plan, "kept_chunks", ()), *extra)
     if not kept:
         return None
@@ -294,6 +294,8 @@ def cut_chunks(plan: Any, original_last_user: Mapping[str, Any], price: Callable
         return sorted([*range(fixed), *free[:m]])
 
     best = cut(choice(0))
+    if least:
+        return best
     if best.predicted_s > target_s:
         return None
     lo, hi = 0, len(free)  # the most free chunks (densest first) that fit: TTFT grows with them
