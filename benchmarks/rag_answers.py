@@ -409,8 +409,26 @@ def print_line(label: str, s: dict[str, Any]) -> None:
           + (f"   no question sent {s['question_not_sent']}" if s["question_not_sent"] else ""))
 
 
-def targets(by_share: dict[str, dict[str, dict[str, Any]]], pooled: dict[str, Any], baselines: Sequence[str]) -> dict[str, Any]:
-    """Each target with its figures and whether it was met."""
+def paired(rows_a: Sequence[dict[str, Any]], rows_b: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Two arms on the same requests: how many each alone answered right, and the two-sided exact
+    sign test's p-value on those discordant pairs (the chance of a split at least this uneven if
+    neither arm were better) — with a dozen requests one answer is 8 points, and this says
+    whether a difference is more than the reader's noise."""
+    a = {r["request"]: bool(r["right"]) for r in rows_a}
+    b = {r["request"]: bool(r["right"]) for r in rows_b}
+    both = sorted(set(a) & set(b))
+    only_a = sum(1 for q in both if a[q] and not b[q])
+    only_b = sum(1 for q in both if b[q] and not a[q])
+    n = only_a + only_b
+    tail = sum(math.comb(n, k) for k in range(min(only_a, only_b) + 1)) / 2**n if n else 1.0
+    return {"pairs": len(both), "both_right": sum(1 for q in both if a[q] and b[q]), "only_first": only_a, "only_second": only_b,
+            "sign_test_p": min(1.0, 2 * tail)}
+
+
+def targets(by_share: dict[str, dict[str, dict[str, Any]]], pooled: dict[str, Any], baselines: Sequence[str],
+            rows: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """Each target with its figures and whether it was met (``rows``: the run's, for the paired
+    comparison with the untrimmed arm)."""
     out: dict[str, Any] = {}
     unt = by_share[next(iter(by_share))]["untrimmed"]
     for share, arms in by_share.items():
@@ -419,6 +437,8 @@ def targets(by_share: dict[str, dict[str, dict[str, Any]]], pooled: dict[str, An
             out[f"right_vs_untrimmed@{share}"] = {
                 "trimkit_pct": t["right_pct"], "untrimmed_pct": unt["right_pct"],
                 "met": t["right_pct"] >= unt["right_pct"] + TARGETS["right_vs_untrimmed_points"],
+                "paired": paired([r for r in rows if r["arm"] == "trimkit" and str(r["share"]) == share],
+                                 [r for r in rows if r["arm"] == "untrimmed"]),
             }
         worse = [b for b in baselines if arms[b]["right"] > t["right"]]
         out[f"right_vs_baselines@{share}"] = {"trimkit": t["right"], **{b: arms[b]["right"] for b in baselines}, "met": not worse,
@@ -445,7 +465,7 @@ def figures(rows: list[dict[str, Any]], requests: list[dict[str, Any]], info: di
     by_share = {str(s): {"untrimmed": unt, **{a: summarize([r for r in rows if r["arm"] == a and r["share"] == s]) for a in ("trimkit", *BASELINES)}}
                 for s in shares}
     pooled = {a: summarize([r for r in rows if r["arm"] == a]) for a in ARMS}
-    tg = targets(by_share, pooled["trimkit"], BASELINES)
+    tg = targets(by_share, pooled["trimkit"], BASELINES, rows)
     print()
     print(f"{label}: {len(requests)} requests × shares {list(shares)}; judged: the response contains the expected answer (normalised)")
     print("untrimmed (no budget):")

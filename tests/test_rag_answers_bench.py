@@ -127,3 +127,14 @@ def test_trim_messages_keeps_everything_that_fits_and_drops_the_question_when_it
     system_and_question = p.count([full_msgs[0], full_msgs[-1]])
     none = p.trim_messages(system_and_question - 1)  # the message with every chunk is never cut
     assert not none["question_sent"] and none["messages"] == [full_msgs[0]]
+
+
+def test_paired_counts_the_discordant_requests_and_their_sign_test():
+    def rows(rights):
+        return [{"request": f"q{i}", "right": r} for i, r in enumerate(rights)]
+
+    p = bench.paired(rows([1, 1, 0, 0, 1, 0]), rows([1, 0, 1, 1, 1, 1]))
+    assert (p["pairs"], p["both_right"], p["only_first"], p["only_second"]) == (6, 2, 1, 3)
+    assert p["sign_test_p"] == pytest.approx(2 * (1 + 4) / 16)  # P(X <= 1 | n=4) doubled
+    assert bench.paired(rows([1, 0]), rows([1, 0]))["sign_test_p"] == 1.0  # no discordant pair
+    assert bench.paired(rows([1] * 8), rows([0] * 8))["sign_test_p"] == pytest.approx(2 / 256)
