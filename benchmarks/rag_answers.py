@@ -52,9 +52,11 @@ within the budget ≥ 97 %.
 llama.cpp runs on one thread (``--threads 1``, for prefill and decode): on the project's shared
 2-core host a second thread waits on the busy core: a cold 512-token prefill took 2.9–3.4 s on
 one thread against 7.7–9.2 s on two, under a load average of 5. Every arm runs the same way.
-The default run (12 requests, 204 sends) took about 30 minutes under a load average of 5 (an
-estimate for an idle host, at ~4 ms a prompt token: about 12); ``--quick`` (3 requests at
-shares 0.35 and 0.8) a third of that.
+The default run (24 requests, 408 sends: with a dozen, one answer is 8 points and the paired
+sign test cannot separate a few answers from the reader's noise) took 23.9 minutes on a calm host
+(at ~4.8 ms a prompt token on one thread); ``--quick`` (3 requests at
+shares 0.35 and 0.8) a few minutes. ``--recalibrate`` measures the profile the budgets are shares
+of, instead of trusting a stored one from other hours.
 It prints its predicted duration first. Results: ``benchmarks/results/rag_answers.json``
 (smollm2), ``rag_answers_gemma.json`` (gemma), ``rag_answers_<file stem>.json`` (a path);
 ``--quick`` adds ``_quick``.
@@ -529,7 +531,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2", help="smollm2 (default), gemma, or a GGUF path (its own chat template)")
     ap.add_argument("--quick", action="store_true", help="3 requests at shares 0.35 and 0.8 (a few minutes)")
-    ap.add_argument("--requests", type=int, default=None, help="requests in the set (default 12; --quick 3)")
+    ap.add_argument("--requests", type=int, default=None, help="requests in the set (default 24; --quick 3)")
     ap.add_argument("--seed", type=int, default=7, help="the set's seed; also the run order's and the sampler's")
     ap.add_argument("--shares", default=None, help="budget shares of the predicted untrimmed TTFT (default 0.25,0.35,0.5,0.8; --quick 0.35,0.8)")
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -544,7 +546,7 @@ def main() -> int:
     if args.resummarize:
         return resummarize(args.resummarize)
 
-    n_requests = args.requests or (3 if args.quick else 12)
+    n_requests = args.requests or (3 if args.quick else 24)
     shares = [float(x) for x in (args.shares or ("0.35,0.8" if args.quick else ",".join(map(str, SHARES)))).split(",")]
     rng = random.Random(args.seed)
     t_run = time.perf_counter()
