@@ -252,7 +252,8 @@ def test_turns_cover_every_non_system_message_once_in_order():
 
 def test_chunks_come_before_the_question():
     text = render_rag_question("What is trimkit?", coerce_chunks(["first passage", "second passage"]))
-    assert text.index("[chunk-0] first passage") < text.index("[chunk-1] second passage") < text.index("What is trimkit?")
+    assert text.index("[1] first passage") < text.index("[2] second passage") < text.index("What is trimkit?")
+    assert "chunk-" not in text  # an id trimkit made up is never shown to the model
     assert text.endswith("Question: What is trimkit?")
 
 
@@ -395,3 +396,17 @@ def test_planning_with_a_template_that_drops_the_chunks_is_refused():
     with pytest.raises(InvalidInputError, match="chunks"):
         plan([{"role": "user", "content": "q"}], ttft_budget_s=5.0, profile=PROFILE, tokenizer=tokenizer(),
              rag_chunks=["the answer is 42"], rag_template="Answer: {question}")
+
+
+def test_chunks_without_an_id_are_named_in_reports_and_numbered_in_the_prompt():
+    given = ["plain passage", {"text": "dict passage"}, Chunk("chunk passage"), Chunk("named passage", id="doc-7"),
+             {"text": "dict with id", "id": 12}]
+    chunks = coerce_chunks(given)
+    assert [c.id for c in chunks] == ["chunk-0", "chunk-1", "chunk-2", "doc-7", "12"]  # what reports name
+    text = render_rag_question("Q?", chunks)
+    for shown in ("[1] plain passage", "[2] dict passage", "[3] chunk passage", "[doc-7] named passage", "[12] dict with id"):
+        assert shown in text
+    assert "chunk-" not in text
+    # equal chunks stay equal whatever they show; a caller's own label is kept
+    assert Chunk("x", id="a", label="1") == Chunk("x", id="a")
+    assert coerce_chunks([Chunk("x", label="source A")])[0].label == "source A"

@@ -50,7 +50,7 @@ def test_under_budget_with_chunks_places_all_of_them_in_a_copy():
     assert p.messages[:-1] == msgs[:-1] and p.messages[0] is msgs[0]
     last = p.messages[-1]["content"]
     assert last.startswith("Use the following retrieved context") and last.endswith("Question: How many whiskers do cats have?")
-    assert all(f"[chunk-{i}]" in last for i in range(8)) and p.dropped_chunks == ()
+    assert all(f"[{i + 1}]" in last for i in range(8)) and p.dropped_chunks == ()
 
 
 def test_cached_prefix_makes_a_long_prompt_cheap():
@@ -157,7 +157,7 @@ def test_list_content_last_user_message_gets_chunks_in_its_text_part():
     before = copy.deepcopy(msgs)
     p = run(msgs, 10.0, rag_chunks=CHUNKS[:2])
     parts = p.messages[0]["content"]
-    assert parts[0]["text"].endswith("Question: Cats?") and "[chunk-0]" in parts[0]["text"]
+    assert parts[0]["text"].endswith("Question: Cats?") and "[1]" in parts[0]["text"]
     assert parts[1] == before[0]["content"][1] and msgs == before
 
 

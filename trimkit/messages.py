@@ -83,14 +83,17 @@ class Chunk:
     """One retrieved passage for RAG.
 
     ``score`` is the caller's relevance (higher is more relevant); without it trimkit scores
-    chunks against the question itself (BM25). ``id`` names the chunk in reports; plain strings
-    passed as chunks get ``chunk-<index>``.
+    chunks against the question itself (BM25). ``id`` names the chunk in reports and, as
+    ``{id}``, in the prompt; chunks passed without one are named ``chunk-<index>`` in reports and
+    shown by their 1-based place in ``rag_chunks`` (``[3] …``), as a person numbers sources, so
+    the model never reads an id trimkit made up (``label``: what the prompt shows, None: ``id``).
     """
 
     text: str = attrs.field(validator=_check_text)
     score: float | None = attrs.field(default=None, converter=_score_to_float, validator=_check_score)
     id: str | None = attrs.field(default=None, validator=_check_id)
     metadata: Mapping[str, Any] = attrs.field(factory=dict, eq=False, hash=False)
+    label: str | None = attrs.field(default=None, eq=False, hash=False, repr=False, kw_only=True)
 
 
 def validate_params(params: Mapping[str, Any]) -> None:
@@ -129,10 +132,10 @@ def coerce_chunks(chunks: Any) -> tuple[Chunk, ...]:
     seen: set[str] = set()
     for i, c in enumerate(chunks):
         if isinstance(c, Chunk):
-            chunk = c if c.id is not None else attrs.evolve(c, id=f"chunk-{i}")
+            chunk = c if c.id is not None else attrs.evolve(c, id=f"chunk-{i}", label=c.label or str(i + 1))
         elif isinstance(c, str):
             try:
-                chunk = Chunk(text=c, id=f"chunk-{i}")
+                chunk = Chunk(text=c, id=f"chunk-{i}", label=str(i + 1))
             except InvalidChunkError as exc:
                 raise InvalidChunkError(f"rag_chunks[{i}]: {exc}") from None
         elif isinstance(c, Mapping):
@@ -140,7 +143,8 @@ def coerce_chunks(chunks: Any) -> tuple[Chunk, ...]:
                 raise InvalidChunkError(f"rag_chunks[{i}] has no 'text'")
             try:
                 cid = c.get("id")
-                chunk = Chunk(text=c["text"], score=c.get("score"), id=f"chunk-{i}" if cid is None else str(cid))
+                chunk = Chunk(text=c["text"], score=c.get("score"), id=f"chunk-{i}" if cid is None else str(cid),
+                              label=str(i + 1) if cid is None else None)
             except InvalidChunkError as exc:
                 raise InvalidChunkError(f"rag_chunks[{i}]: {exc}") from None
         else:
@@ -315,7 +319,7 @@ def render_rag_question(
     """The last user message's new content with ``chunks`` placed before the question."""
     if not chunks:
         return question
-    body = "\n\n".join(chunk_template.format(id=c.id, text=c.text, n=n + 1) for n, c in enumerate(chunks))
+    body = "\n\n".join(chunk_template.format(id=c.id if c.label is None else c.label, text=c.text, n=n + 1) for n, c in enumerate(chunks))
     return template.format(chunks=body, question=question)
 
 
