@@ -95,6 +95,11 @@ class Chunk:
     metadata: Mapping[str, Any] = attrs.field(factory=dict, eq=False, hash=False)
     label: str | None = attrs.field(default=None, eq=False, hash=False, repr=False, kw_only=True)
 
+    @property
+    def shown_id(self) -> str | None:
+        """What the prompt shows for ``{id}``: :attr:`label`, else :attr:`id`."""
+        return self.id if self.label is None else self.label
+
 
 def validate_params(params: Mapping[str, Any]) -> None:
     """Raise :class:`InvalidInputError` for call parameters no engine can take: ``tools`` that
@@ -319,7 +324,7 @@ def render_rag_question(
     """The last user message's new content with ``chunks`` placed before the question."""
     if not chunks:
         return question
-    body = "\n\n".join(chunk_template.format(id=c.id if c.label is None else c.label, text=c.text, n=n + 1) for n, c in enumerate(chunks))
+    body = "\n\n".join(chunk_template.format(id=c.shown_id, text=c.text, n=n + 1) for n, c in enumerate(chunks))
     return template.format(chunks=body, question=question)
 
 

@@ -207,7 +207,7 @@ class RequestContext:
             key = (c.id, n, c.text)  # text too: a chunk cut at a sentence boundary keeps its id
             cost = self._chunk_costs.get(key)
             if cost is None:
-                cost = self.tokenizer.count(self.rag_chunk_template.format(id=c.id if c.label is None else c.label, text=c.text, n=n))
+                cost = self.tokenizer.count(self.rag_chunk_template.format(id=c.shown_id, text=c.text, n=n))
                 self._chunk_costs[key] = cost
             total += cost
         return total
