@@ -202,3 +202,52 @@ def test_a_slowdown_no_cut_absorbs_keeps_the_evaluated_prefix_rather_than_start_
     sent = fake.calls[-1][0]
     assert sent[:-1] == planned_messages[:-1] and len(sent) > 2  # the planned turns, all of them
     assert "starting over would miss it too" in str(r)
+
+
+def test_what_the_speed_estimate_learns_of_a_watch_is_the_evaluation_the_prompt_kept():
+    """After a start-over the evaluated steps whose tokens left the prompt are no part of the
+    sample: it is the unbroken run of steps that ends where the prompt's evaluation ended."""
+    profile = make_profile()
+    tokens = list(range(1000))
+    w = PrefillWatch(tokens, 20, profile, budget_s=10.0, margin=0.0, n_batch=512)
+    w.record(84, 0.3)
+    w.record(596, 2.4)
+    assert w.prefill_so_far == (576, 20, pytest.approx(2.7))
+    # a cut that keeps all that was evaluated: the steps go on from there, one prefill
+    cut = w.continue_with(tokens[:700], held=596)
+    cut.record(700, 0.5)
+    assert cut.prefill_so_far == (680, 20, pytest.approx(3.2))
+    # a start-over keeps the first 30 tokens: 67 new tokens after them, in the time of their step only
+    over = w.continue_with(tokens[:30] + list(range(5000, 5067)), held=30)
+    over.record(97, 0.25)
+    assert over.prefill_so_far == (67, 30, pytest.approx(0.25))
+    # the engine could not keep the prefix and evaluated from 0: one prefill from there
+    lost = PrefillWatch(tokens, 200, profile, budget_s=10.0, margin=0.0, n_batch=512)
+    lost.record(264, 1.0, start=0)
+    assert lost.prefill_so_far == (264, 0, pytest.approx(1.0))
+
+
+def test_a_start_over_does_not_hold_the_next_requests_to_half_their_budget():
+    """A request whose host slows down 1.5x late in its prefill starts over (no cut of its chunks
+    fits; the system prompt and the question alone do). The speed estimate learns one sample of
+    what its prompt kept, not the time of the ~1,000 tokens it threw away priced as 48: the
+    requests after it, on a calm host again, do not plan to the margin's cap."""
+    messages, chunks = chat_request(8, 6)
+    fake, chat = wrapped(watch=False)
+    chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4)
+    budget = 0.8 * chat.last_report.predicted_ttft_before_s
+    slow = [False]
+    fake, chat = wrapped(pace=lambda position: 1.5 if slow[0] and position >= 400 else 1.0)
+    for _ in range(5):  # a calm spell: the window fills with live samples
+        fake.kv = []
+        chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4, ttft_budget_s=budget)
+        assert not chat.last_report.replans
+    slow[0] = True
+    fake.kv = []
+    chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4, ttft_budget_s=budget)
+    [x] = chat.last_report.replans
+    assert any(d.startswith("message") for d in x.dropped) and chat.last_report.prompt_tokens < 100  # it started over
+    # the sample: at most the pace the host ran at (the old sample priced 48 tokens at the time of
+    # ~1,100 and read as the clip, 5x: the margin went to its cap, 0.6, for the next requests)
+    assert chat.engine.speed.ratios(chat.profile.model)[-1] <= 1.5 * 1.01
+    assert chat.safety_margin < 1 - 1 / 1.6

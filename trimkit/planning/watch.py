@@ -152,10 +152,18 @@ class PrefillWatch:
     @property
     def prefill_so_far(self) -> tuple[int, int, float]:
         """This request's evaluation so far as one prefill: (new tokens, cached before them,
-        seconds measured) from :attr:`origin` to :attr:`position` — what the speed estimate
-        learns, priced as the planner prices a prompt."""
-        seconds = sum(s.seconds for s in self.steps if s.cached_tokens >= self.origin)
-        return self.position - self.origin, self.origin, seconds
+        seconds measured) — what the speed estimate learns, priced as the planner prices a
+        prompt. It is the unbroken run of steps that ends at :attr:`position`: after a re-plan
+        that kept less than was evaluated (a start-over), the steps whose tokens left the prompt
+        are no part of it (counted, they priced a few tokens at the time of hundreds, and the
+        margin read from that outlier held later plans to half their budget)."""
+        seconds, start = 0.0, self.position
+        for step in reversed(self.steps):
+            if step.cached_tokens + step.new_tokens != start:
+                break
+            seconds += step.seconds
+            start = step.cached_tokens
+        return self.position - start, start, seconds
 
     @property
     def pace(self) -> float:
