@@ -1,41 +1,15 @@
-"""Calibration: measure what prefill costs on this host within a time budget, fit the cost model,
-store the profile.
+"""Calibration: measure what prefill costs on this host within a wall-time budget, fit the cost
+model, store the profile (docs/design.md §2, "Calibration in bounded time").
 
-Use :func:`calibrate` once per model and settings; the profile is stored in the user cache and
-reused on the next run with the same :class:`~trimkit.planning.profile.ProfileKey`. Pass
-``recalibrate=True`` (CLI: ``--recalibrate``) after changing hardware or drivers in ways the key
-cannot see. Calibration uses the engine's KV cache for its probes, so the next request after it
-pays a cold prefill.
+:func:`calibrate` once per model and settings; the profile is stored in the user cache and reused
+for the same :class:`~trimkit.planning.profile.ProfileKey` unless ``recalibrate=True``. The probes
+use the engine's KV cache, so the next request pays a cold prefill.
 
-Calibration is bounded in **wall time**, whatever the host and the model: ``micro`` ≤ 3 s
-(the provisional profile ``trimkit.wrap`` serves with), ``quick`` ≤ 10 s, ``full`` ≤ 30 s, or
-``time_budget_s``. A first short probe measures the host's speed; the rest of the schedule is
-sized to the time left and every step is checked against it before it runs
-(the schedule, below; the run itself is :class:`CalibrationRun`). The
-profile records the budget, the mode and the range it probed. Calibration also measures decode
-speed, and in process decode steps at the deepest context its probes leave cached and at an
-empty one: the profile predicts decode speed at any context (:mod:`trimkit.planning.profile`,
-:meth:`~trimkit.planning.profile.Profile.decode_tokens_per_s_at`). Served requests refine the profile from then on
-(:mod:`trimkit.planning.speed`), and in process every budgeted request is watched while it
-prefills (:mod:`trimkit.planning.watch`).
-
-**The schedule.** How much calibration fits in a time budget: the probe schedule, sized to the host's speed.
-
-A fixed schedule in tokens takes a time that grows with the host's slowness and the model's
-size (a 7B model on a laptop CPU prefills ~30 tokens/s, a 270M one on a GPU ~10,000), so
-calibration schedules in **seconds** instead (docs/design.md, §2 "Calibration in bounded time").
-The schedule is pure — no engine, no clock — so :func:`calibrate` can be
-tested on a fake host of any speed:
-
-- a :class:`Mode` (``micro`` / ``quick`` / ``full``) is a *shape*: which cold lengths sit below
-  the top one, how often each is repeated, which depth probes follow it, and the largest top;
-- :func:`schedule` is that shape at one top length ``L``; :func:`calibration_probes` is the
-  shape with unlimited time;
-- :class:`CostPredictor` predicts the wall time of a probe from the ones measured so far,
-  conservatively (a measured rate, with an allowance for attention growing with context beyond
-  the context probed so far), and learns how much slower than predicted the host runs;
-- :func:`choose_top` picks the largest ``L`` whose whole remaining schedule is predicted to fit
-  in :data:`PLAN_SHARE` of the time left; :func:`fits` is the check before every single step.
+In three parts: the schedule, pure (no engine, no clock: testable on a fake host of any speed):
+a :class:`Mode` is a shape, :func:`schedule` that shape at one top length, :class:`CostPredictor`
+the wall time of a probe from those measured so far, :func:`choose_top` the largest top that fits;
+the run (:class:`CalibrationRun`, :func:`calibrate`); the profile store (:func:`save_profile`,
+:func:`load_profile`).
 """
 
 from __future__ import annotations
@@ -189,13 +163,9 @@ def context_cap(n_ctx: int) -> int:
     return int(n_ctx * CONTEXT_SHARE)
 
 
-def top_limit(mode: Mode, n_ctx: int) -> int:
-    return min(mode.max_top, int(context_cap(n_ctx) * TOP_SHARE))
-
-
 def top_candidates(mode: Mode, n_ctx: int) -> list[int]:
     """The top lengths ``mode`` may use in ``n_ctx``, shortest first."""
-    limit = top_limit(mode, n_ctx)
+    limit = min(mode.max_top, int(context_cap(n_ctx) * TOP_SHARE))
     return [t for t in TOP_GRID if t <= limit]
 
 
@@ -443,18 +413,11 @@ def starved_threads_hint(cpu_s: float, wall_s: float, threads: int | None, cpus:
 
 
 class CalibrationRun:
-    """One bounded calibration: the steps in order, each checked against the time left.
-
-    Order: warm-up (and what tokenizing costs per token); the first probe (the speed) and two
-    cheap ones — the minimum of 3 samples, taken whatever the time; decode (sized to the
-    budget); the first-token overhead (or its estimate); cold probes ascending, the top re-chosen before each; the depth probes after the
-    longest cold one (its tokens still cached in process), then, in process, decode steps at the
-    deepest context they leave cached and at an empty one; the repeats, in round-robin rounds so
-    slow drift spreads over all lengths; again from the cold probes while a longer top fits.
-    Where the backend can stop a probe (``measure_prefill_within``: in process), every probe
-    after the minimum is stopped at the deadline: a host that slows down in the middle of a
-    probe (a 32-token probe once took 3.6 s instead of 0.05 s on a 2-core host with two busy
-    processes) ends the run on time, without that probe.
+    """One bounded calibration: the steps in order (:meth:`execute`; docs/design.md §2), each
+    checked against the time left. Where the backend can stop a probe (``measure_prefill_within``:
+    in process), every probe after the minimum is stopped at the deadline: a host that slows down
+    in the middle of a probe (a 32-token probe once took 3.6 s instead of 0.05 s on a 2-core host
+    with two busy processes) ends the run on time, without that probe.
     """
 
     def __init__(self, backend: Backend, n_batch: int, mode: Mode, budget_s: float, clock: Callable[[], float], progress: Progress | None,
@@ -738,13 +701,6 @@ def as_backend(target: Any) -> Backend:
     )
 
 
-def _mode_name(mode: str | None, time_budget_s: float | None) -> str:
-    """``mode`` if given; else, with a budget, the most thorough mode it affords; else ``full``."""
-    if mode is not None:
-        return get_mode(mode).name
-    return mode_for_budget(time_budget_s) if time_budget_s is not None else "full"
-
-
 def _satisfies(stored: Profile, mode: str) -> bool:
     """A stored full profile serves any request, a quick one quick and micro, a micro one micro."""
     return CALIBRATION_MODES.index(stored.mode) >= CALIBRATION_MODES.index(mode)
@@ -779,7 +735,10 @@ def calibrate(
     """
     backend = as_backend(target)
     budget_s = None if time_budget_s is None else budget(time_budget_s, "time_budget_s")
-    name = _mode_name(mode, budget_s)
+    if mode is not None:
+        name = get_mode(mode).name
+    else:  # the most thorough mode the budget affords
+        name = mode_for_budget(budget_s) if budget_s is not None else "full"
     budget_s = get_mode(name).budget_s if budget_s is None else budget_s
     context_cap(backend.n_ctx)  # ContextTooSmallError before anything is measured
     key = backend.profile_key()
@@ -872,9 +831,6 @@ def _fit(samples: Sequence[PrefillSample], n_batch: int,
 
 
 # -- the profile store: where profiles live, reading and writing them safely ------------------------------
-
-
-log = logging.getLogger("trimkit")
 
 #: a stored profile larger than this is refused unread (a real one is a few KiB)
 MAX_PROFILE_BYTES = 16 * 1024 * 1024

@@ -26,7 +26,7 @@ from typing import Any
 from tqdm import tqdm
 
 from trimkit import __version__
-from trimkit._calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, as_backend, calibrate, load_profile, mode_for_budget
+from trimkit._calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, as_backend, calibrate, get_mode, load_profile, mode_for_budget
 from trimkit.backends.base import Backend
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.llama_format import DEFAULT_MODEL, EMBEDDED_MODELS, check_model_path
@@ -76,12 +76,12 @@ def process_age_s() -> float:
 
 def _calibration_mode(args: argparse.Namespace) -> tuple[str, float]:
     """The mode and the wall-time budget of ``trimkit calibrate`` (checked before the model loads)."""
+    mode = "micro" if args.micro else "quick" if args.quick else None
     if args.time_budget is not None:
         budget_s = budget(args.time_budget, "--time-budget")
-        mode = "micro" if args.micro else "quick" if args.quick else mode_for_budget(budget_s)
-        return mode, budget_s
-    mode = "micro" if args.micro else "quick" if args.quick else "full"
-    return mode, {"micro": MICRO_BUDGET_S, "quick": QUICK_BUDGET_S, "full": FULL_BUDGET_S}[mode]
+        return mode or mode_for_budget(budget_s), budget_s
+    mode = mode or "full"
+    return mode, get_mode(mode).budget_s
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -416,7 +416,7 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
 
 
-# -- What the command line and the demo show a person: the model they open, a progress bar while ---------
+# -- what the commands show a person: the model they open, progress, the profile, the report log --------
 
 def open_llama(model: str | None, n_ctx: int, chat_format: str | None = None, **kwargs: Any) -> Any:
     """A ``llama_cpp.Llama`` for ``model`` — a GGUF path, or the name of an embedded model
@@ -642,9 +642,7 @@ def _nan(value: Any) -> float:
     return float("nan") if value is None else float(value)
 
 
-# -- ``trimkit demo``: the two phases, then a RAG chat kept under a TTFT budget, on the embedded model. ---
-
-# -- sizing: how much of the demo fits this host ---------------------------------------------------------
+# -- ``trimkit demo``: the two phases, then a RAG chat kept under a TTFT budget; sized to this host -------
 
 #: What the whole demo aims to take on any host: loading the model, calibrating (unless a profile
 #: is stored) and every request. What it runs is sized to this from the host's measured speed.

@@ -1,50 +1,10 @@
 """A fleet of OpenAI-compatible endpoints behind one TTFT budget: routing and failover from the client.
 
-::
-
-    chat = trimkit.wrap_url(["http://10.0.0.1:8080/v1", "http://10.0.0.2:8080/v1"], model="m", ttft_budget_s=1.0)
-    out = chat.chat.completions.create(messages=messages, rag_chunks=chunks, max_tokens=128)
-    print(chat.last_report.endpoint, chat.endpoints)
-
-``trimkit.wrap_url([...])`` (URLs, plain dicts back) and ``trimkit.wrap([client, ...])`` (``openai``
-clients, all sync or all async) give a :class:`FleetFrontEnd` (:class:`AsyncFleetFrontEnd`) with the
-``.chat.completions.create`` of one endpoint's wrapper, ``last_report``, ``reports`` and
-``.endpoints`` (:class:`~trimkit.fleet.FleetEndpoint`: in flight, up or down, profile, load).
-
-- **Each endpoint is a wrapper of its own** (:class:`~trimkit.openai_wrapper.TrimmedOpenAI`): its
-  backend, pipeline and profile — a ``profile=`` given (one for all, or one per endpoint), else
-  the one of an identical replica already reached (same engine, version, models and context:
-  identical replicas share one profile, so calibration noise cannot make one look faster; each
-  endpoint's live refinement still learns its own speed), else the stored one or a
-  micro-calibration, one endpoint after the other at construction
-  (``parallel_calibration=True`` for servers on separate machines: on one host they would disturb
-  each other's measurements). An endpoint down at construction joins when a probe reaches it.
-- **Routing** (:class:`trimkit.fleet.FleetCall`): each request goes to the endpoint with the lowest
-  predicted TTFT for it — the wait behind the requests ahead of it there plus the prefill of what
-  that endpoint does not hold — so a conversation stays on the replica that holds its prefix
-  unless that replica is busy enough to lose. The endpoint's pipeline plans against the budget less
-  that wait. ``report.endpoint`` names the replica; the report shows the wait predicted and the
-  cached tokens. The wait counts what this client sent (predicted TTFT + ``max_tokens`` / decode
-  speed each) and, where the server says its load (:mod:`trimkit.backends.server`), other
-  clients' requests.
-- **Failover**: an endpoint that refuses, times out or fails before a request's first token is taken
-  out of rotation and probed again later (``GET /v1/models`` after ``probe_after_s``, doubling to
-  ``probe_max_s``); the request is re-planned on the next-best endpoint with what is left of its
-  budget. A stream that breaks after its first token raises
-  :class:`~trimkit.errors.StreamInterruptedError` with its report, as on one endpoint. All down:
-  :class:`~trimkit.fleet.FleetUnavailableError` listing what was tried. A fleet retries one
-  endpoint briefly (``max_attempts=2`` unless given) and moves on.
-
-Replicas must serve one model with one tokenizer (a prompt is counted once, for routing, by the
-endpoint with fewest requests in flight, and planned from that count). llama-cpp-python's server
-(``python -m llama_cpp.server``) exposes no load, cuts the stream in flight short when a second request arrives unless started with
-``--interrupt_requests false``, and answers a tokenize request only once its model is free; count
-locally and exactly instead (no request at all)::
-
-    from trimkit.backends.llama import llama_prompt_tokenizer
-    tokenizer = llama_prompt_tokenizer(trimkit.default_llama(vocab_only=True, n_ctx=512))  # the served GGUF
-    chat = trimkit.wrap_url(urls, tokenizer=tokenizer, n_ctx=4096, ttft_budget_s=1.0)
-
+``trimkit.wrap_url([...])`` / ``trimkit.wrap([client, ...])`` give a :class:`FleetFrontEnd`
+(:class:`AsyncFleetFrontEnd`): each endpoint is a wrapper of its own (:class:`FleetEndpoint`), each
+request goes to the endpoint with the lowest predicted TTFT (:class:`FleetCall`), and one that fails
+before the first token is re-planned on the next. What it does and how to set it up:
+docs/scaling.md §2.
 
 In three parts: each endpoint and the cost of a route to it; the fleet's front-end (one call routed,
 sent and failed over); the fleet itself (building it, health, the client it looks like)."""
@@ -162,7 +122,6 @@ class Health:
     down_since: float | None = None
     retry_at: float = 0.0
     backoff_s: float = 0.0
-    failures: int = 0
     last_error: str | None = None
     probing: bool = False
 
@@ -174,7 +133,6 @@ class Health:
         if self.down_since is None:
             self.down_since = now
             self.backoff_s = self.after_s
-        self.failures += 1
         self.last_error = error
         self.retry_at = now + self.backoff_s
 
@@ -204,10 +162,6 @@ ENGINE_SLOTS = {"vllm": 64, "sglang": 64}
 TIE_SHARE = 0.01
 #: the shortest retry hint an overloaded fleet gives
 MIN_RETRY_AFTER_S = 0.5
-
-
-
-
 
 
 def is_overload(exc: BaseException) -> bool:
@@ -355,7 +309,7 @@ class FleetEndpoint:
         """How many requests the server runs at once."""
         if self._slots is not None:
             return self._slots
-        load = self.load.latest() if self.load is not None else None
+        load = self.server_load()
         if load is not None and load.slots:
             return load.slots
         info = self.backend.server_info()  # probed when the endpoint was reached: no I/O here
@@ -572,9 +526,7 @@ class FleetEndpoint:
         return None
 
 
-# -- The front-ends of a fleet (:mod:`trimkit.fleet`): :class:`FleetFrontEnd` (sync) and -----------------
-
-log = logging.getLogger("trimkit")
+# -- the front-end: one call routed, sent and failed over ----------------------------------------------
 
 #: an endpoint gets at least this long to produce the first token before the call moves on
 MIN_ATTEMPT_S = 1.0
@@ -672,7 +624,7 @@ class FleetCall:
             tokens = self.counted[1]
             with self.fleet.routing_lock:
                 now = self.clock()
-                budget_left = self.budget_left_s() if self.budget is not None else None
+                budget_left = self.budget_left_s()
                 costs = [ep.cost(tokens, self.params, now, budget_left) for ep in candidates]
                 best = best_route(costs)
                 key = best.endpoint.reserve(best)
@@ -744,7 +696,6 @@ class FleetCall:
         tried = "; ".join(f"{label}: {error}" for label, error in attempts) or "nothing"
         return FleetUnavailableError(f"{why} ({tried})", attempts=attempts)
 
-
     def overloaded(self, why: str) -> FleetOverloadedError:
         now = self.clock()
         waits = [ep.predicted_wait_s(now) for ep in self.fleet.endpoints if ep.is_up or ep.busy_not_dead]
@@ -752,8 +703,6 @@ class FleetCall:
         tried = "; ".join(f"{label}: {error}" for label, error in self.attempts) or "nothing"
         return FleetOverloadedError(f"the fleet is overloaded: {why}; retry in about {retry_after:.1f} s ({tried})",
                                     retry_after_s=retry_after, attempts=self.attempts)
-
-
 
 
 # -- the streams a call returns ---------------------------------------------------------------------
@@ -1086,7 +1035,7 @@ class AsyncFleetFrontEnd(FleetBase):
         await self.close()
 
 
-# -- A fleet of OpenAI-compatible endpoints behind one TTFT budget: routing and failover from the client. ---
+# -- the fleet: building it ------------------------------------------------------------------------------
 
 #: backend settings a fleet uses unless given: retry one endpoint briefly, then fail over
 FLEET_BACKEND_DEFAULTS: Mapping[str, Any] = {"max_attempts": 2, "retry_backoff_s": 0.05, "retry_backoff_max_s": 0.2}
@@ -1232,15 +1181,13 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
         fleet = (AsyncFleetFrontEnd if is_async else FleetFrontEnd)(endpoints, ttft_budget_s=ttft_budget_s, retry_deadline_s=retry_deadline_s,
                                                                     unbudgeted_deadline_s=endpoints[0].backend.retry_deadline_s)
         fleet.start(parallel=parallel_calibration)
+        if not any(ep.is_up for ep in endpoints):
+            attempts = [(ep.label, ep.last_error or "unreachable") for ep in endpoints]
+            raise FleetUnavailableError("no endpoint of the fleet could be reached: " + "; ".join(f"{a}: {b}" for a, b in attempts), attempts=attempts)
     except BaseException:
         for ep in endpoints:
             ep.backend.close()
         raise
-    if not any(ep.is_up for ep in endpoints):
-        for ep in endpoints:
-            ep.backend.close()
-        attempts = [(ep.label, ep.last_error or "unreachable") for ep in endpoints]
-        raise FleetUnavailableError("no endpoint of the fleet could be reached: " + "; ".join(f"{a}: {b}" for a, b in attempts), attempts=attempts)
     return fleet
 
 

@@ -1,6 +1,6 @@
 """Prometheus metrics of every wrapped request, without OpenTelemetry (``pip install 'trimkit[prometheus]'``).
 
-The smallest set-up::
+::
 
     import trimkit.metrics
     from prometheus_client import start_http_server
@@ -8,19 +8,8 @@ The smallest set-up::
     trimkit.metrics.enable()           # or enable(registry=my_registry)
     start_http_server(9464)            # GET :9464/metrics
 
-The series (labels ``model`` and ``endpoint`` on all; buckets in :mod:`trimkit.report`):
-
-- ``trimkit_ttft_seconds`` (histogram): the measured TTFT, the wait for the engine included;
-- ``trimkit_predicted_ttft_seconds`` (histogram): the TTFT predicted for the prompt sent;
-- ``trimkit_budget_attainment_total{met="true|false"}``: budgeted requests;
-- ``trimkit_budget_use_ratio`` (histogram): measured TTFT ÷ budget;
-- ``trimkit_prediction_error_ratio{direction="over|under"}`` (histogram): |predicted − measured| ÷ measured;
-- ``trimkit_tokens_removed_total``: prompt tokens the plans removed;
-- ``trimkit_replans_total``: re-plans of watched prefills;
-- ``trimkit_decode_tokens_per_second`` (histogram): the stream's measured speed;
-- ``trimkit_requests_total{outcome="passthrough|trimmed|infeasible|refused|error"}``.
-
-No prompt text, chunk id or message is a label. See docs/observability.md.
+The series (labels ``model`` and ``endpoint``; no prompt text, chunk id or message is a label) are
+listed in docs/observability.md; their buckets are in :mod:`trimkit.report`.
 """
 
 from __future__ import annotations

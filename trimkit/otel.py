@@ -6,14 +6,11 @@ whatever you installed, are used; trimkit never installs a global provider)::
     import trimkit.otel
     trimkit.otel.instrument()          # or instrument(tracer_provider=tp, meter_provider=mp)
 
-Each request becomes a span ``chat {model}`` (span kind CLIENT for a server, INTERNAL in
-process) with children ``trimkit.plan``, one ``trimkit.replan`` per re-plan of the watched
-prefill, and ``trimkit.send``. The spans are written when the request's report is complete
-(:mod:`trimkit.report`), with the start and end times it measured, under the span current at
-that moment. Names follow the OpenTelemetry GenAI semantic conventions v1.41.1
-(open-telemetry/semantic-conventions, docs/gen-ai; development status), listed with the
-``trimkit.*`` attributes and metrics in docs/observability.md. No prompt or answer text is ever
-set: removed content is given as counts and ids.
+Each request becomes a span ``chat {model}`` with children ``trimkit.plan``, ``trimkit.replan``
+(one per re-plan) and ``trimkit.send``, written when its report is complete, with the times it
+measured. Names follow the OpenTelemetry GenAI semantic conventions (:data:`SEMCONV_VERSION`); the
+spans, attributes and metrics are listed in docs/observability.md. No prompt or answer text is
+ever set: removed content is given as counts and ids.
 """
 
 from __future__ import annotations

@@ -1,58 +1,20 @@
 """The per-request report: what trimkit predicted, what it measured, what it changed, which phase
-was slow (:attr:`Report.verdict`, the verdict below) and what decode did. ``str(report)`` is
-for people; ``report.to_dict()`` for programs; ``report.log_line()`` for logs.
+was slow and what decode did. ``str(report)`` is for people, ``report.to_dict()`` for programs,
+``report.log_line()`` for logs.
 
-**Decode.** trimkit leaves the decode *parameters* untouched and never aims at the stream. The
-report shows the decode speed measured, the speed the profile predicts at the context sent and,
-for a trimmed request, at the untrimmed context; a difference beyond the profile's decode noise
-that the measurement bears out is stated as a side effect of a shorter KV cache, never as a
-trimming gain (:class:`DecodeContext`).
-
-**Predicted and measured TTFT are both the TTFT the caller felt.** ``predicted_ttft_s`` includes
-the wait predicted for the requests ahead on the engine (``queue_wait_predicted_s``), and
-``measured_ttft_s`` includes the wait measured (``measurement.queue_s``, in process: the time the
-request waited for the engine); ``budget_met`` and ``ttft_error_pct`` compare the two. The
-engine's own TTFT, from the start of the stream, stays ``measurement.ttft_s``
-(``engine_ttft_s``). Over HTTP the server's queue is inside ``measurement.ttft_s`` and
-``queue_s`` is 0. Only a snapshot's restore time is in the prediction and not in the measurement
-(it runs before the stream starts; milliseconds).
-
-**The verdict.** Judge each phase of a request against its own standard, and say what decode did.
-
-A local model feels slow for one of two reasons, with different cures (``docs/phases.md``):
-
-- **the wait** before the first token (prefill, TTFT) is longer than the caller can bear: judged
-  against the request's TTFT budget, or without one against :data:`DEFAULT_WAIT_THRESHOLD_S`
-  (1 s; ``wait_threshold_s=``). Exactly at the limit is not slow.
-- **the stream** after it (decode, tokens/s) is slower than its reader: judged against the
-  caller's ``tokens_per_s_target`` when given, else against reading speed
-  (:data:`READING_SPEED_TOKENS_PER_S`, ~7 tokens/s; ``reading_speed_tokens_per_s=``). Exactly at
-  the standard is not slow. How long the answer is does not matter: a long answer streamed
-  faster than anyone reads is not a slow stream.
-
-:func:`judge` gives the :class:`Verdict` — ``"none"``, ``"wait"``, ``"stream"`` or ``"both"`` —
-with the cures that fit it. :class:`DecodeContext` states what a shorter context did to decode:
-trimkit leaves the decode *parameters* untouched (``max_tokens``, ``temperature``, ``stop``,
-sampling) and never aims at the stream, but every generated token reads the KV cache as well as
-the weights, so a shorter context can speed decode a little, as a side effect. It is measured,
-predicted from the profile, and reported as such, never as a trimming gain.
-
-**Where it goes.** What each finished request tells the tools outside: the one hook every front-end shares.
-
-:meth:`trimkit.pipeline.Pipeline.report` calls :func:`completed` once for every report it makes
-— a finished request, one that failed while it streamed, one refused before it was sent — so
-the in-process wrapper, the OpenAI wrappers (sync and async) and every endpoint of a fleet are
-covered by this one call. It hands a :class:`Completed` to
-
-- the wrapper's own sinks: a report log (``wrap(..., report_log=...)``: :class:`ReportLog`);
-- the observers installed process-wide: OpenTelemetry (:func:`trimkit.otel.instrument`) and
-  Prometheus (:func:`trimkit.metrics.enable`), which import their libraries themselves —
-  ``import trimkit`` imports neither.
-
-An observer that fails is logged (its error type only) and never fails the request. Nothing
-here carries the prompt's text: :func:`figures` are numbers, :func:`loggable` drops the decode
-parameters that are not plain numbers or flags (``tools``, ``stop``, ``grammar`` may hold text).
-See docs/observability.md.
+- **TTFT**: ``predicted_ttft_s`` and ``measured_ttft_s`` are both the TTFT the caller felt, the
+  wait for the engine included (``engine_ttft_s`` is from the start of the stream; over HTTP the
+  server's queue is inside it and ``queue_s`` is 0).
+- **The verdict** (:func:`judge`, :func:`diagnose`): the wait judged against the budget (else
+  :data:`DEFAULT_WAIT_THRESHOLD_S`), the stream against ``tokens_per_s_target`` (else
+  :data:`READING_SPEED_TOKENS_PER_S`), with the cures that fit (docs/phases.md).
+- **Decode**: its parameters are left untouched; a speed-up from a shorter KV cache is stated as
+  a side effect, never as a trimming gain (:class:`DecodeContext`).
+- **Where it goes**: :meth:`trimkit.pipeline.Pipeline.report` calls :func:`completed` once per
+  report, which hands a :class:`Completed` to the wrapper's report log (:class:`ReportLog`) and
+  the observers installed process-wide (:mod:`trimkit.otel`, :mod:`trimkit.metrics`). An
+  observer that fails is logged, never fails the request; nothing carries the prompt's text
+  (docs/observability.md).
 """
 
 from __future__ import annotations
@@ -354,28 +316,12 @@ class Diagnosis:
 
     def to_dict(self) -> dict[str, object]:
         j = self.judgement
-        return {
-            "verdict": self.verdict,
-            "verdict_label": self.verdict_label,
-            "summary": j.summary(),
-            "cures": list(self.cures),
-            "notes": list(j.notes),
-            "wait_slow": self.wait_slow,
-            "stream_slow": self.stream_slow,
-            "ttft_s": self.ttft_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "wait_limit_s": j.wait_limit_s,
-            "wait_limit_source": j.wait_limit_source,
-            "stream_floor_tokens_per_s": j.stream_floor_tokens_per_s,
-            "stream_floor_source": j.stream_floor_source,
-            "reading_speed_tokens_per_s": j.reading_speed_tokens_per_s,
-            "prompt_tokens": self.prompt_tokens,
-            "output_tokens": self.output_tokens,
-            "stream_s": self.stream_s,
-            "dominant_phase": self.dominant_phase,
-            "dominant_label": self.dominant_label,
-            "prefill_ms_per_token": self.prefill_ms_per_token,
-        }
+        d: dict[str, object] = {"verdict": self.verdict, "verdict_label": self.verdict_label, "summary": j.summary(), "cures": list(self.cures),
+                                "notes": list(j.notes)}
+        d.update((k, getattr(self, k)) for k in ("wait_slow", "stream_slow", "ttft_s", "decode_tokens_per_s"))
+        d.update((k, getattr(j, k)) for k in ("wait_limit_s", "wait_limit_source", "stream_floor_tokens_per_s", "stream_floor_source", "reading_speed_tokens_per_s"))
+        d.update((k, getattr(self, k)) for k in ("prompt_tokens", "output_tokens", "stream_s", "dominant_phase", "dominant_label", "prefill_ms_per_token"))
+        return d
 
 
 def diagnose(
@@ -586,6 +532,20 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return repr(value)
+
+
+#: the keys of :meth:`Report.to_dict`, in order: its fields and properties (:func:`_json_safe` makes
+#: the values plain), and two of :attr:`Report.decode`'s
+_REPORT_KEYS = (
+    "backend", "model", "ttft_budget_s", "safety_margin", "provisional", "extrapolated", "budget_met", "feasible",
+    "predicted_ttft_s", "predicted_ttft_before_s", "measured_ttft_s", "engine_ttft_s", "ttft_error_pct",
+    "queue_wait_predicted_s", "queue_wait_s", "queue_ahead", "endpoint", "prompt_tokens", "prompt_tokens_before",
+    "cached_tokens_predicted", "cached_tokens", "evaluated_tokens", "passthrough", "watched", "replans", "actions",
+    "planning_s", "profile_error_pct", "decode_tokens_per_s", "time_per_output_token_s", "completion_tokens",
+    "decode_predicted_tokens_per_s", "decode_predicted_before_tokens_per_s", "decode_noise_pct", "decode_side_effect_pct",
+    "decode_statement", "decode_untouched", "decode_params", "tokens_per_s_target", "verdict", "judgement",
+    "dominant_phase", "advice", "warnings", "measurement",
+)
 
 
 @attrs.frozen
@@ -817,54 +777,9 @@ class Report:
         return report_log_line(self)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {
-            "backend": self.backend,
-            "model": self.model,
-            "ttft_budget_s": self.ttft_budget_s,
-            "safety_margin": self.safety_margin,
-            "provisional": self.provisional,
-            "extrapolated": self.extrapolated,
-            "budget_met": self.budget_met,
-            "feasible": self.feasible,
-            "predicted_ttft_s": self.predicted_ttft_s,
-            "predicted_ttft_before_s": self.predicted_ttft_before_s,
-            "measured_ttft_s": self.measured_ttft_s,
-            "engine_ttft_s": self.engine_ttft_s,
-            "ttft_error_pct": self.ttft_error_pct,
-            "queue_wait_predicted_s": self.queue_wait_predicted_s,
-            "queue_wait_s": self.queue_wait_s,
-            "queue_ahead": self.queue_ahead,
-            "endpoint": self.endpoint,
-            "prompt_tokens": self.prompt_tokens,
-            "prompt_tokens_before": self.prompt_tokens_before,
-            "cached_tokens_predicted": self.cached_tokens_predicted,
-            "cached_tokens": self.cached_tokens,
-            "evaluated_tokens": self.evaluated_tokens,
-            "passthrough": self.passthrough,
-            "watched": self.watched,
-            "replans": [x.to_dict() for x in self.replans],
-            "actions": [a for a in self.actions],
-            "planning_s": self.planning_s,
-            "profile_error_pct": self.profile_error_pct,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "time_per_output_token_s": self.time_per_output_token_s,
-            "completion_tokens": self.completion_tokens,
-            "decode_predicted_tokens_per_s": self.decode_predicted_tokens_per_s,
-            "decode_predicted_before_tokens_per_s": self.decode_predicted_before_tokens_per_s,
-            "decode_noise_pct": self.decode_noise_pct,
-            "decode_side_effect_pct": self.decode.side_effect_pct,
-            "decode_statement": self.decode.statement(),
-            "decode_untouched": DECODE_PARAMETERS_UNTOUCHED,
-            "decode_params": dict(self.decode_params),
-            "tokens_per_s_target": self.tokens_per_s_target,
-            "verdict": self.verdict,
-            "judgement": None if self.judgement is None else self.judgement.to_dict(),
-            "dominant_phase": self.dominant_phase,
-            "advice": list(self.advice),
-            "warnings": list(self.warnings),
-            "measurement": self.measurement.to_dict(),
-        }
-        return _json_safe(d)
+        decode = self.decode
+        computed = {"decode_side_effect_pct": decode.side_effect_pct, "decode_statement": decode.statement()}
+        return _json_safe({k: computed[k] if k in computed else getattr(self, k) for k in _REPORT_KEYS})
 
     def to_json(self, **kw: Any) -> str:
         return json.dumps(self.to_dict(), **kw)

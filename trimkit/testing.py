@@ -198,14 +198,13 @@ class FakeBackend(Backend):
                     rest = self.cost_model.prefill_s(len(tokens) - k, k)
                     new, prefill = new + len(tokens) - k, prefill + rest
                 state.update(cached=max(len(tokens) - new, 0), new=new, prefill=prefill)
-                yield {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
-                self.clock.advance(rest + self.first_token_s)
+                left = rest  # the watched steps already advanced the clock
             else:
                 new = len(tokens) - cached
-                prefill = self._unwatched_prefill_s(cached, len(tokens))
+                prefill = left = self._unwatched_prefill_s(cached, len(tokens))
                 state.update(cached=cached, new=new, prefill=prefill)
-                yield {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
-                self.clock.advance(prefill + self.first_token_s)
+            yield {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+            self.clock.advance(left + self.first_token_s)
             for i, w in enumerate(words):
                 if i:
                     self.clock.advance(1.0 / self.decode_tokens_per_s)
