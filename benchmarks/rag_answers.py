@@ -355,6 +355,18 @@ class Prompts:
 # --------------------------------------------------------------------------------------------
 # summaries
 # --------------------------------------------------------------------------------------------
+def ttft_parts(profile: Any, report: Any) -> dict[str, float | None]:
+    """A request's TTFT in two parts, measured and as ``profile`` predicted them: the engine's
+    prefill of the tokens it evaluated, and the rest (the first token's overhead)."""
+    m = report.measurement
+    n, cached = report.prompt_tokens, m.cached_tokens or 0
+    evaluated = m.evaluated_tokens if m.evaluated_tokens is not None else n - cached
+    return {"prefill_s": m.engine_prefill_s, "prefill_predicted_s": profile.predict_prefill_s(max(evaluated, 1), cached),
+            "rest_s": None if m.ttft_s is None or m.engine_prefill_s is None else m.ttft_s - m.engine_prefill_s,
+            "rest_predicted_s": profile.first_token_overhead_s(n), "evaluated_tokens": evaluated, "cached_tokens": cached,
+            "drift": profile.drift}
+
+
 def median(values: Sequence[float | None]) -> float | None:
     v = [x for x in values if x is not None and not math.isnan(x)]
     return statistics.median(v) if v else None
@@ -652,6 +664,7 @@ def main() -> int:
             continue
         share, budget = job["share"], job["budget_s"]
         chat = trimkit.wrap(llm, ttft_budget_s=budget, profile=profile, backend=backend)
+        planned_with = chat.profile  # the live profile before this request (it learns from it)
         text, report, prepared = send(chat, req["messages"], job["chunks"])
         chat.idle()  # background summaries finish before the next measurement
         plan = prepared.plan
@@ -674,6 +687,9 @@ def main() -> int:
             "answer_in_first_plan": (answer_id in kept_ids or answer_id in cut) and answer_id not in back,
             "answer_cut_by_replan": answer_id in cut,
             "actions": [a.strategy for a in plan.actions] if plan is not None else [], "warnings": list(report.warnings),
+            # where a miss comes from: the prefill as measured and as the live profile predicted it
+            # before the request, and the rest of the TTFT (the first token's overhead) likewise
+            "ttft_parts": ttft_parts(planned_with, report),
             "sent_messages": [dict(m) for m in prepared.messages[1:]],  # what the model read (the system prompt is the set's)
         })
         line = [f"trimkit {t_row['measured_ttft_s']:5.2f}s{'' if t_row['measured_ttft_s'] <= budget else '!'} {n_tokens:5d} tok "
