@@ -4,11 +4,14 @@ whose speed changes in the middle of a prefill, on a fake clock — exact, no wa
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 
 import trimkit
 from tests._core_helpers import TRUE_MODEL, make_profile
+from trimkit.planning.costs import PrefillSample
+from trimkit.planning.speed import tail_share
 from trimkit.planning.watch import FIRST_STEP_TOKENS, MAX_REPLANS, PrefillWatch
 from trimkit.testing import FakeBackend, FakeClock
 
@@ -251,3 +254,50 @@ def test_a_start_over_does_not_hold_the_next_requests_to_half_their_budget():
     # ~1,100 and read as the clip, 5x: the margin went to its cap, 0.6, for the next requests)
     assert chat.engine.speed.ratios(chat.profile.model)[-1] <= 1.5 * 1.01
     assert chat.safety_margin < 1 - 1 / 1.6
+
+
+def test_a_watched_requests_outcome_is_what_the_margin_of_the_next_ones_holds_back():
+    """Each watched request with a budget leaves its measured ÷ predicted TTFT (the prompt it
+    sent); once a few are known, a watched margin holds back at least what their 97th
+    percentile needs — the spread of prefills around the factor alone missed what the watch's
+    steps cost and how far the factor lags."""
+    messages, chunks = rag_request(20)
+    fake, chat = wrapped(pace=lambda position: 1.0)
+    chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4)
+    assert chat.engine.speed.outcomes == ()  # no budget: nothing to learn for the margin
+    budget = 0.3 * chat.last_report.predicted_ttft_before_s
+    fake.kv = []
+    chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4, ttft_budget_s=budget)
+    r = chat.last_report
+    assert r.watched and chat.engine.speed.outcomes == (pytest.approx(r.measured_ttft_s / r.predicted_ttft_s),)
+    speed, model = chat.engine.speed, chat.profile.model
+    before = speed.margin(model, fallback=0.05, share=0.5)
+    for ratio in (1.02, 1.05, 1.08):
+        speed.observe_outcome(ratio, 1.0)
+    assert speed.margin(model, fallback=0.05, share=0.5) == pytest.approx(1 - 1 / 1.08)  # the largest of 4: rank ceil(5 × 0.97)
+    assert before < 0.05
+    assert speed.margin(model, fallback=0.05, share=1.0) == pytest.approx(speed.margin(model, fallback=0.05))  # open loop: the prefill spread
+    for bad in (math.nan, -1.0, 0.0, math.inf):  # never fails a request that was answered
+        speed.observe_outcome(bad, 1.0)
+        speed.observe_outcome(1.0, bad)
+    assert len(speed.outcomes) == 4
+
+
+def test_a_watched_margin_covers_the_tail_of_the_prompt_the_plan_will_send():
+    """A 2,600-token prompt whose budget allows ~600: the watch checks a 600-token prompt once,
+    after its first step, so most of it is tail — the margin is sized for that, not for the
+    tail of the prompt the caller gave (one batch of 2,600)."""
+    messages, chunks = rag_request(20)
+    fake, chat = wrapped()
+    chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4)
+    n = chat.last_report.prompt_tokens
+    budget = 0.2 * chat.last_report.predicted_ttft_before_s
+    engine, profile = chat.engine, chat.profile
+    for ratio in (1.0, 1.02, 0.99, 1.05, 1.01):  # a spread the margin reads
+        engine.speed.observe(PrefillSample(600, 0, ratio * profile.model.prefill_s(600, 0) * profile.drift))
+    watched = engine.request_margin(0.97, budget, n, 0, watched=True)
+    allowed = profile.max_new_tokens(budget * (1 - watched))
+    assert n > 4 * allowed  # the plan sends a fifth of the prompt at most
+    assert watched == pytest.approx(engine.safety_margin(0.97, share=tail_share(profile, allowed)), rel=0.05)
+    assert watched > engine.safety_margin(0.97, share=tail_share(profile, n))  # the old reading: one batch of the whole
+    assert watched <= engine.request_margin(0.97, budget, n, 0)  # never more than open loop

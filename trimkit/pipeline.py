@@ -56,7 +56,7 @@ from trimkit.planning.planner import plan as make_plan
 from trimkit.planning.profile import CALIBRATION_MODES, Profile
 from trimkit.planning.queue import EngineLease, EngineQueue, Ticket, answer_cap, busy_decision, check_on_busy, queue_wait
 from trimkit.planning.solver import Action
-from trimkit.planning.speed import DEFAULT_TARGET, EngineState, LiveProfile, engine_state
+from trimkit.planning.speed import DEFAULT_TARGET, EngineState, LiveProfile, engine_state, tail_share
 from trimkit.planning.summaries import ExtractiveSummarizer, SummaryCache, next_summary_job
 from trimkit.planning.tokens import KNOWN as KNOWN_CONTROLS
 from trimkit.planning.tokens import check_mode as check_control_mode
@@ -293,7 +293,7 @@ class Pipeline:
         self._estimate(ticket, before, params)
         wait, ahead = (given_wait, 0) if given_wait is not None or self.queue is None else self.queue.predict(ticket)
         margin = 0.0 if budget is None else self.engine.request_margin(self.attainment_target, budget, len(before.tokens), before.cached,
-                                                                       watched_share=self._watched_share(before))
+                                                                       watched=self.watches())
         busy = busy_decision(on_busy, budget, wait, margin, ahead, refuse=self.on_infeasible == "raise")
         plan: Plan | None = None
         sent, warnings, w = before, [], wait or 0.0
@@ -381,13 +381,6 @@ class Pipeline:
         subclass that overrides ``send`` without it is planned once, before sending)."""
         return self.watch_prefill and getattr(self.backend, "evaluate_to", None) is not None and _takes_watch(self.backend)
 
-    def _watched_share(self, priced: _Priced) -> float:
-        """The share of a prompt's predicted prefill the watch cannot catch: what follows its last
-        check (one batch), or all of it when it is not watched."""
-        if not self.watches():
-            return 1.0
-        return _tail_share(self.profile, evaluated_tokens(len(priced.tokens), priced.cached))
-
     def watched(self, prepared: Prepared, *, waited_s: float = 0.0) -> WatchedPrefill | None:
         """The driver of ``prepared``'s watched prefill (None: not watched — no budget, or a
         backend that cannot evaluate in steps)."""
@@ -416,7 +409,7 @@ class Pipeline:
         tok = self.backend.tokenizer
         profile = watch.paced_profile()
         left = max(prepared.budget_s - spent_s, 1e-6)
-        margin = self.engine.safety_margin(self.attainment_target, share=_tail_share(profile, len(prepared.prompt_tokens) - watch.position))
+        margin = self.engine.safety_margin(self.attainment_target, share=tail_share(profile, len(prepared.prompt_tokens) - watch.position))
         target = left * (1.0 - margin)
 
         def price(candidate: Sequence[Mapping[str, Any]]) -> tuple[Sequence[int], int, float]:
@@ -551,8 +544,11 @@ class Pipeline:
     def finish(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any]) -> Report:
         """A request finished: its report, and what it teaches (drift, margin, next summary)."""
         report = self.report(prepared, m, params)
+        outcome = None
+        if prepared.watched and prepared.budget_s is not None and report.measured_ttft_s is not None and prepared.predicted_ttft_s:
+            outcome = (report.measured_ttft_s, prepared.predicted_ttft_s)
         refined = self.engine.learn(_whole_request(m, prepared), persist_every=self.persist_every,
-                                    answer_capped=answer_cap(params) is not None, watched=prepared.watched)
+                                    answer_capped=answer_cap(params) is not None, watched=prepared.watched, outcome=outcome)
         if refined is not None:
             try:
                 save_profile(refined)
@@ -587,12 +583,6 @@ class Pipeline:
 
 def _n_batch(profile: Profile) -> int:
     return max(int(profile.model.n_batch or 512), 1)
-
-
-def _tail_share(profile: Profile, new_tokens: int) -> float:
-    """The share of ``new_tokens``' prefill a watch cannot catch: what follows its last check
-    (one batch), all of it for a prompt of a batch or less. The safety margin covers only that."""
-    return min(1.0, _n_batch(profile) / max(new_tokens, 1))
 
 
 @functools.lru_cache(maxsize=64)
@@ -647,7 +637,7 @@ class WatchedPrefill:
         # planned prompt's tail, larger than the plan's, sized for the untrimmed prompt's) re-planned
         # requests running on pace and cut what the plan had kept
         margin = p.plan.safety_margin if p.plan is not None else \
-            pipeline.engine.safety_margin(pipeline.attainment_target, share=_tail_share(profile, len(p.prompt_tokens) - held))
+            pipeline.engine.safety_margin(pipeline.attainment_target, share=tail_share(profile, len(p.prompt_tokens) - held))
         watch = PrefillWatch(p.prompt_tokens, held, profile, budget, margin=margin, n_batch=_n_batch(profile))
         if not watch.watched:
             return p.messages, p.prompt_tokens
