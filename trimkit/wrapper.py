@@ -110,14 +110,8 @@ class Trimmer(FrontEnd):
 
 
 class TrimmedLlama(Trimmer):
-    """A ``llama_cpp.Llama`` whose chat calls keep TTFT inside a budget.
-
-    ``create_chat_completion`` takes the same arguments as the original plus ``rag_chunks=``
-    and a per-call ``ttft_budget_s=``; every other argument passes through unchanged, and it
-    returns what llama-cpp-python returns (a dict, or an iterator of chunks with
-    ``stream=True`` — that iterator also has ``.report``). Any other attribute is the wrapped
-    ``Llama``'s own.
-    """
+    """A ``llama_cpp.Llama`` whose chat calls keep TTFT inside a budget: ``create_chat_completion``
+    as :meth:`Trimmer.create_chat_completion`; any other attribute is the wrapped ``Llama``'s own."""
 
     backend: LlamaBackend
 

@@ -849,14 +849,10 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
     ``TrimmedLLM``'s). In a context chat engine the history shares it: give the postprocessor
     a smaller one to leave room for history (the ``TrimmedLLM`` then trims the older turns).
 
-    The prompt planned is ``system_prompt`` (None: none) and the query placed into
-    ``rag_template`` with each node rendered by ``rag_chunk_template`` — by default LlamaIndex's
-    own question-answering prompt for chat models, so the prompt planned is the prompt a query
-    engine sends. ``min_nodes``: the most relevant nodes always kept whole; ``excerpts``: a node may
-    be cut to the sentences matching the query (a copy of it, see
-    :func:`kept_nodes`); ``values`` (default: the llm's trimkit
-    wrapper's), ``strategies`` (default: count the cached prefix, then drop or cut nodes): as for
-    :func:`trimkit.plan`. When even no node fits, none is kept (the plan says infeasible)."""
+    The templates default to LlamaIndex's own question-answering prompt for chat models, so the
+    prompt planned is the prompt a query engine sends. ``values`` (default: the llm's trimkit
+    wrapper's) and ``strategies`` (default: count the cached prefix, then drop or cut nodes): as
+    for :func:`trimkit.plan`. When even no node fits, none is kept (the plan says infeasible)."""
 
     ttft_budget_s: float | None = Field(default=None, description="The TTFT budget of the request carrying the nodes.")
     system_prompt: str | None = Field(default=QA_SYSTEM_PROMPT, description="The system message the nodes are planned with.")
