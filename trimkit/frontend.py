@@ -1,20 +1,9 @@
-"""What every front-end shares: the :class:`FrontEnd` face of a :class:`~trimkit.pipeline.Pipeline`
-and the streams a wrapped call returns.
-
-A front-end (:class:`~trimkit.wrapper.Trimmer`, :class:`~trimkit.wrapper.TrimmedLlama`,
-:class:`~trimkit.openai_wrapper.TrimmedOpenAI`, :class:`~trimkit.openai_wrapper.AsyncTrimmedOpenAI`)
-holds a pipeline at ``.pipeline`` and does the sending; :class:`FrontEnd` gives it the pipeline's
-state under the names users know (``.profile``, ``.last_report``, ``.idle()``, ...).
-
-A reporting stream wraps the backend's :class:`~trimkit.backends.base.TimedStream`: it yields the
-engine's own chunks, keeps them for a non-streamed call to assemble, and builds the report when
-the stream ends (``.report``) — or attaches one to the error that ended it. On an in-process
-engine it also keeps the request's place in the engine's queue up to date
-(:mod:`trimkit.planning.queue`): the first token, and the end — finished, failed, closed or
-garbage-collected.
-
-A call's send path is written once for sync and async front-ends: a generator that yields each
-I/O step (:class:`Io`), which :func:`run_sync` calls and :func:`run_async` awaits.
+"""What every front-end shares: :class:`FrontEnd`, the pipeline's state under the names users
+know (``.profile``, ``.last_report``, ``.idle()``, ...); the reporting streams a wrapped call
+returns, which build the report when the engine's stream ends and keep the request's place in an
+in-process engine's queue (:mod:`trimkit.planning.queue`) up to date; and the send path written
+once for sync and async front-ends: a generator yielding each I/O step (:class:`Io`), which
+:func:`run_sync` calls and :func:`run_async` awaits.
 """
 
 from __future__ import annotations

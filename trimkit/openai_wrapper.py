@@ -1,32 +1,17 @@
-"""The OpenAI-client front-end: keep TTFT inside a budget on a served model.
-
-Use it when the model runs behind an OpenAI-compatible server (llama.cpp server,
-llama-cpp-python's server, vLLM, SGLang, Ollama's ``/v1``, LM Studio) rather than in-process::
-
-    client = openai.OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="none")
-    chat = trimkit.wrap(client, ttft_budget_s=1.0)           # or wrap_openai(client, ...)
-    out = chat.chat.completions.create(model="m", messages=[...], rag_chunks=[...], max_tokens=64)
-    print(chat.last_report)
+"""The OpenAI-client front-end: keep TTFT inside a budget on a model behind an OpenAI-compatible
+server (llama.cpp, vLLM, SGLang, Ollama's ``/v1``, LM Studio).
 
 :class:`TrimmedOpenAI` (``openai.OpenAI``) and :class:`AsyncTrimmedOpenAI` (``openai.AsyncOpenAI``)
-are drop-ins: ``.chat.completions.create`` takes the client's arguments plus ``rag_chunks=``, a
-per-call ``ttft_budget_s=`` and ``routing_key=`` (sent in the headers routers read, never in the
-body: :mod:`trimkit.backends.server`), passes every other argument through unchanged, and returns what
-the client returns. Any other attribute is the client's own. :func:`trimkit.wrap_url` gives the same API
-over plain ``httpx`` for users without the ``openai`` package (responses are plain dicts).
+are drop-ins: ``.chat.completions.create`` takes the client's arguments plus ``rag_chunks=``,
+``ttft_budget_s=``, ``on_busy=`` and ``routing_key=``, and returns what the client returns; any
+other attribute is the client's. They send through
+:class:`~trimkit.backends.http.OpenAIHTTPBackend`; :func:`trimkit.wrap_url` gives the same API
+over plain ``httpx``. Usage: ``docs/servers.md``.
 
-All planning, measuring and reporting is the :class:`~trimkit.pipeline.Pipeline`'s, which each
-wrapper holds; the wrappers only send, through :class:`~trimkit.backends.http.OpenAIHTTPBackend`
-(:class:`TrimmedOpenAI` with sync calls, :class:`AsyncTrimmedOpenAI` with async ones).
-
-**Deadlines.** How long a wrapped call to a served model may wait, from its TTFT budget: how long it is
-retried before its first chunk, and its deadline. (How a backend applies them, per request and
-per attempt, is :mod:`trimkit.backends.transport`.)
-
-Once the first token is later than twice the budget the answer has failed its purpose, and
-retrying longer only hides an outage from the caller; but a tight budget (0.3 s) must not turn a
-dropped keep-alive connection or a server's brief 503 into an error, so a few seconds of retries
-are always allowed (:func:`retry_deadline_for`). Retries never happen after the first chunk.
+**Deadlines** (:func:`retry_deadline_for`). Once the first token is later than twice the budget
+the answer has failed its purpose, and retrying longer only hides an outage; but a tight budget
+must not turn a dropped keep-alive connection or a brief 503 into an error, so a few seconds of
+retries are always allowed. Retries never happen after the first chunk.
 """
 
 from __future__ import annotations
@@ -61,25 +46,9 @@ from trimkit.frontend import (
 from trimkit.messages import validate_messages
 from trimkit.pipeline import Pipeline, Prepared
 
-__all__ = [
-    "TrimmedOpenAI",
-    "AsyncTrimmedOpenAI",
-    "OpenAIFrontEnd",
-    "Send",
-    "ClientChat",
-    "ReportingOpenAIStream",
-    "AsyncReportingStream",
-    "wrap_openai",
-    "retry_deadline_for",
-    "BACKEND_KWARGS",
-    "MIN_RETRY_DEADLINE_S",
-    "call_arguments",
-    "call_options",
-    "call_routing_key",
-    "max_tokens_note",
-    "router_note",
-    "split_backend_kwargs",
-]
+__all__ = ["TrimmedOpenAI", "AsyncTrimmedOpenAI", "OpenAIFrontEnd", "Send", "ClientChat", "ReportingOpenAIStream", "AsyncReportingStream",
+           "wrap_openai", "retry_deadline_for", "BACKEND_KWARGS", "MIN_RETRY_DEADLINE_S", "call_arguments", "call_options", "call_routing_key",
+           "max_tokens_note", "router_note", "split_backend_kwargs"]
 
 
 # -- deadlines: how long a wrapped call may wait, from its TTFT budget -----------------------------------
@@ -142,22 +111,8 @@ class CallDeadlines:
 # -- the OpenAI-client front-end -------------------------------------------------------------------------
 
 #: keyword arguments of the wrappers that configure the HTTP backend, not the pipeline
-BACKEND_KWARGS = (
-    "model",
-    "n_ctx",
-    "n_batch",
-    "cache_block_tokens",
-    "chat_format",
-    "timeout_s",
-    "connect_timeout_s",
-    "max_attempts",
-    "retry_backoff_s",
-    "retry_backoff_max_s",
-    "headers",
-    "http_client",
-    "async_http_client",
-    "tokenizer",
-)
+BACKEND_KWARGS = ("model", "n_ctx", "n_batch", "cache_block_tokens", "chat_format", "timeout_s", "connect_timeout_s", "max_attempts",
+                  "retry_backoff_s", "retry_backoff_max_s", "headers", "http_client", "async_http_client", "tokenizer")
 
 
 def _is_not_given(value: Any) -> bool:
@@ -337,26 +292,15 @@ class ClientChat(_ClientPart):
 class OpenAIFrontEnd(FrontEnd):
     """What :class:`TrimmedOpenAI` and :class:`AsyncTrimmedOpenAI` share: the backend and the
     pipeline they hold, the drop-in attributes, the deadlines of a call, the splitting of a
-    call's arguments and the response rebuilt from a stream. Sending is theirs.
+    call's arguments and the response rebuilt from a stream.
 
-    ``ttft_budget_s``: the default budget (a per-call ``ttft_budget_s=`` overrides it).
-    ``retry_deadline_s``: fixes how long a request is retried before its first chunk; by default
-    :func:`retry_deadline_for` derives it from the call's budget (and the planning-time side
-    requests — tokenize, server facts — from the default budget). Backend settings
-    (:data:`BACKEND_KWARGS`: ``n_ctx`` for servers that do not report it, ``cache_block_tokens``,
-    timeouts, ...) go to :class:`~trimkit.backends.http.OpenAIHTTPBackend`; the rest
-    (``profile``, ``strategies``, ``on_infeasible``, ``tokens_per_s_target``, ...) to the :class:`~trimkit.pipeline.Pipeline`.
-    Without a ``profile`` the stored one for this endpoint is used, else a micro-calibration
-    (about 3 s; ``calibration="quick"`` or ``"full"`` for more) runs against the server now; the
-    provisional profile then improves from every request the server reports timings for.
-    Requests to a server are planned once, before sending (open loop): nothing watches their
-    prefill, so the safety margin covers the whole prediction.
-
-    Behind a router (vllm-router, sglang-router: docs/scaling.md §4), a call's ``routing_key=``
-    goes in the headers the routers read (``x-session-id``, ``x-smg-routing-key``;
-    ``routing_headers=`` names others); ``auto_routing_key=True`` gives a call without one its
-    conversation's key (a digest of its first messages), so that one wrapper serves many
-    conversations, each kept on one worker. ``routing_key=None`` sends none for that call.
+    ``ttft_budget_s``: the default budget. ``retry_deadline_s``: fixes how long a request is
+    retried before its first chunk (default: :func:`retry_deadline_for` of the call's budget,
+    and of the default budget for the side requests made while planning). Backend settings
+    (:data:`BACKEND_KWARGS`) go to :class:`~trimkit.backends.http.OpenAIHTTPBackend`; the rest
+    to the :class:`~trimkit.pipeline.Pipeline` (without a ``profile``, the stored one or a
+    micro-calibration against the server now). ``auto_routing_key`` and ``routing_headers``: the
+    routing key of a call behind a router (``docs/scaling.md`` §4).
     """
 
     #: whether the wrapped client's calls are awaited
@@ -560,17 +504,12 @@ class Send:
 class TrimmedOpenAI(OpenAIFrontEnd):
     """An ``openai.OpenAI``-style client whose chat calls keep TTFT inside a budget.
 
-    ``chat.completions.create(messages=..., model=..., rag_chunks=None, ttft_budget_s=None,
-    stream=False, **kwargs)`` behaves as the client's: with ``stream=True`` it returns an
-    iterator of the client's own chunk objects (with ``.report``, ``with`` and ``close()``);
-    otherwise it returns the client's ``ChatCompletion``, rebuilt from a stream so that TTFT is
-    measured (``usage`` is the server's when it reports usage while streaming, else trimkit's
-    counts). Only a request that cannot be streamed faithfully (``n > 1``) is sent as a real
-    non-streaming request, and its report says so. Every other argument passes through
-    unchanged and is listed in the report's ``decode_params``. Construction: see
-    :class:`OpenAIFrontEnd`.
-
-    ``close()`` / ``with`` close the wrapped client too, as the client's own would.
+    ``chat.completions.create(...)`` with ``stream=True`` returns an iterator of the client's own
+    chunk objects (with ``.report``, ``with`` and ``close()``); otherwise the client's
+    ``ChatCompletion``, rebuilt from a stream so that TTFT is measured (``usage`` the server's
+    when it reports usage while streaming, else trimkit's counts). Only a request that cannot be
+    streamed faithfully (``n > 1``) is sent as a real non-streaming request, and its report says
+    so. ``close()`` / ``with`` close the wrapped client too. Construction: :class:`OpenAIFrontEnd`.
     """
 
     def execute(self, prepared: Prepared, params: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> ReportingOpenAIStream:

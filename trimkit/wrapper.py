@@ -1,11 +1,6 @@
-"""The drop-in wrapper: ``trimkit.wrap(llm, ttft_budget_s=...)``, and the in-process front-ends.
-
-:func:`wrap` looks at what it is given (:func:`~trimkit.backends.base.client_kind`) and returns
-the matching front-end. Every front-end holds a :class:`~trimkit.pipeline.Pipeline` (validate →
-plan → measure → report) and only sends: :class:`Trimmer` sends through any
-:class:`~trimkit.backends.base.Backend` (taking an in-process engine for the length of the
-stream), :class:`TrimmedLlama` gives that the chat API of ``llama_cpp.Llama``; the OpenAI-client
-front-ends live in :mod:`trimkit.openai_wrapper`.
+"""The drop-in wrapper ``trimkit.wrap(client, ttft_budget_s=...)`` and the in-process and Ollama
+front-ends (the OpenAI-client ones are :mod:`trimkit.openai_wrapper`). Each holds a
+:class:`~trimkit.pipeline.Pipeline` (validate → plan → measure → report) and only sends.
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ from trimkit.backends.ollama import OllamaBackend, client_tools, plain_messages
 from trimkit.backends.replies import assemble_chat_completion
 from trimkit.errors import InvalidInputError, PromptTruncatedError
 from trimkit.fleet import wrap_fleet
-from trimkit.frontend import AsyncReportingStream, FrontEnd, ReportingStream, send_params, usage_counts
+from trimkit.frontend import AsyncReportingStream, FrontEnd, ReportingStream, adrain, drain, send_params, usage_counts
 from trimkit.messages import validate_messages
 from trimkit.openai_wrapper import wrap_openai
 from trimkit.pipeline import Pipeline, Prepared
@@ -47,7 +42,8 @@ class Trimmer(FrontEnd):
 
         An in-process engine is taken here, once, for the stream (restoring a snapshot and
         starting the stream are one step; requests are served first come, first served); the
-        stream gives it back when it is finished, closed or garbage-collected, from any thread. This waits at most the request's TTFT budget
+        stream gives it back when it is finished, closed or garbage-collected, from any thread.
+        This waits at most the request's TTFT budget
         (without one, the backend's ``engine_wait_s``) plus twice the wait predicted for it
         (:func:`~trimkit.planning.queue.wait_bound_s`), then raises
         :class:`~trimkit.errors.EngineBusyError`. The wait is reported (``measurement.queue_s``
@@ -103,22 +99,19 @@ class Trimmer(FrontEnd):
         rs = self.execute(prepared, kwargs)
         if kwargs.get("stream", False):
             return rs
-        for _ in rs:
-            pass
+        drain(rs)
+        return self.assemble(rs)
+
+    def assemble(self, rs: ReportingStream) -> dict[str, Any]:
+        """The ``chat.completion`` dict of a drained stream, its ``usage`` trimkit's counts of the
+        request as sent (a watched prefill's re-plan may have changed it)."""
         completion_tokens = rs.report.completion_tokens if rs.report is not None else None
-        # the request as sent: a watched prefill's re-plan may have changed it
         return assemble_chat_completion(rs.chunks, usage=usage_counts(len(rs.prepared.prompt_tokens), completion_tokens or 0))
 
 
 class TrimmedLlama(Trimmer):
-    """A ``llama_cpp.Llama`` whose chat calls keep TTFT inside a budget.
-
-    ``create_chat_completion`` takes the same arguments as the original plus ``rag_chunks=``
-    and a per-call ``ttft_budget_s=``; every other argument passes through unchanged, and it
-    returns what llama-cpp-python returns (a dict, or an iterator of chunks with
-    ``stream=True`` — that iterator also has ``.report``). Any other attribute is the wrapped
-    ``Llama``'s own.
-    """
+    """A ``llama_cpp.Llama`` whose chat calls keep TTFT inside a budget: ``create_chat_completion``
+    as :meth:`Trimmer.create_chat_completion`; any other attribute is the wrapped ``Llama``'s own."""
 
     backend: LlamaBackend
 
@@ -155,53 +148,15 @@ class TrimmedLlama(Trimmer):
 def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
     """Wrap the client you already use so that each chat request meets a TTFT budget.
 
-    ``client`` is a ``llama_cpp.Llama`` (returns a :class:`TrimmedLlama`, a drop-in for its
-    chat API), an OpenAI-style client with ``.chat.completions.create`` (returns a drop-in
-    for that: :func:`~trimkit.openai_wrapper.wrap_openai`), an ``ollama.Client`` /
-    ``ollama.AsyncClient`` (a drop-in for its ``chat()`` on Ollama's native API:
-    :func:`~trimkit.wrapper.wrap_ollama`), a trimkit
-    :class:`~trimkit.backends.base.Backend` (returns a :class:`Trimmer`), or a list of
-    OpenAI-style clients (all sync or all async) → a fleet (:func:`trimkit.fleet.wrap_fleet`:
-    routing, failover). ``kwargs``:
-
-    - ``strategies``: what the planner may change (default: reuse the cached prefix, drop or
-      excerpt chunks, use a ready summary, drop old turns; the previous request's cut too);
-    - ``values``: a :class:`~trimkit.planning.values.ValueModel` weighing chunks against history;
-    - ``on_infeasible``: ``"best_effort"`` (send the minimal prompt, say so) or ``"raise"``;
-    - ``profile``: else the stored one for this model and settings (of any mode), or a
-      micro-calibration now (about 3 s): a *provisional* profile, planned with a wider margin
-      (``report.provisional``) and refined by every measured request;
-    - ``calibration``: what to measure when there is no profile: ``"micro"`` (default),
-      ``"quick"`` (~10 s) or ``"full"`` (~30 s) up front;
-    - ``watch_prefill``: (default True) watch the prefill of every budgeted request on an
-      in-process engine and re-plan it at its measured pace when the first token would come too
-      late (:mod:`trimkit.planning.watch`; ``report.replans`` says what changed). Servers are
-      planned once, before sending;
-    - ``summarizer``: computes summaries of older turns *after* each response, in a background
-      thread (``background_summaries=False``: on ``.idle()``); the planner may put a
-      ready one in their place on a later turn. Default ``"extractive"``
-      (:class:`~trimkit.planning.summaries.ExtractiveSummarizer`, model-free, milliseconds);
-      ``None`` turns summaries off;
-    - ``attainment_target``: the share of budgeted requests the learned safety margin aims to
-      keep inside the budget (default 0.97);
-    - ``on_busy``: what happens when other requests are ahead on an in-process engine (several
-      threads, one ``Llama``; :mod:`trimkit.planning.queue`). Each request's predicted TTFT
-      includes the predicted wait for them, and so does the measured TTFT it is compared with.
-      ``"trim"`` (default): the prompt is planned to the budget less that wait (nothing fits:
-      ``on_infeasible`` applies; with ``"raise"``, a wait that alone breaks the budget raises
-      :class:`~trimkit.errors.QueueBudgetError` before anything is sent); ``"wait"``: planned
-      to the whole budget as if the engine were free (the report says when the wait breaks the
-      budget). Per call: ``create_chat_completion(..., on_busy=...)``;
-    - ``endpoint_label``: the replica every report names (``report.endpoint``);
-    - ``report_log``: a path or a file-like object that gets one JSON line per request (the
-      report's ``to_dict()``, nothing of the prompt's text); ``trimkit report FILE`` draws it
-      (docs/observability.md);
-    - ``tokens_per_s_target``: the stream speed you need (tokens/s). Every report judges the
-      stream against it (without it, against reading speed, ~7 tokens/s) and the wait against
-      the budget (without one, 1 s): ``report.verdict`` is ``"none"``, ``"wait"``, ``"stream"``
-      or ``"both"`` (:mod:`trimkit.report`). It changes nothing that is sent: trimkit leaves
-      the decode parameters untouched and never aims at the stream;
-    - ``rag_template``, ``rag_chunk_template``, ``clock``.
+    ``client`` is a ``llama_cpp.Llama`` (→ :class:`TrimmedLlama`), an OpenAI-style client with
+    ``.chat.completions.create`` (→ :func:`~trimkit.openai_wrapper.wrap_openai`), an
+    ``ollama.Client`` / ``ollama.AsyncClient`` (→ :func:`wrap_ollama`), a trimkit
+    :class:`~trimkit.backends.base.Backend` (→ :class:`Trimmer`), or a list of OpenAI-style
+    clients, all sync or all async (→ a fleet: :func:`trimkit.fleet.wrap_fleet`). Each returned
+    wrapper is a drop-in for the client's chat API. ``kwargs`` (``strategies``, ``values``,
+    ``on_infeasible``, ``profile``, ``calibration``, ``watch_prefill``, ``summarizer``,
+    ``attainment_target``, ``on_busy``, ``endpoint_label``, ``report_log``,
+    ``tokens_per_s_target``, ``rag_template``, ...): the table in ``docs/reference.md``.
     """
     if isinstance(client, (list, tuple)):
         return wrap_fleet(client, ttft_budget_s, **kwargs)
@@ -213,7 +168,6 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
     if kind == "openai":
         return wrap_openai(client, ttft_budget_s=ttft_budget_s, **kwargs)
     if kind == "ollama":
-
         return wrap_ollama(client, ttft_budget_s=ttft_budget_s, **kwargs)
     raise InvalidInputError(
         f"cannot wrap {type(client).__name__}: pass a llama_cpp.Llama, an OpenAI-style client (with .chat.completions.create) "
@@ -221,7 +175,7 @@ def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
     )
 
 
-# -- The ``ollama`` client front-end: ``trimkit.wrap(ollama.Client(...))`` keeps TTFT inside a -----------
+# -- the ``ollama`` client front-end: ``trimkit.wrap(ollama.Client(...))`` -------------------------------
 
 _ON_TRUNCATION = ("raise", "warn")
 
@@ -380,8 +334,7 @@ class TrimmedOllama(Trimmer):
         out = OllamaStream(self.execute(prepared, params), self)
         if stream:
             return out
-        for _ in out:
-            pass
+        drain(out)
         return assemble_chat_response(out.chunks)
 
     def close(self) -> None:
@@ -404,8 +357,7 @@ class AsyncTrimmedOllama(TrimmedOllama):
         out = OllamaStream(AsyncReportingStream(ts, self.pipeline, prepared, params), self)
         if stream:
             return out
-        async for _ in out:
-            pass
+        await adrain(out)
         return assemble_chat_response(out.chunks)
 
 

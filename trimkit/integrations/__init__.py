@@ -1,36 +1,18 @@
-"""trimkit inside the RAG frameworks people already use.
+"""trimkit inside the RAG frameworks people already use: :mod:`trimkit.integrations.langchain`
+(``trimkit[langchain]``) and :mod:`trimkit.integrations.llamaindex` (``trimkit[llamaindex]``),
+each importing its framework only when imported itself, so ``import trimkit`` needs neither.
+Each converts its framework's messages and documents and sends them through :func:`trimkit.wrap`
+on the engine the framework's model already talks to (``docs/integrations.md``).
 
-Each integration is its own module and imports its framework only when you import it, so
-``import trimkit`` never needs a framework installed:
-
-- :mod:`trimkit.integrations.langchain` (extra ``trimkit[langchain]``, on ``langchain-core``):
-  ``TrimmedChatModel(inner, ttft_budget_s=...)``, a chat model that plans every request of a
-  ``ChatLlamaCpp`` or a ``ChatOpenAI`` pointed at a local server through trimkit and attaches the
-  report (``response_metadata["trimkit"]``); ``trimkit_trimmer(...)``, an LCEL step that trims a
-  prompt's messages for any model after it; ``trimkit_context()``, the formatter of retrieved
-  documents that lets both find them inside the prompt.
-- :mod:`trimkit.integrations.llamaindex` (extra ``trimkit[llamaindex]``, on ``llama-index-core``):
-  a node postprocessor and a wrapper for a LlamaIndex LLM (see that module).
-
-One module per framework holds all of that framework's integration (its wrapper, its conversions,
-the engine behind its model); what both share is below, without a framework: trimkit's server
-errors as the ``openai`` errors the frameworks' OpenAI clients raise (:func:`as_openai_error`).
-
-How to use them, what is trimmed where and how to read the report from inside each framework:
-``docs/integrations.md``. The planner, the guarantees and the report are trimkit's own
-(``docs/design.md``): an integration converts the framework's messages and documents, and sends
-them through :func:`trimkit.wrap` on the engine the framework's model already talks to.
+What both share, without a framework: trimkit's server errors as the ``openai`` errors the
+frameworks' OpenAI clients raise (:func:`as_openai_error`).
 """
 import threading
 
 from trimkit.errors import BackendError, ServerError, ServerTimeoutError, ServerUnreachableError
 
-# -- trimkit's server errors as the ``openai`` errors a framework's OpenAI client raises, for the --------
-
 #: the base URL an error's request names when the server's is not known
 _DEFAULT_BASE_URL = "http://localhost/v1"
-
-
 #: the exception types made so far, one per (trimkit type, openai type)
 _BOTH: dict[tuple[type, type], type] = {}
 _BOTH_LOCK = threading.Lock()

@@ -1,107 +1,18 @@
-"""trimkit for LangChain: the chat model you already use, inside a TTFT budget.
+"""trimkit for LangChain (``pip install trimkit[langchain]``): the chat model you already use, inside a TTFT budget.
 
-``TrimmedChatModel(inner, ttft_budget_s=...)`` is a LangChain chat model wrapping one that talks
-to a local engine — ``ChatLlamaCpp`` (langchain-community) or ``ChatOpenAI`` pointed at a local
-OpenAI-compatible server (langchain-openai; also Ollama through its ``/v1`` endpoint). An
-existing chain changes by one line::
+- :class:`TrimmedChatModel` wraps a ``ChatLlamaCpp`` or a ``ChatOpenAI`` pointed at a local server
+  (``chain = prompt | TrimmedChatModel(llm, ttft_budget_s=1.0)``): ``inner`` converts each request
+  as it always does, on a stand-in client (:class:`Call`) that plans and sends it through
+  :func:`trimkit.wrap` on the engine ``inner`` talks to (:class:`Engine`); the report is in
+  ``response_metadata["trimkit"]``, ``model.last_report`` and the ``"trimkit_report"`` event.
+- :func:`trimkit_context` formats retrieved documents for a prompt's context variable and remembers
+  them, so that a trimkit step later in the chain finds them again (:func:`find_context`) and can
+  drop or cut them; documents passed as ``rag_chunks=`` are converted by :func:`as_chunks`.
+- :func:`trimkit_trimmer` is an LCEL step that only plans (:func:`trimkit.plan`) and returns the
+  messages to send, for any chat model after it.
 
-    chain = prompt | llm                                              # before
-    chain = prompt | TrimmedChatModel(llm, ttft_budget_s=1.0)         # after
-
-Every request is converted by ``inner`` exactly as ``inner`` converts it (messages, tool calls,
-``bind_tools``, stop words, decode parameters), then planned and sent by :func:`trimkit.wrap`
-on the engine ``inner`` talks to (its ``Llama``, or its ``base_url``): the same planner, the same
-guarantees and the same :class:`~trimkit.report.Report` as the direct path. Retrieved documents
-come with the call (``model.invoke(messages, rag_chunks=[Document, ...])``) or through the
-prompt's context variable formatted by :func:`trimkit_context` (see "Retrieved documents" below).
-
-The report of each request is
-
-- in the response: ``response_metadata["trimkit"]`` (``report.to_dict()``) of the ``AIMessage``,
-  or of the last chunk of a stream (so also of the chunks added up);
-- on the model: ``model.last_report`` (the :class:`~trimkit.report.Report`),
-  ``model.trimkit.reports`` (recent ones);
-- in callbacks: a custom event ``"trimkit_report"`` with ``report.to_dict()``
-  (``on_custom_event``; ``astream_events`` shows it as ``on_custom_event``) — sent with the model's
-  run when LangChain hands the model its run (``invoke``, ``ainvoke``, ``batch``), else with the
-  enclosing chain's run (``stream`` and ``astream`` inside a chain); and in every handler's
-  ``on_llm_end`` as the generation's ``response_metadata["trimkit"]``.
-
-The wrapped model behaves as ``inner`` wherever trimkit has no reason to differ: a call runs
-``inner``'s own ``_generate`` / ``_stream`` on trimkit's stand-in client (a non-streamed call gets
-the completion assembled from trimkit's stream, so tool calls, ``response_metadata``,
-``usage_metadata`` and ``llm_output`` are ``inner``'s as raw), ``inner``'s callbacks, tags,
-metadata and ``output_version`` apply, tracing reads ``inner``'s ``_get_ls_params``,
-``bind_tools`` (``tool_choice`` included) and ``with_structured_output`` are ``inner``'s, nothing
-is measured at construction (the first request loads the profile or calibrates), it pickles and
-serialises as ``inner`` does, and with a ``ChatOpenAI`` trimkit's server errors are also the
-``openai`` errors the raw client raises (:func:`~trimkit.integrations.as_openai_error`).
-The async calls run the sync path in a worker thread (LangChain's default for a chat model),
-which is what trimkit's planning does anyway; with a ``ChatOpenAI`` they use its sync client. Not
-through trimkit (they raise :class:`~trimkit.errors.InvalidInputError` instead of sending around
-the budget): ``ChatOpenAI``'s Responses API and its ``response_format`` streaming helper.
-``ChatOllama`` (Ollama's own API) is not supported: use ``ChatOpenAI`` on Ollama's ``/v1``. Bad
-input raises a typed :mod:`trimkit.errors` error before anything is sent; the caller's messages
-and documents are never changed. See ``docs/integrations.md``.
-
-**The engine behind the model.** A LangChain chat model for a local engine already holds the
-client trimkit wraps: ``ChatLlamaCpp.client`` is a ``llama_cpp.Llama``, ``ChatOpenAI.root_client``
-an ``openai.OpenAI`` pointed at its ``base_url``. :class:`Engine` wraps that client once with
-:func:`trimkit.wrap` (the stored profile of that engine, else a micro-calibration through that
-very client, bounded as ``wrap`` bounds it), and :class:`Call` stands in for the client during
-one request: the LangChain model converts its messages and parameters exactly as it always does
-and calls ``create_chat_completion(...)`` (``ChatLlamaCpp``) or ``chat.completions.create(...)``
-(``ChatOpenAI``) on the stand-in, which plans the request with trimkit and sends it through the
-wrapper. trimkit streams every request (the only way to see the first token): a streamed call
-gets the stream, a non-streamed call the completion assembled from it
-(:func:`~trimkit.backends.replies.assemble_chat_completion`: the reply the inner model would
-have got, with ``usage``), which the inner model then turns into its ``AIMessage`` as always.
-``ChatOllama`` talks Ollama's own API, which trimkit does not speak: point a ``ChatOpenAI`` at
-Ollama's OpenAI-compatible endpoint (``base_url="http://localhost:11434/v1"``) instead.
-
-**Retrieved documents.** Two ways bring retrieved documents to trimkit in a LangChain pipeline:
-
-- **Passed with the call**: ``model.invoke(messages, rag_chunks=[Document, ...])``.
-  :func:`as_chunks` turns each ``Document`` into a :class:`~trimkit.messages.Chunk`: its
-  ``page_content`` is the text, its id is ``Document.id`` (else the metadata's ``id``,
-  ``doc_id``, ``chunk_id`` or ``document_id``), its score the metadata's ``score``,
-  ``relevance_score``, ``similarity_score`` or ``similarity`` — the keys retrievers and
-  rerankers put there (higher = more relevant; a distance is not a score and is not read).
-  trimkit's own ``Chunk``, plain strings and ``{"text", "id", "score"}`` dicts pass as they are.
-- **Through the prompt's context variable**: ``{"context": retriever | trimkit_context(), ...}
-  | prompt | model``. :func:`trimkit_context` formats the documents as trimkit formats chunks
-  (``"[id] text"`` blocks, blank lines between) and remembers which documents made that text.
-  When a prompt reaches a trimkit step (:class:`TrimmedChatModel` or :func:`trimkit_trimmer`),
-  :func:`find_context` looks for a remembered text in its last user message: the documents
-  become chunks again, the message keeps the text around them, and the chunks kept go back
-  where the context was (most relevant first). A context formatted any other way (your own
-  ``format_docs``) is plain text to trimkit: it is sent as it is, never cut.
-
-The documents and messages passed in are read, never changed.
-
-**``prompt | trimkit_trimmer(...) | llm``: trim a prompt's messages in an LCEL chain.**
-:func:`trimkit_trimmer` returns a :class:`TrimkitTrimmer`, a ``Runnable`` that takes what a
-prompt template produces (a ``PromptValue``, a list of messages, a string, or a dict with
-``"messages"`` and, optionally, ``"documents"``), plans it with :func:`trimkit.plan` and returns
-the messages to send, as LangChain messages, for any chat model after it. It plans only — it
-sends nothing and so measures nothing: its record is the :class:`~trimkit.planning.planner.Plan`
-(``trimmer.last_plan``, and the custom callback event ``"trimkit_plan"`` with ``plan.to_dict()``).
-To plan *and* measure, use :class:`TrimmedChatModel` instead.
-
-What it plans with (``target``):
-
-- a :class:`TrimmedChatModel` or a trimkit wrapper (``trimkit.wrap(...)``): its engine's current
-  profile, tokenizer, learned safety margin, strategies, values and summaries, and its default
-  budget;
-- a ``ChatLlamaCpp`` / ``ChatOpenAI``: wrapped as ``TrimmedChatModel`` wraps it (its stored
-  profile, else a micro-calibration through its client);
-- a :class:`~trimkit.planning.profile.Profile` with ``tokenizer=`` (a ``PromptTokenizer`` of the engine
-  that will run the prompt).
-
-Retrieved documents come from the input dict's ``"documents"`` (Documents or trimkit chunks) or
-from the prompt's context variable formatted by ``trimkit_context()``. Kept messages are the
-caller's very objects; an edited one (the last user message with its chunks placed) is a copy
-with new content.
+The caller's messages and documents are never changed. Usage, what passes through unchanged and
+where trimkit differs (and why): ``docs/integrations.md``.
 """
 
 from __future__ import annotations
@@ -130,10 +41,9 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(f"trimkit.integrations.langchain needs langchain-core: pip install 'trimkit[langchain]' ({exc})") from exc
 
 from trimkit.backends.base import client_kind
-from trimkit.backends.replies import assemble_chat_completion
 from trimkit.errors import BackendError, InvalidBudgetError, InvalidChunkError, InvalidInputError, InvalidMessageError
 from trimkit.errors import budget as valid_budget
-from trimkit.frontend import usage_counts
+from trimkit.frontend import drain
 from trimkit.integrations import as_openai_error, chat_completions_url
 from trimkit.messages import (
     DEFAULT_RAG_CHUNK_TEMPLATE,
@@ -172,9 +82,10 @@ def _is_document(value: Any) -> bool:
 
 
 def document_chunk(doc: Any, index: int = 0) -> Chunk:
-    """One LangChain ``Document`` as a :class:`~trimkit.messages.Chunk` (id and score as the
-    module docstring says). Raises :class:`~trimkit.errors.InvalidChunkError` for an empty text
-    or a score that is not a finite number."""
+    """One LangChain ``Document`` as a :class:`~trimkit.messages.Chunk`: ``Document.id`` (else the
+    first of :data:`ID_KEYS` in its metadata), the first of :data:`SCORE_KEYS` as its score (a
+    distance is not a score and is not read). Raises :class:`~trimkit.errors.InvalidChunkError`
+    for an empty text or a score that is not a finite number."""
     meta: Mapping[str, Any] = doc.metadata
     doc_id = getattr(doc, "id", None)
     if doc_id in (None, ""):
@@ -197,11 +108,6 @@ def as_chunks(documents: Any) -> tuple[Chunk, ...]:
     if isinstance(documents, (str, bytes, Mapping)) or _is_document(documents) or not isinstance(documents, Sequence):
         raise InvalidChunkError(f"rag_chunks must be a list of Documents (or str / trimkit.Chunk), got {type(documents).__name__}")
     return coerce_chunks([document_chunk(d, i) if _is_document(d) else d for i, d in enumerate(documents)])
-
-
-def render_context(chunks: Sequence[Chunk], chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE) -> str:
-    """The chunks as trimkit places them in a prompt: each through ``chunk_template``, blank lines between."""
-    return render_rag_question("", chunks, _BODY_ONLY, chunk_template)
 
 
 @attrs.frozen
@@ -256,7 +162,7 @@ def format_documents(documents: Any, chunk_template: str = DEFAULT_RAG_CHUNK_TEM
     chunks = as_chunks(docs)
     if not chunks:
         return ""
-    text = render_context(chunks, chunk_template)
+    text = render_rag_question("", chunks, _BODY_ONLY, chunk_template)  # as trimkit places chunks in a prompt
     _CONTEXTS.remember(text, chunks, chunk_template)
     return text
 
@@ -270,7 +176,7 @@ def trimkit_context(chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE) -> Any:
 
     ``chunk_template`` formats each document (``{id}``, ``{text}``, ``{n}``); it must be the
     trimkit step's ``rag_chunk_template`` (both default to ``"[{id}] {text}"``)."""
-    check_rag_templates("{chunks}{question}", chunk_template)
+    check_rag_templates(_BODY_ONLY, chunk_template)
     return RunnableLambda(lambda docs: format_documents(docs, chunk_template), name="trimkit_context")
 
 
@@ -321,10 +227,11 @@ def inner_client(inner: Any) -> tuple[str, Any]:
 class Unsupported:
     """Stands in for a client attribute trimkit cannot put a budget on (the Responses API,
     ``response_format`` streaming helpers, raw responses, the async client): using it raises
-    instead of sending a request around the budget."""
+    instead of sending a request around the budget. ``kept``: the attributes that do go through trimkit."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, **kept: Any) -> None:
         self._what = what
+        self.__dict__.update(kept)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -332,20 +239,18 @@ class Unsupported:
         raise InvalidInputError(f"{self._what}.{name} is not supported through trimkit: it would send the request without its budget")
 
 
-def _option_names(kind: str) -> frozenset[str]:
-    """The keyword arguments :func:`trimkit.wrap` takes for an engine of this kind."""
+def check_options(kind: str, options: Mapping[str, Any]) -> None:
+    """An option :func:`trimkit.wrap` does not take for an engine of this kind raises now, before anything is measured."""
     from trimkit.openai_wrapper import BACKEND_KWARGS, TrimmedOpenAI
     from trimkit.pipeline import Pipeline
 
-    names = {n for n, p in inspect.signature(Pipeline.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    def keyword_only(fn: Any) -> set[str]:
+        return {n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+    names = keyword_only(Pipeline.__init__)
     if kind == "openai":
-        names |= set(BACKEND_KWARGS) | {n for n, p in inspect.signature(TrimmedOpenAI.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
-    return frozenset(names - {"backend", "ttft_budget_s"})
-
-
-def check_options(kind: str, options: Mapping[str, Any]) -> None:
-    """An option :func:`trimkit.wrap` does not take raises now, before anything is measured."""
-    unknown = sorted(set(options) - _option_names(kind))
+        names |= set(BACKEND_KWARGS) | keyword_only(TrimmedOpenAI.__init__)
+    unknown = sorted(set(options) - (names - {"backend", "ttft_budget_s"}))
     if unknown:
         raise InvalidInputError(f"TrimmedChatModel: unexpected option(s) {', '.join(map(repr, unknown))} (trimkit.wrap's options, or the chat model's fields)")
 
@@ -418,7 +323,9 @@ class Engine:
             return {"client": call}
         return {
             "client": call,
-            "root_client": _RootClient(call),
+            # chat.completions.parse (``response_format``, non-streamed) through trimkit; anything else raises before sending
+            "root_client": Unsupported("ChatOpenAI.root_client", chat=Unsupported("ChatOpenAI.root_client.chat", completions=Unsupported(
+                "ChatOpenAI.root_client.chat.completions", parse=call.parse, with_raw_response=_RawCreate(call.parse)))),
             "async_client": Unsupported("ChatOpenAI.async_client"),
             "root_async_client": Unsupported("ChatOpenAI.root_async_client"),
             "include_response_headers": False,
@@ -462,37 +369,6 @@ class _RawCreate:
         return _Raw(self._create(**payload))
 
     parse = create
-
-
-class _Completions:
-    """``root_client.chat.completions`` for one request: ``parse`` (``response_format``
-    structured output, non-streamed) goes through trimkit; the rest cannot keep the budget."""
-
-    def __init__(self, call: Call) -> None:
-        self.with_raw_response = _RawCreate(call.parse)
-        self.parse = call.parse
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(Unsupported("ChatOpenAI.root_client.chat.completions"), name)
-
-
-class _Chat:
-    def __init__(self, call: Call) -> None:
-        self.completions = _Completions(call)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(Unsupported("ChatOpenAI.root_client.chat"), name)
-
-
-class _RootClient:
-    """``ChatOpenAI.root_client`` for one request: ``chat.completions.parse`` through trimkit,
-    anything else (the Responses API, ``beta`` streaming helpers) raises before sending."""
-
-    def __init__(self, call: Call) -> None:
-        self.chat = _Chat(call)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(Unsupported("ChatOpenAI.root_client"), name)
 
 
 class _Converting:
@@ -591,8 +467,7 @@ class Call:
             self.stream = self.engine.chat.execute(self.prepared, params)
             if streamed:
                 return self.stream if self.engine.kind == "llama" else _Converting(self.stream, self._url())
-            for _ in self.stream:
-                pass
+            drain(self.stream)
         except BackendError as exc:
             self.close()
             if self.engine.kind == "openai":
@@ -602,16 +477,7 @@ class Call:
             self.close()
             raise
         self.release()
-        return self._assembled()
-
-    def _assembled(self) -> Any:
-        """The completion of the drained stream, as the inner model's client returns it."""
-        rs = self.stream
-        if self.engine.kind == "openai":
-            return self.engine.chat.assemble(rs)
-        report = rs.report
-        completion_tokens = report.completion_tokens if report is not None else None
-        return assemble_chat_completion(rs.chunks, usage=usage_counts(len(rs.prepared.prompt_tokens), completion_tokens or 0))
+        return self.engine.chat.assemble(self.stream)  # as the inner model's client returns it
 
     def _url(self) -> str:
         return chat_completions_url(getattr(getattr(self.engine.chat, "backend", None), "base_url", None))
@@ -697,7 +563,7 @@ def _retarget(node: Any, inner: BaseChatModel, outer: BaseChatModel) -> tuple[An
 
 
 class TrimmedChatModel(BaseChatModel):
-    """A LangChain chat model that keeps each request's TTFT inside a budget (module docstring).
+    """A LangChain chat model that keeps each request's TTFT inside a budget (``docs/integrations.md``).
 
     ``TrimmedChatModel(inner, ttft_budget_s=None, **options)``: ``options`` that are LangChain
     chat-model fields (``callbacks``, ``tags``, ``metadata``, ``cache``, ``rate_limiter``,
@@ -892,14 +758,14 @@ class TrimmedChatModel(BaseChatModel):
         try:
             result = inner._generate(messages, stop=stop, run_manager=run_manager, **kwargs)
             t1 = time.perf_counter()
-            data = self._finish(call, 0.0, run_manager)
+            data = self._finish(call, layer_s, run_manager)
             usage = _usage(call.report)
             for generation in result.generations:
                 message = generation.message
                 message.response_metadata = {**message.response_metadata, "trimkit": data}
                 if isinstance(message, AIMessage) and message.usage_metadata is None and usage is not None:
                     message.usage_metadata = usage  # type: ignore[assignment]
-            self._last_layer_s = (self._last_layer_s or 0.0) + layer_s + time.perf_counter() - t1
+            self._last_layer_s = (self._last_layer_s or 0.0) + time.perf_counter() - t1
         finally:
             call.close()
         return result
@@ -973,10 +839,15 @@ def _edited_index(d: Mapping[str, Any], planned: Sequence[Mapping[str, Any]], ke
 
 
 class TrimkitTrimmer(Runnable[Any, list[BaseMessage]]):
-    """Trims a prompt's messages to a TTFT budget (see the module docstring). ``last_plan``: the
-    plan of the most recent call. ``plan_options`` go to :func:`trimkit.plan` (``strategies``,
-    ``values``, ``on_infeasible``, ``rag_template``, ``rag_chunk_template``, ``safety_margin``,
-    ``max_prompt_tokens``, ``tools``) and override the target's own."""
+    """Trims a prompt's messages to a TTFT budget: it plans only, so it sends and measures nothing.
+
+    ``target``: a :class:`TrimmedChatModel` or a trimkit wrapper (its engine's profile, tokenizer,
+    margin, strategies, values, summaries and default budget), a ``ChatLlamaCpp`` / ``ChatOpenAI``
+    (wrapped as ``TrimmedChatModel`` wraps it), or a :class:`~trimkit.planning.profile.Profile`
+    with ``tokenizer=``. ``plan_options`` go to :func:`trimkit.plan` (``strategies``, ``values``,
+    ``on_infeasible``, ``rag_template``, ``rag_chunk_template``, ``safety_margin``,
+    ``max_prompt_tokens``, ``tools``) and override the target's own. ``last_plan``: the plan of
+    the most recent call (also sent as the ``"trimkit_plan"`` callback event)."""
 
     def __init__(self, target: Any, ttft_budget_s: float | None = None, *, tokenizer: Any = None, **plan_options: Any) -> None:
         self.wrapper: Any = None

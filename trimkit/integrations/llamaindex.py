@@ -1,67 +1,16 @@
 """trimkit in LlamaIndex (``pip install trimkit[llamaindex]``): keep the retrieved nodes worth
 their predicted prefill seconds, and keep every chat's TTFT inside a budget.
 
-Two pieces, each a one-line change to an existing pipeline (``docs/integrations.md``):
+- :class:`TrimkitPostprocessor`, a node postprocessor for a query or context chat engine: it plans
+  the prompt the response synthesizer will send (LlamaIndex's question-answering prompt with the
+  nodes in it) with :func:`trimkit.plan` and returns the nodes it keeps, most relevant first,
+  whole or as a copy cut to the sentences that match the query.
+- :class:`TrimmedLLM`, a LlamaIndex ``FunctionCallingLLM`` around ``LlamaCPP`` or ``OpenAILike``:
+  every chat, stream, async call and completion is converted to OpenAI dicts, planned, sent and
+  reported by a trimkit front-end on the same engine (:func:`engine_of`), and converted back.
 
-- :class:`TrimkitPostprocessor`, a node postprocessor for any query engine or context chat
-  engine (``node_postprocessors=[TrimkitPostprocessor(llm=llm, ttft_budget_s=1.0)]``). For the
-  query it plans the prompt the response synthesizer will send — LlamaIndex's question-answering
-  prompt with the nodes in it — with trimkit's planner (:func:`trimkit.plan`, value per
-  predicted second: docs/design.md, §4) and returns the nodes it keeps, most relevant first: whole,
-  or (a copy) cut to the sentences that match the query. Retriever scores are used when every
-  node has one. The caller's nodes are never changed; the plan is ``last_plan``.
-- :class:`TrimmedLLM`, a LlamaIndex LLM around ``LlamaCPP`` or ``OpenAILike``: every chat,
-  stream, async call and completion is planned, measured and reported by trimkit
-  (``llm.last_report``), for chat engines and agents.
-
-With both, the postprocessor chooses the context and the LLM measures the request and trims what
-is left to trim: the older turns of a chat.
-
-**The LLM.** ::
-
-    from llama_index.llms.llama_cpp import LlamaCPP
-    from trimkit.integrations.llamaindex import TrimmedLLM
-
-    llm = TrimmedLLM(LlamaCPP(model_path=path, model_kwargs={"chat_format": "gemma-3"}), ttft_budget_s=1.0)
-    chat_engine = index.as_chat_engine(llm=llm)              # or an agent, or Settings.llm = llm
-    print(llm.last_report)
-
-It is a LlamaIndex ``FunctionCallingLLM`` around a trimkit front-end on the same engine (see
-"The engine" below): LlamaIndex's messages are converted to OpenAI dicts (tool calls whole, see
-"Conversions" below), trimkit plans and sends them — dropping whole old turns (a tool call with
-its results), using a ready summary, and dropping or cutting the ``rag_chunks=`` a caller passes
-(nodes or text) — and the reply comes back as a ``ChatMessage`` (tool calls in
-``additional_kwargs["tool_calls"]`` and as ``ToolCallBlock`` blocks). The report is in the
-response's ``additional_kwargs["trimkit"]`` (a stream's last response carries it), ``raw`` holds
-the completion as the engine returned it, and ``llm.last_report`` is the latest. Decode
-parameters (``max_tokens``, ``temperature``, …) are the wrapped LLM's, overridden per call, and
-pass through untouched.
-
-The chat template is the engine's (the ``Llama``'s ``chat_format``, the server's), since that is
-what trimkit counts: a ``LlamaCPP``'s own ``messages_to_prompt`` is not used.
-
-**The engine.** What a LlamaIndex LLM runs on, as a trimkit front-end: the one place the
-LlamaIndex integration reaches past the LLM object to the engine behind it. :func:`engine_of`
-takes what a user has — a LlamaIndex ``LlamaCPP`` (its ``llama_cpp.Llama``), an ``OpenAILike`` or
-any LlamaIndex LLM with an ``api_base`` (the server's URL), a ``llama_cpp.Llama``, a server URL,
-or a trimkit wrapper made by :func:`trimkit.wrap` / :func:`trimkit.wrap_url` — and returns an
-:class:`Engine`: the trimkit front-end every request goes through (built with
-:func:`trimkit.wrap` or :func:`trimkit.wrap_url`; no second planner), the decode parameters the
-LlamaIndex LLM was configured with, and what its metadata says.
-
-**Conversions.** LlamaIndex's types as trimkit's and back: chat messages (tool calls whole),
-retrieved nodes as chunks, the nodes a plan keeps, and a finished reply as a LlamaIndex
-``ChatMessage``. Nothing here changes what it is given: a ``ChatMessage`` becomes a new
-OpenAI-style dict, a node becomes a :class:`~trimkit.messages.Chunk`, and a node the planner cut
-to an excerpt comes back as a *copy* whose text is the excerpt.
-
-A LlamaIndex message is text blocks (joined by a newline, as ``ChatMessage.content`` joins them)
-and tool calls, which LlamaIndex keeps either in ``additional_kwargs["tool_calls"]`` (OpenAI
-dicts or ``openai`` objects) or as ``ToolCallBlock`` blocks; the first wins where a message has
-both (they are the same calls). A ``tool`` message answers the call named by
-``additional_kwargs["tool_call_id"]``. Thinking blocks and cache markers are not prompt text and
-are left out; images, audio, video and documents raise
-:class:`~trimkit.errors.InvalidMessageError`, since trimkit counts and plans text prompts.
+The caller's messages and nodes are never changed. Usage, what is trimmed where and where
+``TrimmedLLM`` differs from the LLM it wraps (and why): ``docs/integrations.md``.
 """
 
 from __future__ import annotations
@@ -138,33 +87,34 @@ EXCERPT_KEY = "trimkit_excerpt"
 
 
 # -- conversions: messages -------------------------------------------------------------------------
+def _tool_call(call_id: Any, name: Any, arguments: Any, kind: Any = "function") -> dict[str, Any]:
+    """A new OpenAI tool-call dict (``{"id", "type", "function": {"name", "arguments"}}``), its arguments as JSON text."""
+    out: dict[str, Any] = {"type": kind, "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
+    if call_id is not None:
+        out["id"] = call_id
+    return out
+
+
 def _call_dict(call: Any, where: str) -> dict[str, Any]:
-    """One tool call as a new OpenAI dict (``{"id", "type", "function": {"name", "arguments"}}``)."""
+    """One tool call (an OpenAI dict or ``openai`` object) as a new OpenAI dict."""
     if hasattr(call, "model_dump"):  # an openai ChatCompletionMessageToolCall
         call = call.model_dump(exclude_none=True)
     if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
         raise InvalidMessageError(f"{where}: a tool call must be an OpenAI-style dict with a 'function', got {type(call).__name__}")
     function = call["function"]
-    arguments = function.get("arguments", "")
-    out: dict[str, Any] = {
-        "type": call.get("type", "function"),
-        "function": {"name": function.get("name"), "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)},
-    }
-    if call.get("id") is not None:
-        out["id"] = call["id"]
-    return out
+    return _tool_call(call.get("id"), function.get("name"), function.get("arguments", ""), call.get("type", "function"))
 
 
 def _block_call(block: ToolCallBlock) -> dict[str, Any]:
-    kwargs = block.tool_kwargs
-    call: dict[str, Any] = {"type": "function",
-                            "function": {"name": block.tool_name, "arguments": kwargs if isinstance(kwargs, str) else json.dumps(kwargs)}}
-    if block.tool_call_id is not None:
-        call["id"] = block.tool_call_id
-    return call
+    return _tool_call(block.tool_call_id, block.tool_name, block.tool_kwargs)
 
 
 def _openai_message(message: Any, i: int) -> dict[str, Any]:
+    """One ``ChatMessage`` as an OpenAI dict: its text blocks joined by a newline (as
+    ``ChatMessage.content`` joins them), its tool calls from ``additional_kwargs["tool_calls"]``,
+    else from its ``ToolCallBlock`` blocks (the same calls, where a message has both). Thinking
+    blocks and cache markers are not prompt text; images, audio and documents raise
+    :class:`~trimkit.errors.InvalidMessageError`, since trimkit plans text prompts."""
     where = f"messages[{i}]"
     if not isinstance(message, ChatMessage):
         raise InvalidMessageError(f"{where} must be a llama_index ChatMessage, got {type(message).__name__}")
@@ -275,11 +225,6 @@ def nodes_to_chunks(nodes: Sequence[Any], metadata_mode: MetadataMode = Metadata
     return [node_chunk(item, i, metadata_mode) for i, item in enumerate(nodes)]
 
 
-def is_node(item: Any) -> bool:
-    """Whether ``item`` is a LlamaIndex node (``NodeWithScore`` or a bare node)."""
-    return isinstance(item, (NodeWithScore, BaseNode))
-
-
 def _excerpt_node(item: Any, chunk: Chunk) -> NodeWithScore:
     """A copy of ``item``'s node whose LLM-facing text is the excerpt (metadata kept for the
     caller, hidden from the LLM: the excerpt already holds what the LLM was to read of it)."""
@@ -373,7 +318,9 @@ def _function_calling(llm: Any) -> bool | None:
 
 
 def engine_of(target: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Engine:
-    """The trimkit front-end for ``target`` (see "The engine" in the module docstring); ``kwargs`` go to
+    """The trimkit front-end for ``target`` — a LlamaIndex ``LlamaCPP`` (its ``llama_cpp.Llama``), an
+    ``OpenAILike`` or any LlamaIndex LLM with an ``api_base``, a ``llama_cpp.Llama``, a server URL or a
+    trimkit wrapper — with the decode parameters and metadata of the LLM it came from; ``kwargs`` go to
     :func:`trimkit.wrap` / :func:`trimkit.wrap_url` (``profile``, ``strategies``, ``values``,
     ``on_infeasible``, …; for a URL also ``model``, ``api_key``). A trimkit wrapper is
     used as it is (configure it where it was made: ``kwargs`` are refused); an async one is
@@ -393,9 +340,10 @@ def engine_of(target: Any, ttft_budget_s: float | None = None, **kwargs: Any) ->
         return Engine(target, model_name=str(getattr(getattr(target, "backend", None), "name", "")))
     if isinstance(target, LLM):
         model = getattr(target, "_model", None)  # LlamaCPP keeps its llama_cpp.Llama here
+        of_llm: dict[str, Any] = {"params": _decode_params(target), "function_calling": _function_calling(target), "system_prompt": target.system_prompt,
+                  "inner": target}
         if is_llama(model):
-            return Engine(wrap(model, ttft_budget_s, **kwargs), params=_decode_params(target), model_name=str(getattr(target, "model_path", "")),
-                          function_calling=_function_calling(target), system_prompt=target.system_prompt, inner=target)
+            return Engine(wrap(model, ttft_budget_s, **kwargs), model_name=str(getattr(target, "model_path", "")), **of_llm)
         api_base = getattr(target, "api_base", None)
         if isinstance(api_base, str):  # OpenAILike, OpenAI with a local api_base, …
             name, api_key = getattr(target, "model", None), getattr(target, "api_key", None)
@@ -403,8 +351,7 @@ def engine_of(target: Any, ttft_budget_s: float | None = None, **kwargs: Any) ->
             if isinstance(headers, Mapping) and headers and "headers" not in kwargs:  # what its client sends with every request
                 kwargs["headers"] = dict(headers)
             front = wrap_url(api_base, model=name, api_key=api_key, ttft_budget_s=ttft_budget_s, **kwargs)
-            return Engine(front, params=_decode_params(target), url=(api_base, name, api_key, dict(kwargs)), model_name=name or api_base,
-                          function_calling=_function_calling(target), system_prompt=target.system_prompt, inner=target)
+            return Engine(front, url=(api_base, name, api_key, dict(kwargs)), model_name=name or api_base, **of_llm)
     raise InvalidInputError(
         f"cannot reach the engine behind {type(target).__name__}: pass a LlamaIndex LlamaCPP (its llama_cpp.Llama), a LlamaIndex LLM "
         "with an api_base (OpenAILike), a llama_cpp.Llama, a server URL, or a sync trimkit wrapper (trimkit.wrap / trimkit.wrap_url)"
@@ -433,7 +380,7 @@ def _rag_chunks(items: Any) -> Any:
     anything else on to trimkit's validation)."""
     if not isinstance(items, (list, tuple)):
         return items
-    return [node_chunk(item, i) if is_node(item) else item for i, item in enumerate(items)]
+    return [node_chunk(item, i) if isinstance(item, (NodeWithScore, BaseNode)) else item for i, item in enumerate(items)]
 
 
 def _first_message(completion: Mapping[str, Any]) -> ChatMessage:
@@ -472,14 +419,12 @@ def _openai_reply(inner: Any) -> Callable[[Mapping[str, Any]], ChatMessage]:
 
 
 class StreamReplies:
-    """LlamaIndex responses from a trimkit stream, one per chunk, shared by the sync and async
-    paths: :meth:`step` turns a chunk into a ``ChatResponse`` (the text so far, the tool calls so
-    far, the chunk's ``delta``), :meth:`final` is the last response — the whole reply, ``raw`` the
-    assembled completion (``usage`` from trimkit's counts where the server sent none), the report
-    in ``additional_kwargs["trimkit"]``, with ``extra(completion)`` (the wrapped LLM's token
-    counts). ``message`` turns a completion into the reply message (by default trimkit's
-    :func:`reply_message`). ``layer_s`` adds up the time
-    spent converting."""
+    """LlamaIndex responses from a trimkit stream, shared by the sync and async paths:
+    :meth:`step` turns a chunk into a ``ChatResponse`` (the reply so far and the chunk's
+    ``delta``), :meth:`final` is the last one (the whole reply; ``raw`` the assembled completion;
+    the report in ``additional_kwargs["trimkit"]`` with ``extra(completion)``, the wrapped LLM's
+    token counts). ``message`` turns a completion into the reply message (default:
+    :func:`reply_message`); ``layer_s`` adds up the time spent converting."""
 
     def __init__(self, stream: Any, layer_s: float, message: Callable[[Mapping[str, Any]], ChatMessage] | None = None,
                  extra: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None) -> None:
@@ -526,8 +471,7 @@ def _prompt_messages(prompt: str) -> list[ChatMessage]:
 
 
 class TrimmedLLM(FunctionCallingLLM):
-    """A LlamaIndex LLM that keeps each chat's TTFT inside ``ttft_budget_s`` (see the module
-    docstring). ``llm``: a LlamaIndex ``LlamaCPP`` or ``OpenAILike`` (any LlamaIndex LLM with
+    """A LlamaIndex LLM that keeps each chat's TTFT inside ``ttft_budget_s``. ``llm``: a LlamaIndex ``LlamaCPP`` or ``OpenAILike`` (any LlamaIndex LLM with
     an ``api_base``), a ``llama_cpp.Llama``, a server URL, or a sync trimkit wrapper.
     ``kwargs`` go to :func:`trimkit.wrap` / :func:`trimkit.wrap_url` (``profile``,
     ``strategies``, ``values``, ``on_infeasible``, …). ``max_tokens``, ``temperature`` and
@@ -733,12 +677,9 @@ class TrimmedLLM(FunctionCallingLLM):
             await replies.stream.close()
 
     async def _achat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        front = self._async_engine()
-        if front is None:
+        if self._async_engine() is None:
             return await asyncio.to_thread(self._chat, messages, kwargs)
-        call, layer = self._call(messages, kwargs)
-        with self._inner_errors():
-            replies = self._replies(await send(front, call), layer)
+        replies, _ = await self._aopen(messages, kwargs)
         try:
             with self._inner_errors():
                 async for _ in replies.stream:
@@ -908,14 +849,10 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
     ``TrimmedLLM``'s). In a context chat engine the history shares it: give the postprocessor
     a smaller one to leave room for history (the ``TrimmedLLM`` then trims the older turns).
 
-    The prompt planned is ``system_prompt`` (None: none) and the query placed into
-    ``rag_template`` with each node rendered by ``rag_chunk_template`` — by default LlamaIndex's
-    own question-answering prompt for chat models, so the prompt planned is the prompt a query
-    engine sends. ``min_nodes``: the most relevant nodes always kept whole; ``excerpts``: a node may
-    be cut to the sentences matching the query (a copy of it, see
-    :func:`kept_nodes`); ``values`` (default: the llm's trimkit
-    wrapper's), ``strategies`` (default: count the cached prefix, then drop or cut nodes): as for
-    :func:`trimkit.plan`. When even no node fits, none is kept (the plan says infeasible)."""
+    The templates default to LlamaIndex's own question-answering prompt for chat models, so the
+    prompt planned is the prompt a query engine sends. ``values`` (default: the llm's trimkit
+    wrapper's) and ``strategies`` (default: count the cached prefix, then drop or cut nodes): as
+    for :func:`trimkit.plan`. When even no node fits, none is kept (the plan says infeasible)."""
 
     ttft_budget_s: float | None = Field(default=None, description="The TTFT budget of the request carrying the nodes.")
     system_prompt: str | None = Field(default=QA_SYSTEM_PROMPT, description="The system message the nodes are planned with.")
