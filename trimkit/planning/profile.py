@@ -673,7 +673,44 @@ class Profile:
         """The profile stored as ``data`` (parsed JSON), fully checked: raises
         :class:`~trimkit.errors.ProfileError` naming the first field that is missing, of the
         wrong type or out of range, and never another exception."""
-        return _structure(data)
+        data = json_object(data, "")
+        schema = data.get("schema")
+        if type(schema) is not int or schema != SCHEMA_VERSION:  # not True, not 1.0
+            shown = repr(schema) if isinstance(schema, (int, str, type(None))) and len(repr(schema)) < 40 else type(schema).__name__
+            raise ProfileError(f"profile schema {shown} is not {SCHEMA_VERSION}")
+        alternatives = data.get("alternatives", {})
+        if not isinstance(alternatives, dict):
+            raise ProfileError(f"alternatives must be a JSON object, got {type(alternatives).__name__}")
+        quick = json_bool(data.get("quick", False), "quick")  # files before ``mode``: quick or full
+        # fields added after schema 1 was released: a file without them loads with their defaults
+        # (values are checked by Profile itself: checked() makes its errors ProfileErrors)
+        extra: dict[str, Any] = {}
+        for name, read in (("mode", json_str), ("probed_new_tokens", json_int), ("probed_context_tokens", json_int),
+                           ("time_budget_s", lambda v, w: json_number(v, w, non_negative_finite)), ("first_token_estimated", json_bool),
+                           ("decode_points", lambda v, w: read_decode_points(v)),
+                           ("attention_prior_tokens", lambda v, w: json_number(v, w, non_negative_finite)),
+                           ("first_token_per_token_s", lambda v, w: json_number(v, w, non_negative_finite))):
+            if name in data:
+                extra[name] = read(data[name], name)
+        extra.setdefault("mode", "quick" if quick else "full")
+        if (extra["mode"] != "full") != quick and "quick" in data:
+            raise ProfileError(f"quick={quick} contradicts mode={extra['mode']!r} (quick is True for micro and quick profiles)")
+        return checked(
+            Profile,
+            "profile",
+            key=_read_key(json_field(data, "key")),
+            model=read_model(json_field(data, "model")),
+            first_token_s=json_number(json_field(data, "first_token_s"), "first_token_s", non_negative_finite),
+            decode_tokens_per_s=json_number(json_field(data, "decode_tokens_per_s"), "decode_tokens_per_s", non_negative_finite),
+            samples=read_samples(json_field(data, "samples")),
+            error=read_error(json_field(data, "error")),
+            alternatives=alternatives,
+            calibration_wall_s=json_number(data.get("calibration_wall_s", 0.0), "calibration_wall_s", non_negative_finite),
+            created_at=json_number(data.get("created_at", 0.0), "created_at", must_be_finite),
+            drift=json_number(data.get("drift", 1.0), "drift", positive_finite),
+            residuals=read_residuals(data.get("residuals", [])),
+            **extra,
+        )
 
 
 # -- reading a stored profile: the one boundary where untrusted JSON becomes a Profile ----------
@@ -692,48 +729,6 @@ def _read_key(data: Any) -> ProfileKey:
         else:
             values[f.name] = json_str(data[f.name], f"key.{f.name}")
     return ProfileKey(**values)
-
-
-def _structure(data: Any) -> Profile:
-    """Parsed profile JSON → :class:`Profile`, or :class:`ProfileError` saying what is wrong."""
-    data = json_object(data, "")
-    schema = data.get("schema")
-    if type(schema) is not int or schema != SCHEMA_VERSION:  # not True, not 1.0
-        shown = repr(schema) if isinstance(schema, (int, str, type(None))) and len(repr(schema)) < 40 else type(schema).__name__
-        raise ProfileError(f"profile schema {shown} is not {SCHEMA_VERSION}")
-    alternatives = data.get("alternatives", {})
-    if not isinstance(alternatives, dict):
-        raise ProfileError(f"alternatives must be a JSON object, got {type(alternatives).__name__}")
-    quick = json_bool(data.get("quick", False), "quick")  # files before ``mode``: quick or full
-    # fields added after schema 1 was released: a file without them loads with their defaults
-    # (values are checked by Profile itself: checked() makes its errors ProfileErrors)
-    extra: dict[str, Any] = {}
-    for name, read in (("mode", json_str), ("probed_new_tokens", json_int), ("probed_context_tokens", json_int),
-                       ("time_budget_s", lambda v, w: json_number(v, w, non_negative_finite)), ("first_token_estimated", json_bool),
-                       ("decode_points", lambda v, w: read_decode_points(v)),
-                       ("attention_prior_tokens", lambda v, w: json_number(v, w, non_negative_finite)),
-                       ("first_token_per_token_s", lambda v, w: json_number(v, w, non_negative_finite))):
-        if name in data:
-            extra[name] = read(data[name], name)
-    extra.setdefault("mode", "quick" if quick else "full")
-    if (extra["mode"] != "full") != quick and "quick" in data:
-        raise ProfileError(f"quick={quick} contradicts mode={extra['mode']!r} (quick is True for micro and quick profiles)")
-    return checked(
-        Profile,
-        "profile",
-        key=_read_key(json_field(data, "key")),
-        model=read_model(json_field(data, "model")),
-        first_token_s=json_number(json_field(data, "first_token_s"), "first_token_s", non_negative_finite),
-        decode_tokens_per_s=json_number(json_field(data, "decode_tokens_per_s"), "decode_tokens_per_s", non_negative_finite),
-        samples=read_samples(json_field(data, "samples")),
-        error=read_error(json_field(data, "error")),
-        alternatives=alternatives,
-        calibration_wall_s=json_number(data.get("calibration_wall_s", 0.0), "calibration_wall_s", non_negative_finite),
-        created_at=json_number(data.get("created_at", 0.0), "created_at", must_be_finite),
-        drift=json_number(data.get("drift", 1.0), "drift", positive_finite),
-        residuals=read_residuals(data.get("residuals", [])),
-        **extra,
-    )
 
 
 @functools.lru_cache(maxsize=16)

@@ -445,8 +445,10 @@ def neutralize_text(text: str, controls: ControlTexts) -> tuple[str, int]:
     return "".join(parts), len(spans)
 
 
-def _found(controls: ControlTexts, text: str) -> list[str]:
-    return sorted({text[s:e] for s, e in controls.find(text)})
+def _neutralized(text: str, controls: ControlTexts) -> tuple[str, int, set[str]]:
+    """:func:`neutralize_text`, and the control texts it broke."""
+    new, n = neutralize_text(text, controls)
+    return new, n, {text[s:e] for s, e in controls.find(text)} if n else set()
 
 
 def neutralize_chunks(chunks: Sequence[Chunk], controls: ControlTexts) -> tuple[tuple[Chunk, ...], str | None]:
@@ -454,9 +456,9 @@ def neutralize_chunks(chunks: Sequence[Chunk], controls: ControlTexts) -> tuple[
     had any: the caller's are not changed) and the report's warning (None: nothing found)."""
     out, hits, names, which = [], 0, set(), []
     for ch in chunks:
-        text, n = neutralize_text(ch.text, controls)
+        text, n, found = _neutralized(ch.text, controls)
         if n:
-            names.update(_found(controls, ch.text))
+            names |= found
             hits += n
             which.append(str(ch.id))
             ch = attrs.evolve(ch, text=text)
@@ -470,15 +472,14 @@ def neutralize_chunks(chunks: Sequence[Chunk], controls: ControlTexts) -> tuple[
 
 def _content(content: Any, controls: ControlTexts) -> tuple[Any, int, set[str]]:
     if isinstance(content, str):
-        text, n = neutralize_text(content, controls)
-        return text, n, set(_found(controls, content)) if n else set()
+        return _neutralized(content, controls)
     if isinstance(content, list):
         parts, total, names = [], 0, set()
         for part in content:
             if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                text, n = neutralize_text(part["text"], controls)
+                text, n, found = _neutralized(part["text"], controls)
                 if n:
-                    names.update(_found(controls, part["text"]))
+                    names |= found
                     part = {**part, "text": text}
                     total += n
             parts.append(part)
