@@ -178,14 +178,10 @@ def message_text(message: Mapping[str, Any]) -> str:
         for part in content:
             if isinstance(part, Mapping) and isinstance(part.get("text"), str):
                 parts.append(part["text"])
-    tool_calls = message.get("tool_calls")
-    if tool_calls:
-        for call in tool_calls:
-            fn = call.get("function", {}) if isinstance(call, Mapping) else {}
-            parts.append(f"{fn.get('name', '')}({fn.get('arguments', '')})")
+    calls = [call.get("function", {}) if isinstance(call, Mapping) else {} for call in message.get("tool_calls") or ()]
     if message.get("function_call"):
-        fc = message["function_call"]
-        parts.append(f"{fc.get('name', '')}({fc.get('arguments', '')})")
+        calls.append(message["function_call"])
+    parts += [f"{fn.get('name', '')}({fn.get('arguments', '')})" for fn in calls]
     return "\n".join(parts)
 
 

@@ -1,28 +1,14 @@
 """Backend around the user's own ``llama_cpp.Llama`` object (in-process llama.cpp), and what a
 llama.cpp context holds and reports, read through llama-cpp-python's low-level API.
 
-Times TTFT at the first streamed chunk carrying content, reads exact prefill/decode timings
-from ``llama_cpp.llama_perf_context``, and predicts the cached prefix as llama-cpp-python
-computes it (longest common token prefix with what is in the context). It never calls
-``Llama.reset()`` between requests — that would throw the cached prefix away.
-
-One ``Llama`` is one engine: every :class:`LlamaBackend` over it shares one
-:class:`~trimkit.planning.queue.EngineLease`, and a request holds it from ``send`` until its
-stream is finished, closed or garbage-collected — in whichever thread that happens.
-
-**The context.** :class:`LlamaBackend` builds on these; none of them takes the engine's lease
-(:mod:`trimkit.planning.queue`): the caller holds it.
-
-- :func:`effective_n_ctx`: how many tokens a ``Llama`` can really hold;
-- :func:`reset_perf` / :func:`read_perf`: the context's perf counters around one request, as
-  :class:`PerfCounts` (prompt tokens evaluated, prefill and decode time);
-- :class:`PrefixSnapshot`, :func:`save_sequence`, :func:`load_prefix`: the KV cells of a token
-  prefix, copied out and put back without the logits buffer;
-- :func:`cpu_name`: the host's CPU, part of every in-process profile key;
-- :func:`abort_when`: an abortable decode, for calibration's probes.
-
-The other pieces: :mod:`trimkit.planning.queue` (who holds the engine) and
-:mod:`trimkit.backends.llama_format` (the chat template and tokenizer), which import no engine.
+Times TTFT at the first streamed chunk carrying content, reads exact prefill/decode timings from
+``llama_perf_context`` (:class:`PerfCounts`), and predicts the cached prefix as llama-cpp-python
+computes it. It never calls ``Llama.reset()`` between requests: that would throw the cached
+prefix away. Every :class:`LlamaBackend` over one ``Llama`` shares its
+:class:`~trimkit.planning.queue.EngineLease`; a request holds it from ``send`` until its stream is
+finished, closed or garbage-collected, in whichever thread that happens. The context helpers
+below (perf counters, KV-only :class:`PrefixSnapshot`, :func:`abort_when`) take no lease: the
+caller holds it. The chat template and tokenizer are :mod:`trimkit.backends.llama_format`'s.
 """
 
 from __future__ import annotations
@@ -593,21 +579,12 @@ class LlamaBackend(Backend):
         A snapshot is chosen only if restoring it and prefilling the rest is predicted faster
         than prefilling after what the context already holds (``cost(new, cached)`` → seconds).
         """
-        current = self.predict_cached_tokens(prompt_tokens)
-        best: tuple[int, PrefixSnapshot | None] = (current, None)
-        if not self.snapshots or self.prefix_reuse_works is False:
-            return best
-        n = len(prompt_tokens)
-
-        def t(cached: int, extra: float) -> float:
-            return extra + (cost(n - cached, cached) if cost else (n - cached) * 1e-3)
-
-        best_t = t(current, 0.0)
-        for snap in list(self.snapshots.values()):  # another thread may store one meanwhile
-            k = reusable_prefix_len(snap.tokens, prompt_tokens)
-            if k > current and t(k, snap.restore_s) < best_t:
-                best, best_t = (k, snap), t(k, snap.restore_s)
-        return best
+        if self.prefix_reuse_works is False:
+            return 0, None
+        snaps = list(self.snapshots.values())  # another thread may store one meanwhile
+        state = CacheState(prompts=(self.cached_tokens_in_context(),), snapshots=[(s.tokens, s.restore_s) for s in snaps])
+        cached, which = state.best(prompt_tokens, cost)
+        return cached, None if which is None else snaps[which]
 
 
 def llama_summarizer(llm: Any, *, n_ctx: int = 4096, max_tokens: int = 200, **llama_kwargs: Any) -> Any:
@@ -644,8 +621,6 @@ def llama_summarizer(llm: Any, *, n_ctx: int = 4096, max_tokens: int = 200, **ll
 
 
 # -- Gemma 3's chat template as a llama-cpp-python chat handler, and the embedded models opened as ``Llama``. ---
-
-log = logging.getLogger("trimkit")
 
 #: The name the Gemma 3 handler is registered under in llama-cpp-python's handler registry.
 GEMMA3_CHAT_FORMAT = "gemma-3"
@@ -792,8 +767,6 @@ def llama_attention_prior(llm: Any) -> float | None:
     counts (llama.cpp's ``llama_model_n_params``, ``_n_layer``, ``_n_head``) and the GGUF's
     ``<arch>.attention.key_length`` (default: the embedding width over the heads). None when
     any of it cannot be read: the fit then has no prior, as for a server."""
-    import llama_cpp  # in process only: the llama backend calls this; ``import trimkit`` imports no engine
-
     try:
         model = llm.model
         n_params = int(llama_cpp.llama_model_n_params(model))

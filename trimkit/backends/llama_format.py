@@ -171,7 +171,7 @@ def _smollm2_path() -> str:
 
 def default_model_path(model: str = DEFAULT_MODEL) -> str:
     """Path of an embedded model's GGUF: ``"smollm2"`` (the default, SmolLM2-135M-Instruct) or
-    ``"gemma"`` (Gemma-3-270M). See the module docstring for what each is and how it installs.
+    ``"gemma"`` (Gemma-3-270M); :data:`EMBEDDED_MODELS` says what each is.
 
     Nothing is downloaded: SmolLM2's GGUF is a file of its package; Gemma's ships as chunks that
     the first call assembles once into the user cache (later calls return the same path). A
@@ -249,5 +249,3 @@ def llama_control_texts(llm: Any) -> ControlTexts:
     except TypeError:
         pass
     return found
-
-

@@ -97,7 +97,11 @@ class CacheState:
         """How many leading tokens of ``tokens`` the engine reuses (at least one is evaluated):
         the longest prefix shared with a held prompt (in blocks, bounded by ``after``), or a
         snapshot's where restoring it is predicted faster (``cost(new, cached)`` → seconds)."""
-        from trimkit.planning.tokens import reusable_prefix_len  # _tokens imports this module
+        return self.best(tokens, cost)[0]
+
+    def best(self, tokens: Sequence[int], cost: Callable[[int, int], float] | None = None) -> tuple[int, int | None]:
+        """:meth:`cached`, and the index of the snapshot to restore first (None: none)."""
+        from trimkit.planning.tokens import reusable_prefix_len  # tokens imports this module
 
         current = max((reusable_prefix_len(p, tokens) for p in self.prompts), default=0) // self.block * self.block
         n = len(tokens)
@@ -105,14 +109,14 @@ class CacheState:
         def seconds(cached: int, restore_s: float) -> float:
             return restore_s + (cost(n - cached, cached) if cost is not None else (n - cached) * 1e-3)
 
-        best, best_s, snapshot = current, seconds(current, 0.0) if self.snapshots else 0.0, False
-        for snap, restore_s in self.snapshots:
+        best, best_s, which = current, seconds(current, 0.0) if self.snapshots else 0.0, None
+        for i, (snap, restore_s) in enumerate(self.snapshots):
             k = reusable_prefix_len(snap, tokens)
             if k > current and seconds(k, restore_s) < best_s:
-                best, best_s, snapshot = k, seconds(k, restore_s), True
-        if self.after is not None and not snapshot:
+                best, best_s, which = k, seconds(k, restore_s), i
+        if self.after is not None and which is None:
             best = min(best, reusable_prefix_len(self.after, tokens))
-        return best
+        return best, which
 
 
 def _check_str(value: object, name: str) -> None:

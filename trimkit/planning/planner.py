@@ -1,19 +1,12 @@
 """The planner: decide what to prefill so the predicted TTFT fits the budget.
 
-:func:`plan` is the one engine behind the wrapper and the CLI. It predicts the TTFT of the
-prompt as it stands (counting only the tokens the engine must evaluate — a prefix already in
-the KV cache is nearly free); if that fits the budget less the profile's safety margin, the
-request passes through untouched. Otherwise the strategies (:mod:`trimkit.strategies`) say what
-may change and the engine (:mod:`trimkit.planning.solver`) keeps the most value whose predicted
-TTFT fits, saying in :class:`~trimkit.planning.solver.Action` values what it removed, summarized
-or excerpted and why. If even the minimal prompt (system messages and the last user turn)
-cannot fit, the plan is infeasible.
-
-The pieces, in the order a request meets them: :mod:`~trimkit.planning.solver` (what strategies
-see: :class:`PlanState`), :mod:`~trimkit.planning.solver` (the request's fixed inputs,
-candidate prompts and their estimates), :mod:`~trimkit.planning.solver` (the value-per-second
-choice), :mod:`~trimkit.planning.costs` (the prefill cost model) and
-:mod:`~trimkit.planning.values` (what each piece is worth).
+:func:`plan` is the one engine behind the wrapper and the CLI. If the prompt as it stands (only
+the tokens the engine must evaluate: a cached prefix is nearly free) is predicted within the
+budget less the safety margin, it passes through untouched. Otherwise the strategies
+(:mod:`trimkit.strategies`) say what may change and the solver (:mod:`trimkit.planning.solver`)
+keeps the most value (:mod:`trimkit.planning.values`) whose predicted TTFT fits, saying in
+:class:`~trimkit.planning.solver.Action` values what it removed and why. If even the minimal
+prompt (system messages and the last user turn) cannot fit, the plan is infeasible.
 """
 
 from __future__ import annotations
@@ -244,7 +237,7 @@ def plan(
     """
     pipeline = chain(default_strategies() if strategies is None else strategies)  # checks the strategies
     started = clock()
-    state0 = PlanState.start(  # checks every other argument (check_inputs) before any work
+    state0 = PlanState.start(  # checks every other argument before any work
         messages,
         ttft_budget_s=ttft_budget_s,
         profile=profile,

@@ -1,89 +1,17 @@
-"""Calibration profiles: what prefill costs on this host, for one model and one set of settings.
+"""Calibration profiles: what prefill and decode cost on this host, for one model and one set of settings.
 
 A :class:`Profile` carries its samples, the fitted :class:`~trimkit.planning.costs.CostModel`, its
-own held-out error, the measured decode speed — as a function of the context
-(:meth:`Profile.decode_tokens_per_s_at`, :class:`DecodeModel`, below) — and the
-:class:`ProfileKey` it is valid for; it predicts a request's TTFT (:meth:`Profile.predict_ttft_s`). Storing and loading profiles in the
-user cache is the host's (``trimkit._calibration``: :func:`trimkit.load_profile`); a profile that follows the machine as it runs is
-:class:`~trimkit.planning.speed.LiveProfile`.
-
-This module is the host model, in three parts: the profile and its stored form's field readers;
-the decode line; the architecture's attention prior (read from a loaded ``Llama`` by
-``trimkit.backends.llama.llama_attention_prior``). Pure: no engine, no disk.
+held-out error, the :class:`ProfileKey` it is valid for, the range it probed (a prediction beyond
+it is an extrapolation, met with a wider margin) and its decode points; it predicts a request's
+TTFT (:meth:`Profile.predict_ttft_s`). Also here: the decode line (:func:`fit_decode`) and the
+architecture's attention prior (:func:`attention_doubling_prior`), both in docs/design.md §2.
+Pure: no engine, no disk (storing profiles is ``trimkit._calibration``'s).
 
 A stored file is untrusted input: :meth:`Profile.from_dict` is the one place its JSON becomes a
-:class:`Profile` — every type, count and number is checked there (the field readers are
-below: ``read_model``, ``read_samples``, …), and the model must predict a positive, finite time for a 1- and a
-1000-token prompt. Anything else is a :class:`~trimkit.errors.ProfileError`.
-
-A profile records how it was calibrated: its ``mode`` (``micro`` — a provisional ~3 s profile —,
-``quick`` or ``full``), the wall-time budget it ran under, and the range it probed (the most new
-tokens and the deepest context of its samples). A prediction outside that range is an
-extrapolation (:meth:`Profile.extrapolation`), which the planner meets with a wider margin.
-Files stored before these fields existed still load: the mode follows their ``quick`` flag, the
-probed range is read off their samples, and their single decode speed becomes one decode point
-at a short context (a flat decode line).
-
-**The decode line.** Decode speed as a function of context: the time of one generated token grows with the KV cache.
-
-Each decode step reads the model's weights *and* the KV cache of every token before it. On a
-large model the weights dominate and the speed barely depends on the prompt; on a small one (a
-100M–300M-parameter model on a CPU) the cache of a few thousand tokens is a large share of what
-is read, and the stream slows visibly as the context grows. The model here is a line:
-
-    t(c) = base_s + per_context_s · c          (seconds per generated token)
-
-where ``c`` is the number of tokens in the cache before the step. It is fitted on measured
-points (:class:`DecodePoint`: calibration's decode steps at a short and at a long context, and
-the streams of served requests), by least squares on **relative** error, with
-``per_context_s ≥ 0``. With points at a single context the slope is unknown and the speed is
-taken as flat (:attr:`DecodeModel.note` says so). The latest served requests also set the
-*level*: the older points are scaled so that the line meets those requests (median ratio 1), so
-a host that got busier is followed while the shape still comes from every context measured.
-
-A request of ``P`` prompt tokens that generates ``N`` tokens times ``N − 1`` decode steps (the
-first token belongs to the prefill), evaluating the tokens at positions ``P … P + N − 2``: its
-mean context is ``P + (N − 2) / 2`` (:func:`mean_context`), and its measured tokens/s is
-``1 / t(mean context)``. Pure: no engine, no clock (docs/design.md, §2).
-
-**The attention prior.** What a model's architecture says about its prefill cost before anything is measured.
-
-Prefilling one token costs about ``2·P`` floating-point operations for the weights it passes
-through (``P``: the parameters a prompt token uses — every layer's, not the vocabulary table,
-which is a lookup; the output projection runs for the last token only) and about
-``4·L·H·d_head·p`` for attention at context position ``p`` (``L`` layers, ``H`` query heads of
-``d_head`` dimensions: ``Q·Kᵀ`` and the weighted sum of ``V``). The per-token cost therefore
-doubles every
-
-    D = 2·P / (4·L·H·d_head) = P / (2·L·H·d_head)
-
-tokens of context: the *attention doubling length* (docs/design.md, §2 "The attention prior").
-The cost model's depth term is ``per_token_s / D``. Calibration measures that term only when its
-probes reach deep enough into the context for attention to show above the host's noise; a
-micro or quick calibration seldom does, and the fit then extrapolates from short prompts. This
-prior, read from the model file, is what the fit leans on where the probes say little
-(:func:`trimkit.planning.costs.fit_cost_model`).
-
-It is a FLOP ratio, not a measurement: an engine may run attention more or less efficiently per
-FLOP than the weight matrices (a fused flash-attention kernel, a GPU), a mixture-of-experts
-model's unused experts are estimated from its GGUF's expert counts (:func:`idle_expert_params`),
-and sliding-window layers are counted as full ones (llama.cpp computes them over
-the whole cache unless told otherwise). The fit weighs it accordingly
-(:data:`~trimkit.planning.costs.ATTENTION_PRIOR_SPREAD`).
-
-**The store.** Stored profiles: where they live, and reading and writing them safely.
-
-A :class:`Profile` is stored as JSON in the user cache folder
-(:func:`cache_dir`: ``$TRIMKIT_CACHE_DIR``, else the platform's user cache folder for trimkit —
-``$XDG_CACHE_HOME/trimkit`` or ``~/.cache/trimkit`` on Linux) under a file named by its key's
-hash, written atomically, and reused by the next run with the same key.
-
-A stored file is untrusted input: :func:`load_profile` reads only a regular file of at most
-:data:`MAX_PROFILE_BYTES` (a FIFO or a device at the path never blocks it) and builds the
-profile with :meth:`Profile.from_dict`, which checks every field. A file that
-is unusable is reported by one warning naming it, and ``load_profile`` returns None (so the
-caller calibrates again). A cache folder that cannot be written only costs the reuse:
-:func:`save_profile` warns once and the profile stays in memory.
+:class:`Profile`; every field is checked there, and anything wrong is a
+:class:`~trimkit.errors.ProfileError`. Files stored before the newer fields existed still load
+with their defaults (the mode follows their ``quick`` flag; their one decode speed becomes one
+decode point at a short context).
 """
 
 from __future__ import annotations
@@ -255,18 +183,15 @@ def _clip(level: float) -> float:
 
 
 def fit_decode(points: Iterable[DecodePoint], *, level_window: int = LEVEL_WINDOW) -> DecodeModel | None:
-    """The decode line through ``points`` (calibration first, then live points oldest first);
-    None for no points.
+    """The decode line ``t(c) = base_s + per_context_s · c`` through ``points`` (calibration
+    first, then live points oldest first); None for no points.
 
-    The ``level_window`` latest live points say how fast the host decodes *now*; every other
-    point (calibration's, older requests') says how the speed falls with context, measured
-    when the host may have run at another speed. So the older points are scaled by a common
-    level ``λ`` and the line is fitted on all of them (relative error, slope ≥ 0, see
-    :func:`_line`), with ``λ`` chosen so that the latest points' median ratio measured /
-    predicted is 1 (clipped to :data:`LEVEL_CLIP`): a host that got busier moves the whole line,
-    while its shape still comes from every context measured. A slope smaller than its own
-    standard error allows (:func:`_slope_within_noise`) is not extrapolated: the line is flat,
-    and says so (:data:`WITHIN_NOISE_NOTE`)."""
+    The ``level_window`` latest live points say how fast the host decodes *now*; the older ones,
+    measured when the host may have run at another speed, are scaled by a common level (clipped
+    to :data:`LEVEL_CLIP`) chosen so that the latest points' median ratio measured / predicted is
+    1: a busier host moves the whole line, while its shape still comes from every context
+    measured. A slope within its own noise (:func:`_slope_within_noise`) is not extrapolated:
+    the line is flat and says so (:data:`WITHIN_NOISE_NOTE`)."""
     pts = [p for p in points if isinstance(p, DecodePoint)]
     if not pts:
         return None
@@ -309,7 +234,7 @@ def _noise_pct(points: list[DecodePoint], base: float, slope: float, window: int
 def attention_doubling_prior(*, n_params: int, n_vocab: int, n_embd: int, n_layer: int, n_head: int, head_dim: int,
                              idle_params: float = 0.0) -> float | None:
     """The context length (tokens) over which the per-token prefill cost doubles by the FLOP
-    ratio above; None when the numbers do not describe a transformer (any of them not
+    ratio ``D = P / (2·L·H·d_head)`` (docs/design.md §2); None when the numbers do not describe a transformer (any of them not
     positive, or no parameters left outside the vocabulary table). ``idle_params``: parameters
     a token does not pass through (a mixture of experts' unused experts, :func:`idle_expert_params`)."""
     values = (n_params, n_vocab, n_embd, n_layer, n_head, head_dim)
@@ -333,10 +258,6 @@ def idle_expert_params(*, n_layer: int, n_embd: int, expert_count: int, expert_u
     if expert_count < 2 or expert_used_count >= expert_count or min(n_layer, n_embd, expert_used_count, expert_ff) <= 0:
         return 0.0
     return float(n_layer) * (expert_count - expert_used_count) * 3.0 * n_embd * expert_ff
-
-
-
-
 
 
 # -- the profile, and its stored form's field readers ----------------------------------------------------
@@ -569,7 +490,6 @@ class Profile:
     drift: float = 1.0
     #: calibration's held-out residuals: (predicted, measured) prefill seconds per calibration
     #: sample, each predicted by a fit without its probe; they seed the learned safety margin
-    #: (:mod:`trimkit.planning.speed`). Empty for profiles stored before they were kept.
     residuals: tuple[tuple[float, float], ...] = attrs.field(default=(), converter=_pairs, repr=False)
     #: how it was calibrated: "micro" (provisional), "quick" or "full"
     mode: str = "full"
@@ -577,7 +497,7 @@ class Profile:
     #: read off the samples by default (0 = unknown: :meth:`probed_range` reads the samples)
     probed_new_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[0], takes_self=True))
     probed_context_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[1], takes_self=True))
-    #: the wall-time budget calibration ran under, seconds (0.0: unknown, before budgets)
+    #: the wall-time budget calibration ran under, seconds (0.0: unknown)
     time_budget_s: float = attrs.field(default=0.0, converter=real_float)
     #: True when the first-token overhead was estimated, not measured (no time for its requests)
     first_token_estimated: bool = attrs.field(default=False)
@@ -587,13 +507,11 @@ class Profile:
     #: measured (calibration had no time for it).
     decode_points: tuple[DecodePoint, ...] = attrs.field(default=attrs.Factory(_legacy_decode_points, takes_self=True),
                                                          converter=_decode_points, repr=False)
-    #: the model architecture's attention doubling length, tokens (trimkit.planning.profile): the
-    #: prior every fit of this profile's samples leans on where they say little about attention;
-    #: 0.0 when unknown (a server, a profile stored before it was kept): the samples alone
+    #: the model architecture's attention doubling length, tokens: the prior every fit of this
+    #: profile's samples leans on where they say little about attention; 0.0 when unknown
     attention_prior_tokens: float = attrs.field(default=0.0, converter=real_float)
     #: seconds of first-token overhead per prompt token (cached ones included): what tokenizing
     #: the whole prompt costs on each request, on top of ``first_token_s``; 0.0 when unknown
-    #: (a profile stored before it was kept), learned from served requests (trimkit.planning.speed)
     first_token_per_token_s: float = attrs.field(default=0.0, converter=real_float)
 
     def __attrs_post_init__(self) -> None:
@@ -658,11 +576,8 @@ class Profile:
 
     def decode_tokens_per_s_at(self, context_tokens: int, output_tokens: int = 0) -> float | None:
         """Predicted decode speed (tokens/s) of a request whose prompt is ``context_tokens``
-        tokens long — each generated token reads the KV cache of every token before it, so a
-        longer context decodes slower. With ``output_tokens`` (> 1) the speed is averaged over
-        that many tokens, as a measured stream's is. None when the profile has no decode
-        measurement. Flat (the same at every context) when decode was measured at one context
-        only (:attr:`DecodeModel.note`)."""
+        tokens long (with ``output_tokens`` > 1: averaged over them, as a measured stream is);
+        None when the profile has no decode measurement."""
         n = count(context_tokens, "context_tokens")
         out = count(output_tokens, "output_tokens")
         model = self.decode_model()
@@ -758,7 +673,44 @@ class Profile:
         """The profile stored as ``data`` (parsed JSON), fully checked: raises
         :class:`~trimkit.errors.ProfileError` naming the first field that is missing, of the
         wrong type or out of range, and never another exception."""
-        return _structure(data)
+        data = json_object(data, "")
+        schema = data.get("schema")
+        if type(schema) is not int or schema != SCHEMA_VERSION:  # not True, not 1.0
+            shown = repr(schema) if isinstance(schema, (int, str, type(None))) and len(repr(schema)) < 40 else type(schema).__name__
+            raise ProfileError(f"profile schema {shown} is not {SCHEMA_VERSION}")
+        alternatives = data.get("alternatives", {})
+        if not isinstance(alternatives, dict):
+            raise ProfileError(f"alternatives must be a JSON object, got {type(alternatives).__name__}")
+        quick = json_bool(data.get("quick", False), "quick")  # files before ``mode``: quick or full
+        # fields added after schema 1 was released: a file without them loads with their defaults
+        # (values are checked by Profile itself: checked() makes its errors ProfileErrors)
+        extra: dict[str, Any] = {}
+        for name, read in (("mode", json_str), ("probed_new_tokens", json_int), ("probed_context_tokens", json_int),
+                           ("time_budget_s", lambda v, w: json_number(v, w, non_negative_finite)), ("first_token_estimated", json_bool),
+                           ("decode_points", lambda v, w: read_decode_points(v)),
+                           ("attention_prior_tokens", lambda v, w: json_number(v, w, non_negative_finite)),
+                           ("first_token_per_token_s", lambda v, w: json_number(v, w, non_negative_finite))):
+            if name in data:
+                extra[name] = read(data[name], name)
+        extra.setdefault("mode", "quick" if quick else "full")
+        if (extra["mode"] != "full") != quick and "quick" in data:
+            raise ProfileError(f"quick={quick} contradicts mode={extra['mode']!r} (quick is True for micro and quick profiles)")
+        return checked(
+            Profile,
+            "profile",
+            key=_read_key(json_field(data, "key")),
+            model=read_model(json_field(data, "model")),
+            first_token_s=json_number(json_field(data, "first_token_s"), "first_token_s", non_negative_finite),
+            decode_tokens_per_s=json_number(json_field(data, "decode_tokens_per_s"), "decode_tokens_per_s", non_negative_finite),
+            samples=read_samples(json_field(data, "samples")),
+            error=read_error(json_field(data, "error")),
+            alternatives=alternatives,
+            calibration_wall_s=json_number(data.get("calibration_wall_s", 0.0), "calibration_wall_s", non_negative_finite),
+            created_at=json_number(data.get("created_at", 0.0), "created_at", must_be_finite),
+            drift=json_number(data.get("drift", 1.0), "drift", positive_finite),
+            residuals=read_residuals(data.get("residuals", [])),
+            **extra,
+        )
 
 
 # -- reading a stored profile: the one boundary where untrusted JSON becomes a Profile ----------
@@ -777,48 +729,6 @@ def _read_key(data: Any) -> ProfileKey:
         else:
             values[f.name] = json_str(data[f.name], f"key.{f.name}")
     return ProfileKey(**values)
-
-
-def _structure(data: Any) -> Profile:
-    """Parsed profile JSON → :class:`Profile`, or :class:`ProfileError` saying what is wrong."""
-    data = json_object(data, "")
-    schema = data.get("schema")
-    if type(schema) is not int or schema != SCHEMA_VERSION:  # not True, not 1.0
-        shown = repr(schema) if isinstance(schema, (int, str, type(None))) and len(repr(schema)) < 40 else type(schema).__name__
-        raise ProfileError(f"profile schema {shown} is not {SCHEMA_VERSION}")
-    alternatives = data.get("alternatives", {})
-    if not isinstance(alternatives, dict):
-        raise ProfileError(f"alternatives must be a JSON object, got {type(alternatives).__name__}")
-    quick = json_bool(data.get("quick", False), "quick")  # files before ``mode``: quick or full
-    # fields added after schema 1 was released: a file without them loads with their defaults
-    # (values are checked by Profile itself: checked() makes its errors ProfileErrors)
-    extra: dict[str, Any] = {}
-    for name, read in (("mode", json_str), ("probed_new_tokens", json_int), ("probed_context_tokens", json_int),
-                       ("time_budget_s", lambda v, w: json_number(v, w, non_negative_finite)), ("first_token_estimated", json_bool),
-                       ("decode_points", lambda v, w: read_decode_points(v)),
-                       ("attention_prior_tokens", lambda v, w: json_number(v, w, non_negative_finite)),
-                       ("first_token_per_token_s", lambda v, w: json_number(v, w, non_negative_finite))):
-        if name in data:
-            extra[name] = read(data[name], name)
-    extra.setdefault("mode", "quick" if quick else "full")
-    if (extra["mode"] != "full") != quick and "quick" in data:
-        raise ProfileError(f"quick={quick} contradicts mode={extra['mode']!r} (quick is True for micro and quick profiles)")
-    return checked(
-        Profile,
-        "profile",
-        key=_read_key(json_field(data, "key")),
-        model=read_model(json_field(data, "model")),
-        first_token_s=json_number(json_field(data, "first_token_s"), "first_token_s", non_negative_finite),
-        decode_tokens_per_s=json_number(json_field(data, "decode_tokens_per_s"), "decode_tokens_per_s", non_negative_finite),
-        samples=read_samples(json_field(data, "samples")),
-        error=read_error(json_field(data, "error")),
-        alternatives=alternatives,
-        calibration_wall_s=json_number(data.get("calibration_wall_s", 0.0), "calibration_wall_s", non_negative_finite),
-        created_at=json_number(data.get("created_at", 0.0), "created_at", must_be_finite),
-        drift=json_number(data.get("drift", 1.0), "drift", positive_finite),
-        residuals=read_residuals(data.get("residuals", [])),
-        **extra,
-    )
 
 
 @functools.lru_cache(maxsize=16)

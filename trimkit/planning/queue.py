@@ -1,46 +1,21 @@
 """One engine's concurrency: the requests in flight, the wait they predict, and the lock they take.
 
-In two parts: the queue (:class:`EngineQueue`, below) and the lock (:class:`EngineLease`, at the
-end). One in-process ``Llama`` serves one request at a time (:class:`EngineLease`);
-a request sent while others hold or wait for it waits for their work first. Every wrapper of the
-engine shares one :class:`EngineQueue` (it lives in the engine's
-:class:`~trimkit.planning.speed.EngineState`), so each request sees all the others.
+One in-process ``Llama`` serves one request at a time (:class:`EngineLease`, first come, first
+served); every wrapper of the engine shares one :class:`EngineQueue` (in the engine's
+:class:`~trimkit.planning.speed.EngineState`), so each request sees all the others. The rules
+(docs/scaling.md §1):
 
-**What a request counts for** (its predicted remaining work, :meth:`Ticket.remaining_s`): being
-planned or waiting for the engine, its predicted TTFT + its predicted decode; holding the engine
-before its first token, what is left of its predicted TTFT (at least 0) + its predicted decode;
-streaming, what is left of its predicted decode (at least 0). Planned and not sent yet
-(``prepare`` without ``execute``), it counts for no one until it is sent.
-
-The predicted decode is the answer's tokens after the first / the speed a holder of the engine
-streams at: the median over the engine's last :data:`ANSWER_WINDOW` finished streams (as the
-caller's thread saw them: the per-token work around the engine included), the profile's decode
-speed until one has finished. The answer length is ``max_tokens`` (or ``max_completion_tokens``)
-when the call sets one — an upper bound, so the wait errs long when answers stop early; else the
-median completion length of the engine's last :data:`ANSWER_WINDOW` requests that set neither
-(:data:`DEFAULT_ANSWER_TOKENS` until one has finished); never more than the context left.
-
-**The wait** of a request (:meth:`EngineQueue.wait_s`) is the sum of the remaining work of the
-requests in flight that entered the queue before it. A request enters when it starts being
-planned, before its prompt is counted, so two requests planned at the same time see each other
-(one whose prompt is not counted yet counts as much as the one asking). The engine itself is
-handed on first come, first served (:class:`~trimkit.planning.queue.EngineLease`): requests sent
-in the order they were planned are served in the order their waits were predicted in.
-
-**The cache a queued request finds.** The requests ahead run first, so a queued request finds the
-engine's context holding the prompt of the last one ahead, not what it holds now: its cached
-prefix is at most what it shares with that prompt (:meth:`EngineQueue.context_after`).
-
-**Leaving.** A request leaves when its stream finishes, fails, is closed or is garbage-collected,
-when it fails before it is sent, or when its prepared request is dropped unsent: the queue holds
-its tickets weakly, and a ticket whose stream has ended (or is gone) no longer counts. Nothing
-leaks from a request that nobody finishes.
-
-**What happens when the wait breaks the budget** is ``on_busy`` (:func:`busy_decision`):
-``"trim"`` (default) plans the prompt to the budget less the wait (a wait that leaves no room makes
-the plan infeasible: ``on_infeasible`` applies, and ``"raise"`` raises
-:class:`~trimkit.errors.QueueBudgetError` before anything is sent), ``"wait"`` plans it to the
-whole budget as if the engine were free.
+- **A request's remaining work** (:meth:`Ticket.remaining_s`): waiting, its predicted TTFT +
+  decode; holding the engine, what is left of those; streaming, what is left of its decode.
+  Planned and not sent yet, it counts for no one. The decode is the answer length
+  (``max_tokens``/``max_completion_tokens``, else the median of recent unbounded answers) at the
+  recent streams' speed.
+- **The wait** (:meth:`EngineQueue.wait_s`): the remaining work of the requests that entered
+  before it. A request enters before its prompt is counted, so two planned at once see each other.
+- **The cache it finds**: the prompt of the last request ahead (:meth:`EngineQueue.context_after`).
+- **Leaving**: the queue holds tickets weakly, and a ticket whose stream ended (or is gone) no
+  longer counts, so nothing leaks from a request that nobody finishes.
+- **When the wait breaks the budget**: ``on_busy`` (:func:`busy_decision`).
 """
 
 from __future__ import annotations

