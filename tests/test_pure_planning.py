@@ -7,6 +7,7 @@ from __future__ import annotations
 import builtins
 import os
 import pathlib
+import threading
 
 import pytest
 
@@ -19,12 +20,15 @@ from trimkit.wrapper import Trimmer
 
 
 class WatchedFake(FakeBackend):
-    """A fake engine that records every attribute read while a plan is being made."""
+    """A fake engine that records every attribute read while a plan is being made, by the thread
+    making it (a background summary of the last turn may read it meanwhile: no part of the plan)."""
 
     planning = False
+    planner = 0
 
     def __getattribute__(self, name: str):
-        if not name.startswith("__") and object.__getattribute__(self, "planning"):
+        if (not name.startswith("__") and object.__getattribute__(self, "planning")
+                and threading.get_ident() == object.__getattribute__(self, "planner")):
             object.__getattribute__(self, "read_while_planning").append(name)
         return object.__getattribute__(self, name)
 
@@ -44,24 +48,28 @@ def test_a_plan_asks_the_engine_nothing_and_writes_nothing(isolated_cache, monke
     writes: list[str] = []
     real_open, real_replace = builtins.open, os.replace
 
+    def planning() -> bool:  # the planning thread (another one, a background summary, may write meanwhile)
+        return fake.planning and threading.get_ident() == fake.planner
+
     def open_(file, mode="r", *args, **kwargs):
-        if fake.planning and any(c in mode for c in "wax+"):
+        if planning() and any(c in mode for c in "wax+"):
             writes.append(f"open({file!r}, {mode!r})")
         return real_open(file, mode, *args, **kwargs)
 
     def replace(src, dst, *args, **kwargs):
-        if fake.planning:
+        if planning():
             writes.append(f"os.replace({src!r}, {dst!r})")
         return real_replace(src, dst, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", open_)
     monkeypatch.setattr(os, "replace", replace)
-    monkeypatch.setattr(pathlib.Path, "write_text", lambda *a, **k: writes.append("Path.write_text"))
+    monkeypatch.setattr(pathlib.Path, "write_text", lambda *a, **k: writes.append("Path.write_text") if planning() else None)
     real_plan = trimkit.pipeline.make_plan
     plans, held = [], []
 
     def watched_plan(*args, **kwargs):
         held.append(list(fake.kv))  # what the engine holds as the plan is made
+        fake.planner = threading.get_ident()
         fake.planning = True
         try:
             plans.append(real_plan(*args, **kwargs))
