@@ -104,16 +104,12 @@ def _end_stream(chunks: Any, release: Callable[[], None]) -> None:
 class TimedStream:
     """Wraps a stream of response chunks, timing the first content chunk and the end.
 
-    Iterate it exactly like the underlying stream. When it is exhausted ``finish(self)`` is
-    called once to build the :class:`Measurement` (the backend reads engine timings there);
-    ``on_done`` callbacks then receive it. If the underlying stream raises, ``on_error`` is
-    called with the exception and the exception propagates (translated by ``on_error`` if it
-    returns one).
-
-    A stream may own a resource (an in-process engine): ``release`` is then called exactly once,
-    by whichever thread ends the stream — exhausting it, a failure, :meth:`close`, or the
-    garbage collector when it is dropped unfinished. ``queue_s`` is how long the backend waited
-    for that resource before the stream existed (never part of the TTFT).
+    Iterate it like the underlying stream. Once it is exhausted ``finish(self)`` builds the
+    :class:`Measurement` and the ``on_done`` callbacks receive it; if the stream raises,
+    ``on_error`` may translate the exception. A stream that owns a resource (an in-process engine)
+    calls ``release`` exactly once, in whichever thread ends it: exhausted, failed, :meth:`close`,
+    or garbage-collected unfinished. ``queue_s``: the wait for that resource before the stream
+    existed (never part of the TTFT).
     """
 
     def __init__(

@@ -51,7 +51,7 @@ from trimkit.backends.transport import (
     url_credentials,
     without_retries,
 )
-from trimkit.errors import InvalidInputError, ServerError
+from trimkit.errors import InvalidInputError, ServerError, count
 from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey
 from trimkit.planning.tokens import PromptTokenizer
@@ -147,17 +147,15 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
                  tokenizer: PromptTokenizer | None = None) -> None:
         self.base_url, self.root_url = normalize_base_url(base_url)  # without userinfo: it goes in the header below
         self.limits = RequestLimits(timeout_s, connect_timeout_s, retry_deadline_s, max_attempts, retry_backoff_s, retry_backoff_max_s)
-        if cache_block_tokens is not None and (isinstance(cache_block_tokens, bool) or not isinstance(cache_block_tokens, int) or cache_block_tokens < 1):
-            raise InvalidInputError(f"cache_block_tokens must be an int >= 1, got {cache_block_tokens!r}")
+        if cache_block_tokens is not None:
+            count(cache_block_tokens, "cache_block_tokens", minimum=1)
         if client is not None and not is_openai_client(client):
             raise InvalidInputError("client must look like openai.OpenAI: it needs .chat.completions.create")
         self.model = model
         self.clock = clock
         self._n_ctx_arg, self._n_batch_arg, self._block_arg = n_ctx, n_batch, cache_block_tokens
         self.chat_format = chat_format
-        self._render_local = None
-        if chat_format is not None:
-            self._render_local = chat_format_renderer(chat_format)
+        self._render_local = chat_format_renderer(chat_format) if chat_format is not None else None
         request_headers = {"Accept": "application/json", **(headers or {})}
         basic = url_credentials(base_url)
         if basic and not any(k.lower() == "authorization" for k in request_headers):
@@ -410,16 +408,12 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
     def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
              retry_deadline_s: float | None = None, deadline_s: float | None = None, watch: Any = None,
              headers: Mapping[str, str] | None = None) -> TimedStream:
-        """Stream a chat request. The request goes out on the first ``next()`` (that is when
-        the TTFT clock starts); it is retried on transient failures until ``retry_deadline_s``
-        but never after the first chunk. ``deadline_s`` (else the instance's ``deadline_s``)
-        also bounds every wait before the first chunk: past it, ServerTimeoutError. Yields plain
-        dicts (URL form) or the client's own chunk objects; the usage-only chunk trimkit adds
-        with ``stream_options`` is not yielded. ``watch``: the driver of a watched prefill
-        (:class:`~trimkit.pipeline.WatchedPrefill`, llama-server only: :attr:`evaluate_to`):
-        the prompt is prefilled in steps first, re-planned if its pace says the first token would
-        come too late, and the chat request then finds all of it in the slot's cache. ``headers``:
-        this request's own (a routing key: :func:`~trimkit.backends.server.routing_headers`)."""
+        """Stream a chat request. It goes out on the first ``next()`` (when the TTFT clock starts) and
+        is retried on transient failures until ``retry_deadline_s``, never after the first chunk;
+        ``deadline_s`` (else the instance's) bounds every wait before the first chunk
+        (ServerTimeoutError). Yields plain dicts (URL form) or the client's own chunks, never the
+        usage-only chunk trimkit asked for. ``watch``: the driver of a watched prefill
+        (:attr:`evaluate_to`); ``headers``: this request's own (a routing key)."""
         if watch is not None:
             return self._watched_stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s, watch, headers)
         return self._stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s, headers=headers)[0]
@@ -427,15 +421,11 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
     # -- the watched prefill over llama-server (trimkit.pipeline.WatchedPrefill) ----------------------
     @property
     def evaluate_to(self) -> Callable[[Sequence[int], int], tuple[float, int]] | None:
-        """One step of a watched prefill — the server's slot made to hold ``tokens[:end]``, by a
-        ``/completion`` of those token ids with ``n_predict: 0`` (evaluated and cached, nothing
-        generated) — returning (seconds the step took, where the server's evaluation started:
-        its ``timings.cache_n``). Only for llama.cpp's ``llama-server`` with exact counts (its
-        tokenizer and chat template, so the steps are the prompt the chat request renders) whose
-        ``/props`` names its build (llama-server's own, not a server that only shares its
-        tokenize endpoints), and a sync client; None elsewhere: those requests are planned once,
-        before sending — and behind a router (``info.router``), whose workers the steps and the
-        chat request could reach apart."""
+        """One step of a watched prefill: a ``/completion`` of ``tokens[:end]`` with ``n_predict: 0``
+        makes the slot hold them; it returns (seconds, where evaluation started: ``timings.cache_n``).
+        Only for llama.cpp's own ``llama-server`` (``/props`` names its build) with exact counts, so
+        the steps are the prompt the chat request renders, and a sync client; None elsewhere — and
+        behind a router, whose workers the steps and the chat request could reach apart."""
         info = self.server_info()
         if info.router is not None or info.engine != "llama.cpp" or not info.engine_version.startswith("llama.cpp ") or self.client_is_async or not self.prompt_count_exact:
             return None
@@ -481,16 +471,11 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
     def complete(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
                  measure_ttft: bool = True, retry_deadline_s: float | None = None, deadline_s: float | None = None,
                  headers: Mapping[str, str] | None = None) -> tuple[Any, Measurement]:
-        """A non-streaming chat request: ``(response, measurement)``. The response is a
-        ``chat.completion`` dict (URL form) or the client's own ``ChatCompletion``.
-
-        With ``measure_ttft`` (default) the request is streamed and the response assembled from
-        the chunks, so TTFT is measured; its ``usage`` is what the stream reported (None from
-        servers that report none while streaming). With ``measure_ttft=False`` it is sent with
-        ``stream=False`` as asked: ``ttft_s`` is None and only the server's numbers are measured.
-        Its first byte comes after the whole answer, so there ``deadline_s`` (only if given: the
-        instance's is for first chunks) bounds the whole answer: allow for the decode in it.
-        """
+        """A non-streaming chat request: ``(response, measurement)``, the response a ``chat.completion``
+        dict (URL form) or the client's own ``ChatCompletion``. With ``measure_ttft`` (default) it is
+        streamed and assembled, so TTFT is measured (``usage`` is what the stream reported). With
+        ``measure_ttft=False`` it is sent with ``stream=False``: only the server's numbers, and
+        ``deadline_s`` (only if given) bounds the whole answer, decode included."""
         if measure_ttft:
             ts, state = self._stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s, collect=True, headers=headers)
             m = ts.drain()
