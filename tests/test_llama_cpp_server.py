@@ -26,9 +26,9 @@ SYSTEM = {"role": "system", "content": "You are a careful assistant. Answer in o
 
 
 def words(n: int, offset: int = 0) -> str:
-    from trimkit.backends.server import default_probe_text
+    from trimkit.backends.base import probe_text
 
-    text = default_probe_text().split()
+    text = probe_text().split()
     return " ".join(text[offset: offset + n])
 
 

@@ -1,22 +1,13 @@
-"""The seam between trimkit and a model engine, and the one place trimkit asks what kind of client
-the caller handed over.
-
-A :class:`Backend` does four things: tokenize a chat prompt as the engine will
-(:attr:`Backend.tokenizer`), say how many of its tokens the engine will reuse from its KV cache
-(:meth:`Backend.predict_cached_tokens`), send a chat request while timing it
-(:meth:`Backend.send`), and run calibration probes (:meth:`Backend.measure_prefill` and friends).
-Adapters wrap the client the user already has; :class:`~trimkit.testing.FakeBackend`
-is a deterministic stand-in for unit tests of everything above this seam.
+"""The seam between trimkit and a model engine (:class:`Backend`, :class:`TimedStream`,
+:class:`Measurement`), and the one place trimkit asks what kind of client the caller handed over
+(:func:`client_kind`: ``wrap()``, calibration and the HTTP backend all judge a client by it).
 
 **The watched prefill.** A backend that can evaluate a prompt up to a token and say how long it
 took — ``evaluate_to(tokens, end) -> (seconds, start)``, the context then holding ``tokens[:end]``
 — and whose :meth:`Backend.send` takes a ``watch=`` driver (called at the start of the stream as
 ``watch(evaluate_to, clock, held) -> (messages, tokens)``, it returns what to generate from) takes
-part in the closed loop (:mod:`trimkit.planning.watch`). :class:`~trimkit.backends.llama.LlamaBackend`
-does; a backend without ``evaluate_to`` is planned once, before sending.
-
-**Clients.** ``wrap()``, calibration and the HTTP backend all dispatch through
-:func:`client_kind` and its checks, so a client-like object is judged the same way everywhere.
+part in the closed loop (:mod:`trimkit.planning.watch`); one without ``evaluate_to`` is planned
+once, before sending.
 """
 
 from __future__ import annotations
@@ -113,16 +104,12 @@ def _end_stream(chunks: Any, release: Callable[[], None]) -> None:
 class TimedStream:
     """Wraps a stream of response chunks, timing the first content chunk and the end.
 
-    Iterate it exactly like the underlying stream. When it is exhausted ``finish(self)`` is
-    called once to build the :class:`Measurement` (the backend reads engine timings there);
-    ``on_done`` callbacks then receive it. If the underlying stream raises, ``on_error`` is
-    called with the exception and the exception propagates (translated by ``on_error`` if it
-    returns one).
-
-    A stream may own a resource (an in-process engine): ``release`` is then called exactly once,
-    by whichever thread ends the stream — exhausting it, a failure, :meth:`close`, or the
-    garbage collector when it is dropped unfinished. ``queue_s`` is how long the backend waited
-    for that resource before the stream existed (never part of the TTFT).
+    Iterate it like the underlying stream. Once it is exhausted ``finish(self)`` builds the
+    :class:`Measurement` and the ``on_done`` callbacks receive it; if the stream raises,
+    ``on_error`` may translate the exception. A stream that owns a resource (an in-process engine)
+    calls ``release`` exactly once, in whichever thread ends it: exhausted, failed, :meth:`close`,
+    or garbage-collected unfinished. ``queue_s``: the wait for that resource before the stream
+    existed (never part of the TTFT).
     """
 
     def __init__(
@@ -219,7 +206,7 @@ class TimedStream:
 
     @property
     def released(self) -> bool:
-        """True once the resource this stream held (if any) has been released."""
+        """True once the resource this stream held (if any) has been released (read by the engine queue)."""
         return self._release is None or not self._release.alive
 
     def _end(self) -> None:
@@ -385,8 +372,7 @@ def client_kind(target: Any) -> ClientKind | None:
 
 def is_llama(client: Any) -> bool:
     """A ``llama_cpp.Llama`` (or subclass), without importing llama_cpp when it is not loaded."""
-    llama_cpp = sys.modules.get("llama_cpp")
-    Llama = getattr(llama_cpp, "Llama", None) if llama_cpp is not None else None
+    Llama = getattr(sys.modules.get("llama_cpp"), "Llama", None)
     return Llama is not None and isinstance(client, Llama)
 
 
@@ -408,7 +394,4 @@ def is_ollama_client(client: Any) -> bool:
 
 def client_is_async(client: Any) -> bool:
     """Whether an OpenAI-style client's ``chat.completions.create`` must be awaited."""
-    create = client.chat.completions.create
-    if inspect.iscoroutinefunction(inspect.unwrap(create)):
-        return True
-    return type(client).__name__.startswith("Async")
+    return inspect.iscoroutinefunction(inspect.unwrap(client.chat.completions.create)) or type(client).__name__.startswith("Async")

