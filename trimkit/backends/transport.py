@@ -1070,6 +1070,11 @@ class RetryRun:
                                   "(no first chunk, or no reply to a side request)")
 
     def gave_up(self, exc: ServerUnreachableError, retrying: tenacity.BaseRetrying) -> ServerUnreachableError:
+        if isinstance(exc, ServerTimeoutError) and self.deadline.bounded and time.monotonic() - self.start >= self.deadline.seconds:
+            # a bounded deadline is also each read's timeout: whichever fired first, it is the deadline that passed
+            said = self.timed_out()
+            if isinstance(said, ServerUnreachableError):
+                return said
         attempts = retrying.statistics.get("attempt_number", 1)
         return type(exc)(f"{exc} (gave up after {attempts} attempts in {time.monotonic() - self.start:.1f} s)")
 
