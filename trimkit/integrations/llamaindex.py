@@ -3,8 +3,8 @@ their predicted prefill seconds, and keep every chat's TTFT inside a budget.
 
 - :class:`TrimkitPostprocessor`, a node postprocessor for a query or context chat engine: it plans
   the prompt the response synthesizer will send (LlamaIndex's question-answering prompt with the
-  nodes in it) with :func:`trimkit.plan` and returns the nodes it keeps, most relevant first,
-  whole or as a copy cut to the sentences that match the query.
+  nodes in it) with :func:`trimkit.plan` and returns the nodes it keeps in its prompt's order
+  (the most relevant last, next to the question), whole or as a copy cut to the sentences that match the query.
 - :class:`TrimmedLLM`, a LlamaIndex ``FunctionCallingLLM`` around ``LlamaCPP`` or ``OpenAILike``:
   every chat, stream, async call and completion is converted to OpenAI dicts, planned, sent and
   reported by a trimkit front-end on the same engine (:func:`engine_of`), and converted back.
