@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from trimkit.backends.base import Measurement, client_is_async, is_openai_client
+from trimkit.backends.base import Io, Measurement, Steps, client_is_async, is_openai_client
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.server import NOT_GIVEN, RoutingOptions, ServerLoad, ServerLoadReader
 from trimkit.backends.transport import Wait, normalize_base_url
@@ -43,7 +43,7 @@ from trimkit.errors import (
     positive_finite,
 )
 from trimkit.errors import budget as valid_budget
-from trimkit.frontend import Io, Steps, StreamReporter
+from trimkit.frontend import StreamReporter
 from trimkit.messages import coerce_chunks, validate_messages
 from trimkit.openai_wrapper import (
     AsyncTrimmedOpenAI,

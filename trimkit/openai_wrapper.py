@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from trimkit.backends.base import Measurement, client_is_async, is_openai_client
+from trimkit.backends.base import Io, Measurement, Steps, client_is_async, is_openai_client, run_async, run_sync
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.replies import SOURCE_CLIENT, assemble_chat_completion
 from trimkit.backends.server import NOT_GIVEN, RoutingOptions, check_routing_key, planning_for, routing_headers
@@ -32,14 +32,10 @@ from trimkit.errors import InvalidInputError, InvalidMessageError, positive_fini
 from trimkit.frontend import (
     AsyncReportingStream,
     FrontEnd,
-    Io,
     ReportingOpenAIStream,
-    Steps,
     StreamReporter,
     adrain,
     drain,
-    run_async,
-    run_sync,
     send_params,
     usage_counts,
 )
