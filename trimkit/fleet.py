@@ -1126,26 +1126,15 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
                asynchronous: bool | None = None, profile: Profile | Sequence[Profile] | None = None, retry_deadline_s: float | None = None,
                slots: int | None = None, held_prompts: int | None = None, parallel_calibration: bool = False, read_load: bool = True,
                probe_after_s: float = 1.0, probe_max_s: float = 30.0, probe_timeout_s: float = 2.0, **kwargs: Any) -> FleetBase:
-    """A fleet of OpenAI-compatible endpoints (see the module): ``targets`` are base URLs (the
-    requests go out through ``httpx``, answers are dicts; ``asynchronous=True`` for the async
-    front-end) or ``openai`` clients (all sync, or all async: :class:`AsyncFleetFrontEnd`).
-
-    ``profile``: one for every endpoint, a list with one per endpoint, or None (each endpoint's
-    stored profile, else a micro-calibration). ``parallel_calibration``: reach the endpoints in
-    parallel threads (servers on separate machines). ``slots`` / ``held_prompts``: how many
-    requests each server runs at once and how many recent prompts its cache holds (None: from
-    the server, see :class:`~trimkit.fleet.FleetEndpoint`). ``read_load``: read the
-    servers' own load (``/slots``, ``/metrics``, ``/get_load``). ``probe_after_s``,
-    ``probe_max_s``, ``probe_timeout_s``: when an endpoint out of rotation is probed again, the
-    longest backoff, and how long a probe waits. Backend settings (``n_ctx``, ``chat_format``,
-    ``tokenizer``, ``http_client``, timeouts, ``max_attempts``: 2 by default,
-    :data:`FLEET_BACKEND_DEFAULTS`) apply to every endpoint; the rest (``strategies``,
-    ``on_infeasible``, ``on_busy``, ``tokens_per_s_target``, ...) goes to every endpoint's pipeline.
-
-    Bad input (not a list, empty, mixed kinds, the same endpoint twice, a malformed URL) raises
+    """A fleet of OpenAI-compatible endpoints (docs/scaling.md §2 says what each setting does):
+    ``targets`` are base URLs (answers are dicts; ``asynchronous=True`` for the async front-end)
+    or ``openai`` clients (all sync, or all async: :class:`AsyncFleetFrontEnd`). ``profile``: one
+    for every endpoint, one per endpoint, or None (stored, else a micro-calibration). ``read_load``:
+    read the servers' own load; ``probe_timeout_s``: how long a probe of an endpoint out of
+    rotation waits. Backend settings (:data:`FLEET_BACKEND_DEFAULTS` unless given) apply to every endpoint; the rest of
+    ``kwargs`` goes to every endpoint's pipeline. Bad input raises
     :class:`~trimkit.errors.InvalidInputError` before anything is sent; no endpoint reachable:
-    :class:`~trimkit.fleet.FleetUnavailableError`.
-    """
+    :class:`~trimkit.fleet.FleetUnavailableError`."""
     kind = _kind(targets)
     if kind != "url" and asynchronous is not None and asynchronous != (kind == "async"):
         raise InvalidInputError(f"asynchronous={asynchronous} does not match the {kind} clients given")

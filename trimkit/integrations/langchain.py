@@ -566,18 +566,12 @@ class TrimmedChatModel(BaseChatModel):
     """A LangChain chat model that keeps each request's TTFT inside a budget (``docs/integrations.md``).
 
     ``TrimmedChatModel(inner, ttft_budget_s=None, **options)``: ``options`` that are LangChain
-    chat-model fields (``callbacks``, ``tags``, ``metadata``, ``cache``, ``rate_limiter``,
-    ``output_version``, ...) configure this model — those not given are ``inner``'s
-    (:data:`INHERITED_FIELDS`); the rest go to :func:`trimkit.wrap` (``profile`` — trimkit's;
-    the model's LangChain ``.profile``, its capabilities, is ``inner``'s —, ``strategies``,
-    ``values``, ``on_infeasible``, ``on_busy``, ``calibration``, ``rag_template``,
-    ``rag_chunk_template``, ...), checked here. Nothing is measured at construction: on first use
-    the engine's stored profile is used, else a micro-calibration (about 3 s) runs through
-    ``inner``'s own client.
-
-    Per call: ``rag_chunks=[Document | trimkit.Chunk | str, ...]``, ``ttft_budget_s=`` (else
-    :attr:`ttft_budget_s`; None: no budget, nothing trimmed), ``on_busy=``; every other keyword
-    reaches ``inner`` as it would without trimkit.
+    chat-model fields (``callbacks``, ``tags``, ...) configure this model — those not given are
+    ``inner``'s (:data:`INHERITED_FIELDS`); the rest go to :func:`trimkit.wrap`, checked here
+    (``profile`` is trimkit's; the model's LangChain ``.profile`` is ``inner``'s). Nothing is
+    measured at construction: on first use the stored profile, else a micro-calibration through
+    ``inner``'s own client. Per call: ``rag_chunks=``, ``ttft_budget_s=``, ``on_busy=``; every
+    other keyword reaches ``inner`` as it would without trimkit.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)

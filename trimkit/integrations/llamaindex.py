@@ -471,19 +471,13 @@ def _prompt_messages(prompt: str) -> list[ChatMessage]:
 
 
 class TrimmedLLM(FunctionCallingLLM):
-    """A LlamaIndex LLM that keeps each chat's TTFT inside ``ttft_budget_s``. ``llm``: a LlamaIndex ``LlamaCPP`` or ``OpenAILike`` (any LlamaIndex LLM with
-    an ``api_base``), a ``llama_cpp.Llama``, a server URL, or a sync trimkit wrapper.
-    ``kwargs`` go to :func:`trimkit.wrap` / :func:`trimkit.wrap_url` (``profile``,
-    ``strategies``, ``values``, ``on_infeasible``, …). ``max_tokens``, ``temperature`` and
-    ``additional_kwargs`` (any other decode parameter) are sent with every call, over what the
-    wrapped LLM was configured with. Per call: ``ttft_budget_s=`` and
-    ``rag_chunks=`` (LlamaIndex nodes, text or :class:`~trimkit.messages.Chunk`).
-
-    ``is_function_calling_model``: whether agents may call tools through it (default: what the
-    wrapped LLM's metadata says, else False); tool calls need an engine whose chat template
-    handles tools (or a forced ``tool_choice``: llama-cpp-python then constrains the reply to
-    the tool's JSON schema). Async calls use an async client on a server; in process they run
-    the engine in a worker thread (it runs one request at a time either way)."""
+    """A LlamaIndex LLM that keeps each chat's TTFT inside ``ttft_budget_s`` (docs/integrations.md,
+    "LlamaIndex"). ``llm``: a LlamaIndex ``LlamaCPP`` or ``OpenAILike`` (any LlamaIndex LLM with an
+    ``api_base``), a ``llama_cpp.Llama``, a server URL, or a sync trimkit wrapper; ``kwargs`` go to
+    :func:`trimkit.wrap` / :func:`trimkit.wrap_url`. ``max_tokens``, ``temperature`` and
+    ``additional_kwargs`` are sent with every call, over the wrapped LLM's own. Per call:
+    ``ttft_budget_s=`` and ``rag_chunks=`` (nodes, text or :class:`~trimkit.messages.Chunk`).
+    Async calls use an async client on a server; in process they run in a worker thread."""
 
     ttft_budget_s: float | None = Field(default=None, description="The TTFT budget of a call (None: no budget; per call: ttft_budget_s=).")
     is_function_calling_model: bool = Field(default=False, description="Whether agents may call tools through this LLM.")
@@ -837,22 +831,15 @@ QA_CHUNK_TEMPLATE = "{text}"
 
 
 class TrimkitPostprocessor(BaseNodePostprocessor):
-    """Keep the retrieved nodes worth their predicted prefill seconds for the query.
+    """Keep the retrieved nodes worth their predicted prefill seconds for the query
+    (docs/integrations.md, "LlamaIndex").
 
-    ``llm``: where the prompt will run — a :class:`TrimmedLLM` (its profile, exact token
-    counts, learned safety margin and KV cache), a LlamaIndex ``LlamaCPP`` / ``OpenAILike``, a
-    ``llama_cpp.Llama``, a server URL or a trimkit wrapper (a trimkit front-end is made for
-    it: :func:`trimkit.wrap`, calibrating once unless a profile is stored). Or no ``llm`` and a
-    ``profile=`` (:func:`trimkit.calibrate`), with ``tokenizer=`` (default: an estimate).
-
-    ``ttft_budget_s``: the budget of the request that carries the nodes (default: the
-    ``TrimmedLLM``'s). In a context chat engine the history shares it: give the postprocessor
-    a smaller one to leave room for history (the ``TrimmedLLM`` then trims the older turns).
-
-    The templates default to LlamaIndex's own question-answering prompt for chat models, so the
-    prompt planned is the prompt a query engine sends. ``values`` (default: the llm's trimkit
-    wrapper's) and ``strategies`` (default: count the cached prefix, then drop or cut nodes): as
-    for :func:`trimkit.plan`. When even no node fits, none is kept (the plan says infeasible)."""
+    ``llm``: where the prompt will run — a :class:`TrimmedLLM` (its profile, counts, margin and
+    cache), a LlamaIndex ``LlamaCPP`` / ``OpenAILike``, a ``llama_cpp.Llama``, a server URL or a
+    trimkit wrapper; or no ``llm`` and a ``profile=`` with ``tokenizer=`` (default: an estimate).
+    ``ttft_budget_s``: the budget of the request carrying the nodes (default: the ``TrimmedLLM``'s).
+    The templates default to LlamaIndex's own question-answering prompt, so the prompt planned is
+    the one a query engine sends. When even no node fits, none is kept (the plan says infeasible)."""
 
     ttft_budget_s: float | None = Field(default=None, description="The TTFT budget of the request carrying the nodes.")
     system_prompt: str | None = Field(default=QA_SYSTEM_PROMPT, description="The system message the nodes are planned with.")
