@@ -734,6 +734,20 @@ class _FleetStreamBase:
         self._release.detach()
         self.endpoint.release(self.key, failed=True)
 
+    def open(self) -> Steps:
+        """Read up to the first token, sync or async (chunks before it are held back and yielded first)."""
+        try:
+            while not self._has_output():
+                self._head.append((yield Io(next, anext, self.inner)))
+        except (StopIteration, StopAsyncIteration):
+            self._finished()
+            return
+        except BaseException:
+            self._failed_early()
+            yield Io(self.inner.close, self.inner.close)  # type: ignore[attr-defined]
+            raise
+        self.endpoint.first_token(self.key)
+
     def _finished(self) -> None:
         if self._release.alive:
             self._release()
@@ -752,20 +766,6 @@ class _FleetStreamBase:
 class FleetStream(_FleetStreamBase):
     """What ``create(stream=True)`` returns: iterate it like one endpoint's stream (the client's
     chunk objects, or dicts for URLs); ``.report`` once exhausted; ``with`` and :meth:`close` work."""
-
-    def open(self) -> None:
-        """Read up to the first token (chunks before it are held back and yielded first)."""
-        try:
-            while not self._has_output():
-                self._head.append(next(self.inner))  # type: ignore[call-overload]
-        except StopIteration:
-            self._finished()
-            return
-        except BaseException:
-            self._failed_early()
-            self.inner.close()  # type: ignore[attr-defined]
-            raise
-        self.endpoint.first_token(self.key)
 
     def __iter__(self) -> FleetStream:
         return self
@@ -797,19 +797,6 @@ class FleetStream(_FleetStreamBase):
 
 class AsyncFleetStream(_FleetStreamBase):
     """:class:`FleetStream` for ``async for``; ``async with`` and ``await close()`` work."""
-
-    async def open(self) -> None:
-        try:
-            while not self._has_output():
-                self._head.append(await self.inner.__anext__())  # type: ignore[attr-defined]
-        except StopAsyncIteration:
-            self._finished()
-            return
-        except BaseException:
-            self._failed_early()
-            await self.inner.close()  # type: ignore[attr-defined]
-            raise
-        self.endpoint.first_token(self.key)
 
     def __aiter__(self) -> AsyncFleetStream:
         return self
@@ -976,7 +963,7 @@ class FleetSend(Send):
 
     def reading(self, rs: StreamReporter) -> Steps:
         fs = (AsyncFleetStream if self.front.is_async else FleetStream)(self.fleet, self.route, rs)
-        yield Io(fs.open, fs.open)
+        yield from fs.open()
         return fs
 
 
