@@ -55,12 +55,12 @@ from llama_index.core.prompts.chat_prompts import TEXT_QA_PROMPT_TMPL_MSGS
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.core.types import Model
 
-from trimkit.backends.base import client_kind, is_llama
+from trimkit.backends.base import Io, Steps, client_kind, is_llama, run_async, run_sync
 from trimkit.backends.replies import assemble_chat_completion, parse_chunk
 from trimkit.errors import BackendError, InvalidChunkError, InvalidInputError, InvalidMessageError
 from trimkit.errors import budget as valid_budget
 from trimkit.fleet import wrap_url
-from trimkit.frontend import usage_counts
+from trimkit.frontend import adrain, drain, usage_counts
 from trimkit.integrations import as_openai_error, chat_completions_url
 from trimkit.messages import Chunk, check_rag_templates
 from trimkit.pipeline import place_chunks
@@ -626,13 +626,15 @@ class TrimmedLLM(FunctionCallingLLM):
             replies.stream.close()
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        replies = self._open(messages, kwargs)
+        return run_sync(self._drained(self._open(messages, kwargs)))
+
+    def _drained(self, replies: StreamReplies) -> Steps:
+        """The whole reply of a stream, read to its end (sync or async I/O steps)."""
         try:
             with self._inner_errors():
-                for _ in replies.stream:
-                    pass
+                yield Io(drain, adrain, replies.stream)
         finally:
-            replies.stream.close()
+            yield Io(replies.stream.close, replies.stream.close)
         return self._finish(replies)
 
     def _async_engine(self) -> Any:
@@ -674,13 +676,7 @@ class TrimmedLLM(FunctionCallingLLM):
         if self._async_engine() is None:
             return await asyncio.to_thread(self._chat, messages, kwargs)
         replies, _ = await self._aopen(messages, kwargs)
-        try:
-            with self._inner_errors():
-                async for _ in replies.stream:
-                    pass
-        finally:
-            await replies.stream.close()
-        return self._finish(replies)
+        return await run_async(self._drained(replies))
 
     def prepare(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Any:
         """Plan a chat as :meth:`chat` would send it, without sending it: trimkit's
