@@ -11,6 +11,7 @@ sent and failed over); the fleet itself (building it, health, the client it look
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import heapq
 import logging
@@ -18,7 +19,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -756,11 +757,21 @@ class _FleetStreamBase:
                 self.endpoint.observe(self.inner.params, report.measurement)
                 self.fleet.record(report)
 
-    def _broke(self, exc: BaseException) -> None:
-        """The stream failed after its first token: the caller gets the error (with its report)."""
-        self._release()
-        if isinstance(exc, TrimkitError) and is_endpoint_failure(exc):
-            self.endpoint.mark_down(exc)
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Around reading a chunk after the first token: its end finishes the request; a failure
+        reaches the caller (with its report) and may take the endpoint out of rotation."""
+        try:
+            yield
+        except (StopIteration, StopAsyncIteration):
+            self._finished()
+            raise
+        except BaseException as exc:
+            self._release()
+            if isinstance(exc, TrimkitError) and is_endpoint_failure(exc):
+                self.endpoint.mark_down(exc)
+            raise
+        self.endpoint.progressed()
 
 
 class FleetStream(_FleetStreamBase):
@@ -773,16 +784,8 @@ class FleetStream(_FleetStreamBase):
     def __next__(self) -> Any:
         if self._head:
             return self._head.pop(0)
-        try:
-            chunk = next(self.inner)  # type: ignore[call-overload]
-        except StopIteration:
-            self._finished()
-            raise
-        except BaseException as exc:
-            self._broke(exc)
-            raise
-        self.endpoint.progressed()
-        return chunk
+        with self._reading():
+            return next(self.inner)  # type: ignore[call-overload]
 
     def close(self) -> None:
         self.inner.close()  # type: ignore[attr-defined]
@@ -804,16 +807,8 @@ class AsyncFleetStream(_FleetStreamBase):
     async def __anext__(self) -> Any:
         if self._head:
             return self._head.pop(0)
-        try:
-            chunk = await self.inner.__anext__()  # type: ignore[attr-defined]
-        except StopAsyncIteration:
-            self._finished()
-            raise
-        except BaseException as exc:
-            self._broke(exc)
-            raise
-        self.endpoint.progressed()
-        return chunk
+        with self._reading():
+            return await self.inner.__anext__()  # type: ignore[attr-defined]
 
     async def close(self) -> None:
         await self.inner.close()  # type: ignore[attr-defined]
