@@ -31,7 +31,7 @@ import httpx
 import tenacity
 from httpx_sse import EventSource, ServerSentEvent
 
-from trimkit.backends.base import Clock, Io, Measurement, Steps, TimedStream, run_async, run_sync
+from trimkit.backends.base import Clock, Io, Measurement, Steps, TimedStream
 from trimkit.backends.replies import (
     MAX_EVENT_BYTES,
     MAX_REPLY_BYTES,
@@ -597,14 +597,6 @@ class HTTPTransport:
         sent_headers = {**self.headers, **(headers or {}), "Accept": "text/event-stream"}
         return client.build_request("POST", url, json=body, headers=sent_headers, timeout=self.limits.httpx_timeout(wait))
 
-    def open_url(self, path: str, body: Mapping[str, Any], wait: Wait, headers: Mapping[str, str] | None = None) -> Opened:
-        """POST ``body`` to ``base_url + path`` (with this request's own ``headers`` added) and read up to the first event."""
-        return run_sync(self._open_url(self.http, path, body, wait, headers))
-
-    async def aopen_url(self, client: httpx.AsyncClient, path: str, body: Mapping[str, Any], wait: Wait,
-                        headers: Mapping[str, str] | None = None) -> Opened:
-        return await run_async(self._open_url(client, path, body, wait, headers))
-
     def _open_url(self, client: httpx.Client | httpx.AsyncClient, path: str, body: Mapping[str, Any], wait: Wait,
                   headers: Mapping[str, str] | None) -> Steps:
         url, is_async = self.base_url + path, isinstance(client, httpx.AsyncClient)
@@ -623,17 +615,16 @@ class HTTPTransport:
                 yield Io(close, close)
                 raise
 
-    def open_stream(self, path: str, body: Mapping[str, Any], wait: Wait, client: Any = None, headers: Mapping[str, str] | None = None) -> Opened:
-        """A stream through the ``openai`` ``client`` when one is given, else over httpx;
-        ``headers`` are this request's own (a routing key), added to the backend's."""
-        return self.open_client(client, body, wait, headers) if client is not None else self.open_url(path, body, wait, headers)
-
-    async def aopen_stream(self, http: httpx.AsyncClient | None, path: str, body: Mapping[str, Any], wait: Wait, client: Any = None,
-                           headers: Mapping[str, str] | None = None) -> Opened:
+    def open_stream(self, path: str, body: Mapping[str, Any], wait: Wait, client: Any = None, headers: Mapping[str, str] | None = None, *,
+                    http: httpx.AsyncClient | None = None, is_async: bool = False) -> Steps:
+        """A stream opened up to its first event, as I/O steps (:func:`~trimkit.backends.base.run_sync`,
+        ``run_async``): through the ``openai`` ``client`` when one is given, else ``POST base_url +
+        path`` over httpx (an async stream: over ``http``); ``headers`` are this request's own (a
+        routing key), added to the backend's."""
         if client is not None:
-            return await self.aopen_client(client, body, wait, headers)
-        assert http is not None, "an async stream over httpx needs an AsyncClient"
-        return await self.aopen_url(http, path, body, wait, headers)
+            return self._open_client(client, body, wait, headers, is_async=is_async)
+        assert http is not None or not is_async, "an async stream over httpx needs an AsyncClient"
+        return self._open_url(http or self.http, path, body, wait, headers)
 
     def stream_client(self, *, needed: bool = True) -> httpx.AsyncClient | None:
         """The ``async_http_client`` given, else the pooled one of the running event loop
@@ -661,13 +652,6 @@ class HTTPTransport:
     async def acreate(self, client: Any, body: Mapping[str, Any], wait: Wait, url: str, headers: Mapping[str, str] | None = None) -> Any:
         with translated(lambda exc: client_error(exc, url)):
             return await client.chat.completions.create(**self.client_kwargs(body, wait, headers))
-
-    def open_client(self, client: Any, body: Mapping[str, Any], wait: Wait, headers: Mapping[str, str] | None = None) -> Opened:
-        """A stream through the ``openai`` client, read up to its first chunk."""
-        return run_sync(self._open_client(client, body, wait, headers, is_async=False))
-
-    async def aopen_client(self, client: Any, body: Mapping[str, Any], wait: Wait, headers: Mapping[str, str] | None = None) -> Opened:
-        return await run_async(self._open_client(client, body, wait, headers, is_async=True))
 
     def _open_client(self, client: Any, body: Mapping[str, Any], wait: Wait, headers: Mapping[str, str] | None, *, is_async: bool) -> Steps:
         url = self.base_url
