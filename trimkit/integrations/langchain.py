@@ -1,15 +1,11 @@
 """trimkit for LangChain (``pip install trimkit[langchain]``): the chat model you already use, inside a TTFT budget.
 
-- :class:`TrimmedChatModel` wraps a ``ChatLlamaCpp`` or a ``ChatOpenAI`` pointed at a local server
-  (``chain = prompt | TrimmedChatModel(llm, ttft_budget_s=1.0)``): ``inner`` converts each request
-  as it always does, on a stand-in client (:class:`Call`) that plans and sends it through
-  :func:`trimkit.wrap` on the engine ``inner`` talks to (:class:`Engine`); the report is in
-  ``response_metadata["trimkit"]``, ``model.last_report`` and the ``"trimkit_report"`` event.
-- :func:`trimkit_context` formats retrieved documents for a prompt's context variable and remembers
-  them, so that a trimkit step later in the chain finds them again (:func:`find_context`) and can
-  drop or cut them; documents passed as ``rag_chunks=`` are converted by :func:`as_chunks`.
-- :func:`trimkit_trimmer` is an LCEL step that only plans (:func:`trimkit.plan`) and returns the
-  messages to send, for any chat model after it.
+- :class:`TrimmedChatModel` wraps a ``ChatLlamaCpp`` or a ``ChatOpenAI`` pointed at a local server:
+  ``inner`` converts each request as it always does, on a stand-in client (:class:`Call`) that
+  plans and sends it through :func:`trimkit.wrap` on the engine ``inner`` talks to (:class:`Engine`);
+- :func:`trimkit_context` formats retrieved documents for a prompt's context and remembers them,
+  so that a trimkit step later in the chain finds them again (:func:`find_context`);
+- :func:`trimkit_trimmer` is an LCEL step that only plans and returns the messages to send.
 
 The caller's messages and documents are never changed. Usage, what passes through unchanged and
 where trimkit differs (and why): ``docs/integrations.md``.

@@ -1,16 +1,9 @@
-"""trimkit in LlamaIndex (``pip install trimkit[llamaindex]``): keep the retrieved nodes worth
-their predicted prefill seconds, and keep every chat's TTFT inside a budget.
-
-- :class:`TrimkitPostprocessor`, a node postprocessor for a query or context chat engine: it plans
-  the prompt the response synthesizer will send (LlamaIndex's question-answering prompt with the
-  nodes in it) with :func:`trimkit.plan` and returns the nodes it keeps, most relevant first,
-  whole or as a copy cut to the sentences that match the query.
-- :class:`TrimmedLLM`, a LlamaIndex ``FunctionCallingLLM`` around ``LlamaCPP`` or ``OpenAILike``:
-  every chat, stream, async call and completion is converted to OpenAI dicts, planned, sent and
-  reported by a trimkit front-end on the same engine (:func:`engine_of`), and converted back.
-
-The caller's messages and nodes are never changed. Usage, what is trimmed where and where
-``TrimmedLLM`` differs from the LLM it wraps (and why): ``docs/integrations.md``.
+"""trimkit in LlamaIndex (``pip install trimkit[llamaindex]``): :class:`TrimkitPostprocessor`
+keeps the retrieved nodes worth their predicted prefill seconds for the query, and
+:class:`TrimmedLLM` keeps every chat's TTFT inside a budget (each call converted to OpenAI dicts,
+planned, sent and reported by a trimkit front-end on the same engine, :func:`engine_of`, and
+converted back). The caller's messages and nodes are never changed. Usage, what is trimmed where
+and where ``TrimmedLLM`` differs from the LLM it wraps (and why): ``docs/integrations.md``.
 """
 
 from __future__ import annotations
