@@ -17,6 +17,7 @@ from trimkit.errors import (
 )
 from trimkit.messages import Chunk, append_text
 from trimkit.planning.planner import Plan, plan
+from trimkit.pipeline import place_chunks
 from trimkit.planning.speed import LiveProfile
 from trimkit.planning.summaries import ExtractiveSummarizer, SummaryCache, summary_job, summary_note
 from trimkit.planning.values import ValueModel
@@ -161,12 +162,14 @@ def test_list_content_last_user_message_gets_chunks_in_its_text_part():
     assert parts[1] == before[0]["content"][1] and msgs == before
 
 
-def test_chunks_are_placed_most_relevant_first():
+def test_the_most_relevant_chunk_is_placed_next_to_the_question_the_rest_most_relevant_first():
     chunks = [Chunk("Parrots talk.", id="p"), Chunk("Cats purr. Cats nap.", id="c"), Chunk("Cats hunt.", id="h")]
     p = run(conversation(0, question="Do cats purr?"), 10.0, rag_chunks=chunks)
     text = p.messages[-1]["content"]
-    assert text.index("[c]") < text.index("[h]") < text.index("[p]")
-    assert [c.id for c in p.kept_chunks] == ["c", "h", "p"]
+    assert text.index("[h]") < text.index("[p]") < text.index("[c]") < text.index("Question: Do cats purr?")
+    assert [c.id for c in p.kept_chunks] == ["h", "p", "c"]  # the order the prompt shows them
+    # an untrimmed plan and place_chunks give the same prompt
+    assert place_chunks(conversation(0, question="Do cats purr?"), chunks)[-1]["content"] == text
 
 
 def test_chunk_only_trim_keeps_every_chunk_that_fits():

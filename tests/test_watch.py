@@ -131,6 +131,38 @@ def test_a_faster_host_puts_back_what_the_plan_dropped_and_its_prefill_feeds_the
     assert chat.profile.drift == pytest.approx(0.5, rel=0.02)  # 3 of the latest 5 say the host is twice as fast
 
 
+def chunk_order(sent_messages) -> list[str]:
+    """The chunk ids of the last user message, in the order the prompt shows them."""
+    import re
+
+    return re.findall(r"^\[(doc-\d+)\]", sent_messages[-1]["content"], flags=re.M)
+
+
+@pytest.mark.parametrize("pace", [2.0, 0.5], ids=["slower: a cut", "faster: chunks put back"])
+def test_a_replan_keeps_the_most_relevant_chunk_next_to_the_question(pace):
+    """The prompt shows the most relevant chunk last, next to the question, so that the chunks a
+    watched prefill has not evaluated yet are the least relevant ones and that one. A re-plan
+    keeps it there: a cut keeps it (its value), chunks put back go before it."""
+    n = 40 if pace > 1 else 20
+    budget = 0.8 * untrimmed_ttft(n)
+    messages, chunks = rag_request(n)  # doc-0 scores highest
+    fake, chat = wrapped()  # on pace: the plan as made
+    chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4, ttft_budget_s=budget)
+    assert not chat.last_report.replans
+    planned = chunk_order(fake.calls[-1][0])
+    fake, chat = wrapped(pace=(lambda position: 1.0 if position < 500 else pace) if pace > 1 else (lambda position: pace))
+    chat.create_chat_completion(messages=messages, rag_chunks=chunks, max_tokens=4, ttft_budget_s=budget)
+    assert len(chat.last_report.replans) >= 1
+    sent = chunk_order(fake.calls[-1][0])
+    assert planned[-1] == sent[-1] == "doc-0"
+    assert fake.calls[-1][0][-1]["content"].index("[doc-0]") > fake.calls[-1][0][-1]["content"].index(f"[{sent[-2]}]")
+    if pace > 1:
+        assert set(sent) < set(planned)  # a cut
+    else:
+        assert set(sent) > set(planned)  # put back, before doc-0
+    assert sent[:-1] == sorted(sent[:-1], key=lambda d: int(d.split("-")[1]))  # the rest most relevant first
+
+
 def test_the_watch_projects_at_the_measured_pace():
     profile = make_profile()
     tokens = list(range(2000))

@@ -324,6 +324,19 @@ def render_rag_question(
     return template.format(chunks=body, question=question)
 
 
+def in_prompt_order(chunks: Sequence[Chunk]) -> tuple[Chunk, ...]:
+    """``chunks`` ranked most relevant first, in the order the prompt shows them: the most
+    relevant one last, next to the question, and the rest most relevant first before it.
+
+    A small model answers from the text nearest the question; ranked first to last, that text is
+    the last chunk kept, which after a cut is a near distractor worded like the question. With the
+    top chunk moved next to the question, the chunks a watched prefill has not evaluated yet are
+    still the least relevant ones and the top one, so cutting them mid-prefill keeps the top one by
+    its value (docs/design.md §3; the trial in docs/benchmarks.md)."""
+    chunks = tuple(chunks)
+    return (*chunks[1:], chunks[0]) if len(chunks) > 1 else chunks
+
+
 def with_chunks(message: Mapping[str, Any], chunks: Sequence[Chunk], template: str, chunk_template: str) -> dict[str, Any]:
     """A copy of ``message`` (the last user message) with ``chunks`` placed before its question.
 

@@ -44,6 +44,7 @@ from trimkit.messages import (
     Chunk,
     check_rag_templates,
     coerce_chunks,
+    in_prompt_order,
     last_user_index,
     message_text,
     validate_messages,
@@ -746,14 +747,15 @@ def place_chunks(
 ) -> list[Mapping[str, Any]]:
     """A new message list with ``chunks`` placed into the last user message (caller's list untouched).
 
-    Chunks go most relevant first — the caller's scores when every chunk has one, else BM25
-    against the question — the same order the planner uses, so an untrimmed plan and this
-    placement give the same prompt."""
+    Chunks are ranked by the caller's scores when every chunk has one, else by BM25 against the
+    question, and placed as the planner places them (the most relevant one last, next to the
+    question: :func:`~trimkit.messages.in_prompt_order`), so an untrimmed plan and this placement
+    give the same prompt."""
     out = list(messages)
     if not chunks:
         return out
     i = last_user_index(messages)
-    out[i] = with_chunks(messages[i], rank_chunks(chunks, message_text(messages[i])), template, chunk_template)
+    out[i] = with_chunks(messages[i], in_prompt_order(rank_chunks(chunks, message_text(messages[i]))), template, chunk_template)
     return out
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 from trimkit.errors import InfeasibleBudgetError
-from trimkit.messages import DEFAULT_RAG_CHUNK_TEMPLATE, DEFAULT_RAG_TEMPLATE, Chunk
+from trimkit.messages import DEFAULT_RAG_CHUNK_TEMPLATE, DEFAULT_RAG_TEMPLATE, Chunk, in_prompt_order
 from trimkit.planning.costs import CacheState
 from trimkit.planning.solver import Action, Candidate, PlanState, solve
 from trimkit.planning.strategies import chain, default_strategies
@@ -146,7 +146,7 @@ def _finish(
         cached_tokens=cached,
         new_tokens=exact_tokens - cached,
         actions=state.actions,
-        kept_chunks=c.kept_chunks,
+        kept_chunks=in_prompt_order(c.kept_chunks),
         dropped_chunks=tuple(ch for ch in ctx.chunks if ch.id not in kept_ids),
         removed_message_indices=tuple(sorted(c.removed)),
         summarized_message_indices=tuple(sorted(c.summarized)),
@@ -218,8 +218,9 @@ def plan(
       most twice per plan (memoised): by ``reuse_prefix`` when ``cached_tokens`` is 0, for a
       prompt carrying a cached summary or the previous cut, and for a final prompt whose history
       was edited.
-    - ``rag_chunks`` go into the last user message, most relevant first (caller scores if every
-      chunk has one, else BM25 blended with the retriever's order); each is kept whole, kept as
+    - ``rag_chunks`` go into the last user message ranked (caller scores if every chunk has one,
+      else BM25 blended with the retriever's order), the most relevant one last, next to the
+      question (:func:`~trimkit.messages.in_prompt_order`); each is kept whole, kept as
       an excerpt (the sentences matching the question, marked as such) or dropped.
     - ``summaries``: precomputed summaries (:func:`~trimkit.planning.summaries.summary_job`) that may
       stand in for the oldest turns.

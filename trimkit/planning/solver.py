@@ -33,6 +33,7 @@ from trimkit.messages import (
     append_text,
     check_rag_templates,
     coerce_chunks,
+    in_prompt_order,
     last_user_index,
     message_text,
     turn_spans,
@@ -285,7 +286,7 @@ class RequestContext:
             if i == 0 and c.summary is not None and self.leading_system:
                 m = append_text(m, _summary_block(c.summary))
             elif i == self.last_user and c.kept_chunks:
-                m = with_chunks(m, c.kept_chunks, self.rag_template, self.rag_chunk_template)
+                m = with_chunks(m, in_prompt_order(c.kept_chunks), self.rag_template, self.rag_chunk_template)
             out.append(m)
         return out
 

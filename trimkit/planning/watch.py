@@ -253,22 +253,22 @@ def cut_chunks(plan: Any, original_last_user: Mapping[str, Any], price: Callable
     evaluated stay — they are in the context, and dropping one would forfeit everything after
     it — and of the others, which nothing has evaluated yet, the most value per character that
     fits ``target_s`` from now is kept, in the plan's order (``value(chunk)``: the plan's value of
-    it). ``extra``: chunks the plan dropped that may be put back after its own (a host running
-    faster than predicted), chosen the same way. ``price(messages) -> (tokens, cached,
+    it). ``extra``: chunks the plan dropped that may be put back (a host running faster than
+    predicted), chosen the same way, before the plan's last chunk (its most relevant, next to the
+    question) unless that one is evaluated already. ``price(messages) -> (tokens, cached,
     predicted_s)`` prices a prompt against the engine's context at the measured pace;
     ``position``: how much of the prompt the context holds. A binary search over how many of the
     free chunks to keep, densest first. None when there is no chunk to choose or even none of the
     free ones fits. ``least``: the cut that keeps none of the free chunks, whatever it costs."""
-    kept = (*getattr(plan, "kept_chunks", ()), *extra)
-    if not kept:
+    own = tuple(getattr(plan, "kept_chunks", ()))  # in prompt order, the most relevant one last
+    if not own and not extra:
         return None
     where = last_user_index(plan.messages)
     memo: dict[tuple[int, ...], Cut] = {}
 
-    def cut(chosen: Sequence[int]) -> Cut:
-        key = tuple(chosen)
+    def render(chunks: tuple[Any, ...]) -> Cut:
+        key = tuple(id(c) for c in chunks)
         if key not in memo:
-            chunks = tuple(kept[i] for i in key)
             messages = list(plan.messages)
             messages[where] = with_chunks(original_last_user, chunks, rag_template, rag_chunk_template) if chunks else dict(original_last_user)
             tokens, cached, predicted = price(messages)
@@ -278,12 +278,18 @@ def cut_chunks(plan: Any, original_last_user: Mapping[str, Any], price: Callable
     # the leading chunks the context already holds (in part): chunk i starts where the prompts
     # with and without it part ways
     fixed = 0
-    n_own = len(kept) - len(extra)
-    while fixed < n_own:
-        start = common_prefix_len(cut(range(fixed)).tokens, cut(range(fixed + 1)).tokens)
+    while fixed < len(own):
+        start = common_prefix_len(render(own[:fixed]).tokens, render(own[: fixed + 1]).tokens)
         if start >= position:
             break
         fixed += 1
+    # chunks put back go before the plan's last one (its most relevant, next to the question)
+    # while nothing has evaluated it, else after it
+    kept = (*own[:-1], *extra, *own[-1:]) if fixed < len(own) else (*own, *extra)
+
+    def cut(chosen: Sequence[int]) -> Cut:
+        return render(tuple(kept[i] for i in chosen))
+
     free = sorted(range(fixed, len(kept)), key=lambda i: -value(kept[i]) / max(len(str(kept[i].text)), 1))
 
     def choice(m: int) -> list[int]:
