@@ -16,8 +16,8 @@ from trimkit.errors import (
     InvalidNumberError,
 )
 from trimkit.messages import Chunk, append_text
-from trimkit.planning.planner import Plan, plan
 from trimkit.pipeline import place_chunks
+from trimkit.planning.planner import Plan, plan
 from trimkit.planning.speed import LiveProfile
 from trimkit.planning.summaries import ExtractiveSummarizer, SummaryCache, summary_job, summary_note
 from trimkit.planning.values import ValueModel

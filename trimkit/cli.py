@@ -35,7 +35,7 @@ from trimkit.messages import Chunk, coerce_chunks, validate_messages
 from trimkit.pipeline import place_chunks
 from trimkit.planning.planner import plan as make_plan
 from trimkit.planning.profile import Profile
-from trimkit.planning.values import rank_chunks
+from trimkit.planning.values import index_runs, rank_chunks
 from trimkit.report import DEFAULT_WAIT_THRESHOLD_S, READING_SPEED_TOKENS_PER_S, diagnose
 from trimkit.wrapper import wrap
 
@@ -222,13 +222,7 @@ def _plan_profile(args: argparse.Namespace, backend: Backend) -> tuple[Profile, 
 
 def _index_ranges(indices: Sequence[int]) -> str:
     """``1, 2, 3, 7`` as ``1–3, 7``: a plan that drops 4,000 turns prints one short line."""
-    runs: list[list[int]] = []
-    for i in sorted(indices):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs)
+    return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in index_runs(indices))
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

@@ -1,49 +1,11 @@
-"""trimkit's exceptions: one tree, rooted at :class:`TrimkitError`.
+"""trimkit's exceptions: one tree, rooted at :class:`TrimkitError` (the tree, and which failure
+raises what: docs/reference.md "Errors", docs/servers.md §6).
 
-Catch ``TrimkitError`` to handle anything trimkit raises on purpose. Each error also
-subclasses the builtin it naturally is, so code that already catches ``ValueError`` or
-``FileNotFoundError`` keeps working::
-
-    TrimkitError
-    ├── InvalidInputError (ValueError)          bad argument, raised before anything is sent
-    │   ├── InvalidMessageError                 a message without role/content, unknown role, not a list
-    │   ├── InvalidChunkError                   a RAG chunk without text
-    │   ├── InvalidBudgetError                  a TTFT budget that is zero, negative, NaN or infinite
-    │   └── InvalidNumberError                  a time or count that is non-positive or non-finite
-    ├── ModelError (ValueError)
-    │   ├── ModelNotFoundError (FileNotFoundError)   the model path does not exist
-    │   └── NotGGUFError                        the file is not a GGUF model
-    ├── ContextTooSmallError (ValueError)       n_ctx cannot hold a calibration probe / the minimal prompt
-    ├── ProfileError                            a stored profile cannot be used (recovered from, with a warning)
-    ├── CalibrationError (RuntimeError)         calibration could not measure (e.g. no samples)
-    ├── InfeasibleBudgetError                   even the minimal prompt cannot meet the budget
-    │   │                                       (carries ``.plan`` and ``.report``)
-    │   └── QueueBudgetError                    on_infeasible="raise": the predicted wait for the requests
-    │                                           ahead alone breaks the budget (``.wait_s``, ``.ahead``)
-    └── BackendError (RuntimeError)             the model engine or server failed (``.report``: see below)
-        ├── ServerError                         the server answered with an error (``.status``, ``.server_message``)
-        │   ├── TransientServerError            502/503/504/429: retried before it is raised
-        │   ├── PromptTruncatedError            the server answered but took in fewer prompt tokens than
-        │   │                                   were sent: it cut the prompt (``.truncated_tokens``, ``.report``)
-        │   └── MalformedReplyError             a reply the protocol does not allow: not JSON, the wrong
-        │                                       shape, a number out of range, nested too deep, over the
-        │                                       size cap, the wrong content type (``.field`` says where)
-        ├── ServerUnreachableError (ConnectionError)  connection refused / DNS / timeout after retries
-        │   ├── ServerTimeoutError (TimeoutError)     no first chunk (side request: no answer) within the
-        │   │                                         request's deadline
-        │   └── FleetUnavailableError           no endpoint of a fleet could take it (``.attempts``)
-        ├── OverloadedError (TimeoutError)      live but too busy to start the request in time
-        │   │                                   (``.retry_after_s``: when to try again)
-        │   └── FleetOverloadedError            every live endpoint of a fleet too busy (``.attempts``)
-        ├── StreamInterruptedError              the stream broke mid-response (carries ``.report``)
-        └── EngineBusyError (TimeoutError)      another request or open stream held the in-process
-                                                engine past this request's wait bound
-
-Dependency errors (httpx, llama_cpp, openai) are translated into these at the boundary.
-
-A :class:`BackendError` raised while a wrapped call's stream is read (``create(stream=True)``
-iterated, or a non-streamed ``create`` rebuilt from a stream) carries ``.report``: the report of
-what was sent, with the TTFT if it was measured. Elsewhere ``.report`` is None.
+Catch ``TrimkitError`` to handle anything trimkit raises on purpose. Each error also subclasses
+the builtin it naturally is (``ValueError``, ``FileNotFoundError``, ``TimeoutError``, ...), so code
+that already catches those keeps working. Dependency errors (httpx, llama_cpp, openai) are
+translated into these at the boundary. A :class:`BackendError` raised while a wrapped call's stream
+is read carries ``.report`` (what was sent, with the TTFT if it was measured); elsewhere None.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ sent and failed over); the fleet itself (building it, health, the client it look
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import heapq
 import logging
@@ -18,13 +19,13 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
 
-from trimkit.backends.base import Measurement, client_is_async, is_openai_client
+from trimkit.backends.base import Io, Measurement, Steps, client_is_async, is_openai_client
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.server import NOT_GIVEN, RoutingOptions, ServerLoad, ServerLoadReader
 from trimkit.backends.transport import Wait, normalize_base_url
@@ -43,7 +44,7 @@ from trimkit.errors import (
     positive_finite,
 )
 from trimkit.errors import budget as valid_budget
-from trimkit.frontend import Io, Steps, StreamReporter
+from trimkit.frontend import StreamReporter
 from trimkit.messages import coerce_chunks, validate_messages
 from trimkit.openai_wrapper import (
     AsyncTrimmedOpenAI,
@@ -734,6 +735,20 @@ class _FleetStreamBase:
         self._release.detach()
         self.endpoint.release(self.key, failed=True)
 
+    def open(self) -> Steps:
+        """Read up to the first token, sync or async (chunks before it are held back and yielded first)."""
+        try:
+            while not self._has_output():
+                self._head.append((yield Io(next, anext, self.inner)))
+        except (StopIteration, StopAsyncIteration):
+            self._finished()
+            return
+        except BaseException:
+            self._failed_early()
+            yield Io(self.inner.close, self.inner.close)  # type: ignore[attr-defined]
+            raise
+        self.endpoint.first_token(self.key)
+
     def _finished(self) -> None:
         if self._release.alive:
             self._release()
@@ -742,30 +757,26 @@ class _FleetStreamBase:
                 self.endpoint.observe(self.inner.params, report.measurement)
                 self.fleet.record(report)
 
-    def _broke(self, exc: BaseException) -> None:
-        """The stream failed after its first token: the caller gets the error (with its report)."""
-        self._release()
-        if isinstance(exc, TrimkitError) and is_endpoint_failure(exc):
-            self.endpoint.mark_down(exc)
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Around reading a chunk after the first token: its end finishes the request; a failure
+        reaches the caller (with its report) and may take the endpoint out of rotation."""
+        try:
+            yield
+        except (StopIteration, StopAsyncIteration):
+            self._finished()
+            raise
+        except BaseException as exc:
+            self._release()
+            if isinstance(exc, TrimkitError) and is_endpoint_failure(exc):
+                self.endpoint.mark_down(exc)
+            raise
+        self.endpoint.progressed()
 
 
 class FleetStream(_FleetStreamBase):
     """What ``create(stream=True)`` returns: iterate it like one endpoint's stream (the client's
     chunk objects, or dicts for URLs); ``.report`` once exhausted; ``with`` and :meth:`close` work."""
-
-    def open(self) -> None:
-        """Read up to the first token (chunks before it are held back and yielded first)."""
-        try:
-            while not self._has_output():
-                self._head.append(next(self.inner))  # type: ignore[call-overload]
-        except StopIteration:
-            self._finished()
-            return
-        except BaseException:
-            self._failed_early()
-            self.inner.close()  # type: ignore[attr-defined]
-            raise
-        self.endpoint.first_token(self.key)
 
     def __iter__(self) -> FleetStream:
         return self
@@ -773,16 +784,8 @@ class FleetStream(_FleetStreamBase):
     def __next__(self) -> Any:
         if self._head:
             return self._head.pop(0)
-        try:
-            chunk = next(self.inner)  # type: ignore[call-overload]
-        except StopIteration:
-            self._finished()
-            raise
-        except BaseException as exc:
-            self._broke(exc)
-            raise
-        self.endpoint.progressed()
-        return chunk
+        with self._reading():
+            return next(self.inner)  # type: ignore[call-overload]
 
     def close(self) -> None:
         self.inner.close()  # type: ignore[attr-defined]
@@ -798,35 +801,14 @@ class FleetStream(_FleetStreamBase):
 class AsyncFleetStream(_FleetStreamBase):
     """:class:`FleetStream` for ``async for``; ``async with`` and ``await close()`` work."""
 
-    async def open(self) -> None:
-        try:
-            while not self._has_output():
-                self._head.append(await self.inner.__anext__())  # type: ignore[attr-defined]
-        except StopAsyncIteration:
-            self._finished()
-            return
-        except BaseException:
-            self._failed_early()
-            await self.inner.close()  # type: ignore[attr-defined]
-            raise
-        self.endpoint.first_token(self.key)
-
     def __aiter__(self) -> AsyncFleetStream:
         return self
 
     async def __anext__(self) -> Any:
         if self._head:
             return self._head.pop(0)
-        try:
-            chunk = await self.inner.__anext__()  # type: ignore[attr-defined]
-        except StopAsyncIteration:
-            self._finished()
-            raise
-        except BaseException as exc:
-            self._broke(exc)
-            raise
-        self.endpoint.progressed()
-        return chunk
+        with self._reading():
+            return await self.inner.__anext__()  # type: ignore[attr-defined]
 
     async def close(self) -> None:
         await self.inner.close()  # type: ignore[attr-defined]
@@ -976,7 +958,7 @@ class FleetSend(Send):
 
     def reading(self, rs: StreamReporter) -> Steps:
         fs = (AsyncFleetStream if self.front.is_async else FleetStream)(self.fleet, self.route, rs)
-        yield Io(fs.open, fs.open)
+        yield from fs.open()
         return fs
 
 
@@ -1126,26 +1108,15 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
                asynchronous: bool | None = None, profile: Profile | Sequence[Profile] | None = None, retry_deadline_s: float | None = None,
                slots: int | None = None, held_prompts: int | None = None, parallel_calibration: bool = False, read_load: bool = True,
                probe_after_s: float = 1.0, probe_max_s: float = 30.0, probe_timeout_s: float = 2.0, **kwargs: Any) -> FleetBase:
-    """A fleet of OpenAI-compatible endpoints (see the module): ``targets`` are base URLs (the
-    requests go out through ``httpx``, answers are dicts; ``asynchronous=True`` for the async
-    front-end) or ``openai`` clients (all sync, or all async: :class:`AsyncFleetFrontEnd`).
-
-    ``profile``: one for every endpoint, a list with one per endpoint, or None (each endpoint's
-    stored profile, else a micro-calibration). ``parallel_calibration``: reach the endpoints in
-    parallel threads (servers on separate machines). ``slots`` / ``held_prompts``: how many
-    requests each server runs at once and how many recent prompts its cache holds (None: from
-    the server, see :class:`~trimkit.fleet.FleetEndpoint`). ``read_load``: read the
-    servers' own load (``/slots``, ``/metrics``, ``/get_load``). ``probe_after_s``,
-    ``probe_max_s``, ``probe_timeout_s``: when an endpoint out of rotation is probed again, the
-    longest backoff, and how long a probe waits. Backend settings (``n_ctx``, ``chat_format``,
-    ``tokenizer``, ``http_client``, timeouts, ``max_attempts``: 2 by default,
-    :data:`FLEET_BACKEND_DEFAULTS`) apply to every endpoint; the rest (``strategies``,
-    ``on_infeasible``, ``on_busy``, ``tokens_per_s_target``, ...) goes to every endpoint's pipeline.
-
-    Bad input (not a list, empty, mixed kinds, the same endpoint twice, a malformed URL) raises
+    """A fleet of OpenAI-compatible endpoints (docs/scaling.md §2 says what each setting does):
+    ``targets`` are base URLs (answers are dicts; ``asynchronous=True`` for the async front-end)
+    or ``openai`` clients (all sync, or all async: :class:`AsyncFleetFrontEnd`). ``profile``: one
+    for every endpoint, one per endpoint, or None (stored, else a micro-calibration). ``read_load``:
+    read the servers' own load; ``probe_timeout_s``: how long a probe of an endpoint out of
+    rotation waits. Backend settings (:data:`FLEET_BACKEND_DEFAULTS` unless given) apply to every endpoint; the rest of
+    ``kwargs`` goes to every endpoint's pipeline. Bad input raises
     :class:`~trimkit.errors.InvalidInputError` before anything is sent; no endpoint reachable:
-    :class:`~trimkit.fleet.FleetUnavailableError`.
-    """
+    :class:`~trimkit.fleet.FleetUnavailableError`."""
     kind = _kind(targets)
     if kind != "url" and asynchronous is not None and asynchronous != (kind == "async"):
         raise InvalidInputError(f"asynchronous={asynchronous} does not match the {kind} clients given")

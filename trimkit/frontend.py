@@ -1,16 +1,15 @@
 """What every front-end shares: :class:`FrontEnd`, the pipeline's state under the names users
 know (``.profile``, ``.last_report``, ``.idle()``, ...); the reporting streams a wrapped call
 returns, which build the report when the engine's stream ends and keep the request's place in an
-in-process engine's queue (:mod:`trimkit.planning.queue`) up to date; and the send path written
-once for sync and async front-ends: a generator yielding each I/O step (:class:`Io`), which
-:func:`run_sync` calls and :func:`run_async` awaits.
+in-process engine's queue (:mod:`trimkit.planning.queue`) up to date. The send path is written
+once for sync and async front-ends (:class:`~trimkit.backends.base.Io`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -31,46 +30,6 @@ def send_params(params: Mapping[str, Any]) -> dict[str, Any]:
 def usage_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     """A response's ``usage`` from trimkit's counts."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
-
-
-class Io:
-    """One I/O step of a send path: ``sync(*args, **kwargs)`` on a sync front-end,
-    ``await asyn(*args, **kwargs)`` on an async one."""
-
-    def __init__(self, sync: Callable[..., Any], asyn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
-        self.sync, self.asyn, self.args, self.kwargs = sync, asyn, args, kwargs
-
-
-#: a send path: yields its I/O steps, is sent each one's result (or thrown its error), returns the call's
-Steps = Generator[Io, Any, Any]
-
-
-def run_sync(steps: Steps) -> Any:
-    """Run a send path with sync I/O: what it returns (what it raises)."""
-    resume, value = steps.send, None
-    while True:
-        try:
-            io = resume(value)
-        except StopIteration as done:
-            return done.value
-        try:
-            resume, value = steps.send, io.sync(*io.args, **io.kwargs)
-        except BaseException as exc:
-            resume, value = steps.throw, exc
-
-
-async def run_async(steps: Steps) -> Any:
-    """:func:`run_sync` with async I/O."""
-    resume, value = steps.send, None
-    while True:
-        try:
-            io = resume(value)
-        except StopIteration as done:
-            return done.value
-        try:
-            resume, value = steps.send, await io.asyn(*io.args, **io.kwargs)
-        except BaseException as exc:
-            resume, value = steps.throw, exc
 
 
 def drain(stream: Any) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from trimkit.backends.base import Measurement, client_is_async, is_openai_client
+from trimkit.backends.base import Io, Measurement, Steps, client_is_async, is_openai_client, run_async, run_sync
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.replies import SOURCE_CLIENT, assemble_chat_completion
 from trimkit.backends.server import NOT_GIVEN, RoutingOptions, check_routing_key, planning_for, routing_headers
@@ -32,14 +32,10 @@ from trimkit.errors import InvalidInputError, InvalidMessageError, positive_fini
 from trimkit.frontend import (
     AsyncReportingStream,
     FrontEnd,
-    Io,
     ReportingOpenAIStream,
-    Steps,
     StreamReporter,
     adrain,
     drain,
-    run_async,
-    run_sync,
     send_params,
     usage_counts,
 )
@@ -395,8 +391,8 @@ class OpenAIFrontEnd(FrontEnd):
         return self.routing.key(given, messages)
 
     def call_steps(self, kwargs: dict[str, Any]) -> Steps:
-        """A ``create()`` call, sync or async (:func:`~trimkit.frontend.run_sync`,
-        :func:`~trimkit.frontend.run_async`): planned (an async call's in a worker thread, off
+        """A ``create()`` call, sync or async (:func:`~trimkit.backends.base.run_sync`,
+        :func:`~trimkit.backends.base.run_async`): planned (an async call's in a worker thread, off
         the event loop), then sent (:class:`Send`)."""
         messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
         key = self.call_key(call_routing_key(kwargs), messages)
@@ -422,7 +418,7 @@ def _in_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
 class Send:
     """One request's way out through an OpenAI-style front-end — the one send path of every
     call, one endpoint's or a fleet's attempt (:mod:`trimkit.fleet`), sync or async: its steps
-    yield the I/O (:class:`~trimkit.frontend.Io`).
+    yield the I/O (:class:`~trimkit.backends.base.Io`).
 
     A non-streamed request that streaming cannot measure (``n > 1``) is sent whole; every other
     is streamed, and a non-streamed one drained and its completion assembled from the stream.

@@ -1,20 +1,12 @@
 """The per-request report: what trimkit predicted, what it measured, what it changed, which phase
-was slow and what decode did. ``str(report)`` is for people, ``report.to_dict()`` for programs,
-``report.log_line()`` for logs.
+was slow and what decode did (docs/phases.md; where reports go: docs/observability.md).
+``str(report)`` is for people, ``report.to_dict()`` for programs, ``report.log_line()`` for logs.
 
-- **TTFT**: ``predicted_ttft_s`` and ``measured_ttft_s`` are both the TTFT the caller felt, the
-  wait for the engine included (``engine_ttft_s`` is from the start of the stream; over HTTP the
-  server's queue is inside it and ``queue_s`` is 0).
-- **The verdict** (:func:`judge`, :func:`diagnose`): the wait judged against the budget (else
-  :data:`DEFAULT_WAIT_THRESHOLD_S`), the stream against ``tokens_per_s_target`` (else
-  :data:`READING_SPEED_TOKENS_PER_S`), with the cures that fit (docs/phases.md).
-- **Decode**: its parameters are left untouched; a speed-up from a shorter KV cache is stated as
-  a side effect, never as a trimming gain (:class:`DecodeContext`).
-- **Where it goes**: :meth:`trimkit.pipeline.Pipeline.report` calls :func:`completed` once per
-  report, which hands a :class:`Completed` to the wrapper's report log (:class:`ReportLog`) and
-  the observers installed process-wide (:mod:`trimkit.otel`, :mod:`trimkit.metrics`). An
-  observer that fails is logged, never fails the request; nothing carries the prompt's text
-  (docs/observability.md).
+Both TTFTs are the one the caller felt, the wait for the engine included. The verdict
+(:func:`judge`, :func:`diagnose`) judges each phase against its own standard; decode parameters
+are left untouched, and a faster stream from a shorter context is stated as a side effect
+(:class:`DecodeContext`). :func:`completed` hands each finished report to the wrapper's report log
+(:class:`ReportLog`) and the process-wide observers; one that fails never fails the request.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from importlib import resources
 from typing import Any, Literal
 
@@ -32,6 +32,46 @@ from trimkit.planning.tokens import PromptTokenizer
 # == the seam ================================================================================================
 
 Clock = Callable[[], float]
+
+
+class Io:
+    """One I/O step of code written once for sync and async callers (a generator, :data:`Steps`):
+    ``sync(*args, **kwargs)`` under :func:`run_sync`, ``await asyn(*args, **kwargs)`` under :func:`run_async`."""
+
+    def __init__(self, sync: Callable[..., Any], asyn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
+        self.sync, self.asyn, self.args, self.kwargs = sync, asyn, args, kwargs
+
+
+#: sync-or-async code: yields its I/O steps, is sent each one's result (or thrown its error), returns the call's
+Steps = Generator[Io, Any, Any]
+
+
+def run_sync(steps: Steps) -> Any:
+    """Run ``steps`` with sync I/O: what it returns (what it raises)."""
+    resume, value = steps.send, None
+    while True:
+        try:
+            io = resume(value)
+        except StopIteration as done:
+            return done.value
+        try:
+            resume, value = steps.send, io.sync(*io.args, **io.kwargs)
+        except BaseException as exc:
+            resume, value = steps.throw, exc
+
+
+async def run_async(steps: Steps) -> Any:
+    """:func:`run_sync` with async I/O."""
+    resume, value = steps.send, None
+    while True:
+        try:
+            io = resume(value)
+        except StopIteration as done:
+            return done.value
+        try:
+            resume, value = steps.send, await io.asyn(*io.args, **io.kwargs)
+        except BaseException as exc:
+            resume, value = steps.throw, exc
 
 
 @attrs.frozen

@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import httpx
 
-from trimkit.backends.base import Backend, Clock, Measurement, TimedStream, client_is_async, is_openai_client
+from trimkit.backends.base import Backend, Clock, Measurement, Steps, TimedStream, client_is_async, is_openai_client, run_async, run_sync
 from trimkit.backends.llama_format import chat_format_renderer
 from trimkit.backends.replies import as_chat_completion, assemble_chat_completion, parse_completion, parse_server_stats, probe_output
 from trimkit.backends.server import (
@@ -354,15 +354,20 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
             facts |= {"router": router.kind, "router_workers": router.workers}
         return facts
 
-    def _refused_stream_options(self, exc: ServerError, body: dict[str, Any], state: StreamState) -> bool:
-        """A server that refuses ``stream_options`` is asked again without (and from now on)."""
-        if "stream_options" not in body or exc.status not in (400, 422) or "stream_options" not in exc.server_message:
-            return False
-        log.info("trimkit: %s refuses stream_options; streaming without usage", self.base_url)
-        self._include_usage = False
-        state.hide_usage_chunk = False
-        del body["stream_options"]
-        return True
+    def _opening(self, path: str, body: dict[str, Any], state: StreamState, wait: Wait, client: Any = None,
+                 headers: Mapping[str, str] | None = None, **how: Any) -> Steps:
+        """The stream opened (:meth:`~trimkit.backends.transport.HTTPTransport.open_stream`, ``how``
+        async or not); a server that refuses ``stream_options`` is asked again without (and from now on)."""
+        try:
+            return (yield from self.transport.open_stream(path, body, wait, client, headers, **how))
+        except ServerError as exc:
+            if "stream_options" not in body or exc.status not in (400, 422) or "stream_options" not in exc.server_message:
+                raise
+            log.info("trimkit: %s refuses stream_options; streaming without usage", self.base_url)
+            self._include_usage = False
+            state.hide_usage_chunk = False
+            del body["stream_options"]
+            return (yield from self.transport.open_stream(path, body, wait, client, headers, **how))
 
     def _check_form(self, is_async: bool) -> None:
         if self.client is not None and self.client_is_async != is_async:
@@ -396,12 +401,7 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
     def _open(self, path: str, body: dict[str, Any], state: StreamState, deadline: Deadline, client: Any = None,
               headers: Mapping[str, str] | None = None) -> Opened:
         def attempt(wait: Wait) -> Opened:
-            try:
-                return self.transport.open_stream(path, body, wait, client, headers)
-            except ServerError as exc:
-                if not self._refused_stream_options(exc, body, state):
-                    raise
-                return self.transport.open_stream(path, body, wait, client, headers)
+            return run_sync(self._opening(path, body, state, wait, client, headers))
 
         return self.transport.retried(attempt, deadline, self.base_url)
 
@@ -507,12 +507,8 @@ class OpenAIHTTPBackend(DelegatedProbes, Backend):
             http = self.transport.stream_client(needed=self.send_client is None)  # on the loop: its pooled client
 
             async def attempt(wait: Wait) -> Opened:
-                try:
-                    return await self.transport.aopen_stream(http, "/chat/completions", call.body, wait, self.send_client, call.headers)
-                except ServerError as exc:
-                    if not self._refused_stream_options(exc, call.body, state):
-                        raise
-                    return await self.transport.aopen_stream(http, "/chat/completions", call.body, wait, self.send_client, call.headers)
+                return await run_async(self._opening("/chat/completions", call.body, state, wait, self.send_client, call.headers, http=http,
+                                                     is_async=True))
 
             return await awith_retries(attempt, call.deadline, self.base_url, self.limits)
 

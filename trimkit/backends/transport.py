@@ -31,7 +31,7 @@ import httpx
 import tenacity
 from httpx_sse import EventSource, ServerSentEvent
 
-from trimkit.backends.base import Clock, Measurement, TimedStream
+from trimkit.backends.base import Clock, Io, Measurement, Steps, TimedStream
 from trimkit.backends.replies import (
     MAX_EVENT_BYTES,
     MAX_REPLY_BYTES,
@@ -597,51 +597,34 @@ class HTTPTransport:
         sent_headers = {**self.headers, **(headers or {}), "Accept": "text/event-stream"}
         return client.build_request("POST", url, json=body, headers=sent_headers, timeout=self.limits.httpx_timeout(wait))
 
-    def open_url(self, path: str, body: Mapping[str, Any], wait: Wait, headers: Mapping[str, str] | None = None) -> Opened:
-        """POST ``body`` to ``base_url + path`` (with this request's own ``headers`` added) and read up to the first event."""
-        url = self.base_url + path
+    def _open_url(self, client: httpx.Client | httpx.AsyncClient, path: str, body: Mapping[str, Any], wait: Wait,
+                  headers: Mapping[str, str] | None) -> Steps:
+        url, is_async = self.base_url + path, isinstance(client, httpx.AsyncClient)
         with translated(lambda exc: transport_error(exc, url)):
-            resp = self.http.send(self._stream_request(self.http, url, body, wait, headers), stream=True)
+            resp = yield Io(client.send, client.send, self._stream_request(client, url, body, wait, headers), stream=True)
+            close, data = (resp.aclose, resp.aiter_bytes()) if is_async else (resp.close, resp.iter_bytes())
             try:
                 plan = stream_body_plan(resp.status_code, resp.headers, url)
                 if plan is not None:
-                    answer = plan.outcome(read_capped(resp.iter_bytes(), plan.cap, plan.what, truncate=plan.truncate))
-                    return Opened(answer, None, resp.close, lambda: True, whole=True)
+                    content = yield Io(read_capped, aread_capped, data, plan.cap, plan.what, truncate=plan.truncate)
+                    return Opened(plan.outcome(content), None, close, lambda: True, whole=True)
                 reader = EventReader()
-                events = iter_events(resp.iter_bytes(), reader)
-                return Opened(next(events, END), events, resp.close, lambda: reader.done)
+                events = aiter_events(data, reader) if is_async else iter_events(data, reader)
+                return Opened((yield Io(next, anext, events, END)), events, close, lambda: reader.done)
             except BaseException:
-                resp.close()
+                yield Io(close, close)
                 raise
 
-    async def aopen_url(self, client: httpx.AsyncClient, path: str, body: Mapping[str, Any], wait: Wait,
-                        headers: Mapping[str, str] | None = None) -> Opened:
-        url = self.base_url + path
-        with translated(lambda exc: transport_error(exc, url)):
-            resp = await client.send(self._stream_request(client, url, body, wait, headers), stream=True)
-            try:
-                plan = stream_body_plan(resp.status_code, resp.headers, url)
-                if plan is not None:
-                    answer = plan.outcome(await aread_capped(resp.aiter_bytes(), plan.cap, plan.what, truncate=plan.truncate))
-                    return Opened(answer, None, resp.aclose, lambda: True, whole=True)
-                reader = EventReader()
-                events = aiter_events(resp.aiter_bytes(), reader)
-                return Opened(await anext(events, END), events, resp.aclose, lambda: reader.done)
-            except BaseException:
-                await resp.aclose()
-                raise
-
-    def open_stream(self, path: str, body: Mapping[str, Any], wait: Wait, client: Any = None, headers: Mapping[str, str] | None = None) -> Opened:
-        """A stream through the ``openai`` ``client`` when one is given, else over httpx;
-        ``headers`` are this request's own (a routing key), added to the backend's."""
-        return self.open_client(client, body, wait, headers) if client is not None else self.open_url(path, body, wait, headers)
-
-    async def aopen_stream(self, http: httpx.AsyncClient | None, path: str, body: Mapping[str, Any], wait: Wait, client: Any = None,
-                           headers: Mapping[str, str] | None = None) -> Opened:
+    def open_stream(self, path: str, body: Mapping[str, Any], wait: Wait, client: Any = None, headers: Mapping[str, str] | None = None, *,
+                    http: httpx.AsyncClient | None = None, is_async: bool = False) -> Steps:
+        """A stream opened up to its first event, as I/O steps (:func:`~trimkit.backends.base.run_sync`,
+        ``run_async``): through the ``openai`` ``client`` when one is given, else ``POST base_url +
+        path`` over httpx (an async stream: over ``http``); ``headers`` are this request's own (a
+        routing key), added to the backend's."""
         if client is not None:
-            return await self.aopen_client(client, body, wait, headers)
-        assert http is not None, "an async stream over httpx needs an AsyncClient"
-        return await self.aopen_url(http, path, body, wait, headers)
+            return self._open_client(client, body, wait, headers, is_async=is_async)
+        assert http is not None or not is_async, "an async stream over httpx needs an AsyncClient"
+        return self._open_url(http or self.http, path, body, wait, headers)
 
     def stream_client(self, *, needed: bool = True) -> httpx.AsyncClient | None:
         """The ``async_http_client`` given, else the pooled one of the running event loop
@@ -670,38 +653,23 @@ class HTTPTransport:
         with translated(lambda exc: client_error(exc, url)):
             return await client.chat.completions.create(**self.client_kwargs(body, wait, headers))
 
-    def open_client(self, client: Any, body: Mapping[str, Any], wait: Wait, headers: Mapping[str, str] | None = None) -> Opened:
-        """A stream through the ``openai`` client, read up to its first chunk."""
+    def _open_client(self, client: Any, body: Mapping[str, Any], wait: Wait, headers: Mapping[str, str] | None, *, is_async: bool) -> Steps:
         url = self.base_url
-        stream = self.create(client, body, wait, url, headers)
-        close = getattr(stream, "close", lambda: None)
+        stream = yield Io(self.create, self.acreate, client, body, wait, url, headers)
+        close = stream.close if is_async else getattr(stream, "close", lambda: None)
         with translated(lambda exc: client_open_error(exc, url)):
             try:
                 response = _client_response(stream)
                 if _not_events(response):
-                    head = read_capped(response.iter_bytes(), ERROR_BODY_BYTES, "body", truncate=True)
+                    data = response.aiter_bytes() if is_async else response.iter_bytes()
+                    head = yield Io(read_capped, aread_capped, data, ERROR_BODY_BYTES, "body", truncate=True)
                     raise stream_reply_error(response.headers.get("content-type"), head, url)
-                it = iter(stream)
-                return Opened(next(it, END), _client_items(it, url), close, _never)
+                it = stream.__aiter__() if is_async else iter(stream)
+                first = yield Io(next, anext, it, END)
+                return Opened(first, _aclient_items(it, url) if is_async else _client_items(it, url), close, _never)
             except BaseException:
                 with contextlib.suppress(Exception):
-                    close()
-                raise
-
-    async def aopen_client(self, client: Any, body: Mapping[str, Any], wait: Wait, headers: Mapping[str, str] | None = None) -> Opened:
-        url = self.base_url
-        stream = await self.acreate(client, body, wait, url, headers)
-        with translated(lambda exc: client_open_error(exc, url)):
-            try:
-                response = _client_response(stream)
-                if _not_events(response):
-                    head = await aread_capped(response.aiter_bytes(), ERROR_BODY_BYTES, "body", truncate=True)
-                    raise stream_reply_error(response.headers.get("content-type"), head, url)
-                it = stream.__aiter__()
-                return Opened(await anext(it, END), _aclient_items(it, url), stream.close, _never)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await stream.close()
+                    yield Io(close, close)
                 raise
 
 

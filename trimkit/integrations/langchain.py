@@ -1,15 +1,11 @@
 """trimkit for LangChain (``pip install trimkit[langchain]``): the chat model you already use, inside a TTFT budget.
 
-- :class:`TrimmedChatModel` wraps a ``ChatLlamaCpp`` or a ``ChatOpenAI`` pointed at a local server
-  (``chain = prompt | TrimmedChatModel(llm, ttft_budget_s=1.0)``): ``inner`` converts each request
-  as it always does, on a stand-in client (:class:`Call`) that plans and sends it through
-  :func:`trimkit.wrap` on the engine ``inner`` talks to (:class:`Engine`); the report is in
-  ``response_metadata["trimkit"]``, ``model.last_report`` and the ``"trimkit_report"`` event.
-- :func:`trimkit_context` formats retrieved documents for a prompt's context variable and remembers
-  them, so that a trimkit step later in the chain finds them again (:func:`find_context`) and can
-  drop or cut them; documents passed as ``rag_chunks=`` are converted by :func:`as_chunks`.
-- :func:`trimkit_trimmer` is an LCEL step that only plans (:func:`trimkit.plan`) and returns the
-  messages to send, for any chat model after it.
+- :class:`TrimmedChatModel` wraps a ``ChatLlamaCpp`` or a ``ChatOpenAI`` pointed at a local server:
+  ``inner`` converts each request as it always does, on a stand-in client (:class:`Call`) that
+  plans and sends it through :func:`trimkit.wrap` on the engine ``inner`` talks to (:class:`Engine`);
+- :func:`trimkit_context` formats retrieved documents for a prompt's context and remembers them,
+  so that a trimkit step later in the chain finds them again (:func:`find_context`);
+- :func:`trimkit_trimmer` is an LCEL step that only plans and returns the messages to send.
 
 The caller's messages and documents are never changed. Usage, what passes through unchanged and
 where trimkit differs (and why): ``docs/integrations.md``.
@@ -566,18 +562,12 @@ class TrimmedChatModel(BaseChatModel):
     """A LangChain chat model that keeps each request's TTFT inside a budget (``docs/integrations.md``).
 
     ``TrimmedChatModel(inner, ttft_budget_s=None, **options)``: ``options`` that are LangChain
-    chat-model fields (``callbacks``, ``tags``, ``metadata``, ``cache``, ``rate_limiter``,
-    ``output_version``, ...) configure this model — those not given are ``inner``'s
-    (:data:`INHERITED_FIELDS`); the rest go to :func:`trimkit.wrap` (``profile`` — trimkit's;
-    the model's LangChain ``.profile``, its capabilities, is ``inner``'s —, ``strategies``,
-    ``values``, ``on_infeasible``, ``on_busy``, ``calibration``, ``rag_template``,
-    ``rag_chunk_template``, ...), checked here. Nothing is measured at construction: on first use
-    the engine's stored profile is used, else a micro-calibration (about 3 s) runs through
-    ``inner``'s own client.
-
-    Per call: ``rag_chunks=[Document | trimkit.Chunk | str, ...]``, ``ttft_budget_s=`` (else
-    :attr:`ttft_budget_s`; None: no budget, nothing trimmed), ``on_busy=``; every other keyword
-    reaches ``inner`` as it would without trimkit.
+    chat-model fields (``callbacks``, ``tags``, ...) configure this model — those not given are
+    ``inner``'s (:data:`INHERITED_FIELDS`); the rest go to :func:`trimkit.wrap`, checked here
+    (``profile`` is trimkit's; the model's LangChain ``.profile`` is ``inner``'s). Nothing is
+    measured at construction: on first use the stored profile, else a micro-calibration through
+    ``inner``'s own client. Per call: ``rag_chunks=``, ``ttft_budget_s=``, ``on_busy=``; every
+    other keyword reaches ``inner`` as it would without trimkit.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)

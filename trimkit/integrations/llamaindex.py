@@ -1,16 +1,9 @@
-"""trimkit in LlamaIndex (``pip install trimkit[llamaindex]``): keep the retrieved nodes worth
-their predicted prefill seconds, and keep every chat's TTFT inside a budget.
-
-- :class:`TrimkitPostprocessor`, a node postprocessor for a query or context chat engine: it plans
-  the prompt the response synthesizer will send (LlamaIndex's question-answering prompt with the
-  nodes in it) with :func:`trimkit.plan` and returns the nodes it keeps in its prompt's order
-  (the most relevant last, next to the question), whole or as a copy cut to the sentences that match the query.
-- :class:`TrimmedLLM`, a LlamaIndex ``FunctionCallingLLM`` around ``LlamaCPP`` or ``OpenAILike``:
-  every chat, stream, async call and completion is converted to OpenAI dicts, planned, sent and
-  reported by a trimkit front-end on the same engine (:func:`engine_of`), and converted back.
-
-The caller's messages and nodes are never changed. Usage, what is trimmed where and where
-``TrimmedLLM`` differs from the LLM it wraps (and why): ``docs/integrations.md``.
+"""trimkit in LlamaIndex (``pip install trimkit[llamaindex]``): :class:`TrimkitPostprocessor`
+keeps the retrieved nodes worth their predicted prefill seconds for the query, and
+:class:`TrimmedLLM` keeps every chat's TTFT inside a budget (each call converted to OpenAI dicts,
+planned, sent and reported by a trimkit front-end on the same engine, :func:`engine_of`, and
+converted back). The caller's messages and nodes are never changed. Usage, what is trimmed where
+and where ``TrimmedLLM`` differs from the LLM it wraps (and why): ``docs/integrations.md``.
 """
 
 from __future__ import annotations
@@ -55,12 +48,12 @@ from llama_index.core.prompts.chat_prompts import TEXT_QA_PROMPT_TMPL_MSGS
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.core.types import Model
 
-from trimkit.backends.base import client_kind, is_llama
+from trimkit.backends.base import Io, Steps, client_kind, is_llama, run_async, run_sync
 from trimkit.backends.replies import assemble_chat_completion, parse_chunk
 from trimkit.errors import BackendError, InvalidChunkError, InvalidInputError, InvalidMessageError
 from trimkit.errors import budget as valid_budget
 from trimkit.fleet import wrap_url
-from trimkit.frontend import usage_counts
+from trimkit.frontend import adrain, drain, usage_counts
 from trimkit.integrations import as_openai_error, chat_completions_url
 from trimkit.messages import Chunk, check_rag_templates
 from trimkit.pipeline import place_chunks
@@ -471,19 +464,13 @@ def _prompt_messages(prompt: str) -> list[ChatMessage]:
 
 
 class TrimmedLLM(FunctionCallingLLM):
-    """A LlamaIndex LLM that keeps each chat's TTFT inside ``ttft_budget_s``. ``llm``: a LlamaIndex ``LlamaCPP`` or ``OpenAILike`` (any LlamaIndex LLM with
-    an ``api_base``), a ``llama_cpp.Llama``, a server URL, or a sync trimkit wrapper.
-    ``kwargs`` go to :func:`trimkit.wrap` / :func:`trimkit.wrap_url` (``profile``,
-    ``strategies``, ``values``, ``on_infeasible``, …). ``max_tokens``, ``temperature`` and
-    ``additional_kwargs`` (any other decode parameter) are sent with every call, over what the
-    wrapped LLM was configured with. Per call: ``ttft_budget_s=`` and
-    ``rag_chunks=`` (LlamaIndex nodes, text or :class:`~trimkit.messages.Chunk`).
-
-    ``is_function_calling_model``: whether agents may call tools through it (default: what the
-    wrapped LLM's metadata says, else False); tool calls need an engine whose chat template
-    handles tools (or a forced ``tool_choice``: llama-cpp-python then constrains the reply to
-    the tool's JSON schema). Async calls use an async client on a server; in process they run
-    the engine in a worker thread (it runs one request at a time either way)."""
+    """A LlamaIndex LLM that keeps each chat's TTFT inside ``ttft_budget_s`` (docs/integrations.md,
+    "LlamaIndex"). ``llm``: a LlamaIndex ``LlamaCPP`` or ``OpenAILike`` (any LlamaIndex LLM with an
+    ``api_base``), a ``llama_cpp.Llama``, a server URL, or a sync trimkit wrapper; ``kwargs`` go to
+    :func:`trimkit.wrap` / :func:`trimkit.wrap_url`. ``max_tokens``, ``temperature`` and
+    ``additional_kwargs`` are sent with every call, over the wrapped LLM's own. Per call:
+    ``ttft_budget_s=`` and ``rag_chunks=`` (nodes, text or :class:`~trimkit.messages.Chunk`).
+    Async calls use an async client on a server; in process they run in a worker thread."""
 
     ttft_budget_s: float | None = Field(default=None, description="The TTFT budget of a call (None: no budget; per call: ttft_budget_s=).")
     is_function_calling_model: bool = Field(default=False, description="Whether agents may call tools through this LLM.")
@@ -632,13 +619,15 @@ class TrimmedLLM(FunctionCallingLLM):
             replies.stream.close()
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        replies = self._open(messages, kwargs)
+        return run_sync(self._drained(self._open(messages, kwargs)))
+
+    def _drained(self, replies: StreamReplies) -> Steps:
+        """The whole reply of a stream, read to its end (sync or async I/O steps)."""
         try:
             with self._inner_errors():
-                for _ in replies.stream:
-                    pass
+                yield Io(drain, adrain, replies.stream)
         finally:
-            replies.stream.close()
+            yield Io(replies.stream.close, replies.stream.close)
         return self._finish(replies)
 
     def _async_engine(self) -> Any:
@@ -680,13 +669,7 @@ class TrimmedLLM(FunctionCallingLLM):
         if self._async_engine() is None:
             return await asyncio.to_thread(self._chat, messages, kwargs)
         replies, _ = await self._aopen(messages, kwargs)
-        try:
-            with self._inner_errors():
-                async for _ in replies.stream:
-                    pass
-        finally:
-            await replies.stream.close()
-        return self._finish(replies)
+        return await run_async(self._drained(replies))
 
     def prepare(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Any:
         """Plan a chat as :meth:`chat` would send it, without sending it: trimkit's
@@ -837,22 +820,15 @@ QA_CHUNK_TEMPLATE = "{text}"
 
 
 class TrimkitPostprocessor(BaseNodePostprocessor):
-    """Keep the retrieved nodes worth their predicted prefill seconds for the query.
+    """Keep the retrieved nodes worth their predicted prefill seconds for the query
+    (docs/integrations.md, "LlamaIndex").
 
-    ``llm``: where the prompt will run — a :class:`TrimmedLLM` (its profile, exact token
-    counts, learned safety margin and KV cache), a LlamaIndex ``LlamaCPP`` / ``OpenAILike``, a
-    ``llama_cpp.Llama``, a server URL or a trimkit wrapper (a trimkit front-end is made for
-    it: :func:`trimkit.wrap`, calibrating once unless a profile is stored). Or no ``llm`` and a
-    ``profile=`` (:func:`trimkit.calibrate`), with ``tokenizer=`` (default: an estimate).
-
-    ``ttft_budget_s``: the budget of the request that carries the nodes (default: the
-    ``TrimmedLLM``'s). In a context chat engine the history shares it: give the postprocessor
-    a smaller one to leave room for history (the ``TrimmedLLM`` then trims the older turns).
-
-    The templates default to LlamaIndex's own question-answering prompt for chat models, so the
-    prompt planned is the prompt a query engine sends. ``values`` (default: the llm's trimkit
-    wrapper's) and ``strategies`` (default: count the cached prefix, then drop or cut nodes): as
-    for :func:`trimkit.plan`. When even no node fits, none is kept (the plan says infeasible)."""
+    ``llm``: where the prompt will run — a :class:`TrimmedLLM` (its profile, counts, margin and
+    cache), a LlamaIndex ``LlamaCPP`` / ``OpenAILike``, a ``llama_cpp.Llama``, a server URL or a
+    trimkit wrapper; or no ``llm`` and a ``profile=`` with ``tokenizer=`` (default: an estimate).
+    ``ttft_budget_s``: the budget of the request carrying the nodes (default: the ``TrimmedLLM``'s).
+    The templates default to LlamaIndex's own question-answering prompt, so the prompt planned is
+    the one a query engine sends. When even no node fits, none is kept (the plan says infeasible)."""
 
     ttft_budget_s: float | None = Field(default=None, description="The TTFT budget of the request carrying the nodes.")
     system_prompt: str | None = Field(default=QA_SYSTEM_PROMPT, description="The system message the nodes are planned with.")

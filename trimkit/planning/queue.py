@@ -1,21 +1,13 @@
-"""One engine's concurrency: the requests in flight, the wait they predict, and the lock they take.
+"""One engine's concurrency: the requests in flight, the wait they predict, and the lock they take
+(the rules: docs/scaling.md §1).
 
 One in-process ``Llama`` serves one request at a time (:class:`EngineLease`, first come, first
 served); every wrapper of the engine shares one :class:`EngineQueue` (in the engine's
-:class:`~trimkit.planning.speed.EngineState`), so each request sees all the others. The rules
-(docs/scaling.md §1):
-
-- **A request's remaining work** (:meth:`Ticket.remaining_s`): waiting, its predicted TTFT +
-  decode; holding the engine, what is left of those; streaming, what is left of its decode.
-  Planned and not sent yet, it counts for no one. The decode is the answer length
-  (``max_tokens``/``max_completion_tokens``, else the median of recent unbounded answers) at the
-  recent streams' speed.
-- **The wait** (:meth:`EngineQueue.wait_s`): the remaining work of the requests that entered
-  before it. A request enters before its prompt is counted, so two planned at once see each other.
-- **The cache it finds**: the prompt of the last request ahead (:meth:`EngineQueue.context_after`).
-- **Leaving**: the queue holds tickets weakly, and a ticket whose stream ended (or is gone) no
-  longer counts, so nothing leaks from a request that nobody finishes.
-- **When the wait breaks the budget**: ``on_busy`` (:func:`busy_decision`).
+:class:`~trimkit.planning.speed.EngineState`), so each request sees all the others: its wait is the
+remaining work of those that entered before it (:meth:`Ticket.remaining_s`,
+:meth:`EngineQueue.wait_s`), the cache it finds the last one's prompt
+(:meth:`EngineQueue.context_after`), and ``on_busy`` says what a wait that breaks the budget does
+(:func:`busy_decision`). Tickets are held weakly: one whose stream ended or is gone no longer counts.
 """
 
 from __future__ import annotations

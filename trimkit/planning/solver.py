@@ -506,12 +506,8 @@ class PlanState:
 
     @property
     def fits(self) -> bool:
-        return self.fits_estimate(self.prediction)
-
-    @property
-    def last_user_index(self) -> int:
-        """Index of the last user message in the caller's list (chunks go there)."""
-        return self.ctx.last_user
+        """The current prediction is within the target (and, when known, the context window)."""
+        return self.ctx.fits(self.prediction.prompt_tokens, self.prediction.ttft_s)
 
     @property
     def caller_cached_tokens(self) -> int:
@@ -527,10 +523,6 @@ class PlanState:
         """Predicted size, cached prefix and TTFT of ``candidate`` (no tokenization of unchanged text)."""
         return self.ctx.estimate(candidate)
 
-    def fits_estimate(self, estimate: Estimate) -> bool:
-        """The estimate is within the target (and, when known, the context window)."""
-        return self.ctx.fits(estimate.prompt_tokens, estimate.ttft_s)
-
     def token_allowance(self, cached_tokens: int, extra_s: float = 0.0) -> int | None:
         """The most prompt tokens that fit the target when ``cached_tokens`` of them are cached,
         or None if not even one new token fits."""
@@ -541,19 +533,6 @@ class PlanState:
             if profile.predict_ttft_s(new + 1, cached_tokens) + extra_s <= self.ctx.target_s:
                 new += 1
         return cached_tokens + new if new > 0 else None
-
-    def offset_of(self, candidate: Candidate, index: int) -> int:
-        """Tokens before the caller's message ``index`` in ``candidate``'s prompt."""
-        offset = 0
-        for key, n in self.ctx.layout(candidate):
-            if key == index or (isinstance(key, tuple) and key[0] == "chunks" and index == self.ctx.last_user):
-                break
-            offset += n
-        return offset
-
-    def chunk_tokens(self, chunks: Sequence[Chunk]) -> int:
-        """Tokens ``chunks`` add to the last user message (template text and separators included)."""
-        return self.ctx.chunk_tokens(chunks)
 
     def probe(self, candidate: Candidate) -> int | None:
         """How many tokens of ``candidate`` the engine has cached, counted in the plan's ``cache``

@@ -1,68 +1,21 @@
-"""What one engine learns as it runs: the one speed estimate, the live profile, and the margin.
+"""What one engine learns as it runs: the one speed estimate, the live profile, and the margin
+(docs/design.md §2 "The host's speed", §6 "The safety margin").
 
 Three parts, each built on the one before:
 
-- :class:`SpeedEstimate` — measured ÷ predicted over a recent window: the speed factor every
-  prediction is multiplied by, and the spread the safety margin is read from;
-- :class:`LiveProfile` — calibration's cost model, the current speed factor, and what serving
-  taught (a refitted shape, the decode line, the first-token overhead);
+- :class:`SpeedEstimate` — measured ÷ predicted over a recent window of prefills (calibration's
+  probes, served requests, watched prefills): its middle is the speed factor every prediction is
+  multiplied by (:attr:`Profile.drift`), its spread the safety margin (:meth:`margin`), a factor of
+  at least :data:`SLOWDOWN_FACTOR` the slowdown notice. The samples are kept (not their ratios), so
+  a refit of the model's shape re-reads them all. Thread-safe.
+- :class:`LiveProfile` — calibration's cost model (refitted when served requests show a shape it
+  got wrong), the current speed factor, the decode line and the first-token overhead;
 - :class:`EngineState` — one engine's live profile and in-flight queue, found by
-  :func:`engine_state`, and the safety margin a request plans with.
-
-One estimate of the host's speed per engine: measured ÷ predicted over a recent window.
-
-A host's speed moves between requests (another process, thermal throttling, a power-saving
-mode), so every prediction is the cost model's times a **speed factor**. There is one source of
-it: :class:`SpeedEstimate` keeps the last :data:`WINDOW` measured prefills of one engine —
-calibration's probes to start with, then every served request (open loop: a server) and every
-watched prefill (closed loop, :mod:`trimkit.planning.watch`) — as samples, and reads
-them against the current cost model:
-
-- its **middle** (the median of measured ÷ predicted over the latest :data:`FACTOR_WINDOW` live
-  measurements, a stored profile's factor standing in for those not seen yet) is the speed factor
-  the profile predicts with (:attr:`Profile.drift`);
-- the **spread** around that middle sets the safety margin: the ``target`` quantile (default
-  0.97) of ratio ÷ factor over the whole window, as the fraction of a budget that would have
-  absorbed it (after a slowdown the older, faster ratios fall below the new middle and widen
-  nothing; after a speed-up the older, slower ones widen it until they leave the window). In process,
-  where the watched prefill re-plans with the measured pace, the margin only has to cover the
-  stretch after the last step (:meth:`margin` with ``share`` < 1); over a server it covers the
-  whole prediction;
-- a factor of at least :data:`SLOWDOWN_FACTOR` is the slowdown notice every report carries
-  (:meth:`slowdown_warnings`), logged once per slow spell.
-
-The samples are kept (not their ratios), so a refit of the model's shape re-reads them all.
-Thread-safe.
-
-The live profile: calibration's cost model, the host's current speed, and what serving taught.
-
-Calibration measures the host once; its speed then changes (thermal throttling, other load, a
-model moved to another device). :class:`LiveProfile` keeps one engine's current
-:class:`~trimkit.planning.profile.Profile`: its cost model (calibration's, refitted when served requests
-show a shape the calibration got wrong), its speed factor (:attr:`Profile.drift`) from the one
-:class:`~trimkit.planning.speed.SpeedEstimate`, which every measured prefill feeds — served
-requests, and each step of a watched prefill (:mod:`trimkit.planning.watch`) —, its decode speed
-(the decode-vs-context line of :mod:`trimkit.planning.profile`, whose latest served points set its
-level) and its first-token overhead. One engine's ``LiveProfile`` lives in its
-:class:`~trimkit.planning.speed.EngineState`.
-
-One engine's live state — its profile, its one speed estimate, its queue — and the safety margin.
-
-**The engine's state.** One ``Llama`` (or one server URL + model) runs at one speed: its live
-profile (:class:`~trimkit.planning.speed.LiveProfile`, which holds the one
-:class:`~trimkit.planning.speed.SpeedEstimate`) and its in-flight queue
-(:class:`~trimkit.planning.queue.EngineQueue`) live in one :class:`EngineState`, found by
-:func:`engine_state` from the backend's :meth:`~trimkit.backends.base.Backend.engine_identity`.
-A second ``trimkit.wrap()`` of the same engine with the same calibration starts from what the
-first learned; a different calibration (another profile key or creation time) starts afresh.
-
-**The margin** is read off the speed estimate's spread (:meth:`SpeedEstimate.margin`): the share
-of a budget that would have absorbed the ``target`` quantile of recent measured ÷ predicted
-prefills, each taken relative to the current speed factor. A request whose prefill is watched
-(in process, :mod:`trimkit.planning.watch`) re-plans at its measured pace, so its margin covers
-only what comes after the last step (:func:`tail_share`, of the prompt the plan will send); one sent to a server is open loop and
-holds the margin for its whole prediction. A prompt longer than the profile has measured
-(:meth:`Profile.extrapolation` = x > 1) is less certain: its spread is taken x times.
+  :func:`engine_state` from the backend's ``engine_identity()`` (a second ``wrap()`` of the same
+  engine and calibration starts from what the first learned), and the margin a request plans with:
+  a watched prefill's covers only the tail after its last step (:func:`tail_share`), a server's its
+  whole prediction; a prompt beyond the probed range counts the spread
+  :meth:`Profile.extrapolation` times.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
-"""The watched prefill: measure the pace of *this* request while it runs, and decide again.
+"""The watched prefill: measure the pace of *this* request while it runs, and decide again
+(docs/design.md §2 "The watched prefill").
 
-A plan made before sending rests on a prediction, and the host's speed moves between requests.
-But llama.cpp evaluates a prompt in steps, and trimkit lays the prompt out from most stable to
-least stable (system, pinned documents, summary, history, this turn's chunks, the question), so
-after the first step of a request its pace is known while most of the prompt is still ahead —
-and what has been evaluated is what a second plan keeps, already in the KV cache.
-
-:class:`PrefillWatch` is the decision, with no I/O: it says where each step ends
-(:meth:`~PrefillWatch.next_end`: the first step short, :data:`FIRST_STEP_TOKENS`, the later ones
-``n_batch``), takes each step's measured time (:meth:`~PrefillWatch.record`), and after each step
-projects the first token: the time spent, plus the rest of the prompt at the pace measured so far
-(measured ÷ predicted over this request's steps), plus the first-token overhead. When that is
-over the budget less the margin for what follows the last step, it asks for a re-plan
-(:meth:`~PrefillWatch.over_budget`); the caller plans the rest of the request for the time left at
-the measured pace (:meth:`~PrefillWatch.paced_profile`), with the evaluated prefix as its cache —
-first by cutting the plan's chunks from the end (:func:`cut_chunks`: what is evaluated stays,
-the least valuable chunks go), and only when that cannot fit by planning the whole request again
-(which may drop history turns, and with them the cache after them) — and the watch goes on over
-the new prompt (:meth:`~PrefillWatch.continue_with`). At most
-:data:`MAX_REPLANS` re-plans a request. The driver is
-:class:`~trimkit.pipeline.WatchedPrefill`; the engine's side is
-:meth:`~trimkit.backends.base.Backend.evaluate_to`.
+:class:`PrefillWatch` is the decision, with no I/O: where each step ends (:meth:`~PrefillWatch.next_end`),
+each step's measured time (:meth:`~PrefillWatch.record`), whether the projected first token is over
+the budget less the margin for what follows (:meth:`~PrefillWatch.over_budget`), the profile to
+re-plan with at the measured pace (:meth:`~PrefillWatch.paced_profile`), and the watch over the new
+prompt (:meth:`~PrefillWatch.continue_with`). A re-plan first cuts the plan's chunks from the end
+(:func:`cut_chunks`: what is evaluated stays), and only when that cannot fit plans the whole request
+again; at most :data:`MAX_REPLANS` a request. The driver is :class:`~trimkit.pipeline.WatchedPrefill`;
+the engine's side :meth:`~trimkit.backends.base.Backend.evaluate_to`.
 """
 
 from __future__ import annotations
