@@ -789,7 +789,7 @@ def load_questions() -> list[dict[str, str]]:
 #: (SmolLM2-135M-Instruct, greedy) answers right when it reads the answer's chunk — the demo shows
 #: what trimming does, not how often a 135M model reads right: that is benchmarks/rag_answers.py's
 #: figure, on a generated set nobody chose (docs/benchmarks.md).
-DEMO_DOCS = ("doc-04", "doc-03", "doc-06", "doc-01")
+DEMO_DOCS = ("doc-04", "doc-03", "doc-06", "doc-08", "doc-09")
 
 
 def demo_questions(turns: int) -> list[dict[str, str]]:
