@@ -84,7 +84,9 @@ def test_a_plan_asks_the_engine_nothing_and_writes_nothing(isolated_cache, monke
         for _ in trimmer.execute(prepared, {"max_tokens": 4}):
             pass
         msgs = [*msgs, {"role": "user", "content": question}, {"role": "assistant", "content": "Yes."}]
-    assert len(plans) == 2 and all(p.removed_message_indices for p in plans)  # over budget: history edited
+    # over budget: history edited — dropped, or summarized when the background summary of the first
+    # request is ready in time for the second (a race on a busy host, either is right)
+    assert len(plans) == 2 and all(p.removed_message_indices or p.summarized_message_indices for p in plans)
     assert fake.read_while_planning == [] and writes == []
     # the cache state the pipeline handed over made the plan's cached count exact
     assert plans[-1].cached_tokens == reusable_prefix_len(held[-1], fake.tokenizer.prompt_tokens(plans[-1].messages)) > 0
