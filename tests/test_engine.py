@@ -87,7 +87,7 @@ def test_a_long_best_chunk_beats_several_short_weak_ones():
     best = Chunk(" ".join(["The west pier lamp was first lit in 1871."] * 12), id="best")
     weak = [Chunk(f"Weather note {i}: it rained on the west pier.", id=f"w{i}") for i in range(8)]
     p = run(msgs, budget_for_tokens(tokens_of(msgs) + 190), rag_chunks=[best, *weak], strategies=[cap_rag_chunks(excerpts=False)])
-    assert [c.id for c in p.kept_chunks][0] == "best"
+    assert [c.id for c in p.kept_chunks][-1] == "best"  # kept, and placed next to the question
 
 
 def test_an_excerpt_keeps_the_answer_when_the_whole_chunk_does_not_fit():
@@ -96,7 +96,7 @@ def test_an_excerpt_keeps_the_answer_when_the_whole_chunk_does_not_fit():
     whole = tokens_of(msgs) + tokenizer().count(chunk.text)
     p = run(msgs, budget_for_tokens(whole // 3), rag_chunks=[chunk, *DISTRACTORS])
     assert p.feasible and p.excerpted_chunks == ("answer",)
-    kept = p.kept_chunks[0]
+    [kept] = [c for c in p.kept_chunks if c.id == "answer"]
     assert ANSWER in kept.text and "…" in kept.text and "excerpt" not in kept.text
     assert ANSWER in sent_text(p)
     (action,) = [a for a in p.actions if a.strategy == "excerpt_chunk"]

@@ -349,7 +349,7 @@ def test_query_engine_with_the_postprocessor_sends_the_kept_nodes(raw, wrapped, 
         answers[arm] = ([n.node.node_id for n in response.source_nodes], _sent(events), response.response)
     assert answers["wrapped"] == answers["raw"] and answers["raw"][2]
     assert sorted(answers["raw"][0]) == sorted(n.node.node_id for n in plain.source_nodes)
-    assert answers["raw"][0][0] == "ledger-12"  # the node that answers the question comes first
+    assert answers["raw"][0][-1] == "ledger-12"  # the node that answers the question comes last, next to it
 
     # a budget that keeps some nodes: with the raw LLM behind it, and with the wrapped one (nodes new to the server each time)
     for tag, llm in (("Ledger A. ", raw), ("Ledger B. ", wrapped)):
