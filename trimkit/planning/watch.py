@@ -5,7 +5,7 @@
 each step's measured time (:meth:`~PrefillWatch.record`), whether the projected first token is over
 the budget less the margin for what follows (:meth:`~PrefillWatch.over_budget`), the profile to
 re-plan with at the measured pace (:meth:`~PrefillWatch.paced_profile`), and the watch over the new
-prompt (:meth:`~PrefillWatch.continue_with`). A re-plan first cuts the plan's chunks from the end
+prompt (:meth:`~PrefillWatch.continue_with`). A re-plan first cuts the chunks not evaluated yet
 (:func:`cut_chunks`: what is evaluated stays), and only when that cannot fit plans the whole request
 again; at most :data:`MAX_REPLANS` a request. The driver is :class:`~trimkit.pipeline.WatchedPrefill`;
 the engine's side :meth:`~trimkit.backends.base.Backend.evaluate_to`.
