@@ -16,8 +16,11 @@ def test_quick_calibration_measures_a_sensible_profile(quick_profile):
     assert (p.mode != "full")
     # how many probes fit the time budget depends on the host; the minimum schedule is 3
     assert len(p.samples) >= 3
-    assert p.mode == "quick" and p.probed_new_tokens >= 32 and p.probed_context_tokens > p.probed_new_tokens
+    assert p.mode == "quick" and p.probed_new_tokens >= 32
     assert any(s.cached_tokens > 0 for s in p.samples), "depth probes missing"
+    # the probed range is what the samples reached (how far depends on the host's speed now)
+    assert p.probed_new_tokens == max(s.new_tokens for s in p.samples)
+    assert p.probed_context_tokens == max(s.new_tokens + s.cached_tokens for s in p.samples)
     assert p.model.per_token_s > 0
     assert 0 < p.decode_tokens_per_s < 10_000
     # tokenizing the prompt, measured on llama.cpp's own tokenizer: more than nothing, and far

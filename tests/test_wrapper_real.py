@@ -79,7 +79,9 @@ def test_second_turn_reuses_the_prefix_and_reports_it(chat):
     assert r.cached_tokens == r.cached_tokens_predicted
 
 
-def test_prewarm_keeps_a_stable_prefix_warm_across_conversations(chat):
+def test_prewarm_keeps_a_stable_prefix_warm_across_conversations(llm, quick_profile):
+    # a budget no host misses: this is about the snapshot, not about what a slow pace would cut
+    chat = trimkit.wrap(llm, ttft_budget_s=1e4, profile=quick_profile)
     pinned = [SYSTEM, {"role": "user", "content": "Reference: " + load_corpus()[5]["text"]}]
     snap = chat.prewarm(pinned)
     assert snap is not None and len(snap.tokens) > 50
@@ -87,7 +89,7 @@ def test_prewarm_keeps_a_stable_prefix_warm_across_conversations(chat):
     convo = [SYSTEM, {"role": "user", "content": pinned[1]["content"] + "\nWhat is special here?"}]
     chat.create_chat_completion(messages=convo, max_tokens=2)
     r = chat.last_report
-    assert r.cached_tokens >= len(snap.tokens) - 10
+    assert r.replans == () and r.cached_tokens >= len(snap.tokens) - 10
 
 
 def test_summarizer_runs_on_a_separate_context(llm):
