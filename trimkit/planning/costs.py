@@ -1,21 +1,5 @@
-"""The prefill cost model: how long the engine takes to evaluate ``n`` new prompt tokens after
-``k`` tokens already in the KV cache.
-
-The model (docs/design.md, §2) is ``T(n | k) = b + a·n + c·(n·k + n²/2)``: a fixed overhead, a per-token
-cost, and a depth (attention) term that grows with how deep in the context the new tokens sit.
-llama.cpp evaluates prompts in ``n_batch`` chunks, each with its own fixed cost, so trimkit also
-fits a variant with a per-chunk term ``d·ceil(n / n_batch)`` and keeps whichever predicts the
-held-out samples better (leave-one-probe-out cross-validation). Coefficients are fitted by
-non-negative least squares on *relative* error, so a 32-token prompt matters as much as a
-4096-token one.
-
-The depth term shows in the probes only once they reach deep enough into the context for
-attention to stand above the host's noise; short probes leave it to chance. Where the model's
-architecture is known (:mod:`trimkit.planning.profile`), the fit is given its attention doubling
-length ``D`` as a prior — ``c ≈ a / D``, to within :data:`ATTENTION_PRIOR_SPREAD` — weighed as
-one more observation against the probes (a maximum a posteriori fit): probes that span a long
-context outweigh it, short ones lean on it.
-"""
+"""The prefill cost model: how long the engine takes to evaluate ``n`` new prompt tokens after ``k`` tokens already in the
+KV cache."""
 
 from __future__ import annotations
 
@@ -77,16 +61,8 @@ def _snapshot_tuples(snapshots: Iterable[tuple[Iterable[int], float]]) -> tuple[
 
 @attrs.frozen(eq=False)
 class CacheState:
-    """What the engine's KV cache holds, as data a plan reads: planning asks the engine nothing.
-    The caller reads it before planning (:meth:`~trimkit.backends.base.Backend.cache_state`).
-
-    ``prompts``: the token ids of prompts whose prefix the engine reuses as it is (the context
-    the next request finds; the last prompts a server was sent; none: it reuses nothing);
-    ``snapshots``: ``(tokens, restore_s)`` stored prefixes, restored first where that and the
-    prefill of the rest is predicted faster; ``block``: reuse of ``prompts`` rounds down to this
-    many tokens (a server's prefix-cache block); ``after``: queued behind other requests, the
-    prompt the context holds when this request's turn comes, which bounds what it reuses of
-    ``prompts``."""
+    """What the engine's KV cache holds, as data a plan reads: planning asks the engine nothing. The caller reads it before
+    planning (:meth:`~trimkit.backends.base.Backend.cache_state`)."""
 
     prompts: tuple[Sequence[int], ...] = attrs.field(default=(), converter=_token_tuples)
     snapshots: tuple[tuple[Sequence[int], float], ...] = attrs.field(default=(), converter=_snapshot_tuples)
@@ -292,9 +268,8 @@ class ErrorStats:
 
 
 def quantile(values: Iterable[float], q: float) -> float:
-    """The ``q`` quantile (any ``q`` in 0–1) of ``values`` with linear interpolation between the
-    closest ranks (as ``statistics.quantiles(method="inclusive")`` places its cut points, which
-    offers only ``q = i/n``); NaN when empty."""
+    """The ``q`` quantile (any ``q`` in 0–1) of ``values`` with linear interpolation between the closest ranks (as
+    ``statistics.quantiles(method="inclusive")`` places its cut points, which offers only ``q = i/n``); NaN when empty."""
     ordered = sorted(values)
     if not ordered:
         return float("nan")
@@ -314,9 +289,8 @@ def error_stats(pairs: Iterable[tuple[float, float]]) -> ErrorStats:
 
 def heldout_predictions(samples: Sequence[PrefillSample], *, n_batch: int, batched: bool,
                         depth_prior_tokens: float | None = None) -> list[tuple[float, float]]:
-    """(predicted, measured) prefill seconds for every sample, each predicted by a fit without
-    its probe (new, cached) — leave-one-probe-out; the in-sample fit with fewer than 4 probes.
-    In the order of ``samples``."""
+    """(predicted, measured) prefill seconds for every sample, each predicted by a fit without its probe (new, cached) —
+    leave-one-probe-out; the in-sample fit with fewer than 4 probes. In the order of ``samples``."""
     groups: dict[tuple[int, int], list[PrefillSample]] = {}
     for s in samples:
         groups.setdefault((s.new_tokens, s.cached_tokens), []).append(s)

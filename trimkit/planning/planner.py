@@ -1,13 +1,4 @@
-"""The planner: decide what to prefill so the predicted TTFT fits the budget.
-
-:func:`plan` is the one engine behind the wrapper and the CLI. If the prompt as it stands (only
-the tokens the engine must evaluate: a cached prefix is nearly free) is predicted within the
-budget less the safety margin, it passes through untouched. Otherwise the strategies
-(:mod:`trimkit.strategies`) say what may change and the solver (:mod:`trimkit.planning.solver`)
-keeps the most value (:mod:`trimkit.planning.values`) whose predicted TTFT fits, saying in
-:class:`~trimkit.planning.solver.Action` values what it removed and why. If even the minimal
-prompt (system messages and the last user turn) cannot fit, the plan is infeasible.
-"""
+"""The planner: decide what to prefill so the predicted TTFT fits the budget."""
 
 from __future__ import annotations
 
@@ -31,16 +22,8 @@ log = logging.getLogger("trimkit")
 
 @attrs.frozen
 class Plan:
-    """What to send, and why. ``messages`` is the list to send: the caller's very list object
-    when nothing changes and there are no chunks.
-
-    ``passthrough`` is True when nothing was trimmed (with ``rag_chunks``, every chunk is placed
-    into a copy of the last user message). ``kept_chunks`` are placed in this order; an excerpt
-    keeps its chunk's id and carries ``metadata["excerpt"]`` (see :attr:`excerpted_chunks`). ``feasible`` is True when ``predicted_ttft_s`` fits
-    the budget less the safety margin; ``minimal`` when the minimal prompt (system messages and
-    the last user turn) was used. Every removed or summarized message and every dropped chunk
-    is named by some :class:`Action`.
-    """
+    """What to send, and why. ``messages`` is the list to send: the caller's very list object when nothing changes and there
+    are no chunks."""
 
     messages: list[dict[str, Any]] = attrs.field(repr=False, eq=False)
     passthrough: bool
@@ -198,44 +181,7 @@ def plan(
     safety_margin: float | None = None,
     max_prompt_tokens: int | None = None,
 ) -> Plan:
-    """Decide what to send so the predicted TTFT fits ``ttft_budget_s`` less the safety margin.
-
-    Use it before every request (the wrapper does); it is pure and cheap — it never mutates
-    ``messages`` or ``rag_chunks``, asks the engine nothing (what its cache holds comes as
-    data: ``cache``), writes nothing, and tokenizes only text it has not seen. Under budget the
-    request passes through as it is. Over budget, the engine (:mod:`trimkit.planning.solver`) keeps the
-    history turns, summary, chunks and chunk excerpts with the most *value* (:mod:`trimkit.planning.values`:
-    relevance to the question, recency) whose predicted TTFT fits; the strategies say what may
-    change.
-
-    - ``cached_tokens``: how many leading tokens of ``messages`` as given (without chunks) the
-      engine already holds in its KV cache. A candidate that edits message ``i`` keeps at most
-      the tokens before ``i`` cached.
-    - ``cache``: optional :class:`~trimkit.planning.costs.CacheState`, what the engine's KV cache
-      holds (the token ids of its context, a server's last prompts, snapshots), read by the
-      caller before planning (``backend.cache_state()``). With it a candidate prompt's cached
-      count is exact: the candidate is tokenized (``tokenizer.prompt_tokens``) and looked up, at
-      most twice per plan (memoised): by ``reuse_prefix`` when ``cached_tokens`` is 0, for a
-      prompt carrying a cached summary or the previous cut, and for a final prompt whose history
-      was edited.
-    - ``rag_chunks`` go into the last user message ranked (caller scores if every chunk has one,
-      else BM25 blended with the retriever's order), the most relevant one last, next to the
-      question (:func:`~trimkit.messages.in_prompt_order`); each is kept whole, kept as
-      an excerpt (the sentences matching the question, marked as such) or dropped.
-    - ``summaries``: precomputed summaries (:func:`~trimkit.planning.summaries.summary_job`) that may
-      stand in for the oldest turns.
-    - ``strategies``: a strategy, a chain or a list; default
-      ``reuse_prefix() + cap_rag_chunks() + summarize_history() + drop_oldest_turns()``. If
-      nothing they allow fits, the minimal prompt (system messages and the last user turn) is
-      used when it fits.
-    - ``values``: a :class:`~trimkit.planning.values.ValueModel` (default: the most relevant chunk
-      outranks old history).
-    - ``safety_margin``: the share of the budget held back (default: the profile's).
-    - ``max_prompt_tokens``: the most prompt tokens the context window takes (``n_ctx`` less
-      ``max_tokens``); the plan keeps the prompt within it too.
-    - ``on_infeasible``: ``"best_effort"`` returns the minimal plan with ``feasible=False``;
-      ``"raise"`` raises :class:`~trimkit.errors.InfeasibleBudgetError` carrying it.
-    """
+    """Decide what to send so the predicted TTFT fits ``ttft_budget_s`` less the safety margin."""
     pipeline = chain(default_strategies() if strategies is None else strategies)  # checks the strategies
     started = clock()
     state0 = PlanState.start(  # checks every other argument before any work

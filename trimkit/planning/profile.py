@@ -1,18 +1,4 @@
-"""Calibration profiles: what prefill and decode cost on this host, for one model and one set of settings.
-
-A :class:`Profile` carries its samples, the fitted :class:`~trimkit.planning.costs.CostModel`, its
-held-out error, the :class:`ProfileKey` it is valid for, the range it probed (a prediction beyond
-it is an extrapolation, met with a wider margin) and its decode points; it predicts a request's
-TTFT (:meth:`Profile.predict_ttft_s`). Also here: the decode line (:func:`fit_decode`) and the
-architecture's attention prior (:func:`attention_doubling_prior`), both in docs/design.md §2.
-Pure: no engine, no disk (storing profiles is ``trimkit._calibration``'s).
-
-A stored file is untrusted input: :meth:`Profile.from_dict` is the one place its JSON becomes a
-:class:`Profile`; every field is checked there, and anything wrong is a
-:class:`~trimkit.errors.ProfileError`. Files stored before the newer fields existed still load
-with their defaults (the mode follows their ``quick`` flag; their one decode speed becomes one
-decode point at a short context).
-"""
+"""Calibration profiles: what prefill and decode cost on this host, for one model and one set of settings."""
 
 from __future__ import annotations
 
@@ -67,10 +53,9 @@ def _source(instance: Any, attribute: Any, value: Any) -> None:
 
 @attrs.frozen
 class DecodePoint:
-    """One measured decode speed: ``tokens_per_s`` over ``steps`` decode steps whose mean
-    context (tokens in the KV cache before each step) was ``context_tokens``. ``spread_pct``:
-    how much the single steps varied around their median (median absolute deviation, % of the
-    median; None when the steps were not timed one by one)."""
+    """One measured decode speed: ``tokens_per_s`` over ``steps`` decode steps whose mean context (tokens in the KV cache
+    before each step) was ``context_tokens``. ``spread_pct``: how much the single steps varied around their median
+    (median absolute deviation, % of the median; None when the steps were not timed one by one)."""
 
     context_tokens: float = attrs.field(converter=_context)
     tokens_per_s: float = attrs.field(converter=lambda v: positive_finite(v, "tokens_per_s"))
@@ -99,15 +84,7 @@ class DecodePoint:
 
 @attrs.frozen
 class DecodeModel:
-    """Seconds per generated token as a line in the context: ``base_s + per_context_s · c``.
-
-    ``context_range`` is the (shortest, longest) mean context measured; ``note`` is
-    :data:`FLAT_NOTE` when every point had the same context (the slope could not be measured),
-    :data:`WITHIN_NOISE_NOTE` when the slowdown measured was within the measurements' noise,
-    else empty (a slope fitted below 0 is clamped to a flat line: measured, not assumed).
-    ``noise_pct``: how much a decode measurement varies on this host, % (the larger of the
-    steps' median spread within calibration's points and the median deviation of served
-    requests from the line, once there are :data:`LEVEL_WINDOW`); None when unknown."""
+    """Seconds per generated token as a line in the context: ``base_s + per_context_s · c``."""
 
     base_s: float
     per_context_s: float = 0.0
@@ -160,12 +137,9 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def _slope_within_noise(points: list[DecodePoint], slope: float) -> bool:
-    """True when ``slope`` (s per token of context, > 0) is smaller than :data:`SLOPE_SIGNIFICANCE`
-    standard errors, the errors known from the points' own step spreads (each point's median of
-    ``steps`` single steps: relative standard error ``MEDIAN_SE_PER_MAD · spread / √steps``). A
-    slope over a short span of context, on a noisy host, is mostly noise, and extrapolated far it
-    would predict a slowdown no measurement showed. False (significant) when a point's spread is
-    unknown (served requests: many steps each)."""
+    """True when ``slope`` (s per token of context, > 0) is smaller than :data:`SLOPE_SIGNIFICANCE` standard errors, the
+    errors known from the points' own step spreads (each point's median of ``steps`` single steps: relative standard
+    error ``MEDIAN_SE_PER_MAD · spread / √steps``)."""
     if any(p.spread_pct is None for p in points):
         return False
     ws = []
@@ -183,15 +157,8 @@ def _clip(level: float) -> float:
 
 
 def fit_decode(points: Iterable[DecodePoint], *, level_window: int = LEVEL_WINDOW) -> DecodeModel | None:
-    """The decode line ``t(c) = base_s + per_context_s · c`` through ``points`` (calibration
-    first, then live points oldest first); None for no points.
-
-    The ``level_window`` latest live points say how fast the host decodes *now*; the older ones,
-    measured when the host may have run at another speed, are scaled by a common level (clipped
-    to :data:`LEVEL_CLIP`) chosen so that the latest points' median ratio measured / predicted is
-    1: a busier host moves the whole line, while its shape still comes from every context
-    measured. A slope within its own noise (:func:`_slope_within_noise`) is not extrapolated:
-    the line is flat and says so (:data:`WITHIN_NOISE_NOTE`)."""
+    """The decode line ``t(c) = base_s + per_context_s · c`` through ``points`` (calibration first, then live points oldest
+    first); None for no points."""
     pts = [p for p in points if isinstance(p, DecodePoint)]
     if not pts:
         return None
@@ -233,10 +200,9 @@ def _noise_pct(points: list[DecodePoint], base: float, slope: float, window: int
 
 def attention_doubling_prior(*, n_params: int, n_vocab: int, n_embd: int, n_layer: int, n_head: int, head_dim: int,
                              idle_params: float = 0.0) -> float | None:
-    """The context length (tokens) over which the per-token prefill cost doubles by the FLOP
-    ratio ``D = P / (2·L·H·d_head)`` (docs/design.md §2); None when the numbers do not describe a transformer (any of them not
-    positive, or no parameters left outside the vocabulary table). ``idle_params``: parameters
-    a token does not pass through (a mixture of experts' unused experts, :func:`idle_expert_params`)."""
+    """The context length (tokens) over which the per-token prefill cost doubles by the FLOP ratio ``D = P /
+    (2·L·H·d_head)`` (docs/design.md §2); None when the numbers do not describe a transformer (any of them not positive,
+    or no parameters left outside the vocabulary table)."""
     values = (n_params, n_vocab, n_embd, n_layer, n_head, head_dim)
     if any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values):
         return None
@@ -250,11 +216,8 @@ def attention_doubling_prior(*, n_params: int, n_vocab: int, n_embd: int, n_laye
 
 
 def idle_expert_params(*, n_layer: int, n_embd: int, expert_count: int, expert_used_count: int, expert_ff: int) -> float:
-    """The parameters a token of a mixture-of-experts model does not use: of the ``expert_count``
-    experts per layer (each a gated feed-forward block of ``3·n_embd·expert_ff`` parameters),
-    all but ``expert_used_count``. Counting every layer as a mixture one (some models keep a
-    few dense layers) overstates it, which makes the prior read attention as steeper — the side
-    that prices long prompts long. 0 for a dense model (fewer than 2 experts, or all used)."""
+    """The parameters a token of a mixture-of-experts model does not use: of the ``expert_count`` experts per layer (each a
+    gated feed-forward block of ``3·n_embd·expert_ff`` parameters), all but ``expert_used_count``."""
     if expert_count < 2 or expert_used_count >= expert_count or min(n_layer, n_embd, expert_used_count, expert_ff) <= 0:
         return 0.0
     return float(n_layer) * (expert_count - expert_used_count) * 3.0 * n_embd * expert_ff
@@ -469,14 +432,7 @@ def _reach(samples: Sequence[PrefillSample]) -> tuple[int, int]:
 
 @attrs.frozen
 class Profile:
-    """A measured prefill profile. Use :meth:`predict_ttft_s` to predict a request's TTFT.
-
-    ``first_token_s`` is what a request adds on top of prefill before its first content chunk
-    (chat template, tokenization, the first sampling step), measured end to end during
-    calibration; ``first_token_per_token_s`` the part of it that grows with the whole prompt,
-    cached tokens included (the engine's tokenizer reads the whole conversation every turn).
-    ``error`` is the cost model's leave-one-probe-out error on its own samples.
-    """
+    """A measured prefill profile. Use :meth:`predict_ttft_s` to predict a request's TTFT."""
 
     key: ProfileKey
     model: CostModel
@@ -556,10 +512,9 @@ class Profile:
         return max(self.probed_new_tokens, new), max(self.probed_context_tokens, ctx)
 
     def extrapolation(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        """How far a prediction for ``new_tokens`` after ``cached_tokens`` reaches beyond what
-        was measured: 1.0 inside the probed range, else the larger of new tokens / the most new
-        tokens probed and context / the deepest context probed (2.0: twice as far). A profile
-        without samples has probed nothing: the ratio is to one token."""
+        """How far a prediction for ``new_tokens`` after ``cached_tokens`` reaches beyond what was measured: 1.0 inside the
+        probed range, else the larger of new tokens / the most new tokens probed and context / the deepest context probed
+        (2.0: twice as far). A profile without samples has probed nothing: the ratio is to one token."""
         probed_new, probed_ctx = self.probed_range()
         n = evaluated_tokens(int(new_tokens), 0)
         ctx = n + max(int(cached_tokens), 0)
@@ -585,9 +540,8 @@ class Profile:
 
     @property
     def decode_noise_pct(self) -> float | None:
-        """How much a decode measurement varies on this host, percent
-        (:attr:`DecodeModel.noise_pct`); None when unknown. A predicted difference of decode
-        speed smaller than this is within noise."""
+        """How much a decode measurement varies on this host, percent (:attr:`DecodeModel.noise_pct`); None when unknown. A
+        predicted difference of decode speed smaller than this is within noise."""
         model = self.decode_model()
         return None if model is None else model.noise_pct
 
@@ -670,9 +624,8 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: Any) -> Profile:
-        """The profile stored as ``data`` (parsed JSON), fully checked: raises
-        :class:`~trimkit.errors.ProfileError` naming the first field that is missing, of the
-        wrong type or out of range, and never another exception."""
+        """The profile stored as ``data`` (parsed JSON), fully checked: raises :class:`~trimkit.errors.ProfileError` naming
+        the first field that is missing, of the wrong type or out of range, and never another exception."""
         data = json_object(data, "")
         schema = data.get("schema")
         if type(schema) is not int or schema != SCHEMA_VERSION:  # not True, not 1.0

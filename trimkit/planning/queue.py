@@ -1,14 +1,5 @@
-"""One engine's concurrency: the requests in flight, the wait they predict, and the lock they take
-(the rules: docs/scaling.md §1).
-
-One in-process ``Llama`` serves one request at a time (:class:`EngineLease`, first come, first
-served); every wrapper of the engine shares one :class:`EngineQueue` (in the engine's
-:class:`~trimkit.planning.speed.EngineState`), so each request sees all the others: its wait is the
-remaining work of those that entered before it (:meth:`Ticket.remaining_s`,
-:meth:`EngineQueue.wait_s`), the cache it finds the last one's prompt
-(:meth:`EngineQueue.context_after`), and ``on_busy`` says what a wait that breaks the budget does
-(:func:`busy_decision`). Tickets are held weakly: one whose stream ended or is gone no longer counts.
-"""
+"""One engine's concurrency: the requests in flight, the wait they predict, and the lock they take (the rules:
+docs/scaling.md §1)."""
 
 from __future__ import annotations
 
@@ -54,11 +45,7 @@ def queue_wait(value: Any) -> float | None:
 
 
 class Ticket:
-    """One request in an :class:`EngineQueue`: its predicted work and how far it has got.
-
-    Made by :meth:`EngineQueue.enter`; the pipeline fills in :meth:`estimate`, the front-end
-    calls :meth:`planned`, :meth:`sent`, :meth:`holding`, :meth:`attach`, :meth:`first_token` and
-    :meth:`done` as the request goes. Every call is idempotent and safe from any thread."""
+    """One request in an :class:`EngineQueue`: its predicted work and how far it has got."""
 
     def __init__(self, queue: EngineQueue, seq: int) -> None:
         self.queue = queue
@@ -148,9 +135,7 @@ class Ticket:
 
 
 class EngineQueue:
-    """The requests in flight on one engine, in the order they entered (see the module docstring).
-
-    ``clock`` is the engine's clock (the backend's: a fake one in tests). Thread-safe."""
+    """The requests in flight on one engine, in the order they entered (see the module docstring)."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter, *, answer_window: int = ANSWER_WINDOW,
                  default_answer_tokens: int = DEFAULT_ANSWER_TOKENS) -> None:
@@ -209,9 +194,8 @@ class EngineQueue:
         return [t for t in self.in_flight() if ticket is None or t.seq < ticket.seq]
 
     def context_after(self, ticket: Ticket | None = None) -> Sequence[int] | None:
-        """What the engine's context will hold (its prompt) when ``ticket``'s turn comes: the
-        prompt of the last request ahead of it; ``()`` while that prompt is not known yet; None
-        when nobody is ahead (the context stays as it is)."""
+        """What the engine's context will hold (its prompt) when ``ticket``'s turn comes: the prompt of the last request
+        ahead of it; ``()`` while that prompt is not known yet; None when nobody is ahead (the context stays as it is)."""
         ahead = self.ahead(ticket)
         if not ahead:
             return None
@@ -219,9 +203,8 @@ class EngineQueue:
         return () if last is None else last
 
     def wait_s(self, ticket: Ticket | None = None, *, default_s: float | None = None) -> float:
-        """The predicted wait of ``ticket`` (None: of a request entering now): the remaining work
-        of the requests ahead of it. One whose TTFT is not known yet counts ``default_s``
-        (default: ``ticket``'s own work)."""
+        """The predicted wait of ``ticket`` (None: of a request entering now): the remaining work of the requests ahead of
+        it. One whose TTFT is not known yet counts ``default_s`` (default: ``ticket``'s own work)."""
         return self.predict(ticket, default_s=default_s)[0]
 
     def predict(self, ticket: Ticket | None = None, *, default_s: float | None = None) -> tuple[float, int]:
@@ -268,9 +251,8 @@ class EngineQueue:
         return max(min(n, room), 1) if room is not None else n
 
     def decode_s(self, params: Mapping[str, Any], tokens_per_s: float, room: int | None = None) -> float:
-        """The predicted decode time (after the first token, which the TTFT covers) of a request
-        with ``params``, at the recent streams' speed (:meth:`tokens_per_s`; ``tokens_per_s``
-        until one has finished; 0 when neither is known)."""
+        """The predicted decode time (after the first token, which the TTFT covers) of a request with ``params``, at the
+        recent streams' speed (:meth:`tokens_per_s`; ``tokens_per_s`` until one has finished; 0 when neither is known)."""
         speed = self.tokens_per_s(tokens_per_s)
         if not speed or speed <= 0:
             return 0.0
@@ -288,11 +270,10 @@ def answer_cap(params: Mapping[str, Any]) -> int | None:
 
 @attrs.frozen
 class BusyDecision:
-    """What the predicted wait (``wait_s``, None: nobody predicts one; for ``ahead`` requests)
-    does to one request's plan (:func:`busy_decision`): the budget the prompt is planned to with
-    ``margin`` (``plan_budget_s``; None without a budget), the part of the wait the plan made room
-    for (``counted_wait_s``; 0 with ``"wait"``), and whether the request is refused
-    (``refuse``: the wait alone leaves no room and ``on_infeasible="raise"``)."""
+    """What the predicted wait (``wait_s``, None: nobody predicts one; for ``ahead`` requests) does to one request's plan
+    (:func:`busy_decision`): the budget the prompt is planned to with ``margin`` (``plan_budget_s``; None without a
+    budget), the part of the wait the plan made room for (``counted_wait_s``; 0 with ``"wait"``), and whether the request
+    is refused (``refuse``: the wait alone leaves no room and ``on_infeasible="raise"``)."""
 
     on_busy: str
     wait_s: float | None
@@ -324,15 +305,7 @@ class BusyDecision:
 
 def busy_decision(on_busy: str, budget_s: float | None, wait_s: float | None, margin: float, ahead: int = 0, *,
                   refuse: bool = False) -> BusyDecision:
-    """The plan's budget given the predicted ``wait_s`` for ``ahead`` requests (None or 0: no one).
-
-    The prediction the report compares with the measured TTFT is the wait plus the prompt's
-    TTFT, and the margin holds back its share of the whole budget: with ``"trim"`` the prompt is
-    planned so that wait + TTFT fits ``budget × (1 − margin)``, i.e. to a plan budget of
-    ``budget − wait / (1 − margin)`` (at least :data:`MIN_PLAN_BUDGET_S`: when the wait leaves no
-    room the plan is infeasible and ``on_infeasible`` applies — with ``refuse`` (its ``"raise"``)
-    a wait that alone reaches ``budget × (1 − margin)`` refuses the request unplanned). With
-    ``"wait"`` the prompt is planned to the whole budget."""
+    """The plan's budget given the predicted ``wait_s`` for ``ahead`` requests (None or 0: no one)."""
     decision = BusyDecision(on_busy, wait_s, ahead, margin, budget_s)
     wait = wait_s or 0.0
     if budget_s is None or on_busy == "wait" or wait <= 0.0:
@@ -358,15 +331,7 @@ DEFAULT_ENGINE_WAIT_S = 120.0
 
 
 class EngineLease:
-    """One ``Llama``'s lock: one holder at a time, waiters served first come, first served.
-
-    ``with lease.section(timeout_s) as waited:`` holds the engine for a block of code in this
-    thread (re-entrant for that thread; ``with lease:`` is a section with the default bound).
-    :meth:`hold` takes it for a response stream instead: released (once) by whoever finishes,
-    closes or garbage-collects the stream, from any thread. A thread inside a section takes a
-    stream hold at once (restoring a snapshot and starting the stream are one step); the hold
-    outlives the section. Past ``timeout_s`` a waiter gets :class:`~trimkit.errors.EngineBusyError`.
-    """
+    """One ``Llama``'s lock: one holder at a time, waiters served first come, first served."""
 
     def __init__(self) -> None:
         # re-entrant: a stream garbage-collected while this thread holds the lock gives the engine

@@ -1,18 +1,5 @@
-"""The solver: the request as the planner sees it, the state strategies work on, and the search
-that keeps the most value whose predicted TTFT fits the budget (docs/design.md §3–4).
-
-- :class:`RequestContext` / :class:`Candidate`: one request's fixed inputs (per-message token
-  counts, turns, what is known of the engine's KV cache) and candidate prompts as edits of it,
-  estimated from those counts so that trying candidates never re-tokenizes the conversation.
-- :class:`PlanState` / :class:`Proposal` / :class:`Action`: what a strategy
-  (:mod:`trimkit.strategies`) receives and returns; the solver knows strategies only through these.
-- :func:`solve`: strategies say *what may change*; the solver decides *what does*. Dropping a
-  turn inside the cached prefix forfeits the cache after it, so it tries a few *scenarios* (each
-  start of the prompt a strategy proposed, with the first ``d`` turns after it kept verbatim and
-  cached), and in each a :func:`knapsack` (at most one variant per item: a chunk whole or one of
-  its excerpts) picks the most value that fits the room left. The scenario with the most value
-  wins; ties go to the faster prompt.
-"""
+"""The solver: the request as the planner sees it, the state strategies work on, and the search that keeps the most value
+whose predicted TTFT fits the budget (docs/design.md §3–4)."""
 
 from __future__ import annotations
 
@@ -58,12 +45,7 @@ Layout = tuple[tuple[Hashable, int], ...]
 
 @attrs.frozen
 class Candidate:
-    """A candidate prompt, as edits of the caller's request.
-
-    ``kept_chunks`` are placed in this order; ``removed``/``summarized`` are indices into the
-    caller's messages; ``summary`` replaces the summarized ones; ``extra_s`` is inline work
-    (e.g. a summary computed now) that delays the first token and so counts against the budget.
-    """
+    """A candidate prompt, as edits of the caller's request."""
 
     kept_chunks: tuple[Chunk, ...] = ()
     removed: frozenset[int] = frozenset()
@@ -103,11 +85,8 @@ def _summary_block(summary: Summary) -> str:
 
 
 class RequestContext:
-    """Everything fixed for one request, computed once: inputs, per-message token counts, turns,
-    and what is known about the engine's KV cache (the caller's ``cached_tokens`` and ``cache``).
-
-    Built by :meth:`~trimkit.planning.solver.PlanState.start` from validated inputs; strategies
-    reach it through the state."""
+    """Everything fixed for one request, computed once: inputs, per-message token counts, turns, and what is known about the
+    engine's KV cache (the caller's ``cached_tokens`` and ``cache``)."""
 
     def __init__(
         self,
@@ -233,14 +212,12 @@ class RequestContext:
         return reusable_cached_tokens(total, cached)
 
     def predict(self, tokens: int, cached: int, extra_s: float = 0.0) -> float:
-        """Predicted TTFT of a ``tokens`` prompt with ``cached`` of them in the KV cache, plus
-        ``extra_s`` of inline work."""
+        """Predicted TTFT of a ``tokens`` prompt with ``cached`` of them in the KV cache, plus ``extra_s`` of inline work."""
         cached = reusable_cached_tokens(tokens, cached)
         return float(self.profile.predict_ttft_s(tokens - cached, cached) + extra_s)
 
     def fits(self, tokens: int, predicted_s: float) -> bool:
-        """A ``tokens`` prompt predicted at ``predicted_s`` is within the target (and, when
-        known, the context window)."""
+        """A ``tokens`` prompt predicted at ``predicted_s`` is within the target (and, when known, the context window)."""
         return predicted_s <= self.target_s and (self.max_prompt_tokens is None or tokens <= self.max_prompt_tokens)
 
     def estimate(self, c: Candidate) -> Estimate:
@@ -297,10 +274,9 @@ class RequestContext:
         return self.tokenizer.segment_counts(self.build(c), self.tools).total
 
     def probe(self, c: Candidate) -> int | None:
-        """How many tokens of ``c`` the engine has cached, exactly: ``c`` tokenized and looked up
-        in :attr:`cache` (data: the engine is not asked), at most :data:`MAX_PROBES` times per
-        request, memoised; None when there is no cache state, the allowance is spent or the
-        tokenizer failed (it is an optimisation and never fails a request)."""
+        """How many tokens of ``c`` the engine has cached, exactly: ``c`` tokenized and looked up in :attr:`cache` (data:
+        the engine is not asked), at most :data:`MAX_PROBES` times per request, memoised; None when there is no cache
+        state, the allowance is spent or the tokenizer failed (it is an optimisation and never fails a request)."""
         if self.cache is None:
             return None
         keys = tuple(k for k, _ in self.layout(c))
@@ -377,12 +353,7 @@ class Proposal:
 
 @attrs.frozen
 class PlanState:
-    """What every strategy receives: the request, the current candidate and its prediction.
-
-    A strategy reads ``state.candidate`` and ``state.prediction`` (or calls :meth:`estimate` on
-    candidates of its own), and returns ``state.apply(new_candidate, action)`` — or None to
-    leave things as they are. Build one for a test with :meth:`start`.
-    """
+    """What every strategy receives: the request, the current candidate and its prediction."""
 
     ctx: RequestContext = attrs.field(repr=False)
     candidate: Candidate
@@ -413,12 +384,7 @@ class PlanState:
         on_infeasible: str = "best_effort",
         values: Any = None,
     ) -> PlanState:
-        """The initial state: the whole request, every chunk kept (most relevant first).
-
-        Checks every argument of :func:`~trimkit.planning.planner.plan` before any work — the one
-        place that does (``on_infeasible`` and ``values`` are only checked here); use it to test a
-        strategy on its own. A LiveProfile plans with its current profile.
-        """
+        """The initial state: the whole request, every chunk kept (most relevant first)."""
         if on_infeasible not in ("best_effort", "raise"):
             raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
         validate_messages(messages)
@@ -555,11 +521,8 @@ RESOLUTION = 512
 
 
 def knapsack(groups: Sequence[Sequence[tuple[int, float]]], room: int) -> tuple[float, list[int]]:
-    """Pick at most one ``(tokens, value)`` variant per group, most total value within ``room``
-    tokens. Returns the value and the chosen variant index per group (-1: none).
-
-    Sizes are rounded *up* to ``room / RESOLUTION`` tokens, so a selection never exceeds ``room``.
-    """
+    """Pick at most one ``(tokens, value)`` variant per group, most total value within ``room`` tokens. Returns the value
+    and the chosen variant index per group (-1: none)."""
     chosen = [-1] * len(groups)
     if room <= 0 or not groups:
         return 0.0, chosen
@@ -614,12 +577,8 @@ class _Item:
 
 
 def solve(state: PlanState, strategies: Sequence[Any], values: ValueModel) -> PlanState:
-    """The candidate with the most value that fits ``state``'s target, or ``state`` itself
-    (not fitting) when nothing the strategies allow can make it fit.
-
-    ``strategies`` are :class:`~trimkit.strategies.Strategy` objects: each ``propose(state)``
-    says what may change; one whose ``edits_prompt`` is true edits the prompt itself when
-    called, and is applied in order before the engine chooses."""
+    """The candidate with the most value that fits ``state``'s target, or ``state`` itself (not fitting) when nothing the
+    strategies allow can make it fit."""
     ctx = state.ctx
     proposals: list[tuple[str, Proposal]] = []
     for s in strategies:
@@ -707,11 +666,7 @@ class _Solver:
         return self._explain(self._refill(candidate), lead)
 
     def _refill(self, c: Candidate) -> Candidate:
-        """Put back chunks (whole, or an excerpt) that fit after all by an exact count.
-
-        Per-chunk token counts are additive estimates, a token or two pessimistic at joins; the
-        exact count of the chosen prompt can leave room. The most valuable chunks dropped or cut
-        are tried, a few exact counts at most."""
+        """Put back chunks (whole, or an excerpt) that fit after all by an exact count."""
         ctx = self.ctx
         if not self.chunk_items:
             return c
@@ -799,15 +754,7 @@ class _Solver:
         return sorted({start + round(i * span / steps) for i in range(steps + 1)} | {len(turns)})
 
     def _scenario(self, lead: Lead, keep: int) -> tuple[float, Candidate] | None:
-        """The most valuable candidate of one scenario that fits, or None.
-
-        The room is priced with the fixed part's cached prefix; what the knapsack adds can end
-        that prefix earlier (chunks go into the last user turn, whose start the previous prompt
-        may share), so the chosen candidate is estimated again and, while it does not fit, the
-        room becomes what the fixed part leaves under the prefix the choice really keeps cached
-        (:data:`MAX_SCENARIO_TIGHTENINGS` times at most). When no choice with chunks fits, the
-        turns alone are chosen, and failing that the fixed part alone, which fits whenever the
-        scenario has room at all."""
+        """The most valuable candidate of one scenario that fits, or None."""
         ctx = self.ctx
         fixed_c = self._lead_candidate(lead, keep)
         est = ctx.estimate(fixed_c)

@@ -1,22 +1,7 @@
-"""What one engine learns as it runs: the one speed estimate, the live profile, and the margin
-(docs/design.md §2 "The host's speed", §6 "The safety margin").
+"""What one engine learns as it runs: the one speed estimate, the live profile, and the margin (docs/design.md §2 "The
+host's speed", §6 "The safety margin").
 
-Three parts, each built on the one before:
-
-- :class:`SpeedEstimate` — measured ÷ predicted over a recent window of prefills (calibration's
-  probes, served requests, watched prefills): its middle is the speed factor every prediction is
-  multiplied by (:attr:`Profile.drift`), its spread the safety margin (:meth:`margin`), a factor of
-  at least :data:`SLOWDOWN_FACTOR` the slowdown notice. The samples are kept (not their ratios), so
-  a refit of the model's shape re-reads them all. Thread-safe.
-- :class:`LiveProfile` — calibration's cost model (refitted when served requests show a shape it
-  got wrong), the current speed factor, the decode line and the first-token overhead;
-- :class:`EngineState` — one engine's live profile and in-flight queue, found by
-  :func:`engine_state` from the backend's ``engine_identity()`` (a second ``wrap()`` of the same
-  engine and calibration starts from what the first learned), and the margin a request plans with:
-  a watched prefill's covers only the tail after its last step (:func:`tail_share`), a server's its
-  whole prediction; a prompt beyond the probed range counts the spread
-  :meth:`Profile.extrapolation` times.
-"""
+Three parts, each built on the one before:"""
 
 from __future__ import annotations
 
@@ -118,9 +103,8 @@ def _ratio(model: CostModel, s: PrefillSample) -> float | None:
 
 
 class SpeedEstimate:
-    """The host's current speed for one engine, from its recent measured prefills (see the
-    module docstring). ``seed``: calibration's samples (the held-out ones, or all), which stand
-    in until served requests arrive."""
+    """The host's current speed for one engine, from its recent measured prefills (see the module docstring). ``seed``:
+    calibration's samples (the held-out ones, or all), which stand in until served requests arrive."""
 
     def __init__(self, seed: Iterable[PrefillSample] = (), *, window: int = WINDOW, prior: float = 1.0) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -144,9 +128,8 @@ class SpeedEstimate:
             self._live += 1
 
     def observe_outcome(self, measured_s: float, predicted_s: float) -> None:
-        """One watched request's TTFT as measured and as predicted for the prompt it sent (a
-        re-plan's prediction after a re-plan): what the watch left to the margin. Unusable
-        numbers are ignored."""
+        """One watched request's TTFT as measured and as predicted for the prompt it sent (a re-plan's prediction after a
+        re-plan): what the watch left to the margin. Unusable numbers are ignored."""
         if not (isinstance(measured_s, (int, float)) and isinstance(predicted_s, (int, float))):
             return
         if not (math.isfinite(measured_s) and math.isfinite(predicted_s) and measured_s > 0 and predicted_s > 0):
@@ -185,16 +168,9 @@ class SpeedEstimate:
         return statistics.median(ratios)
 
     def margin(self, model: CostModel, target: float = DEFAULT_TARGET, *, fallback: float, share: float = 1.0) -> float:
-        """The fraction of a budget to hold back so that ``target`` of the recent measurements,
-        each taken relative to the factor, would have fitted — for a prediction of which only
-        ``share`` is uncertain (the stretch of a watched prefill after its last step; 1: the
-        whole prediction, as over a server). ``fallback`` while fewer than 4 samples are known.
-
-        A watched prediction (``share`` < 1) holds back at least what ``target`` of the latest
-        watched requests' outcomes (:meth:`observe_outcome`) would have needed: the spread of
-        prefills around the factor misses what the watch itself costs and how far the factor
-        lags the host, and a calm host's outcomes showed it (measured ÷ predicted TTFT 1.017
-        median, 1.052 at the 97th percentile, under margins of ~1.5 %)."""
+        """The fraction of a budget to hold back so that ``target`` of the recent measurements, each taken relative to the
+        factor, would have fitted — for a prediction of which only ``share`` is uncertain (the stretch of a watched
+        prefill after its last step; 1: the whole prediction, as over a server)."""
         ratios = self.ratios(model)
         if len(ratios) < 4:
             spread_ratio = 1.0 / (1.0 - fallback)
@@ -303,16 +279,7 @@ def _is_count(value: Any) -> bool:
 
 
 class LiveProfile:
-    """A profile that follows the machine (see the module docstring). Thread-safe.
-
-    Every measured prefill joins the engine's :class:`~trimkit.planning.speed.SpeedEstimate`
-    (:attr:`speed`); the profile's ``drift`` is its middle. After every ``refit_every``
-    whole-request observations (default: each one; it costs 1–5 ms, after the response; and after
-    each of the first ``eager_refits``, while the shape is still being learned) the model
-    is refitted on calibration plus the served requests brought to the calibration's speed, and
-    kept only if it explains them better than the speed factor alone: a shape the calibration got
-    wrong (too little attention from short probes) is corrected, while a host that only changed
-    speed moves the factor and leaves the model alone."""
+    """A profile that follows the machine (see the module docstring). Thread-safe."""
 
     def __init__(self, profile: Profile, *, refit_every: int = 1, eager_refits: int = 0, keep_live: int = 64) -> None:
         if not (_is_count(refit_every) and refit_every >= 1):
@@ -364,10 +331,9 @@ class LiveProfile:
             self._profile = attrs.evolve(self._profile, drift=self.speed.factor(self._profile.model))
 
     def observe(self, new_tokens: int, cached_tokens: int, measured_prefill_s: float, *, speed: bool = True) -> None:
-        """Feed one request's measured prefill back (``speed=False``: its steps were fed already).
-        Unusable measurements (no tokens, a negative or missing count, a time that is zero,
-        negative, NaN or infinite) are ignored: this runs after a response was delivered and must
-        never fail it."""
+        """Feed one request's measured prefill back (``speed=False``: its steps were fed already). Unusable measurements (no
+        tokens, a negative or missing count, a time that is zero, negative, NaN or infinite) are ignored: this runs after
+        a response was delivered and must never fail it."""
         sample = self._sample(new_tokens, cached_tokens, measured_prefill_s)
         if sample is None:
             return
@@ -387,12 +353,8 @@ class LiveProfile:
         return PrefillSample(int(new_tokens), int(cached_tokens), float(seconds), source="live")
 
     def observe_decode(self, tokens_per_s: Any, completion_tokens: Any, context_tokens: Any = None) -> None:
-        """Feed one request's measured decode speed back; ``context_tokens`` is its prompt
-        length (the KV cache its first decode step reads). The request becomes a point of the
-        decode-vs-context line (:meth:`decode_tokens_per_s_at`) at its mean context
-        (:func:`~trimkit.planning.profile.mean_context`), and the profile's one decode speed
-        (``decode_tokens_per_s``) is that line at the latest request's context. Answers of fewer
-        than :data:`MIN_DECODE_TOKENS` tokens, and unusable numbers, are ignored."""
+        """Feed one request's measured decode speed back; ``context_tokens`` is its prompt length (the KV cache its first
+        decode step reads)."""
         if not (_is_count(completion_tokens) and completion_tokens >= MIN_DECODE_TOKENS):
             return
         if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, numbers.Real):
@@ -416,13 +378,9 @@ class LiveProfile:
         return self.current.decode_tokens_per_s_at(context_tokens, output_tokens)
 
     def observe_first_token(self, ttft_s: Any, engine_prefill_s: Any, prompt_tokens: Any = None) -> None:
-        """Feed one request's first-token overhead back: its TTFT less the engine's own prefill
-        time (template, tokenization, the first sampling step, the HTTP round trip for a
-        server); ``prompt_tokens`` is its whole prompt's length, cached tokens included. The
-        profile learns both parts (:meth:`_first_token_parts`): how the overhead grows per
-        prompt token, from the last :data:`KEEP_FIRST_TOKEN_POINTS` requests once they span
-        lengths :data:`FIRST_TOKEN_LENGTH_SPREAD` times apart, and the fixed part, from the last
-        :data:`FIRST_TOKEN_RECENT`. Unusable numbers are ignored."""
+        """Feed one request's first-token overhead back: its TTFT less the engine's own prefill time (template,
+        tokenization, the first sampling step, the HTTP round trip for a server); ``prompt_tokens`` is its whole prompt's
+        length, cached tokens included."""
         values = (ttft_s, engine_prefill_s)
         if any(isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) for v in values):
             return
@@ -435,11 +393,9 @@ class LiveProfile:
             self._profile = attrs.evolve(self._profile, first_token_s=first, first_token_per_token_s=per)
 
     def _first_token_parts(self, profile: Profile) -> tuple[float, float]:
-        """Under the lock: (fixed, per prompt token) first-token overhead from the requests seen
-        (``profile``'s own while none). Per token: the median slope between pairs of recent
-        requests (Theil–Sen), at least 0, once enough requests of lengths far enough apart were
-        seen; else ``profile``'s. Fixed: the median over the last :data:`FIRST_TOKEN_RECENT`
-        requests of their overhead less the per-token part."""
+        """Under the lock: (fixed, per prompt token) first-token overhead from the requests seen (``profile``'s own while
+        none). Per token: the median slope between pairs of recent requests (Theil–Sen), at least 0, once enough requests
+        of lengths far enough apart were seen; else ``profile``'s."""
         if not self._first_token:
             return profile.first_token_s, profile.first_token_per_token_s
         per = profile.first_token_per_token_s
@@ -473,15 +429,9 @@ class LiveProfile:
         self._profile = attrs.evolve(profile, model=model, drift=self.speed.factor(model))
 
     def _refit(self, profile: Profile, live: list[PrefillSample]) -> CostModel | None:
-        """Under the lock: the refit round's model, or None when it does not explain the live
-        samples better than ``profile``'s model at its best single speed factor (their median
-        ratio: what the speed factor alone could reach).
-
-        The live samples are first brought to the calibration's speed — divided by their median
-        ratio to a fit of the calibration's samples alone — and fitted with the calibration's
-        samples: a fit mixing samples measured at one speed with samples measured at another
-        bends the model's shape, a change of speed read as a change of shape. The model kept is
-        at the calibration's speed, so the speed estimate goes on reading the host against it."""
+        """Under the lock: the refit round's model, or None when it does not explain the live samples better than
+        ``profile``'s model at its best single speed factor (their median ratio: what the speed factor alone could
+        reach)."""
         model = profile.model
         calib = [s for s in profile.samples if s.source == "calibration"]
         kwargs: dict[str, Any] = {"n_batch": model.n_batch, "batched": model.per_batch_s > 0, "depth_prior_tokens": profile.depth_prior_tokens}
@@ -533,10 +483,9 @@ def _usable(x: Any) -> bool:
 
 
 class EngineState:
-    """What one engine has learned: the live profile (its cost model, speed factor, decode and
-    first-token overhead) and the requests in flight on it (``queue``). Shared by every wrapper of
-    that engine. ``queue``: an existing one to keep (the requests in flight do not change when the
-    engine is calibrated again); else a new one on ``clock``."""
+    """What one engine has learned: the live profile (its cost model, speed factor, decode and first-token overhead) and the
+    requests in flight on it (``queue``). Shared by every wrapper of that engine. ``queue``: an existing one to keep (the
+    requests in flight do not change when the engine is calibrated again); else a new one on ``clock``."""
 
     def __init__(self, profile: Profile, *, queue: EngineQueue | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.live = LiveProfile(profile, refit_every=REFIT_EVERY, eager_refits=EAGER_REFITS)
@@ -562,12 +511,8 @@ class EngineState:
         return margin_for_ratio(1.0 + x * (1.0 / (1.0 - base) - 1.0), cap=MARGIN_CAP)
 
     def request_margin(self, target: float, budget_s: float, prompt_tokens: int, cached_tokens: int, *, watched: bool = False) -> float:
-        """One request's margin: :meth:`safety_margin` for the longest prompt its plan may send
-        (all ``prompt_tokens``, or what ``budget_s`` allows). ``watched``: its prefill will be
-        watched, so the margin covers only what follows the watch's last check
-        (:func:`tail_share`) — of the prompt the plan will send, not the longer one it was given
-        (a 600-token plan of a 1,700-token prompt is checked once, after its first step: most of
-        it is tail)."""
+        """One request's margin: :meth:`safety_margin` for the longest prompt its plan may send (all ``prompt_tokens``, or
+        what ``budget_s`` allows)."""
         profile = self.live.current
         n = evaluated_tokens(prompt_tokens, cached_tokens)
         first = self.safety_margin(target, share=tail_share(profile, n) if watched else 1.0)
@@ -582,16 +527,9 @@ class EngineState:
 
     def learn(self, m: Any, *, persist_every: int = 0, answer_capped: bool = True, watched: bool = False,
               outcome: tuple[float, float] | None = None) -> Profile | None:
-        """What one finished request (its :class:`~trimkit.backends.base.Measurement` ``m``)
-        teaches the engine: its prefill to the live profile (the speed estimate — unless
-        ``watched``: its steps joined it already — and the refit), its decode speed and
-        first-token overhead. Every ``persist_every`` measured prefills (every
-        :data:`PROVISIONAL_PERSIST_EVERY` at most while the profile is provisional; 0: never) it
-        returns the refined profile for the caller to store, so the next process starts from it
-        (planning writes nothing: the pipeline stores it); else None. To the in-flight queue:
-        how fast its answer streamed, and (``answer_capped`` False: the call set no
-        ``max_tokens``) how long it was. ``outcome``: a watched request's (measured, predicted)
-        TTFT, for the margin (:meth:`SpeedEstimate.observe_outcome`)."""
+        """What one finished request (its :class:`~trimkit.backends.base.Measurement` ``m``) teaches the engine: its prefill
+        to the live profile (the speed estimate — unless ``watched``: its steps joined it already — and the refit), its
+        decode speed and first-token overhead."""
         if outcome is not None:
             self.speed.observe_outcome(*outcome)
         measured = m.ttft_s if m.ttft_s is not None else m.first_output_s
@@ -652,13 +590,9 @@ def _identity_of(backend: Any) -> Any:
 
 
 def engine_state(backend: Any, profile: Profile) -> EngineState:
-    """The live state of ``backend``'s engine: the existing one when it grew from the same
-    calibration as ``profile``, else a new one started from ``profile`` (and remembered; it
-    keeps the old one's in-flight queue, whose clock is the first backend's ``clock``).
-
-    Engines named by an object (a ``Llama``, a backend) are held weakly: the state goes when
-    the object does. Engines named by a value (``(url, model)``) are kept for the process
-    (the 256 most recent)."""
+    """The live state of ``backend``'s engine: the existing one when it grew from the same calibration as ``profile``, else
+    a new one started from ``profile`` (and remembered; it keeps the old one's in-flight queue, whose clock is the first
+    backend's ``clock``)."""
     identity = _identity_of(backend)
     tag = _calibration_tag(profile)
     try:

@@ -1,15 +1,4 @@
-"""The strategy protocol, how strategies combine, and the built-in strategies.
-
-A :class:`Strategy` looks at the one :class:`~trimkit.planning.solver.PlanState` and returns a
-:class:`~trimkit.planning.solver.Proposal` from ``propose(state)``: what the solver may change.
-Strategies combine with ``+`` or :func:`chain` (nested chains flatten) into a :class:`Chain`. The
-built-in ones: :class:`reuse_prefix` (count the cached prefix exactly; removes nothing),
-:class:`cap_rag_chunks` (drop chunks or cut them to excerpts), :class:`summarize_history` (a
-summary in place of the oldest turns), :class:`drop_oldest_turns` (drop whole turns) and
-:class:`keep_cached_cut` (the previous request's cut, so the KV cache stays warm). They work on
-whole turns (:func:`~trimkit.messages.turn_spans`), so tool calls and their results stay
-together; system messages and the last user turn are never candidates.
-"""
+"""The strategy protocol, how strategies combine, and the built-in strategies."""
 
 from __future__ import annotations
 
@@ -47,8 +36,7 @@ class Strategy(abc.ABC):  # noqa: B024 - a strategy implements propose() or __ca
         return None
 
     def __call__(self, state: PlanState) -> PlanState | None:
-        """Plan ``state`` with this strategy alone: the state the engine reaches, or None when
-        nothing changes."""
+        """Plan ``state`` with this strategy alone: the state the engine reaches, or None when nothing changes."""
         strategies = list(self) if isinstance(self, Chain) else [self]
         out = solve(state, strategies, ValueModel())
         if out.candidate == state.candidate and out.actions == state.actions:
@@ -114,13 +102,7 @@ def _indices(turns: Iterable[tuple[int, int]]) -> frozenset[int]:
 
 @attrs.frozen
 class reuse_prefix(Strategy):
-    """Count the KV-cache prefix exactly; removes nothing.
-
-    Use it first: it costs no quality. When the wrapper could not say how many tokens are
-    cached (``cached_tokens=0``) but gave the engine's ``cache`` state, it counts the prompt's
-    cached prefix in it once; if more is cached than estimated, the prediction drops — possibly
-    under the budget, and then nothing is trimmed. The cache an edit keeps is counted in any case.
-    """
+    """Count the KV-cache prefix exactly; removes nothing."""
 
     name: ClassVar[str] = "reuse_prefix"
 
@@ -146,14 +128,7 @@ class reuse_prefix(Strategy):
 
 @attrs.frozen
 class cap_rag_chunks(Strategy):
-    """Let the engine drop retrieved chunks, or cut them to excerpts, by value per predicted second.
-
-    Use it when a request carries ``rag_chunks``: chunks are this turn's most volatile text, at
-    the end of the prompt, so dropping them never costs the cached prefix. A chunk is kept
-    whole, kept as an excerpt (with ``excerpts=True``: the sentences matching the question,
-    with their neighbours, marked as an excerpt) or dropped; the ``min_chunks`` most relevant
-    are always kept whole.
-    """
+    """Let the engine drop retrieved chunks, or cut them to excerpts, by value per predicted second."""
 
     min_chunks: int = attrs.field(default=0, validator=lambda i, a, v: count(v, a.name, minimum=0))
     excerpts: bool = True
@@ -174,19 +149,7 @@ MAX_SUMMARIES = 3
 
 @attrs.frozen
 class summarize_history(Strategy):
-    """Offer a summary of the oldest turns, appended to the system message, in their place.
-
-    Use it to keep the gist of a long conversation instead of losing it. By default it only
-    offers a summary already in the plan's ``summaries`` cache (computed off the critical path,
-    see :func:`~trimkit.planning.summaries.summary_job`; the wrapper does this after each response) and
-    does nothing when none is ready. With ``inline=True`` it computes one now with
-    ``summarizer`` (default :class:`~trimkit.planning.summaries.ExtractiveSummarizer`), covering the
-    fewest oldest turns that make room, and the time that takes counts against the budget. The
-    newest ``keep_last_turns`` turns (the current one included) are never summarized. The
-    engine uses the summary only where it keeps more value than the turns it covers would (a
-    summary is worth :attr:`~trimkit.planning.values.ValueModel.summary_share` of them) — a new summary
-    changes the start of the prompt and so forfeits the cached prefix.
-    """
+    """Offer a summary of the oldest turns, appended to the system message, in their place."""
 
     summarizer: Summarizer | None = None
     inline: bool = False
@@ -248,13 +211,7 @@ class summarize_history(Strategy):
 
 @attrs.frozen
 class drop_oldest_turns(Strategy):
-    """Let the engine drop whole history turns — old ones are worth least, so they go first.
-
-    Whole turns go (a tool call and its results together); the newest ``keep_last_turns``
-    turns, counting the current one, stay. Which turns go is the engine's choice by value
-    (recency and relevance to the question, :mod:`trimkit.planning.values`) per predicted second,
-    counting the cached prefix a drop forfeits.
-    """
+    """Let the engine drop whole history turns — old ones are worth least, so they go first."""
 
     keep_last_turns: int = attrs.field(default=1, validator=_positive_count)
     name: ClassVar[str] = "drop_oldest_turns"
@@ -268,15 +225,7 @@ class drop_oldest_turns(Strategy):
 
 @attrs.frozen
 class keep_cached_cut(Strategy):
-    """Offer the previous request's cut: drop the same oldest turns, so the KV cache stays warm.
-
-    After a request that dropped the turns before message ``first_kept``, the engine's cache
-    holds a prompt starting there. Dropping any other number of turns now changes the start of
-    the prompt and pays the whole prefill again; dropping the same ones — the new turn is
-    appended at the end — reuses it, so the prompt keeps *more* history for *less* time. The
-    wrapper adds this strategy with the index of the first history message it kept last time;
-    it counts that prompt's cached prefix once, and the solver weighs the cut against the other starts.
-    """
+    """Offer the previous request's cut: drop the same oldest turns, so the KV cache stays warm."""
 
     first_kept: int = attrs.field(validator=lambda i, a, v: count(v, a.name, minimum=1))
     name: ClassVar[str] = "keep_cached_cut"

@@ -1,17 +1,4 @@
-"""Summaries of older conversation turns, and the cache that keeps them off the critical path.
-
-A :class:`Summary` stands in for the oldest turns; the planner appends it to the first system
-message under :data:`SUMMARY_HEADING` (Gemma-style templates forbid extra system messages).
-Summaries take time to compute, so they are computed *after* a response (:func:`next_summary_job`
-or :func:`summary_job` return a job, run in the background or on ``idle()``) and kept in a
-:class:`SummaryCache` by the exact messages they cover; the next plan only reads them. A cached
-summary stays byte-identical until the next re-summarization, so the prompt prefix that carries
-it stays in the engine's KV cache from one turn to the next.
-
-Two summarizers ship: :class:`ExtractiveSummarizer` (model-free, milliseconds) and
-:class:`PromptSummarizer` (asks a model through a completion function you supply — run it on a
-*separate* context so the conversation's KV cache survives).
-"""
+"""Summaries of older conversation turns, and the cache that keeps them off the critical path."""
 
 from __future__ import annotations
 
@@ -59,12 +46,7 @@ SUMMARY_HEADING = "Summary of the earlier conversation:"
 
 @attrs.frozen
 class Summary:
-    """A computed summary of the first ``covered_messages`` history messages.
-
-    ``source_tokens`` is what the covered messages cost, ``summary_tokens`` what the summary
-    costs instead, ``seconds`` how long it took to compute (it counts against the TTFT budget
-    only when computed inline), ``summarizer`` the name of what made it.
-    """
+    """A computed summary of the first ``covered_messages`` history messages."""
 
     text: str
     covered_messages: int
@@ -101,12 +83,7 @@ def messages_key(messages: Sequence[Mapping[str, Any]]) -> str:
 
 
 class SummaryCache:
-    """Summaries keyed by the exact messages they cover. Thread-safe; keeps the newest ``max_entries``.
-
-    Share one per conversation (or one per wrapper: keys are content hashes, so conversations
-    cannot collide). The wrapper fills it off the critical path
-    (:func:`~trimkit.planning.summaries.summary_job`); the planner only reads it.
-    """
+    """Summaries keyed by the exact messages they cover. Thread-safe; keeps the newest ``max_entries``."""
 
     def __init__(self, max_entries: int = 64) -> None:
         count(max_entries, "max_entries", minimum=1)
@@ -190,12 +167,7 @@ def _counter(count_tokens: Any) -> TokenCounter:
 
 @runtime_checkable
 class Summarizer(Protocol):
-    """Turns a list of chat messages into a summary text of about ``target_tokens`` tokens.
-
-    Implement ``name`` and ``summarize``; ``count_tokens`` counts tokens the way the planner
-    does, so a summarizer can stay within its target. It may raise; the planner logs the error
-    and carries on without a summary.
-    """
+    """Turns a list of chat messages into a summary text of about ``target_tokens`` tokens."""
 
     name: str
 
@@ -228,14 +200,7 @@ def cap_to_tokens(text: str, max_tokens: int, count_tokens: TokenCounter) -> str
 
 @attrs.frozen
 class ExtractiveSummarizer:
-    """Model-free summarizer: keeps the most salient sentences of the covered turns.
-
-    Use it when a summarizer must cost (almost) nothing — it runs in milliseconds on a CPU, so it
-    is the one to use inline. Each sentence is scored by how many of the conversation's frequent
-    content words it carries (normalised by length), with a bonus for the first sentence of a
-    message and for user messages (they set the topic). The best sentences are kept while they
-    fit ``target_tokens`` and written out in conversation order as ``- User: …`` lines.
-    """
+    """Model-free summarizer: keeps the most salient sentences of the covered turns."""
 
     lead_bonus: float = 2.0
     user_bonus: float = 1.5
@@ -297,13 +262,7 @@ def _check_template(instance: Any, attribute: Any, value: Any) -> None:
 
 @attrs.frozen
 class PromptSummarizer:
-    """Summarizer that asks a model: ``complete(prompt) -> text``.
-
-    Use it when summaries must read well and a model call is affordable off the critical path.
-    ``complete`` is yours: run it on a *separate* context or server slot, never on the
-    conversation's own ``Llama`` — that would evict the conversation's KV cache and the next
-    turn would pay full prefill. The answer is cut to ``max_tokens`` at a sentence boundary.
-    """
+    """Summarizer that asks a model: ``complete(prompt) -> text``."""
 
     complete: Callable[[str], str]
     max_tokens: int = attrs.field(default=256, validator=lambda i, a, v: count(v, a.name, minimum=1))
@@ -335,11 +294,7 @@ def make_summary(
     source_tokens: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Summary:
-    """Run ``summarizer`` on ``messages`` and wrap the text, its size and its timing in a :class:`Summary`.
-
-    ``covered_messages``/``source_tokens`` default to ``messages`` itself; pass them when
-    ``messages`` is an incremental source (an earlier summary plus the newer turns).
-    """
+    """Run ``summarizer`` on ``messages`` and wrap the text, its size and its timing in a :class:`Summary`."""
     counter = _counter(count_tokens)
     started = clock()
     text = summarizer.summarize(messages, target_tokens=target_tokens, count_tokens=counter)
@@ -383,22 +338,7 @@ def summary_job(
     min_pressure: float = 0.6,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Callable[[], Summary | None] | None:
-    """What to summarize next, off the critical path: a zero-argument job, or None if nothing is due.
-
-    Call it after a response with the conversation so far (the request's messages plus the
-    assistant's reply) and run the job in the background or on ``idle()``. The job summarizes
-    every turn except the ``keep_recent_turns`` newest (the next request adds a new turn, so
-    those stay verbatim), building on the longest summary already cached (earlier summary +
-    newer turns, not the whole history again), stores the result in ``cache`` and returns it.
-
-    Nothing is due when the history is too short, when a cached summary already covers all but
-    the recent turns, when fewer than ``resummarize_after_turns`` new turns have accumulated
-    since the cached one (keeps the summary — and the cached prompt prefix that carries it —
-    byte-stable for a few turns), or when ``plan`` (the request's :class:`~trimkit.planning.planner.Plan`)
-    shows the prompt below ``min_pressure`` of its budget (no summary needed yet).
-
-    ``messages`` are snapshotted now, so the caller may go on changing its own list.
-    """
+    """What to summarize next, off the critical path: a zero-argument job, or None if nothing is due."""
     count(keep_recent_turns, "keep_recent_turns", minimum=0)
     count(resummarize_after_turns, "resummarize_after_turns", minimum=1)
     count(target_tokens, "target_tokens", minimum=1)
@@ -444,13 +384,7 @@ def summary_job(
 def next_summary_job(
     plan: Any, summarizer: Summarizer, cache: SummaryCache, **options: Any
 ) -> Callable[[], Summary | None] | None:
-    """:func:`summary_job` for the request a :class:`~trimkit.planning.planner.Plan` was made for.
-
-    Call it after the response to that request. The plan's ``request_messages`` (the caller's
-    messages as given) end with the current turn, which the next request continues, so it
-    always stays verbatim; ``options`` go to :func:`summary_job` (pass ``count_tokens=`` your
-    ``PromptTokenizer`` for exact summary sizes).
-    """
+    """:func:`summary_job` for the request a :class:`~trimkit.planning.planner.Plan` was made for."""
     if plan is None or not getattr(plan, "request_messages", None):
         return None
     return summary_job(plan.request_messages, summarizer, cache, plan=plan, **options)

