@@ -223,23 +223,13 @@ def idle_expert_params(*, n_layer: int, n_embd: int, expert_count: int, expert_u
     return float(n_layer) * (expert_count - expert_used_count) * 3.0 * n_embd * expert_ff
 
 
-# -- the profile, and its stored form's field readers ----------------------------------------------------
-
-
-def _where(where: str, name: str) -> str:
-    return f"{where}.{name}" if where else name
+# -- reading a stored profile: the one boundary where untrusted JSON becomes a Profile -------------------
 
 
 def json_object(value: Any, where: str) -> Mapping[str, Any]:
     if not isinstance(value, dict):
         raise ProfileError(f"{where or 'the file'} must be a JSON object, got {type(value).__name__}")
     return value
-
-
-def json_field(data: Mapping[str, Any], name: str, where: str = "") -> Any:
-    if name not in data:
-        raise ProfileError(f"{_where(where, name)} is missing")
-    return data[name]
 
 
 def json_str(value: Any, where: str) -> str:
@@ -271,9 +261,17 @@ def json_number(value: Any, where: str, check: Callable[[float, str], Any] | Non
     return v
 
 
-def must_be_finite(value: float, where: str) -> None:
+def _finite(value: float, where: str) -> None:
     if not math.isfinite(value):
         raise InvalidNumberError(f"{where} must be finite, got {value!r}")
+
+
+def _number(check: Callable[[float, str], Any] | None = None) -> Callable[[Any, str], float]:
+    return lambda v, w: json_number(v, w, check)
+
+
+def _int(minimum: int = 0) -> Callable[[Any, str], int]:
+    return lambda v, w: json_int(v, w, minimum)
 
 
 def checked(make: Callable[..., Any], where: str, **kwargs: Any) -> Any:
@@ -284,14 +282,35 @@ def checked(make: Callable[..., Any], where: str, **kwargs: Any) -> Any:
         raise ProfileError(f"{where}: {exc}") from None
 
 
-def read_model(data: Any) -> CostModel:
-    data = json_object(data, "model")
-    kwargs = {name: json_number(json_field(data, name, "model"), f"model.{name}") for name in ("overhead_s", "per_token_s", "depth_s")}
-    if "per_batch_s" in data:
-        kwargs["per_batch_s"] = json_number(data["per_batch_s"], "model.per_batch_s")
-    if "n_batch" in data:
-        kwargs["n_batch"] = json_int(data["n_batch"], "model.n_batch", minimum=1)
-    model: CostModel = checked(CostModel, "model", **kwargs)
+def _fields(cls: Any, data: Any, where: str, readers: Mapping[str, Callable[[Any, str], Any]]) -> dict[str, Any]:
+    """``cls``'s fields read from the JSON object ``data`` (a field with a default may be absent or null)."""
+    data = json_object(data, where)
+    out = {}
+    for f in attrs.fields(cls):
+        name = f"{where}.{f.name}" if where else f.name
+        if f.name in readers and (data.get(f.name) is not None or f.default is attrs.NOTHING):
+            if f.name not in data:
+                raise ProfileError(f"{name} is missing")
+            out[f.name] = readers[f.name](data[f.name], name)
+    return out
+
+
+def _read(cls: Any, readers: Mapping[str, Callable[[Any, str], Any]]) -> Callable[[Any, str], Any]:
+    return lambda data, where: checked(cls, where, **_fields(cls, data, where, readers))
+
+
+def _list(read: Callable[[Any, str], Any]) -> Callable[[Any, str], tuple[Any, ...]]:
+    def read_all(data: Any, where: str) -> tuple[Any, ...]:
+        if not isinstance(data, list):
+            raise ProfileError(f"{where} must be a list, got {type(data).__name__}")
+        return tuple(read(item, f"{where}[{i}]") for i, item in enumerate(data))
+
+    return read_all
+
+
+def read_model(data: Any, where: str = "model") -> CostModel:
+    model: CostModel = _read(CostModel, {"overhead_s": _number(), "per_token_s": _number(), "depth_s": _number(), "per_batch_s": _number(),
+                                         "n_batch": _int(1)})(data, where)
     for n in (1, 1000):
         try:
             predicted = model.prefill_s(n, 0)
@@ -302,62 +321,10 @@ def read_model(data: Any) -> CostModel:
     return model
 
 
-def _read_sample(data: Any, where: str) -> PrefillSample:
-    data = json_object(data, where)
-    kwargs: dict[str, Any] = {
-        "new_tokens": json_int(json_field(data, "new_tokens", where), f"{where}.new_tokens", minimum=1),
-        "cached_tokens": json_int(json_field(data, "cached_tokens", where), f"{where}.cached_tokens"),
-        "seconds": json_number(json_field(data, "seconds", where), f"{where}.seconds", non_negative_finite),
-    }
-    if "source" in data:
-        kwargs["source"] = json_str(data["source"], f"{where}.source")
-    return checked(PrefillSample, where, **kwargs)
-
-
-def read_samples(data: Any) -> tuple[PrefillSample, ...]:
-    if not isinstance(data, list):
-        raise ProfileError(f"samples must be a list, got {type(data).__name__}")
-    return tuple(_read_sample(s, f"samples[{i}]") for i, s in enumerate(data))
-
-
-def read_error(data: Any) -> ErrorStats:
-    data = json_object(data, "error")
-    kwargs: dict[str, Any] = {name: json_number(json_field(data, name, "error"), f"error.{name}") for name in ("median_pct", "p90_pct", "max_pct")}
-    kwargs["n"] = json_int(json_field(data, "n", "error"), "error.n")
-    return checked(ErrorStats, "error", **kwargs)
-
-
-def read_residuals(data: Any) -> tuple[tuple[float, float], ...]:
-    if not isinstance(data, list):
-        raise ProfileError(f"residuals must be a list, got {type(data).__name__}")
-    out = []
-    for i, pair in enumerate(data):
-        if not isinstance(pair, list) or len(pair) != 2:
-            raise ProfileError(f"residuals[{i}] must be a [predicted, measured] pair")
-        out.append(tuple(json_number(v, f"residuals[{i}][{j}]", non_negative_finite) for j, v in enumerate(pair)))
-    return tuple(out)  # type: ignore[arg-type]
-
-
-def read_decode_points(data: Any) -> tuple[DecodePoint, ...]:
-    """``decode_points``: a list of objects (:meth:`~trimkit.planning.profile.DecodePoint.to_dict`)."""
-    if not isinstance(data, list):
-        raise ProfileError(f"decode_points must be a list, got {type(data).__name__}")
-    out = []
-    for i, item in enumerate(data):
-        where = f"decode_points[{i}]"
-        item = json_object(item, where)
-        kwargs: dict[str, Any] = {
-            "context_tokens": json_number(json_field(item, "context_tokens", where), f"{where}.context_tokens", non_negative_finite),
-            "tokens_per_s": json_number(json_field(item, "tokens_per_s", where), f"{where}.tokens_per_s"),
-        }
-        if "steps" in item:
-            kwargs["steps"] = json_int(item["steps"], f"{where}.steps", minimum=1)
-        if "source" in item:
-            kwargs["source"] = json_str(item["source"], f"{where}.source")
-        if item.get("spread_pct") is not None:
-            kwargs["spread_pct"] = json_number(item["spread_pct"], f"{where}.spread_pct", non_negative_finite)
-        out.append(checked(DecodePoint, where, **kwargs))
-    return tuple(out)
+def _pair(data: Any, where: str) -> tuple[float, float]:
+    if not isinstance(data, list) or len(data) != 2:
+        raise ProfileError(f"{where} must be a [predicted, measured] pair")
+    return json_number(data[0], f"{where}[0]", non_negative_finite), json_number(data[1], f"{where}[1]", non_negative_finite)
 
 
 SCHEMA_VERSION = 1
@@ -391,10 +358,6 @@ class ProfileKey:
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ProfileKey:
-        return cls(**{f.name: data[f.name] for f in attrs.fields(cls) if f.name in data})
 
 
 def _pairs(value: Any) -> tuple[tuple[float, float], ...]:
@@ -598,29 +561,15 @@ class Profile:
         return rows
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": SCHEMA_VERSION,
-            "key": self.key.to_dict(),
-            "model": self.model.to_dict(),
-            "first_token_s": self.first_token_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "samples": [s.to_dict() for s in self.samples],
-            "error": self.error.to_dict(),
-            "alternatives": dict(self.alternatives),
-            "calibration_wall_s": self.calibration_wall_s,
-            "quick": self.mode != "full",  # what files before ``mode`` said (older readers check it)
-            "created_at": self.created_at,
-            "drift": self.drift,
-            "residuals": [list(pair) for pair in self.residuals],
-            "mode": self.mode,
-            "probed_new_tokens": self.probed_new_tokens,
-            "probed_context_tokens": self.probed_context_tokens,
-            "time_budget_s": self.time_budget_s,
-            "first_token_estimated": self.first_token_estimated,
-            "first_token_per_token_s": self.first_token_per_token_s,
-            "decode_points": [p.to_dict() for p in self.decode_points],
-            "attention_prior_tokens": self.attention_prior_tokens,
-        }
+        def plain(value: Any) -> Any:
+            if hasattr(value, "to_dict"):
+                return value.to_dict()
+            if isinstance(value, tuple):
+                return [plain(v) for v in value]
+            return dict(value) if isinstance(value, Mapping) else value
+
+        # "quick": what files before ``mode`` said (older readers check it)
+        return {"schema": SCHEMA_VERSION, "quick": self.mode != "full", **{f.name: plain(getattr(self, f.name)) for f in attrs.fields(Profile)}}
 
     @classmethod
     def from_dict(cls, data: Any) -> Profile:
@@ -631,57 +580,44 @@ class Profile:
         if type(schema) is not int or schema != SCHEMA_VERSION:  # not True, not 1.0
             shown = repr(schema) if isinstance(schema, (int, str, type(None))) and len(repr(schema)) < 40 else type(schema).__name__
             raise ProfileError(f"profile schema {shown} is not {SCHEMA_VERSION}")
-        alternatives = data.get("alternatives", {})
-        if not isinstance(alternatives, dict):
-            raise ProfileError(f"alternatives must be a JSON object, got {type(alternatives).__name__}")
         quick = json_bool(data.get("quick", False), "quick")  # files before ``mode``: quick or full
-        # fields added after schema 1 was released: a file without them loads with their defaults
-        # (values are checked by Profile itself: checked() makes its errors ProfileErrors)
-        extra: dict[str, Any] = {}
-        for name, read in (("mode", json_str), ("probed_new_tokens", json_int), ("probed_context_tokens", json_int),
-                           ("time_budget_s", lambda v, w: json_number(v, w, non_negative_finite)), ("first_token_estimated", json_bool),
-                           ("decode_points", lambda v, w: read_decode_points(v)),
-                           ("attention_prior_tokens", lambda v, w: json_number(v, w, non_negative_finite)),
-                           ("first_token_per_token_s", lambda v, w: json_number(v, w, non_negative_finite))):
-            if name in data:
-                extra[name] = read(data[name], name)
-        extra.setdefault("mode", "quick" if quick else "full")
-        if (extra["mode"] != "full") != quick and "quick" in data:
-            raise ProfileError(f"quick={quick} contradicts mode={extra['mode']!r} (quick is True for micro and quick profiles)")
-        return checked(
-            Profile,
-            "profile",
-            key=_read_key(json_field(data, "key")),
-            model=read_model(json_field(data, "model")),
-            first_token_s=json_number(json_field(data, "first_token_s"), "first_token_s", non_negative_finite),
-            decode_tokens_per_s=json_number(json_field(data, "decode_tokens_per_s"), "decode_tokens_per_s", non_negative_finite),
-            samples=read_samples(json_field(data, "samples")),
-            error=read_error(json_field(data, "error")),
-            alternatives=alternatives,
-            calibration_wall_s=json_number(data.get("calibration_wall_s", 0.0), "calibration_wall_s", non_negative_finite),
-            created_at=json_number(data.get("created_at", 0.0), "created_at", must_be_finite),
-            drift=json_number(data.get("drift", 1.0), "drift", positive_finite),
-            residuals=read_residuals(data.get("residuals", [])),
-            **extra,
-        )
+        kwargs = _fields(Profile, data, "", _PROFILE_READERS)
+        kwargs.setdefault("mode", "quick" if quick else "full")
+        if (kwargs["mode"] != "full") != quick and "quick" in data:
+            raise ProfileError(f"quick={quick} contradicts mode={kwargs['mode']!r} (quick is True for micro and quick profiles)")
+        return checked(Profile, "profile", **kwargs)
 
 
-# -- reading a stored profile: the one boundary where untrusted JSON becomes a Profile ----------
+def _alternatives(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise ProfileError(f"alternatives must be a JSON object, got {type(value).__name__}")
+    return value
 
 
-def _read_key(data: Any) -> ProfileKey:
-    data = json_object(data, "key")
-    values: dict[str, Any] = {}
-    for f in attrs.fields(ProfileKey):
-        if f.name not in data:
-            if f.default is attrs.NOTHING:
-                raise ProfileError(f"key.{f.name} is missing")
-            continue
-        if f.type in (int, "int"):
-            values[f.name] = json_int(data[f.name], f"key.{f.name}")
-        else:
-            values[f.name] = json_str(data[f.name], f"key.{f.name}")
-    return ProfileKey(**values)
+_KEY_READERS = {f.name: _int() if f.type in (int, "int") else json_str for f in attrs.fields(ProfileKey)}
+_PROFILE_READERS: dict[str, Callable[[Any, str], Any]] = {
+    "key": _read(ProfileKey, _KEY_READERS),
+    "model": read_model,
+    "first_token_s": _number(non_negative_finite),
+    "decode_tokens_per_s": _number(non_negative_finite),
+    "samples": _list(_read(PrefillSample, {"new_tokens": _int(1), "cached_tokens": _int(), "seconds": _number(non_negative_finite),
+                                           "source": json_str})),
+    "error": _read(ErrorStats, {"median_pct": _number(), "p90_pct": _number(), "max_pct": _number(), "n": _int()}),
+    "alternatives": _alternatives,
+    "calibration_wall_s": _number(non_negative_finite),
+    "created_at": _number(_finite),
+    "drift": _number(positive_finite),
+    "residuals": _list(_pair),
+    "mode": json_str,
+    "probed_new_tokens": _int(),
+    "probed_context_tokens": _int(),
+    "time_budget_s": _number(non_negative_finite),
+    "first_token_estimated": json_bool,
+    "decode_points": _list(_read(DecodePoint, {"context_tokens": _number(non_negative_finite), "tokens_per_s": _number(), "steps": _int(1),
+                                               "source": json_str, "spread_pct": _number(non_negative_finite)})),
+    "attention_prior_tokens": _number(non_negative_finite),
+    "first_token_per_token_s": _number(non_negative_finite),
+}
 
 
 @functools.lru_cache(maxsize=16)

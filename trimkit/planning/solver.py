@@ -32,13 +32,9 @@ from trimkit.planning.summaries import Summary, SummaryCache, summary_note
 from trimkit.planning.values import Excerpt, ValueModel, chunk_values, excerpts_of, index_runs, question_idf, rank_chunks, span_label, turn_values
 
 log = logging.getLogger("trimkit")
-
-
 #: Exact cached counts a single plan looks up in the engine's cache (:class:`CacheState`, data
 #: read before planning): each tokenizes the whole candidate prompt.
 MAX_PROBES = 2
-
-
 #: A prompt as (segment key, tokens) pairs in prompt order; equal keys mean equal text.
 Layout = tuple[tuple[Hashable, int], ...]
 
@@ -555,16 +551,10 @@ def knapsack(groups: Sequence[Sequence[tuple[int, float]]], room: int) -> tuple[
 
 #: scenarios tried per start of the prompt (how many leading turns to keep cached)
 MAX_KEEP_SCENARIOS = 6
-
-
 #: exact counts spent putting back chunks the additive estimates left out
 MAX_REFILL_COUNTS = 4
-
-
 #: times a scenario's room shrinks when its choice, estimated again, does not fit
 MAX_SCENARIO_TIGHTENINGS = 3
-
-
 #: how far (tokens) an additive estimate may overcount a chunk at its joins
 REFILL_TOLERANCE_TOKENS = 3
 

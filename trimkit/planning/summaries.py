@@ -21,7 +21,6 @@ from trimkit.messages import message_text, turn_spans
 from trimkit.planning.values import split_sentences, words
 
 log = logging.getLogger("trimkit")
-
 __all__ = [
     "Summary",
     "SummaryCache",
@@ -38,8 +37,6 @@ __all__ = [
     "summary_job",
     "next_summary_job",
 ]
-
-
 #: How a summary is introduced where the planner places it (end of the first system message).
 SUMMARY_HEADING = "Summary of the earlier conversation:"
 
@@ -144,8 +141,6 @@ DEFAULT_SUMMARY_PROMPT = (
     "Summarize the conversation below in at most {max_tokens} tokens. Keep facts, names, numbers, "
     "decisions and open questions. Write plain sentences, no preamble.\n\n{transcript}\n\nSummary:"
 )
-
-
 TokenCounter = Callable[[str], int]
 
 

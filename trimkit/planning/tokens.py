@@ -154,7 +154,6 @@ class Segments:
 
 #: what each of a PromptTokenizer's text caches holds at most, in characters of its keys
 DEFAULT_CACHE_CHARS = 8 << 20
-
 # Private-use code points around a message index. Not whitespace (str.strip() and Jinja's
 # ``| trim`` — used by Gemma's own template — remove \x1f and other separators) and not letters
 # (``| lower``/``| upper`` leave them alone), so the markers survive what templates do to content.

@@ -27,14 +27,8 @@ STOPWORDS = frozenset(
     "me my of on or our she he so than that the their them then there these they this to was we were "
     "what when where which who why will with would you your".split()
 )
-
-
 _WORD = re.compile(r"\w+", re.UNICODE)
-
-
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
-
-
 #: words are cut to this many characters before counting: a truncation stemmer ("settlement"
 #: and "settled" both count as "settl"), which retrieves about as well as Porter's for English
 STEM_CHARS = 5
@@ -213,12 +207,8 @@ def turn_values(
 
 #: chunks with fewer sentences are kept whole or dropped: an excerpt would hardly be shorter
 MIN_SENTENCES = 4
-
-
 #: neighbours kept on each side of a matching sentence
 NEIGHBOURS = 1
-
-
 #: each longer excerpt offered is at least this many times the length of the one before
 GROWTH = 1.5
 
