@@ -62,31 +62,12 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (without the messages themselves; chunks by id)."""
-        return {
-            "passthrough": self.passthrough,
-            "feasible": self.feasible,
-            "minimal": self.minimal,
-            "budget_s": self.budget_s,
-            "safety_margin": self.safety_margin,
-            "target_s": self.target_s,
-            "predicted_ttft_before_s": self.predicted_ttft_before_s,
-            "predicted_ttft_s": self.predicted_ttft_s,
-            "prompt_tokens_before": self.prompt_tokens_before,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "new_tokens": self.new_tokens,
-            "message_count": len(self.messages),
-            "actions": [a.to_dict() for a in self.actions],
-            "kept_chunks": [c.id for c in self.kept_chunks],
-            "excerpted_chunks": list(self.excerpted_chunks),
-            "dropped_chunks": [c.id for c in self.dropped_chunks],
-            "removed_message_indices": list(self.removed_message_indices),
-            "summarized_message_indices": list(self.summarized_message_indices),
-            "summary": self.summary.to_dict() if self.summary is not None else None,
-            "inline_s": self.inline_s,
-            "planning_s": self.planning_s,
-            "tokenizer": self.tokenizer,
-        }
+        out = {k: v for k, v in attrs.asdict(self, recurse=False).items() if k not in ("messages", "request_messages")}
+        out.update(target_s=self.target_s, message_count=len(self.messages), actions=[a.to_dict() for a in self.actions],
+                   kept_chunks=[c.id for c in self.kept_chunks], excerpted_chunks=list(self.excerpted_chunks),
+                   dropped_chunks=[c.id for c in self.dropped_chunks], removed_message_indices=list(self.removed_message_indices),
+                   summarized_message_indices=list(self.summarized_message_indices), summary=self.summary and self.summary.to_dict())
+        return out
 
     def __str__(self) -> str:
         if not self.feasible:
@@ -161,47 +142,18 @@ def _minimal_state(state: PlanState, c: Candidate, reason: str) -> PlanState:
     return PlanState(state.ctx, c, (action,))
 
 
-def plan(
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    ttft_budget_s: float,
-    profile: Any,
-    tokenizer: Any,
-    rag_chunks: Any = (),
-    strategies: Any = None,
-    tools: Any = None,
-    cached_tokens: int = 0,
-    cache: CacheState | None = None,
-    summaries: SummaryCache | None = None,
-    rag_template: str = DEFAULT_RAG_TEMPLATE,
-    rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
-    on_infeasible: str = "best_effort",
-    clock: Callable[[], float] = time.perf_counter,
-    values: Any = None,
-    safety_margin: float | None = None,
-    max_prompt_tokens: int | None = None,
-) -> Plan:
+def plan(messages: Sequence[Mapping[str, Any]], *, ttft_budget_s: float, profile: Any, tokenizer: Any, rag_chunks: Any = (), strategies: Any = None,
+         tools: Any = None, cached_tokens: int = 0, cache: CacheState | None = None, summaries: SummaryCache | None = None,
+         rag_template: str = DEFAULT_RAG_TEMPLATE, rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE, on_infeasible: str = "best_effort",
+         clock: Callable[[], float] = time.perf_counter, values: Any = None, safety_margin: float | None = None,
+         max_prompt_tokens: int | None = None) -> Plan:
     """Decide what to send so the predicted TTFT fits ``ttft_budget_s`` less the safety margin."""
     pipeline = chain(default_strategies() if strategies is None else strategies)  # checks the strategies
     started = clock()
-    state0 = PlanState.start(  # checks every other argument before any work
-        messages,
-        ttft_budget_s=ttft_budget_s,
-        profile=profile,
-        tokenizer=tokenizer,
-        rag_chunks=rag_chunks,
-        tools=tools,
-        cached_tokens=cached_tokens,
-        cache=cache,
-        summaries=summaries,
-        rag_template=rag_template,
-        rag_chunk_template=rag_chunk_template,
-        clock=clock,
-        safety_margin=safety_margin,
-        max_prompt_tokens=max_prompt_tokens,
-        on_infeasible=on_infeasible,
-        values=values,
-    )
+    state0 = PlanState.start(messages, ttft_budget_s=ttft_budget_s, profile=profile, tokenizer=tokenizer, rag_chunks=rag_chunks, tools=tools,
+                             cached_tokens=cached_tokens, cache=cache, summaries=summaries, rag_template=rag_template,
+                             rag_chunk_template=rag_chunk_template, clock=clock, safety_margin=safety_margin,
+                             max_prompt_tokens=max_prompt_tokens, on_infeasible=on_infeasible, values=values)  # checks every argument
     values = ValueModel() if values is None else values
     ctx = state0.ctx
     tokens_before = ctx.exact_tokens(state0.candidate)

@@ -32,8 +32,7 @@ from trimkit.planning.summaries import Summary, SummaryCache, summary_note
 from trimkit.planning.values import Excerpt, ValueModel, chunk_values, excerpts_of, index_runs, question_idf, rank_chunks, span_label, turn_values
 
 log = logging.getLogger("trimkit")
-#: Exact cached counts a single plan looks up in the engine's cache (:class:`CacheState`, data
-#: read before planning): each tokenizes the whole candidate prompt.
+#: exact cached counts one plan looks up in the engine's cache state: each tokenizes the whole candidate prompt
 MAX_PROBES = 2
 #: A prompt as (segment key, tokens) pairs in prompt order; equal keys mean equal text.
 Layout = tuple[tuple[Hashable, int], ...]
@@ -84,24 +83,10 @@ class RequestContext:
     """Everything fixed for one request, computed once: inputs, per-message token counts, turns, and what is known about the
     engine's KV cache (the caller's ``cached_tokens`` and ``cache``)."""
 
-    def __init__(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        ttft_budget_s: float,
-        profile: Any,
-        tokenizer: Any,
-        chunks: tuple[Chunk, ...],
-        tools: Any,
-        cached_tokens: int,
-        cache: CacheState | None,
-        summaries: SummaryCache | None,
-        rag_template: str,
-        rag_chunk_template: str,
-        clock: Callable[[], float],
-        safety_margin: float | None = None,
-        max_prompt_tokens: int | None = None,
-    ) -> None:
+    def __init__(self, messages: Sequence[Mapping[str, Any]], *, ttft_budget_s: float, profile: Any, tokenizer: Any, chunks: tuple[Chunk, ...],
+                 tools: Any, cached_tokens: int, cache: CacheState | None, summaries: SummaryCache | None, rag_template: str,
+                 rag_chunk_template: str, clock: Callable[[], float], safety_margin: float | None = None,
+                 max_prompt_tokens: int | None = None) -> None:
         self.messages = messages
         self.tools = tools
         self.budget_s = ttft_budget_s
@@ -307,16 +292,8 @@ class Action:
     detail: Mapping[str, Any] = attrs.field(factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "strategy": self.strategy,
-            "summary": self.summary,
-            "removed_messages": list(self.removed_messages),
-            "summarized_messages": list(self.summarized_messages),
-            "removed_chunks": list(self.removed_chunks),
-            "tokens_before": self.tokens_before,
-            "tokens_after": self.tokens_after,
-            "detail": dict(self.detail),
-        }
+        out = attrs.asdict(self, recurse=False)
+        return {k: list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, Mapping) else v for k, v in out.items()}
 
     def __str__(self) -> str:
         return f"{self.strategy}: {self.summary}"
@@ -360,26 +337,11 @@ class PlanState:
         object.__setattr__(self, "prediction", self.ctx.estimate(self.candidate))
 
     @classmethod
-    def start(
-        cls,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        ttft_budget_s: float,
-        profile: Any,
-        tokenizer: Any,
-        rag_chunks: Any = (),
-        tools: Any = None,
-        cached_tokens: int = 0,
-        cache: CacheState | None = None,
-        summaries: SummaryCache | None = None,
-        rag_template: str = DEFAULT_RAG_TEMPLATE,
-        rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
-        clock: Callable[[], float] = time.perf_counter,
-        safety_margin: float | None = None,
-        max_prompt_tokens: int | None = None,
-        on_infeasible: str = "best_effort",
-        values: Any = None,
-    ) -> PlanState:
+    def start(cls, messages: Sequence[Mapping[str, Any]], *, ttft_budget_s: float, profile: Any, tokenizer: Any, rag_chunks: Any = (),
+              tools: Any = None, cached_tokens: int = 0, cache: CacheState | None = None, summaries: SummaryCache | None = None,
+              rag_template: str = DEFAULT_RAG_TEMPLATE, rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
+              clock: Callable[[], float] = time.perf_counter, safety_margin: float | None = None, max_prompt_tokens: int | None = None,
+              on_infeasible: str = "best_effort", values: Any = None) -> PlanState:
         """The initial state: the whole request, every chunk kept (most relevant first)."""
         if on_infeasible not in ("best_effort", "raise"):
             raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
@@ -387,12 +349,10 @@ class PlanState:
         budget(ttft_budget_s)
         chunks = coerce_chunks(rag_chunks)
         count(cached_tokens, "cached_tokens")
-        if cache is not None and not isinstance(cache, CacheState):
-            raise InvalidInputError(f"cache must be a trimkit.planning.costs.CacheState or None, got {type(cache).__name__}")
-        if summaries is not None and not isinstance(summaries, SummaryCache):
-            raise InvalidInputError(f"summaries must be a SummaryCache or None, got {type(summaries).__name__}")
-        if values is not None and not isinstance(values, ValueModel):
-            raise InvalidInputError(f"values must be a trimkit.planning.values.ValueModel or None, got {type(values).__name__}")
+        for name, value, kind, shown in (("cache", cache, CacheState, "trimkit.planning.costs.CacheState"), ("summaries", summaries, SummaryCache, "SummaryCache"),
+                                         ("values", values, ValueModel, "trimkit.planning.values.ValueModel")):
+            if value is not None and not isinstance(value, kind):
+                raise InvalidInputError(f"{name} must be a {shown} or None, got {type(value).__name__}")
         if safety_margin is not None:
             fraction(safety_margin, "safety_margin")
         if max_prompt_tokens is not None:
@@ -407,22 +367,9 @@ class PlanState:
         for attr in ("segment_counts", "count", *(("prompt_tokens",) if cache is not None else ())):
             if not hasattr(tokenizer, attr):
                 raise InvalidInputError(f"tokenizer must be a PromptTokenizer (no {attr!r}), got {type(tokenizer).__name__}")
-        ctx = RequestContext(
-            messages,
-            ttft_budget_s=float(ttft_budget_s),
-            profile=profile,
-            tokenizer=tokenizer,
-            chunks=chunks,
-            tools=tools,
-            cached_tokens=cached_tokens,
-            cache=cache,
-            summaries=summaries,
-            rag_template=rag_template,
-            rag_chunk_template=rag_chunk_template,
-            clock=clock,
-            safety_margin=safety_margin,
-            max_prompt_tokens=max_prompt_tokens,
-        )
+        ctx = RequestContext(messages, ttft_budget_s=float(ttft_budget_s), profile=profile, tokenizer=tokenizer, chunks=chunks, tools=tools,
+                             cached_tokens=cached_tokens, cache=cache, summaries=summaries, rag_template=rag_template,
+                             rag_chunk_template=rag_chunk_template, clock=clock, safety_margin=safety_margin, max_prompt_tokens=max_prompt_tokens)
         return cls(ctx, Candidate(kept_chunks=ctx.chunks))
 
     # -- reading -----------------------------------------------------------------------------
@@ -440,19 +387,6 @@ class PlanState:
     def history_turns(self) -> tuple[tuple[int, int], ...]:
         """``[start, end)`` spans of the turns that may be summarized or dropped, oldest first."""
         return self.ctx.history_turns
-
-    @property
-    def budget_s(self) -> float:
-        return self.ctx.budget_s
-
-    @property
-    def target_s(self) -> float:
-        """The budget less the safety margin: what a prediction must fit."""
-        return self.ctx.target_s
-
-    @property
-    def profile(self) -> Any:
-        return self.ctx.profile
 
     @property
     def tokenizer(self) -> Any:
