@@ -8,9 +8,8 @@ import json
 import logging
 import math
 import os
-import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -18,25 +17,12 @@ import attrs
 
 from trimkit.errors import InvalidInputError, count
 from trimkit.messages import message_text, turn_spans
+from trimkit.planning.tokens import SizedCache
 from trimkit.planning.values import split_sentences, words
 
 log = logging.getLogger("trimkit")
-__all__ = [
-    "Summary",
-    "SummaryCache",
-    "SUMMARY_HEADING",
-    "summary_note",
-    "messages_key",
-    "Summarizer",
-    "ExtractiveSummarizer",
-    "PromptSummarizer",
-    "DEFAULT_SUMMARY_PROMPT",
-    "make_summary",
-    "approx_tokens",
-    "cap_to_tokens",
-    "summary_job",
-    "next_summary_job",
-]
+__all__ = ["Summary", "SummaryCache", "SUMMARY_HEADING", "summary_note", "messages_key", "Summarizer", "ExtractiveSummarizer", "PromptSummarizer",
+           "DEFAULT_SUMMARY_PROMPT", "make_summary", "approx_tokens", "cap_to_tokens", "summary_job", "next_summary_job"]
 #: How a summary is introduced where the planner places it (end of the first system message).
 SUMMARY_HEADING = "Summary of the earlier conversation:"
 
@@ -65,8 +51,7 @@ def _message_digest(message: Mapping[str, Any]) -> bytes:
     try:
         blob = json.dumps(message, sort_keys=True, ensure_ascii=False, default=repr, separators=(",", ":")).encode()
     except (RecursionError, ValueError, TypeError, UnicodeEncodeError):
-        # a field nested too deep (or otherwise not canonical JSON): a key nothing else has, so
-        # no summary is ever found for it (rather than a wrong one, or a RecursionError)
+        # not canonical JSON (nested too deep): a key nothing else has, so no (wrong) summary is ever found for it
         return os.urandom(32)
     return hashlib.sha256(blob).digest()
 
@@ -84,56 +69,37 @@ class SummaryCache:
 
     def __init__(self, max_entries: int = 64) -> None:
         count(max_entries, "max_entries", minimum=1)
-        self._entries: OrderedDict[str, Summary] = OrderedDict()
-        self._max = max_entries
-        self._lock = threading.Lock()
+        self._entries: SizedCache[str, Summary] = SizedCache(4 * max_entries + 4, max_entries=max_entries, size_of=lambda _key: 1)
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
+        return len(self._entries)
 
     def get(self, covered_messages: Sequence[Mapping[str, Any]]) -> Summary | None:
-        """The summary of exactly these messages, or None."""
-        return self._get(messages_key(covered_messages))
+        return self._entries.get(messages_key(covered_messages))
 
     def put(self, covered_messages: Sequence[Mapping[str, Any]], summary: Summary) -> None:
-        """Store ``summary`` as the summary of exactly ``covered_messages``."""
         if not isinstance(summary, Summary):
             raise InvalidInputError(f"summary must be a Summary, got {type(summary).__name__}")
-        key = messages_key(covered_messages)
-        with self._lock:
-            self._entries[key] = summary
-            self._entries.move_to_end(key)
-            while len(self._entries) > self._max:
-                self._entries.popitem(last=False)
+        self._entries.put(messages_key(covered_messages), summary)
 
     def best_prefix(self, turns: Sequence[Sequence[Mapping[str, Any]]]) -> tuple[int, Summary] | None:
-        """``(n, summary)`` for the cached summary covering the longest prefix ``turns[:n]``
-        (``n >= 1``), or None. ``turns`` are lists of messages, oldest first."""
+        """``(n, summary)`` of the cached summary covering the longest prefix ``turns[:n]``, or None."""
         found = self.prefixes(turns)
         return found[-1] if found else None
 
     def prefixes(self, turns: Sequence[Sequence[Mapping[str, Any]]]) -> list[tuple[int, Summary]]:
         """Every cached summary covering a prefix ``turns[:n]``, as ``(n, summary)``, shortest first."""
-        with self._lock:
-            if not self._entries:
-                return []
+        if not len(self._entries):
+            return []
         h = hashlib.sha256()
         found: list[tuple[int, Summary]] = []
         for n, turn in enumerate(turns, start=1):
             for m in turn:
                 h.update(_message_digest(m))
-            hit = self._get(h.copy().hexdigest())
+            hit = self._entries.get(h.copy().hexdigest())
             if hit is not None:
                 found.append((n, hit))
         return found
-
-    def _get(self, key: str) -> Summary | None:
-        with self._lock:
-            hit = self._entries.get(key)
-            if hit is not None:
-                self._entries.move_to_end(key)
-            return hit
 
 
 #: The prompt :class:`PromptSummarizer` sends. Fields: ``{transcript}`` and ``{max_tokens}``.
@@ -172,24 +138,27 @@ class Summarizer(Protocol):
 _ROLE_LABEL = {"user": "User", "assistant": "Assistant", "tool": "Tool", "function": "Tool", "system": "Note", "developer": "Note"}
 
 
+def _label(message: Mapping[str, Any]) -> str:
+    return _ROLE_LABEL.get(str(message.get("role")), "Note")
+
+
+def _longest(parts: Sequence[str], fits: Callable[[list[str]], bool]) -> list[str]:
+    kept: list[str] = []
+    for part in parts:
+        if not fits([*kept, part]):
+            break
+        kept.append(part)
+    return kept
+
+
 def cap_to_tokens(text: str, max_tokens: int, count_tokens: TokenCounter) -> str:
-    """``text`` cut to at most ``max_tokens`` tokens at a sentence boundary (word boundary with
-    an ellipsis if even the first sentence is too long)."""
+    """``text`` cut to at most ``max_tokens`` tokens at a sentence boundary (else a word one, with an ellipsis)."""
     if count_tokens(text) <= max_tokens:
         return text
-    kept: list[str] = []
-    for sentence in split_sentences(text):
-        trial = " ".join([*kept, sentence])
-        if count_tokens(trial) > max_tokens:
-            break
-        kept.append(sentence)
+    kept = _longest(split_sentences(text), lambda ps: count_tokens(" ".join(ps)) <= max_tokens)
     if kept:
         return " ".join(kept)
-    out: list[str] = []
-    for word in text.split():
-        if count_tokens(" ".join([*out, word]) + " …") > max_tokens:
-            break
-        out.append(word)
+    out = _longest(text.split(), lambda ps: count_tokens(" ".join(ps) + " …") <= max_tokens)
     return (" ".join(out) + " …") if out else ""
 
 
@@ -201,15 +170,13 @@ class ExtractiveSummarizer:
     user_bonus: float = 1.5
     name: str = "extractive"
 
-    def summarize(
-        self, messages: Sequence[Mapping[str, Any]], *, target_tokens: int, count_tokens: TokenCounter = approx_tokens
-    ) -> str:
+    def summarize(self, messages: Sequence[Mapping[str, Any]], *, target_tokens: int, count_tokens: TokenCounter = approx_tokens) -> str:
         candidates: list[tuple[float, int, int, str]] = []  # (score, message index, position, sentence)
         freq: Counter[str] = Counter()
         split: list[tuple[str, list[str]]] = []
         for m in messages:
             sentences = split_sentences(message_text(m))
-            split.append((_ROLE_LABEL.get(str(m.get("role")), "Note"), sentences))
+            split.append((_label(m), sentences))
             for s in sentences:
                 freq.update(set(words(s)))
         for mi, (label, sentences) in enumerate(split):
@@ -265,43 +232,26 @@ class PromptSummarizer:
     name: str = "prompt"
 
     def build_prompt(self, messages: Sequence[Mapping[str, Any]], target_tokens: int) -> str:
-        transcript = "\n".join(
-            f"{_ROLE_LABEL.get(str(m.get('role')), 'Note')}: {message_text(m)}" for m in messages if message_text(m)
-        )
+        transcript = "\n".join(f"{_label(m)}: {message_text(m)}" for m in messages if message_text(m))
         return self.template.format(transcript=transcript, max_tokens=min(target_tokens, self.max_tokens))
 
-    def summarize(
-        self, messages: Sequence[Mapping[str, Any]], *, target_tokens: int, count_tokens: TokenCounter = approx_tokens
-    ) -> str:
+    def summarize(self, messages: Sequence[Mapping[str, Any]], *, target_tokens: int, count_tokens: TokenCounter = approx_tokens) -> str:
         text = self.complete(self.build_prompt(messages, target_tokens))
         if not isinstance(text, str):
             raise TypeError(f"complete() must return str, got {type(text).__name__}")
         return cap_to_tokens(text.strip(), min(target_tokens, self.max_tokens), count_tokens)
 
 
-def make_summary(
-    summarizer: Summarizer,
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    target_tokens: int,
-    count_tokens: Any = None,
-    covered_messages: int | None = None,
-    source_tokens: int | None = None,
-    clock: Callable[[], float] = time.perf_counter,
-) -> Summary:
+def make_summary(summarizer: Summarizer, messages: Sequence[Mapping[str, Any]], *, target_tokens: int, count_tokens: Any = None,
+                 covered_messages: int | None = None, source_tokens: int | None = None, clock: Callable[[], float] = time.perf_counter) -> Summary:
     """Run ``summarizer`` on ``messages`` and wrap the text, its size and its timing in a :class:`Summary`."""
     counter = _counter(count_tokens)
     started = clock()
     text = summarizer.summarize(messages, target_tokens=target_tokens, count_tokens=counter)
     seconds = max(clock() - started, 0.0)
-    return Summary(
-        text=text,
-        covered_messages=len(messages) if covered_messages is None else covered_messages,
-        source_tokens=sum(counter(message_text(m)) for m in messages) if source_tokens is None else source_tokens,
-        summary_tokens=counter(text),
-        seconds=seconds,
-        summarizer=getattr(summarizer, "name", type(summarizer).__name__),
-    )
+    return Summary(text=text, covered_messages=len(messages) if covered_messages is None else covered_messages,
+                   source_tokens=sum(counter(message_text(m)) for m in messages) if source_tokens is None else source_tokens,
+                   summary_tokens=counter(text), seconds=seconds, summarizer=getattr(summarizer, "name", type(summarizer).__name__))
 
 
 #: what a summary reads of a message whose other fields cannot be copied (nested too deep)
@@ -309,8 +259,7 @@ _SUMMARY_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "fun
 
 
 def _snapshot(messages: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """Deep copies of ``messages``; a message with a field nested too deep to copy keeps only
-    what a summary reads (its key then differs from the message's: no summary is found for it)."""
+    """Deep copies of ``messages``; one nested too deep to copy keeps only what a summary reads."""
     out: list[Mapping[str, Any]] = []
     for m in messages:
         try:
@@ -320,20 +269,11 @@ def _snapshot(messages: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return out
 
 
-def summary_job(
-    messages: Sequence[Mapping[str, Any]],
-    summarizer: Summarizer,
-    cache: SummaryCache,
-    *,
-    plan: Any = None,
-    count_tokens: Any = None,
-    target_tokens: int = 200,
-    keep_recent_turns: int = 2,
-    resummarize_after_turns: int = 2,
-    min_pressure: float = 0.6,
-    clock: Callable[[], float] = time.perf_counter,
-) -> Callable[[], Summary | None] | None:
-    """What to summarize next, off the critical path: a zero-argument job, or None if nothing is due."""
+def summary_job(messages: Sequence[Mapping[str, Any]], summarizer: Summarizer, cache: SummaryCache, *, plan: Any = None, count_tokens: Any = None,
+                target_tokens: int = 200, keep_recent_turns: int = 2, resummarize_after_turns: int = 2, min_pressure: float = 0.6,
+                clock: Callable[[], float] = time.perf_counter) -> Callable[[], Summary | None] | None:
+    """What to summarize next, off the critical path: a zero-argument job, or None if nothing is due (history too short,
+    already covered, fewer than ``resummarize_after_turns`` new turns, or the plan below ``min_pressure`` of its budget)."""
     count(keep_recent_turns, "keep_recent_turns", minimum=0)
     count(resummarize_after_turns, "resummarize_after_turns", minimum=1)
     count(target_tokens, "target_tokens", minimum=1)
@@ -355,15 +295,8 @@ def summary_job(
 
     def job() -> Summary | None:
         try:
-            summary = make_summary(
-                summarizer,
-                source,
-                target_tokens=target_tokens,
-                count_tokens=counter,
-                covered_messages=len(covered),
-                source_tokens=sum(counter(message_text(m)) for m in covered),
-                clock=clock,
-            )
+            summary = make_summary(summarizer, source, target_tokens=target_tokens, count_tokens=counter, covered_messages=len(covered),
+                                   source_tokens=sum(counter(message_text(m)) for m in covered), clock=clock)
         except Exception as exc:  # a background job must not take the caller down
             log.warning("summary job failed (%s: %s); the planner will carry on without it", type(exc).__name__, exc)
             return None
@@ -376,9 +309,7 @@ def summary_job(
     return job
 
 
-def next_summary_job(
-    plan: Any, summarizer: Summarizer, cache: SummaryCache, **options: Any
-) -> Callable[[], Summary | None] | None:
+def next_summary_job(plan: Any, summarizer: Summarizer, cache: SummaryCache, **options: Any) -> Callable[[], Summary | None] | None:
     """:func:`summary_job` for the request a :class:`~trimkit.planning.planner.Plan` was made for."""
     if plan is None or not getattr(plan, "request_messages", None):
         return None
