@@ -22,9 +22,7 @@ class Strategy(abc.ABC):  # noqa: B024 - a strategy implements propose() or __ca
 
     __slots__ = ()
     name: ClassVar[str] = "strategy"
-    #: True for a strategy that edits the prompt itself (overrides ``__call__`` only, returning
-    #: ``state.apply(candidate, action)``); the engine applies such edits, in order, before it
-    #: chooses. Set for each subclass from what it overrides.
+    #: a strategy that overrides ``__call__`` only edits the prompt itself, applied in order before the engine chooses
     edits_prompt: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -89,8 +87,7 @@ def _positive_count(instance: Any, attribute: Any, value: Any) -> None:
 
 
 def _history(state: PlanState, keep_last_turns: int) -> Sequence[tuple[int, int]]:
-    """History turns a strategy may touch: all but the newest ``keep_last_turns`` (the last
-    user's turn counts as one and is never included)."""
+    """History turns a strategy may touch: all but the newest ``keep_last_turns`` (the last user's counts as one)."""
     turns = state.history_turns
     spare = keep_last_turns - 1
     return turns[: len(turns) - spare] if spare else turns
@@ -115,14 +112,9 @@ class reuse_prefix(Strategy):
         after = state.estimate(state.candidate)
         if after.cached_tokens <= before.cached_tokens:
             return None
-        note = Action(
-            strategy=self.name,
-            summary=f"{after.cached_tokens:,} of {after.prompt_tokens:,} prompt tokens are already in the KV cache: "
-            f"predicted TTFT {before.ttft_s:.3f} s → {after.ttft_s:.3f} s, nothing removed",
-            tokens_before=before.prompt_tokens,
-            tokens_after=after.prompt_tokens,
-            detail={"cached_tokens": after.cached_tokens, "probed": True},
-        )
+        note = Action(self.name, f"{after.cached_tokens:,} of {after.prompt_tokens:,} prompt tokens are already in the KV cache: "
+                      f"predicted TTFT {before.ttft_s:.3f} s → {after.ttft_s:.3f} s, nothing removed", tokens_before=before.prompt_tokens,
+                      tokens_after=after.prompt_tokens, detail={"cached_tokens": after.cached_tokens, "probed": True})
         return Proposal(notes=(note,))
 
 
@@ -177,11 +169,8 @@ class summarize_history(Strategy):
         n, summary = computed
         return Proposal(leads=(Lead(n, summary, self.name, "inline", summary.seconds),))
 
-    def _compute(
-        self, state: PlanState, turns: Sequence[tuple[int, int]], turn_messages: list[list[Any]]
-    ) -> tuple[int, Summary] | None:
-        # the fewest oldest turns whose replacement by a target-sized summary makes room
-        # (a fresh summary changes the start of the prompt, so count nothing as cached)
+    def _compute(self, state: PlanState, turns: Sequence[tuple[int, int]], turn_messages: list[list[Any]]) -> tuple[int, Summary] | None:
+        # the fewest oldest turns whose summary makes room (a fresh summary changes the prompt's start: nothing cached)
         allowance = state.token_allowance(0, state.candidate.extra_s)
         tokens = state.prediction.prompt_tokens + self.target_tokens
         n = len(turns)
@@ -192,13 +181,8 @@ class summarize_history(Strategy):
                 break
         covered = [m for turn in turn_messages[:n] for m in turn]
         try:
-            summary = make_summary(
-                self.summarizer or ExtractiveSummarizer(),
-                covered,
-                target_tokens=self.target_tokens,
-                count_tokens=state.tokenizer,
-                clock=state.clock,
-            )
+            summary = make_summary(self.summarizer or ExtractiveSummarizer(), covered, target_tokens=self.target_tokens,
+                                   count_tokens=state.tokenizer, clock=state.clock)
         except Exception as exc:  # a failed summary must not fail the request
             log.warning("inline summary failed (%s: %s); carrying on without it", type(exc).__name__, exc)
             return None
