@@ -1,9 +1,9 @@
-"""What each piece of a request is worth: the *value* side of value per predicted second.
-
-The solver (:mod:`trimkit.planning.solver`) keeps the history turns, summaries, chunks and chunk excerpts with the most
-value whose predicted TTFT fits. Values start from lexical relevance to the question (BM25, :func:`chunk_relevance`; a
-retriever's own ``Chunk.score`` wins where every chunk has one, as BM25 rewards shared words, not shared meaning),
-weighed by a :class:`ValueModel`:"""
+"""What each piece of a request is worth (docs/design.md §3), from its lexical relevance to the question (BM25, or a
+retriever's scores where every chunk has one), weighed by a :class:`ValueModel`: a chunk ``chunk_weight · r^relevance_power
+/ log2(rank + 2)``; a history turn ``history_weight · recency · (1 + relevance) / 2``, recency halving every
+``recency_half_life_turns``; a summary ``summary_share`` of the turns it covers; an excerpt ``0.75 · (share of the squared
+sentence scores kept) + 0.25 · (share of the length kept)``.
+"""
 
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ from trimkit.errors import InvalidNumberError, non_negative_finite, positive_fin
 from trimkit.messages import Chunk, message_text
 from trimkit.planning.tokens import SizedCache
 
-#: Very common English words that carry no topic. Kept short on purpose: BM25's IDF already
-#: discounts frequent words; this list only removes the ones that dominate short questions.
+#: kept short: BM25's IDF already discounts frequent words; these would dominate short questions
 STOPWORDS = frozenset(
     "a an and are as at be by can could did do does for from had has have how i if in into is it its "
     "me my of on or our she he so than that the their them then there these they this to was we were "
@@ -29,8 +28,7 @@ STOPWORDS = frozenset(
 )
 _WORD = re.compile(r"\w+", re.UNICODE)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
-#: words are cut to this many characters before counting: a truncation stemmer ("settlement"
-#: and "settled" both count as "settl"), which retrieves about as well as Porter's for English
+#: a truncation stemmer ("settlement", "settled" → "settl"): about as good as Porter's for English
 STEM_CHARS = 5
 
 
@@ -39,14 +37,12 @@ def words(text: str) -> list[str]:
     return [w[:STEM_CHARS] for w in _WORD.findall(text.lower()) if w not in STOPWORDS]
 
 
-#: the documents whose word counts are kept, bounded by their characters (not their number: a
-#: service fed 20 KB chunks stays flat)
+#: word counts of recent documents, bounded by their characters (20 KB chunks stay flat)
 _TERM_COUNTS: SizedCache[str, Counter[str]] = SizedCache(8 << 20, max_entries=1 << 16)
 
 
 def _term_counts(text: str) -> Counter[str]:
-    """Word counts of a document, cached: the same chunks come back request after request.
-    Callers must not modify the returned Counter."""
+    """Word counts of a document, cached (the same chunks come back); callers must not modify it."""
     hit = _TERM_COUNTS.get(text)
     if hit is None:
         hit = Counter(words(text))
@@ -75,20 +71,16 @@ def split_sentences(text: str) -> list[str]:
     return [s.strip() for s in _SENTENCE_END.split(text) if s and s.strip()]
 
 
-def chunk_relevance(
-    chunks: Sequence[Chunk], question: str, order_weight: float = 0.25, lexical_weight: float = 0.5
-) -> list[float]:
-    """Relevance of each chunk in ``[0, 1]`` (1: the most relevant), in the caller's order."""
+def chunk_relevance(chunks: Sequence[Chunk], question: str, order_weight: float = 0.25, lexical_weight: float = 0.5) -> list[float]:
+    """Relevance of each chunk in ``[0, 1]``, in the caller's order: half BM25, half its best sentence, fused with the
+    caller's scores (``lexical_weight``) or, without them, blended with the retriever's order (``order_weight``)."""
     if not chunks:
         return []
-    # the planner ranks the chunks and then values them: one computation per request
     return list(_relevance(tuple((c.text, c.score) for c in chunks), question, order_weight, lexical_weight))
 
 
-@functools.lru_cache(maxsize=8)  # a request ranks, then values, the same chunks: a few requests' worth (each key holds every chunk's text)
-def _relevance(
-    chunks: tuple[tuple[str, float | None], ...], question: str, order_weight: float, lexical_weight: float
-) -> tuple[float, ...]:
+@functools.lru_cache(maxsize=8)  # a request ranks, then values, the same chunks
+def _relevance(chunks: tuple[tuple[str, float | None], ...], question: str, order_weight: float, lexical_weight: float) -> tuple[float, ...]:
     n = len(chunks)
     order = [1.0 - i / n for i in range(n)]
     texts = [t for t, _ in chunks]
@@ -96,11 +88,9 @@ def _relevance(
     idf = text_idf(question, texts)
     best_sentence = [max((sentence_score(s, idf) for s in split_sentences(t)), default=0.0) for t in texts]
     top, top_sentence = max(bm25), max(best_sentence)
-    lexical = (
-        [0.5 * b / top + 0.5 * (m / top_sentence if top_sentence > 0 else 0.0) for b, m in zip(bm25, best_sentence, strict=True)]
-        if top > 0
-        else None
-    )
+    lexical = None
+    if top > 0:
+        lexical = [0.5 * b / top + 0.5 * (m / top_sentence if top_sentence > 0 else 0.0) for b, m in zip(bm25, best_sentence, strict=True)]
     if all(score is not None for _, score in chunks):
         scores = _normalise([float(score) for _, score in chunks])  # type: ignore[arg-type]
         if lexical is None or lexical_weight <= 0:
@@ -136,15 +126,13 @@ def _normalise(scores: Sequence[float]) -> list[float]:
     return [(s - lo) / (hi - lo) for s in scores]
 
 
-def rank_chunks(
-    chunks: Sequence[Chunk], question: str, order_weight: float = 0.25, lexical_weight: float = 0.5
-) -> tuple[Chunk, ...]:
+def _ranked(relevance: Sequence[float]) -> list[int]:
+    return sorted(range(len(relevance)), key=lambda i: (-relevance[i], i))
+
+
+def rank_chunks(chunks: Sequence[Chunk], question: str, order_weight: float = 0.25, lexical_weight: float = 0.5) -> tuple[Chunk, ...]:
     """``chunks`` ordered most relevant first (:func:`chunk_relevance`); ties keep the caller's order."""
-    if not chunks:
-        return ()
-    rel = chunk_relevance(chunks, question, order_weight, lexical_weight)
-    order = sorted(range(len(chunks)), key=lambda i: (-rel[i], i))
-    return tuple(chunks[i] for i in order)
+    return tuple(chunks[i] for i in _ranked(chunk_relevance(chunks, question, order_weight, lexical_weight)))
 
 
 def _non_negative(instance: Any, attribute: Any, value: Any) -> None:
@@ -178,17 +166,11 @@ class ValueModel:
 def chunk_values(chunks: Sequence[Chunk], question: str, model: ValueModel) -> dict[str, float]:
     """Value of each chunk, by id: ``chunk_weight * r ** relevance_power / log2(rank + 2)``."""
     rel = chunk_relevance(chunks, question, model.order_weight, model.lexical_weight)
-    order = sorted(range(len(chunks)), key=lambda i: (-rel[i], i))
-    rank = {i: r for r, i in enumerate(order)}
-    return {
-        str(c.id): model.chunk_weight * r**model.relevance_power / math.log2(rank[i] + 2)
-        for i, (c, r) in enumerate(zip(chunks, rel, strict=True))
-    }
+    rank = {i: r for r, i in enumerate(_ranked(rel))}
+    return {str(c.id): model.chunk_weight * r**model.relevance_power / math.log2(rank[i] + 2) for i, (c, r) in enumerate(zip(chunks, rel, strict=True))}
 
 
-def turn_values(
-    messages: Sequence[Mapping[str, Any]], turns: Sequence[tuple[int, int]], question: str, model: ValueModel
-) -> list[float]:
+def turn_values(messages: Sequence[Mapping[str, Any]], turns: Sequence[tuple[int, int]], question: str, model: ValueModel) -> list[float]:
     """Value of each history turn (``[start, end)`` spans, oldest first)."""
     if not turns:
         return []
@@ -196,13 +178,8 @@ def turn_values(
     bm25 = bm25_scores(question, texts)
     top = max(bm25)
     rel = [b / top if top > 0 else 0.0 for b in bm25]
-    n = len(turns)
-    out = []
-    for j in range(n):
-        age = n - j  # the newest history turn has age 1
-        recency = math.pow(0.5, (age - 1) / model.recency_half_life_turns)
-        out.append(model.history_weight * recency * (1.0 + rel[j]) / 2.0)
-    return out
+    n = len(turns)  # the newest history turn has age 1: recency 1
+    return [model.history_weight * math.pow(0.5, (n - j - 1) / model.recency_half_life_turns) * (1.0 + rel[j]) / 2.0 for j in range(n)]
 
 
 #: chunks with fewer sentences are kept whole or dropped: an excerpt would hardly be shorter
