@@ -88,38 +88,19 @@ class Plan:
         return "\n".join(lines)
 
 
-def _finish(
-    state: PlanState, *, exact_tokens: int, before: tuple[int, float], minimal: bool, feasible: bool, started: float
-) -> Plan:
+def _finish(state: PlanState, *, exact_tokens: int, before: tuple[int, float], minimal: bool, feasible: bool, started: float) -> Plan:
     ctx = state.ctx
     c = state.candidate
     cached = ctx.cached_for(ctx.layout(c), exact_tokens)  # at most exact_tokens - 1
     kept_ids = {ch.id for ch in c.kept_chunks}
     passthrough = not c.gone and c.summary is None and c.kept_chunks == ctx.chunks
-    return Plan(
-        messages=ctx.build(c),
-        passthrough=passthrough,
-        feasible=feasible,
-        minimal=minimal,
-        budget_s=ctx.budget_s,
-        safety_margin=ctx.safety_margin,
-        predicted_ttft_before_s=before[1],
-        predicted_ttft_s=ctx.predict(exact_tokens, cached, c.extra_s),
-        prompt_tokens_before=before[0],
-        prompt_tokens=exact_tokens,
-        cached_tokens=cached,
-        new_tokens=exact_tokens - cached,
-        actions=state.actions,
-        kept_chunks=in_prompt_order(c.kept_chunks),
-        dropped_chunks=tuple(ch for ch in ctx.chunks if ch.id not in kept_ids),
-        removed_message_indices=tuple(sorted(c.removed)),
-        summarized_message_indices=tuple(sorted(c.summarized)),
-        summary=c.summary,
-        inline_s=c.extra_s,
-        planning_s=max(ctx.clock() - started, 0.0),
-        tokenizer=str(getattr(ctx.tokenizer, "name", "")),
-        request_messages=ctx.messages,
-    )
+    return Plan(messages=ctx.build(c), passthrough=passthrough, feasible=feasible, minimal=minimal, budget_s=ctx.budget_s,
+                safety_margin=ctx.safety_margin, predicted_ttft_before_s=before[1], predicted_ttft_s=ctx.predict(exact_tokens, cached, c.extra_s),
+                prompt_tokens_before=before[0], prompt_tokens=exact_tokens, cached_tokens=cached, new_tokens=exact_tokens - cached,
+                actions=state.actions, kept_chunks=in_prompt_order(c.kept_chunks), dropped_chunks=tuple(ch for ch in ctx.chunks if ch.id not in kept_ids),
+                removed_message_indices=tuple(sorted(c.removed)), summarized_message_indices=tuple(sorted(c.summarized)), summary=c.summary,
+                inline_s=c.extra_s, planning_s=max(ctx.clock() - started, 0.0), tokenizer=str(getattr(ctx.tokenizer, "name", "")),
+                request_messages=ctx.messages)
 
 
 def _minimal(state: PlanState) -> Candidate:
@@ -130,15 +111,10 @@ def _minimal(state: PlanState) -> Candidate:
 def _minimal_state(state: PlanState, c: Candidate, reason: str) -> PlanState:
     if not c.removed and not state.ctx.chunks:
         return PlanState(state.ctx, c)  # the request is already minimal: nothing to report
-    action = Action(
-        strategy="minimal",
-        summary=f"{reason}: kept only system messages and the last user turn "
-        f"({len(c.removed)} message(s) and {len(state.ctx.chunks)} chunk(s) removed)",
-        removed_messages=tuple(sorted(c.removed)),
-        removed_chunks=tuple(str(ch.id) for ch in state.ctx.chunks),
-        tokens_before=state.prediction.prompt_tokens,
-        tokens_after=state.estimate(c).prompt_tokens,
-    )
+    action = Action("minimal", f"{reason}: kept only system messages and the last user turn ({len(c.removed)} message(s) and "
+                    f"{len(state.ctx.chunks)} chunk(s) removed)", removed_messages=tuple(sorted(c.removed)),
+                    removed_chunks=tuple(str(ch.id) for ch in state.ctx.chunks), tokens_before=state.prediction.prompt_tokens,
+                    tokens_after=state.estimate(c).prompt_tokens)
     return PlanState(state.ctx, c, (action,))
 
 

@@ -3,6 +3,7 @@ whose predicted TTFT fits the budget (docs/design.md §3–4)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -766,74 +767,46 @@ class _Solver:
 
         actions: list[Action] = list(state.actions)
         turns = ctx.history_turns
-        before_tokens = state.prediction.prompt_tokens
+        act = functools.partial(Action, tokens_before=state.prediction.prompt_tokens, tokens_after=after.prompt_tokens)
         if lead.covers:
             covered = tuple(i for s, e in turns[: lead.covers] for i in range(s, e))
             span = _span_text(covered)
             if lead.summary is not None:
                 sm = lead.summary
-                actions.append(Action(
-                    strategy=lead.strategy,
-                    summary=f"replaced {len(covered)} message(s) in the {lead.covers} oldest turn(s) (messages {span}, "
-                    f"{sm.source_tokens:,} tokens) with a {sm.summary_tokens:,}-token {lead.source} summary"
-                    + (f", computed inline in {lead.extra_s:.3f} s" if lead.extra_s else ""),
-                    summarized_messages=covered,
-                    tokens_before=before_tokens,
-                    tokens_after=after.prompt_tokens,
-                    detail={"turns": lead.covers, "source": lead.source, "summarizer": sm.summarizer,
-                            "source_tokens": sm.source_tokens, "summary_tokens": sm.summary_tokens, "inline_s": lead.extra_s},
-                ))
+                inline = f", computed inline in {lead.extra_s:.3f} s" if lead.extra_s else ""
+                actions.append(act(lead.strategy, f"replaced {len(covered)} message(s) in the {lead.covers} oldest turn(s) (messages {span}, "
+                                   f"{sm.source_tokens:,} tokens) with a {sm.summary_tokens:,}-token {lead.source} summary{inline}",
+                                   summarized_messages=covered, detail={"turns": lead.covers, "source": lead.source, "summarizer": sm.summarizer,
+                                   "source_tokens": sm.source_tokens, "summary_tokens": sm.summary_tokens, "inline_s": lead.extra_s}))
             else:
-                actions.append(Action(
-                    strategy=lead.strategy,
-                    summary=f"dropped the {lead.covers} oldest turn(s) (messages {span}), the same cut as the previous "
-                    f"request, so {after.cached_tokens:,} cached tokens are reused",
-                    removed_messages=covered,
-                    tokens_before=before_tokens,
-                    tokens_after=after.prompt_tokens,
-                    detail={"turns": lead.covers, "cached_tokens": after.cached_tokens},
-                ))
+                actions.append(act(lead.strategy, f"dropped the {lead.covers} oldest turn(s) (messages {span}), the same cut as the previous "
+                                   f"request, so {after.cached_tokens:,} cached tokens are reused", removed_messages=covered,
+                                   detail={"turns": lead.covers, "cached_tokens": after.cached_tokens}))
         lead_gone = {i for s, e in turns[: lead.covers] for i in range(s, e)}
         dropped = [(j, s, e) for j, (s, e) in enumerate(turns) if s in c.removed and s not in lead_gone and s not in self.base.gone]
         if dropped:
             removed = tuple(i for _, s, e in dropped for i in range(s, e))
-            actions.append(Action(
-                strategy=self.turn_owner,
-                summary=f"dropped {len(dropped)} turn(s) (messages {_span_text(removed)}): the least value per predicted second",
-                removed_messages=removed,
-                tokens_before=before_tokens,
-                tokens_after=after.prompt_tokens,
-                detail={"turns": [item(self.turn_value[j], sum(ctx.base[i] for i in range(s, e)), messages=[s, e - 1]) for j, s, e in dropped]},
-            ))
+            details = [item(self.turn_value[j], sum(ctx.base[i] for i in range(s, e)), messages=[s, e - 1]) for j, s, e in dropped]
+            actions.append(act(self.turn_owner, f"dropped {len(dropped)} turn(s) (messages {_span_text(removed)}): the least value per "
+                               "predicted second", removed_messages=removed, detail={"turns": details}))
         kept = {str(ch.id): ch for ch in c.kept_chunks}
         gone_chunks = [it for it in self.chunk_items if it.key not in kept]
         cut = [it for it in self.chunk_items if it.key in kept and kept[it.key].text != it.variants[0][2].text]
         if gone_chunks:
             ids = tuple(it.key for it in gone_chunks)
-            actions.append(Action(
-                strategy=self.chunk_owner,
-                summary=f"kept {len(c.kept_chunks)} of {len(ctx.chunks)} chunks ({len(cut)} as excerpts); dropped {', '.join(ids)}: "
-                "the least value per predicted second",
-                removed_chunks=ids,
-                tokens_before=before_tokens,
-                tokens_after=after.prompt_tokens,
-                detail={"kept": list(kept), "dropped": [item(it.variants[0][1], it.variants[0][0], chunk=it.key) for it in gone_chunks]},
-            ))
+            actions.append(act(self.chunk_owner, f"kept {len(c.kept_chunks)} of {len(ctx.chunks)} chunks ({len(cut)} as excerpts); dropped "
+                               f"{', '.join(ids)}: the least value per predicted second", removed_chunks=ids,
+                               detail={"kept": list(kept), "dropped": [item(it.variants[0][1], it.variants[0][0], chunk=it.key) for it in gone_chunks]}))
         for it in cut:
             ex = kept[it.key]
             info = ex.metadata.get("excerpt", {})
-            spans = span_label(info.get("spans", []))
             tokens = self._chunk_cost(ex)
             share = next((v for w, v, p in it.variants if isinstance(p, Excerpt) and p.chunk.text == ex.text), 0.0)
-            actions.append(Action(
-                strategy="excerpt_chunk",
-                summary=f"kept sentences {spans} of {info.get('sentences', '?')} of {it.key} (those matching the question, "
-                f"with their neighbours): {it.variants[0][0] - tokens:,} of {it.variants[0][0]:,} tokens cut",
-                tokens_before=before_tokens,
-                tokens_after=after.prompt_tokens,
-                detail={"chunk": it.key, "spans": info.get("spans", []), "sentences": info.get("sentences"),
-                        **item(share, tokens), "whole_tokens": it.variants[0][0], "whole_value": round(it.variants[0][1], 4)},
-            ))
+            whole_tokens, whole_value = it.variants[0][0], it.variants[0][1]
+            actions.append(act("excerpt_chunk", f"kept sentences {span_label(info.get('spans', []))} of {info.get('sentences', '?')} of "
+                               f"{it.key} (those matching the question, with their neighbours): {whole_tokens - tokens:,} of {whole_tokens:,} tokens cut",
+                               detail={"chunk": it.key, "spans": info.get("spans", []), "sentences": info.get("sentences"), **item(share, tokens),
+                                       "whole_tokens": whole_tokens, "whole_value": round(whole_value, 4)}))
         return PlanState(ctx, c, tuple(actions))
 
 
