@@ -63,6 +63,15 @@ def quantile(values: Iterable[float], target: float) -> float:
     return ordered[min(max(k, 1), len(ordered)) - 1]
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _positive(value: Any) -> bool:
+    """A finite real number > 0 (not a bool)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 def usable_cores() -> int | None:
     """The CPU cores this process may run on (its affinity where the OS tells it), or None."""
     try:
@@ -106,9 +115,7 @@ class SpeedEstimate:
 
     def observe_outcome(self, measured_s: float, predicted_s: float) -> None:
         """One watched request's TTFT as measured and as predicted for the prompt it sent: what the watch left to the margin."""
-        if not (isinstance(measured_s, (int, float)) and isinstance(predicted_s, (int, float))):
-            return
-        if not (math.isfinite(measured_s) and math.isfinite(predicted_s) and measured_s > 0 and predicted_s > 0):
+        if not (_positive(measured_s) and _positive(predicted_s)):
             return
         with self._lock:
             self._outcomes.append(min(max(measured_s / predicted_s, 1.0 / RATIO_CLIP), RATIO_CLIP))
@@ -220,8 +227,6 @@ def calibration_seed(profile: Profile) -> list[PrefillSample]:
     return calib
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class LiveProfile:
@@ -282,17 +287,13 @@ class LiveProfile:
     def _sample(new_tokens: Any, cached_tokens: Any, seconds: Any) -> PrefillSample | None:
         if not (_is_count(new_tokens) and new_tokens >= 1 and _is_count(cached_tokens) and cached_tokens >= 0):
             return None
-        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not (float(seconds) > 0 and math.isfinite(seconds)):
+        if not _positive(seconds):
             return None
         return PrefillSample(int(new_tokens), int(cached_tokens), float(seconds), source="live")
 
     def observe_decode(self, tokens_per_s: Any, completion_tokens: Any, context_tokens: Any = None) -> None:
         """One request's measured decode speed at its mean context; ``context_tokens``: its prompt length."""
-        if not (_is_count(completion_tokens) and completion_tokens >= MIN_DECODE_TOKENS):
-            return
-        if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, numbers.Real):
-            return
-        if not (float(tokens_per_s) > 0 and math.isfinite(tokens_per_s)):
+        if not (_is_count(completion_tokens) and completion_tokens >= MIN_DECODE_TOKENS and _positive(tokens_per_s)):
             return
         context = mean_context(int(context_tokens), int(completion_tokens)) if _is_count(context_tokens) and context_tokens >= 0 else 0
         with self._lock:
@@ -306,10 +307,7 @@ class LiveProfile:
 
     def observe_first_token(self, ttft_s: Any, engine_prefill_s: Any, prompt_tokens: Any = None) -> None:
         """One request's first-token overhead: its TTFT less the engine's own prefill; ``prompt_tokens``: the whole prompt."""
-        values = (ttft_s, engine_prefill_s)
-        if any(isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) for v in values):
-            return
-        if not (ttft_s > 0 and engine_prefill_s > 0):
+        if not (_positive(ttft_s) and _positive(engine_prefill_s)):
             return
         prompt = int(prompt_tokens) if _is_count(prompt_tokens) and prompt_tokens >= 1 else None
         with self._lock:
