@@ -139,9 +139,14 @@ class EngineQueue:
         with self._lock:
             self._seq += 1
             ticket = Ticket(self, self._seq)
-            # the collector may run the callback in a thread that holds a lock: take none, only note it
-            self._tickets[ticket.seq] = weakref.ref(ticket, lambda _ref, seq=ticket.seq: self._dropped.append(seq))
+            self._tickets[ticket.seq] = weakref.ref(ticket, self._forget(ticket.seq))
             return ticket
+
+    def _forget(self, seq: int) -> Callable[[Any], None]:
+        def forget(_ref: Any) -> None:  # the collector may run this in a thread that holds a lock: take none, only note it
+            self._dropped.append(seq)
+
+        return forget
 
     def _remove(self, seq: int) -> None:
         with self._lock:

@@ -69,7 +69,7 @@ def _is_count(value: Any) -> bool:
 
 def _positive(value: Any) -> bool:
     """A finite real number > 0 (not a bool)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return isinstance(value, (int, float, numbers.Real)) and not isinstance(value, bool) and math.isfinite(value) and float(value) > 0
 
 
 def usable_cores() -> int | None:
