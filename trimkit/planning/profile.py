@@ -78,8 +78,7 @@ class DecodePoint:
         return 1.0 / self.tokens_per_s
 
     def to_dict(self) -> dict[str, Any]:
-        return {"context_tokens": self.context_tokens, "tokens_per_s": self.tokens_per_s, "steps": self.steps, "source": self.source,
-                "spread_pct": self.spread_pct}
+        return attrs.asdict(self)
 
 
 @attrs.frozen
@@ -261,11 +260,6 @@ def json_number(value: Any, where: str, check: Callable[[float, str], Any] | Non
     return v
 
 
-def _finite(value: float, where: str) -> None:
-    if not math.isfinite(value):
-        raise InvalidNumberError(f"{where} must be finite, got {value!r}")
-
-
 def _number(check: Callable[[float, str], Any] | None = None) -> Callable[[Any, str], float]:
     return lambda v, w: json_number(v, w, check)
 
@@ -330,8 +324,7 @@ def _pair(data: Any, where: str) -> tuple[float, float]:
 SCHEMA_VERSION = 1
 #: how a profile was calibrated, least thorough first (trimkit._calibration.MODES)
 CALIBRATION_MODES = ("micro", "quick", "full")
-#: the context of the decode speed of a profile stored before decode points were kept:
-#: calibration then measured it in process after a 16-token prompt
+#: the context of a decode speed stored before decode points were kept (measured after a 16-token prompt)
 LEGACY_DECODE_CONTEXT_TOKENS = 16
 
 
@@ -407,30 +400,24 @@ class Profile:
     calibration_wall_s: float = attrs.field(default=0.0, converter=real_float)
     created_at: float = attrs.field(default=0.0, converter=real_float)
     drift: float = 1.0
-    #: calibration's held-out residuals: (predicted, measured) prefill seconds per calibration
-    #: sample, each predicted by a fit without its probe; they seed the learned safety margin
+    #: calibration's held-out (predicted, measured) prefill seconds: they seed the learned safety margin
     residuals: tuple[tuple[float, float], ...] = attrs.field(default=(), converter=_pairs, repr=False)
     #: how it was calibrated: "micro" (provisional), "quick" or "full"
     mode: str = "full"
-    #: the most new tokens of any sample, and the deepest context (new + cached) of any sample;
-    #: read off the samples by default (0 = unknown: :meth:`probed_range` reads the samples)
+    #: the most new tokens and the deepest context (new + cached) probed; by default read off the samples
     probed_new_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[0], takes_self=True))
     probed_context_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[1], takes_self=True))
     #: the wall-time budget calibration ran under, seconds (0.0: unknown)
     time_budget_s: float = attrs.field(default=0.0, converter=real_float)
-    #: True when the first-token overhead was estimated, not measured (no time for its requests)
+    #: True when the first-token overhead was estimated, not measured
     first_token_estimated: bool = attrs.field(default=False)
-    #: measured decode speeds at known contexts (calibration's, then served requests'): the
-    #: decode-vs-context line (:meth:`decode_model`). Default: ``decode_tokens_per_s`` as one
-    #: point at :data:`LEGACY_DECODE_CONTEXT_TOKENS` (a flat line); empty when decode was not
-    #: measured (calibration had no time for it).
+    #: measured decode speeds at known contexts (calibration's, then served requests'); default: ``decode_tokens_per_s`` at
+    #: :data:`LEGACY_DECODE_CONTEXT_TOKENS`; empty when decode was not measured
     decode_points: tuple[DecodePoint, ...] = attrs.field(default=attrs.Factory(_legacy_decode_points, takes_self=True),
                                                          converter=_decode_points, repr=False)
-    #: the model architecture's attention doubling length, tokens: the prior every fit of this
-    #: profile's samples leans on where they say little about attention; 0.0 when unknown
+    #: the architecture's attention doubling length, tokens: the prior of every fit of the samples (0.0: unknown)
     attention_prior_tokens: float = attrs.field(default=0.0, converter=real_float)
-    #: seconds of first-token overhead per prompt token (cached ones included): what tokenizing
-    #: the whole prompt costs on each request, on top of ``first_token_s``; 0.0 when unknown
+    #: first-token overhead per prompt token, cached ones included (tokenizing the prompt), on top of ``first_token_s``
     first_token_per_token_s: float = attrs.field(default=0.0, converter=real_float)
 
     def __attrs_post_init__(self) -> None:
@@ -441,9 +428,8 @@ class Profile:
         for i, s in enumerate(self.samples):
             if not isinstance(s, PrefillSample):
                 raise InvalidInputError(f"samples[{i}] must be a PrefillSample, got {type(s).__name__}")
-        non_negative_finite(self.first_token_s, "first_token_s")
-        non_negative_finite(self.decode_tokens_per_s, "decode_tokens_per_s")
-        non_negative_finite(self.calibration_wall_s, "calibration_wall_s")
+        for name in ("first_token_s", "decode_tokens_per_s", "calibration_wall_s", "time_budget_s", "attention_prior_tokens", "first_token_per_token_s"):
+            non_negative_finite(getattr(self, name), name)
         if not math.isfinite(self.created_at):
             raise InvalidNumberError(f"created_at must be finite, got {self.created_at!r}")
         # predictions multiply by drift and budgets divide by it: 0, negative or NaN would poison both
@@ -452,11 +438,8 @@ class Profile:
             raise InvalidInputError(f"mode must be one of {', '.join(CALIBRATION_MODES)}, got {self.mode!r}")
         count(self.probed_new_tokens, "probed_new_tokens")
         count(self.probed_context_tokens, "probed_context_tokens")
-        non_negative_finite(self.time_budget_s, "time_budget_s")
         if not isinstance(self.first_token_estimated, bool):
             raise InvalidInputError(f"first_token_estimated must be a bool, got {type(self.first_token_estimated).__name__}")
-        non_negative_finite(self.attention_prior_tokens, "attention_prior_tokens")
-        non_negative_finite(self.first_token_per_token_s, "first_token_per_token_s")
 
     @property
     def depth_prior_tokens(self) -> float | None:
@@ -529,8 +512,7 @@ class Profile:
         hi = self.model.max_new_tokens(prefill_budget, cached_tokens)
         if self.first_token_per_token_s <= 0 or hi == 0:
             return hi
-        # the overhead grows with the new tokens too: the most of 0..hi that fit (0 always "fits":
-        # the caller reads 0 as nothing fits)
+        # the overhead grows with the new tokens too (0 always "fits": the caller reads it as nothing fits)
         return largest_fitting(lambda n: n == 0 or self.predict_ttft_s(n, cached_tokens) <= ttft_budget_s, 0, hi)
 
     @property
@@ -598,25 +580,26 @@ _KEY_READERS = {f.name: _int() if f.type in (int, "int") else json_str for f in 
 _PROFILE_READERS: dict[str, Callable[[Any, str], Any]] = {
     "key": _read(ProfileKey, _KEY_READERS),
     "model": read_model,
-    "first_token_s": _number(non_negative_finite),
-    "decode_tokens_per_s": _number(non_negative_finite),
+    # numbers are checked by Profile itself (checked() makes its errors ProfileErrors)
+    "first_token_s": _number(),
+    "decode_tokens_per_s": _number(),
     "samples": _list(_read(PrefillSample, {"new_tokens": _int(1), "cached_tokens": _int(), "seconds": _number(non_negative_finite),
                                            "source": json_str})),
     "error": _read(ErrorStats, {"median_pct": _number(), "p90_pct": _number(), "max_pct": _number(), "n": _int()}),
     "alternatives": _alternatives,
-    "calibration_wall_s": _number(non_negative_finite),
-    "created_at": _number(_finite),
-    "drift": _number(positive_finite),
+    "calibration_wall_s": _number(),
+    "created_at": _number(),
+    "drift": _number(),
     "residuals": _list(_pair),
     "mode": json_str,
     "probed_new_tokens": _int(),
     "probed_context_tokens": _int(),
-    "time_budget_s": _number(non_negative_finite),
+    "time_budget_s": _number(),
     "first_token_estimated": json_bool,
     "decode_points": _list(_read(DecodePoint, {"context_tokens": _number(non_negative_finite), "tokens_per_s": _number(), "steps": _int(1),
                                                "source": json_str, "spread_pct": _number(non_negative_finite)})),
-    "attention_prior_tokens": _number(non_negative_finite),
-    "first_token_per_token_s": _number(non_negative_finite),
+    "attention_prior_tokens": _number(),
+    "first_token_per_token_s": _number(),
 }
 
 
