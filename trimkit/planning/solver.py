@@ -390,6 +390,19 @@ class PlanState:
         return self.ctx.history_turns
 
     @property
+    def budget_s(self) -> float:
+        return self.ctx.budget_s
+
+    @property
+    def target_s(self) -> float:
+        """The budget less the safety margin: what a prediction must fit."""
+        return self.ctx.target_s
+
+    @property
+    def profile(self) -> Any:
+        return self.ctx.profile
+
+    @property
     def tokenizer(self) -> Any:
         return self.ctx.tokenizer
 
