@@ -4,6 +4,7 @@ whose predicted TTFT fits the budget (docs/design.md §3–4)."""
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -185,11 +186,7 @@ class RequestContext:
         else:
             cached = 0
             for known_layout, known_cached in self.knowledge:
-                shared = 0
-                for (k1, n1), (k2, _) in zip(layout, known_layout, strict=False):
-                    if k1 != k2:
-                        break
-                    shared += n1
+                shared = sum(n for (k, n), (known, _) in itertools.takewhile(lambda p: p[0][0] == p[1][0], zip(layout, known_layout)))
                 cached = max(cached, min(known_cached, shared))
         return reusable_cached_tokens(total, cached)
 

@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from trimkit.errors import count, positive_finite
 from trimkit.planning.costs import CostModel, PrefillSample, error_stats, evaluated_tokens, fit_cost_model
 from trimkit.planning.profile import DecodePoint, Profile, mean_context
 from trimkit.planning.queue import EngineQueue
@@ -95,14 +96,10 @@ class SpeedEstimate:
     until served requests arrive. Thread-safe."""
 
     def __init__(self, seed: Iterable[PrefillSample] = (), *, window: int = WINDOW, prior: float = 1.0) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an int >= 1, got {window!r}")
-        if not (isinstance(prior, (int, float)) and not isinstance(prior, bool) and math.isfinite(prior) and prior > 0):
-            raise ValueError(f"prior must be a finite number > 0, got {prior!r}")
-        self._samples: deque[PrefillSample] = deque(maxlen=window)
+        self._samples: deque[PrefillSample] = deque(maxlen=count(window, "window", minimum=1))
         self._live = 0
         self._outcomes: deque[float] = deque(maxlen=OUTCOME_WINDOW)
-        self.prior = float(prior)
+        self.prior = positive_finite(prior, "prior")
         self._lock = threading.Lock()
         self._logged = False
         for s in seed:
@@ -234,14 +231,10 @@ class LiveProfile:
     requests (and each of the first ``eager_refits``) the model is refitted, kept only if it beats the speed factor."""
 
     def __init__(self, profile: Profile, *, refit_every: int = 1, eager_refits: int = 0, keep_live: int = 64) -> None:
-        if not (_is_count(refit_every) and refit_every >= 1):
-            raise ValueError(f"refit_every must be an int >= 1, got {refit_every!r}")
-        if not (_is_count(eager_refits) and eager_refits >= 0):
-            raise ValueError(f"eager_refits must be an int >= 0, got {eager_refits!r}")
-        self._eager_refits = eager_refits
+        self._eager_refits = count(eager_refits, "eager_refits")
         self._calibration = profile
         self._calib_fit: CostModel | None = None
-        self._refit_every = refit_every
+        self._refit_every = count(refit_every, "refit_every", minimum=1)
         self._live: deque[PrefillSample] = deque(maxlen=keep_live)
         self._seen = 0
         self.speed = SpeedEstimate(calibration_seed(profile), prior=profile.drift)

@@ -244,12 +244,10 @@ class PromptTokenizer:
         key = (tuple((m.get("role"), bool(m.get("tool_calls")), m.get("name")) for m in messages), repr(tools) if tools else None)
         if key in self._layouts:
             return self._layouts[key]
-        try:
-            text = self.render(_marked(messages), tools)
-        except Exception:
+        parts = self._split(messages, tools)  # [text before the first marker, "i", text, "j", text, ...]
+        if parts is None:
             pieces = None
         else:
-            parts = _MARK_RE.split(text)  # [text before the first marker, "i", text, "j", text, ...]
             found = [int(x) for x in parts[1::2]]
             # a template may drop a system message ("gemma" does); any other missing marker means it changed the content
             dropped = set(range(len(messages))) - set(found)
@@ -270,13 +268,14 @@ class PromptTokenizer:
         pieces = self.layout(messages, tools)
         if pieces is not None:
             return tuple(i for i in range(len(messages)) if pieces[i] is None)
+        found = {int(x) for x in (self._split(messages, tools) or [])[1::2]}
+        return tuple(i for i in range(len(messages)) if i not in found) if found else ()
+
+    def _split(self, messages: Sequence[Mapping[str, Any]], tools: Any) -> list[str] | None:
         try:
-            found = {int(x) for x in _MARK_RE.findall(self.render(_marked(messages), tools))}
-        except Exception:
-            return ()
-        if not found:
-            return ()
-        return tuple(i for i in range(len(messages)) if i not in found)
+            return _MARK_RE.split(self.render(_marked(messages), tools))
+        except Exception:  # a template that cannot render the markers: no split
+            return None
 
     def segment_counts(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> Segments:
         """Per-message token counts for ``messages`` as rendered by the template (cached)."""
