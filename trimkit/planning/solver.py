@@ -176,7 +176,6 @@ class RequestContext:
         segs.append(("tail", self.tail))
         return tuple(segs)
 
-    # -- predictions --------------------------------------------------------------------------
     def cached_for(self, layout: Layout, total: int) -> int:
         """Predicted cached prefix: exact if this very prompt was probed; else, over everything
         known, the cached tokens of the longest prefix shared with a prompt whose count is known."""
@@ -228,7 +227,6 @@ class RequestContext:
         cached = self.cached_for(layout, total)
         return Estimate(total, cached, self.predict(total, cached, c.extra_s))
 
-    # -- concrete prompts ---------------------------------------------------------------------
     def build(self, c: Candidate) -> list[dict[str, Any]]:
         """The message list for a candidate. The caller's list itself when nothing changes."""
         if c.unchanged:
@@ -370,7 +368,6 @@ class PlanState:
                              rag_chunk_template=rag_chunk_template, clock=clock, safety_margin=safety_margin, max_prompt_tokens=max_prompt_tokens)
         return cls(ctx, Candidate(kept_chunks=ctx.chunks))
 
-    # -- reading -----------------------------------------------------------------------------
     @property
     def messages(self) -> Sequence[Mapping[str, Any]]:
         """The caller's messages (read only)."""
@@ -425,7 +422,6 @@ class PlanState:
         """Tokens of the caller's message ``index`` as rendered (its template wrapper included)."""
         return self.ctx.base[index]
 
-    # -- predicting --------------------------------------------------------------------------
     def estimate(self, candidate: Candidate) -> Estimate:
         """Predicted size, cached prefix and TTFT of ``candidate`` (no tokenization of unchanged text)."""
         return self.ctx.estimate(candidate)
@@ -450,7 +446,6 @@ class PlanState:
         """The concrete message list for ``candidate`` (new dicts only where something changed)."""
         return self.ctx.build(candidate)
 
-    # -- changing ----------------------------------------------------------------------------
     def apply(self, candidate: Candidate, action: Action | None) -> PlanState:
         """A new state with ``candidate`` as the current prompt and ``action`` recorded."""
         actions = self.actions if action is None else (*self.actions, action)
@@ -577,7 +572,6 @@ class _Solver:
             allowance = min(allowance, self.ctx.max_prompt_tokens)
         return allowance
 
-    # -- scenarios ------------------------------------------------------------------------------
     def best(self) -> PlanState | None:
         found: tuple[float, float, Candidate, Lead] | None = None
         for lead in self.leads:
@@ -648,9 +642,7 @@ class _Solver:
         every other droppable turn out."""
         turns = self.ctx.history_turns
         covered = frozenset(i for s, e in turns[: lead.covers] for i in range(s, e))
-        optional = frozenset(
-            i for j, (s, e) in enumerate(turns) if j >= max(keep, lead.covers) and j in self.droppable_turns for i in range(s, e)
-        )
+        optional = frozenset(i for j, (s, e) in enumerate(turns) if j >= max(keep, lead.covers) and j in self.droppable_turns for i in range(s, e))
         c = self.base
         if lead.summary is not None:
             c = attrs.evolve(c, summarized=c.summarized | covered, summary=lead.summary, extra_s=c.extra_s + lead.extra_s)
