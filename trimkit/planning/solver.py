@@ -338,7 +338,8 @@ class PlanState:
               rag_template: str = DEFAULT_RAG_TEMPLATE, rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
               clock: Callable[[], float] = time.perf_counter, safety_margin: float | None = None, max_prompt_tokens: int | None = None,
               on_infeasible: str = "best_effort", values: Any = None) -> PlanState:
-        """The initial state: the whole request, every chunk kept (most relevant first)."""
+        """The initial state: the whole request, every chunk kept (most relevant first). The one place that checks
+        :func:`~trimkit.planning.planner.plan`'s arguments, before any work."""
         if on_infeasible not in ("best_effort", "raise"):
             raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
         validate_messages(messages)
@@ -457,8 +458,8 @@ RESOLUTION = 512
 
 
 def knapsack(groups: Sequence[Sequence[tuple[int, float]]], room: int) -> tuple[float, list[int]]:
-    """Pick at most one ``(tokens, value)`` variant per group, most total value within ``room`` tokens. Returns the value
-    and the chosen variant index per group (-1: none)."""
+    """Pick at most one ``(tokens, value)`` variant per group, most total value within ``room`` tokens: the value and the
+    chosen variant index per group (-1: none). Sizes round *up* to ``room / RESOLUTION``: a choice never exceeds ``room``."""
     chosen = [-1] * len(groups)
     if room <= 0 or not groups:
         return 0.0, chosen
@@ -595,7 +596,8 @@ class _Solver:
         return self._explain(self._refill(candidate), lead)
 
     def _refill(self, c: Candidate) -> Candidate:
-        """Put back chunks (whole, or an excerpt) that fit after all by an exact count."""
+        """Put back chunks (whole, or an excerpt) that fit after all by an exact count: per-chunk counts are additive
+        estimates, a token or two pessimistic at joins, so the chosen prompt's exact count can leave room."""
         ctx = self.ctx
         if not self.chunk_items:
             return c
@@ -681,7 +683,8 @@ class _Solver:
         return sorted({start + round(i * span / steps) for i in range(steps + 1)} | {len(turns)})
 
     def _scenario(self, lead: Lead, keep: int) -> tuple[float, Candidate] | None:
-        """The most valuable candidate of one scenario that fits, or None."""
+        """The most valuable candidate of one scenario that fits, or None. What the knapsack adds can end the fixed part's
+        cached prefix earlier: while the choice does not fit, the room shrinks to what that prefix leaves."""
         ctx = self.ctx
         fixed_c = self._lead_candidate(lead, keep)
         est = ctx.estimate(fixed_c)
