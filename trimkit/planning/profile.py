@@ -83,7 +83,8 @@ class DecodePoint:
 
 @attrs.frozen
 class DecodeModel:
-    """Seconds per generated token as a line in the context: ``base_s + per_context_s · c``."""
+    """Seconds per generated token as a line in the context: ``base_s + per_context_s · c``; ``note``: :data:`FLAT_NOTE`,
+    :data:`WITHIN_NOISE_NOTE` or empty; ``noise_pct``: how much a decode measurement varies on this host."""
 
     base_s: float
     per_context_s: float = 0.0
@@ -156,8 +157,9 @@ def _clip(level: float) -> float:
 
 
 def fit_decode(points: Iterable[DecodePoint], *, level_window: int = LEVEL_WINDOW) -> DecodeModel | None:
-    """The decode line ``t(c) = base_s + per_context_s · c`` through ``points`` (calibration first, then live points oldest
-    first); None for no points."""
+    """The decode line ``t(c) = base_s + per_context_s · c`` through ``points`` (calibration's, then live ones oldest first);
+    None for none. The older points are scaled by one level (clipped to :data:`LEVEL_CLIP`) so that the ``level_window``
+    latest live ones fit: a busier host moves the whole line, its shape comes from every context measured."""
     pts = [p for p in points if isinstance(p, DecodePoint)]
     if not pts:
         return None
