@@ -103,7 +103,9 @@ class Ticket:
     def in_flight(self) -> bool:
         if self.finished or self.parked:
             return False
-        stream = self._stream() if self._stream is not None else self
+        if self._stream is None:
+            return True
+        stream = self._stream()
         if stream is None or getattr(stream, "ended_at", None) is not None:
             return False
         return not (self._stream_holds and getattr(stream, "released", False))
