@@ -185,7 +185,7 @@ class RequestContext:
         else:
             cached = 0
             for known_layout, known_cached in self.knowledge:
-                shared = sum(n for (k, n), (known, _) in itertools.takewhile(lambda p: p[0][0] == p[1][0], zip(layout, known_layout)))
+                shared = sum(seg[1] for seg, known in itertools.takewhile(lambda pair: pair[0][0] == pair[1][0], zip(layout, known_layout)))
                 cached = max(cached, min(known_cached, shared))
         return reusable_cached_tokens(total, cached)
 
