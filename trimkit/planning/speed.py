@@ -224,8 +224,6 @@ def calibration_seed(profile: Profile) -> list[PrefillSample]:
     return calib
 
 
-
-
 class LiveProfile:
     """A profile that follows the machine: every measured prefill joins :attr:`speed`; after every ``refit_every``
     requests (and each of the first ``eager_refits``) the model is refitted, kept only if it beats the speed factor."""
