@@ -1,24 +1,10 @@
-"""The prefill cost model: how long the engine takes to evaluate ``n`` new prompt tokens after
-``k`` tokens already in the KV cache.
-
-The model (docs/design.md, §2) is ``T(n | k) = b + a·n + c·(n·k + n²/2)``: a fixed overhead, a per-token
-cost, and a depth (attention) term that grows with how deep in the context the new tokens sit.
-llama.cpp evaluates prompts in ``n_batch`` chunks, each with its own fixed cost, so trimkit also
-fits a variant with a per-chunk term ``d·ceil(n / n_batch)`` and keeps whichever predicts the
-held-out samples better (leave-one-probe-out cross-validation). Coefficients are fitted by
-non-negative least squares on *relative* error, so a 32-token prompt matters as much as a
-4096-token one.
-
-The depth term shows in the probes only once they reach deep enough into the context for
-attention to stand above the host's noise; short probes leave it to chance. Where the model's
-architecture is known (:mod:`trimkit.planning.profile`), the fit is given its attention doubling
-length ``D`` as a prior — ``c ≈ a / D``, to within :data:`ATTENTION_PRIOR_SPREAD` — weighed as
-one more observation against the probes (a maximum a posteriori fit): probes that span a long
-context outweigh it, short ones lean on it.
-"""
+"""The prefill cost model (docs/design.md §2): ``T(n | k) = b + a·n + c·(n·k + n²/2)`` for ``n`` new tokens after ``k``
+cached ones, optionally plus ``d·ceil(n / n_batch)``; fitted by non-negative least squares on relative error, with the
+architecture's attention doubling length as a prior on ``c`` where it is known. Also the KV cache state a plan reads."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import statistics
@@ -29,35 +15,25 @@ import numpy as np
 
 from trimkit.errors import InvalidInputError, InvalidNumberError, attrs_non_negative, count, positive_finite, real_float
 
-#: how far the architecture's attention prior may be off, as a relative standard deviation of
-#: the depth term: a FLOP ratio says nothing of how efficiently an engine runs attention next to
-#: the weight matrices (:mod:`trimkit.planning.profile`), so it is trusted to within about half
+#: the attention prior's relative standard deviation: a FLOP ratio says nothing of how efficiently an engine runs attention
 ATTENTION_PRIOR_SPREAD = 0.5
-#: the relative noise of one probe the prior is weighed against is read off the probes (the
-#: scatter of a fit without the prior, :func:`probe_noise`); this where they are too few to
-#: show it (no more probes than coefficients), and never less than PROBE_NOISE_FLOOR
+#: a probe's relative noise where the probes are too few to show it (:func:`probe_noise`), and its floor
 PROBE_NOISE = 0.1
-#: the least relative noise a probe is credited with (a clock's and a cache's jitter, on the
-#: quietest host): the probes of a fit that matches them exactly do not overrule the prior alone
 PROBE_NOISE_FLOOR = 0.02
 
 
 def evaluated_tokens(n_tokens: int, cached_tokens: int) -> int:
-    """The tokens the engine evaluates for an ``n_tokens`` prompt of which ``cached_tokens`` are in
-    its KV cache: at least one, since llama.cpp evaluates the last prompt token even on a full
-    cache hit (it needs that token's logits to sample)."""
+    """At least one: llama.cpp evaluates the last prompt token even on a full cache hit (it needs its logits)."""
     return max(n_tokens - cached_tokens, 1)
 
 
 def reusable_cached_tokens(n_tokens: int, cached_tokens: int) -> int:
-    """The part of ``cached_tokens`` an ``n_tokens`` prompt can reuse: never more than
-    ``n_tokens - 1`` (see :func:`evaluated_tokens`), never negative."""
+    """The part of ``cached_tokens`` an ``n_tokens`` prompt can reuse: 0 to ``n_tokens - 1``."""
     return max(0, min(cached_tokens, n_tokens - 1))
 
 
 def _tokens_copy(tokens: Iterable[int]) -> Sequence[int]:
-    """``tokens`` as a sequence nobody changes: a tuple, or a read-only copy of a numpy array (an
-    engine's input ids, which it overwrites as it evaluates)."""
+    """A tuple, or a read-only copy of a numpy array (an engine's input ids, which it overwrites)."""
     if isinstance(tokens, tuple):
         return tokens
     if isinstance(tokens, np.ndarray):
@@ -67,36 +43,19 @@ def _tokens_copy(tokens: Iterable[int]) -> Sequence[int]:
     return tuple(tokens)
 
 
-def _token_tuples(prompts: Iterable[Iterable[int]]) -> tuple[Sequence[int], ...]:
-    return tuple(_tokens_copy(p) for p in prompts)
-
-
-def _snapshot_tuples(snapshots: Iterable[tuple[Iterable[int], float]]) -> tuple[tuple[Sequence[int], float], ...]:
-    return tuple((_tokens_copy(tokens), float(restore_s)) for tokens, restore_s in snapshots)
-
-
 @attrs.frozen(eq=False)
 class CacheState:
-    """What the engine's KV cache holds, as data a plan reads: planning asks the engine nothing.
-    The caller reads it before planning (:meth:`~trimkit.backends.base.Backend.cache_state`).
+    """What the engine's KV cache holds, as data a plan reads: ``prompts`` it reuses as they are, ``(tokens, restore_s)``
+    ``snapshots``, reuse in ``block``s, and ``after``: the prompt the context holds when this request's turn comes."""
 
-    ``prompts``: the token ids of prompts whose prefix the engine reuses as it is (the context
-    the next request finds; the last prompts a server was sent; none: it reuses nothing);
-    ``snapshots``: ``(tokens, restore_s)`` stored prefixes, restored first where that and the
-    prefill of the rest is predicted faster; ``block``: reuse of ``prompts`` rounds down to this
-    many tokens (a server's prefix-cache block); ``after``: queued behind other requests, the
-    prompt the context holds when this request's turn comes, which bounds what it reuses of
-    ``prompts``."""
-
-    prompts: tuple[Sequence[int], ...] = attrs.field(default=(), converter=_token_tuples)
-    snapshots: tuple[tuple[Sequence[int], float], ...] = attrs.field(default=(), converter=_snapshot_tuples)
+    prompts: tuple[Sequence[int], ...] = attrs.field(default=(), converter=lambda ps: tuple(_tokens_copy(p) for p in ps))
+    snapshots: tuple[tuple[Sequence[int], float], ...] = attrs.field(default=(), converter=lambda ss: tuple((_tokens_copy(t), float(r)) for t, r in ss))
     block: int = attrs.field(default=1, validator=lambda _i, _a, v: count(v, "block", minimum=1))
     after: Sequence[int] | None = attrs.field(default=None, converter=attrs.converters.optional(_tokens_copy))
 
     def cached(self, tokens: Sequence[int], cost: Callable[[int, int], float] | None = None) -> int:
-        """How many leading tokens of ``tokens`` the engine reuses (at least one is evaluated):
-        the longest prefix shared with a held prompt (in blocks, bounded by ``after``), or a
-        snapshot's where restoring it is predicted faster (``cost(new, cached)`` → seconds)."""
+        """How many leading tokens of ``tokens`` the engine reuses: a held prompt's prefix, or a snapshot's where restoring
+        it is predicted faster (``cost(new, cached)`` → seconds)."""
         return self.best(tokens, cost)[0]
 
     def best(self, tokens: Sequence[int], cost: Callable[[int, int], float] | None = None) -> tuple[int, int | None]:
@@ -125,8 +84,7 @@ def _check_str(value: object, name: str) -> None:
 
 
 def _check_pct(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    """An error percentage: >= 0, or NaN when nothing was measured (infinity is allowed: a
-    prediction for a near-zero measurement). Negative would be no error at all."""
+    """An error percentage: >= 0, or NaN when nothing was measured (infinity: a near-zero measurement)."""
     if value < 0:
         raise InvalidNumberError(f"{attribute.name} must be >= 0 (or NaN), got {value!r}")
 
@@ -141,7 +99,7 @@ class PrefillSample:
     source: str = attrs.field(default="calibration", validator=lambda i, a, v: _check_str(v, a.name))
 
     def to_dict(self) -> dict[str, object]:
-        return {"new_tokens": self.new_tokens, "cached_tokens": self.cached_tokens, "seconds": self.seconds, "source": self.source}
+        return attrs.asdict(self)
 
 
 @attrs.frozen
@@ -163,12 +121,7 @@ class CostModel:
         if n == 0:
             return 0.0
         k = max(int(cached_tokens), 0)
-        return (
-            self.overhead_s
-            + self.per_token_s * n
-            + self.depth_s * (n * k + n * n / 2.0)
-            + self.per_batch_s * math.ceil(n / self.n_batch)
-        )
+        return self.overhead_s + self.per_token_s * n + self.depth_s * (n * k + n * n / 2.0) + self.per_batch_s * math.ceil(n / self.n_batch)
 
     def max_new_tokens(self, seconds: float, cached_tokens: int = 0, limit: int = 1 << 20) -> int:
         """The most new tokens whose prefill fits in ``seconds`` after ``cached_tokens`` (binary search)."""
@@ -184,8 +137,7 @@ class CostModel:
 
 
 def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int) -> int:
-    """The largest ``n`` in ``lo..hi`` with ``fits(n)``, for ``fits`` true up to some point and
-    false after it, given that ``fits(lo)`` holds (binary search)."""
+    """The largest ``n`` in ``lo..hi`` with ``fits(n)`` (monotone, ``fits(lo)`` holds): a binary search."""
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if fits(mid):
@@ -229,9 +181,7 @@ def _nnls_small(rows: Sequence[Sequence[float]], target: Sequence[float], weight
 
 
 def probe_noise(rows: Sequence[Sequence[float]], target: Sequence[float], weights: Sequence[float]) -> float:
-    """The relative noise of one probe: the root-mean-square relative residual of the fit
-    without the prior, over its degrees of freedom; :data:`PROBE_NOISE` when there are none
-    (no more probes than coefficients); at least :data:`PROBE_NOISE_FLOOR`."""
+    """The RMS relative residual of the fit without the prior over its degrees of freedom (:data:`PROBE_NOISE` for none)."""
     free = len(rows) - len(rows[0])
     if free <= 0:
         return PROBE_NOISE
@@ -241,8 +191,7 @@ def probe_noise(rows: Sequence[Sequence[float]], target: Sequence[float], weight
 
 
 def per_token_rate(samples: Iterable[PrefillSample]) -> float:
-    """Seconds per new token over ``samples`` (those with a positive time): the least-squares
-    proportional rate on relative error, overhead and attention included."""
+    """Seconds per new token over ``samples``: the least-squares proportional rate on relative error."""
     timed = [s for s in samples if s.seconds > 0]
     if not timed:
         raise ValueError("no samples with a positive time")
@@ -251,9 +200,8 @@ def per_token_rate(samples: Iterable[PrefillSample]) -> float:
 
 def fit_cost_model(samples: Iterable[PrefillSample], *, n_batch: int = 512, batched: bool = False,
                    depth_prior_tokens: float | None = None) -> CostModel:
-    """Fit a :class:`CostModel` (``batched`` adds the per-``n_batch``-chunk term).
-    ``depth_prior_tokens``: the architecture's attention doubling length (module docstring),
-    added as one weighted observation ``c·D − a = 0``; None fits the probes alone."""
+    """Fit a :class:`CostModel` (``batched``: with the per-batch term); ``depth_prior_tokens``: the attention doubling
+    length ``D``, added as one weighted observation ``c·D − a = 0``."""
     prior = None if depth_prior_tokens is None else positive_finite(depth_prior_tokens, "depth_prior_tokens")
     data = [s for s in samples if s.seconds > 0]
     if not data:
@@ -262,20 +210,13 @@ def fit_cost_model(samples: Iterable[PrefillSample], *, n_batch: int = 512, batc
     target = [s.seconds for s in data]
     weights = [1.0 / s.seconds for s in data]
     if prior is not None:
-        # (c·D − a) / a₀ is the depth term's relative departure from the prior; weighted so that
-        # a departure of ATTENTION_PRIOR_SPREAD weighs as one probe off by the probes' noise
+        # weighted so that a departure of ATTENTION_PRIOR_SPREAD weighs as one probe off by the probes' noise
         noise = probe_noise(rows, target, weights)
         rows.append([0.0, -1.0, prior] + ([0.0] if batched else []))
         target.append(0.0)
         weights.append(noise / ATTENTION_PRIOR_SPREAD / per_token_rate(data))
     coef = _nnls_small(rows, target, weights)
-    return CostModel(
-        overhead_s=coef[0],
-        per_token_s=coef[1],
-        depth_s=coef[2],
-        per_batch_s=coef[3] if batched else 0.0,
-        n_batch=n_batch,
-    )
+    return CostModel(overhead_s=coef[0], per_token_s=coef[1], depth_s=coef[2], per_batch_s=coef[3] if batched else 0.0, n_batch=n_batch)
 
 
 @attrs.frozen
@@ -292,9 +233,7 @@ class ErrorStats:
 
 
 def quantile(values: Iterable[float], q: float) -> float:
-    """The ``q`` quantile (any ``q`` in 0–1) of ``values`` with linear interpolation between the
-    closest ranks (as ``statistics.quantiles(method="inclusive")`` places its cut points, which
-    offers only ``q = i/n``); NaN when empty."""
+    """The ``q`` quantile of ``values``, interpolated between the closest ranks (as ``statistics.quantiles(method="inclusive")``)."""
     ordered = sorted(values)
     if not ordered:
         return float("nan")
@@ -314,19 +253,14 @@ def error_stats(pairs: Iterable[tuple[float, float]]) -> ErrorStats:
 
 def heldout_predictions(samples: Sequence[PrefillSample], *, n_batch: int, batched: bool,
                         depth_prior_tokens: float | None = None) -> list[tuple[float, float]]:
-    """(predicted, measured) prefill seconds for every sample, each predicted by a fit without
-    its probe (new, cached) — leave-one-probe-out; the in-sample fit with fewer than 4 probes.
-    In the order of ``samples``."""
+    """(predicted, measured) prefill seconds for every sample, each predicted by a fit without its probe (new, cached) —
+    leave-one-probe-out; the in-sample fit with fewer than 4 probes. In the order of ``samples``."""
     groups: dict[tuple[int, int], list[PrefillSample]] = {}
     for s in samples:
         groups.setdefault((s.new_tokens, s.cached_tokens), []).append(s)
-    if len(groups) < 4:
-        model = fit_cost_model(samples, n_batch=n_batch, batched=batched, depth_prior_tokens=depth_prior_tokens)
-        return [(model.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in samples]
-    fits = {}
-    for key in groups:
-        rest = [s for k, g in groups.items() if k != key for s in g]
-        fits[key] = fit_cost_model(rest, n_batch=n_batch, batched=batched, depth_prior_tokens=depth_prior_tokens)
+    fit = functools.partial(fit_cost_model, n_batch=n_batch, batched=batched, depth_prior_tokens=depth_prior_tokens)
+    whole = fit(samples) if len(groups) < 4 else None
+    fits = {key: whole or fit([s for k, g in groups.items() if k != key for s in g]) for key in groups}
     return [(fits[(s.new_tokens, s.cached_tokens)].prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in samples]
 
 

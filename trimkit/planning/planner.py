@@ -1,13 +1,4 @@
-"""The planner: decide what to prefill so the predicted TTFT fits the budget.
-
-:func:`plan` is the one engine behind the wrapper and the CLI. If the prompt as it stands (only
-the tokens the engine must evaluate: a cached prefix is nearly free) is predicted within the
-budget less the safety margin, it passes through untouched. Otherwise the strategies
-(:mod:`trimkit.strategies`) say what may change and the solver (:mod:`trimkit.planning.solver`)
-keeps the most value (:mod:`trimkit.planning.values`) whose predicted TTFT fits, saying in
-:class:`~trimkit.planning.solver.Action` values what it removed and why. If even the minimal
-prompt (system messages and the last user turn) cannot fit, the plan is infeasible.
-"""
+"""The planner: decide what to prefill so the predicted TTFT fits the budget."""
 
 from __future__ import annotations
 
@@ -31,16 +22,8 @@ log = logging.getLogger("trimkit")
 
 @attrs.frozen
 class Plan:
-    """What to send, and why. ``messages`` is the list to send: the caller's very list object
-    when nothing changes and there are no chunks.
-
-    ``passthrough`` is True when nothing was trimmed (with ``rag_chunks``, every chunk is placed
-    into a copy of the last user message). ``kept_chunks`` are placed in this order; an excerpt
-    keeps its chunk's id and carries ``metadata["excerpt"]`` (see :attr:`excerpted_chunks`). ``feasible`` is True when ``predicted_ttft_s`` fits
-    the budget less the safety margin; ``minimal`` when the minimal prompt (system messages and
-    the last user turn) was used. Every removed or summarized message and every dropped chunk
-    is named by some :class:`Action`.
-    """
+    """What to send, and why. ``messages`` is the list to send: the caller's very list object when nothing changes and there
+    are no chunks."""
 
     messages: list[dict[str, Any]] = attrs.field(repr=False, eq=False)
     passthrough: bool
@@ -79,31 +62,12 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form (without the messages themselves; chunks by id)."""
-        return {
-            "passthrough": self.passthrough,
-            "feasible": self.feasible,
-            "minimal": self.minimal,
-            "budget_s": self.budget_s,
-            "safety_margin": self.safety_margin,
-            "target_s": self.target_s,
-            "predicted_ttft_before_s": self.predicted_ttft_before_s,
-            "predicted_ttft_s": self.predicted_ttft_s,
-            "prompt_tokens_before": self.prompt_tokens_before,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "new_tokens": self.new_tokens,
-            "message_count": len(self.messages),
-            "actions": [a.to_dict() for a in self.actions],
-            "kept_chunks": [c.id for c in self.kept_chunks],
-            "excerpted_chunks": list(self.excerpted_chunks),
-            "dropped_chunks": [c.id for c in self.dropped_chunks],
-            "removed_message_indices": list(self.removed_message_indices),
-            "summarized_message_indices": list(self.summarized_message_indices),
-            "summary": self.summary.to_dict() if self.summary is not None else None,
-            "inline_s": self.inline_s,
-            "planning_s": self.planning_s,
-            "tokenizer": self.tokenizer,
-        }
+        out = {k: v for k, v in attrs.asdict(self, recurse=False).items() if k not in ("messages", "request_messages")}
+        out.update(target_s=self.target_s, message_count=len(self.messages), actions=[a.to_dict() for a in self.actions],
+                   kept_chunks=[c.id for c in self.kept_chunks], excerpted_chunks=list(self.excerpted_chunks),
+                   dropped_chunks=[c.id for c in self.dropped_chunks], removed_message_indices=list(self.removed_message_indices),
+                   summarized_message_indices=list(self.summarized_message_indices), summary=self.summary and self.summary.to_dict())
+        return out
 
     def __str__(self) -> str:
         if not self.feasible:
@@ -124,38 +88,19 @@ class Plan:
         return "\n".join(lines)
 
 
-def _finish(
-    state: PlanState, *, exact_tokens: int, before: tuple[int, float], minimal: bool, feasible: bool, started: float
-) -> Plan:
+def _finish(state: PlanState, *, exact_tokens: int, before: tuple[int, float], minimal: bool, feasible: bool, started: float) -> Plan:
     ctx = state.ctx
     c = state.candidate
     cached = ctx.cached_for(ctx.layout(c), exact_tokens)  # at most exact_tokens - 1
     kept_ids = {ch.id for ch in c.kept_chunks}
     passthrough = not c.gone and c.summary is None and c.kept_chunks == ctx.chunks
-    return Plan(
-        messages=ctx.build(c),
-        passthrough=passthrough,
-        feasible=feasible,
-        minimal=minimal,
-        budget_s=ctx.budget_s,
-        safety_margin=ctx.safety_margin,
-        predicted_ttft_before_s=before[1],
-        predicted_ttft_s=ctx.predict(exact_tokens, cached, c.extra_s),
-        prompt_tokens_before=before[0],
-        prompt_tokens=exact_tokens,
-        cached_tokens=cached,
-        new_tokens=exact_tokens - cached,
-        actions=state.actions,
-        kept_chunks=in_prompt_order(c.kept_chunks),
-        dropped_chunks=tuple(ch for ch in ctx.chunks if ch.id not in kept_ids),
-        removed_message_indices=tuple(sorted(c.removed)),
-        summarized_message_indices=tuple(sorted(c.summarized)),
-        summary=c.summary,
-        inline_s=c.extra_s,
-        planning_s=max(ctx.clock() - started, 0.0),
-        tokenizer=str(getattr(ctx.tokenizer, "name", "")),
-        request_messages=ctx.messages,
-    )
+    return Plan(messages=ctx.build(c), passthrough=passthrough, feasible=feasible, minimal=minimal, budget_s=ctx.budget_s,
+                safety_margin=ctx.safety_margin, predicted_ttft_before_s=before[1], predicted_ttft_s=ctx.predict(exact_tokens, cached, c.extra_s),
+                prompt_tokens_before=before[0], prompt_tokens=exact_tokens, cached_tokens=cached, new_tokens=exact_tokens - cached,
+                actions=state.actions, kept_chunks=in_prompt_order(c.kept_chunks), dropped_chunks=tuple(ch for ch in ctx.chunks if ch.id not in kept_ids),
+                removed_message_indices=tuple(sorted(c.removed)), summarized_message_indices=tuple(sorted(c.summarized)), summary=c.summary,
+                inline_s=c.extra_s, planning_s=max(ctx.clock() - started, 0.0), tokenizer=str(getattr(ctx.tokenizer, "name", "")),
+                request_messages=ctx.messages)
 
 
 def _minimal(state: PlanState) -> Candidate:
@@ -166,96 +111,25 @@ def _minimal(state: PlanState) -> Candidate:
 def _minimal_state(state: PlanState, c: Candidate, reason: str) -> PlanState:
     if not c.removed and not state.ctx.chunks:
         return PlanState(state.ctx, c)  # the request is already minimal: nothing to report
-    action = Action(
-        strategy="minimal",
-        summary=f"{reason}: kept only system messages and the last user turn "
-        f"({len(c.removed)} message(s) and {len(state.ctx.chunks)} chunk(s) removed)",
-        removed_messages=tuple(sorted(c.removed)),
-        removed_chunks=tuple(str(ch.id) for ch in state.ctx.chunks),
-        tokens_before=state.prediction.prompt_tokens,
-        tokens_after=state.estimate(c).prompt_tokens,
-    )
+    action = Action("minimal", f"{reason}: kept only system messages and the last user turn ({len(c.removed)} message(s) and "
+                    f"{len(state.ctx.chunks)} chunk(s) removed)", removed_messages=tuple(sorted(c.removed)),
+                    removed_chunks=tuple(str(ch.id) for ch in state.ctx.chunks), tokens_before=state.prediction.prompt_tokens,
+                    tokens_after=state.estimate(c).prompt_tokens)
     return PlanState(state.ctx, c, (action,))
 
 
-def plan(
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    ttft_budget_s: float,
-    profile: Any,
-    tokenizer: Any,
-    rag_chunks: Any = (),
-    strategies: Any = None,
-    tools: Any = None,
-    cached_tokens: int = 0,
-    cache: CacheState | None = None,
-    summaries: SummaryCache | None = None,
-    rag_template: str = DEFAULT_RAG_TEMPLATE,
-    rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
-    on_infeasible: str = "best_effort",
-    clock: Callable[[], float] = time.perf_counter,
-    values: Any = None,
-    safety_margin: float | None = None,
-    max_prompt_tokens: int | None = None,
-) -> Plan:
-    """Decide what to send so the predicted TTFT fits ``ttft_budget_s`` less the safety margin.
-
-    Use it before every request (the wrapper does); it is pure and cheap — it never mutates
-    ``messages`` or ``rag_chunks``, asks the engine nothing (what its cache holds comes as
-    data: ``cache``), writes nothing, and tokenizes only text it has not seen. Under budget the
-    request passes through as it is. Over budget, the engine (:mod:`trimkit.planning.solver`) keeps the
-    history turns, summary, chunks and chunk excerpts with the most *value* (:mod:`trimkit.planning.values`:
-    relevance to the question, recency) whose predicted TTFT fits; the strategies say what may
-    change.
-
-    - ``cached_tokens``: how many leading tokens of ``messages`` as given (without chunks) the
-      engine already holds in its KV cache. A candidate that edits message ``i`` keeps at most
-      the tokens before ``i`` cached.
-    - ``cache``: optional :class:`~trimkit.planning.costs.CacheState`, what the engine's KV cache
-      holds (the token ids of its context, a server's last prompts, snapshots), read by the
-      caller before planning (``backend.cache_state()``). With it a candidate prompt's cached
-      count is exact: the candidate is tokenized (``tokenizer.prompt_tokens``) and looked up, at
-      most twice per plan (memoised): by ``reuse_prefix`` when ``cached_tokens`` is 0, for a
-      prompt carrying a cached summary or the previous cut, and for a final prompt whose history
-      was edited.
-    - ``rag_chunks`` go into the last user message ranked (caller scores if every chunk has one,
-      else BM25 blended with the retriever's order), the most relevant one last, next to the
-      question (:func:`~trimkit.messages.in_prompt_order`); each is kept whole, kept as
-      an excerpt (the sentences matching the question, marked as such) or dropped.
-    - ``summaries``: precomputed summaries (:func:`~trimkit.planning.summaries.summary_job`) that may
-      stand in for the oldest turns.
-    - ``strategies``: a strategy, a chain or a list; default
-      ``reuse_prefix() + cap_rag_chunks() + summarize_history() + drop_oldest_turns()``. If
-      nothing they allow fits, the minimal prompt (system messages and the last user turn) is
-      used when it fits.
-    - ``values``: a :class:`~trimkit.planning.values.ValueModel` (default: the most relevant chunk
-      outranks old history).
-    - ``safety_margin``: the share of the budget held back (default: the profile's).
-    - ``max_prompt_tokens``: the most prompt tokens the context window takes (``n_ctx`` less
-      ``max_tokens``); the plan keeps the prompt within it too.
-    - ``on_infeasible``: ``"best_effort"`` returns the minimal plan with ``feasible=False``;
-      ``"raise"`` raises :class:`~trimkit.errors.InfeasibleBudgetError` carrying it.
-    """
+def plan(messages: Sequence[Mapping[str, Any]], *, ttft_budget_s: float, profile: Any, tokenizer: Any, rag_chunks: Any = (), strategies: Any = None,
+         tools: Any = None, cached_tokens: int = 0, cache: CacheState | None = None, summaries: SummaryCache | None = None,
+         rag_template: str = DEFAULT_RAG_TEMPLATE, rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE, on_infeasible: str = "best_effort",
+         clock: Callable[[], float] = time.perf_counter, values: Any = None, safety_margin: float | None = None,
+         max_prompt_tokens: int | None = None) -> Plan:
+    """Decide what to send so the predicted TTFT fits ``ttft_budget_s`` less the safety margin."""
     pipeline = chain(default_strategies() if strategies is None else strategies)  # checks the strategies
     started = clock()
-    state0 = PlanState.start(  # checks every other argument before any work
-        messages,
-        ttft_budget_s=ttft_budget_s,
-        profile=profile,
-        tokenizer=tokenizer,
-        rag_chunks=rag_chunks,
-        tools=tools,
-        cached_tokens=cached_tokens,
-        cache=cache,
-        summaries=summaries,
-        rag_template=rag_template,
-        rag_chunk_template=rag_chunk_template,
-        clock=clock,
-        safety_margin=safety_margin,
-        max_prompt_tokens=max_prompt_tokens,
-        on_infeasible=on_infeasible,
-        values=values,
-    )
+    state0 = PlanState.start(messages, ttft_budget_s=ttft_budget_s, profile=profile, tokenizer=tokenizer, rag_chunks=rag_chunks, tools=tools,
+                             cached_tokens=cached_tokens, cache=cache, summaries=summaries, rag_template=rag_template,
+                             rag_chunk_template=rag_chunk_template, clock=clock, safety_margin=safety_margin,
+                             max_prompt_tokens=max_prompt_tokens, on_infeasible=on_infeasible, values=values)  # checks every argument
     values = ValueModel() if values is None else values
     ctx = state0.ctx
     tokens_before = ctx.exact_tokens(state0.candidate)

@@ -1,18 +1,4 @@
-"""Calibration profiles: what prefill and decode cost on this host, for one model and one set of settings.
-
-A :class:`Profile` carries its samples, the fitted :class:`~trimkit.planning.costs.CostModel`, its
-held-out error, the :class:`ProfileKey` it is valid for, the range it probed (a prediction beyond
-it is an extrapolation, met with a wider margin) and its decode points; it predicts a request's
-TTFT (:meth:`Profile.predict_ttft_s`). Also here: the decode line (:func:`fit_decode`) and the
-architecture's attention prior (:func:`attention_doubling_prior`), both in docs/design.md §2.
-Pure: no engine, no disk (storing profiles is ``trimkit._calibration``'s).
-
-A stored file is untrusted input: :meth:`Profile.from_dict` is the one place its JSON becomes a
-:class:`Profile`; every field is checked there, and anything wrong is a
-:class:`~trimkit.errors.ProfileError`. Files stored before the newer fields existed still load
-with their defaults (the mode follows their ``quick`` flag; their one decode speed becomes one
-decode point at a short context).
-"""
+"""Calibration profiles: what prefill and decode cost on this host, for one model and one set of settings."""
 
 from __future__ import annotations
 
@@ -67,10 +53,9 @@ def _source(instance: Any, attribute: Any, value: Any) -> None:
 
 @attrs.frozen
 class DecodePoint:
-    """One measured decode speed: ``tokens_per_s`` over ``steps`` decode steps whose mean
-    context (tokens in the KV cache before each step) was ``context_tokens``. ``spread_pct``:
-    how much the single steps varied around their median (median absolute deviation, % of the
-    median; None when the steps were not timed one by one)."""
+    """One measured decode speed: ``tokens_per_s`` over ``steps`` decode steps whose mean context (tokens in the KV cache
+    before each step) was ``context_tokens``. ``spread_pct``: how much the single steps varied around their median
+    (median absolute deviation, % of the median; None when the steps were not timed one by one)."""
 
     context_tokens: float = attrs.field(converter=_context)
     tokens_per_s: float = attrs.field(converter=lambda v: positive_finite(v, "tokens_per_s"))
@@ -93,21 +78,13 @@ class DecodePoint:
         return 1.0 / self.tokens_per_s
 
     def to_dict(self) -> dict[str, Any]:
-        return {"context_tokens": self.context_tokens, "tokens_per_s": self.tokens_per_s, "steps": self.steps, "source": self.source,
-                "spread_pct": self.spread_pct}
+        return attrs.asdict(self)
 
 
 @attrs.frozen
 class DecodeModel:
-    """Seconds per generated token as a line in the context: ``base_s + per_context_s · c``.
-
-    ``context_range`` is the (shortest, longest) mean context measured; ``note`` is
-    :data:`FLAT_NOTE` when every point had the same context (the slope could not be measured),
-    :data:`WITHIN_NOISE_NOTE` when the slowdown measured was within the measurements' noise,
-    else empty (a slope fitted below 0 is clamped to a flat line: measured, not assumed).
-    ``noise_pct``: how much a decode measurement varies on this host, % (the larger of the
-    steps' median spread within calibration's points and the median deviation of served
-    requests from the line, once there are :data:`LEVEL_WINDOW`); None when unknown."""
+    """Seconds per generated token as a line in the context: ``base_s + per_context_s · c``; ``note``: :data:`FLAT_NOTE`,
+    :data:`WITHIN_NOISE_NOTE` or empty; ``noise_pct``: how much a decode measurement varies on this host."""
 
     base_s: float
     per_context_s: float = 0.0
@@ -160,12 +137,9 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def _slope_within_noise(points: list[DecodePoint], slope: float) -> bool:
-    """True when ``slope`` (s per token of context, > 0) is smaller than :data:`SLOPE_SIGNIFICANCE`
-    standard errors, the errors known from the points' own step spreads (each point's median of
-    ``steps`` single steps: relative standard error ``MEDIAN_SE_PER_MAD · spread / √steps``). A
-    slope over a short span of context, on a noisy host, is mostly noise, and extrapolated far it
-    would predict a slowdown no measurement showed. False (significant) when a point's spread is
-    unknown (served requests: many steps each)."""
+    """True when ``slope`` (s per token of context, > 0) is smaller than :data:`SLOPE_SIGNIFICANCE` standard errors, the
+    errors known from the points' own step spreads (each point's median of ``steps`` single steps: relative standard
+    error ``MEDIAN_SE_PER_MAD · spread / √steps``)."""
     if any(p.spread_pct is None for p in points):
         return False
     ws = []
@@ -183,15 +157,9 @@ def _clip(level: float) -> float:
 
 
 def fit_decode(points: Iterable[DecodePoint], *, level_window: int = LEVEL_WINDOW) -> DecodeModel | None:
-    """The decode line ``t(c) = base_s + per_context_s · c`` through ``points`` (calibration
-    first, then live points oldest first); None for no points.
-
-    The ``level_window`` latest live points say how fast the host decodes *now*; the older ones,
-    measured when the host may have run at another speed, are scaled by a common level (clipped
-    to :data:`LEVEL_CLIP`) chosen so that the latest points' median ratio measured / predicted is
-    1: a busier host moves the whole line, while its shape still comes from every context
-    measured. A slope within its own noise (:func:`_slope_within_noise`) is not extrapolated:
-    the line is flat and says so (:data:`WITHIN_NOISE_NOTE`)."""
+    """The decode line ``t(c) = base_s + per_context_s · c`` through ``points`` (calibration's, then live ones oldest first);
+    None for none. The older points are scaled by one level (clipped to :data:`LEVEL_CLIP`) so that the ``level_window``
+    latest live ones fit: a busier host moves the whole line, its shape comes from every context measured."""
     pts = [p for p in points if isinstance(p, DecodePoint)]
     if not pts:
         return None
@@ -233,10 +201,9 @@ def _noise_pct(points: list[DecodePoint], base: float, slope: float, window: int
 
 def attention_doubling_prior(*, n_params: int, n_vocab: int, n_embd: int, n_layer: int, n_head: int, head_dim: int,
                              idle_params: float = 0.0) -> float | None:
-    """The context length (tokens) over which the per-token prefill cost doubles by the FLOP
-    ratio ``D = P / (2·L·H·d_head)`` (docs/design.md §2); None when the numbers do not describe a transformer (any of them not
-    positive, or no parameters left outside the vocabulary table). ``idle_params``: parameters
-    a token does not pass through (a mixture of experts' unused experts, :func:`idle_expert_params`)."""
+    """The context length (tokens) over which the per-token prefill cost doubles by the FLOP ratio ``D = P /
+    (2·L·H·d_head)`` (docs/design.md §2); None when the numbers do not describe a transformer (any of them not positive,
+    or no parameters left outside the vocabulary table)."""
     values = (n_params, n_vocab, n_embd, n_layer, n_head, head_dim)
     if any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values):
         return None
@@ -250,33 +217,20 @@ def attention_doubling_prior(*, n_params: int, n_vocab: int, n_embd: int, n_laye
 
 
 def idle_expert_params(*, n_layer: int, n_embd: int, expert_count: int, expert_used_count: int, expert_ff: int) -> float:
-    """The parameters a token of a mixture-of-experts model does not use: of the ``expert_count``
-    experts per layer (each a gated feed-forward block of ``3·n_embd·expert_ff`` parameters),
-    all but ``expert_used_count``. Counting every layer as a mixture one (some models keep a
-    few dense layers) overstates it, which makes the prior read attention as steeper — the side
-    that prices long prompts long. 0 for a dense model (fewer than 2 experts, or all used)."""
+    """The parameters a token of a mixture-of-experts model does not use: of the ``expert_count`` experts per layer (each a
+    gated feed-forward block of ``3·n_embd·expert_ff`` parameters), all but ``expert_used_count``."""
     if expert_count < 2 or expert_used_count >= expert_count or min(n_layer, n_embd, expert_used_count, expert_ff) <= 0:
         return 0.0
     return float(n_layer) * (expert_count - expert_used_count) * 3.0 * n_embd * expert_ff
 
 
-# -- the profile, and its stored form's field readers ----------------------------------------------------
-
-
-def _where(where: str, name: str) -> str:
-    return f"{where}.{name}" if where else name
+# -- reading a stored profile: the one boundary where untrusted JSON becomes a Profile -------------------
 
 
 def json_object(value: Any, where: str) -> Mapping[str, Any]:
     if not isinstance(value, dict):
         raise ProfileError(f"{where or 'the file'} must be a JSON object, got {type(value).__name__}")
     return value
-
-
-def json_field(data: Mapping[str, Any], name: str, where: str = "") -> Any:
-    if name not in data:
-        raise ProfileError(f"{_where(where, name)} is missing")
-    return data[name]
 
 
 def json_str(value: Any, where: str) -> str:
@@ -308,9 +262,12 @@ def json_number(value: Any, where: str, check: Callable[[float, str], Any] | Non
     return v
 
 
-def must_be_finite(value: float, where: str) -> None:
-    if not math.isfinite(value):
-        raise InvalidNumberError(f"{where} must be finite, got {value!r}")
+def _number(check: Callable[[float, str], Any] | None = None) -> Callable[[Any, str], float]:
+    return lambda v, w: json_number(v, w, check)
+
+
+def _int(minimum: int = 0) -> Callable[[Any, str], int]:
+    return lambda v, w: json_int(v, w, minimum)
 
 
 def checked(make: Callable[..., Any], where: str, **kwargs: Any) -> Any:
@@ -321,14 +278,35 @@ def checked(make: Callable[..., Any], where: str, **kwargs: Any) -> Any:
         raise ProfileError(f"{where}: {exc}") from None
 
 
-def read_model(data: Any) -> CostModel:
-    data = json_object(data, "model")
-    kwargs = {name: json_number(json_field(data, name, "model"), f"model.{name}") for name in ("overhead_s", "per_token_s", "depth_s")}
-    if "per_batch_s" in data:
-        kwargs["per_batch_s"] = json_number(data["per_batch_s"], "model.per_batch_s")
-    if "n_batch" in data:
-        kwargs["n_batch"] = json_int(data["n_batch"], "model.n_batch", minimum=1)
-    model: CostModel = checked(CostModel, "model", **kwargs)
+def _fields(cls: Any, data: Any, where: str, readers: Mapping[str, Callable[[Any, str], Any]]) -> dict[str, Any]:
+    """``cls``'s fields read from the JSON object ``data`` (a field with a default may be absent or null)."""
+    data = json_object(data, where)
+    out = {}
+    for f in attrs.fields(cls):
+        name = f"{where}.{f.name}" if where else f.name
+        if f.name in readers and (data.get(f.name) is not None or f.default is attrs.NOTHING):
+            if f.name not in data:
+                raise ProfileError(f"{name} is missing")
+            out[f.name] = readers[f.name](data[f.name], name)
+    return out
+
+
+def _read(cls: Any, readers: Mapping[str, Callable[[Any, str], Any]]) -> Callable[[Any, str], Any]:
+    return lambda data, where: checked(cls, where, **_fields(cls, data, where, readers))
+
+
+def _list(read: Callable[[Any, str], Any]) -> Callable[[Any, str], tuple[Any, ...]]:
+    def read_all(data: Any, where: str) -> tuple[Any, ...]:
+        if not isinstance(data, list):
+            raise ProfileError(f"{where} must be a list, got {type(data).__name__}")
+        return tuple(read(item, f"{where}[{i}]") for i, item in enumerate(data))
+
+    return read_all
+
+
+def read_model(data: Any, where: str = "model") -> CostModel:
+    model: CostModel = _read(CostModel, {"overhead_s": _number(), "per_token_s": _number(), "depth_s": _number(), "per_batch_s": _number(),
+                                         "n_batch": _int(1)})(data, where)
     for n in (1, 1000):
         try:
             predicted = model.prefill_s(n, 0)
@@ -339,69 +317,16 @@ def read_model(data: Any) -> CostModel:
     return model
 
 
-def _read_sample(data: Any, where: str) -> PrefillSample:
-    data = json_object(data, where)
-    kwargs: dict[str, Any] = {
-        "new_tokens": json_int(json_field(data, "new_tokens", where), f"{where}.new_tokens", minimum=1),
-        "cached_tokens": json_int(json_field(data, "cached_tokens", where), f"{where}.cached_tokens"),
-        "seconds": json_number(json_field(data, "seconds", where), f"{where}.seconds", non_negative_finite),
-    }
-    if "source" in data:
-        kwargs["source"] = json_str(data["source"], f"{where}.source")
-    return checked(PrefillSample, where, **kwargs)
-
-
-def read_samples(data: Any) -> tuple[PrefillSample, ...]:
-    if not isinstance(data, list):
-        raise ProfileError(f"samples must be a list, got {type(data).__name__}")
-    return tuple(_read_sample(s, f"samples[{i}]") for i, s in enumerate(data))
-
-
-def read_error(data: Any) -> ErrorStats:
-    data = json_object(data, "error")
-    kwargs: dict[str, Any] = {name: json_number(json_field(data, name, "error"), f"error.{name}") for name in ("median_pct", "p90_pct", "max_pct")}
-    kwargs["n"] = json_int(json_field(data, "n", "error"), "error.n")
-    return checked(ErrorStats, "error", **kwargs)
-
-
-def read_residuals(data: Any) -> tuple[tuple[float, float], ...]:
-    if not isinstance(data, list):
-        raise ProfileError(f"residuals must be a list, got {type(data).__name__}")
-    out = []
-    for i, pair in enumerate(data):
-        if not isinstance(pair, list) or len(pair) != 2:
-            raise ProfileError(f"residuals[{i}] must be a [predicted, measured] pair")
-        out.append(tuple(json_number(v, f"residuals[{i}][{j}]", non_negative_finite) for j, v in enumerate(pair)))
-    return tuple(out)  # type: ignore[arg-type]
-
-
-def read_decode_points(data: Any) -> tuple[DecodePoint, ...]:
-    """``decode_points``: a list of objects (:meth:`~trimkit.planning.profile.DecodePoint.to_dict`)."""
-    if not isinstance(data, list):
-        raise ProfileError(f"decode_points must be a list, got {type(data).__name__}")
-    out = []
-    for i, item in enumerate(data):
-        where = f"decode_points[{i}]"
-        item = json_object(item, where)
-        kwargs: dict[str, Any] = {
-            "context_tokens": json_number(json_field(item, "context_tokens", where), f"{where}.context_tokens", non_negative_finite),
-            "tokens_per_s": json_number(json_field(item, "tokens_per_s", where), f"{where}.tokens_per_s"),
-        }
-        if "steps" in item:
-            kwargs["steps"] = json_int(item["steps"], f"{where}.steps", minimum=1)
-        if "source" in item:
-            kwargs["source"] = json_str(item["source"], f"{where}.source")
-        if item.get("spread_pct") is not None:
-            kwargs["spread_pct"] = json_number(item["spread_pct"], f"{where}.spread_pct", non_negative_finite)
-        out.append(checked(DecodePoint, where, **kwargs))
-    return tuple(out)
+def _pair(data: Any, where: str) -> tuple[float, float]:
+    if not isinstance(data, list) or len(data) != 2:
+        raise ProfileError(f"{where} must be a [predicted, measured] pair")
+    return json_number(data[0], f"{where}[0]", non_negative_finite), json_number(data[1], f"{where}[1]", non_negative_finite)
 
 
 SCHEMA_VERSION = 1
 #: how a profile was calibrated, least thorough first (trimkit._calibration.MODES)
 CALIBRATION_MODES = ("micro", "quick", "full")
-#: the context of the decode speed of a profile stored before decode points were kept:
-#: calibration then measured it in process after a 16-token prompt
+#: the context of a decode speed stored before decode points were kept (measured after a 16-token prompt)
 LEGACY_DECODE_CONTEXT_TOKENS = 16
 
 
@@ -428,10 +353,6 @@ class ProfileKey:
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ProfileKey:
-        return cls(**{f.name: data[f.name] for f in attrs.fields(cls) if f.name in data})
 
 
 def _pairs(value: Any) -> tuple[tuple[float, float], ...]:
@@ -469,14 +390,7 @@ def _reach(samples: Sequence[PrefillSample]) -> tuple[int, int]:
 
 @attrs.frozen
 class Profile:
-    """A measured prefill profile. Use :meth:`predict_ttft_s` to predict a request's TTFT.
-
-    ``first_token_s`` is what a request adds on top of prefill before its first content chunk
-    (chat template, tokenization, the first sampling step), measured end to end during
-    calibration; ``first_token_per_token_s`` the part of it that grows with the whole prompt,
-    cached tokens included (the engine's tokenizer reads the whole conversation every turn).
-    ``error`` is the cost model's leave-one-probe-out error on its own samples.
-    """
+    """A measured prefill profile. Use :meth:`predict_ttft_s` to predict a request's TTFT."""
 
     key: ProfileKey
     model: CostModel
@@ -488,30 +402,24 @@ class Profile:
     calibration_wall_s: float = attrs.field(default=0.0, converter=real_float)
     created_at: float = attrs.field(default=0.0, converter=real_float)
     drift: float = 1.0
-    #: calibration's held-out residuals: (predicted, measured) prefill seconds per calibration
-    #: sample, each predicted by a fit without its probe; they seed the learned safety margin
+    #: calibration's held-out (predicted, measured) prefill seconds: they seed the learned safety margin
     residuals: tuple[tuple[float, float], ...] = attrs.field(default=(), converter=_pairs, repr=False)
     #: how it was calibrated: "micro" (provisional), "quick" or "full"
     mode: str = "full"
-    #: the most new tokens of any sample, and the deepest context (new + cached) of any sample;
-    #: read off the samples by default (0 = unknown: :meth:`probed_range` reads the samples)
+    #: the most new tokens and the deepest context (new + cached) probed; by default read off the samples
     probed_new_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[0], takes_self=True))
     probed_context_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[1], takes_self=True))
     #: the wall-time budget calibration ran under, seconds (0.0: unknown)
     time_budget_s: float = attrs.field(default=0.0, converter=real_float)
-    #: True when the first-token overhead was estimated, not measured (no time for its requests)
+    #: True when the first-token overhead was estimated, not measured
     first_token_estimated: bool = attrs.field(default=False)
-    #: measured decode speeds at known contexts (calibration's, then served requests'): the
-    #: decode-vs-context line (:meth:`decode_model`). Default: ``decode_tokens_per_s`` as one
-    #: point at :data:`LEGACY_DECODE_CONTEXT_TOKENS` (a flat line); empty when decode was not
-    #: measured (calibration had no time for it).
+    #: measured decode speeds at known contexts (calibration's, then served requests'); default: ``decode_tokens_per_s`` at
+    #: :data:`LEGACY_DECODE_CONTEXT_TOKENS`; empty when decode was not measured
     decode_points: tuple[DecodePoint, ...] = attrs.field(default=attrs.Factory(_legacy_decode_points, takes_self=True),
                                                          converter=_decode_points, repr=False)
-    #: the model architecture's attention doubling length, tokens: the prior every fit of this
-    #: profile's samples leans on where they say little about attention; 0.0 when unknown
+    #: the architecture's attention doubling length, tokens: the prior of every fit of the samples (0.0: unknown)
     attention_prior_tokens: float = attrs.field(default=0.0, converter=real_float)
-    #: seconds of first-token overhead per prompt token (cached ones included): what tokenizing
-    #: the whole prompt costs on each request, on top of ``first_token_s``; 0.0 when unknown
+    #: first-token overhead per prompt token, cached ones included (tokenizing the prompt), on top of ``first_token_s``
     first_token_per_token_s: float = attrs.field(default=0.0, converter=real_float)
 
     def __attrs_post_init__(self) -> None:
@@ -522,9 +430,8 @@ class Profile:
         for i, s in enumerate(self.samples):
             if not isinstance(s, PrefillSample):
                 raise InvalidInputError(f"samples[{i}] must be a PrefillSample, got {type(s).__name__}")
-        non_negative_finite(self.first_token_s, "first_token_s")
-        non_negative_finite(self.decode_tokens_per_s, "decode_tokens_per_s")
-        non_negative_finite(self.calibration_wall_s, "calibration_wall_s")
+        for name in ("first_token_s", "decode_tokens_per_s", "calibration_wall_s", "time_budget_s", "attention_prior_tokens", "first_token_per_token_s"):
+            non_negative_finite(getattr(self, name), name)
         if not math.isfinite(self.created_at):
             raise InvalidNumberError(f"created_at must be finite, got {self.created_at!r}")
         # predictions multiply by drift and budgets divide by it: 0, negative or NaN would poison both
@@ -533,11 +440,8 @@ class Profile:
             raise InvalidInputError(f"mode must be one of {', '.join(CALIBRATION_MODES)}, got {self.mode!r}")
         count(self.probed_new_tokens, "probed_new_tokens")
         count(self.probed_context_tokens, "probed_context_tokens")
-        non_negative_finite(self.time_budget_s, "time_budget_s")
         if not isinstance(self.first_token_estimated, bool):
             raise InvalidInputError(f"first_token_estimated must be a bool, got {type(self.first_token_estimated).__name__}")
-        non_negative_finite(self.attention_prior_tokens, "attention_prior_tokens")
-        non_negative_finite(self.first_token_per_token_s, "first_token_per_token_s")
 
     @property
     def depth_prior_tokens(self) -> float | None:
@@ -556,10 +460,9 @@ class Profile:
         return max(self.probed_new_tokens, new), max(self.probed_context_tokens, ctx)
 
     def extrapolation(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        """How far a prediction for ``new_tokens`` after ``cached_tokens`` reaches beyond what
-        was measured: 1.0 inside the probed range, else the larger of new tokens / the most new
-        tokens probed and context / the deepest context probed (2.0: twice as far). A profile
-        without samples has probed nothing: the ratio is to one token."""
+        """How far a prediction for ``new_tokens`` after ``cached_tokens`` reaches beyond what was measured: 1.0 inside the
+        probed range, else the larger of new tokens / the most new tokens probed and context / the deepest context probed
+        (2.0: twice as far). A profile without samples has probed nothing: the ratio is to one token."""
         probed_new, probed_ctx = self.probed_range()
         n = evaluated_tokens(int(new_tokens), 0)
         ctx = n + max(int(cached_tokens), 0)
@@ -585,9 +488,8 @@ class Profile:
 
     @property
     def decode_noise_pct(self) -> float | None:
-        """How much a decode measurement varies on this host, percent
-        (:attr:`DecodeModel.noise_pct`); None when unknown. A predicted difference of decode
-        speed smaller than this is within noise."""
+        """How much a decode measurement varies on this host, percent (:attr:`DecodeModel.noise_pct`); None when unknown. A
+        predicted difference of decode speed smaller than this is within noise."""
         model = self.decode_model()
         return None if model is None else model.noise_pct
 
@@ -612,8 +514,7 @@ class Profile:
         hi = self.model.max_new_tokens(prefill_budget, cached_tokens)
         if self.first_token_per_token_s <= 0 or hi == 0:
             return hi
-        # the overhead grows with the new tokens too: the most of 0..hi that fit (0 always "fits":
-        # the caller reads 0 as nothing fits)
+        # the overhead grows with the new tokens too (0 always "fits": the caller reads it as nothing fits)
         return largest_fitting(lambda n: n == 0 or self.predict_ttft_s(n, cached_tokens) <= ttft_budget_s, 0, hi)
 
     @property
@@ -644,91 +545,64 @@ class Profile:
         return rows
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": SCHEMA_VERSION,
-            "key": self.key.to_dict(),
-            "model": self.model.to_dict(),
-            "first_token_s": self.first_token_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
-            "samples": [s.to_dict() for s in self.samples],
-            "error": self.error.to_dict(),
-            "alternatives": dict(self.alternatives),
-            "calibration_wall_s": self.calibration_wall_s,
-            "quick": self.mode != "full",  # what files before ``mode`` said (older readers check it)
-            "created_at": self.created_at,
-            "drift": self.drift,
-            "residuals": [list(pair) for pair in self.residuals],
-            "mode": self.mode,
-            "probed_new_tokens": self.probed_new_tokens,
-            "probed_context_tokens": self.probed_context_tokens,
-            "time_budget_s": self.time_budget_s,
-            "first_token_estimated": self.first_token_estimated,
-            "first_token_per_token_s": self.first_token_per_token_s,
-            "decode_points": [p.to_dict() for p in self.decode_points],
-            "attention_prior_tokens": self.attention_prior_tokens,
-        }
+        def plain(value: Any) -> Any:
+            if hasattr(value, "to_dict"):
+                return value.to_dict()
+            if isinstance(value, tuple):
+                return [plain(v) for v in value]
+            return dict(value) if isinstance(value, Mapping) else value
+
+        # "quick": what files before ``mode`` said (older readers check it)
+        return {"schema": SCHEMA_VERSION, "quick": self.mode != "full", **{f.name: plain(getattr(self, f.name)) for f in attrs.fields(Profile)}}
 
     @classmethod
     def from_dict(cls, data: Any) -> Profile:
-        """The profile stored as ``data`` (parsed JSON), fully checked: raises
-        :class:`~trimkit.errors.ProfileError` naming the first field that is missing, of the
-        wrong type or out of range, and never another exception."""
+        """The profile stored as ``data`` (parsed JSON), fully checked: raises :class:`~trimkit.errors.ProfileError` naming
+        the first field that is missing, of the wrong type or out of range, and never another exception."""
         data = json_object(data, "")
         schema = data.get("schema")
         if type(schema) is not int or schema != SCHEMA_VERSION:  # not True, not 1.0
             shown = repr(schema) if isinstance(schema, (int, str, type(None))) and len(repr(schema)) < 40 else type(schema).__name__
             raise ProfileError(f"profile schema {shown} is not {SCHEMA_VERSION}")
-        alternatives = data.get("alternatives", {})
-        if not isinstance(alternatives, dict):
-            raise ProfileError(f"alternatives must be a JSON object, got {type(alternatives).__name__}")
         quick = json_bool(data.get("quick", False), "quick")  # files before ``mode``: quick or full
-        # fields added after schema 1 was released: a file without them loads with their defaults
-        # (values are checked by Profile itself: checked() makes its errors ProfileErrors)
-        extra: dict[str, Any] = {}
-        for name, read in (("mode", json_str), ("probed_new_tokens", json_int), ("probed_context_tokens", json_int),
-                           ("time_budget_s", lambda v, w: json_number(v, w, non_negative_finite)), ("first_token_estimated", json_bool),
-                           ("decode_points", lambda v, w: read_decode_points(v)),
-                           ("attention_prior_tokens", lambda v, w: json_number(v, w, non_negative_finite)),
-                           ("first_token_per_token_s", lambda v, w: json_number(v, w, non_negative_finite))):
-            if name in data:
-                extra[name] = read(data[name], name)
-        extra.setdefault("mode", "quick" if quick else "full")
-        if (extra["mode"] != "full") != quick and "quick" in data:
-            raise ProfileError(f"quick={quick} contradicts mode={extra['mode']!r} (quick is True for micro and quick profiles)")
-        return checked(
-            Profile,
-            "profile",
-            key=_read_key(json_field(data, "key")),
-            model=read_model(json_field(data, "model")),
-            first_token_s=json_number(json_field(data, "first_token_s"), "first_token_s", non_negative_finite),
-            decode_tokens_per_s=json_number(json_field(data, "decode_tokens_per_s"), "decode_tokens_per_s", non_negative_finite),
-            samples=read_samples(json_field(data, "samples")),
-            error=read_error(json_field(data, "error")),
-            alternatives=alternatives,
-            calibration_wall_s=json_number(data.get("calibration_wall_s", 0.0), "calibration_wall_s", non_negative_finite),
-            created_at=json_number(data.get("created_at", 0.0), "created_at", must_be_finite),
-            drift=json_number(data.get("drift", 1.0), "drift", positive_finite),
-            residuals=read_residuals(data.get("residuals", [])),
-            **extra,
-        )
+        kwargs = _fields(Profile, data, "", _PROFILE_READERS)
+        kwargs.setdefault("mode", "quick" if quick else "full")
+        if (kwargs["mode"] != "full") != quick and "quick" in data:
+            raise ProfileError(f"quick={quick} contradicts mode={kwargs['mode']!r} (quick is True for micro and quick profiles)")
+        return checked(Profile, "profile", **kwargs)
 
 
-# -- reading a stored profile: the one boundary where untrusted JSON becomes a Profile ----------
+def _alternatives(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise ProfileError(f"alternatives must be a JSON object, got {type(value).__name__}")
+    return value
 
 
-def _read_key(data: Any) -> ProfileKey:
-    data = json_object(data, "key")
-    values: dict[str, Any] = {}
-    for f in attrs.fields(ProfileKey):
-        if f.name not in data:
-            if f.default is attrs.NOTHING:
-                raise ProfileError(f"key.{f.name} is missing")
-            continue
-        if f.type in (int, "int"):
-            values[f.name] = json_int(data[f.name], f"key.{f.name}")
-        else:
-            values[f.name] = json_str(data[f.name], f"key.{f.name}")
-    return ProfileKey(**values)
+_KEY_READERS = {f.name: _int() if f.type in (int, "int") else json_str for f in attrs.fields(ProfileKey)}
+_PROFILE_READERS: dict[str, Callable[[Any, str], Any]] = {
+    "key": _read(ProfileKey, _KEY_READERS),
+    "model": read_model,
+    # numbers are checked by Profile itself (checked() makes its errors ProfileErrors)
+    "first_token_s": _number(),
+    "decode_tokens_per_s": _number(),
+    "samples": _list(_read(PrefillSample, {"new_tokens": _int(1), "cached_tokens": _int(), "seconds": _number(non_negative_finite),
+                                           "source": json_str})),
+    "error": _read(ErrorStats, {"median_pct": _number(), "p90_pct": _number(), "max_pct": _number(), "n": _int()}),
+    "alternatives": _alternatives,
+    "calibration_wall_s": _number(),
+    "created_at": _number(),
+    "drift": _number(),
+    "residuals": _list(_pair),
+    "mode": json_str,
+    "probed_new_tokens": _int(),
+    "probed_context_tokens": _int(),
+    "time_budget_s": _number(),
+    "first_token_estimated": json_bool,
+    "decode_points": _list(_read(DecodePoint, {"context_tokens": _number(non_negative_finite), "tokens_per_s": _number(), "steps": _int(1),
+                                               "source": json_str, "spread_pct": _number(non_negative_finite)})),
+    "attention_prior_tokens": _number(),
+    "first_token_per_token_s": _number(),
+}
 
 
 @functools.lru_cache(maxsize=16)

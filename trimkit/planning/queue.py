@@ -1,13 +1,8 @@
-"""One engine's concurrency: the requests in flight, the wait they predict, and the lock they take
-(the rules: docs/scaling.md §1).
+"""One engine's concurrency: the requests in flight, the wait they predict, and the lock they take (docs/scaling.md §1).
 
-One in-process ``Llama`` serves one request at a time (:class:`EngineLease`, first come, first
-served); every wrapper of the engine shares one :class:`EngineQueue` (in the engine's
-:class:`~trimkit.planning.speed.EngineState`), so each request sees all the others: its wait is the
-remaining work of those that entered before it (:meth:`Ticket.remaining_s`,
-:meth:`EngineQueue.wait_s`), the cache it finds the last one's prompt
-(:meth:`EngineQueue.context_after`), and ``on_busy`` says what a wait that breaks the budget does
-(:func:`busy_decision`). Tickets are held weakly: one whose stream ended or is gone no longer counts.
+One in-process ``Llama`` serves one request at a time (:class:`EngineLease`, first come, first served). Every wrapper of
+the engine shares one :class:`EngineQueue`: a request's predicted wait is the remaining work of those that entered
+before it, and the context it finds is the last one's prompt. Tickets are held weakly: one whose stream is gone no longer counts.
 """
 
 from __future__ import annotations
@@ -28,20 +23,19 @@ from trimkit.errors import EngineBusyError, InvalidInputError, non_negative_fini
 
 #: what a request does when the predicted wait for the engine breaks its budget
 ON_BUSY = ("trim", "wait")
-#: the answer length a request without ``max_tokens`` is predicted to decode, until the engine
-#: has finished one such request (a typical chat answer of a few paragraphs)
+#: the answer length predicted for a request without ``max_tokens`` until one such answer finished
 DEFAULT_ANSWER_TOKENS = 256
 #: how many recent answers the typical answer length and the decode speed are medians of
 ANSWER_WINDOW = 32
-#: a request waits for the engine at most its budget (else the backend's ``engine_wait_s``) plus
-#: this many times the wait predicted for it: room for answers ahead that run longer than predicted
+#: a request waits for the engine at most its budget plus this many times its predicted wait
 WAIT_BOUND_FACTOR = 2.0
 #: the budget a prompt is planned to when the wait leaves no room (the plan is then infeasible)
 MIN_PLAN_BUDGET_S = 1e-6
+#: how long a request without a TTFT budget (and each calibration step) waits for a busy engine
+DEFAULT_ENGINE_WAIT_S = 120.0
 
 
 def check_on_busy(value: Any) -> str:
-    """``value`` if it is one of :data:`ON_BUSY`, else :class:`~trimkit.errors.InvalidInputError`."""
     if not isinstance(value, str) or value not in ON_BUSY:
         hint = " (on_busy='raise' is gone: use on_infeasible='raise')" if value == "raise" else ""
         raise InvalidInputError(f"on_busy must be 'trim' or 'wait', got {value!r}{hint}")
@@ -53,50 +47,43 @@ def queue_wait(value: Any) -> float | None:
     return None if value is None else non_negative_finite(value, "queue_wait_s")
 
 
-class Ticket:
-    """One request in an :class:`EngineQueue`: its predicted work and how far it has got.
+def _count(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
-    Made by :meth:`EngineQueue.enter`; the pipeline fills in :meth:`estimate`, the front-end
-    calls :meth:`planned`, :meth:`sent`, :meth:`holding`, :meth:`attach`, :meth:`first_token` and
-    :meth:`done` as the request goes. Every call is idempotent and safe from any thread."""
+
+class Ticket:
+    """One request in an :class:`EngineQueue`: its predicted work and how far it has got (every call idempotent)."""
 
     def __init__(self, queue: EngineQueue, seq: int) -> None:
         self.queue = queue
         self.seq = seq
         self.ttft_s: float | None = None  # predicted TTFT of the prompt sent (engine side)
-        self.decode_s = 0.0  # predicted decode
-        self.prompt_tokens: Sequence[int] | None = None  # the prompt it sends (what the context holds after it)
+        self.decode_s = 0.0
+        self.prompt_tokens: Sequence[int] | None = None  # what the context holds after it
         self.held_at: float | None = None
         self.first_token_at: float | None = None
         self.finished = False
-        self.parked = False  # planned, not sent yet: out of the count until it is sent
+        self.parked = False  # planned, not sent yet: a request planned and never sent must not make others trim
         self._stream: Any = None  # weakref to the TimedStream, once sent
-        self._stream_holds = False  # the stream held the engine when it was attached
+        self._stream_holds = False
 
     def estimate(self, ttft_s: float, decode_s: float, prompt_tokens: Sequence[int] | None = None) -> None:
-        """The request's predicted TTFT (engine side: prefill, first token, any restore), its
-        decode, and the prompt it sends."""
         self.ttft_s, self.decode_s = max(float(ttft_s), 0.0), max(float(decode_s), 0.0)
         if prompt_tokens is not None:
             self.prompt_tokens = prompt_tokens
 
     def planned(self) -> None:
-        """The request is planned (``prepare`` returned it): it counts for nobody's wait until it
-        is sent (:meth:`sent`) — a request planned and never sent must not make others trim."""
         self.parked = True
 
     def sent(self) -> None:
-        """The request is being sent (it waits for the engine, or has it): it counts again."""
         self.parked = False
 
     def holding(self) -> None:
-        """The request has the engine now."""
         if self.held_at is None:
             self.held_at = self.queue.clock()
 
     def attach(self, stream: Any) -> None:
-        """The stream that holds the engine for this request: the ticket stops counting when it
-        ends, fails, is released or is garbage-collected, even if nobody calls :meth:`done`."""
+        """The stream that holds the engine: the ticket stops counting when it ends, is released or is collected."""
         try:
             self._stream = weakref.ref(stream)
         except TypeError:
@@ -104,20 +91,16 @@ class Ticket:
         self._stream_holds = not getattr(stream, "released", True)
 
     def first_token(self) -> None:
-        """The first token arrived: only the rest of the decode remains."""
         if self.first_token_at is None:
             self.first_token_at = self.queue.clock()
 
     def done(self) -> None:
-        """The request no longer uses the engine (finished, failed, closed, never sent)."""
         if not self.finished:
             self.finished = True
-            self.queue.drop(self)
+            self.queue._remove(self.seq)
 
     @property
     def in_flight(self) -> bool:
-        """True until the request finished, failed, was closed, or its stream is gone; False
-        while it is planned and not sent."""
         if self.finished or self.parked:
             return False
         if self._stream is None:
@@ -132,7 +115,6 @@ class Ticket:
         return default_s if self.ttft_s is None else self.ttft_s + self.decode_s
 
     def remaining_s(self, now: float | None = None, default_s: float = 0.0) -> float:
-        """Its predicted work still to do (see the module docstring); 0 once it left."""
         if not self.in_flight:
             return 0.0
         now = self.queue.clock() if now is None else now
@@ -142,29 +124,20 @@ class Ticket:
             return max(self.ttft_s - (now - self.held_at), 0.0) + self.decode_s
         return self.work_s(default_s)
 
-    def __repr__(self) -> str:
-        state = "done" if not self.in_flight else "streaming" if self.first_token_at else "holding" if self.held_at else "waiting"
-        return f"Ticket(#{self.seq} {state}, ttft {self.ttft_s}, decode {self.decode_s:.3f})"
-
 
 class EngineQueue:
-    """The requests in flight on one engine, in the order they entered (see the module docstring).
+    """The requests in flight on one engine, in the order they entered; ``clock`` is the engine's. Thread-safe."""
 
-    ``clock`` is the engine's clock (the backend's: a fake one in tests). Thread-safe."""
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter, *, answer_window: int = ANSWER_WINDOW,
-                 default_answer_tokens: int = DEFAULT_ANSWER_TOKENS) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
-        self.default_answer_tokens = default_answer_tokens
         self._lock = threading.Lock()
         self._seq = 0
         self._tickets: dict[int, weakref.ref[Ticket]] = {}  # seq → ticket, in entry order
         self._dropped: deque[int] = deque()  # tickets garbage-collected, to remove (never under a lock)
-        self._answers: deque[int] = deque(maxlen=answer_window)
-        self._speeds: deque[float] = deque(maxlen=answer_window)  # decode tokens/s of recent streams
+        self._answers: deque[int] = deque(maxlen=ANSWER_WINDOW)
+        self._speeds: deque[float] = deque(maxlen=ANSWER_WINDOW)  # decode tokens/s of recent streams
 
     def enter(self) -> Ticket:
-        """A new request, behind every request in flight now."""
         with self._lock:
             self._seq += 1
             ticket = Ticket(self, self._seq)
@@ -172,8 +145,7 @@ class EngineQueue:
             return ticket
 
     def _forget(self, seq: int) -> Callable[[Any], None]:
-        def forget(_ref: Any) -> None:  # the ticket was garbage-collected: the request was dropped
-            # the collector may run this in a thread that holds a lock: take none, only note it
+        def forget(_ref: Any) -> None:  # the collector may run this in a thread that holds a lock: take none, only note it
             self._dropped.append(seq)
 
         return forget
@@ -182,13 +154,8 @@ class EngineQueue:
         with self._lock:
             self._tickets.pop(seq, None)
 
-    def drop(self, ticket: Ticket) -> None:
-        """Remove ``ticket`` (it left)."""
-        self._remove(ticket.seq)
-
     def in_flight(self) -> list[Ticket]:
-        """The requests in flight, in the order they entered (the ones that left are dropped;
-        planned ones not sent yet are kept, and left out)."""
+        """The requests in flight, in entry order (planned ones not sent yet are kept, and left out)."""
         while self._dropped:
             self._remove(self._dropped.popleft())
         with self._lock:
@@ -198,20 +165,17 @@ class EngineQueue:
             if t.in_flight:
                 out.append(t)
             elif not t.parked:
-                self.drop(t)
+                self._remove(t.seq)
         return out
 
     def __len__(self) -> int:
         return len(self.in_flight())
 
     def ahead(self, ticket: Ticket | None = None) -> list[Ticket]:
-        """The requests in flight that entered before ``ticket`` (all of them for None)."""
         return [t for t in self.in_flight() if ticket is None or t.seq < ticket.seq]
 
     def context_after(self, ticket: Ticket | None = None) -> Sequence[int] | None:
-        """What the engine's context will hold (its prompt) when ``ticket``'s turn comes: the
-        prompt of the last request ahead of it; ``()`` while that prompt is not known yet; None
-        when nobody is ahead (the context stays as it is)."""
+        """The prompt of the last request ahead of ``ticket`` (``()`` while unknown); None when nobody is ahead."""
         ahead = self.ahead(ticket)
         if not ahead:
             return None
@@ -219,20 +183,16 @@ class EngineQueue:
         return () if last is None else last
 
     def wait_s(self, ticket: Ticket | None = None, *, default_s: float | None = None) -> float:
-        """The predicted wait of ``ticket`` (None: of a request entering now): the remaining work
-        of the requests ahead of it. One whose TTFT is not known yet counts ``default_s``
-        (default: ``ticket``'s own work)."""
         return self.predict(ticket, default_s=default_s)[0]
 
     def predict(self, ticket: Ticket | None = None, *, default_s: float | None = None) -> tuple[float, int]:
-        """``(predicted wait, requests ahead)`` of ``ticket``, as :meth:`wait_s`."""
-        own = ticket.work_s() if ticket is not None else 0.0
-        default = own if default_s is None else default_s
+        """``(predicted wait, requests ahead)``: the remaining work ahead of ``ticket``; one whose TTFT is not known
+        yet counts ``default_s`` (default: ``ticket``'s own work)."""
+        default = (ticket.work_s() if ticket is not None else 0.0) if default_s is None else default_s
         now = self.clock()
         ahead = self.ahead(ticket)
         return sum(t.remaining_s(now, default) for t in ahead), len(ahead)
 
-    # -- answer lengths ---------------------------------------------------------------------------
     def observe_answer(self, completion_tokens: Any) -> None:
         """An answer of a request that set no ``max_tokens`` finished with this many tokens."""
         if isinstance(completion_tokens, int) and not isinstance(completion_tokens, bool) and completion_tokens > 0:
@@ -241,36 +201,29 @@ class EngineQueue:
 
     @property
     def typical_answer_tokens(self) -> int:
-        """The median length of recent unbounded answers (:data:`DEFAULT_ANSWER_TOKENS` before any)."""
         with self._lock:
             answers = list(self._answers)
-        return int(statistics.median(answers)) if answers else self.default_answer_tokens
+        return int(statistics.median(answers)) if answers else DEFAULT_ANSWER_TOKENS
 
     def observe_stream(self, completion_tokens: Any, first_s: Any, total_s: Any) -> None:
-        """A stream finished: ``completion_tokens`` tokens, the first at ``first_s`` and the end
-        at ``total_s`` (seconds from its start): the speed a holder of the engine decodes at."""
-        ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in (completion_tokens, first_s, total_s))
-        if ok and completion_tokens >= 2 and total_s > first_s:
+        """A stream finished: ``completion_tokens`` tokens, the first at ``first_s``, the end at ``total_s``."""
+        if all(_count(x) for x in (completion_tokens, first_s, total_s)) and completion_tokens >= 2 and total_s > first_s:
             with self._lock:
                 self._speeds.append((completion_tokens - 1) / (total_s - first_s))
 
     def tokens_per_s(self, fallback: float) -> float:
-        """The decode speed waits are predicted with: the median of the recent streams', else ``fallback``."""
         with self._lock:
             speeds = list(self._speeds)
         return statistics.median(speeds) if speeds else fallback
 
     def answer_tokens(self, params: Mapping[str, Any], room: int | None = None) -> int:
-        """The answer length a request with ``params`` is predicted to decode (module docstring),
-        at most ``room`` (the context left after its prompt)."""
+        """The answer length a request with ``params`` is predicted to decode, at most ``room``."""
         cap = answer_cap(params)
         n = cap if cap is not None else self.typical_answer_tokens
         return max(min(n, room), 1) if room is not None else n
 
     def decode_s(self, params: Mapping[str, Any], tokens_per_s: float, room: int | None = None) -> float:
-        """The predicted decode time (after the first token, which the TTFT covers) of a request
-        with ``params``, at the recent streams' speed (:meth:`tokens_per_s`; ``tokens_per_s``
-        until one has finished; 0 when neither is known)."""
+        """The predicted decode time after the first token (0 when no speed is known)."""
         speed = self.tokens_per_s(tokens_per_s)
         if not speed or speed <= 0:
             return 0.0
@@ -278,7 +231,7 @@ class EngineQueue:
 
 
 def answer_cap(params: Mapping[str, Any]) -> int | None:
-    """The answer length a call caps: ``max_tokens`` or ``max_completion_tokens`` (> 0), else None."""
+    """``max_tokens`` or ``max_completion_tokens`` (> 0), else None."""
     for key in ("max_tokens", "max_completion_tokens"):
         v = params.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
@@ -288,11 +241,7 @@ def answer_cap(params: Mapping[str, Any]) -> int | None:
 
 @attrs.frozen
 class BusyDecision:
-    """What the predicted wait (``wait_s``, None: nobody predicts one; for ``ahead`` requests)
-    does to one request's plan (:func:`busy_decision`): the budget the prompt is planned to with
-    ``margin`` (``plan_budget_s``; None without a budget), the part of the wait the plan made room
-    for (``counted_wait_s``; 0 with ``"wait"``), and whether the request is refused
-    (``refuse``: the wait alone leaves no room and ``on_infeasible="raise"``)."""
+    """What the predicted wait does to one request's plan (:func:`busy_decision`)."""
 
     on_busy: str
     wait_s: float | None
@@ -303,7 +252,7 @@ class BusyDecision:
     refuse: bool = False
 
     def warnings(self, budget_s: float | None, engine_s: float) -> list[str]:
-        """What the report says of the wait (nothing when none); ``engine_s``: the prompt's own TTFT."""
+        """What the report says of the wait; ``engine_s``: the prompt's own TTFT."""
         wait = self.wait_s
         if not wait:
             return []
@@ -317,22 +266,14 @@ class BusyDecision:
         return [f"{head}; the prompt was planned to the budget less that wait (on_busy={self.on_busy!r})"]
 
     def refusal(self, budget_s: float) -> str:
-        """The message of the :class:`~trimkit.errors.QueueBudgetError` a refused request raises."""
         return (f"the {self.ahead} request(s) ahead on the engine are predicted to take {self.wait_s or 0.0:.3f} s of the "
                 f"{budget_s:.3f} s TTFT budget (on_infeasible='raise'): no prompt can meet it; nothing was sent")
 
 
 def busy_decision(on_busy: str, budget_s: float | None, wait_s: float | None, margin: float, ahead: int = 0, *,
                   refuse: bool = False) -> BusyDecision:
-    """The plan's budget given the predicted ``wait_s`` for ``ahead`` requests (None or 0: no one).
-
-    The prediction the report compares with the measured TTFT is the wait plus the prompt's
-    TTFT, and the margin holds back its share of the whole budget: with ``"trim"`` the prompt is
-    planned so that wait + TTFT fits ``budget × (1 − margin)``, i.e. to a plan budget of
-    ``budget − wait / (1 − margin)`` (at least :data:`MIN_PLAN_BUDGET_S`: when the wait leaves no
-    room the plan is infeasible and ``on_infeasible`` applies — with ``refuse`` (its ``"raise"``)
-    a wait that alone reaches ``budget × (1 − margin)`` refuses the request unplanned). With
-    ``"wait"`` the prompt is planned to the whole budget."""
+    """With ``"trim"``, wait + TTFT must fit ``budget × (1 − margin)``: the plan budget is ``budget − wait / (1 − margin)``
+    (``refuse``: a wait that alone reaches it refuses the request). With ``"wait"`` the whole budget."""
     decision = BusyDecision(on_busy, wait_s, ahead, margin, budget_s)
     wait = wait_s or 0.0
     if budget_s is None or on_busy == "wait" or wait <= 0.0:
@@ -344,56 +285,39 @@ def busy_decision(on_busy: str, budget_s: float | None, wait_s: float | None, ma
 
 
 def wait_bound_s(budget_s: float | None, wait_s: float | None, default_s: float) -> float:
-    """How long a request waits for the engine before :class:`~trimkit.errors.EngineBusyError`:
-    its budget (``default_s`` without one) plus :data:`WAIT_BOUND_FACTOR` × its predicted wait."""
-    base = default_s if budget_s is None else budget_s
-    return base + WAIT_BOUND_FACTOR * (wait_s or 0.0)
-
-
-# -- Who may use an in-process engine now: :class:`EngineLease`, one FIFO lock per engine object. --------
-
-#: how long a request without a TTFT budget (and each calibration or prefill step) waits for the
-#: engine while another request or an unfinished stream holds it, before EngineBusyError
-DEFAULT_ENGINE_WAIT_S = 120.0
+    """How long a request waits for the engine before :class:`~trimkit.errors.EngineBusyError`."""
+    return (default_s if budget_s is None else budget_s) + WAIT_BOUND_FACTOR * (wait_s or 0.0)
 
 
 class EngineLease:
     """One ``Llama``'s lock: one holder at a time, waiters served first come, first served.
 
-    ``with lease.section(timeout_s) as waited:`` holds the engine for a block of code in this
-    thread (re-entrant for that thread; ``with lease:`` is a section with the default bound).
-    :meth:`hold` takes it for a response stream instead: released (once) by whoever finishes,
-    closes or garbage-collects the stream, from any thread. A thread inside a section takes a
-    stream hold at once (restoring a snapshot and starting the stream are one step); the hold
-    outlives the section. Past ``timeout_s`` a waiter gets :class:`~trimkit.errors.EngineBusyError`.
+    ``with lease.section(timeout_s):`` holds it for a block in this thread (re-entrant; ``with lease:`` uses the default
+    bound); :meth:`hold` takes it for a stream, released once from any thread. A waiter past ``timeout_s`` gets EngineBusyError.
     """
 
     def __init__(self) -> None:
-        # re-entrant: a stream garbage-collected while this thread holds the lock gives the engine
-        # back from inside (weakref finalizers run wherever the collector does)
+        # re-entrant: a stream collected while this thread holds the lock gives the engine back from inside
         self._cond = threading.Condition(threading.RLock())
         self._thread: int | None = None  # the thread whose section holds the engine
-        self._depth = 0  # nesting depth of that section
+        self._depth = 0
         self._streams = 0  # open stream holds
         self._line: deque[object] = deque()  # the waiters, first come first
-        self._local = threading.local()  # ``with lease:`` sections entered by each thread
 
     @property
     def busy(self) -> bool:
-        """True while a section or a stream holds the engine."""
         with self._cond:
             return self._depth > 0 or self._streams > 0
 
     @property
     def waiters(self) -> int:
-        """Threads waiting for the engine now."""
         with self._cond:
             return len(self._line)
 
     def _wait(self, timeout_s: float, what: str) -> float:
         """Wait (under ``_cond``) until this thread may use the engine, in line; seconds waited."""
         if self._depth > 0 and self._thread == threading.get_ident():
-            return 0.0  # re-entrant: this thread's section holds it
+            return 0.0
         if not self.busy and not self._line:
             return 0.0
         me = object()
@@ -417,25 +341,33 @@ class EngineLease:
             self._cond.notify_all()  # the head of the line may have changed
         return time.perf_counter() - t0
 
-    @contextmanager
-    def section(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S) -> Iterator[float]:
-        """Hold the engine for a block of code in this thread; yields the seconds waited."""
+    def _enter(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S) -> float:
         with self._cond:
             waited = self._wait(timeout_s, "call")
             self._thread = threading.get_ident()
             self._depth += 1
+        return waited
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._cond:
+            self._depth -= 1
+            if self._depth == 0:
+                self._thread = None
+                self._cond.notify_all()
+
+    __enter__ = _enter
+
+    @contextmanager
+    def section(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S) -> Iterator[float]:
+        """Hold the engine for a block of code in this thread; yields the seconds waited."""
+        waited = self._enter(timeout_s)
         try:
             yield waited
         finally:
-            with self._cond:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._thread = None
-                    self._cond.notify_all()
+            self.__exit__()
 
     def hold(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S) -> tuple[Callable[[], None], float]:
-        """Take the engine for a stream: ``(release, seconds waited)``; ``release()`` may be
-        called from any thread, and only its first call counts."""
+        """Take the engine for a stream: ``(release, seconds waited)``; only the first ``release()`` counts."""
         with self._cond:
             waited = self._wait(timeout_s, "request")
             self._streams += 1
@@ -450,28 +382,13 @@ class EngineLease:
 
         return release, waited
 
-    def __enter__(self) -> float:  # ``with backend.lock:`` — a section with the default bound
-        cm = self.section()
-        waited = cm.__enter__()
-        self._entered().append(cm)
-        return waited
-
-    def __exit__(self, *exc: Any) -> None:
-        self._entered().pop().__exit__(*exc)
-
-    def _entered(self) -> list[Any]:
-        if not hasattr(self._local, "stack"):
-            self._local.stack = []
-        return self._local.stack
-
 
 _ENGINES: weakref.WeakKeyDictionary[Any, EngineLease] = weakref.WeakKeyDictionary()
 _ENGINES_LOCK = threading.Lock()
 
 
 def engine_lease(engine: Any) -> EngineLease:
-    """The one lease of ``engine`` (a ``Llama``), shared by every backend over it; a fresh one
-    for an object that cannot be weakly referenced (then each backend has its own)."""
+    """The one lease of ``engine``, shared by every backend over it (a fresh one if it cannot be weakly referenced)."""
     with _ENGINES_LOCK:
         try:
             lease = _ENGINES.get(engine)

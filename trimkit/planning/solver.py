@@ -1,21 +1,10 @@
-"""The solver: the request as the planner sees it, the state strategies work on, and the search
-that keeps the most value whose predicted TTFT fits the budget (docs/design.md §3–4).
-
-- :class:`RequestContext` / :class:`Candidate`: one request's fixed inputs (per-message token
-  counts, turns, what is known of the engine's KV cache) and candidate prompts as edits of it,
-  estimated from those counts so that trying candidates never re-tokenizes the conversation.
-- :class:`PlanState` / :class:`Proposal` / :class:`Action`: what a strategy
-  (:mod:`trimkit.strategies`) receives and returns; the solver knows strategies only through these.
-- :func:`solve`: strategies say *what may change*; the solver decides *what does*. Dropping a
-  turn inside the cached prefix forfeits the cache after it, so it tries a few *scenarios* (each
-  start of the prompt a strategy proposed, with the first ``d`` turns after it kept verbatim and
-  cached), and in each a :func:`knapsack` (at most one variant per item: a chunk whole or one of
-  its excerpts) picks the most value that fits the room left. The scenario with the most value
-  wins; ties go to the faster prompt.
-"""
+"""The solver: the request as the planner sees it, the state strategies work on, and the search that keeps the most value
+whose predicted TTFT fits the budget (docs/design.md §3–4)."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -45,25 +34,15 @@ from trimkit.planning.summaries import Summary, SummaryCache, summary_note
 from trimkit.planning.values import Excerpt, ValueModel, chunk_values, excerpts_of, index_runs, question_idf, rank_chunks, span_label, turn_values
 
 log = logging.getLogger("trimkit")
-
-
-#: Exact cached counts a single plan looks up in the engine's cache (:class:`CacheState`, data
-#: read before planning): each tokenizes the whole candidate prompt.
+#: exact cached counts one plan looks up in the engine's cache state: each tokenizes the whole candidate prompt
 MAX_PROBES = 2
-
-
 #: A prompt as (segment key, tokens) pairs in prompt order; equal keys mean equal text.
 Layout = tuple[tuple[Hashable, int], ...]
 
 
 @attrs.frozen
 class Candidate:
-    """A candidate prompt, as edits of the caller's request.
-
-    ``kept_chunks`` are placed in this order; ``removed``/``summarized`` are indices into the
-    caller's messages; ``summary`` replaces the summarized ones; ``extra_s`` is inline work
-    (e.g. a summary computed now) that delays the first token and so counts against the budget.
-    """
+    """A candidate prompt, as edits of the caller's request."""
 
     kept_chunks: tuple[Chunk, ...] = ()
     removed: frozenset[int] = frozenset()
@@ -103,30 +82,13 @@ def _summary_block(summary: Summary) -> str:
 
 
 class RequestContext:
-    """Everything fixed for one request, computed once: inputs, per-message token counts, turns,
-    and what is known about the engine's KV cache (the caller's ``cached_tokens`` and ``cache``).
+    """Everything fixed for one request, computed once: inputs, per-message token counts, turns, and what is known about the
+    engine's KV cache (the caller's ``cached_tokens`` and ``cache``)."""
 
-    Built by :meth:`~trimkit.planning.solver.PlanState.start` from validated inputs; strategies
-    reach it through the state."""
-
-    def __init__(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        ttft_budget_s: float,
-        profile: Any,
-        tokenizer: Any,
-        chunks: tuple[Chunk, ...],
-        tools: Any,
-        cached_tokens: int,
-        cache: CacheState | None,
-        summaries: SummaryCache | None,
-        rag_template: str,
-        rag_chunk_template: str,
-        clock: Callable[[], float],
-        safety_margin: float | None = None,
-        max_prompt_tokens: int | None = None,
-    ) -> None:
+    def __init__(self, messages: Sequence[Mapping[str, Any]], *, ttft_budget_s: float, profile: Any, tokenizer: Any, chunks: tuple[Chunk, ...],
+                 tools: Any, cached_tokens: int, cache: CacheState | None, summaries: SummaryCache | None, rag_template: str,
+                 rag_chunk_template: str, clock: Callable[[], float], safety_margin: float | None = None,
+                 max_prompt_tokens: int | None = None) -> None:
         self.messages = messages
         self.tools = tools
         self.budget_s = ttft_budget_s
@@ -214,7 +176,6 @@ class RequestContext:
         segs.append(("tail", self.tail))
         return tuple(segs)
 
-    # -- predictions --------------------------------------------------------------------------
     def cached_for(self, layout: Layout, total: int) -> int:
         """Predicted cached prefix: exact if this very prompt was probed; else, over everything
         known, the cached tokens of the longest prefix shared with a prompt whose count is known."""
@@ -224,23 +185,17 @@ class RequestContext:
         else:
             cached = 0
             for known_layout, known_cached in self.knowledge:
-                shared = 0
-                for (k1, n1), (k2, _) in zip(layout, known_layout, strict=False):
-                    if k1 != k2:
-                        break
-                    shared += n1
+                shared = sum(seg[1] for seg, known in itertools.takewhile(lambda pair: pair[0][0] == pair[1][0], zip(layout, known_layout)))
                 cached = max(cached, min(known_cached, shared))
         return reusable_cached_tokens(total, cached)
 
     def predict(self, tokens: int, cached: int, extra_s: float = 0.0) -> float:
-        """Predicted TTFT of a ``tokens`` prompt with ``cached`` of them in the KV cache, plus
-        ``extra_s`` of inline work."""
+        """Predicted TTFT of a ``tokens`` prompt with ``cached`` of them in the KV cache, plus ``extra_s`` of inline work."""
         cached = reusable_cached_tokens(tokens, cached)
         return float(self.profile.predict_ttft_s(tokens - cached, cached) + extra_s)
 
     def fits(self, tokens: int, predicted_s: float) -> bool:
-        """A ``tokens`` prompt predicted at ``predicted_s`` is within the target (and, when
-        known, the context window)."""
+        """A ``tokens`` prompt predicted at ``predicted_s`` is within the target (and, when known, the context window)."""
         return predicted_s <= self.target_s and (self.max_prompt_tokens is None or tokens <= self.max_prompt_tokens)
 
     def estimate(self, c: Candidate) -> Estimate:
@@ -272,7 +227,6 @@ class RequestContext:
         cached = self.cached_for(layout, total)
         return Estimate(total, cached, self.predict(total, cached, c.extra_s))
 
-    # -- concrete prompts ---------------------------------------------------------------------
     def build(self, c: Candidate) -> list[dict[str, Any]]:
         """The message list for a candidate. The caller's list itself when nothing changes."""
         if c.unchanged:
@@ -297,10 +251,9 @@ class RequestContext:
         return self.tokenizer.segment_counts(self.build(c), self.tools).total
 
     def probe(self, c: Candidate) -> int | None:
-        """How many tokens of ``c`` the engine has cached, exactly: ``c`` tokenized and looked up
-        in :attr:`cache` (data: the engine is not asked), at most :data:`MAX_PROBES` times per
-        request, memoised; None when there is no cache state, the allowance is spent or the
-        tokenizer failed (it is an optimisation and never fails a request)."""
+        """How many tokens of ``c`` the engine has cached, exactly: ``c`` tokenized and looked up in :attr:`cache` (data:
+        the engine is not asked), at most :data:`MAX_PROBES` times per request, memoised; None when there is no cache
+        state, the allowance is spent or the tokenizer failed (it is an optimisation and never fails a request)."""
         if self.cache is None:
             return None
         keys = tuple(k for k, _ in self.layout(c))
@@ -335,16 +288,8 @@ class Action:
     detail: Mapping[str, Any] = attrs.field(factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "strategy": self.strategy,
-            "summary": self.summary,
-            "removed_messages": list(self.removed_messages),
-            "summarized_messages": list(self.summarized_messages),
-            "removed_chunks": list(self.removed_chunks),
-            "tokens_before": self.tokens_before,
-            "tokens_after": self.tokens_after,
-            "detail": dict(self.detail),
-        }
+        out = attrs.asdict(self, recurse=False)
+        return {k: list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, Mapping) else v for k, v in out.items()}
 
     def __str__(self) -> str:
         return f"{self.strategy}: {self.summary}"
@@ -377,12 +322,7 @@ class Proposal:
 
 @attrs.frozen
 class PlanState:
-    """What every strategy receives: the request, the current candidate and its prediction.
-
-    A strategy reads ``state.candidate`` and ``state.prediction`` (or calls :meth:`estimate` on
-    candidates of its own), and returns ``state.apply(new_candidate, action)`` — or None to
-    leave things as they are. Build one for a test with :meth:`start`.
-    """
+    """What every strategy receives: the request, the current candidate and its prediction."""
 
     ctx: RequestContext = attrs.field(repr=False)
     candidate: Candidate
@@ -393,44 +333,23 @@ class PlanState:
         object.__setattr__(self, "prediction", self.ctx.estimate(self.candidate))
 
     @classmethod
-    def start(
-        cls,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        ttft_budget_s: float,
-        profile: Any,
-        tokenizer: Any,
-        rag_chunks: Any = (),
-        tools: Any = None,
-        cached_tokens: int = 0,
-        cache: CacheState | None = None,
-        summaries: SummaryCache | None = None,
-        rag_template: str = DEFAULT_RAG_TEMPLATE,
-        rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
-        clock: Callable[[], float] = time.perf_counter,
-        safety_margin: float | None = None,
-        max_prompt_tokens: int | None = None,
-        on_infeasible: str = "best_effort",
-        values: Any = None,
-    ) -> PlanState:
-        """The initial state: the whole request, every chunk kept (most relevant first).
-
-        Checks every argument of :func:`~trimkit.planning.planner.plan` before any work — the one
-        place that does (``on_infeasible`` and ``values`` are only checked here); use it to test a
-        strategy on its own. A LiveProfile plans with its current profile.
-        """
+    def start(cls, messages: Sequence[Mapping[str, Any]], *, ttft_budget_s: float, profile: Any, tokenizer: Any, rag_chunks: Any = (),
+              tools: Any = None, cached_tokens: int = 0, cache: CacheState | None = None, summaries: SummaryCache | None = None,
+              rag_template: str = DEFAULT_RAG_TEMPLATE, rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
+              clock: Callable[[], float] = time.perf_counter, safety_margin: float | None = None, max_prompt_tokens: int | None = None,
+              on_infeasible: str = "best_effort", values: Any = None) -> PlanState:
+        """The initial state: the whole request, every chunk kept (most relevant first). The one place that checks
+        :func:`~trimkit.planning.planner.plan`'s arguments, before any work."""
         if on_infeasible not in ("best_effort", "raise"):
             raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
         validate_messages(messages)
         budget(ttft_budget_s)
         chunks = coerce_chunks(rag_chunks)
         count(cached_tokens, "cached_tokens")
-        if cache is not None and not isinstance(cache, CacheState):
-            raise InvalidInputError(f"cache must be a trimkit.planning.costs.CacheState or None, got {type(cache).__name__}")
-        if summaries is not None and not isinstance(summaries, SummaryCache):
-            raise InvalidInputError(f"summaries must be a SummaryCache or None, got {type(summaries).__name__}")
-        if values is not None and not isinstance(values, ValueModel):
-            raise InvalidInputError(f"values must be a trimkit.planning.values.ValueModel or None, got {type(values).__name__}")
+        for name, value, kind, shown in (("cache", cache, CacheState, "trimkit.planning.costs.CacheState"), ("summaries", summaries, SummaryCache, "SummaryCache"),
+                                         ("values", values, ValueModel, "trimkit.planning.values.ValueModel")):
+            if value is not None and not isinstance(value, kind):
+                raise InvalidInputError(f"{name} must be a {shown} or None, got {type(value).__name__}")
         if safety_margin is not None:
             fraction(safety_margin, "safety_margin")
         if max_prompt_tokens is not None:
@@ -445,25 +364,11 @@ class PlanState:
         for attr in ("segment_counts", "count", *(("prompt_tokens",) if cache is not None else ())):
             if not hasattr(tokenizer, attr):
                 raise InvalidInputError(f"tokenizer must be a PromptTokenizer (no {attr!r}), got {type(tokenizer).__name__}")
-        ctx = RequestContext(
-            messages,
-            ttft_budget_s=float(ttft_budget_s),
-            profile=profile,
-            tokenizer=tokenizer,
-            chunks=chunks,
-            tools=tools,
-            cached_tokens=cached_tokens,
-            cache=cache,
-            summaries=summaries,
-            rag_template=rag_template,
-            rag_chunk_template=rag_chunk_template,
-            clock=clock,
-            safety_margin=safety_margin,
-            max_prompt_tokens=max_prompt_tokens,
-        )
+        ctx = RequestContext(messages, ttft_budget_s=float(ttft_budget_s), profile=profile, tokenizer=tokenizer, chunks=chunks, tools=tools,
+                             cached_tokens=cached_tokens, cache=cache, summaries=summaries, rag_template=rag_template,
+                             rag_chunk_template=rag_chunk_template, clock=clock, safety_margin=safety_margin, max_prompt_tokens=max_prompt_tokens)
         return cls(ctx, Candidate(kept_chunks=ctx.chunks))
 
-    # -- reading -----------------------------------------------------------------------------
     @property
     def messages(self) -> Sequence[Mapping[str, Any]]:
         """The caller's messages (read only)."""
@@ -518,7 +423,6 @@ class PlanState:
         """Tokens of the caller's message ``index`` as rendered (its template wrapper included)."""
         return self.ctx.base[index]
 
-    # -- predicting --------------------------------------------------------------------------
     def estimate(self, candidate: Candidate) -> Estimate:
         """Predicted size, cached prefix and TTFT of ``candidate`` (no tokenization of unchanged text)."""
         return self.ctx.estimate(candidate)
@@ -543,7 +447,6 @@ class PlanState:
         """The concrete message list for ``candidate`` (new dicts only where something changed)."""
         return self.ctx.build(candidate)
 
-    # -- changing ----------------------------------------------------------------------------
     def apply(self, candidate: Candidate, action: Action | None) -> PlanState:
         """A new state with ``candidate`` as the current prompt and ``action`` recorded."""
         actions = self.actions if action is None else (*self.actions, action)
@@ -555,11 +458,8 @@ RESOLUTION = 512
 
 
 def knapsack(groups: Sequence[Sequence[tuple[int, float]]], room: int) -> tuple[float, list[int]]:
-    """Pick at most one ``(tokens, value)`` variant per group, most total value within ``room``
-    tokens. Returns the value and the chosen variant index per group (-1: none).
-
-    Sizes are rounded *up* to ``room / RESOLUTION`` tokens, so a selection never exceeds ``room``.
-    """
+    """Pick at most one ``(tokens, value)`` variant per group, most total value within ``room`` tokens: the value and the
+    chosen variant index per group (-1: none). Sizes round *up* to ``room / RESOLUTION``: a choice never exceeds ``room``."""
     chosen = [-1] * len(groups)
     if room <= 0 or not groups:
         return 0.0, chosen
@@ -592,16 +492,10 @@ def knapsack(groups: Sequence[Sequence[tuple[int, float]]], room: int) -> tuple[
 
 #: scenarios tried per start of the prompt (how many leading turns to keep cached)
 MAX_KEEP_SCENARIOS = 6
-
-
 #: exact counts spent putting back chunks the additive estimates left out
 MAX_REFILL_COUNTS = 4
-
-
 #: times a scenario's room shrinks when its choice, estimated again, does not fit
 MAX_SCENARIO_TIGHTENINGS = 3
-
-
 #: how far (tokens) an additive estimate may overcount a chunk at its joins
 REFILL_TOLERANCE_TOKENS = 3
 
@@ -614,12 +508,8 @@ class _Item:
 
 
 def solve(state: PlanState, strategies: Sequence[Any], values: ValueModel) -> PlanState:
-    """The candidate with the most value that fits ``state``'s target, or ``state`` itself
-    (not fitting) when nothing the strategies allow can make it fit.
-
-    ``strategies`` are :class:`~trimkit.strategies.Strategy` objects: each ``propose(state)``
-    says what may change; one whose ``edits_prompt`` is true edits the prompt itself when
-    called, and is applied in order before the engine chooses."""
+    """The candidate with the most value that fits ``state``'s target, or ``state`` itself (not fitting) when nothing the
+    strategies allow can make it fit."""
     ctx = state.ctx
     proposals: list[tuple[str, Proposal]] = []
     for s in strategies:
@@ -683,7 +573,6 @@ class _Solver:
             allowance = min(allowance, self.ctx.max_prompt_tokens)
         return allowance
 
-    # -- scenarios ------------------------------------------------------------------------------
     def best(self) -> PlanState | None:
         found: tuple[float, float, Candidate, Lead] | None = None
         for lead in self.leads:
@@ -707,11 +596,8 @@ class _Solver:
         return self._explain(self._refill(candidate), lead)
 
     def _refill(self, c: Candidate) -> Candidate:
-        """Put back chunks (whole, or an excerpt) that fit after all by an exact count.
-
-        Per-chunk token counts are additive estimates, a token or two pessimistic at joins; the
-        exact count of the chosen prompt can leave room. The most valuable chunks dropped or cut
-        are tried, a few exact counts at most."""
+        """Put back chunks (whole, or an excerpt) that fit after all by an exact count: per-chunk counts are additive
+        estimates, a token or two pessimistic at joins, so the chosen prompt's exact count can leave room."""
         ctx = self.ctx
         if not self.chunk_items:
             return c
@@ -758,9 +644,7 @@ class _Solver:
         every other droppable turn out."""
         turns = self.ctx.history_turns
         covered = frozenset(i for s, e in turns[: lead.covers] for i in range(s, e))
-        optional = frozenset(
-            i for j, (s, e) in enumerate(turns) if j >= max(keep, lead.covers) and j in self.droppable_turns for i in range(s, e)
-        )
+        optional = frozenset(i for j, (s, e) in enumerate(turns) if j >= max(keep, lead.covers) and j in self.droppable_turns for i in range(s, e))
         c = self.base
         if lead.summary is not None:
             c = attrs.evolve(c, summarized=c.summarized | covered, summary=lead.summary, extra_s=c.extra_s + lead.extra_s)
@@ -799,15 +683,8 @@ class _Solver:
         return sorted({start + round(i * span / steps) for i in range(steps + 1)} | {len(turns)})
 
     def _scenario(self, lead: Lead, keep: int) -> tuple[float, Candidate] | None:
-        """The most valuable candidate of one scenario that fits, or None.
-
-        The room is priced with the fixed part's cached prefix; what the knapsack adds can end
-        that prefix earlier (chunks go into the last user turn, whose start the previous prompt
-        may share), so the chosen candidate is estimated again and, while it does not fit, the
-        room becomes what the fixed part leaves under the prefix the choice really keeps cached
-        (:data:`MAX_SCENARIO_TIGHTENINGS` times at most). When no choice with chunks fits, the
-        turns alone are chosen, and failing that the fixed part alone, which fits whenever the
-        scenario has room at all."""
+        """The most valuable candidate of one scenario that fits, or None. What the knapsack adds can end the fixed part's
+        cached prefix earlier: while the choice does not fit, the room shrinks to what that prefix leaves."""
         ctx = self.ctx
         fixed_c = self._lead_candidate(lead, keep)
         est = ctx.estimate(fixed_c)
@@ -895,74 +772,46 @@ class _Solver:
 
         actions: list[Action] = list(state.actions)
         turns = ctx.history_turns
-        before_tokens = state.prediction.prompt_tokens
+        act = functools.partial(Action, tokens_before=state.prediction.prompt_tokens, tokens_after=after.prompt_tokens)
         if lead.covers:
             covered = tuple(i for s, e in turns[: lead.covers] for i in range(s, e))
             span = _span_text(covered)
             if lead.summary is not None:
                 sm = lead.summary
-                actions.append(Action(
-                    strategy=lead.strategy,
-                    summary=f"replaced {len(covered)} message(s) in the {lead.covers} oldest turn(s) (messages {span}, "
-                    f"{sm.source_tokens:,} tokens) with a {sm.summary_tokens:,}-token {lead.source} summary"
-                    + (f", computed inline in {lead.extra_s:.3f} s" if lead.extra_s else ""),
-                    summarized_messages=covered,
-                    tokens_before=before_tokens,
-                    tokens_after=after.prompt_tokens,
-                    detail={"turns": lead.covers, "source": lead.source, "summarizer": sm.summarizer,
-                            "source_tokens": sm.source_tokens, "summary_tokens": sm.summary_tokens, "inline_s": lead.extra_s},
-                ))
+                inline = f", computed inline in {lead.extra_s:.3f} s" if lead.extra_s else ""
+                actions.append(act(lead.strategy, f"replaced {len(covered)} message(s) in the {lead.covers} oldest turn(s) (messages {span}, "
+                                   f"{sm.source_tokens:,} tokens) with a {sm.summary_tokens:,}-token {lead.source} summary{inline}",
+                                   summarized_messages=covered, detail={"turns": lead.covers, "source": lead.source, "summarizer": sm.summarizer,
+                                   "source_tokens": sm.source_tokens, "summary_tokens": sm.summary_tokens, "inline_s": lead.extra_s}))
             else:
-                actions.append(Action(
-                    strategy=lead.strategy,
-                    summary=f"dropped the {lead.covers} oldest turn(s) (messages {span}), the same cut as the previous "
-                    f"request, so {after.cached_tokens:,} cached tokens are reused",
-                    removed_messages=covered,
-                    tokens_before=before_tokens,
-                    tokens_after=after.prompt_tokens,
-                    detail={"turns": lead.covers, "cached_tokens": after.cached_tokens},
-                ))
+                actions.append(act(lead.strategy, f"dropped the {lead.covers} oldest turn(s) (messages {span}), the same cut as the previous "
+                                   f"request, so {after.cached_tokens:,} cached tokens are reused", removed_messages=covered,
+                                   detail={"turns": lead.covers, "cached_tokens": after.cached_tokens}))
         lead_gone = {i for s, e in turns[: lead.covers] for i in range(s, e)}
         dropped = [(j, s, e) for j, (s, e) in enumerate(turns) if s in c.removed and s not in lead_gone and s not in self.base.gone]
         if dropped:
             removed = tuple(i for _, s, e in dropped for i in range(s, e))
-            actions.append(Action(
-                strategy=self.turn_owner,
-                summary=f"dropped {len(dropped)} turn(s) (messages {_span_text(removed)}): the least value per predicted second",
-                removed_messages=removed,
-                tokens_before=before_tokens,
-                tokens_after=after.prompt_tokens,
-                detail={"turns": [item(self.turn_value[j], sum(ctx.base[i] for i in range(s, e)), messages=[s, e - 1]) for j, s, e in dropped]},
-            ))
+            details = [item(self.turn_value[j], sum(ctx.base[i] for i in range(s, e)), messages=[s, e - 1]) for j, s, e in dropped]
+            actions.append(act(self.turn_owner, f"dropped {len(dropped)} turn(s) (messages {_span_text(removed)}): the least value per "
+                               "predicted second", removed_messages=removed, detail={"turns": details}))
         kept = {str(ch.id): ch for ch in c.kept_chunks}
         gone_chunks = [it for it in self.chunk_items if it.key not in kept]
         cut = [it for it in self.chunk_items if it.key in kept and kept[it.key].text != it.variants[0][2].text]
         if gone_chunks:
             ids = tuple(it.key for it in gone_chunks)
-            actions.append(Action(
-                strategy=self.chunk_owner,
-                summary=f"kept {len(c.kept_chunks)} of {len(ctx.chunks)} chunks ({len(cut)} as excerpts); dropped {', '.join(ids)}: "
-                "the least value per predicted second",
-                removed_chunks=ids,
-                tokens_before=before_tokens,
-                tokens_after=after.prompt_tokens,
-                detail={"kept": list(kept), "dropped": [item(it.variants[0][1], it.variants[0][0], chunk=it.key) for it in gone_chunks]},
-            ))
+            actions.append(act(self.chunk_owner, f"kept {len(c.kept_chunks)} of {len(ctx.chunks)} chunks ({len(cut)} as excerpts); dropped "
+                               f"{', '.join(ids)}: the least value per predicted second", removed_chunks=ids,
+                               detail={"kept": list(kept), "dropped": [item(it.variants[0][1], it.variants[0][0], chunk=it.key) for it in gone_chunks]}))
         for it in cut:
             ex = kept[it.key]
             info = ex.metadata.get("excerpt", {})
-            spans = span_label(info.get("spans", []))
             tokens = self._chunk_cost(ex)
             share = next((v for w, v, p in it.variants if isinstance(p, Excerpt) and p.chunk.text == ex.text), 0.0)
-            actions.append(Action(
-                strategy="excerpt_chunk",
-                summary=f"kept sentences {spans} of {info.get('sentences', '?')} of {it.key} (those matching the question, "
-                f"with their neighbours): {it.variants[0][0] - tokens:,} of {it.variants[0][0]:,} tokens cut",
-                tokens_before=before_tokens,
-                tokens_after=after.prompt_tokens,
-                detail={"chunk": it.key, "spans": info.get("spans", []), "sentences": info.get("sentences"),
-                        **item(share, tokens), "whole_tokens": it.variants[0][0], "whole_value": round(it.variants[0][1], 4)},
-            ))
+            whole_tokens, whole_value = it.variants[0][0], it.variants[0][1]
+            actions.append(act("excerpt_chunk", f"kept sentences {span_label(info.get('spans', []))} of {info.get('sentences', '?')} of "
+                               f"{it.key} (those matching the question, with their neighbours): {whole_tokens - tokens:,} of {whole_tokens:,} tokens cut",
+                               detail={"chunk": it.key, "spans": info.get("spans", []), "sentences": info.get("sentences"), **item(share, tokens),
+                                       "whole_tokens": whole_tokens, "whole_value": round(whole_value, 4)}))
         return PlanState(ctx, c, tuple(actions))
 
 

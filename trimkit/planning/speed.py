@@ -1,21 +1,9 @@
-"""What one engine learns as it runs: the one speed estimate, the live profile, and the margin
-(docs/design.md §2 "The host's speed", §6 "The safety margin").
+"""What one engine learns as it runs (docs/design.md §2 "The host's speed", §6 "The safety margin").
 
-Three parts, each built on the one before:
-
-- :class:`SpeedEstimate` — measured ÷ predicted over a recent window of prefills (calibration's
-  probes, served requests, watched prefills): its middle is the speed factor every prediction is
-  multiplied by (:attr:`Profile.drift`), its spread the safety margin (:meth:`margin`), a factor of
-  at least :data:`SLOWDOWN_FACTOR` the slowdown notice. The samples are kept (not their ratios), so
-  a refit of the model's shape re-reads them all. Thread-safe.
-- :class:`LiveProfile` — calibration's cost model (refitted when served requests show a shape it
-  got wrong), the current speed factor, the decode line and the first-token overhead;
-- :class:`EngineState` — one engine's live profile and in-flight queue, found by
-  :func:`engine_state` from the backend's ``engine_identity()`` (a second ``wrap()`` of the same
-  engine and calibration starts from what the first learned), and the margin a request plans with:
-  a watched prefill's covers only the tail after its last step (:func:`tail_share`), a server's its
-  whole prediction; a prompt beyond the probed range counts the spread
-  :meth:`Profile.extrapolation` times.
+:class:`SpeedEstimate`: measured ÷ predicted over recent prefills; its middle is the speed factor, its spread the margin.
+:class:`LiveProfile`: calibration's cost model (refitted when served requests show a shape it got wrong), the speed
+factor, the decode line and the first-token overhead. :class:`EngineState`: one engine's live profile and in-flight
+queue (:func:`engine_state`), and the margin a request plans with.
 """
 
 from __future__ import annotations
@@ -35,68 +23,54 @@ from typing import Any
 import attrs
 import numpy as np
 
+from trimkit.errors import count, positive_finite
 from trimkit.planning.costs import CostModel, PrefillSample, error_stats, evaluated_tokens, fit_cost_model
 from trimkit.planning.profile import DecodePoint, Profile, mean_context
 from trimkit.planning.queue import EngineQueue
 
 log = logging.getLogger("trimkit")
-
-
 #: measured prefills kept per engine (one a request): the spread the margin reads
 WINDOW = 24
-
-
-#: the speed factor is the middle of this many latest: a step of the host's speed is followed
-#: after 3 requests, one request's hiccup moves nothing
+#: the speed factor is the middle of this many latest: a step of the host's speed is followed after 3 requests
 FACTOR_WINDOW = 5
-
-
 #: the share of budgeted requests whose TTFT should stay inside the budget
 DEFAULT_TARGET = 0.97
-
-
-#: the margin never drops below this, nor rises above the cap (beyond it trimming would throw
-#: away most of the budget)
+#: the margin's floor and cap (beyond it trimming would throw away most of the budget)
 MARGIN_FLOOR = 0.01
-
-
 MARGIN_CAP = 0.60
-
-
-#: the engine counts as slowed down when it runs at least this many times slower than calibrated:
-#: twice the time is beyond any measured host's noise (docs/design.md, "The host's speed")
+#: slowed down: at least this many times slower than calibrated (beyond any measured host's noise)
 SLOWDOWN_FACTOR = 2.0
-
-
 #: one wild measurement moves nothing further than this factor either way
 RATIO_CLIP = 5.0
-
-
-#: the outcomes of watched requests kept per engine (measured ÷ predicted TTFT, as sent): at
-#: least 33, the fewest whose split-conformal rank for the default target (0.97) is not simply
-#: the largest seen (a window of n covers at most n/(n+1) of the requests)
+#: watched requests' measured ÷ predicted TTFT kept per engine: at least 33, the fewest whose split-conformal rank for
+#: the target 0.97 is not simply the largest seen
 OUTCOME_WINDOW = 40
-
-
 #: the outcomes a margin reads once this many are known (before, the prefill spread alone)
 MIN_OUTCOMES = 4
 
 
 def margin_for_ratio(ratio: float, floor: float = MARGIN_FLOOR, cap: float = MARGIN_CAP) -> float:
-    """The fraction of a budget to hold back so that a prediction ``ratio`` times too low still
-    fits: ``1 − 1/ratio`` (0 when predictions are pessimistic), clamped to [floor, cap]."""
+    """``1 − 1/ratio`` (0 when predictions are pessimistic), clamped to [floor, cap]."""
     raw = 1.0 - 1.0 / ratio if ratio > 1.0 else 0.0
     return min(max(raw, floor), cap)
 
 
 def quantile(values: Iterable[float], target: float) -> float:
-    """The ceil((n+1)·target)-th smallest of ``values`` (split-conformal rank), the largest
-    when n is too small for that rank; nan when there are none."""
+    """The ceil((n+1)·target)-th smallest of ``values`` (split-conformal rank; the largest for a small n); nan for none."""
     ordered = sorted(values)
     if not ordered:
         return math.nan
     k = math.ceil((len(ordered) + 1) * target - 1e-9)
     return ordered[min(max(k, 1), len(ordered)) - 1]
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _positive(value: Any) -> bool:
+    """A finite real number > 0 (not a bool)."""
+    return isinstance(value, (int, float, numbers.Real)) and not isinstance(value, bool) and math.isfinite(value) and float(value) > 0
 
 
 def usable_cores() -> int | None:
@@ -118,45 +92,33 @@ def _ratio(model: CostModel, s: PrefillSample) -> float | None:
 
 
 class SpeedEstimate:
-    """The host's current speed for one engine, from its recent measured prefills (see the
-    module docstring). ``seed``: calibration's samples (the held-out ones, or all), which stand
-    in until served requests arrive."""
+    """The host's current speed for one engine, from its recent measured prefills; ``seed`` (calibration's) stands in
+    until served requests arrive. Thread-safe."""
 
     def __init__(self, seed: Iterable[PrefillSample] = (), *, window: int = WINDOW, prior: float = 1.0) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an int >= 1, got {window!r}")
-        if not (isinstance(prior, (int, float)) and not isinstance(prior, bool) and math.isfinite(prior) and prior > 0):
-            raise ValueError(f"prior must be a finite number > 0, got {prior!r}")
-        self._samples: deque[PrefillSample] = deque(maxlen=window)
+        self._samples: deque[PrefillSample] = deque(maxlen=count(window, "window", minimum=1))
         self._live = 0
         self._outcomes: deque[float] = deque(maxlen=OUTCOME_WINDOW)
-        #: the speed factor that stands in for live ratios not yet seen (a stored profile's)
-        self.prior = float(prior)
+        self.prior = positive_finite(prior, "prior")
         self._lock = threading.Lock()
         self._logged = False
         for s in seed:
             self._samples.append(s)
 
     def observe(self, sample: PrefillSample) -> None:
-        """One measured prefill (a served request or one step of a watched prefill)."""
         with self._lock:
             self._samples.append(sample)
             self._live += 1
 
     def observe_outcome(self, measured_s: float, predicted_s: float) -> None:
-        """One watched request's TTFT as measured and as predicted for the prompt it sent (a
-        re-plan's prediction after a re-plan): what the watch left to the margin. Unusable
-        numbers are ignored."""
-        if not (isinstance(measured_s, (int, float)) and isinstance(predicted_s, (int, float))):
-            return
-        if not (math.isfinite(measured_s) and math.isfinite(predicted_s) and measured_s > 0 and predicted_s > 0):
+        """One watched request's TTFT as measured and as predicted for the prompt it sent: what the watch left to the margin."""
+        if not (_positive(measured_s) and _positive(predicted_s)):
             return
         with self._lock:
             self._outcomes.append(min(max(measured_s / predicted_s, 1.0 / RATIO_CLIP), RATIO_CLIP))
 
     @property
     def outcomes(self) -> Sequence[float]:
-        """The latest watched requests' measured ÷ predicted TTFT, oldest first."""
         with self._lock:
             return tuple(self._outcomes)
 
@@ -167,17 +129,13 @@ class SpeedEstimate:
 
     @property
     def observations(self) -> int:
-        """How many live measurements (not calibration's) joined the window."""
         return self._live
 
     def ratios(self, model: CostModel) -> list[float]:
-        """measured ÷ ``model``'s prediction for each sample in the window, oldest first."""
         return [r for r in (_ratio(model, s) for s in self.samples) if r is not None]
 
     def factor(self, model: CostModel) -> float:
-        """The speed factor: the median of the latest :data:`FACTOR_WINDOW` live ratios, the
-        :attr:`prior` standing in for those not yet seen (calibration's samples shape the spread,
-        not the speed: the calibrated model already prices them)."""
+        """The median of the latest :data:`FACTOR_WINDOW` live ratios, :attr:`prior` standing in for those not yet seen."""
         with self._lock:
             live = list(self._samples)[len(self._samples) - min(self._live, len(self._samples)):]
         ratios = [r for r in (_ratio(model, s) for s in live[-FACTOR_WINDOW:]) if r is not None]
@@ -185,16 +143,9 @@ class SpeedEstimate:
         return statistics.median(ratios)
 
     def margin(self, model: CostModel, target: float = DEFAULT_TARGET, *, fallback: float, share: float = 1.0) -> float:
-        """The fraction of a budget to hold back so that ``target`` of the recent measurements,
-        each taken relative to the factor, would have fitted — for a prediction of which only
-        ``share`` is uncertain (the stretch of a watched prefill after its last step; 1: the
-        whole prediction, as over a server). ``fallback`` while fewer than 4 samples are known.
-
-        A watched prediction (``share`` < 1) holds back at least what ``target`` of the latest
-        watched requests' outcomes (:meth:`observe_outcome`) would have needed: the spread of
-        prefills around the factor misses what the watch itself costs and how far the factor
-        lags the host, and a calm host's outcomes showed it (measured ÷ predicted TTFT 1.017
-        median, 1.052 at the 97th percentile, under margins of ~1.5 %)."""
+        """The share of a budget to hold back so that ``target`` of the recent measurements would have fitted, for a
+        prediction of which only ``share`` is uncertain (1: all of it). A watched one holds back at least what the
+        latest outcomes needed: the prefill spread misses what the watch costs and how far the factor lags."""
         ratios = self.ratios(model)
         if len(ratios) < 4:
             spread_ratio = 1.0 / (1.0 - fallback)
@@ -209,9 +160,7 @@ class SpeedEstimate:
         return margin
 
     def slowdown_warnings(self, factor: float, hint: Callable[[], str]) -> list[str]:
-        """The notice (a one-item list) while ``factor`` (this engine's current one, relative to
-        its calibration) is at least :data:`SLOWDOWN_FACTOR`, else none; logged once per spell.
-        ``hint()``: what to add about the engine's threads."""
+        """The notice while ``factor`` is at least :data:`SLOWDOWN_FACTOR` (logged once per spell), else none."""
         with self._lock:
             if factor < SLOWDOWN_FACTOR:
                 self._logged = False
@@ -225,42 +174,22 @@ class SpeedEstimate:
         return [text]
 
 
-log = logging.getLogger("trimkit")
-
-
-#: a measured decode speed counts only over at least this many generated tokens (the first
-#: token belongs to the prefill; a speed over one or two steps is mostly noise)
+#: a measured decode speed counts only over at least this many generated tokens (fewer is mostly noise)
 MIN_DECODE_TOKENS = 4
-
-
 #: how many served requests' decode points the profile keeps (the latest), besides calibration's
 KEEP_DECODE_POINTS = 32
-
-
-#: how many served requests' (prompt tokens, first-token overhead) pairs the profile keeps to
-#: learn how the overhead grows with the prompt (tokenizing it), and how many it needs first
+#: served requests' (prompt tokens, first-token overhead) pairs kept, and needed, to learn the per-token overhead
 KEEP_FIRST_TOKEN_POINTS = 16
-
-
 MIN_FIRST_TOKEN_POINTS = 4
-
-
-#: ...spanning prompt lengths at least this many times apart (a slope from lengths close
-#: together is mostly the overhead's jitter)
+#: ...spanning prompt lengths this many times apart (closer, a slope is mostly jitter)
 FIRST_TOKEN_LENGTH_SPREAD = 2.0
-
-
 #: the fixed part of the first-token overhead: the median over this many recent requests
 FIRST_TOKEN_RECENT = 5
-
-
-#: a refit must explain the live samples better than the speed factor alone by more than this
-#: (median absolute % error): a candidate only as good is no change of shape (exact ties, rounding)
+#: a refit must beat the speed factor alone by more than this (median absolute % error): ties are no change of shape
 REFIT_TIE_PCT = 1e-6
 
 
 def _median_log_ratio(model: CostModel, samples: Sequence[PrefillSample]) -> float:
-    """The median of log(measured / ``model``) over ``samples`` (0 when none is predicted)."""
     logs = []
     for s in samples:
         predicted = model.prefill_s(s.new_tokens, s.cached_tokens)
@@ -270,7 +199,6 @@ def _median_log_ratio(model: CostModel, samples: Sequence[PrefillSample]) -> flo
 
 
 def covering(profile: Profile, samples: Sequence[PrefillSample]) -> Profile:
-    """``profile`` with its probed range grown to cover ``samples`` (measured lengths)."""
     new, context = profile.probed_range()
     new = max([new, *(s.new_tokens for s in samples)])
     context = max([context, *(s.new_tokens + s.cached_tokens for s in samples)])
@@ -278,9 +206,7 @@ def covering(profile: Profile, samples: Sequence[PrefillSample]) -> Profile:
 
 
 def calibration_seed(profile: Profile) -> list[PrefillSample]:
-    """What the speed estimate starts from: the larger half of the calibration's samples (a
-    small probe's time is mostly fixed overhead and its jitter, which says nothing of a request
-    large enough to need a budget), at the profile's stored speed factor."""
+    """The larger half of the calibration's samples (a small probe's time is mostly overhead and jitter), at its drift."""
     priced = []
     for s in profile.samples:
         try:
@@ -298,37 +224,18 @@ def calibration_seed(profile: Profile) -> list[PrefillSample]:
     return calib
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 class LiveProfile:
-    """A profile that follows the machine (see the module docstring). Thread-safe.
-
-    Every measured prefill joins the engine's :class:`~trimkit.planning.speed.SpeedEstimate`
-    (:attr:`speed`); the profile's ``drift`` is its middle. After every ``refit_every``
-    whole-request observations (default: each one; it costs 1–5 ms, after the response; and after
-    each of the first ``eager_refits``, while the shape is still being learned) the model
-    is refitted on calibration plus the served requests brought to the calibration's speed, and
-    kept only if it explains them better than the speed factor alone: a shape the calibration got
-    wrong (too little attention from short probes) is corrected, while a host that only changed
-    speed moves the factor and leaves the model alone."""
+    """A profile that follows the machine: every measured prefill joins :attr:`speed`; after every ``refit_every``
+    requests (and each of the first ``eager_refits``) the model is refitted, kept only if it beats the speed factor."""
 
     def __init__(self, profile: Profile, *, refit_every: int = 1, eager_refits: int = 0, keep_live: int = 64) -> None:
-        if not (_is_count(refit_every) and refit_every >= 1):
-            raise ValueError(f"refit_every must be an int >= 1, got {refit_every!r}")
-        if not (_is_count(eager_refits) and eager_refits >= 0):
-            raise ValueError(f"eager_refits must be an int >= 0, got {eager_refits!r}")
-        self._eager_refits = eager_refits
+        self._eager_refits = count(eager_refits, "eager_refits")
         self._calibration = profile
         self._calib_fit: CostModel | None = None
-        self._refit_every = refit_every
+        self._refit_every = count(refit_every, "refit_every", minimum=1)
         self._live: deque[PrefillSample] = deque(maxlen=keep_live)
         self._seen = 0
-        #: the one estimate of this engine's speed
         self.speed = SpeedEstimate(calibration_seed(profile), prior=profile.drift)
-        #: the decode points of recent requests (decode speed vs context), starting from those a
-        #: stored refined profile kept
         self._decode_points: deque[DecodePoint] = deque((p for p in profile.decode_points if p.source == "live"), maxlen=KEEP_DECODE_POINTS)
         self._first_token: deque[tuple[int | None, float]] = deque(maxlen=KEEP_FIRST_TOKEN_POINTS)
         self._lock = threading.Lock()
@@ -338,15 +245,8 @@ class LiveProfile:
     def current(self) -> Profile:
         return self._profile
 
-    @property
-    def calibration(self) -> Profile:
-        """The calibration this live state started from."""
-        return self._calibration
-
     def speed_factor(self, new_tokens: int | None = None, cached_tokens: int = 0) -> float:
-        """How many times slower than calibrated the host runs now for ``new_tokens`` (default:
-        one batch) after ``cached_tokens``: the prediction as served (the model after live
-        refits, times the speed factor) over the calibration's own model."""
+        """How many times slower than calibrated the host runs now for ``new_tokens`` (default: one batch)."""
         profile = self._profile
         n = max(int(new_tokens if new_tokens is not None else (profile.model.n_batch or 512)), 1)
         now = profile.model.prefill_s(n, cached_tokens) * profile.drift
@@ -354,8 +254,7 @@ class LiveProfile:
         return now / then if now > 0 and then > 0 else 1.0
 
     def observe_step(self, new_tokens: int, cached_tokens: int, measured_s: float) -> None:
-        """A watched prefill, as one prefill of what it evaluated: it joins the speed estimate
-        (its whole request joins the refit after the response, :meth:`observe`)."""
+        """A watched prefill's steps so far, as one prefill: they join the speed estimate (the refit comes later)."""
         sample = self._sample(new_tokens, cached_tokens, measured_s)
         if sample is None:
             return
@@ -364,10 +263,7 @@ class LiveProfile:
             self._profile = attrs.evolve(self._profile, drift=self.speed.factor(self._profile.model))
 
     def observe(self, new_tokens: int, cached_tokens: int, measured_prefill_s: float, *, speed: bool = True) -> None:
-        """Feed one request's measured prefill back (``speed=False``: its steps were fed already).
-        Unusable measurements (no tokens, a negative or missing count, a time that is zero,
-        negative, NaN or infinite) are ignored: this runs after a response was delivered and must
-        never fail it."""
+        """One request's measured prefill (``speed=False``: its steps were fed already); unusable numbers are ignored."""
         sample = self._sample(new_tokens, cached_tokens, measured_prefill_s)
         if sample is None:
             return
@@ -382,22 +278,13 @@ class LiveProfile:
     def _sample(new_tokens: Any, cached_tokens: Any, seconds: Any) -> PrefillSample | None:
         if not (_is_count(new_tokens) and new_tokens >= 1 and _is_count(cached_tokens) and cached_tokens >= 0):
             return None
-        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not (float(seconds) > 0 and math.isfinite(seconds)):
+        if not _positive(seconds):
             return None
         return PrefillSample(int(new_tokens), int(cached_tokens), float(seconds), source="live")
 
     def observe_decode(self, tokens_per_s: Any, completion_tokens: Any, context_tokens: Any = None) -> None:
-        """Feed one request's measured decode speed back; ``context_tokens`` is its prompt
-        length (the KV cache its first decode step reads). The request becomes a point of the
-        decode-vs-context line (:meth:`decode_tokens_per_s_at`) at its mean context
-        (:func:`~trimkit.planning.profile.mean_context`), and the profile's one decode speed
-        (``decode_tokens_per_s``) is that line at the latest request's context. Answers of fewer
-        than :data:`MIN_DECODE_TOKENS` tokens, and unusable numbers, are ignored."""
-        if not (_is_count(completion_tokens) and completion_tokens >= MIN_DECODE_TOKENS):
-            return
-        if isinstance(tokens_per_s, bool) or not isinstance(tokens_per_s, numbers.Real):
-            return
-        if not (float(tokens_per_s) > 0 and math.isfinite(tokens_per_s)):
+        """One request's measured decode speed at its mean context; ``context_tokens``: its prompt length."""
+        if not (_is_count(completion_tokens) and completion_tokens >= MIN_DECODE_TOKENS and _positive(tokens_per_s)):
             return
         context = mean_context(int(context_tokens), int(completion_tokens)) if _is_count(context_tokens) and context_tokens >= 0 else 0
         with self._lock:
@@ -407,26 +294,11 @@ class LiveProfile:
             self._profile = attrs.evolve(profile, decode_tokens_per_s=at if at is not None else float(tokens_per_s))
 
     def _with_live_decode(self, profile: Profile) -> tuple[DecodePoint, ...]:
-        """``profile``'s calibration decode points followed by the served requests' (oldest first)."""
         return tuple(p for p in profile.decode_points if p.source != "live") + tuple(self._decode_points)
 
-    def decode_tokens_per_s_at(self, context_tokens: int, output_tokens: int = 0) -> float | None:
-        """Predicted decode speed at ``context_tokens`` prompt tokens (:meth:`~trimkit.planning.profile.Profile.decode_tokens_per_s_at`
-        of :attr:`current`); None when nothing measured decode."""
-        return self.current.decode_tokens_per_s_at(context_tokens, output_tokens)
-
     def observe_first_token(self, ttft_s: Any, engine_prefill_s: Any, prompt_tokens: Any = None) -> None:
-        """Feed one request's first-token overhead back: its TTFT less the engine's own prefill
-        time (template, tokenization, the first sampling step, the HTTP round trip for a
-        server); ``prompt_tokens`` is its whole prompt's length, cached tokens included. The
-        profile learns both parts (:meth:`_first_token_parts`): how the overhead grows per
-        prompt token, from the last :data:`KEEP_FIRST_TOKEN_POINTS` requests once they span
-        lengths :data:`FIRST_TOKEN_LENGTH_SPREAD` times apart, and the fixed part, from the last
-        :data:`FIRST_TOKEN_RECENT`. Unusable numbers are ignored."""
-        values = (ttft_s, engine_prefill_s)
-        if any(isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) for v in values):
-            return
-        if not (ttft_s > 0 and engine_prefill_s > 0):
+        """One request's first-token overhead: its TTFT less the engine's own prefill; ``prompt_tokens``: the whole prompt."""
+        if not (_positive(ttft_s) and _positive(engine_prefill_s)):
             return
         prompt = int(prompt_tokens) if _is_count(prompt_tokens) and prompt_tokens >= 1 else None
         with self._lock:
@@ -435,11 +307,7 @@ class LiveProfile:
             self._profile = attrs.evolve(self._profile, first_token_s=first, first_token_per_token_s=per)
 
     def _first_token_parts(self, profile: Profile) -> tuple[float, float]:
-        """Under the lock: (fixed, per prompt token) first-token overhead from the requests seen
-        (``profile``'s own while none). Per token: the median slope between pairs of recent
-        requests (Theil–Sen), at least 0, once enough requests of lengths far enough apart were
-        seen; else ``profile``'s. Fixed: the median over the last :data:`FIRST_TOKEN_RECENT`
-        requests of their overhead less the per-token part."""
+        """Under the lock: (fixed, per prompt token) overhead; per token: the Theil–Sen slope once lengths spread enough."""
         if not self._first_token:
             return profile.first_token_s, profile.first_token_per_token_s
         per = profile.first_token_per_token_s
@@ -452,8 +320,6 @@ class LiveProfile:
         return max(first, 0.0), per
 
     def _update(self, *, refit: bool) -> None:
-        """Under the lock: (``refit``) a refit round on calibration plus live samples, then the
-        speed factor against the model in force."""
         profile = self._profile
         model = profile.model
         if refit and self._live:
@@ -461,27 +327,18 @@ class LiveProfile:
             try:
                 refit_model = self._refit(profile, live)
             except (ValueError, ArithmeticError, np.linalg.LinAlgError) as exc:
-                # a stored profile's samples no fit can use: the speed factor alone; learning runs
-                # after a response was delivered and must never fail it
+                # learning runs after a response was delivered and must never fail it
                 log.debug("trimkit: live refit skipped: %s", exc)
             else:
                 if refit_model is not None:
                     model = refit_model
-                # the measured lengths are no longer an extrapolation: either they are in the
-                # refit, or the model explains them at least as well as a refit on them would
+                # the measured lengths are no longer an extrapolation
                 profile = covering(profile, live)
         self._profile = attrs.evolve(profile, model=model, drift=self.speed.factor(model))
 
     def _refit(self, profile: Profile, live: list[PrefillSample]) -> CostModel | None:
-        """Under the lock: the refit round's model, or None when it does not explain the live
-        samples better than ``profile``'s model at its best single speed factor (their median
-        ratio: what the speed factor alone could reach).
-
-        The live samples are first brought to the calibration's speed — divided by their median
-        ratio to a fit of the calibration's samples alone — and fitted with the calibration's
-        samples: a fit mixing samples measured at one speed with samples measured at another
-        bends the model's shape, a change of speed read as a change of shape. The model kept is
-        at the calibration's speed, so the speed estimate goes on reading the host against it."""
+        """The refit's model, or None when it does not beat ``profile``'s at its best single speed factor. The live samples
+        are brought to the calibration's speed first: a fit mixing speeds would read a change of speed as one of shape."""
         model = profile.model
         calib = [s for s in profile.samples if s.source == "calibration"]
         kwargs: dict[str, Any] = {"n_batch": model.n_batch, "batched": model.per_batch_s > 0, "depth_prior_tokens": profile.depth_prior_tokens}
@@ -495,14 +352,12 @@ class LiveProfile:
         return None
 
     def _calibration_fit(self, calib: list[PrefillSample], kwargs: dict[str, Any]) -> CostModel:
-        """Under the lock: the cost model of the calibration's samples ``calib`` alone, fitted once."""
         if self._calib_fit is None:
             self._calib_fit = fit_cost_model(calib, **kwargs)
         return self._calib_fit
 
     @property
     def observations(self) -> int:
-        """How many whole-request measurements were accepted."""
         return self._seen
 
     @property
@@ -511,49 +366,29 @@ class LiveProfile:
             return tuple(self._live)
 
 
-log = logging.getLogger("trimkit")
-
-
-#: the cost model is refitted after each of the first EAGER_REFITS measured requests (a shape the
-#: calibration got wrong is corrected at once), then after every REFIT_EVERY-th: a refit costs
-#: more than the rest of a short request's bookkeeping, and the speed estimate moves every request
+#: refit after each of the first EAGER_REFITS measured requests, then every REFIT_EVERY-th (a refit costs more than the
+#: rest of a short request's bookkeeping)
 EAGER_REFITS = 16
-
-
 REFIT_EVERY = 4
-
-
-#: while the profile is provisional, the refined profile is stored at least every this many
-#: measured requests (so a short first session is not lost)
+#: a provisional profile is stored at least every this many measured requests (a short first session is not lost)
 PROVISIONAL_PERSIST_EVERY = 4
 
 
-def _usable(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
-
-
 class EngineState:
-    """What one engine has learned: the live profile (its cost model, speed factor, decode and
-    first-token overhead) and the requests in flight on it (``queue``). Shared by every wrapper of
-    that engine. ``queue``: an existing one to keep (the requests in flight do not change when the
-    engine is calibrated again); else a new one on ``clock``."""
+    """What one engine has learned (the live profile) and its requests in flight (``queue``: kept across recalibrations)."""
 
     def __init__(self, profile: Profile, *, queue: EngineQueue | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.live = LiveProfile(profile, refit_every=REFIT_EVERY, eager_refits=EAGER_REFITS)
-        #: the requests in flight on this engine, for the wait each new one is predicted to have
         self.queue = queue if queue is not None else EngineQueue(clock)
-        #: which calibration this state grew from
         self.calibration = _calibration_tag(profile)
 
     @property
     def speed(self) -> Any:
-        """The engine's one :class:`~trimkit.planning.speed.SpeedEstimate`."""
         return self.live.speed
 
     def safety_margin(self, target: float = DEFAULT_TARGET, *, extrapolation: float = 1.0, share: float = 1.0) -> float:
-        """The fraction of a budget to hold back for ``target`` (default 0.97) of requests inside
-        it (see the module docstring): ``share`` of the prediction uncertain (1: open loop),
-        ``extrapolation`` ≥ 1 how far beyond the probed range the prompt reaches."""
+        """The share of a budget to hold back for ``target`` of requests inside it; ``share``: of the prediction uncertain,
+        ``extrapolation``: how far beyond the probed range the prompt reaches (its spread counts that many times)."""
         profile = self.live.current
         base = self.speed.margin(profile.model, target, fallback=profile.safety_margin, share=share)
         x = extrapolation if math.isfinite(extrapolation) and extrapolation > 1.0 else 1.0
@@ -562,12 +397,7 @@ class EngineState:
         return margin_for_ratio(1.0 + x * (1.0 / (1.0 - base) - 1.0), cap=MARGIN_CAP)
 
     def request_margin(self, target: float, budget_s: float, prompt_tokens: int, cached_tokens: int, *, watched: bool = False) -> float:
-        """One request's margin: :meth:`safety_margin` for the longest prompt its plan may send
-        (all ``prompt_tokens``, or what ``budget_s`` allows). ``watched``: its prefill will be
-        watched, so the margin covers only what follows the watch's last check
-        (:func:`tail_share`) — of the prompt the plan will send, not the longer one it was given
-        (a 600-token plan of a 1,700-token prompt is checked once, after its first step: most of
-        it is tail)."""
+        """:meth:`safety_margin` for the longest prompt the plan may send; ``watched``: only the tail after the last check."""
         profile = self.live.current
         n = evaluated_tokens(prompt_tokens, cached_tokens)
         first = self.safety_margin(target, share=tail_share(profile, n) if watched else 1.0)
@@ -577,21 +407,12 @@ class EngineState:
         return self.safety_margin(target, extrapolation=profile.extrapolation(new, cached_tokens), share=share)
 
     def slowdown_warnings(self) -> list[str]:
-        """The slowdown notice while the engine runs ≥ 2× slower than calibrated (none otherwise)."""
         return self.speed.slowdown_warnings(self.live.speed_factor(), lambda: _threads_hint(self.live.current))
 
     def learn(self, m: Any, *, persist_every: int = 0, answer_capped: bool = True, watched: bool = False,
               outcome: tuple[float, float] | None = None) -> Profile | None:
-        """What one finished request (its :class:`~trimkit.backends.base.Measurement` ``m``)
-        teaches the engine: its prefill to the live profile (the speed estimate — unless
-        ``watched``: its steps joined it already — and the refit), its decode speed and
-        first-token overhead. Every ``persist_every`` measured prefills (every
-        :data:`PROVISIONAL_PERSIST_EVERY` at most while the profile is provisional; 0: never) it
-        returns the refined profile for the caller to store, so the next process starts from it
-        (planning writes nothing: the pipeline stores it); else None. To the in-flight queue:
-        how fast its answer streamed, and (``answer_capped`` False: the call set no
-        ``max_tokens``) how long it was. ``outcome``: a watched request's (measured, predicted)
-        TTFT, for the margin (:meth:`SpeedEstimate.observe_outcome`)."""
+        """What one finished request's Measurement ``m`` teaches the engine; returns the refined profile to store every
+        ``persist_every`` measured prefills (more often while provisional), else None."""
         if outcome is not None:
             self.speed.observe_outcome(*outcome)
         measured = m.ttft_s if m.ttft_s is not None else m.first_output_s
@@ -609,14 +430,12 @@ class EngineState:
 
 
 def tail_share(profile: Profile, new_tokens: int) -> float:
-    """The share of ``new_tokens``' prefill a watch cannot catch: what follows its last check
-    (one batch), all of it for a prompt of a batch or less. The safety margin covers only that."""
+    """The share of ``new_tokens``' prefill a watch cannot catch: what follows its last check (one batch)."""
     return min(1.0, max(int(profile.model.n_batch or 512), 1) / max(new_tokens, 1))
 
 
 def _threads_hint(profile: Profile) -> str:
-    """For an in-process engine computing prefill on every core the process may use: why one
-    other busy process stalls it, and the cure (measured: docs/design.md, "The host's speed")."""
+    """Why one other busy process stalls an engine computing prefill on every core, and the cure (docs/design.md §2)."""
     key = profile.key
     cores = usable_cores()
     if key.backend == "llama_cpp" and key.n_threads_batch and cores and key.n_threads_batch >= cores:
@@ -630,14 +449,8 @@ def _calibration_tag(profile: Profile) -> tuple[Any, ...]:
 
 
 _lock = threading.Lock()
-
-
 _by_object: weakref.WeakKeyDictionary[Any, EngineState] = weakref.WeakKeyDictionary()
-
-
 _by_value: dict[Hashable, EngineState] = {}
-
-
 _MAX_BY_VALUE = 256
 
 
@@ -652,13 +465,8 @@ def _identity_of(backend: Any) -> Any:
 
 
 def engine_state(backend: Any, profile: Profile) -> EngineState:
-    """The live state of ``backend``'s engine: the existing one when it grew from the same
-    calibration as ``profile``, else a new one started from ``profile`` (and remembered; it
-    keeps the old one's in-flight queue, whose clock is the first backend's ``clock``).
-
-    Engines named by an object (a ``Llama``, a backend) are held weakly: the state goes when
-    the object does. Engines named by a value (``(url, model)``) are kept for the process
-    (the 256 most recent)."""
+    """The live state of ``backend``'s engine: the existing one if it grew from ``profile``'s calibration, else a new one
+    (keeping the old in-flight queue). Engines named by an object are held weakly, by a value the 256 latest."""
     identity = _identity_of(backend)
     tag = _calibration_tag(profile)
     try:

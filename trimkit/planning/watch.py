@@ -1,15 +1,6 @@
-"""The watched prefill: measure the pace of *this* request while it runs, and decide again
-(docs/design.md §2 "The watched prefill").
-
-:class:`PrefillWatch` is the decision, with no I/O: where each step ends (:meth:`~PrefillWatch.next_end`),
-each step's measured time (:meth:`~PrefillWatch.record`), whether the projected first token is over
-the budget less the margin for what follows (:meth:`~PrefillWatch.over_budget`), the profile to
-re-plan with at the measured pace (:meth:`~PrefillWatch.paced_profile`), and the watch over the new
-prompt (:meth:`~PrefillWatch.continue_with`). A re-plan first cuts the chunks not evaluated yet
-(:func:`cut_chunks`: what is evaluated stays), and only when that cannot fit plans the whole request
-again; at most :data:`MAX_REPLANS` a request. The driver is :class:`~trimkit.pipeline.WatchedPrefill`;
-the engine's side :meth:`~trimkit.backends.base.Backend.evaluate_to`.
-"""
+"""The watched prefill: measure the pace of *this* request while it runs, and decide again (docs/design.md §2 "The watched
+prefill"). :class:`PrefillWatch` is the decision, with no I/O; a re-plan first cuts the chunks not evaluated yet
+(:func:`cut_chunks`), and only when that cannot fit plans the whole request again. The driver is ``pipeline.WatchedPrefill``."""
 
 from __future__ import annotations
 
@@ -19,11 +10,11 @@ from typing import Any
 import attrs
 
 from trimkit.messages import last_user_index, with_chunks
+from trimkit.planning.costs import largest_fitting
 from trimkit.planning.profile import Profile
 from trimkit.planning.tokens import common_prefix_len
 
-#: the first step: short, so the first reading of the pace comes early, and long enough that its
-#: fixed cost does not swamp the per-token pace (benchmarks/closed_loop.py measures its cost)
+#: short, so the pace is read early; long enough that its fixed cost does not swamp it (benchmarks/closed_loop.py)
 FIRST_STEP_TOKENS = 64
 #: at most this many re-plans a request (each costs a plan: milliseconds)
 MAX_REPLANS = 2
@@ -31,15 +22,13 @@ MAX_REPLANS = 2
 MIN_WATCHED_TOKENS = 2 * FIRST_STEP_TOKENS
 #: the pace is read over this many latest steps
 PACE_STEPS = 2
-#: a request projected this share under its target may put back chunks its plan dropped (the
-#: gap keeps a cut and a put-back from answering each other on one step's jitter)
+#: a request projected this share under its target may put back dropped chunks (a gap against one step's jitter)
 AHEAD_SHARE = 0.05
 
 
 @attrs.frozen
 class WatchStep:
-    """One step of a watched prefill: ``new_tokens`` evaluated after ``cached_tokens`` in
-    ``seconds``, against ``predicted_s`` (the profile in force when the request was planned)."""
+    """One step: ``new_tokens`` after ``cached_tokens`` in ``seconds``, against ``predicted_s`` (as planned)."""
 
     new_tokens: int
     cached_tokens: int
@@ -49,10 +38,8 @@ class WatchStep:
 
 @attrs.frozen
 class Replan:
-    """One re-plan: after ``evaluated_tokens`` of the ``prompt_tokens`` prompt, ``elapsed_s`` into
-    the request, the pace was ``pace`` × the prediction; the TTFT projected then, and the plan that
-    replaced it (its prompt length and prediction); ``dropped`` names what it cut, and with a
-    ``+`` what it put back (a request running ahead of its plan)."""
+    """One re-plan, for the report: where it happened, the pace and projection then, and the plan that replaced it;
+    ``dropped`` names what it cut, and with a ``+`` what it put back."""
 
     evaluated_tokens: int
     prompt_tokens: int
@@ -65,7 +52,6 @@ class Replan:
     dropped: tuple[str, ...] = ()
 
     def summary(self) -> str:
-        """The sentence the report prints."""
         gone = [d for d in self.dropped if not d.startswith("+")]
         back = [d[1:] for d in self.dropped if d.startswith("+")]
         dropped = (f"; dropped {', '.join(gone)}" if gone else "") + (f"; put back {', '.join(back)}" if back else "")
@@ -79,12 +65,7 @@ class Replan:
 
 
 class PrefillWatch:
-    """The decisions of one watched prefill (see the module docstring).
-
-    ``tokens``: the prompt; ``cached``: its prefix already in the engine's context; ``profile``:
-    the profile it was planned with (its speed factor included); ``budget_s``: the TTFT budget
-    (the whole request's, from sending); ``margin``: the share of the budget held back for what
-    follows the last step; ``n_batch``: the engine's batch (later steps are this long)."""
+    """The decisions of one watched prefill; ``margin``: the share of the budget held back for what follows the last step."""
 
     def __init__(self, tokens: Sequence[int], cached: int, profile: Profile, budget_s: float, *, margin: float, n_batch: int,
                  first_step_tokens: int = FIRST_STEP_TOKENS, replans: int = 0) -> None:
@@ -97,11 +78,8 @@ class PrefillWatch:
         self.first_step_tokens = max(min(int(first_step_tokens), self.n_batch), 1)
         self.replans = replans
         self.steps: list[WatchStep] = []
-        #: how far the context holds this prompt (its evaluated prefix)
-        self.position = self.cached
-        #: where this request's evaluation began: its steps are priced as parts of one prefill
-        #: from here, as the planner priced the prompt
-        self.origin = self.cached
+        self.position = self.cached  # how far the context holds this prompt
+        self.origin = self.cached  # where its evaluation began: steps are priced as parts of one prefill from here
 
     @property
     def watched(self) -> bool:
@@ -120,31 +98,22 @@ class PrefillWatch:
         return end
 
     def record(self, end: int, seconds: float, start: int | None = None) -> None:
-        """The step to ``end`` took ``seconds`` (``start``: where it began, if the engine had to
-        start earlier than :attr:`position` — a prefix it could not keep)."""
+        """The step to ``end`` took ``seconds`` (``start``: if the engine could not keep the prefix up to :attr:`position`)."""
         start = self.position if start is None else start
-        if start < self.origin:  # the engine could not keep the prefix: one prefill from there
-            self.origin = start
-        new = max(end - start, 1)
-        self.steps.append(WatchStep(new, start, float(seconds), self._part_s(start, end)))
+        self.origin = min(self.origin, start)
+        self.steps.append(WatchStep(max(end - start, 1), start, float(seconds), self._part_s(start, end)))
         self.position = end
 
     def _part_s(self, start: int, end: int) -> float:
-        """The predicted time of tokens ``start``–``end`` as a part of one prefill from
-        :attr:`origin` (the planner's prediction of the whole, split: the fixed cost in its
-        first part)."""
+        """The predicted time of tokens ``start``–``end`` as a part of one prefill from :attr:`origin`."""
         def upto(i: int) -> float:
             return self.profile.predict_prefill_s(i - self.origin, self.origin) if i > self.origin else 0.0
         return max(upto(end) - upto(start), 0.0)
 
     @property
     def prefill_so_far(self) -> tuple[int, int, float]:
-        """This request's evaluation so far as one prefill: (new tokens, cached before them,
-        seconds measured) — what the speed estimate learns, priced as the planner prices a
-        prompt. It is the unbroken run of steps that ends at :attr:`position`: after a re-plan
-        that kept less than was evaluated (a start-over), the steps whose tokens left the prompt
-        are no part of it (counted, they priced a few tokens at the time of hundreds, and the
-        margin read from that outlier held later plans to half their budget)."""
+        """The unbroken run of steps ending at :attr:`position` as one prefill: (new tokens, cached, seconds). Steps whose
+        tokens left the prompt after a start-over are no part of it (priced as a few tokens, they skewed the margin)."""
         seconds, start = 0.0, self.position
         for step in reversed(self.steps):
             if step.cached_tokens + step.new_tokens != start:
@@ -155,10 +124,7 @@ class PrefillWatch:
 
     @property
     def pace(self) -> float:
-        """Measured ÷ predicted of this request's latest step when it was a long one (at least
-        half a batch), else over its last :data:`PACE_STEPS` steps (1 before the first): recent
-        enough to follow a host that slows down while the prompt runs, long enough that one short
-        step's jitter does not decide alone."""
+        """Measured ÷ predicted of the latest step if long (half a batch or more), else of the last :data:`PACE_STEPS`."""
         last = self.steps[-1:]
         recent = last if last and last[0].new_tokens * 2 >= self.n_batch else self.steps[-PACE_STEPS:]
         predicted = sum(s.predicted_s for s in recent)
@@ -173,10 +139,7 @@ class PrefillWatch:
         return elapsed_s + prefill + self.profile.first_token_overhead_s(n)
 
     def over_budget(self, elapsed_s: float) -> bool:
-        """Whether the projection says the first token comes too late and a re-plan may still
-        help: some prompt is left to decide on, and re-plans are left. Read off a short step
-        alone (the first), the pace is discounted by the profile's own noise (its p90 held-out
-        error): a short probe's jitter is no reason to cut, a host twice as slow still is."""
+        """Whether the first token is projected too late while a re-plan may still help."""
         if self.replans >= MAX_REPLANS or self.position >= len(self.tokens):
             return False
         target = self.budget_s * (1.0 - self.margin)
@@ -185,26 +148,21 @@ class PrefillWatch:
             return False
         if self.measured_long_step:
             return True
-        # only a short step measured: its pace is the least certain there is. Cut now only if
-        # there would be no later chance — the next (long) step, then a short tail for the
-        # question, at that pace, would already be too late — else measure one long step first
-        # (what it evaluates stays: a later cut keeps it)
+        # only a short step measured: cut now only if the next (long) step and a short tail at that pace would already be
+        # too late, else measure one long step first (what it evaluates stays)
         end = self.next_end() or len(self.tokens)
         tail = min(self.first_step_tokens, len(self.tokens) - end)
         later = self._part_s(self.position, end) + self._part_s(end, end + tail)
         return elapsed_s + pace * later + self.profile.first_token_overhead_s(len(self.tokens)) > target
 
     def ahead(self, elapsed_s: float) -> bool:
-        """Whether the projection leaves room to put back what the plan dropped: a long step was
-        measured, no re-plan was made yet, and the first token is projected at least
-        :data:`AHEAD_SHARE` under the budget less the margin."""
+        """Whether a long step projects the first token :data:`AHEAD_SHARE` under target (before any re-plan)."""
         if self.replans or not self.measured_long_step or self.position >= len(self.tokens):
             return False
         return self.projected_ttft_s(elapsed_s) <= (1.0 - AHEAD_SHARE) * self.budget_s * (1.0 - self.margin)
 
     @property
     def measured_long_step(self) -> bool:
-        """Whether a step of at least half a batch was measured (its pace is taken as it is)."""
         return any(s.new_tokens * 2 >= self.n_batch for s in self.steps)
 
     @property
@@ -218,13 +176,10 @@ class PrefillWatch:
         return max(pace / (1.0 + noise), min(pace, 1.0))
 
     def paced_profile(self) -> Profile:
-        """The profile at this request's measured pace (what the rest of it will run at)."""
         return attrs.evolve(self.profile, drift=self.profile.drift * self.pace)
 
     def continue_with(self, tokens: Sequence[int], *, held: int | None = None) -> PrefillWatch:
-        """The watch over a re-planned prompt ``tokens``: what the context holds of it (``held``,
-        else the common prefix with the evaluated part) is its cache; its steps keep this one's,
-        and its pace is read against the same profile."""
+        """The watch over a re-planned prompt: what the context holds of it (``held``) is its cache; it keeps the steps."""
         kept = common_prefix_len(self.tokens[: self.position], tokens) if held is None else held
         nxt = PrefillWatch(tokens, kept, self.profile, self.budget_s, margin=self.margin, n_batch=self.n_batch,
                            first_step_tokens=self.first_step_tokens, replans=self.replans + 1)
@@ -236,8 +191,7 @@ class PrefillWatch:
 
 @attrs.frozen
 class Cut:
-    """A re-planned prompt: the chunks it keeps (in their order), its messages and tokens, what
-    the context holds of it and its predicted TTFT from now."""
+    """A re-planned prompt: its chunks, messages and tokens, what the context holds of it, its predicted TTFT from now."""
 
     chunks: tuple[Any, ...]
     messages: Sequence[Any]
@@ -249,17 +203,9 @@ class Cut:
 def cut_chunks(plan: Any, original_last_user: Mapping[str, Any], price: Callable[[Sequence[Any]], tuple[Sequence[int], int, float]],
                target_s: float, rag_template: str, rag_chunk_template: str, *, position: int, value: Callable[[Any], float],
                extra: Sequence[Any] = (), least: bool = False) -> Cut | None:
-    """The re-plan that keeps the evaluated prefix: the plan's chunks that are (even in part)
-    evaluated stay — they are in the context, and dropping one would forfeit everything after
-    it — and of the others, which nothing has evaluated yet, the most value per character that
-    fits ``target_s`` from now is kept, in the plan's order (``value(chunk)``: the plan's value of
-    it). ``extra``: chunks the plan dropped that may be put back (a host running faster than
-    predicted), chosen the same way, before the plan's last chunk (its most relevant, next to the
-    question) unless that one is evaluated already. ``price(messages) -> (tokens, cached,
-    predicted_s)`` prices a prompt against the engine's context at the measured pace;
-    ``position``: how much of the prompt the context holds. A binary search over how many of the
-    free chunks to keep, densest first. None when there is no chunk to choose or even none of the
-    free ones fits. ``least``: the cut that keeps none of the free chunks, whatever it costs."""
+    """The re-plan that keeps the evaluated prefix: chunks evaluated (even in part) stay; of the others (and ``extra``:
+    dropped ones that may come back) the most value per character that fits ``target_s`` is kept, in the plan's order.
+    None when nothing fits; ``least``: the cut keeping no free chunk, whatever it costs."""
     own = tuple(getattr(plan, "kept_chunks", ()))  # in prompt order, the most relevant one last
     if not own and not extra:
         return None
@@ -275,16 +221,14 @@ def cut_chunks(plan: Any, original_last_user: Mapping[str, Any], price: Callable
             memo[key] = Cut(chunks, messages, tokens, cached, predicted)
         return memo[key]
 
-    # the leading chunks the context already holds (in part): chunk i starts where the prompts
-    # with and without it part ways
+    # the leading chunks the context already holds (in part): chunk i starts where the prompts with and without it part
     fixed = 0
     while fixed < len(own):
         start = common_prefix_len(render(own[:fixed]).tokens, render(own[: fixed + 1]).tokens)
         if start >= position:
             break
         fixed += 1
-    # chunks put back go before the plan's last one (its most relevant, next to the question)
-    # while nothing has evaluated it, else after it
+    # chunks put back go before the plan's last one (its most relevant, next to the question) unless it is evaluated
     kept = (*own[:-1], *extra, *own[-1:]) if fixed < len(own) else (*own, *extra)
 
     def cut(chosen: Sequence[int]) -> Cut:
@@ -295,17 +239,8 @@ def cut_chunks(plan: Any, original_last_user: Mapping[str, Any], price: Callable
     def choice(m: int) -> list[int]:
         return sorted([*range(fixed), *free[:m]])
 
-    best = cut(choice(0))
     if least:
-        return best
-    if best.predicted_s > target_s:
+        return cut(choice(0))
+    if cut(choice(0)).predicted_s > target_s:
         return None
-    lo, hi = 0, len(free)  # the most free chunks (densest first) that fit: TTFT grows with them
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        c = cut(choice(mid))
-        if c.predicted_s <= target_s:
-            lo, best = mid, c
-        else:
-            hi = mid - 1
-    return best
+    return cut(choice(largest_fitting(lambda m: cut(choice(m)).predicted_s <= target_s, 0, len(free))))  # densest first
