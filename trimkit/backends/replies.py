@@ -198,8 +198,10 @@ def has_server_stats(chunk: Any) -> bool:
     return any(data.get(key) is not None for key in ("usage", "timings", "prompt_eval_count", "eval_count"))
 
 
-def _invalid(field: str, expected: str, value: Any) -> MalformedReplyError:
-    return MalformedReplyError(f"the server's {field} is not {expected}: {describe(value)}", field=field, server_message=describe(value))
+def _invalid(field: str, expected: str, value: Any, strict: bool) -> None:
+    """None for an invalid number the server reported, or (``strict``) MalformedReplyError."""
+    if strict:
+        raise MalformedReplyError(f"the server's {field} is not {expected}: {describe(value)}", field=field, server_message=describe(value))
 
 
 def _count(value: Any, field: str = "", strict: bool = False) -> int | None:
@@ -210,9 +212,7 @@ def _count(value: Any, field: str = "", strict: bool = False) -> int | None:
         return value
     if isinstance(value, float) and math.isfinite(value) and 0 <= value <= MAX_TOKEN_COUNT:
         return int(value)
-    if strict:
-        raise _invalid(field, f"a token count (0..{MAX_TOKEN_COUNT})", value)
-    return None
+    return _invalid(field, f"a token count (0..{MAX_TOKEN_COUNT})", value, strict)
 
 
 def _seconds(value: Any, per_second: float, field: str = "", strict: bool = False) -> float | None:
@@ -226,17 +226,13 @@ def _seconds(value: Any, per_second: float, field: str = "", strict: bool = Fals
             seconds = math.inf
         if math.isfinite(seconds) and 0 <= seconds <= MAX_SERVER_SECONDS:
             return seconds
-    if strict:
-        raise _invalid(field, f"a duration (finite, 0..{MAX_SERVER_SECONDS:g} s)", value)
-    return None
+    return _invalid(field, f"a duration (finite, 0..{MAX_SERVER_SECONDS:g} s)", value, strict)
 
 
 def _mapping(value: Any, field: str, strict: bool) -> Mapping[str, Any] | None:
     if value is None or isinstance(value, Mapping):
         return value
-    if strict:
-        raise _invalid(field, "an object", value)
-    return None
+    return _invalid(field, "an object", value, strict)
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "", depth: int = 3) -> dict[str, Any]:

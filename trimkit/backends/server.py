@@ -712,31 +712,8 @@ def _count(value: Any) -> int | None:
     return int(value) if 0 <= value <= _MAX_COUNT else None
 
 
-def _metric_line(line: str) -> tuple[str, float] | None:
-    """``name{labels} value [timestamp]`` → (name, value); None for comments and lines that are not samples."""
-    line = line.strip()
-    if not line or line.startswith("#"):
-        return None
-    brace = line.find("{")
-    space = len(line) if " " not in line else line.index(" ")
-    if 0 <= brace < space:
-        name, i, quoted = line[:brace], brace + 1, False
-        while i < len(line) and (quoted or line[i] != "}"):  # label values may hold braces and spaces
-            if line[i] == "\\":
-                i += 1
-            elif line[i] == '"':
-                quoted = not quoted
-            i += 1
-        rest = line[i + 1 :]
-    else:
-        name, rest = line[:space], line[space:]
-    fields = rest.split()
-    if not name or not fields:
-        return None
-    try:
-        return name, float(fields[0])
-    except ValueError:
-        return None
+#: a Prometheus sample line: its name, its labels (values may hold braces and escaped quotes), its value
+_SAMPLE = re.compile(r'([^\s{#][^\s{]*)(?:\{(?:"(?:\\.|[^"\\])*"|[^"}])*\}\s*|\s+)(\S+)')
 
 
 def parse_prometheus(text: str, names: Iterable[str]) -> dict[str, float]:
@@ -744,9 +721,15 @@ def parse_prometheus(text: str, names: Iterable[str]) -> dict[str, float]:
     wanted = set(names)
     out: dict[str, float] = {}
     for line in text.splitlines():
-        sample = _metric_line(line)
-        if sample is not None and sample[0] in wanted and math.isfinite(sample[1]):
-            out[sample[0]] = out.get(sample[0], 0.0) + sample[1]
+        sample = _SAMPLE.match(line.strip())
+        if sample is None or sample[1] not in wanted:
+            continue
+        try:
+            value = float(sample[2])
+        except ValueError:
+            continue
+        if math.isfinite(value):
+            out[sample[1]] = out.get(sample[1], 0.0) + value
     return out
 
 
