@@ -198,10 +198,11 @@ def has_server_stats(chunk: Any) -> bool:
     return any(data.get(key) is not None for key in ("usage", "timings", "prompt_eval_count", "eval_count"))
 
 
-def _invalid(field: str, expected: str, value: Any, strict: bool) -> None:
+def _invalid(field: str, expected: str, value: Any, strict: bool) -> Any:
     """None for an invalid number the server reported, or (``strict``) MalformedReplyError."""
     if strict:
         raise MalformedReplyError(f"the server's {field} is not {expected}: {describe(value)}", field=field, server_message=describe(value))
+    return None
 
 
 def _count(value: Any, field: str = "", strict: bool = False) -> int | None:

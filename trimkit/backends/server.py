@@ -50,11 +50,9 @@ log = logging.getLogger("trimkit")
 
 #: the largest context size a server may report, in tokens
 MAX_CONTEXT_TOKENS = 1 << 26
-#: the largest token id a tokenize endpoint may return
 MAX_TOKEN_ID = 2**31 - 1
 #: a server's version or build string is kept to this many characters (it goes into profile keys)
 _MAX_VERSION_CHARS = 200
-#: the largest worker count or load a router may report
 _MAX_WORKERS = 1 << 20
 
 
@@ -256,25 +254,22 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
     n_ctx = props_n_ctx if props_n_ctx is not None else models.n_ctx
     version = f"llama.cpp {build_info}" if build_info else parse_version(request_json("GET", root_url + "/version", missing_ok=True))
     tokenize_endpoint, bos_prefix, apply_template = None, (), False
-    if "vllm" in models.owned_by:  # vLLM's /tokenize takes a prompt or the messages (it renders them itself)
-        probe = request_json("POST", root_url + "/tokenize", {"prompt": "", "add_special_tokens": True} | _model_field(model), missing_ok=True)
-        if is_tokenize_reply(probe):
-            parse_tokens(probe, what="/tokenize reply", max_tokens=TOKENIZE_SLACK)
-            tokenize_endpoint, apply_template = "/tokenize", True
-    else:
-        probe = request_json("POST", root_url + "/tokenize", {"content": "", "add_special": True, "parse_special": True}, missing_ok=True)
-        if is_tokenize_reply(probe):
-            parse_tokens(probe, what="/tokenize reply", max_tokens=TOKENIZE_SLACK)
-            tokenize_endpoint = "/tokenize"
+    vllm = "vllm" in models.owned_by  # vLLM's /tokenize takes a prompt or the messages (it renders them itself)
+    body = {"prompt": "", "add_special_tokens": True} | _model_field(model) if vllm else {"content": "", "add_special": True, "parse_special": True}
+    probe = request_json("POST", root_url + "/tokenize", body, missing_ok=True)
+    if is_tokenize_reply(probe):
+        parse_tokens(probe, what="/tokenize reply", max_tokens=TOKENIZE_SLACK)
+        tokenize_endpoint, apply_template = "/tokenize", True
+        if not vllm:
             rendered = request_json("POST", root_url + "/apply-template", {"messages": [{"role": "user", "content": "x"}]}, missing_ok=True)
             apply_template = isinstance(rendered, Mapping) and isinstance(rendered.get("prompt"), str)
-        else:
-            probe = request_json("POST", root_url + "/extras/tokenize", {"input": ""} | _model_field(model), missing_ok=True)
-            if is_tokenize_reply(probe):
-                tokenize_endpoint = "/extras/tokenize"
-                bos_prefix = tuple(parse_tokens(probe, what="/extras/tokenize reply", max_tokens=TOKENIZE_SLACK))
-                if not version:
-                    version = parse_openapi_version(request_json("GET", root_url + "/openapi.json", missing_ok=True))
+    elif not vllm:
+        probe = request_json("POST", root_url + "/extras/tokenize", {"input": ""} | _model_field(model), missing_ok=True)
+        if is_tokenize_reply(probe):
+            tokenize_endpoint = "/extras/tokenize"
+            bos_prefix = tuple(parse_tokens(probe, what="/extras/tokenize reply", max_tokens=TOKENIZE_SLACK))
+            if not version:
+                version = parse_openapi_version(request_json("GET", root_url + "/openapi.json", missing_ok=True))
     info = ServerInfo(engine=engine_of(models.owned_by, tokenize_endpoint), engine_version=version, model_ids=models.ids, n_ctx=n_ctx,
                       tokenize_endpoint=tokenize_endpoint, apply_template=apply_template, bos_prefix=bos_prefix,
                       metrics_off=switches.get("endpoint_metrics") is False,
@@ -679,7 +674,6 @@ LOAD_METRICS = (
 )
 #: the largest load body read (vLLM's /metrics with histograms is ~100 KB)
 MAX_LOAD_BYTES = 4 * 1024 * 1024
-#: a count above this is not a request count
 _MAX_COUNT = 1_000_000
 
 
@@ -875,11 +869,9 @@ class ServerLoadReader:
 #: the headers a routing key is sent in: vllm-router's (``consistent_hash``, ``sticky_least_loaded``)
 #: and sglang-router's (``manual``)
 ROUTING_HEADERS = ("x-session-id", "x-smg-routing-key")
-#: the longest routing key trimkit sends
 MAX_ROUTING_KEY_CHARS = 256
 #: a key is visible ASCII (spaces inside allowed): what an HTTP header value carries unchanged
 _KEY = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
-#: a header name (RFC 9110 token characters)
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 

@@ -28,7 +28,7 @@ import httpx
 import tenacity
 from httpx_sse import EventSource, ServerSentEvent
 
-from trimkit.backends.base import Clock, Io, Measurement, Steps, TimedStream
+from trimkit.backends.base import Clock, Io, Measurement, Steps, TimedStream, run_sync
 from trimkit.backends.replies import (
     MAX_EVENT_BYTES,
     MAX_REPLY_BYTES,
@@ -289,7 +289,6 @@ async def aiter_events(byte_chunks: AsyncIterable[bytes], reader: EventReader | 
 END = object()
 #: what is read of an error status's body (for its message)
 ERROR_BODY_BYTES = 64 * 1024
-#: the statuses of an endpoint this server does not have
 MISSING_STATUSES = (404, 405, 501)
 
 
@@ -347,36 +346,21 @@ def json_answer(status: int, headers: Any, content: bytes, url: str, *, missing_
         raise
 
 
-class _Capped:
-    """A body read until ``cap`` bytes: past it MalformedReplyError (``truncate``: the first ``cap`` bytes)."""
-
-    def __init__(self, cap: int, what: str, truncate: bool) -> None:
-        self.cap, self.what, self.truncate = cap, what, truncate
-        self.out = bytearray()
-
-    def full(self, data: bytes) -> bool:
-        self.out += data
-        if len(self.out) <= self.cap:
-            return False
-        if not self.truncate:
-            raise MalformedReplyError(f"the server sent a {self.what} over the {self.cap}-byte cap", server_message=excerpt(bytes(self.out[:500])))
-        return True
+def capped(chunks: Any, cap: int, what: str, truncate: bool = False) -> Steps:
+    """A body read, as I/O steps, until ``cap`` bytes: past it MalformedReplyError (``truncate``: its
+    first ``cap`` bytes). Nothing beyond the cap is read."""
+    out = bytearray()
+    while (data := (yield Io(next, anext, chunks, END))) is not END:
+        out += data
+        if len(out) > cap and not truncate:
+            raise MalformedReplyError(f"the server sent a {what} over the {cap}-byte cap", server_message=excerpt(bytes(out[:500])))
+        if len(out) > cap:
+            break
+    return bytes(out[:cap])
 
 
 def read_capped(byte_chunks: Iterable[bytes], cap: int, what: str, *, truncate: bool = False) -> bytes:
-    body = _Capped(cap, what, truncate)
-    for data in byte_chunks:
-        if body.full(data):
-            break
-    return bytes(body.out[:cap])
-
-
-async def aread_capped(byte_chunks: AsyncIterable[bytes], cap: int, what: str, *, truncate: bool = False) -> bytes:
-    body = _Capped(cap, what, truncate)
-    async for data in byte_chunks:
-        if body.full(data):
-            break
-    return bytes(body.out[:cap])
+    return run_sync(capped(iter(byte_chunks), cap, what, truncate))
 
 
 _USERINFO = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://)[^/?#@\s]*@")
@@ -495,10 +479,8 @@ class HTTPTransport:
                 status, got = resp.status_code, resp.headers
                 if missing_ok and status in MISSING_STATUSES:
                     return None
-                if status >= 400:
-                    content = read_capped(resp.iter_bytes(), ERROR_BODY_BYTES, "error body", truncate=True)
-                else:
-                    content = read_capped(resp.iter_bytes(), MAX_REPLY_BYTES, f"reply from {url}")
+                cap, what = (ERROR_BODY_BYTES, "error body") if status >= 400 else (MAX_REPLY_BYTES, f"reply from {url}")
+                content = read_capped(resp.iter_bytes(), cap, what, truncate=status >= 400)
         root_only = url.startswith(self.root_url) and not url.startswith(self.base_url)
         return json_answer(status, got, content, url, missing_ok=missing_ok, root_only=root_only)
 
@@ -518,7 +500,7 @@ class HTTPTransport:
                 plan = stream_body_plan(resp.status_code, resp.headers, url)
                 if plan is not None:
                     cap, what, truncate, outcome = plan
-                    content = yield Io(read_capped, aread_capped, data, cap, what, truncate=truncate)
+                    content = yield from capped(data, cap, what, truncate)
                     return Opened(outcome(content), None, close, lambda: True, whole=True)
                 reader = EventReader()
                 events = aiter_events(data, reader) if is_async else iter_events(data, reader)
@@ -575,7 +557,7 @@ class HTTPTransport:
                 response = _not_events(stream)
                 if response is not None:
                     data = response.aiter_bytes() if is_async else response.iter_bytes()
-                    head = yield Io(read_capped, aread_capped, data, ERROR_BODY_BYTES, "body", truncate=True)
+                    head = yield from capped(data, ERROR_BODY_BYTES, "body", truncate=True)
                     raise stream_reply_error(response.headers.get("content-type"), head, url)
                 it = stream.__aiter__() if is_async else iter(stream)
                 first = yield Io(next, anext, it, END)
@@ -793,7 +775,6 @@ class AsyncTimedStream(TimedStream):
 
 # == how long a request may wait, and how it is retried ======================================================
 
-#: no single network wait is set shorter than this
 MIN_WAIT_S = 0.05
 #: the errors a request is retried on, inside its deadline
 RETRIED = (TransientServerError, ServerUnreachableError)
