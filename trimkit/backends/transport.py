@@ -860,19 +860,15 @@ class RetryRun:
     """The books of one retried call: its start, the last attempt's error, what each attempt may wait, what to raise."""
 
     def __init__(self, deadline: Deadline, url: str) -> None:
-        self.deadline = deadline
-        self.url = url
+        self.deadline, self.url = deadline, url
         self.start = time.monotonic()
         self.previous: BaseException | None = None
 
-    def wait(self) -> Wait:
-        remaining = self.deadline.seconds - (time.monotonic() - self.start)
-        return Wait(remaining, self.deadline.seconds if self.deadline.bounded else None)
-
     @contextlib.contextmanager
-    def attempt(self) -> Iterator[None]:
+    def attempt(self) -> Iterator[Wait]:
+        """Around one attempt: what it may wait; its error is kept (see :meth:`timed_out`)."""
         try:
-            yield
+            yield Wait(self.deadline.seconds - (time.monotonic() - self.start), self.deadline.seconds if self.deadline.bounded else None)
         except BaseException as exc:
             self.previous = exc
             raise
@@ -902,8 +898,7 @@ def with_retries(attempt: Callable[[Wait], Any], deadline: Deadline, url: str, l
     retrying = tenacity.Retrying(**limits.retry_arguments(deadline))
     try:
         for try_ in retrying:
-            with try_, run.attempt():
-                wait = run.wait()
+            with try_, run.attempt() as wait:
                 if not deadline.bounded:
                     return attempt(wait)
                 return run_within(lambda wait=wait: attempt(wait), wait.remaining_s, discard, run.timed_out)
@@ -918,8 +913,7 @@ async def awith_retries(attempt: Callable[[Wait], Awaitable[Any]], deadline: Dea
     retrying = tenacity.AsyncRetrying(**limits.retry_arguments(deadline))
     try:
         async for try_ in retrying:
-            with try_, run.attempt():
-                wait = run.wait()
+            with try_, run.attempt() as wait:
                 if not deadline.bounded:
                     return await attempt(wait)
                 try:
