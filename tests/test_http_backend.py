@@ -171,8 +171,8 @@ def test_calibration_probes_give_positive_length_increasing_times(backend):
 
 
 def test_probe_prompts_have_the_requested_length_and_differ_per_cold_probe(backend):
-    text_a, tokens_a = backend.probes.prompt(100, backend.probes.next_offset())
-    text_b, tokens_b = backend.probes.prompt(100, backend.probes.next_offset())
+    text_a, tokens_a = backend.probe_prompt(100, backend.next_probe_offset())
+    text_b, tokens_b = backend.probe_prompt(100, backend.next_probe_offset())
     assert 95 <= len(tokens_a) <= 100 and 95 <= len(tokens_b) <= 100
     assert tokens_a[1:4] != tokens_b[1:4]
 

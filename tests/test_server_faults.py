@@ -654,9 +654,9 @@ def test_calibration_probes_against_a_fair_tokenizer_stay_within_the_cap(server)
     server.routes["/extras/tokenize"] = _tokenize_route(lambda text: 1 + len(text.split()))
     backend = OpenAIHTTPBackend(server.base_url, model="m")
     try:
-        text, tokens = backend.probes.prompt(2048, 0)
+        text, tokens = backend.probe_prompt(2048, 0)
         assert 2040 <= len(tokens) <= 2048 and len(text.encode()) < MAX_PROBE_TEXT_BYTES
         with pytest.raises(CalibrationError, match="cap"):  # a probe no text under the cap can make
-            backend.probes.prompt(10_000_000, 0)
+            backend.probe_prompt(10_000_000, 0)
     finally:
         backend.close()

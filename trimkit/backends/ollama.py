@@ -21,10 +21,10 @@ from typing import Any
 import attrs
 import httpx
 
-from trimkit.backends.base import Backend, Clock, Measurement, TimedStream, is_ollama_client
+from trimkit.backends.base import Clock, Measurement, TimedStream, is_ollama_client
 from trimkit.backends.llama_format import chat_format_renderer
 from trimkit.backends.replies import MAX_EVENT_BYTES, ServerStats, as_mapping, error_message, load_json, parse_server_stats
-from trimkit.backends.server import DelegatedProbes, ServerEvidence, ServerProbes, local_prompt_tokenizer
+from trimkit.backends.server import ServerBackend, ServerEvidence, local_prompt_tokenizer
 from trimkit.backends.transport import AsyncTimedStream, redact_url, status_error, transport_error
 from trimkit.errors import InvalidInputError, MalformedReplyError, ServerError, StreamInterruptedError, count
 from trimkit.planning.costs import CacheState
@@ -129,7 +129,7 @@ def content_of(chunk: Any) -> str | None:
     return "" if getattr(chunk, "done", False) else None
 
 
-class OllamaBackend(DelegatedProbes, Backend):
+class OllamaBackend(ServerBackend):
     """Ollama's native API through an ``ollama.Client`` / ``ollama.AsyncClient``.
 
     ``n_ctx`` is the context window every request asks for (``options.num_ctx``) and the plan
@@ -161,7 +161,6 @@ class OllamaBackend(DelegatedProbes, Backend):
         self._version: str | None = None
         self._side: httpx.Client | None = None  # sync requests beside an async client: probes, /api/version
         self.evidence = ServerEvidence(self.base_url, lambda: 1, lambda: False)
-        self.probes = ServerProbes(self)
 
     # -- facts ----------------------------------------------------------------------------------
     @property

@@ -1,15 +1,9 @@
-"""What an OpenAI-compatible server sent, parsed at the boundary (docs/servers.md §6): bounded
-JSON (:func:`load_json`), chunks and completions (:func:`parse_chunk`, :func:`parse_completion` →
-:class:`Reply`), the numbers a server reports about a request (:func:`parse_server_stats` →
-:class:`ServerStats`), error bodies and ``Retry-After``, and the ``chat.completion`` a finished
-stream amounts to (:func:`assemble_chat_completion`). Pure functions, no I/O.
+"""What an OpenAI-compatible server sent, parsed at the boundary (docs/servers.md §6): bounded JSON,
+chunks and completions (:class:`Reply`), the server's own numbers (:class:`ServerStats`), error
+bodies, ``Retry-After``, and the ``chat.completion`` a finished stream amounts to. No I/O.
 
-The rules, the same for every parser (the server facts' too, :mod:`trimkit.backends.server`): a
-value the protocol does not allow raises :class:`~trimkit.errors.MalformedReplyError` with
-``.field`` naming where (``choices[0].delta``); a 200 error object raises
-:class:`~trimkit.errors.ServerError`; ``null`` means "not said"; only the fields trimkit reads are
-checked and the caller receives the server's object itself (``Reply.raw``); numbers are
-range-checked and sizes capped.
+Every parser: a value the protocol does not allow raises MalformedReplyError with ``.field``; a 200
+error object raises ServerError; ``null`` means "not said"; the caller gets the server's object (``Reply.raw``).
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import attrs
@@ -30,18 +24,16 @@ from trimkit.errors import MalformedReplyError, ServerError
 
 log = logging.getLogger("trimkit")
 
-
-# == fields: bounded JSON and typed readers ==================================================================
-
 #: JSON nested deeper than this (objects and arrays) is refused; real replies are < 10 deep
 MAX_JSON_DEPTH = 64
-#: the largest whole reply body read, in bytes (a non-streamed answer, a tokenize reply, …)
+#: the largest whole reply body read, in bytes
 MAX_REPLY_BYTES = 64 * 1024 * 1024
 #: the largest single server-sent event, in bytes
 MAX_EVENT_BYTES = 8 * 1024 * 1024
 
 
-# -- what was wrong ---------------------------------------------------------------------------------------
+# == fields: bounded JSON and typed readers ==================================================================
+
 def describe(value: Any) -> str:
     if value is None:
         return "null"
@@ -80,7 +72,6 @@ def join_path(path: str, key: str | int) -> str:
     return f"{path}.{key}" if path else key
 
 
-# -- JSON -------------------------------------------------------------------------------------------
 def _too_deep(value: Any, limit: int) -> bool:
     """Is ``value`` nested more than ``limit`` containers deep? Iterative: no recursion to overflow."""
     stack = [(value, 1)]
@@ -99,9 +90,7 @@ def _too_deep(value: Any, limit: int) -> bool:
 
 
 def load_json(data: bytes | str, *, what: str, status: int | None = 200) -> Any:
-    """Decode a reply body or an SSE event's data: JSON of at most :data:`MAX_REPLY_BYTES`,
-    nested at most :data:`MAX_JSON_DEPTH` deep. Raises MalformedReplyError for anything else
-    (not JSON, not UTF-8, too big, too deep — including deep enough to overflow the decoder)."""
+    """A reply body or event's data: JSON of at most MAX_REPLY_BYTES, MAX_JSON_DEPTH deep, else MalformedReplyError."""
     if len(data) > MAX_REPLY_BYTES:
         raise MalformedReplyError(f"the server sent a {what} of {len(data)} bytes, over the {MAX_REPLY_BYTES}-byte cap",
                                   status=status, server_message=excerpt(data))
@@ -119,40 +108,48 @@ def load_json(data: bytes | str, *, what: str, status: int | None = 200) -> Any:
     return value
 
 
-# -- field readers ------------------------------------------------------------------------------------
-def opt_str(obj: Mapping[str, Any], key: str, what: str, path: str) -> str | None:
-    value = obj.get(key)
-    if value is None or isinstance(value, str):
-        return value
-    fail(what, join_path(path, key), "a string", value)
+def _opt(kind: type | tuple[type, ...], expected: str) -> Callable[[Mapping[str, Any], str, str, str], Any]:
+    def read(obj: Mapping[str, Any], key: str, what: str, path: str) -> Any:
+        value = obj.get(key)
+        if value is None or isinstance(value, kind):
+            return value
+        fail(what, join_path(path, key), expected, value)
+
+    return read
+
+
+#: ``obj[key]`` when it is absent/null or of the type, else MalformedReplyError naming ``path.key``
+opt_str = _opt(str, "a string")
+opt_mapping = _opt(Mapping, "an object")
+opt_list = _opt(list, "an array")
 
 
 def opt_int(obj: Mapping[str, Any], key: str, what: str, path: str, hi: int) -> int | None:
     value = obj.get(key)
-    if value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= hi:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= hi):
         return value
     fail(what, join_path(path, key), f"an integer 0..{hi}", value)
 
 
-def opt_mapping(obj: Mapping[str, Any], key: str, what: str, path: str) -> Mapping[str, Any] | None:
-    value = obj.get(key)
-    if value is None or isinstance(value, Mapping):
-        return value
-    fail(what, join_path(path, key), "an object", value)
-
-
-def opt_list(obj: Mapping[str, Any], key: str, what: str, path: str) -> list[Any] | None:
-    value = obj.get(key)
-    if value is None or isinstance(value, list):
-        return value
-    fail(what, join_path(path, key), "an array", value)
+def as_mapping(obj: Any) -> Mapping[str, Any] | None:
+    """A response or chunk as a mapping: dicts as they are, pydantic objects (the ``openai``
+    client's, extra fields such as ``timings`` kept) through ``model_dump()``."""
+    if isinstance(obj, Mapping) or obj is None:
+        return obj
+    dump = getattr(obj, "model_dump", None)
+    if not callable(dump):
+        return None
+    try:
+        try:  # an object built from a malformed reply must not warn while it is dumped
+            data = dump(warnings=False)
+        except TypeError:
+            data = dump()
+    except Exception:
+        return None
+    return data if isinstance(data, Mapping) else None
 
 
 def as_object(obj: Any, what: str) -> Mapping[str, Any]:
-    """A reply as a mapping (dicts as they are, the ``openai`` client's objects dumped), nested at
-    most :data:`MAX_JSON_DEPTH` deep."""
     data = as_mapping(obj)
     if data is None:
         fail(what, "", "a JSON object", obj)
@@ -168,7 +165,7 @@ SOURCE_OLLAMA = "ollama"
 SOURCE_USAGE = "usage"
 SOURCE_CLIENT = "client"
 
-#: the largest token count a server may report (usage, timings, counters): 2**31 - 1
+#: the largest token count a server may report (usage, timings, counters)
 MAX_TOKEN_COUNT = 2**31 - 1
 #: the longest time a server may report for one request, in seconds (about 11.6 days)
 MAX_SERVER_SECONDS = 1e6
@@ -178,12 +175,8 @@ _OLLAMA_KEYS = ("prompt_eval_count", "prompt_eval_duration", "eval_count", "eval
 
 @attrs.frozen
 class ServerStats:
-    """What the server said about one request. ``None`` means it did not say.
-
-    ``prompt_tokens`` is the whole prompt as the server took it in (evaluated + reused);
-    ``evaluated_tokens`` the part it had to prefill; ``cached_tokens`` the part it reused.
-    ``raw`` keeps the server's own numbers, flattened (``"timings.prompt_ms"``).
-    """
+    """What the server said about one request (None: not said). ``prompt_tokens`` is the whole prompt
+    (``evaluated_tokens`` prefilled + ``cached_tokens`` reused); ``raw`` its numbers, flattened."""
 
     source: str = SOURCE_CLIENT
     prompt_tokens: int | None = None
@@ -199,65 +192,32 @@ class ServerStats:
         return self.source != SOURCE_CLIENT
 
 
-def as_mapping(obj: Any) -> Mapping[str, Any] | None:
-    """A response or chunk as a mapping: dicts as they are, pydantic objects (the ``openai``
-    client's, whose extra fields such as ``timings`` are kept) through ``model_dump()``."""
-    if obj is None:
-        return None
-    if isinstance(obj, Mapping):
-        return obj
-    dump = getattr(obj, "model_dump", None)
-    if callable(dump):
-        try:
-            try:  # an object built from a malformed reply must not warn while it is dumped
-                data = dump(warnings=False)
-            except TypeError:
-                data = dump()
-        except Exception:
-            return None
-        return data if isinstance(data, Mapping) else None
-    return None
-
-
-def field_of(obj: Any, name: str) -> Any:
-    """``obj[name]`` for mappings, else the attribute (or pydantic extra field); None if absent."""
-    if isinstance(obj, Mapping):
-        return obj.get(name)
-    value = getattr(obj, name, None)
-    if value is None:
-        extra = getattr(obj, "model_extra", None)
-        if isinstance(extra, Mapping):
-            value = extra.get(name)
-    return value
-
-
 def has_server_stats(chunk: Any) -> bool:
-    """Cheap per-chunk test: does this response/chunk carry usage, timings or Ollama counters?"""
-    return any(field_of(chunk, key) is not None for key in ("usage", "timings", "prompt_eval_count", "eval_count"))
+    """Does this response or chunk carry usage, timings or Ollama counters?"""
+    data = as_mapping(chunk) or {}
+    return any(data.get(key) is not None for key in ("usage", "timings", "prompt_eval_count", "eval_count"))
 
 
-def _invalid(field: str, expected: str, value: Any) -> MalformedReplyError:
-    return MalformedReplyError(f"the server's {field} is not {expected}: {describe(value)}", field=field, server_message=describe(value))
+def _invalid(field: str, expected: str, value: Any, strict: bool) -> Any:
+    """None for an invalid number the server reported, or (``strict``) MalformedReplyError."""
+    if strict:
+        raise MalformedReplyError(f"the server's {field} is not {expected}: {describe(value)}", field=field, server_message=describe(value))
+    return None
 
 
 def _count(value: Any, field: str = "", strict: bool = False) -> int | None:
-    """A token count the server reported: an integer (or integral-valued float) in
-    ``0..MAX_TOKEN_COUNT``; None when absent (or invalid and not ``strict``)."""
+    """A token count (an integer or integral float, 0..MAX_TOKEN_COUNT); None when absent, or invalid and not ``strict``."""
     if value is None:
         return None
-    if not isinstance(value, bool) and isinstance(value, (int, float)):
-        if isinstance(value, int) and 0 <= value <= MAX_TOKEN_COUNT:
-            return value
-        if isinstance(value, float) and math.isfinite(value) and 0 <= value <= MAX_TOKEN_COUNT:
-            return int(value)
-    if strict:
-        raise _invalid(field, f"a token count (0..{MAX_TOKEN_COUNT})", value)
-    return None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_COUNT:
+        return value
+    if isinstance(value, float) and math.isfinite(value) and 0 <= value <= MAX_TOKEN_COUNT:
+        return int(value)
+    return _invalid(field, f"a token count (0..{MAX_TOKEN_COUNT})", value, strict)
 
 
 def _seconds(value: Any, per_second: float, field: str = "", strict: bool = False) -> float | None:
-    """A duration the server reported in units of ``1/per_second`` s: finite, >= 0 and at most
-    ``MAX_SERVER_SECONDS``; None when absent (or invalid and not ``strict``)."""
+    """A duration in units of ``1/per_second`` s, finite, 0..MAX_SERVER_SECONDS; else as :func:`_count`."""
     if value is None:
         return None
     if not isinstance(value, bool) and isinstance(value, (int, float)):
@@ -267,22 +227,17 @@ def _seconds(value: Any, per_second: float, field: str = "", strict: bool = Fals
             seconds = math.inf
         if math.isfinite(seconds) and 0 <= seconds <= MAX_SERVER_SECONDS:
             return seconds
-    if strict:
-        raise _invalid(field, f"a duration (finite, 0..{MAX_SERVER_SECONDS:g} s)", value)
-    return None
+    return _invalid(field, f"a duration (finite, 0..{MAX_SERVER_SECONDS:g} s)", value, strict)
 
 
 def _mapping(value: Any, field: str, strict: bool) -> Mapping[str, Any] | None:
     if value is None or isinstance(value, Mapping):
         return value
-    if strict:
-        raise _invalid(field, "an object", value)
-    return None
+    return _invalid(field, "an object", value, strict)
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "", depth: int = 3) -> dict[str, Any]:
-    """Scalars of ``data`` keyed by their dotted path, ``depth`` levels down (no deeper: the
-    shapes read here are at most three levels deep)."""
+    """Scalars of ``data`` keyed by their dotted path, ``depth`` levels down."""
     out: dict[str, Any] = {}
     for key, value in data.items():
         name = f"{prefix}{key}"
@@ -298,105 +253,55 @@ def _flatten(data: Mapping[str, Any], prefix: str = "", depth: int = 3) -> dict[
     return out
 
 
-def _usage_numbers(usage: Mapping[str, Any] | None, strict: bool = False) -> tuple[int | None, int | None, int | None]:
-    """(prompt_tokens, completion_tokens, cached_tokens) from an OpenAI ``usage`` block."""
-    if not usage:
-        return None, None, None
-    details = _mapping(usage.get("prompt_tokens_details"), "usage.prompt_tokens_details", strict)
-    cached = _count(details.get("cached_tokens"), "usage.prompt_tokens_details.cached_tokens", strict) if details else None
-    return (_count(usage.get("prompt_tokens"), "usage.prompt_tokens", strict),
-            _count(usage.get("completion_tokens"), "usage.completion_tokens", strict), cached)
-
-
 def parse_server_stats(payload: Any, *, strict: bool = False) -> ServerStats:
-    """The server's own numbers in a response body or stream chunk (dict or ``openai`` object).
-
-    Precedence: llama.cpp ``timings`` (they carry times: ``prompt_n`` evaluated, ``cache_n``
-    reused, ``prompt_ms``, ``predicted_n``, ``predicted_ms``), then Ollama's counters
-    (``prompt_eval_count``, ``prompt_eval_cached_count``, durations in ns), then ``usage`` (counts
-    only, ``prompt_tokens_details.cached_tokens`` where enabled), else an empty record with
-    ``source="client"``. Token counts are ``0..MAX_TOKEN_COUNT``, times finite and at most
-    ``MAX_SERVER_SECONDS``. ``strict``: a field that is present but not a valid number (or
-    object) raises :class:`~trimkit.errors.MalformedReplyError` instead of being dropped.
-    """
+    """The server's own numbers in a body or chunk (dict or ``openai`` object): llama.cpp ``timings``
+    first, then Ollama's counters, then ``usage``, else ``source="client"``. ``strict``: a present but
+    invalid field raises MalformedReplyError instead of being dropped."""
     data = as_mapping(payload)
     if not data:
         return ServerStats()
     usage = _mapping(data.get("usage"), "usage", strict)
-    u_prompt, u_completion, u_cached = _usage_numbers(usage, strict)
+    u_prompt = u_completion = u_cached = None
+    if usage:
+        details = _mapping(usage.get("prompt_tokens_details"), "usage.prompt_tokens_details", strict)
+        u_cached = _count(details.get("cached_tokens"), "usage.prompt_tokens_details.cached_tokens", strict) if details else None
+        u_prompt = _count(usage.get("prompt_tokens"), "usage.prompt_tokens", strict)
+        u_completion = _count(usage.get("completion_tokens"), "usage.completion_tokens", strict)
     timings = _mapping(data.get("timings"), "timings", strict)
     if timings is not None and ("prompt_n" in timings or "prompt_ms" in timings):
         evaluated = _count(timings.get("prompt_n"), "timings.prompt_n", strict)
         cached = _count(timings.get("cache_n"), "timings.cache_n", strict)
-        if cached is None:
-            cached = u_cached
+        cached = u_cached if cached is None else cached
         prompt = u_prompt
         if prompt is None and evaluated is not None and cached is not None:
             prompt = min(evaluated + cached, MAX_TOKEN_COUNT)
         completion = _count(timings.get("predicted_n"), "timings.predicted_n", strict)
-        raw = _flatten({"timings": timings, **({"usage": usage} if usage else {})})
-        return ServerStats(
-            source=SOURCE_LLAMA_SERVER,
-            prompt_tokens=prompt,
-            evaluated_tokens=evaluated,
-            cached_tokens=cached,
-            prefill_s=_seconds(timings.get("prompt_ms"), 1e3, "timings.prompt_ms", strict),
-            completion_tokens=completion if completion is not None else u_completion,
-            decode_s=_seconds(timings.get("predicted_ms"), 1e3, "timings.predicted_ms", strict),
-            raw=raw,
-        )
+        return ServerStats(SOURCE_LLAMA_SERVER, prompt, evaluated, cached, _seconds(timings.get("prompt_ms"), 1e3, "timings.prompt_ms", strict),
+                           completion if completion is not None else u_completion,
+                           _seconds(timings.get("predicted_ms"), 1e3, "timings.predicted_ms", strict),
+                           _flatten({"timings": timings, **({"usage": usage} if usage else {})}))
     if any(key in data for key in _OLLAMA_KEYS):
         count = _count(data.get("prompt_eval_count"), "prompt_eval_count", strict)
         cached = _count(data.get("prompt_eval_cached_count"), "prompt_eval_cached_count", strict)
-        if cached is not None and count is not None:
-            prompt, evaluated = count, max(count - cached, 0)
-        else:
-            # Without the cached count (older Ollama, or Go's omitempty hiding a zero) the
-            # count is what was evaluated; treating it as the whole prompt would mistake a
-            # cache hit for truncation.
-            prompt, evaluated = None, count
+        # without the cached count (older Ollama, or Go's omitempty hiding a zero) the count is what was
+        # evaluated: taking it for the whole prompt would mistake a cache hit for truncation
+        prompt, evaluated = (count, max(count - cached, 0)) if cached is not None and count is not None else (None, count)
         keys = (*_OLLAMA_KEYS, "prompt_eval_cached_count", "total_duration", "load_duration")
-        return ServerStats(
-            source=SOURCE_OLLAMA,
-            prompt_tokens=prompt,
-            evaluated_tokens=evaluated,
-            cached_tokens=cached,
-            prefill_s=_seconds(data.get("prompt_eval_duration"), 1e9, "prompt_eval_duration", strict),
-            completion_tokens=_count(data.get("eval_count"), "eval_count", strict),
-            decode_s=_seconds(data.get("eval_duration"), 1e9, "eval_duration", strict),
-            raw=_flatten({key: data[key] for key in keys if key in data}, depth=1),
-        )
+        return ServerStats(SOURCE_OLLAMA, prompt, evaluated, cached, _seconds(data.get("prompt_eval_duration"), 1e9, "prompt_eval_duration", strict),
+                           _count(data.get("eval_count"), "eval_count", strict), _seconds(data.get("eval_duration"), 1e9, "eval_duration", strict),
+                           _flatten({key: data[key] for key in keys if key in data}, depth=1))
     if usage and (u_prompt is not None or u_completion is not None):
-        return ServerStats(
-            source=SOURCE_USAGE,
-            prompt_tokens=u_prompt,
-            evaluated_tokens=max(u_prompt - u_cached, 0) if u_prompt is not None and u_cached is not None else None,
-            cached_tokens=u_cached,
-            completion_tokens=u_completion,
-            raw=_flatten({"usage": usage}),
-        )
+        evaluated = max(u_prompt - u_cached, 0) if u_prompt is not None and u_cached is not None else None
+        return ServerStats(SOURCE_USAGE, u_prompt, evaluated, u_cached, completion_tokens=u_completion, raw=_flatten({"usage": usage}))
     return ServerStats()
 
 
-def detect_truncation(
-    sent_tokens: int | None,
-    stats: ServerStats,
-    *,
-    predicted_cached: int = 0,
-    tolerance_tokens: int = 0,
-    context_tokens: int | None = None,
-) -> int:
-    """Prompt tokens the server silently dropped: ``sent_tokens`` (trimkit's count) minus what
-    the server says it took in, when that exceeds ``tolerance_tokens`` (use 0 only when the
-    count is exact). Logs a WARNING on ``trimkit`` when tokens are missing; returns 0 if the
-    server did not say.
-
-    When the server gives only the evaluated count (Ollama without a cached count), the tokens
-    trimkit predicted to be cached are added to it. ``context_tokens``: the context window the
-    request ran in (Ollama's ``num_ctx``, which trimkit set); a prompt counted over it of which
-    the server took in no more than the window was cut, whatever the tolerance (an estimated
-    count's tolerance would hide a cut of a prompt just over the window).
-    """
+def detect_truncation(sent_tokens: int | None, stats: ServerStats, *, predicted_cached: int = 0, tolerance_tokens: int = 0,
+                      context_tokens: int | None = None) -> int:
+    """Prompt tokens the server silently dropped (``sent_tokens`` minus what it took in, beyond
+    ``tolerance_tokens``), logged; 0 if it did not say. With only an evaluated count, the predicted
+    cached tokens are added. A prompt counted over ``context_tokens`` (the window trimkit set) of which
+    the server took in no more than the window was cut, whatever the tolerance."""
     if sent_tokens is None:
         return 0
     seen = stats.prompt_tokens
@@ -408,54 +313,27 @@ def detect_truncation(
     over_window = context_tokens is not None and sent_tokens > context_tokens >= seen
     if missing <= tolerance_tokens and not over_window:
         return 0
-    log.warning(
-        "trimkit: the server took in %d prompt tokens but trimkit sent %d: %d tokens were silently "
-        "truncated (the prompt is longer than the server's context window?)", seen, sent_tokens, missing,
-    )
+    log.warning("trimkit: the server took in %d prompt tokens but trimkit sent %d: %d tokens were silently truncated (the prompt is "
+                "longer than the server's context window?)", seen, sent_tokens, missing)
     return missing
 
 
-def build_measurement(
-    stats: ServerStats,
-    *,
-    ttft_s: float | None,
-    total_s: float,
-    first_output_s: float | None = None,
-    client_decode_s: float | None = None,
-    sent_tokens: int | None = None,
-    finish_reason: str | None = None,
-    truncated_tokens: int = 0,
-    extra: Mapping[str, Any] | None = None,
-) -> Measurement:
-    """A :class:`Measurement` showing the client TTFT and, where reported, the server's prefill.
-
-    ``server`` holds the server's raw numbers, ``cached_tokens_reported`` and, when both times
-    are known, ``network_overhead_s`` = client TTFT − server prefill time.
-    """
-    server: dict[str, Any] = dict(stats.raw)
-    server["cached_tokens_reported"] = stats.cached_tokens is not None
+def build_measurement(stats: ServerStats, *, ttft_s: float | None, total_s: float, first_output_s: float | None = None,
+                      client_decode_s: float | None = None, sent_tokens: int | None = None, finish_reason: str | None = None,
+                      truncated_tokens: int = 0, extra: Mapping[str, Any] | None = None) -> Measurement:
+    """A Measurement of the client TTFT and the server's numbers; ``server`` holds its raw numbers and,
+    when both times are known, ``network_overhead_s`` = client TTFT − server prefill."""
+    server: dict[str, Any] = {**stats.raw, "cached_tokens_reported": stats.cached_tokens is not None}
     if sent_tokens is not None:
         server["sent_prompt_tokens"] = sent_tokens
     if ttft_s is not None and stats.prefill_s is not None:
         server["network_overhead_s"] = ttft_s - stats.prefill_s
-    if extra:
-        server.update(extra)
-    return Measurement(
-        ttft_s=ttft_s,
-        total_s=total_s,
-        first_output_s=first_output_s,
-        prompt_tokens=stats.prompt_tokens if stats.prompt_tokens is not None else sent_tokens,
-        cached_tokens=stats.cached_tokens,
-        evaluated_tokens=stats.evaluated_tokens,
-        engine_prefill_s=stats.prefill_s,
-        completion_tokens=stats.completion_tokens,
-        engine_decode_s=stats.decode_s,
-        client_decode_s=client_decode_s,
-        timing_source=stats.source,
-        finish_reason=finish_reason,
-        truncated_tokens=truncated_tokens,
-        server=server,
-    )
+    server.update(extra or {})
+    return Measurement(ttft_s=ttft_s, total_s=total_s, first_output_s=first_output_s,
+                       prompt_tokens=stats.prompt_tokens if stats.prompt_tokens is not None else sent_tokens, cached_tokens=stats.cached_tokens,
+                       evaluated_tokens=stats.evaluated_tokens, engine_prefill_s=stats.prefill_s, completion_tokens=stats.completion_tokens,
+                       engine_decode_s=stats.decode_s, client_decode_s=client_decode_s, timing_source=stats.source, finish_reason=finish_reason,
+                       truncated_tokens=truncated_tokens, server=server)
 
 
 # == chat replies ============================================================================================
@@ -465,8 +343,7 @@ _MAX_INDEX = 1 << 16
 
 
 def body_kind(content_type: str | None) -> str | None:
-    """``"sse"``, ``"json"`` or None (anything else: HTML, XML, …) for a response's content type.
-    A missing or ``text/plain`` content type is read as a stream (some servers send that)."""
+    """``"sse"`` (also a missing or ``text/plain`` type: some servers send that), ``"json"``, or None."""
     kind = (content_type or "").split(";", 1)[0].strip().lower()
     if kind in ("", "text/event-stream", "text/plain"):
         return "sse"
@@ -475,7 +352,6 @@ def body_kind(content_type: str | None) -> str | None:
     return None
 
 
-# -- chunks and completions ------------------------------------------------------------------------------
 @attrs.frozen
 class ToolCallPart:
     """One tool call (or a piece of one, in a stream)."""
@@ -489,8 +365,7 @@ class ToolCallPart:
 
 @attrs.frozen
 class Choice:
-    """One choice of a chunk or a completion, as trimkit reads it (chat ``delta`` / ``message``,
-    or the completions API's ``text``)."""
+    """One choice of a chunk or completion (chat ``delta`` / ``message``, or the completions API's ``text``)."""
 
     index: int = 0
     role: str | None = None
@@ -504,12 +379,10 @@ class Choice:
 
     @property
     def output(self) -> str | None:
-        """The generated text this choice carries: ``""`` for a finish without text, None for a
-        bare role delta. Tool calls and reasoning count: they are the first generated tokens."""
-        if self.content:
-            return self.content
-        if self.reasoning:
-            return self.reasoning
+        """The generated text: ``""`` for a finish without text, None for a bare role delta. Tool
+        calls and reasoning count: they are the first generated tokens."""
+        if self.content or self.reasoning:
+            return self.content or self.reasoning
         if self.tool_calls or self.function_call:
             return "<tool_call>"
         if self.text:
@@ -519,8 +392,7 @@ class Choice:
 
 @attrs.frozen
 class Reply:
-    """A stream chunk or a whole completion, validated. ``raw`` is what the server (or the
-    ``openai`` client) gave, unchanged: that is what the caller receives."""
+    """A stream chunk or a whole completion, validated; ``raw`` is what the server (or client) gave."""
 
     raw: Any = attrs.field(eq=False, repr=False)
     choices: tuple[Choice, ...] = ()
@@ -534,7 +406,6 @@ class Reply:
 
     @property
     def output(self) -> str | None:
-        """:attr:`Choice.output` of the first choice (None without choices)."""
         return self.choices[0].output if self.choices else None
 
     @property
@@ -548,21 +419,15 @@ class Reply:
 
 
 def _tool_calls(holder: Mapping[str, Any], what: str, path: str) -> tuple[ToolCallPart, ...]:
-    calls = opt_list(holder, "tool_calls", what, path)
     out = []
-    for i, call in enumerate(calls or ()):
+    for i, call in enumerate(opt_list(holder, "tool_calls", what, path) or ()):
         where = join_path(join_path(path, "tool_calls"), i)
         if not isinstance(call, Mapping):
             fail(what, where, "an object", call)
         fn = opt_mapping(call, "function", what, where) or {}
         fn_path = join_path(where, "function")
-        out.append(ToolCallPart(
-            index=opt_int(call, "index", what, where, _MAX_INDEX),
-            id=opt_str(call, "id", what, where),
-            type=opt_str(call, "type", what, where),
-            name=opt_str(fn, "name", what, fn_path),
-            arguments=opt_str(fn, "arguments", what, fn_path),
-        ))
+        out.append(ToolCallPart(opt_int(call, "index", what, where, _MAX_INDEX), opt_str(call, "id", what, where), opt_str(call, "type", what, where),
+                                opt_str(fn, "name", what, fn_path), opt_str(fn, "arguments", what, fn_path)))
     return tuple(out)
 
 
@@ -586,22 +451,17 @@ def _choice(raw: Any, position: int, what: str, holder_keys: tuple[str, ...]) ->
     reasoning_alt = opt_str(holder, "reasoning", what, holder_path)
     logprobs = opt_mapping(raw, "logprobs", what, path)
     lp_content = opt_list(logprobs, "content", what, join_path(path, "logprobs")) if logprobs is not None else None
-    return Choice(
-        index=index if index is not None else position,
-        role=opt_str(holder, "role", what, holder_path),
-        content=opt_str(holder, "content", what, holder_path),
-        reasoning=reasoning or reasoning_alt,
-        text=opt_str(raw, "text", what, path),
-        tool_calls=_tool_calls(holder, what, holder_path),
-        function_call=bool(function_call),
-        finish_reason=opt_str(raw, "finish_reason", what, path),
-        logprobs=tuple(lp_content) if lp_content is not None else None,
-    )
+    return Choice(index=index if index is not None else position, role=opt_str(holder, "role", what, holder_path),
+                  content=opt_str(holder, "content", what, holder_path), reasoning=reasoning or reasoning_alt, text=opt_str(raw, "text", what, path),
+                  tool_calls=_tool_calls(holder, what, holder_path), function_call=bool(function_call),
+                  finish_reason=opt_str(raw, "finish_reason", what, path), logprobs=tuple(lp_content) if lp_content is not None else None)
 
 
 def _reply(obj: Any, what: str, *, whole: bool) -> Reply:
+    if isinstance(obj, Reply):
+        return obj
     data = as_object(obj, what)
-    if "error" in data and data.get("error") is not None and data.get("choices") is None:
+    if data.get("error") is not None and data.get("choices") is None:
         message = error_message(data)
         raise ServerError(f"the server answered with an error instead of a {what}: {message}", status=200, server_message=message)
     raw_choices = opt_list(data, "choices", what, "")
@@ -610,47 +470,29 @@ def _reply(obj: Any, what: str, *, whole: bool) -> Reply:
     keys = ("message", "delta") if whole else ("delta", "message")
     choices = tuple(_choice(c, i, what, keys) for i, c in enumerate(raw_choices or ()))
     stats = parse_server_stats(data, strict=True)
-    has_stats = has_server_stats(data)
     created = data.get("created")
     if created is not None:
         if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 <= created < 2**40:  # NaN fails too
             fail(what, "created", "a Unix time", created)
         created = int(created)
-    return Reply(
-        raw=obj,
-        choices=choices,
-        stats=stats,
-        has_stats=has_stats,
-        usage=opt_mapping(data, "usage", what, ""),
-        id=opt_str(data, "id", what, ""),
-        model=opt_str(data, "model", what, ""),
-        created=created,
-        system_fingerprint=opt_str(data, "system_fingerprint", what, ""),
-    )
+    return Reply(obj, choices, stats, has_server_stats(data), opt_mapping(data, "usage", what, ""), opt_str(data, "id", what, ""),
+                 opt_str(data, "model", what, ""), created, opt_str(data, "system_fingerprint", what, ""))
 
 
 def parse_chunk(obj: Any) -> Reply:
-    """A stream chunk (dict or the ``openai`` client's chunk object). ``choices`` may be absent
-    (a usage-only chunk); an ``{"error": ...}`` object raises ServerError."""
-    if isinstance(obj, Reply):
-        return obj
+    """A stream chunk (dict or client object); ``choices`` may be absent (usage-only); ``{"error"}`` raises ServerError."""
     return _reply(obj, "stream chunk", whole=False)
 
 
 def parse_completion(obj: Any) -> Reply:
-    """A whole answer (``chat.completion`` or ``text_completion``, dict or client object):
-    ``choices`` must be an array. A 200 body ``{"error": {...}}`` raises ServerError with the
-    server's message rather than passing for an answer with no choices."""
-    if isinstance(obj, Reply):
-        return obj
+    """A whole answer (``chat.completion`` or ``text_completion``): ``choices`` must be an array;
+    a 200 body ``{"error": {...}}`` raises ServerError."""
     return _reply(obj, "completion", whole=True)
 
 
-# -- error statuses -----------------------------------------------------------------------------------
 def error_message(body: Any) -> str:
-    """The human message in an error body: ``{"error": {"message"}}``, ``{"error": "..."}``,
-    ``{"detail": ...}``, ``{"message": ...}`` or the text itself; at most 1000 characters,
-    whatever the body (bytes, text, nested JSON, garbage)."""
+    """The human message in an error body (``{"error": {"message"}}``, ``{"error": "..."}``,
+    ``{"detail"}``, ``{"message"}`` or the text), at most 1000 characters whatever the body."""
     if isinstance(body, (str, bytes, bytearray)):
         try:
             body = load_json(bytes(body) if isinstance(body, bytearray) else body, what="error body")
@@ -659,8 +501,7 @@ def error_message(body: Any) -> str:
     if isinstance(body, Mapping):
         err = body.get("error")
         if isinstance(err, Mapping):
-            message = err.get("message")
-            return _short(message if message else err)
+            return _short(err.get("message") or err)
         if err:
             return _short(err)
         for key in ("detail", "message"):
@@ -680,9 +521,7 @@ def _short(value: Any) -> str:
 
 
 def retry_after_s(value: Any) -> float | None:
-    """A ``Retry-After`` header in seconds, clamped to 0..3600: a number of seconds, or an HTTP
-    date (the seconds from now until then); None for anything else (NaN, infinity, garbage:
-    the backoff applies)."""
+    """A ``Retry-After`` header (seconds, or an HTTP date) in seconds clamped to 0..3600; None for garbage."""
     if value is None:
         return None
     try:
@@ -695,24 +534,20 @@ def retry_after_s(value: Any) -> float | None:
         if when.tzinfo is None:  # "-0000": UTC, as HTTP dates are
             when = when.replace(tzinfo=datetime.UTC)
         seconds = (when - datetime.datetime.now(datetime.UTC)).total_seconds()
-    if not math.isfinite(seconds):
-        return None
-    return min(max(seconds, 0.0), 3600.0)
+    return min(max(seconds, 0.0), 3600.0) if math.isfinite(seconds) else None
 
 
 # == the completion a stream amounts to ======================================================================
 
 def chunk_content(chunk: Any) -> str | None:
-    """The generated text a chat or completion chunk carries (dict or ``openai`` object):
-    ``""`` for a finish chunk without text, ``None`` for a bare role delta or a usage-only
-    chunk. Tool calls and reasoning count as content: they are the first generated tokens.
-    A malformed chunk raises :class:`~trimkit.errors.MalformedReplyError`."""
+    """The generated text a chunk carries (:attr:`Choice.output`; None for a role delta or a usage-only
+    chunk). A malformed chunk raises MalformedReplyError."""
     return parse_chunk(chunk).output
 
 
 def probe_output(reply: Reply) -> str | None:
-    """Completion probes: every chunk with a choice is a generated token, even one whose text
-    is an empty piece of a multi-byte character; a text-less finish chunk is not."""
+    """Completion probes: every chunk with a choice is a generated token (even an empty piece of a
+    multi-byte character); a text-less finish chunk is not."""
     if not reply.choices:
         return None
     choice = reply.choices[0]
@@ -720,19 +555,15 @@ def probe_output(reply: Reply) -> str | None:
 
 
 def assemble_chat_completion(chunks: Sequence[Any], stats_chunk: Any = None, *, usage: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Rebuild a non-streaming ``chat.completion`` dict from the chunks of a finished stream
-    (dicts, ``openai`` objects or parsed replies): content, tool-call and logprob pieces joined per
-    choice, the last finish reason, and ``usage`` if the server reported it (else ``None``).
-    ``usage`` stands in where no chunk carries one (llama-cpp-python streams report none).
-    A malformed chunk raises :class:`~trimkit.errors.MalformedReplyError`."""
+    """The ``chat.completion`` dict a finished stream's chunks amount to: pieces joined per choice,
+    the last finish reason, ``usage`` if reported (else the ``usage`` given, else None)."""
     replies = [parse_chunk(c) for c in chunks]
-    first = replies[0] if replies else None
+    first = replies[0] if replies else Reply(None)
     choices: dict[int, dict[str, Any]] = {}
     for reply in replies:
         for ch in reply.choices:
-            acc = choices.setdefault(ch.index, {"index": ch.index, "parts": [], "tools": {}, "finish_reason": None, "role": "assistant", "logprobs": None})
-            if ch.role:
-                acc["role"] = ch.role
+            acc = choices.setdefault(ch.index, {"parts": [], "tools": {}, "finish_reason": None, "role": "assistant", "logprobs": None})
+            acc["role"] = ch.role or acc["role"]
             if ch.content:
                 acc["parts"].append(ch.content)
             for call in ch.tool_calls:
@@ -745,8 +576,7 @@ def assemble_chat_completion(chunks: Sequence[Any], stats_chunk: Any = None, *, 
                 slot["function"]["arguments"] += call.arguments or ""
             if ch.logprobs:
                 acc["logprobs"] = (acc["logprobs"] or []) + list(ch.logprobs)
-            if ch.finish_reason:
-                acc["finish_reason"] = ch.finish_reason
+            acc["finish_reason"] = ch.finish_reason or acc["finish_reason"]
     out_choices = []
     for idx in sorted(choices):
         acc = choices[idx]
@@ -756,20 +586,14 @@ def assemble_chat_completion(chunks: Sequence[Any], stats_chunk: Any = None, *, 
         logprobs = {"content": acc["logprobs"]} if acc["logprobs"] is not None else None
         out_choices.append({"index": idx, "message": message, "finish_reason": acc["finish_reason"], "logprobs": logprobs})
     stats = parse_chunk(stats_chunk) if stats_chunk is not None else None
-    return {
-        "id": first.id if first is not None and first.id is not None else "",
-        "object": "chat.completion",
-        "created": first.created if first is not None and first.created is not None else int(time.time()),
-        "model": first.model if first is not None and first.model is not None else "",
-        "system_fingerprint": first.system_fingerprint if first is not None else None,
-        "choices": out_choices,
-        "usage": dict(stats.usage) if stats is not None and stats.usage is not None else (dict(usage) if usage is not None else None),
-    }
+    reported = stats.usage if stats is not None and stats.usage is not None else usage
+    return {"id": first.id or "", "object": "chat.completion", "created": first.created if first.created is not None else int(time.time()),
+            "model": first.model or "", "system_fingerprint": first.system_fingerprint, "choices": out_choices,
+            "usage": dict(reported) if reported is not None else None}
 
 
 def as_chat_completion(response: dict[str, Any]) -> Any:
-    """An assembled ``chat.completion`` dict as the ``openai`` client's ``ChatCompletion`` (the
-    dict itself without ``openai`` installed)."""
+    """An assembled ``chat.completion`` dict as the ``openai`` client's ``ChatCompletion`` (the dict without ``openai``)."""
     try:
         from openai.types.chat import ChatCompletion  # optional dependency
     except ImportError:  # pragma: no cover

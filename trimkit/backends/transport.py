@@ -1,11 +1,7 @@
-"""The HTTP wire of the HTTP backend (docs/servers.md §6): what goes wrong on it, as trimkit errors
-(pure functions); the server-sent events of a stream (:class:`EventReader` decides, without I/O;
-:func:`iter_events` only moves bytes); sending and opening a request over ``httpx`` or the user's
-``openai`` client (:class:`HTTPTransport`, every body read capped); reading an open stream
-(:class:`StreamState` decides, :func:`read_chunks` moves events; timed by
-:class:`~trimkit.backends.base.TimedStream` / :class:`AsyncTimedStream`); and how long a request
-may wait and how it is retried (:class:`RequestLimits`, :func:`with_retries`). What a reply means
-is :mod:`trimkit.backends.replies`.
+"""The HTTP wire of the HTTP backend (docs/servers.md §6): wire failures as trimkit errors; server-sent
+events (:class:`EventReader` decides, :func:`iter_events` moves bytes); opening a request over ``httpx``
+or the user's ``openai`` client (:class:`HTTPTransport`, bodies capped); reading an open stream
+(:class:`StreamState`, :func:`read_chunks`); deadlines and retries (:class:`RequestLimits`, :func:`with_retries`).
 """
 
 from __future__ import annotations
@@ -15,6 +11,7 @@ import base64
 import concurrent.futures
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import operator
@@ -31,7 +28,7 @@ import httpx
 import tenacity
 from httpx_sse import EventSource, ServerSentEvent
 
-from trimkit.backends.base import Clock, Io, Measurement, Steps, TimedStream
+from trimkit.backends.base import Clock, Io, Measurement, Steps, TimedStream, run_sync
 from trimkit.backends.replies import (
     MAX_EVENT_BYTES,
     MAX_REPLY_BYTES,
@@ -63,13 +60,11 @@ log = logging.getLogger("trimkit")
 #: HTTP statuses worth retrying (before the first chunk only).
 TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
 
-#: what the ``openai`` client raises while decoding a reply it cannot make sense of (JSON errors,
-#: and its model constructors meeting the wrong types)
+#: what the ``openai`` client raises while decoding a reply it cannot make sense of
 _CLIENT_DECODE_ERRORS = (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError)
 
 
 def _openai() -> ModuleType | None:
-    """The ``openai`` package (an optional dependency), or None when it is not installed."""
     try:
         import openai
     except ImportError:  # pragma: no cover - a client without openai installed
@@ -78,8 +73,7 @@ def _openai() -> ModuleType | None:
 
 
 def status_error(status: int, body: Any, headers: Any = None) -> ServerError:
-    """An error status as ServerError (TransientServerError for a retried status), with the
-    server's message and its ``Retry-After`` as ``retry_after_s``."""
+    """An error status as ServerError (TransientServerError when retried), ``Retry-After`` as ``retry_after_s``."""
     message = error_message(body)
     cls = TransientServerError if status in TRANSIENT_STATUSES else ServerError
     err = cls(f"the server answered HTTP {status}: {message}", status=status, server_message=message)
@@ -99,8 +93,7 @@ def undecodable(exc: BaseException, what: str) -> MalformedReplyError:
 
 
 def transport_error(exc: BaseException, url: str, what: str = "the stream") -> TrimkitError | None:
-    """An ``httpx`` exception of a request trimkit sent itself: unreachable, or a body its
-    ``Content-Encoding`` does not decode (None: not one of those)."""
+    """An ``httpx`` exception: unreachable, or a body its ``Content-Encoding`` does not decode (None: neither)."""
     if isinstance(exc, httpx.TransportError):
         return unreachable(exc, url)
     if isinstance(exc, httpx.DecodingError):
@@ -109,8 +102,7 @@ def transport_error(exc: BaseException, url: str, what: str = "the stream") -> T
 
 
 def client_error(exc: BaseException, url: str) -> TrimkitError | None:
-    """An ``openai`` client exception raised by ``create()`` as a trimkit error (``None`` if it
-    is not one: a TypeError for an argument the client does not take is the caller's)."""
+    """An ``openai`` client's exception from ``create()`` as a trimkit error (None: the caller's, e.g. a bad argument)."""
     if isinstance(exc, TrimkitError):
         return None
     if isinstance(exc, httpx.TransportError):
@@ -121,9 +113,8 @@ def client_error(exc: BaseException, url: str) -> TrimkitError | None:
     if openai is None:
         return None
     if isinstance(exc, openai.APIStatusError):
-        response = getattr(exc, "response", None)
         body = exc.body if exc.body is not None else exc.message
-        return status_error(exc.status_code, body, getattr(response, "headers", None))
+        return status_error(exc.status_code, body, getattr(getattr(exc, "response", None), "headers", None))
     if isinstance(exc, openai.APITimeoutError):
         return ServerTimeoutError(f"{url} timed out: {exc}")
     if isinstance(exc, openai.APIConnectionError):
@@ -139,32 +130,20 @@ def client_error(exc: BaseException, url: str) -> TrimkitError | None:
 
 
 def client_read_error(exc: BaseException, url: str) -> TrimkitError | None:
-    """An exception from iterating the ``openai`` client's stream as a trimkit error: an error
-    event, or a reply it could not decode. Transport failures are left to the stream's error
-    handler (StreamInterruptedError after the first chunk)."""
+    """An exception from iterating the ``openai`` client's stream: an error event or an undecodable
+    reply; transport failures are left to the stream's handler (StreamInterruptedError)."""
     if isinstance(exc, (TrimkitError, httpx.TransportError)):
         return None
     openai = _openai()
     if openai is not None and isinstance(exc, openai.APIError):
-        if isinstance(exc, (openai.APIConnectionError, openai.APIStatusError)):
-            return None
-        return client_error(exc, url)
-    if isinstance(exc, _CLIENT_DECODE_ERRORS):
-        return undecodable(exc, f"the stream from {url}")
-    return None
-
-
-def client_open_error(exc: BaseException, url: str) -> TrimkitError | None:
-    """An exception while the ``openai`` client's stream is opened (up to its first chunk)."""
-    return client_read_error(exc, url) or client_error(exc, url)
+        return None if isinstance(exc, (openai.APIConnectionError, openai.APIStatusError)) else client_error(exc, url)
+    return undecodable(exc, f"the stream from {url}") if isinstance(exc, _CLIENT_DECODE_ERRORS) else None
 
 
 def is_transport_failure(exc: BaseException) -> bool:
     """A broken connection (httpx's, the OS's or the ``openai`` client's)."""
-    if isinstance(exc, (httpx.TransportError, OSError)):
-        return True
     openai = _openai()
-    return openai is not None and isinstance(exc, openai.APIError)
+    return isinstance(exc, (httpx.TransportError, OSError)) or (openai is not None and isinstance(exc, openai.APIError))
 
 
 @contextlib.contextmanager
@@ -180,8 +159,7 @@ def translated(translate: Callable[[BaseException], TrimkitError | None]) -> Ite
 
 
 def redirect_error(status: int, headers: Any, url: str) -> ServerError:
-    """A 3xx answer (trimkit does not follow redirects unless the ``http_client`` given does):
-    where the server sends the request, so the caller can point trimkit there."""
+    """A 3xx answer (followed only by an ``http_client`` that does): where it sends the request."""
     location = headers.get("location") if headers is not None else None
     where = f" to {redact_url(location)}" if location else ""
     message = (f"{url} redirected the request (HTTP {status}){where}: trimkit does not follow redirects; use that URL, or pass "
@@ -195,8 +173,7 @@ def wrong_content_type(content_type: str | None, head: bytes, url: str) -> Malfo
 
 
 def stream_reply_error(content_type: str | None, head: bytes, url: str) -> ServerError:
-    """The error for a stream request the ``openai`` client got something other than an event
-    stream for: the server's error if the body is one, else MalformedReplyError."""
+    """A stream request the ``openai`` client got no event stream for: the server's error if the body is one."""
     if body_kind(content_type) == "json":
         parse_completion(load_json(head, what=f"reply from {url}"))  # raises ServerError for {"error": ...}
         return MalformedReplyError(f"{url} answered a stream request with one JSON body, which this client cannot stream",
@@ -213,14 +190,10 @@ _EVENT_STREAM = {"content-type": "text/event-stream"}
 
 
 class EventReader:
-    """The decisions about one event stream, without I/O: :meth:`feed` the bytes as they arrive,
-    :meth:`end` when the body ends, :meth:`values` each event httpx-sse parsed from them.
-
-    Each event's data is JSON; ``[DONE]`` ends the stream; events without data are skipped; an
-    ``error`` event (or ``{"error": ...}`` without ``choices``) raises ServerError. An event over
-    ``max_event_bytes`` raises MalformedReplyError after the events before it, buffering nothing
-    past the cap; a stream cut inside an event raises StreamInterruptedError, while a complete
-    last event without its closing blank line is read."""
+    """The decisions about one event stream, without I/O: :meth:`feed` the bytes, :meth:`end` at the
+    end, :meth:`values` of each event httpx-sse parsed. Data is JSON; ``[DONE]`` ends the stream; an
+    ``error`` event raises ServerError; an event over ``max_event_bytes`` raises MalformedReplyError
+    (nothing past the cap buffered); a stream cut inside an event raises StreamInterruptedError."""
 
     def __init__(self, max_event_bytes: int | None = None) -> None:
         self.max_event_bytes = MAX_EVENT_BYTES if max_event_bytes is None else max_event_bytes
@@ -230,14 +203,7 @@ class EventReader:
         self._ended = False
 
     def feed(self, data: bytes) -> Iterator[bytes]:
-        """The bytes to hand to the parser; an event over the cap is cut off where it starts
-        and MalformedReplyError raised after the bytes before it (their events are still read)."""
-        kept, error = self._cut(data)
-        yield kept
-        if error is not None:
-            raise error
-
-    def _cut(self, data: bytes) -> tuple[bytes, MalformedReplyError | None]:
+        """The bytes to hand to the parser; an event over the cap is cut where it starts, then MalformedReplyError."""
         tail, buf = self._tail, self._tail + data
         event_start = None  # in ``data``: where the event being read began
         for run in _LINE_ENDS.finditer(buf):
@@ -248,15 +214,17 @@ class EventReader:
             self._pending += len(data)
         self._tail = buf[-3:]
         if self._pending <= self.max_event_bytes:
-            return data, None
+            yield data
+            return
         kept = data[: event_start or 0]
         if (tail + kept).endswith(b"\r"):  # the parser holds a last \r until it sees what follows
             kept += b"\n"
-        return kept, MalformedReplyError(f"the server sent a stream event longer than {self.max_event_bytes} bytes",
-                                         server_message=excerpt(data[event_start or 0 :][:500]))
+        yield kept
+        raise MalformedReplyError(f"the server sent a stream event longer than {self.max_event_bytes} bytes",
+                                  server_message=excerpt(data[event_start or 0 :][:500]))
 
     def end(self) -> bytes:
-        """The bytes that end the stream: they complete a last event sent without its blank line."""
+        """The bytes that complete a last event sent without its blank line."""
         self._ended = True
         return _END_OF_STREAM
 
@@ -291,8 +259,7 @@ def iter_events(byte_chunks: Iterable[bytes], reader: EventReader | None = None)
             yield from reader.feed(data)
         yield reader.end()
 
-    stream = httpx.Response(200, headers=_EVENT_STREAM, content=body())
-    with contextlib.closing(EventSource(stream).iter_sse()) as events:
+    with contextlib.closing(EventSource(httpx.Response(200, headers=_EVENT_STREAM, content=body())).iter_sse()) as events:
         for event in events:
             yield from reader.values(event)
             if reader.done:
@@ -300,7 +267,6 @@ def iter_events(byte_chunks: Iterable[bytes], reader: EventReader | None = None)
 
 
 async def aiter_events(byte_chunks: AsyncIterable[bytes], reader: EventReader | None = None) -> AsyncIterator[Any]:
-    """:func:`iter_events` over an async byte stream."""
     reader = reader or EventReader()
 
     async def body() -> AsyncIterator[bytes]:
@@ -309,8 +275,7 @@ async def aiter_events(byte_chunks: AsyncIterable[bytes], reader: EventReader | 
                 yield passed
         yield reader.end()
 
-    stream = httpx.Response(200, headers=_EVENT_STREAM, content=body())
-    async with contextlib.aclosing(EventSource(stream).aiter_sse()) as events:
+    async with contextlib.aclosing(EventSource(httpx.Response(200, headers=_EVENT_STREAM, content=body())).aiter_sse()) as events:
         async for event in events:
             for value in reader.values(event):
                 yield value
@@ -324,7 +289,6 @@ async def aiter_events(byte_chunks: AsyncIterable[bytes], reader: EventReader | 
 END = object()
 #: what is read of an error status's body (for its message)
 ERROR_BODY_BYTES = 64 * 1024
-#: the statuses of an endpoint this server does not have
 MISSING_STATUSES = (404, 405, 501)
 
 
@@ -339,52 +303,35 @@ class Opened:
     whole: bool = False  # the server ignored stream=true: ``first`` is a whole completion
 
 
-def _never() -> bool:
-    return False
-
-
 def _discard(value: Any) -> None:
     """Close what an abandoned attempt opened (a stream); other results need nothing."""
     if isinstance(value, Opened):
         value.close()
 
 
-# -- decisions ------------------------------------------------------------------------------------
-@attrs.frozen
-class BodyPlan:
-    """A stream request answered with something other than events: read at most ``cap`` bytes
-    of the body (``truncate``: cut there, else refuse more), then ``outcome(body)`` is the whole
-    answer or raises."""
-
-    cap: int
-    what: str
-    truncate: bool
-    outcome: Callable[[bytes], Any]
-
-
 def _raise(error: BaseException) -> Any:
     raise error
 
 
-def stream_body_plan(status: int, headers: Any, url: str) -> BodyPlan | None:
-    """What a stream request's response is, from its status and headers: None for an event
-    stream, else how to read the body and what it means."""
+def stream_body_plan(status: int, headers: Any, url: str) -> tuple[int, str, bool, Callable[[bytes], Any]] | None:
+    """A stream request's response that is no event stream (None: it is one): ``(cap, what, truncate,
+    outcome)``: read at most ``cap`` bytes (``truncate``: cut there, else refuse more), then ``outcome(body)``."""
     if status >= 400:
-        return BodyPlan(ERROR_BODY_BYTES, "error body", True, lambda body: _raise(status_error(status, body, headers)))
+        return ERROR_BODY_BYTES, "error body", True, lambda body: _raise(status_error(status, body, headers))
     if 300 <= status < 400:
-        return BodyPlan(ERROR_BODY_BYTES, "redirect body", True, lambda body: _raise(redirect_error(status, headers, url)))
+        return ERROR_BODY_BYTES, "redirect body", True, lambda body: _raise(redirect_error(status, headers, url))
     content_type = headers.get("content-type")
     kind = body_kind(content_type)
     if kind == "json":  # the server ignored stream=true: one whole response
-        return BodyPlan(MAX_REPLY_BYTES, f"reply from {url}", False, lambda body: load_json(body, what=f"reply from {url}"))
+        return MAX_REPLY_BYTES, f"reply from {url}", False, lambda body: load_json(body, what=f"reply from {url}")
     if kind is None:
-        return BodyPlan(2048, "body", True, lambda body: _raise(wrong_content_type(content_type, body, url)))
+        return 2048, "body", True, lambda body: _raise(wrong_content_type(content_type, body, url))
     return None
 
 
 def json_answer(status: int, headers: Any, content: bytes, url: str, *, missing_ok: bool, root_only: bool) -> Any:
-    """A side request's JSON answer. ``missing_ok``: None for a body that is not JSON, or for
-    400/422 from an endpoint of the server root (``root_only``: another engine's, refused)."""
+    """A side request's JSON answer. ``missing_ok``: None for a body that is not JSON, or for 400/422
+    from an endpoint of the server root (``root_only``: another engine's, refused)."""
     if status >= 400:
         if missing_ok and status in (400, 422) and root_only:
             return None
@@ -399,56 +346,34 @@ def json_answer(status: int, headers: Any, content: bytes, url: str, *, missing_
         raise
 
 
-class _Capped:
-    """A body read until ``cap`` bytes: past it MalformedReplyError (or, ``truncate``, the first
-    ``cap`` bytes). Nothing beyond the cap is read."""
-
-    def __init__(self, cap: int, what: str, truncate: bool) -> None:
-        self.cap, self.what, self.truncate = cap, what, truncate
-        self.out = bytearray()
-
-    def full(self, data: bytes) -> bool:
-        self.out += data
-        if len(self.out) <= self.cap:
-            return False
-        if not self.truncate:
-            raise MalformedReplyError(f"the server sent a {self.what} over the {self.cap}-byte cap", server_message=excerpt(bytes(self.out[:500])))
-        return True
-
-    def value(self) -> bytes:
-        return bytes(self.out[: self.cap])
+def capped(chunks: Any, cap: int, what: str, truncate: bool = False) -> Steps:
+    """A body read, as I/O steps, until ``cap`` bytes: past it MalformedReplyError (``truncate``: its
+    first ``cap`` bytes). Nothing beyond the cap is read."""
+    out = bytearray()
+    while (data := (yield Io(next, anext, chunks, END))) is not END:
+        out += data
+        if len(out) > cap and not truncate:
+            raise MalformedReplyError(f"the server sent a {what} over the {cap}-byte cap", server_message=excerpt(bytes(out[:500])))
+        if len(out) > cap:
+            break
+    return bytes(out[:cap])
 
 
 def read_capped(byte_chunks: Iterable[bytes], cap: int, what: str, *, truncate: bool = False) -> bytes:
-    body = _Capped(cap, what, truncate)
-    for data in byte_chunks:
-        if body.full(data):
-            break
-    return body.value()
-
-
-async def aread_capped(byte_chunks: AsyncIterable[bytes], cap: int, what: str, *, truncate: bool = False) -> bytes:
-    body = _Capped(cap, what, truncate)
-    async for data in byte_chunks:
-        if body.full(data):
-            break
-    return body.value()
+    return run_sync(capped(iter(byte_chunks), cap, what, truncate))
 
 
 _USERINFO = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://)[^/?#@\s]*@")
 
 
 def redact_url(text: Any) -> str:
-    """``text`` with the userinfo of every URL in it (``http://user:secret@host``) replaced by
-    ``***@``: what trimkit writes wherever it names an endpoint (reports, logs, errors, profile keys)."""
+    """``text`` with the userinfo of every URL in it replaced by ``***@``: how trimkit names an endpoint anywhere."""
     return _USERINFO.sub(r"\1***@", str(text))
 
 
 def normalize_base_url(base_url: Any) -> tuple[str, str]:
-    """``(base_url, root)``: the OpenAI base (``.../v1``) without a trailing slash, and the
-    server root where llama.cpp's own endpoints live — both without the URL's userinfo
-    (credentials go in a header: :func:`url_credentials`), so no name trimkit gives the endpoint
-    carries a password. Raises InvalidInputError for a bad URL (its text redacted)."""
+    """``(base_url, root)``: the OpenAI base (``.../v1``, no trailing slash) and the server root, both
+    without userinfo (credentials go in a header: :func:`url_credentials`). InvalidInputError for a bad URL."""
     if not isinstance(base_url, (str, httpx.URL)):
         raise InvalidInputError(f"base_url must be a str, got {type(base_url).__name__}")
     try:
@@ -458,28 +383,23 @@ def normalize_base_url(base_url: Any) -> tuple[str, str]:
     if url.scheme not in ("http", "https") or not url.host:
         raise InvalidInputError(f"base_url must be an http(s) URL with a host, e.g. http://127.0.0.1:8080/v1; got {redact_url(base_url)!r}")
     base = str(url.copy_with(query=None, fragment=None, username=None, password=None)).rstrip("/")
-    root = base[: -len("/v1")] if base.endswith("/v1") else base
-    return base, root
+    return base, base.removesuffix("/v1")
 
 
 def url_credentials(base_url: Any) -> str | None:
-    """The ``Authorization`` header value (HTTP Basic) for the userinfo of ``base_url``
-    (``http://user:secret@host/v1``), or None when it has none."""
+    """The HTTP Basic ``Authorization`` value for the userinfo of ``base_url`` (None without one)."""
     try:
         url = httpx.URL(str(base_url).strip())
     except Exception:
         return None
     if not url.username and not url.password:
         return None
-    token = base64.b64encode(f"{url.username}:{url.password}".encode()).decode("ascii")
-    return f"Basic {token}"
+    return "Basic " + base64.b64encode(f"{url.username}:{url.password}".encode()).decode("ascii")
 
 
 def without_retries(client: Any) -> Any:
-    """The client trimkit sends its own requests through: the caller's ``openai`` client with
-    ``max_retries=0`` (its configuration otherwise the same, its connections shared), so that its
-    retries do not nest inside trimkit's and run past the request's deadline. A client without
-    ``with_options`` is used as it is."""
+    """The caller's ``openai`` client with ``max_retries=0`` (connections shared), so its retries do not
+    nest inside trimkit's and run past the deadline; a client without ``with_options`` as it is."""
     with_options = getattr(client, "with_options", None)
     if not getattr(client, "max_retries", 0) or not callable(with_options):
         return client
@@ -489,16 +409,13 @@ def without_retries(client: Any) -> Any:
         return client
 
 
-def _client_response(stream: Any) -> Any:
-    """The HTTP response under an ``openai`` client's stream (an httpx-style response; the
-    client may be built on another httpx than trimkit's), or None."""
+def _not_events(stream: Any) -> Any:
+    """The HTTP response under an ``openai`` client's stream when it is no event stream, else None."""
     response = getattr(stream, "response", None)
     headers = getattr(response, "headers", None)
-    return response if headers is not None and callable(getattr(headers, "get", None)) else None
-
-
-def _not_events(response: Any) -> bool:
-    return response is not None and body_kind(response.headers.get("content-type")) != "sse"
+    if headers is None or not callable(getattr(headers, "get", None)):
+        return None
+    return response if body_kind(headers.get("content-type")) != "sse" else None
 
 
 def _client_items(it: Iterator[Any], url: str) -> Iterator[Any]:
@@ -520,7 +437,6 @@ async def _aclient_items(it: AsyncIterator[Any], url: str) -> AsyncIterator[Any]
         yield item
 
 
-# -- I/O ------------------------------------------------------------------------------------------
 class HTTPTransport:
     """The requests of one backend: its URLs, headers, pooled ``httpx`` client and limits."""
 
@@ -538,76 +454,54 @@ class HTTPTransport:
         self._loop_lock = threading.Lock()
 
     def close(self) -> None:
-        """Close the pooled sync client (if trimkit made it). The async clients trimkit made are
-        closed by :meth:`aclose` on their loop; one whose loop is gone is dropped with it."""
+        """Close the sync client trimkit made (async ones: :meth:`aclose` on their loop)."""
         if self.own_http:
             self.http.close()
 
     async def aclose(self) -> None:
-        """:meth:`close`, and the AsyncClient trimkit made for the running loop."""
         self.close()
         with self._loop_lock:
             client = self._loop_clients.pop(asyncio.get_running_loop(), None)
         if client is not None:
             await client.aclose()
 
-    def loop_client(self) -> httpx.AsyncClient:
-        """The AsyncClient trimkit keeps for the running event loop, made on first use."""
-        loop = asyncio.get_running_loop()
-        with self._loop_lock:
-            client = self._loop_clients.get(loop)
-            if client is None or client.is_closed:
-                client = httpx.AsyncClient(headers=self.headers, timeout=self.limits.httpx_timeout())
-                self._loop_clients[loop] = client
-        return client
-
-    # side requests -------------------------------------------------------------------------------
     def request_json(self, method: str, url: str, body: Any = None, *, missing_ok: bool = False, deadline: Deadline | None = None) -> Any:
-        """A side request (server facts, tokenize), retried like a chat request: a pooled
-        keep-alive connection the server dropped fails once and must not fail the call."""
-        deadline = deadline or self.limits.deadline()
-        return with_retries(lambda wait: self.request_json_once(method, url, body, wait=wait, missing_ok=missing_ok), deadline, url, self.limits)
+        """A side request, retried like a chat request (a pooled connection the server dropped fails once)."""
+        return with_retries(lambda wait: self.request_json_once(method, url, body, wait=wait, missing_ok=missing_ok),
+                            deadline or self.limits.deadline(), url, self.limits)
 
     def request_json_once(self, method: str, url: str, body: Any = None, *, wait: Wait | None = None, missing_ok: bool = False,
                           headers: Mapping[str, str] | None = None) -> Any:
-        """One request. Returns the JSON body (at most MAX_REPLY_BYTES, nested at most
-        MAX_JSON_DEPTH deep); ``None`` for 404/405/501, or a body that is not JSON, when
-        ``missing_ok`` (an endpoint this server does not have). ``headers``: this request's own, added."""
-        sent_headers = {**self.headers, **(headers or {})}
+        """One request: its JSON body (capped); with ``missing_ok`` None for 404/405/501 or a body that is not JSON."""
         with translated(lambda exc: transport_error(exc, url, "the reply")):
-            with self.http.stream(method, url, json=body, headers=sent_headers, timeout=self.limits.httpx_timeout(wait)) as resp:
-                status, headers = resp.status_code, resp.headers
+            with self.http.stream(method, url, json=body, headers={**self.headers, **(headers or {})},
+                                  timeout=self.limits.httpx_timeout(wait)) as resp:
+                status, got = resp.status_code, resp.headers
                 if missing_ok and status in MISSING_STATUSES:
                     return None
-                if status >= 400:
-                    content = read_capped(resp.iter_bytes(), ERROR_BODY_BYTES, "error body", truncate=True)
-                else:
-                    content = read_capped(resp.iter_bytes(), MAX_REPLY_BYTES, f"reply from {url}")
+                cap, what = (ERROR_BODY_BYTES, "error body") if status >= 400 else (MAX_REPLY_BYTES, f"reply from {url}")
+                content = read_capped(resp.iter_bytes(), cap, what, truncate=status >= 400)
         root_only = url.startswith(self.root_url) and not url.startswith(self.base_url)
-        return json_answer(status, headers, content, url, missing_ok=missing_ok, root_only=root_only)
+        return json_answer(status, got, content, url, missing_ok=missing_ok, root_only=root_only)
 
     def retried(self, attempt: Callable[[Wait], Any], deadline: Deadline, url: str) -> Any:
-        """:func:`~trimkit.backends.transport.with_retries` with this transport's limits; a
-        stream an abandoned attempt opens is closed."""
+        """:func:`with_retries` with this transport's limits; a stream an abandoned attempt opens is closed."""
         return with_retries(attempt, deadline, url, self.limits, _discard)
-
-    # streams over httpx --------------------------------------------------------------------------
-    def _stream_request(self, client: httpx.Client | httpx.AsyncClient, url: str, body: Mapping[str, Any], wait: Wait,
-                        headers: Mapping[str, str] | None = None) -> httpx.Request:
-        sent_headers = {**self.headers, **(headers or {}), "Accept": "text/event-stream"}
-        return client.build_request("POST", url, json=body, headers=sent_headers, timeout=self.limits.httpx_timeout(wait))
 
     def _open_url(self, client: httpx.Client | httpx.AsyncClient, path: str, body: Mapping[str, Any], wait: Wait,
                   headers: Mapping[str, str] | None) -> Steps:
         url, is_async = self.base_url + path, isinstance(client, httpx.AsyncClient)
+        sent_headers = {**self.headers, **(headers or {}), "Accept": "text/event-stream"}
+        request = client.build_request("POST", url, json=body, headers=sent_headers, timeout=self.limits.httpx_timeout(wait))
         with translated(lambda exc: transport_error(exc, url)):
-            resp = yield Io(client.send, client.send, self._stream_request(client, url, body, wait, headers), stream=True)
+            resp = yield Io(client.send, client.send, request, stream=True)
             close, data = (resp.aclose, resp.aiter_bytes()) if is_async else (resp.close, resp.iter_bytes())
             try:
                 plan = stream_body_plan(resp.status_code, resp.headers, url)
                 if plan is not None:
-                    content = yield Io(read_capped, aread_capped, data, plan.cap, plan.what, truncate=plan.truncate)
-                    return Opened(plan.outcome(content), None, close, lambda: True, whole=True)
+                    cap, what, truncate, outcome = plan
+                    content = yield from capped(data, cap, what, truncate)
+                    return Opened(outcome(content), None, close, lambda: True, whole=True)
                 reader = EventReader()
                 events = aiter_events(data, reader) if is_async else iter_events(data, reader)
                 return Opened((yield Io(next, anext, events, END)), events, close, lambda: reader.done)
@@ -617,26 +511,27 @@ class HTTPTransport:
 
     def open_stream(self, path: str, body: Mapping[str, Any], wait: Wait, client: Any = None, headers: Mapping[str, str] | None = None, *,
                     http: httpx.AsyncClient | None = None, is_async: bool = False) -> Steps:
-        """A stream opened up to its first event, as I/O steps (:func:`~trimkit.backends.base.run_sync`,
-        ``run_async``): through the ``openai`` ``client`` when one is given, else ``POST base_url +
-        path`` over httpx (an async stream: over ``http``); ``headers`` are this request's own (a
-        routing key), added to the backend's."""
+        """A stream opened up to its first event, as I/O steps: through the ``openai`` ``client`` when
+        given, else ``POST base_url + path`` over httpx (async: over ``http``); ``headers`` this request's own."""
         if client is not None:
             return self._open_client(client, body, wait, headers, is_async=is_async)
         assert http is not None or not is_async, "an async stream over httpx needs an AsyncClient"
         return self._open_url(http or self.http, path, body, wait, headers)
 
     def stream_client(self, *, needed: bool = True) -> httpx.AsyncClient | None:
-        """The ``async_http_client`` given, else the pooled one of the running event loop
-        (:meth:`loop_client`); None if not ``needed`` (the client form). A plain call, not an
-        async context manager: a stream's chunks are one async generator (:func:`aread_chunks`)."""
-        return self.async_http if self.async_http is not None or not needed else self.loop_client()
+        """The ``async_http_client`` given, else the running loop's pooled one, made on first use (None if not ``needed``)."""
+        if self.async_http is not None or not needed:
+            return self.async_http
+        loop = asyncio.get_running_loop()
+        with self._loop_lock:
+            client = self._loop_clients.get(loop)
+            if client is None or client.is_closed:
+                client = self._loop_clients[loop] = httpx.AsyncClient(headers=self.headers, timeout=self.limits.httpx_timeout())
+        return client
 
-    # through the openai client -------------------------------------------------------------------
     def client_kwargs(self, body: Mapping[str, Any], wait: Wait, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
-        """``create()``'s arguments: the body, and with a bounded deadline the request's own
-        timeout in seconds (unless the caller gave ``timeout``): whichever httpx the client is built on.
-        ``headers`` (a routing key) join the caller's ``extra_headers`` (a copy: the caller's stays as it was)."""
+        """``create()``'s arguments: the body, a bounded deadline's read timeout (unless the caller gave
+        ``timeout``), ``headers`` joined to a copy of the caller's ``extra_headers``."""
         kwargs = dict(body)
         if wait.bound_s is not None and "timeout" not in kwargs:
             kwargs["timeout"] = self.limits.read_timeout_s(wait)
@@ -657,16 +552,16 @@ class HTTPTransport:
         url = self.base_url
         stream = yield Io(self.create, self.acreate, client, body, wait, url, headers)
         close = stream.close if is_async else getattr(stream, "close", lambda: None)
-        with translated(lambda exc: client_open_error(exc, url)):
+        with translated(lambda exc: client_read_error(exc, url) or client_error(exc, url)):
             try:
-                response = _client_response(stream)
-                if _not_events(response):
+                response = _not_events(stream)
+                if response is not None:
                     data = response.aiter_bytes() if is_async else response.iter_bytes()
-                    head = yield Io(read_capped, aread_capped, data, ERROR_BODY_BYTES, "body", truncate=True)
+                    head = yield from capped(data, ERROR_BODY_BYTES, "body", truncate=True)
                     raise stream_reply_error(response.headers.get("content-type"), head, url)
                 it = stream.__aiter__() if is_async else iter(stream)
                 first = yield Io(next, anext, it, END)
-                return Opened(first, _aclient_items(it, url) if is_async else _client_items(it, url), close, _never)
+                return Opened(first, _aclient_items(it, url) if is_async else _client_items(it, url), close, lambda: False)
             except BaseException:
                 with contextlib.suppress(Exception):
                     yield Io(close, close)
@@ -689,18 +584,14 @@ class StreamState:
     chunks: list[Reply] | None = None  # filled when the response is to be assembled
     last: Reply | None = None  # the reply of the chunk just yielded (read by the TimedStream)
     n_seen: int = 0
-    #: the request's deadline: a bounded one holds until the first output (content, a tool call,
-    #: a finish), whatever arrives before it — role deltas, ``content: null`` chunks, keep-alives
+    #: a bounded deadline holds until the first output (content, a tool call, a finish), whatever
+    #: arrives before it: role deltas, ``content: null`` chunks, keep-alives
     deadline: Deadline | None = None
     started: float | None = None  # time.monotonic() when the request went out
     has_output: bool = False
     served_model: str | None = None  # the model the server says answered (its chunks' ``model``)
-    #: the response once an async stream has it open (what :func:`aread_chunks` closes; and what
-    #: :meth:`AsyncTimedStream.aclose` closes under a step another task is inside)
+    #: an async stream's open response (what :meth:`AsyncTimedStream.aclose` closes under another task's step)
     opened: Opened | None = attrs.field(default=None, repr=False)
-
-    def start(self) -> None:
-        self.started = time.monotonic()
 
     def begin(self, opened: Opened) -> None:
         if opened.first is END:
@@ -709,19 +600,14 @@ class StreamState:
 
     def _check_deadline(self) -> None:
         d = self.deadline
-        if d is None or not d.bounded or self.started is None:
-            return
-        if time.monotonic() - self.started > d.seconds:
-            raise ServerTimeoutError(f"{self.url} sent {self.n_seen} chunks but no content within the request's deadline of "
-                                     f"{d.seconds:.2f} s")
+        if d is not None and d.bounded and self.started is not None and time.monotonic() - self.started > d.seconds:
+            raise ServerTimeoutError(f"{self.url} sent {self.n_seen} chunks but no content within the request's deadline of {d.seconds:.2f} s")
 
     def take(self, item: Any, opened: Opened) -> Any:
-        """Parse an event (a chunk, or the whole completion of a server that ignored
-        ``stream=true``) and record what it says; the chunk to hand on, or ``_SKIP``."""
+        """Parse an event (a chunk, or a whole completion) and record what it says; the chunk to hand on, or ``_SKIP``."""
         self.n_seen += 1
         reply = parse_completion(item) if opened.whole else parse_chunk(item)
-        if self.served_model is None and reply.model:
-            self.served_model = reply.model
+        self.served_model = self.served_model or reply.model
         if not self.has_output:
             if reply.output is not None:
                 self.has_output = True
@@ -732,8 +618,7 @@ class StreamState:
             self.chunks.append(reply)
         if reply.has_stats:
             self.stats_reply = reply
-        if reply.finish_reason:
-            self.finish_reason = reply.finish_reason
+        self.finish_reason = reply.finish_reason or self.finish_reason
         return _SKIP if self.hide_usage_chunk and reply.usage_only else reply.raw
 
     def end(self, opened: Opened) -> None:
@@ -748,32 +633,26 @@ class StreamState:
 
 def read_chunks(open_: Callable[[], Opened], state: StreamState) -> Iterator[Any]:
     """The chunks of a stream, opened on the first ``next()`` (when the TTFT clock starts)."""
-    state.start()
+    state.started = time.monotonic()
     opened = open_()
     try:
         state.begin(opened)
-        if (chunk := state.take(opened.first, opened)) is not _SKIP:
-            yield chunk
-        if opened.rest is not None:
-            for item in opened.rest:
-                if (chunk := state.take(item, opened)) is not _SKIP:
-                    yield chunk
+        for item in itertools.chain((opened.first,), opened.rest or ()):
+            if (chunk := state.take(item, opened)) is not _SKIP:
+                yield chunk
         state.end(opened)
     finally:
         opened.close()
 
 
 async def aread_chunks(open_: Callable[[], Awaitable[Opened]], state: StreamState) -> AsyncIterator[Any]:
-    """:func:`read_chunks` for asyncio. This generator is the whole stream: it opens the request
-    and closes its response itself (``finally``), so closing it (``aclose()``, or asyncio when it
-    is dropped unfinished or its loop shuts down) closes the response there and then — never
-    through another async generator of trimkit's, which asyncio would close on its own, in any
-    order, even while this one is still closing it."""
+    """:func:`read_chunks` for asyncio. This generator is the whole stream: it opens the request and
+    closes its response itself (``finally``), so closing it closes the response there and then —
+    never through another async generator, which asyncio would close on its own, in any order."""
     opened = None
-    state.start()
+    state.started = time.monotonic()
     try:
-        opened = await open_()
-        state.opened = opened
+        opened = state.opened = await open_()
         state.begin(opened)
         if (chunk := state.take(opened.first, opened)) is not _SKIP:
             yield chunk
@@ -788,8 +667,7 @@ async def aread_chunks(open_: Callable[[], Awaitable[Opened]], state: StreamStat
 
 
 def _stream_error(url: str, stream_of: Callable[[], TimedStream | None]) -> Callable[[BaseException], BaseException | None]:
-    """A stream's failure after it was opened as a trimkit error (None: left as it is).
-    ``stream_of()`` is the stream (held weakly: see :func:`timed_stream`)."""
+    """A stream's failure after it was opened as a trimkit error (None: as it is); ``stream_of()`` holds it weakly."""
 
     def on_error(exc: BaseException) -> BaseException | None:
         if isinstance(exc, TrimkitError):
@@ -807,12 +685,10 @@ def _stream_error(url: str, stream_of: Callable[[], TimedStream | None]) -> Call
 
 def timed_stream(chunks: Any, state: StreamState, clock: Clock, measure: Callable[[StreamState, TimedStream], Measurement], *,
                  output_of: Callable[[Reply], str | None] = operator.attrgetter("output"), cls: type[TimedStream] = TimedStream) -> Any:
-    """The :class:`TimedStream` (``cls``) over ``chunks``: each chunk's output is read from the
-    reply :class:`StreamState` parsed; at the end ``measure(state, stream)`` is the measurement.
-
-    Its error handler holds the stream weakly, so a stream dropped unfinished is freed at once on
-    the thread that dropped it — not later by the cyclic collector on whatever thread it runs,
-    which inside httpcore's pool (holding its lock) deadlocked every later request."""
+    """The :class:`TimedStream` (``cls``) over ``chunks``, each chunk's output read from the reply
+    ``state`` parsed; ``measure(state, stream)`` at the end. Its error handler holds the stream weakly:
+    a stream dropped unfinished is freed at once, not later by the cyclic collector on whatever thread
+    it runs, which inside httpcore's pool (holding its lock) deadlocked every later request."""
     ref: weakref.ref[TimedStream] | None = None
 
     def content_of(chunk: Any) -> str | None:
@@ -829,10 +705,8 @@ def timed_stream(chunks: Any, state: StreamState, clock: Clock, measure: Callabl
 
 
 async def _close_opened(state: StreamState) -> None:
-    """Close the response an async stream has open (closing it twice is harmless)."""
-    opened = state.opened
-    if opened is not None:
-        await opened.close()
+    if state.opened is not None:  # closing it twice is harmless
+        await state.opened.close()
 
 
 def _raising(exc: BaseException) -> Iterator[Any]:
@@ -841,14 +715,9 @@ def _raising(exc: BaseException) -> Iterator[Any]:
 
 
 class AsyncTimedStream(TimedStream):
-    """:class:`TimedStream` over an async iterator: ``async for`` it; the timing, ``finish`` and
-    ``on_done`` behave exactly as in the sync stream.
-
-    :meth:`aclose` works from any task, also while another task is inside ``__anext__`` (a reader
-    just cancelled, or one still reading): ``abort()`` (given by the backend) then closes the
-    response under that step, which ends the stream (a cancelled reader gets its
-    ``CancelledError``). Closing the async generator itself there would raise "asynchronous
-    generator is already running"."""
+    """:class:`TimedStream` over an async iterator (``async for`` it). :meth:`aclose` works from any
+    task, also while another is inside ``__anext__``: ``abort()`` then closes the response under that
+    step (closing the generator itself would raise "asynchronous generator is already running")."""
 
     def __init__(self, chunks: AsyncIterator[Any], *, abort: Callable[[], Awaitable[None]] | None = None, **kwargs: Any) -> None:
         super().__init__(iter(()), **kwargs)
@@ -883,8 +752,8 @@ class AsyncTimedStream(TimedStream):
             raise StopAsyncIteration from None
 
     async def aclose(self) -> None:
-        """Stop the stream; its response is closed before this returns (unless it is not open
-        yet: a step another task is inside then ends the stream when its wait ends)."""
+        """Stop the stream; its response is closed before this returns (unless not open yet: a step
+        another task is inside then ends the stream when its wait ends)."""
         self._closed = True
         if getattr(self._achunks, "ag_running", False):  # another task is inside __anext__
             if self._abort is not None:
@@ -906,20 +775,15 @@ class AsyncTimedStream(TimedStream):
 
 # == how long a request may wait, and how it is retried ======================================================
 
-#: no single network wait is set shorter than this
 MIN_WAIT_S = 0.05
-#: the errors a request is retried on, inside its deadline: transient statuses
-#: (:data:`~trimkit.backends.transport.TRANSIENT_STATUSES`) and unreachable servers
+#: the errors a request is retried on, inside its deadline
 RETRIED = (TransientServerError, ServerUnreachableError)
 
 
 @attrs.frozen
 class Deadline:
-    """How long a request may take to produce its first chunk (a side request: its answer).
-
-    ``seconds`` always bounds the retries. ``bounded``: it also bounds every wait — a request
-    still waiting when it passes raises ServerTimeoutError — and each network read of the
-    request waits at most ``seconds`` (and ``timeout_s``)."""
+    """How long a request may take to its first chunk (a side request: its answer). ``seconds`` bounds
+    the retries; ``bounded``: also every wait (ServerTimeoutError), each read at most ``seconds``."""
 
     seconds: float
     bounded: bool = False
@@ -927,8 +791,7 @@ class Deadline:
 
 @attrs.frozen
 class Wait:
-    """What one attempt may wait: ``remaining_s`` of its deadline; ``bound_s`` (bounded
-    deadlines only) the longest any single read may take."""
+    """What one attempt may wait: ``remaining_s`` of its deadline; ``bound_s`` (bounded deadlines) the longest read."""
 
     remaining_s: float
     bound_s: float | None = None
@@ -954,84 +817,64 @@ class RequestLimits:
     deadline_s: float | None = None
 
     def deadline(self, retry_deadline_s: float | None = None, deadline_s: float | None = None, *, unbounded: bool = False) -> Deadline:
-        """A request's deadline: ``deadline_s`` (else the instance's), bounding every wait; without
-        one (or ``unbounded``: calibration probes, non-streamed answers) the retry window only."""
-        if not unbounded:
-            bound = deadline_s if deadline_s is not None else self.deadline_s
-            if bound is not None:
-                return Deadline(float(bound), bounded=True)
+        """``deadline_s`` (else the instance's), bounding every wait; without one (or ``unbounded``:
+        calibration probes, non-streamed answers) the retry window only."""
+        bound = deadline_s if deadline_s is not None else self.deadline_s
+        if not unbounded and bound is not None:
+            return Deadline(float(bound), bounded=True)
         return Deadline(float(self.retry_deadline_s if retry_deadline_s is None else retry_deadline_s))
 
     def whole_answer_deadline(self, retry_deadline_s: float | None, deadline_s: float | None) -> Deadline:
-        """A non-streamed request's deadline: bounded only by a ``deadline_s`` given for it (its
-        first byte comes after the whole answer)."""
+        """A non-streamed request's: bounded only by a ``deadline_s`` given for it (its first byte comes after the whole answer)."""
         return self.deadline(retry_deadline_s, deadline_s, unbounded=deadline_s is None)
 
     def read_timeout_s(self, wait: Wait | None) -> float:
-        """The longest one read may wait: ``timeout_s``, or with a bounded deadline at most the deadline."""
         if wait is None or wait.bound_s is None:
             return self.timeout_s
         return max(min(self.timeout_s, wait.bound_s), MIN_WAIT_S)
 
     def httpx_timeout(self, wait: Wait | None = None) -> httpx.Timeout:
-        """The httpx timeouts of one attempt: connect within what is left of the deadline, each
-        other wait :meth:`read_timeout_s`."""
+        """Connect within what is left of the deadline; each other wait :meth:`read_timeout_s`."""
         if wait is None:
             return httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s)
         return httpx.Timeout(self.read_timeout_s(wait), connect=max(min(self.connect_timeout_s, wait.remaining_s), MIN_WAIT_S))
 
     def retry_arguments(self, deadline: Deadline) -> dict[str, Any]:
-        """The tenacity arguments of a request (for ``Retrying`` and ``AsyncRetrying`` alike):
-        retry transient failures with exponential backoff (at least the server's
-        ``Retry-After``), within ``max_attempts`` and the deadline."""
+        """tenacity's arguments: transient failures retried with exponential backoff (at least the
+        server's ``Retry-After``), within ``max_attempts`` and the deadline."""
         expo = tenacity.wait_exponential(multiplier=self.retry_backoff_s, min=self.retry_backoff_s, max=self.retry_backoff_max_s)
 
         def wait(state: tenacity.RetryCallState) -> float:
-            exc = state.outcome.exception() if state.outcome else None
-            retry_after = getattr(exc, "retry_after_s", None)
-            base = expo(state)
-            return max(base, retry_after) if retry_after else base
+            retry_after = getattr(state.outcome.exception() if state.outcome else None, "retry_after_s", None)
+            return max(expo(state), retry_after) if retry_after else expo(state)
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
             log.info("trimkit: attempt %d failed (%s); retrying in %.2f s", state.attempt_number, exc, state.upcoming_sleep)
 
-        return dict(
-            stop=tenacity.stop_after_attempt(self.max_attempts) | tenacity.stop_before_delay(deadline.seconds),
-            wait=wait,
-            retry=tenacity.retry_if_exception_type(RETRIED),
-            before_sleep=before_sleep,
-            reraise=True,
-        )
+        return dict(stop=tenacity.stop_after_attempt(self.max_attempts) | tenacity.stop_before_delay(deadline.seconds), wait=wait,
+                    retry=tenacity.retry_if_exception_type(RETRIED), before_sleep=before_sleep, reraise=True)
 
 
 class RetryRun:
-    """The books of one retried call: when it started, the last attempt's error, what each
-    attempt may wait and what to raise when the deadline passes or the retries give up."""
+    """The books of one retried call: its start, the last attempt's error, what each attempt may wait, what to raise."""
 
     def __init__(self, deadline: Deadline, url: str) -> None:
-        self.deadline = deadline
-        self.url = url
+        self.deadline, self.url = deadline, url
         self.start = time.monotonic()
         self.previous: BaseException | None = None
 
-    def wait(self) -> Wait:
-        remaining = self.deadline.seconds - (time.monotonic() - self.start)
-        return Wait(remaining, self.deadline.seconds if self.deadline.bounded else None)
-
     @contextlib.contextmanager
-    def attempt(self) -> Iterator[None]:
-        """Around one attempt: keep its error (see :meth:`timed_out`)."""
+    def attempt(self) -> Iterator[Wait]:
+        """Around one attempt: what it may wait; its error is kept (see :meth:`timed_out`)."""
         try:
-            yield
+            yield Wait(self.deadline.seconds - (time.monotonic() - self.start), self.deadline.seconds if self.deadline.bounded else None)
         except BaseException as exc:
             self.previous = exc
             raise
 
     def timed_out(self) -> BaseException:
-        """The error for an attempt still waiting when the deadline passed: the previous
-        attempt's error status if there was one (the server was answering, with 503s), else
-        ServerTimeoutError."""
+        """The previous attempt's error status if there was one (the server was answering, with 503s), else ServerTimeoutError."""
         if isinstance(self.previous, TransientServerError):
             return self.previous
         return ServerTimeoutError(f"{self.url} did not answer within the request's deadline of {self.deadline.seconds:.2f} s "
@@ -1047,21 +890,15 @@ class RetryRun:
         return type(exc)(f"{exc} (gave up after {attempts} attempts in {time.monotonic() - self.start:.1f} s)")
 
 
-def _keep(value: Any) -> None:
-    """What an abandoned attempt returned needs nothing done with it."""
-
-
 def with_retries(attempt: Callable[[Wait], Any], deadline: Deadline, url: str, limits: RequestLimits,
-                 discard: Callable[[Any], None] = _keep) -> Any:
-    """Run ``attempt(wait)`` until it succeeds, a non-transient error, or the deadline; with a
-    bounded deadline no attempt is waited for past it (ServerTimeoutError), and what an
-    abandoned attempt opens later is ``discard``-ed."""
+                 discard: Callable[[Any], None] = lambda value: None) -> Any:
+    """``attempt(wait)`` until it succeeds, a non-transient error, or the deadline; a bounded deadline
+    waits for no attempt past it (ServerTimeoutError), and what an abandoned attempt opens is ``discard``-ed."""
     run = RetryRun(deadline, url)
     retrying = tenacity.Retrying(**limits.retry_arguments(deadline))
     try:
         for try_ in retrying:
-            with try_, run.attempt():
-                wait = run.wait()
+            with try_, run.attempt() as wait:
                 if not deadline.bounded:
                     return attempt(wait)
                 return run_within(lambda wait=wait: attempt(wait), wait.remaining_s, discard, run.timed_out)
@@ -1076,8 +913,7 @@ async def awith_retries(attempt: Callable[[Wait], Awaitable[Any]], deadline: Dea
     retrying = tenacity.AsyncRetrying(**limits.retry_arguments(deadline))
     try:
         async for try_ in retrying:
-            with try_, run.attempt():
-                wait = run.wait()
+            with try_, run.attempt() as wait:
                 if not deadline.bounded:
                     return await attempt(wait)
                 try:
@@ -1093,12 +929,10 @@ async def awith_retries(attempt: Callable[[Wait], Awaitable[Any]], deadline: Dea
 
 
 def run_within(fn: Callable[[], Any], seconds: float, discard: Callable[[Any], None], timed_out: Callable[[], BaseException]) -> Any:
-    """``fn()`` in a worker thread, waited for at most ``seconds``; then ``timed_out()`` is raised.
-
-    Why a thread: a blocking socket read cannot be given an overall deadline (httpx bounds each
-    read, and a server may trickle bytes forever), and the ``openai`` client's stream cannot be
-    interrupted from outside. The abandoned worker ends on its own — each of its network waits
-    is bounded too — and whatever it returns after the caller gave up is ``discard``-ed."""
+    """``fn()`` in a worker thread, waited for at most ``seconds`` (then ``timed_out()`` is raised):
+    a blocking read cannot be given an overall deadline (a server may trickle bytes forever), nor can
+    the ``openai`` client's stream be interrupted. The worker ends on its own (each wait is bounded);
+    what it returns after the caller gave up is ``discard``-ed."""
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
     def run() -> None:
