@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -242,12 +242,6 @@ class OpenAIFrontEnd(FrontEnd):
             self.bound_side_requests()
         self.chat = ClientChat(self)
 
-    def __getattr__(self, name: str) -> Any:  # drop-in: everything else is the client's
-        client = self.__dict__.get("client")
-        if client is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(client, name)
-
     def _client_part(self, *path: str) -> Any:
         obj = self.client
         if obj is None:
@@ -282,8 +276,7 @@ class OpenAIFrontEnd(FrontEnd):
         # behind a router the cache is predicted on the worker this key stays on (an async call's
         # worker thread runs in a copy of this context)
         with planning_for(key):
-            prepared = yield Io(self.prepare, functools.partial(asyncio.to_thread, self.prepare), messages, rag_chunks, params,
-                                ttft_budget_s=budget, **options)
+            prepared = yield Io(self.prepare, _in_thread(self.prepare), messages, rag_chunks, params, ttft_budget_s=budget, **options)
         return (yield from Send(self, params, stream, routing_headers(key, self.routing.headers)).steps(prepared))
 
     def assemble(self, rs: StreamReporter) -> Any:
@@ -292,10 +285,16 @@ class OpenAIFrontEnd(FrontEnd):
         response = assemble_chat_completion(rs.chunks)
         if response["usage"] is None and rs.report is not None:
             m = rs.report.measurement
-            response["usage"] = usage_counts(m.prompt_tokens or 0, m.completion_tokens or 0)
+            usage = usage_counts(m.prompt_tokens or 0, m.completion_tokens or 0)
             if m.cached_tokens is not None:
-                response["usage"]["prompt_tokens_details"] = {"cached_tokens": m.cached_tokens}
+                usage["prompt_tokens_details"] = {"cached_tokens": m.cached_tokens}
+            response["usage"] = usage
         return self.backend.as_client_response(response)
+
+
+def _in_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, awaited in a worker thread (an async call plans off the event loop)."""
+    return functools.partial(asyncio.to_thread, fn)
 
 
 class Send:
