@@ -40,7 +40,7 @@ from trimkit.errors import (
     positive_finite,
 )
 from trimkit.errors import budget as valid_budget
-from trimkit.frontend import StreamReporter
+from trimkit.frontend import AsyncReportingStream, ReportingStream
 from trimkit.messages import coerce_chunks, validate_messages
 from trimkit.openai_wrapper import AsyncTrimmedOpenAI, CallDeadlines, ClientChat, Send, TrimmedOpenAI, call_arguments, split_backend_kwargs, wrap_one_url
 from trimkit.pipeline import Prepared
@@ -604,44 +604,39 @@ class FleetCall:
         return FleetUnavailableError(f"{why} ({tried})", attempts=attempts)
 
 
-class _FleetStreamBase:
-    """What the sync and async fleet streams share: the endpoint's reporting stream, the chunks
-    read before the first token (held back until it is known the endpoint answers), and the
+class _FleetReading:
+    """What the sync and async fleet streams add to an endpoint's reporting stream: the chunks
+    read before the first token, held back until it is known the endpoint answers, and the
     request's place in the endpoint's queue, given back once when the stream ends, fails, is
-    closed or is garbage-collected."""
+    closed or is garbage-collected. ``report.endpoint`` names the replica."""
 
-    def __init__(self, route: Route, inner: StreamReporter) -> None:
-        self.endpoint = route.endpoint
-        self.key = route.key
-        self.inner = inner
-        self._head: list[Any] = []
+    timed: Any
+    params: Mapping[str, Any]
+    report: Report | None
+
+    def open(self, route: Route) -> Steps:
+        """Read up to the first token, sync or async; the stream."""
+        self.endpoint, self.key, self._head = route.endpoint, route.key, []
         self._release = weakref.finalize(self, route.endpoint.release, route.key)
-
-    @property
-    def report(self) -> Report | None:
-        """The report, once the stream is exhausted (``report.endpoint`` names the replica)."""
-        return self.inner.report
-
-    def open(self) -> Steps:
-        """Read up to the first token, sync or async (chunks before it are held back and yielded first)."""
         try:
-            while self.inner.timed.first_output_at is None:
-                self._head.append((yield Io(next, anext, self.inner)))
+            while self.timed.first_output_at is None:
+                self._head.append((yield Io(ReportingStream.__next__, AsyncReportingStream.__anext__, self)))
         except (StopIteration, StopAsyncIteration):
             self._finished()
-            return
+            return self
         except BaseException:  # it never took the request
             self._release.detach()
             self.endpoint.release(self.key, failed=True)
-            yield Io(self.inner.close, self.inner.close)  # type: ignore[attr-defined]
+            yield Io(self.close, self.close)  # type: ignore[attr-defined]
             raise
         self.endpoint.first_token(self.key)
+        return self
 
     def _finished(self) -> None:
         if self._release.alive:
             self._release()
-            if self.inner.report is not None:
-                self.endpoint.observe(self.inner.params, self.inner.report.measurement)
+            if self.report is not None:
+                self.endpoint.observe(self.params, self.report.measurement)
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[None]:
@@ -660,51 +655,32 @@ class _FleetStreamBase:
         self.endpoint.progressed()
 
 
-class FleetStream(_FleetStreamBase):
-    """What ``create(stream=True)`` returns: iterate it like one endpoint's stream; ``.report``
-    once exhausted; ``with`` and :meth:`close` work."""
-
-    def __iter__(self) -> FleetStream:
-        return self
+class FleetStream(_FleetReading, ReportingStream):
+    """What ``create(stream=True)`` returns: one endpoint's stream, ``with`` and :meth:`close` work."""
 
     def __next__(self) -> Any:
         if self._head:
             return self._head.pop(0)
         with self._reading():
-            return next(self.inner)  # type: ignore[call-overload]
+            return super().__next__()
 
     def close(self) -> None:
-        self.inner.close()  # type: ignore[attr-defined]
+        super().close()
         self._release()
 
-    def __enter__(self) -> FleetStream:
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class AsyncFleetStream(_FleetStreamBase):
+class AsyncFleetStream(_FleetReading, AsyncReportingStream):
     """:class:`FleetStream` for ``async for``; ``async with`` and ``await close()`` work."""
-
-    def __aiter__(self) -> AsyncFleetStream:
-        return self
 
     async def __anext__(self) -> Any:
         if self._head:
             return self._head.pop(0)
         with self._reading():
-            return await self.inner.__anext__()  # type: ignore[attr-defined]
+            return await super().__anext__()
 
     async def close(self) -> None:
-        await self.inner.close()  # type: ignore[attr-defined]
+        await super().close()
         self._release()
-
-    async def __aenter__(self) -> AsyncFleetStream:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
 
 
 class FleetBase:
@@ -807,6 +783,8 @@ class FleetSend(Send):
     :class:`~trimkit.openai_wrapper.Send` with the attempt's deadline and the request's place in
     the endpoint's queue, its stream read up to the first token (:class:`FleetStream`)."""
 
+    streams = (FleetStream, AsyncFleetStream)
+
     def __init__(self, call: FleetCall, route: Route, params: Mapping[str, Any], stream: bool) -> None:
         ep = route.endpoint
         super().__init__(ep.front, params, stream, ep.front.routing.headers_for(call.routing_key, call.messages))
@@ -829,10 +807,8 @@ class FleetSend(Send):
     def failed(self) -> None:
         self.route.release(failed=True)
 
-    def reading(self, rs: StreamReporter) -> Steps:
-        fs = (AsyncFleetStream if self.front.is_async else FleetStream)(self.route, rs)
-        yield from fs.open()
-        return fs
+    def reading(self, rs: Any) -> Steps:
+        return (yield from rs.open(self.route))
 
 
 class FleetFrontEnd(FleetBase):

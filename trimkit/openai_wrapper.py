@@ -303,6 +303,9 @@ class Send:
     else streamed, and drained and assembled unless a stream was asked for. The hooks are where a
     fleet's attempt (:class:`trimkit.fleet.FleetSend`) differs."""
 
+    #: the streams (sync, async) a streamed request is read through
+    streams: tuple[type[StreamReporter], type[StreamReporter]] = (ReportingOpenAIStream, AsyncReportingStream)
+
     def __init__(self, front: OpenAIFrontEnd, params: Mapping[str, Any], stream: bool, headers: Mapping[str, str] | None = None) -> None:
         self.front, self.params, self.stream, self.headers = front, params, stream, headers
         #: the stream's reporter (None until streamed; stays None for an answer sent whole)
@@ -340,7 +343,7 @@ class Send:
         except BaseException:
             self.failed()
             raise
-        self.reporter = (AsyncReportingStream if front.is_async else ReportingOpenAIStream)(ts, pipeline, prepared, params, watch=watch)
+        self.reporter = self.streams[front.is_async](ts, pipeline, prepared, params, watch=watch)
         return (yield from self.reading(self.reporter))
 
     def completion(self, out: Any) -> Steps:
