@@ -907,29 +907,23 @@ class _TwinProfiles:
         self.profiles: dict[Any, Profile] = {}
         self.busy: dict[Any, threading.Lock] = {}
 
-    def build(self, backend: OpenAIHTTPBackend, make: Callable[[Profile | None], Any]) -> Any:
-        info = backend.server_info()
-        twin = (info.engine, info.engine_version, info.model_ids, backend.n_ctx, backend.model or "")
-        with self.lock:
-            turn = self.busy.setdefault(twin, threading.Lock())
+    def front(self, cls: Any, client: Any, backend: OpenAIHTTPBackend, profile: Profile | None, kwargs: Mapping[str, Any],
+              reports: list[Report]) -> Any:
+        """One endpoint's wrapper: its profile given, else an identical replica's, stored, or calibrated now."""
+        twin, turn = None, contextlib.nullcontext()
+        if profile is None:
+            info = backend.server_info()
+            twin = (info.engine, info.engine_version, info.model_ids, backend.n_ctx, backend.model or "")
+            with self.lock:
+                turn = self.busy.setdefault(twin, threading.Lock())  # type: ignore[assignment]
         with turn:
-            front = make(self.profiles.get(twin))
-            self.profiles.setdefault(twin, front.profile)
-            return front
-
-
-def _build_front(cls: Any, client: Any, backend: OpenAIHTTPBackend, profile: Profile | None, kwargs: Mapping[str, Any],
-                 twins: _TwinProfiles, reports: list[Report]) -> Any:
-    """One endpoint's wrapper (its profile given, an identical replica's, stored, or calibrated now)."""
-
-    def make(shared: Profile | None) -> Any:
-        front = cls(client, backend=backend, endpoint_label=backend.base_url, profile=shared, **kwargs)
-        front.bound_side_requests()
-        front.pipeline.watch_prefill = False  # the fleet sends in one piece: planned with the whole prediction's margin
-        front.pipeline.reports = reports
+            front = cls(client, backend=backend, endpoint_label=backend.base_url, profile=profile or self.profiles.get(twin), **kwargs)
+            front.bound_side_requests()
+            front.pipeline.watch_prefill = False  # the fleet sends in one piece: planned with the whole prediction's margin
+            front.pipeline.reports = reports
+            if twin is not None:
+                self.profiles.setdefault(twin, front.profile)
         return front
-
-    return make(profile) if profile is not None else twins.build(backend, make)
 
 
 def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, model: str | None = None, api_key: str | None = None,
@@ -972,7 +966,7 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
             else:
                 backend, client = OpenAIHTTPBackend.from_openai_client(target, model=model, **backend_kwargs), target
             load = ServerLoadReader(backend.transport.http, backend.root_url, backend.transport.headers) if read_load else None
-            build = functools.partial(_build_front, cls, client, backend, prof, kwargs, twins, reports)
+            build = functools.partial(twins.front, cls, client, backend, prof, kwargs, reports)
             endpoints.append(FleetEndpoint(backend.base_url, backend, build, health=Health(probe_after_s, probe_max_s), slots=slots,
                                            held_prompts=held_prompts, load=load, probe_timeout_s=probe_timeout_s))
         fleet = (AsyncFleetFrontEnd if is_async else FleetFrontEnd)(endpoints, ttft_budget_s=ttft_budget_s, retry_deadline_s=retry_deadline_s,

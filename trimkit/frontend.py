@@ -39,10 +39,10 @@ async def adrain(stream: Any) -> None:
         pass
 
 
-#: the pipeline's state every wrapper shows under the same names; setting one of ``SETTABLE`` sets
-#: (and validates) the pipeline's
+#: the pipeline's state and methods every wrapper shows under the same names (``prepare``: validate,
+#: plan and check a request without sending it); setting one of ``SETTABLE`` sets (and validates) the pipeline's
 SHARED = frozenset({"backend", "profile", "last_report", "reports", "safety_margin", "engine", "live", "summarizer", "summaries",
-                    "last_prepared", "queue"})
+                    "last_prepared", "queue", "prepare", "idle"})
 SETTABLE = frozenset({"ttft_budget_s", "strategies", "values", "on_infeasible", "on_busy", "endpoint_label", "attainment_target",
                       "persist_every", "max_reports"})
 
@@ -68,16 +68,6 @@ class FrontEnd:
             setattr(self.pipeline, name, value)
         else:
             object.__setattr__(self, name, value)
-
-    def prepare(self, messages: Any, rag_chunks: Any = None, params: Mapping[str, Any] | None = None, *,
-                ttft_budget_s: float | None = None, on_busy: str | None = None, queue_wait_s: float | None = None) -> Prepared:
-        """Validate, plan and check a request without sending it (:meth:`Pipeline.prepare`)."""
-        return self.pipeline.prepare(messages, rag_chunks, params, ttft_budget_s=ttft_budget_s, on_busy=on_busy,
-                                     queue_wait_s=queue_wait_s)
-
-    def idle(self, timeout_s: float | None = None) -> None:
-        """Finish pending background summaries now (call when the user is reading)."""
-        self.pipeline.idle(timeout_s)
 
 
 class StreamReporter:

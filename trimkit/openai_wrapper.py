@@ -62,14 +62,12 @@ class CallDeadlines:
         decode of ``n × max_tokens``; None without a budget, ``max_tokens`` or a decode speed."""
         base = self.first_chunk_s(ttft_budget_s)
         max_tokens = params.get("max_completion_tokens") or params.get("max_tokens")
-        n = params.get("n") or 1
-        speed = decode_tokens_per_s
+        n, speed = params.get("n") or 1, decode_tokens_per_s
         if base is None or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (max_tokens, n)):
             return None
-        assert isinstance(max_tokens, int)  # checked above; for the type checker
         if not isinstance(speed, (int, float)) or not math.isfinite(speed) or speed <= 0:
             return None
-        return base + 2.0 * n * max_tokens / speed
+        return base + 2.0 * n * max_tokens / speed  # type: ignore[operator]
 
 
 #: keyword arguments of the wrappers that configure the HTTP backend, not the pipeline
