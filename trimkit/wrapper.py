@@ -37,13 +37,9 @@ class Trimmer(FrontEnd):
         self.pipeline = Pipeline(backend, **kwargs)
 
     def execute(self, prepared: Prepared, params: Mapping[str, Any]) -> ReportingStream:
-        """Send a prepared request: a stream of the engine's chunks that reports when done.
-
-        An in-process engine is taken here for the stream (first come, first served) and given
-        back when the stream ends, from any thread. This waits at most the request's budget (else
-        the backend's ``engine_wait_s``) plus twice its predicted wait, then raises
-        :class:`~trimkit.errors.EngineBusyError`; the wait is reported and counted in
-        ``report.measured_ttft_s``, not in ``measurement.ttft_s``."""
+        """Send a prepared request: a stream that reports when done. An in-process engine is taken
+        here for the stream, waiting at most the budget (else ``engine_wait_s``) plus twice the
+        predicted wait (then :class:`~trimkit.errors.EngineBusyError`); the wait is reported."""
         backend = self.pipeline.backend
         ticket = getattr(prepared, "ticket", None)
         if ticket is not None:
