@@ -253,17 +253,11 @@ class OpenAIFrontEnd(FrontEnd):
         model = params.get("model") or self.backend.model_name or ""
         return model if self.pipeline.endpoint_label else f"{model} @ {self.backend.base_url}"
 
-    def retry_deadline_for_call(self, ttft_budget_s: float | None) -> float:
-        return self.deadlines.retry_s(ttft_budget_s)
-
-    def deadline_for_call(self, ttft_budget_s: float | None) -> float | None:
-        return self.deadlines.first_chunk_s(ttft_budget_s)
-
     def bound_side_requests(self) -> None:
         """Bound the side requests made while a call is planned (tokenize, server facts) by the
         default budget's deadlines; construction had the backend's own."""
-        self.backend.retry_deadline_s = self.retry_deadline_for_call(self.ttft_budget_s)
-        self.backend.deadline_s = self.deadline_for_call(self.ttft_budget_s)
+        self.backend.retry_deadline_s = self.deadlines.retry_s(self.ttft_budget_s)
+        self.backend.deadline_s = self.deadlines.first_chunk_s(self.ttft_budget_s)
 
     def call_steps(self, kwargs: dict[str, Any]) -> Steps:
         """A ``create()`` call, sync or async: planned (async: in a worker thread), then sent (:class:`Send`)."""
@@ -325,7 +319,7 @@ class Send:
                 prepared = pipeline.sent(prepared.with_warning(blocker))
                 deadline = front.deadlines.whole_answer_s(prepared.budget_s, params, front.profile.decode_tokens_per_s)
                 response, m = yield Io(backend.complete, backend.acomplete, prepared.messages, send_params(params), **extra, measure_ttft=False,
-                                       prompt_tokens=prepared.prompt_tokens, retry_deadline_s=front.retry_deadline_for_call(prepared.budget_s),
+                                       prompt_tokens=prepared.prompt_tokens, retry_deadline_s=front.deadlines.retry_s(prepared.budget_s),
                                        deadline_s=deadline)
                 self.answered(prepared, m)
                 return response
@@ -354,8 +348,8 @@ class Send:
     # -- hooks ---------------------------------------------------------------------------------
     def stream_args(self, prepared: Prepared) -> dict[str, Any]:
         budget = prepared.budget_s
-        return {"prompt_tokens": prepared.prompt_tokens, "retry_deadline_s": self.front.retry_deadline_for_call(budget),
-                "deadline_s": self.front.deadline_for_call(budget)}
+        return {"prompt_tokens": prepared.prompt_tokens, "retry_deadline_s": self.front.deadlines.retry_s(budget),
+                "deadline_s": self.front.deadlines.first_chunk_s(budget)}
 
     def answered(self, prepared: Prepared, m: Measurement) -> None:
         self.front.pipeline.finish(prepared, m, self.params)
