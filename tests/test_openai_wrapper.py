@@ -232,14 +232,14 @@ def test_retry_deadline_follows_the_budget(chat):
     assert retry_deadline_for(None, 30.0) == 30.0
     assert retry_deadline_for(0.5, 30.0) == MIN_RETRY_DEADLINE_S
     assert retry_deadline_for(10.0, 30.0) == 20.0
-    assert chat.retry_deadline_for_call(0.2) == MIN_RETRY_DEADLINE_S
-    assert chat.retry_deadline_for_call(None) == 30.0  # the backend's own default
+    assert chat.deadlines.retry_s(0.2) == MIN_RETRY_DEADLINE_S
+    assert chat.deadlines.retry_s(None) == 30.0  # the backend's own default
     assert chat.backend.retry_deadline_s == MIN_RETRY_DEADLINE_S  # planning's side requests: the default budget's (2 s)
 
 
 def test_an_unreachable_server_gives_up_within_the_budgets_deadline(profile):
     chat = wrap_url(f"http://127.0.0.1:{free_port()}/v1", model="m", profile=profile, retry_backoff_max_s=0.5, ttft_budget_s=0.5)
-    assert chat.deadline_for_call(0.5) == MIN_RETRY_DEADLINE_S  # the budget's deadline, not the backend's 30 s
+    assert chat.deadlines.first_chunk_s(0.5) == MIN_RETRY_DEADLINE_S  # the budget's deadline, not the backend's 30 s
     with pytest.raises(ServerUnreachableError, match="attempts"):
         chat.chat.completions.create(messages=ASK, max_tokens=2)
     chat.close()

@@ -1,13 +1,9 @@
 """A fleet of OpenAI-compatible endpoints behind one TTFT budget: routing and failover from the client.
 
 ``trimkit.wrap_url([...])`` / ``trimkit.wrap([client, ...])`` give a :class:`FleetFrontEnd`
-(:class:`AsyncFleetFrontEnd`): each endpoint is a wrapper of its own (:class:`FleetEndpoint`), each
-request goes to the endpoint with the lowest predicted TTFT (:class:`FleetCall`), and one that fails
-before the first token is re-planned on the next. What it does and how to set it up:
-docs/scaling.md §2.
-
-In three parts: each endpoint and the cost of a route to it; the fleet's front-end (one call routed,
-sent and failed over); the fleet itself (building it, health, the client it looks like)."""
+(:class:`AsyncFleetFrontEnd`): each endpoint is a wrapper of its own (:class:`FleetEndpoint`), a
+request goes to the lowest predicted TTFT (:class:`FleetCall`), and one that fails before its
+first token is re-planned on the next. docs/scaling.md §2."""
 from __future__ import annotations
 
 import asyncio
@@ -44,21 +40,9 @@ from trimkit.errors import (
     positive_finite,
 )
 from trimkit.errors import budget as valid_budget
-from trimkit.frontend import StreamReporter
+from trimkit.frontend import AsyncReportingStream, ReportingStream
 from trimkit.messages import coerce_chunks, validate_messages
-from trimkit.openai_wrapper import (
-    AsyncTrimmedOpenAI,
-    CallDeadlines,
-    ClientChat,
-    OpenAIFrontEnd,
-    Send,
-    TrimmedOpenAI,
-    call_arguments,
-    call_options,
-    call_routing_key,
-    split_backend_kwargs,
-    wrap_one_url,
-)
+from trimkit.openai_wrapper import AsyncTrimmedOpenAI, CallDeadlines, ClientChat, Send, TrimmedOpenAI, call_arguments, split_backend_kwargs, wrap_one_url
 from trimkit.pipeline import Prepared
 from trimkit.planning.costs import CacheState, evaluated_tokens
 from trimkit.planning.profile import Profile
@@ -66,23 +50,37 @@ from trimkit.planning.queue import EngineQueue, Ticket, answer_cap, check_on_bus
 from trimkit.planning.tokens import reusable_prefix_len
 from trimkit.report import Report, valid_tokens_per_s_target
 
+__all__ = ["wrap_fleet", "wrap_url", "FleetFrontEnd", "AsyncFleetFrontEnd", "FleetStream", "AsyncFleetStream", "FleetEndpoint",
+           "FleetUnavailableError", "FleetOverloadedError", "FLEET_BACKEND_DEFAULTS"]
+
+log = logging.getLogger("trimkit")
+
+#: requests an engine runs at once when the server does not say (llama.cpp-style servers: one per slot)
+ENGINE_SLOTS = {"vllm": 64, "sglang": 64}
+#: predicted TTFTs closer than this share are a tie (predictions are never that sure)
+TIE_SHARE = 0.01
+#: the shortest retry hint an overloaded fleet gives
+MIN_RETRY_AFTER_S = 0.5
+#: an endpoint gets at least this long to produce the first token before the call moves on
+MIN_ATTEMPT_S = 1.0
+#: after a failover the plan's budget is what is left of it, but never under this share of it
+MIN_REPLAN_SHARE = 0.1
+#: backend settings a fleet uses unless given: retry one endpoint briefly, then fail over
+FLEET_BACKEND_DEFAULTS: Mapping[str, Any] = {"max_attempts": 2, "retry_backoff_s": 0.05, "retry_backoff_max_s": 0.2}
+
 
 def slot_wait_s(remaining_s: Sequence[float], slots: int) -> float:
-    """How long a new request waits on a server that runs ``slots`` requests at once, first come
-    first served, behind requests with ``remaining_s`` of predicted work each (in the order they
-    came): with one slot, their sum; with more, until a slot frees once they have all started."""
-    slots = max(int(slots), 1)
-    free = [0.0] * slots  # when each slot is free
+    """How long a new request waits on a server running ``slots`` requests at once, first come
+    first served, behind requests with ``remaining_s`` of predicted work each."""
+    free = [0.0] * max(int(slots), 1)  # when each slot is free
     for work in remaining_s:
         heapq.heapreplace(free, free[0] + max(work, 0.0))
     return free[0]
 
 
 class HeldPrompts:
-    """The prompts an endpoint's prefix cache is predicted to hold: the last ``capacity`` sent
-    to it (one per slot on llama.cpp; llama-cpp-python's server holds the last one). Recorded
-    when a request is sent — a request queued behind others finds the cache as the last one
-    ahead of it left it — and forgotten if it failed before the server took it."""
+    """The prompts an endpoint's prefix cache is predicted to hold: the last ``capacity`` sent to
+    it (one per slot on llama.cpp; llama-cpp-python's server holds the last one)."""
 
     def __init__(self, capacity: int = 1) -> None:
         self.capacity = max(int(capacity), 1)
@@ -90,15 +88,13 @@ class HeldPrompts:
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._prompts)
+        return len(self._prompts)
 
     def hold(self, key: int, tokens: Sequence[int]) -> None:
         """``tokens`` were sent (``key``: the request; holding it again replaces its prompt)."""
         with self._lock:
             kept = [(k, t) for k, t in self._prompts if k != key]
-            kept.append((key, tuple(tokens)))
-            self._prompts = deque(kept[-self.capacity :])
+            self._prompts = deque([*kept, (key, tuple(tokens))][-self.capacity :])
 
     def forget(self, key: int) -> None:
         with self._lock:
@@ -146,35 +142,16 @@ class Health:
         self.retry_at = now + self.backoff_s
 
     def up(self) -> None:
-        self.down_since = None
-        self.backoff_s = 0.0
-        self.retry_at = 0.0
-
-
-__all__ = ["wrap_fleet", "wrap_url", "FleetFrontEnd", "AsyncFleetFrontEnd", "FleetStream", "AsyncFleetStream", "FleetEndpoint",
-           "FleetUnavailableError", "FleetOverloadedError", "FLEET_BACKEND_DEFAULTS"]
-
-log = logging.getLogger("trimkit")
-
-#: requests an engine runs at once when the server does not say (continuous batching engines:
-#: many; llama.cpp-style servers: one per slot, and llama-cpp-python's server has one)
-ENGINE_SLOTS = {"vllm": 64, "sglang": 64}
-#: predicted TTFTs closer than this share are a tie (predictions are never that sure)
-TIE_SHARE = 0.01
-#: the shortest retry hint an overloaded fleet gives
-MIN_RETRY_AFTER_S = 0.5
+        self.down_since, self.backoff_s, self.retry_at = None, 0.0, 0.0
 
 
 def is_overload(exc: BaseException) -> bool:
-    """An error a live but busy endpoint gives: no first chunk within the attempt's deadline
-    (:class:`~trimkit.errors.ServerTimeoutError`), or 429 Too Many Requests. Whether the endpoint
-    is alive is the caller's to judge (:meth:`FleetEndpoint.alive_since`)."""
+    """No first chunk within the attempt's deadline, or 429: what a live but busy endpoint gives."""
     return isinstance(exc, ServerTimeoutError) or (isinstance(exc, TransientServerError) and exc.status == 429)
 
 
 def is_endpoint_failure(exc: BaseException) -> bool:
-    """An error that says the endpoint (not the request) failed: unreachable or timed out,
-    a 429/5xx status, or a stream broken off. Another endpoint may serve the request."""
+    """The endpoint (not the request) failed: unreachable, timed out, 429/5xx, a stream broken off."""
     if isinstance(exc, (ServerUnreachableError, TransientServerError, StreamInterruptedError)):
         return True
     return isinstance(exc, ServerError) and not isinstance(exc, MalformedReplyError) and (exc.status or 0) >= 500
@@ -186,8 +163,9 @@ def describe_error(exc: BaseException) -> str:
 
 @attrs.frozen
 class RouteCost:
-    """A request priced on one endpoint: the predicted wait behind the requests ahead of it,
-    the prefix the endpoint holds, and the predicted prefill and decode of the untrimmed prompt."""
+    """A request priced on one endpoint: the wait behind the requests ahead, the prefix held
+    there, the untrimmed prompt's prefill and decode; with a budget, the prompt tokens it could
+    keep within it (``kept_tokens``)."""
 
     endpoint: FleetEndpoint = attrs.field(eq=False, repr=lambda e: e.label)
     wait_s: float
@@ -195,42 +173,29 @@ class RouteCost:
     prefill_s: float
     decode_s: float
     in_flight: int
-    #: with a budget: the prompt tokens this endpoint could keep within it (its cached prefix
-    #: plus the new tokens that fit the budget left after the wait); None without a budget
     kept_tokens: int | None = None
     budget_s: float | None = None
 
     @property
     def fits(self) -> bool:
-        """The untrimmed prompt is predicted to start within the budget here (or there is none)."""
         return self.budget_s is None or self.ttft_s <= self.budget_s
 
     @property
     def planned_prefill_s(self) -> float:
-        """The prefill to count for this request in the queue until it is planned: the untrimmed
-        prompt's, but never more than the budget left after the wait (it will be trimmed to that)."""
+        """The prefill counted in the queue until the request is planned: at most the budget left after the wait."""
         if self.budget_s is None:
             return self.prefill_s
         return min(self.prefill_s, max(self.budget_s - self.wait_s, 0.0))
 
     @property
     def ttft_s(self) -> float:
-        """The predicted TTFT on this endpoint: wait + prefill."""
         return self.wait_s + self.prefill_s
-
-    def ties(self, best_s: float) -> bool:
-        """Within :data:`TIE_SHARE` (and a millisecond) of the lowest predicted TTFT ``best_s``:
-        closer than any prediction is sure, so the endpoint with fewer requests in flight wins."""
-        return self.ttft_s <= best_s * (1.0 + TIE_SHARE) + 0.001
 
 
 def best_route(costs: Sequence[RouteCost]) -> RouteCost:
-    """The lowest predicted TTFT; among those tied with it, fewest in flight, then the first given.
-
-    With a budget that no endpoint meets with the untrimmed prompt, every choice trims: the
-    endpoint that keeps the most of the prompt (cached prefix plus what fits the budget left
-    after its wait) wins instead — a replica with the prefix but a long queue would otherwise
-    be chosen for its total and then trimmed to nothing while another sits idle."""
+    """The lowest predicted TTFT (ties, within :data:`TIE_SHARE` and a millisecond: fewest in
+    flight, then the first). When no endpoint fits the budget untrimmed, the one keeping the most
+    of the prompt wins: a replica holding the prefix behind a long queue would be trimmed to nothing."""
     fitting = [c for c in costs if c.fits]
     if not fitting and all(c.kept_tokens is not None for c in costs):
         most = max(c.kept_tokens or 0 for c in costs)
@@ -238,19 +203,14 @@ def best_route(costs: Sequence[RouteCost]) -> RouteCost:
     elif fitting:
         costs = fitting
     best_s = min(c.ttft_s for c in costs)
-    return min((c for c in costs if c.ties(best_s)), key=lambda c: c.in_flight)
+    return min((c for c in costs if c.ttft_s <= best_s * (1.0 + TIE_SHARE) + 0.001), key=lambda c: c.in_flight)
 
 
 class FleetEndpoint:
-    """One replica: ``label`` names it (its base URL) in reports; ``build()`` makes its
-    front-end (a :class:`~trimkit.openai_wrapper.TrimmedOpenAI` or
-    :class:`~trimkit.openai_wrapper.AsyncTrimmedOpenAI`; it calibrates unless a profile is
-    stored or given), at construction or, if the server was down then, when a probe finds it up.
-
-    ``slots``: how many requests the server runs at once (None: what ``/slots`` says, else
-    :data:`ENGINE_SLOTS` for its engine, else 1); ``held_prompts``: how many recent prompts its
-    prefix cache holds (None: one per slot). Both may be set on the instance.
-    """
+    """One replica: ``label`` (its base URL) names it in reports; ``build()`` makes its front-end
+    (calibrating unless a profile is stored or given), at construction or when a probe finds it
+    up. ``slots``: requests the server runs at once (None: ``/slots``, else :data:`ENGINE_SLOTS`,
+    else 1); ``held_prompts``: prompts its prefix cache holds (None: one per slot)."""
 
     def __init__(self, label: str, backend: OpenAIHTTPBackend, build: Callable[[], Any], *, health: Health | None = None,
                  slots: int | None = None, held_prompts: int | None = None, load: ServerLoadReader | None = None,
@@ -269,7 +229,9 @@ class FleetEndpoint:
         self.load = load
         self.probe_timeout_s = probe_timeout_s
         self.clock = clock
-        self._slots, self._held_arg = slots, held_prompts
+        self._slots = slots
+        #: how many recent prompts its prefix cache holds (None: one per slot)
+        self.held_prompts = held_prompts
         self._lock = threading.Lock()
         #: when this endpoint last sent this client a chunk or finished a request of its (clock)
         self.last_progress_at: float | None = None
@@ -281,7 +243,6 @@ class FleetEndpoint:
         state = "up" if self.is_up else f"down ({self.health.last_error})"
         return f"FleetEndpoint({self.label!r}, {state}, {self.in_flight} in flight)"
 
-    # -- state --------------------------------------------------------------------------------------
     @property
     def is_up(self) -> bool:
         """In rotation: reached at least once and not marked down since."""
@@ -289,12 +250,10 @@ class FleetEndpoint:
 
     @property
     def in_flight(self) -> int:
-        """Requests this client sent here and has not finished."""
         return len(self.queue)
 
     @property
     def profile(self) -> Any:
-        """This endpoint's profile (None until it was reached)."""
         return self.front.profile if self.front is not None else None
 
     @property
@@ -307,30 +266,19 @@ class FleetEndpoint:
 
     @property
     def slots(self) -> int:
-        """How many requests the server runs at once."""
         if self._slots is not None:
             return self._slots
         load = self.server_load()
         if load is not None and load.slots:
             return load.slots
-        info = self.backend.server_info()  # probed when the endpoint was reached: no I/O here
-        return ENGINE_SLOTS.get(info.engine, 1)
+        return ENGINE_SLOTS.get(self.backend.server_info().engine, 1)  # probed when the endpoint was reached: no I/O here
 
     @slots.setter
     def slots(self, value: int | None) -> None:
         self._slots = value
 
-    @property
-    def held_prompts(self) -> int:
-        """How many recent prompts its prefix cache is assumed to hold."""
-        return self._held_arg if self._held_arg is not None else self.slots
-
-    @held_prompts.setter
-    def held_prompts(self, value: int | None) -> None:
-        self._held_arg = value
-
     def server_load(self) -> ServerLoad | None:
-        """The server's own load reading, if recent (None: it says none)."""
+        """The server's own load reading, if recent."""
         return self.load.latest() if self.load is not None else None
 
     # -- reaching it --------------------------------------------------------------------------------
@@ -349,9 +297,8 @@ class FleetEndpoint:
                         "there (llamacpp:requests_deferred); /slots shows only those running", self.label)
 
     def probe(self) -> bool:
-        """Is it back? Builds the front-end if it was never reached (calibrating if needed),
-        else asks ``GET /v1/models`` within ``probe_timeout_s``. Puts it back in rotation or
-        doubles its backoff."""
+        """Is it back? Builds the front-end if it was never reached, else asks ``GET /v1/models``
+        within ``probe_timeout_s``; back in rotation, or its backoff doubled."""
         try:
             if self.front is None:
                 front = self.build()
@@ -383,7 +330,6 @@ class FleetEndpoint:
             threading.Thread(target=self.probe, name=f"trimkit-probe-{self.label}", daemon=True).start()
 
     def mark_down(self, exc: BaseException) -> None:
-        """Take it out of rotation after ``exc``."""
         with self._lock:
             first = self.health.is_up
             self.timed_out = is_overload(exc) and (first or self.timed_out)
@@ -392,8 +338,7 @@ class FleetEndpoint:
             log.warning("trimkit: fleet endpoint %s taken out of rotation: %s", self.label, describe_error(exc))
 
     def progressed(self) -> None:
-        """It sent a chunk, or finished a request: it is alive. Taken out of rotation by a
-        timeout alone (it may have been busy, not dead), it is back at once."""
+        """It sent a chunk or finished a request: alive. Out of rotation by a timeout alone, it is back at once."""
         self.last_progress_at = self.clock()
         if self.timed_out and not self.health.is_up:
             with self._lock:
@@ -403,36 +348,26 @@ class FleetEndpoint:
 
     @property
     def busy_not_dead(self) -> bool:
-        """Out of rotation after a timeout alone, with this client's requests still in flight
-        here: as far as the client can tell it is working through them, not dead."""
+        """Out of rotation by a timeout alone, with this client's requests still in flight here."""
         return not self.health.is_up and self.timed_out and self.in_flight > 0
 
     def alive_since(self, since: float, *, ahead: int = 0) -> bool:
-        """Whether a timeout of a request sent at ``since`` (with ``ahead`` of this client's
-        requests in flight here before it) is the endpoint being busy, not dead: it had this
-        client's own requests to work through first, or it made progress while the request waited."""
+        """Whether a timeout of a request sent at ``since`` is the endpoint being busy, not dead:
+        this client's requests were ahead of it, or it made progress while the request waited."""
         return ahead > 0 or (self.last_progress_at is not None and self.last_progress_at >= since)
 
     def predicted_wait_s(self, now: float | None = None) -> float:
-        """How long a new request is predicted to wait here behind the requests in flight."""
         now = self.clock() if now is None else now
         return slot_wait_s([t.remaining_s(now) for t in self.queue.in_flight()], self.slots)
 
     # -- pricing a request --------------------------------------------------------------------------
     def cache_view(self, tokens: Sequence[int]) -> int:
-        """The prefix of ``tokens`` this server is predicted to hold (its backend's
-        ``predict_cached_tokens``): the longest shared with a prompt recently sent to it, in its
-        cache's blocks; the server's own evidence before anything was sent; 0 once it showed it
-        does not reuse prefixes."""
-        if self.backend.prefix_reuse is False:
-            return 0
-        if not len(self.held):
-            return self.backend.evidence.predict_cached_tokens(tokens)
-        block = self.backend.cache_block_tokens
-        return self.held.cached(tokens) // block * block
+        """The prefix of ``tokens`` this server is predicted to hold (its backend's ``predict_cached_tokens``)."""
+        return self.cache_state().cached(tokens)
 
     def cache_state(self) -> CacheState:
-        """:meth:`cache_view` as data, for a plan: the held prompts and the cache block."""
+        """The prompts recently sent here, in its cache's blocks; the server's own evidence before
+        anything was sent; nothing if it does not reuse prefixes."""
         if self.backend.prefix_reuse is False:
             return CacheState()
         if not len(self.held):
@@ -440,29 +375,25 @@ class FleetEndpoint:
         return CacheState(prompts=self.held.prompts(), block=self.backend.cache_block_tokens)
 
     def prefill_s(self, n_tokens: int, cached: int) -> float:
-        """The predicted TTFT of an ``n_tokens`` prompt with ``cached`` of them held, once started."""
         return float(self.front.profile.predict_ttft_s(evaluated_tokens(n_tokens, cached), cached))
 
     def cost(self, tokens: Sequence[int], params: Mapping[str, Any], now: float, budget_s: float | None = None) -> RouteCost:
-        """``tokens`` (the untrimmed prompt) priced here: the wait behind this client's requests
-        (and, where the server says its load, one request like this one for each other
-        client's request there), plus the prefill of what is not held; its decode from
-        ``max_tokens`` (else the typical answer here) at the profile's decode speed."""
-        self.held.capacity = self.held_prompts
+        """The untrimmed prompt priced here: the wait behind this client's requests (and one like
+        it for each other client's request the server reports), plus the prefill of what is not held."""
+        self.held.capacity = self.held_prompts if self.held_prompts is not None else self.slots
         cached = self.backend.predict_cached_tokens(tokens)
         prefill = self.prefill_s(len(tokens), cached)
         decode = self.queue.decode_s(params, self.front.profile.decode_tokens_per_s)
         ahead = [t.remaining_s(now, prefill + decode) for t in self.queue.in_flight()]
         load = self.server_load()
-        if load is not None:  # other clients' requests, each as much work as this one
+        if load is not None:
             ahead += [prefill + decode] * max(load.requests - len(ahead), 0)
         wait = slot_wait_s(ahead, self.slots)
         kept = None
         if budget_s is not None:
             budget_s *= 1.0 - self.front.safety_margin  # what the plan will aim at here
             room = budget_s - wait
-            new = self.front.profile.max_new_tokens(room, cached) if room > 0 else 0
-            kept = min(len(tokens), cached + max(new, 0)) if room > 0 else 0
+            kept = min(len(tokens), cached + max(self.front.profile.max_new_tokens(room, cached), 0)) if room > 0 else 0
         return RouteCost(self, wait, cached, prefill, decode, len(self.queue), kept, budget_s)
 
     # -- a request's life here ----------------------------------------------------------------------
@@ -475,14 +406,12 @@ class FleetEndpoint:
         return ticket.seq
 
     def planned(self, key: int, prompt_tokens: Sequence[int], cached_tokens: int) -> None:
-        """The request was planned: its prefill as trimmed."""
         ticket = self._tickets.get(key)
         if ticket is not None:
             ticket.estimate(self.prefill_s(len(prompt_tokens), cached_tokens), ticket.decode_s)
 
     def sent(self, key: int, prompt_tokens: Sequence[int]) -> None:
-        """The request went out (after the backend predicted its cached prefix): its prompt is
-        held from now on, and it is processed once the requests ahead are."""
+        """The request went out: its prompt is held from now on."""
         self.held.hold(key, prompt_tokens)
         self._sent.add(key)
         self._started()
@@ -507,8 +436,7 @@ class FleetEndpoint:
         self._started()
 
     def observe(self, params: Mapping[str, Any], m: Measurement) -> None:
-        """A request finished: its stream teaches the decode speed here, and an answer without
-        ``max_tokens`` the typical answer length (the queue's predictions)."""
+        """A request finished: it teaches the decode speed here, and without ``max_tokens`` the typical answer length."""
         self.queue.observe_stream(m.completion_tokens, m.ttft_s, m.total_s)
         if answer_cap(params) is None:
             self.queue.observe_answer(m.completion_tokens)
@@ -520,30 +448,23 @@ class FleetEndpoint:
             ticket.holding()
 
     def close(self) -> Any:
-        """Close its front-end (its backend and client); the awaitable an async front-end returns, if any."""
+        """Close its front-end; the awaitable an async front-end returns, if any."""
         if self.front is not None:
             return self.front.close()
         self.backend.close()
         return None
 
 
-# -- the front-end: one call routed, sent and failed over ----------------------------------------------
-
-#: an endpoint gets at least this long to produce the first token before the call moves on
-MIN_ATTEMPT_S = 1.0
-#: after a failover the plan's budget is what is left of it, but never under this share of it
-MIN_REPLAN_SHARE = 0.1
-
-
 @attrs.define
 class Route:
-    """Where one attempt of a call goes, and the request planned for it."""
+    """Where one attempt of a call goes (``key``: its place in the endpoint's queue), and the
+    request planned for it; ``last``: no other endpoint was left (it gets the rest of the deadline)."""
 
     cost: RouteCost
-    key: int  # its place in the endpoint's in-flight queue
+    key: int
     prepared: Prepared
-    at: float = 0.0  # when it was routed (the fleet's clock)
-    last: bool = False  # no other endpoint was left to try: the attempt gets the rest of the call's deadline
+    at: float = 0.0
+    last: bool = False
 
     @property
     def endpoint(self) -> FleetEndpoint:
@@ -554,22 +475,18 @@ class Route:
 
 
 class FleetCall:
-    """One ``create()`` on a fleet: validated at once (bad input raises
-    :class:`~trimkit.errors.InvalidInputError` before anything is sent), then routed
-    (:meth:`route`) and, after each endpoint failure before the first token, routed again
-    (:meth:`failed`)."""
+    """One ``create()`` on a fleet: validated at once, then routed (:meth:`route`) and, after
+    each endpoint failure before the first token, routed again (:meth:`failed`)."""
 
     def __init__(self, fleet: FleetBase, messages: Any, rag_chunks: Any, budget: float | None, params: Mapping[str, Any], *,
                  on_busy: str | None = None, routing_key: Any = NOT_GIVEN) -> None:
         validate_messages(messages)
-        #: the call's routing key as given (validated by :func:`~trimkit.openai_wrapper.call_routing_key`);
-        #: each endpoint's wrapper decides the headers (:meth:`headers_for`)
         self.routing_key = routing_key
         self.on_busy = None if on_busy is None else check_on_busy(on_busy)
         self.chunks = coerce_chunks(rag_chunks)
         self.fleet = fleet
         self.messages, self.params = messages, params
-        #: the prompt as given, counted for routing: (the tokenizer's name, its tokens); None until counted
+        #: the prompt as given, counted once for routing: (the tokenizer's name, its tokens)
         self.counted: tuple[str, list[int]] | None = None
         self.budget = fleet.ttft_budget_s if budget is None else valid_budget(budget)
         self.clock = fleet.clock
@@ -580,38 +497,30 @@ class FleetCall:
         self._tried: set[str] = set()
         self._overloaded: set[str] = set()  # endpoints that were alive but too busy for this call
 
-    def headers_for(self, ep: FleetEndpoint) -> dict[str, str]:
-        """The routing-key headers of this call on ``ep`` (a router behind a fleet endpoint reads them)."""
-        return ep.front.routing.headers_for(self.routing_key, self.messages)
-
-    # -- time ----------------------------------------------------------------------------------------
     def elapsed_s(self) -> float:
         return self.clock() - self.start
 
     def budget_left_s(self) -> float | None:
-        """The budget to plan against: all of it on the first attempt (planning is not in the
-        TTFT, as on one endpoint); after a failover what is left of it, counted from the call."""
+        """All of the budget on the first attempt (planning is not in the TTFT); after a failover what is left of it."""
         if self.budget is None or not self.attempts:
             return self.budget
         return max(self.budget - self.elapsed_s(), MIN_REPLAN_SHARE * self.budget)
 
     def attempt_deadline_s(self, route: Route) -> float | None:
-        """How long this attempt may wait for its first chunk before the call moves on: what is
-        left of the budget or twice the predicted TTFT there (at least :data:`MIN_ATTEMPT_S`),
-        within the call's deadline. None without a budget (the backend's timeouts apply)."""
+        """How long this attempt may wait for its first chunk: the budget left or twice the
+        predicted TTFT there (at least :data:`MIN_ATTEMPT_S`), within the call's deadline."""
         if self.budget is None or self.deadline_s is None:
             return None
-        if route.last:  # nowhere else to go: wait in this endpoint's queue for the rest of the call's deadline
+        if route.last:  # nowhere else to go: the rest of the call's deadline
             return max(self.deadline_s - self.elapsed_s(), 0.05)
         p = route.prepared
         expected = route.cost.wait_s + route.endpoint.prefill_s(len(p.prompt_tokens), p.cached_tokens)
         bound = max(self.budget - self.elapsed_s(), 2.0 * expected, MIN_ATTEMPT_S)
         return max(min(bound, self.deadline_s - self.elapsed_s()), 0.05)
 
-    # -- routing -------------------------------------------------------------------------------------
     def route(self) -> Route:
         """The best endpoint for this request, reserved, with the request planned there.
-        Endpoints that fail while this is decided are taken out and the next is tried."""
+        Endpoints that fail meanwhile are taken out and the next is tried."""
         while True:
             candidates = self._candidates()
             if self.counted is None:  # counted once, by the endpoint with fewest in flight, for every route of this call
@@ -622,12 +531,10 @@ class FleetCall:
                 except TrimkitError as exc:
                     self.failed(counter, exc, since=asked, ahead=counter.in_flight)
                     continue
-            tokens = self.counted[1]
             with self.fleet.routing_lock:
                 now = self.clock()
                 budget_left = self.budget_left_s()
-                costs = [ep.cost(tokens, self.params, now, budget_left) for ep in candidates]
-                best = best_route(costs)
+                best = best_route([ep.cost(self.counted[1], self.params, now, budget_left) for ep in candidates])
                 key = best.endpoint.reserve(best)
             try:
                 prepared = self._prepare(best)
@@ -662,34 +569,33 @@ class FleetCall:
             )
         return prepared
 
-    # -- failures ------------------------------------------------------------------------------------
     def failed(self, ep: FleetEndpoint, exc: BaseException, route: Route | None = None, *, since: float | None = None,
                ahead: int = 0) -> None:
-        """``ep`` failed before this request's first token: take it out of rotation and let the
-        call go on elsewhere; an error that is the request's own (not the endpoint's) is raised.
-        A timeout (or 429) of an endpoint that is alive (``route``'s, or one asked at ``since``
-        with ``ahead`` of this client's requests there: :meth:`~trimkit.fleet.FleetEndpoint.alive_since`)
-        is overload: it stays in rotation, and the call goes on elsewhere."""
+        """``ep`` failed before this request's first token: out of rotation, and the call goes on
+        elsewhere; the request's own error is raised. A timeout (or 429) of an endpoint alive
+        since the request was sent (:meth:`FleetEndpoint.alive_since`) is overload: it stays in rotation."""
         if not is_endpoint_failure(exc):
             raise exc
         if route is not None:
             since, ahead = route.at, route.cost.in_flight
+        self._tried.add(ep.label)
         if is_overload(exc) and ep.alive_since(self.start if since is None else since, ahead=ahead):
             self._overloaded.add(ep.label)
-            self._tried.add(ep.label)
             self.attempts.append((ep.label, f"overloaded (kept in rotation): {describe_error(exc)}"))
             log.info("trimkit: fleet endpoint %s is busy (%s); it stays in rotation", ep.label, describe_error(exc))
             return
         ep.mark_down(exc)
-        self._tried.add(ep.label)
         self.attempts.append((ep.label, describe_error(exc)))
 
     def unavailable(self, why: str) -> FleetUnavailableError | FleetOverloadedError:
-        """The error when nothing is left to try: what this call tried, and every other endpoint's
-        state; :class:`~trimkit.fleet.FleetOverloadedError` when an endpoint tried was
-        alive but busy (the fleet is not unavailable: retry after ``retry_after_s``)."""
+        """The error when nothing is left to try; :class:`FleetOverloadedError` when an endpoint
+        was alive but busy (retry after ``retry_after_s``)."""
         if self._overloaded or any(ep.busy_not_dead for ep in self.fleet.endpoints):
-            return self.overloaded(why)
+            waits = [ep.predicted_wait_s(self.clock()) for ep in self.fleet.endpoints if ep.is_up or ep.busy_not_dead]
+            retry_after = max(min(waits, default=0.0), MIN_RETRY_AFTER_S)
+            tried = "; ".join(f"{label}: {error}" for label, error in self.attempts) or "nothing"
+            return FleetOverloadedError(f"the fleet is overloaded: {why}; retry in about {retry_after:.1f} s ({tried})",
+                                        retry_after_s=retry_after, attempts=self.attempts)
         attempts = list(self.attempts)
         for ep in self.fleet.endpoints:
             if ep.label not in self._tried and not ep.is_up:
@@ -697,65 +603,40 @@ class FleetCall:
         tried = "; ".join(f"{label}: {error}" for label, error in attempts) or "nothing"
         return FleetUnavailableError(f"{why} ({tried})", attempts=attempts)
 
-    def overloaded(self, why: str) -> FleetOverloadedError:
-        now = self.clock()
-        waits = [ep.predicted_wait_s(now) for ep in self.fleet.endpoints if ep.is_up or ep.busy_not_dead]
-        retry_after = max(min(waits, default=0.0), MIN_RETRY_AFTER_S)
-        tried = "; ".join(f"{label}: {error}" for label, error in self.attempts) or "nothing"
-        return FleetOverloadedError(f"the fleet is overloaded: {why}; retry in about {retry_after:.1f} s ({tried})",
-                                    retry_after_s=retry_after, attempts=self.attempts)
 
-
-# -- the streams a call returns ---------------------------------------------------------------------
-class _FleetStreamBase:
-    """What the sync and async fleet streams share: the endpoint's reporting stream, the chunks
-    read before the first token (held back until it is known the endpoint answers), and the
+class _FleetReading:
+    """What the sync and async fleet streams add to an endpoint's reporting stream: the chunks
+    read before the first token, held back until it is known the endpoint answers, and the
     request's place in the endpoint's queue, given back once when the stream ends, fails, is
-    closed or is garbage-collected."""
+    closed or is garbage-collected. ``report.endpoint`` names the replica."""
 
-    def __init__(self, fleet: FleetBase, route: Route, inner: StreamReporter) -> None:
-        self.fleet = fleet
-        self.endpoint = route.endpoint
-        self.key = route.key
-        #: the endpoint's own reporting stream
-        self.inner = inner
-        self._head: list[Any] = []
+    timed: Any
+    params: Mapping[str, Any]
+    report: Report | None
+
+    def open(self, route: Route) -> Steps:
+        """Read up to the first token, sync or async; the stream."""
+        self.endpoint, self.key, self._head = route.endpoint, route.key, []
         self._release = weakref.finalize(self, route.endpoint.release, route.key)
-
-    @property
-    def report(self) -> Report | None:
-        """The report, once the stream is exhausted (``report.endpoint`` names the replica)."""
-        return self.inner.report
-
-    def _has_output(self) -> bool:
-        return self.inner.timed.first_output_at is not None
-
-    def _failed_early(self) -> None:
-        """The endpoint failed before the first token: it never took the request."""
-        self._release.detach()
-        self.endpoint.release(self.key, failed=True)
-
-    def open(self) -> Steps:
-        """Read up to the first token, sync or async (chunks before it are held back and yielded first)."""
         try:
-            while not self._has_output():
-                self._head.append((yield Io(next, anext, self.inner)))
+            while self.timed.first_output_at is None:
+                self._head.append((yield Io(ReportingStream.__next__, AsyncReportingStream.__anext__, self)))
         except (StopIteration, StopAsyncIteration):
             self._finished()
-            return
-        except BaseException:
-            self._failed_early()
-            yield Io(self.inner.close, self.inner.close)  # type: ignore[attr-defined]
+            return self
+        except BaseException:  # it never took the request
+            self._release.detach()
+            self.endpoint.release(self.key, failed=True)
+            yield Io(self.close, self.close)  # type: ignore[attr-defined]
             raise
         self.endpoint.first_token(self.key)
+        return self
 
     def _finished(self) -> None:
         if self._release.alive:
             self._release()
-            report = self.inner.report
-            if report is not None:
-                self.endpoint.observe(self.inner.params, report.measurement)
-                self.fleet.record(report)
+            if self.report is not None:
+                self.endpoint.observe(self.params, self.report.measurement)
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[None]:
@@ -774,74 +655,51 @@ class _FleetStreamBase:
         self.endpoint.progressed()
 
 
-class FleetStream(_FleetStreamBase):
-    """What ``create(stream=True)`` returns: iterate it like one endpoint's stream (the client's
-    chunk objects, or dicts for URLs); ``.report`` once exhausted; ``with`` and :meth:`close` work."""
-
-    def __iter__(self) -> FleetStream:
-        return self
+class FleetStream(_FleetReading, ReportingStream):
+    """What ``create(stream=True)`` returns: one endpoint's stream, ``with`` and :meth:`close` work."""
 
     def __next__(self) -> Any:
         if self._head:
             return self._head.pop(0)
         with self._reading():
-            return next(self.inner)  # type: ignore[call-overload]
+            return super().__next__()
 
     def close(self) -> None:
-        self.inner.close()  # type: ignore[attr-defined]
+        super().close()
         self._release()
 
-    def __enter__(self) -> FleetStream:
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class AsyncFleetStream(_FleetStreamBase):
+class AsyncFleetStream(_FleetReading, AsyncReportingStream):
     """:class:`FleetStream` for ``async for``; ``async with`` and ``await close()`` work."""
-
-    def __aiter__(self) -> AsyncFleetStream:
-        return self
 
     async def __anext__(self) -> Any:
         if self._head:
             return self._head.pop(0)
         with self._reading():
-            return await self.inner.__anext__()  # type: ignore[attr-defined]
+            return await super().__anext__()
 
     async def close(self) -> None:
-        await self.inner.close()  # type: ignore[attr-defined]
+        await super().close()
         self._release()
 
-    async def __aenter__(self) -> AsyncFleetStream:
-        return self
 
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
-
-
-# -- the front-ends ---------------------------------------------------------------------------------
 class FleetBase:
     """What the sync and async fleet front-ends share: the endpoints, the default budget, the
-    reports, and which endpoints are in rotation. Build one with :func:`wrap_fleet`."""
+    reports (every endpoint's pipeline appends to the one list), which endpoints are in rotation."""
 
     is_async = False
 
     def __init__(self, endpoints: Sequence[FleetEndpoint], *, ttft_budget_s: float | None = None, retry_deadline_s: float | None = None,
-                 unbudgeted_deadline_s: float = 30.0) -> None:
+                 unbudgeted_deadline_s: float = 30.0, reports: list[Report] | None = None) -> None:
         #: the replicas, in the order given (ties go to the earlier one)
         self.endpoints = tuple(endpoints)
         self._budget = None if ttft_budget_s is None else valid_budget(ttft_budget_s)
-        #: a call's deadlines (as for one endpoint: the first chunk by max(2 × budget, 5 s))
         self.deadlines = CallDeadlines(unbudgeted_deadline_s, retry_deadline_s)
         self.clock = time.monotonic
         #: held while a request is priced and reserved, so that concurrent calls see each other
         self.routing_lock = threading.Lock()
-        self.reports: list[Report] = []  # most recent last, every endpoint's; bounded
-        self.max_reports = 256
-        self._last_report: Report | None = None
-        self._lock = threading.Lock()
+        #: recent reports, most recent last, whichever endpoint served them
+        self.reports: list[Report] = [] if reports is None else reports
         self.chat = ClientChat(self)
 
     def __repr__(self) -> str:
@@ -852,7 +710,7 @@ class FleetBase:
 
     @property
     def ttft_budget_s(self) -> float | None:
-        """The default TTFT budget of a call (a per-call ``ttft_budget_s=`` overrides it)."""
+        """The default TTFT budget of a call."""
         return self._budget
 
     @ttft_budget_s.setter
@@ -865,19 +723,11 @@ class FleetBase:
 
     @property
     def last_report(self) -> Report | None:
-        """The report of the most recent finished request, whichever endpoint served it."""
-        with self._lock:
-            return self._last_report
-
-    def record(self, report: Report) -> None:
-        with self._lock:
-            self._last_report = report
-            self.reports.append(report)
-            del self.reports[: -self.max_reports]
+        reports = self.reports
+        return reports[-1] if reports else None
 
     def start(self, *, parallel: bool = False) -> None:
-        """Reach every endpoint (build its wrapper: profile, calibration): one after the other,
-        or in parallel threads (servers on separate machines). One that is down joins later."""
+        """Reach every endpoint (build its wrapper), one after the other or in parallel threads; one that is down joins later."""
         if parallel and len(self.endpoints) > 1:
             with ThreadPoolExecutor(max_workers=len(self.endpoints), thread_name_prefix="trimkit-fleet-start") as pool:
                 list(pool.map(lambda ep: ep.start(), self.endpoints))
@@ -886,8 +736,8 @@ class FleetBase:
                 ep.start()
 
     def in_rotation(self, *, exclude: Collection[str] = ()) -> list[FleetEndpoint]:
-        """The endpoints that may take a request now (probing, in the background, those due a
-        probe). When none is up, the ones due a probe are probed here first."""
+        """The endpoints that may take a request now (those due a probe probed in the background,
+        or here when none is up)."""
         for ep in self.endpoints:
             ep.maybe_probe()
         up = [ep for ep in self.endpoints if ep.is_up and ep.label not in exclude]
@@ -913,14 +763,13 @@ class FleetBase:
                 ep.pipeline.idle(timeout_s)
 
     def call_steps(self, kwargs: dict[str, Any]) -> Steps:
-        """A ``create()`` call, sync or async: routed (:class:`FleetCall`), then sent through the
-        endpoint's send path (:class:`FleetSend`); a failure before the first token routes it
-        again."""
-        messages, rag_chunks, budget, params, stream = call_arguments(kwargs)
-        call = FleetCall(self, messages, rag_chunks, budget, params, routing_key=call_routing_key(kwargs), **call_options(kwargs))
+        """A ``create()`` call, sync or async: routed (:class:`FleetCall`), then sent (:class:`FleetSend`);
+        a failure before the first token routes it again."""
+        messages, rag_chunks, budget, params, stream, options, key = call_arguments(kwargs)
+        call = FleetCall(self, messages, rag_chunks, budget, params, routing_key=key, **options)
         while True:
             route = yield Io(call.route, functools.partial(_routed, call))
-            send = FleetSend(self, call, route, params, stream)
+            send = FleetSend(call, route, params, stream)
             try:
                 out = yield from send.reply(route.prepared)
             except TrimkitError as exc:  # before the first token: the next endpoint, if it was this one's fault
@@ -930,13 +779,16 @@ class FleetBase:
 
 
 class FleetSend(Send):
-    """One attempt of a fleet's call, on the endpoint it was routed to: that endpoint's send
-    path (:class:`~trimkit.openai_wrapper.Send`) with the attempt's deadline, the request's
-    place in the endpoint's queue, and its stream read up to the first token (:class:`FleetStream`)."""
+    """One attempt of a fleet's call on the endpoint it was routed to: that endpoint's
+    :class:`~trimkit.openai_wrapper.Send` with the attempt's deadline and the request's place in
+    the endpoint's queue, its stream read up to the first token (:class:`FleetStream`)."""
 
-    def __init__(self, fleet: FleetBase, call: FleetCall, route: Route, params: Mapping[str, Any], stream: bool) -> None:
-        super().__init__(route.endpoint.front, params, stream, call.headers_for(route.endpoint))
-        self.fleet, self.call, self.route = fleet, call, route
+    streams = (FleetStream, AsyncFleetStream)
+
+    def __init__(self, call: FleetCall, route: Route, params: Mapping[str, Any], stream: bool) -> None:
+        ep = route.endpoint
+        super().__init__(ep.front, params, stream, ep.front.routing.headers_for(call.routing_key, call.messages))
+        self.call, self.route = call, route
 
     def stream_args(self, prepared: Prepared) -> dict[str, Any]:
         deadline = self.call.attempt_deadline_s(self.route)
@@ -944,11 +796,10 @@ class FleetSend(Send):
 
     def answered(self, prepared: Prepared, m: Measurement) -> None:
         """Sent whole (``n > 1``) and answered: it leaves the queue; its report."""
-        ep = self.route.endpoint
-        ep.sent(self.route.key, prepared.prompt_tokens)
+        self.went_out(prepared)
         self.route.release()
-        self.fleet.record(ep.pipeline.finish(prepared, m, self.params))
-        ep.observe(self.params, m)
+        super().answered(prepared, m)
+        self.route.endpoint.observe(self.params, m)
 
     def went_out(self, prepared: Prepared) -> None:
         self.route.endpoint.sent(self.route.key, prepared.prompt_tokens)
@@ -956,17 +807,14 @@ class FleetSend(Send):
     def failed(self) -> None:
         self.route.release(failed=True)
 
-    def reading(self, rs: StreamReporter) -> Steps:
-        fs = (AsyncFleetStream if self.front.is_async else FleetStream)(self.fleet, self.route, rs)
-        yield from fs.open()
-        return fs
+    def reading(self, rs: Any) -> Steps:
+        return (yield from rs.open(self.route))
 
 
 class FleetFrontEnd(FleetBase):
-    """Several OpenAI-compatible endpoints behind one sync ``chat.completions.create`` (see the
-    module). Returns what one endpoint's wrapper returns: a ``ChatCompletion`` (a dict for
-    URLs), or with ``stream=True`` a :class:`FleetStream`. ``close()`` / ``with`` close every
-    endpoint (and the clients wrapped)."""
+    """Several OpenAI-compatible endpoints behind one sync ``chat.completions.create``: it returns
+    what one endpoint's wrapper returns (with ``stream=True`` a :class:`FleetStream`). ``close()``
+    / ``with`` close every endpoint."""
 
     def close(self) -> None:
         for ep in self.endpoints:
@@ -980,10 +828,8 @@ class FleetFrontEnd(FleetBase):
 
 
 async def _routed(call: FleetCall) -> Route:
-    """``call.route()`` in a worker thread. The thread cannot be stopped: if the caller is
-    cancelled while it runs (``asyncio.wait_for``, a task cancelled), the reservation it makes
-    is given back as soon as it is made — an endpoint's in-flight count never keeps a request
-    whose caller is gone."""
+    """``call.route()`` in a worker thread, which cannot be stopped: if the caller is cancelled
+    meanwhile, the reservation it makes is given back as soon as it is made."""
     future = asyncio.ensure_future(asyncio.to_thread(call.route))
     try:
         return await asyncio.shield(future)
@@ -998,9 +844,8 @@ def _release_abandoned(future: asyncio.Future[Route]) -> None:
 
 
 class AsyncFleetFrontEnd(FleetBase):
-    """:class:`FleetFrontEnd` for ``openai.AsyncOpenAI`` clients (or ``asynchronous=True``):
-    ``await chat.completions.create(...)``; routing and planning run in a worker thread, off the
-    event loop. Build it before the loop starts or through ``asyncio.to_thread`` (it may calibrate)."""
+    """:class:`FleetFrontEnd` for async clients (or ``asynchronous=True``): routing and planning
+    run in a worker thread; build it before the loop starts (it may calibrate)."""
 
     is_async = True
 
@@ -1018,14 +863,8 @@ class AsyncFleetFrontEnd(FleetBase):
 
 
 # -- the fleet: building it ------------------------------------------------------------------------------
-
-#: backend settings a fleet uses unless given: retry one endpoint briefly, then fail over
-FLEET_BACKEND_DEFAULTS: Mapping[str, Any] = {"max_attempts": 2, "retry_backoff_s": 0.05, "retry_backoff_max_s": 0.2}
-
-
 def _kind(targets: Any) -> str:
-    """``"url"``, ``"sync"`` or ``"async"``: what the fleet is made of (InvalidInputError for
-    anything else: not a list, empty, mixed, a client that is not OpenAI-shaped)."""
+    """``"url"``, ``"sync"`` or ``"async"``: what the fleet is made of (anything else is invalid input)."""
     if not isinstance(targets, (list, tuple)):
         raise InvalidInputError(f"a fleet is a list of URLs or of openai clients, got {type(targets).__name__}")
     if not targets:
@@ -1059,64 +898,43 @@ def _profiles(profile: Any, n: int) -> list[Profile | None]:
 
 
 class _TwinProfiles:
-    """One profile for identical replicas: the first replica of an engine, version, model list
-    and context size to be reached loads or calibrates its profile, and every later one starts
-    from it (calibration noise alone must not make one twin look faster: each endpoint's live
-    refinement still learns its own speed from its own requests). A replica reached while its
-    twin calibrates waits for that profile."""
+    """One profile for identical replicas (engine, version, models, context): the first reached
+    loads or calibrates it, every later one starts from it (calibration noise alone must not make
+    one twin look faster; each still refines its own). A twin reached meanwhile waits for it."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.profiles: dict[Any, Profile] = {}
         self.busy: dict[Any, threading.Lock] = {}
 
-    @staticmethod
-    def identity(backend: OpenAIHTTPBackend) -> Any:
-        info = backend.server_info()
-        return (info.engine, info.engine_version, info.model_ids, backend.n_ctx, backend.model or "")
-
-    def build(self, backend: OpenAIHTTPBackend, make: Any) -> OpenAIFrontEnd:
-        """``make(profile)`` with the twin's profile (None: the first of its kind: its own)."""
-        twin = self.identity(backend)
-        with self.lock:
-            turn = self.busy.setdefault(twin, threading.Lock())
+    def front(self, cls: Any, client: Any, backend: OpenAIHTTPBackend, profile: Profile | None, kwargs: Mapping[str, Any],
+              reports: list[Report]) -> Any:
+        """One endpoint's wrapper: its profile given, else an identical replica's, stored, or calibrated now."""
+        twin, turn = None, contextlib.nullcontext()
+        if profile is None:
+            info = backend.server_info()
+            twin = (info.engine, info.engine_version, info.model_ids, backend.n_ctx, backend.model or "")
+            with self.lock:
+                turn = self.busy.setdefault(twin, threading.Lock())  # type: ignore[assignment]
         with turn:
-            shared = self.profiles.get(twin)
-            front = make(shared)
-            if shared is None:
-                self.profiles[twin] = front.profile
-            return front
-
-
-def _build_front(cls: type[OpenAIFrontEnd], client: Any, backend: OpenAIHTTPBackend, label: str, profile: Profile | None,
-                 kwargs: Mapping[str, Any], twins: _TwinProfiles | None = None) -> OpenAIFrontEnd:
-    """One endpoint's wrapper over its backend (its pipeline; its profile given, an identical
-    replica's, stored, or calibrated now)."""
-
-    def make(shared: Profile | None) -> OpenAIFrontEnd:
-        front = cls(client, backend=backend, endpoint_label=label, profile=shared, **kwargs)
-        front.bound_side_requests()
-        front.pipeline.watch_prefill = False  # the fleet sends in one piece: planned with the whole prediction's margin
+            front = cls(client, backend=backend, endpoint_label=backend.base_url, profile=profile or self.profiles.get(twin), **kwargs)
+            front.bound_side_requests()
+            front.pipeline.watch_prefill = False  # the fleet sends in one piece: planned with the whole prediction's margin
+            front.pipeline.reports = reports
+            if twin is not None:
+                self.profiles.setdefault(twin, front.profile)
         return front
-
-    if profile is not None or twins is None:
-        return make(profile)
-    return twins.build(backend, make)
 
 
 def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, model: str | None = None, api_key: str | None = None,
                asynchronous: bool | None = None, profile: Profile | Sequence[Profile] | None = None, retry_deadline_s: float | None = None,
                slots: int | None = None, held_prompts: int | None = None, parallel_calibration: bool = False, read_load: bool = True,
                probe_after_s: float = 1.0, probe_max_s: float = 30.0, probe_timeout_s: float = 2.0, **kwargs: Any) -> FleetBase:
-    """A fleet of OpenAI-compatible endpoints (docs/scaling.md §2 says what each setting does):
-    ``targets`` are base URLs (answers are dicts; ``asynchronous=True`` for the async front-end)
-    or ``openai`` clients (all sync, or all async: :class:`AsyncFleetFrontEnd`). ``profile``: one
-    for every endpoint, one per endpoint, or None (stored, else a micro-calibration). ``read_load``:
-    read the servers' own load; ``probe_timeout_s``: how long a probe of an endpoint out of
-    rotation waits. Backend settings (:data:`FLEET_BACKEND_DEFAULTS` unless given) apply to every endpoint; the rest of
-    ``kwargs`` goes to every endpoint's pipeline. Bad input raises
-    :class:`~trimkit.errors.InvalidInputError` before anything is sent; no endpoint reachable:
-    :class:`~trimkit.fleet.FleetUnavailableError`."""
+    """A fleet of OpenAI-compatible endpoints (docs/scaling.md §2): ``targets`` are base URLs
+    (``asynchronous=True`` for the async front-end) or ``openai`` clients, all sync or all async.
+    ``profile``: one for all, one per endpoint, or None. Backend settings
+    (:data:`FLEET_BACKEND_DEFAULTS` unless given) apply to every endpoint, the rest of ``kwargs``
+    to every endpoint's pipeline. No endpoint reachable: :class:`FleetUnavailableError`."""
     kind = _kind(targets)
     if kind != "url" and asynchronous is not None and asynchronous != (kind == "async"):
         raise InvalidInputError(f"asynchronous={asynchronous} does not match the {kind} clients given")
@@ -1130,8 +948,9 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
         raise InvalidInputError("a fleet makes one backend per endpoint: pass URLs or clients, not backend=")
     for value, name in ((probe_after_s, "probe_after_s"), (probe_max_s, "probe_max_s"), (probe_timeout_s, "probe_timeout_s")):
         positive_finite(value, name)
-    valid_tokens_per_s_target(kwargs.get("tokens_per_s_target"))  # checked now: an endpoint's pipeline may be built later
-    RoutingOptions.of(kwargs.get("auto_routing_key", False), kwargs.get("routing_headers"))  # the same
+    # checked now: an endpoint's pipeline may be built later
+    valid_tokens_per_s_target(kwargs.get("tokens_per_s_target"))
+    RoutingOptions.of(kwargs.get("auto_routing_key", False), kwargs.get("routing_headers"))
     profiles = _profiles(profile, len(targets))
     backend_kwargs = {**FLEET_BACKEND_DEFAULTS, **split_backend_kwargs(kwargs)}
     is_async = kind == "async" or (kind == "url" and bool(asynchronous))
@@ -1139,6 +958,7 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
     kwargs.update(ttft_budget_s=ttft_budget_s, retry_deadline_s=retry_deadline_s)
     endpoints: list[FleetEndpoint] = []
     twins = _TwinProfiles()
+    reports: list[Report] = []
     try:
         for target, base, prof in zip(targets, urls, profiles):
             if kind == "url":
@@ -1146,11 +966,11 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
             else:
                 backend, client = OpenAIHTTPBackend.from_openai_client(target, model=model, **backend_kwargs), target
             load = ServerLoadReader(backend.transport.http, backend.root_url, backend.transport.headers) if read_load else None
-            build = functools.partial(_build_front, cls, client, backend, backend.base_url, prof, kwargs, twins)
+            build = functools.partial(twins.front, cls, client, backend, prof, kwargs, reports)
             endpoints.append(FleetEndpoint(backend.base_url, backend, build, health=Health(probe_after_s, probe_max_s), slots=slots,
                                            held_prompts=held_prompts, load=load, probe_timeout_s=probe_timeout_s))
         fleet = (AsyncFleetFrontEnd if is_async else FleetFrontEnd)(endpoints, ttft_budget_s=ttft_budget_s, retry_deadline_s=retry_deadline_s,
-                                                                    unbudgeted_deadline_s=endpoints[0].backend.retry_deadline_s)
+                                                                    unbudgeted_deadline_s=endpoints[0].backend.retry_deadline_s, reports=reports)
         fleet.start(parallel=parallel_calibration)
         if not any(ep.is_up for ep in endpoints):
             attempts = [(ep.label, ep.last_error or "unreachable") for ep in endpoints]
@@ -1164,9 +984,8 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
 
 def wrap_url(base_url: str | Sequence[str], *, model: str | None = None, ttft_budget_s: float | None = None, api_key: str | None = None,
              asynchronous: bool = False, **kwargs: Any) -> Any:
-    """``trimkit.wrap_url``: one URL gives :func:`trimkit.openai_wrapper.wrap_one_url`'s wrapper; a
-    list of URLs a fleet (:func:`wrap_fleet`) with the same ``.chat.completions.create``."""
+    """``trimkit.wrap_url``: one URL gives :func:`~trimkit.openai_wrapper.wrap_one_url`'s wrapper, a list a fleet (:func:`wrap_fleet`)."""
     if isinstance(base_url, (list, tuple)):
         return wrap_fleet(base_url, ttft_budget_s, model=model, api_key=api_key, asynchronous=asynchronous, **kwargs)
     return wrap_one_url(base_url,  # type: ignore[arg-type]  # anything else is checked there (a typed error)
-                         model=model, ttft_budget_s=ttft_budget_s, api_key=api_key, asynchronous=asynchronous, **kwargs)
+                        model=model, ttft_budget_s=ttft_budget_s, api_key=api_key, asynchronous=asynchronous, **kwargs)
