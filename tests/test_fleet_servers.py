@@ -22,9 +22,9 @@ from trimkit.fleet import FleetFrontEnd, FleetUnavailableError
 
 BAN_END = {"1": -100.0, "106": -100.0}  # Gemma's <eos> and <end_of_turn>: the model keeps talking
 SYSTEM = {"role": "system", "content": "You answer questions about the harbour town of Marrowby in one short sentence."}
-#: the budget of the failover tests' requests: loose, so that a slow moment of a shared host (a
-#: replica not answering within the fleet's 3 s budget is taken out of rotation, by design) is
-#: not mistaken for the killed replica these tests are about
+#: the fleet's budget: loose, so that a slow moment of a shared host (a replica not answering
+#: within the budget is taken out of rotation, by design) is not mistaken for the killed replica
+#: or the routing these tests are about
 LOOSE_S = 20.0
 CHUNKS = [f"Record {i}: the {'north south east west'.split()[i % 4]} pier of Marrowby was rebuilt in {1880 + i} after a storm." for i in range(12)]
 
@@ -68,7 +68,7 @@ def fleet(two_llama_servers, sent_paths):  # noqa: F811
     server answers a tokenize request only once its model is free)."""
     a, b = two_llama_servers
     tokenizer = llama_prompt_tokenizer(trimkit.default_llama("gemma", vocab_only=True, n_ctx=512))
-    chat = trimkit.wrap_url([a.base_url, b.base_url], ttft_budget_s=3.0, tokenizer=tokenizer, n_ctx=4096,
+    chat = trimkit.wrap_url([a.base_url, b.base_url], ttft_budget_s=LOOSE_S, tokenizer=tokenizer, n_ctx=4096,
                             http_client=httpx.Client(event_hooks={"request": [sent_paths]}))
     yield chat
     chat.close()
