@@ -273,11 +273,6 @@ def decode_tokens(mode: Mode, budget_s: float, predictor: CostPredictor, time_le
     return n
 
 
-def first_token_cost_s(predictor: CostPredictor) -> float:
-    one = predictor.engine_s(FIRST_TOKEN_PROMPT_TOKENS, 0) + 2 * predictor.step_s()
-    return FIRST_TOKEN_REQUESTS * (one * predictor.slowness + predictor.call_overhead_s)
-
-
 log = logging.getLogger("trimkit")
 
 Progress = Callable[[int, int, str], None]
@@ -387,7 +382,10 @@ class CalibrationRun:
     def execute(self) -> None:
         cpu0, wall0 = time.process_time(), time.perf_counter()
         self.backend.warm_up()  # leaves the context empty (in process)
-        self._tokenizer()
+        # the overhead that grows with the prompt (tokenizing it), where the backend can time it: cheap, so always
+        tokenize = getattr(self.backend, "measure_tokenize_s_per_token", None)
+        if tokenize is not None:
+            self.first_token_per_token_s = tokenize() or 0.0
         self._step("warm-up")
         # the minimum, whatever the time: the host's speed, a depth probe on its cached tokens, the shortest cold probe
         self.prefill(FIRST_PROBE_TOKENS, 0, force=True)
@@ -467,23 +465,10 @@ class CalibrationRun:
             p.decode_step_s = 1.0 / tps
         return tps
 
-    def _decode_pair(self) -> None:
-        """Decode at the deepest context cached, then at once at an empty one: back to back, both see the host at one
-        speed (a shared machine's speed changes over seconds by as much as the context does)."""
-        deepest = max((pt.context_tokens for pt in self.decode_points), default=0.0)
-        if self.holds > deepest and self._decode_point(self.holds):
-            self._decode_point(0)
-
-    def _tokenizer(self) -> None:
-        """The first-token overhead that grows with the prompt (tokenizing it), where the backend can time it: cheap."""
-        tokenize = getattr(self.backend, "measure_tokenize_s_per_token", None)
-        if tokenize is not None:
-            self.first_token_per_token_s = tokenize() or 0.0
-
     def _first_token(self) -> None:
         """Measure the first-token overhead if cheap enough, else estimate it (the wrapper learns it from requests)."""
         p = self.predictor
-        cost = first_token_cost_s(p)
+        cost = FIRST_TOKEN_REQUESTS * ((p.engine_s(FIRST_TOKEN_PROMPT_TOKENS, 0) + 2 * p.step_s()) * p.slowness + p.call_overhead_s)
         self.tail_steps -= 1
         if cost <= FIRST_TOKEN_SHARE * self.budget_s and fits(cost, self.left()):
             t0 = self.clock()
@@ -517,7 +502,10 @@ class CalibrationRun:
                 n = n * 3 // 4
             if n >= MIN_PROBE_TOKENS:
                 self.prefill(n, k)
-        self._decode_pair()
+        # decode at the deepest context cached, then at once at an empty one: back to back, both see the host at one
+        # speed (a shared machine's speed changes over seconds by as much as a few hundred tokens of context do)
+        if self.holds > max((pt.context_tokens for pt in self.decode_points), default=0.0) and self._decode_point(self.holds):
+            self._decode_point(0)
 
     def _repeats(self) -> None:
         lengths = cold_lengths(self.mode, self.top)
@@ -555,9 +543,10 @@ def as_backend(target: Any) -> Backend:
 
 def calibrate(target: Any, *, mode: str | None = None, time_budget_s: float | None = None, recalibrate: bool = False, store: bool = True,
               progress: Progress | None = None, clock: Callable[[], float] | None = None) -> Profile:
-    """Measure prefill cost on this host within ``time_budget_s`` (default: the mode's) and return a
-    :class:`~trimkit.planning.profile.Profile` (docs/reference.md). A stored profile at least as thorough
-    is returned unless ``recalibrate``; ``progress(done, total, label)`` is called after each step."""
+    """Measure prefill cost on this host and return a :class:`~trimkit.planning.profile.Profile`, within ``time_budget_s``
+    or the mode's: ``"micro"`` 3 s (provisional), ``"quick"`` 10 s, ``"full"`` 30 s (default: the most thorough the budget
+    affords). A stored profile at least as thorough is returned unless ``recalibrate``; ``progress(done, total, label)``
+    is called after each step; ``clock`` times the budget (default: the backend's)."""
     backend = as_backend(target)
     budget_s = None if time_budget_s is None else budget(time_budget_s, "time_budget_s")
     if mode is not None:

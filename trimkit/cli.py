@@ -260,8 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_help = f"GGUF model path or embedded model name (default: {EMBEDDED})"
 
     c = sub.add_parser("calibrate", help="measure prefill cost on this host and print the profile",
-                       description="Measure prefill time at a spread of prompt lengths and depths within a time budget "
-                       "(a first short probe measures this host's speed, the rest is sized to the time left), fit the cost "
+                       description="Measure prefill time at a spread of prompt lengths and depths within a time budget, fit the cost "
                        "model, store the profile in the user cache (reused next time unless --recalibrate) and print it.")
     c.add_argument("--model", help=f"{model_help}; with --url, the served model's name")
     c.add_argument("--url", help="calibrate an OpenAI-compatible server instead, e.g. http://127.0.0.1:8080/v1")
@@ -280,10 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_calibrate)
 
     d = sub.add_parser("diagnose", help="name the slow phase (the wait, the stream, both or neither) and the cure that fits",
-                       description="Give measured numbers (--ttft, --tokens-per-s, --prompt-tokens) or run one prompt "
-                       "(--prompt-file, --model) and learn which phase is slow — each judged against its own standard: "
-                       "the wait against --ttft-budget (default: --wait-threshold, 1 s), the stream against "
-                       "--tokens-per-s-target (default: --reading-speed, 7 tokens/s) — and what helps it.")
+                       description="Give measured numbers or run one prompt (--prompt-file) and learn which phase is slow, each judged "
+                       "against its own standard (the wait: --ttft-budget or --wait-threshold; the stream: --tokens-per-s-target or "
+                       "--reading-speed), and what helps it.")
     d.add_argument("--ttft", type=_positive_float, help="measured time to first token, seconds")
     d.add_argument("--tokens-per-s", type=_positive_float, help="measured decode speed, tokens/s")
     d.add_argument("--prompt-tokens", type=_positive_int, help="prompt length in tokens")
@@ -301,11 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_diagnose)
 
     m = sub.add_parser("demo", help="see the two phases and a TTFT budget held, on the embedded model",
-                       description="Calibrates (or reuses the stored profile), shows a long and a short prompt "
-                       "(the wait vs the stream), then a multi-turn RAG chat kept under a TTFT budget set from this "
-                       "host's profile, saying each turn whether the chunk that holds the answer was kept. Sized to "
-                       "--time-target from this host's measured speed: each request may take its share of the time "
-                       "left; one predicted to take longer is not run, its prediction is printed.")
+                       description="Calibrate, show a long and a short prompt (the wait vs the stream), then a multi-turn RAG chat kept "
+                       "under a TTFT budget, sized to --time-target from this host's speed (a request predicted not to fit is not run).")
     m.add_argument("--model", help=model_help)
     mb = m.add_mutually_exclusive_group()
     mb.add_argument("--budget", type=_positive_float, default=None,
@@ -323,10 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_cmd_demo)
 
     pl = sub.add_parser("plan", help="show what a TTFT budget would keep and drop from a request, without generating",
-                        description="Read a request (a JSON file: {\"messages\": [...], \"rag_chunks\": [...], \"tools\": [...]}), "
-                        "plan it under a TTFT budget with this host's calibration profile and print what would be kept, "
-                        "dropped and summarized and the predicted TTFT. Loads the model for its tokenizer and chat "
-                        "template; generates nothing. Without a stored profile it calibrates quickly first.")
+                        description="Plan a request (JSON: messages, rag_chunks, tools) under a TTFT budget with this host's profile and "
+                        "print what would be kept, dropped and summarized; loads the model for its tokenizer, generates nothing.")
     pl.add_argument("request", metavar="REQUEST.json", help="the request: messages, optional rag_chunks (strings or {text, id, score}), optional tools")
     pb = pl.add_mutually_exclusive_group(required=True)
     pb.add_argument("--budget", type=_positive_float, help="TTFT budget in seconds")
@@ -338,9 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=_cmd_plan)
 
     rp = sub.add_parser("report", help="summarize a report log and plot predicted vs measured TTFT per request",
-                        description="Read a report log (wrap(..., report_log=FILE): one report a line), print the summary "
-                                    "figures and draw predicted vs measured TTFT per request, with the budget line and the "
-                                    "re-plans and misses marked, to a PNG (needs matplotlib: pip install 'trimkit[plot]').")
+                        description="Print the summary figures of a report log (wrap(..., report_log=FILE)) and draw predicted vs measured "
+                        "TTFT per request to a PNG (needs matplotlib: pip install 'trimkit[plot]').")
     rp.add_argument("log", help="the report log (JSON lines)")
     rp.add_argument("--plot", metavar="PNG", help="where to write the plot (default: the log's name with .png)")
     rp.add_argument("--no-plot", action="store_true", help="print the figures only")

@@ -297,8 +297,10 @@ _REPORT_KEYS = (
 
 @attrs.frozen
 class Report:
-    """One request, end to end (fields: docs/reference.md). Both predictions include ``queue_wait_predicted_s``
-    and compare with ``measured_ttft_s``, the TTFT the caller felt."""
+    """One request, end to end. ``predicted_ttft_s`` is for the prompt sent, ``predicted_ttft_before_s`` for the prompt as
+    given; both include ``queue_wait_predicted_s`` (the wait for the ``queue_ahead`` requests ahead) and compare with
+    ``measured_ttft_s``. ``provisional`` / ``extrapolated``: the profile was a micro-calibration / the prompt lies beyond
+    what it measured (a wider margin). ``decode_predicted_*``: the profile's decode speed at the context sent / untrimmed."""
 
     backend: str
     measurement: Measurement
@@ -387,25 +389,12 @@ class Report:
             return None
         return self.measured_ttft_s <= self.ttft_budget_s
 
-    @property
-    def cached_tokens(self) -> int | None:
-        return self.measurement.cached_tokens
-
-    @property
-    def evaluated_tokens(self) -> int | None:
-        return self.measurement.evaluated_tokens
-
-    @property
-    def decode_tokens_per_s(self) -> float | None:
-        return self.measurement.decode_tokens_per_s
-
-    @property
-    def time_per_output_token_s(self) -> float | None:
-        return self.measurement.time_per_output_token_s
-
-    @property
-    def completion_tokens(self) -> int | None:
-        return self.measurement.completion_tokens
+    def __getattr__(self, name: str) -> Any:
+        """``cached_tokens``, ``evaluated_tokens``, ``completion_tokens``, ``decode_tokens_per_s``, ``time_per_output_token_s``:
+        the measurement's."""
+        if name in ("cached_tokens", "evaluated_tokens", "completion_tokens", "decode_tokens_per_s", "time_per_output_token_s"):
+            return getattr(self.measurement, name)
+        raise AttributeError(name)
 
     @property
     def stream_s(self) -> float | None:
