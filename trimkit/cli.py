@@ -98,10 +98,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         print(json.dumps(profile.to_dict(), indent=1))
     else:
         print("\n".join(profile_lines(profile)))
-        probed_new, probed_ctx = profile.probed_range()
-        print(f"  mode {profile.mode}{' (provisional)' if profile.provisional else ''}: probed up to {probed_new:,} new tokens "
-              f"and {probed_ctx:,} tokens of context (predictions beyond are extrapolated)"
-              + ("; first-token overhead estimated, not measured" if profile.first_token_estimated else ""))
         if profile.created_at >= asked_at:  # measured now, not reused
             print(f"  budget {budget_s:g} s: the command took {took:.1f} s with start-up and model load")
         else:
@@ -417,14 +413,13 @@ def profile_lines(profile: Profile) -> list[str]:
         f"{m.depth_s * 1e6:.3f} µs·(n·k + n²/2)" + (f" + {m.per_batch_s * 1000:.1f} ms·⌈n/{m.n_batch}⌉" if m.per_batch_s else ""),
         f"  held-out error (leave one probe out): median {profile.error.median_pct:.1f} %, p90 {profile.error.p90_pct:.1f} %",
         f"  attention: the per-token cost doubles {fitted}{prior}",
-        f"  first-token overhead {profile.first_token_s * 1000:.1f} ms"
+        f"  first-token overhead {profile.first_token_s * 1000:.1f} ms" + (" (estimated, not measured)" if profile.first_token_estimated else "")
         + (f" + {profile.first_token_per_token_s * 1e6:.1f} ms per 1,000 prompt tokens (tokenizing it)" if profile.first_token_per_token_s else "")
         + f" · {decode_text(profile)}",
         f"  calibrated in {profile.calibration_wall_s:.1f} s ({profile.mode}"
         + (f", time budget {profile.time_budget_s:g} s" if profile.time_budget_s else "")
         + (", provisional: it improves from requests" if profile.provisional else "") + ")",
-        f"  probed up to {profile.probed_new_tokens:,} new tokens and {profile.probed_context_tokens:,} tokens of context; "
-        "predictions beyond are extrapolated and get a wider margin",
+        "  probed up to {:,} new tokens and {:,} tokens of context; predictions beyond are extrapolated and get a wider margin".format(*profile.probed_range()),
     ]
     return out
 
@@ -581,10 +576,9 @@ SYSTEM = (
 class Timeline:
     """The demo's clock: a request may take an equal share of the time left among those still to come."""
 
-    def __init__(self, target_s: float, clock: Callable[[], float] = time.perf_counter, out: Any = None) -> None:
+    def __init__(self, target_s: float, clock: Callable[[], float] = time.perf_counter) -> None:
         self.target_s = target_s
         self.clock = clock
-        self.out = out
         self.t0 = clock()
 
     def elapsed(self) -> float:
@@ -597,7 +591,7 @@ class Timeline:
         return self.left() / max(requests_left, 1)
 
     def step(self, text: str) -> None:
-        print(f"[{self.elapsed():6.1f} s] {text}", file=self.out or sys.stdout, flush=True)
+        print(f"[{self.elapsed():6.1f} s] {text}", flush=True)
 
 
 class HostSpeed:
