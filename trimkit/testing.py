@@ -153,21 +153,17 @@ class FakeBackend(Backend):
                 self._origin = None
                 tokens = list(sent)
                 self.calls[-1] = (list(messages_sent), dict(params))
-                steps = self.steps[first:]
-                evaluated = sum(e - b for b, e in steps)
-                new, prefill = evaluated, sum(self._step_s)
+                new, prefill, left = sum(e - b for b, e in self.steps[first:]), sum(self._step_s), 0.0  # the steps advanced the clock
                 self._step_s = []
-                rest = 0.0
                 if self.kv != tokens:  # the watch stopped short: the engine evaluates the rest
                     k = reusable_prefix_len(self.kv, tokens)
-                    rest = self.cost_model.prefill_s(len(tokens) - k, k)
-                    new, prefill = new + len(tokens) - k, prefill + rest
-                state.update(cached=max(len(tokens) - new, 0), new=new, prefill=prefill)
-                left = rest  # the watched steps already advanced the clock
+                    left = self.cost_model.prefill_s(len(tokens) - k, k)
+                    new, prefill = new + len(tokens) - k, prefill + left
+                cached = max(len(tokens) - new, 0)
             else:
                 new = len(tokens) - cached
                 prefill = left = self._unwatched_prefill_s(cached, len(tokens))
-                state.update(cached=cached, new=new, prefill=prefill)
+            state.update(cached=cached, new=new, prefill=prefill)
             yield {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
             self.clock.advance(left + self.first_token_s)
             for i, w in enumerate(words):
