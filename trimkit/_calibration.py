@@ -307,7 +307,7 @@ class CalibrationRun:
         self.n_ctx = backend.n_ctx
         self.resend = not getattr(backend, "depth_probe_keeps_prefix", True)
         self.predictor = CostPredictor(n_batch=n_batch)
-        self.samples: list[PrefillSample] = []
+        self.samples = self.predictor.samples
         self.counts: Counter[tuple[int, int]] = Counter()
         self.top = 0  # the longest cold probe measured
         self.holds = 0  # how many leading tokens of the probe text the engine's context holds (in process)
@@ -322,7 +322,6 @@ class CalibrationRun:
         self.first_token_estimated = False
         self.start = clock()
         self.wall_s = 0.0
-        self.minimum_s = 0.0  # the warm-up and the minimum of 3 probes, run whatever the budget
         self.stopped = False  # a probe was stopped at the deadline: nothing more is measured
         self._within = getattr(backend, "measure_prefill_within", None)
 
@@ -372,7 +371,6 @@ class CalibrationRun:
         wall = self.clock() - t0
         p.observe(n, k, seconds, wall, predicted, call_overhead=not (k and (self.resend or self.holds < k)))
         self.holds = n + k
-        self.samples.append(PrefillSample(n, k, seconds))
         self.counts[(n, k)] += 1
         if k == 0:
             self.top = max(self.top, n)
@@ -391,7 +389,7 @@ class CalibrationRun:
         self.prefill(FIRST_PROBE_TOKENS, 0, force=True)
         self.prefill(MIN_PROBE_TOKENS, FIRST_PROBE_TOKENS, force=True)
         self.prefill(MIN_PROBE_TOKENS, 0, force=True)
-        self.minimum_s = self.clock() - self.start
+        minimum_s = self.clock() - self.start  # the warm-up and the minimum of 3 probes, run whatever the budget
         minimum_cpu_s, minimum_wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
         self._decode()
         self._first_token()
@@ -407,8 +405,8 @@ class CalibrationRun:
             self.progress(self.done, self.done, "calibrated")
         self.wall_s = self.clock() - self.start
         if self.wall_s > self.budget_s:
-            if self.minimum_s > self.budget_s:
-                why = (f"this host is too slow for even the minimum (the warm-up and 3 probes took {self.minimum_s:.1f} s)"
+            if minimum_s > self.budget_s:
+                why = (f"this host is too slow for even the minimum (the warm-up and 3 probes took {minimum_s:.1f} s)"
                        + starved_threads_hint(minimum_cpu_s, minimum_wall_s, self.threads, os.cpu_count()))
             else:
                 why = "a step took far longer than predicted (the host slowed down while it ran)"
