@@ -240,11 +240,6 @@ class CostPredictor:
     def decode_wall_s(self, n_tokens: int) -> float:
         return (self.engine_s(DECODE_PROMPT_TOKENS, 0) + n_tokens * self.step_s()) * self.slowness + self.call_overhead_s
 
-    def decode_step_wall_s(self, context_tokens: int) -> float:
-        """One decode step after ``context_tokens`` cached, grown by the attention allowance: errs long."""
-        grown = self.step_s() * (1.0 + max(context_tokens, 0) / ATTENTION_PRIOR_TOKENS)
-        return grown * self.slowness + self.call_overhead_s
-
 
 def remaining_cost(mode: Mode, top: int, n_ctx: int, predictor: CostPredictor, counts: Mapping[tuple[int, int], int],
                    *, resend_prefix: bool = False) -> float:
@@ -432,13 +427,15 @@ class CalibrationRun:
     def _decode_point(self, k: int) -> bool:
         """Decode speed after the ``k`` tokens the context holds: the median of one-token evaluations, in process only
         (a server would resend its context). True when the point was measured."""
-        if self.stopped or self.resend or self.predictor.decode_step_s is None or k + 1 > self.n_ctx:
+        p = self.predictor
+        if self.stopped or self.resend or p.decode_step_s is None or k + 1 > self.n_ctx:
             return False
-        if not fits(self.predictor.decode_step_wall_s(k), self.left()):
+        # the first step errs long: grown by the attention allowance for the context
+        if not fits(p.step_s() * (1.0 + max(k, 0) / ATTENTION_PRIOR_TOKENS) * p.slowness + p.call_overhead_s, self.left()):
             return False
         times: list[float] = []
         slowest = 0.0
-        while len(times) < self.mode.decode_point_steps and (not times or fits(slowest * self.predictor.slowness, self.left())):
+        while len(times) < self.mode.decode_point_steps and (not times or fits(slowest * p.slowness, self.left())):
             t0 = self.clock()
             step = self._measure(1, k, force=False)  # the context stays k (+ the step's token)
             if step is None:

@@ -747,32 +747,6 @@ def answer_chunk_status(plan: Any, chunks: Sequence[Any], doc_id: str) -> str:
     return "dropped" if not kept else "kept whole" if kept[0] == original[doc_id] else "kept as an excerpt"
 
 
-def _run(trimmer: Any, speed: HostSpeed, prepared: Any, params: dict[str, Any], tl: Timeline, bound_s: float) -> tuple[str | None, Any, float]:
-    """Send ``prepared``, printing the answer as it streams, unless predicted over ``bound_s``:
-    ``(answer or None, report or None, predicted seconds)``."""
-    max_tokens = params["max_tokens"]
-    predicted = predicted_total_s(speed, prepared, max_tokens)
-    what = (f"{len(prepared.prompt_tokens):,} prompt tokens" + (f" ({prepared.cached_tokens:,} cached)" if prepared.cached_tokens else "")
-            + f": predicted TTFT {prepared.predicted_ttft_s or 0.0:.1f} s + up to {max_tokens} tokens of decode = {predicted:.1f} s")
-    if predicted > bound_s:
-        tl.step(f"not run — {what}, over the {bound_s:.1f} s this request may take (its share of the {tl.left():.0f} s left)")
-        return None, None, predicted
-    tl.step(f"running — {what}")
-    stream = trimmer.execute(prepared, params)
-    parts: list[str] = []
-    print("   answer: ", end="", flush=True)
-    for chunk in stream:
-        for choice in chunk.get("choices", []):
-            text = (choice.get("delta") or {}).get("content")
-            if text:
-                text = text if parts else text.lstrip()
-                parts.append(text)
-                print(text.replace("\n", "\n           "), end="", flush=True)
-    print(flush=True)
-    speed.learn(stream.report)
-    return "".join(parts), stream.report, predicted
-
-
 def _calibrated(target: Any, quick: bool, tl: Timeline, clock: Callable[[], float]) -> tuple[Any, str]:
     """The stored profile (quick or full) if there is one, else a calibration within :data:`CALIBRATION_SHARE` of the target."""
     stored = load_profile(as_backend(target).profile_key())
@@ -813,13 +787,35 @@ def run_demo(*, model: str | None = None, budget_s: float | None = None, budget_
           "prediction is printed.", flush=True)
     reports: list[dict[str, Any]] = []
 
-    def record(part: str, label: str, rep: Any, predicted: float, bound: float, **extra: Any) -> None:
+    def send(trimmer: Any, prepared: Any, params: dict[str, Any], bound: float, part: str, label: str, **extra: Any) -> tuple[str | None, Any]:
+        """Send ``prepared``, printing the answer as it streams, unless predicted over ``bound``; keep its report."""
         nonlocal requests
         requests -= 1
-        if rep is not None:
-            print(rep)
-        entry = {"part": part, "label": label, "report": rep.to_dict() if rep is not None else None}
-        reports.append({**entry, **({"not_run": {"predicted_s": predicted, "bound_s": bound}} if rep is None else {}), **extra})
+        predicted = predicted_total_s(speed, prepared, params["max_tokens"])
+        entry: dict[str, Any] = {"part": part, "label": label, "report": None}
+        reports.append(entry)
+        what = (f"{len(prepared.prompt_tokens):,} prompt tokens" + (f" ({prepared.cached_tokens:,} cached)" if prepared.cached_tokens else "")
+                + f": predicted TTFT {prepared.predicted_ttft_s or 0.0:.1f} s + up to {params['max_tokens']} tokens of decode = {predicted:.1f} s")
+        if predicted > bound:
+            tl.step(f"not run — {what}, over the {bound:.1f} s this request may take (its share of the {tl.left():.0f} s left)")
+            entry.update(not_run={"predicted_s": predicted, "bound_s": bound}, **extra)
+            return None, None
+        tl.step(f"running — {what}")
+        stream = trimmer.execute(prepared, params)
+        parts: list[str] = []
+        print("   answer: ", end="", flush=True)
+        for chunk in stream:
+            for choice in chunk.get("choices", []):
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    text = text if parts else text.lstrip()
+                    parts.append(text)
+                    print(text.replace("\n", "\n           "), end="", flush=True)
+        print(flush=True)
+        speed.learn(stream.report)
+        print(stream.report)
+        entry.update(report=stream.report.to_dict(), **extra)
+        return "".join(parts), stream.report
 
     if llm is None:
         tl.step(f"loading the model ({model or 'the embedded SmolLM2-135M-Instruct'}, n_ctx {n_ctx:,})")
@@ -850,13 +846,11 @@ def run_demo(*, model: str | None = None, budget_s: float | None = None, budget_
     bound = tl.share(requests)
     prepared, docs, max_tokens = _long_request(plain, speed, corpus, bound)
     print(f"\n-- long prompt ({docs} document{'s' if docs > 1 else ''}), short answer")
-    _answer, rep, predicted = _run(plain, speed, prepared, {"max_tokens": max_tokens, "temperature": 0.7}, tl, bound)
-    record("two phases", "long prompt, short answer", rep, predicted, bound)
+    send(plain, prepared, {"max_tokens": max_tokens, "temperature": 0.7}, bound, "two phases", "long prompt, short answer")
     bound = tl.share(requests)
     prepared, max_tokens = _short_request(plain, speed, bound)
     print(f"\n-- short prompt, long answer (up to {max_tokens} tokens)")
-    _answer, rep, predicted = _run(plain, speed, prepared, {"max_tokens": max_tokens, "temperature": 0.7}, tl, bound)
-    record("two phases", "short prompt, long answer", rep, predicted, bound)
+    send(plain, prepared, {"max_tokens": max_tokens, "temperature": 0.7}, bound, "two phases", "short prompt, long answer")
     print("\n  The long prompt waits before its first token (prefill grows with the prompt); the short one\n"
           "  starts at once. Its stream is faster too (each generated token reads the KV cache of the\n"
           "  prompt: compare the two decode lines), but the wait is what grows most. trimkit aims at the wait.")
@@ -866,8 +860,7 @@ def run_demo(*, model: str | None = None, budget_s: float | None = None, budget_
     bound = tl.share(requests)
     rag = plain.prepare(*rag_request(q0))  # again: what is cached now is not what was cached then
     params = {"max_tokens": answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2), "temperature": 0.2}
-    _answer, rep, predicted = _run(plain, speed, rag, params, tl, bound)
-    record("rag chat", "untrimmed", rep, predicted, bound)
+    send(plain, rag, params, bound, "rag chat", "untrimmed")
 
     untrimmed = len(plain.prepare(*rag_request(questions[1]["question"] if len(questions) > 1 else q0)).prompt_tokens)
     bound = tl.share(requests)
@@ -892,10 +885,9 @@ def run_demo(*, model: str | None = None, budget_s: float | None = None, budget_
         print(f"\n-- turn {turn}: {q['question']}")
         print(f"   answer chunk {q['doc_id']}: {status} ({kept_n} of {len(chunks)} chunks kept)")
         bound = tl.share(requests)
-        answer, rep, predicted = _run(chat, speed, prepared, turn_params, tl, bound)
+        answer, rep = send(chat, prepared, turn_params, bound, "budget", f"turn {turn}", answer_chunk={"id": q["doc_id"], "status": status})
         is_right = answer_is_right(answer, q["answer"])
-        record("budget", f"turn {turn}", rep, predicted, bound, answer_chunk={"id": q["doc_id"], "status": status}, answer=answer,
-               expected=q["answer"], right=is_right)
+        reports[-1].update(answer=answer, expected=q["answer"], right=is_right)
         if rep is None:
             convo.pop()
             continue
