@@ -638,16 +638,10 @@ def _long_request(trimmer: Any, speed: Any, corpus: Sequence[dict[str, Any]], bo
         text = "\n\n".join(d["text"] for d in corpus[:docs])
         return trimmer.prepare([{"role": "user", "content": text + "\n\nIn one sentence: what is this text about?"}])
 
-    lo, hi = 1, min(LONG_PROMPT_DOCS, len(corpus))
-    best = None
-    while lo <= hi:  # the prediction grows with the documents: bisect
-        mid = (lo + hi) // 2
-        prepared = prompt(mid)
-        if predicted_total_s(speed, prepared, max_tokens) <= bound_s:
-            best, lo = (prepared, mid), mid + 1
-        else:
-            hi = mid - 1
-    prepared, docs = best or (prompt(1), 1)
+    for docs in range(min(LONG_PROMPT_DOCS, len(corpus)), 0, -1):
+        prepared = prompt(docs)
+        if docs == 1 or predicted_total_s(speed, prepared, max_tokens) <= bound_s:
+            break
     return prepared, docs, max_tokens
 
 
@@ -864,7 +858,7 @@ def run_demo(*, model: str | None = None, budget_s: float | None = None, budget_
 
     untrimmed = len(plain.prepare(*rag_request(questions[1]["question"] if len(questions) > 1 else q0)).prompt_tokens)
     bound = tl.share(requests)
-    turn_params = {"max_tokens": answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2), "temperature": 0.0}  # greedy: reproducible
+    turn_params: dict[str, Any] = {"max_tokens": answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2), "temperature": 0.0}  # greedy: reproducible
     if budget_s is None:
         budget_s, derived = turn_budget(speed, untrimmed, minimal_ttft_s, bound, budget_share, turn_params["max_tokens"])
     else:
