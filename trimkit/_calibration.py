@@ -1,15 +1,7 @@
-"""Calibration: measure what prefill costs on this host within a wall-time budget, fit the cost
-model, store the profile (docs/design.md §2, "Calibration in bounded time").
-
-:func:`calibrate` once per model and settings; the profile is stored in the user cache and reused
-for the same :class:`~trimkit.planning.profile.ProfileKey` unless ``recalibrate=True``. The probes
-use the engine's KV cache, so the next request pays a cold prefill.
-
-In three parts: the schedule, pure (no engine, no clock: testable on a fake host of any speed):
-a :class:`Mode` is a shape, :func:`schedule` that shape at one top length, :class:`CostPredictor`
-the wall time of a probe from those measured so far, :func:`choose_top` the largest top that fits;
-the run (:class:`CalibrationRun`, :func:`calibrate`); the profile store (:func:`save_profile`,
-:func:`load_profile`).
+"""Calibration: measure what prefill costs on this host within a wall-time budget, fit the cost model and
+store the profile (docs/design.md §2). In three parts: the schedule, pure (a :class:`Mode`, :func:`schedule`,
+:class:`CostPredictor`, :func:`choose_top`); the run (:class:`CalibrationRun`, :func:`calibrate`); the
+profile store (:func:`save_profile`, :func:`load_profile`).
 """
 
 from __future__ import annotations
@@ -37,8 +29,6 @@ from trimkit.errors import CalibrationError, ContextTooSmallError, InvalidInputE
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, error_stats, fit_cost_model, heldout_predictions, per_token_rate
 from trimkit.planning.profile import CALIBRATION_MODES, DecodePoint, Profile, ProfileKey
 
-# -- the schedule: how much calibration fits in a time budget (pure: no engine, no clock) ----------------
-
 #: default wall-time budgets of the three modes, seconds (the whole calibrate() call)
 MICRO_BUDGET_S = 3.0
 QUICK_BUDGET_S = 10.0
@@ -52,44 +42,31 @@ CONTEXT_SHARE = 0.9
 TOP_SHARE = 0.6
 #: the shortest probe: below it a probe measures the engine's fixed cost only
 MIN_PROBE_TOKENS = 16
-#: the first probe, cold, right after the warm-up: it measures the host's speed. Short enough
-#: to be cheap on any host, long enough that the per-token cost is not lost in the fixed one.
+#: the first probe measures the host's speed: cheap on any host, yet the per-token cost shows over the fixed one
 FIRST_PROBE_TOKENS = 32
 #: the cost model has three coefficients: fewer samples cannot fit it
 MIN_SAMPLES = 3
-#: the whole remaining schedule must be predicted to fit in this share of the time left; the
-#: rest absorbs what the predictions miss (a shared host's noise, a busier moment)
+#: the whole remaining schedule must be predicted to fit in this share of the time left (the rest absorbs noise)
 PLAN_SHARE = 0.7
 #: a single step runs only if this many times its predicted wall time fits in the time left
 STEP_SAFETY = 1.25
-#: the attention allowance: beyond the context probed so far, the per-token cost is assumed to
-#: grow by its own size every this many tokens of context. A 100M–300M-parameter model on a CPU
-#: spends as much per token on attention as on its weights somewhere between ~500 and a few
-#: thousand tokens of context (larger models later); 512 assumes the worst of that range, so a
-#: prediction beyond what was measured errs long, never short. Within the probed context the
-#: fitted depth term is used instead.
+#: the attention allowance: beyond the context probed, the per-token cost is assumed to double every this many
+#: tokens. A 100M–300M model on a CPU gets there between ~500 and a few thousand: 512 errs long, never short.
 ATTENTION_PRIOR_TOKENS = 512
-#: once depth probes measured the attention term, the allowance follows it (twice as steep as
-#: measured), but never assumes attention flatter than doubling the per-token cost every this
-#: many times :data:`ATTENTION_PRIOR_TOKENS` of context (large models sit beyond it: for them the
-#: allowance still errs long; a probe that would not fit is skipped, never overrun)
+#: a measured attention term is never taken flatter than doubling every this many times the prior
 ATTENTION_PRIOR_MAX_FACTOR = 4
 #: decode is measured over at most this share of the budget (it is only reported and checked)
 DECODE_SHARE = 0.1
-#: before decode is measured, a decode step is assumed to cost as much as prefilling this many
-#: tokens (on CPUs a step costs about 5–30 prefill tokens; on GPUs more, but everything is fast)
+#: before decode is measured, a step is priced as this many prefill tokens (5–30 on CPUs)
 DECODE_STEP_PRIOR_TOKENS = 32
 #: the prompt a decode measurement prefills first (the in-process probe uses 16, a server 64)
 DECODE_PROMPT_TOKENS = 64
-#: a decode point (decode speed at one context, :mod:`trimkit.planning.profile`) is the median of at
-#: least this many timed steps: one or two single steps on a shared host are mostly noise
+#: a decode point is the median of at least this many timed steps (one or two on a shared host are noise)
 MIN_DECODE_POINT_STEPS = 3
-#: the first-token overhead is measured (three short chat requests) only when that is predicted
-#: to take at most this share of the budget; otherwise it is estimated (see calibrate)
+#: the first-token overhead is measured only when its requests are predicted within this share of the budget
 FIRST_TOKEN_SHARE = 0.25
-#: what measuring the first-token overhead takes: this many chat requests ...
+#: measuring it takes this many chat requests of about this many prompt tokens and 2 output tokens
 FIRST_TOKEN_REQUESTS = 3
-#: ... of about this many prompt tokens (a short message and the chat template) and 2 output tokens
 FIRST_TOKEN_PROMPT_TOKENS = 64
 
 #: the top lengths a schedule can have (steps of 1.5 and 1.33: a budget is used within ~25 %)
@@ -107,16 +84,8 @@ class Probe:
 
 @attrs.frozen
 class Mode:
-    """The shape of a calibration; its size comes from the time budget.
-
-    ``ladder``: the cold lengths used below the top one. ``repeat_rules``: ``(divisor,
-    repeats)`` — a cold length at most ``top / divisor`` is measured ``repeats`` times (short
-    probes are cheap and noisy), first rule that matches; the top is measured once.
-    ``depth_shares``: the depth probes, as shares of the top, measured after it (the top's
-    tokens cached). ``max_top``: the longest cold probe however much time there is.
-    ``max_decode_tokens``: the most steps decode speed is timed over. ``decode_point_steps``:
-    the steps timed one by one at each context of the decode-vs-context line (their median).
-    """
+    """The shape of a calibration; its size comes from the time budget. ``repeat_rules``: ``(divisor, repeats)``,
+    a cold length at most ``top / divisor`` is measured ``repeats`` times; ``depth_shares``: depth probes after the top."""
 
     name: str
     budget_s: float
@@ -129,15 +98,12 @@ class Mode:
 
 
 MODES: Mapping[str, Mode] = {
-    # serve after ~3 s (trimkit.wrap without a stored profile): a provisional profile
     "micro": Mode("micro", MICRO_BUDGET_S, 1024, (32, 128, 512), (), (0.5,), 8, 4),
     "quick": Mode("quick", QUICK_BUDGET_S, 2048, (32, 128, 512), ((8, 2),), (0.125, 0.5), 16),
-    # reach before repeats: a prompt longer than the longest probe is extrapolated (attention
-    # grows with context, steeply on some models), while a repeat only narrows noise that the
-    # live drift correction and the learned margin absorb anyway
+    # reach before repeats: a prompt beyond the longest probe is extrapolated, while live refits absorb noise anyway
     "full": Mode("full", FULL_BUDGET_S, 4096, (16, 32, 64, 128, 256, 512, 1024, 2048), ((8, 2),), (0.125, 0.5), 32),
 }
-if tuple(MODES) != CALIBRATION_MODES:  # pragma: no cover - the profile's schema names the modes
+if tuple(MODES) != CALIBRATION_MODES:  # pragma: no cover
     raise ImportError("calibration modes and the profile's CALIBRATION_MODES disagree")
 
 
@@ -149,15 +115,10 @@ def get_mode(name: str) -> Mode:
 
 def mode_for_budget(budget_s: float) -> str:
     """The most thorough mode whose default budget fits in ``budget_s`` (micro below them all)."""
-    chosen = "micro"
-    for name, mode in MODES.items():
-        if mode.budget_s <= budget_s:
-            chosen = name
-    return chosen
+    return ([name for name, mode in MODES.items() if mode.budget_s <= budget_s] or ["micro"])[-1]
 
 
 def context_cap(n_ctx: int) -> int:
-    """The most tokens (new + cached) any probe may span in a context of ``n_ctx``."""
     if n_ctx < MIN_N_CTX:
         raise ContextTooSmallError(f"n_ctx={n_ctx} is too small to calibrate (need at least {MIN_N_CTX} tokens)")
     return int(n_ctx * CONTEXT_SHARE)
@@ -175,25 +136,13 @@ def cold_lengths(mode: Mode, top: int) -> list[int]:
 
 
 def repeats(mode: Mode, n: int, top: int) -> int:
-    if n >= top:
-        return 1
-    for divisor, count in mode.repeat_rules:
-        if n * divisor <= top:
-            return count
-    return 1
+    return next((count for divisor, count in mode.repeat_rules if n * divisor <= top), 1) if n < top else 1
 
 
 def depth_lengths(mode: Mode, top: int, n_ctx: int) -> list[int]:
-    """New-token counts of the depth probes after ``top`` cached tokens, ascending and distinct;
-    each at least :data:`MIN_PROBE_TOKENS` and within :func:`context_cap` (shrunk to fit; none
-    when there is no room)."""
+    """New-token counts of the depth probes after ``top`` cached tokens, shrunk to fit the context."""
     room = context_cap(n_ctx) - top
-    out: list[int] = []
-    for share in mode.depth_shares:
-        n = min(max(MIN_PROBE_TOKENS, round(share * top)), room)
-        if n >= MIN_PROBE_TOKENS and n not in out:
-            out.append(n)
-    return sorted(out)
+    return sorted({n for n in (min(max(MIN_PROBE_TOKENS, round(share * top)), room) for share in mode.depth_shares) if n >= MIN_PROBE_TOKENS})
 
 
 def schedule(mode: Mode, top: int, n_ctx: int) -> list[Probe]:
@@ -203,22 +152,14 @@ def schedule(mode: Mode, top: int, n_ctx: int) -> list[Probe]:
 
 
 def calibration_probes(n_ctx: int, *, quick: bool = False, mode: str | None = None) -> list[Probe]:
-    """The probe schedule of ``mode`` (default ``quick``/``full`` from ``quick``) in a context of
-    ``n_ctx`` tokens with unlimited time: its largest top. A bounded calibration takes a
-    prefix of it sized to the host (:func:`choose_top`)."""
+    """The schedule of ``mode`` with unlimited time: its largest top."""
     m = get_mode(mode or ("quick" if quick else "full"))
-    candidates = top_candidates(m, n_ctx)
-    return schedule(m, candidates[-1], n_ctx)
+    return schedule(m, top_candidates(m, n_ctx)[-1], n_ctx)
 
 
 def missing(probes: Sequence[Probe], counts: Mapping[tuple[int, int], int]) -> list[Probe]:
-    """``probes`` less what ``counts`` (measurements per (new, cached)) already holds."""
-    out = []
-    for p in probes:
-        left = p.repeats - counts.get((p.new_tokens, p.cached_tokens), 0)
-        if left > 0:
-            out.append(Probe(p.new_tokens, p.cached_tokens, left))
-    return out
+    done = [counts.get((p.new_tokens, p.cached_tokens), 0) for p in probes]
+    return [Probe(p.new_tokens, p.cached_tokens, p.repeats - d) for p, d in zip(probes, done) if d < p.repeats]
 
 
 def _position_weight(n: int, k: int, doubling_tokens: float = ATTENTION_PRIOR_TOKENS) -> float:
@@ -227,15 +168,8 @@ def _position_weight(n: int, k: int, doubling_tokens: float = ATTENTION_PRIOR_TO
 
 
 def attention_doubling_tokens(fit: CostModel | None, probed_context: int) -> float:
-    """The context over which the attention allowance assumes the per-token cost doubles.
-
-    :data:`ATTENTION_PRIOR_TOKENS` until the depth term was measured; then half the doubling
-    length the fitted model shows (``per_token_s / depth_s``): beyond what was probed,
-    attention is assumed twice as steep as measured — still erring long, but by a factor the
-    host and model chose, not the worst case of every small model — and never taken as flatter
-    than :data:`ATTENTION_PRIOR_MAX_FACTOR` times the prior (a depth term lost in noise would
-    otherwise look free). Only a fit whose probes reached at least the prior's own context
-    counts, so a handful of short probes cannot vouch for long ones."""
+    """The context over which the allowance assumes the per-token cost doubles: :data:`ATTENTION_PRIOR_TOKENS`, or once
+    probes reached that far, half what the fit shows (twice as steep as measured), within the prior's bounds."""
     if fit is None or probed_context < ATTENTION_PRIOR_TOKENS or fit.per_token_s <= 0:
         return float(ATTENTION_PRIOR_TOKENS)
     measured = fit.per_token_s / fit.depth_s if fit.depth_s > 0 else math.inf
@@ -243,17 +177,8 @@ def attention_doubling_tokens(fit: CostModel | None, probed_context: int) -> flo
 
 
 class CostPredictor:
-    """Predicts a probe's wall time on this host from the probes measured so far.
-
-    The engine time of ``n`` new tokens after ``k`` cached is the larger of (a) the cost model
-    fitted on the samples so far (from :data:`MIN_SAMPLES` on) and (b) the rate of the sample
-    spanning the most context, scaled by the attention allowance
-    (:func:`attention_doubling_tokens`: :data:`ATTENTION_PRIOR_TOKENS` until depth was
-    measured, then twice the measured steepness). (b) errs long wherever (a) would extrapolate; inside the
-    probed range (a) is the better guess and is usually the larger. The wall time adds the
-    per-call cost seen around probes (a server's HTTP round trips) and is multiplied by how much
-    slower than predicted the last steps ran (a host that got busier) — never by less than 1.
-    """
+    """Predicts a probe's wall time from the probes so far: the larger of the fitted cost model and the deepest sample's
+    rate grown by the attention allowance, plus the per-call cost, times how much slower than predicted the last steps ran."""
 
     def __init__(self, *, n_batch: int = 512) -> None:
         self.n_batch = n_batch
@@ -263,12 +188,9 @@ class CostPredictor:
         self.decode_step_s: float | None = None
         self._fit: CostModel | None = None
 
-    # -- learning -------------------------------------------------------------------------------
     def observe(self, new_tokens: int, cached_tokens: int, engine_s: float, wall_s: float, predicted_wall_s: float | None = None,
                 *, call_overhead: bool = True) -> None:
-        """One probe: its engine time, the wall time of the call, and what was predicted for it.
-        ``call_overhead=False``: the call did more than its probe (a server depth probe sends
-        its prefix first), so its wall time says nothing about the per-call cost."""
+        """One probe; ``call_overhead=False``: the call did more than its probe (it sent its prefix first)."""
         self.samples.append(PrefillSample(new_tokens, cached_tokens, max(engine_s, 0.0)))
         if call_overhead:
             self.call_overheads.append(max(wall_s - engine_s, 0.0))
@@ -278,28 +200,19 @@ class CostPredictor:
             self._fit = fit_cost_model(self.samples, n_batch=self.n_batch)
 
     def observe_ratio(self, wall_s: float, predicted_wall_s: float | None) -> None:
-        """How a step's wall time compared with its prediction (any step, probes or not)."""
         if predicted_wall_s and predicted_wall_s > 0:
             self.ratios.append(wall_s / predicted_wall_s)
 
-    def observe_decode(self, tokens_per_s: float) -> None:
-        if tokens_per_s > 0:
-            self.decode_step_s = 1.0 / tokens_per_s
-
     @property
     def slowness(self) -> float:
-        """How much slower than predicted the slower of the last two steps ran, at least 1: a
-        host that just got busier is assumed to stay so (a lone spike costs one skipped probe,
-        a missed slowdown the budget)."""
+        """How much slower than predicted the slower of the last two steps ran, at least 1 (a busier host stays so)."""
         return max([1.0, *self.ratios[-2:]])
 
     @property
     def call_overhead_s(self) -> float:
         return statistics.median(self.call_overheads) if self.call_overheads else 0.0
 
-    # -- predicting -----------------------------------------------------------------------------
     def engine_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        """Predicted engine (prefill) seconds of ``new_tokens`` after ``cached_tokens``."""
         if not self.samples:
             raise InvalidInputError("nothing measured yet: the first probe comes before any prediction")
         if new_tokens <= 0:
@@ -313,10 +226,8 @@ class CostPredictor:
         return max(prior, fitted)
 
     def wall_s(self, new_tokens: int, cached_tokens: int = 0, *, prefix_tokens: int = 0, extra_call: bool = False) -> float:
-        """Predicted wall seconds of ``measure_prefill(new_tokens, cached_tokens)`` when the
-        last ``prefix_tokens`` of the prefix are not cached and are prefilled first (in process:
-        what the engine's context lacks; a server: the whole prefix, in a call of its own,
-        ``extra_call``)."""
+        """Predicted wall seconds of a probe whose last ``prefix_tokens`` of prefix are prefilled first (``extra_call``:
+        in a call of their own, as a server does)."""
         engine = self.engine_s(new_tokens, cached_tokens)
         if prefix_tokens > 0:
             engine += self.engine_s(prefix_tokens, max(cached_tokens - prefix_tokens, 0))
@@ -324,55 +235,32 @@ class CostPredictor:
         return engine * self.slowness + calls * self.call_overhead_s
 
     def step_s(self) -> float:
-        """One decode step: measured, else :data:`DECODE_STEP_PRIOR_TOKENS` prefill tokens."""
-        if self.decode_step_s is not None:
-            return self.decode_step_s
-        return self.engine_s(DECODE_STEP_PRIOR_TOKENS, 0)
+        return self.decode_step_s if self.decode_step_s is not None else self.engine_s(DECODE_STEP_PRIOR_TOKENS, 0)
 
     def decode_wall_s(self, n_tokens: int) -> float:
         return (self.engine_s(DECODE_PROMPT_TOKENS, 0) + n_tokens * self.step_s()) * self.slowness + self.call_overhead_s
 
-    def decode_step_wall_s(self, context_tokens: int) -> float:
-        """Predicted wall seconds of one decode step timed on its own after ``context_tokens``
-        cached tokens (a one-token evaluation: the engine holds the context already). Errs long:
-        the measured step, grown by the attention allowance for the context
-        (:data:`ATTENTION_PRIOR_TOKENS`), plus the per-call cost."""
-        grown = self.step_s() * (1.0 + max(context_tokens, 0) / ATTENTION_PRIOR_TOKENS)
-        return grown * self.slowness + self.call_overhead_s
-
 
 def remaining_cost(mode: Mode, top: int, n_ctx: int, predictor: CostPredictor, counts: Mapping[tuple[int, int], int],
                    *, resend_prefix: bool = False) -> float:
-    """Predicted wall seconds of what the schedule with top ``top`` still lacks (depth probes
-    right after the top, so in process their prefix is cached; ``resend_prefix``: a server's
-    depth probe prefills its prefix again)."""
-    total = 0.0
-    for p in missing(schedule(mode, top, n_ctx), counts):
-        resend = resend_prefix and p.cached_tokens > 0
-        total += p.repeats * predictor.wall_s(p.new_tokens, p.cached_tokens, prefix_tokens=p.cached_tokens if resend else 0, extra_call=resend)
-    return total
+    """Predicted wall seconds of what the schedule with top ``top`` still lacks (``resend_prefix``: as a server)."""
+    return sum(p.repeats * predictor.wall_s(p.new_tokens, p.cached_tokens, prefix_tokens=p.cached_tokens if resend_prefix else 0,
+                                            extra_call=bool(resend_prefix and p.cached_tokens)) for p in missing(schedule(mode, top, n_ctx), counts))
 
 
 def choose_top(mode: Mode, n_ctx: int, predictor: CostPredictor, counts: Mapping[tuple[int, int], int], time_left_s: float,
                *, resend_prefix: bool = False) -> int | None:
-    """The largest top whose remaining schedule is predicted to fit in :data:`PLAN_SHARE` of
-    ``time_left_s``; None when not even the smallest does."""
-    best = None
-    for top in top_candidates(mode, n_ctx):
-        if remaining_cost(mode, top, n_ctx, predictor, counts, resend_prefix=resend_prefix) <= PLAN_SHARE * time_left_s:
-            best = top
-    return best
+    """The largest top whose remaining schedule fits :data:`PLAN_SHARE` of ``time_left_s`` (None: not even the smallest)."""
+    return max((top for top in top_candidates(mode, n_ctx)
+                if remaining_cost(mode, top, n_ctx, predictor, counts, resend_prefix=resend_prefix) <= PLAN_SHARE * time_left_s), default=None)
 
 
 def fits(predicted_s: float, time_left_s: float) -> bool:
-    """Whether a step predicted to take ``predicted_s`` may start with ``time_left_s`` left."""
     return predicted_s * STEP_SAFETY <= time_left_s
 
 
 def decode_tokens(mode: Mode, budget_s: float, predictor: CostPredictor, time_left_s: float) -> int:
-    """How many tokens to time decode over: as many as :data:`DECODE_SHARE` of the budget
-    affords at the predicted step cost, at most the mode's maximum, fewer when the time left is
-    short (0 when not even one step fits)."""
+    """How many tokens to time decode over within :data:`DECODE_SHARE` of the budget and the time left."""
     step = predictor.step_s()
     n = min(int(DECODE_SHARE * budget_s / step), mode.max_decode_tokens) if step > 0 else mode.max_decode_tokens
     while n > 0 and not fits(predictor.decode_wall_s(n), time_left_s):
@@ -380,29 +268,16 @@ def decode_tokens(mode: Mode, budget_s: float, predictor: CostPredictor, time_le
     return n
 
 
-def first_token_cost_s(predictor: CostPredictor) -> float:
-    """Predicted wall seconds of measuring the first-token overhead (three short chat requests)."""
-    one = predictor.engine_s(FIRST_TOKEN_PROMPT_TOKENS, 0) + 2 * predictor.step_s()
-    return FIRST_TOKEN_REQUESTS * (one * predictor.slowness + predictor.call_overhead_s)
-
-
-# -- the run: probe the engine, fit the cost model, store the profile ------------------------------------
-
 log = logging.getLogger("trimkit")
 
-#: ``progress(done, total, label)``, called after each step of a calibration
 Progress = Callable[[int, int, str], None]
-#: an engine whose threads got less than this share of the CPU time they asked for during the
-#: minimum is said to be starved (a diagnostic in the over-budget warning, nothing else)
+#: an engine whose threads got less than this share of the CPU time they asked for is starved
 STARVED_CPU_SHARE = 0.75
 
 
 def starved_threads_hint(cpu_s: float, wall_s: float, threads: int | None, cpus: int | None) -> str:
-    """A clause for the over-budget warning when the engine's ``threads`` got less than
-    :data:`STARVED_CPU_SHARE` of the CPU time they asked for over ``wall_s`` real seconds (this
-    process used ``cpu_s``): other processes keep the CPUs busy, and llama.cpp's threads then
-    wait on each other at every step of its graph — on 2 vCPUs with two busy processes a
-    32-token probe took 3.5 s with 2 threads, 0.1 s with 1. Empty otherwise."""
+    """A clause for the over-budget warning when the engine's threads were starved of CPU (on 2 busy vCPUs a 32-token
+    probe took 3.5 s with 2 threads, 0.1 s with 1: they wait on each other at every graph step)."""
     if not threads or wall_s <= 0:
         return ""
     share = cpu_s / (wall_s * threads)
@@ -413,18 +288,12 @@ def starved_threads_hint(cpu_s: float, wall_s: float, threads: int | None, cpus:
 
 
 class CalibrationRun:
-    """One bounded calibration: the steps in order (:meth:`execute`; docs/design.md §2), each
-    checked against the time left. Where the backend can stop a probe (``measure_prefill_within``:
-    in process), every probe after the minimum is stopped at the deadline: a host that slows down
-    in the middle of a probe (a 32-token probe once took 3.6 s instead of 0.05 s on a 2-core host
-    with two busy processes) ends the run on time, without that probe.
-    """
+    """One bounded calibration, each step checked against the time left. Where the backend can stop a probe (in
+    process), every probe after the minimum is stopped at the deadline: a host that slows down mid-probe ends on time."""
 
     def __init__(self, backend: Backend, n_batch: int, mode: Mode, budget_s: float, clock: Callable[[], float], progress: Progress | None,
                  *, threads: int | None = None) -> None:
         self.backend = backend
-        #: the engine's prompt-processing threads where it runs in this process (its profile key's
-        #: ``n_threads_batch``; None for a server): what the over-budget warning checks for starvation
         self.threads = threads if threads else None
         self.mode = mode
         self.budget_s = budget_s
@@ -433,7 +302,7 @@ class CalibrationRun:
         self.n_ctx = backend.n_ctx
         self.resend = not getattr(backend, "depth_probe_keeps_prefix", True)
         self.predictor = CostPredictor(n_batch=n_batch)
-        self.samples: list[PrefillSample] = []
+        self.samples = self.predictor.samples
         self.counts: Counter[tuple[int, int]] = Counter()
         self.top = 0  # the longest cold probe measured
         self.holds = 0  # how many leading tokens of the probe text the engine's context holds (in process)
@@ -448,10 +317,7 @@ class CalibrationRun:
         self.first_token_estimated = False
         self.start = clock()
         self.wall_s = 0.0
-        #: seconds the warm-up and the minimum of 3 probes took (run whatever the budget)
-        self.minimum_s = 0.0
-        #: True once a probe was stopped at the deadline: nothing more is measured
-        self.stopped = False
+        self.stopped = False  # a probe was stopped at the deadline: nothing more is measured
         self._within = getattr(backend, "measure_prefill_within", None)
 
     def left(self) -> float:
@@ -465,21 +331,17 @@ class CalibrationRun:
             self.progress(self.done, self.total, label)
 
     def predict(self, n: int, k: int) -> float:
-        """Predicted wall seconds of probing ``n`` after ``k``: a server resends the prefix; in
-        process only what the context lacks of it is prefilled first (every probe is a prefix
-        of one probe text, so the context holds the last probe's tokens)."""
+        """A server resends the prefix; in process only what the context lacks of it is prefilled first."""
         if self.resend and k:
             return self.predictor.wall_s(n, k, prefix_tokens=k, extra_call=True)
         return self.predictor.wall_s(n, k, prefix_tokens=max(k - self.holds, 0) if k else 0)
 
     def _past_deadline(self) -> bool:
-        """Whether a probe running now must stop: one decode step's time before the deadline
-        (llama.cpp stops at its next graph node, which takes less than a whole step)."""
+        """One decode step before the deadline: llama.cpp stops at its next graph node, within a step."""
         return self.clock() >= self.start + self.budget_s - self.predictor.step_s()
 
     def _measure(self, n: int, k: int, force: bool) -> float | None:
-        """One probe; a probe not forced is stopped at the deadline where the backend can stop
-        one (in process): None then, and the run measures nothing more."""
+        """One probe; None when stopped at the deadline (then nothing more is measured)."""
         if force or self._within is None:
             return self.backend.measure_prefill(n, k)
         seconds = self._within(n, k, self._past_deadline)
@@ -491,7 +353,6 @@ class CalibrationRun:
         return seconds
 
     def prefill(self, n: int, k: int, *, force: bool = False) -> bool:
-        """Measure ``n`` tokens after ``k`` if predicted to fit (always when ``force``)."""
         if self.stopped and not force:
             return False
         p = self.predictor
@@ -505,7 +366,6 @@ class CalibrationRun:
         wall = self.clock() - t0
         p.observe(n, k, seconds, wall, predicted, call_overhead=not (k and (self.resend or self.holds < k)))
         self.holds = n + k
-        self.samples.append(PrefillSample(n, k, seconds))
         self.counts[(n, k)] += 1
         if k == 0:
             self.top = max(self.top, n)
@@ -515,19 +375,20 @@ class CalibrationRun:
     def execute(self) -> None:
         cpu0, wall0 = time.process_time(), time.perf_counter()
         self.backend.warm_up()  # leaves the context empty (in process)
-        self._tokenizer()
+        # the overhead that grows with the prompt (tokenizing it), where the backend can time it: cheap, so always
+        tokenize = getattr(self.backend, "measure_tokenize_s_per_token", None)
+        if tokenize is not None:
+            self.first_token_per_token_s = tokenize() or 0.0
         self._step("warm-up")
-        # the minimum, whatever the time: the first probe measures the host's speed; then a
-        # depth probe after it (its tokens are still cached: it costs 16 tokens in process) and
-        # the shortest cold probe give the 3 samples the model needs, at the least cost
+        # the minimum, whatever the time: the host's speed, a depth probe on its cached tokens, the shortest cold probe
         self.prefill(FIRST_PROBE_TOKENS, 0, force=True)
         self.prefill(MIN_PROBE_TOKENS, FIRST_PROBE_TOKENS, force=True)
         self.prefill(MIN_PROBE_TOKENS, 0, force=True)
-        self.minimum_s = self.clock() - self.start
+        minimum_s = self.clock() - self.start  # the warm-up and the minimum of 3 probes, run whatever the budget
         minimum_cpu_s, minimum_wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
         self._decode()
         self._first_token()
-        while True:  # grow the top again while time is left: the first plan errs short
+        while True:  # the first plan errs short: grow the top while time is left
             before = len(self.samples)
             self._cold()
             self._depth()
@@ -535,12 +396,12 @@ class CalibrationRun:
             top = choose_top(self.mode, self.n_ctx, self.predictor, self.counts, self.left(), resend_prefix=self.resend)
             if self.stopped or len(self.samples) == before or top is None or top <= self.top:
                 break
-        if self.progress is not None and self.total != self.done:  # what was planned but did not fit is dropped
+        if self.progress is not None and self.total != self.done:
             self.progress(self.done, self.done, "calibrated")
         self.wall_s = self.clock() - self.start
         if self.wall_s > self.budget_s:
-            if self.minimum_s > self.budget_s:
-                why = (f"this host is too slow for even the minimum (the warm-up and 3 probes took {self.minimum_s:.1f} s)"
+            if minimum_s > self.budget_s:
+                why = (f"this host is too slow for even the minimum (the warm-up and 3 probes took {minimum_s:.1f} s)"
                        + starved_threads_hint(minimum_cpu_s, minimum_wall_s, self.threads, os.cpu_count()))
             else:
                 why = "a step took far longer than predicted (the host slowed down while it ran)"
@@ -548,10 +409,7 @@ class CalibrationRun:
                         "requests run", self.wall_s, self.budget_s, why)
 
     def _decode(self) -> None:
-        """Decode speed: one step first (a decode step costs 5 to 100 prefill tokens' time,
-        depending on the hardware: guessing it could overrun the budget), then as many steps
-        as the budget affords at that speed. Estimated from the prefill rate when not even one
-        step fits."""
+        """One step first (it costs 5 to 100 prefill tokens: a guess could overrun), then what the budget affords."""
         p = self.predictor
         self.tail_steps -= 1
         if not fits(p.decode_wall_s(1), self.left()):
@@ -562,26 +420,22 @@ class CalibrationRun:
             return
         self.decode_tps = self._time_decode(1)
         n = decode_tokens(self.mode, self.budget_s, p, self.left())
-        if n > 1:  # else the one step stands: a slow host's decode share affords no more
+        if n > 1:
             self.decode_tps = self._time_decode(n)
         self._step(f"decode speed ({max(n, 1)} tokens)")
 
     def _decode_point(self, k: int) -> bool:
-        """Decode speed after ``k`` tokens of context (in process): the median of up to the
-        mode's ``decode_point_steps`` one-token evaluations after them — what one decode step
-        is —, each timed by the engine call. The context must hold ``k`` tokens already (0:
-        none), so a point costs a few steps and no prefill. The first step is priced with the
-        attention allowance (:meth:`CostPredictor.decode_step_wall_s`), each next one at the
-        slowest wall time seen so far; a point of fewer than :data:`MIN_DECODE_POINT_STEPS`
-        steps is dropped. None on a server (each step would resend its context), nor when decode
-        was not measured. True when the point was measured."""
-        if self.stopped or self.resend or self.predictor.decode_step_s is None or k + 1 > self.n_ctx:
+        """Decode speed after the ``k`` tokens the context holds: the median of one-token evaluations, in process only
+        (a server would resend its context). True when the point was measured."""
+        p = self.predictor
+        if self.stopped or self.resend or p.decode_step_s is None or k + 1 > self.n_ctx:
             return False
-        if not fits(self.predictor.decode_step_wall_s(k), self.left()):
+        # the first step errs long: grown by the attention allowance for the context
+        if not fits(p.step_s() * (1.0 + max(k, 0) / ATTENTION_PRIOR_TOKENS) * p.slowness + p.call_overhead_s, self.left()):
             return False
         times: list[float] = []
         slowest = 0.0
-        while len(times) < self.mode.decode_point_steps and (not times or fits(slowest * self.predictor.slowness, self.left())):
+        while len(times) < self.mode.decode_point_steps and (not times or fits(slowest * p.slowness, self.left())):
             t0 = self.clock()
             step = self._measure(1, k, force=False)  # the context stays k (+ the step's token)
             if step is None:
@@ -602,33 +456,14 @@ class CalibrationRun:
         tps = self.backend.measure_decode(n)
         self.holds = 0
         p.observe_ratio(self.clock() - t0, predicted)
-        p.observe_decode(tps)
+        if tps > 0:
+            p.decode_step_s = 1.0 / tps
         return tps
 
-    def _decode_pair(self) -> None:
-        """The decode-vs-context line's points: after the depth probes, decode steps at the
-        deepest context they leave cached, then at once at an empty context. Back to back, both
-        see the host at the same speed: on a shared machine the speed changes over seconds, by
-        as much as the difference a few hundred tokens of context make."""
-        deepest = max((pt.context_tokens for pt in self.decode_points), default=0.0)
-        if self.holds > deepest and self._decode_point(self.holds):
-            self._decode_point(0)
-
-    def _tokenizer(self) -> None:
-        """The part of the first-token overhead that grows with the whole prompt — tokenizing
-        it, every turn — where the backend can time its tokenizer: ~1,000 tokens three times,
-        the time of a few prefill tokens, so it runs whatever the budget (and the schedule is
-        sized after it). Other backends leave it to be learned from served requests."""
-        tokenize = getattr(self.backend, "measure_tokenize_s_per_token", None)
-        if tokenize is not None:
-            self.first_token_per_token_s = tokenize() or 0.0
-
     def _first_token(self) -> None:
-        """Measure the first-token overhead if it is cheap enough, else estimate it: the time a
-        probe call takes beyond its prefill (what a request adds around the engine's work). The
-        wrapper learns the real value from every measured request."""
+        """Measure the first-token overhead if cheap enough, else estimate it (the wrapper learns it from requests)."""
         p = self.predictor
-        cost = first_token_cost_s(p)
+        cost = FIRST_TOKEN_REQUESTS * ((p.engine_s(FIRST_TOKEN_PROMPT_TOKENS, 0) + 2 * p.step_s()) * p.slowness + p.call_overhead_s)
         self.tail_steps -= 1
         if cost <= FIRST_TOKEN_SHARE * self.budget_s and fits(cost, self.left()):
             t0 = self.clock()
@@ -644,7 +479,6 @@ class CalibrationRun:
             self._step("first-token overhead (estimated)")
 
     def _cold(self) -> None:
-        """Cold probes, ascending; before each the top is chosen again from what is known now."""
         while True:
             top = choose_top(self.mode, self.n_ctx, self.predictor, self.counts, self.left(), resend_prefix=self.resend)
             if top is None or top <= self.top:
@@ -655,7 +489,6 @@ class CalibrationRun:
                 return
 
     def _depth(self) -> None:
-        """New tokens after the longest cold probe, shrunk to the time left, or left out."""
         k = self.top
         for n in depth_lengths(self.mode, k, self.n_ctx):
             if self.counts[(n, k)]:
@@ -664,7 +497,10 @@ class CalibrationRun:
                 n = n * 3 // 4
             if n >= MIN_PROBE_TOKENS:
                 self.prefill(n, k)
-        self._decode_pair()
+        # decode at the deepest context cached, then at once at an empty one: back to back, both see the host at one
+        # speed (a shared machine's speed changes over seconds by as much as a few hundred tokens of context do)
+        if self.holds > max((pt.context_tokens for pt in self.decode_points), default=0.0) and self._decode_point(self.holds):
+            self._decode_point(0)
 
     def _repeats(self) -> None:
         lengths = cold_lengths(self.mode, self.top)
@@ -680,15 +516,14 @@ FLAT_GROWTH = 1.1
 
 
 def as_backend(target: Any) -> Backend:
-    """A :class:`Backend` for ``target``: a Backend, a trimkit wrapper's, a ``llama_cpp.Llama``, or an OpenAI-style client
-    (what it is: :func:`~trimkit.backends.base.client_kind`, as for :func:`trimkit.wrap`)."""
+    """A :class:`Backend` for ``target``: a Backend, a wrapper's, a ``llama_cpp.Llama`` or an OpenAI-style client."""
     kind = client_kind(target)
     if kind == "backend":
         return target
     if kind == "wrapper":
         return target.backend
     if kind == "llama":
-        from trimkit.backends.llama import LlamaBackend  # a Llama was passed: llama-cpp-python is installed
+        from trimkit.backends.llama import LlamaBackend
 
         return LlamaBackend(target)
     if kind == "openai":
@@ -701,136 +536,81 @@ def as_backend(target: Any) -> Backend:
     )
 
 
-def _satisfies(stored: Profile, mode: str) -> bool:
-    """A stored full profile serves any request, a quick one quick and micro, a micro one micro."""
-    return CALIBRATION_MODES.index(stored.mode) >= CALIBRATION_MODES.index(mode)
-
-
-def calibrate(
-    target: Any,
-    *,
-    mode: str | None = None,
-    time_budget_s: float | None = None,
-    recalibrate: bool = False,
-    store: bool = True,
-    progress: Progress | None = None,
-    clock: Callable[[], float] | None = None,
-) -> Profile:
-    """Measure prefill cost on this host within a wall-time budget and return a
-    :class:`~trimkit.planning.profile.Profile`.
-
-    ``target`` is the ``llama_cpp.Llama`` you already use (or a trimkit backend / OpenAI-style
-    client). ``mode``: ``"micro"`` (3 s, a provisional profile), ``"quick"`` (10 s) or
-    ``"full"`` (30 s); default the most thorough mode ``time_budget_s`` affords, else
-    ``full``. ``time_budget_s`` replaces the mode's budget: the
-    whole call — warm-up, probes, decode (and its points at two contexts), first-token
-    overhead — ends within it on any host
-    (the minimum of 3 probes excepted, with a warning, on a host too slow for even that).
-
-    A stored profile for the same key is returned without measuring unless ``recalibrate``,
-    if it is at least as thorough (full serves any mode, quick serves quick and micro, micro
-    only micro). A corrupt stored profile is measured again with a warning.
-    ``progress(done, total, label)`` is called after each step; ``total`` is the current plan
-    and changes as the schedule is sized. ``clock`` times the budget (default: the backend's).
-    """
+def calibrate(target: Any, *, mode: str | None = None, time_budget_s: float | None = None, recalibrate: bool = False, store: bool = True,
+              progress: Progress | None = None, clock: Callable[[], float] | None = None) -> Profile:
+    """Measure prefill cost on this host and return a :class:`~trimkit.planning.profile.Profile`, within ``time_budget_s``
+    or the mode's: ``"micro"`` 3 s (provisional), ``"quick"`` 10 s, ``"full"`` 30 s (default: the most thorough the budget
+    affords). A stored profile at least as thorough is returned unless ``recalibrate``; ``progress(done, total, label)``
+    is called after each step; ``clock`` times the budget (default: the backend's)."""
     backend = as_backend(target)
     budget_s = None if time_budget_s is None else budget(time_budget_s, "time_budget_s")
     if mode is not None:
         name = get_mode(mode).name
-    else:  # the most thorough mode the budget affords
+    else:
         name = mode_for_budget(budget_s) if budget_s is not None else "full"
     budget_s = get_mode(name).budget_s if budget_s is None else budget_s
     context_cap(backend.n_ctx)  # ContextTooSmallError before anything is measured
     key = backend.profile_key()
     if not recalibrate:
         stored = load_profile(key)
-        if stored is not None and _satisfies(stored, name):
+        if stored is not None and CALIBRATION_MODES.index(stored.mode) >= CALIBRATION_MODES.index(name):
             log.info("trimkit: reusing stored %s profile for %s", stored.mode, key.model)
             if not stored.attention_prior_tokens and backend.attention_prior_tokens:
-                # stored before profiles kept the prior: its later (live) refits lean on it
                 stored = attrs.evolve(stored, attention_prior_tokens=backend.attention_prior_tokens)
             return stored
-
     run = CalibrationRun(backend, key.n_batch or 512, get_mode(name), budget_s, clock or getattr(backend, "clock", None) or time.perf_counter, progress,
                          threads=key.n_threads_batch)
     run.execute()
-    if len(run.samples) < MIN_SAMPLES:  # pragma: no cover - the minimum is enforced by _Run
+    if len(run.samples) < MIN_SAMPLES:  # pragma: no cover
         raise CalibrationError("calibration produced fewer than 3 samples")
-    samples = list(run.samples)
     prior = backend.attention_prior_tokens
-    model, err, heldout, alternatives = _fit(samples, key.n_batch or 512, prior)
+    model, err, heldout, alternatives = _fit(run.samples, key.n_batch or 512, prior)
     profile = Profile(
-        key=key,
-        model=model,
-        first_token_s=run.first_token_s,
-        decode_tokens_per_s=run.decode_tps,
-        samples=tuple(samples),
-        error=err,
-        alternatives=alternatives,
-        calibration_wall_s=run.wall_s,
-        created_at=time.time(),
-        residuals=tuple(heldout),  # seeds the learned safety margin (trimkit.planning.speed)
-        mode=name,
-        time_budget_s=budget_s,
-        first_token_estimated=run.first_token_estimated,
-        first_token_per_token_s=run.first_token_per_token_s,
-        attention_prior_tokens=prior or 0.0,
+        key=key, model=model, first_token_s=run.first_token_s, decode_tokens_per_s=run.decode_tps, samples=tuple(run.samples), error=err,
+        alternatives=alternatives, calibration_wall_s=run.wall_s, created_at=time.time(), residuals=tuple(heldout), mode=name, time_budget_s=budget_s,
+        first_token_estimated=run.first_token_estimated, first_token_per_token_s=run.first_token_per_token_s, attention_prior_tokens=prior or 0.0,
         # no point measured but decode was: its speed stands as one point (the profile's default)
         **({"decode_points": tuple(run.decode_points)} if run.decode_points or run.decode_estimated else {}),
     )
     if store:
         path = save_profile(profile)
-        if path is not None:  # None: the cache folder is unwritable (save_profile warned once)
+        if path is not None:
             log.info("trimkit: stored profile %s", path)
     return profile
 
 
 def _fit(samples: Sequence[PrefillSample], n_batch: int,
          prior: float | None = None) -> tuple[CostModel, ErrorStats, list[tuple[float, float]], dict[str, Any]]:
-    """The cost model for ``samples``, its held-out error and residuals, and both candidates.
-    ``prior``: the architecture's attention doubling length (:mod:`trimkit.planning.profile`),
-    which the fit leans on where the samples say little about attention, and the fallbacks use
-    in place of the conservative :data:`ATTENTION_PRIOR_TOKENS`."""
+    """The cost model for ``samples``, its held-out error and residuals, and the candidates; ``prior``: the
+    architecture's attention doubling length, which the fit and the fallbacks lean on."""
     candidates = {}
     for batched in (False, True):
         model = fit_cost_model(samples, n_batch=n_batch, batched=batched, depth_prior_tokens=prior)
         heldout = heldout_predictions(samples, n_batch=n_batch, batched=batched, depth_prior_tokens=prior)
         candidates["batched" if batched else "design"] = (model, error_stats(heldout), heldout)
-    # the plain model (docs/design.md, §2) unless the per-chunk variant is clearly better on held-out probes
-    name = "design"
     d_err, b_err = candidates["design"][1], candidates["batched"][1]
-    if math.isfinite(b_err.median_pct) and b_err.median_pct < d_err.median_pct * 0.9:
-        name = "batched"
+    name = "batched" if math.isfinite(b_err.median_pct) and b_err.median_pct < d_err.median_pct * 0.9 else "design"
     model, err, heldout = candidates[name]
     alternatives = {n: {"model": m.to_dict(), "heldout_error": e.to_dict()} for n, (m, e, _) in candidates.items()}
     lo, hi = min(s.new_tokens for s in samples), max(s.new_tokens for s in samples)
     rate = per_token_rate(samples)
+    # noisy probes over too short a range (a busy host's minimum) can fit a model no transformer has: attention
+    # costing more than the weights before ATTENTION_PRIOR_TOKENS, or a cost that barely grows with the prompt.
+    # A proportional rate instead (with the architecture's attention, else the allowance): it errs long.
     if model.depth_s * ATTENTION_PRIOR_TOKENS > max(model.per_token_s, rate):
-        # attention costing more per token than the weights do before ATTENTION_PRIOR_TOKENS of
-        # context is no model of a transformer (for any size: the weights cost ~2·params FLOPs a
-        # token, attention ~4·d_model·layers·context); noisy probes spanning too little context
-        # (a busy host's minimum) can fit one, and it would price a 1,000-token prompt in
-        # minutes. The architecture's attention instead where known, else the schedule's
-        # conservative allowance: it errs long, and the live refits correct it from the first requests.
-        model = CostModel(overhead_s=0.0, per_token_s=rate, depth_s=rate / (prior or ATTENTION_PRIOR_TOKENS), n_batch=n_batch)
-        heldout = [(model.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in samples]
-        err = error_stats(heldout)
-        alternatives["attention_prior"] = {"model": model.to_dict(), "heldout_error": err.to_dict()}
+        fallback, depth_s = "attention_prior", rate / (prior or ATTENTION_PRIOR_TOKENS)
         log.warning("trimkit: the fitted attention term was implausible (noisy probes over a short range); "
                     "using a conservative per-token rate with the attention allowance instead")
     elif model.prefill_s(hi) < FLAT_GROWTH * model.prefill_s(lo):
-        # a cost that barely grows across all the lengths probed is no model of prefill: noisy
-        # probes that span too little (a slow or busy host's minimum) can fit one, and it would
-        # price a 4,000-token prompt like a 16-token one. Proportional instead (with the
-        # architecture's attention where known): it errs long.
-        model = CostModel(overhead_s=0.0, per_token_s=rate, depth_s=rate / prior if prior else 0.0, n_batch=n_batch)
-        heldout = [(model.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in samples]
-        err = error_stats(heldout)
-        alternatives["proportional"] = {"model": model.to_dict(), "heldout_error": err.to_dict()}
+        fallback, depth_s = "proportional", rate / prior if prior else 0.0
+    else:
+        return model, err, heldout, alternatives
+    model = CostModel(overhead_s=0.0, per_token_s=rate, depth_s=depth_s, n_batch=n_batch)
+    heldout = [(model.prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in samples]
+    err = error_stats(heldout)
+    alternatives[fallback] = {"model": model.to_dict(), "heldout_error": err.to_dict()}
     return model, err, heldout, alternatives
 
-
-# -- the profile store: where profiles live, reading and writing them safely ------------------------------
 
 #: a stored profile larger than this is refused unread (a real one is a few KiB)
 MAX_PROFILE_BYTES = 16 * 1024 * 1024
@@ -839,117 +619,70 @@ STALE_TMP_S = 60.0
 
 
 def cache_dir() -> Path:
-    """trimkit's cache folder: ``$TRIMKIT_CACHE_DIR`` when set, else the user cache folder
-    (:func:`platformdirs.user_cache_dir`: ``$XDG_CACHE_HOME/trimkit``, else ``~/.cache/trimkit``
-    on Linux; ``~/Library/Caches/trimkit`` on macOS; ``%LOCALAPPDATA%\\trimkit\\Cache`` on Windows)."""
+    """``$TRIMKIT_CACHE_DIR`` when set, else the user cache folder (:func:`platformdirs.user_cache_dir`)."""
     env = os.environ.get("TRIMKIT_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(platformdirs.user_cache_dir("trimkit", appauthor=False))
+    return Path(env) if env else Path(platformdirs.user_cache_dir("trimkit", appauthor=False))
 
 
 def profile_path(key: ProfileKey) -> Path:
-    """Where the profile for ``key`` is stored: ``<cache_dir>/profiles/<key digest>.json``."""
     return cache_dir() / "profiles" / f"{key.digest()}.json"
 
 
-def _stat(path: Path) -> os.stat_result | None:
-    """The file's status, None when there is no file; ProfileError when it cannot be looked at."""
-    try:
-        return os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except (OSError, ValueError) as exc:  # permission denied, a name the OS refuses
-        raise ProfileError(f"unreadable ({getattr(exc, 'strerror', None) or exc})") from None
-
-
 def _read_json(path: Path, st: os.stat_result) -> Any:
-    """The parsed JSON of the file at ``path`` (status ``st``); ProfileError when it is not a
-    regular file, too large, not UTF-8 or not JSON. Never blocks: the type is checked before
-    opening and the open is non-blocking (a FIFO swapped in between is caught by ``fstat``)."""
+    """The parsed JSON of a regular file of at most :data:`MAX_PROFILE_BYTES`, else ProfileError. Never blocks: the type
+    is checked before a non-blocking open (a FIFO swapped in between is caught by ``fstat``)."""
     if not stat.S_ISREG(st.st_mode):
         raise ProfileError("not a regular file")
     if st.st_size > MAX_PROFILE_BYTES:
         raise ProfileError(f"{st.st_size} bytes, over the {MAX_PROFILE_BYTES}-byte limit for a profile")
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        raise ProfileError(f"unreadable ({exc.strerror or exc})") from None
-    with os.fdopen(fd, "rb") as fh:
-        try:
+        with os.fdopen(fd, "rb") as fh:
             if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
                 raise ProfileError("not a regular file")
             raw = fh.read(MAX_PROFILE_BYTES + 1)
-        except OSError as exc:
-            raise ProfileError(f"unreadable ({exc.strerror or exc})") from None
+    except OSError as exc:
+        raise ProfileError(f"unreadable ({exc.strerror or exc})") from None
     if len(raw) > MAX_PROFILE_BYTES:
         raise ProfileError(f"over the {MAX_PROFILE_BYTES}-byte limit for a profile")
     try:
-        text = raw.decode("utf-8")
+        return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise ProfileError("not UTF-8 text") from None
-    try:
-        return json.loads(text)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, a 5000-digit int, [[[[…
         raise ProfileError(f"not JSON ({type(exc).__name__}: {str(exc)[:120]})") from None
 
 
-#: (path, file identity, reason) of unusable profiles already warned about: one warning per file
-_warned_unusable: set[tuple[Any, ...]] = set()
-#: cache folders already warned about as unwritable (cleared when a save there succeeds)
-_warned_unwritable: set[str] = set()
+#: unusable files (path, identity, reason) and unwritable folders already warned about: one warning each
+_warned: set[Any] = set()
 _warn_lock = threading.Lock()
 
 
-def _first_time(seen: set[Any], mark: Any) -> bool:
-    """Record ``mark`` in ``seen``; True the first time (one warning per file or folder)."""
+def _first_time(mark: Any) -> bool:
     with _warn_lock:
-        first = mark not in seen
-        seen.add(mark)
+        first = mark not in _warned
+        _warned.add(mark)
     return first
 
 
-def _warn_unusable(path: Path, ident: Any, reason: str) -> None:
-    """One warning per unusable file (wrap() and the CLI may look at it twice before recalibrating)."""
-    first = _first_time(_warned_unusable, (str(path), ident, reason))
-    (log.warning if first else log.info)("stored profile %s is unusable: %s; calibrating again", path, reason)
-
-
-def _clean_stale_tmp(folder: Path, now: float | None = None) -> None:
-    """Remove ``.profile-*.tmp`` files older than :data:`STALE_TMP_S`: left by a save that was
-    killed (SIGKILL, power loss) between writing and renaming. Best effort."""
-    now = time.time() if now is None else now
+def _clean_stale_tmp(folder: Path) -> None:
+    """Remove ``.profile-*.tmp`` files older than :data:`STALE_TMP_S`, left by a killed save. Best effort."""
     try:
         entries = list(os.scandir(folder))
     except OSError:
         return
     for entry in entries:
-        if not (entry.name.startswith(".profile-") and entry.name.endswith(".tmp")):
-            continue
         try:
             st = entry.stat(follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > STALE_TMP_S:
+            if entry.name.startswith(".profile-") and entry.name.endswith(".tmp") and stat.S_ISREG(st.st_mode) and time.time() - st.st_mtime > STALE_TMP_S:
                 os.unlink(entry.path)
         except OSError:
             continue
 
 
-def _warn_unwritable(folder: Path, exc: OSError) -> None:
-    first = _first_time(_warned_unwritable, str(folder))
-    (log.warning if first else log.debug)(
-        "trimkit: cannot store the calibration profile in %s (%s); it is kept in memory only, so the next "
-        "process calibrates again (set TRIMKIT_CACHE_DIR to a writable folder)", folder, exc.strerror or exc,
-    )
-
-
 def save_profile(profile: Profile, path: Path | None = None) -> Path | None:
-    """Write ``profile`` as JSON atomically (temp file + rename). Returns the path.
-
-    Without ``path`` it goes to the user cache (:func:`profile_path`); a cache folder that
-    cannot be written (read-only, a file in the way, disk full) is then no error: one warning
-    per folder is logged, the profile is kept in memory only, and None is returned. An explicit
-    ``path`` that cannot be written raises the OSError. Leftover temp files of a killed save
-    older than a minute are removed from the folder."""
+    """Write ``profile`` as JSON atomically and return the path. Without ``path``, to the user cache: an unwritable
+    cache folder is then one warning per folder and None (the profile is kept in memory only)."""
     explicit = path is not None
     path = path or profile_path(profile.key)
     blob = json.dumps(profile.to_dict(), indent=1)  # fails (TypeError) before anything is written
@@ -971,28 +704,32 @@ def save_profile(profile: Profile, path: Path | None = None) -> Path | None:
                 pass
         if explicit or not isinstance(exc, OSError):
             raise
-        _warn_unwritable(path.parent, exc)
+        (log.warning if _first_time(str(path.parent)) else log.debug)(
+            "trimkit: cannot store the calibration profile in %s (%s); it is kept in memory only, so the next "
+            "process calibrates again (set TRIMKIT_CACHE_DIR to a writable folder)", path.parent, exc.strerror or exc,
+        )
         return None
     with _warn_lock:
-        _warned_unwritable.discard(str(path.parent))
+        _warned.discard(str(path.parent))
     return path
 
 
 def load_profile(key: ProfileKey, path: Path | None = None) -> Profile | None:
-    """The stored profile for ``key``, or None when there is none, it was made under another
-    key, or it is unusable: not a regular file, over :data:`MAX_PROFILE_BYTES`, not JSON, or
-    any field missing, mistyped or out of range. An unusable file is reported by one warning
-    naming it and what is wrong (the caller calibrates again and overwrites it)."""
+    """The stored profile for ``key``; None when there is none, it was made under another key, or it is unusable
+    (then one warning names the file and what is wrong)."""
     path = path or profile_path(key)
     st = None
     try:
-        st = _stat(path)
-        if st is None:
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
             return None
+        except (OSError, ValueError) as exc:  # permission denied, a name the OS refuses
+            raise ProfileError(f"unreadable ({getattr(exc, 'strerror', None) or exc})") from None
         profile = Profile.from_dict(_read_json(path, st))
     except ProfileError as exc:
         ident = None if st is None else (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        _warn_unusable(path, ident, str(exc))
+        (log.warning if _first_time((str(path), ident, str(exc))) else log.info)("stored profile %s is unusable: %s; calibrating again", path, exc)
         return None
     if profile.key != key:
         log.info("stored profile %s was made for another configuration; calibrating again", path)

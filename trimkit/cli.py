@@ -1,10 +1,7 @@
-"""The ``trimkit`` command line: calibrate, diagnose, plan, demo, report.
+"""The ``trimkit`` command line: calibrate, diagnose, plan, demo, report (docs/cli.md).
 
-Every sub-command's ``--help`` is its documentation. Errors reach you as one line on stderr and
-a non-zero exit status (2 for bad input, 1 for engine failures), never as a traceback.
-
-In three parts: the commands; what they print (progress, the profile and the report log, as text
-and plots); the demo (``trimkit demo`` and ``make demo``: its corpus, questions and sizing).
+Errors reach the user as one line on stderr and a non-zero exit status (2 for bad input, 1 for engine
+failures), never as a traceback. Below the commands: what they print, then the demo, sized to this host.
 """
 
 from __future__ import annotations
@@ -44,28 +41,27 @@ EMBEDDED = "the embedded SmolLM2-135M-Instruct; \"gemma\" names the embedded Gem
 EXIT_SHARE = 0.05
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (value > 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0: {text!r}")
-    return value
+def _number(kind: Callable[[str], float], low: float, high: float = float("inf"), what: str = "a finite number > 0") -> Callable[[str], Any]:
+    """An argparse type: ``kind(text)`` with ``low < value <= high`` (ints: ``low <= value``)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+        if not (value >= low if kind is int else low < value <= high) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be {what}: {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
-    return value
+_positive_float = _number(float, 0.0)
+_positive_int = _number(int, 1, what=">= 1")
+_share = _number(float, 0.0, 1.0, "a share in (0, 1]")
 
 
 def process_age_s() -> float:
-    """Seconds since this process started, as the OS tells it (Linux ``/proc``); 0.0 elsewhere."""
+    """Seconds since this process started, as Linux ``/proc`` tells it; 0.0 elsewhere."""
     try:
         fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
         uptime_s = float(Path("/proc/uptime").read_text().split()[0])
@@ -74,18 +70,14 @@ def process_age_s() -> float:
         return 0.0
 
 
-def _calibration_mode(args: argparse.Namespace) -> tuple[str, float]:
-    """The mode and the wall-time budget of ``trimkit calibrate`` (checked before the model loads)."""
-    mode = "micro" if args.micro else "quick" if args.quick else None
-    if args.time_budget is not None:
-        budget_s = budget(args.time_budget, "--time-budget")
-        return mode or mode_for_budget(budget_s), budget_s
-    mode = mode or "full"
-    return mode, get_mode(mode).budget_s
-
-
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    mode, budget_s = _calibration_mode(args)
+    mode = "micro" if args.micro else "quick" if args.quick else None
+    if args.time_budget is not None:  # checked before the model loads
+        budget_s = budget(args.time_budget, "--time-budget")
+        mode = mode or mode_for_budget(budget_s)
+    else:
+        mode = mode or "full"
+        budget_s = get_mode(mode).budget_s
     started = time.perf_counter() - process_age_s()  # the budget is the whole command's: start-up and model load too
     if args.url:
         if not args.model:
@@ -106,10 +98,6 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         print(json.dumps(profile.to_dict(), indent=1))
     else:
         print("\n".join(profile_lines(profile)))
-        probed_new, probed_ctx = profile.probed_range()
-        print(f"  mode {profile.mode}{' (provisional)' if profile.provisional else ''}: probed up to {probed_new:,} new tokens "
-              f"and {probed_ctx:,} tokens of context (predictions beyond are extrapolated)"
-              + ("; first-token overhead estimated, not measured" if profile.first_token_estimated else ""))
         if profile.created_at >= asked_at:  # measured now, not reused
             print(f"  budget {budget_s:g} s: the command took {took:.1f} s with start-up and model load")
         else:
@@ -131,51 +119,34 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
             raise InvalidInputError(f"--prompt-file {args.prompt_file} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
         if not text.strip():
             raise InvalidInputError("--prompt-file is empty")
-        llm = open_llama(args.model, args.n_ctx)
         # no budget for the wrapper: the prompt is measured as given, then judged against --ttft-budget
-        chat = wrap(llm, tokens_per_s_target=args.tokens_per_s_target)
+        chat = wrap(open_llama(args.model, args.n_ctx), tokens_per_s_target=args.tokens_per_s_target)
         chat.create_chat_completion(messages=[{"role": "user", "content": text}], max_tokens=args.output_tokens)
         report = chat.last_report
         print(report)
         ttft, prompt_tokens = report.measured_ttft_s, report.prompt_tokens
         tps = report.decode_tokens_per_s or chat.profile.decode_tokens_per_s_at(prompt_tokens, args.output_tokens) or chat.profile.decode_tokens_per_s
+    elif args.ttft is None or args.tokens_per_s is None:
+        raise InvalidNumberError("diagnose needs either --ttft S --tokens-per-s N [--prompt-tokens N] or --prompt-file F [--model PATH]")
     else:
-        missing = [n for n in ("ttft", "tokens_per_s") if getattr(args, n) is None]
-        if missing:
-            raise InvalidNumberError(
-                "diagnose needs either --ttft S --tokens-per-s N [--prompt-tokens N] or --prompt-file F [--model PATH]"
-            )
         ttft, tps, prompt_tokens = args.ttft, args.tokens_per_s, args.prompt_tokens
     d = diagnose(ttft, tps, prompt_tokens, args.output_tokens, ttft_budget_s=args.ttft_budget, tokens_per_s_target=args.tokens_per_s_target,
                  reading_speed_tokens_per_s=args.reading_speed, wait_threshold_s=args.wait_threshold)
-    if args.json:
-        print(json.dumps(d.to_dict(), indent=1))
-    else:
-        print(d)
+    print(json.dumps(d.to_dict(), indent=1) if args.json else d)
     return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(model=args.model, budget_s=args.budget, budget_share=args.budget_share, turns=args.turns, n_ctx=args.n_ctx,
-                    quick=args.quick, json_path=args.json, time_target_s=args.time_target,
-                    report_log=args.report_log)
-
-
-def _share(text: str) -> float:
-    value = _positive_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"must be a share in (0, 1]: {text!r}")
-    return value
+                    quick=args.quick, json_path=args.json, time_target_s=args.time_target, report_log=args.report_log)
 
 
 def read_request(path: str) -> tuple[list[Any], tuple[Any, ...], Any]:
     """``(messages, chunks, tools)`` from a JSON request file, checked; InvalidInputError otherwise."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidInputError(f"cannot read the request file {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    try:
-        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidInputError(f"{path} is not JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
     except RecursionError:
@@ -191,16 +162,14 @@ def read_request(path: str) -> tuple[list[Any], tuple[Any, ...], Any]:
         raise InvalidInputError(f"{path}: unknown field(s) {', '.join(map(repr, unknown))}; expected messages, rag_chunks, tools")
     if "messages" not in data:
         raise InvalidInputError(f"{path}: no \"messages\"")
-    messages = data["messages"]
     try:
-        validate_messages(messages)
+        validate_messages(data["messages"])
         chunks = coerce_chunks(data.get("rag_chunks"))
     except InvalidInputError as exc:
         raise InvalidInputError(f"{path}: {exc}") from None
-    tools = data.get("tools")
-    if tools is not None and not isinstance(tools, list):
+    if data.get("tools") is not None and not isinstance(data["tools"], list):
         raise InvalidInputError(f"{path}: \"tools\" must be a list")
-    return messages, chunks, tools
+    return data["messages"], chunks, data.get("tools")
 
 
 def _plan_profile(args: argparse.Namespace, backend: Backend) -> tuple[Profile, str]:
@@ -215,8 +184,7 @@ def _plan_profile(args: argparse.Namespace, backend: Backend) -> tuple[Profile, 
     stored = load_profile(backend.profile_key())
     if stored is not None:
         return stored, f"the stored {stored.mode} calibration profile"
-    print("trimkit: no stored calibration profile for this model and settings: calibrating quickly (stored for next time)…",
-          file=sys.stderr)
+    print("trimkit: no stored calibration profile for this model and settings: calibrating quickly (stored for next time)…", file=sys.stderr)
     return calibrate(backend, mode="quick"), "a quick calibration measured now (no stored profile)"
 
 
@@ -227,16 +195,14 @@ def _index_ranges(indices: Sequence[int]) -> str:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     messages, chunks, tools = read_request(args.request)  # bad input fails before the model loads
-    llm = open_llama(args.model, args.n_ctx)  # names the extra when llama-cpp-python is missing
+    llm = open_llama(args.model, args.n_ctx)
     from trimkit.backends.llama import LlamaBackend
 
     backend = LlamaBackend(llm)
     profile, source = _plan_profile(args, backend)
     tok = backend.tokenizer
-    as_is = place_chunks(messages, chunks) if chunks else messages
-    # counted per message (the counts the planner reuses): a many-megabyte request is never
-    # tokenized whole a second time just to be reported
-    untrimmed_tokens = tok.segment_counts(as_is, tools).total
+    # counted per message (the counts the planner reuses): a huge request is never tokenized whole twice
+    untrimmed_tokens = tok.segment_counts(place_chunks(messages, chunks) if chunks else messages, tools).total
     untrimmed_s = profile.predict_ttft_s(untrimmed_tokens, 0)
     if args.budget is not None:
         budget, how = args.budget, f"--budget {args.budget:g} s"
@@ -249,27 +215,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     dropped_by_template = tok.dropped_messages(p.messages, tools)
     if args.json:
         out = p.to_dict()
-        out.update(
-            request=args.request,
-            budget_source=how,
-            profile_source=source,
-            untrimmed_prompt_tokens=untrimmed_tokens,
-            untrimmed_predicted_ttft_s=untrimmed_s,
-            prompt_tokens_exact=sent_tokens,
-            predicted_ttft_exact_s=sent_s,
-            template_dropped_messages=list(dropped_by_template),
-        )
+        out.update(request=args.request, budget_source=how, profile_source=source, untrimmed_prompt_tokens=untrimmed_tokens,
+                   untrimmed_predicted_ttft_s=untrimmed_s, prompt_tokens_exact=sent_tokens, predicted_ttft_exact_s=sent_s,
+                   template_dropped_messages=list(dropped_by_template))
         print(json.dumps(out, indent=1))
         return 0
     print(f"request {args.request}: {len(messages)} messages, {len(chunks)} chunks, {untrimmed_tokens:,} prompt tokens untrimmed")
     print(f"budget {budget:.3f} s from {how}; profile: {source}")
     print(p)
-    kept = ", ".join(str(c.id) for c in p.kept_chunks) or "none"
-    dropped = ", ".join(str(c.id) for c in p.dropped_chunks) or "none"
-    removed = _index_ranges(p.removed_message_indices) or "none"
-    print(f"  chunks kept ({len(p.kept_chunks)} of {len(chunks)}): {kept}")
-    print(f"  chunks dropped: {dropped}")
-    print(f"  messages removed (indices): {removed}")
+    print(f"  chunks kept ({len(p.kept_chunks)} of {len(chunks)}): {', '.join(str(c.id) for c in p.kept_chunks) or 'none'}")
+    print(f"  chunks dropped: {', '.join(str(c.id) for c in p.dropped_chunks) or 'none'}")
+    print(f"  messages removed (indices): {_index_ranges(p.removed_message_indices) or 'none'}")
     if p.summarized_message_indices:
         print(f"  messages summarized (indices): {_index_ranges(p.summarized_message_indices)}")
     print(f"  prompt to send: {sent_tokens:,} tokens, predicted TTFT {sent_s:.3f} s with nothing cached "
@@ -281,8 +237,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     rows = read_report_log(args.log)
-    for line in report_log_lines(rows):
-        print(line)
+    print("\n".join(report_log_lines(rows)))
     if not args.no_plot:
         out = args.plot or str(Path(args.log).with_suffix(".png"))
         print(f"plot: {plot_report_log(rows, out, title=f'Predicted vs measured TTFT — {Path(args.log).name}')}")
@@ -298,21 +253,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"trimkit {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log trimkit's INFO lines to stderr")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    model_help = f"GGUF model path or embedded model name (default: {EMBEDDED})"
 
     c = sub.add_parser("calibrate", help="measure prefill cost on this host and print the profile",
-                       description="Measure prefill time at a spread of prompt lengths and depths within a time budget "
-                       "(a first short probe measures this host's speed, the rest is sized to the time left), fit the cost "
+                       description="Measure prefill time at a spread of prompt lengths and depths within a time budget, fit the cost "
                        "model, store the profile in the user cache (reused next time unless --recalibrate) and print it.")
-    c.add_argument("--model", help=f"GGUF model path or embedded model name (default: {EMBEDDED}); with --url, the served model's name")
+    c.add_argument("--model", help=f"{model_help}; with --url, the served model's name")
     c.add_argument("--url", help="calibrate an OpenAI-compatible server instead, e.g. http://127.0.0.1:8080/v1")
     c.add_argument("--n-ctx", type=_positive_int, default=None, help="context window (default 8192; with --url: the server's, else 4096)")
     cm = c.add_mutually_exclusive_group()
     cm.add_argument("--quick", action="store_true", help=f"the quick schedule, within {QUICK_BUDGET_S:g} s: shorter probes, less accurate for long prompts")
     cm.add_argument("--micro", action="store_true", help=f"the micro schedule, within {MICRO_BUDGET_S:g} s: a provisional profile (what wrap() starts from)")
     c.add_argument("--time-budget", type=float, metavar="S", default=None,
-                   help=f"finish within S seconds, start-up and model load included (default {FULL_BUDGET_S:g}; "
-                   f"{QUICK_BUDGET_S:g} with --quick, {MICRO_BUDGET_S:g} with --micro); without --quick/--micro the "
-                   "mode is the most thorough one S affords")
+                   help=f"finish within S seconds, start-up and model load included (default {FULL_BUDGET_S:g}; {QUICK_BUDGET_S:g} with --quick, "
+                   f"{MICRO_BUDGET_S:g} with --micro); without --quick/--micro the mode is the most thorough one S affords")
     c.add_argument("--recalibrate", action="store_true", help="measure again even if a stored profile matches")
     c.add_argument("--json", action="store_true", help="print the profile as JSON")
     c.add_argument("--plot", metavar="FILE.png", help="draw measured prefill time vs prompt length with the fitted curve")
@@ -321,10 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_cmd_calibrate)
 
     d = sub.add_parser("diagnose", help="name the slow phase (the wait, the stream, both or neither) and the cure that fits",
-                       description="Give measured numbers (--ttft, --tokens-per-s, --prompt-tokens) or run one prompt "
-                       "(--prompt-file, --model) and learn which phase is slow — each judged against its own standard: "
-                       "the wait against --ttft-budget (default: --wait-threshold, 1 s), the stream against "
-                       "--tokens-per-s-target (default: --reading-speed, 7 tokens/s) — and what helps it.")
+                       description="Give measured numbers or run one prompt (--prompt-file) and learn which phase is slow, each judged "
+                       "against its own standard (the wait: --ttft-budget or --wait-threshold; the stream: --tokens-per-s-target or "
+                       "--reading-speed), and what helps it.")
     d.add_argument("--ttft", type=_positive_float, help="measured time to first token, seconds")
     d.add_argument("--tokens-per-s", type=_positive_float, help="measured decode speed, tokens/s")
     d.add_argument("--prompt-tokens", type=_positive_int, help="prompt length in tokens")
@@ -336,23 +289,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--wait-threshold", type=_positive_float, default=DEFAULT_WAIT_THRESHOLD_S,
                    help=f"without --ttft-budget, a longer wait is slow, seconds (default {DEFAULT_WAIT_THRESHOLD_S:g})")
     d.add_argument("--prompt-file", help="run this prompt on --model and diagnose the measured request")
-    d.add_argument("--model", help=f"GGUF model path or embedded model name for --prompt-file (default: {EMBEDDED})")
+    d.add_argument("--model", help=f"{model_help}, for --prompt-file")
     d.add_argument("--n-ctx", type=_positive_int, default=8192, help="context window for --prompt-file (default 8192)")
     d.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     d.set_defaults(func=_cmd_diagnose)
 
     m = sub.add_parser("demo", help="see the two phases and a TTFT budget held, on the embedded model",
-                       description="Calibrates (or reuses the stored profile), shows a long and a short prompt "
-                       "(the wait vs the stream), then a multi-turn RAG chat kept under a TTFT budget set from this "
-                       "host's profile, saying each turn whether the chunk that holds the answer was kept. Sized to "
-                       "--time-target from this host's measured speed: each request may take its share of the time "
-                       "left; one predicted to take longer is not run, its prediction is printed.")
-    m.add_argument("--model", help=f"GGUF model path or embedded model name (default: {EMBEDDED})")
+                       description="Calibrate, show a long and a short prompt (the wait vs the stream), then a multi-turn RAG chat kept "
+                       "under a TTFT budget, sized to --time-target from this host's speed (a request predicted not to fit is not run).")
+    m.add_argument("--model", help=model_help)
     mb = m.add_mutually_exclusive_group()
     mb.add_argument("--budget", type=_positive_float, default=None,
                     help="TTFT budget in seconds for the chat part (default: derived from this host's profile, see --budget-share)")
-    mb.add_argument("--budget-share", type=_share, default=0.45,
-                    help="without --budget: the budget is the predicted TTFT of this share of the untrimmed prompt (default 0.45)")
+    mb.add_argument("--budget-share", type=_share, default=BUDGET_SHARE,
+                    help=f"without --budget: the budget is the predicted TTFT of this share of the untrimmed prompt (default {BUDGET_SHARE:g})")
     m.add_argument("--turns", type=_positive_int, default=3, help="chat turns under the budget (default 3)")
     m.add_argument("--n-ctx", type=_positive_int, default=8192, help="context window (default 8192)")
     m.add_argument("--quick", action="store_true", help="quick calibration (at most 10 s) instead of full (at most 30 s); "
@@ -364,24 +314,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.set_defaults(func=_cmd_demo)
 
     pl = sub.add_parser("plan", help="show what a TTFT budget would keep and drop from a request, without generating",
-                        description="Read a request (a JSON file: {\"messages\": [...], \"rag_chunks\": [...], \"tools\": [...]}), "
-                        "plan it under a TTFT budget with this host's calibration profile and print what would be kept, "
-                        "dropped and summarized and the predicted TTFT. Loads the model for its tokenizer and chat "
-                        "template; generates nothing. Without a stored profile it calibrates quickly first.")
+                        description="Plan a request (JSON: messages, rag_chunks, tools) under a TTFT budget with this host's profile and "
+                        "print what would be kept, dropped and summarized; loads the model for its tokenizer, generates nothing.")
     pl.add_argument("request", metavar="REQUEST.json", help="the request: messages, optional rag_chunks (strings or {text, id, score}), optional tools")
-    budget = pl.add_mutually_exclusive_group(required=True)
-    budget.add_argument("--budget", type=_positive_float, help="TTFT budget in seconds")
-    budget.add_argument("--budget-share", type=_share, help="budget as a share (0–1] of the request's predicted untrimmed TTFT")
-    pl.add_argument("--model", help=f"GGUF model path or embedded model name (default: {EMBEDDED})")
+    pb = pl.add_mutually_exclusive_group(required=True)
+    pb.add_argument("--budget", type=_positive_float, help="TTFT budget in seconds")
+    pb.add_argument("--budget-share", type=_share, help="budget as a share (0–1] of the request's predicted untrimmed TTFT")
+    pl.add_argument("--model", help=model_help)
     pl.add_argument("--n-ctx", type=_positive_int, default=8192, help="context window (default 8192; part of the profile key)")
     pl.add_argument("--profile", metavar="PATH", help="a profile JSON file (trimkit calibrate --json) instead of the stored one")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=_cmd_plan)
 
     rp = sub.add_parser("report", help="summarize a report log and plot predicted vs measured TTFT per request",
-                        description="Read a report log (wrap(..., report_log=FILE): one report a line), print the summary "
-                                    "figures and draw predicted vs measured TTFT per request, with the budget line and the "
-                                    "re-plans and misses marked, to a PNG (needs matplotlib: pip install 'trimkit[plot]').")
+                        description="Print the summary figures of a report log (wrap(..., report_log=FILE)) and draw predicted vs measured "
+                        "TTFT per request to a PNG (needs matplotlib: pip install 'trimkit[plot]').")
     rp.add_argument("log", help="the report log (JSON lines)")
     rp.add_argument("--plot", metavar="PNG", help="where to write the plot (default: the log's name with .png)")
     rp.add_argument("--no-plot", action="store_true", help="print the figures only")
@@ -390,8 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s", stream=sys.stderr)
     try:
         return int(args.func(args) or 0)
@@ -410,33 +356,23 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
 
 
-# -- what the commands show a person: the model they open, progress, the profile, the report log --------
-
 def open_llama(model: str | None, n_ctx: int, chat_format: str | None = None, **kwargs: Any) -> Any:
-    """A ``llama_cpp.Llama`` for ``model`` — a GGUF path, or the name of an embedded model
-    (``"smollm2"``, ``"gemma"``; None = the default, see :mod:`trimkit.backends.llama_format`) — checked first,
-    opened quietly (llama.cpp prints some context-creation notes even with ``verbose=False``; a
-    failed load still raises, with its message)."""
+    """A ``llama_cpp.Llama`` for a GGUF path or an embedded model's name (None: the default), opened quietly
+    (llama.cpp prints context notes even with ``verbose=False``; a failed load still raises)."""
     llama_cpp = require_extra("llama_cpp", "llama", "opening a GGUF model in process")
     from llama_cpp._utils import suppress_stdout_stderr
 
     from trimkit.backends.llama import default_llama
 
-    if model is None or model in EMBEDDED_MODELS:
-        # each with a template that keeps system prompts: SmolLM2's own (in its GGUF), Gemma 3's
-        # (its GGUF has none; llama-cpp-python's "gemma" format drops system messages)
-        if chat_format is not None:
-            kwargs["chat_format"] = chat_format
-        with suppress_stdout_stderr(disable=False):
-            return default_llama(model or DEFAULT_MODEL, n_ctx=n_ctx, **kwargs)
-    path = str(check_model_path(model))
+    path = None if model is None or model in EMBEDDED_MODELS else str(check_model_path(model))
     with suppress_stdout_stderr(disable=False):
+        if path is None:  # each with a template that keeps system prompts (llama-cpp-python's "gemma" format drops them)
+            return default_llama(model or DEFAULT_MODEL, n_ctx=n_ctx, **{**kwargs, **({"chat_format": chat_format} if chat_format is not None else {})})
         return llama_cpp.Llama(model_path=path, n_ctx=n_ctx, verbose=False, chat_format=chat_format, **kwargs)
 
 
 class ProgressBar:
-    """A tqdm progress bar on stderr as a calibration ``progress(done, total, label)`` callback;
-    drawn only when ``enabled``, and only from the first call on."""
+    """A tqdm bar on stderr as a calibration ``progress(done, total, label)`` callback, drawn from the first call on."""
 
     def __init__(self, desc: str, enabled: bool) -> None:
         self.desc = desc
@@ -448,6 +384,7 @@ class ProgressBar:
             return
         if self.bar is None:
             self.bar = tqdm(total=total, desc=self.desc, unit="step", file=sys.stderr, leave=False)
+        self.bar.total = total  # the schedule is resized as it learns the speed
         self.bar.set_postfix_str(label, refresh=False)
         self.bar.update(done - self.bar.n)
 
@@ -458,50 +395,37 @@ class ProgressBar:
 
 def profile_lines(profile: Profile) -> list[str]:
     """The profile as a table a person can read."""
-    key = profile.key
+    key, m = profile.key, profile.model
     out = [
         f"profile for {key.model}",
         f"  n_ctx={key.n_ctx} n_batch={key.n_batch} threads={key.n_threads}/{key.n_threads_batch} "
         f"flash_attn={key.flash_attn} gpu_layers={key.n_gpu_layers} · {key.engine_version} · {key.cpu}",
         f"  {'prompt tokens':>13} {'cached':>7} {'measured':>10} {'predicted':>10} {'error':>8} {'ms/token':>9}",
     ]
-    for r in profile.table():
-        out.append(
-            f"  {r['new_tokens']:>13,} {r['cached_tokens']:>7,} {r['measured_s']:>9.3f}s {r['predicted_s']:>9.3f}s "
-            f"{r['error_pct']:>+7.1f}% {r['ms_per_token']:>9.2f}"
-        )
-    m = profile.model
+    out += [f"  {r['new_tokens']:>13,} {r['cached_tokens']:>7,} {r['measured_s']:>9.3f}s {r['predicted_s']:>9.3f}s "
+            f"{r['error_pct']:>+7.1f}% {r['ms_per_token']:>9.2f}" for r in profile.table()]
+    # where the per-token cost doubles with context: fitted, and the architecture's prior the fit leans on
+    fitted = f"every {m.per_token_s / m.depth_s:,.0f} tokens of context" if m.depth_s > 0 else "not seen in the probes"
+    prior = (f"; the architecture says every {profile.attention_prior_tokens:,.0f} (the prior the fit leans on)"
+             if profile.attention_prior_tokens else "; no architecture prior (the fit has the probes alone)")
     out += [
         f"  model ({m.name}): T(n|k) = {m.overhead_s * 1000:.1f} ms + {m.per_token_s * 1000:.3f} ms·n + "
         f"{m.depth_s * 1e6:.3f} µs·(n·k + n²/2)" + (f" + {m.per_batch_s * 1000:.1f} ms·⌈n/{m.n_batch}⌉" if m.per_batch_s else ""),
         f"  held-out error (leave one probe out): median {profile.error.median_pct:.1f} %, p90 {profile.error.p90_pct:.1f} %",
-        _attention_text(profile),
-        f"  first-token overhead {profile.first_token_s * 1000:.1f} ms"
+        f"  attention: the per-token cost doubles {fitted}{prior}",
+        f"  first-token overhead {profile.first_token_s * 1000:.1f} ms" + (" (estimated, not measured)" if profile.first_token_estimated else "")
         + (f" + {profile.first_token_per_token_s * 1e6:.1f} ms per 1,000 prompt tokens (tokenizing it)" if profile.first_token_per_token_s else "")
         + f" · {decode_text(profile)}",
         f"  calibrated in {profile.calibration_wall_s:.1f} s ({profile.mode}"
         + (f", time budget {profile.time_budget_s:g} s" if profile.time_budget_s else "")
         + (", provisional: it improves from requests" if profile.provisional else "") + ")",
-        f"  probed up to {profile.probed_new_tokens:,} new tokens and {profile.probed_context_tokens:,} tokens of context; "
-        "predictions beyond are extrapolated and get a wider margin",
+        "  probed up to {:,} new tokens and {:,} tokens of context; predictions beyond are extrapolated and get a wider margin".format(*profile.probed_range()),
     ]
     return out
 
 
-def _attention_text(profile: Profile) -> str:
-    """Where the per-token cost doubles with context: fitted, and what the model's architecture
-    says (the prior the fit leans on where the probes reach too little context to show it)."""
-    m = profile.model
-    fitted = f"every {m.per_token_s / m.depth_s:,.0f} tokens of context" if m.depth_s > 0 else "not seen in the probes"
-    prior = (f"; the architecture says every {profile.attention_prior_tokens:,.0f} (the prior the fit leans on)"
-             if profile.attention_prior_tokens else "; no architecture prior (the fit has the probes alone)")
-    return f"  attention: the per-token cost doubles {fitted}{prior}"
-
-
 def decode_text(profile: Profile) -> str:
-    """The stream's speed as the profile predicts it: at the shortest and the longest context
-    it measured when decode slows with context (each generated token reads the KV cache of
-    every token before it), else the one speed, with the profile's note."""
+    """The stream's speed the profile predicts: at the shortest and longest context measured when it slows with context."""
     model = profile.decode_model()
     if model is None or not model.context_dependent:
         return f"decode {profile.decode_tokens_per_s:.1f} tokens/s" + (f" ({model.note})" if model is not None and model.note else "")
@@ -510,42 +434,8 @@ def decode_text(profile: Profile) -> str:
             f"{profile.decode_tokens_per_s_at(hi):.1f} at {hi:,} (a longer context decodes slower: each token reads the KV cache)")
 
 
-def plot_profile(profile: Profile, path: str, budget_s: float | None = None) -> str:
-    """Measured prefill time against prompt length, with the fitted curve (and a budget line),
-    written to ``path``. Needs matplotlib (``pip install 'trimkit[plot]'``)."""
-    plt = _pyplot("--plot")
-    cold = [s for s in profile.samples if s.cached_tokens == 0]
-    deep = [s for s in profile.samples if s.cached_tokens > 0]
-    top = max(s.new_tokens + s.cached_tokens for s in profile.samples)
-    xs = list(range(1, top + 1, max(top // 200, 1)))
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    ax.plot([s.new_tokens for s in cold], [s.seconds for s in cold], "o", label="measured (cold prompt)", alpha=0.8)
-    ax.plot(xs, [profile.model.prefill_s(x) for x in xs], "-", label=f"fitted cost model ({profile.model.name})")
-    for k in sorted({s.cached_tokens for s in deep}):
-        pts = [s for s in deep if s.cached_tokens == k]
-        ax.plot([s.new_tokens for s in pts], [s.seconds for s in pts], "s", label=f"measured, after {k:,} cached tokens")
-        ax.plot(xs, [profile.model.prefill_s(x, k) for x in xs], ":", alpha=0.6)
-    if budget_s:
-        ax.axhline(budget_s - profile.first_token_s, color="red", ls="--", label=f"prefill share of a {budget_s:g} s TTFT budget")
-    return _finish(plt, fig, ax, path, "prompt tokens evaluated (n)", "prefill time (s)",
-                   f"Prefill cost on this host — {profile.key.model.split(':')[0]}")
-
-
-def _finish(plt: Any, fig: Any, ax: Any, path: str, xlabel: str, ylabel: str, title: str) -> str:
-    """Label the axes, add the grid and the legend, write the figure to ``path`` and close it."""
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
 def _pyplot(needed_by: str) -> Any:
-    """matplotlib's pyplot, drawing to files only; a clear error naming the extra when it is missing."""
+    """matplotlib's pyplot, drawing to files only; an error naming the extra when it is missing."""
     try:
         import matplotlib
 
@@ -554,6 +444,34 @@ def _pyplot(needed_by: str) -> Any:
     except ImportError:
         raise InvalidInputError(f"{needed_by} needs matplotlib: pip install 'trimkit[plot]'") from None
     return plt
+
+
+def _finish(plt: Any, fig: Any, ax: Any, path: str, xlabel: str, ylabel: str, title: str) -> str:
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_profile(profile: Profile, path: str, budget_s: float | None = None) -> str:
+    """Measured prefill time against prompt length with the fitted curve (and a budget line), written to ``path``."""
+    plt = _pyplot("--plot")
+    top = max(s.new_tokens + s.cached_tokens for s in profile.samples)
+    xs = list(range(1, top + 1, max(top // 200, 1)))
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    cold = [s for s in profile.samples if s.cached_tokens == 0]
+    ax.plot([s.new_tokens for s in cold], [s.seconds for s in cold], "o", label="measured (cold prompt)", alpha=0.8)
+    ax.plot(xs, [profile.model.prefill_s(x) for x in xs], "-", label=f"fitted cost model ({profile.model.name})")
+    for k in sorted({s.cached_tokens for s in profile.samples} - {0}):
+        pts = [s for s in profile.samples if s.cached_tokens == k]
+        ax.plot([s.new_tokens for s in pts], [s.seconds for s in pts], "s", label=f"measured, after {k:,} cached tokens")
+        ax.plot(xs, [profile.model.prefill_s(x, k) for x in xs], ":", alpha=0.6)
+    if budget_s:
+        ax.axhline(budget_s - profile.first_token_s, color="red", ls="--", label=f"prefill share of a {budget_s:g} s TTFT budget")
+    return _finish(plt, fig, ax, path, "prompt tokens evaluated (n)", "prefill time (s)", f"Prefill cost on this host — {profile.key.model.split(':')[0]}")
 
 
 def read_report_log(path: str) -> list[dict[str, Any]]:
@@ -579,12 +497,11 @@ def read_report_log(path: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q * 100) - 1] if len(values) > 1 else values[0]
-
-
 def report_log_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """The summary figures of a report log, as lines a person reads."""
+    def p90(values: Sequence[float]) -> float:
+        return statistics.quantiles(values, n=100, method="inclusive")[89] if len(values) > 1 else values[0]
+
     measured = [r["measured_ttft_s"] for r in rows if r.get("measured_ttft_s") is not None]
     budgeted = [r for r in rows if r.get("budget_met") is not None]
     met = sum(1 for r in budgeted if r["budget_met"])
@@ -597,73 +514,71 @@ def report_log_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     if budgeted:
         lines.append(f"budget met: {met} of {len(budgeted)} budgeted requests ({met / len(budgeted):.0%})")
     if measured:
-        lines.append(f"measured TTFT: median {statistics.median(measured):.3f} s, p90 {_quantile(measured, 0.9):.3f} s, "
-                     f"max {max(measured):.3f} s")
+        lines.append(f"measured TTFT: median {statistics.median(measured):.3f} s, p90 {p90(measured):.3f} s, max {max(measured):.3f} s")
     if errors:
-        lines.append(f"prediction error |predicted − measured| / measured: median {statistics.median(errors):.1f} %, "
-                     f"p90 {_quantile(errors, 0.9):.1f} %")
+        lines.append(f"prediction error |predicted − measured| / measured: median {statistics.median(errors):.1f} %, p90 {p90(errors):.1f} %")
     if decode:
         lines.append(f"decode (left untouched): median {statistics.median(decode):.1f} tokens/s")
     return lines
 
 
 def plot_report_log(rows: Sequence[Mapping[str, Any]], path: str, title: str = "") -> str:
-    """Predicted and measured TTFT per request with the budget line; re-plans and misses marked.
-    Written to ``path`` (PNG). Needs matplotlib (``pip install 'trimkit[plot]'``)."""
+    """Predicted and measured TTFT per request with the budget line, re-plans and misses marked; a PNG at ``path``."""
     plt = _pyplot("trimkit report")
     xs = list(range(1, len(rows) + 1))
     fig, ax = plt.subplots(figsize=(8, 4.2), dpi=110)
-    budget = [r.get("ttft_budget_s") for r in rows]
-    if any(b is not None for b in budget):
-        ax.step(xs, [float("nan") if b is None else b for b in budget], where="mid", color="red", ls="--", lw=1.2, label="TTFT budget")
-    ax.plot(xs, [_nan(r.get("predicted_ttft_s")) for r in rows], "o", mfc="none", color="tab:blue", label="predicted (prompt sent)")
-    ax.plot(xs, [_nan(r.get("measured_ttft_s")) for r in rows], ".", ms=9, color="tab:green", label="measured")
+
+    def column(key: str) -> list[float]:
+        return [float("nan") if r.get(key) is None else float(r[key]) for r in rows]
+
+    if any(r.get("ttft_budget_s") is not None for r in rows):
+        ax.step(xs, column("ttft_budget_s"), where="mid", color="red", ls="--", lw=1.2, label="TTFT budget")
+    ax.plot(xs, column("predicted_ttft_s"), "o", mfc="none", color="tab:blue", label="predicted (prompt sent)")
+    ax.plot(xs, column("measured_ttft_s"), ".", ms=9, color="tab:green", label="measured")
     misses = [(x, r["measured_ttft_s"]) for x, r in zip(xs, rows) if r.get("budget_met") is False and r.get("measured_ttft_s") is not None]
     if misses:
         ax.plot(*zip(*misses), "x", ms=10, mew=2, color="red", label=f"missed the budget ({len(misses)})")
-    replanned = [x for x, r in zip(xs, rows) if r.get("replans")]
-    for i, x in enumerate(replanned):
-        ax.axvline(x, color="tab:orange", alpha=0.35, lw=3, label=f"re-planned while prefilling ({len(replanned)})" if i == 0 else None)
-    failed = [x for x, r in zip(xs, rows) if r.get("error_type")]
-    for i, x in enumerate(failed):
-        ax.axvline(x, color="grey", ls=":", label=f"ended in an error ({len(failed)})" if i == 0 else None)
+    for key, style, what in (("replans", {"color": "tab:orange", "alpha": 0.35, "lw": 3}, "re-planned while prefilling"),
+                             ("error_type", {"color": "grey", "ls": ":"}, "ended in an error")):
+        marked = [x for x, r in zip(xs, rows) if r.get(key)]
+        for i, x in enumerate(marked):
+            ax.axvline(x, **style, label=f"{what} ({len(marked)})" if i == 0 else None)
     ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     ax.set_ylim(bottom=0)
     return _finish(plt, fig, ax, path, "request", "time to first token (s)", title or "Predicted vs measured TTFT")
 
 
-def _nan(value: Any) -> float:
-    return float("nan") if value is None else float(value)
-
-
 # -- ``trimkit demo``: the two phases, then a RAG chat kept under a TTFT budget; sized to this host -------
 
-#: What the whole demo aims to take on any host: loading the model, calibrating (unless a profile
-#: is stored) and every request. What it runs is sized to this from the host's measured speed.
+#: what the whole demo aims to take on any host: loading the model, calibrating and every request
 TIME_TARGET_S = 150.0
-#: The share of the time target a calibration may take when no usable profile is stored.
+#: the share of the time target a calibration may take when no usable profile is stored
 CALIBRATION_SHARE = 0.2
-#: Without ``--budget``, the chat's budget is the predicted TTFT of this share of the untrimmed prompt.
+#: without ``--budget``, the chat's budget is the predicted TTFT of this share of the untrimmed prompt
 BUDGET_SHARE = 0.45
-#: Generated tokens: the long prompt's short answer, the short prompt's long answer (at most; fewer
-#: where decode is slow), a chat turn's answer.
+#: generated tokens at most: the long prompt's short answer, the short prompt's long answer, a chat turn's answer
 LONG_PROMPT_ANSWER_TOKENS = 24
 SHORT_PROMPT_ANSWER_TOKENS = 96
 TURN_ANSWER_TOKENS = 32
-#: The long prompt of part 2 holds up to this many corpus documents (fewer where prefill is slow).
+#: the long prompt holds up to this many corpus documents (fewer where prefill is slow)
 LONG_PROMPT_DOCS = 10
+SHORT_PROMPT = [{"role": "user", "content": "Write a short poem about the sea."}]
+#: the documents whose questions the demo asks, in order: questions the default model (greedy) answers right when
+#: it reads the answer's chunk; how often a model reads right is benchmarks/rag_answers.py's figure
+DEMO_DOCS = ("doc-04", "doc-03", "doc-06", "doc-08", "doc-09")
+# a task, not "You are …": the 270M base model tends to repeat such a preamble as its answer
+SYSTEM = (
+    "Answer the visitor's question about Marrowby in one short sentence, using only the retrieved "
+    "context and the conversation. If the context does not hold the answer, say so."
+)
 
 
 class Timeline:
-    """The demo's clock: time spent, time left of the target, each request's share, a line per step.
+    """The demo's clock: a request may take an equal share of the time left among those still to come."""
 
-    A request may take an equal share of the time left among the requests still to come, so time
-    one request did not use goes to the next ones and time one overran is taken from them."""
-
-    def __init__(self, target_s: float, clock: Callable[[], float] = time.perf_counter, out: Any = None) -> None:
+    def __init__(self, target_s: float, clock: Callable[[], float] = time.perf_counter) -> None:
         self.target_s = target_s
         self.clock = clock
-        self.out = out
         self.t0 = clock()
 
     def elapsed(self) -> float:
@@ -673,17 +588,14 @@ class Timeline:
         return max(self.target_s - self.elapsed(), 0.0)
 
     def share(self, requests_left: int) -> float:
-        """The most the next request may take (predicted TTFT + decode)."""
         return self.left() / max(requests_left, 1)
 
     def step(self, text: str) -> None:
-        print(f"[{self.elapsed():6.1f} s] {text}", file=self.out or sys.stdout, flush=True)
+        print(f"[{self.elapsed():6.1f} s] {text}", flush=True)
 
 
 class HostSpeed:
-    """What the demo plans with: the wrapper's (live) profile for TTFT, and the decode speed the
-    last request measured — the profile's until one has (a calibration short of time may only
-    have estimated it)."""
+    """The wrapper's live profile for TTFT, and the decode speed the last request measured (else the profile's)."""
 
     def __init__(self, trimmer: Any) -> None:
         self.trimmer = trimmer
@@ -708,61 +620,71 @@ def decode_s(speed: Any, max_tokens: int) -> float:
 
 
 def predicted_total_s(speed: Any, prepared: Any, max_tokens: int) -> float:
-    """Predicted TTFT plus the decode of ``max_tokens``."""
     return (prepared.predicted_ttft_s or 0.0) + decode_s(speed, max_tokens)
 
 
 def answer_tokens(speed: Any, wanted: int, room_s: float) -> int:
-    """Tokens an answer may generate: ``wanted``, fewer when their decode would not fit in
-    ``room_s`` at the decode speed (at least one: the wait before it is the point)."""
+    """``wanted``, fewer when their decode would not fit ``room_s`` (at least one: the wait before it is the point)."""
     tps = speed.decode_tokens_per_s
-    if tps <= 0:
-        return wanted
-    return int(min(wanted, max(room_s * tps, 1)))
+    return wanted if tps <= 0 else int(min(wanted, max(room_s * tps, 1)))
 
 
-def _long_prompt(corpus: Sequence[dict[str, Any]], docs: int) -> list[dict[str, Any]]:
-    text = "\n\n".join(d["text"] for d in corpus[:docs])
-    return [{"role": "user", "content": text + "\n\nIn one sentence: what is this text about?"}]
+def _long_request(trimmer: Any, speed: Any, corpus: Sequence[dict[str, Any]], bound_s: float) -> tuple[Any, int, int]:
+    """The longest prompt of up to :data:`LONG_PROMPT_DOCS` documents whose predicted TTFT and short answer fit
+    ``bound_s`` (one document if none fits): ``(prepared, documents, max_tokens)``."""
+    max_tokens = answer_tokens(speed, LONG_PROMPT_ANSWER_TOKENS, bound_s / 2)
+
+    def prompt(docs: int) -> Any:
+        text = "\n\n".join(d["text"] for d in corpus[:docs])
+        return trimmer.prepare([{"role": "user", "content": text + "\n\nIn one sentence: what is this text about?"}])
+
+    for docs in range(min(LONG_PROMPT_DOCS, len(corpus)), 0, -1):
+        prepared = prompt(docs)
+        if docs == 1 or predicted_total_s(speed, prepared, max_tokens) <= bound_s:
+            break
+    return prepared, docs, max_tokens
 
 
-SHORT_PROMPT = [{"role": "user", "content": "Write a short poem about the sea."}]
-
-
-def size_long_prompt(trimmer: Any, speed: Any, corpus: Sequence[dict[str, Any]], bound_s: float, max_tokens: int) -> tuple[Any, int]:
-    """The longest prompt of up to :data:`LONG_PROMPT_DOCS` corpus documents whose predicted TTFT
-    plus ``max_tokens`` of decode fits ``bound_s`` (one document if none fits): ``(prepared, documents)``."""
-    lo, hi = 1, min(LONG_PROMPT_DOCS, len(corpus))
-    best = None
-    while lo <= hi:  # the prediction grows with the documents: bisect
-        mid = (lo + hi) // 2
-        prepared = trimmer.prepare(_long_prompt(corpus, mid))
-        if predicted_total_s(speed, prepared, max_tokens) <= bound_s:
-            best, lo = (prepared, mid), mid + 1
-        else:
-            hi = mid - 1
-    return best or (trimmer.prepare(_long_prompt(corpus, 1)), 1)
+def _short_request(trimmer: Any, speed: Any, bound_s: float) -> tuple[Any, int]:
+    prepared = trimmer.prepare(SHORT_PROMPT)
+    return prepared, answer_tokens(speed, SHORT_PROMPT_ANSWER_TOKENS, bound_s - (prepared.predicted_ttft_s or 0.0))
 
 
 def turn_budget(speed: Any, untrimmed: int, minimal_ttft_s: float, bound_s: float, share: float, max_tokens: int) -> tuple[float, str]:
-    """The chat's TTFT budget without ``--budget``: the predicted TTFT of ``share`` of the untrimmed
-    prompt, capped so a turn (TTFT + ``max_tokens`` of decode) fits ``bound_s``, but never under the
-    predicted TTFT of the smallest prompt (system and question alone). ``(budget, how it was derived)``."""
+    """The chat's budget without ``--budget``: the predicted TTFT of ``share`` of the untrimmed prompt, capped so a turn
+    fits ``bound_s``, never under ``minimal_ttft_s`` (system and question alone). ``(budget, how it was derived)``."""
     share_tokens = max(int(untrimmed * share), 1)
     budget = speed.predict_ttft_s(share_tokens, 0)
-    derived = (
-        f"  budget {budget:.2f} s: the profile's predicted TTFT for {share:.0%} of the untrimmed "
-        f"prompt ({share_tokens:,} of {untrimmed:,} tokens, nothing cached) on this host"
-    )
+    derived = (f"  budget {budget:.2f} s: the profile's predicted TTFT for {share:.0%} of the untrimmed "
+               f"prompt ({share_tokens:,} of {untrimmed:,} tokens, nothing cached) on this host")
     cap = bound_s - decode_s(speed, max_tokens)
     if budget > cap:
         budget = max(cap, minimal_ttft_s)
-        derived += (f",\n  capped at {budget:.2f} s so a turn (TTFT + {max_tokens} tokens of decode) fits its "
-                    f"{bound_s:.1f} s share of the time left")
+        derived += f",\n  capped at {budget:.2f} s so a turn (TTFT + {max_tokens} tokens of decode) fits its {bound_s:.1f} s share of the time left"
     return budget, derived
 
 
-# -- the demo: its data, its steps, its checks -----------------------------------------------------------
+def forecast(plain: Any, speed: Any, corpus: Sequence[dict[str, Any]], rag: Any, minimal_ttft_s: float, left_s: float, turns: int,
+             budget_s: float | None, budget_share: float) -> tuple[float, int]:
+    """What the demo's requests are predicted to take in all, sized as :func:`run_demo` sizes them: ``(seconds, requests that fit)``."""
+    n, total, ran = 3 + turns, 0.0, 0
+    for i in range(n):
+        bound = left_s / (n - i)
+        if i == 0:
+            prepared, _, max_tokens = _long_request(plain, speed, corpus, bound)
+        elif i == 1:
+            prepared, max_tokens = _short_request(plain, speed, bound)
+        elif i == 2:
+            prepared, max_tokens = rag, answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2)
+        elif i == 3:  # the turns' answer length and budget are set once, from the first turn's share
+            max_tokens = answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2)
+            if budget_s is None:
+                budget_s, _ = turn_budget(speed, len(rag.prompt_tokens), minimal_ttft_s, bound, budget_share, max_tokens)
+        predicted = predicted_total_s(speed, prepared, max_tokens) if i < 3 else min(budget_s or 0.0, rag.predicted_ttft_s or 0.0) + decode_s(speed, max_tokens)
+        if predicted <= bound:
+            total, ran, left_s = total + predicted, ran + 1, left_s - predicted
+    return total, ran
+
 
 def _data_lines(name: str) -> list[dict[str, Any]]:
     text = resources.files("trimkit").joinpath(f"data/{name}").read_text(encoding="utf-8")
@@ -784,113 +706,43 @@ def load_questions() -> list[dict[str, str]]:
     return _data_lines("questions.jsonl")
 
 
-#: The documents whose questions the demo asks, in order: the first for the untrimmed request,
-#: the others turn after turn under the budget. Chosen as questions the default model
-#: (SmolLM2-135M-Instruct, greedy) answers right when it reads the answer's chunk — the demo shows
-#: what trimming does, not how often a 135M model reads right: that is benchmarks/rag_answers.py's
-#: figure, on a generated set nobody chose (docs/benchmarks.md).
-DEMO_DOCS = ("doc-04", "doc-03", "doc-06", "doc-08", "doc-09")
-
-
 def demo_questions(turns: int) -> list[dict[str, str]]:
-    """The demo's questions (:data:`DEMO_DOCS`, then the corpus's others in order) for ``turns``
-    budgeted turns after the untrimmed request."""
+    """The questions of :data:`DEMO_DOCS`, then the corpus's others, for the untrimmed request and ``turns`` turns."""
     every = load_questions()
     chosen = [q for d in DEMO_DOCS for q in every if q["doc_id"] == d]
     return (chosen + [q for q in every if q["doc_id"] not in DEMO_DOCS])[: turns + 1]
-
-
-# The model sees this (the default model's ChatML template gives it a system turn; Gemma 3's template
-# puts it at the head of the first user turn). Phrased as a task, not as "You are …": the 270M base
-# model tends to repeat a "You are …" preamble as its answer.
-SYSTEM = (
-    "Answer the visitor's question about Marrowby in one short sentence, using only the retrieved "
-    "context and the conversation. If the context does not hold the answer, say so."
-)
-
-
-def _rule(title: str) -> None:
-    print()
-    print(f"== {title} " + "=" * max(4, 76 - len(title)), flush=True)
-
-
-def _normalised(text: str) -> str:
-    """Lower case, dashes and quotes made plain, punctuation off, whitespace collapsed."""
-    text = unicodedata.normalize("NFKC", text).casefold()
-    text = text.translate(_PLAIN)
-    text = re.sub(r"[^\w\s]", " ", text)
-    return " ".join(text.split())
 
 
 _PLAIN = str.maketrans({"\u2010": "-", "\u2011": "-", "\u2012": "-", "\u2013": "-", "\u2014": "-", "\u2019": "'", "\u2018": "'",
                         "\u201c": '"', "\u201d": '"'})
 
 
+def _normalised(text: str) -> str:
+    """Lower case, dashes and quotes made plain, punctuation off, whitespace collapsed."""
+    return " ".join(re.sub(r"[^\w\s]", " ", unicodedata.normalize("NFKC", text).casefold().translate(_PLAIN)).split())
+
+
 def answer_is_right(answer: str | None, expected: str) -> bool:
-    """True when ``answer`` contains ``expected`` as whole words, both normalised (case, dashes,
-    quotes, punctuation and spacing do not count): ``"It was lit in 1863."`` answers ``"1863"``,
-    ``"18630"`` does not. An empty or missing answer is wrong."""
+    """True when ``answer`` contains ``expected`` as whole words, both normalised: ``"It was lit in 1863."`` answers
+    ``"1863"``, ``"18630"`` does not. An empty or missing answer is wrong."""
     want = _normalised(expected)
-    if not answer or not want:
-        return False
-    return f" {want} " in f" {_normalised(answer)} "
+    return bool(answer and want) and f" {want} " in f" {_normalised(answer or '')} "
 
 
 def answer_chunk_status(plan: Any, chunks: Sequence[Any], doc_id: str) -> str:
-    """What a plan did with the chunk that holds the answer: ``"kept whole"``, ``"kept as an
-    excerpt"``, ``"dropped"`` or ``"not retrieved"`` (it was not among ``chunks``).
-
-    Reads only ``plan.kept_chunks`` and ``plan.dropped_chunks``; a kept excerpt is a chunk with
-    the original id and shorter text. ``plan`` None means nothing was planned: all kept."""
+    """``"kept whole"``, ``"kept as an excerpt"`` (same id, shorter text), ``"dropped"`` or ``"not retrieved"``:
+    what a plan (None: nothing planned) did with the chunk that holds the answer."""
     original = {c.id: c.text for c in chunks}
     if doc_id not in original:
         return "not retrieved"
     if plan is None:
         return "kept whole"
-    for c in plan.kept_chunks:
-        if c.id == doc_id:
-            return "kept whole" if c.text == original[doc_id] else "kept as an excerpt"
-    return "dropped"
-
-
-def _send(trimmer: Any, prepared: Any, params: dict[str, Any]) -> tuple[str, Any]:
-    """Send a planned request, printing the answer as it streams: ``(answer, report)``."""
-    stream = trimmer.execute(prepared, params)
-    parts: list[str] = []
-    print("   answer: ", end="", flush=True)
-    for chunk in stream:
-        for choice in chunk.get("choices", []):
-            text = (choice.get("delta") or {}).get("content")
-            if text:
-                if not parts:
-                    text = text.lstrip()
-                parts.append(text)
-                print(text.replace("\n", "\n           "), end="", flush=True)
-    print(flush=True)
-    return "".join(parts), stream.report
-
-
-def _run(trimmer: Any, speed: HostSpeed, prepared: Any, params: dict[str, Any], tl: Timeline, bound_s: float) -> tuple[str | None, Any, float]:
-    """Send ``prepared`` unless it is predicted to take over ``bound_s``; a line says which, with
-    the prediction. ``(answer or None, report or None, predicted seconds)``."""
-    max_tokens = params["max_tokens"]
-    predicted = predicted_total_s(speed, prepared, max_tokens)
-    what = (
-        f"{len(prepared.prompt_tokens):,} prompt tokens" + (f" ({prepared.cached_tokens:,} cached)" if prepared.cached_tokens else "")
-        + f": predicted TTFT {prepared.predicted_ttft_s or 0.0:.1f} s + up to {max_tokens} tokens of decode = {predicted:.1f} s"
-    )
-    if predicted > bound_s:
-        tl.step(f"not run — {what}, over the {bound_s:.1f} s this request may take (its share of the {tl.left():.0f} s left)")
-        return None, None, predicted
-    tl.step(f"running — {what}")
-    answer, report = _send(trimmer, prepared, params)
-    speed.learn(report)
-    return answer, report, predicted
+    kept = [c.text for c in plan.kept_chunks if c.id == doc_id]
+    return "dropped" if not kept else "kept whole" if kept[0] == original[doc_id] else "kept as an excerpt"
 
 
 def _calibrated(target: Any, quick: bool, tl: Timeline, clock: Callable[[], float]) -> tuple[Any, str]:
-    """The stored profile (quick or full) if there is one, else a calibration bounded to
-    :data:`CALIBRATION_SHARE` of the time target (and to the mode's own bound)."""
+    """The stored profile (quick or full) if there is one, else a calibration within :data:`CALIBRATION_SHARE` of the target."""
     stored = load_profile(as_backend(target).profile_key())
     if stored is not None and not stored.provisional:
         return stored, f"reused the profile stored on {time.strftime('%Y-%m-%d %H:%M', time.localtime(stored.created_at))}"
@@ -899,91 +751,66 @@ def _calibrated(target: Any, quick: bool, tl: Timeline, clock: Callable[[], floa
     tl.step(f"calibrating ({mode}, at most {budget:.0f} s: a first short probe measures this host's speed, the "
             "other probes are sized to the time left; stored for next time)")
     bar = ProgressBar("calibrating", enabled=True)
-
-    def progress(done: int, total: int, label: str) -> None:
-        if bar.bar is not None and bar.bar.total != total:  # the schedule is resized as it learns the speed
-            bar.bar.total = total
-        bar(done, total, label)
-
     t0 = clock()
     try:
-        profile = calibrate(target, mode=mode, time_budget_s=budget, progress=progress, clock=clock)
+        profile = calibrate(target, mode=mode, time_budget_s=budget, progress=bar, clock=clock)
     finally:
         bar.close()
     return profile, f"measured now in {clock() - t0:.1f} s"
 
 
-def forecast(
-    plain: Any, speed: Any, corpus: Sequence[dict[str, Any]], rag: Any, minimal_ttft_s: float, left_s: float, turns: int,
-    budget_s: float | None, budget_share: float,
-) -> tuple[float, int]:
-    """What the demo's requests are predicted to take in all on this host, sized and shared out
-    as :func:`run_demo` will: ``(seconds, requests predicted to run)``."""
-    n, total, ran = 3 + turns, 0.0, 0
-
-    def take(predicted: float, bound: float) -> None:
-        nonlocal n, total, ran, left_s
-        n -= 1
-        if predicted <= bound:
-            total, ran, left_s = total + predicted, ran + 1, left_s - predicted
-
-    bound = left_s / n
-    max_tokens = answer_tokens(speed, LONG_PROMPT_ANSWER_TOKENS, bound / 2)
-    long_prep, _ = size_long_prompt(plain, speed, corpus, bound, max_tokens)
-    take(predicted_total_s(speed, long_prep, max_tokens), bound)
-    bound = left_s / n
-    short_prep = plain.prepare(SHORT_PROMPT)
-    max_tokens = answer_tokens(speed, SHORT_PROMPT_ANSWER_TOKENS, bound - (short_prep.predicted_ttft_s or 0.0))
-    take(predicted_total_s(speed, short_prep, max_tokens), bound)
-    bound = left_s / n
-    take(predicted_total_s(speed, rag, answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2)), bound)
-    bound = left_s / n
-    max_tokens = answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2)
-    if budget_s is None:
-        budget_s, _ = turn_budget(speed, len(rag.prompt_tokens), minimal_ttft_s, bound, budget_share, max_tokens)
-    for _ in range(turns):
-        bound = left_s / n
-        take(min(budget_s, rag.predicted_ttft_s or 0.0) + decode_s(speed, max_tokens), bound)
-    return total, ran
+def _rule(title: str) -> None:
+    print(f"\n== {title} " + "=" * max(4, 76 - len(title)), flush=True)
 
 
-def run_demo(
-    *,
-    model: str | None = None,
-    budget_s: float | None = None,
-    budget_share: float = BUDGET_SHARE,
-    turns: int = 3,
-    n_ctx: int = 8192,
-    quick: bool = False,
-    json_path: str | None = None,
-    time_target_s: float = TIME_TARGET_S,
-    llm: Any = None,
-    clock: Callable[[], float] = time.perf_counter,
-    report_log: Any = None,
-) -> int:
-    """Run the demo in about ``time_target_s`` at most, on any host: a stored profile or a
-    calibration bounded in time, then requests sized from the profile's predictions to the time
-    left (one predicted not to fit is not run: its prediction is printed). ``budget_s`` None: the
-    chat's budget is the predicted TTFT of ``budget_share`` of the untrimmed prompt on this host
-    (so it trims on any machine), capped so each turn fits.
-
-    ``llm``: an opened ``llama_cpp.Llama`` or a trimkit backend to use instead of opening
-    ``model`` (tests pass a :class:`~trimkit.testing.FakeBackend` and its ``clock``); ``report_log``:
-    every request's report as a JSON line there too (``trimkit report FILE`` draws it)."""
+def run_demo(*, model: str | None = None, budget_s: float | None = None, budget_share: float = BUDGET_SHARE, turns: int = 3, n_ctx: int = 8192,
+             quick: bool = False, json_path: str | None = None, time_target_s: float = TIME_TARGET_S, llm: Any = None,
+             clock: Callable[[], float] = time.perf_counter, report_log: Any = None) -> int:
+    """Run the demo in about ``time_target_s`` on any host: requests sized from the profile to the time left (one
+    predicted not to fit is not run). ``budget_s`` None: the predicted TTFT of ``budget_share`` of the untrimmed prompt.
+    ``llm``: an opened model or a backend to use instead of ``model`` (tests pass a FakeBackend and its ``clock``)."""
     tl = Timeline(time_target_s, clock)
     try:  # a line per step, also when stdout is a pipe (make demo | tee)
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     except (AttributeError, ValueError):
         pass
     requests = 3 + turns
-    print(
-        f"trimkit demo: sized to finish within about {time_target_s:.0f} s on this host — load the model, calibrate\n"
-        f"(at most {CALIBRATION_SHARE * time_target_s:.0f} s; none if a profile is stored), then up to {requests} requests, "
-        "each sized from the profile\nto its share of the time left. A request predicted not to fit is not run; its "
-        "prediction is printed.",
-        flush=True,
-    )
+    print(f"trimkit demo: sized to finish within about {time_target_s:.0f} s on this host — load the model, calibrate\n"
+          f"(at most {CALIBRATION_SHARE * time_target_s:.0f} s; none if a profile is stored), then up to {requests} requests, "
+          "each sized from the profile\nto its share of the time left. A request predicted not to fit is not run; its "
+          "prediction is printed.", flush=True)
     reports: list[dict[str, Any]] = []
+
+    def send(trimmer: Any, prepared: Any, params: dict[str, Any], bound: float, part: str, label: str, **extra: Any) -> tuple[str | None, Any]:
+        """Send ``prepared``, printing the answer as it streams, unless predicted over ``bound``; keep its report."""
+        nonlocal requests
+        requests -= 1
+        predicted = predicted_total_s(speed, prepared, params["max_tokens"])
+        entry: dict[str, Any] = {"part": part, "label": label, "report": None}
+        reports.append(entry)
+        what = (f"{len(prepared.prompt_tokens):,} prompt tokens" + (f" ({prepared.cached_tokens:,} cached)" if prepared.cached_tokens else "")
+                + f": predicted TTFT {prepared.predicted_ttft_s or 0.0:.1f} s + up to {params['max_tokens']} tokens of decode = {predicted:.1f} s")
+        if predicted > bound:
+            tl.step(f"not run — {what}, over the {bound:.1f} s this request may take (its share of the {tl.left():.0f} s left)")
+            entry.update(not_run={"predicted_s": predicted, "bound_s": bound}, **extra)
+            return None, None
+        tl.step(f"running — {what}")
+        stream = trimmer.execute(prepared, params)
+        parts: list[str] = []
+        print("   answer: ", end="", flush=True)
+        for chunk in stream:
+            for choice in chunk.get("choices", []):
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    text = text if parts else text.lstrip()
+                    parts.append(text)
+                    print(text.replace("\n", "\n           "), end="", flush=True)
+        print(flush=True)
+        speed.learn(stream.report)
+        print(stream.report)
+        entry.update(report=stream.report.to_dict(), **extra)
+        return "".join(parts), stream.report
+
     if llm is None:
         tl.step(f"loading the model ({model or 'the embedded SmolLM2-135M-Instruct'}, n_ctx {n_ctx:,})")
         llm = open_llama(model, n_ctx)
@@ -992,93 +819,69 @@ def run_demo(
     print("\n".join(profile_lines(profile)))
     print(f"  ({how})")
 
-    corpus = load_corpus()
+    corpus, history, questions = load_corpus(), load_history(), demo_questions(turns)
     plain = wrap(llm, profile=profile, report_log=report_log)  # no budget: measure and report only
     speed = HostSpeed(plain)
-    history = load_history()
-    questions = demo_questions(turns)
     chunk_texts = [Chunk(text=d["text"], id=d["id"]) for d in corpus]
 
-    def retrieved(question: str) -> list[Any]:
-        # a retriever would hand over its top 12; we use the library's own BM25 for that here
-        return list(rank_chunks(chunk_texts, question)[:12])
+    def rag_request(question: str) -> tuple[list[Any], list[Any]]:
+        # a retriever would hand over its top 12; the library's own BM25 stands in for it
+        return [{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": question}], list(rank_chunks(chunk_texts, question)[:12])
 
     q0 = questions[0]["question"]
-    rag_msgs = [{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": q0}]
-    rag = plain.prepare(rag_msgs, retrieved(q0))
+    rag = plain.prepare(*rag_request(q0))
     minimal_ttft_s = plain.prepare([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q0}]).predicted_ttft_s or 0.0
     est, fit = forecast(plain, speed, corpus, rag, minimal_ttft_s, tl.left(), turns, budget_s, budget_share)
-    tl.step(
-        f"estimate: {fit} of {requests} requests fit, predicted {est:.0f} s in all → about {tl.elapsed() + est:.0f} s for the "
-        f"demo (target {time_target_s:.0f} s; on this host TTFT {profile.predict_ttft_s(1000, 0):.2f} s for 1,000 prompt "
-        f"tokens, decode {profile.decode_tokens_per_s:.1f} tokens/s)"
-    )
+    tl.step(f"estimate: {fit} of {requests} requests fit, predicted {est:.0f} s in all → about {tl.elapsed() + est:.0f} s for the "
+            f"demo (target {time_target_s:.0f} s; on this host TTFT {profile.predict_ttft_s(1000, 0):.2f} s for 1,000 prompt "
+            f"tokens, decode {profile.decode_tokens_per_s:.1f} tokens/s)")
 
     _rule("2. The two phases: a long prompt and a short one, no budget")
     bound = tl.share(requests)
-    max_tokens = answer_tokens(speed, LONG_PROMPT_ANSWER_TOKENS, bound / 2)
-    prepared, docs = size_long_prompt(plain, speed, corpus, bound, max_tokens)
+    prepared, docs, max_tokens = _long_request(plain, speed, corpus, bound)
     print(f"\n-- long prompt ({docs} document{'s' if docs > 1 else ''}), short answer")
-    _answer, rep, predicted = _run(plain, speed, prepared, {"max_tokens": max_tokens, "temperature": 0.7}, tl, bound)
-    requests -= 1
-    _record(reports, "two phases", "long prompt, short answer", rep, predicted, bound)
-
+    send(plain, prepared, {"max_tokens": max_tokens, "temperature": 0.7}, bound, "two phases", "long prompt, short answer")
     bound = tl.share(requests)
-    prepared = plain.prepare(SHORT_PROMPT)
-    max_tokens = answer_tokens(speed, SHORT_PROMPT_ANSWER_TOKENS, bound - (prepared.predicted_ttft_s or 0.0))
+    prepared, max_tokens = _short_request(plain, speed, bound)
     print(f"\n-- short prompt, long answer (up to {max_tokens} tokens)")
-    _answer, rep, predicted = _run(plain, speed, prepared, {"max_tokens": max_tokens, "temperature": 0.7}, tl, bound)
-    requests -= 1
-    _record(reports, "two phases", "short prompt, long answer", rep, predicted, bound)
-    print(
-        "\n  The long prompt waits before its first token (prefill grows with the prompt); the short one\n"
-        "  starts at once. Its stream is faster too (each generated token reads the KV cache of the\n"
-        "  prompt: compare the two decode lines), but the wait is what grows most. trimkit aims at the wait."
-    )
+    send(plain, prepared, {"max_tokens": max_tokens, "temperature": 0.7}, bound, "two phases", "short prompt, long answer")
+    print("\n  The long prompt waits before its first token (prefill grows with the prompt); the short one\n"
+          "  starts at once. Its stream is faster too (each generated token reads the KV cache of the\n"
+          "  prompt: compare the two decode lines), but the wait is what grows most. trimkit aims at the wait.")
 
     _rule(f"3. A RAG chat: {len(history)} earlier messages + 12 retrieved chunks")
     print("\n-- untrimmed")
     bound = tl.share(requests)
-    rag = plain.prepare(rag_msgs, retrieved(q0))  # again: what is cached now is not what was cached then
+    rag = plain.prepare(*rag_request(q0))  # again: what is cached now is not what was cached then
     params = {"max_tokens": answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2), "temperature": 0.2}
-    _answer, rep, predicted = _run(plain, speed, rag, params, tl, bound)
-    requests -= 1
-    _record(reports, "rag chat", "untrimmed", rep, predicted, bound)
+    send(plain, rag, params, bound, "rag chat", "untrimmed")
 
-    # the budget: given, or what this host needs to prefill a share of the untrimmed prompt
-    q1 = questions[1]["question"] if len(questions) > 1 else q0
-    first = [{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": q1}]
-    untrimmed = len(plain.prepare(first, retrieved(q1)).prompt_tokens)
+    untrimmed = len(plain.prepare(*rag_request(questions[1]["question"] if len(questions) > 1 else q0)).prompt_tokens)
     bound = tl.share(requests)
-    params = {"max_tokens": answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2), "temperature": 0.2}
+    turn_params: dict[str, Any] = {"max_tokens": answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2), "temperature": 0.0}  # greedy: reproducible
     if budget_s is None:
-        budget_s, derived = turn_budget(speed, untrimmed, minimal_ttft_s, bound, budget_share, params["max_tokens"])
+        budget_s, derived = turn_budget(speed, untrimmed, minimal_ttft_s, bound, budget_share, turn_params["max_tokens"])
     else:
-        derived = f"  budget {budget_s:g} s (--budget); the untrimmed prompt is {untrimmed:,} tokens, " \
-                  f"predicted {plain.profile.predict_ttft_s(untrimmed, 0):.2f} s with nothing cached"
-
+        derived = (f"  budget {budget_s:g} s (--budget); the untrimmed prompt is {untrimmed:,} tokens, "
+                   f"predicted {plain.profile.predict_ttft_s(untrimmed, 0):.2f} s with nothing cached")
     _rule(f"4. The same chat under a TTFT budget of {budget_s:.2f} s, turn after turn")
     print(derived)
     chat = wrap(llm, ttft_budget_s=budget_s, profile=plain.profile, report_log=report_log)
     convo = [{"role": "system", "content": SYSTEM}, *history]
     kept_answer = right = 0
-    turn_params = {**params, "temperature": 0.0}  # greedy: the same prompt gets the same answer
     for turn, q in enumerate(questions[1 : turns + 1], start=1):
         convo.append({"role": "user", "content": q["question"]})
-        chunks = retrieved(q["question"])
+        _, chunks = rag_request(q["question"])
         prepared = chat.prepare(convo, chunks, turn_params)
         status = answer_chunk_status(prepared.plan, chunks, q["doc_id"])
         kept_answer += status.startswith("kept")
-        plan = prepared.plan
-        kept_n = len(plan.kept_chunks) if plan is not None else len(chunks)
+        kept_n = len(prepared.plan.kept_chunks) if prepared.plan is not None else len(chunks)
         print(f"\n-- turn {turn}: {q['question']}")
         print(f"   answer chunk {q['doc_id']}: {status} ({kept_n} of {len(chunks)} chunks kept)")
         bound = tl.share(requests)
-        answer, rep, predicted = _run(chat, speed, prepared, turn_params, tl, bound)
-        requests -= 1
+        answer, rep = send(chat, prepared, turn_params, bound, "budget", f"turn {turn}", answer_chunk={"id": q["doc_id"], "status": status})
         is_right = answer_is_right(answer, q["answer"])
-        _record(reports, "budget", f"turn {turn}", rep, predicted, bound,
-                answer_chunk={"id": q["doc_id"], "status": status}, answer=answer, expected=q["answer"], right=is_right)
+        reports[-1].update(answer=answer, expected=q["answer"], right=is_right)
         if rep is None:
             convo.pop()
             continue
@@ -1087,26 +890,12 @@ def run_demo(
         convo.append({"role": "assistant", "content": answer or ""})
         chat.idle()
     met = [r["report"]["budget_met"] for r in reports if r["part"] == "budget" and r["report"] is not None]
-    print(
-        f"\n  budget met on {sum(bool(m) for m in met)} of {len(met)} turns run; answered right on {right} of {len(met)}; the "
-        f"answer's chunk was kept on {kept_answer} of {turns} turns; decode parameters were never touched (a faster stream is the shorter "
-        "context's side effect, stated as such in the reports)."
-    )
+    print(f"\n  budget met on {sum(bool(m) for m in met)} of {len(met)} turns run; answered right on {right} of {len(met)}; the "
+          f"answer's chunk was kept on {kept_answer} of {turns} turns; decode parameters were never touched (a faster stream is the shorter "
+          "context's side effect, stated as such in the reports).")
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(reports, fh, indent=1)
         print(f"  reports written to {json_path}")
     tl.step(f"done in {tl.elapsed():.0f} s (target {time_target_s:.0f} s; the requests were predicted at {est:.0f} s)")
     return 0
-
-
-def _record(reports: list[dict[str, Any]], part: str, label: str, rep: Any, predicted: float, bound: float, **extra: Any) -> None:
-    """Print a run request's report and keep it for ``--json``; a request not run is kept with
-    its prediction and the share of time it would have exceeded."""
-    if rep is not None:
-        print(rep)
-    entry: dict[str, Any] = {"part": part, "label": label, "report": rep.to_dict() if rep is not None else None}
-    if rep is None:
-        entry["not_run"] = {"predicted_s": predicted, "bound_s": bound}
-    entry.update(extra)
-    reports.append(entry)

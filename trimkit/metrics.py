@@ -1,15 +1,7 @@
 """Prometheus metrics of every wrapped request, without OpenTelemetry (``pip install 'trimkit[prometheus]'``).
 
-::
-
-    import trimkit.metrics
-    from prometheus_client import start_http_server
-
-    trimkit.metrics.enable()           # or enable(registry=my_registry)
-    start_http_server(9464)            # GET :9464/metrics
-
-The series (labels ``model`` and ``endpoint``; no prompt text, chunk id or message is a label) are
-listed in docs/observability.md; their buckets are in :mod:`trimkit.report`.
+``trimkit.metrics.enable()`` (or ``enable(registry=...)``), then serve the registry, e.g.
+``prometheus_client.start_http_server(9464)``. The series are listed in docs/observability.md.
 """
 
 from __future__ import annotations
@@ -18,16 +10,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
-from trimkit.report import (
-    BUDGET_USE_BUCKETS,
-    DECODE_SPEED_BUCKETS,
-    PREDICTION_ERROR_BUCKETS,
-    TTFT_BUCKETS_S,
-    Completed,
-    add_observer,
-    figures,
-    remove_observer,
-)
+from trimkit.report import BUDGET_USE_BUCKETS, DECODE_SPEED_BUCKETS, PREDICTION_ERROR_BUCKETS, TTFT_BUCKETS_S, Completed, add_observer, figures, remove_observer
 
 __all__ = ["PrometheusMetrics", "enable"]
 
@@ -35,27 +18,27 @@ _LABELS = ("model", "endpoint")
 
 
 class PrometheusMetrics:
-    """trimkit's series in ``registry`` (default: prometheus-client's global one); the observer
-    :func:`enable` installs. :meth:`disable` stops recording and unregisters the series."""
+    """trimkit's series in ``registry`` (default: prometheus-client's global one); :meth:`disable` unregisters them."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = REGISTRY if registry is None else registry
-        r = self.registry
+        self.registry = r = REGISTRY if registry is None else registry
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, _LABELS, buckets=buckets, registry=r)
+        def hist(name: str, doc: str, buckets: tuple[float, ...], *extra: str) -> Histogram:
+            return Histogram(name, doc, (*_LABELS, *extra), buckets=buckets, registry=r)
+
+        def counter(name: str, doc: str, *extra: str) -> Counter:
+            return Counter(name, doc, (*_LABELS, *extra), registry=r)
 
         self.ttft = hist("trimkit_ttft_seconds", "Measured time to first token (the wait for the engine included).", TTFT_BUCKETS_S)
         self.predicted_ttft = hist("trimkit_predicted_ttft_seconds", "Predicted time to first token of the prompt sent.", TTFT_BUCKETS_S)
         self.budget_use = hist("trimkit_budget_use_ratio", "Measured TTFT divided by the TTFT budget.", BUDGET_USE_BUCKETS)
-        self.prediction_error = Histogram("trimkit_prediction_error_ratio", "|predicted - measured| / measured TTFT, by direction.",
-                                          (*_LABELS, "direction"), buckets=PREDICTION_ERROR_BUCKETS, registry=r)
+        self.prediction_error = hist("trimkit_prediction_error_ratio", "|predicted - measured| / measured TTFT, by direction.",
+                                     PREDICTION_ERROR_BUCKETS, "direction")
         self.decode_speed = hist("trimkit_decode_tokens_per_second", "Measured decode speed (left untouched).", DECODE_SPEED_BUCKETS)
-        self.attainment = Counter("trimkit_budget_attainment", "Budgeted requests, by whether the measured TTFT met the budget.",
-                                  (*_LABELS, "met"), registry=r)
-        self.tokens_removed = Counter("trimkit_tokens_removed", "Prompt tokens the plan removed (before minus sent).", _LABELS, registry=r)
-        self.replans = Counter("trimkit_replans", "Re-plans of watched prefills.", _LABELS, registry=r)
-        self.requests = Counter("trimkit_requests", "Requests, by outcome.", (*_LABELS, "outcome"), registry=r)
+        self.attainment = counter("trimkit_budget_attainment", "Budgeted requests, by whether the measured TTFT met the budget.", "met")
+        self.tokens_removed = counter("trimkit_tokens_removed", "Prompt tokens the plan removed (before minus sent).")
+        self.replans = counter("trimkit_replans", "Re-plans of watched prefills.")
+        self.requests = counter("trimkit_requests", "Requests, by outcome.", "outcome")
         self._collectors = (self.ttft, self.predicted_ttft, self.budget_use, self.prediction_error, self.decode_speed, self.attainment,
                             self.tokens_removed, self.replans, self.requests)
 
@@ -85,8 +68,7 @@ class PrometheusMetrics:
 
 
 def enable(registry: Any = None) -> PrometheusMetrics:
-    """Record every wrapped request of this process in ``registry`` (default: prometheus-client's
-    global one, which ``start_http_server`` serves). Returns the metrics; ``.disable()`` stops them."""
+    """Record every wrapped request of this process in ``registry``; ``.disable()`` on the result stops it."""
     m = PrometheusMetrics(registry)
     add_observer(m)
     return m

@@ -1,12 +1,6 @@
-"""The per-request report: what trimkit predicted, what it measured, what it changed, which phase
-was slow and what decode did (docs/phases.md; where reports go: docs/observability.md).
-``str(report)`` is for people, ``report.to_dict()`` for programs, ``report.log_line()`` for logs.
-
-Both TTFTs are the one the caller felt, the wait for the engine included. The verdict
-(:func:`judge`, :func:`diagnose`) judges each phase against its own standard; decode parameters
-are left untouched, and a faster stream from a shorter context is stated as a side effect
-(:class:`DecodeContext`). :func:`completed` hands each finished report to the wrapper's report log
-(:class:`ReportLog`) and the process-wide observers; one that fails never fails the request.
+"""The per-request report: predicted and measured TTFT (the wait for the engine included), what was
+trimmed, the verdict on each phase (:func:`judge`, :func:`diagnose`) and what decode did (docs/phases.md).
+:func:`completed` hands each finished report to the report log and the observers (docs/observability.md).
 """
 
 from __future__ import annotations
@@ -28,36 +22,22 @@ from trimkit.errors import InvalidInputError, count, non_negative_finite, positi
 from trimkit.errors import budget as valid_budget
 from trimkit.planning.costs import evaluated_tokens
 
-if TYPE_CHECKING:  # for annotations only: prepared sits above this module
+if TYPE_CHECKING:
     from trimkit.pipeline import Prepared
     from trimkit.planning.profile import Profile
 
-
-# -- the verdict: each phase judged against its own standard; diagnose() ---------------------------------
-
 VerdictName = Literal["none", "wait", "stream", "both"]
 VERDICTS: tuple[VerdictName, ...] = ("none", "wait", "stream", "both")
-VERDICT_LABELS = {
-    "none": "nothing is slow",
-    "wait": "the wait (prefill)",
-    "stream": "the stream (decode)",
-    "both": "both the wait (prefill) and the stream (decode)",
-}
-
-_HEADS = {
-    "none": "nothing is slow",
-    "wait": "the wait (prefill) is slow",
-    "stream": "the stream (decode) is slow",
-    "both": "both the wait and the stream are slow",
-}
+VERDICT_LABELS = {"none": "nothing is slow", "wait": "the wait (prefill)", "stream": "the stream (decode)",
+                  "both": "both the wait (prefill) and the stream (decode)"}
+_HEADS = {"none": "nothing is slow", "wait": "the wait (prefill) is slow", "stream": "the stream (decode) is slow",
+          "both": "both the wait and the stream are slow"}
 
 #: without a TTFT budget, a wait before the first token longer than this (seconds) is slow
 DEFAULT_WAIT_THRESHOLD_S = 1.0
 #: roughly how fast people read (~5 words/s ≈ 7 tokens/s): a slower stream is felt as slow
 READING_SPEED_TOKENS_PER_S = 7.0
-#: the smallest change of decode speed a report states, % (a request's decode speed varies by a
-#: few % around its prediction even where single steps hardly vary); a profile whose decode
-#: noise is larger raises it to that noise
+#: the smallest change of decode speed a report states, %; a profile's larger decode noise raises it
 MIN_STATED_DECODE_CHANGE_PCT = 5.0
 
 WAIT_CURES = (
@@ -88,13 +68,7 @@ def _fmt_tps(value: float) -> str:
 
 @attrs.frozen
 class Verdict:
-    """Which phase of a request is slow, each judged against its own standard.
-
-    ``wait_slow`` / ``stream_slow`` are None when that phase was not measured (no first token;
-    an answer too short to time): an unmeasured phase is never called slow. ``wait_limit_s`` is
-    the budget, or the default threshold without one (``wait_limit_source``: ``"budget"`` or
-    ``"default"``); ``stream_floor_tokens_per_s`` the caller's target, or reading speed without
-    one (``stream_floor_source``: ``"target"`` or ``"reading speed"``)."""
+    """Which phase of a request is slow, each judged against its own standard (None: not measured, never slow)."""
 
     verdict: VerdictName
     ttft_s: float | None
@@ -113,40 +87,31 @@ class Verdict:
 
     @property
     def cures(self) -> tuple[str, ...]:
-        """What helps: the wait's cures, the stream's, both, or none."""
         return {"none": (), "wait": WAIT_CURES, "stream": STREAM_CURES, "both": WAIT_CURES + STREAM_CURES}[self.verdict]
 
     @property
     def notes(self) -> tuple[str, ...]:
-        """What a reader must not conclude: that trimming cures a slow stream, or that anything
-        needs curing when nothing is slow."""
-        if self.verdict == "none":
-            return (NOTHING_TO_CURE,)
-        if self.verdict == "stream":
-            return (NOT_THE_STREAM_CURE,)
-        if self.verdict == "both":
-            return ("trimming and caching shorten the wait; the stream needs the decode cures",)
-        return ()
+        """What a reader must not conclude: that trimming cures a slow stream, or that anything needs curing."""
+        both = "trimming and caching shorten the wait; the stream needs the decode cures"
+        return {"none": (NOTHING_TO_CURE,), "wait": (), "stream": (NOT_THE_STREAM_CURE,), "both": (both,)}[self.verdict]
 
     def wait_text(self) -> str:
-        limit = f"its {self.wait_limit_s:.3f} s budget" if self.wait_limit_source == "budget" else (
-            f"{self.wait_limit_s:g} s (no budget: the default)")
         if self.ttft_s is None:
             return "the wait: not measured (no first token)"
+        limit = f"its {self.wait_limit_s:.3f} s budget" if self.wait_limit_source == "budget" else f"{self.wait_limit_s:g} s (no budget: the default)"
         return f"the wait {self.ttft_s:.3f} s is " + ("over " if self.wait_slow else "within ") + limit
 
     def stream_text(self) -> str:
-        floor = _fmt_tps(self.stream_floor_tokens_per_s)
-        standard = f"your target of {floor} tokens/s" if self.stream_floor_source == "target" else f"reading speed ({floor} tokens/s)"
         if self.decode_tokens_per_s is None:
             return "the stream: too short to time"
+        floor = _fmt_tps(self.stream_floor_tokens_per_s)
+        standard = f"your target of {floor} tokens/s" if self.stream_floor_source == "target" else f"reading speed ({floor} tokens/s)"
         out = f"the stream {_fmt_tps(self.decode_tokens_per_s)} tokens/s " + ("is below " if self.stream_slow else "keeps up with ") + standard
         if self.stream_floor_source == "target" and not self.stream_slow and self.decode_tokens_per_s < self.reading_speed_tokens_per_s:
             out += f" (below reading speed, {_fmt_tps(self.reading_speed_tokens_per_s)} tokens/s)"
         return out
 
     def summary(self) -> str:
-        """One line: the verdict and the two judgements behind it."""
         return f"{_HEADS[self.verdict]}: {self.wait_text()}; {self.stream_text()}"
 
     def to_dict(self) -> dict[str, object]:
@@ -156,25 +121,14 @@ class Verdict:
 
 
 def valid_tokens_per_s_target(value: object) -> float | None:
-    """A stream-speed target as given to :func:`judge` or ``trimkit.wrap(..., tokens_per_s_target=)``:
-    None, or a finite number > 0 (else :class:`~trimkit.errors.InvalidNumberError`)."""
+    """None, or a finite number > 0 (else :class:`~trimkit.errors.InvalidNumberError`)."""
     return None if value is None else positive_finite(value, "tokens_per_s_target")
 
 
-def judge(
-    ttft_s: float | None,
-    decode_tokens_per_s: float | None,
-    *,
-    ttft_budget_s: float | None = None,
-    tokens_per_s_target: float | None = None,
-    reading_speed_tokens_per_s: float = READING_SPEED_TOKENS_PER_S,
-    wait_threshold_s: float = DEFAULT_WAIT_THRESHOLD_S,
-) -> Verdict:
-    """The :class:`Verdict` for a measured wait (``ttft_s``) and stream (``decode_tokens_per_s``);
-    either may be None (not measured). The wait is slow when it exceeds ``ttft_budget_s`` (or
-    ``wait_threshold_s`` without a budget); the stream when it is slower than
-    ``tokens_per_s_target`` (or ``reading_speed_tokens_per_s`` without one). Bad input raises a
-    typed :class:`~trimkit.errors.InvalidNumberError` / :class:`~trimkit.errors.InvalidBudgetError`."""
+def judge(ttft_s: float | None, decode_tokens_per_s: float | None, *, ttft_budget_s: float | None = None, tokens_per_s_target: float | None = None,
+          reading_speed_tokens_per_s: float = READING_SPEED_TOKENS_PER_S, wait_threshold_s: float = DEFAULT_WAIT_THRESHOLD_S) -> Verdict:
+    """The :class:`Verdict`: the wait is slow over ``ttft_budget_s`` (else ``wait_threshold_s``), the stream below
+    ``tokens_per_s_target`` (else ``reading_speed_tokens_per_s``); None: not measured."""
     ttft = None if ttft_s is None else non_negative_finite(ttft_s, "ttft_s")
     tps = None if decode_tokens_per_s is None else non_negative_finite(decode_tokens_per_s, "decode_tokens_per_s")
     reading = positive_finite(reading_speed_tokens_per_s, "reading_speed_tokens_per_s")
@@ -185,23 +139,12 @@ def judge(
     wait_slow = None if ttft is None else ttft > limit
     stream_slow = None if tps is None else tps < floor
     name: VerdictName = ("both" if stream_slow else "wait") if wait_slow else ("stream" if stream_slow else "none")
-    return Verdict(
-        verdict=name, ttft_s=ttft, decode_tokens_per_s=tps, wait_slow=wait_slow, stream_slow=stream_slow,
-        wait_limit_s=limit, wait_limit_source=limit_source, stream_floor_tokens_per_s=floor, stream_floor_source=floor_source,
-        reading_speed_tokens_per_s=reading,
-    )
+    return Verdict(name, ttft, tps, wait_slow, stream_slow, limit, limit_source, floor, floor_source, reading)
 
 
 @attrs.frozen
 class DecodeContext:
-    """The decode speed measured, and the profile's predictions at the context sent and at the
-    untrimmed one (the prompt before trimming, the same answer); None: unknown.
-
-    :attr:`side_effect_pct` is how much faster the stream ran because trimming shortened the
-    context: the predicted difference (sent vs untrimmed), capped by what the measurement shows
-    (measured vs the untrimmed prediction) — stated only when the request was trimmed and that
-    figure exceeds the larger of ``noise_pct`` (the profile's decode noise; None: unknown) and
-    :data:`MIN_STATED_DECODE_CHANGE_PCT`."""
+    """The decode speed measured, and predicted at the context sent and at the untrimmed one (None: unknown)."""
 
     measured_tokens_per_s: float | None
     predicted_tokens_per_s: float | None = None
@@ -211,6 +154,7 @@ class DecodeContext:
 
     @property
     def side_effect_pct(self) -> float | None:
+        """How much faster a trimmed request streamed: the predicted gain capped by the measured one, if over the noise."""
         sent, before, measured = self.predicted_tokens_per_s, self.predicted_before_tokens_per_s, self.measured_tokens_per_s
         if not self.trimmed or not sent or not before or measured is None:
             return None
@@ -218,8 +162,6 @@ class DecodeContext:
         return pct if pct > max(self.noise_pct or 0.0, MIN_STATED_DECODE_CHANGE_PCT) else None
 
     def statement(self) -> str:
-        """What trimkit did to decode, truthfully: its parameters untouched, and the side effect
-        of a shorter context when there is one to state."""
         pct = self.side_effect_pct
         if pct is None:
             return "decode parameters untouched by trimkit"
@@ -229,8 +171,6 @@ class DecodeContext:
                 f"{_fmt_tps(self.measured_tokens_per_s or 0.0)})")
 
     def predictions_text(self, prompt_tokens: int, prompt_tokens_before: int | None) -> str:
-        """The predicted speeds at the context sent and, when trimmed, at the untrimmed one
-        (named by their prompt lengths)."""
         if self.predicted_tokens_per_s is None:
             return ""
         out = f"predicted {_fmt_tps(self.predicted_tokens_per_s)} at the {prompt_tokens:,}-token context sent"
@@ -239,51 +179,24 @@ class DecodeContext:
         return out
 
 
-# -- the verdict for numbers you measured (trimkit.diagnose) ------------------------------------------
 @attrs.frozen
 class Diagnosis:
-    """The two phases of one request, the :attr:`verdict` and the cures that fit it.
-
-    ``verdict`` (``"none"``, ``"wait"``, ``"stream"``, ``"both"``) is what is printed and what the
-    cures follow; ``judgement`` holds the standards it was judged against. ``dominant_phase``
-    (``"prefill"`` when the wait is at least the time to stream ``output_tokens``) and
-    ``stream_s`` are informational only: a long answer streamed faster than reading speed is
-    not a slow stream."""
+    """The two phases of one request and the :attr:`verdict`; ``verdict``, ``cures``, ``wait_slow``, ``ttft_s``, … are
+    the ``judgement``'s. ``dominant_phase`` and ``stream_s`` are informational only."""
 
     judgement: Verdict
     prompt_tokens: int | None
     output_tokens: int
     stream_s: float
-    dominant_phase: str  # "prefill" or "decode": informational
+    dominant_phase: str
     prefill_ms_per_token: float | None
 
-    @property
-    def verdict(self) -> VerdictName:
-        return self.judgement.verdict
-
-    @property
-    def verdict_label(self) -> str:
-        return self.judgement.label
-
-    @property
-    def cures(self) -> tuple[str, ...]:
-        return self.judgement.cures
-
-    @property
-    def wait_slow(self) -> bool:
-        return bool(self.judgement.wait_slow)
-
-    @property
-    def stream_slow(self) -> bool:
-        return bool(self.judgement.stream_slow)
-
-    @property
-    def ttft_s(self) -> float:
-        return self.judgement.ttft_s or 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.judgement.decode_tokens_per_s or 0.0
+    def __getattr__(self, name: str) -> Any:
+        if name in ("verdict", "cures", "wait_slow", "stream_slow", "ttft_s", "decode_tokens_per_s"):
+            return getattr(self.judgement, name)
+        if name == "verdict_label":
+            return self.judgement.label
+        raise AttributeError(name)
 
     @property
     def dominant_label(self) -> str:
@@ -310,32 +223,16 @@ class Diagnosis:
         j = self.judgement
         d: dict[str, object] = {"verdict": self.verdict, "verdict_label": self.verdict_label, "summary": j.summary(), "cures": list(self.cures),
                                 "notes": list(j.notes)}
-        d.update((k, getattr(self, k)) for k in ("wait_slow", "stream_slow", "ttft_s", "decode_tokens_per_s"))
-        d.update((k, getattr(j, k)) for k in ("wait_limit_s", "wait_limit_source", "stream_floor_tokens_per_s", "stream_floor_source", "reading_speed_tokens_per_s"))
+        d.update((k, getattr(j, k)) for k in ("wait_slow", "stream_slow", "ttft_s", "decode_tokens_per_s", "wait_limit_s", "wait_limit_source",
+                                              "stream_floor_tokens_per_s", "stream_floor_source", "reading_speed_tokens_per_s"))
         d.update((k, getattr(self, k)) for k in ("prompt_tokens", "output_tokens", "stream_s", "dominant_phase", "dominant_label", "prefill_ms_per_token"))
         return d
 
 
-def diagnose(
-    ttft_s: float,
-    decode_tokens_per_s: float,
-    prompt_tokens: int | None = None,
-    output_tokens: int = 256,
-    *,
-    ttft_budget_s: float | None = None,
-    tokens_per_s_target: float | None = None,
-    reading_speed_tokens_per_s: float = READING_SPEED_TOKENS_PER_S,
-    wait_threshold_s: float = DEFAULT_WAIT_THRESHOLD_S,
-) -> Diagnosis:
-    """Judge a measured request: is the wait slow, the stream, both or neither — and what helps.
-
-    ``ttft_s``: the wait before the first token; ``decode_tokens_per_s``: the stream's speed.
-    The wait is slow above ``ttft_budget_s`` (without a budget: ``wait_threshold_s``, 1 s); the
-    stream below ``tokens_per_s_target`` (without one: ``reading_speed_tokens_per_s``, 7).
-    ``prompt_tokens`` (prefill cost per token) and ``output_tokens`` (the time to stream a typical
-    answer, and the informational ``dominant_phase``) are only reported. Bad input raises a
-    typed :class:`~trimkit.errors.InvalidNumberError` (:class:`~trimkit.errors.InvalidBudgetError`
-    for the budget)."""
+def diagnose(ttft_s: float, decode_tokens_per_s: float, prompt_tokens: int | None = None, output_tokens: int = 256, *,
+             ttft_budget_s: float | None = None, tokens_per_s_target: float | None = None,
+             reading_speed_tokens_per_s: float = READING_SPEED_TOKENS_PER_S, wait_threshold_s: float = DEFAULT_WAIT_THRESHOLD_S) -> Diagnosis:
+    """Judge a measured request as :func:`judge` does; ``prompt_tokens`` and ``output_tokens`` are only reported."""
     ttft_s = positive_finite(ttft_s, "ttft_s")
     tps = positive_finite(decode_tokens_per_s, "decode_tokens_per_s")
     if prompt_tokens is not None:
@@ -344,17 +241,9 @@ def diagnose(
     judgement = judge(ttft_s, tps, ttft_budget_s=ttft_budget_s, tokens_per_s_target=tokens_per_s_target,
                       reading_speed_tokens_per_s=reading_speed_tokens_per_s, wait_threshold_s=wait_threshold_s)
     stream_s = output_tokens / tps
-    return Diagnosis(
-        judgement=judgement,
-        prompt_tokens=prompt_tokens,
-        output_tokens=output_tokens,
-        stream_s=stream_s,
-        dominant_phase="prefill" if ttft_s >= stream_s else "decode",
-        prefill_ms_per_token=(ttft_s / prompt_tokens * 1000) if prompt_tokens else None,
-    )
+    return Diagnosis(judgement, prompt_tokens, output_tokens, stream_s, "prefill" if ttft_s >= stream_s else "decode",
+                     (ttft_s / prompt_tokens * 1000) if prompt_tokens else None)
 
-
-# -- the report: what was predicted, measured and changed; its text and log line -------------------------
 
 def _fmt_s(value: float | None) -> str:
     return "n/a" if value is None or not math.isfinite(value) else f"{value:.3f} s"
@@ -364,144 +253,11 @@ def _fmt_n(value: int | None) -> str:
     return "n/a" if value is None else f"{value:,}"
 
 
-def report_lines(r: Any) -> list[str]:
-    """A report (:class:`~trimkit.report.Report`) as lines a person reads."""
-    m = r.measurement
-    out = [f"trimkit report — {r.backend}" + (f" ({r.model})" if r.model else "") + (f" @ {r.endpoint}" if r.endpoint else "")]
-    if r.ttft_budget_s is not None:
-        met = r.budget_met
-        met_text = "n/a" if met is None else ("met" if met else "MISSED")
-        feas = "" if r.feasible in (None, True) else " — " + _infeasible_note(r)
-        margin = ""
-        if r.safety_margin is not None and math.isfinite(r.safety_margin):
-            margin = f" · safety margin {r.safety_margin * 100:.1f} % (planned to {r.ttft_budget_s * (1 - r.safety_margin):.3f} s)"
-        out.append(f"  budget     {r.ttft_budget_s:.3f} s → {met_text}{margin}{feas}")
-    if r.provisional or r.extrapolated:
-        out.append(f"  profile    {_profile_note(r)}")
-    pred = _fmt_s(r.predicted_ttft_s)
-    if r.predicted_ttft_before_s is not None and r.trimmed:
-        pred += f" (before trimming {_fmt_s(r.predicted_ttft_before_s)})"
-    err = r.ttft_error_pct
-    err_s = f" · error {err:+.1f} %" if err is not None else ""
-    label = "measured" if m.ttft_s is not None or m.first_output_s is None else "measured (first chunk, no content)"
-    out.append(f"  TTFT       predicted {pred} · {label} {_fmt_s(r.measured_ttft_s)}{err_s}")
-    queue = _queue_line(r)
-    if queue:
-        out.append(queue)
-    if m.engine_prefill_s is not None:
-        prefill = f"  prefill    {_fmt_s(m.engine_prefill_s)} engine-measured ({m.timing_source})"
-        overhead = m.server.get("network_overhead_s")
-        if overhead is not None:
-            prefill += f" · network/queue {_fmt_s(overhead)} (client TTFT − server prefill)"
-        out.append(prefill)
-    tok = f"  prompt     {_fmt_n(r.prompt_tokens)} tokens"
-    if r.prompt_tokens_before is not None and r.prompt_tokens_before != r.prompt_tokens:
-        tok += f" (before trimming {_fmt_n(r.prompt_tokens_before)})"
-    tok += f" · reused from cache {_fmt_n(m.cached_tokens)} (predicted {_fmt_n(r.cached_tokens_predicted)}) · evaluated {_fmt_n(m.evaluated_tokens)}"
-    out.append(tok)
-    if r.watched:
-        if r.replans:
-            out.extend(f"  re-plan    {x.summary()}" for x in r.replans)
-        else:
-            out.append("  watched    prefill watched while it ran: on pace, no re-plan")
-    if r.actions:
-        out.append("  trimming")
-        for a in r.actions:
-            out.append(f"    - {getattr(a, 'strategy', '?')}: {getattr(a, 'summary', a)}")
-    elif r.ttft_budget_s is not None and r.feasible is False:
-        out.append("  trimming   none possible: nothing the strategies may remove (system messages and the last user turn stay)")
-    elif r.ttft_budget_s is not None:
-        out.append("  trimming   none (under budget: request passed through unchanged)")
-    out.extend(_phase_lines(r))
-    if m.truncated_tokens:
-        out.append(f"  WARNING    the engine evaluated {m.truncated_tokens:,} fewer prompt tokens than were sent: it truncated the prompt")
-    for w in r.warnings:
-        out.append(f"  warning    {w}")
-    return out
-
-
-def _phase_lines(r: Any) -> list[str]:
-    """Decode measured vs predicted, what trimkit did to it, and the verdict with its cures."""
-    tps, tpot, decode = r.decode_tokens_per_s, r.time_per_output_token_s, r.decode
-    if tps is not None and tpot is not None:
-        line = f"  decode     {tps:.1f} tokens/s measured ({tpot * 1000:.1f} ms per output token), {_fmt_n(r.completion_tokens)} tokens"
-    else:
-        line = f"  decode     {_fmt_n(r.completion_tokens)} output tokens (too few to time)"
-    predicted = decode.predictions_text(r.prompt_tokens, r.prompt_tokens_before)
-    out = [line + (f" · {predicted}" if predicted else ""), f"             {decode.statement()}"]
-    j = r.judgement
-    if j is not None:
-        out.append(f"  verdict    {j.summary()}")
-        out.extend(f"    cure     {c}" for c in j.cures)
-        out.extend(f"    note     {n}" for n in j.notes)
-    return out
-
-
-def _infeasible_note(r: Any) -> str:
-    wait = r.queue_wait_predicted_s or 0.0
-    if wait and r.predicted_ttft_s is not None and r.ttft_budget_s is not None and r.predicted_ttft_s - wait <= r.ttft_budget_s:
-        return f"predicted over budget because of the {wait:.3f} s wait for the requests ahead"
-    return "infeasible: even the minimal prompt cannot fit; sent the best achievable"
-
-
-def _queue_line(r: Any) -> str:
-    """The wait for the engine, predicted and measured (empty when there was none)."""
-    pred, meas = r.queue_wait_predicted_s, r.queue_wait_s
-    if not pred and meas < 0.001:
-        return ""
-    ahead = f", {r.queue_ahead} request(s) ahead" if r.queue_ahead else ""
-    return (f"  queue      waited {meas:.3f} s for the engine (predicted {_fmt_s(pred)}{ahead}) · in the TTFT above; "
-            f"from the start of the stream {_fmt_s(r.engine_ttft_s)}")
-
-
-def _profile_note(r: Any) -> str:
-    notes = []
-    if r.provisional:
-        notes.append("provisional (a micro-calibration, improving from each request)")
-    if r.extrapolated:
-        notes.append("prompt beyond the lengths it has measured (extrapolated)")
-    wider = " — wider safety margin" if r.ttft_budget_s is not None and r.extrapolated else ""
-    return " · ".join(notes) + wider
-
-
-def report_log_line(r: Any) -> str:
-    """A report as one line for ``logging`` (INFO): key=value pairs."""
-    parts = [f"backend={r.backend}"] + ([f"endpoint={r.endpoint}"] if r.endpoint else [])
-    if r.ttft_budget_s is not None:
-        parts.append(f"budget={r.ttft_budget_s:.3f}s met={r.budget_met}")
-    parts.append(f"ttft_pred={_fmt_s(r.predicted_ttft_s)} ttft_meas={_fmt_s(r.measured_ttft_s)}")
-    if r.queue_wait_predicted_s or r.queue_wait_s >= 0.001:
-        parts.append(f"queue_pred={_fmt_s(r.queue_wait_predicted_s)} queue_meas={_fmt_s(r.queue_wait_s)} ahead={r.queue_ahead}")
-    parts.append(f"prompt={r.prompt_tokens} before={r.prompt_tokens_before} cached={r.cached_tokens} evaluated={r.evaluated_tokens}")
-    parts.append(f"actions={len(r.actions)}")
-    if r.watched:
-        parts.append(f"watched=True replans={len(r.replans)}")
-        for x in r.replans:
-            parts.append(f"replan=after:{x.evaluated_tokens}/{x.prompt_tokens},pace:{x.pace:.2f}x,"
-                         f"pred:{x.predicted_ttft_before_s:.3f}->{x.predicted_ttft_after_s:.3f}s,dropped:{'|'.join(x.dropped) or '-'}")
-    if r.provisional or r.extrapolated:
-        parts.append("profile=" + ",".join(n for n, on in (("provisional", r.provisional), ("extrapolated", r.extrapolated)) if on))
-    parts.append(f"verdict={r.verdict or 'n/a'}")
-    decode = r.decode
-    tps, pred, before = decode.measured_tokens_per_s, decode.predicted_tokens_per_s, decode.predicted_before_tokens_per_s
-    parts.append(f"decode={tps:.1f}tok/s" if tps else "decode=n/a")
-    if pred is not None:
-        parts.append(f"decode_pred={pred:.1f}tok/s" + (f" decode_pred_untrimmed={before:.1f}tok/s" if decode.trimmed and before else ""))
-    side = decode.side_effect_pct
-    if side is not None:
-        parts.append(f"decode_side_effect=+{side:.0f}%(shorter context)")
-    parts.append("decode_params=untouched")
-    return "trimkit: " + " ".join(parts)
-
-
 def template_warnings(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Any) -> list[str]:
-    """Say so when the chat template drops a message (the model never sees it); ``tokenizer``:
-    the backend's, if it can tell (``dropped_messages``)."""
+    """Say so when the chat template drops a message, where the backend's tokenizer can tell."""
     dropped_messages = getattr(tokenizer, "dropped_messages", None)
-    if dropped_messages is None:
-        return []
     try:
-        dropped = dropped_messages(messages, tools)
+        dropped = dropped_messages(messages, tools) if dropped_messages is not None else None
     except Exception:  # a check for the report must never fail the request
         return []
     if not dropped:
@@ -526,8 +282,7 @@ def _json_safe(value: Any) -> Any:
     return repr(value)
 
 
-#: the keys of :meth:`Report.to_dict`, in order: its fields and properties (:func:`_json_safe` makes
-#: the values plain), and two of :attr:`Report.decode`'s
+#: the keys of :meth:`Report.to_dict`, in order
 _REPORT_KEYS = (
     "backend", "model", "ttft_budget_s", "safety_margin", "provisional", "extrapolated", "budget_met", "feasible",
     "predicted_ttft_s", "predicted_ttft_before_s", "measured_ttft_s", "engine_ttft_s", "ttft_error_pct",
@@ -542,25 +297,10 @@ _REPORT_KEYS = (
 
 @attrs.frozen
 class Report:
-    """One request, end to end.
-
-    ``predicted_ttft_s`` is the prediction for the prompt actually sent;
-    ``predicted_ttft_before_s`` the prediction for the prompt as the caller gave it; both include
-    ``queue_wait_predicted_s``, the wait predicted for the ``queue_ahead`` requests ahead on the
-    engine (None: nobody predicted one — a server, unless its caller did), and are compared
-    with ``measured_ttft_s``, which includes the measured wait (see the module docstring).
-    ``cached_tokens`` / ``evaluated_tokens`` are the engine's word when it gives one.
-    ``safety_margin`` is the fraction of the budget the plan held back (None without a budget).
-    ``endpoint`` names the replica that served the request (None for one engine).
-    ``provisional``: the profile was still provisional (a ~3 s micro-calibration, improving
-    from requests); ``extrapolated``: the prompt sent lies beyond the lengths the
-    profile has measured. Either makes the prediction less certain and the margin wider.
-    ``tokens_per_s_target``: the stream's standard for the :attr:`verdict` (None: reading speed).
-    ``decode_predicted_tokens_per_s`` / ``decode_predicted_before_tokens_per_s``: the decode
-    speed the profile predicts at the context sent / at the untrimmed one (same answer length;
-    None: unknown); ``decode_noise_pct``: the profile's decode noise, % (None: unknown), which
-    with :data:`~trimkit.report.MIN_STATED_DECODE_CHANGE_PCT` sets the smallest difference stated.
-    """
+    """One request, end to end. ``predicted_ttft_s`` is for the prompt sent, ``predicted_ttft_before_s`` for the prompt as
+    given; both include ``queue_wait_predicted_s`` (the wait for the ``queue_ahead`` requests ahead) and compare with
+    ``measured_ttft_s``. ``provisional`` / ``extrapolated``: the profile was a micro-calibration / the prompt lies beyond
+    what it measured (a wider margin). ``decode_predicted_*``: the profile's decode speed at the context sent / untrimmed."""
 
     backend: str
     measurement: Measurement
@@ -588,8 +328,6 @@ class Report:
     decode_predicted_tokens_per_s: float | None = None
     decode_predicted_before_tokens_per_s: float | None = None
     decode_noise_pct: float | None = None
-    #: whether the prefill was watched while it ran (in process), and the re-plans it made
-    #: (:class:`~trimkit.planning.watch.Replan`: after how many tokens, the pace, what changed)
     watched: bool = False
     replans: tuple[Any, ...] = ()
 
@@ -597,11 +335,7 @@ class Report:
     def of_request(cls, prepared: Prepared, m: Measurement, params: Mapping[str, Any], *, backend: str, model: str,
                    profile: Profile, notes: Sequence[str] = (), sent: bool = True, endpoint: str | None = None,
                    tokens_per_s_target: float | None = None) -> Report:
-        """The report of a prepared request with what was measured of it: ``profile`` is the one
-        it was planned with, ``notes`` are the front-end's warnings, ``sent=False`` for a request
-        that never went out, ``endpoint`` the replica it went to, ``tokens_per_s_target`` the
-        stream's standard. The decode predictions are the profile's
-        (:meth:`~trimkit.planning.profile.Profile.decode_tokens_per_s_at`, over the measured answer's length)."""
+        """The report of a prepared request planned with ``profile``; ``notes``: the front-end's warnings."""
         plan = prepared.plan
         warnings = list(prepared.warnings)
         if plan is not None and not plan.feasible:
@@ -613,61 +347,37 @@ class Report:
         answer = m.completion_tokens or 0
         before = prepared.prompt_tokens_before
         return cls(
-            backend=backend,
-            measurement=m,
-            prompt_tokens=n,
-            predicted_ttft_s=prepared.predicted_ttft_s,
-            ttft_budget_s=prepared.budget_s,
-            predicted_ttft_before_s=prepared.predicted_ttft_before_s,
-            prompt_tokens_before=prepared.prompt_tokens_before,
-            cached_tokens_predicted=cached,
-            actions=tuple(plan.actions) if plan is not None else (),
-            feasible=prepared.feasible,
-            passthrough=plan.passthrough if plan is not None else True,
-            planning_s=getattr(plan, "planning_s", None) if plan is not None else None,
-            profile_error_pct=profile.error.median_pct,
-            warnings=tuple(warnings),
-            decode_params={k: v for k, v in params.items() if k not in ("messages",)},
-            model=model,
-            # the margin the plan held back (the plan records what it was given)
-            safety_margin=getattr(plan, "safety_margin", None) if plan is not None and prepared.budget_s is not None else None,
-            provisional=profile.provisional,
-            extrapolated=profile.extrapolated(evaluated_tokens(n, cached), cached),
-            queue_wait_predicted_s=getattr(prepared, "queue_wait_s", None),
-            queue_ahead=getattr(prepared, "queue_ahead", 0),
-            endpoint=endpoint,
-            tokens_per_s_target=tokens_per_s_target,
-            decode_predicted_tokens_per_s=profile.decode_tokens_per_s_at(n, answer),
+            backend=backend, measurement=m, prompt_tokens=n, predicted_ttft_s=prepared.predicted_ttft_s, ttft_budget_s=prepared.budget_s,
+            predicted_ttft_before_s=prepared.predicted_ttft_before_s, prompt_tokens_before=before, cached_tokens_predicted=cached,
+            actions=tuple(plan.actions) if plan is not None else (), feasible=prepared.feasible,
+            passthrough=plan.passthrough if plan is not None else True, planning_s=getattr(plan, "planning_s", None),
+            profile_error_pct=profile.error.median_pct, warnings=tuple(warnings), decode_params={k: v for k, v in params.items() if k != "messages"},
+            model=model, safety_margin=getattr(plan, "safety_margin", None) if prepared.budget_s is not None else None,
+            provisional=profile.provisional, extrapolated=profile.extrapolated(evaluated_tokens(n, cached), cached),
+            queue_wait_predicted_s=getattr(prepared, "queue_wait_s", None), queue_ahead=getattr(prepared, "queue_ahead", 0), endpoint=endpoint,
+            tokens_per_s_target=tokens_per_s_target, decode_predicted_tokens_per_s=profile.decode_tokens_per_s_at(n, answer),
             decode_predicted_before_tokens_per_s=None if before is None else profile.decode_tokens_per_s_at(before, answer),
-            decode_noise_pct=profile.decode_noise_pct,
-            watched=bool(getattr(prepared, "watched", False)),
-            replans=tuple(getattr(prepared, "replans", ())),
+            decode_noise_pct=profile.decode_noise_pct, watched=bool(getattr(prepared, "watched", False)), replans=tuple(getattr(prepared, "replans", ())),
         )
 
-    # -- derived figures ------------------------------------------------------------------------
     @property
     def engine_ttft_s(self) -> float | None:
-        """The TTFT from the start of the stream: ``measurement.ttft_s`` (its first output, when
-        no content came)."""
+        """The TTFT from the start of the stream (its first output, when no content came)."""
         m = self.measurement
         return m.ttft_s if m.ttft_s is not None else m.first_output_s
 
     @property
     def measured_ttft_s(self) -> float | None:
-        """The TTFT the caller felt: the measured wait for the engine (``measurement.queue_s``)
-        plus :attr:`engine_ttft_s` — what ``predicted_ttft_s`` predicts."""
+        """The TTFT the caller felt: the wait for the engine plus :attr:`engine_ttft_s`."""
         engine = self.engine_ttft_s
-        return None if engine is None else engine + (self.measurement.queue_s or 0.0)
+        return None if engine is None else engine + self.queue_wait_s
 
     @property
     def queue_wait_s(self) -> float:
-        """The measured wait for the engine (``measurement.queue_s``; 0 over HTTP, where a
-        server's queue is inside the TTFT)."""
         return self.measurement.queue_s or 0.0
 
     @property
     def ttft_error_pct(self) -> float | None:
-        """(predicted − measured) / measured, in percent: both as the caller felt them (wait included)."""
         measured = self.measured_ttft_s
         if measured is None or self.predicted_ttft_s is None or measured <= 0:
             return None
@@ -675,76 +385,49 @@ class Report:
 
     @property
     def budget_met(self) -> bool | None:
-        """The TTFT the caller felt (:attr:`measured_ttft_s`, the wait included) is within the budget."""
         if self.ttft_budget_s is None or self.measured_ttft_s is None:
             return None
         return self.measured_ttft_s <= self.ttft_budget_s
 
-    @property
-    def cached_tokens(self) -> int | None:
-        return self.measurement.cached_tokens
-
-    @property
-    def evaluated_tokens(self) -> int | None:
-        return self.measurement.evaluated_tokens
-
-    @property
-    def decode_tokens_per_s(self) -> float | None:
-        return self.measurement.decode_tokens_per_s
-
-    @property
-    def time_per_output_token_s(self) -> float | None:
-        return self.measurement.time_per_output_token_s
-
-    @property
-    def completion_tokens(self) -> int | None:
-        return self.measurement.completion_tokens
+    def __getattr__(self, name: str) -> Any:
+        """``cached_tokens``, ``evaluated_tokens``, ``completion_tokens``, ``decode_tokens_per_s``, ``time_per_output_token_s``:
+        the measurement's."""
+        if name in ("cached_tokens", "evaluated_tokens", "completion_tokens", "decode_tokens_per_s", "time_per_output_token_s"):
+            return getattr(self.measurement, name)
+        raise AttributeError(name)
 
     @property
     def stream_s(self) -> float | None:
-        """Time spent streaming after the first token."""
         m = self.measurement
-        if m.engine_decode_s is not None:
-            return m.engine_decode_s
-        return m.client_decode_s
+        return m.engine_decode_s if m.engine_decode_s is not None else m.client_decode_s
 
     @property
     def dominant_phase(self) -> str | None:
-        """"prefill" when the wait before the first token (from the start of the stream: the
-        queue for the engine is neither phase) is longer than the stream after it."""
-        ttft = self.engine_ttft_s
-        stream = self.stream_s
+        """"prefill" when the wait from the start of the stream is at least the stream after it."""
+        ttft, stream = self.engine_ttft_s, self.stream_s
         if ttft is None:
             return None
-        if stream is None:
-            return "prefill"
-        return "prefill" if ttft >= stream else "decode"
+        return "prefill" if stream is None or ttft >= stream else "decode"
 
     @property
     def judgement(self) -> Verdict | None:
-        """Each phase judged against its own standard (:func:`~trimkit.report.judge`): the wait
-        the caller felt (:attr:`measured_ttft_s`) against the budget (without one, 1 s), the
-        stream against ``tokens_per_s_target`` (without one, reading speed). None: no first token."""
+        """:func:`judge` on the TTFT the caller felt and the stream (None: no first token)."""
         if self.measured_ttft_s is None:
             return None
-        return judge(self.measured_ttft_s, self.decode_tokens_per_s, ttft_budget_s=self.ttft_budget_s,
-                     tokens_per_s_target=self.tokens_per_s_target)
+        return judge(self.measured_ttft_s, self.decode_tokens_per_s, ttft_budget_s=self.ttft_budget_s, tokens_per_s_target=self.tokens_per_s_target)
 
     @property
     def verdict(self) -> VerdictName | None:
-        """``"none"``, ``"wait"``, ``"stream"`` or ``"both"``: which phase was slow (None: no first token)."""
         j = self.judgement
         return None if j is None else j.verdict
 
     @property
     def advice(self) -> tuple[str, ...]:
-        """The cures that fit the :attr:`verdict` (none when nothing is slow)."""
         j = self.judgement
         return () if j is None else j.cures
 
     @property
     def decode(self) -> DecodeContext:
-        """The decode speed measured and predicted (at the context sent, and untrimmed)."""
         return DecodeContext(self.decode_tokens_per_s, self.decode_predicted_tokens_per_s, self.decode_predicted_before_tokens_per_s,
                              self.decode_noise_pct, self.trimmed and (self.prompt_tokens_before or 0) > self.prompt_tokens)
 
@@ -756,17 +439,99 @@ class Report:
     def decode_untouched(self) -> str:
         return DECODE_PARAMETERS_UNTOUCHED
 
-    # -- output ---------------------------------------------------------------------------------
     def lines(self) -> list[str]:
-        """The report as lines a person reads (:func:`report_lines`)."""
-        return report_lines(self)
+        """The report as lines a person reads."""
+        m = self.measurement
+        out = [f"trimkit report — {self.backend}" + (f" ({self.model})" if self.model else "") + (f" @ {self.endpoint}" if self.endpoint else "")]
+        if self.ttft_budget_s is not None:
+            met = "n/a" if self.budget_met is None else ("met" if self.budget_met else "MISSED")
+            margin = feas = ""
+            if self.safety_margin is not None and math.isfinite(self.safety_margin):
+                margin = f" · safety margin {self.safety_margin * 100:.1f} % (planned to {self.ttft_budget_s * (1 - self.safety_margin):.3f} s)"
+            if self.feasible is False:
+                wait = self.queue_wait_predicted_s or 0.0
+                if wait and self.predicted_ttft_s is not None and self.predicted_ttft_s - wait <= self.ttft_budget_s:
+                    feas = f" — predicted over budget because of the {wait:.3f} s wait for the requests ahead"
+                else:
+                    feas = " — infeasible: even the minimal prompt cannot fit; sent the best achievable"
+            out.append(f"  budget     {self.ttft_budget_s:.3f} s → {met}{margin}{feas}")
+        if self.provisional or self.extrapolated:
+            notes = ["provisional (a micro-calibration, improving from each request)"] if self.provisional else []
+            notes += ["prompt beyond the lengths it has measured (extrapolated)"] if self.extrapolated else []
+            wider = " — wider safety margin" if self.ttft_budget_s is not None and self.extrapolated else ""
+            out.append(f"  profile    {' · '.join(notes)}{wider}")
+        pred = _fmt_s(self.predicted_ttft_s)
+        if self.predicted_ttft_before_s is not None and self.trimmed:
+            pred += f" (before trimming {_fmt_s(self.predicted_ttft_before_s)})"
+        err = self.ttft_error_pct
+        label = "measured" if m.ttft_s is not None or m.first_output_s is None else "measured (first chunk, no content)"
+        out.append(f"  TTFT       predicted {pred} · {label} {_fmt_s(self.measured_ttft_s)}" + (f" · error {err:+.1f} %" if err is not None else ""))
+        if self.queue_wait_predicted_s or self.queue_wait_s >= 0.001:
+            ahead = f", {self.queue_ahead} request(s) ahead" if self.queue_ahead else ""
+            out.append(f"  queue      waited {self.queue_wait_s:.3f} s for the engine (predicted {_fmt_s(self.queue_wait_predicted_s)}{ahead}) · "
+                       f"in the TTFT above; from the start of the stream {_fmt_s(self.engine_ttft_s)}")
+        if m.engine_prefill_s is not None:
+            overhead = m.server.get("network_overhead_s")
+            out.append(f"  prefill    {_fmt_s(m.engine_prefill_s)} engine-measured ({m.timing_source})"
+                       + (f" · network/queue {_fmt_s(overhead)} (client TTFT − server prefill)" if overhead is not None else ""))
+        before = f" (before trimming {_fmt_n(self.prompt_tokens_before)})" if self.prompt_tokens_before not in (None, self.prompt_tokens) else ""
+        out.append(f"  prompt     {_fmt_n(self.prompt_tokens)} tokens{before} · reused from cache {_fmt_n(m.cached_tokens)} "
+                   f"(predicted {_fmt_n(self.cached_tokens_predicted)}) · evaluated {_fmt_n(m.evaluated_tokens)}")
+        if self.watched:
+            out.extend([f"  re-plan    {x.summary()}" for x in self.replans] or ["  watched    prefill watched while it ran: on pace, no re-plan"])
+        if self.actions:
+            out.append("  trimming")
+            out.extend(f"    - {getattr(a, 'strategy', '?')}: {getattr(a, 'summary', a)}" for a in self.actions)
+        elif self.ttft_budget_s is not None and self.feasible is False:
+            out.append("  trimming   none possible: nothing the strategies may remove (system messages and the last user turn stay)")
+        elif self.ttft_budget_s is not None:
+            out.append("  trimming   none (under budget: request passed through unchanged)")
+        tps, tpot, decode = self.decode_tokens_per_s, self.time_per_output_token_s, self.decode
+        if tps is not None and tpot is not None:
+            line = f"  decode     {tps:.1f} tokens/s measured ({tpot * 1000:.1f} ms per output token), {_fmt_n(self.completion_tokens)} tokens"
+        else:
+            line = f"  decode     {_fmt_n(self.completion_tokens)} output tokens (too few to time)"
+        predicted = decode.predictions_text(self.prompt_tokens, self.prompt_tokens_before)
+        out += [line + (f" · {predicted}" if predicted else ""), f"             {decode.statement()}"]
+        j = self.judgement
+        if j is not None:
+            out.append(f"  verdict    {j.summary()}")
+            out.extend(f"    cure     {c}" for c in j.cures)
+            out.extend(f"    note     {n}" for n in j.notes)
+        if m.truncated_tokens:
+            out.append(f"  WARNING    the engine evaluated {m.truncated_tokens:,} fewer prompt tokens than were sent: it truncated the prompt")
+        out.extend(f"  warning    {w}" for w in self.warnings)
+        return out
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
 
     def log_line(self) -> str:
-        """One line for ``logging`` (INFO): :func:`report_log_line`."""
-        return report_log_line(self)
+        """The report as one line of key=value pairs for ``logging`` (INFO)."""
+        parts = [f"backend={self.backend}"] + ([f"endpoint={self.endpoint}"] if self.endpoint else [])
+        if self.ttft_budget_s is not None:
+            parts.append(f"budget={self.ttft_budget_s:.3f}s met={self.budget_met}")
+        parts.append(f"ttft_pred={_fmt_s(self.predicted_ttft_s)} ttft_meas={_fmt_s(self.measured_ttft_s)}")
+        if self.queue_wait_predicted_s or self.queue_wait_s >= 0.001:
+            parts.append(f"queue_pred={_fmt_s(self.queue_wait_predicted_s)} queue_meas={_fmt_s(self.queue_wait_s)} ahead={self.queue_ahead}")
+        parts.append(f"prompt={self.prompt_tokens} before={self.prompt_tokens_before} cached={self.cached_tokens} evaluated={self.evaluated_tokens}")
+        parts.append(f"actions={len(self.actions)}")
+        if self.watched:
+            parts.append(f"watched=True replans={len(self.replans)}")
+            parts += [f"replan=after:{x.evaluated_tokens}/{x.prompt_tokens},pace:{x.pace:.2f}x,"
+                      f"pred:{x.predicted_ttft_before_s:.3f}->{x.predicted_ttft_after_s:.3f}s,dropped:{'|'.join(x.dropped) or '-'}" for x in self.replans]
+        if self.provisional or self.extrapolated:
+            parts.append("profile=" + ",".join(n for n, on in (("provisional", self.provisional), ("extrapolated", self.extrapolated)) if on))
+        parts.append(f"verdict={self.verdict or 'n/a'}")
+        decode = self.decode
+        tps, pred, before = decode.measured_tokens_per_s, decode.predicted_tokens_per_s, decode.predicted_before_tokens_per_s
+        parts.append(f"decode={tps:.1f}tok/s" if tps else "decode=n/a")
+        if pred is not None:
+            parts.append(f"decode_pred={pred:.1f}tok/s" + (f" decode_pred_untrimmed={before:.1f}tok/s" if decode.trimmed and before else ""))
+        if decode.side_effect_pct is not None:
+            parts.append(f"decode_side_effect=+{decode.side_effect_pct:.0f}%(shorter context)")
+        parts.append("decode_params=untouched")
+        return "trimkit: " + " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         decode = self.decode
@@ -781,8 +546,7 @@ class Report:
 
 log = logging.getLogger("trimkit")
 
-#: the TTFT histogram's bucket boundaries, seconds: 10 ms to 60 s, about 2–2.5× apart (Prometheus
-#: and OpenTelemetry alike)
+#: the TTFT histogram's bucket boundaries, seconds (Prometheus and OpenTelemetry alike)
 TTFT_BUCKETS_S: tuple[float, ...] = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 #: measured TTFT ÷ budget (1.0: the whole budget used)
 BUDGET_USE_BUCKETS: tuple[float, ...] = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
@@ -794,9 +558,7 @@ DECODE_SPEED_BUCKETS: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.
 
 @attrs.frozen
 class Completed:
-    """One request's end, as an observer receives it: its report, the error type it ended with
-    (None: it succeeded), the time spent preparing it (validate and plan) and the wall-clock
-    time it ended (``time.time_ns()``), from which the spans' times are laid out."""
+    """One request's end, as an observer receives it; ``ended_ns``: ``time.time_ns()`` when it ended."""
 
     report: Report
     error_type: str | None = None
@@ -852,30 +614,18 @@ def figures(c: Completed) -> Figures:
         port = where.port if where is not None else None
     except ValueError:
         port = None
+    err = r.ttft_error_pct
     return Figures(
         outcome=outcome, model=model, server_address=where.hostname if where is not None else None,
         server_port=port or ({"http": 80, "https": 443}.get(where.scheme) if where is not None and where.hostname else None),
         ttft_s=ttft, predicted_ttft_s=r.predicted_ttft_s, budget_s=budget, budget_met=r.budget_met,
         budget_use=None if ttft is None or not budget else ttft / budget,
-        prediction_error=None if r.ttft_error_pct is None else abs(r.ttft_error_pct) / 100.0,
-        prediction_direction="" if r.ttft_error_pct is None else "over" if r.ttft_error_pct > 0 else "under" if r.ttft_error_pct < 0 else "exact",
-        input_tokens=r.prompt_tokens, input_tokens_before=before, tokens_removed=max((before or 0) - r.prompt_tokens, 0),
-        cached_tokens=r.cached_tokens,
+        prediction_error=None if err is None else abs(err) / 100.0,
+        prediction_direction="" if err is None else "over" if err > 0 else "under" if err < 0 else "exact",
+        input_tokens=r.prompt_tokens, input_tokens_before=before, tokens_removed=max((before or 0) - r.prompt_tokens, 0), cached_tokens=r.cached_tokens,
         output_tokens=r.completion_tokens, decode_tokens_per_s=r.decode_tokens_per_s, replans=len(r.replans),
         removed_messages=tuple(removed_messages), summarized_messages=tuple(summarized), removed_chunks=tuple(dict.fromkeys(chunks)),
     )
-
-
-def loggable(report: Report) -> dict[str, Any]:
-    """``report.to_dict()`` without the decode parameters that may carry text (only numbers,
-    flags and None are kept; the others are named, their values left out)."""
-    d = report.to_dict()
-    params = d.get("decode_params") or {}
-    d["decode_params"] = {k: v for k, v in params.items() if v is None or isinstance(v, (bool, int, float))}
-    left_out = sorted(k for k in params if k not in d["decode_params"])
-    if left_out:
-        d["decode_params_not_logged"] = left_out
-    return d
 
 
 Observer = Callable[[Completed], None]
@@ -910,28 +660,30 @@ def completed(report: Report, *, error_type: str | None = None, prepare_s: float
 
 
 class ReportLog:
-    """One JSON line per finished request (:func:`loggable`: the report's ``to_dict()``, nothing
-    of the prompt's text), appended to a path or written to a file-like object. Safe to share
-    between threads and wrappers (a fleet's endpoints share one); ``trimkit report FILE``
-    draws it."""
+    """One JSON line per finished request (its ``to_dict()``, less decode parameters that may carry text), appended to
+    a path or written to a file-like object; safe to share between threads and wrappers."""
 
     _path_locks: dict[str, threading.Lock] = {}
 
     def __init__(self, target: str | os.PathLike[str] | IO[str]) -> None:
+        self.path: str | None = None
+        self.stream: IO[str] | None = None
         if isinstance(target, (str, os.PathLike)):
-            self.path: str | None = os.fspath(target)
-            self.stream: IO[str] | None = None
+            self.path = os.fspath(target)
             key = os.path.abspath(self.path)
-            self._lock = ReportLog._path_locks.setdefault(key, threading.Lock())
         elif callable(getattr(target, "write", None)):
-            self.path, self.stream = None, target
-            key = f"stream:{id(target)}"
-            self._lock = ReportLog._path_locks.setdefault(key, threading.Lock())
+            self.stream, key = target, f"stream:{id(target)}"
         else:
             raise InvalidInputError(f"report_log must be a path or a file-like object with .write, got {type(target).__name__}")
+        self._lock = ReportLog._path_locks.setdefault(key, threading.Lock())
 
     def __call__(self, c: Completed) -> None:
-        d = loggable(c.report)
+        d = c.report.to_dict()
+        params = d.get("decode_params") or {}
+        d["decode_params"] = {k: v for k, v in params.items() if v is None or isinstance(v, (bool, int, float))}
+        left_out = sorted(k for k in params if k not in d["decode_params"])
+        if left_out:
+            d["decode_params_not_logged"] = left_out
         d["error_type"] = c.error_type
         d["ended_at"] = c.ended_ns / 1e9
         line = json.dumps(d) + "\n"
@@ -947,8 +699,7 @@ class ReportLog:
 
 
 def report_log(target: Any) -> tuple[Observer, ...]:
-    """The sinks of ``wrap(..., report_log=target)``: none for None, a :class:`ReportLog` otherwise
-    (checked now, before any request)."""
+    """The sinks of ``wrap(..., report_log=target)``, checked now, before any request."""
     if target is None:
         return ()
     return (target if isinstance(target, ReportLog) else ReportLog(target),)

@@ -1,15 +1,8 @@
 """Test doubles for code that uses trimkit: a fake engine, a fake clock and a fake server.
 
-:class:`FakeBackend` is a deterministic fake engine for unit tests of everything above the
-backend seam. Its prefill cost is a known function of the tokens it evaluates (a :class:`CostModel`), it keeps
-a token-level "KV cache" and reuses the longest common prefix exactly as llama-cpp-python does,
-and time comes from an injectable :class:`FakeClock` that the fake advances by the cost of what
-it does — so tests can assert predicted == measured exactly. It is never a substitute for the
-real path: the real model runs in the default test suite.
-
-:class:`FakeOpenAIServer` answers an OpenAI-compatible client in memory through
-``httpx.MockTransport``, so code that talks to a server
-(:class:`~trimkit.backends.http.OpenAIHTTPBackend`, ``trimkit.wrap_url``) runs without one.
+:class:`FakeBackend` prefills at a known :class:`CostModel` cost, reuses the longest common prefix as
+llama-cpp-python does and advances a :class:`FakeClock` by what it does, so predicted == measured exactly.
+:class:`FakeOpenAIServer` answers an OpenAI-compatible client in memory through ``httpx.MockTransport``.
 """
 
 from __future__ import annotations
@@ -37,12 +30,10 @@ DEFAULT_REPLY = "This is a fake reply from the fake backend."
 
 
 def reply_words(reply: str, max_tokens: Any) -> list[str]:
-    """The words of ``reply`` a fake engine sends for ``max_tokens`` (one word a token, at least one)."""
     return reply.split(" ")[: max(int(max_tokens), 1)]
 
 
-#: how often :meth:`FakeBackend.measure_prefill_within` asks whether to stop, in seconds of its
-#: clock (llama.cpp asks between the nodes of its compute graph)
+#: how often :meth:`FakeBackend.measure_prefill_within` asks whether to stop, in seconds of its clock
 ABORT_CHECK_S = 0.001
 
 
@@ -62,48 +53,28 @@ class FakeClock:
 
 
 class FakeBackend(Backend):
-    """A fake engine: cost = ``cost_model.prefill_s(new, cached) + first_token_s``; decode at
-    ``decode_tokens_per_s``; replies with ``reply`` split into words. ``slowdown`` makes it a
-    host that many times slower (every cost multiplied, decode speed divided).
-    ``attention_prior_tokens``: what the model's architecture would say of its attention
-    (:mod:`trimkit.planning.profile`; None: nothing, as a server).
-
-    ``calls`` records every request's messages and parameters exactly as received. Like an
-    in-process engine it runs one request at a time: a stream holds :attr:`engine` (an
-    :class:`~trimkit.planning.queue.EngineLease`; ``with fake.lock:`` is a section of it)
-    from ``send`` until it is finished, closed or garbage-collected.
+    """A fake engine: cost ``cost_model.prefill_s(new, cached) + first_token_s``, decode at ``decode_tokens_per_s``,
+    ``reply`` one word a token; ``slowdown``: a host that many times slower. ``calls`` records every request as received.
+    Like an in-process engine it runs one request at a time (:attr:`engine`; ``with fake.lock:`` is a section of it).
     """
 
     name = "fake"
     #: seconds ``send`` waits for a stream another thread has not finished, before EngineBusyError
     engine_wait_s: float = DEFAULT_ENGINE_WAIT_S
 
-    def __init__(
-        self,
-        cost_model: CostModel | None = None,
-        *,
-        clock: FakeClock | None = None,
-        tokenizer: PromptTokenizer | None = None,
-        n_ctx: int = 8192,
-        first_token_s: float = 0.02,
-        decode_tokens_per_s: float = 50.0,
-        reply: str = DEFAULT_REPLY,
-        reuse_prefix: bool = True,
-        slowdown: float = 1.0,
-        attention_prior_tokens: float | None = None,
-        pace: Callable[[int], float] | None = None,
-    ) -> None:
+    def __init__(self, cost_model: CostModel | None = None, *, clock: FakeClock | None = None, tokenizer: PromptTokenizer | None = None,
+                 n_ctx: int = 8192, first_token_s: float = 0.02, decode_tokens_per_s: float = 50.0, reply: str = DEFAULT_REPLY,
+                 reuse_prefix: bool = True, slowdown: float = 1.0, attention_prior_tokens: float | None = None,
+                 pace: Callable[[int], float] | None = None) -> None:
         self.attention_prior_tokens = attention_prior_tokens
-        #: ``pace(position)``: how many times slower than ``cost_model`` a watched prefill step
-        #: starting at token ``position`` runs (a host that changes speed in the middle of a
-        #: prefill); default 1
+        #: ``pace(position)``: how many times slower than ``cost_model`` a prefill step starting there runs
         self.pace = pace
         #: every watched step as ``(start, end)`` token positions, in order
         self.steps: list[tuple[int, int]] = []
         self._step_s: list[float] = []
         self._origin: int | None = None
         self.cost_model = cost_model or CostModel(overhead_s=0.01, per_token_s=0.0014, depth_s=1e-7)
-        if slowdown != 1.0:  # a host this many times slower: every cost scaled, decode speed divided
+        if slowdown != 1.0:
             positive_finite(slowdown, "slowdown")
             m = self.cost_model
             self.cost_model = CostModel(overhead_s=m.overhead_s * slowdown, per_token_s=m.per_token_s * slowdown, depth_s=m.depth_s * slowdown,
@@ -120,7 +91,6 @@ class FakeBackend(Backend):
         self.kv: list[int] = []
         self.calls: list[tuple[list[Any], dict[str, Any]]] = []
         self.engine = EngineLease()
-        #: a section of :attr:`engine` (``with fake.lock:``), e.g. to set :attr:`kv` between requests
         self.lock = self.engine
 
     @property
@@ -137,15 +107,12 @@ class FakeBackend(Backend):
         return CacheState(prompts=(self.kv,) if self.reuse_prefix else ())
 
     def evaluate_to(self, tokens: Sequence[int], end: int) -> tuple[float, int]:
-        """One step of a watched prefill (:meth:`trimkit.backends.base.Backend.evaluate_to`):
-        the fake context is made to hold ``tokens[:end]``, at the cost of what it did not hold
-        (times :attr:`pace` at the step's start). Returns (seconds, start)."""
+        """One step of a watched prefill: the context holds ``tokens[:end]`` after. ``(seconds, start)``."""
         target = list(tokens[:end])
         start = common_prefix_len(self.kv, target) if self.reuse_prefix else 0
         if start >= len(target):
             return 0.0, len(target)
-        # the steps of one request are parts of one prefill from where it began (as llama.cpp
-        # evaluates a prompt in batches): watching costs nothing here; benchmarks measure it
+        # the steps of one request are parts of one prefill from where it began: watching costs nothing here
         origin = self._origin if self._origin is not None and self._origin <= start else start
         self._origin = origin
         whole = self.cost_model.prefill_s(len(target) - origin, origin)
@@ -158,8 +125,7 @@ class FakeBackend(Backend):
         return seconds, start
 
     def _unwatched_prefill_s(self, cached: int, total: int) -> float:
-        """The prefill of ``total - cached`` tokens sent whole: ``cost_model``'s, or with a
-        :attr:`pace`, llama.cpp's ``n_batch`` pieces each at the pace of its start."""
+        """With a :attr:`pace`, llama.cpp's ``n_batch`` pieces each at the pace of its start."""
         if self.pace is None:
             return self.cost_model.prefill_s(total - cached, cached)
         step = max(int(self.cost_model.n_batch or 512), 1)
@@ -170,8 +136,7 @@ class FakeBackend(Backend):
         tokens = list(prompt_tokens) if prompt_tokens is not None else self.tokenizer.prompt_tokens(messages, params.get("tools"))
         if len(tokens) > self._n_ctx:
             raise ContextTooSmallError(f"prompt of {len(tokens)} tokens exceeds n_ctx={self._n_ctx}")
-        # the engine is this stream's until it is finished, closed or collected (never a lock
-        # held across a yield: a stream abandoned by one thread must not block the others)
+        # never a lock held across a yield: a stream abandoned by one thread must not block the others
         release, waited = self.engine.hold(self.engine_wait_s)
         self.calls.append((list(messages), dict(params)))
         max_tokens = params.get("max_tokens") or 16
@@ -181,28 +146,24 @@ class FakeBackend(Backend):
         def chunks() -> Iterator[dict[str, Any]]:
             nonlocal tokens
             cached = self.predict_cached_tokens(tokens)
-            if watch is not None:  # evaluated in steps now; the prompt as finally planned is generated from
+            if watch is not None:
                 first = len(self.steps)
                 self._origin = None
                 messages_sent, sent = watch(self.evaluate_to, self.clock, cached)
                 self._origin = None
                 tokens = list(sent)
                 self.calls[-1] = (list(messages_sent), dict(params))
-                steps = self.steps[first:]
-                evaluated = sum(e - b for b, e in steps)
-                new, prefill = evaluated, sum(self._step_s)
+                new, prefill, left = sum(e - b for b, e in self.steps[first:]), sum(self._step_s), 0.0  # the steps advanced the clock
                 self._step_s = []
-                rest = 0.0
                 if self.kv != tokens:  # the watch stopped short: the engine evaluates the rest
                     k = reusable_prefix_len(self.kv, tokens)
-                    rest = self.cost_model.prefill_s(len(tokens) - k, k)
-                    new, prefill = new + len(tokens) - k, prefill + rest
-                state.update(cached=max(len(tokens) - new, 0), new=new, prefill=prefill)
-                left = rest  # the watched steps already advanced the clock
+                    left = self.cost_model.prefill_s(len(tokens) - k, k)
+                    new, prefill = new + len(tokens) - k, prefill + left
+                cached = max(len(tokens) - new, 0)
             else:
                 new = len(tokens) - cached
                 prefill = left = self._unwatched_prefill_s(cached, len(tokens))
-                state.update(cached=cached, new=new, prefill=prefill)
+            state.update(cached=cached, new=new, prefill=prefill)
             yield {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
             self.clock.advance(left + self.first_token_s)
             for i, w in enumerate(words):
@@ -215,24 +176,15 @@ class FakeBackend(Backend):
         def finish(ts: TimedStream) -> Measurement:
             n_out = len(words)
             return Measurement(
-                ttft_s=ts.ttft_s,
-                first_output_s=ts.first_output_s,
-                total_s=ts.total_s,
-                prompt_tokens=len(tokens),
-                cached_tokens=state.get("cached"),
-                evaluated_tokens=state.get("new"),
-                engine_prefill_s=state.get("prefill"),
-                completion_tokens=n_out,
-                engine_decode_s=(n_out - 1) / self.decode_tokens_per_s if n_out > 1 else None,
-                client_decode_s=ts.client_decode_s,
-                timing_source="llama_perf",
-                finish_reason="length" if n_out >= max_tokens else "stop",
+                ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=ts.total_s, prompt_tokens=len(tokens), cached_tokens=state.get("cached"),
+                evaluated_tokens=state.get("new"), engine_prefill_s=state.get("prefill"), completion_tokens=n_out,
+                engine_decode_s=(n_out - 1) / self.decode_tokens_per_s if n_out > 1 else None, client_decode_s=ts.client_decode_s,
+                timing_source="llama_perf", finish_reason="length" if n_out >= max_tokens else "stop",
             )
 
         return TimedStream(chunks(), started=None, clock=self.clock, content_of=chunk_content, finish=finish,
                            release=release, queue_s=waited)
 
-    # -- calibration probes: the exact cost function ------------------------------------------------
     def measure_prefill(self, new_tokens: int, cached_tokens: int = 0) -> float:
         if new_tokens + cached_tokens > self._n_ctx:
             raise ContextTooSmallError(f"probe of {new_tokens + cached_tokens} tokens does not fit n_ctx={self._n_ctx}")
@@ -241,10 +193,7 @@ class FakeBackend(Backend):
         return seconds
 
     def measure_prefill_within(self, new_tokens: int, cached_tokens: int, should_abort: Callable[[], bool]) -> float | None:
-        """:meth:`measure_prefill` (a subclass's included) stopped as soon as ``should_abort()``
-        is true, as an in-process engine stops (at its next graph node): asked every
-        :data:`ABORT_CHECK_S` of the probe's time on :attr:`clock` (at least 64 times), which
-        then reads the moment it stopped. None when stopped."""
+        """:meth:`measure_prefill` stopped (None) as soon as ``should_abort()``, asked every :data:`ABORT_CHECK_S`."""
         start = self.clock.now
         seconds = self.measure_prefill(new_tokens, cached_tokens)
         spent, self.clock.now = self.clock.now - start, start
@@ -264,37 +213,12 @@ class FakeBackend(Backend):
 
 
 class FakeOpenAIServer:
-    """An OpenAI-compatible chat server in memory, to put behind ``httpx.MockTransport``.
-
-    It answers, like a llama.cpp server:
-
-    - ``POST …/chat/completions``: ``reply`` one word a token, up to ``max_tokens`` (default
-      16); streamed as server-sent events (``data: {chunk}`` … ``data: [DONE]``) when the body
-      says ``"stream": true``, with a final usage chunk when ``stream_options.include_usage``;
-      a ``chat.completion`` object otherwise. ``usage`` counts the ChatML-rendered prompt with
-      ``tokenizer`` and reports the common prefix with the previous prompt as cached
-      (``prompt_tokens_details.cached_tokens``);
-    - ``GET …/models``: one model, ``model``, with its context size ``n_ctx``;
-    - ``POST /tokenize`` (``{"content": …}`` → ``{"tokens": […]}``) and ``POST /apply-template``
-      (ChatML), so a client counts prompt tokens exactly as this server does;
-    - anything else: 404 with an OpenAI-style error body.
-
-    ``requests`` records each request as ``(method, path, JSON body or None)``.
-    Use :attr:`transport` (or :func:`fake_openai_transport`)::
-
-        server = FakeOpenAIServer(reply="Paris is the capital.")
-        http = httpx.Client(transport=server.transport)
-        backend = OpenAIHTTPBackend("http://fake/v1", model=server.model, http_client=http)
+    """An OpenAI-compatible chat server in memory, like llama.cpp's: ``…/chat/completions`` (streamed or not, ``reply``
+    one word a token, the common prefix with the previous prompt reported cached), ``…/models``, ``/tokenize`` and
+    ``/apply-template`` (ChatML). ``requests`` records ``(method, path, JSON body)``; use :attr:`transport`.
     """
 
-    def __init__(
-        self,
-        *,
-        reply: str = DEFAULT_REPLY,
-        model: str = "fake-model",
-        n_ctx: int = 8192,
-        tokenizer: Tokenizer | None = None,
-    ) -> None:
+    def __init__(self, *, reply: str = DEFAULT_REPLY, model: str = "fake-model", n_ctx: int = 8192, tokenizer: Tokenizer | None = None) -> None:
         self.reply = reply
         self.model = model
         self.n_ctx = n_ctx
@@ -306,7 +230,6 @@ class FakeOpenAIServer:
 
     @property
     def transport(self) -> httpx.MockTransport:
-        """An ``httpx.MockTransport`` answering with this server (for sync and async clients)."""
         return httpx.MockTransport(self)
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -339,12 +262,8 @@ class FakeOpenAIServer:
         max_tokens = body.get("max_tokens") or 16
         words = reply_words(self.reply, max_tokens)
         finish = "length" if len(words) >= max_tokens else "stop"
-        usage = {
-            "prompt_tokens": len(tokens),
-            "completion_tokens": len(words),
-            "total_tokens": len(tokens) + len(words),
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
+        usage = {"prompt_tokens": len(tokens), "completion_tokens": len(words), "total_tokens": len(tokens) + len(words),
+                 "prompt_tokens_details": {"cached_tokens": cached}}
         head = {"id": f"chatcmpl-fake-{n}", "created": 0, "model": body.get("model") or self.model}
         if not body.get("stream"):
             message = {"role": "assistant", "content": " ".join(words)}
