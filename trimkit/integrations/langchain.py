@@ -34,15 +34,7 @@ from trimkit.errors import BackendError, InvalidBudgetError, InvalidChunkError, 
 from trimkit.errors import budget as valid_budget
 from trimkit.frontend import drain
 from trimkit.integrations import as_openai_error, chat_completions_url
-from trimkit.messages import (
-    DEFAULT_RAG_CHUNK_TEMPLATE,
-    SYSTEM_ROLES,
-    Chunk,
-    check_rag_templates,
-    coerce_chunks,
-    last_user_index,
-    render_rag_question,
-)
+from trimkit.messages import DEFAULT_RAG_CHUNK_TEMPLATE, SYSTEM_ROLES, Chunk, check_rag_templates, coerce_chunks, last_user_index, render_rag_question
 from trimkit.pipeline import Prepared
 from trimkit.planning.planner import Plan, plan
 from trimkit.planning.profile import Profile
@@ -412,15 +404,6 @@ def _emit(data: dict[str, Any], run_manager: CallbackManagerForLLMRun | None) ->
         pass
 
 
-def _usage(report: Report | None) -> dict[str, int] | None:
-    """``usage_metadata`` from trimkit's counts (prompt tokens as sent, completion tokens)."""
-    m = getattr(report, "measurement", None)
-    prompt, completion = getattr(m, "prompt_tokens", None), getattr(m, "completion_tokens", None)
-    if prompt is None or completion is None:
-        return None
-    return {"input_tokens": int(prompt), "output_tokens": int(completion), "total_tokens": int(prompt) + int(completion)}
-
-
 def _retarget(node: Any, inner: BaseChatModel, outer: BaseChatModel) -> tuple[Any, bool]:
     """``node`` (a runnable the inner model built around itself) with ``outer`` in place of ``inner``; and whether it was found."""
     if node is inner:
@@ -507,14 +490,6 @@ class TrimmedChatModel(BaseChatModel):
     def is_lc_serializable(cls) -> bool:
         return True
 
-    @classmethod
-    def get_lc_namespace(cls) -> list[str]:
-        return cls.__module__.split(".")
-
-    @property
-    def lc_secrets(self) -> dict[str, str]:
-        return {}
-
     def to_json(self) -> Any:
         """Serialisable (``dumpd``/``load``) where the inner model is and trimkit's options are JSON."""
         import json
@@ -593,7 +568,11 @@ class TrimmedChatModel(BaseChatModel):
             self._last_report = report
             data = report.to_dict()
             _emit(data, run_manager)
-        usage = _usage(report) if fill_usage else None
+        m = getattr(report, "measurement", None)
+        prompt, completion = getattr(m, "prompt_tokens", None), getattr(m, "completion_tokens", None)
+        usage = None
+        if fill_usage and prompt is not None and completion is not None:  # trimkit's counts: the prompt as sent
+            usage = {"input_tokens": int(prompt), "output_tokens": int(completion), "total_tokens": int(prompt) + int(completion)}
         for message in messages:
             message.response_metadata = {**message.response_metadata, "trimkit": data}
             if isinstance(message, AIMessage) and message.usage_metadata is None and usage is not None:
@@ -628,14 +607,6 @@ class TrimmedChatModel(BaseChatModel):
 
 
 # -- the trimmer step ------------------------------------------------------------------------------------
-
-def as_openai_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
-    """LangChain messages as OpenAI-style dicts, one each (tool calls and tool results whole)."""
-    for i, m in enumerate(messages):
-        if not isinstance(m, BaseMessage):
-            raise InvalidMessageError(f"messages[{i}] must be a LangChain message, got {type(m).__name__}")
-    return [convert_to_openai_messages(m) for m in messages]
-
 
 def as_langchain_messages(sent: Sequence[Mapping[str, Any]], planned: Sequence[Mapping[str, Any]], originals: Sequence[BaseMessage],
                           converted: Sequence[Mapping[str, Any]]) -> list[BaseMessage]:
@@ -689,14 +660,6 @@ class TrimkitTrimmer(Runnable[Any, list[BaseMessage]]):
         self.plan_options = plan_options
         self.last_plan: Plan | None = None
 
-    def _engine_options(self) -> dict[str, Any]:
-        w = self.wrapper
-        if w is None:
-            return {"profile": self.profile, "tokenizer": self.tokenizer}
-        return {"profile": w.profile, "tokenizer": w.backend.tokenizer, "safety_margin": w.safety_margin, "strategies": w.strategies,
-                "values": w.values, "on_infeasible": w.on_infeasible, "summaries": w.summaries, "rag_template": w.pipeline.rag_template,
-                "rag_chunk_template": w.pipeline.rag_chunk_template}
-
     def trim(self, value: Any, ttft_budget_s: float | None = None) -> list[BaseMessage]:
         """Plan ``value`` (a prompt value, messages, a str, or a dict of ``messages`` and ``documents``); return the messages to send."""
         docs = None
@@ -712,8 +675,17 @@ class TrimkitTrimmer(Runnable[Any, list[BaseMessage]]):
             originals = list(value)
         else:
             raise InvalidMessageError(f"trimkit_trimmer takes a prompt value, messages, a str or a dict, got {type(value).__name__}")
-        planned = converted = as_openai_messages(originals)
-        options = {**self._engine_options(), **self.plan_options}
+        for i, m in enumerate(originals):
+            if not isinstance(m, BaseMessage):
+                raise InvalidMessageError(f"messages[{i}] must be a LangChain message, got {type(m).__name__}")
+        planned = converted = [convert_to_openai_messages(m) for m in originals]  # one dict each, tool calls whole
+        w = self.wrapper
+        options: dict[str, Any] = {"profile": self.profile, "tokenizer": self.tokenizer}
+        if w is not None:  # the wrapper's engine and settings, as it plans its own requests
+            options = {"profile": w.profile, "tokenizer": w.backend.tokenizer, "safety_margin": w.safety_margin, "strategies": w.strategies,
+                       "values": w.values, "on_infeasible": w.on_infeasible, "summaries": w.summaries, "rag_template": w.pipeline.rag_template,
+                       "rag_chunk_template": w.pipeline.rag_chunk_template}
+        options.update(self.plan_options)
         chunks = as_chunks(docs) if docs is not None else None
         match = find_context(planned) if chunks is None and planned else None
         if match is not None:

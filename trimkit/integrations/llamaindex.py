@@ -161,15 +161,6 @@ def _arguments(text: str) -> dict[str, Any] | str:
     return value if isinstance(value, dict) else text
 
 
-def tool_selections(message: ChatMessage) -> list[ToolSelection]:
-    """The tool calls of a reply as LlamaIndex ``ToolSelection`` objects."""
-    out = []
-    for call in _openai_message(message, 0).get("tool_calls", ()):
-        kwargs = _arguments(call["function"]["arguments"])
-        out.append(ToolSelection(tool_id=call.get("id") or "", tool_name=call["function"]["name"] or "", tool_kwargs=kwargs if isinstance(kwargs, dict) else {}))
-    return out
-
-
 # -- conversions: nodes ----------------------------------------------------------------------------
 def _node_of(item: Any, i: int) -> tuple[BaseNode, float | None]:
     if isinstance(item, NodeWithScore):
@@ -233,14 +224,6 @@ class Engine:
     function_calling: bool | None = None
     system_prompt: str | None = None
     inner: Any = None
-
-    def async_twin(self) -> Any:
-        """An ``AsyncTrimmedOpenAI`` on the same server, planning with the sync front-end's profile (no second calibration)."""
-        assert self.url is not None
-        base_url, model, api_key, kwargs = self.url
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("profile", "calibration")}
-        return wrap_url(base_url, model=model, api_key=api_key, asynchronous=True, ttft_budget_s=self.front_end.ttft_budget_s,
-                        profile=self.front_end.profile, **kwargs)
 
 
 def _decode_params(llm: Any) -> dict[str, Any]:
@@ -347,17 +330,17 @@ def _openai_reply(inner: Any) -> Callable[[Mapping[str, Any]], ChatMessage]:
 class StreamReplies:
     """LlamaIndex responses from a trimkit stream, for the sync and async paths: :meth:`step` per
     chunk (the reply so far, the chunk's ``delta``), :meth:`final` the whole reply with the report in
-    ``additional_kwargs["trimkit"]``. ``layer_s`` adds up the time spent converting."""
+    ``additional_kwargs["trimkit"]`` (an ``OpenAI`` ``inner``'s conversions and token counts); ``layer_s``: converting."""
 
-    def __init__(self, stream: Any, layer_s: float, message: Callable[[Mapping[str, Any]], ChatMessage] | None = None,
-                 extra: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None) -> None:
+    def __init__(self, stream: Any, layer_s: float, inner: Any = None) -> None:
         self.stream = stream
         self.layer_s = layer_s
         self.text = ""
         self.calls = False  # a tool call began: the message is rebuilt from the chunks so far
         self.message = ChatMessage(role=MessageRole.ASSISTANT, content="")
-        self.convert = message or _first_message
-        self.extra = extra
+        family = openai_family(inner)
+        self.convert = _openai_reply(inner) if family else _first_message
+        self.extra: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = inner._get_response_token_counts if family else None
 
     def step(self, chunk: Any) -> ChatResponse:
         t0 = time.perf_counter()
@@ -509,16 +492,10 @@ class TrimmedLLM(FunctionCallingLLM):
                 raise
             raise as_openai_error(exc, chat_completions_url(self._engine.url[0] if self._engine.url is not None else None)) from exc
 
-    def _replies(self, stream: Any, layer_s: float) -> StreamReplies:
-        inner = self._engine.inner
-        if openai_family(inner):
-            return StreamReplies(stream, layer_s, _openai_reply(inner), inner._get_response_token_counts)
-        return StreamReplies(stream, layer_s)
-
     def _open(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> StreamReplies:
         call, layer = self._call(messages, kwargs)
         with self._inner_errors():
-            return self._replies(send(self._engine.front_end, call), layer)
+            return StreamReplies(send(self._engine.front_end, call), layer, self._engine.inner)
 
     def _responses(self, replies: StreamReplies) -> Iterator[ChatResponse]:
         try:
@@ -542,9 +519,12 @@ class TrimmedLLM(FunctionCallingLLM):
         return run_sync(self._drained(self._open(messages, kwargs)))
 
     def _async_engine(self) -> Any:
-        """The async front-end on a server (made on first use); None in process."""
+        """The async front-end on a server, made on first use with the sync one's profile (no second calibration); None in process."""
         if self._engine.url is not None and self._async_front is None:
-            self._async_front = self._engine.async_twin()
+            base_url, model, api_key, kwargs = self._engine.url
+            front = self._engine.front_end
+            self._async_front = wrap_url(base_url, model=model, api_key=api_key, asynchronous=True, ttft_budget_s=front.ttft_budget_s,
+                                         profile=front.profile, **{k: v for k, v in kwargs.items() if k not in ("profile", "calibration")})
         return self._async_front
 
     async def _aopen(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[StreamReplies, bool]:
@@ -554,7 +534,7 @@ class TrimmedLLM(FunctionCallingLLM):
             return await asyncio.to_thread(self._open, messages, kwargs), False
         call, layer = self._call(messages, kwargs)
         with self._inner_errors():
-            return self._replies(await send(front, call), layer), True
+            return StreamReplies(await send(front, call), layer, self._engine.inner), True
 
     async def _aresponses(self, replies: StreamReplies, is_async: bool) -> AsyncIterator[ChatResponse]:
         if not is_async:
@@ -617,12 +597,7 @@ class TrimmedLLM(FunctionCallingLLM):
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         responses = self._aresponses(*await self._aopen(_prompt_messages(prompt), kwargs))
-
-        async def gen() -> CompletionResponseAsyncGen:
-            async for r in responses:
-                yield _as_completion(r)
-
-        return gen()
+        return (_as_completion(r) async for r in responses)
 
     # -- structured outputs --------------------------------------------------------------------------
     def _structured_kwargs(self, output_cls: type[Model], llm_kwargs: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
@@ -696,7 +671,11 @@ class TrimmedLLM(FunctionCallingLLM):
         inner = self._tool_llm
         if inner is not None:
             return inner.get_tool_calls_from_response(response, error_on_no_tool_call=error_on_no_tool_call, **kwargs)
-        selections = tool_selections(response.message)
+        selections = []
+        for call in _openai_message(response.message, 0).get("tool_calls", ()):
+            arguments = _arguments(call["function"]["arguments"])
+            selections.append(ToolSelection(tool_id=call.get("id") or "", tool_name=call["function"]["name"] or "",
+                                            tool_kwargs=arguments if isinstance(arguments, dict) else {}))
         if not selections and error_on_no_tool_call:
             raise ValueError("Expected at least one tool call, but got 0 tool calls.")
         return selections
