@@ -8,6 +8,7 @@ remembers retrieved documents so a later trimkit step finds them (:func:`find_co
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import numbers
 import threading
@@ -64,8 +65,6 @@ _BODY_ONLY = "{chunks}{question}"  # renders the chunks alone (the question is e
 _CONTEXTS: collections.OrderedDict[str, tuple[tuple[Chunk, ...], str]] = collections.OrderedDict()
 _CONTEXTS_LOCK = threading.Lock()
 
-
-# -- retrieved documents ---------------------------------------------------------------------------------
 
 def _is_document(value: Any) -> bool:
     return isinstance(getattr(value, "page_content", None), str) and isinstance(getattr(value, "metadata", None), Mapping)
@@ -136,22 +135,6 @@ def find_context(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Mapping[st
     return None
 
 
-# -- the engine behind the inner model, and the client standing in for it during a request ---------------
-
-def inner_client(inner: Any) -> tuple[str, Any]:
-    """(``"llama"`` or ``"openai"``, the client) of a LangChain chat model trimkit can reach."""
-    client = getattr(inner, "client", None)
-    if client_kind(client) == "llama":
-        return "llama", client
-    root = getattr(inner, "root_client", None)
-    if client_kind(root) == "openai":
-        return "openai", root
-    raise InvalidInputError(
-        f"cannot trim {type(inner).__name__}: pass a ChatLlamaCpp (langchain-community) or a ChatOpenAI pointed at a local OpenAI-compatible "
-        "server (langchain-openai; for Ollama: base_url='http://localhost:11434/v1'); bind tools and arguments on the TrimmedChatModel"
-    )
-
-
 class Unsupported:
     """A client attribute trimkit cannot budget (the Responses API, the async client, ...): using it
     raises instead of sending around the budget. ``kept``: the attributes that go through trimkit."""
@@ -187,7 +170,15 @@ class Engine:
     on first use (:attr:`chat`), so that building a chat model does no I/O."""
 
     def __init__(self, inner: Any, ttft_budget_s: float | None, options: Mapping[str, Any]) -> None:
-        self.kind, self._client = inner_client(inner)
+        client, root = getattr(inner, "client", None), getattr(inner, "root_client", None)
+        if client_kind(client) == "llama":
+            self.kind, self._client = "llama", client
+        elif client_kind(root) == "openai":
+            self.kind, self._client = "openai", root
+        else:
+            raise InvalidInputError(f"cannot trim {type(inner).__name__}: pass a ChatLlamaCpp (langchain-community) or a ChatOpenAI pointed at a "
+                                    "local OpenAI-compatible server (langchain-openai; for Ollama: base_url='http://localhost:11434/v1'); "
+                                    "bind tools and arguments on the TrimmedChatModel")
         options = dict(options)
         check_options(self.kind, options)
         if self.kind == "openai":
@@ -236,7 +227,7 @@ class Engine:
             "client": call,
             # chat.completions.parse (``response_format``, non-streamed) through trimkit; anything else raises before sending
             "root_client": Unsupported("ChatOpenAI.root_client", chat=Unsupported("ChatOpenAI.root_client.chat", completions=Unsupported(
-                "ChatOpenAI.root_client.chat.completions", parse=call.parse, with_raw_response=_RawCreate(call.parse)))),
+                "ChatOpenAI.root_client.chat.completions", parse=call.parse, with_raw_response=_with_raw_response(call.parse)))),
             "async_client": Unsupported("ChatOpenAI.async_client"),
             "root_async_client": Unsupported("ChatOpenAI.root_async_client"),
             "include_response_headers": False,
@@ -260,40 +251,21 @@ class Engine:
                 pipeline.rag_template, pipeline.rag_chunk_template = saved
 
 
-class _RawCreate:
-    """``with_raw_response``: ``create``/``parse`` return a raw response whose ``.parse()`` is the reply (no headers)."""
-
-    def __init__(self, create: Any) -> None:
-        self._create = create
-
-    def create(self, **payload: Any) -> Any:
-        reply = self._create(**payload)
+def _with_raw_response(create: Any) -> Any:
+    """``with_raw_response``: its ``create``/``parse`` return a raw response whose ``.parse()`` is the reply (no headers)."""
+    def raw(**payload: Any) -> Any:
+        reply = create(**payload)
         return types.SimpleNamespace(parse=lambda: reply, headers={})
 
-    parse = create
+    return types.SimpleNamespace(create=raw, parse=raw)
 
 
-class _Converting:
-    """The stream a ``ChatOpenAI`` reads: trimkit's, its backend errors raised as :func:`as_openai_error` makes them."""
-
-    def __init__(self, stream: Any, url: str) -> None:
-        self._stream = stream
-        self._url = url
-
-    def __iter__(self) -> Any:
-        try:
-            yield from self._stream
-        except BackendError as exc:
-            raise as_openai_error(exc, self._url) from exc
-
-    def __enter__(self) -> _Converting:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stream.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
+def _converting(stream: Any, url: str) -> Iterator[Any]:
+    """The stream a ``ChatOpenAI`` reads (in a ``with``): trimkit's, its backend errors raised as :func:`as_openai_error` makes them."""
+    try:
+        yield from stream
+    except BackendError as exc:
+        raise as_openai_error(exc, url) from exc
 
 
 class Call:
@@ -321,8 +293,8 @@ class Call:
         return self._send(messages, params)
 
     @property
-    def with_raw_response(self) -> _RawCreate:
-        return _RawCreate(self.create)
+    def with_raw_response(self) -> Any:
+        return _with_raw_response(self.create)
 
     def create(self, **payload: Any) -> Any:
         messages = payload.pop("messages", None)
@@ -357,7 +329,7 @@ class Call:
             self.layer_s += found_s
             self.stream = self.engine.chat.execute(self.prepared, params)
             if streamed:
-                return self.stream if self.engine.kind == "llama" else _Converting(self.stream, self._url())
+                return self.stream if self.engine.kind == "llama" else contextlib.closing(_converting(self.stream, self._url()))
             drain(self.stream)
         except BackendError as exc:
             self.close()
@@ -387,8 +359,6 @@ class Call:
         finally:
             self.release()
 
-
-# -- the chat model --------------------------------------------------------------------------------------
 
 def _emit(data: dict[str, Any], run_manager: CallbackManagerForLLMRun | None) -> None:
     """The report as a custom callback event: with the model's run when LangChain gave it one, else the enclosing run's."""
@@ -605,8 +575,6 @@ class TrimmedChatModel(BaseChatModel):
             call.close()
         yield ChatGenerationChunk(message=last)
 
-
-# -- the trimmer step ------------------------------------------------------------------------------------
 
 def as_langchain_messages(sent: Sequence[Mapping[str, Any]], planned: Sequence[Mapping[str, Any]], originals: Sequence[BaseMessage],
                           converted: Sequence[Mapping[str, Any]]) -> list[BaseMessage]:

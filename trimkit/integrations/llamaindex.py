@@ -77,7 +77,6 @@ QA_RAG_TEMPLATE: str = (TEXT_QA_PROMPT_TMPL_MSGS[1].content or "").replace("{con
 QA_CHUNK_TEMPLATE = "{text}"
 
 
-# -- conversions: messages -------------------------------------------------------------------------
 def _tool_call(call_id: Any, name: Any, arguments: Any, kind: Any = "function") -> dict[str, Any]:
     """A new OpenAI tool-call dict, its arguments as JSON text."""
     out: dict[str, Any] = {"type": kind, "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
@@ -161,7 +160,6 @@ def _arguments(text: str) -> dict[str, Any] | str:
     return value if isinstance(value, dict) else text
 
 
-# -- conversions: nodes ----------------------------------------------------------------------------
 def _node_of(item: Any, i: int) -> tuple[BaseNode, float | None]:
     if isinstance(item, NodeWithScore):
         return item.node, item.score
@@ -206,8 +204,6 @@ def kept_nodes(kept: Sequence[Chunk], nodes: Sequence[Any]) -> list[NodeWithScor
         out.append(NodeWithScore(node=copy, score=score))
     return out
 
-
-# -- the engine behind a LlamaIndex LLM ------------------------------------------------------------------
 
 @attrs.frozen
 class Engine:
@@ -285,8 +281,6 @@ def send(front_end: Any, call: Mapping[str, Any]) -> Any:
     create = getattr(front_end, "create_chat_completion", None)
     return create(**call) if create is not None else front_end.chat.completions.create(**call)
 
-
-# -- the LLM ---------------------------------------------------------------------------------------------
 
 _END = object()
 
@@ -680,8 +674,6 @@ class TrimmedLLM(FunctionCallingLLM):
             raise ValueError("Expected at least one tool call, but got 0 tool calls.")
         return selections
 
-
-# -- the node postprocessor ------------------------------------------------------------------------------
 
 class TrimkitPostprocessor(BaseNodePostprocessor):
     """Keep the retrieved nodes worth their predicted prefill seconds for the query (docs/integrations.md).
