@@ -193,7 +193,6 @@ class Engine:
 
     @property
     def chat(self) -> Any:
-        """The trimkit wrapper (``TrimmedLlama`` or ``TrimmedOpenAI``), made on first use."""
         if self._chat is None:
             with self._lock:
                 if self._chat is None:
@@ -220,7 +219,6 @@ class Engine:
         return self._one_at_a_time if engine == "llama-cpp-python" else None
 
     def client_fields(self, call: Call) -> dict[str, Any]:
-        """What a copy of the inner model takes in place of its client(s) for one request."""
         if self.kind == "llama":
             return {"client": call}
         return {
@@ -346,7 +344,6 @@ class Call:
         return chat_completions_url(getattr(getattr(self.engine.chat, "backend", None), "base_url", None))
 
     def release(self) -> None:
-        """Let the engine's next request go (where requests go one at a time)."""
         serial, self._serial = self._serial, None
         if serial is not None:
             serial.release()
@@ -520,7 +517,6 @@ class TrimmedChatModel(BaseChatModel):
         return retargeted
 
     def _call(self, kwargs: dict[str, Any]) -> tuple[Call, BaseChatModel]:
-        """The stand-in client for one request and the inner model's copy holding it."""
         t0 = time.perf_counter()
         docs, budget = kwargs.pop("rag_chunks", None), kwargs.pop("ttft_budget_s", None)
         call = Call(self._engine, None if docs is None else as_chunks(docs), self.ttft_budget_s if budget is None else budget,

@@ -144,7 +144,6 @@ def reply_message(message: Mapping[str, Any]) -> ChatMessage:
 
 
 def from_openai_messages(messages: Sequence[Mapping[str, Any]]) -> list[ChatMessage]:
-    """OpenAI-style message dicts as LlamaIndex ``ChatMessage`` objects (see :func:`reply_message`)."""
     return [reply_message(m) for m in messages]
 
 
@@ -179,7 +178,6 @@ def node_chunk(item: Any, position: int = 0, metadata_mode: MetadataMode = Metad
 
 
 def nodes_to_chunks(nodes: Sequence[Any], metadata_mode: MetadataMode = MetadataMode.LLM) -> list[Chunk]:
-    """Retrieved nodes as chunks, in order (:func:`node_chunk`)."""
     if isinstance(nodes, (str, bytes, Mapping)) or not isinstance(nodes, Sequence):
         raise InvalidChunkError(f"nodes must be a list of llama_index NodeWithScore, got {type(nodes).__name__}")
     return [node_chunk(item, i, metadata_mode) for i, item in enumerate(nodes)]
@@ -745,7 +743,6 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
 
     @property
     def plans(self) -> list[Plan]:
-        """Recent plans, most recent last (at most ``max_plans``)."""
         with self._lock:
             return list(self._plans)
 
@@ -755,7 +752,6 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
         return getattr(self._llm if self._llm is not None else self._front, "ttft_budget_s", None)
 
     def plan_nodes(self, nodes: list[NodeWithScore], query: str) -> tuple[Plan, list[NodeWithScore]]:
-        """Plan ``nodes`` for ``query``: the plan, and the nodes to send in its order."""
         if not isinstance(query, str):
             raise InvalidInputError(f"the query must be a str, got {type(query).__name__}")
         t0 = time.perf_counter()
