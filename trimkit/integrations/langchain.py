@@ -202,10 +202,6 @@ class Engine:
                         raise InvalidInputError(f"TrimmedChatModel: {exc}") from None
         return self._chat
 
-    @property
-    def made(self) -> bool:
-        return self._chat is not None
-
     def serial(self) -> threading.Lock | None:
         """The lock each request holds from planning to its stream's end on ``python -m llama_cpp.server``
         (its ``interrupt_requests`` cuts a stream when another request arrives); None elsewhere."""

@@ -455,7 +455,6 @@ class TrimmedLLM(FunctionCallingLLM):
         inner = self._engine.inner
         return inner if isinstance(inner, FunctionCallingLLM) else None
 
-    # -- one request --------------------------------------------------------------------------------
     def _call(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[dict[str, Any], float]:
         t0 = time.perf_counter()
         budget = kwargs.pop("ttft_budget_s", None)
@@ -557,7 +556,6 @@ class TrimmedLLM(FunctionCallingLLM):
         chat_messages, chunks, budget = call.pop("messages"), call.pop("rag_chunks", None), call.pop("ttft_budget_s", None)
         return self._engine.front_end.prepare(chat_messages, chunks, call, ttft_budget_s=budget)
 
-    # -- LlamaIndex's LLM interface -------------------------------------------------------------------
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         return self._chat(messages, kwargs)
@@ -591,7 +589,6 @@ class TrimmedLLM(FunctionCallingLLM):
         responses = self._aresponses(*await self._aopen(_prompt_messages(prompt), kwargs))
         return (_as_completion(r) async for r in responses)
 
-    # -- structured outputs --------------------------------------------------------------------------
     def _structured_kwargs(self, output_cls: type[Model], llm_kwargs: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
         """``llm_kwargs`` as an ``OpenAI`` / ``OpenAILike`` makes them for a structured prediction, and
         whether it asks for a ``response_format`` rather than a forced tool call."""
