@@ -263,11 +263,9 @@ def _converting(stream: Any, url: str) -> Iterator[Any]:
 
 
 class Call:
-    """The inner model's client for one request: plans it with trimkit and sends it, always streamed.
-
-    ``create_chat_completion`` is ``ChatLlamaCpp``'s call; ``create``, ``with_raw_response.create``
-    and ``parse`` ``ChatOpenAI``'s. A non-streamed call drains the stream and returns the completion
-    as the inner model's client would (a dict, or the ``openai`` client's ``ChatCompletion``)."""
+    """The inner model's client for one request (``ChatLlamaCpp``'s ``create_chat_completion``, ``ChatOpenAI``'s
+    ``create``/``parse``): plans it with trimkit and sends it streamed; a non-streamed call gets the
+    completion assembled as the inner model's client returns it."""
 
     def __init__(self, engine: Engine, chunks: tuple[Chunk, ...] | None, ttft_budget_s: float | None, on_busy: str | None) -> None:
         self.engine = engine
@@ -390,11 +388,9 @@ def _retarget(node: Any, inner: BaseChatModel, outer: BaseChatModel) -> tuple[An
 
 
 class TrimmedChatModel(BaseChatModel):
-    """A LangChain chat model that keeps each request's TTFT inside a budget (``docs/integrations.md``).
-
-    ``TrimmedChatModel(inner, ttft_budget_s=None, **options)``: LangChain fields in ``options``
-    configure this model (those not given are ``inner``'s, :data:`INHERITED_FIELDS`), the rest go to
-    :func:`trimkit.wrap`. Per call: ``rag_chunks=``, ``ttft_budget_s=``, ``on_busy=``."""
+    """A LangChain chat model keeping each request's TTFT inside a budget (``docs/integrations.md``). LangChain
+    fields in ``options`` configure it (unset ones are ``inner``'s, :data:`INHERITED_FIELDS`), the rest go
+    to :func:`trimkit.wrap`. Per call: ``rag_chunks=``, ``ttft_budget_s=``, ``on_busy=``."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
@@ -589,12 +585,9 @@ def as_langchain_messages(sent: Sequence[Mapping[str, Any]], planned: Sequence[M
 
 
 class TrimkitTrimmer(Runnable[Any, list[BaseMessage]]):
-    """An LCEL step that trims a prompt's messages to a TTFT budget: it plans only, sending nothing.
-
-    ``target``: a :class:`TrimmedChatModel` or a trimkit wrapper (its profile, tokenizer, margin,
-    strategies, values, summaries, default budget), a ``ChatLlamaCpp`` / ``ChatOpenAI``, or a
-    ``Profile`` with ``tokenizer=``. ``plan_options`` go to :func:`trimkit.plan`, over the
-    target's. ``last_plan``: the latest call's plan (also the ``"trimkit_plan"`` callback event)."""
+    """An LCEL step trimming a prompt's messages to a TTFT budget (it plans only) with ``target``'s engine and
+    settings: a :class:`TrimmedChatModel`, a trimkit wrapper, a ``ChatLlamaCpp`` / ``ChatOpenAI``, or a ``Profile``
+    with ``tokenizer=``; ``plan_options`` go to :func:`trimkit.plan`. ``last_plan`` is also sent as :data:`PLAN_EVENT`."""
 
     def __init__(self, target: Any, ttft_budget_s: float | None = None, *, tokenizer: Any = None, **plan_options: Any) -> None:
         self.wrapper: Any = None

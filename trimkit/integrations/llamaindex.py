@@ -205,11 +205,8 @@ def kept_nodes(kept: Sequence[Chunk], nodes: Sequence[Any]) -> list[NodeWithScor
 
 @attrs.frozen
 class Engine:
-    """A sync trimkit front-end and what the LlamaIndex LLM it came from was configured with.
-
-    ``params``: decode parameters sent with every call; ``url``: for a server, ``(base_url, model,
-    api_key, wrap_url kwargs)`` (None: async calls run the sync front-end in a worker thread);
-    ``inner``: that LlamaIndex LLM, whose conversions are reused (it never sends through it)."""
+    """A sync trimkit front-end and how the LlamaIndex LLM ``inner`` (whose conversions are reused) was configured;
+    ``url``: a server's ``(base_url, model, api_key, wrap_url kwargs)`` (None: async calls run in a worker thread)."""
 
     front_end: Any
     params: Mapping[str, Any] = attrs.field(factory=dict)
@@ -671,11 +668,9 @@ class TrimmedLLM(FunctionCallingLLM):
 
 
 class TrimkitPostprocessor(BaseNodePostprocessor):
-    """Keep the retrieved nodes worth their predicted prefill seconds for the query (docs/integrations.md).
-
-    ``llm``: where the prompt will run (a :class:`TrimmedLLM`, or anything :func:`engine_of` takes), or
-    ``profile=`` with ``tokenizer=`` (default: an estimate). The templates default to LlamaIndex's own
-    question-answering prompt, so the prompt planned is the one a query engine sends."""
+    """Keep the retrieved nodes worth their predicted prefill seconds for the query (docs/integrations.md). ``llm``:
+    where the prompt runs (a :class:`TrimmedLLM`, or what :func:`engine_of` takes), or ``profile=`` and ``tokenizer=``;
+    the templates default to LlamaIndex's question-answering prompt, the one a query engine sends."""
 
     ttft_budget_s: float | None = Field(default=None, description="The TTFT budget of the request carrying the nodes.")
     system_prompt: str | None = Field(default=QA_SYSTEM_PROMPT, description="The system message the nodes are planned with.")
