@@ -250,12 +250,12 @@ def test_as_the_inner_model_forced_tool_calls_tokens_tracing_fields_and_pickling
     recorder = Recorder()
     inner = chat_llama.model_copy(update={"callbacks": [recorder], "tags": ["inner-tag"]})
     lazy = TrimmedChatModel(inner, ttft_budget_s=AMPLE_S)
-    assert not lazy._engine.made  # nothing measured at construction
+    assert lazy._engine._chat is None  # nothing measured at construction
     assert lazy.callbacks == [recorder] and lazy.tags == ["inner-tag"] and lazy.model_path == chat_llama.model_path
     lazy.invoke([HumanMessage("Say hi.")])
     assert recorder.model_runs and recorder.ends[-1]["trimkit"]["measured_ttft_s"] is not None
     clone = pickle.loads(pickle.dumps(model))  # as ChatLlamaCpp pickles: its Llama reloads; trimkit's wrapper is made on first use
-    assert type(clone) is TrimmedChatModel and clone.ttft_budget_s == model.ttft_budget_s and not clone._engine.made
+    assert type(clone) is TrimmedChatModel and clone.ttft_budget_s == model.ttft_budget_s and clone._engine._chat is None
     assert clone.inner.client is not chat_llama.client and clone.inner.model_path == chat_llama.model_path
 
 

@@ -1,27 +1,21 @@
-"""trimkit for LangChain (``pip install trimkit[langchain]``): the chat model you already use, inside a TTFT budget.
-
-- :class:`TrimmedChatModel` wraps a ``ChatLlamaCpp`` or a ``ChatOpenAI`` pointed at a local server:
-  ``inner`` converts each request as it always does, on a stand-in client (:class:`Call`) that
-  plans and sends it through :func:`trimkit.wrap` on the engine ``inner`` talks to (:class:`Engine`);
-- :func:`trimkit_context` formats retrieved documents for a prompt's context and remembers them,
-  so that a trimkit step later in the chain finds them again (:func:`find_context`);
-- :func:`trimkit_trimmer` is an LCEL step that only plans and returns the messages to send.
-
-The caller's messages and documents are never changed. Usage, what passes through unchanged and
-where trimkit differs (and why): ``docs/integrations.md``.
+"""trimkit for LangChain (``pip install trimkit[langchain]``): :class:`TrimmedChatModel` wraps a
+``ChatLlamaCpp`` or a local ``ChatOpenAI``, whose own ``_generate``/``_stream`` run on a stand-in
+client (:class:`Call`) sending through :func:`trimkit.wrap`; :func:`trimkit_context` formats and
+remembers retrieved documents so a later trimkit step finds them (:func:`find_context`);
+:func:`trimkit_trimmer` only plans. Usage and where trimkit differs: ``docs/integrations.md``.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import numbers
 import threading
 import time
+import types
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
-
-import attrs
 
 try:
     from langchain_core.callbacks import CallbackManager, CallbackManagerForLLMRun, dispatch_custom_event
@@ -41,15 +35,7 @@ from trimkit.errors import BackendError, InvalidBudgetError, InvalidChunkError, 
 from trimkit.errors import budget as valid_budget
 from trimkit.frontend import drain
 from trimkit.integrations import as_openai_error, chat_completions_url
-from trimkit.messages import (
-    DEFAULT_RAG_CHUNK_TEMPLATE,
-    SYSTEM_ROLES,
-    Chunk,
-    check_rag_templates,
-    coerce_chunks,
-    last_user_index,
-    render_rag_question,
-)
+from trimkit.messages import DEFAULT_RAG_CHUNK_TEMPLATE, SYSTEM_ROLES, Chunk, check_rag_templates, coerce_chunks, last_user_index, render_rag_question
 from trimkit.pipeline import Prepared
 from trimkit.planning.planner import Plan, plan
 from trimkit.planning.profile import Profile
@@ -58,30 +44,35 @@ from trimkit.wrapper import wrap
 
 __all__ = ["TrimmedChatModel", "trimkit_trimmer", "trimkit_context", "TrimkitTrimmer", "REPORT_EVENT", "PLAN_EVENT"]
 
-
-# -- retrieved documents ---------------------------------------------------------------------------------
-
 #: metadata keys read as a document's relevance score, in this order (higher = more relevant)
 SCORE_KEYS = ("score", "relevance_score", "similarity_score", "similarity")
 #: metadata keys read as a document's id when ``Document.id`` is empty, in this order
 ID_KEYS = ("id", "doc_id", "chunk_id", "document_id")
-#: how many formatted contexts are remembered (the most recent); a context is found again only
-#: while it is remembered — a prompt is formatted and sent within the same chain call
+#: how many formatted contexts are remembered (the most recent): a prompt is formatted and sent within one chain call
 MAX_REMEMBERED = 256
+#: the name of the custom callback event carrying ``report.to_dict()``
+REPORT_EVENT = "trimkit_report"
+#: the name of the custom callback event carrying ``plan.to_dict()``
+PLAN_EVENT = "trimkit_plan"
+#: the chat-model fields taken from the inner model unless given: what LangChain reads from the model it runs
+INHERITED_FIELDS = ("callbacks", "tags", "metadata", "verbose", "cache", "rate_limiter", "disable_streaming", "output_version",
+                    "custom_get_token_ids")
+#: the per-call keywords trimkit takes (never sent to the inner model)
+CALL_KEYWORDS = ("rag_chunks", "ttft_budget_s", "on_busy")
 
 _BODY_ONLY = "{chunks}{question}"  # renders the chunks alone (the question is empty)
+#: the recently formatted contexts: text -> (chunks, chunk template), most recent last
+_CONTEXTS: collections.OrderedDict[str, tuple[tuple[Chunk, ...], str]] = collections.OrderedDict()
+_CONTEXTS_LOCK = threading.Lock()
 
 
 def _is_document(value: Any) -> bool:
-    """A LangChain ``Document`` (or anything shaped like one: ``page_content`` and ``metadata``)."""
     return isinstance(getattr(value, "page_content", None), str) and isinstance(getattr(value, "metadata", None), Mapping)
 
 
 def document_chunk(doc: Any, index: int = 0) -> Chunk:
-    """One LangChain ``Document`` as a :class:`~trimkit.messages.Chunk`: ``Document.id`` (else the
-    first of :data:`ID_KEYS` in its metadata), the first of :data:`SCORE_KEYS` as its score (a
-    distance is not a score and is not read). Raises :class:`~trimkit.errors.InvalidChunkError`
-    for an empty text or a score that is not a finite number."""
+    """One ``Document`` as a :class:`~trimkit.messages.Chunk`: its id (else :data:`ID_KEYS`), the
+    first of :data:`SCORE_KEYS` as its score; :class:`~trimkit.errors.InvalidChunkError` if invalid."""
     meta: Mapping[str, Any] = doc.metadata
     doc_id = getattr(doc, "id", None)
     if doc_id in (None, ""):
@@ -96,9 +87,7 @@ def document_chunk(doc: Any, index: int = 0) -> Chunk:
 
 
 def as_chunks(documents: Any) -> tuple[Chunk, ...]:
-    """``rag_chunks`` as trimkit takes them: Documents converted, the rest (``Chunk``, ``str``,
-    dicts with ``text``) as given; then validated, with ids made unique
-    (:func:`~trimkit.messages.coerce_chunks`). None → no chunks."""
+    """``rag_chunks`` as trimkit takes them: Documents converted, the rest as given, then validated (None: none)."""
     if documents is None:
         return ()
     if isinstance(documents, (str, bytes, Mapping)) or _is_document(documents) or not isinstance(documents, Sequence):
@@ -106,124 +95,49 @@ def as_chunks(documents: Any) -> tuple[Chunk, ...]:
     return coerce_chunks([document_chunk(d, i) if _is_document(d) else d for i, d in enumerate(documents)])
 
 
-@attrs.frozen
-class ContextMatch:
-    """A remembered context found in a request's last user message.
-
-    ``messages`` is the request with that message's context taken out (a new list and a new
-    message; the rest are the caller's objects); ``rag_template`` puts the chunks back where the
-    context was, and renders the text around it alone when no chunk is kept."""
-
-    messages: list[Mapping[str, Any]]
-    chunks: tuple[Chunk, ...]
-    rag_template: str
-    rag_chunk_template: str
-
-
-class _Contexts:
-    """The recently formatted contexts: text → (chunks, chunk template), most recent last."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.lock = threading.Lock()
-        self.items: collections.OrderedDict[str, tuple[tuple[Chunk, ...], str]] = collections.OrderedDict()
-
-    def remember(self, text: str, chunks: tuple[Chunk, ...], chunk_template: str) -> None:
-        with self.lock:
-            self.items[text] = (chunks, chunk_template)
-            self.items.move_to_end(text)
-            while len(self.items) > self.size:
-                self.items.popitem(last=False)
-
-    def find(self, content: str) -> tuple[str, tuple[Chunk, ...], str] | None:
-        with self.lock:
-            entries = list(self.items.items())
-        for text, (chunks, chunk_template) in reversed(entries):  # the longest match would be safer, the newest is the usual
-            if text in content:
-                return text, chunks, chunk_template
-        return None
-
-
-_CONTEXTS = _Contexts(MAX_REMEMBERED)
-
-
-def _escape(text: str) -> str:
-    return text.replace("{", "{{").replace("}", "}}")
-
-
 def format_documents(documents: Any, chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE) -> str:
-    """Documents (a list, or one) as the context text of a prompt, remembered for
-    :func:`find_context`. No documents → ``""`` (nothing remembered)."""
-    docs = [documents] if _is_document(documents) else documents
-    chunks = as_chunks(docs)
+    """Documents (a list, or one) as a prompt's context text, remembered for :func:`find_context` (none: ``""``)."""
+    chunks = as_chunks([documents] if _is_document(documents) else documents)
     if not chunks:
         return ""
     text = render_rag_question("", chunks, _BODY_ONLY, chunk_template)  # as trimkit places chunks in a prompt
-    _CONTEXTS.remember(text, chunks, chunk_template)
+    with _CONTEXTS_LOCK:
+        _CONTEXTS[text] = (chunks, chunk_template)
+        _CONTEXTS.move_to_end(text)
+        while len(_CONTEXTS) > MAX_REMEMBERED:
+            _CONTEXTS.popitem(last=False)
     return text
 
 
 def trimkit_context(chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE) -> Any:
-    """An LCEL step formatting retrieved documents for a prompt's context variable so that a
-    trimkit step later in the chain finds them again and can drop or cut them — use it where a
-    chain has ``format_docs``::
-
-        chain = {"context": retriever | trimkit_context(), "question": RunnablePassthrough()} | prompt | model
-
-    ``chunk_template`` formats each document (``{id}``, ``{text}``, ``{n}``); it must be the
-    trimkit step's ``rag_chunk_template`` (both default to ``"[{id}] {text}"``)."""
+    """An LCEL step formatting retrieved documents for a prompt's context, in place of ``format_docs``;
+    ``chunk_template`` must be the trimkit step's ``rag_chunk_template`` (both default to ``"[{id}] {text}"``)."""
     check_rag_templates(_BODY_ONLY, chunk_template)
     return RunnableLambda(lambda docs: format_documents(docs, chunk_template), name="trimkit_context")
 
 
-def find_context(messages: Sequence[Mapping[str, Any]]) -> ContextMatch | None:
-    """The remembered context in the last user message of ``messages`` (string content), or None.
-
-    The message keeps the text before and after the context; the returned ``rag_template``
-    renders ``before + chunks + after`` when chunks are kept and ``before + after`` (the
-    question trimkit ranks the chunks against) when none is."""
+def find_context(messages: Sequence[Mapping[str, Any]]) -> tuple[list[Mapping[str, Any]], tuple[Chunk, ...], str, str] | None:
+    """The remembered context in the last user message: ``(messages without it, its chunks, a
+    rag_template putting them back where it was, its chunk template)``, or None."""
     i = last_user_index(messages)
     content = messages[i].get("content")
     if not isinstance(content, str):
         return None
-    found = _CONTEXTS.find(content)
-    if found is None:
-        return None
-    text, chunks, chunk_template = found
-    before, after = content.split(text, 1)
-    template = _escape(before) + "{chunks}" + _escape(after) + "{question:.0}"
-    out = list(messages)
-    out[i] = {**messages[i], "content": before + after}
-    return ContextMatch(messages=out, chunks=chunks, rag_template=template, rag_chunk_template=chunk_template)
-
-
-# -- the engine behind the inner model, and the client standing in for it during a request ---------------
-
-def inner_client(inner: Any) -> tuple[str, Any]:
-    """(``"llama"`` or ``"openai"``, the client) of a LangChain chat model trimkit can reach;
-    :class:`~trimkit.errors.InvalidInputError` for any other."""
-    client = getattr(inner, "client", None)
-    if client_kind(client) == "llama":
-        return "llama", client
-    root = getattr(inner, "root_client", None)
-    if client_kind(root) == "openai":
-        return "openai", root
-    name = type(inner).__name__
-    if name == "ChatOllama":
-        raise InvalidInputError(
-            "ChatOllama talks Ollama's own API, which trimkit does not speak: use langchain_openai.ChatOpenAI("
-            "base_url='http://localhost:11434/v1', api_key='ollama', model=...) (Ollama's OpenAI-compatible endpoint)"
-        )
-    raise InvalidInputError(
-        f"cannot trim {name}: pass a ChatLlamaCpp (langchain-community; its .client is a llama_cpp.Llama) or a ChatOpenAI "
-        "pointed at a local OpenAI-compatible server (langchain-openai); bind tools and arguments on the TrimmedChatModel, not before"
-    )
+    with _CONTEXTS_LOCK:
+        entries = list(_CONTEXTS.items())
+    for text, (chunks, chunk_template) in reversed(entries):  # the newest match, the usual one
+        if text in content:
+            before, after = content.split(text, 1)
+            out = list(messages)
+            out[i] = {**messages[i], "content": before + after}
+            escaped = [s.replace("{", "{{").replace("}", "}}") for s in (before, after)]
+            return out, chunks, escaped[0] + "{chunks}" + escaped[1] + "{question:.0}", chunk_template
+    return None
 
 
 class Unsupported:
-    """Stands in for a client attribute trimkit cannot put a budget on (the Responses API,
-    ``response_format`` streaming helpers, raw responses, the async client): using it raises
-    instead of sending a request around the budget. ``kept``: the attributes that do go through trimkit."""
+    """A client attribute trimkit cannot budget (the Responses API, the async client, ...): using it
+    raises instead of sending around the budget. ``kept``: the attributes that go through trimkit."""
 
     def __init__(self, what: str, **kept: Any) -> None:
         self._what = what
@@ -236,7 +150,7 @@ class Unsupported:
 
 
 def check_options(kind: str, options: Mapping[str, Any]) -> None:
-    """An option :func:`trimkit.wrap` does not take for an engine of this kind raises now, before anything is measured."""
+    """Raise now, before anything is measured, for an option :func:`trimkit.wrap` does not take."""
     from trimkit.openai_wrapper import BACKEND_KWARGS, TrimmedOpenAI
     from trimkit.pipeline import Pipeline
 
@@ -252,17 +166,19 @@ def check_options(kind: str, options: Mapping[str, Any]) -> None:
 
 
 class Engine:
-    """The trimkit wrapper of the engine an inner chat model talks to, shared by its requests.
-
-    ``options`` are :func:`trimkit.wrap`'s (``profile``, ``strategies``, ``values``,
-    ``on_infeasible``, ``on_busy``, ``calibration``, ``rag_template``, ...).
-
-    Nothing is measured here: the wrapper (the stored profile, else a calibration through the
-    inner model's client) is made on first use (:attr:`chat`), so that building a chat model
-    does no I/O (recorded-HTTP test harnesses, start-up time)."""
+    """The trimkit wrapper of the engine an inner chat model talks to, shared by its requests; made
+    on first use (:attr:`chat`), so that building a chat model does no I/O."""
 
     def __init__(self, inner: Any, ttft_budget_s: float | None, options: Mapping[str, Any]) -> None:
-        self.kind, self._client = inner_client(inner)
+        client, root = getattr(inner, "client", None), getattr(inner, "root_client", None)
+        if client_kind(client) == "llama":
+            self.kind, self._client = "llama", client
+        elif client_kind(root) == "openai":
+            self.kind, self._client = "openai", root
+        else:
+            raise InvalidInputError(f"cannot trim {type(inner).__name__}: pass a ChatLlamaCpp (langchain-community) or a ChatOpenAI pointed at a "
+                                    "local OpenAI-compatible server (langchain-openai; for Ollama: base_url='http://localhost:11434/v1'); "
+                                    "bind tools and arguments on the TrimmedChatModel")
         options = dict(options)
         check_options(self.kind, options)
         if self.kind == "openai":
@@ -270,43 +186,28 @@ class Engine:
         self._options = options
         self._ttft_budget_s = ttft_budget_s
         self._chat: Any = None
-        self._made = threading.Lock()
-        # a request found its context in the prompt: it is planned with its own RAG templates
-        # (the wrapper's are swapped while it is prepared, so every preparation holds the lock)
-        self._lock = threading.Lock()
-        # llama-cpp-python's server (by default) cuts the stream in flight short when another
-        # request arrives, even a tokenize request: its requests go one at a time (serial())
+        # held while the wrapper is made and while a request is prepared (one found in the prompt swaps the RAG templates)
+        self._lock = threading.RLock()
+        # llama-cpp-python's server (by default) cuts the stream in flight short when another request arrives, even a tokenize request
         self._one_at_a_time = threading.Lock()
 
     @property
     def chat(self) -> Any:
-        """The trimkit wrapper (``TrimmedLlama`` or ``TrimmedOpenAI``): ``.profile``, ``.reports``,
-        ... Made on first use: the stored profile, else a micro-calibration through the client."""
-        chat = self._chat
-        if chat is None:
-            with self._made:
+        if self._chat is None:
+            with self._lock:
                 if self._chat is None:
                     try:
                         self._chat = wrap(self._client, ttft_budget_s=self._ttft_budget_s, **self._options)
                     except TypeError as exc:  # an option trimkit.wrap does not take
                         raise InvalidInputError(f"TrimmedChatModel: {exc}") from None
-                chat = self._chat
-        return chat
-
-    @property
-    def made(self) -> bool:
-        """Whether the wrapper exists yet (the first request makes it)."""
-        return self._chat is not None
+        return self._chat
 
     def serial(self) -> threading.Lock | None:
-        """The lock every request to this engine holds from its planning to the end of its
-        stream where the server interrupts the stream in flight when another request arrives
-        (``python -m llama_cpp.server``, whose ``interrupt_requests`` is on by default; the
-        non-streamed calls the raw chat model sends are not cut there): None elsewhere."""
+        """The lock each request holds from planning to its stream's end on ``python -m llama_cpp.server``
+        (its ``interrupt_requests`` cuts a stream when another request arrives); None elsewhere."""
         if self.kind != "openai":
             return None
-        backend = getattr(self.chat, "backend", None)
-        info = getattr(backend, "server_info", None)
+        info = getattr(getattr(self.chat, "backend", None), "server_info", None)
         try:
             engine = info().engine if info is not None else "unknown"
         except Exception:  # the request itself will say what is wrong with the server
@@ -314,14 +215,13 @@ class Engine:
         return self._one_at_a_time if engine == "llama-cpp-python" else None
 
     def client_fields(self, call: Call) -> dict[str, Any]:
-        """What a copy of the inner model takes in place of its client(s) for one request."""
         if self.kind == "llama":
             return {"client": call}
         return {
             "client": call,
             # chat.completions.parse (``response_format``, non-streamed) through trimkit; anything else raises before sending
             "root_client": Unsupported("ChatOpenAI.root_client", chat=Unsupported("ChatOpenAI.root_client.chat", completions=Unsupported(
-                "ChatOpenAI.root_client.chat.completions", parse=call.parse, with_raw_response=_RawCreate(call.parse)))),
+                "ChatOpenAI.root_client.chat.completions", parse=call.parse, with_raw_response=_with_raw_response(call.parse)))),
             "async_client": Unsupported("ChatOpenAI.async_client"),
             "root_async_client": Unsupported("ChatOpenAI.root_async_client"),
             "include_response_headers": False,
@@ -329,81 +229,43 @@ class Engine:
 
     def prepare(self, messages: Sequence[Mapping[str, Any]], chunks: tuple[Chunk, ...] | None, params: Mapping[str, Any], *,
                 ttft_budget_s: float | None, on_busy: str | None) -> tuple[Prepared, float]:
-        """Plan one request (``chunks`` None: look for a context in the prompt). Returns the
-        prepared request and the seconds spent finding the context (this layer's own work)."""
+        """Plan one request (``chunks`` None: look for a context in the prompt); also returns the seconds finding it took."""
         t0 = time.perf_counter()
         match = find_context(messages) if chunks is None and messages else None
         found_s = time.perf_counter() - t0
-        pipeline = self.chat.pipeline
         with self._lock:
+            pipeline = self.chat.pipeline
             if match is None:
                 return self.chat.prepare(messages, chunks, params, ttft_budget_s=ttft_budget_s, on_busy=on_busy), found_s
             saved = (pipeline.rag_template, pipeline.rag_chunk_template)
-            pipeline.rag_template, pipeline.rag_chunk_template = match.rag_template, match.rag_chunk_template
+            pipeline.rag_template, pipeline.rag_chunk_template = match[2], match[3]
             try:
-                return self.chat.prepare(match.messages, match.chunks, params, ttft_budget_s=ttft_budget_s, on_busy=on_busy), found_s
+                return self.chat.prepare(match[0], match[1], params, ttft_budget_s=ttft_budget_s, on_busy=on_busy), found_s
             finally:
                 pipeline.rag_template, pipeline.rag_chunk_template = saved
 
 
-class _Raw:
-    """What ``with_raw_response.create(...)`` returns: ``.parse()`` is the reply; no headers."""
+def _with_raw_response(create: Any) -> Any:
+    """``with_raw_response``: its ``create``/``parse`` return a raw response whose ``.parse()`` is the reply (no headers)."""
+    def raw(**payload: Any) -> Any:
+        reply = create(**payload)
+        return types.SimpleNamespace(parse=lambda: reply, headers={})
 
-    def __init__(self, reply: Any) -> None:
-        self._reply = reply
-        self.headers: dict[str, str] = {}
-
-    def parse(self) -> Any:
-        return self._reply
+    return types.SimpleNamespace(create=raw, parse=raw)
 
 
-class _RawCreate:
-    def __init__(self, create: Any) -> None:
-        self._create = create
-
-    def create(self, **payload: Any) -> _Raw:
-        return _Raw(self._create(**payload))
-
-    parse = create
-
-
-class _Converting:
-    """The stream a ``ChatOpenAI`` reads: trimkit's, its backend errors raised as
-    :func:`as_openai_error` makes them (``ChatOpenAI`` handles ``openai.APIError`` as always)."""
-
-    def __init__(self, stream: Any, url: str) -> None:
-        self._stream = stream
-        self._url = url
-
-    def __iter__(self) -> Any:
-        try:
-            yield from self._stream
-        except BackendError as exc:
-            raise as_openai_error(exc, self._url) from exc
-
-    def __enter__(self) -> _Converting:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._stream.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
+def _converting(stream: Any, url: str) -> Iterator[Any]:
+    """The stream a ``ChatOpenAI`` reads (in a ``with``): trimkit's, its backend errors raised as :func:`as_openai_error` makes them."""
+    try:
+        yield from stream
+    except BackendError as exc:
+        raise as_openai_error(exc, url) from exc
 
 
 class Call:
-    """The inner model's client for one request: plans it with trimkit and sends it (streamed).
-
-    ``create_chat_completion(messages=..., **params)`` is ``ChatLlamaCpp``'s call,
-    ``create(messages=..., **payload)`` ``ChatOpenAI``'s (its ``max_completion_tokens``, an
-    OpenAI-only name local servers ignore, is sent as ``max_tokens``, which the user set), and
-    ``with_raw_response.create`` / ``root_client.chat.completions.parse`` its non-streamed and
-    ``response_format`` calls. A streamed call returns the stream; a non-streamed one drains it
-    and returns the assembled completion (a dict for ``ChatLlamaCpp``, the client's
-    ``ChatCompletion`` — ``ParsedChatCompletion`` for ``parse`` — for ``ChatOpenAI``)."""
+    """The inner model's client for one request (``ChatLlamaCpp``'s ``create_chat_completion``, ``ChatOpenAI``'s
+    ``create``/``parse``): plans it with trimkit and sends it streamed; a non-streamed call gets the
+    completion assembled as the inner model's client returns it."""
 
     def __init__(self, engine: Engine, chunks: tuple[Chunk, ...] | None, ttft_budget_s: float | None, on_busy: str | None) -> None:
         self.engine = engine
@@ -412,31 +274,28 @@ class Call:
         self.on_busy = on_busy
         self.prepared: Prepared | None = None
         self.stream: Any = None
-        #: seconds this layer spent on its own work during the call (not trimkit's planning)
-        self.layer_s = 0.0
+        self.layer_s = 0.0  # this layer's own seconds during the call (not trimkit's planning)
+        self._serial: threading.Lock | None = None
 
     @property
     def report(self) -> Report | None:
-        """The request's report, once its stream is finished."""
         return getattr(self.stream, "report", None)
 
     def create_chat_completion(self, messages: Any = None, **params: Any) -> Any:
         return self._send(messages, params)
 
     @property
-    def with_raw_response(self) -> _RawCreate:
-        return _RawCreate(self.create)
+    def with_raw_response(self) -> Any:
+        return _with_raw_response(self.create)
 
     def create(self, **payload: Any) -> Any:
         messages = payload.pop("messages", None)
-        if "max_completion_tokens" in payload and "max_tokens" not in payload:
+        if "max_completion_tokens" in payload and "max_tokens" not in payload:  # an OpenAI-only name local servers ignore
             payload["max_tokens"] = payload.pop("max_completion_tokens")
         return self._send(messages, payload)
 
     def parse(self, **payload: Any) -> Any:
-        """``chat.completions.parse``: ``response_format`` (a pydantic class, sent as the
-        ``openai`` client sends it, or a dict) and ``tools`` through trimkit, the reply parsed by
-        the ``openai`` client's own parser."""
+        """``chat.completions.parse``: ``response_format`` sent as the ``openai`` client sends it, the reply parsed by its parser."""
         from openai import omit
         from openai.lib._parsing._completions import parse_chat_completion, type_to_response_format_param
 
@@ -462,7 +321,7 @@ class Call:
             self.layer_s += found_s
             self.stream = self.engine.chat.execute(self.prepared, params)
             if streamed:
-                return self.stream if self.engine.kind == "llama" else _Converting(self.stream, self._url())
+                return self.stream if self.engine.kind == "llama" else contextlib.closing(_converting(self.stream, self._url()))
             drain(self.stream)
         except BackendError as exc:
             self.close()
@@ -473,22 +332,18 @@ class Call:
             self.close()
             raise
         self.release()
-        return self.engine.chat.assemble(self.stream)  # as the inner model's client returns it
+        return self.engine.chat.assemble(self.stream)
 
     def _url(self) -> str:
         return chat_completions_url(getattr(getattr(self.engine.chat, "backend", None), "base_url", None))
 
-    _serial: threading.Lock | None = None
-
     def release(self) -> None:
-        """Let the engine's next request go (where requests go one at a time)."""
         serial, self._serial = self._serial, None
         if serial is not None:
             serial.release()
 
     def close(self) -> None:
-        """End the stream if the caller stopped reading it early (frees an in-process engine),
-        and let the engine's next request go."""
+        """End a stream the caller stopped reading early (frees an in-process engine); let the next request go."""
         try:
             if self.stream is not None and self.report is None:
                 self.stream.close()
@@ -496,15 +351,8 @@ class Call:
             self.release()
 
 
-# -- the chat model --------------------------------------------------------------------------------------
-
-#: the name of the custom callback event carrying ``report.to_dict()``
-REPORT_EVENT = "trimkit_report"
-
-
 def _emit(data: dict[str, Any], run_manager: CallbackManagerForLLMRun | None) -> None:
-    """The report as a custom callback event: with the model's run when LangChain gave it one,
-    else with the enclosing run (outside any run there is nobody to tell)."""
+    """The report as a custom callback event: with the model's run when LangChain gave it one, else the enclosing run's."""
     if run_manager is not None:
         if run_manager.handlers:
             manager = CallbackManager(handlers=run_manager.handlers, inheritable_handlers=run_manager.inheritable_handlers,
@@ -517,35 +365,16 @@ def _emit(data: dict[str, Any], run_manager: CallbackManagerForLLMRun | None) ->
         pass
 
 
-#: the chat-model fields a ``TrimmedChatModel`` takes from its inner model unless given: what
-#: LangChain reads from the model it runs (callbacks, tags, metadata, cache, rate limiter, the
-#: message format, streaming switches), so that the wrapped model runs as the inner one did
-INHERITED_FIELDS = ("callbacks", "tags", "metadata", "verbose", "cache", "rate_limiter", "disable_streaming", "output_version",
-                    "custom_get_token_ids")
-#: the per-call keywords trimkit takes (never sent to the inner model)
-CALL_KEYWORDS = ("rag_chunks", "ttft_budget_s", "on_busy")
-
-
-def _usage(report: Report | None) -> dict[str, int] | None:
-    """``usage_metadata`` from trimkit's counts (prompt tokens as sent, completion tokens)."""
-    m = getattr(report, "measurement", None)
-    prompt, completion = getattr(m, "prompt_tokens", None), getattr(m, "completion_tokens", None)
-    if prompt is None or completion is None:
-        return None
-    return {"input_tokens": int(prompt), "output_tokens": int(completion), "total_tokens": int(prompt) + int(completion)}
-
-
 def _retarget(node: Any, inner: BaseChatModel, outer: BaseChatModel) -> tuple[Any, bool]:
-    """``node`` (a runnable the inner model built around itself: ``with_structured_output``'s
-    binding and parser) with ``outer`` in place of ``inner``; and whether ``inner`` was found."""
+    """``node`` (a runnable the inner model built around itself) with ``outer`` in place of ``inner``; and whether it was found."""
     if node is inner:
         return outer, True
     if isinstance(node, (list, tuple)):
         items = [_retarget(x, inner, outer) for x in node]
         return type(node)(x for x, _ in items), any(f for _, f in items)
     if isinstance(node, dict):
-        items = {k: _retarget(v, inner, outer) for k, v in node.items()}
-        return {k: v for k, (v, _) in items.items()}, any(f for _, f in items.values())
+        pairs = {k: _retarget(v, inner, outer) for k, v in node.items()}
+        return {k: v for k, (v, _) in pairs.items()}, any(f for _, f in pairs.values())
     if not isinstance(node, Runnable) or not isinstance(node, BaseModel):
         return node, False
     update = {}
@@ -559,22 +388,14 @@ def _retarget(node: Any, inner: BaseChatModel, outer: BaseChatModel) -> tuple[An
 
 
 class TrimmedChatModel(BaseChatModel):
-    """A LangChain chat model that keeps each request's TTFT inside a budget (``docs/integrations.md``).
-
-    ``TrimmedChatModel(inner, ttft_budget_s=None, **options)``: ``options`` that are LangChain
-    chat-model fields (``callbacks``, ``tags``, ...) configure this model — those not given are
-    ``inner``'s (:data:`INHERITED_FIELDS`); the rest go to :func:`trimkit.wrap`, checked here
-    (``profile`` is trimkit's; the model's LangChain ``.profile`` is ``inner``'s). Nothing is
-    measured at construction: on first use the stored profile, else a micro-calibration through
-    ``inner``'s own client. Per call: ``rag_chunks=``, ``ttft_budget_s=``, ``on_busy=``; every
-    other keyword reaches ``inner`` as it would without trimkit.
-    """
+    """A LangChain chat model keeping each request's TTFT inside a budget (``docs/integrations.md``). LangChain
+    fields in ``options`` configure it (unset ones are ``inner``'s, :data:`INHERITED_FIELDS`), the rest go
+    to :func:`trimkit.wrap`. Per call: ``rag_chunks=``, ``ttft_budget_s=``, ``on_busy=``."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     #: the wrapped chat model (never modified: each request uses a copy holding trimkit's stand-in client)
     inner: BaseChatModel
-    #: the default TTFT budget in seconds (None: no budget)
     ttft_budget_s: float | None = None
     #: the options given to :func:`trimkit.wrap`
     trimkit_options: dict[str, Any] = Field(default_factory=dict, repr=False)
@@ -606,19 +427,15 @@ class TrimmedChatModel(BaseChatModel):
         self._engine = engine
 
     def __getattr__(self, name: str) -> Any:
-        """Any other public attribute is the inner model's (``model_name``, ``openai_api_key``,
-        ``client``'s settings, ...), read as on the inner model; set them on the inner model."""
+        """Any other public attribute is the inner model's (``model_name``, ``openai_api_key``, ...)."""
         try:
             return super().__getattr__(name)  # type: ignore[misc]
         except AttributeError:
-            if name.startswith("_"):
-                raise
             inner = self.__dict__.get("inner")
-            if inner is None:
+            if name.startswith("_") or inner is None:
                 raise
             return getattr(inner, name)
 
-    # -- pickling and serialisation, as the inner model's ------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())
         state["__pydantic_private__"] = None  # the engine (locks, the wrapper): made again on first use
@@ -630,20 +447,10 @@ class TrimmedChatModel(BaseChatModel):
 
     @classmethod
     def is_lc_serializable(cls) -> bool:
-        """Serialisable (``dumpd``/``dumps``/``load``) when its inner model is (``to_json``)."""
         return True
 
-    @classmethod
-    def get_lc_namespace(cls) -> list[str]:
-        return cls.__module__.split(".")
-
-    @property
-    def lc_secrets(self) -> dict[str, str]:
-        return {}
-
     def to_json(self) -> Any:
-        """The inner model's serialisation inside this model's; "not implemented" (as the inner
-        model's) where the inner model is not serialisable or trimkit's options are not JSON."""
+        """Serialisable (``dumpd``/``load``) where the inner model is and trimkit's options are JSON."""
         import json
 
         if not self.inner.is_lc_serializable():
@@ -654,12 +461,9 @@ class TrimmedChatModel(BaseChatModel):
             return self.to_json_not_implemented()
         return Serializable.to_json(self)
 
-    # -- what the model exposes ---------------------------------------------------------------------
     @property
     def trimkit(self) -> Any:
-        """The trimkit wrapper requests go through (``TrimmedLlama`` or ``TrimmedOpenAI``):
-        ``.profile``, ``.reports``, ``.safety_margin``, ``.idle()``, ... (made on first use: the
-        stored profile, else a micro-calibration)."""
+        """The trimkit wrapper requests go through (``TrimmedLlama`` or ``TrimmedOpenAI``), made on first use."""
         return self._engine.chat
 
     @property
@@ -669,15 +473,11 @@ class TrimmedChatModel(BaseChatModel):
 
     @property
     def last_layer_s(self) -> float | None:
-        """Seconds this integration's own code took in the most recent request: converting the
-        documents, finding a context in the prompt, copying the inner model, attaching and
-        emitting the report. Not trimkit's planning (``trimkit.last_prepared.prepare_s``), not
-        LangChain's own conversions, not the model."""
+        """Seconds this integration's own code took in the most recent request (not trimkit's planning, not LangChain's)."""
         return self._last_layer_s
 
     def _resolve_model_profile(self) -> Any:
-        """LangChain's model profile (context window, tool calling, ...): the inner model's."""
-        return self.inner.profile
+        return self.inner.profile  # LangChain's model profile (context window, tool calling, ...)
 
     @property
     def _llm_type(self) -> str:
@@ -688,12 +488,10 @@ class TrimmedChatModel(BaseChatModel):
         return {**self.inner._identifying_params, "trimkit_inner": self.inner._llm_type, "ttft_budget_s": self.ttft_budget_s}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        """Tracing's standard parameters (provider, model name, temperature, max tokens): the inner model's."""
         return self.inner._get_ls_params(stop=stop, **{k: v for k, v in kwargs.items() if k not in CALL_KEYWORDS})
 
     def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None, **kwargs: Any) -> Runnable[Any, BaseMessage]:
-        """Bind tools as ``inner.bind_tools`` formats and checks them (same arguments, ``tool_choice``
-        included), on this model."""
+        """Bind tools as ``inner.bind_tools`` formats and checks them, on this model."""
         if tool_choice is not None:
             kwargs["tool_choice"] = tool_choice
         bound = self.inner.bind_tools(tools, **kwargs)
@@ -702,11 +500,7 @@ class TrimmedChatModel(BaseChatModel):
         return self.bind(**bound.kwargs)
 
     def with_structured_output(self, schema: Any = None, *, include_raw: bool = False, **kwargs: Any) -> Runnable[Any, Any]:
-        """``inner.with_structured_output(...)`` — the inner model's own method, schema conversion
-        and parser (``ChatLlamaCpp``: a forced tool call; ``ChatOpenAI``: ``json_schema``,
-        ``function_calling`` or ``json_mode``) — with every call of the model going through
-        trimkit. A structured output the inner model builds without a binding of itself (nothing
-        trimkit could send) raises :class:`~trimkit.errors.InvalidInputError` here."""
+        """``inner.with_structured_output(...)`` (its schema conversion and parser) with its model calls going through trimkit."""
         runnable = self.inner.with_structured_output(schema, include_raw=include_raw, **kwargs)
         retargeted, found = _retarget(runnable, self.inner, self)
         if not found:
@@ -714,104 +508,75 @@ class TrimmedChatModel(BaseChatModel):
                                     "use the model's bind_tools and an output parser")
         return retargeted
 
-    # -- one request -------------------------------------------------------------------------------------
-    def _call(self, kwargs: dict[str, Any]) -> tuple[Call, BaseChatModel, float]:
-        """The stand-in client for one request, the inner model's copy holding it, and the seconds that took."""
+    def _call(self, kwargs: dict[str, Any]) -> tuple[Call, BaseChatModel]:
         t0 = time.perf_counter()
-        docs = kwargs.pop("rag_chunks", None)
-        budget = kwargs.pop("ttft_budget_s", None)
+        docs, budget = kwargs.pop("rag_chunks", None), kwargs.pop("ttft_budget_s", None)
         call = Call(self._engine, None if docs is None else as_chunks(docs), self.ttft_budget_s if budget is None else budget,
                     kwargs.pop("on_busy", None))
         inner = self.inner.model_copy(update=self._engine.client_fields(call))
-        return call, inner, time.perf_counter() - t0
+        call.layer_s += time.perf_counter() - t0
+        return call, inner
 
-    def _finish(self, call: Call, layer_s: float, events: CallbackManagerForLLMRun | None) -> dict[str, Any] | None:
-        """Record and emit the report of a finished request; returns ``report.to_dict()``."""
-        t1 = time.perf_counter()
+    def _finish(self, call: Call, run_manager: CallbackManagerForLLMRun | None, messages: Sequence[BaseMessage], fill_usage: bool = True) -> None:
+        """Record and emit the report of a finished request; attach it (and trimkit's counts where there are none) to ``messages``."""
+        t0 = time.perf_counter()
         report = call.report
-        data = report.to_dict() if report is not None else None
+        data = None
         if report is not None:
             self._last_report = report
-        if data is not None:
-            _emit(data, events)
-        self._last_layer_s = layer_s + time.perf_counter() - t1 + call.layer_s
-        return data
+            data = report.to_dict()
+            _emit(data, run_manager)
+        m = getattr(report, "measurement", None)
+        prompt, completion = getattr(m, "prompt_tokens", None), getattr(m, "completion_tokens", None)
+        usage = None
+        if fill_usage and prompt is not None and completion is not None:  # trimkit's counts: the prompt as sent
+            usage = {"input_tokens": int(prompt), "output_tokens": int(completion), "total_tokens": int(prompt) + int(completion)}
+        for message in messages:
+            message.response_metadata = {**message.response_metadata, "trimkit": data}
+            if isinstance(message, AIMessage) and message.usage_metadata is None and usage is not None:
+                message.usage_metadata = usage  # type: ignore[assignment]
+        self._last_layer_s = call.layer_s + time.perf_counter() - t0
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager: CallbackManagerForLLMRun | None = None,
                   **kwargs: Any) -> ChatResult:
-        """The inner model's own ``_generate`` on the stand-in client: it sends what it always
-        sends (non-streamed calls get the completion assembled from trimkit's stream, streamed
-        ones the stream) and builds its ``ChatResult`` (message, ``response_metadata``,
-        ``usage_metadata``, ``llm_output``) as always; trimkit adds ``response_metadata["trimkit"]``
-        (and ``usage_metadata`` from its counts where the inner model set none)."""
-        call, inner, layer_s = self._call(kwargs)
+        """The inner model's own ``_generate`` on the stand-in client, plus ``response_metadata["trimkit"]``."""
+        call, inner = self._call(kwargs)
         try:
             result = inner._generate(messages, stop=stop, run_manager=run_manager, **kwargs)
-            t1 = time.perf_counter()
-            data = self._finish(call, layer_s, run_manager)
-            usage = _usage(call.report)
-            for generation in result.generations:
-                message = generation.message
-                message.response_metadata = {**message.response_metadata, "trimkit": data}
-                if isinstance(message, AIMessage) and message.usage_metadata is None and usage is not None:
-                    message.usage_metadata = usage  # type: ignore[assignment]
-            self._last_layer_s = (self._last_layer_s or 0.0) + time.perf_counter() - t1
+            self._finish(call, run_manager, [g.message for g in result.generations])
         finally:
             call.close()
         return result
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager: CallbackManagerForLLMRun | None = None,
                 **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        """The inner model's chunks for one request sent through trimkit, then a last chunk
-        carrying the report (and ``usage_metadata`` from trimkit's counts where no chunk had any)."""
-        call, inner, layer_s = self._call(kwargs)
+        """The inner model's chunks, then a last one carrying the report."""
+        call, inner = self._call(kwargs)
         try:
             had_usage = False
             for chunk in inner._stream(messages, stop=stop, run_manager=run_manager, **kwargs):
                 had_usage = had_usage or getattr(chunk.message, "usage_metadata", None) is not None
                 yield chunk
-            t1 = time.perf_counter()
-            data = self._finish(call, layer_s, run_manager)
-            usage = None if had_usage else _usage(call.report)
-            last = ChatGenerationChunk(message=AIMessageChunk(content="", response_metadata={"trimkit": data}, usage_metadata=usage,
-                                                              chunk_position="last"))
-            self._last_layer_s = (self._last_layer_s or 0.0) + time.perf_counter() - t1
+            last = AIMessageChunk(content="", chunk_position="last")
+            self._finish(call, run_manager, [last], fill_usage=not had_usage)
         finally:
             call.close()
-        yield last
-
-
-# -- the trimmer step ------------------------------------------------------------------------------------
-
-#: the name of the custom callback event carrying ``plan.to_dict()``
-PLAN_EVENT = "trimkit_plan"
-
-
-def as_openai_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
-    """LangChain messages as OpenAI-style dicts, one each (tool calls and tool results whole)."""
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, BaseMessage):
-            raise InvalidMessageError(f"messages[{i}] must be a LangChain message, got {type(m).__name__}")
-        out.append(convert_to_openai_messages(m))
-    return out
+        yield ChatGenerationChunk(message=last)
 
 
 def as_langchain_messages(sent: Sequence[Mapping[str, Any]], planned: Sequence[Mapping[str, Any]], originals: Sequence[BaseMessage],
-                          converted: Sequence[Mapping[str, Any]] | None = None) -> list[BaseMessage]:
-    """The dicts ``sent`` (a plan of ``planned``) back as LangChain messages. ``converted[i]``
-    is ``originals[i]`` as converted (default: ``planned`` itself); a sent dict that is one of
-    them becomes its original message, the caller's very object; an edited one (the last user
-    message, or the first system message, or a message of ``planned`` that differs from its
-    conversion) a copy of its original with the new content; anything else is converted."""
-    converted = planned if converted is None else converted
+                          converted: Sequence[Mapping[str, Any]]) -> list[BaseMessage]:
+    """The dicts ``sent`` (a plan of ``planned``) as LangChain messages: ``originals[i]`` itself where
+    ``converted[i]`` was sent, a copy with the new content where edited, else converted."""
     at = {id(d): i for i, d in enumerate(planned)}
     kept = {id(d) for d in sent}
     out: list[BaseMessage] = []
     for d in sent:
         i = at.get(id(d))
-        if i is None:
-            i = _edited_index(d, planned, kept)
+        if i is None and d.get("role") == "user":  # the last user message, edited
+            i = last_user_index(planned)
+        elif i is None and d.get("role") in SYSTEM_ROLES:  # the first system message not sent as it was
+            i = next((j for j, p in enumerate(planned) if p.get("role") in SYSTEM_ROLES and id(p) not in kept), None)
         if i is None:
             out.append(convert_to_messages([d])[0])
         else:
@@ -819,25 +584,10 @@ def as_langchain_messages(sent: Sequence[Mapping[str, Any]], planned: Sequence[M
     return out
 
 
-def _edited_index(d: Mapping[str, Any], planned: Sequence[Mapping[str, Any]], kept: set[int]) -> int | None:
-    role = d.get("role")
-    if role == "user":
-        return last_user_index(planned)
-    if role in SYSTEM_ROLES:
-        return next((i for i, p in enumerate(planned) if p.get("role") in SYSTEM_ROLES and id(p) not in kept), None)
-    return None
-
-
 class TrimkitTrimmer(Runnable[Any, list[BaseMessage]]):
-    """Trims a prompt's messages to a TTFT budget: it plans only, so it sends and measures nothing.
-
-    ``target``: a :class:`TrimmedChatModel` or a trimkit wrapper (its engine's profile, tokenizer,
-    margin, strategies, values, summaries and default budget), a ``ChatLlamaCpp`` / ``ChatOpenAI``
-    (wrapped as ``TrimmedChatModel`` wraps it), or a :class:`~trimkit.planning.profile.Profile`
-    with ``tokenizer=``. ``plan_options`` go to :func:`trimkit.plan` (``strategies``, ``values``,
-    ``on_infeasible``, ``rag_template``, ``rag_chunk_template``, ``safety_margin``,
-    ``max_prompt_tokens``, ``tools``) and override the target's own. ``last_plan``: the plan of
-    the most recent call (also sent as the ``"trimkit_plan"`` callback event)."""
+    """An LCEL step trimming a prompt's messages to a TTFT budget (it plans only) with ``target``'s engine and
+    settings: a :class:`TrimmedChatModel`, a trimkit wrapper, a ``ChatLlamaCpp`` / ``ChatOpenAI``, or a ``Profile``
+    with ``tokenizer=``; ``plan_options`` go to :func:`trimkit.plan`. ``last_plan`` is also sent as :data:`PLAN_EVENT`."""
 
     def __init__(self, target: Any, ttft_budget_s: float | None = None, *, tokenizer: Any = None, **plan_options: Any) -> None:
         self.wrapper: Any = None
@@ -861,42 +611,38 @@ class TrimkitTrimmer(Runnable[Any, list[BaseMessage]]):
             raise InvalidBudgetError("trimkit_trimmer needs ttft_budget_s= (or a target with a default budget)")
         self.ttft_budget_s = valid_budget(default)
         self.plan_options = plan_options
-        #: the plan of the most recent call (None before the first)
         self.last_plan: Plan | None = None
 
-    def _engine_options(self) -> dict[str, Any]:
-        w = self.wrapper
-        if w is None:
-            return {"profile": self.profile, "tokenizer": self.tokenizer}
-        p = w.pipeline
-        return {"profile": w.profile, "tokenizer": w.backend.tokenizer, "safety_margin": w.safety_margin, "strategies": w.strategies,
-                "values": w.values, "on_infeasible": w.on_infeasible, "summaries": w.summaries, "rag_template": p.rag_template,
-                "rag_chunk_template": p.rag_chunk_template}
-
-    def _split(self, value: Any) -> tuple[list[BaseMessage], Any]:
+    def trim(self, value: Any, ttft_budget_s: float | None = None) -> list[BaseMessage]:
+        """Plan ``value`` (a prompt value, messages, a str, or a dict of ``messages`` and ``documents``); return the messages to send."""
         docs = None
         if isinstance(value, Mapping):
             if "messages" not in value:
                 raise InvalidMessageError("a dict given to trimkit_trimmer needs 'messages' (and may have 'documents')")
             value, docs = value["messages"], value.get("documents")
         if isinstance(value, PromptValue):
-            return value.to_messages(), docs
-        if isinstance(value, str):
-            return [HumanMessage(content=value)], docs
-        if isinstance(value, Sequence):
-            return list(value), docs
-        raise InvalidMessageError(f"trimkit_trimmer takes a prompt value, messages, a str or a dict, got {type(value).__name__}")
-
-    def trim(self, value: Any, ttft_budget_s: float | None = None) -> list[BaseMessage]:
-        """Plan ``value`` and return the messages to send (outside any LangChain run)."""
-        originals, docs = self._split(value)
-        planned = converted = as_openai_messages(originals)
-        options = {**self._engine_options(), **self.plan_options}
+            originals = value.to_messages()
+        elif isinstance(value, str):
+            originals = [HumanMessage(content=value)]
+        elif isinstance(value, Sequence):
+            originals = list(value)
+        else:
+            raise InvalidMessageError(f"trimkit_trimmer takes a prompt value, messages, a str or a dict, got {type(value).__name__}")
+        for i, m in enumerate(originals):
+            if not isinstance(m, BaseMessage):
+                raise InvalidMessageError(f"messages[{i}] must be a LangChain message, got {type(m).__name__}")
+        planned = converted = [convert_to_openai_messages(m) for m in originals]  # one dict each, tool calls whole
+        w = self.wrapper
+        options: dict[str, Any] = {"profile": self.profile, "tokenizer": self.tokenizer}
+        if w is not None:  # the wrapper's engine and settings, as it plans its own requests
+            options = {"profile": w.profile, "tokenizer": w.backend.tokenizer, "safety_margin": w.safety_margin, "strategies": w.strategies,
+                       "values": w.values, "on_infeasible": w.on_infeasible, "summaries": w.summaries, "rag_template": w.pipeline.rag_template,
+                       "rag_chunk_template": w.pipeline.rag_chunk_template}
+        options.update(self.plan_options)
         chunks = as_chunks(docs) if docs is not None else None
         match = find_context(planned) if chunks is None and planned else None
         if match is not None:
-            planned, chunks = match.messages, match.chunks
-            options.update(rag_template=match.rag_template, rag_chunk_template=match.rag_chunk_template)
+            planned, chunks, options["rag_template"], options["rag_chunk_template"] = match
         try:
             result = plan(planned, ttft_budget_s=self.ttft_budget_s if ttft_budget_s is None else ttft_budget_s, rag_chunks=chunks or (),
                           **options)
@@ -915,10 +661,5 @@ class TrimkitTrimmer(Runnable[Any, list[BaseMessage]]):
         return out
 
 
-def trimkit_trimmer(target: Any, ttft_budget_s: float | None = None, *, tokenizer: Any = None, **plan_options: Any) -> TrimkitTrimmer:
-    """An LCEL step that trims a prompt's messages to ``ttft_budget_s``::
-
-        chain = prompt | trimkit_trimmer(trimmed_model_or_wrapper, ttft_budget_s=1.0) | llm
-
-    See :class:`TrimkitTrimmer` for what ``target`` may be and what the step records."""
-    return TrimkitTrimmer(target, ttft_budget_s, tokenizer=tokenizer, **plan_options)
+#: ``trimkit_trimmer(target, ttft_budget_s=None, *, tokenizer=None, **plan_options)``: ``prompt | trimkit_trimmer(model, 1.0) | llm``
+trimkit_trimmer = TrimkitTrimmer

@@ -1,9 +1,8 @@
-"""trimkit in LlamaIndex (``pip install trimkit[llamaindex]``): :class:`TrimkitPostprocessor`
-keeps the retrieved nodes worth their predicted prefill seconds for the query, and
-:class:`TrimmedLLM` keeps every chat's TTFT inside a budget (each call converted to OpenAI dicts,
-planned, sent and reported by a trimkit front-end on the same engine, :func:`engine_of`, and
-converted back). The caller's messages and nodes are never changed. Usage, what is trimmed where
-and where ``TrimmedLLM`` differs from the LLM it wraps (and why): ``docs/integrations.md``.
+"""trimkit in LlamaIndex (``pip install trimkit[llamaindex]``): :class:`TrimkitPostprocessor` keeps
+the retrieved nodes worth their predicted prefill seconds for the query; :class:`TrimmedLLM` keeps
+each chat's TTFT inside a budget (converted to OpenAI dicts, planned, sent and reported by a trimkit
+front-end on the same engine, :func:`engine_of`, and converted back). The caller's messages and
+nodes are never changed. Usage and where trimkit differs: ``docs/integrations.md``.
 """
 
 from __future__ import annotations
@@ -66,22 +65,20 @@ from trimkit.wrapper import wrap
 
 __all__ = ["TrimkitPostprocessor", "TrimmedLLM", "QA_SYSTEM_PROMPT", "QA_RAG_TEMPLATE", "QA_CHUNK_TEMPLATE"]
 
-
-# -- conversions: LlamaIndex's messages and nodes as trimkit's, and back ---------------------------------
-
-#: LlamaIndex roles that are an assistant's in OpenAI's vocabulary
-_ASSISTANT_ALIASES = frozenset({"chatbot", "model"})
-#: blocks that carry nothing the model reads as prompt text
-_SILENT_BLOCKS = (ThinkingBlock, CachePoint, CacheControl)
 #: a chunk's position among the nodes it came from (its metadata), to find the node again
 POSITION_KEY = "llamaindex_position"
 #: the metadata key an excerpt node carries: the span of its node that was kept (trimkit's ``excerpt`` metadata)
 EXCERPT_KEY = "trimkit_excerpt"
+#: The system message of LlamaIndex's question-answering prompt for chat models, as the installed LlamaIndex words it.
+QA_SYSTEM_PROMPT: str = TEXT_QA_PROMPT_TMPL_MSGS[0].content or ""
+#: Its user message, as a trimkit ``rag_template``: the nodes at ``{chunks}``, the query at ``{question}``.
+QA_RAG_TEMPLATE: str = (TEXT_QA_PROMPT_TMPL_MSGS[1].content or "").replace("{context_str}", "{chunks}").replace("{query_str}", "{question}")
+#: How the synthesizer joins nodes: their text, a blank line between them.
+QA_CHUNK_TEMPLATE = "{text}"
 
 
-# -- conversions: messages -------------------------------------------------------------------------
 def _tool_call(call_id: Any, name: Any, arguments: Any, kind: Any = "function") -> dict[str, Any]:
-    """A new OpenAI tool-call dict (``{"id", "type", "function": {"name", "arguments"}}``), its arguments as JSON text."""
+    """A new OpenAI tool-call dict, its arguments as JSON text."""
     out: dict[str, Any] = {"type": kind, "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
     if call_id is not None:
         out["id"] = call_id
@@ -98,16 +95,10 @@ def _call_dict(call: Any, where: str) -> dict[str, Any]:
     return _tool_call(call.get("id"), function.get("name"), function.get("arguments", ""), call.get("type", "function"))
 
 
-def _block_call(block: ToolCallBlock) -> dict[str, Any]:
-    return _tool_call(block.tool_call_id, block.tool_name, block.tool_kwargs)
-
-
 def _openai_message(message: Any, i: int) -> dict[str, Any]:
-    """One ``ChatMessage`` as an OpenAI dict: its text blocks joined by a newline (as
-    ``ChatMessage.content`` joins them), its tool calls from ``additional_kwargs["tool_calls"]``,
-    else from its ``ToolCallBlock`` blocks (the same calls, where a message has both). Thinking
-    blocks and cache markers are not prompt text; images, audio and documents raise
-    :class:`~trimkit.errors.InvalidMessageError`, since trimkit plans text prompts."""
+    """One ``ChatMessage`` as an OpenAI dict: its text blocks joined by a newline, its tool calls from
+    ``additional_kwargs["tool_calls"]``, else its ``ToolCallBlock``s. Thinking blocks and cache
+    markers are not prompt text; images, audio and documents raise (trimkit plans text prompts)."""
     where = f"messages[{i}]"
     if not isinstance(message, ChatMessage):
         raise InvalidMessageError(f"{where} must be a llama_index ChatMessage, got {type(message).__name__}")
@@ -118,19 +109,16 @@ def _openai_message(message: Any, i: int) -> dict[str, Any]:
         if isinstance(block, TextBlock):
             texts.append(block.text)
         elif isinstance(block, ToolCallBlock):
-            block_calls.append(_block_call(block))
-        elif not isinstance(block, _SILENT_BLOCKS):
+            block_calls.append(_tool_call(block.tool_call_id, block.tool_name, block.tool_kwargs))
+        elif not isinstance(block, (ThinkingBlock, CachePoint, CacheControl)):
             raise InvalidMessageError(f"{where} ({role}) holds a {type(block).__name__}: trimkit plans text prompts (text and tool calls only)")
     extra = message.additional_kwargs
     listed = extra.get("tool_calls")
     calls = [_call_dict(c, where) for c in listed] if listed else block_calls
-    out: dict[str, Any] = {"role": "assistant" if role in _ASSISTANT_ALIASES else role,
-                           "content": "\n".join(texts) if texts or not calls else None}
+    out: dict[str, Any] = {"role": "assistant" if role in ("chatbot", "model") else role, "content": "\n".join(texts) if texts or not calls else None}
     if calls:
         out["tool_calls"] = calls
-    for key in ("tool_call_id", "name"):
-        if extra.get(key) is not None:
-            out[key] = extra[key]
+    out.update({k: extra[k] for k in ("tool_call_id", "name") if extra.get(k) is not None})
     return out
 
 
@@ -142,32 +130,25 @@ def to_openai_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def reply_message(message: Mapping[str, Any]) -> ChatMessage:
-    """An OpenAI-style message dict (a reply's, or one of a conversation's) as a LlamaIndex
-    ``ChatMessage``: its text as a text block, its tool calls as ``ToolCallBlock`` blocks *and* in
-    ``additional_kwargs["tool_calls"]`` (OpenAI dicts), where LlamaIndex's agents look for them; a
-    tool result's ``tool_call_id`` and ``name`` in ``additional_kwargs``."""
+    """An OpenAI-style message dict as a ``ChatMessage``: its tool calls as ``ToolCallBlock``s *and* in
+    ``additional_kwargs["tool_calls"]`` (where agents look), a tool result's ``tool_call_id`` and ``name`` there too."""
     content = message.get("content")
     calls = [_call_dict(c, "reply") for c in message.get("tool_calls") or ()]
     blocks: list[Any] = [TextBlock(text=content)] if isinstance(content, str) and (content or not calls) else []
     for call in calls:
         function = call["function"]
-        blocks.append(ToolCallBlock(tool_call_id=call.get("id"), tool_name=function["name"] or "",
-                                    tool_kwargs=_arguments(function["arguments"])))
+        blocks.append(ToolCallBlock(tool_call_id=call.get("id"), tool_name=function["name"] or "", tool_kwargs=_arguments(function["arguments"])))
     extra: dict[str, Any] = {"tool_calls": calls} if calls else {}
-    for key in ("tool_call_id", "name"):
-        if message.get(key) is not None:
-            extra[key] = message[key]
+    extra.update({k: message[k] for k in ("tool_call_id", "name") if message.get(k) is not None})
     return ChatMessage(role=MessageRole(message.get("role") or "assistant"), blocks=blocks, additional_kwargs=extra)
 
 
 def from_openai_messages(messages: Sequence[Mapping[str, Any]]) -> list[ChatMessage]:
-    """OpenAI-style message dicts as LlamaIndex ``ChatMessage`` objects (see :func:`reply_message`)."""
     return [reply_message(m) for m in messages]
 
 
 def _arguments(text: str) -> dict[str, Any] | str:
-    """A tool call's JSON arguments as a dict; an unfinished JSON object (a reply cut by
-    ``max_tokens``) as far as it goes; text that is no JSON object as it is."""
+    """A tool call's JSON arguments as a dict (an unfinished object, cut by ``max_tokens``, as far as it goes); else the text."""
     try:
         value = json.loads(text) if text.strip() else {}
     except ValueError:
@@ -178,19 +159,6 @@ def _arguments(text: str) -> dict[str, Any] | str:
     return value if isinstance(value, dict) else text
 
 
-def tool_selections(message: ChatMessage) -> list[ToolSelection]:
-    """The tool calls of a reply (:func:`reply_message`) as LlamaIndex ``ToolSelection`` objects."""
-    calls = [_call_dict(c, "reply") for c in message.additional_kwargs.get("tool_calls") or ()]
-    calls = calls or [_block_call(b) for b in message.blocks if isinstance(b, ToolCallBlock)]
-    out = []
-    for call in calls:
-        kwargs = _arguments(call["function"]["arguments"])
-        out.append(ToolSelection(tool_id=call.get("id") or "", tool_name=call["function"]["name"] or "",
-                                 tool_kwargs=kwargs if isinstance(kwargs, dict) else {}))
-    return out
-
-
-# -- conversions: nodes ----------------------------------------------------------------------------
 def _node_of(item: Any, i: int) -> tuple[BaseNode, float | None]:
     if isinstance(item, NodeWithScore):
         return item.node, item.score
@@ -200,9 +168,7 @@ def _node_of(item: Any, i: int) -> tuple[BaseNode, float | None]:
 
 
 def node_chunk(item: Any, position: int = 0, metadata_mode: MetadataMode = MetadataMode.LLM) -> Chunk:
-    """One retrieved node (``NodeWithScore`` or a bare node) as a chunk: the text the LLM would
-    read (``node.get_content(metadata_mode)``: metadata lines included, as the response
-    synthesizer sends them), the node's id, and its retriever score where it has one.
+    """A retrieved node as a chunk: the text the LLM reads (metadata lines included), its id and score;
     ``metadata[POSITION_KEY]`` is ``position``, so :func:`kept_nodes` finds the node again."""
     node, score = _node_of(item, position)
     try:
@@ -212,60 +178,35 @@ def node_chunk(item: Any, position: int = 0, metadata_mode: MetadataMode = Metad
 
 
 def nodes_to_chunks(nodes: Sequence[Any], metadata_mode: MetadataMode = MetadataMode.LLM) -> list[Chunk]:
-    """Retrieved nodes as chunks, in order (:func:`node_chunk`)."""
     if isinstance(nodes, (str, bytes, Mapping)) or not isinstance(nodes, Sequence):
         raise InvalidChunkError(f"nodes must be a list of llama_index NodeWithScore, got {type(nodes).__name__}")
     return [node_chunk(item, i, metadata_mode) for i, item in enumerate(nodes)]
 
 
-def _excerpt_node(item: Any, chunk: Chunk) -> NodeWithScore:
-    """A copy of ``item``'s node whose LLM-facing text is the excerpt (metadata kept for the
-    caller, hidden from the LLM: the excerpt already holds what the LLM was to read of it)."""
-    node, score = _node_of(item, 0)
-    copy = node.model_copy(deep=True)
-    copy.metadata[EXCERPT_KEY] = dict(chunk.metadata.get("excerpt", {}))
-    copy.set_content(chunk.text)
-    copy.excluded_llm_metadata_keys = list(copy.metadata)
-    copy.excluded_embed_metadata_keys = list({*copy.excluded_embed_metadata_keys, EXCERPT_KEY})
-    return NodeWithScore(node=copy, score=score)
-
-
 def kept_nodes(kept: Sequence[Chunk], nodes: Sequence[Any]) -> list[NodeWithScore]:
-    """The nodes behind ``kept`` chunks (a plan's ``kept_chunks``), in that order: the caller's
-    own ``NodeWithScore`` object for a chunk kept whole (a bare node gets one, score None), a new
-    one holding a copy of the node for a chunk kept as an excerpt."""
+    """The nodes behind ``kept`` chunks, in that order: the caller's own ``NodeWithScore`` for a chunk
+    kept whole, a new one holding a copy of the node for an excerpt (its metadata hidden from the LLM:
+    the excerpt already holds what the LLM was to read of it)."""
     out = []
     for chunk in kept:
         item = nodes[chunk.metadata[POSITION_KEY]]
-        if "excerpt" in chunk.metadata:
-            out.append(_excerpt_node(item, chunk))
-        else:
-            out.append(item if isinstance(item, NodeWithScore) else NodeWithScore(node=item, score=None))
+        node, score = _node_of(item, 0)
+        if "excerpt" not in chunk.metadata:
+            out.append(item if isinstance(item, NodeWithScore) else NodeWithScore(node=node, score=None))
+            continue
+        copy = node.model_copy(deep=True)
+        copy.metadata[EXCERPT_KEY] = dict(chunk.metadata["excerpt"])
+        copy.set_content(chunk.text)
+        copy.excluded_llm_metadata_keys = list(copy.metadata)
+        copy.excluded_embed_metadata_keys = list({*copy.excluded_embed_metadata_keys, EXCERPT_KEY})
+        out.append(NodeWithScore(node=copy, score=score))
     return out
-
-
-def excerpts_possible(nodes: Sequence[Any]) -> bool:
-    """Whether every node can hold an excerpt (a ``TextNode``: its text can be replaced)."""
-    return all(isinstance(_node_of(item, i)[0], TextNode) for i, item in enumerate(nodes))
-
-
-# -- the engine behind a LlamaIndex LLM ------------------------------------------------------------------
-
-#: LlamaIndex call arguments that are not the engine's (``complete(prompt, formatted=True)``)
-_LLAMAINDEX_ONLY = ("formatted",)
 
 
 @attrs.frozen
 class Engine:
-    """A trimkit front-end and what the LlamaIndex LLM it came from was configured with.
-
-    ``front_end``: a sync trimkit wrapper (``TrimmedLlama`` or ``TrimmedOpenAI``); ``params``:
-    decode parameters sent with every call (a call's own override them); ``url``: for a server,
-    ``(base_url, model, api_key, wrap_url keyword arguments)``, from which the async twin is
-    made (None: async calls run the sync front-end in a worker thread); ``model_name``;
-    ``function_calling``: what the LlamaIndex LLM's metadata said (None: it did not say);
-    ``inner``: that LlamaIndex LLM itself (None for a ``Llama``, a URL or a trimkit wrapper), whose
-    own conversions (tools, replies, metadata) the wrapper reuses; it never sends through it."""
+    """A sync trimkit front-end and how the LlamaIndex LLM ``inner`` (whose conversions are reused) was configured;
+    ``url``: a server's ``(base_url, model, api_key, wrap_url kwargs)`` (None: async calls run in a worker thread)."""
 
     front_end: Any
     params: Mapping[str, Any] = attrs.field(factory=dict)
@@ -275,50 +216,25 @@ class Engine:
     system_prompt: str | None = None
     inner: Any = None
 
-    def async_twin(self) -> Any:
-        """An ``AsyncTrimmedOpenAI`` on the same server (for ``achat``/``astream_chat``), planning
-        with the sync front-end's profile (no second calibration) and sharing its engine's state."""
-        assert self.url is not None
-        base_url, model, api_key, kwargs = self.url
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("profile", "calibration")}
-        return wrap_url(base_url, model=model, api_key=api_key, asynchronous=True, ttft_budget_s=self.front_end.ttft_budget_s,
-                        profile=self.front_end.profile, **kwargs)
-
 
 def _decode_params(llm: Any) -> dict[str, Any]:
-    """The decode parameters a LlamaIndex LLM sends: ``LlamaCPP``'s ``generate_kwargs``
-    (``temperature``, ``max_tokens``; not the ``stream`` flag it leaves there), ``OpenAILike``'s
-    ``temperature``, ``max_tokens`` and ``additional_kwargs``."""
-    params: dict[str, Any] = {}
+    """The decode parameters a LlamaIndex LLM sends: ``LlamaCPP``'s ``generate_kwargs`` (less its
+    ``stream`` flag), ``OpenAILike``'s ``temperature``, ``max_tokens`` and ``additional_kwargs``."""
     generate = getattr(llm, "generate_kwargs", None)
-    if isinstance(generate, Mapping):
-        params.update({k: v for k, v in generate.items() if k != "stream"})
+    params = {k: v for k, v in generate.items() if k != "stream"} if isinstance(generate, Mapping) else {}
     for key in ("temperature", "max_tokens"):
-        value = getattr(llm, key, None)
-        if value is not None and key not in params:
-            params[key] = value
+        if getattr(llm, key, None) is not None and key not in params:
+            params[key] = getattr(llm, key)
     extra = getattr(llm, "additional_kwargs", None)
     if isinstance(extra, Mapping):
         params.update(extra)
     return params
 
 
-def _function_calling(llm: Any) -> bool | None:
-    try:
-        return bool(llm.metadata.is_function_calling_model)
-    except Exception:  # metadata of an LLM whose engine is not up: it did not say
-        return None
-
-
 def engine_of(target: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Engine:
-    """The trimkit front-end for ``target`` — a LlamaIndex ``LlamaCPP`` (its ``llama_cpp.Llama``), an
-    ``OpenAILike`` or any LlamaIndex LLM with an ``api_base``, a ``llama_cpp.Llama``, a server URL or a
-    trimkit wrapper — with the decode parameters and metadata of the LLM it came from; ``kwargs`` go to
-    :func:`trimkit.wrap` / :func:`trimkit.wrap_url` (``profile``, ``strategies``, ``values``,
-    ``on_infeasible``, …; for a URL also ``model``, ``api_key``). A trimkit wrapper is
-    used as it is (configure it where it was made: ``kwargs`` are refused); an async one is
-    refused (LlamaIndex calls an LLM both ways). Anything else raises
-    :class:`~trimkit.errors.InvalidInputError`."""
+    """The trimkit front-end for ``target`` (a LlamaIndex ``LlamaCPP``, an ``OpenAILike`` or any LLM
+    with an ``api_base``, a ``llama_cpp.Llama``, a server URL or a sync trimkit wrapper), with the
+    LLM's decode parameters and metadata; ``kwargs`` go to :func:`trimkit.wrap` / :func:`trimkit.wrap_url`."""
     if isinstance(target, str):
         model, api_key = kwargs.pop("model", None), kwargs.pop("api_key", None)
         front = wrap_url(target, model=model, api_key=api_key, ttft_budget_s=ttft_budget_s, **kwargs)
@@ -333,8 +249,11 @@ def engine_of(target: Any, ttft_budget_s: float | None = None, **kwargs: Any) ->
         return Engine(target, model_name=str(getattr(getattr(target, "backend", None), "name", "")))
     if isinstance(target, LLM):
         model = getattr(target, "_model", None)  # LlamaCPP keeps its llama_cpp.Llama here
-        of_llm: dict[str, Any] = {"params": _decode_params(target), "function_calling": _function_calling(target), "system_prompt": target.system_prompt,
-                  "inner": target}
+        try:
+            calling: bool | None = bool(target.metadata.is_function_calling_model)
+        except Exception:  # metadata of an LLM whose engine is not up: it did not say
+            calling = None
+        of_llm: dict[str, Any] = {"params": _decode_params(target), "function_calling": calling, "system_prompt": target.system_prompt, "inner": target}
         if is_llama(model):
             return Engine(wrap(model, ttft_budget_s, **kwargs), model_name=str(getattr(target, "model_path", "")), **of_llm)
         api_base = getattr(target, "api_base", None)
@@ -352,25 +271,17 @@ def engine_of(target: Any, ttft_budget_s: float | None = None, **kwargs: Any) ->
 
 
 def send(front_end: Any, call: Mapping[str, Any]) -> Any:
-    """Send ``call`` (``messages``, ``rag_chunks``, decode parameters, ``stream``) through a
-    trimkit front-end: ``create_chat_completion`` in process, ``chat.completions.create`` for a
-    server (awaitable on an async one). LlamaIndex-only arguments are left out."""
-    call = {k: v for k, v in call.items() if k not in _LLAMAINDEX_ONLY}
+    """Send ``call`` through a trimkit front-end (awaitable on an async one), less LlamaIndex's ``formatted``."""
+    call = {k: v for k, v in call.items() if k != "formatted"}
     create = getattr(front_end, "create_chat_completion", None)
-    if create is not None:
-        return create(**call)
-    return front_end.chat.completions.create(**call)
+    return create(**call) if create is not None else front_end.chat.completions.create(**call)
 
-
-# -- the LLM ---------------------------------------------------------------------------------------------
 
 _END = object()
 
 
 def _rag_chunks(items: Any) -> Any:
-    """``rag_chunks=`` as trimkit takes them: LlamaIndex nodes become chunks (their LLM text,
-    id and score); strings, :class:`~trimkit.messages.Chunk` and dicts pass as they are (and
-    anything else on to trimkit's validation)."""
+    """``rag_chunks=`` with LlamaIndex nodes as chunks; anything else passes on to trimkit's validation."""
     if not isinstance(items, (list, tuple)):
         return items
     return [node_chunk(item, i) if isinstance(item, (NodeWithScore, BaseNode)) else item for i, item in enumerate(items)]
@@ -382,52 +293,43 @@ def _first_message(completion: Mapping[str, Any]) -> ChatMessage:
 
 
 def openai_family(llm: Any) -> bool:
-    """Whether ``llm`` is llama-index-llms-openai's ``OpenAI`` (``OpenAILike`` is one). Nothing is
-    imported: an instance exists only once its module is."""
+    """Whether ``llm`` is llama-index-llms-openai's ``OpenAI`` (``OpenAILike`` is one), importing nothing."""
     module = sys.modules.get("llama_index.llms.openai.base")
     return module is not None and isinstance(llm, module.OpenAI)
 
 
 def _openai_reply(inner: Any) -> Callable[[Mapping[str, Any]], ChatMessage]:
     """Reply messages as ``inner`` (an ``OpenAI`` / ``OpenAILike``) builds them from its client's
-    ``ChatCompletionMessage``: a text block only for text, ``ToolCallBlock`` blocks whose
-    ``tool_kwargs`` are the arguments' JSON text, the ``openai`` tool-call objects in
-    ``additional_kwargs["tool_calls"]``. A message its client would not parse gets trimkit's."""
+    ``ChatCompletionMessage``; a message its client would not parse gets trimkit's."""
     from llama_index.llms.openai.utils import from_openai_message
     from openai.types.chat import ChatCompletionMessage
 
     modalities = list(getattr(inner, "modalities", None) or ["text"])
 
     def convert(completion: Mapping[str, Any]) -> ChatMessage:
-        choices = completion.get("choices") or []
-        if not choices:
-            return ChatMessage(role=MessageRole.ASSISTANT, content="")
         try:
-            message = ChatCompletionMessage.model_validate({**choices[0]["message"], "role": "assistant"})
-        except ValueError:  # pydantic's ValidationError: not the shape the openai client reads
-            return reply_message(choices[0]["message"])
+            message = ChatCompletionMessage.model_validate({**completion["choices"][0]["message"], "role": "assistant"})
+        except (LookupError, TypeError, ValueError):  # no choice, or not the shape the openai client reads (pydantic's ValidationError)
+            return _first_message(completion)
         return from_openai_message(message, modalities=modalities)
 
     return convert
 
 
 class StreamReplies:
-    """LlamaIndex responses from a trimkit stream, shared by the sync and async paths:
-    :meth:`step` turns a chunk into a ``ChatResponse`` (the reply so far and the chunk's
-    ``delta``), :meth:`final` is the last one (the whole reply; ``raw`` the assembled completion;
-    the report in ``additional_kwargs["trimkit"]`` with ``extra(completion)``, the wrapped LLM's
-    token counts). ``message`` turns a completion into the reply message (default:
-    :func:`reply_message`); ``layer_s`` adds up the time spent converting."""
+    """LlamaIndex responses from a trimkit stream, for the sync and async paths: :meth:`step` per
+    chunk (the reply so far, the chunk's ``delta``), :meth:`final` the whole reply with the report in
+    ``additional_kwargs["trimkit"]`` (an ``OpenAI`` ``inner``'s conversions and token counts); ``layer_s``: converting."""
 
-    def __init__(self, stream: Any, layer_s: float, message: Callable[[Mapping[str, Any]], ChatMessage] | None = None,
-                 extra: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None) -> None:
+    def __init__(self, stream: Any, layer_s: float, inner: Any = None) -> None:
         self.stream = stream
         self.layer_s = layer_s
         self.text = ""
         self.calls = False  # a tool call began: the message is rebuilt from the chunks so far
         self.message = ChatMessage(role=MessageRole.ASSISTANT, content="")
-        self.convert = message or _first_message
-        self.extra = extra
+        family = openai_family(inner)
+        self.convert = _openai_reply(inner) if family else _first_message
+        self.extra: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = inner._get_response_token_counts if family else None
 
     def step(self, chunk: Any) -> ChatResponse:
         t0 = time.perf_counter()
@@ -464,13 +366,9 @@ def _prompt_messages(prompt: str) -> list[ChatMessage]:
 
 
 class TrimmedLLM(FunctionCallingLLM):
-    """A LlamaIndex LLM that keeps each chat's TTFT inside ``ttft_budget_s`` (docs/integrations.md,
-    "LlamaIndex"). ``llm``: a LlamaIndex ``LlamaCPP`` or ``OpenAILike`` (any LlamaIndex LLM with an
-    ``api_base``), a ``llama_cpp.Llama``, a server URL, or a sync trimkit wrapper; ``kwargs`` go to
-    :func:`trimkit.wrap` / :func:`trimkit.wrap_url`. ``max_tokens``, ``temperature`` and
-    ``additional_kwargs`` are sent with every call, over the wrapped LLM's own. Per call:
-    ``ttft_budget_s=`` and ``rag_chunks=`` (nodes, text or :class:`~trimkit.messages.Chunk`).
-    Async calls use an async client on a server; in process they run in a worker thread."""
+    """A LlamaIndex LLM that keeps each chat's TTFT inside ``ttft_budget_s`` (docs/integrations.md).
+    ``llm``: as :func:`engine_of` takes it; ``kwargs`` go to :func:`trimkit.wrap` / :func:`trimkit.wrap_url`;
+    ``max_tokens``, ``temperature``, ``additional_kwargs`` go with every call, over the wrapped LLM's own."""
 
     ttft_budget_s: float | None = Field(default=None, description="The TTFT budget of a call (None: no budget; per call: ttft_budget_s=).")
     is_function_calling_model: bool = Field(default=False, description="Whether agents may call tools through this LLM.")
@@ -486,8 +384,8 @@ class TrimmedLLM(FunctionCallingLLM):
         if ttft_budget_s is not None:
             ttft_budget_s = valid_budget(ttft_budget_s)
         engine = engine_of(llm, ttft_budget_s, **kwargs)
-        own = {**({} if max_tokens is None else {"max_tokens": max_tokens}), **({} if temperature is None else {"temperature": temperature}),
-               **(additional_kwargs or {})}
+        own = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature)) if v is not None}
+        own.update(additional_kwargs or {})
         if own:
             engine = attrs.evolve(engine, params={**engine.params, **own})
         calling = is_function_calling_model if is_function_calling_model is not None else bool(engine.function_calling)
@@ -500,23 +398,19 @@ class TrimmedLLM(FunctionCallingLLM):
     def class_name(cls) -> str:
         return "TrimmedLLM"
 
-    # -- what users read ----------------------------------------------------------------------------
     @property
     def trimkit_chat(self) -> Any:
-        """The trimkit front-end requests go through (``TrimmedLlama`` or ``TrimmedOpenAI``):
-        its ``profile``, ``safety_margin``, ``reports``, ``backend``."""
+        """The trimkit front-end requests go through (``TrimmedLlama`` or ``TrimmedOpenAI``)."""
         return self._engine.front_end
 
     @property
     def decode_params(self) -> dict[str, Any]:
-        """The decode parameters every call sends (the wrapped LLM's; a call's own override them)."""
+        """The decode parameters every call sends (a call's own override them)."""
         return self._params({})
 
     def _params(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        """A call's decode parameters. An ``OpenAI`` / ``OpenAILike`` builds them itself, as for
-        its own requests (its ``max_tokens`` and ``additional_kwargs`` over the call's, as it
-        sends them); what this wrapper was given (``max_tokens=``, ...) comes over the wrapped
-        LLM's configuration, and a call's own arguments over both."""
+        """A call's decode parameters: an ``OpenAI`` / ``OpenAILike`` builds them as for its own requests;
+        this wrapper's own (``max_tokens=``, ...) come over the wrapped LLM's, a call's over both."""
         inner = self._engine.inner
         if not openai_family(inner):
             return {**self._engine.params, **kwargs}
@@ -541,39 +435,23 @@ class TrimmedLLM(FunctionCallingLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        """The wrapped LLM's metadata where it describes the engine (``context_window``, capped at
-        the engine's context; ``num_output``; ``model_name``), sent as a chat (``is_chat_model``)."""
+        """The wrapped LLM's metadata (``context_window`` capped at the engine's), sent as a chat."""
         n_ctx = int(self._engine.front_end.backend.n_ctx)
-        max_tokens = self._engine.params.get("max_tokens")
-        inner = self._inner_metadata()
+        try:
+            inner = self._engine.inner.metadata if self._engine.inner is not None else None
+        except Exception:  # an LLM whose metadata needs what it cannot reach: the engine's own
+            inner = None
         context_window = min(inner.context_window, n_ctx) if inner is not None and inner.context_window > 0 else n_ctx
-        num_output = max_tokens or (inner.num_output if inner is not None else DEFAULT_NUM_OUTPUTS)
+        num_output = self._engine.params.get("max_tokens") or (inner.num_output if inner is not None else DEFAULT_NUM_OUTPUTS)
         return LLMMetadata(context_window=context_window, num_output=num_output, is_chat_model=True,
                            is_function_calling_model=self.is_function_calling_model, model_name=self.model_name)
 
-    def _inner_metadata(self) -> LLMMetadata | None:
-        inner = self._engine.inner
-        if inner is None:
-            return None
-        try:
-            return inner.metadata
-        except Exception:  # an LLM whose metadata needs what it cannot reach: the engine's own
-            return None
-
     @property
     def _tool_llm(self) -> FunctionCallingLLM | None:
-        """The wrapped LLM when it calls tools itself (``OpenAI``, ``OpenAILike``): its own
-        conversions of tools and tool calls are used, so that the request is the one it sends."""
+        """The wrapped LLM when it calls tools itself (``OpenAI``, ``OpenAILike``): its own tool conversions are used."""
         inner = self._engine.inner
         return inner if isinstance(inner, FunctionCallingLLM) else None
 
-    def _replies(self, stream: Any, layer_s: float) -> StreamReplies:
-        inner = self._engine.inner
-        if openai_family(inner):
-            return StreamReplies(stream, layer_s, _openai_reply(inner), inner._get_response_token_counts)
-        return StreamReplies(stream, layer_s)
-
-    # -- one request --------------------------------------------------------------------------------
     def _call(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[dict[str, Any], float]:
         t0 = time.perf_counter()
         budget = kwargs.pop("ttft_budget_s", None)
@@ -594,9 +472,7 @@ class TrimmedLLM(FunctionCallingLLM):
 
     @contextlib.contextmanager
     def _inner_errors(self) -> Iterator[None]:
-        """Where the wrapped LLM is an ``OpenAI`` / ``OpenAILike``, trimkit's server errors are
-        raised as the ``openai`` errors its client raises for the same failure (still trimkit's:
-        the type subclasses both; :func:`~trimkit.integrations.as_openai_error`)."""
+        """Around an ``OpenAI`` / ``OpenAILike``, trimkit's server errors as the ``openai`` errors its client raises."""
         try:
             yield
         except BackendError as exc:
@@ -607,7 +483,7 @@ class TrimmedLLM(FunctionCallingLLM):
     def _open(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> StreamReplies:
         call, layer = self._call(messages, kwargs)
         with self._inner_errors():
-            return self._replies(send(self._engine.front_end, call), layer)
+            return StreamReplies(send(self._engine.front_end, call), layer, self._engine.inner)
 
     def _responses(self, replies: StreamReplies) -> Iterator[ChatResponse]:
         try:
@@ -618,9 +494,6 @@ class TrimmedLLM(FunctionCallingLLM):
         finally:
             replies.stream.close()
 
-    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        return run_sync(self._drained(self._open(messages, kwargs)))
-
     def _drained(self, replies: StreamReplies) -> Steps:
         """The whole reply of a stream, read to its end (sync or async I/O steps)."""
         try:
@@ -630,23 +503,26 @@ class TrimmedLLM(FunctionCallingLLM):
             yield Io(replies.stream.close, replies.stream.close)
         return self._finish(replies)
 
+    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
+        return run_sync(self._drained(self._open(messages, kwargs)))
+
     def _async_engine(self) -> Any:
-        """The async front-end on a server (made on first use); None in process."""
-        if self._engine.url is None:
-            return None
-        if self._async_front is None:
-            self._async_front = self._engine.async_twin()
+        """The async front-end on a server, made on first use with the sync one's profile (no second calibration); None in process."""
+        if self._engine.url is not None and self._async_front is None:
+            base_url, model, api_key, kwargs = self._engine.url
+            front = self._engine.front_end
+            self._async_front = wrap_url(base_url, model=model, api_key=api_key, asynchronous=True, ttft_budget_s=front.ttft_budget_s,
+                                         profile=front.profile, **{k: v for k, v in kwargs.items() if k not in ("profile", "calibration")})
         return self._async_front
 
     async def _aopen(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[StreamReplies, bool]:
-        """The stream of one request, and whether it is async (a server) or a sync stream to be
-        read in worker threads (in process)."""
+        """The stream of one request, and whether it is async (a server) or a sync one read in worker threads (in process)."""
         front = self._async_engine()
         if front is None:
             return await asyncio.to_thread(self._open, messages, kwargs), False
         call, layer = self._call(messages, kwargs)
         with self._inner_errors():
-            return self._replies(await send(front, call), layer), True
+            return StreamReplies(await send(front, call), layer, self._engine.inner), True
 
     async def _aresponses(self, replies: StreamReplies, is_async: bool) -> AsyncIterator[ChatResponse]:
         if not is_async:
@@ -672,14 +548,11 @@ class TrimmedLLM(FunctionCallingLLM):
         return await run_async(self._drained(replies))
 
     def prepare(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Any:
-        """Plan a chat as :meth:`chat` would send it, without sending it: trimkit's
-        :class:`~trimkit.pipeline.Prepared` (``.messages``, ``.plan``, ``.predicted_ttft_s``).
-        Same arguments as :meth:`chat`."""
+        """Plan a chat as :meth:`chat` would send it, without sending it (trimkit's ``Prepared``)."""
         call, _ = self._call(messages, dict(kwargs))
         chat_messages, chunks, budget = call.pop("messages"), call.pop("rag_chunks", None), call.pop("ttft_budget_s", None)
         return self._engine.front_end.prepare(chat_messages, chunks, call, ttft_budget_s=budget)
 
-    # -- LlamaIndex's LLM interface -------------------------------------------------------------------
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         return self._chat(messages, kwargs)
@@ -694,8 +567,7 @@ class TrimmedLLM(FunctionCallingLLM):
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        replies, is_async = await self._aopen(messages, kwargs)
-        return self._aresponses(replies, is_async)
+        return self._aresponses(*await self._aopen(messages, kwargs))
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -711,19 +583,12 @@ class TrimmedLLM(FunctionCallingLLM):
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        replies, is_async = await self._aopen(_prompt_messages(prompt), kwargs)
+        responses = self._aresponses(*await self._aopen(_prompt_messages(prompt), kwargs))
+        return (_as_completion(r) async for r in responses)
 
-        async def gen() -> CompletionResponseAsyncGen:
-            async for r in self._aresponses(replies, is_async):
-                yield _as_completion(r)
-
-        return gen()
-
-    # -- structured outputs --------------------------------------------------------------------------
     def _structured_kwargs(self, output_cls: type[Model], llm_kwargs: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
-        """``llm_kwargs`` as an ``OpenAI`` / ``OpenAILike`` makes them for a structured prediction,
-        and whether it asks for a ``response_format`` (its ``should_use_structured_outputs``)
-        rather than a forced tool call (``tool_choice="required"`` unless the call names one)."""
+        """``llm_kwargs`` as an ``OpenAI`` / ``OpenAILike`` makes them for a structured prediction, and
+        whether it asks for a ``response_format`` rather than a forced tool call."""
         kwargs = dict(llm_kwargs or {})
         inner = self._engine.inner
         if not openai_family(inner):
@@ -735,9 +600,7 @@ class TrimmedLLM(FunctionCallingLLM):
 
     def structured_predict(self, output_cls: type[Model], prompt: PromptTemplate, llm_kwargs: dict[str, Any] | None = None,
                            **prompt_args: Any) -> Model:
-        """As the wrapped LLM predicts it: an ``OpenAI`` / ``OpenAILike`` with a forced tool call
-        (or its ``response_format``, when it uses structured outputs); any other LLM as LlamaIndex
-        does for a function-calling or a plain LLM. Every call goes through trimkit."""
+        """As the wrapped LLM predicts it (LlamaIndex's own way for any other LLM), every call through trimkit."""
         kwargs, schema = self._structured_kwargs(output_cls, llm_kwargs)
         if schema:
             response = self.chat(self._extend_messages(prompt.format_messages(**prompt_args)), **kwargs)
@@ -746,24 +609,19 @@ class TrimmedLLM(FunctionCallingLLM):
 
     async def astructured_predict(self, output_cls: type[Model], prompt: PromptTemplate, llm_kwargs: dict[str, Any] | None = None,
                                   **prompt_args: Any) -> Model:
-        """The async :meth:`structured_predict`."""
         kwargs, schema = self._structured_kwargs(output_cls, llm_kwargs)
         if schema:
             response = await self.achat(self._extend_messages(prompt.format_messages(**prompt_args)), **kwargs)
             return output_cls.model_validate_json(str(response.message.content))
         return await super().astructured_predict(output_cls, prompt, llm_kwargs=kwargs, **prompt_args)
 
-    # -- tools (FunctionCallingLLM) -------------------------------------------------------------------
+    # -- tools (FunctionCallingLLM): the wrapped LLM's own where it calls tools itself (OpenAILike), else trimkit's
     def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
                                  chat_history: list[ChatMessage] | None = None, verbose: bool = False,
                                  allow_parallel_tool_calls: bool = False, tool_required: bool = False, **kwargs: Any) -> dict[str, Any]:
-        """The chat arguments for a call that may use ``tools``. A wrapped LLM that calls tools
-        itself (``OpenAILike``) prepares them: its tool specs, ``tool_choice``, ``strict``,
-        ``parallel_tool_calls`` — the request it would send (on a copy of ``chat_history``, which
-        it would extend in place). Otherwise (``LlamaCPP``): OpenAI tool specs, and ``tool_choice``
-        — the one tool by name when a call is required and there is one tool (llama-cpp-python
-        then constrains the reply to its JSON schema), ``"required"`` for several, ``"auto"``
-        otherwise."""
+        """The chat arguments for a call that may use ``tools``, on a copy of ``chat_history``. Without a
+        wrapped tool LLM (``LlamaCPP``): a required call to a single tool names it (llama-cpp-python then
+        constrains the reply to its schema), ``"required"`` for several, ``"auto"`` otherwise."""
         history = list(chat_history) if chat_history is not None else None
         inner = self._tool_llm
         if inner is not None:
@@ -784,8 +642,7 @@ class TrimmedLLM(FunctionCallingLLM):
 
     def _validate_chat_with_tools_response(self, response: ChatResponse, tools: Sequence[Any], allow_parallel_tool_calls: bool = False,
                                            **kwargs: Any) -> ChatResponse:
-        """The wrapped LLM's check where it calls tools itself; otherwise, without
-        ``allow_parallel_tool_calls``, only the first tool call is kept (in a new message)."""
+        """Without a wrapped tool LLM and ``allow_parallel_tool_calls``, only the first tool call is kept (in a new message)."""
         inner = self._tool_llm
         if inner is not None:
             return inner._validate_chat_with_tools_response(response, tools, allow_parallel_tool_calls=allow_parallel_tool_calls, **kwargs)
@@ -797,38 +654,23 @@ class TrimmedLLM(FunctionCallingLLM):
 
     def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
                                      **kwargs: Any) -> list[ToolSelection]:
-        """The tool calls of a reply, read by the wrapped LLM where it calls tools itself (the
-        reply is built as it builds its own), else by trimkit."""
         inner = self._tool_llm
         if inner is not None:
             return inner.get_tool_calls_from_response(response, error_on_no_tool_call=error_on_no_tool_call, **kwargs)
-        selections = tool_selections(response.message)
+        selections = []
+        for call in _openai_message(response.message, 0).get("tool_calls", ()):
+            arguments = _arguments(call["function"]["arguments"])
+            selections.append(ToolSelection(tool_id=call.get("id") or "", tool_name=call["function"]["name"] or "",
+                                            tool_kwargs=arguments if isinstance(arguments, dict) else {}))
         if not selections and error_on_no_tool_call:
             raise ValueError("Expected at least one tool call, but got 0 tool calls.")
         return selections
 
 
-# -- the node postprocessor ------------------------------------------------------------------------------
-
-#: The system message of LlamaIndex's question-answering prompt for chat models (what a query
-#: engine's response synthesizer sends), as the installed LlamaIndex words it.
-QA_SYSTEM_PROMPT: str = TEXT_QA_PROMPT_TMPL_MSGS[0].content or ""
-#: Its user message, as a trimkit ``rag_template``: the nodes at ``{chunks}``, the query at ``{question}``.
-QA_RAG_TEMPLATE: str = (TEXT_QA_PROMPT_TMPL_MSGS[1].content or "").replace("{context_str}", "{chunks}").replace("{query_str}", "{question}")
-#: How the synthesizer joins nodes: their text, a blank line between them.
-QA_CHUNK_TEMPLATE = "{text}"
-
-
 class TrimkitPostprocessor(BaseNodePostprocessor):
-    """Keep the retrieved nodes worth their predicted prefill seconds for the query
-    (docs/integrations.md, "LlamaIndex").
-
-    ``llm``: where the prompt will run — a :class:`TrimmedLLM` (its profile, counts, margin and
-    cache), a LlamaIndex ``LlamaCPP`` / ``OpenAILike``, a ``llama_cpp.Llama``, a server URL or a
-    trimkit wrapper; or no ``llm`` and a ``profile=`` with ``tokenizer=`` (default: an estimate).
-    ``ttft_budget_s``: the budget of the request carrying the nodes (default: the ``TrimmedLLM``'s).
-    The templates default to LlamaIndex's own question-answering prompt, so the prompt planned is
-    the one a query engine sends. When even no node fits, none is kept (the plan says infeasible)."""
+    """Keep the retrieved nodes worth their predicted prefill seconds for the query (docs/integrations.md). ``llm``:
+    where the prompt runs (a :class:`TrimmedLLM`, or what :func:`engine_of` takes), or ``profile=`` and ``tokenizer=``;
+    the templates default to LlamaIndex's question-answering prompt, the one a query engine sends."""
 
     ttft_budget_s: float | None = Field(default=None, description="The TTFT budget of the request carrying the nodes.")
     system_prompt: str | None = Field(default=QA_SYSTEM_PROMPT, description="The system message the nodes are planned with.")
@@ -867,7 +709,7 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
         elif llm is not None:
             engine = engine_of(llm, self.ttft_budget_s, summarizer=None)
             self._front, self._decode = engine.front_end, dict(engine.params)
-        if self.ttft_budget_s is None and self._budget() is None:
+        if self._budget() is None:
             raise InvalidInputError("TrimkitPostprocessor needs a TTFT budget: ttft_budget_s=, or an llm that has one")
         self._profile = profile
         self._tokenizer = tokenizer if tokenizer is not None else (PromptTokenizer.estimate() if llm is None else None)
@@ -893,19 +735,15 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
 
     @property
     def plans(self) -> list[Plan]:
-        """Recent plans, most recent last (at most ``max_plans``)."""
         with self._lock:
             return list(self._plans)
 
     def _budget(self) -> float | None:
         if self.ttft_budget_s is not None:
             return self.ttft_budget_s
-        if self._llm is not None:
-            return self._llm.ttft_budget_s
-        return getattr(self._front, "ttft_budget_s", None)
+        return getattr(self._llm if self._llm is not None else self._front, "ttft_budget_s", None)
 
     def plan_nodes(self, nodes: list[NodeWithScore], query: str) -> tuple[Plan, list[NodeWithScore]]:
-        """Plan ``nodes`` for ``query``: the plan, and the nodes to send in its order."""
         if not isinstance(query, str):
             raise InvalidInputError(f"the query must be a str, got {type(query).__name__}")
         t0 = time.perf_counter()
@@ -913,8 +751,9 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
         layer = time.perf_counter() - t0
         messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + [{"role": "user", "content": query}]
         strategies = self._strategies
-        if strategies is None:
-            strategies = chain(reuse_prefix(), cap_rag_chunks(min_chunks=self.min_nodes, excerpts=self.excerpts and excerpts_possible(nodes)))
+        if strategies is None:  # an excerpt replaces a node's text: TextNodes only
+            excerpts = self.excerpts and all(isinstance(_node_of(item, i)[0], TextNode) for i, item in enumerate(nodes))
+            strategies = chain(reuse_prefix(), cap_rag_chunks(min_chunks=self.min_nodes, excerpts=excerpts))
         budget = self._budget()
         engine: dict[str, Any] = {"profile": self._profile, "tokenizer": self._tokenizer}
         front = self._front
@@ -922,11 +761,9 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
             backend, tokenizer = front.backend, front.backend.tokenizer
             whole = tokenizer.prompt_tokens(place_chunks(messages, chunks, self.rag_template, self.rag_chunk_template))
             margin = front.engine.request_margin(front.attainment_target, budget, len(whole), backend.predict_cached_tokens(whole))
-            decode = self._llm.decode_params if self._llm is not None else self._decode
-            max_tokens = decode.get("max_tokens") or 0  # the context window keeps room for the answer
-            engine = {"profile": front.profile, "tokenizer": tokenizer, "safety_margin": margin,
-                      "cache": backend.cache_state(),
-                      "max_prompt_tokens": max(int(backend.n_ctx) - int(max_tokens), 1)}
+            max_tokens = (self._llm.decode_params if self._llm is not None else self._decode).get("max_tokens") or 0
+            engine = {"profile": front.profile, "tokenizer": tokenizer, "safety_margin": margin, "cache": backend.cache_state(),
+                      "max_prompt_tokens": max(int(backend.n_ctx) - int(max_tokens), 1)}  # room for the answer
         values = self._values if self._values is not None or front is None else front.values
         result = plan(messages, rag_chunks=chunks, ttft_budget_s=budget, strategies=strategies, values=values,
                       rag_template=self.rag_template, rag_chunk_template=self.rag_chunk_template, **engine)
@@ -940,10 +777,7 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
     def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
         if query_bundle is None:
             raise InvalidInputError("TrimkitPostprocessor needs the query (query_bundle= or query_str=): nodes are worth what they add to it")
-        if not nodes:
-            return []
-        return self.plan_nodes(nodes, query_bundle.query_str)[1]
+        return self.plan_nodes(nodes, query_bundle.query_str)[1] if nodes else []
 
     async def _apostprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
-        # counting may ask a server's tokenizer: off the event loop
-        return await asyncio.to_thread(self._postprocess_nodes, nodes, query_bundle)
+        return await asyncio.to_thread(self._postprocess_nodes, nodes, query_bundle)  # counting may ask a server: off the event loop
