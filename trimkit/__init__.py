@@ -14,10 +14,7 @@ Quick start (the embedded SmolLM2-135M-Instruct; any ``llama_cpp.Llama`` wraps t
     )
     print(chat.last_report)                          # predicted vs measured TTFT, what was trimmed, the verdict
 
-Each report judges the wait against the budget and the stream against reading speed
-(``report.verdict``). Public API: the names in ``__all__`` plus the namespaces
-:mod:`trimkit.strategies`, :mod:`trimkit.errors`, :mod:`trimkit.backends` and
-:mod:`trimkit.testing` (docs/design.md "Public API").
+The public API: ``__all__`` and the namespaces below (docs/design.md "Public API").
 """
 
 from __future__ import annotations

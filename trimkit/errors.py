@@ -22,7 +22,14 @@ __all__ = [
 
 
 class TrimkitError(Exception):
-    """Base of every error trimkit raises on purpose."""
+    """Base of every error trimkit raises on purpose; keyword arguments set the fields a class declares."""
+
+    def __init__(self, message: str = "", **fields: Any) -> None:
+        super().__init__(message)
+        for name, value in fields.items():
+            if not hasattr(type(self), name):
+                raise TypeError(f"{type(self).__name__} has no field {name!r}")
+            setattr(self, name, value)
 
 
 class InvalidInputError(TrimkitError, ValueError):
@@ -87,21 +94,17 @@ class CalibrationError(TrimkitError, RuntimeError):
 
 
 class InfeasibleBudgetError(TrimkitError):
-    """Even the minimal prompt cannot meet the TTFT budget (``on_infeasible="raise"``); ``.plan``, ``.report``."""
+    """Even the minimal prompt cannot meet the TTFT budget (``on_infeasible="raise"``)."""
 
-    def __init__(self, message: str, *, plan: Any = None, report: Any = None) -> None:
-        super().__init__(message)
-        self.plan = plan
-        self.report = report
+    plan: Any = None
+    report: Any = None
 
 
 class QueueBudgetError(InfeasibleBudgetError):
-    """The predicted wait for the requests ahead (``.wait_s``, ``.ahead``) takes the whole budget; ``.plan`` is None."""
+    """The predicted wait for the ``ahead`` requests before this one takes the whole budget; nothing was planned."""
 
-    def __init__(self, message: str, *, wait_s: float, ahead: int = 0, report: Any = None) -> None:
-        super().__init__(message, plan=None, report=report)
-        self.wait_s = wait_s
-        self.ahead = ahead
+    wait_s: float = 0.0
+    ahead: int = 0
 
 
 class BackendError(TrimkitError, RuntimeError):
@@ -111,12 +114,10 @@ class BackendError(TrimkitError, RuntimeError):
 
 
 class ServerError(BackendError):
-    """The server answered with an error: ``.status``, ``.server_message``."""
+    """The server answered with an error."""
 
-    def __init__(self, message: str, *, status: int | None = None, server_message: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.server_message = server_message
+    status: int | None = None
+    server_message: str = ""
 
 
 class TransientServerError(ServerError):
@@ -124,12 +125,10 @@ class TransientServerError(ServerError):
 
 
 class PromptTruncatedError(ServerError):
-    """The server evaluated fewer prompt tokens than sent (``.truncated_tokens``; ``on_truncation="raise"``)."""
+    """The server evaluated fewer prompt tokens than sent (``on_truncation="raise"``)."""
 
-    def __init__(self, message: str, *, truncated_tokens: int, report: Any = None) -> None:
-        super().__init__(message, status=200)
-        self.truncated_tokens = truncated_tokens
-        self.report = report
+    status: int | None = 200
+    truncated_tokens: int = 0
 
 
 class ServerUnreachableError(BackendError, ConnectionError):
@@ -139,33 +138,24 @@ class ServerUnreachableError(BackendError, ConnectionError):
 class StreamInterruptedError(BackendError):
     """The response stream broke before it finished; ``.report`` keeps what was sent."""
 
-    def __init__(self, message: str, *, report: Any = None) -> None:
-        super().__init__(message)
-        self.report = report
-
 
 class EngineBusyError(BackendError, TimeoutError):
-    """The in-process engine stayed busy longer than this request may wait (``.waited_s``); nothing was sent."""
+    """The in-process engine stayed busy longer than this request may wait; nothing was sent."""
 
-    def __init__(self, message: str, *, waited_s: float = 0.0) -> None:
-        super().__init__(message)
-        self.waited_s = waited_s
+    waited_s: float = 0.0
 
 
 class OverloadedError(BackendError, TimeoutError):
     """Alive but too busy to start the request within its deadline; retry after ``.retry_after_s``."""
 
-    def __init__(self, message: str, *, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
+    retry_after_s: float = 0.0
 
 
 class MalformedReplyError(ServerError):
     """The server's reply breaks the protocol (``.field`` says where); never retried."""
 
-    def __init__(self, message: str, *, field: str = "", status: int | None = 200, server_message: str = "") -> None:
-        super().__init__(message, status=status, server_message=server_message)
-        self.field = field
+    status: int | None = 200
+    field: str = ""
 
 
 class ServerTimeoutError(ServerUnreachableError, TimeoutError):
@@ -175,17 +165,13 @@ class ServerTimeoutError(ServerUnreachableError, TimeoutError):
 class FleetUnavailableError(ServerUnreachableError):
     """No endpoint of the fleet could take the request; ``.attempts`` lists ``(endpoint, what went wrong)``."""
 
-    def __init__(self, message: str, *, attempts: Sequence[tuple[str, str]] = ()) -> None:
-        super().__init__(message)
-        self.attempts = tuple(attempts)
+    attempts: Sequence[tuple[str, str]] = ()
 
 
 class FleetOverloadedError(OverloadedError):
-    """Every endpoint that could take the request is too busy; ``.retry_after_s``, ``.attempts``."""
+    """Every endpoint that could take the request is too busy; ``.attempts`` as for :class:`FleetUnavailableError`."""
 
-    def __init__(self, message: str, *, retry_after_s: float, attempts: Sequence[tuple[str, str]] = ()) -> None:
-        super().__init__(message, retry_after_s=retry_after_s)
-        self.attempts = tuple(attempts)
+    attempts: Sequence[tuple[str, str]] = ()
 
 
 # -- validators shared by the value classes ---------------------------------------------------------------

@@ -71,6 +71,10 @@ class Chunk:
         return self.id if self.label is None else self.label
 
 
+def _is_list(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray, Mapping))
+
+
 def validate_params(params: Mapping[str, Any]) -> None:
     """Raise :class:`InvalidInputError` for call parameters no engine can take: ``tools`` that are not
     a list of JSON objects, a number that is NaN or infinite."""
@@ -82,16 +86,15 @@ def validate_params(params: Mapping[str, Any]) -> None:
     tools = params.get("tools")
     if tools is None:
         return
-    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+    if not _is_list(tools):
         raise InvalidInputError(f"tools must be a list of dicts, got {type(tools).__name__}")
     for i, tool in enumerate(tools):
         if not isinstance(tool, Mapping):
             raise InvalidInputError(f"tools[{i}] must be a dict, got {type(tool).__name__}")
         try:
-            json.dumps(tool, allow_nan=False)
+            text = json.dumps(tool, allow_nan=False, ensure_ascii=False)
         except (TypeError, ValueError, RecursionError) as exc:
             raise InvalidInputError(f"tools[{i}] is not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
-        text = json.dumps(tool, ensure_ascii=False)
         if lone_surrogate(text) is not None:
             raise InvalidInputError(f"tools[{i}] holds a lone surrogate (not encodable as UTF-8)")
 
@@ -100,25 +103,20 @@ def coerce_chunks(chunks: Any) -> tuple[Chunk, ...]:
     """Validate ``rag_chunks`` (strings, :class:`Chunk`, or dicts with ``text``) into Chunks with ids."""
     if chunks is None:
         return ()
-    if isinstance(chunks, (str, bytes, Mapping)) or not isinstance(chunks, Sequence):
+    if not _is_list(chunks):
         raise InvalidChunkError(f"rag_chunks must be a list of str or Chunk, got {type(chunks).__name__}")
     out: list[Chunk] = []
     seen: set[str] = set()
     for i, c in enumerate(chunks):
         if isinstance(c, Chunk):
             chunk = c if c.id is not None else attrs.evolve(c, id=f"chunk-{i}", label=c.label or str(i + 1))
-        elif isinstance(c, str):
-            try:
-                chunk = Chunk(text=c, id=f"chunk-{i}", label=str(i + 1))
-            except InvalidChunkError as exc:
-                raise InvalidChunkError(f"rag_chunks[{i}]: {exc}") from None
-        elif isinstance(c, Mapping):
+        elif isinstance(c, (str, Mapping)):
+            c = {"text": c} if isinstance(c, str) else c
             if "text" not in c:
                 raise InvalidChunkError(f"rag_chunks[{i}] has no 'text'")
+            cid = c.get("id")
             try:
-                cid = c.get("id")
-                chunk = Chunk(text=c["text"], score=c.get("score"), id=f"chunk-{i}" if cid is None else str(cid),
-                              label=str(i + 1) if cid is None else None)
+                chunk = Chunk(text=c["text"], score=c.get("score"), id=f"chunk-{i}" if cid is None else str(cid), label=str(i + 1) if cid is None else None)
             except InvalidChunkError as exc:
                 raise InvalidChunkError(f"rag_chunks[{i}]: {exc}") from None
         else:
@@ -153,10 +151,6 @@ def message_text(message: Mapping[str, Any]) -> str:
     else:
         parts = [content] if isinstance(content, str) else []
     return "\n".join(parts + tool_call_lines(message))
-
-
-def _is_list(value: Any) -> bool:
-    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray, Mapping))
 
 
 def _check_function(fn: Any, where: str) -> None:
@@ -194,7 +188,7 @@ def _check_tool_fields(m: Mapping[str, Any], where: str) -> None:
 def validate_messages(messages: Any) -> None:
     """Raise :class:`InvalidMessageError` unless ``messages`` is a non-empty list of well-formed messages with a
     user message; content may be None only on an assistant message with tool calls."""
-    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+    if not _is_list(messages):
         raise InvalidMessageError(f"messages must be a list of dicts, got {type(messages).__name__}")
     if len(messages) == 0:
         raise InvalidMessageError("messages is empty: at least one user message is needed")

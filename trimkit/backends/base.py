@@ -153,7 +153,6 @@ class TimedStream:
         self.ended_at: float | None = None
         self.n_chunks = 0
         self.n_content_chunks = 0
-        self.text_parts: list[str] = []
         self.last_chunk: Any = None
         self.measurement: Measurement | None = None
         self.on_done: list[Callable[[Measurement], None]] = []
@@ -193,7 +192,6 @@ class TimedStream:
             self.first_output_at = now
         if text:
             self.n_content_chunks += 1
-            self.text_parts.append(text)
             if self.first_content_at is None:
                 self.first_content_at = now
         return chunk

@@ -206,19 +206,11 @@ class LlamaBackend(Backend):
 
     def profile_key(self) -> ProfileKey:
         cp = self.llm.context_params
-        mp = self.llm.model_params
         return ProfileKey(
-            backend=self.name,
-            model=model_identity(self.llm.model_path),
-            n_ctx=self.n_ctx,
-            n_batch=int(self.llm.n_batch),
-            n_ubatch=int(getattr(cp, "n_ubatch", 0)),
-            n_threads=int(cp.n_threads),
-            n_threads_batch=int(cp.n_threads_batch),
-            flash_attn=str(getattr(cp, "flash_attn_type", getattr(cp, "flash_attn", ""))),
-            n_gpu_layers=int(getattr(mp, "n_gpu_layers", 0)),
-            engine_version=f"llama-cpp-python {llama_cpp.__version__}",
-            cpu=cpu_name(),
+            backend=self.name, model=model_identity(self.llm.model_path), n_ctx=self.n_ctx, n_batch=int(self.llm.n_batch),
+            n_ubatch=int(getattr(cp, "n_ubatch", 0)), n_threads=int(cp.n_threads), n_threads_batch=int(cp.n_threads_batch),
+            flash_attn=str(getattr(cp, "flash_attn_type", getattr(cp, "flash_attn", ""))), n_gpu_layers=int(getattr(self.llm.model_params, "n_gpu_layers", 0)),
+            engine_version=f"llama-cpp-python {llama_cpp.__version__}", cpu=cpu_name(),
             extra=f"type_k={getattr(cp, 'type_k', '')},type_v={getattr(cp, 'type_v', '')},swa_full={getattr(cp, 'swa_full', '')}",
         )
 
