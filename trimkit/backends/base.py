@@ -8,6 +8,7 @@ A backend with ``evaluate_to(tokens, end) -> (seconds, start)`` whose :meth:`Bac
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import inspect
 import statistics
@@ -128,18 +129,10 @@ class TimedStream:
     ``finish(self)`` builds the :class:`Measurement` for the ``on_done`` callbacks; ``on_error`` may
     translate an exception; ``release`` runs exactly once, in whichever thread ends the stream."""
 
-    def __init__(
-        self,
-        chunks: Iterator[Any],
-        *,
-        started: float | None,
-        clock: Clock,
-        content_of: Callable[[Any], str | None],  # text of a chunk; "" for a finish chunk; None for a role delta
-        finish: Callable[[TimedStream], Measurement],
-        on_error: Callable[[BaseException], BaseException | None] | None = None,
-        release: Callable[[], None] | None = None,
-        queue_s: float = 0.0,
-    ) -> None:
+    def __init__(self, chunks: Iterator[Any], *, started: float | None, clock: Clock, content_of: Callable[[Any], str | None],
+                 finish: Callable[[TimedStream], Measurement], on_error: Callable[[BaseException], BaseException | None] | None = None,
+                 release: Callable[[], None] | None = None, queue_s: float = 0.0) -> None:
+        # content_of: the text of a chunk; "" for a finish chunk; None for a bare role delta
         self._chunks = chunks
         self.started = started
         self.clock = clock
@@ -175,10 +168,8 @@ class TimedStream:
         except BaseException as exc:
             self.ended_at = self.clock()
             if self._release is not None:
-                try:
-                    self.close()  # release what the stream holds
-                except ValueError:  # another thread is inside next() on this stream: it ends it
-                    pass
+                with contextlib.suppress(ValueError):  # another thread is inside next() on this stream: it ends it
+                    self.close()
             translated = self._on_error(exc) if self._on_error else None
             if translated is not None and translated is not exc:
                 raise translated from exc

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -39,15 +40,9 @@ from trimkit.planning.tokens import common_prefix_len, reusable_prefix_len
 log = logging.getLogger("trimkit")
 
 
-class AbortState:
-    """Whether :func:`abort_when`'s predicate stopped the decode."""
-
-    fired: bool = False
-
-
 #: what llama.cpp logs (at error level) when a decode is stopped and its batch's cells are dropped
 ABORT_NOTICE = b"removing memory module entries"
-_RUNNING = threading.local()  # the AbortState of the abortable decode running on this thread
+_RUNNING = threading.local()  # the state of the abortable decode running on this thread
 _FILTER_LOCK = threading.Lock()
 _FILTER: list[Any] = []  # the installed filter and what it forwards to (kept referenced while llama.cpp holds them)
 
@@ -82,10 +77,10 @@ def quiet_planned_aborts() -> bool:
 
 
 @contextmanager
-def abort_when(llm: Any, should_abort: Callable[[], bool]) -> Iterator[AbortState]:
+def abort_when(llm: Any, should_abort: Callable[[], bool]) -> Iterator[SimpleNamespace]:
     """Within the block llama.cpp stops a decode of ``llm`` once ``should_abort()`` is true (or raises):
     ``Llama.eval`` then raises ``RuntimeError`` and ``.fired`` is set."""
-    state = AbortState()
+    state = SimpleNamespace(fired=False)
 
     def check(_data: Any) -> bool:
         try:

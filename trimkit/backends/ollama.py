@@ -7,7 +7,6 @@ sent with what was taken in.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -25,8 +24,6 @@ from trimkit.errors import InvalidInputError, MalformedReplyError, ServerError, 
 from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey
 from trimkit.planning.tokens import PromptTokenizer
-
-log = logging.getLogger("trimkit")
 
 #: ``num_ctx`` when ``n_ctx`` is not given: Ollama's own default under 24 GiB of memory (stated, not guessed)
 DEFAULT_OLLAMA_CTX = 4096
