@@ -192,7 +192,6 @@ def validate_messages(messages: Any) -> None:
         raise InvalidMessageError(f"messages must be a list of dicts, got {type(messages).__name__}")
     if len(messages) == 0:
         raise InvalidMessageError("messages is empty: at least one user message is needed")
-    has_user = False
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise InvalidMessageError(f"messages[{i}] must be a dict, got {type(m).__name__}")
@@ -222,13 +221,8 @@ def validate_messages(messages: Any) -> None:
             if (at := lone_surrogate(content)) is not None:
                 raise InvalidMessageError(f"messages[{i}] ({role}) content holds a lone surrogate at character {at} (not encodable as UTF-8)")
         else:
-            raise InvalidMessageError(
-                f"messages[{i}] ({role}) content must be str, list of parts or None, got {type(content).__name__}"
-            )
-        if role == "user":
-            has_user = True
-    if not has_user:
-        raise InvalidMessageError("messages has no user message")
+            raise InvalidMessageError(f"messages[{i}] ({role}) content must be str, list of parts or None, got {type(content).__name__}")
+    last_user_index(messages)
 
 
 def last_user_index(messages: Sequence[Mapping[str, Any]]) -> int:
@@ -307,32 +301,23 @@ def append_text(message: Mapping[str, Any], text: str) -> dict[str, Any]:
 
 def _template_fields(template: str) -> set[str]:
     """The field names a format string uses (``{chunks!r:>5}`` and ``{chunks[0]}`` use ``chunks``)."""
-    names = set()
-    for _, field, _, _ in string.Formatter().parse(template):
-        if field is not None:
-            names.add(field.split(".", 1)[0].split("[", 1)[0])
-    return names
+    return {field.split(".", 1)[0].split("[", 1)[0] for _, field, _, _ in string.Formatter().parse(template) if field is not None}
 
 
 def check_rag_templates(template: Any, chunk_template: Any) -> None:
     """Raise :class:`InvalidInputError` unless both RAG templates format cleanly and use the fields that
     carry text (``{chunks}``, ``{question}``; ``{text}``): else text would be dropped without a word."""
-    for value, label in ((template, "rag_template"), (chunk_template, "rag_chunk_template")):
+    specs = ((template, "rag_template", {"chunks": "", "question": ""}, ("chunks", "question")),
+             (chunk_template, "rag_chunk_template", {"id": "", "text": "", "n": 1}, ("text",)))
+    for value, label, fields, needed in specs:
         if not isinstance(value, str):
             raise InvalidInputError(f"{label} must be a str, got {type(value).__name__}")
-    try:
-        template.format(chunks="", question="")
-    except (KeyError, IndexError, ValueError, AttributeError) as exc:
-        raise InvalidInputError(f"rag_template must be a str using only {{chunks}} and {{question}}: {exc!r}") from None
-    try:
-        chunk_template.format(id="", text="", n=1)
-    except (KeyError, IndexError, ValueError, AttributeError) as exc:
-        raise InvalidInputError(f"rag_chunk_template must be a str using only {{id}}, {{text}}, {{n}}: {exc!r}") from None
-    for value, label, needed in ((template, "rag_template", ("chunks", "question")), (chunk_template, "rag_chunk_template", ("text",))):
+        try:
+            value.format(**fields)
+        except (KeyError, IndexError, ValueError, AttributeError) as exc:
+            raise InvalidInputError(f"{label} must be a str using only {', '.join('{' + f + '}' for f in fields)}: {exc!r}") from None
         missing = [name for name in needed if name not in _template_fields(value)]
         if missing:
             lost = " and ".join("the question" if n == "question" else "the chunks' text" for n in missing)
             shown = value if len(value) <= 60 else value[:57] + "..."
-            raise InvalidInputError(
-                f"{label} {shown!r} has no {' or '.join('{' + n + '}' for n in missing)} field: {lost} would not be sent"
-            )
+            raise InvalidInputError(f"{label} {shown!r} has no {' or '.join('{' + n + '}' for n in missing)} field: {lost} would not be sent")

@@ -104,14 +104,6 @@ def abort_when(llm: Any, should_abort: Callable[[], bool]) -> Iterator[SimpleNam
         del callback  # kept alive until llama.cpp no longer holds it
 
 
-def effective_n_ctx(llm: Any) -> int:
-    """The tokens a ``Llama`` can really hold: llama.cpp rounds ``n_ctx`` up to a multiple of 256,
-    but ``input_ids`` is sized to the ``n_ctx`` asked for, and ``Llama.eval`` fails past it."""
-    ctx = int(llm.n_ctx())
-    ids = getattr(llm, "input_ids", None)
-    return min(ctx, len(ids)) if ids is not None else ctx
-
-
 @functools.cache
 def cpu_name() -> str:
     """The CPU model and core count (part of every in-process profile key)."""
@@ -184,7 +176,10 @@ class LlamaBackend(Backend):
 
     @property
     def n_ctx(self) -> int:
-        return effective_n_ctx(self.llm)
+        """What the ``Llama`` really holds: llama.cpp rounds ``n_ctx`` up to a multiple of 256, but ``Llama.eval``
+        fails past the ``input_ids`` sized to the ``n_ctx`` asked for."""
+        ids = getattr(self.llm, "input_ids", None)
+        return min(int(self.llm.n_ctx()), len(ids)) if ids is not None else int(self.llm.n_ctx())
 
     def _window_text(self) -> str:
         n, ctx = self.n_ctx, int(self.llm.n_ctx())
