@@ -28,7 +28,7 @@ from llama_cpp import Llama, llama_chat_format
 
 from trimkit.backends.base import Backend, Clock, Measurement, TimedStream, first_token_overhead_s, probe_text
 from trimkit.backends.llama_format import DEFAULT_MODEL, EMBEDDED_MODELS, default_model_path, handler_formatter, llama_prompt_tokenizer, model_identity
-from trimkit.backends.replies import chunk_content
+from trimkit.backends.replies import chunk_content, parse_chunk
 from trimkit.errors import BackendError, ContextTooSmallError, InvalidInputError
 from trimkit.messages import tool_call_lines
 from trimkit.planning.costs import CacheState
@@ -286,12 +286,7 @@ class LlamaBackend(Backend):
     def _measurement(self, ts: TimedStream, state: Mapping[str, Any]) -> Measurement:
         perf: PerfCounts | None = state.get("perf")
         prompt_len = state["prompt_len"]
-        finish_reason = None
-        if ts.last_chunk is not None:
-            try:
-                finish_reason = ts.last_chunk["choices"][0].get("finish_reason")
-            except (KeyError, IndexError, TypeError):
-                pass
+        finish_reason = parse_chunk(ts.last_chunk).finish_reason if ts.last_chunk is not None else None  # parsed once already
         common = dict(ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=ts.total_s, prompt_tokens=prompt_len,
                       client_decode_s=ts.client_decode_s, finish_reason=finish_reason, queue_s=ts.queue_s)
         if perf is None:

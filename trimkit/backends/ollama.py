@@ -53,7 +53,7 @@ def client_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 def client_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
-    """The tools as the ``ollama`` client sends them (a Python function becomes its JSON schema), to count them so."""
+    """The tools as the ``ollama`` client sends them (a Python function becomes its JSON schema), so they are counted as sent."""
     try:
         from ollama._client import _copy_tools
     except ImportError:  # pragma: no cover - another client version
