@@ -84,12 +84,10 @@ def abort_when(llm: Any, should_abort: Callable[[], bool]) -> Iterator[SimpleNam
 
     def check(_data: Any) -> bool:
         try:
-            stop = bool(should_abort())
+            state.fired = state.fired or bool(should_abort())
         except Exception:  # never let an exception cross into C: stop instead
-            stop = True
-        if stop:
             state.fired = True
-        return stop
+        return state.fired
 
     callback = llama_cpp.ggml_abort_callback(check)
     quiet_planned_aborts()
