@@ -1,20 +1,8 @@
-"""Backends: the seam between trimkit and a model engine.
+"""Backends: the seam between trimkit and a model engine (:class:`Backend`).
 
-A :class:`Backend` counts a prompt with the engine's own tokenizer and chat template, predicts
-how much of it the engine still holds in its KV cache, sends a request as a
-:class:`TimedStream` and turns what it saw into a :class:`Measurement`; calibration probes go
-through it too. Two are built in:
-
-- :class:`LlamaBackend` — a ``llama_cpp.Llama`` in this process (:mod:`trimkit.backends.llama`);
-- :class:`OpenAIHTTPBackend` — an OpenAI-compatible server (llama.cpp server, Ollama, vLLM,
-  SGLang, LM Studio), through the ``openai`` client or plain ``httpx``; :class:`ServerInfo`
-  is what it learned about the server (engine, version, context size, tokenizer endpoint);
-- :class:`OllamaBackend` — Ollama's native API (``/api/chat``) through an ``ollama.Client`` /
-  ``ollama.AsyncClient`` (:mod:`trimkit.backends.ollama`).
-
-``trimkit.wrap()`` picks the backend for the client you pass; build one yourself to set its
-options (``OpenAIHTTPBackend(url, model=..., n_ctx=8192)``) and pass it to ``trimkit.wrap`` or
-``trimkit.calibrate``. A fake engine for tests is :class:`trimkit.testing.FakeBackend`.
+Built in: :class:`LlamaBackend` (a ``llama_cpp.Llama`` in this process), :class:`OpenAIHTTPBackend`
+(an OpenAI-compatible server) and :class:`OllamaBackend` (Ollama's native API). ``trimkit.wrap()``
+picks one for the client you pass; build one yourself to set its options.
 """
 
 from __future__ import annotations
@@ -30,7 +18,7 @@ __all__ = ["Backend", "CacheState", "Measurement", "TimedStream", "LlamaBackend"
 
 
 def __getattr__(name: str) -> Any:
-    """``LlamaBackend`` on first use: ``import trimkit`` imports no engine (``trimkit[llama]``)."""
+    """``LlamaBackend`` on first use: ``import trimkit`` imports no engine."""
     if name == "LlamaBackend":
         from trimkit.errors import require_extra
 

@@ -1,18 +1,14 @@
 """The seam between trimkit and a model engine (:class:`Backend`, :class:`TimedStream`,
-:class:`Measurement`), and the one place trimkit asks what kind of client the caller handed over
-(:func:`client_kind`: ``wrap()``, calibration and the HTTP backend all judge a client by it).
+:class:`Measurement`), and :func:`client_kind`, the one place trimkit asks what client it was handed.
 
-**The watched prefill.** A backend that can evaluate a prompt up to a token and say how long it
-took — ``evaluate_to(tokens, end) -> (seconds, start)``, the context then holding ``tokens[:end]``
-— and whose :meth:`Backend.send` takes a ``watch=`` driver (called at the start of the stream as
-``watch(evaluate_to, clock, held) -> (messages, tokens)``, it returns what to generate from) takes
-part in the closed loop (:mod:`trimkit.planning.watch`); one without ``evaluate_to`` is planned
-once, before sending.
+A backend with ``evaluate_to(tokens, end) -> (seconds, start)`` whose :meth:`Backend.send` takes
+``watch=`` takes part in the watched prefill (:mod:`trimkit.planning.watch`).
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import inspect
 import statistics
@@ -29,20 +25,17 @@ from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey
 from trimkit.planning.tokens import PromptTokenizer
 
-# == the seam ================================================================================================
-
 Clock = Callable[[], float]
 
 
 class Io:
-    """One I/O step of code written once for sync and async callers (a generator, :data:`Steps`):
-    ``sync(*args, **kwargs)`` under :func:`run_sync`, ``await asyn(*args, **kwargs)`` under :func:`run_async`."""
+    """One I/O step of code written once for sync and async callers: ``sync(...)`` or ``await asyn(...)``."""
 
     def __init__(self, sync: Callable[..., Any], asyn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> None:
         self.sync, self.asyn, self.args, self.kwargs = sync, asyn, args, kwargs
 
 
-#: sync-or-async code: yields its I/O steps, is sent each one's result (or thrown its error), returns the call's
+#: sync-or-async code: yields its I/O steps, is sent each one's result (or thrown its error)
 Steps = Generator[Io, Any, Any]
 
 
@@ -76,15 +69,8 @@ async def run_async(steps: Steps) -> Any:
 
 @attrs.frozen
 class Measurement:
-    """What one request measured. ``None`` means the engine did not say.
-
-    ``ttft_s`` is client-side: from sending the request to the first streamed chunk carrying
-    content (not a bare role delta); ``first_output_s`` is send → first chunk of any output,
-    which differs only when the model stops without content. ``engine_prefill_s`` / ``engine_decode_s`` are the engine's
-    own timings where it reports them (llama.cpp perf counters, server ``timings``).
-    ``queue_s`` is how long the request waited for the engine while another request held it
-    (in-process engines); it is not part of ``ttft_s``, which starts once the engine is ours.
-    """
+    """What one request measured (None: the engine did not say). ``ttft_s``: send → first content
+    chunk; ``first_output_s``: send → first output of any kind; ``queue_s``: the wait for the engine (not in ``ttft_s``)."""
 
     ttft_s: float | None
     total_s: float
@@ -129,10 +115,7 @@ class Measurement:
 
 
 def _end_stream(chunks: Any, release: Callable[[], None]) -> None:
-    """End a stream that holds a resource: stop the engine's iterator, then release.
-
-    Runs at most once (``weakref.finalize``): when the stream finishes, fails, is closed, or is
-    garbage-collected — in whichever thread that happens. It holds no reference to the stream."""
+    """Stop the engine's iterator, then release; run once by ``weakref.finalize``, in any thread."""
     try:
         close = getattr(chunks, "close", None)
         if close is not None:
@@ -142,28 +125,14 @@ def _end_stream(chunks: Any, release: Callable[[], None]) -> None:
 
 
 class TimedStream:
-    """Wraps a stream of response chunks, timing the first content chunk and the end.
+    """A stream of response chunks, timing the first content chunk and the end. Once exhausted,
+    ``finish(self)`` builds the :class:`Measurement` for the ``on_done`` callbacks; ``on_error`` may
+    translate an exception; ``release`` runs exactly once, in whichever thread ends the stream."""
 
-    Iterate it like the underlying stream. Once it is exhausted ``finish(self)`` builds the
-    :class:`Measurement` and the ``on_done`` callbacks receive it; if the stream raises,
-    ``on_error`` may translate the exception. A stream that owns a resource (an in-process engine)
-    calls ``release`` exactly once, in whichever thread ends it: exhausted, failed, :meth:`close`,
-    or garbage-collected unfinished. ``queue_s``: the wait for that resource before the stream
-    existed (never part of the TTFT).
-    """
-
-    def __init__(
-        self,
-        chunks: Iterator[Any],
-        *,
-        started: float | None,
-        clock: Clock,
-        content_of: Callable[[Any], str | None],  # text of a chunk; "" for a finish chunk; None for a role delta
-        finish: Callable[[TimedStream], Measurement],
-        on_error: Callable[[BaseException], BaseException | None] | None = None,
-        release: Callable[[], None] | None = None,
-        queue_s: float = 0.0,
-    ) -> None:
+    def __init__(self, chunks: Iterator[Any], *, started: float | None, clock: Clock, content_of: Callable[[Any], str | None],
+                 finish: Callable[[TimedStream], Measurement], on_error: Callable[[BaseException], BaseException | None] | None = None,
+                 release: Callable[[], None] | None = None, queue_s: float = 0.0) -> None:
+        # content_of: the text of a chunk; "" for a finish chunk; None for a bare role delta
         self._chunks = chunks
         self.started = started
         self.clock = clock
@@ -177,7 +146,6 @@ class TimedStream:
         self.ended_at: float | None = None
         self.n_chunks = 0
         self.n_content_chunks = 0
-        self.text_parts: list[str] = []
         self.last_chunk: Any = None
         self.measurement: Measurement | None = None
         self.on_done: list[Callable[[Measurement], None]] = []
@@ -200,10 +168,8 @@ class TimedStream:
         except BaseException as exc:
             self.ended_at = self.clock()
             if self._release is not None:
-                try:
-                    self.close()  # release what the stream holds
-                except ValueError:  # another thread is inside next() on this stream: it ends it
-                    pass
+                with contextlib.suppress(ValueError):  # another thread is inside next() on this stream: it ends it
+                    self.close()
             translated = self._on_error(exc) if self._on_error else None
             if translated is not None and translated is not exc:
                 raise translated from exc
@@ -217,15 +183,12 @@ class TimedStream:
             self.first_output_at = now
         if text:
             self.n_content_chunks += 1
-            self.text_parts.append(text)
             if self.first_content_at is None:
                 self.first_content_at = now
         return chunk
 
     @property
     def first_output_s(self) -> float | None:
-        """Send → first chunk beyond a bare role delta, even if it carries no text (the model
-        may stop at once); a fallback when no content ever arrives."""
         return None if self.first_output_at is None or self.started is None else self.first_output_at - self.started
 
     @property
@@ -234,23 +197,19 @@ class TimedStream:
 
     @property
     def total_s(self) -> float:
-        """Send → the end of the stream (→ now, while it runs)."""
         return (self.ended_at or self.clock()) - (self.started or 0.0)
 
     @property
     def client_decode_s(self) -> float | None:
-        """First content chunk → last chunk: the stream as the client saw it."""
         if self.first_content_at is None or self.last_chunk_at is None:
             return None
         return self.last_chunk_at - self.first_content_at
 
     @property
     def released(self) -> bool:
-        """True once the resource this stream held (if any) has been released (read by the engine queue)."""
         return self._release is None or not self._release.alive
 
     def _end(self) -> None:
-        """Release what the stream holds (once; a no-op for streams that hold nothing)."""
         if self._release is not None:
             self._release()
 
@@ -267,9 +226,7 @@ class TimedStream:
             cb(self.measurement)
 
     def close(self) -> None:
-        """Stop the stream and release what it holds. From any thread — but not while another
-        thread is inside ``next()`` on it (Python raises ``ValueError`` then, and nothing is
-        released until that thread's step returns and the stream is closed or dropped)."""
+        """Stop the stream and release what it holds (ValueError while another thread is inside ``next()``)."""
         close = getattr(self._chunks, "close", None)
         if close:
             close()
@@ -285,33 +242,27 @@ class TimedStream:
 class Backend(abc.ABC):
     """A model engine as trimkit sees it. Subclass to support a new engine."""
 
-    #: short name, e.g. "llama_cpp", "openai_http", "fake"
     name: str = "backend"
     tokenizer: PromptTokenizer
     clock: Clock = time.perf_counter
 
     @property
     def background_tokenizer(self) -> PromptTokenizer:
-        """What work off the request path (background summaries) counts tokens with. The
-        default is :attr:`tokenizer`; a backend whose tokenizer asks the engine over the network
-        returns a local one, because a llama.cpp-style server interrupts the stream in flight
-        when another request reaches it."""
+        """What background work counts tokens with: a local one where :attr:`tokenizer` asks a server
+        (a llama.cpp-style server interrupts the stream in flight when another request reaches it)."""
         return self.tokenizer
 
     @property
     @abc.abstractmethod
-    def n_ctx(self) -> int:
-        """Context window in tokens."""
+    def n_ctx(self) -> int: ...
 
     @abc.abstractmethod
     def profile_key(self) -> ProfileKey:
         """Everything that changes prefill timings for this engine and its settings."""
 
     def engine_identity(self) -> Any:
-        """What names the engine doing the work, so that every wrapper of it shares one live
-        state (drift, learned margin — :func:`trimkit.planning.speed.engine_state`): an object (held
-        weakly, e.g. the ``Llama``) or a hashable value (e.g. a server's URL and model).
-        Cheap, never does I/O. By default the backend object itself."""
+        """What names the engine, so every wrapper of it shares one live state
+        (:func:`trimkit.planning.speed.engine_state`): an object held weakly or a hashable value; no I/O."""
         return self
 
     @abc.abstractmethod
@@ -319,34 +270,21 @@ class Backend(abc.ABC):
         """How many leading tokens of ``prompt_tokens`` the engine will reuse from its KV cache."""
 
     def cache_state(self) -> CacheState | None:
-        """What the engine's KV cache holds now, as data for a plan (its ``cache``), so that
-        planning asks the engine nothing: ``cache_state().cached(tokens)`` is
-        :meth:`predict_cached_tokens`. None (this default): not told — a plan then knows only
-        how much of the request as given is cached."""
+        """What the engine's KV cache holds now, as data for a plan; None: not told."""
         return None
 
     @abc.abstractmethod
-    def send(
-        self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None
-    ) -> TimedStream:
-        """Send a chat request as a stream; the returned :class:`TimedStream` yields the engine's
-        own chunk objects and produces a :class:`Measurement` when exhausted. ``prompt_tokens``
-        (the prompt as already tokenized by :attr:`tokenizer`) saves tokenizing it again."""
+    def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None) -> TimedStream:
+        """Send a chat request as a :class:`TimedStream` of the engine's own chunks."""
 
     # -- calibration probes -------------------------------------------------------------
-    #: True when a depth probe (``measure_prefill(n, k)``, ``k > 0``) right after a cold probe
-    #: of at least ``k`` tokens finds that prefix still in the engine's cache and prefills only
-    #: its ``n`` new tokens (an in-process engine keeps its KV cache between probes); False when
-    #: it prefills the prefix again first (a server probe sends a fresh text). Calibration
-    #: budgets its depth probes' wall time by it.
+    #: whether a depth probe (``measure_prefill(n, k)``) finds its ``k``-token prefix still cached
     depth_probe_keeps_prefix: bool = True
-    #: the model's attention doubling length by its architecture, tokens
-    #: (:mod:`trimkit.planning.profile`): the prior calibration's fit leans on where its probes say
-    #: little about attention; None when the engine does not tell (a server)
+    #: the model's attention doubling length by its architecture, tokens; None: not told (a server)
     attention_prior_tokens: float | None = None
 
     def warm_up(self) -> None:  # noqa: B027 - an optional hook: most backends need no warm-up
-        """Pay one-off costs (first eval after load) before measuring."""
+        """Pay one-off costs before measuring."""
 
     @abc.abstractmethod
     def measure_prefill(self, new_tokens: int, cached_tokens: int = 0) -> float:
@@ -367,15 +305,9 @@ def probe_text() -> str:
     return resources.files("trimkit").joinpath("data/corpus.txt").read_text(encoding="utf-8")
 
 
-def first_token_overhead_s(
-    probes: Iterable[Measurement], prefill_s: Callable[[Measurement], float | None] | None = None
-) -> float:
-    """The first-token overhead from short probe requests: the median (the upper one for an
-    even count) of client time to first output minus the prefill time, each at least 0.
-
-    ``prefill_s(m)`` gives a probe's prefill time (default: the engine's own,
-    ``m.engine_prefill_s``); it is called only for a probe that produced output, right after
-    that probe, and a probe it gives None for is left out. 0.0 when no probe counted."""
+def first_token_overhead_s(probes: Iterable[Measurement], prefill_s: Callable[[Measurement], float | None] | None = None) -> float:
+    """The upper median over probes of (time to first output − ``prefill_s(m)``, default the engine's),
+    each at least 0; ``prefill_s`` is called only for a probe that produced output. 0.0 when none counted."""
     gaps = []
     for m in probes:
         first = m.ttft_s if m.ttft_s is not None else m.first_output_s  # the model may stop at once
@@ -387,16 +319,11 @@ def first_token_overhead_s(
     return statistics.median_high(gaps) if gaps else 0.0
 
 
-# == what kind of client the caller handed over ==============================================================
-
-#: what :func:`client_kind` says a target is
 ClientKind = Literal["backend", "wrapper", "llama", "openai", "ollama"]
 
 
 def client_kind(target: Any) -> ClientKind | None:
-    """What ``target`` is: a trimkit Backend, a trimkit wrapper (a Backend at ``.backend``), a
-    ``llama_cpp.Llama``, an OpenAI-style client, an ``ollama`` client; None: none of these. The one dispatch that
-    ``wrap()`` and calibration both use."""
+    """What ``target`` is (a wrapper has a Backend at ``.backend``); None: none of these."""
     if isinstance(target, Backend):
         return "backend"
     if isinstance(getattr(target, "backend", None), Backend):
@@ -411,20 +338,19 @@ def client_kind(target: Any) -> ClientKind | None:
 
 
 def is_llama(client: Any) -> bool:
-    """A ``llama_cpp.Llama`` (or subclass), without importing llama_cpp when it is not loaded."""
+    """A ``llama_cpp.Llama``, without importing llama_cpp when it is not loaded."""
     Llama = getattr(sys.modules.get("llama_cpp"), "Llama", None)
     return Llama is not None and isinstance(client, Llama)
 
 
 def is_openai_client(client: Any) -> bool:
-    """An ``openai.OpenAI``-style client: anything with a callable ``.chat.completions.create``."""
+    """Anything with a callable ``.chat.completions.create``."""
     create = getattr(getattr(getattr(client, "chat", None), "completions", None), "create", None)
     return callable(create)
 
 
 def is_ollama_client(client: Any) -> bool:
-    """An ``ollama.Client`` / ``ollama.AsyncClient`` (or subclass): a ``chat`` method and the
-    ``httpx`` client it sends through (``._client``), from the ``ollama`` package."""
+    """An ``ollama`` client: a ``chat`` method and the ``httpx`` client it sends through (``._client``)."""
     module = type(client).__module__ or ""
     http = getattr(client, "_client", None)
     httpx = sys.modules.get("httpx")

