@@ -52,7 +52,7 @@ def main() -> int:
 
     llm = open_llama(None, 8192)
     backend = trimkit.backends.LlamaBackend(llm)
-    profile = trimkit.calibrate(backend, quick=args.quick_profile)
+    profile = trimkit.calibrate(backend, mode="quick" if args.quick_profile else "full")
     print(f"profile: {profile.model} (held-out median {profile.error.median_pct:.1f} %, p90 {profile.error.p90_pct:.1f} %)")
 
     corpus = load_corpus()

@@ -192,7 +192,7 @@ def main() -> int:
             full = quick
         else:
             t0 = time.perf_counter()
-            full = trimkit.calibrate(backend, quick=False, recalibrate=True, store=False)
+            full = trimkit.calibrate(backend, mode="full", recalibrate=True, store=False)
             full_wall = time.perf_counter() - t0
         info = backend.server_info()
         print(f"engine {info.engine} {info.engine_version} · tokenizer {backend.tokenizer.name} (prompt count exact: {backend.prompt_count_exact})")
