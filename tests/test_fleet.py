@@ -208,6 +208,8 @@ def test_a_busy_replica_loses_only_when_its_wait_outweighs_its_cache(hosts, prof
 
 def test_the_wait_is_planned_against_and_reported(hosts, profile):
     chat = fleet_of(hosts, profile, urls=(A,), ttft_budget_s=1.0)
+    frozen = chat.clock()  # the fleet's clocks stand still: no time passes between the calls, however loaded the host
+    chat.clock = chat.endpoints[0].clock = chat.endpoints[0].queue.clock = lambda: frozen
     long = chat.chat.completions.create(messages=ask("ferry"), max_tokens=10, stream=True)  # 0.2 s of decode ahead
     chat.chat.completions.create(messages=ask("lighthouse", words=400), max_tokens=4)
     r = chat.last_report
