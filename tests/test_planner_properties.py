@@ -234,32 +234,6 @@ def test_bad_budgets_are_refused(msgs, bad):
 
 
 @SETTINGS
-@given(msgs=conversations(), chunks=chunk_lists(), data=st.data())
-def test_the_fast_estimate_agrees_with_the_layout_estimate(msgs, chunks, data):
-    import attrs
-
-    from trimkit.planning.planner import PlanState
-    from trimkit.planning.summaries import Summary
-
-    s = PlanState.start(
-        msgs, ttft_budget_s=1.0, profile=PROFILE, tokenizer=tokenizer(), rag_chunks=chunks,
-        cached_tokens=data.draw(st.integers(0, 10_000)),
-    )
-    turns = s.history_turns
-    gone = [t for t in turns if data.draw(st.booleans())]
-    n_summarized = data.draw(st.integers(0, len(turns))) if not gone else 0
-    summary = Summary("short summary.", 1, 10, 3, 0.0, "t") if n_summarized else None
-    candidate = attrs.evolve(
-        s.candidate,
-        kept_chunks=tuple(c for c in s.chunks if data.draw(st.booleans())),
-        removed=frozenset(i for a, b in gone for i in range(a, b)),
-        summarized=frozenset(i for a, b in turns[:n_summarized] for i in range(a, b)),
-        summary=summary,
-    )
-    assert s.ctx.estimate(candidate) == s.ctx.estimate_by_layout(candidate)
-
-
-@SETTINGS
 @given(msgs=conversations(), chunks=chunk_lists(), before=chunk_lists(), question=text(30), scale=relative_budgets)
 def test_the_minimal_prompt_only_when_keeping_the_cached_history_does_not_fit(msgs, chunks, before, question, scale):
     """The turn after a request with chunks: its history is cached, its chunks are new. Keeping

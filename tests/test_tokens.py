@@ -176,9 +176,8 @@ def test_a_template_that_drops_a_message_gives_it_no_tokens():
     assert segments.counts[0] == 0 and segments.counts[1] > 0
 
 
-def test_segments_total_prefers_the_exact_total():
+def test_segments_total_is_the_messages_and_the_tail():
     assert Segments((3, 4), 2).total == 9
-    assert Segments((3, 4), 2, exact_total=8).total == 8
 
 
 def test_the_estimate_adds_no_bos_token(tok):

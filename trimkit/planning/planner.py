@@ -94,7 +94,7 @@ def _finish(state: PlanState, *, exact_tokens: int, before: tuple[int, float], m
     cached = ctx.cached_for(ctx.layout(c), exact_tokens)  # at most exact_tokens - 1
     kept_ids = {ch.id for ch in c.kept_chunks}
     passthrough = not c.gone and c.summary is None and c.kept_chunks == ctx.chunks
-    return Plan(messages=ctx.build(c), passthrough=passthrough, feasible=feasible, minimal=minimal, budget_s=ctx.budget_s,
+    return Plan(messages=ctx.build_messages(c), passthrough=passthrough, feasible=feasible, minimal=minimal, budget_s=ctx.budget_s,
                 safety_margin=ctx.safety_margin, predicted_ttft_before_s=before[1], predicted_ttft_s=ctx.predict(exact_tokens, cached, c.extra_s),
                 prompt_tokens_before=before[0], prompt_tokens=exact_tokens, cached_tokens=cached, new_tokens=exact_tokens - cached,
                 actions=state.actions, kept_chunks=in_prompt_order(c.kept_chunks), dropped_chunks=tuple(ch for ch in ctx.chunks if ch.id not in kept_ids),

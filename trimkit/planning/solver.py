@@ -31,7 +31,7 @@ from trimkit.messages import (
 )
 from trimkit.planning.costs import CacheState, evaluated_tokens, reusable_cached_tokens
 from trimkit.planning.summaries import Summary, SummaryCache, summary_note
-from trimkit.planning.values import Excerpt, ValueModel, chunk_values, excerpts_of, index_runs, question_idf, rank_chunks, span_label, turn_values
+from trimkit.planning.values import ValueModel, chunk_values, excerpts_of, index_runs, question_idf, rank_chunks, span_label, turn_values
 
 log = logging.getLogger("trimkit")
 #: exact cached counts one plan looks up in the engine's cache state: each tokenizes the whole candidate prompt
@@ -82,8 +82,8 @@ def _summary_block(summary: Summary) -> str:
 
 
 class RequestContext:
-    """Everything fixed for one request, computed once: inputs, per-message token counts, turns, and what is known about the
-    engine's KV cache (the caller's ``cached_tokens`` and ``cache``)."""
+    """Everything fixed for one request, computed once: inputs, per-message token counts, turns, what is known about the
+    engine's KV cache (the caller's ``cached_tokens`` and ``cache``), and the prices of candidate prompts."""
 
     def __init__(self, messages: Sequence[Mapping[str, Any]], *, ttft_budget_s: float, profile: Any, tokenizer: Any, chunks: tuple[Chunk, ...],
                  tools: Any, cached_tokens: int, cache: CacheState | None, summaries: SummaryCache | None, rag_template: str,
@@ -94,6 +94,7 @@ class RequestContext:
         self.budget_s = ttft_budget_s
         self.profile = profile
         self.safety_margin = float(profile.safety_margin if safety_margin is None else safety_margin)
+        #: the budget less the safety margin: what a prediction must fit
         self.target_s = ttft_budget_s * (1.0 - self.safety_margin)
         #: the most prompt tokens the context window takes (n_ctx less max_tokens), if known
         self.max_prompt_tokens = max_prompt_tokens
@@ -110,7 +111,7 @@ class RequestContext:
         self.tail = segments.tail
         spans = turn_spans(messages)
         protected_from = next(s for s, e in spans if s <= self.last_user < e)
-        #: turns that may be summarized or dropped, oldest first (never the last user's turn)
+        #: ``[start, end)`` spans of the turns that may be summarized or dropped, oldest first (never the last user's turn)
         self.history_turns: tuple[tuple[int, int], ...] = tuple((s, e) for s, e in spans if e <= protected_from)
         #: every chunk of the request, most relevant first (:func:`~trimkit.planning.values.rank_chunks`)
         self.chunks = rank_chunks(chunks, message_text(messages[self.last_user])) if chunks else ()
@@ -124,13 +125,16 @@ class RequestContext:
         self._system_overhead: int | None = None
         #: tokens added to every estimate after a plan's estimates proved optimistic
         self.correction = 0
-        self.prefix_tokens = [0]  # prefix_tokens[i]: tokens before the caller's message i
-        for n in self.base:
-            self.prefix_tokens.append(self.prefix_tokens[-1] + n)
-        self.caller_layout: Layout = tuple((i, n) for i, n in enumerate(self.base)) + (("tail", self.tail),)
-        self.knowledge: list[tuple[Layout, int]] = [(self.caller_layout, cached_tokens)]
+        #: the ``cached_tokens`` the caller passed (for ``messages`` as given)
+        self.caller_cached_tokens = cached_tokens
+        caller_layout: Layout = tuple((i, n) for i, n in enumerate(self.base)) + (("tail", self.tail),)
+        self.knowledge: list[tuple[Layout, int]] = [(caller_layout, cached_tokens)]
         self.probed: dict[tuple[Hashable, ...], int] = {}
         self.probes_used = 0
+
+    def message_tokens(self, index: int) -> int:
+        """Tokens of the caller's message ``index`` as rendered (its template wrapper included)."""
+        return self.base[index]
 
     # -- token costs of edited messages (additive estimates; the final prompt is counted exactly)
     def chunk_tokens(self, chunks: Sequence[Chunk]) -> int:
@@ -198,37 +202,28 @@ class RequestContext:
         """A ``tokens`` prompt predicted at ``predicted_s`` is within the target (and, when known, the context window)."""
         return predicted_s <= self.target_s and (self.max_prompt_tokens is None or tokens <= self.max_prompt_tokens)
 
+    def token_allowance(self, cached_tokens: int, extra_s: float = 0.0) -> int | None:
+        """The most prompt tokens that fit the target (and, when known, the context window) when ``cached_tokens`` of them
+        are cached, or None if not even one new token fits."""
+        new = self.profile.max_new_tokens(self.target_s - extra_s, cached_tokens)
+        # the inverse is found by bisection on seconds; agree exactly with the forward prediction
+        for _ in range(2):
+            if self.profile.predict_ttft_s(new + 1, cached_tokens) + extra_s <= self.target_s:
+                new += 1
+        if new <= 0:
+            return None
+        return cached_tokens + new if self.max_prompt_tokens is None else min(cached_tokens + new, self.max_prompt_tokens)
+
     def estimate(self, c: Candidate) -> Estimate:
         """Predicted size, cached prefix and TTFT of ``c`` (no tokenization of unchanged text)."""
-        if len(self.knowledge) > 1:  # probes are known: compare whole layouts
-            return self.estimate_by_layout(c)
-        # only the caller's cached_tokens is known: the prompt is shared up to the first edit
-        n = len(self.base)
-        total = self.prefix_tokens[n] + self.tail + self.correction
-        first_edit = n + 1
-        if c.summary is not None:
-            total += self.summary_tokens(c.summary)
-            first_edit = 0
-        if c.kept_chunks:
-            total += self.chunk_tokens(c.kept_chunks)
-            first_edit = min(first_edit, self.last_user)
-        gone = c.gone
-        if gone:
-            total -= sum(self.base[i] for i in gone)
-            first_edit = min(first_edit, min(gone))
-        shared = self.prefix_tokens[first_edit] if first_edit <= n else self.prefix_tokens[n] + self.tail
-        cached = reusable_cached_tokens(total, min(self.knowledge[0][1], shared))
-        return Estimate(total, cached, self.predict(total, cached, c.extra_s))
-
-    def estimate_by_layout(self, c: Candidate) -> Estimate:
-        """:meth:`estimate` the general way, through the candidate's layout."""
         layout = self.layout(c)
         total = sum(n for _, n in layout) + self.correction
         cached = self.cached_for(layout, total)
         return Estimate(total, cached, self.predict(total, cached, c.extra_s))
 
-    def build(self, c: Candidate) -> list[dict[str, Any]]:
-        """The message list for a candidate. The caller's list itself when nothing changes."""
+    def build_messages(self, c: Candidate) -> list[dict[str, Any]]:
+        """The concrete message list for a candidate (new dicts only where something changed). The caller's list itself
+        when nothing changes."""
         if c.unchanged:
             return self.messages  # type: ignore[return-value]
         out: list[Any] = []
@@ -247,8 +242,8 @@ class RequestContext:
     def exact_tokens(self, c: Candidate) -> int:
         """The candidate's prompt counted through the template (cached per message)."""
         if c.unchanged:
-            return self.prefix_tokens[-1] + self.tail  # the caller's request, counted at the start
-        return self.tokenizer.segment_counts(self.build(c), self.tools).total
+            return sum(self.base) + self.tail  # the caller's request, counted at the start
+        return self.tokenizer.segment_counts(self.build_messages(c), self.tools).total
 
     def probe(self, c: Candidate) -> int | None:
         """How many tokens of ``c`` the engine has cached, exactly: ``c`` tokenized and looked up in :attr:`cache` (data:
@@ -256,20 +251,21 @@ class RequestContext:
         state, the allowance is spent or the tokenizer failed (it is an optimisation and never fails a request)."""
         if self.cache is None:
             return None
-        keys = tuple(k for k, _ in self.layout(c))
+        layout = self.layout(c)
+        keys = tuple(k for k, _ in layout)
         if keys in self.probed:
             return self.probed[keys]
         if self.probes_used >= MAX_PROBES:
             return None
         self.probes_used += 1
         try:
-            tokens = self.tokenizer.prompt_tokens(self.build(c), self.tools)
+            tokens = self.tokenizer.prompt_tokens(self.build_messages(c), self.tools)
         except Exception as exc:  # the lookup is an optimisation; never fail a request for it
             log.warning("counting a candidate's cached prefix failed (%s: %s); estimating it instead", type(exc).__name__, exc)
             return None
         cached = self.cache.cached(tokens, getattr(self.profile, "predict_prefill_s", None))
         self.probed[keys] = cached
-        self.knowledge.append((self.layout(c), cached))
+        self.knowledge.append((layout, cached))
         return cached
 
 
@@ -322,7 +318,10 @@ class Proposal:
 
 @attrs.frozen
 class PlanState:
-    """What every strategy receives: the request, the current candidate and its prediction."""
+    """What every strategy receives: the current candidate, its prediction and the actions so far. What is fixed for the
+    request is read through to it (:class:`RequestContext`: ``messages``, ``chunks``, ``history_turns``, ``budget_s``,
+    ``target_s``, ``profile``, ``tokenizer``, ``summaries``, ``clock``, ``caller_cached_tokens``, ``message_tokens(i)``,
+    ``estimate(c)``, ``token_allowance(cached)``, ``probe(c)``, ``build_messages(c)``)."""
 
     ctx: RequestContext = attrs.field(repr=False)
     candidate: Candidate
@@ -331,6 +330,11 @@ class PlanState:
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "prediction", self.ctx.estimate(self.candidate))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name == "ctx":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.ctx, name)
 
     @classmethod
     def start(cls, messages: Sequence[Mapping[str, Any]], *, ttft_budget_s: float, profile: Any, tokenizer: Any, rag_chunks: Any = (),
@@ -370,82 +374,9 @@ class PlanState:
         return cls(ctx, Candidate(kept_chunks=ctx.chunks))
 
     @property
-    def messages(self) -> Sequence[Mapping[str, Any]]:
-        """The caller's messages (read only)."""
-        return self.ctx.messages
-
-    @property
-    def chunks(self) -> tuple[Chunk, ...]:
-        """All chunks of the request, most relevant first."""
-        return self.ctx.chunks
-
-    @property
-    def history_turns(self) -> tuple[tuple[int, int], ...]:
-        """``[start, end)`` spans of the turns that may be summarized or dropped, oldest first."""
-        return self.ctx.history_turns
-
-    @property
-    def budget_s(self) -> float:
-        return self.ctx.budget_s
-
-    @property
-    def target_s(self) -> float:
-        """The budget less the safety margin: what a prediction must fit."""
-        return self.ctx.target_s
-
-    @property
-    def profile(self) -> Any:
-        return self.ctx.profile
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.ctx.tokenizer
-
-    @property
-    def summaries(self) -> SummaryCache | None:
-        return self.ctx.summaries
-
-    @property
-    def clock(self) -> Callable[[], float]:
-        return self.ctx.clock
-
-    @property
     def fits(self) -> bool:
         """The current prediction is within the target (and, when known, the context window)."""
         return self.ctx.fits(self.prediction.prompt_tokens, self.prediction.ttft_s)
-
-    @property
-    def caller_cached_tokens(self) -> int:
-        """The ``cached_tokens`` the caller passed (for ``messages`` as given)."""
-        return self.ctx.knowledge[0][1]
-
-    def message_tokens(self, index: int) -> int:
-        """Tokens of the caller's message ``index`` as rendered (its template wrapper included)."""
-        return self.ctx.base[index]
-
-    def estimate(self, candidate: Candidate) -> Estimate:
-        """Predicted size, cached prefix and TTFT of ``candidate`` (no tokenization of unchanged text)."""
-        return self.ctx.estimate(candidate)
-
-    def token_allowance(self, cached_tokens: int, extra_s: float = 0.0) -> int | None:
-        """The most prompt tokens that fit the target when ``cached_tokens`` of them are cached,
-        or None if not even one new token fits."""
-        profile = self.ctx.profile
-        new = profile.max_new_tokens(self.ctx.target_s - extra_s, cached_tokens)
-        # the inverse is found by bisection on seconds; agree exactly with the forward prediction
-        for _ in range(2):
-            if profile.predict_ttft_s(new + 1, cached_tokens) + extra_s <= self.ctx.target_s:
-                new += 1
-        return cached_tokens + new if new > 0 else None
-
-    def probe(self, candidate: Candidate) -> int | None:
-        """How many tokens of ``candidate`` the engine has cached, counted in the plan's ``cache``
-        state (at most twice per plan, memoised; None when there is none or the allowance is spent)."""
-        return self.ctx.probe(candidate)
-
-    def build_messages(self, candidate: Candidate) -> list[dict[str, Any]]:
-        """The concrete message list for ``candidate`` (new dicts only where something changed)."""
-        return self.ctx.build(candidate)
 
     def apply(self, candidate: Candidate, action: Action | None) -> PlanState:
         """A new state with ``candidate`` as the current prompt and ``action`` recorded."""
@@ -504,7 +435,7 @@ REFILL_TOLERANCE_TOKENS = 3
 class _Item:
     kind: str  # "turn" | "chunk"
     key: Any  # turn position | chunk id
-    variants: tuple[tuple[int, float, Any], ...]  # (tokens, value, payload: None | Chunk)
+    variants: tuple[tuple[int, float, Any], ...]  # (tokens, value, the chunk or excerpt as a Chunk; None for a turn)
 
 
 def solve(state: PlanState, strategies: Sequence[Any], values: ValueModel) -> PlanState:
@@ -547,6 +478,8 @@ class _Solver:
         self.turn_value = turn_values(ctx.messages, turns, question, values)
         self.chunk_value = chunk_values(ctx.given_chunks, question, values)  # the retriever's order counts
         self.pinned_chunks = tuple(ch for ch in c0.kept_chunks if str(ch.id) not in self.droppable_chunks)
+        self.turn_items = [_Item("turn", j, ((sum(ctx.base[i] for i in range(s, e)), self.turn_value[j], None),))
+                           for j, (s, e) in enumerate(turns) if j in self.droppable_turns]
         # chunk items: whole, or one of its excerpts
         self.chunk_items: list[_Item] = []
         idf = question_idf(question, ctx.chunks) if excerptable else {}
@@ -558,20 +491,12 @@ class _Solver:
             variants: list[tuple[int, float, Any]] = [(self._chunk_cost(ch), v, ch)]
             if cid in excerptable:
                 for ex in excerpts_of(ch, idf):
-                    variants.append((self._chunk_cost(ex.chunk), v * ex.value_share, ex))
+                    variants.append((self._chunk_cost(ex.chunk), v * ex.value_share, ex.chunk))
             self.chunk_items.append(_Item("chunk", cid, tuple(variants)))
 
     def _chunk_cost(self, chunk: Chunk) -> int:
         ctx = self.ctx
         return ctx.chunk_tokens([chunk]) - ctx.chunk_overhead + ctx.chunk_separator
-
-    def _allowance(self, cached_tokens: int, extra_s: float) -> int | None:
-        """The most prompt tokens that fit the target (and the context window) with
-        ``cached_tokens`` cached; None when not even one new token fits."""
-        allowance = self.state.token_allowance(cached_tokens, extra_s)
-        if allowance is not None and self.ctx.max_prompt_tokens is not None:
-            allowance = min(allowance, self.ctx.max_prompt_tokens)
-        return allowance
 
     def best(self) -> PlanState | None:
         found: tuple[float, float, Candidate, Lead] | None = None
@@ -602,7 +527,7 @@ class _Solver:
         if not self.chunk_items:
             return c
         exact = ctx.exact_tokens(c)
-        allowance = self._allowance(ctx.cached_for(ctx.layout(c), exact), c.extra_s)
+        allowance = ctx.token_allowance(ctx.cached_for(ctx.layout(c), exact), c.extra_s)
         if allowance is None or exact >= allowance:
             return c
         kept = {str(ch.id): ch for ch in c.kept_chunks}
@@ -613,8 +538,8 @@ class _Solver:
             current = kept.get(it.key)
             now_v, now_w = 0.0, 0
             if current is not None:
-                now_w, now_v = next(((w, v) for w, v, p in it.variants if _variant_chunk(p).text == current.text), (0, 0.0))
-            options += [(v - now_v, w - now_w, _variant_chunk(p)) for w, v, p in it.variants if v > now_v + 1e-12]
+                now_w, now_v = next(((w, v) for w, v, p in it.variants if p.text == current.text), (0, 0.0))
+            options += [(v - now_v, w - now_w, p) for w, v, p in it.variants if v > now_v + 1e-12]
         options.sort(key=lambda o: -o[0])
         tries = 0
         upgraded: set[str] = set()
@@ -633,7 +558,7 @@ class _Solver:
             trial = attrs.evolve(c, kept_chunks=order)
             trial_exact = ctx.exact_tokens(trial)
             # a chunk put back ahead of the others can end the cached prefix earlier: price it with its own
-            trial_allowance = self._allowance(ctx.cached_for(ctx.layout(trial), trial_exact), trial.extra_s)
+            trial_allowance = ctx.token_allowance(ctx.cached_for(ctx.layout(trial), trial_exact), trial.extra_s)
             if trial_allowance is not None and trial_exact <= trial_allowance:
                 c, exact, kept = trial, trial_exact, trial_kept
                 upgraded.add(cid)
@@ -688,7 +613,7 @@ class _Solver:
         ctx = self.ctx
         fixed_c = self._lead_candidate(lead, keep)
         est = ctx.estimate(fixed_c)
-        allowance = self._allowance(est.cached_tokens, fixed_c.extra_s)
+        allowance = ctx.token_allowance(est.cached_tokens, fixed_c.extra_s)
         if allowance is None:
             return None
         room0 = room = allowance - est.prompt_tokens
@@ -703,7 +628,7 @@ class _Solver:
             if ctx.fits(after.prompt_tokens, after.ttft_s):
                 return value + fixed_value, candidate
             # the room the fixed part leaves when the prefix is cached only as far as this choice's
-            real = self._allowance(after.cached_tokens, candidate.extra_s)
+            real = ctx.token_allowance(after.cached_tokens, candidate.extra_s)
             if real is None:
                 break
             room = min(room - 1, real - est.prompt_tokens)
@@ -717,12 +642,7 @@ class _Solver:
         """The knapsack's choice of optional turns (and, with ``chunks``, chunks) within ``room``
         tokens: ``(value, candidate)``."""
         ctx = self.ctx
-        turns = ctx.history_turns
-        items = [
-            _Item("turn", j, ((sum(ctx.base[i] for i in range(s, e)), self.turn_value[j], None),))
-            for j, (s, e) in enumerate(turns)
-            if j >= max(keep, lead.covers) and j in self.droppable_turns
-        ]
+        items = [it for it in self.turn_items if it.key >= max(keep, lead.covers)]
         value, chosen = knapsack([[(w, v) for w, v, _ in it.variants] for it in items], room)
         if chunks and self.chunk_items:
             # the RAG template's own text comes with the first chunk: unless a pinned chunk already
@@ -732,16 +652,9 @@ class _Solver:
             value2, chosen2 = knapsack([[(w, v) for w, v, _ in it.variants] for it in all_items], room - shared)
             if value2 > value + 1e-12:
                 items, value, chosen = all_items, value2, chosen2
-        kept_turns: set[int] = set()
-        picked: dict[str, Any] = {}
-        for it, vi in zip(items, chosen, strict=True):
-            if vi < 0:
-                continue
-            if it.kind == "turn":
-                kept_turns.add(it.key)
-            else:
-                picked[it.key] = _variant_chunk(it.variants[vi][2])
-        back = frozenset(i for j in kept_turns for i in range(*turns[j]))
+        picks = [(it, it.variants[vi][2]) for it, vi in zip(items, chosen, strict=True) if vi >= 0]
+        back = frozenset(i for it, _ in picks if it.kind == "turn" for i in range(*ctx.history_turns[it.key]))
+        picked = {it.key: payload for it, payload in picks if it.kind == "chunk"}
         kept_chunks = tuple(picked.get(str(ch.id), ch) for ch in self.base.kept_chunks if str(ch.id) in picked or ch in self.pinned_chunks)
         return value, attrs.evolve(fixed_c, removed=fixed_c.removed - back, kept_chunks=kept_chunks)
 
@@ -806,17 +719,13 @@ class _Solver:
             ex = kept[it.key]
             info = ex.metadata.get("excerpt", {})
             tokens = self._chunk_cost(ex)
-            share = next((v for w, v, p in it.variants if isinstance(p, Excerpt) and p.chunk.text == ex.text), 0.0)
+            share = next((v for w, v, p in it.variants[1:] if p.text == ex.text), 0.0)
             whole_tokens, whole_value = it.variants[0][0], it.variants[0][1]
             actions.append(act("excerpt_chunk", f"kept sentences {span_label(info.get('spans', []))} of {info.get('sentences', '?')} of "
                                f"{it.key} (those matching the question, with their neighbours): {whole_tokens - tokens:,} of {whole_tokens:,} tokens cut",
                                detail={"chunk": it.key, "spans": info.get("spans", []), "sentences": info.get("sentences"), **item(share, tokens),
                                        "whole_tokens": whole_tokens, "whole_value": round(whole_value, 4)}))
         return PlanState(ctx, c, tuple(actions))
-
-
-def _variant_chunk(payload: Any) -> Chunk:
-    return payload.chunk if isinstance(payload, Excerpt) else payload
 
 
 def _span_text(indices: Sequence[int]) -> str:

@@ -7,6 +7,7 @@ neutralised with a zero-width space after the control text's first character, an
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -66,6 +67,14 @@ class SizedCache(Generic[K, V]):
             self._entries.move_to_end(key)
             return hit[0]
 
+    def get_or_put(self, key: K, compute: Callable[[], V]) -> V:
+        """The value cached for ``key``, else ``compute()`` (outside the lock), kept."""
+        hit = self.get(key)
+        if hit is None:
+            hit = compute()
+            self.put(key, hit)
+        return hit
+
     def put(self, key: K, value: V) -> None:
         size = self._size_of(key)
         if size > self.max_size // 4:
@@ -79,11 +88,6 @@ class SizedCache(Generic[K, V]):
             while self._entries and (self._size > self.max_size or (self.max_entries is not None and len(self._entries) > self.max_entries)):
                 _, (_, dropped) = self._entries.popitem(last=False)
                 self._size -= dropped
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._size = 0
 
 
 # -- counting prompt tokens ------------------------------------------------------------------------------
@@ -144,11 +148,10 @@ class Segments:
 
     counts: tuple[int, ...]
     tail: int
-    exact_total: int | None = None
 
     @property
     def total(self) -> int:
-        return self.exact_total if self.exact_total is not None else sum(self.counts) + self.tail
+        return sum(self.counts) + self.tail
 
 
 #: what each of a PromptTokenizer's text caches holds at most, in characters of its keys
@@ -176,24 +179,21 @@ class PromptTokenizer:
                  control_texts: Callable[[], Any] | None = None) -> None:
         self.tokenizer = tokenizer
         self._render = render
-        self._encode_prompt = encode_prompt or tokenizer.encode
+        #: tokenize a rendered prompt as the engine does (special tokens parsed, BOS as the template says)
+        self.encode_prompt: Callable[[str], list[int]] = encode_prompt or tokenizer.encode
         self.name = name or tokenizer.name
         self._counts: SizedCache[str, int] = SizedCache(cache_chars, max_entries=cache_size)
         self._layouts: dict[tuple[Any, ...], tuple[str | None, ...] | None] = {}
         self._lock = threading.Lock()
-        self._prefix_tokens: int | None = None
         self._segments: SizedCache[tuple[str, str], int] = SizedCache(cache_chars, max_entries=cache_size)
         self._prompts: SizedCache[str, tuple[int, ...]] = SizedCache(cache_chars, max_entries=8)  # a plan checks, then sends
         self.count_calls = 0  # texts actually tokenized (cache misses), for tests and benchmarks
         self._control_texts_of = control_texts
-        self._control_texts: Any = None
 
-    @property
+    @functools.cached_property
     def control_texts(self) -> Any:
         """The model's :class:`ControlTexts` (read once from its vocabulary), or None when this tokenizer does not know them."""
-        if self._control_texts is None and self._control_texts_of is not None:
-            self._control_texts = self._control_texts_of()
-        return self._control_texts
+        return self._control_texts_of() if self._control_texts_of is not None else None
 
     @property
     def exact(self) -> bool:
@@ -209,28 +209,14 @@ class PromptTokenizer:
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
         return self._render(messages, tools=tools)
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """Tokenize a rendered prompt as the engine does (special tokens parsed, BOS as the template says)."""
-        return self._encode_prompt(text)
-
     def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> list[int]:
         """The whole prompt's token ids, exactly as the engine will evaluate them."""
         text = self.render(messages, tools)
-        hit = self._prompts.get(text)
-        if hit is not None:
-            return list(hit)
-        tokens = self.encode_prompt(text)
-        self._prompts.put(text, tuple(tokens))
-        return tokens
+        return list(self._prompts.get_or_put(text, lambda: tuple(self.encode_prompt(text))))
 
     def count(self, text: str) -> int:
         """Token count of ``text`` (cached, within ``cache_chars``)."""
-        hit = self._counts.get(text)
-        if hit is not None:
-            return hit
-        n = self._count_uncached(text)
-        self._counts.put(text, n)
-        return n
+        return self._counts.get_or_put(text, lambda: self._count_uncached(text))
 
     def _count_uncached(self, text: str) -> int:
         n = len(self.tokenizer.encode(text))
@@ -290,19 +276,12 @@ class PromptTokenizer:
 
     def _segment(self, piece: str, text: str) -> int:
         """Count ``piece + text``, cached by the pair: the very strings seen before, so a warm lookup never rehashes them."""
-        key = (piece, text)
-        hit = self._segments.get(key)
-        if hit is None:
-            hit = self._count_uncached(piece + text)  # the concatenation is not kept: the pair is the key
-            self._segments.put(key, hit)
-        return hit
+        return self._segments.get_or_put((piece, text), lambda: self._count_uncached(piece + text))  # the concatenation is not kept
 
-    @property
+    @functools.cached_property
     def prefix_tokens(self) -> int:
         """Tokens the engine adds to every prompt outside the template text (BOS)."""
-        if self._prefix_tokens is None:
-            self._prefix_tokens = len(self.encode_prompt(""))
-        return self._prefix_tokens
+        return len(self.encode_prompt(""))
 
 
 # -- retrieved text must not become control tokens -------------------------------------------------------

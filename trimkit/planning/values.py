@@ -43,11 +43,7 @@ _TERM_COUNTS: SizedCache[str, Counter[str]] = SizedCache(8 << 20, max_entries=1 
 
 def _term_counts(text: str) -> Counter[str]:
     """Word counts of a document, cached (the same chunks come back); callers must not modify it."""
-    hit = _TERM_COUNTS.get(text)
-    if hit is None:
-        hit = Counter(words(text))
-        _TERM_COUNTS.put(text, hit)
-    return hit
+    return _TERM_COUNTS.get_or_put(text, lambda: Counter(words(text)))
 
 
 def bm25_scores(query: str, documents: Sequence[str], *, k1: float = 1.5, b: float = 0.75) -> list[float]:
