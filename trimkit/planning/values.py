@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from trimkit.errors import InvalidNumberError, non_negative_finite, positive_finite
+from trimkit.errors import InvalidNumberError, attrs_non_negative, non_negative_finite, positive_finite
 from trimkit.messages import Chunk, message_text
 from trimkit.planning.tokens import SizedCache
 
@@ -131,14 +131,6 @@ def rank_chunks(chunks: Sequence[Chunk], question: str, order_weight: float = 0.
     return tuple(chunks[i] for i in _ranked(chunk_relevance(chunks, question, order_weight, lexical_weight)))
 
 
-def _non_negative(instance: Any, attribute: Any, value: Any) -> None:
-    non_negative_finite(value, attribute.name)
-
-
-def _positive(instance: Any, attribute: Any, value: Any) -> None:
-    positive_finite(value, attribute.name)
-
-
 def _share(instance: Any, attribute: Any, value: Any) -> None:
     if not 0.0 <= non_negative_finite(value, attribute.name) <= 1.0:
         raise InvalidNumberError(f"{attribute.name} must be within [0, 1], got {value!r}")
@@ -148,10 +140,10 @@ def _share(instance: Any, attribute: Any, value: Any) -> None:
 class ValueModel:
     """How much each kind of content is worth when the budget forces a choice."""
 
-    chunk_weight: float = attrs.field(default=1.0, validator=_non_negative)
-    history_weight: float = attrs.field(default=0.25, validator=_non_negative)
-    relevance_power: float = attrs.field(default=2.0, validator=_positive)
-    recency_half_life_turns: float = attrs.field(default=4.0, validator=_positive)
+    chunk_weight: float = attrs.field(default=1.0, validator=attrs_non_negative)
+    history_weight: float = attrs.field(default=0.25, validator=attrs_non_negative)
+    relevance_power: float = attrs.field(default=2.0, validator=lambda i, a, v: positive_finite(v, a.name))
+    recency_half_life_turns: float = attrs.field(default=4.0, validator=lambda i, a, v: positive_finite(v, a.name))
     summary_share: float = attrs.field(default=0.5, validator=_share)
     #: weight of the retriever's order against the lexical match when chunks carry no scores
     order_weight: float = attrs.field(default=0.25, validator=_share)
