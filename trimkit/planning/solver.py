@@ -85,17 +85,43 @@ class RequestContext:
     """Everything fixed for one request, computed once: inputs, per-message token counts, turns, what is known about the
     engine's KV cache (the caller's ``cached_tokens`` and ``cache``), and the prices of candidate prompts."""
 
-    def __init__(self, messages: Sequence[Mapping[str, Any]], *, ttft_budget_s: float, profile: Any, tokenizer: Any, chunks: tuple[Chunk, ...],
-                 tools: Any, cached_tokens: int, cache: CacheState | None, summaries: SummaryCache | None, rag_template: str,
-                 rag_chunk_template: str, clock: Callable[[], float], safety_margin: float | None = None,
-                 max_prompt_tokens: int | None = None) -> None:
+    def __init__(self, messages: Sequence[Mapping[str, Any]], *, ttft_budget_s: float, profile: Any, tokenizer: Any, rag_chunks: Any = (),
+                 tools: Any = None, cached_tokens: int = 0, cache: CacheState | None = None, summaries: SummaryCache | None = None,
+                 rag_template: str = DEFAULT_RAG_TEMPLATE, rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
+                 clock: Callable[[], float] = time.perf_counter, safety_margin: float | None = None, max_prompt_tokens: int | None = None,
+                 on_infeasible: str = "best_effort", values: Any = None) -> None:
+        """The one place that checks :func:`~trimkit.planning.planner.plan`'s arguments, before any work."""
+        if on_infeasible not in ("best_effort", "raise"):
+            raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
+        validate_messages(messages)
+        budget(ttft_budget_s)
+        chunks = coerce_chunks(rag_chunks)
+        count(cached_tokens, "cached_tokens")
+        for name, value, kind, shown in (("cache", cache, CacheState, "trimkit.planning.costs.CacheState"), ("summaries", summaries, SummaryCache, "SummaryCache"),
+                                         ("values", values, ValueModel, "trimkit.planning.values.ValueModel")):
+            if value is not None and not isinstance(value, kind):
+                raise InvalidInputError(f"{name} must be a {shown} or None, got {type(value).__name__}")
+        if safety_margin is not None:
+            fraction(safety_margin, "safety_margin")
+        if max_prompt_tokens is not None:
+            count(max_prompt_tokens, "max_prompt_tokens", minimum=1)
+        check_rag_templates(rag_template, rag_chunk_template)
+        current = getattr(profile, "current", None)
+        if current is not None and hasattr(current, "predict_ttft_s"):
+            profile = current
+        for attr in ("predict_ttft_s", "max_new_tokens", "safety_margin"):
+            if not hasattr(profile, attr):
+                raise InvalidInputError(f"profile must be a Profile (no {attr!r}), got {type(profile).__name__}")
+        for attr in ("segment_counts", "count", *(("prompt_tokens",) if cache is not None else ())):
+            if not hasattr(tokenizer, attr):
+                raise InvalidInputError(f"tokenizer must be a PromptTokenizer (no {attr!r}), got {type(tokenizer).__name__}")
         self.messages = messages
         self.tools = tools
-        self.budget_s = ttft_budget_s
+        self.budget_s = float(ttft_budget_s)
         self.profile = profile
         self.safety_margin = float(profile.safety_margin if safety_margin is None else safety_margin)
         #: the budget less the safety margin: what a prediction must fit
-        self.target_s = ttft_budget_s * (1.0 - self.safety_margin)
+        self.target_s = self.budget_s * (1.0 - self.safety_margin)
         #: the most prompt tokens the context window takes (n_ctx less max_tokens), if known
         self.max_prompt_tokens = max_prompt_tokens
         self.tokenizer = tokenizer
@@ -337,40 +363,10 @@ class PlanState:
         return getattr(self.ctx, name)
 
     @classmethod
-    def start(cls, messages: Sequence[Mapping[str, Any]], *, ttft_budget_s: float, profile: Any, tokenizer: Any, rag_chunks: Any = (),
-              tools: Any = None, cached_tokens: int = 0, cache: CacheState | None = None, summaries: SummaryCache | None = None,
-              rag_template: str = DEFAULT_RAG_TEMPLATE, rag_chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE,
-              clock: Callable[[], float] = time.perf_counter, safety_margin: float | None = None, max_prompt_tokens: int | None = None,
-              on_infeasible: str = "best_effort", values: Any = None) -> PlanState:
-        """The initial state: the whole request, every chunk kept (most relevant first). The one place that checks
-        :func:`~trimkit.planning.planner.plan`'s arguments, before any work."""
-        if on_infeasible not in ("best_effort", "raise"):
-            raise InvalidInputError(f"on_infeasible must be 'best_effort' or 'raise', got {on_infeasible!r}")
-        validate_messages(messages)
-        budget(ttft_budget_s)
-        chunks = coerce_chunks(rag_chunks)
-        count(cached_tokens, "cached_tokens")
-        for name, value, kind, shown in (("cache", cache, CacheState, "trimkit.planning.costs.CacheState"), ("summaries", summaries, SummaryCache, "SummaryCache"),
-                                         ("values", values, ValueModel, "trimkit.planning.values.ValueModel")):
-            if value is not None and not isinstance(value, kind):
-                raise InvalidInputError(f"{name} must be a {shown} or None, got {type(value).__name__}")
-        if safety_margin is not None:
-            fraction(safety_margin, "safety_margin")
-        if max_prompt_tokens is not None:
-            count(max_prompt_tokens, "max_prompt_tokens", minimum=1)
-        check_rag_templates(rag_template, rag_chunk_template)
-        current = getattr(profile, "current", None)
-        if current is not None and hasattr(current, "predict_ttft_s"):
-            profile = current
-        for attr in ("predict_ttft_s", "max_new_tokens", "safety_margin"):
-            if not hasattr(profile, attr):
-                raise InvalidInputError(f"profile must be a Profile (no {attr!r}), got {type(profile).__name__}")
-        for attr in ("segment_counts", "count", *(("prompt_tokens",) if cache is not None else ())):
-            if not hasattr(tokenizer, attr):
-                raise InvalidInputError(f"tokenizer must be a PromptTokenizer (no {attr!r}), got {type(tokenizer).__name__}")
-        ctx = RequestContext(messages, ttft_budget_s=float(ttft_budget_s), profile=profile, tokenizer=tokenizer, chunks=chunks, tools=tools,
-                             cached_tokens=cached_tokens, cache=cache, summaries=summaries, rag_template=rag_template,
-                             rag_chunk_template=rag_chunk_template, clock=clock, safety_margin=safety_margin, max_prompt_tokens=max_prompt_tokens)
+    def start(cls, messages: Sequence[Mapping[str, Any]], **options: Any) -> PlanState:
+        """The initial state (:class:`RequestContext`'s arguments, checked there): the whole request, every chunk kept (most
+        relevant first)."""
+        ctx = RequestContext(messages, **options)
         return cls(ctx, Candidate(kept_chunks=ctx.chunks))
 
     @property
