@@ -6,6 +6,7 @@ profile store (:func:`save_profile`, :func:`load_profile`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -225,14 +226,15 @@ class CostPredictor:
         fitted = self._fit.prefill_s(new_tokens, cached_tokens) if self._fit is not None else 0.0
         return max(prior, fitted)
 
-    def wall_s(self, new_tokens: int, cached_tokens: int = 0, *, prefix_tokens: int = 0, extra_call: bool = False) -> float:
-        """Predicted wall seconds of a probe whose last ``prefix_tokens`` of prefix are prefilled first (``extra_call``:
-        in a call of their own, as a server does)."""
+    def wall_s(self, new_tokens: int, cached_tokens: int = 0, *, prefix_tokens: int = 0, resend: bool = False) -> float:
+        """Predicted wall seconds of a probe whose last ``prefix_tokens`` of prefix are prefilled first (``resend``: a server's,
+        which sends its whole prefix first, in a call of its own)."""
+        extra_call = resend and cached_tokens > 0
+        prefix_tokens = cached_tokens if extra_call else prefix_tokens
         engine = self.engine_s(new_tokens, cached_tokens)
         if prefix_tokens > 0:
             engine += self.engine_s(prefix_tokens, max(cached_tokens - prefix_tokens, 0))
-        calls = 2 if extra_call else 1
-        return engine * self.slowness + calls * self.call_overhead_s
+        return engine * self.slowness + (2 if extra_call else 1) * self.call_overhead_s
 
     def step_s(self) -> float:
         return self.decode_step_s if self.decode_step_s is not None else self.engine_s(DECODE_STEP_PRIOR_TOKENS, 0)
@@ -244,8 +246,7 @@ class CostPredictor:
 def remaining_cost(mode: Mode, top: int, n_ctx: int, predictor: CostPredictor, counts: Mapping[tuple[int, int], int],
                    *, resend_prefix: bool = False) -> float:
     """Predicted wall seconds of what the schedule with top ``top`` still lacks (``resend_prefix``: as a server)."""
-    return sum(p.repeats * predictor.wall_s(p.new_tokens, p.cached_tokens, prefix_tokens=p.cached_tokens if resend_prefix else 0,
-                                            extra_call=bool(resend_prefix and p.cached_tokens)) for p in missing(schedule(mode, top, n_ctx), counts))
+    return sum(p.repeats * predictor.wall_s(p.new_tokens, p.cached_tokens, resend=resend_prefix) for p in missing(schedule(mode, top, n_ctx), counts))
 
 
 def choose_top(mode: Mode, n_ctx: int, predictor: CostPredictor, counts: Mapping[tuple[int, int], int], time_left_s: float,
@@ -332,9 +333,7 @@ class CalibrationRun:
 
     def predict(self, n: int, k: int) -> float:
         """A server resends the prefix; in process only what the context lacks of it is prefilled first."""
-        if self.resend and k:
-            return self.predictor.wall_s(n, k, prefix_tokens=k, extra_call=True)
-        return self.predictor.wall_s(n, k, prefix_tokens=max(k - self.holds, 0) if k else 0)
+        return self.predictor.wall_s(n, k, prefix_tokens=max(k - self.holds, 0), resend=self.resend)
 
     def _past_deadline(self) -> bool:
         """One decode step before the deadline: llama.cpp stops at its next graph node, within a step."""
@@ -672,12 +671,10 @@ def _clean_stale_tmp(folder: Path) -> None:
     except OSError:
         return
     for entry in entries:
-        try:
+        with contextlib.suppress(OSError):
             st = entry.stat(follow_symlinks=False)
             if entry.name.startswith(".profile-") and entry.name.endswith(".tmp") and stat.S_ISREG(st.st_mode) and time.time() - st.st_mtime > STALE_TMP_S:
                 os.unlink(entry.path)
-        except OSError:
-            continue
 
 
 def save_profile(profile: Profile, path: Path | None = None) -> Path | None:
@@ -698,10 +695,8 @@ def save_profile(profile: Profile, path: Path | None = None) -> Path | None:
         os.replace(tmp, path)
     except BaseException as exc:
         if tmp is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
         if explicit or not isinstance(exc, OSError):
             raise
         (log.warning if _first_time(str(path.parent)) else log.debug)(
