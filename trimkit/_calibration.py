@@ -119,6 +119,13 @@ def mode_for_budget(budget_s: float) -> str:
     return ([name for name, mode in MODES.items() if mode.budget_s <= budget_s] or ["micro"])[-1]
 
 
+def mode_and_budget(mode: str | None, time_budget_s: float | None, what: str = "time_budget_s") -> tuple[str, float]:
+    """The calibration mode and its time budget, each given or derived from the other (neither: full, 30 s)."""
+    budget_s = None if time_budget_s is None else budget(time_budget_s, what)
+    name = get_mode(mode).name if mode is not None else mode_for_budget(budget_s) if budget_s is not None else "full"
+    return name, get_mode(name).budget_s if budget_s is None else budget_s
+
+
 def context_cap(n_ctx: int) -> int:
     if n_ctx < MIN_N_CTX:
         raise ContextTooSmallError(f"n_ctx={n_ctx} is too small to calibrate (need at least {MIN_N_CTX} tokens)")
@@ -152,9 +159,9 @@ def schedule(mode: Mode, top: int, n_ctx: int) -> list[Probe]:
     return cold + [Probe(n, top, 1) for n in depth_lengths(mode, top, n_ctx)]
 
 
-def calibration_probes(n_ctx: int, *, quick: bool = False, mode: str | None = None) -> list[Probe]:
+def calibration_probes(n_ctx: int, *, mode: str = "full") -> list[Probe]:
     """The schedule of ``mode`` with unlimited time: its largest top."""
-    m = get_mode(mode or ("quick" if quick else "full"))
+    m = get_mode(mode)
     return schedule(m, top_candidates(m, n_ctx)[-1], n_ctx)
 
 
@@ -542,12 +549,7 @@ def calibrate(target: Any, *, mode: str | None = None, time_budget_s: float | No
     affords). A stored profile at least as thorough is returned unless ``recalibrate``; ``progress(done, total, label)``
     is called after each step; ``clock`` times the budget (default: the backend's)."""
     backend = as_backend(target)
-    budget_s = None if time_budget_s is None else budget(time_budget_s, "time_budget_s")
-    if mode is not None:
-        name = get_mode(mode).name
-    else:
-        name = mode_for_budget(budget_s) if budget_s is not None else "full"
-    budget_s = get_mode(name).budget_s if budget_s is None else budget_s
+    name, budget_s = mode_and_budget(mode, time_budget_s)
     context_cap(backend.n_ctx)  # ContextTooSmallError before anything is measured
     key = backend.profile_key()
     if not recalibrate:

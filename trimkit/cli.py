@@ -24,12 +24,12 @@ from typing import Any
 from tqdm import tqdm
 
 from trimkit import __version__
-from trimkit._calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, as_backend, calibrate, get_mode, load_profile, mode_for_budget
+from trimkit._calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, as_backend, calibrate, load_profile, mode_and_budget
 from trimkit.backends.base import Backend
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.llama_format import DEFAULT_MODEL, EMBEDDED_MODELS, check_model_path
 from trimkit.backends.replies import chunk_content
-from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError, budget, require_extra
+from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError, require_extra
 from trimkit.messages import Chunk, coerce_chunks, validate_messages
 from trimkit.pipeline import place_chunks
 from trimkit.planning.planner import plan as make_plan
@@ -73,13 +73,8 @@ def process_age_s() -> float:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    mode = "micro" if args.micro else "quick" if args.quick else None
-    if args.time_budget is not None:  # checked before the model loads
-        budget_s = budget(args.time_budget, "--time-budget")
-        mode = mode or mode_for_budget(budget_s)
-    else:
-        mode = mode or "full"
-        budget_s = get_mode(mode).budget_s
+    # --time-budget is checked before the model loads
+    mode, budget_s = mode_and_budget("micro" if args.micro else "quick" if args.quick else None, args.time_budget, "--time-budget")
     started = time.perf_counter() - process_age_s()  # the budget is the whole command's: start-up and model load too
     if args.url:
         if not args.model:
@@ -87,14 +82,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         target: Any = OpenAIHTTPBackend(args.url, model=args.model, n_ctx=args.n_ctx)
     else:
         target = open_llama(args.model, args.n_ctx)
-    bar = ProgressBar("calibrating", enabled=not args.json and sys.stderr.isatty() or args.progress)
     left = budget_s * (1 - EXIT_SHARE) - (time.perf_counter() - started)
     asked_at = time.time()
-    try:
+    with contextlib.closing(ProgressBar("calibrating", enabled=not args.json and sys.stderr.isatty() or args.progress)) as bar:
         # never less than a sliver: calibrate still takes its minimum (and warns) on a host too slow for the budget
         profile = calibrate(target, mode=mode, time_budget_s=max(left, 0.01 * budget_s), recalibrate=args.recalibrate, progress=bar)
-    finally:
-        bar.close()
     took = time.perf_counter() - started
     if args.json:
         print(json.dumps(profile.to_dict(), indent=1))
@@ -474,8 +466,7 @@ def plot_profile(profile: Profile, path: str, budget_s: float | None = None) -> 
 def read_report_log(path: str) -> list[dict[str, Any]]:
     """The reports of a report log (one JSON object a line; blank lines skipped)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise InvalidInputError(f"cannot read the report log {path}: {exc.strerror or exc}") from None
     rows = []
@@ -746,12 +737,9 @@ def _calibrated(target: Any, quick: bool, tl: Timeline, clock: Callable[[], floa
     budget = min(QUICK_BUDGET_S if quick else FULL_BUDGET_S, CALIBRATION_SHARE * tl.target_s)
     tl.step(f"calibrating ({mode}, at most {budget:.0f} s: a first short probe measures this host's speed, the "
             "other probes are sized to the time left; stored for next time)")
-    bar = ProgressBar("calibrating", enabled=True)
     t0 = clock()
-    try:
+    with contextlib.closing(ProgressBar("calibrating", enabled=True)) as bar:
         profile = calibrate(target, mode=mode, time_budget_s=budget, progress=bar, clock=clock)
-    finally:
-        bar.close()
     return profile, f"measured now in {clock() - t0:.1f} s"
 
 
