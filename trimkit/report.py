@@ -526,7 +526,7 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         decode = self.decode
         computed = {"decode_side_effect_pct": decode.side_effect_pct, "decode_statement": decode.statement()}
-        keys = (*(f.name for f in attrs.fields(Report)), *_COMPUTED_KEYS)
+        keys = (*(f.name for f in attrs.fields(Report) if f.name != "measurement"), *_COMPUTED_KEYS, "measurement")  # the long one last
         return _json_safe({k: computed[k] if k in computed else getattr(self, k) for k in keys})
 
     def to_json(self, **kw: Any) -> str:
