@@ -49,26 +49,26 @@ def fake(**kwargs) -> SpyBackend:
 
 
 @pytest.mark.parametrize("n_ctx", [0, 64, MIN_N_CTX - 1])
-@pytest.mark.parametrize("quick", [False, True])
-def test_probes_refuse_a_context_below_min_n_ctx(n_ctx, quick):
+@pytest.mark.parametrize("mode", ["full", "quick"])
+def test_probes_refuse_a_context_below_min_n_ctx(n_ctx, mode):
     with pytest.raises(ContextTooSmallError, match="n_ctx"):
-        calibration_probes(n_ctx, quick=quick)
+        calibration_probes(n_ctx, mode=mode)
 
 
 N_CTXS = [MIN_N_CTX, 200, 512, 1000, 2048, 4096, 8192, 131072]
 
 
 @pytest.mark.parametrize("n_ctx", N_CTXS)
-@pytest.mark.parametrize("quick", [False, True])
-def test_no_probe_reaches_past_90_percent_of_the_context(n_ctx, quick):
-    probes = calibration_probes(n_ctx, quick=quick)
+@pytest.mark.parametrize("mode", ["full", "quick"])
+def test_no_probe_reaches_past_90_percent_of_the_context(n_ctx, mode):
+    probes = calibration_probes(n_ctx, mode=mode)
     assert max(p.new_tokens + p.cached_tokens for p in probes) <= int(0.9 * n_ctx)
 
 
 @pytest.mark.parametrize("n_ctx", N_CTXS)
-@pytest.mark.parametrize("quick", [False, True])
-def test_probes_are_distinct_and_include_depth_probes(n_ctx, quick):
-    probes = calibration_probes(n_ctx, quick=quick)
+@pytest.mark.parametrize("mode", ["full", "quick"])
+def test_probes_are_distinct_and_include_depth_probes(n_ctx, mode):
+    probes = calibration_probes(n_ctx, mode=mode)
     keys = [(p.new_tokens, p.cached_tokens) for p in probes]
     assert len(set(keys)) == len(keys)
     assert len(keys) >= 4  # enough for leave-one-probe-out cross-validation
@@ -96,7 +96,7 @@ def test_quick_schedule_is_cheaper_than_the_full_one():
     def tokens(probes):
         return sum(p.new_tokens * p.repeats for p in probes)
 
-    assert tokens(calibration_probes(8192, quick=True)) < tokens(calibration_probes(8192)) / 2
+    assert tokens(calibration_probes(8192, mode="quick")) < tokens(calibration_probes(8192)) / 2
 
 
 def test_short_probes_are_repeated_more_than_long_ones():

@@ -6,6 +6,7 @@ profile store (:func:`save_profile`, :func:`load_profile`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -118,6 +119,13 @@ def mode_for_budget(budget_s: float) -> str:
     return ([name for name, mode in MODES.items() if mode.budget_s <= budget_s] or ["micro"])[-1]
 
 
+def mode_and_budget(mode: str | None, time_budget_s: float | None, what: str = "time_budget_s") -> tuple[str, float]:
+    """The calibration mode and its time budget, each given or derived from the other (neither: full, 30 s)."""
+    budget_s = None if time_budget_s is None else budget(time_budget_s, what)
+    name = get_mode(mode).name if mode is not None else mode_for_budget(budget_s) if budget_s is not None else "full"
+    return name, get_mode(name).budget_s if budget_s is None else budget_s
+
+
 def context_cap(n_ctx: int) -> int:
     if n_ctx < MIN_N_CTX:
         raise ContextTooSmallError(f"n_ctx={n_ctx} is too small to calibrate (need at least {MIN_N_CTX} tokens)")
@@ -151,9 +159,9 @@ def schedule(mode: Mode, top: int, n_ctx: int) -> list[Probe]:
     return cold + [Probe(n, top, 1) for n in depth_lengths(mode, top, n_ctx)]
 
 
-def calibration_probes(n_ctx: int, *, quick: bool = False, mode: str | None = None) -> list[Probe]:
+def calibration_probes(n_ctx: int, *, mode: str = "full") -> list[Probe]:
     """The schedule of ``mode`` with unlimited time: its largest top."""
-    m = get_mode(mode or ("quick" if quick else "full"))
+    m = get_mode(mode)
     return schedule(m, top_candidates(m, n_ctx)[-1], n_ctx)
 
 
@@ -225,14 +233,15 @@ class CostPredictor:
         fitted = self._fit.prefill_s(new_tokens, cached_tokens) if self._fit is not None else 0.0
         return max(prior, fitted)
 
-    def wall_s(self, new_tokens: int, cached_tokens: int = 0, *, prefix_tokens: int = 0, extra_call: bool = False) -> float:
-        """Predicted wall seconds of a probe whose last ``prefix_tokens`` of prefix are prefilled first (``extra_call``:
-        in a call of their own, as a server does)."""
+    def wall_s(self, new_tokens: int, cached_tokens: int = 0, *, prefix_tokens: int = 0, resend: bool = False) -> float:
+        """Predicted wall seconds of a probe whose last ``prefix_tokens`` of prefix are prefilled first (``resend``: a server's,
+        which sends its whole prefix first, in a call of its own)."""
+        extra_call = resend and cached_tokens > 0
+        prefix_tokens = cached_tokens if extra_call else prefix_tokens
         engine = self.engine_s(new_tokens, cached_tokens)
         if prefix_tokens > 0:
             engine += self.engine_s(prefix_tokens, max(cached_tokens - prefix_tokens, 0))
-        calls = 2 if extra_call else 1
-        return engine * self.slowness + calls * self.call_overhead_s
+        return engine * self.slowness + (2 if extra_call else 1) * self.call_overhead_s
 
     def step_s(self) -> float:
         return self.decode_step_s if self.decode_step_s is not None else self.engine_s(DECODE_STEP_PRIOR_TOKENS, 0)
@@ -244,8 +253,7 @@ class CostPredictor:
 def remaining_cost(mode: Mode, top: int, n_ctx: int, predictor: CostPredictor, counts: Mapping[tuple[int, int], int],
                    *, resend_prefix: bool = False) -> float:
     """Predicted wall seconds of what the schedule with top ``top`` still lacks (``resend_prefix``: as a server)."""
-    return sum(p.repeats * predictor.wall_s(p.new_tokens, p.cached_tokens, prefix_tokens=p.cached_tokens if resend_prefix else 0,
-                                            extra_call=bool(resend_prefix and p.cached_tokens)) for p in missing(schedule(mode, top, n_ctx), counts))
+    return sum(p.repeats * predictor.wall_s(p.new_tokens, p.cached_tokens, resend=resend_prefix) for p in missing(schedule(mode, top, n_ctx), counts))
 
 
 def choose_top(mode: Mode, n_ctx: int, predictor: CostPredictor, counts: Mapping[tuple[int, int], int], time_left_s: float,
@@ -332,9 +340,7 @@ class CalibrationRun:
 
     def predict(self, n: int, k: int) -> float:
         """A server resends the prefix; in process only what the context lacks of it is prefilled first."""
-        if self.resend and k:
-            return self.predictor.wall_s(n, k, prefix_tokens=k, extra_call=True)
-        return self.predictor.wall_s(n, k, prefix_tokens=max(k - self.holds, 0) if k else 0)
+        return self.predictor.wall_s(n, k, prefix_tokens=max(k - self.holds, 0), resend=self.resend)
 
     def _past_deadline(self) -> bool:
         """One decode step before the deadline: llama.cpp stops at its next graph node, within a step."""
@@ -543,12 +549,7 @@ def calibrate(target: Any, *, mode: str | None = None, time_budget_s: float | No
     affords). A stored profile at least as thorough is returned unless ``recalibrate``; ``progress(done, total, label)``
     is called after each step; ``clock`` times the budget (default: the backend's)."""
     backend = as_backend(target)
-    budget_s = None if time_budget_s is None else budget(time_budget_s, "time_budget_s")
-    if mode is not None:
-        name = get_mode(mode).name
-    else:
-        name = mode_for_budget(budget_s) if budget_s is not None else "full"
-    budget_s = get_mode(name).budget_s if budget_s is None else budget_s
+    name, budget_s = mode_and_budget(mode, time_budget_s)
     context_cap(backend.n_ctx)  # ContextTooSmallError before anything is measured
     key = backend.profile_key()
     if not recalibrate:
@@ -672,12 +673,10 @@ def _clean_stale_tmp(folder: Path) -> None:
     except OSError:
         return
     for entry in entries:
-        try:
+        with contextlib.suppress(OSError):
             st = entry.stat(follow_symlinks=False)
             if entry.name.startswith(".profile-") and entry.name.endswith(".tmp") and stat.S_ISREG(st.st_mode) and time.time() - st.st_mtime > STALE_TMP_S:
                 os.unlink(entry.path)
-        except OSError:
-            continue
 
 
 def save_profile(profile: Profile, path: Path | None = None) -> Path | None:
@@ -698,10 +697,8 @@ def save_profile(profile: Profile, path: Path | None = None) -> Path | None:
         os.replace(tmp, path)
     except BaseException as exc:
         if tmp is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
         if explicit or not isinstance(exc, OSError):
             raise
         (log.warning if _first_time(str(path.parent)) else log.debug)(

@@ -7,6 +7,7 @@ failures), never as a traceback. Below the commands: what they print, then the d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -23,11 +24,12 @@ from typing import Any
 from tqdm import tqdm
 
 from trimkit import __version__
-from trimkit._calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, as_backend, calibrate, get_mode, load_profile, mode_for_budget
+from trimkit._calibration import FULL_BUDGET_S, MICRO_BUDGET_S, QUICK_BUDGET_S, as_backend, calibrate, load_profile, mode_and_budget
 from trimkit.backends.base import Backend
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.llama_format import DEFAULT_MODEL, EMBEDDED_MODELS, check_model_path
-from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError, budget, require_extra
+from trimkit.backends.replies import chunk_content
+from trimkit.errors import InvalidInputError, InvalidNumberError, TrimkitError, require_extra
 from trimkit.messages import Chunk, coerce_chunks, validate_messages
 from trimkit.pipeline import place_chunks
 from trimkit.planning.planner import plan as make_plan
@@ -71,28 +73,20 @@ def process_age_s() -> float:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    mode = "micro" if args.micro else "quick" if args.quick else None
-    if args.time_budget is not None:  # checked before the model loads
-        budget_s = budget(args.time_budget, "--time-budget")
-        mode = mode or mode_for_budget(budget_s)
-    else:
-        mode = mode or "full"
-        budget_s = get_mode(mode).budget_s
+    # --time-budget is checked before the model loads
+    mode, budget_s = mode_and_budget("micro" if args.micro else "quick" if args.quick else None, args.time_budget, "--time-budget")
     started = time.perf_counter() - process_age_s()  # the budget is the whole command's: start-up and model load too
     if args.url:
         if not args.model:
             raise InvalidInputError("--url needs --model NAME (the model name the server serves)")
         target: Any = OpenAIHTTPBackend(args.url, model=args.model, n_ctx=args.n_ctx)
     else:
-        target = open_llama(args.model, args.n_ctx or 8192)
-    bar = ProgressBar("calibrating", enabled=not args.json and sys.stderr.isatty() or args.progress)
+        target = open_llama(args.model, args.n_ctx)
     left = budget_s * (1 - EXIT_SHARE) - (time.perf_counter() - started)
     asked_at = time.time()
-    try:
+    with contextlib.closing(ProgressBar("calibrating", enabled=not args.json and sys.stderr.isatty() or args.progress)) as bar:
         # never less than a sliver: calibrate still takes its minimum (and warns) on a host too slow for the budget
         profile = calibrate(target, mode=mode, time_budget_s=max(left, 0.01 * budget_s), recalibrate=args.recalibrate, progress=bar)
-    finally:
-        bar.close()
     took = time.perf_counter() - started
     if args.json:
         print(json.dumps(profile.to_dict(), indent=1))
@@ -137,7 +131,7 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    return run_demo(model=args.model, budget_s=args.budget, budget_share=args.budget_share, turns=args.turns, n_ctx=args.n_ctx,
+    return run_demo(model=args.model, budget_s=args.budget, budget_share=args.budget_share, turns=args.turns, n_ctx=args.n_ctx or 8192,
                     quick=args.quick, json_path=args.json, time_target_s=args.time_target, report_log=args.report_log)
 
 
@@ -253,14 +247,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"trimkit {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log trimkit's INFO lines to stderr")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    model_help = f"GGUF model path or embedded model name (default: {EMBEDDED})"
+    engine = argparse.ArgumentParser(add_help=False)  # the arguments of every command that opens a model
+    engine.add_argument("--model", help=f"GGUF model path or embedded model name (default: {EMBEDDED}); with --url, the served model's name")
+    engine.add_argument("--n-ctx", type=_positive_int, help="context window (default 8192, calibrate --url: the server's; part of the profile key)")
 
-    c = sub.add_parser("calibrate", help="measure prefill cost on this host and print the profile",
-                       description="Measure prefill time at a spread of prompt lengths and depths within a time budget, fit the cost "
-                       "model, store the profile in the user cache (reused next time unless --recalibrate) and print it.")
-    c.add_argument("--model", help=f"{model_help}; with --url, the served model's name")
+    def command(name: str, func: Callable[[argparse.Namespace], int], help: str, description: str, model: bool = True) -> argparse.ArgumentParser:
+        s = sub.add_parser(name, help=help, description=description, parents=[engine] if model else [])
+        s.set_defaults(func=func)
+        return s
+
+    c = command("calibrate", _cmd_calibrate, "measure prefill cost on this host and print the profile",
+                "Measure prefill time at a spread of prompt lengths and depths within a time budget, fit the cost model, store the "
+                "profile in the user cache (reused next time unless --recalibrate) and print it.")
     c.add_argument("--url", help="calibrate an OpenAI-compatible server instead, e.g. http://127.0.0.1:8080/v1")
-    c.add_argument("--n-ctx", type=_positive_int, default=None, help="context window (default 8192; with --url: the server's, else 4096)")
     cm = c.add_mutually_exclusive_group()
     cm.add_argument("--quick", action="store_true", help=f"the quick schedule, within {QUICK_BUDGET_S:g} s: shorter probes, less accurate for long prompts")
     cm.add_argument("--micro", action="store_true", help=f"the micro schedule, within {MICRO_BUDGET_S:g} s: a provisional profile (what wrap() starts from)")
@@ -272,12 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--plot", metavar="FILE.png", help="draw measured prefill time vs prompt length with the fitted curve")
     c.add_argument("--budget", type=_positive_float, help="with --plot: draw a TTFT budget line (seconds)")
     c.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
-    c.set_defaults(func=_cmd_calibrate)
 
-    d = sub.add_parser("diagnose", help="name the slow phase (the wait, the stream, both or neither) and the cure that fits",
-                       description="Give measured numbers or run one prompt (--prompt-file) and learn which phase is slow, each judged "
-                       "against its own standard (the wait: --ttft-budget or --wait-threshold; the stream: --tokens-per-s-target or "
-                       "--reading-speed), and what helps it.")
+    d = command("diagnose", _cmd_diagnose, "name the slow phase (the wait, the stream, both or neither) and the cure that fits",
+                "Give measured numbers or run one prompt (--prompt-file, on --model) and learn which phase is slow, each judged against "
+                "its own standard (the wait: --ttft-budget or --wait-threshold; the stream: --tokens-per-s-target or --reading-speed), "
+                "and what helps it.")
     d.add_argument("--ttft", type=_positive_float, help="measured time to first token, seconds")
     d.add_argument("--tokens-per-s", type=_positive_float, help="measured decode speed, tokens/s")
     d.add_argument("--prompt-tokens", type=_positive_int, help="prompt length in tokens")
@@ -289,50 +287,40 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--wait-threshold", type=_positive_float, default=DEFAULT_WAIT_THRESHOLD_S,
                    help=f"without --ttft-budget, a longer wait is slow, seconds (default {DEFAULT_WAIT_THRESHOLD_S:g})")
     d.add_argument("--prompt-file", help="run this prompt on --model and diagnose the measured request")
-    d.add_argument("--model", help=f"{model_help}, for --prompt-file")
-    d.add_argument("--n-ctx", type=_positive_int, default=8192, help="context window for --prompt-file (default 8192)")
     d.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
-    d.set_defaults(func=_cmd_diagnose)
 
-    m = sub.add_parser("demo", help="see the two phases and a TTFT budget held, on the embedded model",
-                       description="Calibrate, show a long and a short prompt (the wait vs the stream), then a multi-turn RAG chat kept "
-                       "under a TTFT budget, sized to --time-target from this host's speed (a request predicted not to fit is not run).")
-    m.add_argument("--model", help=model_help)
+    m = command("demo", _cmd_demo, "see the two phases and a TTFT budget held, on the embedded model",
+                "Calibrate, show a long and a short prompt (the wait vs the stream), then a multi-turn RAG chat kept under a TTFT "
+                "budget, sized to --time-target from this host's speed (a request predicted not to fit is not run).")
     mb = m.add_mutually_exclusive_group()
     mb.add_argument("--budget", type=_positive_float, default=None,
                     help="TTFT budget in seconds for the chat part (default: derived from this host's profile, see --budget-share)")
     mb.add_argument("--budget-share", type=_share, default=BUDGET_SHARE,
                     help=f"without --budget: the budget is the predicted TTFT of this share of the untrimmed prompt (default {BUDGET_SHARE:g})")
     m.add_argument("--turns", type=_positive_int, default=3, help="chat turns under the budget (default 3)")
-    m.add_argument("--n-ctx", type=_positive_int, default=8192, help="context window (default 8192)")
     m.add_argument("--quick", action="store_true", help="quick calibration (at most 10 s) instead of full (at most 30 s); "
                    "either runs once (it is stored), and within a fifth of --time-target")
     m.add_argument("--time-target", type=_positive_float, default=TIME_TARGET_S, metavar="S",
                    help=f"what the whole demo aims to take on this host, in seconds (default {TIME_TARGET_S:g})")
     m.add_argument("--json", metavar="FILE", help="also write every report as JSON to FILE")
     m.add_argument("--report-log", metavar="FILE", help="append every report as a JSON line to FILE (draw it: trimkit report FILE)")
-    m.set_defaults(func=_cmd_demo)
 
-    pl = sub.add_parser("plan", help="show what a TTFT budget would keep and drop from a request, without generating",
-                        description="Plan a request (JSON: messages, rag_chunks, tools) under a TTFT budget with this host's profile and "
-                        "print what would be kept, dropped and summarized; loads the model for its tokenizer, generates nothing.")
+    pl = command("plan", _cmd_plan, "show what a TTFT budget would keep and drop from a request, without generating",
+                 "Plan a request (JSON: messages, rag_chunks, tools) under a TTFT budget with this host's profile and print what would "
+                 "be kept, dropped and summarized; loads the model for its tokenizer, generates nothing.")
     pl.add_argument("request", metavar="REQUEST.json", help="the request: messages, optional rag_chunks (strings or {text, id, score}), optional tools")
     pb = pl.add_mutually_exclusive_group(required=True)
     pb.add_argument("--budget", type=_positive_float, help="TTFT budget in seconds")
     pb.add_argument("--budget-share", type=_share, help="budget as a share (0–1] of the request's predicted untrimmed TTFT")
-    pl.add_argument("--model", help=model_help)
-    pl.add_argument("--n-ctx", type=_positive_int, default=8192, help="context window (default 8192; part of the profile key)")
     pl.add_argument("--profile", metavar="PATH", help="a profile JSON file (trimkit calibrate --json) instead of the stored one")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
-    pl.set_defaults(func=_cmd_plan)
 
-    rp = sub.add_parser("report", help="summarize a report log and plot predicted vs measured TTFT per request",
-                        description="Print the summary figures of a report log (wrap(..., report_log=FILE)) and draw predicted vs measured "
-                        "TTFT per request to a PNG (needs matplotlib: pip install 'trimkit[plot]').")
+    rp = command("report", _cmd_report, "summarize a report log and plot predicted vs measured TTFT per request",
+                 "Print the summary figures of a report log (wrap(..., report_log=FILE)) and draw predicted vs measured TTFT per "
+                 "request to a PNG (needs matplotlib: pip install 'trimkit[plot]').", model=False)
     rp.add_argument("log", help="the report log (JSON lines)")
     rp.add_argument("--plot", metavar="PNG", help="where to write the plot (default: the log's name with .png)")
     rp.add_argument("--no-plot", action="store_true", help="print the figures only")
-    rp.set_defaults(func=_cmd_report)
     return p
 
 
@@ -356,8 +344,8 @@ if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
 
 
-def open_llama(model: str | None, n_ctx: int, chat_format: str | None = None, **kwargs: Any) -> Any:
-    """A ``llama_cpp.Llama`` for a GGUF path or an embedded model's name (None: the default), opened quietly
+def open_llama(model: str | None, n_ctx: int | None, chat_format: str | None = None, **kwargs: Any) -> Any:
+    """A ``llama_cpp.Llama`` for a GGUF path or an embedded model's name (None: the default) with ``n_ctx`` (None: 8192), opened quietly
     (llama.cpp prints context notes even with ``verbose=False``; a failed load still raises)."""
     llama_cpp = require_extra("llama_cpp", "llama", "opening a GGUF model in process")
     from llama_cpp._utils import suppress_stdout_stderr
@@ -365,6 +353,7 @@ def open_llama(model: str | None, n_ctx: int, chat_format: str | None = None, **
     from trimkit.backends.llama import default_llama
 
     path = None if model is None or model in EMBEDDED_MODELS else str(check_model_path(model))
+    n_ctx = n_ctx or 8192
     with suppress_stdout_stderr(disable=False):
         if path is None:  # each with a template that keeps system prompts (llama-cpp-python's "gemma" format drops them)
             return default_llama(model or DEFAULT_MODEL, n_ctx=n_ctx, **{**kwargs, **({"chat_format": chat_format} if chat_format is not None else {})})
@@ -477,8 +466,7 @@ def plot_profile(profile: Profile, path: str, budget_s: float | None = None) -> 
 def read_report_log(path: str) -> list[dict[str, Any]]:
     """The reports of a report log (one JSON object a line; blank lines skipped)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise InvalidInputError(f"cannot read the report log {path}: {exc.strerror or exc}") from None
     rows = []
@@ -713,8 +701,7 @@ def demo_questions(turns: int) -> list[dict[str, str]]:
     return (chosen + [q for q in every if q["doc_id"] not in DEMO_DOCS])[: turns + 1]
 
 
-_PLAIN = str.maketrans({"\u2010": "-", "\u2011": "-", "\u2012": "-", "\u2013": "-", "\u2014": "-", "\u2019": "'", "\u2018": "'",
-                        "\u201c": '"', "\u201d": '"'})
+_PLAIN = str.maketrans("\u2010\u2011\u2012\u2013\u2014\u2018\u2019\u201c\u201d", "-----''\"\"")
 
 
 def _normalised(text: str) -> str:
@@ -750,12 +737,9 @@ def _calibrated(target: Any, quick: bool, tl: Timeline, clock: Callable[[], floa
     budget = min(QUICK_BUDGET_S if quick else FULL_BUDGET_S, CALIBRATION_SHARE * tl.target_s)
     tl.step(f"calibrating ({mode}, at most {budget:.0f} s: a first short probe measures this host's speed, the "
             "other probes are sized to the time left; stored for next time)")
-    bar = ProgressBar("calibrating", enabled=True)
     t0 = clock()
-    try:
+    with contextlib.closing(ProgressBar("calibrating", enabled=True)) as bar:
         profile = calibrate(target, mode=mode, time_budget_s=budget, progress=bar, clock=clock)
-    finally:
-        bar.close()
     return profile, f"measured now in {clock() - t0:.1f} s"
 
 
@@ -770,10 +754,8 @@ def run_demo(*, model: str | None = None, budget_s: float | None = None, budget_
     predicted not to fit is not run). ``budget_s`` None: the predicted TTFT of ``budget_share`` of the untrimmed prompt.
     ``llm``: an opened model or a backend to use instead of ``model`` (tests pass a FakeBackend and its ``clock``)."""
     tl = Timeline(time_target_s, clock)
-    try:  # a line per step, also when stdout is a pipe (make demo | tee)
+    with contextlib.suppress(AttributeError, ValueError):  # a line per step, also when stdout is a pipe (make demo | tee)
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    except (AttributeError, ValueError):
-        pass
     requests = 3 + turns
     print(f"trimkit demo: sized to finish within about {time_target_s:.0f} s on this host — load the model, calibrate\n"
           f"(at most {CALIBRATION_SHARE * time_target_s:.0f} s; none if a profile is stored), then up to {requests} requests, "
@@ -798,13 +780,10 @@ def run_demo(*, model: str | None = None, budget_s: float | None = None, budget_
         stream = trimmer.execute(prepared, params)
         parts: list[str] = []
         print("   answer: ", end="", flush=True)
-        for chunk in stream:
-            for choice in chunk.get("choices", []):
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    text = text if parts else text.lstrip()
-                    parts.append(text)
-                    print(text.replace("\n", "\n           "), end="", flush=True)
+        for text in filter(None, map(chunk_content, stream)):
+            text = text if parts else text.lstrip()
+            parts.append(text)
+            print(text.replace("\n", "\n           "), end="", flush=True)
         print(flush=True)
         speed.learn(stream.report)
         print(stream.report)

@@ -43,23 +43,23 @@ class PrometheusMetrics:
                             self.tokens_removed, self.replans, self.requests)
 
     def __call__(self, c: Completed) -> None:
-        f = figures(c)
-        labels = {"model": f.model, "endpoint": c.report.endpoint or ""}
+        f, r = figures(c), c.report
+        labels = {"model": f.model, "endpoint": r.endpoint or ""}
         self.requests.labels(**labels, outcome=f.outcome).inc()
-        if f.ttft_s is not None:
-            self.ttft.labels(**labels).observe(f.ttft_s)
-        if f.predicted_ttft_s is not None and "not sent" not in c.report.warnings:
-            self.predicted_ttft.labels(**labels).observe(f.predicted_ttft_s)
-        if f.budget_met is not None:
-            self.attainment.labels(**labels, met=str(f.budget_met).lower()).inc()
+        if r.measured_ttft_s is not None:
+            self.ttft.labels(**labels).observe(r.measured_ttft_s)
+        if r.predicted_ttft_s is not None and "not sent" not in r.warnings:
+            self.predicted_ttft.labels(**labels).observe(r.predicted_ttft_s)
+        if r.budget_met is not None:
+            self.attainment.labels(**labels, met=str(r.budget_met).lower()).inc()
         if f.budget_use is not None:
             self.budget_use.labels(**labels).observe(f.budget_use)
         if f.prediction_error is not None:
             self.prediction_error.labels(**labels, direction=f.prediction_direction).observe(f.prediction_error)
-        if f.decode_tokens_per_s is not None:
-            self.decode_speed.labels(**labels).observe(f.decode_tokens_per_s)
+        if r.decode_tokens_per_s is not None:
+            self.decode_speed.labels(**labels).observe(r.decode_tokens_per_s)
         self.tokens_removed.labels(**labels).inc(f.tokens_removed)
-        self.replans.labels(**labels).inc(f.replans)
+        self.replans.labels(**labels).inc(len(r.replans))
 
     def disable(self) -> None:
         remove_observer(self)

@@ -84,15 +84,14 @@ class Instrumentation:
         if c.error_type is not None:
             root.set_status(Status(StatusCode.ERROR))
         ctx = trace.set_span_in_context(root)
-        before = f.input_tokens_before if f.input_tokens_before is not None else f.input_tokens
         plan = self.tracer.start_span("trimkit.plan", context=ctx, start_time=plan_start, attributes=_set({
-            "trimkit.strategies": [str(getattr(x, "strategy", "")) for x in r.actions], "trimkit.tokens.before": before,
-            "trimkit.tokens.after": f.input_tokens, "trimkit.ttft.predicted_s": f.predicted_ttft_s, "trimkit.planning_s": r.planning_s}))
+            "trimkit.strategies": [str(getattr(x, "strategy", "")) for x in r.actions], "trimkit.tokens.before": f.tokens_before,
+            "trimkit.tokens.after": r.prompt_tokens, "trimkit.ttft.predicted_s": r.predicted_ttft_s, "trimkit.planning_s": r.planning_s}))
         plan.end(end_time=send_start)
         if "not sent" not in r.warnings:
             send = self.tracer.start_span("trimkit.send", context=ctx, start_time=send_start, attributes=_set({
-                "trimkit.tokens.after": f.input_tokens, "trimkit.replans": f.replans, "trimkit.queue.wait_s": r.queue_wait_s,
-                "trimkit.ttft.measured_s": f.ttft_s}))
+                "trimkit.tokens.after": r.prompt_tokens, "trimkit.replans": len(r.replans), "trimkit.queue.wait_s": r.queue_wait_s,
+                "trimkit.ttft.measured_s": r.measured_ttft_s}))
             send_ctx = trace.set_span_in_context(send)
             for i, p in enumerate(r.replans, 1):
                 at = min(send_start + int(p.elapsed_s * 1e9), end)
@@ -112,52 +111,52 @@ class Instrumentation:
         root.end(end_time=end)
 
     def _metrics(self, c: Completed, f: Figures, base: Mapping[str, Any]) -> None:
-        if "not sent" not in c.report.warnings:
-            self.duration.record((c.report.measurement.total_s or 0.0) + (c.report.measurement.queue_s or 0.0) + c.prepare_s, base)
-            self.token_usage.record(f.input_tokens, {**base, "gen_ai.token.type": "input"})
-            if f.output_tokens is not None:
-                self.token_usage.record(f.output_tokens, {**base, "gen_ai.token.type": "output"})
-            if f.ttft_s is not None and c.report.decode_params.get("stream"):
-                self.first_chunk.record(f.ttft_s, base)
+        r = c.report
+        if "not sent" not in r.warnings:
+            self.duration.record((r.measurement.total_s or 0.0) + (r.measurement.queue_s or 0.0) + c.prepare_s, base)
+            self.token_usage.record(r.prompt_tokens, {**base, "gen_ai.token.type": "input"})
+            if r.completion_tokens is not None:
+                self.token_usage.record(r.completion_tokens, {**base, "gen_ai.token.type": "output"})
+            if r.measured_ttft_s is not None and r.decode_params.get("stream"):
+                self.first_chunk.record(r.measured_ttft_s, base)
         own = {k: v for k, v in base.items() if k != "error.type"}
-        if c.report.endpoint:
-            own["trimkit.endpoint"] = c.report.endpoint
+        if r.endpoint:
+            own["trimkit.endpoint"] = r.endpoint
         self.requests.add(1, {**own, "trimkit.outcome": f.outcome})
-        if f.ttft_s is not None:
-            self.ttft.record(f.ttft_s, own)
-        if f.budget_met is not None:
-            self.attainment.add(1, {**own, "trimkit.budget.met": f.budget_met})
+        if r.measured_ttft_s is not None:
+            self.ttft.record(r.measured_ttft_s, own)
+        if r.budget_met is not None:
+            self.attainment.add(1, {**own, "trimkit.budget.met": r.budget_met})
         if f.budget_use is not None:
             self.budget_use.record(f.budget_use, own)
         if f.prediction_error is not None:
             self.prediction_error.record(f.prediction_error, {**own, "trimkit.prediction.direction": f.prediction_direction})
         if f.tokens_removed:
             self.tokens_removed.add(f.tokens_removed, own)
-        if f.decode_tokens_per_s is not None:
-            self.decode_speed.record(f.decode_tokens_per_s, own)
-        if f.replans:
-            self.replans.add(f.replans, own)
+        if r.decode_tokens_per_s is not None:
+            self.decode_speed.record(r.decode_tokens_per_s, own)
+        if r.replans:
+            self.replans.add(len(r.replans), own)
 
 
 def _request_attributes(c: Completed, f: Figures) -> dict[str, Any]:
     """The request span's own attributes: the GenAI usage figures and trimkit's."""
     r, p = c.report, c.report.decode_params
     a: dict[str, Any] = {
-        "gen_ai.usage.input_tokens": f.input_tokens, "gen_ai.usage.output_tokens": f.output_tokens, "gen_ai.usage.cache_read.input_tokens": f.cached_tokens,
-        "gen_ai.response.time_to_first_chunk": f.ttft_s, "gen_ai.request.stream": p.get("stream") if isinstance(p.get("stream"), bool) else None,
+        "gen_ai.usage.input_tokens": r.prompt_tokens, "gen_ai.usage.output_tokens": r.completion_tokens, "gen_ai.usage.cache_read.input_tokens": r.cached_tokens,
+        "gen_ai.response.time_to_first_chunk": r.measured_ttft_s, "gen_ai.request.stream": p.get("stream") if isinstance(p.get("stream"), bool) else None,
     }
     for key in ("max_tokens", "temperature", "top_p", "seed"):
         value = p.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             a[f"gen_ai.request.{key}"] = value
     a.update({
-        "trimkit.budget_s": f.budget_s, "trimkit.ttft.predicted_s": f.predicted_ttft_s, "trimkit.ttft.predicted_before_s": r.predicted_ttft_before_s,
-        "trimkit.ttft.measured_s": f.ttft_s, "trimkit.ttft.engine_s": r.engine_ttft_s, "trimkit.queue.wait_s": r.queue_wait_s,
-        "trimkit.safety_margin": r.safety_margin, "trimkit.budget.met": f.budget_met, "trimkit.feasible": r.feasible, "trimkit.verdict": r.verdict,
-        "trimkit.endpoint": r.endpoint, "trimkit.decode.tokens_per_s": f.decode_tokens_per_s, "trimkit.outcome": f.outcome,
-        "trimkit.trimmed": r.trimmed, "trimkit.watched": r.watched, "trimkit.replans": f.replans,
-        "trimkit.tokens.before": f.input_tokens_before if f.input_tokens_before is not None else f.input_tokens,
-        "trimkit.tokens.after": f.input_tokens, "trimkit.tokens.removed": f.tokens_removed, "trimkit.tokens.cached_predicted": r.cached_tokens_predicted,
+        "trimkit.budget_s": r.ttft_budget_s, "trimkit.ttft.predicted_s": r.predicted_ttft_s, "trimkit.ttft.predicted_before_s": r.predicted_ttft_before_s,
+        "trimkit.ttft.measured_s": r.measured_ttft_s, "trimkit.ttft.engine_s": r.engine_ttft_s, "trimkit.queue.wait_s": r.queue_wait_s,
+        "trimkit.safety_margin": r.safety_margin, "trimkit.budget.met": r.budget_met, "trimkit.feasible": r.feasible, "trimkit.verdict": r.verdict,
+        "trimkit.endpoint": r.endpoint, "trimkit.decode.tokens_per_s": r.decode_tokens_per_s, "trimkit.outcome": f.outcome,
+        "trimkit.trimmed": r.trimmed, "trimkit.watched": r.watched, "trimkit.replans": len(r.replans), "trimkit.tokens.before": f.tokens_before,
+        "trimkit.tokens.after": r.prompt_tokens, "trimkit.tokens.removed": f.tokens_removed, "trimkit.tokens.cached_predicted": r.cached_tokens_predicted,
         "trimkit.history.compacted": bool(f.summarized_messages), "trimkit.removed.messages.count": len(f.removed_messages),
         "trimkit.removed.messages.indices": list(f.removed_messages), "trimkit.summarized.messages.count": len(f.summarized_messages),
         "trimkit.removed.chunks.count": len(f.removed_chunks), "trimkit.removed.chunks.ids": list(f.removed_chunks), "trimkit.provisional": r.provisional,

@@ -220,11 +220,8 @@ class Diagnosis:
         return "\n".join(self.lines())
 
     def to_dict(self) -> dict[str, object]:
-        j = self.judgement
-        d: dict[str, object] = {"verdict": self.verdict, "verdict_label": self.verdict_label, "summary": j.summary(), "cures": list(self.cures),
-                                "notes": list(j.notes)}
-        d.update((k, getattr(j, k)) for k in ("wait_slow", "stream_slow", "ttft_s", "decode_tokens_per_s", "wait_limit_s", "wait_limit_source",
-                                              "stream_floor_tokens_per_s", "stream_floor_source", "reading_speed_tokens_per_s"))
+        d = self.judgement.to_dict()  # the verdict and the standards, then this request's own figures
+        d.update(verdict_label=d.pop("label"), summary=self.judgement.summary())
         d.update((k, getattr(self, k)) for k in ("prompt_tokens", "output_tokens", "stream_s", "dominant_phase", "dominant_label", "prefill_ms_per_token"))
         return d
 
@@ -282,17 +279,10 @@ def _json_safe(value: Any) -> Any:
     return repr(value)
 
 
-#: the keys of :meth:`Report.to_dict`, in order
-_REPORT_KEYS = (
-    "backend", "model", "ttft_budget_s", "safety_margin", "provisional", "extrapolated", "budget_met", "feasible",
-    "predicted_ttft_s", "predicted_ttft_before_s", "measured_ttft_s", "engine_ttft_s", "ttft_error_pct",
-    "queue_wait_predicted_s", "queue_wait_s", "queue_ahead", "endpoint", "prompt_tokens", "prompt_tokens_before",
-    "cached_tokens_predicted", "cached_tokens", "evaluated_tokens", "passthrough", "watched", "replans", "actions",
-    "planning_s", "profile_error_pct", "decode_tokens_per_s", "time_per_output_token_s", "completion_tokens",
-    "decode_predicted_tokens_per_s", "decode_predicted_before_tokens_per_s", "decode_noise_pct", "decode_side_effect_pct",
-    "decode_statement", "decode_untouched", "decode_params", "tokens_per_s_target", "verdict", "judgement",
-    "dominant_phase", "advice", "warnings", "measurement",
-)
+#: what :meth:`Report.to_dict` adds to the report's fields
+_COMPUTED_KEYS = ("budget_met", "measured_ttft_s", "engine_ttft_s", "ttft_error_pct", "queue_wait_s", "cached_tokens", "evaluated_tokens",
+                  "decode_tokens_per_s", "time_per_output_token_s", "completion_tokens", "decode_side_effect_pct", "decode_statement",
+                  "decode_untouched", "verdict", "judgement", "dominant_phase", "advice")
 
 
 @attrs.frozen
@@ -536,7 +526,8 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         decode = self.decode
         computed = {"decode_side_effect_pct": decode.side_effect_pct, "decode_statement": decode.statement()}
-        return _json_safe({k: computed[k] if k in computed else getattr(self, k) for k in _REPORT_KEYS})
+        keys = (*(f.name for f in attrs.fields(Report) if f.name != "measurement"), *_COMPUTED_KEYS, "measurement")  # the long one last
+        return _json_safe({k: computed[k] if k in computed else getattr(self, k) for k in keys})
 
     def to_json(self, **kw: Any) -> str:
         return json.dumps(self.to_dict(), **kw)
@@ -568,26 +559,17 @@ class Completed:
 
 @attrs.frozen
 class Figures:
-    """The numbers of one request that every exporter records (None: not known)."""
+    """What every exporter records of one request beyond its report's own numbers (None: not known)."""
 
     outcome: str  # "passthrough", "trimmed", "infeasible", "refused" or "error"
     model: str  # the model asked for (the report's ``model`` without its `` @ url``)
     server_address: str | None  # the server's host, from that url (None in process)
     server_port: int | None
-    ttft_s: float | None
-    predicted_ttft_s: float | None
-    budget_s: float | None
-    budget_met: bool | None
     budget_use: float | None
     prediction_error: float | None  # |predicted − measured| ÷ measured
     prediction_direction: str  # "over" (predicted above measured), "under" or "exact"; "" when unknown
-    input_tokens: int
-    input_tokens_before: int | None
+    tokens_before: int  # the prompt's tokens before trimming (as sent when not trimmed)
     tokens_removed: int
-    cached_tokens: int | None
-    output_tokens: int | None
-    decode_tokens_per_s: float | None
-    replans: int
     removed_messages: tuple[int, ...]
     summarized_messages: tuple[int, ...]
     removed_chunks: tuple[str, ...]
@@ -596,8 +578,6 @@ class Figures:
 def figures(c: Completed) -> Figures:
     """What the exporters record of a finished request (counts and ids, never text)."""
     r = c.report
-    removed_messages = sorted({i for a in r.actions for i in getattr(a, "removed_messages", ())})
-    summarized = sorted({i for a in r.actions for i in getattr(a, "summarized_messages", ())})
     chunks = [str(x) for a in r.actions for x in getattr(a, "removed_chunks", ())]
     chunks += [str(x) for p in r.replans for x in p.dropped if not str(x).startswith(("+", "message "))]
     if c.error_type is not None:
@@ -606,8 +586,7 @@ def figures(c: Completed) -> Figures:
         outcome = "infeasible"
     else:
         outcome = "passthrough" if r.passthrough else "trimmed"
-    before = r.prompt_tokens_before
-    ttft, budget = r.measured_ttft_s, r.ttft_budget_s
+    ttft, budget, before = r.measured_ttft_s, r.ttft_budget_s, r.prompt_tokens_before
     model, _, url = (r.model or "").partition(" @ ")
     where = urlsplit(url) if url else None
     try:
@@ -618,13 +597,12 @@ def figures(c: Completed) -> Figures:
     return Figures(
         outcome=outcome, model=model, server_address=where.hostname if where is not None else None,
         server_port=port or ({"http": 80, "https": 443}.get(where.scheme) if where is not None and where.hostname else None),
-        ttft_s=ttft, predicted_ttft_s=r.predicted_ttft_s, budget_s=budget, budget_met=r.budget_met,
-        budget_use=None if ttft is None or not budget else ttft / budget,
-        prediction_error=None if err is None else abs(err) / 100.0,
+        budget_use=None if ttft is None or not budget else ttft / budget, prediction_error=None if err is None else abs(err) / 100.0,
         prediction_direction="" if err is None else "over" if err > 0 else "under" if err < 0 else "exact",
-        input_tokens=r.prompt_tokens, input_tokens_before=before, tokens_removed=max((before or 0) - r.prompt_tokens, 0), cached_tokens=r.cached_tokens,
-        output_tokens=r.completion_tokens, decode_tokens_per_s=r.decode_tokens_per_s, replans=len(r.replans),
-        removed_messages=tuple(removed_messages), summarized_messages=tuple(summarized), removed_chunks=tuple(dict.fromkeys(chunks)),
+        tokens_before=r.prompt_tokens if before is None else before, tokens_removed=max((before or 0) - r.prompt_tokens, 0),
+        removed_messages=tuple(sorted({i for a in r.actions for i in getattr(a, "removed_messages", ())})),
+        summarized_messages=tuple(sorted({i for a in r.actions for i in getattr(a, "summarized_messages", ())})),
+        removed_chunks=tuple(dict.fromkeys(chunks)),
     )
 
 

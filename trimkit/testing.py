@@ -61,6 +61,7 @@ class FakeBackend(Backend):
     name = "fake"
     #: seconds ``send`` waits for a stream another thread has not finished, before EngineBusyError
     engine_wait_s: float = DEFAULT_ENGINE_WAIT_S
+    n_ctx: int = 8192
 
     def __init__(self, cost_model: CostModel | None = None, *, clock: FakeClock | None = None, tokenizer: PromptTokenizer | None = None,
                  n_ctx: int = 8192, first_token_s: float = 0.02, decode_tokens_per_s: float = 50.0, reply: str = DEFAULT_REPLY,
@@ -83,7 +84,7 @@ class FakeBackend(Backend):
             decode_tokens_per_s /= slowdown
         self.clock: FakeClock = clock or FakeClock()
         self.tokenizer = tokenizer or PromptTokenizer.estimate()
-        self._n_ctx = n_ctx
+        self.n_ctx = n_ctx
         self.first_token_s = first_token_s
         self.decode_tokens_per_s = decode_tokens_per_s
         self.reply = reply
@@ -93,12 +94,8 @@ class FakeBackend(Backend):
         self.engine = EngineLease()
         self.lock = self.engine
 
-    @property
-    def n_ctx(self) -> int:
-        return self._n_ctx
-
     def profile_key(self) -> ProfileKey:
-        return ProfileKey(backend=self.name, model="fake-model", n_ctx=self._n_ctx, n_batch=self.cost_model.n_batch, cpu="fake")
+        return ProfileKey(backend=self.name, model="fake-model", n_ctx=self.n_ctx, n_batch=self.cost_model.n_batch, cpu="fake")
 
     def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         return reusable_prefix_len(self.kv, prompt_tokens) if self.reuse_prefix else 0
@@ -134,8 +131,8 @@ class FakeBackend(Backend):
     def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
              watch: Any = None) -> TimedStream:
         tokens = list(prompt_tokens) if prompt_tokens is not None else self.tokenizer.prompt_tokens(messages, params.get("tools"))
-        if len(tokens) > self._n_ctx:
-            raise ContextTooSmallError(f"prompt of {len(tokens)} tokens exceeds n_ctx={self._n_ctx}")
+        if len(tokens) > self.n_ctx:
+            raise ContextTooSmallError(f"prompt of {len(tokens)} tokens exceeds n_ctx={self.n_ctx}")
         # never a lock held across a yield: a stream abandoned by one thread must not block the others
         release, waited = self.engine.hold(self.engine_wait_s)
         self.calls.append((list(messages), dict(params)))
@@ -186,8 +183,8 @@ class FakeBackend(Backend):
                            release=release, queue_s=waited)
 
     def measure_prefill(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        if new_tokens + cached_tokens > self._n_ctx:
-            raise ContextTooSmallError(f"probe of {new_tokens + cached_tokens} tokens does not fit n_ctx={self._n_ctx}")
+        if new_tokens + cached_tokens > self.n_ctx:
+            raise ContextTooSmallError(f"probe of {new_tokens + cached_tokens} tokens does not fit n_ctx={self.n_ctx}")
         seconds = self.cost_model.prefill_s(new_tokens, cached_tokens)
         self.clock.advance(seconds)
         return seconds
