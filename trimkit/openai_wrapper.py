@@ -268,7 +268,7 @@ class OpenAIFrontEnd(FrontEnd):
         # behind a router the cache is predicted on the worker this key stays on (an async call's
         # worker thread runs in a copy of this context)
         with planning_for(key):
-            prepared = yield Io(self.prepare, _in_thread(self.prepare), messages, rag_chunks, params, ttft_budget_s=budget, **options)
+            prepared = yield Io(self.prepare, in_thread(self.prepare), messages, rag_chunks, params, ttft_budget_s=budget, **options)
         return (yield from Send(self, params, stream, routing_headers(key, self.routing.headers)).steps(prepared))
 
     def assemble(self, rs: StreamReporter) -> Any:
@@ -284,7 +284,7 @@ class OpenAIFrontEnd(FrontEnd):
         return self.backend.as_client_response(response)
 
 
-def _in_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
+def in_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn``, awaited in a worker thread (an async call plans off the event loop)."""
     return functools.partial(asyncio.to_thread, fn)
 
@@ -416,9 +416,7 @@ class AsyncTrimmedOpenAI(OpenAIFrontEnd):
 def wrap_openai(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> OpenAIFrontEnd:
     """Wrap an ``openai.OpenAI`` (→ :class:`TrimmedOpenAI`) or ``openai.AsyncOpenAI`` (→ :class:`AsyncTrimmedOpenAI`)-style client."""
     _not_a_list(client, "clients")
-    if not is_openai_client(client):
-        raise InvalidInputError(f"cannot wrap {type(client).__name__}: it needs .chat.completions.create (an openai.OpenAI-style client)")
-    cls = AsyncTrimmedOpenAI if client_is_async(client) else TrimmedOpenAI
+    cls = AsyncTrimmedOpenAI if is_openai_client(client) and client_is_async(client) else TrimmedOpenAI  # not a client: refused there
     return cls(client, ttft_budget_s=ttft_budget_s, **kwargs)
 
 
