@@ -40,13 +40,12 @@ from trimkit.errors import (
     positive_finite,
 )
 from trimkit.errors import budget as valid_budget
-from trimkit.frontend import AsyncReportingStream, ReportingStream
+from trimkit.frontend import AsyncClosing, AsyncReportingStream, Closing, ReportingStream
 from trimkit.openai_wrapper import AsyncTrimmedOpenAI, CallDeadlines, ClientChat, Send, TrimmedOpenAI, call_arguments, split_backend_kwargs, wrap_one_url
 from trimkit.pipeline import Prepared, Request
 from trimkit.planning.costs import CacheState, evaluated_tokens
 from trimkit.planning.profile import Profile
 from trimkit.planning.queue import EngineQueue, Ticket, answer_cap
-from trimkit.planning.tokens import reusable_prefix_len
 from trimkit.report import Report, valid_tokens_per_s_target
 
 __all__ = ["wrap_fleet", "wrap_url", "FleetFrontEnd", "AsyncFleetFrontEnd", "FleetStream", "AsyncFleetStream", "FleetEndpoint",
@@ -102,10 +101,6 @@ class HeldPrompts:
     def prompts(self) -> list[tuple[int, ...]]:
         with self._lock:
             return [t for _, t in self._prompts]
-
-    def cached(self, tokens: Sequence[int]) -> int:
-        """The longest prefix of ``tokens`` a held prompt shares (leaving one token to evaluate)."""
-        return max((reusable_prefix_len(p, tokens) for p in self.prompts()), default=0)
 
 
 @attrs.define
@@ -623,7 +618,7 @@ FleetStream = ReportingStream
 AsyncFleetStream = AsyncReportingStream
 
 
-class FleetFrontEnd:
+class FleetFrontEnd(Closing):
     """Several OpenAI-compatible endpoints behind one sync ``chat.completions.create``: it returns
     what one endpoint's wrapper returns (with ``stream=True`` a :class:`FleetStream`). It only
     routes: each endpoint's pipeline plans, and appends to the one list of ``reports``.
@@ -723,14 +718,8 @@ class FleetFrontEnd:
         for ep in self.endpoints:
             ep.close()
 
-    def __enter__(self) -> FleetFrontEnd:
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class AsyncFleetFrontEnd(FleetFrontEnd):
+class AsyncFleetFrontEnd(AsyncClosing, FleetFrontEnd):
     """:class:`FleetFrontEnd` for async clients (or ``asynchronous=True``): routing and planning
     run in a worker thread; build it before the loop starts (it may calibrate)."""
 
@@ -741,12 +730,6 @@ class AsyncFleetFrontEnd(FleetFrontEnd):
             closing = ep.close()
             if closing is not None:
                 await closing
-
-    async def __aenter__(self) -> AsyncFleetFrontEnd:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
 
 
 class FleetSend(Send):

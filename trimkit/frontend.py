@@ -70,6 +70,26 @@ class FrontEnd:
             object.__setattr__(self, name, value)
 
 
+class Closing:
+    """``with`` for what ``close()`` closes."""
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()  # type: ignore[attr-defined]
+
+
+class AsyncClosing:
+    """``async with`` for what ``await close()`` closes."""
+
+    async def __aenter__(self) -> Any:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()  # type: ignore[attr-defined]
+
+
 class StreamReporter:
     """Shared by the sync and async streams: builds the report when the timed stream ends.
     ``watch``: the driver of the request's watched prefill (a re-plan changes what was sent);
@@ -155,7 +175,7 @@ class StreamReporter:
         return self
 
 
-class ReportingStream(StreamReporter):
+class ReportingStream(Closing, StreamReporter):
     """The stream a wrapped call returns with ``stream=True``: iterate it like the engine's or
     client's own; ``.report`` is set once it is exhausted; ``with`` and :meth:`close` work. With an
     in-process engine it holds the engine until it is exhausted, fails, is closed or is
@@ -177,18 +197,8 @@ class ReportingStream(StreamReporter):
         self.timed.close()
         self.closed()
 
-    def __enter__(self) -> ReportingStream:
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-#: what ``create(stream=True)`` returns on an OpenAI-style wrapper
-ReportingOpenAIStream = ReportingStream
-
-
-class AsyncReportingStream(StreamReporter):
+class AsyncReportingStream(AsyncClosing, StreamReporter):
     """What an async ``create(stream=True)`` returns: ``async for`` it; ``.report`` is set once it
     is exhausted; ``async with`` and ``await close()`` work."""
 
@@ -207,9 +217,3 @@ class AsyncReportingStream(StreamReporter):
     async def close(self) -> None:
         await self.timed.aclose()  # type: ignore[attr-defined]
         self.closed()
-
-    async def __aenter__(self) -> AsyncReportingStream:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()

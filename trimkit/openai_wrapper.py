@@ -20,7 +20,7 @@ from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.replies import SOURCE_CLIENT, assemble_chat_completion
 from trimkit.backends.server import NOT_GIVEN, RoutingOptions, check_routing_key, planning_for, routing_headers
 from trimkit.errors import InvalidInputError, InvalidMessageError, positive_finite
-from trimkit.frontend import AsyncReportingStream, FrontEnd, ReportingOpenAIStream, StreamReporter, adrain, drain, send_params, usage_counts
+from trimkit.frontend import AsyncClosing, AsyncReportingStream, Closing, FrontEnd, ReportingStream, StreamReporter, adrain, drain, send_params, usage_counts
 from trimkit.messages import validate_messages
 from trimkit.pipeline import Pipeline, Prepared
 
@@ -28,6 +28,8 @@ __all__ = ["TrimmedOpenAI", "AsyncTrimmedOpenAI", "OpenAIFrontEnd", "Send", "Cli
            "wrap_openai", "retry_deadline_for", "BACKEND_KWARGS", "MIN_RETRY_DEADLINE_S", "call_arguments", "max_tokens_note", "router_note",
            "split_backend_kwargs"]
 
+#: what ``create(stream=True)`` returns on an OpenAI-style wrapper
+ReportingOpenAIStream = ReportingStream
 #: the retry deadline never drops below this, however tight the budget
 MIN_RETRY_DEADLINE_S = 5.0
 
@@ -295,9 +297,6 @@ class Send:
     else streamed, and drained and assembled unless a stream was asked for. The hooks are where a
     fleet's attempt (:class:`trimkit.fleet.FleetSend`) differs."""
 
-    #: the streams (sync, async) a streamed request is read through
-    streams: tuple[type[StreamReporter], type[StreamReporter]] = (ReportingOpenAIStream, AsyncReportingStream)
-
     def __init__(self, front: OpenAIFrontEnd, params: Mapping[str, Any], stream: bool, headers: Mapping[str, str] | None = None) -> None:
         self.front, self.params, self.stream, self.headers = front, params, stream, headers
         #: the stream's reporter (None until streamed; stays None for an answer sent whole)
@@ -335,7 +334,7 @@ class Send:
         except BaseException:
             self.failed()
             raise
-        self.reporter = self.streams[front.is_async](ts, pipeline, prepared, params, watch=watch)
+        self.reporter = (AsyncReportingStream if front.is_async else ReportingStream)(ts, pipeline, prepared, params, watch=watch)
         return (yield from self.reading(self.reporter))
 
     def completion(self, out: Any) -> Steps:
@@ -365,7 +364,7 @@ class Send:
         return rs
 
 
-class TrimmedOpenAI(OpenAIFrontEnd):
+class TrimmedOpenAI(Closing, OpenAIFrontEnd):
     """An ``openai.OpenAI``-style client whose chat calls keep TTFT inside a budget: ``create``
     returns the client's ``ChatCompletion``, rebuilt from a stream so that TTFT is measured, or
     with ``stream=True`` its chunks (with ``.report``). ``close()`` / ``with`` close the client too."""
@@ -379,14 +378,8 @@ class TrimmedOpenAI(OpenAIFrontEnd):
         if self.client is not None and callable(getattr(self.client, "close", None)):
             self.client.close()
 
-    def __enter__(self) -> TrimmedOpenAI:
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class AsyncTrimmedOpenAI(OpenAIFrontEnd):
+class AsyncTrimmedOpenAI(AsyncClosing, OpenAIFrontEnd):
     """:class:`TrimmedOpenAI` for ``openai.AsyncOpenAI``. Planning runs in a worker thread;
     construction is synchronous (it may calibrate: build it before the loop starts)."""
 
@@ -405,12 +398,6 @@ class AsyncTrimmedOpenAI(OpenAIFrontEnd):
             self.backend.close()
         if self.client is not None and callable(getattr(self.client, "close", None)):
             await self.client.close()
-
-    async def __aenter__(self) -> AsyncTrimmedOpenAI:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
 
 
 def wrap_openai(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> OpenAIFrontEnd:

@@ -291,18 +291,20 @@ class Pipeline:
                                         plan=plan, report=report)
         return prepared
 
-    def _price(self, tokens: Sequence[int], after: Sequence[int] | None = None) -> _Priced:
+    def _price(self, tokens: Sequence[int], after: Sequence[int] | None = None, profile: Profile | None = None) -> _Priced:
         """What the engine has cached of ``tokens`` (a stored snapshot too) and their predicted
-        TTFT; ``after``: the prompt the context will hold when this request's turn comes."""
-        best_cache = getattr(self.backend, "best_cache", None)
+        TTFT; ``after``: the prompt the context will hold when this request's turn comes;
+        ``profile``: a watched prefill's paced one (the context alone: no snapshot mid-prefill)."""
+        best_cache = getattr(self.backend, "best_cache", None) if profile is None else None
+        profile = profile or self.profile
         if best_cache is not None:
-            cached, snapshot = best_cache(tokens, self.profile.predict_prefill_s)
+            cached, snapshot = best_cache(tokens, profile.predict_prefill_s)
         else:
             cached, snapshot = self.backend.predict_cached_tokens(tokens), None
         if after is not None and snapshot is None:
             cached = min(cached, reusable_prefix_len(after, tokens))
         restore = getattr(snapshot, "restore_s", 0.0) if snapshot is not None else 0.0
-        return _Priced(tokens, cached, snapshot, self.profile.predict_ttft_s(evaluated_tokens(len(tokens), cached), cached) + restore)
+        return _Priced(tokens, cached, snapshot, profile.predict_ttft_s(evaluated_tokens(len(tokens), cached), cached) + restore)
 
     def _cache_state(self, after: Sequence[int] | None = None, *, snapshots: bool = True) -> CacheState | None:
         """The engine's cache as :meth:`_price` counts it (without ``snapshots``: the context alone)."""
@@ -360,10 +362,7 @@ class Pipeline:
         profile = watch.paced_profile()
         left = max(prepared.budget_s - spent_s, 1e-6)
         margin = self.engine.safety_margin(self.attainment_target, share=tail_share(profile, len(prepared.prompt_tokens) - watch.position))
-
-        def paced(tokens: Sequence[int]) -> _Priced:
-            cached = self.backend.predict_cached_tokens(tokens)
-            return _Priced(tokens, cached, None, profile.predict_ttft_s(evaluated_tokens(len(tokens), cached), cached))
+        paced = functools.partial(self._price, profile=profile)
 
         def price(candidate: Sequence[Mapping[str, Any]]) -> tuple[Sequence[int], int, float]:
             p = paced(tok.prompt_tokens(candidate, tools))
