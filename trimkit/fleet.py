@@ -218,8 +218,7 @@ class FleetEndpoint:
         #: this client's requests in flight here (answer lengths learned as on an in-process engine)
         self.queue = EngineQueue(clock)
         self.held = HeldPrompts(1)
-        self._tickets: dict[int, Ticket] = {}  # key → the request's ticket, from reserve to release
-        self._sent: set[int] = set()
+        self._sent: set[int] = set()  # the tickets of the requests sent
         self.load = load
         self.probe_timeout_s = probe_timeout_s
         self.clock = clock
@@ -390,41 +389,25 @@ class FleetEndpoint:
         return RouteCost(self, wait, cached, prefill, decode, len(self.queue), kept, budget_s)
 
     # -- a request's life here ----------------------------------------------------------------------
-    def reserve(self, cost: RouteCost) -> int:
-        """Count a request in, as priced (before it is planned); returns its key."""
+    def reserve(self, cost: RouteCost) -> Ticket:
+        """Count a request in, as priced (before it is planned): its place in the queue."""
         ticket = self.queue.enter()
         ticket.estimate(cost.planned_prefill_s, cost.decode_s)
-        with self._lock:
-            self._tickets[ticket.seq] = ticket
-        return ticket.seq
+        return ticket
 
-    def planned(self, key: int, prepared: Prepared) -> None:
-        ticket = self._tickets.get(key)
-        if ticket is not None:
-            ticket.estimate(self.prefill_s(len(prepared.prompt_tokens), prepared.cached_tokens), ticket.decode_s)
-
-    def sent(self, key: int, prompt_tokens: Sequence[int]) -> None:
+    def sent(self, ticket: Ticket, prompt_tokens: Sequence[int]) -> None:
         """The request went out: its prompt is held from now on."""
-        self.held.hold(key, prompt_tokens)
-        self._sent.add(key)
+        self.held.hold(ticket.seq, prompt_tokens)
+        self._sent.add(ticket.seq)
         self._started()
 
-    def first_token(self, key: int) -> None:
-        self.progressed()
-        ticket = self._tickets.get(key)
-        if ticket is not None:
-            ticket.first_token()
-
-    def release(self, key: int, *, failed: bool = False) -> None:
+    def release(self, ticket: Ticket, *, failed: bool = False) -> None:
         """The request ended (``failed``: before the server took it; its prompt is not held)."""
-        with self._lock:
-            ticket = self._tickets.pop(key, None)
-        self._sent.discard(key)
-        if ticket is not None:
-            ticket.done()
+        self._sent.discard(ticket.seq)
+        ticket.done()
         if failed:
-            self.held.forget(key)
-        elif ticket is not None:
+            self.held.forget(ticket.seq)
+        else:
             self.progressed()
         self._started()
 
@@ -448,14 +431,15 @@ class FleetEndpoint:
         return None
 
 
-@attrs.define
+@attrs.define(eq=False)
 class Route:
-    """Where one attempt of a call goes (``key``: its place in the endpoint's queue), and the
-    request planned for it by that endpoint's pipeline; ``last``: no other endpoint was left (it
-    gets the rest of the deadline)."""
+    """One attempt of a call: the endpoint it goes to, priced (``cost``), its place in that
+    endpoint's queue (``ticket``, until :meth:`release`) and the request that endpoint's pipeline
+    planned; ``last``: no other endpoint was left (it gets the rest of the deadline). It is its
+    stream's listener (:class:`~trimkit.frontend.StreamReporter`)."""
 
     cost: RouteCost
-    key: int
+    ticket: Ticket
     prepared: Prepared
     at: float = 0.0
     last: bool = False
@@ -466,19 +450,22 @@ class Route:
         return self.cost.endpoint
 
     def release(self, *, failed: bool = False) -> None:
-        self.endpoint.release(self.key, failed=failed)
+        """Out of the endpoint's queue, once."""
+        with self.endpoint._lock:
+            was, self.open = self.open, False
+        if was:
+            self.endpoint.release(self.ticket, failed=failed)
 
-    # -- its stream's listener (:class:`~trimkit.frontend.StreamReporter`) -----------------------------
     def chunk(self, rs: Any) -> None:
         if rs.timed.first_output_at is not None:  # alive, and only the decode left
-            self.endpoint.first_token(self.key)
+            self.endpoint.progressed()
+            self.ticket.first_token()
 
     def ended(self, rs: Any, exc: BaseException | None) -> None:
-        """Its stream ended (``exc``: how; None: closed): out of the endpoint's queue, once. A failure
-        before the first token is the call's to judge (it fails over); after it, the endpoint's."""
+        """Its stream ended (``exc``: how; None: closed). A failure before the first token is the
+        call's to judge (it fails over); after it, the endpoint's."""
         if not self.open:
             return
-        self.open = False
         finished = isinstance(exc, (StopIteration, StopAsyncIteration))
         first = rs.timed.first_output_at is not None
         self.release(failed=exc is not None and not finished and not first)
@@ -546,17 +533,17 @@ class FleetCall:
             with self.fleet.routing_lock:
                 now = self.clock()
                 best = best_route([ep.cost(self.request.tokens or (), self.request.params, now, self.budget_left_s()) for ep in candidates])
-                key = best.endpoint.reserve(best)
+                ticket = best.endpoint.reserve(best)
             try:
                 prepared = self._prepare(best)
             except BaseException as exc:
-                best.endpoint.release(key, failed=True)
+                best.endpoint.release(ticket, failed=True)
                 if not isinstance(exc, TrimkitError):
                     raise
                 self.failed(best.endpoint, exc, since=now, ahead=best.in_flight)
                 continue
-            best.endpoint.planned(key, prepared)
-            return Route(best, key, prepared, at=now, last=len(candidates) == 1)
+            ticket.estimate(best.endpoint.prefill_s(len(prepared.prompt_tokens), prepared.cached_tokens), ticket.decode_s)  # as planned
+            return Route(best, ticket, prepared, at=now, last=len(candidates) == 1)
 
     def _candidates(self) -> list[FleetEndpoint]:
         if self.deadline_s is not None and self.elapsed_s() >= self.deadline_s:
@@ -754,7 +741,7 @@ class FleetSend(Send):
         self.route.endpoint.observe(self.params, m)
 
     def went_out(self, prepared: Prepared) -> None:
-        self.route.endpoint.sent(self.route.key, prepared.prompt_tokens)
+        self.route.endpoint.sent(self.route.ticket, prepared.prompt_tokens)
 
     def failed(self) -> None:
         self.route.release(failed=True)
