@@ -444,6 +444,8 @@ class Route:
     at: float = 0.0
     last: bool = False
     open: bool = True
+    #: how long it waits for its first chunk (:meth:`FleetCall.attempt_deadline_s`; None: the endpoint's own)
+    deadline_s: float | None = None
 
     @property
     def endpoint(self) -> FleetEndpoint:
@@ -455,6 +457,20 @@ class Route:
             was, self.open = self.open, False
         if was:
             self.endpoint.release(self.ticket, failed=failed)
+
+    def went_out(self, prepared: Prepared) -> None:
+        self.endpoint.sent(self.ticket, prepared.prompt_tokens)
+
+    def read(self, rs: Any) -> Steps:
+        """Its stream, read up to the first token; given back to the endpoint's queue when it ends,
+        fails, is closed or is garbage-collected."""
+        rs.listener = self
+        weakref.finalize(rs, self.release)
+        try:
+            return (yield from rs.read_ahead())
+        except BaseException:  # it never took the request
+            yield Io(rs.close, rs.close)
+            raise
 
     def chunk(self, rs: Any) -> None:
         if rs.timed.first_output_at is not None:  # alive, and only the decode left
@@ -687,13 +703,15 @@ class FleetFrontEnd(Closing):
 
     def call_steps(self, kwargs: dict[str, Any]) -> Steps:
         """A ``create()`` call, sync or async: routed (:class:`FleetCall`; async: in a worker thread),
-        then sent by that endpoint's :class:`~trimkit.openai_wrapper.Send` (:class:`FleetSend`); a
+        then sent by that endpoint's :class:`~trimkit.openai_wrapper.Send` as this attempt (:class:`Route`); a
         failure before the first token routes it again."""
         messages, rag_chunks, budget, params, stream, options, key = call_arguments(kwargs)
         call = FleetCall(self, messages, rag_chunks, budget, params, routing_key=key, **options)
         while True:
             route = yield Io(call.route, functools.partial(_routed, call))
-            send = FleetSend(call, route, params, stream)
+            front = route.endpoint.front
+            route.deadline_s = call.attempt_deadline_s(route)
+            send = Send(front, params, stream, front.routing.headers_for(call.routing_key, call.messages), attempt=route)
             try:
                 out = yield from send.reply(route.prepared)
             except TrimkitError as exc:  # before the first token: the next endpoint, if it was this one's fault
@@ -717,45 +735,6 @@ class AsyncFleetFrontEnd(AsyncClosing, FleetFrontEnd):
             closing = ep.close()
             if closing is not None:
                 await closing
-
-
-class FleetSend(Send):
-    """One attempt of a fleet's call on the endpoint it was routed to: that endpoint's
-    :class:`~trimkit.openai_wrapper.Send` with the attempt's deadline and the request's place in
-    the endpoint's queue, its stream read up to the first token (:class:`FleetStream`)."""
-
-    def __init__(self, call: FleetCall, route: Route, params: Mapping[str, Any], stream: bool) -> None:
-        ep = route.endpoint
-        super().__init__(ep.front, params, stream, ep.front.routing.headers_for(call.routing_key, call.messages))
-        self.call, self.route = call, route
-
-    def stream_args(self, prepared: Prepared) -> dict[str, Any]:
-        deadline = self.call.attempt_deadline_s(self.route)
-        return {"prompt_tokens": prepared.prompt_tokens, "retry_deadline_s": deadline, "deadline_s": deadline}
-
-    def answered(self, prepared: Prepared, m: Measurement) -> None:
-        """Sent whole (``n > 1``) and answered: it leaves the queue; its report."""
-        self.went_out(prepared)
-        self.route.release()
-        super().answered(prepared, m)
-        self.route.endpoint.observe(self.params, m)
-
-    def went_out(self, prepared: Prepared) -> None:
-        self.route.endpoint.sent(self.route.ticket, prepared.prompt_tokens)
-
-    def failed(self) -> None:
-        self.route.release(failed=True)
-
-    def reading(self, rs: Any) -> Steps:
-        """Its stream, read up to the first token; given back to the endpoint's queue when it ends,
-        fails, is closed or is garbage-collected."""
-        rs.listener = self.route
-        weakref.finalize(rs, self.route.release)
-        try:
-            return (yield from rs.read_ahead())
-        except BaseException:  # it never took the request
-            yield Io(rs.close, rs.close)
-            raise
 
 
 async def _routed(call: FleetCall) -> Route:

@@ -294,11 +294,13 @@ def in_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
 class Send:
     """One request's way out through an OpenAI-style front-end, sync or async (its steps yield
     :class:`~trimkit.backends.base.Io`): sent whole if streaming cannot measure it (``n > 1``),
-    else streamed, and drained and assembled unless a stream was asked for. The hooks are where a
-    fleet's attempt (:class:`trimkit.fleet.FleetSend`) differs."""
+    else streamed, and drained and assembled unless a stream was asked for. ``attempt``: a fleet's
+    (:class:`trimkit.fleet.Route`): its deadline, its place in the endpoint's queue, its stream read
+    up to the first token."""
 
-    def __init__(self, front: OpenAIFrontEnd, params: Mapping[str, Any], stream: bool, headers: Mapping[str, str] | None = None) -> None:
-        self.front, self.params, self.stream, self.headers = front, params, stream, headers
+    def __init__(self, front: OpenAIFrontEnd, params: Mapping[str, Any], stream: bool, headers: Mapping[str, str] | None = None,
+                 attempt: Any = None) -> None:
+        self.front, self.params, self.stream, self.headers, self.attempt = front, params, stream, headers, attempt
         #: the stream's reporter (None until streamed; stays None for an answer sent whole)
         self.reporter: StreamReporter | None = None
 
@@ -308,7 +310,7 @@ class Send:
 
     def reply(self, prepared: Prepared) -> Steps:
         """The answer sent whole, or the stream the caller reads (a fleet fails over on an error here)."""
-        front, params = self.front, self.params
+        front, params, attempt = self.front, self.params, self.attempt
         backend, pipeline = front.backend, front.pipeline
         extra: dict[str, Any] = {"headers": self.headers} if self.headers else {}
         n = params.get("n")
@@ -320,22 +322,32 @@ class Send:
                 response, m = yield Io(backend.complete, backend.acomplete, prepared.messages, send_params(params), **extra, measure_ttft=False,
                                        prompt_tokens=prepared.prompt_tokens, retry_deadline_s=front.deadlines.retry_s(prepared.budget_s),
                                        deadline_s=deadline)
-                self.answered(prepared, m)
+                if attempt is not None:  # out of the endpoint's queue before its report
+                    attempt.went_out(prepared)
+                    attempt.release()
+                pipeline.finish(prepared, m, params)
+                if attempt is not None:
+                    attempt.endpoint.observe(params, m)
                 return response
             # a budgeted sync request to a llama-server is watched while it prefills (OpenAIHTTPBackend.evaluate_to)
             watch = pipeline.watched(prepared)
             if watch is not None:
                 extra["watch"] = watch
-            ts = yield Io(backend.send, backend.asend, prepared.messages, send_params(params), **self.stream_args(prepared), **extra)
+            budget = prepared.budget_s
+            retry_s, deadline_s = (front.deadlines.retry_s(budget), front.deadlines.first_chunk_s(budget)) if attempt is None else (attempt.deadline_s,) * 2
+            ts = yield Io(backend.send, backend.asend, prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens,
+                          retry_deadline_s=retry_s, deadline_s=deadline_s, **extra)
             prepared = pipeline.sent(prepared)
             if watch is not None:
                 watch.prepared = prepared
-            self.went_out(prepared)
+            if attempt is not None:
+                attempt.went_out(prepared)
         except BaseException:
-            self.failed()
+            if attempt is not None:
+                attempt.release(failed=True)
             raise
         self.reporter = (AsyncReportingStream if front.is_async else ReportingStream)(ts, pipeline, prepared, params, watch=watch)
-        return (yield from self.reading(self.reporter))
+        return self.reporter if attempt is None else (yield from attempt.read(self.reporter))
 
     def completion(self, out: Any) -> Steps:
         """What the call returns: the reply as it is, or the stream drained and assembled."""
@@ -343,25 +355,6 @@ class Send:
             return out
         yield Io(drain, adrain, out)
         return self.front.assemble(self.reporter)
-
-    # -- hooks ---------------------------------------------------------------------------------
-    def stream_args(self, prepared: Prepared) -> dict[str, Any]:
-        budget = prepared.budget_s
-        return {"prompt_tokens": prepared.prompt_tokens, "retry_deadline_s": self.front.deadlines.retry_s(budget),
-                "deadline_s": self.front.deadlines.first_chunk_s(budget)}
-
-    def answered(self, prepared: Prepared, m: Measurement) -> None:
-        self.front.pipeline.finish(prepared, m, self.params)
-
-    def went_out(self, prepared: Prepared) -> None:
-        pass
-
-    def failed(self) -> None:
-        pass
-
-    def reading(self, rs: StreamReporter) -> Steps:
-        yield from ()
-        return rs
 
 
 class TrimmedOpenAI(Closing, OpenAIFrontEnd):
