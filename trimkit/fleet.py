@@ -43,7 +43,7 @@ from trimkit.errors import budget as valid_budget
 from trimkit.frontend import AsyncClosing, AsyncReportingStream, Closing, ReportingStream
 from trimkit.openai_wrapper import AsyncTrimmedOpenAI, CallDeadlines, ClientChat, Send, TrimmedOpenAI, call_arguments, split_backend_kwargs, wrap_one_url
 from trimkit.pipeline import Prepared, Request
-from trimkit.planning.costs import CacheState, evaluated_tokens
+from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import Profile
 from trimkit.planning.queue import EngineQueue, Ticket, answer_cap
 from trimkit.report import Report, valid_tokens_per_s_target
@@ -365,16 +365,13 @@ class FleetEndpoint:
             return self.backend.evidence.cache_state()
         return CacheState(prompts=self.held.prompts(), block=self.backend.cache_block_tokens)
 
-    def prefill_s(self, n_tokens: int, cached: int) -> float:
-        return float(self.front.profile.predict_ttft_s(evaluated_tokens(n_tokens, cached), cached))
-
     def cost(self, tokens: Sequence[int], params: Mapping[str, Any], now: float, budget_s: float | None = None) -> RouteCost:
         """The untrimmed prompt priced here by this endpoint's own profile: the wait behind this
         client's requests (and one like it for each other client's request the server reports),
         plus the prefill of what is not held."""
         self.held.capacity = self.held_prompts if self.held_prompts is not None else self.slots
-        cached = self.backend.predict_cached_tokens(tokens)
-        prefill = self.prefill_s(len(tokens), cached)
+        priced = self.pipeline.price(tokens)  # by this endpoint's own pipeline and profile
+        cached, prefill = priced.cached, priced.predicted_s
         decode = self.queue.decode_s(params, self.front.profile.decode_tokens_per_s)
         ahead = [t.remaining_s(now, prefill + decode) for t in self.queue.in_flight()]
         load = self.server_load()
@@ -528,8 +525,7 @@ class FleetCall:
             return None
         if route.last:  # nowhere else to go: the rest of the call's deadline
             return max(self.deadline_s - self.elapsed_s(), 0.05)
-        p = route.prepared
-        expected = route.cost.wait_s + route.endpoint.prefill_s(len(p.prompt_tokens), p.cached_tokens)
+        expected = route.prepared.predicted_ttft_s or 0.0  # the wait there included
         bound = max(self.budget - self.elapsed_s(), 2.0 * expected, MIN_ATTEMPT_S)
         return max(min(bound, self.deadline_s - self.elapsed_s()), 0.05)
 
@@ -558,7 +554,7 @@ class FleetCall:
                     raise
                 self.failed(best.endpoint, exc, since=now, ahead=best.in_flight)
                 continue
-            ticket.estimate(best.endpoint.prefill_s(len(prepared.prompt_tokens), prepared.cached_tokens), ticket.decode_s)  # as planned
+            ticket.estimate((prepared.predicted_ttft_s or 0.0) - best.wait_s, ticket.decode_s)  # as planned
             return Route(best, ticket, prepared, at=now, last=len(candidates) == 1)
 
     def _candidates(self) -> list[FleetEndpoint]:

@@ -252,7 +252,7 @@ class Pipeline:
         tools = params.get("tools")
         # queued behind others, the request finds the context the last of them leaves
         after = self.queue.context_after(ticket) if self.queue is not None else None
-        priced = functools.partial(self._price, after=after)
+        priced = functools.partial(self.price, after=after)
         before = priced(list(request.tokens or ()))
         self._estimate(ticket, before, params)
         wait, ahead = (given_wait, 0) if given_wait is not None or self.queue is None else self.queue.predict(ticket)
@@ -291,9 +291,9 @@ class Pipeline:
                                         plan=plan, report=report)
         return prepared
 
-    def _price(self, tokens: Sequence[int], after: Sequence[int] | None = None, profile: Profile | None = None) -> _Priced:
+    def price(self, tokens: Sequence[int], after: Sequence[int] | None = None, profile: Profile | None = None) -> _Priced:
         """What the engine has cached of ``tokens`` (a stored snapshot too) and their predicted
-        TTFT; ``after``: the prompt the context will hold when this request's turn comes;
+        TTFT (a fleet's router prices with it); ``after``: the prompt the context will hold when this request's turn comes;
         ``profile``: a watched prefill's paced one (the context alone: no snapshot mid-prefill)."""
         best_cache = getattr(self.backend, "best_cache", None) if profile is None else None
         profile = profile or self.profile
@@ -307,7 +307,7 @@ class Pipeline:
         return _Priced(tokens, cached, snapshot, profile.predict_ttft_s(evaluated_tokens(len(tokens), cached), cached) + restore)
 
     def _cache_state(self, after: Sequence[int] | None = None, *, snapshots: bool = True) -> CacheState | None:
-        """The engine's cache as :meth:`_price` counts it (without ``snapshots``: the context alone)."""
+        """The engine's cache as :meth:`price` counts it (without ``snapshots``: the context alone)."""
         state = self.backend.cache_state()
         if state is None or (after is None and snapshots):
             return state
@@ -362,7 +362,7 @@ class Pipeline:
         profile = watch.paced_profile()
         left = max(prepared.budget_s - spent_s, 1e-6)
         margin = self.engine.safety_margin(self.attainment_target, share=tail_share(profile, len(prepared.prompt_tokens) - watch.position))
-        paced = functools.partial(self._price, profile=profile)
+        paced = functools.partial(self.price, profile=profile)
 
         def price(candidate: Sequence[Mapping[str, Any]]) -> tuple[Sequence[int], int, float]:
             p = paced(tok.prompt_tokens(candidate, tools))
