@@ -427,7 +427,6 @@ class Pipeline:
             feasible=bool(plan.feasible) and spent_s + predicted <= prepared.budget_s,
         )
 
-
     # -- send (the front-end's), measure, report --------------------------------------------------
     def sent(self, prepared: Prepared, *, waited_s: float = 0.0) -> Prepared:
         """Record that ``prepared`` went out after waiting ``waited_s`` for the engine (counted in
