@@ -151,6 +151,7 @@ def test_a_list_of_urls_is_a_fleet_with_the_one_endpoint_api(hosts, profile):
         with stream:
             chunks = list(stream)
         assert chunks and stream.report is chat.last_report and chat.reports[-2:] == [r, stream.report]
+        assert stream.endpoint.label == stream.report.endpoint  # the replica it streams from
         whole = chat.chat.completions.create(messages=ask("quay"), max_tokens=2, n=2)
         assert whole["choices"] and chat.last_report.measurement.ttft_s is None
         assert all(ep.in_flight == 0 for ep in chat.endpoints)

@@ -459,9 +459,9 @@ class Route:
         self.endpoint.sent(self.ticket, prepared.prompt_tokens)
 
     def read(self, rs: Any) -> Steps:
-        """Its stream, read up to the first token; given back to the endpoint's queue when it ends,
-        fails, is closed or is garbage-collected."""
-        rs.listener = self
+        """Its stream (``stream.endpoint``: this endpoint), read up to the first token; given back to
+        the endpoint's queue when it ends, fails, is closed or is garbage-collected."""
+        rs.listener, rs.endpoint = self, self.endpoint
         weakref.finalize(rs, self.release)
         try:
             return (yield from rs.read_ahead())
