@@ -374,6 +374,12 @@ def test_bad_fleets_are_invalid_input_before_anything_is_sent(hosts, profile):
         chat.chat.completions.create(messages=[{"role": "nobody", "content": "x"}])
     with pytest.raises(InvalidInputError):
         chat.chat.completions.create(messages=ask("x"), ttft_budget_s=-1)
+    with pytest.raises(InvalidInputError):
+        chat.chat.completions.create(messages=ask("x"), on_busy="never")
+    for ep in chat.endpoints:  # with no endpoint in rotation too: the input is judged first
+        ep.mark_down(ServerUnreachableError("refused"))
+    with pytest.raises(InvalidInputError):
+        chat.chat.completions.create(messages=[{"role": "nobody", "content": "x"}])
     assert len(hosts.log) == n  # nothing was sent
     sync_client.close()
 

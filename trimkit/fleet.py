@@ -45,7 +45,7 @@ from trimkit.openai_wrapper import AsyncTrimmedOpenAI, CallDeadlines, ClientChat
 from trimkit.pipeline import Prepared, Request
 from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import Profile
-from trimkit.planning.queue import EngineQueue, Ticket, answer_cap
+from trimkit.planning.queue import EngineQueue, Ticket, answer_cap, check_on_busy
 from trimkit.report import Report, valid_tokens_per_s_target
 
 __all__ = ["wrap_fleet", "wrap_url", "FleetFrontEnd", "AsyncFleetFrontEnd", "FleetStream", "AsyncFleetStream", "FleetEndpoint",
@@ -496,9 +496,10 @@ class FleetCall:
 
     def __init__(self, fleet: Any, messages: Any, rag_chunks: Any, budget: float | None, params: Mapping[str, Any], *,
                  on_busy: str | None = None, routing_key: Any = NOT_GIVEN) -> None:
-        self.fleet, self.messages, self.on_busy, self.routing_key = fleet, messages, on_busy, routing_key
+        self.fleet, self.messages, self.routing_key = fleet, messages, routing_key
+        self.on_busy = None if on_busy is None else check_on_busy(on_busy)
         self._given = (messages, rag_chunks, params)
-        #: the request validated and counted by the first endpoint that routed it, for every route of this call
+        #: the request, validated before anything is asked of an endpoint and counted once, for every route of this call
         self.request: Request | None = None
         self.budget = fleet.ttft_budget_s if budget is None else valid_budget(budget)
         self.clock = fleet.clock
@@ -532,13 +533,15 @@ class FleetCall:
     def route(self) -> Route:
         """The best endpoint for this request, reserved, with the request planned there.
         Endpoints that fail meanwhile are taken out and the next is tried."""
+        if self.request is None:  # by any reached endpoint's pipeline (one was reached, or there is no fleet)
+            self.request = next(ep.pipeline for ep in self.fleet.endpoints if ep.pipeline is not None).request(*self._given)
         while True:
             candidates = self._candidates()
-            if self.request is None:  # by the endpoint with fewest in flight
+            if self.request.tokens is None:  # by the endpoint with fewest in flight
                 counter = min(candidates, key=lambda ep: (ep.in_flight, self.fleet.endpoints.index(ep)))
                 asked = self.clock()
                 try:
-                    self.request = counter.pipeline.request(*self._given, count=True)
+                    self.request = counter.pipeline.count(self.request)
                 except TrimkitError as exc:
                     self.failed(counter, exc, since=asked, ahead=counter.in_flight)
                     continue

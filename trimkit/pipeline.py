@@ -197,9 +197,9 @@ class Pipeline:
         t.start()
 
     # -- validate and plan ----------------------------------------------------------------------
-    def request(self, messages: Any, rag_chunks: Any = None, params: Mapping[str, Any] | None = None, *, count: bool = False) -> Request:
-        """A call's input validated, its retrieved text neutralised and placed; with ``count`` its
-        prompt as given counted too. What :meth:`prepare` plans, and a fleet routes on."""
+    def request(self, messages: Any, rag_chunks: Any = None, params: Mapping[str, Any] | None = None) -> Request:
+        """A call's input validated, its retrieved text neutralised and placed (not counted yet:
+        :meth:`count`). What :meth:`prepare` plans, and a fleet routes on."""
         params = params or {}
         validate_messages(messages)
         validate_params(params)
@@ -214,10 +214,9 @@ class Pipeline:
                 messages, note = neutralize_messages(messages, controls)
                 notes += [note] if note else []
         as_is = place_chunks(messages, chunks, self.rag_template, self.rag_chunk_template) if chunks else messages
-        request = Request(messages, tuple(chunks), dict(params), as_is, tuple(notes))
-        return self._counted(request) if count else request
+        return Request(messages, tuple(chunks), dict(params), as_is, tuple(notes))
 
-    def _counted(self, request: Request) -> Request:
+    def count(self, request: Request) -> Request:
         """``request`` with its prompt as given counted by this engine's tokenizer (once per tokenizer)."""
         tok = self.backend.tokenizer
         if request.tokens is not None and request.counted_by == tok.name:
@@ -247,7 +246,7 @@ class Pipeline:
         return prepared
 
     def _prepare(self, request: Request, budget: float | None, on_busy: str, given_wait: float | None, ticket: Ticket | None, t0: float) -> Prepared:
-        request = self._counted(request)
+        request = self.count(request)
         messages, params, as_is = request.messages, request.params, request.as_is
         tools = params.get("tools")
         # queued behind others, the request finds the context the last of them leaves
