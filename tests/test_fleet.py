@@ -42,6 +42,7 @@ from trimkit.fleet import (
     slot_wait_s,
     wrap_fleet,
 )
+from trimkit.planning.costs import CacheState
 from trimkit.testing import FakeBackend, FakeOpenAIServer
 
 SYSTEM = {"role": "system", "content": "You answer questions about the harbour town of Marrowby, briefly and exactly. " * 6}
@@ -150,6 +151,7 @@ def test_a_list_of_urls_is_a_fleet_with_the_one_endpoint_api(hosts, profile):
         with stream:
             chunks = list(stream)
         assert chunks and stream.report is chat.last_report and chat.reports[-2:] == [r, stream.report]
+        assert stream.endpoint.label == stream.report.endpoint  # the replica it streams from
         whole = chat.chat.completions.create(messages=ask("quay"), max_tokens=2, n=2)
         assert whole["choices"] and chat.last_report.measurement.ttft_s is None
         assert all(ep.in_flight == 0 for ep in chat.endpoints)
@@ -372,6 +374,12 @@ def test_bad_fleets_are_invalid_input_before_anything_is_sent(hosts, profile):
         chat.chat.completions.create(messages=[{"role": "nobody", "content": "x"}])
     with pytest.raises(InvalidInputError):
         chat.chat.completions.create(messages=ask("x"), ttft_budget_s=-1)
+    with pytest.raises(InvalidInputError):
+        chat.chat.completions.create(messages=ask("x"), on_busy="never")
+    for ep in chat.endpoints:  # with no endpoint in rotation too: the input is judged first
+        ep.mark_down(ServerUnreachableError("refused"))
+    with pytest.raises(InvalidInputError):
+        chat.chat.completions.create(messages=[{"role": "nobody", "content": "x"}])
     assert len(hosts.log) == n  # nothing was sent
     sync_client.close()
 
@@ -532,13 +540,17 @@ def test_the_slot_wait_is_first_come_first_served():
 
 def test_held_prompts_and_health():
     held = HeldPrompts(capacity=2)
+
+    def cached(tokens):  # what an endpoint predicts from them (FleetEndpoint.cache_state)
+        return CacheState(prompts=held.prompts()).cached(tokens)
+
     held.hold(1, [1, 2, 3, 4])
     held.hold(2, [1, 2, 9, 9])
-    assert held.cached([1, 2, 3, 4, 5]) == 4 and held.cached([1, 2, 3, 4]) == 3  # one token always evaluated
+    assert cached([1, 2, 3, 4, 5]) == 4 and cached([1, 2, 3, 4]) == 3  # one token always evaluated
     held.hold(3, [7, 7])
-    assert held.cached([1, 2, 3, 4, 5]) == 2 and len(held) == 2  # the oldest left
+    assert cached([1, 2, 3, 4, 5]) == 2 and len(held) == 2  # the oldest left
     held.forget(2)
-    assert held.cached([1, 2, 3]) == 0
+    assert cached([1, 2, 3]) == 0
     h = Health(after_s=1.0, max_s=3.0)
     h.down(10.0, "refused")
     assert not h.is_up and not h.probe_due(10.5) and h.probe_due(11.0)

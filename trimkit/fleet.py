@@ -1,9 +1,9 @@
 """A fleet of OpenAI-compatible endpoints behind one TTFT budget: routing and failover from the client.
 
 ``trimkit.wrap_url([...])`` / ``trimkit.wrap([client, ...])`` give a :class:`FleetFrontEnd`
-(:class:`AsyncFleetFrontEnd`): each endpoint is a wrapper of its own (:class:`FleetEndpoint`), a
-request goes to the lowest predicted TTFT (:class:`FleetCall`), and one that fails before its
-first token is re-planned on the next. docs/scaling.md §2."""
+(:class:`AsyncFleetFrontEnd`). It only routes: each endpoint is a wrapper of its own
+(:class:`FleetEndpoint`) whose pipeline plans and sends; a request goes to the lowest predicted
+TTFT (:class:`FleetCall`), and one that fails before its first token to the next. docs/scaling.md §2."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -40,14 +40,12 @@ from trimkit.errors import (
     positive_finite,
 )
 from trimkit.errors import budget as valid_budget
-from trimkit.frontend import AsyncReportingStream, ReportingStream
-from trimkit.messages import coerce_chunks, validate_messages
+from trimkit.frontend import AsyncClosing, AsyncReportingStream, Closing, ReportingStream
 from trimkit.openai_wrapper import AsyncTrimmedOpenAI, CallDeadlines, ClientChat, Send, TrimmedOpenAI, call_arguments, split_backend_kwargs, wrap_one_url
-from trimkit.pipeline import Prepared
-from trimkit.planning.costs import CacheState, evaluated_tokens
+from trimkit.pipeline import Prepared, Request
+from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import Profile
 from trimkit.planning.queue import EngineQueue, Ticket, answer_cap, check_on_busy
-from trimkit.planning.tokens import reusable_prefix_len
 from trimkit.report import Report, valid_tokens_per_s_target
 
 __all__ = ["wrap_fleet", "wrap_url", "FleetFrontEnd", "AsyncFleetFrontEnd", "FleetStream", "AsyncFleetStream", "FleetEndpoint",
@@ -103,10 +101,6 @@ class HeldPrompts:
     def prompts(self) -> list[tuple[int, ...]]:
         with self._lock:
             return [t for _, t in self._prompts]
-
-    def cached(self, tokens: Sequence[int]) -> int:
-        """The longest prefix of ``tokens`` a held prompt shares (leaving one token to evaluate)."""
-        return max((reusable_prefix_len(p, tokens) for p in self.prompts()), default=0)
 
 
 @attrs.define
@@ -224,8 +218,7 @@ class FleetEndpoint:
         #: this client's requests in flight here (answer lengths learned as on an in-process engine)
         self.queue = EngineQueue(clock)
         self.held = HeldPrompts(1)
-        self._tickets: dict[int, Ticket] = {}  # key → the request's ticket, from reserve to release
-        self._sent: set[int] = set()
+        self._sent: set[int] = set()  # the tickets of the requests sent
         self.load = load
         self.probe_timeout_s = probe_timeout_s
         self.clock = clock
@@ -273,10 +266,6 @@ class FleetEndpoint:
             return load.slots
         return ENGINE_SLOTS.get(self.backend.server_info().engine, 1)  # probed when the endpoint was reached: no I/O here
 
-    @slots.setter
-    def slots(self, value: int | None) -> None:
-        self._slots = value
-
     def server_load(self) -> ServerLoad | None:
         """The server's own load reading, if recent."""
         return self.load.latest() if self.load is not None else None
@@ -285,25 +274,27 @@ class FleetEndpoint:
     def start(self) -> None:
         """Build the front-end and learn what the server is; a failure leaves it down."""
         try:
-            front = self.build()
-            info = self.backend.server_info()
+            self._reach()
         except BackendError as exc:
             log.warning("trimkit: fleet endpoint %s is not reachable yet (%s); it will be probed again", self.label, describe_error(exc))
             self.health.down(self.clock(), describe_error(exc))
             return
-        self.front = front
+        info = self.backend.server_info()
         if self.load is not None and info.engine == "llama.cpp" and info.metrics_off:
             log.warning("trimkit: fleet endpoint %s: start llama-server with --metrics so that the fleet sees the requests waiting "
                         "there (llamacpp:requests_deferred); /slots shows only those running", self.label)
+
+    def _reach(self) -> None:
+        front = self.build()
+        self.backend.server_info()
+        self.front = front
 
     def probe(self) -> bool:
         """Is it back? Builds the front-end if it was never reached, else asks ``GET /v1/models``
         within ``probe_timeout_s``; back in rotation, or its backoff doubled."""
         try:
             if self.front is None:
-                front = self.build()
-                self.backend.server_info()
-                self.front = front
+                self._reach()
             else:
                 wait = Wait(self.probe_timeout_s, self.probe_timeout_s)
                 self.backend.transport.request_json_once("GET", self.backend.base_url + "/models", wait=wait, missing_ok=True)
@@ -374,15 +365,13 @@ class FleetEndpoint:
             return self.backend.evidence.cache_state()
         return CacheState(prompts=self.held.prompts(), block=self.backend.cache_block_tokens)
 
-    def prefill_s(self, n_tokens: int, cached: int) -> float:
-        return float(self.front.profile.predict_ttft_s(evaluated_tokens(n_tokens, cached), cached))
-
     def cost(self, tokens: Sequence[int], params: Mapping[str, Any], now: float, budget_s: float | None = None) -> RouteCost:
-        """The untrimmed prompt priced here: the wait behind this client's requests (and one like
-        it for each other client's request the server reports), plus the prefill of what is not held."""
+        """The untrimmed prompt priced here by this endpoint's own profile: the wait behind this
+        client's requests (and one like it for each other client's request the server reports),
+        plus the prefill of what is not held."""
         self.held.capacity = self.held_prompts if self.held_prompts is not None else self.slots
-        cached = self.backend.predict_cached_tokens(tokens)
-        prefill = self.prefill_s(len(tokens), cached)
+        priced = self.pipeline.price(tokens)  # by this endpoint's own pipeline and profile
+        cached, prefill = priced.cached, priced.predicted_s
         decode = self.queue.decode_s(params, self.front.profile.decode_tokens_per_s)
         ahead = [t.remaining_s(now, prefill + decode) for t in self.queue.in_flight()]
         load = self.server_load()
@@ -397,41 +386,25 @@ class FleetEndpoint:
         return RouteCost(self, wait, cached, prefill, decode, len(self.queue), kept, budget_s)
 
     # -- a request's life here ----------------------------------------------------------------------
-    def reserve(self, cost: RouteCost) -> int:
-        """Count a request in, as priced (before it is planned); returns its key."""
+    def reserve(self, cost: RouteCost) -> Ticket:
+        """Count a request in, as priced (before it is planned): its place in the queue."""
         ticket = self.queue.enter()
         ticket.estimate(cost.planned_prefill_s, cost.decode_s)
-        with self._lock:
-            self._tickets[ticket.seq] = ticket
-        return ticket.seq
+        return ticket
 
-    def planned(self, key: int, prompt_tokens: Sequence[int], cached_tokens: int) -> None:
-        ticket = self._tickets.get(key)
-        if ticket is not None:
-            ticket.estimate(self.prefill_s(len(prompt_tokens), cached_tokens), ticket.decode_s)
-
-    def sent(self, key: int, prompt_tokens: Sequence[int]) -> None:
+    def sent(self, ticket: Ticket, prompt_tokens: Sequence[int]) -> None:
         """The request went out: its prompt is held from now on."""
-        self.held.hold(key, prompt_tokens)
-        self._sent.add(key)
+        self.held.hold(ticket.seq, prompt_tokens)
+        self._sent.add(ticket.seq)
         self._started()
 
-    def first_token(self, key: int) -> None:
-        self.progressed()
-        ticket = self._tickets.get(key)
-        if ticket is not None:
-            ticket.first_token()
-
-    def release(self, key: int, *, failed: bool = False) -> None:
+    def release(self, ticket: Ticket, *, failed: bool = False) -> None:
         """The request ended (``failed``: before the server took it; its prompt is not held)."""
-        with self._lock:
-            ticket = self._tickets.pop(key, None)
-        self._sent.discard(key)
-        if ticket is not None:
-            ticket.done()
+        self._sent.discard(ticket.seq)
+        ticket.done()
         if failed:
-            self.held.forget(key)
-        elif ticket is not None:
+            self.held.forget(ticket.seq)
+        else:
             self.progressed()
         self._started()
 
@@ -455,39 +428,79 @@ class FleetEndpoint:
         return None
 
 
-@attrs.define
+@attrs.define(eq=False)
 class Route:
-    """Where one attempt of a call goes (``key``: its place in the endpoint's queue), and the
-    request planned for it; ``last``: no other endpoint was left (it gets the rest of the deadline)."""
+    """One attempt of a call: the endpoint it goes to, priced (``cost``), its place in that
+    endpoint's queue (``ticket``, until :meth:`release`) and the request that endpoint's pipeline
+    planned; ``last``: no other endpoint was left (it gets the rest of the deadline). It is its
+    stream's listener (:class:`~trimkit.frontend.StreamReporter`)."""
 
     cost: RouteCost
-    key: int
+    ticket: Ticket
     prepared: Prepared
     at: float = 0.0
     last: bool = False
+    open: bool = True
+    #: how long it waits for its first chunk (:meth:`FleetCall.attempt_deadline_s`; None: the endpoint's own)
+    deadline_s: float | None = None
 
     @property
     def endpoint(self) -> FleetEndpoint:
         return self.cost.endpoint
 
     def release(self, *, failed: bool = False) -> None:
-        self.endpoint.release(self.key, failed=failed)
+        """Out of the endpoint's queue, once."""
+        with self.endpoint._lock:
+            was, self.open = self.open, False
+        if was:
+            self.endpoint.release(self.ticket, failed=failed)
+
+    def went_out(self, prepared: Prepared) -> None:
+        self.endpoint.sent(self.ticket, prepared.prompt_tokens)
+
+    def read(self, rs: Any) -> Steps:
+        """Its stream (``stream.endpoint``: this endpoint), read up to the first token; given back to
+        the endpoint's queue when it ends, fails, is closed or is garbage-collected."""
+        rs.listener, rs.endpoint = self, self.endpoint
+        weakref.finalize(rs, self.release)
+        try:
+            return (yield from rs.read_ahead())
+        except BaseException:  # it never took the request
+            yield Io(rs.close, rs.close)
+            raise
+
+    def chunk(self, rs: Any) -> None:
+        if rs.timed.first_output_at is not None:  # alive, and only the decode left
+            self.endpoint.progressed()
+            self.ticket.first_token()
+
+    def ended(self, rs: Any, exc: BaseException | None) -> None:
+        """Its stream ended (``exc``: how; None: closed). A failure before the first token is the
+        call's to judge (it fails over); after it, the endpoint's."""
+        if not self.open:
+            return
+        finished = isinstance(exc, (StopIteration, StopAsyncIteration))
+        first = rs.timed.first_output_at is not None
+        self.release(failed=exc is not None and not finished and not first)
+        if finished and rs.report is not None:
+            self.endpoint.observe(rs.params, rs.report.measurement)
+        elif first and isinstance(exc, TrimkitError) and is_endpoint_failure(exc):
+            self.endpoint.mark_down(exc)
 
 
 class FleetCall:
-    """One ``create()`` on a fleet: validated at once, then routed (:meth:`route`) and, after
-    each endpoint failure before the first token, routed again (:meth:`failed`)."""
+    """One ``create()`` on a fleet, routing only: the endpoint with the least predicted TTFT (its
+    wait and its own profile's prefill) is chosen and its pipeline plans and sends the request,
+    validated and counted once (:meth:`route`); after an endpoint failure before the first token,
+    the next one (:meth:`failed`)."""
 
-    def __init__(self, fleet: FleetBase, messages: Any, rag_chunks: Any, budget: float | None, params: Mapping[str, Any], *,
+    def __init__(self, fleet: Any, messages: Any, rag_chunks: Any, budget: float | None, params: Mapping[str, Any], *,
                  on_busy: str | None = None, routing_key: Any = NOT_GIVEN) -> None:
-        validate_messages(messages)
-        self.routing_key = routing_key
+        self.fleet, self.messages, self.routing_key = fleet, messages, routing_key
         self.on_busy = None if on_busy is None else check_on_busy(on_busy)
-        self.chunks = coerce_chunks(rag_chunks)
-        self.fleet = fleet
-        self.messages, self.params = messages, params
-        #: the prompt as given, counted once for routing: (the tokenizer's name, its tokens)
-        self.counted: tuple[str, list[int]] | None = None
+        self._given = (messages, rag_chunks, params)
+        #: the request, validated before anything is asked of an endpoint and counted once, for every route of this call
+        self.request: Request | None = None
         self.budget = fleet.ttft_budget_s if budget is None else valid_budget(budget)
         self.clock = fleet.clock
         self.start = self.clock()
@@ -513,39 +526,39 @@ class FleetCall:
             return None
         if route.last:  # nowhere else to go: the rest of the call's deadline
             return max(self.deadline_s - self.elapsed_s(), 0.05)
-        p = route.prepared
-        expected = route.cost.wait_s + route.endpoint.prefill_s(len(p.prompt_tokens), p.cached_tokens)
+        expected = route.prepared.predicted_ttft_s or 0.0  # the wait there included
         bound = max(self.budget - self.elapsed_s(), 2.0 * expected, MIN_ATTEMPT_S)
         return max(min(bound, self.deadline_s - self.elapsed_s()), 0.05)
 
     def route(self) -> Route:
         """The best endpoint for this request, reserved, with the request planned there.
         Endpoints that fail meanwhile are taken out and the next is tried."""
+        if self.request is None:  # by any reached endpoint's pipeline (one was reached, or there is no fleet)
+            self.request = next(ep.pipeline for ep in self.fleet.endpoints if ep.pipeline is not None).request(*self._given)
         while True:
             candidates = self._candidates()
-            if self.counted is None:  # counted once, by the endpoint with fewest in flight, for every route of this call
+            if self.request.tokens is None:  # by the endpoint with fewest in flight
                 counter = min(candidates, key=lambda ep: (ep.in_flight, self.fleet.endpoints.index(ep)))
                 asked = self.clock()
                 try:
-                    self.counted = (counter.backend.tokenizer.name, counter.pipeline.untrimmed_tokens(self.messages, self.chunks, self.params))
+                    self.request = counter.pipeline.count(self.request)
                 except TrimkitError as exc:
                     self.failed(counter, exc, since=asked, ahead=counter.in_flight)
                     continue
             with self.fleet.routing_lock:
                 now = self.clock()
-                budget_left = self.budget_left_s()
-                best = best_route([ep.cost(self.counted[1], self.params, now, budget_left) for ep in candidates])
-                key = best.endpoint.reserve(best)
+                best = best_route([ep.cost(self.request.tokens or (), self.request.params, now, self.budget_left_s()) for ep in candidates])
+                ticket = best.endpoint.reserve(best)
             try:
                 prepared = self._prepare(best)
             except BaseException as exc:
-                best.endpoint.release(key, failed=True)
+                best.endpoint.release(ticket, failed=True)
                 if not isinstance(exc, TrimkitError):
                     raise
                 self.failed(best.endpoint, exc, since=now, ahead=best.in_flight)
                 continue
-            best.endpoint.planned(key, prepared.prompt_tokens, prepared.cached_tokens)
-            return Route(best, key, prepared, at=now, last=len(candidates) == 1)
+            ticket.estimate((prepared.predicted_ttft_s or 0.0) - best.wait_s, ticket.decode_s)  # as planned
+            return Route(best, ticket, prepared, at=now, last=len(candidates) == 1)
 
     def _candidates(self) -> list[FleetEndpoint]:
         if self.deadline_s is not None and self.elapsed_s() >= self.deadline_s:
@@ -556,12 +569,9 @@ class FleetCall:
         return up
 
     def _prepare(self, cost: RouteCost) -> Prepared:
-        ep = cost.endpoint
-        plan_budget = self.budget_left_s()
-        name, tokens = self.counted or ("", None)
-        untrimmed = tokens if ep.backend.tokenizer.name == name else None  # counted by the same tokenizer: not again
-        prepared = ep.pipeline.prepare(self.messages, self.chunks, self.params, ttft_budget_s=plan_budget, queue_wait_s=cost.wait_s,
-                                       on_busy=self.on_busy, untrimmed=untrimmed)
+        """The request planned by the chosen endpoint's pipeline, with the wait predicted there."""
+        ep, plan_budget = cost.endpoint, self.budget_left_s()
+        prepared = ep.pipeline.prepare(self.request, ttft_budget_s=plan_budget, queue_wait_s=cost.wait_s, on_busy=self.on_busy)
         for label, error in self.attempts:
             prepared = prepared.with_warning(
                 f"failover: {label} failed before the first token ({error}); re-planned on {ep.label}"
@@ -604,88 +614,17 @@ class FleetCall:
         return FleetUnavailableError(f"{why} ({tried})", attempts=attempts)
 
 
-class _FleetReading:
-    """What the sync and async fleet streams add to an endpoint's reporting stream: the chunks
-    read before the first token, held back until it is known the endpoint answers, and the
-    request's place in the endpoint's queue, given back once when the stream ends, fails, is
-    closed or is garbage-collected. ``report.endpoint`` names the replica."""
-
-    timed: Any
-    params: Mapping[str, Any]
-    report: Report | None
-
-    def open(self, route: Route) -> Steps:
-        """Read up to the first token, sync or async; the stream."""
-        self.endpoint, self.key, self._head = route.endpoint, route.key, []
-        self._release = weakref.finalize(self, route.endpoint.release, route.key)
-        try:
-            while self.timed.first_output_at is None:
-                self._head.append((yield Io(ReportingStream.__next__, AsyncReportingStream.__anext__, self)))
-        except (StopIteration, StopAsyncIteration):
-            self._finished()
-            return self
-        except BaseException:  # it never took the request
-            self._release.detach()
-            self.endpoint.release(self.key, failed=True)
-            yield Io(self.close, self.close)  # type: ignore[attr-defined]
-            raise
-        self.endpoint.first_token(self.key)
-        return self
-
-    def _finished(self) -> None:
-        if self._release.alive:
-            self._release()
-            if self.report is not None:
-                self.endpoint.observe(self.params, self.report.measurement)
-
-    @contextlib.contextmanager
-    def _reading(self) -> Iterator[None]:
-        """Around reading a chunk after the first token: its end finishes the request; a failure
-        reaches the caller (with its report) and may take the endpoint out of rotation."""
-        try:
-            yield
-        except (StopIteration, StopAsyncIteration):
-            self._finished()
-            raise
-        except BaseException as exc:
-            self._release()
-            if isinstance(exc, TrimkitError) and is_endpoint_failure(exc):
-                self.endpoint.mark_down(exc)
-            raise
-        self.endpoint.progressed()
+#: what ``create(stream=True)`` returns on a fleet: the endpoint's stream, read up to its first token
+#: before it is returned (:meth:`~trimkit.frontend.StreamReporter.read_ahead`); ``report.endpoint`` names the replica
+FleetStream = ReportingStream
+AsyncFleetStream = AsyncReportingStream
 
 
-class FleetStream(_FleetReading, ReportingStream):
-    """What ``create(stream=True)`` returns: one endpoint's stream, ``with`` and :meth:`close` work."""
-
-    def __next__(self) -> Any:
-        if self._head:
-            return self._head.pop(0)
-        with self._reading():
-            return super().__next__()
-
-    def close(self) -> None:
-        super().close()
-        self._release()
-
-
-class AsyncFleetStream(_FleetReading, AsyncReportingStream):
-    """:class:`FleetStream` for ``async for``; ``async with`` and ``await close()`` work."""
-
-    async def __anext__(self) -> Any:
-        if self._head:
-            return self._head.pop(0)
-        with self._reading():
-            return await super().__anext__()
-
-    async def close(self) -> None:
-        await super().close()
-        self._release()
-
-
-class FleetBase:
-    """What the sync and async fleet front-ends share: the endpoints, the default budget, the
-    reports (every endpoint's pipeline appends to the one list), which endpoints are in rotation."""
+class FleetFrontEnd(Closing):
+    """Several OpenAI-compatible endpoints behind one sync ``chat.completions.create``: it returns
+    what one endpoint's wrapper returns (with ``stream=True`` a :class:`FleetStream`). It only
+    routes: each endpoint's pipeline plans, and appends to the one list of ``reports``.
+    ``close()`` / ``with`` close every endpoint."""
 
     is_async = False
 
@@ -723,8 +662,7 @@ class FleetBase:
 
     @property
     def last_report(self) -> Report | None:
-        reports = self.reports
-        return reports[-1] if reports else None
+        return self.reports[-1] if self.reports else None
 
     def start(self, *, parallel: bool = False) -> None:
         """Reach every endpoint (build its wrapper), one after the other or in parallel threads; one that is down joins later."""
@@ -763,13 +701,16 @@ class FleetBase:
                 ep.pipeline.idle(timeout_s)
 
     def call_steps(self, kwargs: dict[str, Any]) -> Steps:
-        """A ``create()`` call, sync or async: routed (:class:`FleetCall`), then sent (:class:`FleetSend`);
-        a failure before the first token routes it again."""
+        """A ``create()`` call, sync or async: routed (:class:`FleetCall`; async: in a worker thread),
+        then sent by that endpoint's :class:`~trimkit.openai_wrapper.Send` as this attempt (:class:`Route`); a
+        failure before the first token routes it again."""
         messages, rag_chunks, budget, params, stream, options, key = call_arguments(kwargs)
         call = FleetCall(self, messages, rag_chunks, budget, params, routing_key=key, **options)
         while True:
             route = yield Io(call.route, functools.partial(_routed, call))
-            send = FleetSend(call, route, params, stream)
+            front = route.endpoint.front
+            route.deadline_s = call.attempt_deadline_s(route)
+            send = Send(front, params, stream, front.routing.headers_for(call.routing_key, call.messages), attempt=route)
             try:
                 out = yield from send.reply(route.prepared)
             except TrimkitError as exc:  # before the first token: the next endpoint, if it was this one's fault
@@ -777,54 +718,22 @@ class FleetBase:
                 continue
             return (yield from send.completion(out))
 
-
-class FleetSend(Send):
-    """One attempt of a fleet's call on the endpoint it was routed to: that endpoint's
-    :class:`~trimkit.openai_wrapper.Send` with the attempt's deadline and the request's place in
-    the endpoint's queue, its stream read up to the first token (:class:`FleetStream`)."""
-
-    streams = (FleetStream, AsyncFleetStream)
-
-    def __init__(self, call: FleetCall, route: Route, params: Mapping[str, Any], stream: bool) -> None:
-        ep = route.endpoint
-        super().__init__(ep.front, params, stream, ep.front.routing.headers_for(call.routing_key, call.messages))
-        self.call, self.route = call, route
-
-    def stream_args(self, prepared: Prepared) -> dict[str, Any]:
-        deadline = self.call.attempt_deadline_s(self.route)
-        return {"prompt_tokens": prepared.prompt_tokens, "retry_deadline_s": deadline, "deadline_s": deadline}
-
-    def answered(self, prepared: Prepared, m: Measurement) -> None:
-        """Sent whole (``n > 1``) and answered: it leaves the queue; its report."""
-        self.went_out(prepared)
-        self.route.release()
-        super().answered(prepared, m)
-        self.route.endpoint.observe(self.params, m)
-
-    def went_out(self, prepared: Prepared) -> None:
-        self.route.endpoint.sent(self.route.key, prepared.prompt_tokens)
-
-    def failed(self) -> None:
-        self.route.release(failed=True)
-
-    def reading(self, rs: Any) -> Steps:
-        return (yield from rs.open(self.route))
-
-
-class FleetFrontEnd(FleetBase):
-    """Several OpenAI-compatible endpoints behind one sync ``chat.completions.create``: it returns
-    what one endpoint's wrapper returns (with ``stream=True`` a :class:`FleetStream`). ``close()``
-    / ``with`` close every endpoint."""
-
     def close(self) -> None:
         for ep in self.endpoints:
             ep.close()
 
-    def __enter__(self) -> FleetFrontEnd:
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+class AsyncFleetFrontEnd(AsyncClosing, FleetFrontEnd):
+    """:class:`FleetFrontEnd` for async clients (or ``asynchronous=True``): routing and planning
+    run in a worker thread; build it before the loop starts (it may calibrate)."""
+
+    is_async = True
+
+    async def close(self) -> None:  # type: ignore[override]
+        for ep in self.endpoints:
+            closing = ep.close()
+            if closing is not None:
+                await closing
 
 
 async def _routed(call: FleetCall) -> Route:
@@ -841,25 +750,6 @@ async def _routed(call: FleetCall) -> Route:
 def _release_abandoned(future: asyncio.Future[Route]) -> None:
     if not future.cancelled() and future.exception() is None:
         future.result().release(failed=True)
-
-
-class AsyncFleetFrontEnd(FleetBase):
-    """:class:`FleetFrontEnd` for async clients (or ``asynchronous=True``): routing and planning
-    run in a worker thread; build it before the loop starts (it may calibrate)."""
-
-    is_async = True
-
-    async def close(self) -> None:
-        for ep in self.endpoints:
-            closing = ep.close()
-            if closing is not None:
-                await closing
-
-    async def __aenter__(self) -> AsyncFleetFrontEnd:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
 
 
 # -- the fleet: building it ------------------------------------------------------------------------------
@@ -929,7 +819,7 @@ class _TwinProfiles:
 def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, model: str | None = None, api_key: str | None = None,
                asynchronous: bool | None = None, profile: Profile | Sequence[Profile] | None = None, retry_deadline_s: float | None = None,
                slots: int | None = None, held_prompts: int | None = None, parallel_calibration: bool = False, read_load: bool = True,
-               probe_after_s: float = 1.0, probe_max_s: float = 30.0, probe_timeout_s: float = 2.0, **kwargs: Any) -> FleetBase:
+               probe_after_s: float = 1.0, probe_max_s: float = 30.0, probe_timeout_s: float = 2.0, **kwargs: Any) -> FleetFrontEnd:
     """A fleet of OpenAI-compatible endpoints (docs/scaling.md §2): ``targets`` are base URLs
     (``asynchronous=True`` for the async front-end) or ``openai`` clients, all sync or all async.
     ``profile``: one for all, one per endpoint, or None. Backend settings

@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from trimkit.backends.base import Measurement, TimedStream
+from trimkit.backends.base import Io, Measurement, Steps, TimedStream
 from trimkit.errors import TrimkitError
 from trimkit.pipeline import Pipeline, Prepared
 from trimkit.planning.queue import Ticket
@@ -70,10 +70,33 @@ class FrontEnd:
             object.__setattr__(self, name, value)
 
 
+class Closing:
+    """``with`` for what ``close()`` closes."""
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()  # type: ignore[attr-defined]
+
+
+class AsyncClosing:
+    """``async with`` for what ``await close()`` closes."""
+
+    async def __aenter__(self) -> Any:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()  # type: ignore[attr-defined]
+
+
 class StreamReporter:
     """Shared by the sync and async streams: builds the report when the timed stream ends.
     ``watch``: the driver of the request's watched prefill (a re-plan changes what was sent);
-    ``at_end(report)``: called when the stream is exhausted (it may raise)."""
+    ``at_end(report)``: called when the stream is exhausted (it may raise); ``listener``: told of
+    each chunk (``chunk(stream)``) and of the end (``ended(stream, exc)``, None when closed)."""
+
+    _read: Callable[[], Any]  # the next chunk of the engine's stream (the async streams': awaitable)
 
     def __init__(self, ts: TimedStream, pipeline: Pipeline, prepared: Prepared, params: Mapping[str, Any], *, watch: Any = None) -> None:
         self.timed = ts
@@ -85,6 +108,9 @@ class StreamReporter:
         self.report: Report | None = None
         self.chunks: list[Any] = []
         self.at_end: Callable[[Report | None], None] | None = None
+        self.listener: Any = None
+        #: chunks read ahead of the caller (:meth:`read_ahead`), replayed first
+        self.head: list[Any] = []
         # a weak link back, so that a stream dropped unfinished is freed (and frees the engine
         # it holds) as soon as its last reference goes, not at the next cyclic collection
         ref = weakref.ref(self)
@@ -121,19 +147,35 @@ class StreamReporter:
                 ticket.done()
             if isinstance(exc, TrimkitError):
                 self.pipeline.attach_report(exc, self.timed, self.prepared, self.params)
+            if self.listener is not None:
+                self.listener.ended(self, exc)
             if isinstance(exc, (StopIteration, StopAsyncIteration)) and self.at_end is not None:
                 self.at_end(self.report)
             raise
         if ticket is not None and self.timed.first_output_at is not None:
             ticket.first_token()
+        if self.listener is not None:
+            self.listener.chunk(self)
 
-    def close_ticket(self) -> None:
+    def closed(self) -> None:
         ticket = self.ticket
         if ticket is not None:
             ticket.done()
+        if self.listener is not None:
+            self.listener.ended(self, None)
+
+    def read_ahead(self) -> Steps:
+        """Read up to the first token, sync or async, holding the chunks back for the caller (a
+        fleet's attempt fails over before it); the stream."""
+        try:
+            while self.timed.first_output_at is None:
+                self.head.append((yield Io(self._read, self._read)))
+        except (StopIteration, StopAsyncIteration):
+            pass
+        return self
 
 
-class ReportingStream(StreamReporter):
+class ReportingStream(Closing, StreamReporter):
     """The stream a wrapped call returns with ``stream=True``: iterate it like the engine's or
     client's own; ``.report`` is set once it is exhausted; ``with`` and :meth:`close` work. With an
     in-process engine it holds the engine until it is exhausted, fails, is closed or is
@@ -143,6 +185,9 @@ class ReportingStream(StreamReporter):
         return self
 
     def __next__(self) -> Any:
+        return self.head.pop(0) if self.head else self._read()
+
+    def _read(self) -> Any:
         with self.reading():
             chunk = next(self.timed)
         self.chunks.append(chunk)
@@ -150,20 +195,10 @@ class ReportingStream(StreamReporter):
 
     def close(self) -> None:
         self.timed.close()
-        self.close_ticket()
-
-    def __enter__(self) -> ReportingStream:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+        self.closed()
 
 
-#: what ``create(stream=True)`` returns on an OpenAI-style wrapper
-ReportingOpenAIStream = ReportingStream
-
-
-class AsyncReportingStream(StreamReporter):
+class AsyncReportingStream(AsyncClosing, StreamReporter):
     """What an async ``create(stream=True)`` returns: ``async for`` it; ``.report`` is set once it
     is exhausted; ``async with`` and ``await close()`` work."""
 
@@ -171,6 +206,9 @@ class AsyncReportingStream(StreamReporter):
         return self
 
     async def __anext__(self) -> Any:
+        return self.head.pop(0) if self.head else await self._read()
+
+    async def _read(self) -> Any:
         with self.reading():
             chunk = await self.timed.__anext__()  # type: ignore[attr-defined]
         self.chunks.append(chunk)
@@ -178,10 +216,4 @@ class AsyncReportingStream(StreamReporter):
 
     async def close(self) -> None:
         await self.timed.aclose()  # type: ignore[attr-defined]
-        self.close_ticket()
-
-    async def __aenter__(self) -> AsyncReportingStream:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
+        self.closed()

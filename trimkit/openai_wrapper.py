@@ -20,7 +20,7 @@ from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.replies import SOURCE_CLIENT, assemble_chat_completion
 from trimkit.backends.server import NOT_GIVEN, RoutingOptions, check_routing_key, planning_for, routing_headers
 from trimkit.errors import InvalidInputError, InvalidMessageError, positive_finite
-from trimkit.frontend import AsyncReportingStream, FrontEnd, ReportingOpenAIStream, StreamReporter, adrain, drain, send_params, usage_counts
+from trimkit.frontend import AsyncClosing, AsyncReportingStream, Closing, FrontEnd, ReportingStream, StreamReporter, adrain, drain, send_params, usage_counts
 from trimkit.messages import validate_messages
 from trimkit.pipeline import Pipeline, Prepared
 
@@ -28,6 +28,8 @@ __all__ = ["TrimmedOpenAI", "AsyncTrimmedOpenAI", "OpenAIFrontEnd", "Send", "Cli
            "wrap_openai", "retry_deadline_for", "BACKEND_KWARGS", "MIN_RETRY_DEADLINE_S", "call_arguments", "max_tokens_note", "router_note",
            "split_backend_kwargs"]
 
+#: what ``create(stream=True)`` returns on an OpenAI-style wrapper
+ReportingOpenAIStream = ReportingStream
 #: the retry deadline never drops below this, however tight the budget
 MIN_RETRY_DEADLINE_S = 5.0
 
@@ -268,7 +270,7 @@ class OpenAIFrontEnd(FrontEnd):
         # behind a router the cache is predicted on the worker this key stays on (an async call's
         # worker thread runs in a copy of this context)
         with planning_for(key):
-            prepared = yield Io(self.prepare, _in_thread(self.prepare), messages, rag_chunks, params, ttft_budget_s=budget, **options)
+            prepared = yield Io(self.prepare, in_thread(self.prepare), messages, rag_chunks, params, ttft_budget_s=budget, **options)
         return (yield from Send(self, params, stream, routing_headers(key, self.routing.headers)).steps(prepared))
 
     def assemble(self, rs: StreamReporter) -> Any:
@@ -284,7 +286,7 @@ class OpenAIFrontEnd(FrontEnd):
         return self.backend.as_client_response(response)
 
 
-def _in_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
+def in_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn``, awaited in a worker thread (an async call plans off the event loop)."""
     return functools.partial(asyncio.to_thread, fn)
 
@@ -292,14 +294,13 @@ def _in_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
 class Send:
     """One request's way out through an OpenAI-style front-end, sync or async (its steps yield
     :class:`~trimkit.backends.base.Io`): sent whole if streaming cannot measure it (``n > 1``),
-    else streamed, and drained and assembled unless a stream was asked for. The hooks are where a
-    fleet's attempt (:class:`trimkit.fleet.FleetSend`) differs."""
+    else streamed, and drained and assembled unless a stream was asked for. ``attempt``: a fleet's
+    (:class:`trimkit.fleet.Route`): its deadline, its place in the endpoint's queue, its stream read
+    up to the first token."""
 
-    #: the streams (sync, async) a streamed request is read through
-    streams: tuple[type[StreamReporter], type[StreamReporter]] = (ReportingOpenAIStream, AsyncReportingStream)
-
-    def __init__(self, front: OpenAIFrontEnd, params: Mapping[str, Any], stream: bool, headers: Mapping[str, str] | None = None) -> None:
-        self.front, self.params, self.stream, self.headers = front, params, stream, headers
+    def __init__(self, front: OpenAIFrontEnd, params: Mapping[str, Any], stream: bool, headers: Mapping[str, str] | None = None,
+                 attempt: Any = None) -> None:
+        self.front, self.params, self.stream, self.headers, self.attempt = front, params, stream, headers, attempt
         #: the stream's reporter (None until streamed; stays None for an answer sent whole)
         self.reporter: StreamReporter | None = None
 
@@ -309,7 +310,7 @@ class Send:
 
     def reply(self, prepared: Prepared) -> Steps:
         """The answer sent whole, or the stream the caller reads (a fleet fails over on an error here)."""
-        front, params = self.front, self.params
+        front, params, attempt = self.front, self.params, self.attempt
         backend, pipeline = front.backend, front.pipeline
         extra: dict[str, Any] = {"headers": self.headers} if self.headers else {}
         n = params.get("n")
@@ -321,22 +322,32 @@ class Send:
                 response, m = yield Io(backend.complete, backend.acomplete, prepared.messages, send_params(params), **extra, measure_ttft=False,
                                        prompt_tokens=prepared.prompt_tokens, retry_deadline_s=front.deadlines.retry_s(prepared.budget_s),
                                        deadline_s=deadline)
-                self.answered(prepared, m)
+                if attempt is not None:  # out of the endpoint's queue before its report
+                    attempt.went_out(prepared)
+                    attempt.release()
+                pipeline.finish(prepared, m, params)
+                if attempt is not None:
+                    attempt.endpoint.observe(params, m)
                 return response
             # a budgeted sync request to a llama-server is watched while it prefills (OpenAIHTTPBackend.evaluate_to)
             watch = pipeline.watched(prepared)
             if watch is not None:
                 extra["watch"] = watch
-            ts = yield Io(backend.send, backend.asend, prepared.messages, send_params(params), **self.stream_args(prepared), **extra)
+            budget = prepared.budget_s
+            retry_s, deadline_s = (front.deadlines.retry_s(budget), front.deadlines.first_chunk_s(budget)) if attempt is None else (attempt.deadline_s,) * 2
+            ts = yield Io(backend.send, backend.asend, prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens,
+                          retry_deadline_s=retry_s, deadline_s=deadline_s, **extra)
             prepared = pipeline.sent(prepared)
             if watch is not None:
                 watch.prepared = prepared
-            self.went_out(prepared)
+            if attempt is not None:
+                attempt.went_out(prepared)
         except BaseException:
-            self.failed()
+            if attempt is not None:
+                attempt.release(failed=True)
             raise
-        self.reporter = self.streams[front.is_async](ts, pipeline, prepared, params, watch=watch)
-        return (yield from self.reading(self.reporter))
+        self.reporter = (AsyncReportingStream if front.is_async else ReportingStream)(ts, pipeline, prepared, params, watch=watch)
+        return self.reporter if attempt is None else (yield from attempt.read(self.reporter))
 
     def completion(self, out: Any) -> Steps:
         """What the call returns: the reply as it is, or the stream drained and assembled."""
@@ -345,27 +356,8 @@ class Send:
         yield Io(drain, adrain, out)
         return self.front.assemble(self.reporter)
 
-    # -- hooks ---------------------------------------------------------------------------------
-    def stream_args(self, prepared: Prepared) -> dict[str, Any]:
-        budget = prepared.budget_s
-        return {"prompt_tokens": prepared.prompt_tokens, "retry_deadline_s": self.front.deadlines.retry_s(budget),
-                "deadline_s": self.front.deadlines.first_chunk_s(budget)}
 
-    def answered(self, prepared: Prepared, m: Measurement) -> None:
-        self.front.pipeline.finish(prepared, m, self.params)
-
-    def went_out(self, prepared: Prepared) -> None:
-        pass
-
-    def failed(self) -> None:
-        pass
-
-    def reading(self, rs: StreamReporter) -> Steps:
-        yield from ()
-        return rs
-
-
-class TrimmedOpenAI(OpenAIFrontEnd):
+class TrimmedOpenAI(Closing, OpenAIFrontEnd):
     """An ``openai.OpenAI``-style client whose chat calls keep TTFT inside a budget: ``create``
     returns the client's ``ChatCompletion``, rebuilt from a stream so that TTFT is measured, or
     with ``stream=True`` its chunks (with ``.report``). ``close()`` / ``with`` close the client too."""
@@ -379,14 +371,8 @@ class TrimmedOpenAI(OpenAIFrontEnd):
         if self.client is not None and callable(getattr(self.client, "close", None)):
             self.client.close()
 
-    def __enter__(self) -> TrimmedOpenAI:
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class AsyncTrimmedOpenAI(OpenAIFrontEnd):
+class AsyncTrimmedOpenAI(AsyncClosing, OpenAIFrontEnd):
     """:class:`TrimmedOpenAI` for ``openai.AsyncOpenAI``. Planning runs in a worker thread;
     construction is synchronous (it may calibrate: build it before the loop starts)."""
 
@@ -406,19 +392,11 @@ class AsyncTrimmedOpenAI(OpenAIFrontEnd):
         if self.client is not None and callable(getattr(self.client, "close", None)):
             await self.client.close()
 
-    async def __aenter__(self) -> AsyncTrimmedOpenAI:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
-
 
 def wrap_openai(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> OpenAIFrontEnd:
     """Wrap an ``openai.OpenAI`` (→ :class:`TrimmedOpenAI`) or ``openai.AsyncOpenAI`` (→ :class:`AsyncTrimmedOpenAI`)-style client."""
     _not_a_list(client, "clients")
-    if not is_openai_client(client):
-        raise InvalidInputError(f"cannot wrap {type(client).__name__}: it needs .chat.completions.create (an openai.OpenAI-style client)")
-    cls = AsyncTrimmedOpenAI if client_is_async(client) else TrimmedOpenAI
+    cls = AsyncTrimmedOpenAI if is_openai_client(client) and client_is_async(client) else TrimmedOpenAI  # not a client: refused there
     return cls(client, ttft_budget_s=ttft_budget_s, **kwargs)
 
 

@@ -197,62 +197,62 @@ class Pipeline:
         t.start()
 
     # -- validate and plan ----------------------------------------------------------------------
-    def prepare(self, messages: Any, rag_chunks: Any = None, params: Mapping[str, Any] | None = None, *, ttft_budget_s: float | None = None,
-                on_busy: str | None = None, queue_wait_s: float | None = None, untrimmed: Sequence[int] | None = None) -> Prepared:
-        """Validate, plan and check a request without sending it. ``queue_wait_s``: a wait the
-        caller predicts (a fleet router), planned with instead of the engine queue's;
-        ``untrimmed``: the prompt counted already (:meth:`untrimmed_tokens`)."""
-        t0 = self.clock()
+    def request(self, messages: Any, rag_chunks: Any = None, params: Mapping[str, Any] | None = None) -> Request:
+        """A call's input validated, its retrieved text neutralised and placed (not counted yet:
+        :meth:`count`). What :meth:`prepare` plans, and a fleet routes on."""
         params = params or {}
         validate_messages(messages)
         validate_params(params)
         chunks = coerce_chunks(rag_chunks)
-        messages, chunks, guarded = self._neutralized(messages, chunks)
+        mode = self.neutralize_control_tokens
+        notes: list[str] = []
+        if mode != "off" and (chunks or mode == "all"):  # control-token texts broken so they tokenize as plain text
+            controls = getattr(self.backend.tokenizer, "control_texts", None) or KNOWN_CONTROLS
+            chunks, note = neutralize_chunks(chunks, controls)
+            notes += [note] if note else []
+            if mode == "all":
+                messages, note = neutralize_messages(messages, controls)
+                notes += [note] if note else []
+        as_is = place_chunks(messages, chunks, self.rag_template, self.rag_chunk_template) if chunks else messages
+        return Request(messages, tuple(chunks), dict(params), as_is, tuple(notes))
+
+    def count(self, request: Request) -> Request:
+        """``request`` with its prompt as given counted by this engine's tokenizer (once per tokenizer)."""
+        tok = self.backend.tokenizer
+        if request.tokens is not None and request.counted_by == tok.name:
+            return request
+        return attrs.evolve(request, tokens=tuple(tok.prompt_tokens(request.as_is, request.params.get("tools"))), counted_by=tok.name)
+
+    def prepare(self, messages: Any, rag_chunks: Any = None, params: Mapping[str, Any] | None = None, *, ttft_budget_s: float | None = None,
+                on_busy: str | None = None, queue_wait_s: float | None = None) -> Prepared:
+        """Validate, plan and check a request without sending it (``messages``: or a :class:`Request`
+        made by :meth:`request`). ``queue_wait_s``: a wait the caller predicts (a fleet router),
+        planned with instead of the engine queue's."""
+        t0 = self.clock()
+        request = messages if isinstance(messages, Request) else self.request(messages, rag_chunks, params)
         budget = self.ttft_budget_s if ttft_budget_s is None else valid_budget(ttft_budget_s)
         busy = self.on_busy if on_busy is None else check_on_busy(on_busy)
         given = queue_wait(queue_wait_s)
         # in line now, before counting: a request planned at the same time counts this one ahead
         ticket = self.queue.enter() if self.queue is not None else None
         try:
-            prepared = self._prepare(messages, chunks, params, budget, busy, given, ticket, t0, untrimmed)
+            prepared = self._prepare(request, budget, busy, given, ticket, t0)
         except BaseException:
             if ticket is not None:
                 ticket.done()
             raise
         if ticket is not None:
             ticket.planned()
-        return attrs.evolve(prepared, warnings=(*prepared.warnings, *guarded))
+        return prepared
 
-    def untrimmed_tokens(self, messages: Any, chunks: Sequence[Chunk], params: Mapping[str, Any]) -> list[int]:
-        """The request's prompt as given (chunks neutralised and placed), counted: what a router prices."""
-        messages, chunks, _ = self._neutralized(messages, chunks)
-        return self.backend.tokenizer.prompt_tokens(self._as_is(messages, chunks), params.get("tools"))
-
-    def _as_is(self, messages: Any, chunks: Sequence[Chunk]) -> Any:
-        return place_chunks(messages, chunks, self.rag_template, self.rag_chunk_template) if chunks else messages
-
-    def _neutralized(self, messages: Any, chunks: Sequence[Chunk]) -> tuple[Any, Sequence[Chunk], list[str]]:
-        """Retrieved text (with ``"all"``, message content too) whose control-token texts are
-        broken so they tokenize as plain text; the report's warnings."""
-        mode = self.neutralize_control_tokens
-        if mode == "off" or (not chunks and mode != "all"):
-            return messages, chunks, []
-        controls = getattr(self.backend.tokenizer, "control_texts", None) or KNOWN_CONTROLS
-        chunks, note = neutralize_chunks(chunks, controls)
-        notes = [note] if note else []
-        if mode == "all":
-            messages, note = neutralize_messages(messages, controls)
-            notes += [note] if note else []
-        return messages, chunks, notes
-
-    def _prepare(self, messages: Any, chunks: Sequence[Chunk], params: Mapping[str, Any], budget: float | None, on_busy: str,
-                 given_wait: float | None, ticket: Ticket | None, t0: float, untrimmed: Sequence[int] | None = None) -> Prepared:
+    def _prepare(self, request: Request, budget: float | None, on_busy: str, given_wait: float | None, ticket: Ticket | None, t0: float) -> Prepared:
+        request = self.count(request)
+        messages, params, as_is = request.messages, request.params, request.as_is
         tools = params.get("tools")
-        as_is = self._as_is(messages, chunks)
         # queued behind others, the request finds the context the last of them leaves
         after = self.queue.context_after(ticket) if self.queue is not None else None
-        priced = functools.partial(self._price, after=after)
-        before = priced(list(untrimmed) if untrimmed is not None else self.backend.tokenizer.prompt_tokens(as_is, tools))
+        priced = functools.partial(self.price, after=after)
+        before = priced(list(request.tokens or ()))
         self._estimate(ticket, before, params)
         wait, ahead = (given_wait, 0) if given_wait is not None or self.queue is None else self.queue.predict(ticket)
         margin = 0.0 if budget is None else self.engine.request_margin(self.attainment_target, budget, len(before.tokens), before.cached,
@@ -263,17 +263,18 @@ class Pipeline:
         if budget is None and len(before.tokens) > self.backend.n_ctx:
             raise ContextTooSmallError(f"prompt of {len(before.tokens)} tokens does not fit the context window (n_ctx={self.backend.n_ctx})")
         if busy.plan_budget_s is not None:
-            plan, sent = self._plan(messages, chunks, as_is, before, busy.plan_budget_s, params, busy.margin, priced, self._cache_state(after))
+            plan, sent = self._plan(request, before, busy.plan_budget_s, busy.margin, priced, self._cache_state(after))
             self._estimate(ticket, sent, params)
         to_send = plan.messages if plan is not None else as_is
-        warnings = [*busy.warnings(budget, sent.predicted_s), *self.engine.slowdown_warnings(), *template_warnings(self.backend.tokenizer, to_send, tools)]
+        warnings = [*busy.warnings(budget, sent.predicted_s), *self.engine.slowdown_warnings(), *template_warnings(self.backend.tokenizer, to_send, tools),
+                    *request.warnings]
         prepared = Prepared(
             messages=to_send, prompt_tokens=tuple(sent.tokens), cached_tokens=sent.cached, snapshot=sent.snapshot,
             # what the caller will feel: the wait for the requests ahead, then the prompt's TTFT
             predicted_ttft_s=sent.predicted_s + w, predicted_ttft_before_s=before.predicted_s + w,
             prompt_tokens_before=len(before.tokens), budget_s=budget, plan=plan, prepare_s=self.clock() - t0, warnings=tuple(warnings),
             feasible=False if busy.refuse else None if plan is None else bool(plan.feasible) and sent.predicted_s + w <= budget,
-            queue_wait_s=wait, queue_ahead=ahead, ticket=ticket, request=(messages, tuple(chunks), dict(params)),
+            queue_wait_s=wait, queue_ahead=ahead, ticket=ticket, request=request,
         )
         if busy.refuse:
             report = self.report(prepared, Measurement(ttft_s=None, total_s=0.0), params, sent=False, error=QueueBudgetError)
@@ -289,30 +290,32 @@ class Pipeline:
                                         plan=plan, report=report)
         return prepared
 
-    def _price(self, tokens: Sequence[int], after: Sequence[int] | None = None) -> _Priced:
+    def price(self, tokens: Sequence[int], after: Sequence[int] | None = None, profile: Profile | None = None) -> _Priced:
         """What the engine has cached of ``tokens`` (a stored snapshot too) and their predicted
-        TTFT; ``after``: the prompt the context will hold when this request's turn comes."""
-        best_cache = getattr(self.backend, "best_cache", None)
+        TTFT (a fleet's router prices with it); ``after``: the prompt the context will hold when this request's turn comes;
+        ``profile``: a watched prefill's paced one (the context alone: no snapshot mid-prefill)."""
+        best_cache = getattr(self.backend, "best_cache", None) if profile is None else None
+        profile = profile or self.profile
         if best_cache is not None:
-            cached, snapshot = best_cache(tokens, self.profile.predict_prefill_s)
+            cached, snapshot = best_cache(tokens, profile.predict_prefill_s)
         else:
             cached, snapshot = self.backend.predict_cached_tokens(tokens), None
         if after is not None and snapshot is None:
             cached = min(cached, reusable_prefix_len(after, tokens))
         restore = getattr(snapshot, "restore_s", 0.0) if snapshot is not None else 0.0
-        return _Priced(tokens, cached, snapshot, self.profile.predict_ttft_s(evaluated_tokens(len(tokens), cached), cached) + restore)
+        return _Priced(tokens, cached, snapshot, profile.predict_ttft_s(evaluated_tokens(len(tokens), cached), cached) + restore)
 
     def _cache_state(self, after: Sequence[int] | None = None, *, snapshots: bool = True) -> CacheState | None:
-        """The engine's cache as :meth:`_price` counts it (without ``snapshots``: the context alone)."""
+        """The engine's cache as :meth:`price` counts it (without ``snapshots``: the context alone)."""
         state = self.backend.cache_state()
         if state is None or (after is None and snapshots):
             return state
         return attrs.evolve(state, after=after, snapshots=state.snapshots if snapshots else ())
 
-    def _plan(self, messages: Any, chunks: Sequence[Chunk], as_is: Any, before: _Priced, budget: float, params: Mapping[str, Any],
-              margin: float, priced: Callable[[Sequence[int]], _Priced], cache: CacheState | None,
-              profile: Profile | None = None) -> tuple[Plan, _Priced]:
+    def _plan(self, request: Request, before: _Priced, budget: float, margin: float, priced: Callable[[Sequence[int]], _Priced],
+              cache: CacheState | None, profile: Profile | None = None) -> tuple[Plan, _Priced]:
         """Plan to ``budget`` with ``margin`` and ``profile`` (default: the current one), and price the prompt it sends."""
+        messages, chunks, params = request.messages, request.chunks, request.params
         tools = params.get("tools")
         tok = self.backend.tokenizer
         plan = make_plan(
@@ -322,7 +325,7 @@ class Pipeline:
             on_infeasible="best_effort", clock=self.clock, values=self.values, safety_margin=margin,
             max_prompt_tokens=max(int(self.backend.n_ctx) - (answer_cap(params) or 0), 1),
         )
-        unchanged = plan.passthrough and list(plan.messages) == list(as_is)
+        unchanged = plan.passthrough and list(plan.messages) == list(request.as_is)
         return plan, before if unchanged else priced(tok.prompt_tokens(plan.messages, tools))
 
     def _estimate(self, ticket: Ticket | None, priced: _Priced, params: Mapping[str, Any]) -> None:
@@ -351,16 +354,14 @@ class Pipeline:
         nothing would change."""
         if prepared.request is None or prepared.budget_s is None or prepared.plan is None:
             return None
-        messages, chunks, params = prepared.request
+        request = prepared.request
+        messages, params = request.messages, request.params
         tools = params.get("tools")
         tok = self.backend.tokenizer
         profile = watch.paced_profile()
         left = max(prepared.budget_s - spent_s, 1e-6)
         margin = self.engine.safety_margin(self.attainment_target, share=tail_share(profile, len(prepared.prompt_tokens) - watch.position))
-
-        def paced(tokens: Sequence[int]) -> _Priced:
-            cached = self.backend.predict_cached_tokens(tokens)
-            return _Priced(tokens, cached, None, profile.predict_ttft_s(evaluated_tokens(len(tokens), cached), cached))
+        paced = functools.partial(self.price, profile=profile)
 
         def price(candidate: Sequence[Mapping[str, Any]]) -> tuple[Sequence[int], int, float]:
             p = paced(tok.prompt_tokens(candidate, tools))
@@ -379,8 +380,7 @@ class Pipeline:
         if cut is None and not grow:
             cut, how = cut_to(left), " (within the budget, not its margin: starting over would forfeit the evaluated prefix)"
         if cut is None and not grow:  # nothing that keeps the prefix fits: the whole request again, at the measured pace
-            as_is = self._as_is(messages, chunks)
-            full = self._plan(messages, chunks, as_is, paced(tok.prompt_tokens(as_is, tools)), left, params, margin, paced,
+            full = self._plan(request, paced(tok.prompt_tokens(request.as_is, tools)), left, margin, paced,
                               self._cache_state(snapshots=False), profile=profile)
             least = cut_to(left, least=True) if full[1].predicted_s > left else None
             if least is not None:  # starting over misses the budget too: keep the prefix, cut the most
@@ -425,7 +425,6 @@ class Pipeline:
             predicted_ttft_s=spent_s + predicted, replans=(*prepared.replans, record),
             feasible=bool(plan.feasible) and spent_s + predicted <= prepared.budget_s,
         )
-
 
     # -- send (the front-end's), measure, report --------------------------------------------------
     def sent(self, prepared: Prepared, *, waited_s: float = 0.0) -> Prepared:
@@ -593,6 +592,21 @@ def place_chunks(messages: Sequence[Mapping[str, Any]], chunks: Sequence[Chunk],
 
 
 @attrs.frozen
+class Request:
+    """A call's input, validated and neutralised once (:meth:`Pipeline.request`): what every plan of
+    it starts from (a re-plan, a fleet's endpoint); ``tokens``: its prompt as given, counted by
+    ``counted_by`` (a tokenizer's name)."""
+
+    messages: Any
+    chunks: tuple[Chunk, ...]
+    params: Mapping[str, Any]
+    as_is: Any = attrs.field(repr=False)
+    warnings: tuple[str, ...] = ()
+    tokens: tuple[int, ...] | None = attrs.field(default=None, repr=False)
+    counted_by: str | None = None
+
+
+@attrs.frozen
 class Prepared:
     """A request ready to send: the plan, the exact prompt tokens and the cache it will use."""
 
@@ -613,8 +627,8 @@ class Prepared:
     queue_wait_s: float | None = None
     queue_ahead: int = 0
     ticket: Any = attrs.field(default=None, repr=False, eq=False)
-    #: the call's own inputs (messages, chunks, parameters), which a re-plan plans from again
-    request: Any = attrs.field(default=None, repr=False, eq=False)
+    #: the call's own input (a :class:`Request`), which a re-plan plans from again
+    request: Request | None = attrs.field(default=None, repr=False, eq=False)
     watched: bool = False
     replans: tuple[Any, ...] = ()
 

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from trimkit.backends.base import Backend, Measurement, client_kind
+from trimkit.backends.base import Backend, Io, Measurement, Steps, client_kind, run_async, run_sync
 from trimkit.backends.ollama import OllamaBackend, client_tools, plain_messages
 from trimkit.backends.replies import assemble_chat_completion
 from trimkit.errors import InvalidInputError, PromptTruncatedError
 from trimkit.fleet import wrap_fleet
 from trimkit.frontend import AsyncReportingStream, FrontEnd, ReportingStream, adrain, drain, send_params, usage_counts
 from trimkit.messages import validate_messages
-from trimkit.openai_wrapper import wrap_openai
+from trimkit.openai_wrapper import in_thread, wrap_openai
 from trimkit.pipeline import Pipeline, Prepared
 from trimkit.planning.queue import DEFAULT_ENGINE_WAIT_S, EngineLease, wait_bound_s
 from trimkit.report import Report
@@ -228,12 +228,17 @@ class TrimmedOllama(Trimmer):
     def chat(self, model: str = "", messages: Any = None, **kwargs: Any) -> Any:
         """``client.chat(...)`` inside the TTFT budget, plus ``rag_chunks=`` and ``ttft_budget_s=``:
         the client's ``ChatResponse`` (``stream=True``: an iterator of them with ``.report``)."""
-        prepared, params, stream = self._prepare(model, messages, kwargs)
-        out = self.execute(prepared, params)
+        return run_sync(self._chat(model, messages, kwargs))
+
+    def _chat(self, model: str, messages: Any, kwargs: dict[str, Any]) -> Steps:
+        """A ``chat()`` call, sync or async (planned in a worker thread): sent, and drained unless streamed."""
+        prepared, params, stream = yield Io(self._prepare, in_thread(self._prepare), model, messages, kwargs)
+        ts = yield Io(self.backend.send, self.backend.asend, prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens)
+        out = (AsyncReportingStream if self.is_async else ReportingStream)(ts, self.pipeline, self.pipeline.sent(prepared), params)
         out.at_end = self._truncated
         if stream:
             return out
-        drain(out)
+        yield Io(drain, adrain, out)
         return assemble_chat_response(out.chunks)
 
     def close(self) -> None:
@@ -247,17 +252,8 @@ class AsyncTrimmedOllama(TrimmedOllama):
     is_async = True
 
     async def chat(self, model: str = "", messages: Any = None, **kwargs: Any) -> Any:
-        import asyncio
-
-        prepared, params, stream = await asyncio.to_thread(self._prepare, model, messages, kwargs)
-        prepared = self.pipeline.sent(prepared)
-        ts = await self.backend.asend(prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens)
-        out = AsyncReportingStream(ts, self.pipeline, prepared, params)
-        out.at_end = self._truncated
-        if stream:
-            return out
-        await adrain(out)
-        return assemble_chat_response(out.chunks)
+        """``await client.chat(...)`` inside the TTFT budget (:meth:`TrimmedOllama.chat`)."""
+        return await run_async(self._chat(model, messages, kwargs))
 
 
 def wrap_ollama(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> TrimmedOllama:
