@@ -13,7 +13,7 @@ import json
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.generic_utils import (
@@ -243,13 +243,6 @@ def engine_of(target: Any, ttft_budget_s: float | None = None, **kwargs: Any) ->
     )
 
 
-def send(front_end: Any, call: Mapping[str, Any]) -> Any:
-    """Send ``call`` through a sync trimkit front-end, less LlamaIndex's ``formatted``."""
-    call = {k: v for k, v in call.items() if k != "formatted"}
-    create = getattr(front_end, "create_chat_completion", None)
-    return create(**call) if create is not None else front_end.chat.completions.create(**call)
-
-
 _END = object()
 
 
@@ -260,33 +253,10 @@ def _rag_chunks(items: Any) -> Any:
     return [node_chunk(item, i) if isinstance(item, (NodeWithScore, BaseNode)) else item for i, item in enumerate(items)]
 
 
-def _first_message(completion: Mapping[str, Any]) -> ChatMessage:
-    choices = completion.get("choices") or []
-    return reply_message(choices[0]["message"]) if choices else ChatMessage(role=MessageRole.ASSISTANT, content="")
-
-
 def openai_family(llm: Any) -> bool:
     """Whether ``llm`` is llama-index-llms-openai's ``OpenAI`` (``OpenAILike`` is one), importing nothing."""
     module = sys.modules.get("llama_index.llms.openai.base")
     return module is not None and isinstance(llm, module.OpenAI)
-
-
-def _openai_reply(inner: Any) -> Callable[[Mapping[str, Any]], ChatMessage]:
-    """Reply messages as ``inner`` (an ``OpenAI`` / ``OpenAILike``) builds them from its client's
-    ``ChatCompletionMessage``; a message its client would not parse gets trimkit's."""
-    from llama_index.llms.openai.utils import from_openai_message
-    from openai.types.chat import ChatCompletionMessage
-
-    modalities = list(getattr(inner, "modalities", None) or ["text"])
-
-    def convert(completion: Mapping[str, Any]) -> ChatMessage:
-        try:
-            message = ChatCompletionMessage.model_validate({**completion["choices"][0]["message"], "role": "assistant"})
-        except (LookupError, TypeError, ValueError):  # no choice, or not the shape the openai client reads (pydantic's ValidationError)
-            return _first_message(completion)
-        return from_openai_message(message, modalities=modalities)
-
-    return convert
 
 
 class StreamReplies:
@@ -300,9 +270,23 @@ class StreamReplies:
         self.text = ""
         self.calls = False  # a tool call began: the message is rebuilt from the chunks so far
         self.message = ChatMessage(role=MessageRole.ASSISTANT, content="")
-        family = openai_family(inner)
-        self.convert = _openai_reply(inner) if family else _first_message
-        self.extra: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = inner._get_response_token_counts if family else None
+        self.inner = inner if openai_family(inner) else None
+
+    def convert(self, completion: Mapping[str, Any]) -> ChatMessage:
+        """The reply as an ``OpenAI`` / ``OpenAILike`` ``inner`` builds it from its client's ``ChatCompletionMessage``; else
+        (or a message its client would not parse) trimkit's :func:`reply_message`."""
+        if self.inner is not None:
+            from llama_index.llms.openai.utils import from_openai_message
+            from openai.types.chat import ChatCompletionMessage
+
+            try:
+                message = ChatCompletionMessage.model_validate({**completion["choices"][0]["message"], "role": "assistant"})
+            except (LookupError, TypeError, ValueError):  # no choice, or not the shape the openai client reads (pydantic's ValidationError)
+                message = None
+            if message is not None:
+                return from_openai_message(message, modalities=list(getattr(self.inner, "modalities", None) or ["text"]))
+        choices = completion.get("choices") or []
+        return reply_message(choices[0]["message"]) if choices else ChatMessage(role=MessageRole.ASSISTANT, content="")
 
     def step(self, chunk: Any) -> ChatResponse:
         t0 = time.perf_counter()
@@ -323,7 +307,7 @@ class StreamReplies:
         report = self.stream.report
         usage = None if report is None else usage_counts(report.prompt_tokens, report.completion_tokens or 0)
         completion = assemble_chat_completion(self.stream.chunks, usage=usage)
-        extra = dict(self.extra(completion)) if self.extra is not None else {}
+        extra = dict(self.inner._get_response_token_counts(completion)) if self.inner is not None else {}
         response = ChatResponse(message=self.convert(completion), delta="", raw=completion, additional_kwargs={**extra, "trimkit": report})
         self.layer_s += time.perf_counter() - t0
         return response
@@ -339,7 +323,7 @@ class TrimmedLLM(FunctionCallingLLM):
     model_name: str = Field(default="", description="The model, as the wrapped LLM names it.")
 
     _front: Any = PrivateAttr()
-    _inner: LLM | None = PrivateAttr(default=None)  # the wrapped LlamaIndex LLM, whose conversions are reused
+    _inner: Any = PrivateAttr(default=None)  # the wrapped LlamaIndex LLM, whose conversions are reused
     _decode: dict[str, Any] = PrivateAttr(default_factory=dict)  # its decode parameters, and this wrapper's over them
     _last: tuple[Any, Any, float] = PrivateAttr(default=(None, None, 0.0))
     _own: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -422,6 +406,7 @@ class TrimmedLLM(FunctionCallingLLM):
 
     def _call(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[dict[str, Any], float]:
         t0 = time.perf_counter()
+        kwargs.pop("formatted", None)  # LlamaIndex's, not a decode parameter
         budget = kwargs.pop("ttft_budget_s", None)
         rag = _rag_chunks(kwargs.pop("rag_chunks", None))
         call = {**self._params(kwargs), "messages": to_openai_messages(messages), "stream": True}
@@ -444,8 +429,9 @@ class TrimmedLLM(FunctionCallingLLM):
 
     def _open(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> StreamReplies:
         call, layer = self._call(messages, kwargs)
+        create = getattr(self._front, "create_chat_completion", None) or self._front.chat.completions.create
         with self._inner_errors():
-            return StreamReplies(send(self._front, call), layer, self._inner)
+            return StreamReplies(create(**call), layer, self._inner)
 
     def _responses(self, replies: StreamReplies) -> Iterator[ChatResponse]:
         with contextlib.closing(replies.stream), self._inner_errors():
@@ -510,34 +496,22 @@ class TrimmedLLM(FunctionCallingLLM):
         responses = self._in_threads(await asyncio.to_thread(self._stream, prompt_to_messages(prompt), kwargs))
         return astream_chat_response_to_completion_response(responses)
 
-    def _structured_kwargs(self, output_cls: type[Model], llm_kwargs: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
-        """``llm_kwargs`` as an ``OpenAI`` / ``OpenAILike`` makes them for a structured prediction, and
-        whether it asks for a ``response_format`` rather than a forced tool call."""
-        kwargs = dict(llm_kwargs or {})
-        inner = self._inner
-        if not openai_family(inner):
-            return kwargs, False
-        if inner._should_use_structure_outputs():
-            return inner._prepare_schema(kwargs, output_cls), True
-        kwargs.setdefault("tool_choice", "required")
-        return kwargs, False
-
     def structured_predict(self, output_cls: type[Model], prompt: PromptTemplate, llm_kwargs: dict[str, Any] | None = None,
                            **prompt_args: Any) -> Model:
-        """As the wrapped LLM predicts it (LlamaIndex's own way for any other LLM), every call through trimkit."""
-        kwargs, schema = self._structured_kwargs(output_cls, llm_kwargs)
-        if schema:
-            response = self.chat(self._extend_messages(prompt.format_messages(**prompt_args)), **kwargs)
+        """As the wrapped ``OpenAI`` / ``OpenAILike`` predicts it (a ``response_format``, else a forced tool call;
+        LlamaIndex's own way for any other LLM), every call through trimkit."""
+        kwargs, inner = dict(llm_kwargs or {}), self._inner
+        if openai_family(inner) and inner._should_use_structure_outputs():
+            response = self.chat(self._extend_messages(prompt.format_messages(**prompt_args)), **inner._prepare_schema(kwargs, output_cls))
             return output_cls.model_validate_json(str(response.message.content))
+        if openai_family(inner):
+            kwargs.setdefault("tool_choice", "required")
         return super().structured_predict(output_cls, prompt, llm_kwargs=kwargs, **prompt_args)
 
     async def astructured_predict(self, output_cls: type[Model], prompt: PromptTemplate, llm_kwargs: dict[str, Any] | None = None,
                                   **prompt_args: Any) -> Model:
-        kwargs, schema = self._structured_kwargs(output_cls, llm_kwargs)
-        if schema:
-            response = await self.achat(self._extend_messages(prompt.format_messages(**prompt_args)), **kwargs)
-            return output_cls.model_validate_json(str(response.message.content))
-        return await super().astructured_predict(output_cls, prompt, llm_kwargs=kwargs, **prompt_args)
+        """:meth:`structured_predict` in a worker thread, as every async call here."""
+        return await asyncio.to_thread(self.structured_predict, output_cls, prompt, llm_kwargs, **prompt_args)
 
     # -- tools (FunctionCallingLLM): the wrapped LLM's own where it calls tools itself (OpenAILike), else trimkit's
     def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
