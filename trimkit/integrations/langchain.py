@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
-import numbers
 import threading
 import time
 import types
@@ -77,9 +76,7 @@ def document_chunk(doc: Any, index: int = 0) -> Chunk:
     if doc_id in (None, ""):
         doc_id = next((meta[k] for k in ID_KEYS if meta.get(k) not in (None, "")), None)
     score = next((meta[k] for k in SCORE_KEYS if meta.get(k) is not None), None)
-    if score is not None and (isinstance(score, bool) or not isinstance(score, numbers.Real)):
-        raise InvalidChunkError(f"rag_chunks[{index}]: metadata score {score!r} is not a number")
-    try:
+    try:  # a score that is not a number, an empty text: Chunk says
         return Chunk(text=doc.page_content, score=score, id=None if doc_id is None else str(doc_id))
     except InvalidChunkError as exc:
         raise InvalidChunkError(f"rag_chunks[{index}]: {exc}") from None
@@ -87,11 +84,9 @@ def document_chunk(doc: Any, index: int = 0) -> Chunk:
 
 def as_chunks(documents: Any) -> tuple[Chunk, ...]:
     """``rag_chunks`` as trimkit takes them: Documents converted, the rest as given, then validated (None: none)."""
-    if documents is None:
-        return ()
-    if isinstance(documents, (str, bytes, Mapping)) or _is_document(documents) or not isinstance(documents, Sequence):
-        raise InvalidChunkError(f"rag_chunks must be a list of Documents (or str / trimkit.Chunk), got {type(documents).__name__}")
-    return coerce_chunks([document_chunk(d, i) if _is_document(d) else d for i, d in enumerate(documents)])
+    if isinstance(documents, Sequence) and not isinstance(documents, (str, bytes)):
+        documents = [document_chunk(d, i) if _is_document(d) else d for i, d in enumerate(documents)]
+    return coerce_chunks(documents)
 
 
 def format_documents(documents: Any, chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE) -> str:
