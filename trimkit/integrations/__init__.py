@@ -48,7 +48,8 @@ def as_openai_error(exc: BaseException, base_url: str | None = None) -> BaseExce
     else:
         base = openai.APIError
     # only the trimkit error's __init__ runs (it ends in the builtin exception's): the openai fields are set here
-    new = _both(type(exc), base)(str(exc))
+    trimkit_type: type = type(exc)  # hashable, as the cache wants it
+    new = _both(trimkit_type, base)(str(exc))
     new.__dict__.update(exc.__dict__)
     new.args = exc.args
     new.message = str(exc)

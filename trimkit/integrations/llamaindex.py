@@ -13,7 +13,7 @@ import json
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.generic_utils import (
@@ -433,13 +433,13 @@ class TrimmedLLM(FunctionCallingLLM):
         with self._inner_errors():
             return StreamReplies(create(**call), layer, self._inner)
 
-    def _responses(self, replies: StreamReplies) -> Iterator[ChatResponse]:
+    def _responses(self, replies: StreamReplies) -> ChatResponseGen:
         with contextlib.closing(replies.stream), self._inner_errors():
             for chunk in replies.stream:
                 yield replies.step(chunk)
             yield self._finish(replies)
 
-    def _stream(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> Iterator[ChatResponse]:
+    def _stream(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
         return self._responses(self._open(messages, kwargs))  # sent now, read as the caller reads
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
@@ -449,7 +449,7 @@ class TrimmedLLM(FunctionCallingLLM):
         return self._finish(replies)
 
     @staticmethod
-    async def _in_threads(responses: Iterator[ChatResponse]) -> AsyncIterator[ChatResponse]:
+    async def _in_threads(responses: ChatResponseGen) -> ChatResponseAsyncGen:
         """A sync stream's responses for an async caller, each read in a worker thread (off the event loop)."""
         try:
             while (item := await asyncio.to_thread(next, responses, _END)) is not _END:
@@ -511,7 +511,7 @@ class TrimmedLLM(FunctionCallingLLM):
     async def astructured_predict(self, output_cls: type[Model], prompt: PromptTemplate, llm_kwargs: dict[str, Any] | None = None,
                                   **prompt_args: Any) -> Model:
         """:meth:`structured_predict` in a worker thread, as every async call here."""
-        return await asyncio.to_thread(self.structured_predict, output_cls, prompt, llm_kwargs, **prompt_args)
+        return await asyncio.to_thread(lambda: self.structured_predict(output_cls, prompt, llm_kwargs, **prompt_args))
 
     # -- tools (FunctionCallingLLM): the wrapped LLM's own where it calls tools itself (OpenAILike), else trimkit's
     def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
