@@ -273,18 +273,9 @@ class Call:
     def report(self) -> Report | None:
         return getattr(self.stream, "report", None)
 
-    def create_chat_completion(self, messages: Any = None, **params: Any) -> Any:
-        return self._send(messages, params)
-
     @property
     def with_raw_response(self) -> Any:
         return _with_raw_response(self.create)
-
-    def create(self, **payload: Any) -> Any:
-        messages = payload.pop("messages", None)
-        if "max_completion_tokens" in payload and "max_tokens" not in payload:  # an OpenAI-only name local servers ignore
-            payload["max_tokens"] = payload.pop("max_completion_tokens")
-        return self._send(messages, payload)
 
     def parse(self, **payload: Any) -> Any:
         """``chat.completions.parse``: ``response_format`` sent as the ``openai`` client sends it, the reply parsed by its parser."""
@@ -299,11 +290,15 @@ class Call:
         return parse_chat_completion(response_format=response_format if response_format is not None else omit,
                                      input_tools=tools if tools is not None else omit, chat_completion=completion)
 
-    def _send(self, messages: Any, params: dict[str, Any]) -> Any:
+    def create(self, **payload: Any) -> Any:
+        """The request (``ChatLlamaCpp``'s ``create_chat_completion``, ``ChatOpenAI``'s ``create``), planned and sent streamed."""
         if self.stream is not None:
             raise InvalidInputError("one TrimmedChatModel call sends one request")
-        streamed = bool(params.get("stream", False))
-        params = {**params, "stream": True}
+        messages = payload.pop("messages", None)
+        if "max_completion_tokens" in payload and "max_tokens" not in payload:  # an OpenAI-only name local servers ignore
+            payload["max_tokens"] = payload.pop("max_completion_tokens")
+        streamed = bool(payload.get("stream", False))
+        params = {**payload, "stream": True}
         try:
             base_url = getattr(self.engine.chat.backend, "base_url", None)
             with openai_errors(base_url, self.engine.kind == "openai"):
@@ -322,6 +317,8 @@ class Call:
             raise
         self.release()
         return self.engine.chat.assemble(self.stream)
+
+    create_chat_completion = create
 
     def release(self) -> None:
         serial, self._serial = self._serial, None

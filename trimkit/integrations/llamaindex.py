@@ -407,14 +407,9 @@ class TrimmedLLM(FunctionCallingLLM):
     def _call(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[dict[str, Any], float]:
         t0 = time.perf_counter()
         kwargs.pop("formatted", None)  # LlamaIndex's, not a decode parameter
-        budget = kwargs.pop("ttft_budget_s", None)
-        rag = _rag_chunks(kwargs.pop("rag_chunks", None))
-        call = {**self._params(kwargs), "messages": to_openai_messages(messages), "stream": True}
-        if rag is not None:
-            call["rag_chunks"] = rag
-        budget = budget if budget is not None else self.ttft_budget_s
-        if budget is not None:
-            call["ttft_budget_s"] = budget
+        budget, rag = kwargs.pop("ttft_budget_s", None), kwargs.pop("rag_chunks", None)
+        call = {**self._params(kwargs), "messages": to_openai_messages(messages), "stream": True, "rag_chunks": _rag_chunks(rag),
+                "ttft_budget_s": self.ttft_budget_s if budget is None else budget}  # None: none, the front-end's default
         return call, time.perf_counter() - t0
 
     def _finish(self, replies: StreamReplies) -> ChatResponse:
@@ -460,7 +455,7 @@ class TrimmedLLM(FunctionCallingLLM):
     def prepare(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Any:
         """Plan a chat as :meth:`chat` would send it, without sending it (trimkit's ``Prepared``)."""
         call, _ = self._call(messages, dict(kwargs))
-        chat_messages, chunks, budget = call.pop("messages"), call.pop("rag_chunks", None), call.pop("ttft_budget_s", None)
+        chat_messages, chunks, budget = call.pop("messages"), call.pop("rag_chunks"), call.pop("ttft_budget_s")
         return self._front.prepare(chat_messages, chunks, call, ttft_budget_s=budget)
 
     @llm_chat_callback()
