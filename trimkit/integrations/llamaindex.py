@@ -420,7 +420,7 @@ class TrimmedLLM(FunctionCallingLLM):
 
     def _inner_errors(self) -> contextlib.AbstractContextManager[None]:
         """Around an ``OpenAI`` / ``OpenAILike``, trimkit's server errors as the ``openai`` errors its client raises."""
-        return openai_errors(getattr(self._front.backend, "base_url", None), openai_family(self._inner))
+        return openai_errors(getattr(getattr(self._front, "backend", None), "base_url", None), openai_family(self._inner))
 
     def _open(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> StreamReplies:
         call, layer = self._call(messages, kwargs)
