@@ -1,28 +1,33 @@
 """trimkit inside LangChain (:mod:`.langchain`) and LlamaIndex (:mod:`.llamaindex`), each importing
 its framework only when imported itself (``docs/integrations.md``). Shared here: trimkit's server
-errors as the ``openai`` errors the frameworks' OpenAI clients raise (:func:`as_openai_error`)."""
+errors as the ``openai`` errors the frameworks' OpenAI clients raise (:func:`as_openai_error`, :func:`openai_errors`)."""
+import contextlib
+import functools
+from collections.abc import Iterator
+
 from trimkit.errors import BackendError, ServerError, ServerTimeoutError, ServerUnreachableError
 
-_BOTH: dict[tuple[type, type], type] = {}
 
-
+@functools.cache
 def _both(trimkit_type: type, openai_type: type) -> type:
-    """An exception type that is both ``trimkit_type`` and ``openai_type`` (one per pair: ``setdefault`` is atomic)."""
-    made = _BOTH.get((trimkit_type, openai_type))
-    if made is None:
-        made = _BOTH.setdefault((trimkit_type, openai_type), type(trimkit_type.__name__, (trimkit_type, openai_type),
-                                                                   {"__module__": trimkit_type.__module__}))
-    return made
+    """An exception type that is both ``trimkit_type`` and ``openai_type`` (one per pair)."""
+    return type(trimkit_type.__name__, (trimkit_type, openai_type), {"__module__": trimkit_type.__module__})
 
 
-def chat_completions_url(base_url: str | None) -> str:
-    """The chat completions URL of a server at ``base_url`` (None: a local default)."""
-    return str(base_url or "http://localhost/v1").rstrip("/") + "/chat/completions"
+@contextlib.contextmanager
+def openai_errors(base_url: str | None, convert: bool = True) -> Iterator[None]:
+    """Inside, a trimkit ``BackendError`` is raised as :func:`as_openai_error` makes it (``convert`` False: as it is)."""
+    try:
+        yield
+    except BackendError as exc:
+        if not convert:
+            raise
+        raise as_openai_error(exc, base_url) from exc
 
 
-def as_openai_error(exc: BaseException, url: str = chat_completions_url(None)) -> BaseException:
-    """A trimkit ``BackendError`` as the ``openai`` error the raw client raises for the same
-    failure (its type subclasses both; mapping in ``docs/integrations.md``); anything else as it is."""
+def as_openai_error(exc: BaseException, base_url: str | None = None) -> BaseException:
+    """A trimkit ``BackendError`` as the ``openai`` error the raw client raises for the same failure (its type
+    subclasses both; mapping in ``docs/integrations.md``) on the server at ``base_url``; anything else as it is."""
     try:
         import httpx
         import openai
@@ -30,7 +35,7 @@ def as_openai_error(exc: BaseException, url: str = chat_completions_url(None)) -
         return exc
     if not isinstance(exc, BackendError) or isinstance(exc, openai.APIError):
         return exc
-    request = httpx.Request("POST", url)
+    request = httpx.Request("POST", str(base_url or "http://localhost/v1").rstrip("/") + "/chat/completions")
     status = getattr(exc, "status", None)
     if isinstance(exc, ServerTimeoutError):
         base: type = openai.APITimeoutError
@@ -43,7 +48,8 @@ def as_openai_error(exc: BaseException, url: str = chat_completions_url(None)) -
     else:
         base = openai.APIError
     # only the trimkit error's __init__ runs (it ends in the builtin exception's): the openai fields are set here
-    new = _both(type(exc), base)(str(exc))
+    trimkit_type: type = type(exc)  # hashable, as the cache wants it
+    new = _both(trimkit_type, base)(str(exc))
     new.__dict__.update(exc.__dict__)
     new.args = exc.args
     new.message = str(exc)

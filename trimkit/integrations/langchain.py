@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
-import numbers
 import threading
 import time
 import types
@@ -24,17 +23,16 @@ try:
     from langchain_core.load.serializable import Serializable
     from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, convert_to_messages, convert_to_openai_messages
     from langchain_core.outputs import ChatGenerationChunk, ChatResult
-    from langchain_core.prompt_values import PromptValue
     from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
     from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError(f"trimkit.integrations.langchain needs langchain-core: pip install 'trimkit[langchain]' ({exc})") from exc
 
 from trimkit.backends.base import client_kind
-from trimkit.errors import BackendError, InvalidBudgetError, InvalidChunkError, InvalidInputError, InvalidMessageError
+from trimkit.errors import InvalidBudgetError, InvalidChunkError, InvalidInputError, InvalidMessageError
 from trimkit.errors import budget as valid_budget
 from trimkit.frontend import drain
-from trimkit.integrations import as_openai_error, chat_completions_url
+from trimkit.integrations import openai_errors
 from trimkit.messages import DEFAULT_RAG_CHUNK_TEMPLATE, SYSTEM_ROLES, Chunk, check_rag_templates, coerce_chunks, last_user_index, render_rag_question
 from trimkit.pipeline import Prepared
 from trimkit.planning.planner import Plan, plan
@@ -78,9 +76,7 @@ def document_chunk(doc: Any, index: int = 0) -> Chunk:
     if doc_id in (None, ""):
         doc_id = next((meta[k] for k in ID_KEYS if meta.get(k) not in (None, "")), None)
     score = next((meta[k] for k in SCORE_KEYS if meta.get(k) is not None), None)
-    if score is not None and (isinstance(score, bool) or not isinstance(score, numbers.Real)):
-        raise InvalidChunkError(f"rag_chunks[{index}]: metadata score {score!r} is not a number")
-    try:
+    try:  # a score that is not a number, an empty text: Chunk says
         return Chunk(text=doc.page_content, score=score, id=None if doc_id is None else str(doc_id))
     except InvalidChunkError as exc:
         raise InvalidChunkError(f"rag_chunks[{index}]: {exc}") from None
@@ -88,11 +84,9 @@ def document_chunk(doc: Any, index: int = 0) -> Chunk:
 
 def as_chunks(documents: Any) -> tuple[Chunk, ...]:
     """``rag_chunks`` as trimkit takes them: Documents converted, the rest as given, then validated (None: none)."""
-    if documents is None:
-        return ()
-    if isinstance(documents, (str, bytes, Mapping)) or _is_document(documents) or not isinstance(documents, Sequence):
-        raise InvalidChunkError(f"rag_chunks must be a list of Documents (or str / trimkit.Chunk), got {type(documents).__name__}")
-    return coerce_chunks([document_chunk(d, i) if _is_document(d) else d for i, d in enumerate(documents)])
+    if isinstance(documents, Sequence) and not isinstance(documents, (str, bytes)):
+        documents = [document_chunk(d, i) if _is_document(d) else d for i, d in enumerate(documents)]
+    return coerce_chunks(documents)
 
 
 def format_documents(documents: Any, chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE) -> str:
@@ -254,12 +248,10 @@ def _with_raw_response(create: Any) -> Any:
     return types.SimpleNamespace(create=raw, parse=raw)
 
 
-def _converting(stream: Any, url: str) -> Iterator[Any]:
-    """The stream a ``ChatOpenAI`` reads (in a ``with``): trimkit's, its backend errors raised as :func:`as_openai_error` makes them."""
-    try:
+def _converting(stream: Any, base_url: str | None) -> Iterator[Any]:
+    """The stream a ``ChatOpenAI`` reads (in a ``with``): trimkit's, its backend errors as the ``openai`` errors."""
+    with openai_errors(base_url):
         yield from stream
-    except BackendError as exc:
-        raise as_openai_error(exc, url) from exc
 
 
 class Call:
@@ -281,18 +273,9 @@ class Call:
     def report(self) -> Report | None:
         return getattr(self.stream, "report", None)
 
-    def create_chat_completion(self, messages: Any = None, **params: Any) -> Any:
-        return self._send(messages, params)
-
     @property
     def with_raw_response(self) -> Any:
         return _with_raw_response(self.create)
-
-    def create(self, **payload: Any) -> Any:
-        messages = payload.pop("messages", None)
-        if "max_completion_tokens" in payload and "max_tokens" not in payload:  # an OpenAI-only name local servers ignore
-            payload["max_tokens"] = payload.pop("max_completion_tokens")
-        return self._send(messages, payload)
 
     def parse(self, **payload: Any) -> Any:
         """``chat.completions.parse``: ``response_format`` sent as the ``openai`` client sends it, the reply parsed by its parser."""
@@ -307,35 +290,35 @@ class Call:
         return parse_chat_completion(response_format=response_format if response_format is not None else omit,
                                      input_tools=tools if tools is not None else omit, chat_completion=completion)
 
-    def _send(self, messages: Any, params: dict[str, Any]) -> Any:
+    def create(self, **payload: Any) -> Any:
+        """The request (``ChatLlamaCpp``'s ``create_chat_completion``, ``ChatOpenAI``'s ``create``), planned and sent streamed."""
         if self.stream is not None:
             raise InvalidInputError("one TrimmedChatModel call sends one request")
-        streamed = bool(params.get("stream", False))
-        params = {**params, "stream": True}
+        messages = payload.pop("messages", None)
+        if "max_completion_tokens" in payload and "max_tokens" not in payload:  # an OpenAI-only name local servers ignore
+            payload["max_tokens"] = payload.pop("max_completion_tokens")
+        streamed = bool(payload.get("stream", False))
+        params = {**payload, "stream": True}
         try:
-            serial = self.engine.serial()
-            if serial is not None:
-                serial.acquire()
-                self._serial = serial
-            self.prepared, found_s = self.engine.prepare(messages, self.chunks, params, ttft_budget_s=self.ttft_budget_s, on_busy=self.on_busy)
-            self.layer_s += found_s
-            self.stream = self.engine.chat.execute(self.prepared, params)
-            if streamed:
-                return self.stream if self.engine.kind == "llama" else contextlib.closing(_converting(self.stream, self._url()))
-            drain(self.stream)
-        except BackendError as exc:
-            self.close()
-            if self.engine.kind == "openai":
-                raise as_openai_error(exc, self._url()) from exc
-            raise
+            base_url = getattr(self.engine.chat.backend, "base_url", None)
+            with openai_errors(base_url, self.engine.kind == "openai"):
+                serial = self.engine.serial()
+                if serial is not None:
+                    serial.acquire()
+                    self._serial = serial
+                self.prepared, found_s = self.engine.prepare(messages, self.chunks, params, ttft_budget_s=self.ttft_budget_s, on_busy=self.on_busy)
+                self.layer_s += found_s
+                self.stream = self.engine.chat.execute(self.prepared, params)
+                if streamed:
+                    return self.stream if self.engine.kind == "llama" else contextlib.closing(_converting(self.stream, base_url))
+                drain(self.stream)
         except BaseException:
             self.close()
             raise
         self.release()
         return self.engine.chat.assemble(self.stream)
 
-    def _url(self) -> str:
-        return chat_completions_url(getattr(getattr(self.engine.chat, "backend", None), "base_url", None))
+    create_chat_completion = create
 
     def release(self) -> None:
         serial, self._serial = self._serial, None
@@ -620,17 +603,10 @@ class TrimkitTrimmer(Runnable[Any, list[BaseMessage]]):
             if "messages" not in value:
                 raise InvalidMessageError("a dict given to trimkit_trimmer needs 'messages' (and may have 'documents')")
             value, docs = value["messages"], value.get("documents")
-        if isinstance(value, PromptValue):
-            originals = value.to_messages()
-        elif isinstance(value, str):
-            originals = [HumanMessage(content=value)]
-        elif isinstance(value, Sequence):
-            originals = list(value)
-        else:
-            raise InvalidMessageError(f"trimkit_trimmer takes a prompt value, messages, a str or a dict, got {type(value).__name__}")
-        for i, m in enumerate(originals):
-            if not isinstance(m, BaseMessage):
-                raise InvalidMessageError(f"messages[{i}] must be a LangChain message, got {type(m).__name__}")
+        try:  # the caller's own message objects, as they are
+            originals = convert_to_messages([HumanMessage(content=value)] if isinstance(value, str) else value)
+        except (TypeError, ValueError, NotImplementedError) as exc:
+            raise InvalidMessageError(f"trimkit_trimmer takes a prompt value, messages, a str or a dict: {exc}") from None
         planned = converted = [convert_to_openai_messages(m) for m in originals]  # one dict each, tool calls whole
         w = self.wrapper
         options: dict[str, Any] = {"profile": self.profile, "tokenizer": self.tokenizer}

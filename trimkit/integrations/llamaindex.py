@@ -11,13 +11,17 @@ import asyncio
 import contextlib
 import json
 import sys
-import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import attrs
+from llama_index.core.base.llms.generic_utils import (
+    astream_chat_response_to_completion_response,
+    chat_response_to_completion_response,
+    prompt_to_messages,
+    stream_chat_response_to_completion_response,
+)
 from llama_index.core.base.llms.types import (
     CacheControl,
     CachePoint,
@@ -47,13 +51,13 @@ from llama_index.core.prompts.chat_prompts import TEXT_QA_PROMPT_TMPL_MSGS
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.core.types import Model
 
-from trimkit.backends.base import Io, Steps, client_kind, is_llama, run_async, run_sync
+from trimkit.backends.base import client_kind, is_llama
 from trimkit.backends.replies import assemble_chat_completion, parse_chunk
-from trimkit.errors import BackendError, InvalidChunkError, InvalidInputError, InvalidMessageError
+from trimkit.errors import InvalidChunkError, InvalidInputError, InvalidMessageError
 from trimkit.errors import budget as valid_budget
 from trimkit.fleet import wrap_url
-from trimkit.frontend import adrain, drain, usage_counts
-from trimkit.integrations import as_openai_error, chat_completions_url
+from trimkit.frontend import drain, usage_counts
+from trimkit.integrations import openai_errors
 from trimkit.messages import Chunk, check_rag_templates
 from trimkit.pipeline import place_chunks
 from trimkit.planning.planner import Plan, plan
@@ -77,22 +81,16 @@ QA_RAG_TEMPLATE: str = (TEXT_QA_PROMPT_TMPL_MSGS[1].content or "").replace("{con
 QA_CHUNK_TEMPLATE = "{text}"
 
 
-def _tool_call(call_id: Any, name: Any, arguments: Any, kind: Any = "function") -> dict[str, Any]:
-    """A new OpenAI tool-call dict, its arguments as JSON text."""
-    out: dict[str, Any] = {"type": kind, "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
-    if call_id is not None:
-        out["id"] = call_id
-    return out
-
-
 def _call_dict(call: Any, where: str) -> dict[str, Any]:
-    """One tool call (an OpenAI dict or ``openai`` object) as a new OpenAI dict."""
+    """One tool call (an OpenAI dict or ``openai`` object) as a new OpenAI dict, its arguments as JSON text."""
     if hasattr(call, "model_dump"):  # an openai ChatCompletionMessageToolCall
         call = call.model_dump(exclude_none=True)
     if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
         raise InvalidMessageError(f"{where}: a tool call must be an OpenAI-style dict with a 'function', got {type(call).__name__}")
-    function = call["function"]
-    return _tool_call(call.get("id"), function.get("name"), function.get("arguments", ""), call.get("type", "function"))
+    arguments = call["function"].get("arguments", "")
+    out = {"type": call.get("type", "function"),
+           "function": {"name": call["function"].get("name"), "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
+    return out if call.get("id") is None else {**out, "id": call["id"]}
 
 
 def _openai_message(message: Any, i: int) -> dict[str, Any]:
@@ -109,7 +107,7 @@ def _openai_message(message: Any, i: int) -> dict[str, Any]:
         if isinstance(block, TextBlock):
             texts.append(block.text)
         elif isinstance(block, ToolCallBlock):
-            block_calls.append(_tool_call(block.tool_call_id, block.tool_name, block.tool_kwargs))
+            block_calls.append(_call_dict({"id": block.tool_call_id, "function": {"name": block.tool_name, "arguments": block.tool_kwargs}}, where))
         elif not isinstance(block, (ThinkingBlock, CachePoint, CacheControl)):
             raise InvalidMessageError(f"{where} ({role}) holds a {type(block).__name__}: trimkit plans text prompts (text and tool calls only)")
     extra = message.additional_kwargs
@@ -203,20 +201,6 @@ def kept_nodes(kept: Sequence[Chunk], nodes: Sequence[Any]) -> list[NodeWithScor
     return out
 
 
-@attrs.frozen
-class Engine:
-    """A sync trimkit front-end and how the LlamaIndex LLM ``inner`` (whose conversions are reused) was configured;
-    ``url``: a server's ``(base_url, model, api_key, wrap_url kwargs)`` (None: async calls run in a worker thread)."""
-
-    front_end: Any
-    params: Mapping[str, Any] = attrs.field(factory=dict)
-    url: tuple[str, str | None, str | None, Mapping[str, Any]] | None = None
-    model_name: str = ""
-    function_calling: bool | None = None
-    system_prompt: str | None = None
-    inner: Any = None
-
-
 def _decode_params(llm: Any) -> dict[str, Any]:
     """The decode parameters a LlamaIndex LLM sends: ``LlamaCPP``'s ``generate_kwargs`` (less its
     ``stream`` flag), ``OpenAILike``'s ``temperature``, ``max_tokens`` and ``additional_kwargs``."""
@@ -231,50 +215,32 @@ def _decode_params(llm: Any) -> dict[str, Any]:
     return params
 
 
-def engine_of(target: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Engine:
-    """The trimkit front-end for ``target`` (a LlamaIndex ``LlamaCPP``, an ``OpenAILike`` or any LLM
-    with an ``api_base``, a ``llama_cpp.Llama``, a server URL or a sync trimkit wrapper), with the
-    LLM's decode parameters and metadata; ``kwargs`` go to :func:`trimkit.wrap` / :func:`trimkit.wrap_url`."""
+def engine_of(target: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> tuple[Any, str]:
+    """The sync trimkit front-end for ``target`` (a LlamaIndex ``LlamaCPP``, an ``OpenAILike`` or any LLM with an
+    ``api_base``, a ``llama_cpp.Llama``, a server URL or a sync trimkit wrapper) and the model's name;
+    ``kwargs`` go to :func:`trimkit.wrap` / :func:`trimkit.wrap_url`."""
     if isinstance(target, str):
-        model, api_key = kwargs.pop("model", None), kwargs.pop("api_key", None)
-        front = wrap_url(target, model=model, api_key=api_key, ttft_budget_s=ttft_budget_s, **kwargs)
-        return Engine(front, url=(target, model, api_key, dict(kwargs)), model_name=model or target)
-    if is_llama(target):
-        return Engine(wrap(target, ttft_budget_s, **kwargs), model_name=str(getattr(target, "model_path", "")))
+        return wrap_url(target, ttft_budget_s=ttft_budget_s, **kwargs), kwargs.get("model") or target
+    llama = getattr(target, "_model", None) if isinstance(target, LLM) else target  # LlamaCPP keeps its llama_cpp.Llama there
+    if is_llama(llama):
+        return wrap(llama, ttft_budget_s, **kwargs), str(getattr(target, "model_path", ""))
     if client_kind(target) == "wrapper":
         if kwargs:
             raise InvalidInputError(f"{sorted(kwargs)} configure a new trimkit wrapper: pass them where {type(target).__name__} was made")
         if getattr(target, "is_async", False):
             raise InvalidInputError("an async trimkit wrapper cannot serve LlamaIndex's sync calls: pass a sync one (trimkit.wrap_url(url))")
-        return Engine(target, model_name=str(getattr(getattr(target, "backend", None), "name", "")))
-    if isinstance(target, LLM):
-        model = getattr(target, "_model", None)  # LlamaCPP keeps its llama_cpp.Llama here
-        try:
-            calling: bool | None = bool(target.metadata.is_function_calling_model)
-        except Exception:  # metadata of an LLM whose engine is not up: it did not say
-            calling = None
-        of_llm: dict[str, Any] = {"params": _decode_params(target), "function_calling": calling, "system_prompt": target.system_prompt, "inner": target}
-        if is_llama(model):
-            return Engine(wrap(model, ttft_budget_s, **kwargs), model_name=str(getattr(target, "model_path", "")), **of_llm)
-        api_base = getattr(target, "api_base", None)
-        if isinstance(api_base, str):  # OpenAILike, OpenAI with a local api_base, …
-            name, api_key = getattr(target, "model", None), getattr(target, "api_key", None)
-            headers = getattr(target, "default_headers", None)
-            if isinstance(headers, Mapping) and headers and "headers" not in kwargs:  # what its client sends with every request
-                kwargs["headers"] = dict(headers)
-            front = wrap_url(api_base, model=name, api_key=api_key, ttft_budget_s=ttft_budget_s, **kwargs)
-            return Engine(front, url=(api_base, name, api_key, dict(kwargs)), model_name=name or api_base, **of_llm)
+        return target, str(getattr(getattr(target, "backend", None), "name", ""))
+    api_base = getattr(target, "api_base", None)
+    if isinstance(target, LLM) and isinstance(api_base, str):  # OpenAILike, OpenAI with a local api_base, …
+        name, api_key = getattr(target, "model", None), getattr(target, "api_key", None)
+        headers = getattr(target, "default_headers", None)
+        if isinstance(headers, Mapping) and headers and "headers" not in kwargs:  # what its client sends with every request
+            kwargs["headers"] = dict(headers)
+        return wrap_url(api_base, model=name, api_key=api_key, ttft_budget_s=ttft_budget_s, **kwargs), name or api_base
     raise InvalidInputError(
         f"cannot reach the engine behind {type(target).__name__}: pass a LlamaIndex LlamaCPP (its llama_cpp.Llama), a LlamaIndex LLM "
         "with an api_base (OpenAILike), a llama_cpp.Llama, a server URL, or a sync trimkit wrapper (trimkit.wrap / trimkit.wrap_url)"
     )
-
-
-def send(front_end: Any, call: Mapping[str, Any]) -> Any:
-    """Send ``call`` through a trimkit front-end (awaitable on an async one), less LlamaIndex's ``formatted``."""
-    call = {k: v for k, v in call.items() if k != "formatted"}
-    create = getattr(front_end, "create_chat_completion", None)
-    return create(**call) if create is not None else front_end.chat.completions.create(**call)
 
 
 _END = object()
@@ -287,37 +253,14 @@ def _rag_chunks(items: Any) -> Any:
     return [node_chunk(item, i) if isinstance(item, (NodeWithScore, BaseNode)) else item for i, item in enumerate(items)]
 
 
-def _first_message(completion: Mapping[str, Any]) -> ChatMessage:
-    choices = completion.get("choices") or []
-    return reply_message(choices[0]["message"]) if choices else ChatMessage(role=MessageRole.ASSISTANT, content="")
-
-
 def openai_family(llm: Any) -> bool:
     """Whether ``llm`` is llama-index-llms-openai's ``OpenAI`` (``OpenAILike`` is one), importing nothing."""
     module = sys.modules.get("llama_index.llms.openai.base")
     return module is not None and isinstance(llm, module.OpenAI)
 
 
-def _openai_reply(inner: Any) -> Callable[[Mapping[str, Any]], ChatMessage]:
-    """Reply messages as ``inner`` (an ``OpenAI`` / ``OpenAILike``) builds them from its client's
-    ``ChatCompletionMessage``; a message its client would not parse gets trimkit's."""
-    from llama_index.llms.openai.utils import from_openai_message
-    from openai.types.chat import ChatCompletionMessage
-
-    modalities = list(getattr(inner, "modalities", None) or ["text"])
-
-    def convert(completion: Mapping[str, Any]) -> ChatMessage:
-        try:
-            message = ChatCompletionMessage.model_validate({**completion["choices"][0]["message"], "role": "assistant"})
-        except (LookupError, TypeError, ValueError):  # no choice, or not the shape the openai client reads (pydantic's ValidationError)
-            return _first_message(completion)
-        return from_openai_message(message, modalities=modalities)
-
-    return convert
-
-
 class StreamReplies:
-    """LlamaIndex responses from a trimkit stream, for the sync and async paths: :meth:`step` per
+    """LlamaIndex responses from a trimkit stream: :meth:`step` per
     chunk (the reply so far, the chunk's ``delta``), :meth:`final` the whole reply with the report in
     ``additional_kwargs["trimkit"]`` (an ``OpenAI`` ``inner``'s conversions and token counts); ``layer_s``: converting."""
 
@@ -327,9 +270,23 @@ class StreamReplies:
         self.text = ""
         self.calls = False  # a tool call began: the message is rebuilt from the chunks so far
         self.message = ChatMessage(role=MessageRole.ASSISTANT, content="")
-        family = openai_family(inner)
-        self.convert = _openai_reply(inner) if family else _first_message
-        self.extra: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = inner._get_response_token_counts if family else None
+        self.inner = inner if openai_family(inner) else None
+
+    def convert(self, completion: Mapping[str, Any]) -> ChatMessage:
+        """The reply as an ``OpenAI`` / ``OpenAILike`` ``inner`` builds it from its client's ``ChatCompletionMessage``; else
+        (or a message its client would not parse) trimkit's :func:`reply_message`."""
+        if self.inner is not None:
+            from llama_index.llms.openai.utils import from_openai_message
+            from openai.types.chat import ChatCompletionMessage
+
+            try:
+                message = ChatCompletionMessage.model_validate({**completion["choices"][0]["message"], "role": "assistant"})
+            except (LookupError, TypeError, ValueError):  # no choice, or not the shape the openai client reads (pydantic's ValidationError)
+                message = None
+            if message is not None:
+                return from_openai_message(message, modalities=list(getattr(self.inner, "modalities", None) or ["text"]))
+        choices = completion.get("choices") or []
+        return reply_message(choices[0]["message"]) if choices else ChatMessage(role=MessageRole.ASSISTANT, content="")
 
     def step(self, chunk: Any) -> ChatResponse:
         t0 = time.perf_counter()
@@ -350,19 +307,10 @@ class StreamReplies:
         report = self.stream.report
         usage = None if report is None else usage_counts(report.prompt_tokens, report.completion_tokens or 0)
         completion = assemble_chat_completion(self.stream.chunks, usage=usage)
-        extra = dict(self.extra(completion)) if self.extra is not None else {}
+        extra = dict(self.inner._get_response_token_counts(completion)) if self.inner is not None else {}
         response = ChatResponse(message=self.convert(completion), delta="", raw=completion, additional_kwargs={**extra, "trimkit": report})
         self.layer_s += time.perf_counter() - t0
         return response
-
-
-def _as_completion(response: ChatResponse) -> CompletionResponse:
-    return CompletionResponse(text=response.message.content or "", delta=response.delta, raw=response.raw,
-                              additional_kwargs=dict(response.additional_kwargs))
-
-
-def _prompt_messages(prompt: str) -> list[ChatMessage]:
-    return [ChatMessage(role=MessageRole.USER, content=prompt)]
 
 
 class TrimmedLLM(FunctionCallingLLM):
@@ -374,8 +322,9 @@ class TrimmedLLM(FunctionCallingLLM):
     is_function_calling_model: bool = Field(default=False, description="Whether agents may call tools through this LLM.")
     model_name: str = Field(default="", description="The model, as the wrapped LLM names it.")
 
-    _engine: Engine = PrivateAttr()
-    _async_front: Any = PrivateAttr(default=None)
+    _front: Any = PrivateAttr()
+    _inner: Any = PrivateAttr(default=None)  # the wrapped LlamaIndex LLM, whose conversions are reused
+    _decode: dict[str, Any] = PrivateAttr(default_factory=dict)  # its decode parameters, and this wrapper's over them
     _last: tuple[Any, Any, float] = PrivateAttr(default=(None, None, 0.0))
     _own: dict[str, Any] = PrivateAttr(default_factory=dict)
 
@@ -383,16 +332,19 @@ class TrimmedLLM(FunctionCallingLLM):
                  additional_kwargs: Mapping[str, Any] | None = None, is_function_calling_model: bool | None = None, **kwargs: Any) -> None:
         if ttft_budget_s is not None:
             ttft_budget_s = valid_budget(ttft_budget_s)
-        engine = engine_of(llm, ttft_budget_s, **kwargs)
+        front, model_name = engine_of(llm, ttft_budget_s, **kwargs)
+        inner = llm if isinstance(llm, LLM) else None
         own = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature)) if v is not None}
         own.update(additional_kwargs or {})
-        if own:
-            engine = attrs.evolve(engine, params={**engine.params, **own})
-        calling = is_function_calling_model if is_function_calling_model is not None else bool(engine.function_calling)
-        super().__init__(ttft_budget_s=ttft_budget_s, is_function_calling_model=calling, model_name=engine.model_name,
-                         callback_manager=getattr(llm, "callback_manager", None), system_prompt=engine.system_prompt)
-        self._engine = engine
-        self._own = own
+        if is_function_calling_model is None:
+            try:
+                is_function_calling_model = inner is not None and bool(inner.metadata.is_function_calling_model)
+            except Exception:  # metadata of an LLM whose engine is not up: it did not say
+                is_function_calling_model = False
+        super().__init__(ttft_budget_s=ttft_budget_s, is_function_calling_model=is_function_calling_model, model_name=model_name,
+                         callback_manager=getattr(llm, "callback_manager", None), system_prompt=getattr(inner, "system_prompt", None))
+        self._front, self._inner, self._own = front, inner, own
+        self._decode = {**(_decode_params(inner) if inner is not None else {}), **own}
 
     @classmethod
     def class_name(cls) -> str:
@@ -401,7 +353,7 @@ class TrimmedLLM(FunctionCallingLLM):
     @property
     def trimkit_chat(self) -> Any:
         """The trimkit front-end requests go through (``TrimmedLlama`` or ``TrimmedOpenAI``)."""
-        return self._engine.front_end
+        return self._front
 
     @property
     def decode_params(self) -> dict[str, Any]:
@@ -411,9 +363,9 @@ class TrimmedLLM(FunctionCallingLLM):
     def _params(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """A call's decode parameters: an ``OpenAI`` / ``OpenAILike`` builds them as for its own requests;
         this wrapper's own (``max_tokens=``, ...) come over the wrapped LLM's, a call's over both."""
-        inner = self._engine.inner
+        inner = self._inner
         if not openai_family(inner):
-            return {**self._engine.params, **kwargs}
+            return {**self._decode, **kwargs}
         params = dict(inner._get_model_kwargs(**{**self._own, **kwargs}))
         params.update({k: v for k, v in self._own.items() if k not in kwargs})
         return params
@@ -436,32 +388,28 @@ class TrimmedLLM(FunctionCallingLLM):
     @property
     def metadata(self) -> LLMMetadata:
         """The wrapped LLM's metadata (``context_window`` capped at the engine's), sent as a chat."""
-        n_ctx = int(self._engine.front_end.backend.n_ctx)
+        n_ctx = int(self._front.backend.n_ctx)
         try:
-            inner = self._engine.inner.metadata if self._engine.inner is not None else None
+            inner = self._inner.metadata if self._inner is not None else None
         except Exception:  # an LLM whose metadata needs what it cannot reach: the engine's own
             inner = None
         context_window = min(inner.context_window, n_ctx) if inner is not None and inner.context_window > 0 else n_ctx
-        num_output = self._engine.params.get("max_tokens") or (inner.num_output if inner is not None else DEFAULT_NUM_OUTPUTS)
+        num_output = self._decode.get("max_tokens") or (inner.num_output if inner is not None else DEFAULT_NUM_OUTPUTS)
         return LLMMetadata(context_window=context_window, num_output=num_output, is_chat_model=True,
                            is_function_calling_model=self.is_function_calling_model, model_name=self.model_name)
 
     @property
     def _tool_llm(self) -> FunctionCallingLLM | None:
         """The wrapped LLM when it calls tools itself (``OpenAI``, ``OpenAILike``): its own tool conversions are used."""
-        inner = self._engine.inner
+        inner = self._inner
         return inner if isinstance(inner, FunctionCallingLLM) else None
 
     def _call(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[dict[str, Any], float]:
         t0 = time.perf_counter()
-        budget = kwargs.pop("ttft_budget_s", None)
-        rag = _rag_chunks(kwargs.pop("rag_chunks", None))
-        call = {**self._params(kwargs), "messages": to_openai_messages(messages), "stream": True}
-        if rag is not None:
-            call["rag_chunks"] = rag
-        budget = budget if budget is not None else self.ttft_budget_s
-        if budget is not None:
-            call["ttft_budget_s"] = budget
+        kwargs.pop("formatted", None)  # LlamaIndex's, not a decode parameter
+        budget, rag = kwargs.pop("ttft_budget_s", None), kwargs.pop("rag_chunks", None)
+        call = {**self._params(kwargs), "messages": to_openai_messages(messages), "stream": True, "rag_chunks": _rag_chunks(rag),
+                "ttft_budget_s": self.ttft_budget_s if budget is None else budget}  # None: none, the front-end's default
         return call, time.perf_counter() - t0
 
     def _finish(self, replies: StreamReplies) -> ChatResponse:
@@ -470,88 +418,45 @@ class TrimmedLLM(FunctionCallingLLM):
         self._last = (replies.stream.report, replies.stream.prepared, replies.layer_s)
         return final
 
-    @contextlib.contextmanager
-    def _inner_errors(self) -> Iterator[None]:
+    def _inner_errors(self) -> contextlib.AbstractContextManager[None]:
         """Around an ``OpenAI`` / ``OpenAILike``, trimkit's server errors as the ``openai`` errors its client raises."""
-        try:
-            yield
-        except BackendError as exc:
-            if not openai_family(self._engine.inner):
-                raise
-            raise as_openai_error(exc, chat_completions_url(self._engine.url[0] if self._engine.url is not None else None)) from exc
+        return openai_errors(getattr(getattr(self._front, "backend", None), "base_url", None), openai_family(self._inner))
 
     def _open(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> StreamReplies:
         call, layer = self._call(messages, kwargs)
+        create = getattr(self._front, "create_chat_completion", None) or self._front.chat.completions.create
         with self._inner_errors():
-            return StreamReplies(send(self._engine.front_end, call), layer, self._engine.inner)
+            return StreamReplies(create(**call), layer, self._inner)
 
-    def _responses(self, replies: StreamReplies) -> Iterator[ChatResponse]:
-        try:
-            with self._inner_errors():
-                for chunk in replies.stream:
-                    yield replies.step(chunk)
+    def _responses(self, replies: StreamReplies) -> ChatResponseGen:
+        with contextlib.closing(replies.stream), self._inner_errors():
+            for chunk in replies.stream:
+                yield replies.step(chunk)
             yield self._finish(replies)
-        finally:
-            replies.stream.close()
 
-    def _drained(self, replies: StreamReplies) -> Steps:
-        """The whole reply of a stream, read to its end (sync or async I/O steps)."""
-        try:
-            with self._inner_errors():
-                yield Io(drain, adrain, replies.stream)
-        finally:
-            yield Io(replies.stream.close, replies.stream.close)
-        return self._finish(replies)
+    def _stream(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
+        return self._responses(self._open(messages, kwargs))  # sent now, read as the caller reads
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        return run_sync(self._drained(self._open(messages, kwargs)))
+        replies = self._open(messages, kwargs)
+        with contextlib.closing(replies.stream), self._inner_errors():
+            drain(replies.stream)
+        return self._finish(replies)
 
-    def _async_engine(self) -> Any:
-        """The async front-end on a server, made on first use with the sync one's profile (no second calibration); None in process."""
-        if self._engine.url is not None and self._async_front is None:
-            base_url, model, api_key, kwargs = self._engine.url
-            front = self._engine.front_end
-            self._async_front = wrap_url(base_url, model=model, api_key=api_key, asynchronous=True, ttft_budget_s=front.ttft_budget_s,
-                                         profile=front.profile, **{k: v for k, v in kwargs.items() if k not in ("profile", "calibration")})
-        return self._async_front
-
-    async def _aopen(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[StreamReplies, bool]:
-        """The stream of one request, and whether it is async (a server) or a sync one read in worker threads (in process)."""
-        front = self._async_engine()
-        if front is None:
-            return await asyncio.to_thread(self._open, messages, kwargs), False
-        call, layer = self._call(messages, kwargs)
-        with self._inner_errors():
-            return StreamReplies(await send(front, call), layer, self._engine.inner), True
-
-    async def _aresponses(self, replies: StreamReplies, is_async: bool) -> AsyncIterator[ChatResponse]:
-        if not is_async:
-            sync = self._responses(replies)
-            try:
-                while (item := await asyncio.to_thread(next, sync, _END)) is not _END:
-                    yield item
-            finally:
-                await asyncio.to_thread(sync.close)
-            return
+    @staticmethod
+    async def _in_threads(responses: ChatResponseGen) -> ChatResponseAsyncGen:
+        """A sync stream's responses for an async caller, each read in a worker thread (off the event loop)."""
         try:
-            with self._inner_errors():
-                async for chunk in replies.stream:
-                    yield replies.step(chunk)
-            yield self._finish(replies)
+            while (item := await asyncio.to_thread(next, responses, _END)) is not _END:
+                yield item
         finally:
-            await replies.stream.close()
-
-    async def _achat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        if self._async_engine() is None:
-            return await asyncio.to_thread(self._chat, messages, kwargs)
-        replies, _ = await self._aopen(messages, kwargs)
-        return await run_async(self._drained(replies))
+            await asyncio.to_thread(responses.close)
 
     def prepare(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Any:
         """Plan a chat as :meth:`chat` would send it, without sending it (trimkit's ``Prepared``)."""
         call, _ = self._call(messages, dict(kwargs))
-        chat_messages, chunks, budget = call.pop("messages"), call.pop("rag_chunks", None), call.pop("ttft_budget_s", None)
-        return self._engine.front_end.prepare(chat_messages, chunks, call, ttft_budget_s=budget)
+        chat_messages, chunks, budget = call.pop("messages"), call.pop("rag_chunks"), call.pop("ttft_budget_s")
+        return self._front.prepare(chat_messages, chunks, call, ttft_budget_s=budget)
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -559,61 +464,49 @@ class TrimmedLLM(FunctionCallingLLM):
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return self._responses(self._open(messages, kwargs))
+        return self._stream(messages, kwargs)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return await self._achat(messages, kwargs)
+        return await asyncio.to_thread(self._chat, messages, kwargs)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        return self._aresponses(*await self._aopen(messages, kwargs))
+        return self._in_threads(await asyncio.to_thread(self._stream, messages, kwargs))
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return _as_completion(self._chat(_prompt_messages(prompt), kwargs))
+        return chat_response_to_completion_response(self._chat(prompt_to_messages(prompt), kwargs))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        return (_as_completion(r) for r in self._responses(self._open(_prompt_messages(prompt), kwargs)))
+        return stream_chat_response_to_completion_response(self._stream(prompt_to_messages(prompt), kwargs))
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return _as_completion(await self._achat(_prompt_messages(prompt), kwargs))
+        return chat_response_to_completion_response(await asyncio.to_thread(self._chat, prompt_to_messages(prompt), kwargs))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        responses = self._aresponses(*await self._aopen(_prompt_messages(prompt), kwargs))
-        return (_as_completion(r) async for r in responses)
-
-    def _structured_kwargs(self, output_cls: type[Model], llm_kwargs: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
-        """``llm_kwargs`` as an ``OpenAI`` / ``OpenAILike`` makes them for a structured prediction, and
-        whether it asks for a ``response_format`` rather than a forced tool call."""
-        kwargs = dict(llm_kwargs or {})
-        inner = self._engine.inner
-        if not openai_family(inner):
-            return kwargs, False
-        if inner._should_use_structure_outputs():
-            return inner._prepare_schema(kwargs, output_cls), True
-        kwargs.setdefault("tool_choice", "required")
-        return kwargs, False
+        responses = self._in_threads(await asyncio.to_thread(self._stream, prompt_to_messages(prompt), kwargs))
+        return astream_chat_response_to_completion_response(responses)
 
     def structured_predict(self, output_cls: type[Model], prompt: PromptTemplate, llm_kwargs: dict[str, Any] | None = None,
                            **prompt_args: Any) -> Model:
-        """As the wrapped LLM predicts it (LlamaIndex's own way for any other LLM), every call through trimkit."""
-        kwargs, schema = self._structured_kwargs(output_cls, llm_kwargs)
-        if schema:
-            response = self.chat(self._extend_messages(prompt.format_messages(**prompt_args)), **kwargs)
+        """As the wrapped ``OpenAI`` / ``OpenAILike`` predicts it (a ``response_format``, else a forced tool call;
+        LlamaIndex's own way for any other LLM), every call through trimkit."""
+        kwargs, inner = dict(llm_kwargs or {}), self._inner
+        if openai_family(inner) and inner._should_use_structure_outputs():
+            response = self.chat(self._extend_messages(prompt.format_messages(**prompt_args)), **inner._prepare_schema(kwargs, output_cls))
             return output_cls.model_validate_json(str(response.message.content))
+        if openai_family(inner):
+            kwargs.setdefault("tool_choice", "required")
         return super().structured_predict(output_cls, prompt, llm_kwargs=kwargs, **prompt_args)
 
     async def astructured_predict(self, output_cls: type[Model], prompt: PromptTemplate, llm_kwargs: dict[str, Any] | None = None,
                                   **prompt_args: Any) -> Model:
-        kwargs, schema = self._structured_kwargs(output_cls, llm_kwargs)
-        if schema:
-            response = await self.achat(self._extend_messages(prompt.format_messages(**prompt_args)), **kwargs)
-            return output_cls.model_validate_json(str(response.message.content))
-        return await super().astructured_predict(output_cls, prompt, llm_kwargs=kwargs, **prompt_args)
+        """:meth:`structured_predict` in a worker thread, as every async call here."""
+        return await asyncio.to_thread(lambda: self.structured_predict(output_cls, prompt, llm_kwargs, **prompt_args))
 
     # -- tools (FunctionCallingLLM): the wrapped LLM's own where it calls tools itself (OpenAILike), else trimkit's
     def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
@@ -688,7 +581,6 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
     _values: ValueModel | None = PrivateAttr(default=None)
     _strategies: Any = PrivateAttr(default=None)
     _plans: deque[Plan] = PrivateAttr()
-    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
     _last_layer_s: float = PrivateAttr(default=0.0)
     _decode: dict[str, Any] = PrivateAttr(default_factory=dict)
 
@@ -707,8 +599,8 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
         elif client_kind(llm) == "wrapper":
             self._front = llm
         elif llm is not None:
-            engine = engine_of(llm, self.ttft_budget_s, summarizer=None)
-            self._front, self._decode = engine.front_end, dict(engine.params)
+            self._front = engine_of(llm, self.ttft_budget_s, summarizer=None)[0]
+            self._decode = _decode_params(llm) if isinstance(llm, LLM) else {}
         if self._budget() is None:
             raise InvalidInputError("TrimkitPostprocessor needs a TTFT budget: ttft_budget_s=, or an llm that has one")
         self._profile = profile
@@ -724,19 +616,17 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
     @property
     def last_plan(self) -> Plan | None:
         """The plan of the latest call: what it kept, dropped and cut, and the predicted TTFT."""
-        with self._lock:
-            return self._plans[-1] if self._plans else None
+        return self._plans[-1] if self._plans else None
 
     @property
     def last_layer_s(self) -> float:
         """Seconds the latest call spent converting nodes to chunks and kept chunks back to nodes."""
-        with self._lock:
-            return self._last_layer_s
+        return self._last_layer_s
 
     @property
     def plans(self) -> list[Plan]:
-        with self._lock:
-            return list(self._plans)
+        """The latest plans, oldest first (``max_plans`` of them)."""
+        return list(self._plans)
 
     def _budget(self) -> float | None:
         if self.ttft_budget_s is not None:
@@ -769,9 +659,8 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
                       rag_template=self.rag_template, rag_chunk_template=self.rag_chunk_template, **engine)
         t0 = time.perf_counter()
         kept = kept_nodes(result.kept_chunks, nodes)
-        with self._lock:
-            self._plans.append(result)
-            self._last_layer_s = layer + time.perf_counter() - t0
+        self._plans.append(result)
+        self._last_layer_s = layer + time.perf_counter() - t0
         return result, kept
 
     def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
