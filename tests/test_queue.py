@@ -379,7 +379,7 @@ def test_the_queue_empties_on_finish_close_and_garbage_collection(chat):
     del rs
     gc.collect()
     assert len(chat.queue) == 0  # dropped unfinished (the wrapper still remembers the request it sent)
-    assert chat.last_prepared is not None and not chat.last_prepared.ticket.in_flight
+    assert chat.last_prepared is not None and chat.last_prepared.ticket not in chat.queue.in_flight()
     prepared = chat.prepare(ask(4))  # planned, never sent, dropped
     ticket = weakref.ref(prepared.ticket)
     assert len(chat.queue) == 0

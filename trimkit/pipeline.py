@@ -211,16 +211,13 @@ class Pipeline:
         budget = self.ttft_budget_s if ttft_budget_s is None else valid_budget(ttft_budget_s)
         busy = self.on_busy if on_busy is None else check_on_busy(on_busy)
         given = queue_wait(queue_wait_s)
-        # in line now, before counting: a request planned at the same time counts this one ahead
+        # in line while it is planned (a request planned at the same time counts it ahead), out until it is sent
         ticket = self.queue.enter() if self.queue is not None else None
         try:
             prepared = self._prepare(messages, chunks, params, budget, busy, given, ticket, t0, untrimmed)
-        except BaseException:
+        finally:
             if ticket is not None:
                 ticket.done()
-            raise
-        if ticket is not None:
-            ticket.planned()
         return attrs.evolve(prepared, warnings=(*prepared.warnings, *guarded))
 
     def untrimmed_tokens(self, messages: Any, chunks: Sequence[Chunk], params: Mapping[str, Any]) -> list[int]:
