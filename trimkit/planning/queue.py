@@ -7,8 +7,8 @@ before it, and the context it finds is the last one's prompt. Tickets are held w
 
 from __future__ import annotations
 
-import math
 import itertools
+import math
 import statistics
 import threading
 import time
