@@ -12,6 +12,7 @@ from typing import Any
 
 import attr
 import attrs
+import numpy as np
 
 from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError, count, non_negative_finite, positive_finite, real_float
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, evaluated_tokens, largest_fitting
@@ -109,32 +110,20 @@ class DecodeModel:
         return 1.0 / self.step_s(mean_context(context_tokens, output_tokens))
 
 
-def _weighted_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
-    """Least squares of ``y = a + b·x`` on relative error (weights 1/y²); None when singular."""
-    ws = [1.0 / (y * y) for y in ys]
-    sw = sum(ws)
-    mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / sw
-    my = sum(w * y for w, y in zip(ws, ys, strict=True)) / sw
-    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
-    if sxx <= 0:
-        return None
-    b = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True)) / sxx
-    return my - b * mx, b
-
-
 def _flat(ys: list[float]) -> float:
     """The constant nearest every ``y`` in relative error: Σ(1/y) / Σ(1/y²)."""
     return sum(1.0 / y for y in ys) / sum(1.0 / (y * y) for y in ys)
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """``(base, slope)`` of the relative-error line through the points, flat (slope 0) when
-    the points share one context, when the slope comes out below 0 (a decode step never gets
-    cheaper with more context: noise) or when the line reaches 0 s at no context (wild noise)."""
-    line = _weighted_line(xs, ys) if len(set(xs)) > 1 else None
-    if line is None or line[1] < 0 or line[0] <= 0:
-        return _flat(ys), 0.0
-    return line
+    """``(base, slope)`` of the least-squares line through the points on relative error (weights 1/y²), flat (slope 0) when
+    the points share one context, when the slope comes out below 0 (a decode step never gets cheaper with more context:
+    noise) or when the line reaches 0 s at no context (wild noise)."""
+    if len(set(xs)) > 1:
+        slope, base = np.polyfit(xs, ys, 1, w=[1.0 / y for y in ys])
+        if slope >= 0 and base > 0:
+            return float(base), float(slope)
+    return _flat(ys), 0.0
 
 
 def _slope_within_noise(points: list[DecodePoint], slope: float) -> bool:
