@@ -44,10 +44,6 @@ def mean_context(prompt_tokens: int, output_tokens: int = 0) -> float:
     return float(prompt_tokens) + max(int(output_tokens) - 2, 0) / 2.0
 
 
-def _context(value: Any) -> float:
-    return non_negative_finite(value, "context_tokens")
-
-
 def _source(instance: Any, attribute: Any, value: Any) -> None:
     if value not in DECODE_SOURCES:
         raise InvalidInputError(f"source must be one of {', '.join(DECODE_SOURCES)}, got {value!r}")
@@ -59,7 +55,7 @@ class DecodePoint:
     before each step) was ``context_tokens``. ``spread_pct``: how much the single steps varied around their median
     (median absolute deviation, % of the median; None when the steps were not timed one by one)."""
 
-    context_tokens: float = attrs.field(converter=_context)
+    context_tokens: float = attrs.field(converter=lambda v: non_negative_finite(v, "context_tokens"))
     tokens_per_s: float = attrs.field(converter=lambda v: positive_finite(v, "tokens_per_s"))
     steps: int = attrs.field(default=1, converter=lambda v: count(v, "steps", minimum=1))
     source: str = attrs.field(default="calibration", validator=_source)

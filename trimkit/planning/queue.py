@@ -180,7 +180,7 @@ class EngineQueue:
     def decode_s(self, params: Mapping[str, Any], tokens_per_s: float, room: int | None = None) -> float:
         """The predicted decode time after the first token (0 when no speed is known)."""
         speed = self.tokens_per_s(tokens_per_s)
-        if not speed or speed <= 0:
+        if not speed > 0:
             return 0.0
         return (self.answer_tokens(params, room) - 1) / speed
 

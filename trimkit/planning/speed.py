@@ -263,9 +263,7 @@ class LiveProfile:
 
     @staticmethod
     def _sample(new_tokens: Any, cached_tokens: Any, seconds: Any) -> PrefillSample | None:
-        if not (_is_count(new_tokens) and new_tokens >= 1 and _is_count(cached_tokens) and cached_tokens >= 0):
-            return None
-        if not _positive(seconds):
+        if not (_is_count(new_tokens) and new_tokens >= 1 and _is_count(cached_tokens) and cached_tokens >= 0 and _positive(seconds)):
             return None
         return PrefillSample(int(new_tokens), int(cached_tokens), float(seconds), source="live")
 
@@ -435,12 +433,9 @@ _MAX_BY_VALUE = 256
 
 
 def _identity_of(backend: Any) -> Any:
-    get = getattr(backend, "engine_identity", None)
-    if get is None:
-        return backend
     try:
-        return get()
-    except Exception:  # an identity that cannot be told: the backend object is its own engine
+        return backend.engine_identity()
+    except Exception:  # no identity, or one that cannot be told: the backend object is its own engine
         return backend
 
 
