@@ -1,8 +1,9 @@
 """One engine's concurrency: the requests in flight, the wait they predict, and the lock they take (docs/scaling.md §1).
 
 One in-process ``Llama`` serves one request at a time (:class:`EngineLease`, first come, first served). Every wrapper of
-the engine shares one :class:`EngineQueue`: a request's predicted wait is the remaining work of those that entered
-before it, and the context it finds is the last one's prompt. Tickets are held weakly: one whose stream is gone no longer counts.
+the engine shares one :class:`EngineQueue`: a request's predicted wait is the remaining work of those in flight ahead of
+it, and the context it finds is the last one's prompt. A request is in flight while it is planned and from the moment it
+asks for the engine until its stream lets go of it (ends, fails, is closed or collected).
 """
 
 from __future__ import annotations
