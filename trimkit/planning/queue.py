@@ -133,10 +133,7 @@ class EngineQueue:
     def context_after(self, ticket: Ticket | None = None) -> Sequence[int] | None:
         """The prompt of the last request ahead of ``ticket`` (``()`` while unknown); None when nobody is ahead."""
         ahead = self.ahead(ticket)
-        if not ahead:
-            return None
-        last = ahead[-1].prompt_tokens
-        return () if last is None else last
+        return (ahead[-1].prompt_tokens or ()) if ahead else None
 
     def wait_s(self, ticket: Ticket | None = None, *, default_s: float | None = None) -> float:
         return self.predict(ticket, default_s=default_s)[0]
