@@ -329,17 +329,12 @@ class LiveProfile:
         calib = [s for s in profile.samples if s.source == "calibration"]
         kwargs: dict[str, Any] = {"n_batch": model.n_batch, "batched": model.per_batch_s > 0, "depth_prior_tokens": profile.depth_prior_tokens}
         speed_only = error_stats((model.prefill_s(s.new_tokens, s.cached_tokens) * _median_ratio(model, live), s.seconds) for s in live)
-        speed = _median_ratio(self._calibration_fit(calib, kwargs) if calib else self._calibration.model, live)
+        if calib and self._calib_fit is None:
+            self._calib_fit = fit_cost_model(calib, **kwargs)  # the calibration's own samples, fitted once
+        speed = _median_ratio(self._calib_fit or self._calibration.model, live)
         candidate = fit_cost_model(calib + [attrs.evolve(s, seconds=s.seconds / speed) for s in live], **kwargs)
         refit = error_stats((candidate.prefill_s(s.new_tokens, s.cached_tokens) * speed, s.seconds) for s in live)
-        if refit.median_pct < speed_only.median_pct - REFIT_TIE_PCT:
-            return candidate
-        return None
-
-    def _calibration_fit(self, calib: list[PrefillSample], kwargs: dict[str, Any]) -> CostModel:
-        if self._calib_fit is None:
-            self._calib_fit = fit_cost_model(calib, **kwargs)
-        return self._calib_fit
+        return candidate if refit.median_pct < speed_only.median_pct - REFIT_TIE_PCT else None
 
     @property
     def observations(self) -> int:
