@@ -244,8 +244,9 @@ def _json(kind: str, value: Any, where: str) -> Any:
         if not isinstance(value, expected):
             raise ProfileError(f"{where} must be a {expected.__name__}, got {type(value).__name__}")
         return value
+    number = {"int": lambda v: count(v, where), "float": real_float, "float | None": real_float}[kind]  # a field of another type: add it
     try:
-        return count(value, where) if kind == "int" else real_float(value)
+        return number(value)
     except InvalidInputError as exc:
         raise ProfileError(str(exc) if where in str(exc) else f"{where}: {exc}") from None
 
