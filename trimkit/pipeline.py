@@ -133,7 +133,8 @@ class Pipeline:
         self.engine: EngineState = engine_state(backend, profile)
         self.live: LiveProfile = self.engine.live
         #: the engine's in-flight queue, shared with every wrapper of it (None: not a one-at-a-time engine)
-        self.queue: EngineQueue | None = self.engine.queue if isinstance(getattr(backend, "engine", None), EngineLease) else None
+        lease = getattr(backend, "engine", None)
+        self.queue: EngineQueue | None = lease.queue if isinstance(lease, EngineLease) else None
         self.watch_prefill = bool(watch_prefill)
         self.reports: list[Report] = []  # most recent last; bounded
         self.max_reports = 256
@@ -472,8 +473,9 @@ class Pipeline:
         outcome = None
         if prepared.watched and prepared.budget_s is not None and report.measured_ttft_s is not None and prepared.predicted_ttft_s:
             outcome = (report.measured_ttft_s, prepared.predicted_ttft_s)
-        refined = self.engine.learn(_whole_request(m, prepared), persist_every=self.persist_every,
-                                    answer_capped=answer_cap(params) is not None, watched=prepared.watched, outcome=outcome)
+        if self.queue is not None:
+            self.queue.observe(params, m)
+        refined = self.engine.learn(_whole_request(m, prepared), persist_every=self.persist_every, watched=prepared.watched, outcome=outcome)
         if refined is not None:
             try:
                 save_profile(refined)

@@ -182,6 +182,13 @@ class EngineQueue:
             return 0.0
         return (self.answer_tokens(params, room) - 1) / speed
 
+    def observe(self, params: Mapping[str, Any], m: Any) -> None:
+        """A request with ``params`` finished, measured as ``m``: its stream's decode speed, and (without ``max_tokens``) its
+        answer's length."""
+        self.observe_stream(m.completion_tokens, m.ttft_s if m.ttft_s is not None else m.first_output_s, m.total_s)
+        if answer_cap(params) is None:
+            self.observe_answer(m.completion_tokens)
+
 
 def answer_cap(params: Mapping[str, Any]) -> int | None:
     """``max_tokens`` or ``max_completion_tokens`` (> 0), else None."""
@@ -243,14 +250,16 @@ def wait_bound_s(budget_s: float | None, wait_s: float | None, default_s: float)
 
 
 class EngineLease:
-    """One ``Llama``'s lock: one holder at a time, waiters served first come, first served.
+    """One ``Llama``'s lock and its :attr:`queue` (``clock``: the engine's): one holder at a time, waiters served first come,
+    first served.
 
     ``with lease.section(timeout_s, ticket):`` holds it for a block in this thread (re-entrant; ``with lease:`` uses the
     default bound), the request's ticket in the engine's queue meanwhile; :meth:`hold` takes it for a stream, released once
     from any thread (a stream opened in a section takes over its ticket). A waiter past ``timeout_s`` gets EngineBusyError.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.queue = EngineQueue(clock)
         # re-entrant: a stream collected while this thread holds the lock gives the engine back from inside
         self._cond = threading.Condition(threading.RLock())
         self._thread: int | None = None  # the thread whose section holds the engine
@@ -321,7 +330,7 @@ class EngineLease:
         """Hold the engine for a block of code in this thread; yields the seconds waited. ``ticket``: the request's, in its
         queue from now until the block ends or, if the block opens a stream (:meth:`hold`), until that stream lets go."""
         if ticket is not None:
-            ticket.queue.enter(ticket)
+            self.queue.enter(ticket)
         try:
             waited = self.__enter__(timeout_s, ticket)
         except BaseException:
@@ -359,13 +368,14 @@ _ENGINES: weakref.WeakKeyDictionary[Any, EngineLease] = weakref.WeakKeyDictionar
 _ENGINES_LOCK = threading.Lock()
 
 
-def engine_lease(engine: Any) -> EngineLease:
-    """The one lease of ``engine``, shared by every backend over it (a fresh one if it cannot be weakly referenced)."""
+def engine_lease(engine: Any, clock: Callable[[], float] = time.perf_counter) -> EngineLease:
+    """The one lease of ``engine``, shared by every backend over it (a fresh one if it cannot be weakly referenced); ``clock``:
+    its queue's, if it is made now."""
     with _ENGINES_LOCK:
         try:
             lease = _ENGINES.get(engine)
             if lease is None:
-                lease = _ENGINES[engine] = EngineLease()
+                lease = _ENGINES[engine] = EngineLease(clock)
             return lease
         except TypeError:
-            return EngineLease()
+            return EngineLease(clock)

@@ -14,7 +14,6 @@ import numbers
 import os
 import statistics
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -26,7 +25,6 @@ import numpy as np
 from trimkit.errors import count, positive_finite
 from trimkit.planning.costs import CostModel, PrefillSample, error_stats, evaluated_tokens, fit_cost_model
 from trimkit.planning.profile import DecodePoint, Profile, mean_context
-from trimkit.planning.queue import EngineQueue
 
 log = logging.getLogger("trimkit")
 #: measured prefills kept per engine (one a request): the spread the margin reads
@@ -355,12 +353,11 @@ PROVISIONAL_PERSIST_EVERY = 4
 
 
 class EngineState:
-    """What one engine has learned (the live profile) and its requests in flight (``queue``: kept across recalibrations)."""
+    """What one engine has learned: its live profile and speed estimate (its requests in flight are its lease's queue)."""
 
-    def __init__(self, profile: Profile, *, queue: EngineQueue | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, profile: Profile) -> None:
         self.live = LiveProfile(profile, refit_every=REFIT_EVERY, eager_refits=EAGER_REFITS)
         self.speed = self.live.speed
-        self.queue = queue if queue is not None else EngineQueue(clock)
         self.calibration = (profile.key, profile.created_at)
 
     def safety_margin(self, target: float = DEFAULT_TARGET, *, extrapolation: float = 1.0, share: float = 1.0) -> float:
@@ -386,16 +383,11 @@ class EngineState:
     def slowdown_warnings(self) -> list[str]:
         return self.speed.slowdown_warnings(self.live.speed_factor(), lambda: _threads_hint(self.live.current))
 
-    def learn(self, m: Any, *, persist_every: int = 0, answer_capped: bool = True, watched: bool = False,
-              outcome: tuple[float, float] | None = None) -> Profile | None:
+    def learn(self, m: Any, *, persist_every: int = 0, watched: bool = False, outcome: tuple[float, float] | None = None) -> Profile | None:
         """What one finished request's Measurement ``m`` teaches the engine; returns the refined profile to store every
         ``persist_every`` measured prefills (more often while provisional), else None."""
         if outcome is not None:
             self.speed.observe_outcome(*outcome)
-        measured = m.ttft_s if m.ttft_s is not None else m.first_output_s
-        self.queue.observe_stream(m.completion_tokens, measured, m.total_s)
-        if not answer_capped:
-            self.queue.observe_answer(m.completion_tokens)
         self.live.observe_decode(m.decode_tokens_per_s, m.completion_tokens, m.prompt_tokens)
         self.live.observe_first_token(m.ttft_s, m.engine_prefill_s, m.prompt_tokens)
         if m.engine_prefill_s is None or not m.evaluated_tokens:
@@ -435,8 +427,8 @@ def _identity_of(backend: Any) -> Any:
 
 
 def engine_state(backend: Any, profile: Profile) -> EngineState:
-    """The live state of ``backend``'s engine: the existing one if it grew from ``profile``'s calibration, else a new one
-    (keeping the old in-flight queue). Engines named by an object are held weakly, by a value the 256 latest."""
+    """The live state of ``backend``'s engine: the existing one if it grew from ``profile``'s calibration, else a new one.
+    Engines named by an object are held weakly, by a value the 256 latest."""
     identity = _identity_of(backend)
     tag = (profile.key, profile.created_at)
     try:
@@ -447,9 +439,7 @@ def engine_state(backend: Any, profile: Profile) -> EngineState:
     with _lock:
         state = table.get(identity)
         if state is None or state.calibration != tag:
-            old = state
-            state = EngineState(profile, queue=old.queue if old is not None else None,
-                                clock=getattr(backend, "clock", None) or time.perf_counter)
+            state = EngineState(profile)
             if table is _by_value:
                 _by_value.pop(identity, None)
                 while len(_by_value) >= _MAX_BY_VALUE:
