@@ -392,6 +392,15 @@ def test_the_queue_empties_on_finish_close_and_garbage_collection(chat):
     assert not chat.backend.engine.busy
 
 
+def test_a_request_sent_inside_a_section_of_the_engine_leaves_the_queue_with_its_stream(chat, fake):
+    with fake.lock:  # this thread holds the engine already: the request goes ahead of no one, its stream takes over its ticket
+        rs = chat.create_chat_completion(messages=ask(1), stream=True, max_tokens=3)
+        assert len(chat.queue) == 1
+    assert len(chat.queue) == 1  # the stream still holds the engine
+    list(rs)
+    assert len(chat.queue) == 0 and not fake.engine.busy
+
+
 class BreakingFake(FakeBackend):
     """A fake whose stream (holding the engine) breaks after its first content chunk."""
 

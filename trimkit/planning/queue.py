@@ -308,8 +308,8 @@ class EngineLease:
     def __enter__(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S, ticket: Ticket | None = None) -> float:
         with self._cond:
             waited = self._wait(timeout_s, "call")
-            if self._depth == 0:
-                self._thread, self._ticket = threading.get_ident(), ticket
+            self._thread = threading.get_ident()
+            self._ticket = self._ticket or ticket
             self._depth += 1
         if ticket is not None:
             ticket.holding()
