@@ -14,7 +14,7 @@ import attr
 import attrs
 import numpy as np
 
-from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError, count, non_negative_finite, positive_finite, real_float
+from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError, attrs_non_negative, count, non_negative_finite, positive_finite, real_float
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, evaluated_tokens, largest_fitting
 
 # -- the decode line: decode speed as a function of context ----------------------------------------------
@@ -314,10 +314,6 @@ def _is(kind: Any) -> Callable[[Any, Any, Any], None]:
     return check
 
 
-def _non_negative(instance: Any, attribute: Any, value: Any) -> None:
-    non_negative_finite(value, attribute.name)
-
-
 def _count(instance: Any, attribute: Any, value: Any) -> None:
     count(value, attribute.name)
 
@@ -354,12 +350,12 @@ class Profile:
 
     key: ProfileKey = attrs.field(validator=_is(ProfileKey))
     model: CostModel = attrs.field(validator=_is(CostModel))
-    first_token_s: float = attrs.field(converter=real_float, validator=_non_negative)
-    decode_tokens_per_s: float = attrs.field(converter=real_float, validator=_non_negative)
+    first_token_s: float = attrs.field(converter=real_float, validator=attrs_non_negative)
+    decode_tokens_per_s: float = attrs.field(converter=real_float, validator=attrs_non_negative)
     samples: tuple[PrefillSample, ...] = attrs.field(converter=tuple, validator=attrs.validators.deep_iterable(_is(PrefillSample)), repr=False)
     error: ErrorStats = attrs.field(validator=_is(ErrorStats))
     alternatives: Mapping[str, Any] = attrs.field(factory=dict, validator=_is(Mapping), repr=False)
-    calibration_wall_s: float = attrs.field(default=0.0, converter=real_float, validator=_non_negative)
+    calibration_wall_s: float = attrs.field(default=0.0, converter=real_float, validator=attrs_non_negative)
     created_at: float = attrs.field(default=0.0, converter=real_float, validator=_finite)
     #: predictions multiply by drift and budgets divide by it: 0, negative or NaN would poison both
     drift: float = attrs.field(default=1.0, validator=lambda i, a, v: positive_finite(v, a.name))
@@ -371,7 +367,7 @@ class Profile:
     probed_new_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[0], takes_self=True), validator=_count)
     probed_context_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[1], takes_self=True), validator=_count)
     #: the wall-time budget calibration ran under, seconds (0.0: unknown)
-    time_budget_s: float = attrs.field(default=0.0, converter=real_float, validator=_non_negative)
+    time_budget_s: float = attrs.field(default=0.0, converter=real_float, validator=attrs_non_negative)
     #: True when the first-token overhead was estimated, not measured
     first_token_estimated: bool = attrs.field(default=False, validator=_is(bool))
     #: measured decode speeds at known contexts (calibration's, then served requests'); default: ``decode_tokens_per_s`` at
@@ -379,9 +375,9 @@ class Profile:
     decode_points: tuple[DecodePoint, ...] = attrs.field(default=attrs.Factory(_legacy_decode_points, takes_self=True), converter=_tuple,
                                                          validator=attrs.validators.deep_iterable(_is(DecodePoint)), repr=False)
     #: the architecture's attention doubling length, tokens: the prior of every fit of the samples (0.0: unknown)
-    attention_prior_tokens: float = attrs.field(default=0.0, converter=real_float, validator=_non_negative)
+    attention_prior_tokens: float = attrs.field(default=0.0, converter=real_float, validator=attrs_non_negative)
     #: first-token overhead per prompt token, cached ones included (tokenizing the prompt), on top of ``first_token_s``
-    first_token_per_token_s: float = attrs.field(default=0.0, converter=real_float, validator=_non_negative)
+    first_token_per_token_s: float = attrs.field(default=0.0, converter=real_float, validator=attrs_non_negative)
 
     @property
     def depth_prior_tokens(self) -> float | None:
