@@ -379,7 +379,7 @@ def test_the_queue_empties_on_finish_close_and_garbage_collection(chat):
     del rs
     gc.collect()
     assert len(chat.queue) == 0  # dropped unfinished (the wrapper still remembers the request it sent)
-    assert chat.last_prepared is not None and not chat.last_prepared.ticket.in_flight
+    assert chat.last_prepared is not None and chat.last_prepared.ticket not in chat.queue.in_flight()
     prepared = chat.prepare(ask(4))  # planned, never sent, dropped
     ticket = weakref.ref(prepared.ticket)
     assert len(chat.queue) == 0
@@ -390,6 +390,15 @@ def test_the_queue_empties_on_finish_close_and_garbage_collection(chat):
     rs.timed.close()  # the engine's stream closed under the wrapper: it no longer holds the engine
     assert len(chat.queue) == 0
     assert not chat.backend.engine.busy
+
+
+def test_a_request_sent_inside_a_section_of_the_engine_leaves_the_queue_with_its_stream(chat, fake):
+    with fake.lock:  # this thread holds the engine already: the request goes ahead of no one, its stream takes over its ticket
+        rs = chat.create_chat_completion(messages=ask(1), stream=True, max_tokens=3)
+        assert len(chat.queue) == 1
+    assert len(chat.queue) == 1  # the stream still holds the engine
+    list(rs)
+    assert len(chat.queue) == 0 and not fake.engine.busy
 
 
 class BreakingFake(FakeBackend):

@@ -133,7 +133,8 @@ class Pipeline:
         self.engine: EngineState = engine_state(backend, profile)
         self.live: LiveProfile = self.engine.live
         #: the engine's in-flight queue, shared with every wrapper of it (None: not a one-at-a-time engine)
-        self.queue: EngineQueue | None = self.engine.queue if isinstance(getattr(backend, "engine", None), EngineLease) else None
+        lease = getattr(backend, "engine", None)
+        self.queue: EngineQueue | None = lease.queue if isinstance(lease, EngineLease) else None
         self.watch_prefill = bool(watch_prefill)
         self.reports: list[Report] = []  # most recent last; bounded
         self.max_reports = 256
@@ -233,16 +234,13 @@ class Pipeline:
         budget = self.ttft_budget_s if ttft_budget_s is None else valid_budget(ttft_budget_s)
         busy = self.on_busy if on_busy is None else check_on_busy(on_busy)
         given = queue_wait(queue_wait_s)
-        # in line now, before counting: a request planned at the same time counts this one ahead
+        # in line while it is planned (a request planned at the same time counts it ahead), out until it is sent
         ticket = self.queue.enter() if self.queue is not None else None
         try:
             prepared = self._prepare(request, budget, busy, given, ticket, t0)
-        except BaseException:
+        finally:
             if ticket is not None:
                 ticket.done()
-            raise
-        if ticket is not None:
-            ticket.planned()
         return prepared
 
     def _prepare(self, request: Request, budget: float | None, on_busy: str, given_wait: float | None, ticket: Ticket | None, t0: float) -> Prepared:
@@ -474,8 +472,9 @@ class Pipeline:
         outcome = None
         if prepared.watched and prepared.budget_s is not None and report.measured_ttft_s is not None and prepared.predicted_ttft_s:
             outcome = (report.measured_ttft_s, prepared.predicted_ttft_s)
-        refined = self.engine.learn(_whole_request(m, prepared), persist_every=self.persist_every,
-                                    answer_capped=answer_cap(params) is not None, watched=prepared.watched, outcome=outcome)
+        if self.queue is not None:
+            self.queue.observe(params, m)
+        refined = self.engine.learn(_whole_request(m, prepared), persist_every=self.persist_every, watched=prepared.watched, outcome=outcome)
         if refined is not None:
             try:
                 save_profile(refined)

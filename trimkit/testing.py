@@ -91,7 +91,7 @@ class FakeBackend(Backend):
         self.reuse_prefix = reuse_prefix
         self.kv: list[int] = []
         self.calls: list[tuple[list[Any], dict[str, Any]]] = []
-        self.engine = EngineLease()
+        self.engine = EngineLease(self.clock)
         self.lock = self.engine
 
     def profile_key(self) -> ProfileKey:

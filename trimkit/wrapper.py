@@ -41,24 +41,12 @@ class Trimmer(FrontEnd):
         here for the stream, waiting at most the budget (else ``engine_wait_s``) plus twice the
         predicted wait (then :class:`~trimkit.errors.EngineBusyError`); the wait is reported."""
         backend = self.pipeline.backend
-        ticket = getattr(prepared, "ticket", None)
-        if ticket is not None:
-            ticket.sent()  # in the count again: it waits for the engine now
-        try:
-            with self._engine_section(prepared) as waited:
-                if ticket is not None:
-                    ticket.holding()
-                if prepared.snapshot is not None:
-                    backend.restore_prefix(prepared.snapshot)  # type: ignore[attr-defined]
-                watch = self.pipeline.watched(prepared, waited_s=waited or 0.0)
-                extra = {"watch": watch} if watch is not None else {}
-                ts = backend.send(prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens, **extra)
-        except BaseException:
-            if ticket is not None:
-                ticket.done()  # never sent: out of the engine's queue
-            raise
-        if ticket is not None:
-            ticket.attach(ts)
+        with self._engine_section(prepared) as waited:
+            if prepared.snapshot is not None:
+                backend.restore_prefix(prepared.snapshot)  # type: ignore[attr-defined]
+            watch = self.pipeline.watched(prepared, waited_s=waited or 0.0)
+            extra = {"watch": watch} if watch is not None else {}
+            ts = backend.send(prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens, **extra)
         if waited:
             ts.queue_s = getattr(ts, "queue_s", 0.0) + waited
         prepared = self.pipeline.sent(prepared, waited_s=waited or 0.0)
@@ -67,13 +55,13 @@ class Trimmer(FrontEnd):
         return ReportingStream(ts, self.pipeline, prepared, params, watch=watch)
 
     def _engine_section(self, prepared: Prepared) -> AbstractContextManager[float]:
-        """The engine for this request (yields the seconds waited): a section of its lease;
-        ``hold_engine`` for a backend without a lease; nothing for a server."""
+        """The engine for this request (yields the seconds waited): a section of its lease, the request's ticket in the
+        engine's queue until its stream ends; ``hold_engine`` for a backend without a lease; nothing for a server."""
         backend = self.pipeline.backend
         bound = wait_bound_s(prepared.budget_s, getattr(prepared, "queue_wait_s", None), getattr(backend, "engine_wait_s", DEFAULT_ENGINE_WAIT_S))
         lease = getattr(backend, "engine", None)
         if isinstance(lease, EngineLease):
-            return lease.section(bound)
+            return lease.section(bound, getattr(prepared, "ticket", None))
         hold_engine = getattr(backend, "hold_engine", None)
         return hold_engine(bound) if hold_engine is not None else contextlib.nullcontext(0.0)
 

@@ -163,7 +163,7 @@ class LlamaBackend(Backend):
         self.llm = llm
         self.clock = clock
         self.tokenizer = llama_prompt_tokenizer(llm)
-        self.engine = engine_lease(llm)
+        self.engine = engine_lease(llm, clock)
         self.lock = self.engine
         self.prefix_reuse_works: bool | None = None  # learned from requests that should hit
         self._reuse_misses = 0

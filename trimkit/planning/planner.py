@@ -103,12 +103,8 @@ def _finish(state: PlanState, *, exact_tokens: int, before: tuple[int, float], m
                 request_messages=ctx.messages)
 
 
-def _minimal(state: PlanState) -> Candidate:
-    """System messages and the last user turn; no history, summary or chunks."""
-    return Candidate(removed=frozenset(i for s, e in state.ctx.history_turns for i in range(s, e)))
-
-
 def _minimal_state(state: PlanState, c: Candidate, reason: str) -> PlanState:
+    """``c`` (the minimal prompt: system messages and the last user turn) as a state, with the action that made it."""
     if not c.removed and not state.ctx.chunks:
         return PlanState(state.ctx, c)  # the request is already minimal: nothing to report
     action = Action("minimal", f"{reason}: kept only system messages and the last user turn ({len(c.removed)} message(s) and "
@@ -153,7 +149,7 @@ def plan(messages: Sequence[Mapping[str, Any]], *, ttft_budget_s: float, profile
         ctx.correction += max(exact - state.prediction.prompt_tokens, 1)
     ctx.correction = 0
 
-    smallest = _minimal(state0)
+    smallest = Candidate(removed=frozenset(i for s, e in ctx.history_turns for i in range(s, e)))  # no history, summary or chunks
     exact = ctx.exact_tokens(smallest)
     feasible = ctx.fits(exact, ctx.predict(exact, ctx.cached_for(ctx.layout(smallest), exact), 0.0))
     reason = "the strategies could not meet the budget" if feasible else "budget infeasible"

@@ -10,9 +10,11 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import attr
 import attrs
+import numpy as np
 
-from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError, count, non_negative_finite, positive_finite, real_float
+from trimkit.errors import InvalidInputError, InvalidNumberError, ProfileError, attrs_non_negative, count, non_negative_finite, positive_finite, real_float
 from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, evaluated_tokens, largest_fitting
 
 # -- the decode line: decode speed as a function of context ----------------------------------------------
@@ -42,10 +44,6 @@ def mean_context(prompt_tokens: int, output_tokens: int = 0) -> float:
     return float(prompt_tokens) + max(int(output_tokens) - 2, 0) / 2.0
 
 
-def _context(value: Any) -> float:
-    return non_negative_finite(value, "context_tokens")
-
-
 def _source(instance: Any, attribute: Any, value: Any) -> None:
     if value not in DECODE_SOURCES:
         raise InvalidInputError(f"source must be one of {', '.join(DECODE_SOURCES)}, got {value!r}")
@@ -57,7 +55,7 @@ class DecodePoint:
     before each step) was ``context_tokens``. ``spread_pct``: how much the single steps varied around their median
     (median absolute deviation, % of the median; None when the steps were not timed one by one)."""
 
-    context_tokens: float = attrs.field(converter=_context)
+    context_tokens: float = attrs.field(converter=lambda v: non_negative_finite(v, "context_tokens"))
     tokens_per_s: float = attrs.field(converter=lambda v: positive_finite(v, "tokens_per_s"))
     steps: int = attrs.field(default=1, converter=lambda v: count(v, "steps", minimum=1))
     source: str = attrs.field(default="calibration", validator=_source)
@@ -108,32 +106,20 @@ class DecodeModel:
         return 1.0 / self.step_s(mean_context(context_tokens, output_tokens))
 
 
-def _weighted_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
-    """Least squares of ``y = a + b·x`` on relative error (weights 1/y²); None when singular."""
-    ws = [1.0 / (y * y) for y in ys]
-    sw = sum(ws)
-    mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / sw
-    my = sum(w * y for w, y in zip(ws, ys, strict=True)) / sw
-    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
-    if sxx <= 0:
-        return None
-    b = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True)) / sxx
-    return my - b * mx, b
-
-
 def _flat(ys: list[float]) -> float:
     """The constant nearest every ``y`` in relative error: Σ(1/y) / Σ(1/y²)."""
     return sum(1.0 / y for y in ys) / sum(1.0 / (y * y) for y in ys)
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """``(base, slope)`` of the relative-error line through the points, flat (slope 0) when
-    the points share one context, when the slope comes out below 0 (a decode step never gets
-    cheaper with more context: noise) or when the line reaches 0 s at no context (wild noise)."""
-    line = _weighted_line(xs, ys) if len(set(xs)) > 1 else None
-    if line is None or line[1] < 0 or line[0] <= 0:
-        return _flat(ys), 0.0
-    return line
+    """``(base, slope)`` of the least-squares line through the points on relative error (weights 1/y²), flat (slope 0) when
+    the points share one context, when the slope comes out below 0 (a decode step never gets cheaper with more context:
+    noise) or when the line reaches 0 s at no context (wild noise)."""
+    if len(set(xs)) > 1:
+        slope, base = np.polyfit(xs, ys, 1, w=[1.0 / y for y in ys])
+        if slope >= 0 and base > 0:
+            return float(base), float(slope)
+    return _flat(ys), 0.0
 
 
 def _slope_within_noise(points: list[DecodePoint], slope: float) -> bool:
@@ -233,43 +219,6 @@ def json_object(value: Any, where: str) -> Mapping[str, Any]:
     return value
 
 
-def json_str(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise ProfileError(f"{where} must be a string, got {type(value).__name__}")
-    return value
-
-
-def json_bool(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ProfileError(f"{where} must be true or false, got {type(value).__name__}")
-    return value
-
-
-def json_int(value: Any, where: str, minimum: int = 0) -> int:
-    try:
-        return count(value, where, minimum=minimum)
-    except InvalidNumberError as exc:
-        raise ProfileError(str(exc)) from None
-
-
-def json_number(value: Any, where: str, check: Callable[[float, str], Any] | None = None) -> float:
-    try:
-        v = real_float(value)
-        if check is not None:
-            check(v, where)
-    except InvalidInputError as exc:
-        raise ProfileError(f"{where}: {exc}" if where not in str(exc) else str(exc)) from None
-    return v
-
-
-def _number(check: Callable[[float, str], Any] | None = None) -> Callable[[Any, str], float]:
-    return lambda v, w: json_number(v, w, check)
-
-
-def _int(minimum: int = 0) -> Callable[[Any, str], int]:
-    return lambda v, w: json_int(v, w, minimum)
-
-
 def checked(make: Callable[..., Any], where: str, **kwargs: Any) -> Any:
     """``make(**kwargs)``, its validation errors as a ProfileError naming ``where``."""
     try:
@@ -278,49 +227,41 @@ def checked(make: Callable[..., Any], where: str, **kwargs: Any) -> Any:
         raise ProfileError(f"{where}: {exc}") from None
 
 
-def _fields(cls: Any, data: Any, where: str, readers: Mapping[str, Callable[[Any, str], Any]]) -> dict[str, Any]:
-    """``cls``'s fields read from the JSON object ``data`` (a field with a default may be absent or null)."""
+def _json(kind: str, value: Any, where: str) -> Any:
+    """``value`` as a field annotated ``kind`` takes it (its JSON type checked; the class it goes into checks the rest)."""
+    if kind.startswith("tuple[") and kind.endswith(", ...]"):
+        if not isinstance(value, list):
+            raise ProfileError(f"{where} must be a list, got {type(value).__name__}")
+        return tuple(_json(kind[6:-6], item, f"{where}[{i}]") for i, item in enumerate(value))
+    if kind in _RECORDS:
+        return checked(_RECORDS[kind], where, **_fields(_RECORDS[kind], value, where))
+    if kind == "tuple[float, float]":
+        if not isinstance(value, list) or len(value) != 2:
+            raise ProfileError(f"{where} must be a [predicted, measured] pair")
+        return (_json("float", value[0], f"{where}[0]"), _json("float", value[1], f"{where}[1]"))
+    expected = {"str": str, "bool": bool, "Mapping[str, Any]": dict}.get(kind)
+    if expected is not None:
+        if not isinstance(value, expected):
+            raise ProfileError(f"{where} must be a {expected.__name__}, got {type(value).__name__}")
+        return value
+    number = {"int": lambda v: count(v, where), "float": real_float, "float | None": real_float}[kind]  # a field of another type: add it
+    try:
+        return number(value)
+    except InvalidInputError as exc:
+        raise ProfileError(str(exc) if where in str(exc) else f"{where}: {exc}") from None
+
+
+def _fields(cls: Any, data: Any, where: str) -> dict[str, Any]:
+    """``cls``'s fields read from the JSON object ``data`` by their annotations (a field with a default may be absent or null)."""
     data = json_object(data, where)
     out = {}
     for f in attrs.fields(cls):
         name = f"{where}.{f.name}" if where else f.name
-        if f.name in readers and (data.get(f.name) is not None or f.default is attrs.NOTHING):
+        if data.get(f.name) is not None or f.default is attrs.NOTHING:
             if f.name not in data:
                 raise ProfileError(f"{name} is missing")
-            out[f.name] = readers[f.name](data[f.name], name)
+            out[f.name] = _json(str(f.type), data[f.name], name)
     return out
-
-
-def _read(cls: Any, readers: Mapping[str, Callable[[Any, str], Any]]) -> Callable[[Any, str], Any]:
-    return lambda data, where: checked(cls, where, **_fields(cls, data, where, readers))
-
-
-def _list(read: Callable[[Any, str], Any]) -> Callable[[Any, str], tuple[Any, ...]]:
-    def read_all(data: Any, where: str) -> tuple[Any, ...]:
-        if not isinstance(data, list):
-            raise ProfileError(f"{where} must be a list, got {type(data).__name__}")
-        return tuple(read(item, f"{where}[{i}]") for i, item in enumerate(data))
-
-    return read_all
-
-
-def read_model(data: Any, where: str = "model") -> CostModel:
-    model: CostModel = _read(CostModel, {"overhead_s": _number(), "per_token_s": _number(), "depth_s": _number(), "per_batch_s": _number(),
-                                         "n_batch": _int(1)})(data, where)
-    for n in (1, 1000):
-        try:
-            predicted = model.prefill_s(n, 0)
-        except (OverflowError, ZeroDivisionError):  # pragma: no cover - coefficients are finite floats
-            predicted = math.inf
-        if not (predicted > 0 and math.isfinite(predicted)):
-            raise ProfileError(f"model predicts {predicted!r} s for a {n}-token prompt (need a finite time > 0)")
-    return model
-
-
-def _pair(data: Any, where: str) -> tuple[float, float]:
-    if not isinstance(data, list) or len(data) != 2:
-        raise ProfileError(f"{where} must be a [predicted, measured] pair")
-    return json_number(data[0], f"{where}[0]", non_negative_finite), json_number(data[1], f"{where}[1]", non_negative_finite)
 
 
 SCHEMA_VERSION = 1
@@ -356,16 +297,35 @@ class ProfileKey:
 
 
 def _pairs(value: Any) -> tuple[tuple[float, float], ...]:
-    """(predicted, measured) pairs as a tuple of float 2-tuples (JSON gives lists)."""
+    """(predicted, measured) pairs, seconds >= 0, as a tuple of float 2-tuples (JSON gives lists)."""
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
         raise InvalidNumberError(f"residuals must be a list of (predicted, measured) pairs, got {type(value).__name__}")
-    out = []
-    for pair in value:
-        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise InvalidNumberError(f"each residual must be a (predicted, measured) pair, got {type(pair).__name__}")
-        p, m = pair
-        out.append((real_float(p), real_float(m)))
-    return tuple(out)
+    if any(not isinstance(pair, (list, tuple)) or len(pair) != 2 for pair in value):
+        raise InvalidNumberError("each residual must be a (predicted, measured) pair")
+    return tuple((non_negative_finite(p, "residuals"), non_negative_finite(m, "residuals")) for p, m in value)
+
+
+def _is(kind: Any) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator: ``isinstance(value, kind)``, else InvalidInputError."""
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if not isinstance(value, kind):
+            raise InvalidInputError(f"{attribute.name} must be a {kind.__name__}, got {type(value).__name__}")
+
+    return check
+
+
+def _count(instance: Any, attribute: Any, value: Any) -> None:
+    count(value, attribute.name)
+
+
+def _mode(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, str) or value not in CALIBRATION_MODES:
+        raise InvalidInputError(f"mode must be one of {', '.join(CALIBRATION_MODES)}, got {value!r}")
+
+
+def _finite(instance: Any, attribute: Any, value: Any) -> None:
+    if not math.isfinite(value):
+        raise InvalidNumberError(f"{attribute.name} must be finite, got {value!r}")
 
 
 def _legacy_decode_points(profile: Any) -> tuple[DecodePoint, ...]:
@@ -374,12 +334,8 @@ def _legacy_decode_points(profile: Any) -> tuple[DecodePoint, ...]:
     return (DecodePoint(LEGACY_DECODE_CONTEXT_TOKENS, tps),) if tps > 0 and math.isfinite(tps) else ()
 
 
-def _decode_points(value: Any) -> tuple[DecodePoint, ...]:
-    points = tuple(value)
-    for i, p in enumerate(points):
-        if not isinstance(p, DecodePoint):
-            raise InvalidInputError(f"decode_points[{i}] must be a DecodePoint, got {type(p).__name__}")
-    return points
+def _tuple(value: Iterable[Any]) -> tuple[Any, ...]:
+    return tuple(value)
 
 
 def _reach(samples: Sequence[PrefillSample]) -> tuple[int, int]:
@@ -392,56 +348,36 @@ def _reach(samples: Sequence[PrefillSample]) -> tuple[int, int]:
 class Profile:
     """A measured prefill profile. Use :meth:`predict_ttft_s` to predict a request's TTFT."""
 
-    key: ProfileKey
-    model: CostModel
-    first_token_s: float = attrs.field(converter=real_float)
-    decode_tokens_per_s: float = attrs.field(converter=real_float)
-    samples: tuple[PrefillSample, ...] = attrs.field(converter=tuple, repr=False)
-    error: ErrorStats
-    alternatives: Mapping[str, Any] = attrs.field(factory=dict, repr=False)
-    calibration_wall_s: float = attrs.field(default=0.0, converter=real_float)
-    created_at: float = attrs.field(default=0.0, converter=real_float)
-    drift: float = 1.0
+    key: ProfileKey = attrs.field(validator=_is(ProfileKey))
+    model: CostModel = attrs.field(validator=_is(CostModel))
+    first_token_s: float = attrs.field(converter=real_float, validator=attrs_non_negative)
+    decode_tokens_per_s: float = attrs.field(converter=real_float, validator=attrs_non_negative)
+    samples: tuple[PrefillSample, ...] = attrs.field(converter=tuple, validator=attrs.validators.deep_iterable(_is(PrefillSample)), repr=False)
+    error: ErrorStats = attrs.field(validator=_is(ErrorStats))
+    alternatives: Mapping[str, Any] = attrs.field(factory=dict, validator=_is(Mapping), repr=False)
+    calibration_wall_s: float = attrs.field(default=0.0, converter=real_float, validator=attrs_non_negative)
+    created_at: float = attrs.field(default=0.0, converter=real_float, validator=_finite)
+    #: predictions multiply by drift and budgets divide by it: 0, negative or NaN would poison both
+    drift: float = attrs.field(default=1.0, validator=lambda i, a, v: positive_finite(v, a.name))
     #: calibration's held-out (predicted, measured) prefill seconds: they seed the learned safety margin
     residuals: tuple[tuple[float, float], ...] = attrs.field(default=(), converter=_pairs, repr=False)
     #: how it was calibrated: "micro" (provisional), "quick" or "full"
-    mode: str = "full"
+    mode: str = attrs.field(default="full", validator=_mode)
     #: the most new tokens and the deepest context (new + cached) probed; by default read off the samples
-    probed_new_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[0], takes_self=True))
-    probed_context_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[1], takes_self=True))
+    probed_new_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[0], takes_self=True), validator=_count)
+    probed_context_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[1], takes_self=True), validator=_count)
     #: the wall-time budget calibration ran under, seconds (0.0: unknown)
-    time_budget_s: float = attrs.field(default=0.0, converter=real_float)
+    time_budget_s: float = attrs.field(default=0.0, converter=real_float, validator=attrs_non_negative)
     #: True when the first-token overhead was estimated, not measured
-    first_token_estimated: bool = attrs.field(default=False)
+    first_token_estimated: bool = attrs.field(default=False, validator=_is(bool))
     #: measured decode speeds at known contexts (calibration's, then served requests'); default: ``decode_tokens_per_s`` at
     #: :data:`LEGACY_DECODE_CONTEXT_TOKENS`; empty when decode was not measured
-    decode_points: tuple[DecodePoint, ...] = attrs.field(default=attrs.Factory(_legacy_decode_points, takes_self=True),
-                                                         converter=_decode_points, repr=False)
+    decode_points: tuple[DecodePoint, ...] = attrs.field(default=attrs.Factory(_legacy_decode_points, takes_self=True), converter=_tuple,
+                                                         validator=attrs.validators.deep_iterable(_is(DecodePoint)), repr=False)
     #: the architecture's attention doubling length, tokens: the prior of every fit of the samples (0.0: unknown)
-    attention_prior_tokens: float = attrs.field(default=0.0, converter=real_float)
+    attention_prior_tokens: float = attrs.field(default=0.0, converter=real_float, validator=attrs_non_negative)
     #: first-token overhead per prompt token, cached ones included (tokenizing the prompt), on top of ``first_token_s``
-    first_token_per_token_s: float = attrs.field(default=0.0, converter=real_float)
-
-    def __attrs_post_init__(self) -> None:
-        # past construction, code trusts these types: check them once here
-        for name, kind in (("key", ProfileKey), ("model", CostModel), ("error", ErrorStats), ("alternatives", Mapping)):
-            if not isinstance(getattr(self, name), kind):
-                raise InvalidInputError(f"{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
-        for i, s in enumerate(self.samples):
-            if not isinstance(s, PrefillSample):
-                raise InvalidInputError(f"samples[{i}] must be a PrefillSample, got {type(s).__name__}")
-        for name in ("first_token_s", "decode_tokens_per_s", "calibration_wall_s", "time_budget_s", "attention_prior_tokens", "first_token_per_token_s"):
-            non_negative_finite(getattr(self, name), name)
-        if not math.isfinite(self.created_at):
-            raise InvalidNumberError(f"created_at must be finite, got {self.created_at!r}")
-        # predictions multiply by drift and budgets divide by it: 0, negative or NaN would poison both
-        positive_finite(self.drift, "drift")
-        if not isinstance(self.mode, str) or self.mode not in CALIBRATION_MODES:
-            raise InvalidInputError(f"mode must be one of {', '.join(CALIBRATION_MODES)}, got {self.mode!r}")
-        count(self.probed_new_tokens, "probed_new_tokens")
-        count(self.probed_context_tokens, "probed_context_tokens")
-        if not isinstance(self.first_token_estimated, bool):
-            raise InvalidInputError(f"first_token_estimated must be a bool, got {type(self.first_token_estimated).__name__}")
+    first_token_per_token_s: float = attrs.field(default=0.0, converter=real_float, validator=attrs_non_negative)
 
     @property
     def depth_prior_tokens(self) -> float | None:
@@ -545,15 +481,8 @@ class Profile:
         return rows
 
     def to_dict(self) -> dict[str, Any]:
-        def plain(value: Any) -> Any:
-            if hasattr(value, "to_dict"):
-                return value.to_dict()
-            if isinstance(value, tuple):
-                return [plain(v) for v in value]
-            return dict(value) if isinstance(value, Mapping) else value
-
-        # "quick": what files before ``mode`` said (older readers check it)
-        return {"schema": SCHEMA_VERSION, "quick": self.mode != "full", **{f.name: plain(getattr(self, f.name)) for f in attrs.fields(Profile)}}
+        # "quick": what files before ``mode`` said (older readers check it); ``attr.asdict`` makes every tuple a list
+        return {"schema": SCHEMA_VERSION, "quick": self.mode != "full", **attr.asdict(self)}
 
     @classmethod
     def from_dict(cls, data: Any) -> Profile:
@@ -564,45 +493,21 @@ class Profile:
         if type(schema) is not int or schema != SCHEMA_VERSION:  # not True, not 1.0
             shown = repr(schema) if isinstance(schema, (int, str, type(None))) and len(repr(schema)) < 40 else type(schema).__name__
             raise ProfileError(f"profile schema {shown} is not {SCHEMA_VERSION}")
-        quick = json_bool(data.get("quick", False), "quick")  # files before ``mode``: quick or full
-        kwargs = _fields(Profile, data, "", _PROFILE_READERS)
+        quick = _json("bool", data.get("quick", False), "quick")  # files before ``mode``: quick or full
+        kwargs = _fields(Profile, data, "")
         kwargs.setdefault("mode", "quick" if quick else "full")
         if (kwargs["mode"] != "full") != quick and "quick" in data:
             raise ProfileError(f"quick={quick} contradicts mode={kwargs['mode']!r} (quick is True for micro and quick profiles)")
+        for n in (1, 1000):
+            predicted = kwargs["model"].prefill_s(n, 0)
+            if not (predicted > 0 and math.isfinite(predicted)):
+                raise ProfileError(f"model predicts {predicted!r} s for a {n}-token prompt (need a finite time > 0)")
         return checked(Profile, "profile", **kwargs)
 
 
-def _alternatives(value: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, dict):
-        raise ProfileError(f"alternatives must be a JSON object, got {type(value).__name__}")
-    return value
-
-
-_KEY_READERS = {f.name: _int() if f.type in (int, "int") else json_str for f in attrs.fields(ProfileKey)}
-_PROFILE_READERS: dict[str, Callable[[Any, str], Any]] = {
-    "key": _read(ProfileKey, _KEY_READERS),
-    "model": read_model,
-    # numbers are checked by Profile itself (checked() makes its errors ProfileErrors)
-    "first_token_s": _number(),
-    "decode_tokens_per_s": _number(),
-    "samples": _list(_read(PrefillSample, {"new_tokens": _int(1), "cached_tokens": _int(), "seconds": _number(non_negative_finite),
-                                           "source": json_str})),
-    "error": _read(ErrorStats, {"median_pct": _number(), "p90_pct": _number(), "max_pct": _number(), "n": _int()}),
-    "alternatives": _alternatives,
-    "calibration_wall_s": _number(),
-    "created_at": _number(),
-    "drift": _number(),
-    "residuals": _list(_pair),
-    "mode": json_str,
-    "probed_new_tokens": _int(),
-    "probed_context_tokens": _int(),
-    "time_budget_s": _number(),
-    "first_token_estimated": json_bool,
-    "decode_points": _list(_read(DecodePoint, {"context_tokens": _number(non_negative_finite), "tokens_per_s": _number(), "steps": _int(1),
-                                               "source": json_str, "spread_pct": _number(non_negative_finite)})),
-    "attention_prior_tokens": _number(),
-    "first_token_per_token_s": _number(),
-}
+#: the records a stored profile holds, by the name its fields are annotated with
+_RECORDS: dict[str, Any] = {"ProfileKey": ProfileKey, "CostModel": CostModel, "PrefillSample": PrefillSample, "ErrorStats": ErrorStats,
+                            "DecodePoint": DecodePoint}
 
 
 @functools.lru_cache(maxsize=16)

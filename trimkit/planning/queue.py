@@ -1,12 +1,14 @@
 """One engine's concurrency: the requests in flight, the wait they predict, and the lock they take (docs/scaling.md §1).
 
 One in-process ``Llama`` serves one request at a time (:class:`EngineLease`, first come, first served). Every wrapper of
-the engine shares one :class:`EngineQueue`: a request's predicted wait is the remaining work of those that entered
-before it, and the context it finds is the last one's prompt. Tickets are held weakly: one whose stream is gone no longer counts.
+the engine shares one :class:`EngineQueue`: a request's predicted wait is the remaining work of those in flight ahead of
+it, and the context it finds is the last one's prompt. A request is in flight while it is planned and from the moment it
+asks for the engine until its stream lets go of it (ends, fails, is closed or collected).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import threading
@@ -52,7 +54,8 @@ def _count(value: Any) -> bool:
 
 
 class Ticket:
-    """One request in an :class:`EngineQueue`: its predicted work and how far it has got (every call idempotent)."""
+    """One request on an engine: its predicted work and how far it has got. It is in its queue while it waits for or holds
+    the engine (see :meth:`EngineLease.section`) or while it is planned; :meth:`done` (idempotent) takes it out."""
 
     def __init__(self, queue: EngineQueue, seq: int) -> None:
         self.queue = queue
@@ -62,62 +65,28 @@ class Ticket:
         self.prompt_tokens: Sequence[int] | None = None  # what the context holds after it
         self.held_at: float | None = None
         self.first_token_at: float | None = None
-        self.finished = False
-        self.parked = False  # planned, not sent yet: a request planned and never sent must not make others trim
-        self._stream: Any = None  # weakref to the TimedStream, once sent
-        self._stream_holds = False
 
     def estimate(self, ttft_s: float, decode_s: float, prompt_tokens: Sequence[int] | None = None) -> None:
         self.ttft_s, self.decode_s = max(float(ttft_s), 0.0), max(float(decode_s), 0.0)
         if prompt_tokens is not None:
             self.prompt_tokens = prompt_tokens
 
-    def planned(self) -> None:
-        self.parked = True
-
-    def sent(self) -> None:
-        self.parked = False
-
     def holding(self) -> None:
         if self.held_at is None:
             self.held_at = self.queue.clock()
-
-    def attach(self, stream: Any) -> None:
-        """The stream that holds the engine: the ticket stops counting when it ends, is released or is collected."""
-        try:
-            self._stream = weakref.ref(stream)
-        except TypeError:
-            return
-        self._stream_holds = not getattr(stream, "released", True)
 
     def first_token(self) -> None:
         if self.first_token_at is None:
             self.first_token_at = self.queue.clock()
 
     def done(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.queue._remove(self.seq)
-
-    @property
-    def in_flight(self) -> bool:
-        if self.finished or self.parked:
-            return False
-        if self._stream is None:
-            return True
-        stream = self._stream()
-        if stream is None or getattr(stream, "ended_at", None) is not None:
-            return False
-        return not (self._stream_holds and getattr(stream, "released", False))
+        self.queue.leave(self)
 
     def work_s(self, default_s: float = 0.0) -> float:
         """All its predicted work: TTFT + decode (``default_s`` while its TTFT is not known yet)."""
         return default_s if self.ttft_s is None else self.ttft_s + self.decode_s
 
-    def remaining_s(self, now: float | None = None, default_s: float = 0.0) -> float:
-        if not self.in_flight:
-            return 0.0
-        now = self.queue.clock() if now is None else now
+    def remaining_s(self, now: float, default_s: float = 0.0) -> float:
         if self.first_token_at is not None:
             return max(self.decode_s - (now - self.first_token_at), 0.0)
         if self.held_at is not None and self.ttft_s is not None:
@@ -131,56 +100,40 @@ class EngineQueue:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self._lock = threading.Lock()
-        self._seq = 0
-        self._tickets: dict[int, weakref.ref[Ticket]] = {}  # seq → ticket, in entry order
-        self._dropped: deque[int] = deque()  # tickets garbage-collected, to remove (never under a lock)
+        self._seq = itertools.count(1)
+        self._tickets: list[Ticket] = []
         self._answers: deque[int] = deque(maxlen=ANSWER_WINDOW)
         self._speeds: deque[float] = deque(maxlen=ANSWER_WINDOW)  # decode tokens/s of recent streams
 
-    def enter(self) -> Ticket:
+    def enter(self, ticket: Ticket | None = None) -> Ticket:
+        """``ticket`` (default: a new one) at the end of the line."""
         with self._lock:
-            self._seq += 1
-            ticket = Ticket(self, self._seq)
-            self._tickets[ticket.seq] = weakref.ref(ticket, self._forget(ticket.seq))
+            ticket = Ticket(self, next(self._seq)) if ticket is None else ticket
+            if ticket not in self._tickets:
+                self._tickets.append(ticket)
             return ticket
 
-    def _forget(self, seq: int) -> Callable[[Any], None]:
-        def forget(_ref: Any) -> None:  # the collector may run this in a thread that holds a lock: take none, only note it
-            self._dropped.append(seq)
-
-        return forget
-
-    def _remove(self, seq: int) -> None:
+    def leave(self, ticket: Ticket) -> None:
         with self._lock:
-            self._tickets.pop(seq, None)
+            if ticket in self._tickets:
+                self._tickets.remove(ticket)
 
     def in_flight(self) -> list[Ticket]:
-        """The requests in flight, in entry order (planned ones not sent yet are kept, and left out)."""
-        while self._dropped:
-            self._remove(self._dropped.popleft())
+        """The requests in flight, in entry order."""
         with self._lock:
-            tickets = [t for t in (ref() for ref in self._tickets.values()) if t is not None]
-        out = []
-        for t in tickets:
-            if t.in_flight:
-                out.append(t)
-            elif not t.parked:
-                self._remove(t.seq)
-        return out
+            return list(self._tickets)
 
     def __len__(self) -> int:
         return len(self.in_flight())
 
     def ahead(self, ticket: Ticket | None = None) -> list[Ticket]:
-        return [t for t in self.in_flight() if ticket is None or t.seq < ticket.seq]
+        tickets = self.in_flight()
+        return tickets[: tickets.index(ticket)] if ticket in tickets else tickets
 
     def context_after(self, ticket: Ticket | None = None) -> Sequence[int] | None:
         """The prompt of the last request ahead of ``ticket`` (``()`` while unknown); None when nobody is ahead."""
         ahead = self.ahead(ticket)
-        if not ahead:
-            return None
-        last = ahead[-1].prompt_tokens
-        return () if last is None else last
+        return (ahead[-1].prompt_tokens or ()) if ahead else None
 
     def wait_s(self, ticket: Ticket | None = None, *, default_s: float | None = None) -> float:
         return self.predict(ticket, default_s=default_s)[0]
@@ -225,9 +178,16 @@ class EngineQueue:
     def decode_s(self, params: Mapping[str, Any], tokens_per_s: float, room: int | None = None) -> float:
         """The predicted decode time after the first token (0 when no speed is known)."""
         speed = self.tokens_per_s(tokens_per_s)
-        if not speed or speed <= 0:
+        if not speed > 0:
             return 0.0
         return (self.answer_tokens(params, room) - 1) / speed
+
+    def observe(self, params: Mapping[str, Any], m: Any) -> None:
+        """A request with ``params`` finished, measured as ``m``: its stream's decode speed, and (without ``max_tokens``) its
+        answer's length."""
+        self.observe_stream(m.completion_tokens, m.ttft_s if m.ttft_s is not None else m.first_output_s, m.total_s)
+        if answer_cap(params) is None:
+            self.observe_answer(m.completion_tokens)
 
 
 def answer_cap(params: Mapping[str, Any]) -> int | None:
@@ -290,17 +250,21 @@ def wait_bound_s(budget_s: float | None, wait_s: float | None, default_s: float)
 
 
 class EngineLease:
-    """One ``Llama``'s lock: one holder at a time, waiters served first come, first served.
+    """One ``Llama``'s lock and its :attr:`queue` (``clock``: the engine's): one holder at a time, waiters served first come,
+    first served.
 
-    ``with lease.section(timeout_s):`` holds it for a block in this thread (re-entrant; ``with lease:`` uses the default
-    bound); :meth:`hold` takes it for a stream, released once from any thread. A waiter past ``timeout_s`` gets EngineBusyError.
+    ``with lease.section(timeout_s, ticket):`` holds it for a block in this thread (re-entrant; ``with lease:`` uses the
+    default bound), the request's ticket in the engine's queue meanwhile; :meth:`hold` takes it for a stream, released once
+    from any thread (a stream opened in a section takes over its ticket). A waiter past ``timeout_s`` gets EngineBusyError.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.queue = EngineQueue(clock)
         # re-entrant: a stream collected while this thread holds the lock gives the engine back from inside
         self._cond = threading.Condition(threading.RLock())
         self._thread: int | None = None  # the thread whose section holds the engine
         self._depth = 0
+        self._ticket: Ticket | None = None  # the section's request, until a stream takes it over
         self._streams = 0  # open stream holds
         self._line: deque[object] = deque()  # the waiters, first come first
 
@@ -341,26 +305,38 @@ class EngineLease:
             self._cond.notify_all()  # the head of the line may have changed
         return time.perf_counter() - t0
 
-    def _enter(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S) -> float:
+    def __enter__(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S, ticket: Ticket | None = None) -> float:
         with self._cond:
             waited = self._wait(timeout_s, "call")
             self._thread = threading.get_ident()
+            self._ticket = self._ticket or ticket
             self._depth += 1
+        if ticket is not None:
+            ticket.holding()
         return waited
 
     def __exit__(self, *exc: Any) -> None:
         with self._cond:
             self._depth -= 1
-            if self._depth == 0:
-                self._thread = None
-                self._cond.notify_all()
-
-    __enter__ = _enter
+            if self._depth > 0:
+                return
+            ticket, self._thread, self._ticket = self._ticket, None, None
+            self._cond.notify_all()
+        if ticket is not None:  # no stream took it over: out of the queue
+            ticket.done()
 
     @contextmanager
-    def section(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S) -> Iterator[float]:
-        """Hold the engine for a block of code in this thread; yields the seconds waited."""
-        waited = self._enter(timeout_s)
+    def section(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S, ticket: Ticket | None = None) -> Iterator[float]:
+        """Hold the engine for a block of code in this thread; yields the seconds waited. ``ticket``: the request's, in its
+        queue from now until the block ends or, if the block opens a stream (:meth:`hold`), until that stream lets go."""
+        if ticket is not None:
+            self.queue.enter(ticket)
+        try:
+            waited = self.__enter__(timeout_s, ticket)
+        except BaseException:
+            if ticket is not None:
+                ticket.done()
+            raise
         try:
             yield waited
         finally:
@@ -371,6 +347,9 @@ class EngineLease:
         with self._cond:
             waited = self._wait(timeout_s, "request")
             self._streams += 1
+            ticket = None
+            if self._thread == threading.get_ident():
+                ticket, self._ticket = self._ticket, None
         done = threading.Lock()
 
         def release() -> None:
@@ -379,6 +358,8 @@ class EngineLease:
             with self._cond:
                 self._streams -= 1
                 self._cond.notify_all()
+            if ticket is not None:
+                ticket.done()
 
         return release, waited
 
@@ -387,13 +368,14 @@ _ENGINES: weakref.WeakKeyDictionary[Any, EngineLease] = weakref.WeakKeyDictionar
 _ENGINES_LOCK = threading.Lock()
 
 
-def engine_lease(engine: Any) -> EngineLease:
-    """The one lease of ``engine``, shared by every backend over it (a fresh one if it cannot be weakly referenced)."""
+def engine_lease(engine: Any, clock: Callable[[], float] = time.perf_counter) -> EngineLease:
+    """The one lease of ``engine``, shared by every backend over it (a fresh one if it cannot be weakly referenced); ``clock``:
+    its queue's, if it is made now."""
     with _ENGINES_LOCK:
         try:
             lease = _ENGINES.get(engine)
             if lease is None:
-                lease = _ENGINES[engine] = EngineLease()
+                lease = _ENGINES[engine] = EngineLease(clock)
             return lease
         except TypeError:
-            return EngineLease()
+            return EngineLease(clock)

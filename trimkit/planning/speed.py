@@ -14,7 +14,6 @@ import numbers
 import os
 import statistics
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -26,7 +25,6 @@ import numpy as np
 from trimkit.errors import count, positive_finite
 from trimkit.planning.costs import CostModel, PrefillSample, error_stats, evaluated_tokens, fit_cost_model
 from trimkit.planning.profile import DecodePoint, Profile, mean_context
-from trimkit.planning.queue import EngineQueue
 
 log = logging.getLogger("trimkit")
 #: measured prefills kept per engine (one a request): the spread the margin reads
@@ -96,14 +94,12 @@ class SpeedEstimate:
     until served requests arrive. Thread-safe."""
 
     def __init__(self, seed: Iterable[PrefillSample] = (), *, window: int = WINDOW, prior: float = 1.0) -> None:
-        self._samples: deque[PrefillSample] = deque(maxlen=count(window, "window", minimum=1))
+        self._samples: deque[PrefillSample] = deque(seed, maxlen=count(window, "window", minimum=1))
         self._live = 0
         self._outcomes: deque[float] = deque(maxlen=OUTCOME_WINDOW)
         self.prior = positive_finite(prior, "prior")
         self._lock = threading.Lock()
         self._logged = False
-        for s in seed:
-            self._samples.append(s)
 
     def observe(self, sample: PrefillSample) -> None:
         with self._lock:
@@ -189,20 +185,10 @@ FIRST_TOKEN_RECENT = 5
 REFIT_TIE_PCT = 1e-6
 
 
-def _median_log_ratio(model: CostModel, samples: Sequence[PrefillSample]) -> float:
-    logs = []
-    for s in samples:
-        predicted = model.prefill_s(s.new_tokens, s.cached_tokens)
-        if predicted > 0 and s.seconds > 0:
-            logs.append(math.log(min(max(s.seconds / predicted, 0.2), 5.0)))
-    return statistics.median(logs) if logs else 0.0
-
-
-def covering(profile: Profile, samples: Sequence[PrefillSample]) -> Profile:
-    new, context = profile.probed_range()
-    new = max([new, *(s.new_tokens for s in samples)])
-    context = max([context, *(s.new_tokens + s.cached_tokens for s in samples)])
-    return attrs.evolve(profile, probed_new_tokens=new, probed_context_tokens=context)
+def _median_ratio(model: CostModel, samples: Sequence[PrefillSample]) -> float:
+    """The geometric middle of ``samples``' measured ÷ predicted (1 for none)."""
+    logs = [math.log(r) for r in (_ratio(model, s) for s in samples) if r is not None]
+    return math.exp(statistics.median(logs)) if logs else 1.0
 
 
 def calibration_seed(profile: Profile) -> list[PrefillSample]:
@@ -236,7 +222,6 @@ class LiveProfile:
         self._live: deque[PrefillSample] = deque(maxlen=keep_live)
         self._seen = 0
         self.speed = SpeedEstimate(calibration_seed(profile), prior=profile.drift)
-        self._decode_points: deque[DecodePoint] = deque((p for p in profile.decode_points if p.source == "live"), maxlen=KEEP_DECODE_POINTS)
         self._first_token: deque[tuple[int | None, float]] = deque(maxlen=KEEP_FIRST_TOKEN_POINTS)
         self._lock = threading.Lock()
         self._profile = profile
@@ -276,9 +261,7 @@ class LiveProfile:
 
     @staticmethod
     def _sample(new_tokens: Any, cached_tokens: Any, seconds: Any) -> PrefillSample | None:
-        if not (_is_count(new_tokens) and new_tokens >= 1 and _is_count(cached_tokens) and cached_tokens >= 0):
-            return None
-        if not _positive(seconds):
+        if not (_is_count(new_tokens) and new_tokens >= 1 and _is_count(cached_tokens) and cached_tokens >= 0 and _positive(seconds)):
             return None
         return PrefillSample(int(new_tokens), int(cached_tokens), float(seconds), source="live")
 
@@ -287,14 +270,13 @@ class LiveProfile:
         if not (_is_count(completion_tokens) and completion_tokens >= MIN_DECODE_TOKENS and _positive(tokens_per_s)):
             return
         context = mean_context(int(context_tokens), int(completion_tokens)) if _is_count(context_tokens) and context_tokens >= 0 else 0
+        point = DecodePoint(context, float(tokens_per_s), int(completion_tokens) - 1, source="live")
         with self._lock:
-            self._decode_points.append(DecodePoint(context, float(tokens_per_s), int(completion_tokens) - 1, source="live"))
-            profile = attrs.evolve(self._profile, decode_points=self._with_live_decode(self._profile))
+            points = self._profile.decode_points
+            live = [p for p in points if p.source == "live"][1 - KEEP_DECODE_POINTS:]  # the latest, and this one
+            profile = attrs.evolve(self._profile, decode_points=(*(p for p in points if p.source != "live"), *live, point))
             at = profile.decode_tokens_per_s_at(int(context), 0)
             self._profile = attrs.evolve(profile, decode_tokens_per_s=at if at is not None else float(tokens_per_s))
-
-    def _with_live_decode(self, profile: Profile) -> tuple[DecodePoint, ...]:
-        return tuple(p for p in profile.decode_points if p.source != "live") + tuple(self._decode_points)
 
     def observe_first_token(self, ttft_s: Any, engine_prefill_s: Any, prompt_tokens: Any = None) -> None:
         """One request's first-token overhead: its TTFT less the engine's own prefill; ``prompt_tokens``: the whole prompt."""
@@ -333,7 +315,9 @@ class LiveProfile:
                 if refit_model is not None:
                     model = refit_model
                 # the measured lengths are no longer an extrapolation
-                profile = covering(profile, live)
+                new, context = profile.probed_range()
+                profile = attrs.evolve(profile, probed_new_tokens=max([new, *(s.new_tokens for s in live)]),
+                                       probed_context_tokens=max([context, *(s.new_tokens + s.cached_tokens for s in live)]))
         self._profile = attrs.evolve(profile, model=model, drift=self.speed.factor(model))
 
     def _refit(self, profile: Profile, live: list[PrefillSample]) -> CostModel | None:
@@ -342,19 +326,13 @@ class LiveProfile:
         model = profile.model
         calib = [s for s in profile.samples if s.source == "calibration"]
         kwargs: dict[str, Any] = {"n_batch": model.n_batch, "batched": model.per_batch_s > 0, "depth_prior_tokens": profile.depth_prior_tokens}
-        speed_only = error_stats((model.prefill_s(s.new_tokens, s.cached_tokens) * math.exp(_median_log_ratio(model, live)), s.seconds)
-                                 for s in live)
-        speed = math.exp(_median_log_ratio(self._calibration_fit(calib, kwargs) if calib else self._calibration.model, live))
+        speed_only = error_stats((model.prefill_s(s.new_tokens, s.cached_tokens) * _median_ratio(model, live), s.seconds) for s in live)
+        if calib and self._calib_fit is None:
+            self._calib_fit = fit_cost_model(calib, **kwargs)  # the calibration's own samples, fitted once
+        speed = _median_ratio(self._calib_fit or self._calibration.model, live)
         candidate = fit_cost_model(calib + [attrs.evolve(s, seconds=s.seconds / speed) for s in live], **kwargs)
         refit = error_stats((candidate.prefill_s(s.new_tokens, s.cached_tokens) * speed, s.seconds) for s in live)
-        if refit.median_pct < speed_only.median_pct - REFIT_TIE_PCT:
-            return candidate
-        return None
-
-    def _calibration_fit(self, calib: list[PrefillSample], kwargs: dict[str, Any]) -> CostModel:
-        if self._calib_fit is None:
-            self._calib_fit = fit_cost_model(calib, **kwargs)
-        return self._calib_fit
+        return candidate if refit.median_pct < speed_only.median_pct - REFIT_TIE_PCT else None
 
     @property
     def observations(self) -> int:
@@ -375,16 +353,12 @@ PROVISIONAL_PERSIST_EVERY = 4
 
 
 class EngineState:
-    """What one engine has learned (the live profile) and its requests in flight (``queue``: kept across recalibrations)."""
+    """What one engine has learned: its live profile and speed estimate (its requests in flight are its lease's queue)."""
 
-    def __init__(self, profile: Profile, *, queue: EngineQueue | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, profile: Profile) -> None:
         self.live = LiveProfile(profile, refit_every=REFIT_EVERY, eager_refits=EAGER_REFITS)
-        self.queue = queue if queue is not None else EngineQueue(clock)
-        self.calibration = _calibration_tag(profile)
-
-    @property
-    def speed(self) -> Any:
-        return self.live.speed
+        self.speed = self.live.speed
+        self.calibration = (profile.key, profile.created_at)
 
     def safety_margin(self, target: float = DEFAULT_TARGET, *, extrapolation: float = 1.0, share: float = 1.0) -> float:
         """The share of a budget to hold back for ``target`` of requests inside it; ``share``: of the prediction uncertain,
@@ -409,16 +383,11 @@ class EngineState:
     def slowdown_warnings(self) -> list[str]:
         return self.speed.slowdown_warnings(self.live.speed_factor(), lambda: _threads_hint(self.live.current))
 
-    def learn(self, m: Any, *, persist_every: int = 0, answer_capped: bool = True, watched: bool = False,
-              outcome: tuple[float, float] | None = None) -> Profile | None:
+    def learn(self, m: Any, *, persist_every: int = 0, watched: bool = False, outcome: tuple[float, float] | None = None) -> Profile | None:
         """What one finished request's Measurement ``m`` teaches the engine; returns the refined profile to store every
         ``persist_every`` measured prefills (more often while provisional), else None."""
         if outcome is not None:
             self.speed.observe_outcome(*outcome)
-        measured = m.ttft_s if m.ttft_s is not None else m.first_output_s
-        self.queue.observe_stream(m.completion_tokens, measured, m.total_s)
-        if not answer_capped:
-            self.queue.observe_answer(m.completion_tokens)
         self.live.observe_decode(m.decode_tokens_per_s, m.completion_tokens, m.prompt_tokens)
         self.live.observe_first_token(m.ttft_s, m.engine_prefill_s, m.prompt_tokens)
         if m.engine_prefill_s is None or not m.evaluated_tokens:
@@ -444,10 +413,6 @@ def _threads_hint(profile: Profile) -> str:
     return ""
 
 
-def _calibration_tag(profile: Profile) -> tuple[Any, ...]:
-    return (profile.key, profile.created_at)
-
-
 _lock = threading.Lock()
 _by_object: weakref.WeakKeyDictionary[Any, EngineState] = weakref.WeakKeyDictionary()
 _by_value: dict[Hashable, EngineState] = {}
@@ -455,20 +420,17 @@ _MAX_BY_VALUE = 256
 
 
 def _identity_of(backend: Any) -> Any:
-    get = getattr(backend, "engine_identity", None)
-    if get is None:
-        return backend
     try:
-        return get()
-    except Exception:  # an identity that cannot be told: the backend object is its own engine
+        return backend.engine_identity()
+    except Exception:  # no identity, or one that cannot be told: the backend object is its own engine
         return backend
 
 
 def engine_state(backend: Any, profile: Profile) -> EngineState:
-    """The live state of ``backend``'s engine: the existing one if it grew from ``profile``'s calibration, else a new one
-    (keeping the old in-flight queue). Engines named by an object are held weakly, by a value the 256 latest."""
+    """The live state of ``backend``'s engine: the existing one if it grew from ``profile``'s calibration, else a new one.
+    Engines named by an object are held weakly, by a value the 256 latest."""
     identity = _identity_of(backend)
-    tag = _calibration_tag(profile)
+    tag = (profile.key, profile.created_at)
     try:
         weakref.ref(identity)
         table: Any = _by_object
@@ -477,9 +439,7 @@ def engine_state(backend: Any, profile: Profile) -> EngineState:
     with _lock:
         state = table.get(identity)
         if state is None or state.calibration != tag:
-            old = state
-            state = EngineState(profile, queue=old.queue if old is not None else None,
-                                clock=getattr(backend, "clock", None) or time.perf_counter)
+            state = EngineState(profile)
             if table is _by_value:
                 _by_value.pop(identity, None)
                 while len(_by_value) >= _MAX_BY_VALUE:
