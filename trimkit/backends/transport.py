@@ -26,7 +26,6 @@ from typing import Any
 import attrs
 import httpx
 import tenacity
-from httpx_sse import EventSource, ServerSentEvent
 
 from trimkit.backends.base import Clock, Io, Measurement, Steps, TimedStream, run_sync
 from trimkit.backends.replies import (
@@ -183,59 +182,63 @@ def stream_reply_error(content_type: str | None, head: bytes, url: str) -> Serve
 
 # == server-sent events ======================================================================================
 
-_LINE_ENDS = re.compile(rb"[\r\n]+")  # a run of line ends; two or more in a run end an event
-_ONE_LINE_END = (b"\r", b"\n", b"\r\n")
-_END_OF_STREAM = b"\n\n"  # ends a last event that came without its blank line
-_EVENT_STREAM = {"content-type": "text/event-stream"}
+_LINE = re.compile(rb"([^\r\n]*)(\r\n|\r|\n)")  # a line and its end (a \r last in the bytes may be half a \r\n)
 
 
 class EventReader:
-    """The decisions about one event stream, without I/O: :meth:`feed` the bytes, :meth:`end` at the
-    end, :meth:`values` of each event httpx-sse parsed. Data is JSON; ``[DONE]`` ends the stream; an
-    ``error`` event raises ServerError; an event over ``max_event_bytes`` raises MalformedReplyError
-    (nothing past the cap buffered); a stream cut inside an event raises StreamInterruptedError."""
+    """One event stream, parsed without I/O (SSE: ``data:`` lines joined, ``event:``, comments):
+    :meth:`feed` the bytes, :meth:`end` at the end; each gives the JSON values of the events it completed.
+    ``[DONE]`` ends the stream; an ``error`` event raises ServerError; an event over ``max_event_bytes``
+    raises MalformedReplyError (nothing past the cap buffered); a stream cut inside an event raises StreamInterruptedError."""
 
     def __init__(self, max_event_bytes: int | None = None) -> None:
         self.max_event_bytes = MAX_EVENT_BYTES if max_event_bytes is None else max_event_bytes
         self.done = False  #: the server sent ``data: [DONE]``
-        self._pending = 0  # bytes since the blank line that ended the last event
-        self._tail = b""  # the last bytes fed: a run of line ends may continue in the next read
+        self._buf = bytearray()  # a line not ended yet
+        self._size = 0  # bytes of the event being read, in the lines ended so far
+        self._name = ""
+        self._data: list[str] = []
         self._ended = False
 
-    def feed(self, data: bytes) -> Iterator[bytes]:
-        """The bytes to hand to the parser; an event over the cap is cut where it starts, then MalformedReplyError."""
-        tail, buf = self._tail, self._tail + data
-        event_start = None  # in ``data``: where the event being read began
-        for run in _LINE_ENDS.finditer(buf):
-            if run.group() not in _ONE_LINE_END:
-                event_start = max(run.end() - len(tail), 0)
-                self._pending = len(buf) - run.end()
-        if event_start is None:
-            self._pending += len(data)
-        self._tail = buf[-3:]
-        if self._pending <= self.max_event_bytes:
-            yield data
-            return
-        kept = data[: event_start or 0]
-        if (tail + kept).endswith(b"\r"):  # the parser holds a last \r until it sees what follows
-            kept += b"\n"
-        yield kept
-        raise MalformedReplyError(f"the server sent a stream event longer than {self.max_event_bytes} bytes",
-                                  server_message=excerpt(data[event_start or 0 :][:500]))
+    def feed(self, data: bytes) -> Iterator[Any]:
+        """The values of the events ``data`` completes."""
+        self._buf += data
+        if b"\r" in data or b"\n" in data:
+            used = 0
+            for line in _LINE.finditer(self._buf):
+                if line.end() == len(self._buf) and line[2] == b"\r":  # the first half of a \r\n, maybe
+                    break
+                used, self._size = line.end(), self._size + len(line[0])
+                self._check(line[1], 0)
+                yield from self._line(line[1])
+            del self._buf[:used]
+        self._check(self._buf, len(self._buf))
 
-    def end(self) -> bytes:
-        """The bytes that complete a last event sent without its blank line."""
+    def end(self) -> Iterator[Any]:
+        """The value of a last event sent without its blank line."""
         self._ended = True
-        return _END_OF_STREAM
+        return self.feed(b"\n\n")
 
-    def values(self, event: ServerSentEvent) -> tuple[Any, ...]:
-        """The JSON value an event carries (none for ``[DONE]`` or an event without data)."""
-        data = event.data
+    def _check(self, sample: bytes | bytearray, pending: int) -> None:
+        if self._size + pending > self.max_event_bytes and not self._ended and not self.done:
+            raise MalformedReplyError(f"the server sent a stream event longer than {self.max_event_bytes} bytes",
+                                      server_message=excerpt(bytes(sample[:500])))
+
+    def _line(self, line: bytes | bytearray) -> Iterator[Any]:
+        if line:
+            field, _, value = line.decode("utf-8", "replace").partition(":")
+            if field == "data":
+                self._data.append(value.removeprefix(" "))
+            elif field == "event":
+                self._name = value.removeprefix(" ")
+            return
+        name, data, self._size = self._name, "\n".join(self._data), 0
+        self._name, self._data = "", []
         if not data or self.done:
-            return ()
+            return
         if data.strip() == "[DONE]":
             self.done = True
-            return ()
+            return
         if self._ended:  # the stream closed in the middle of this event: cut short, not garbled
             try:
                 json.loads(data)
@@ -244,43 +247,31 @@ class EventReader:
             except (ValueError, RecursionError):
                 pass  # load_json says what is wrong with it
         value = load_json(data, what="stream event")
-        if event.event == "error" or (isinstance(value, Mapping) and value.get("error") is not None and value.get("choices") is None):
+        if name == "error" or (isinstance(value, Mapping) and value.get("error") is not None and value.get("choices") is None):
             message = error_message(value)
             raise ServerError(f"the server reported an error mid-stream: {message}", status=200, server_message=message)
-        return (value,)
+        yield value
 
 
 def iter_events(byte_chunks: Iterable[bytes], reader: EventReader | None = None) -> Iterator[Any]:
     """The JSON events of an event stream's bytes, in order, until ``[DONE]`` or the end."""
     reader = reader or EventReader()
-
-    def body() -> Iterator[bytes]:
-        for data in byte_chunks:
-            yield from reader.feed(data)
-        yield reader.end()
-
-    with contextlib.closing(EventSource(httpx.Response(200, headers=_EVENT_STREAM, content=body())).iter_sse()) as events:
-        for event in events:
-            yield from reader.values(event)
-            if reader.done:
-                return
+    for data in byte_chunks:
+        yield from reader.feed(data)
+        if reader.done:
+            return
+    yield from reader.end()
 
 
 async def aiter_events(byte_chunks: AsyncIterable[bytes], reader: EventReader | None = None) -> AsyncIterator[Any]:
     reader = reader or EventReader()
-
-    async def body() -> AsyncIterator[bytes]:
-        async for data in byte_chunks:
-            for passed in reader.feed(data):
-                yield passed
-        yield reader.end()
-
-    async with contextlib.aclosing(EventSource(httpx.Response(200, headers=_EVENT_STREAM, content=body())).aiter_sse()) as events:
-        async for event in events:
-            for value in reader.values(event):
-                yield value
-            if reader.done:
-                return
+    async for data in byte_chunks:
+        for value in reader.feed(data):
+            yield value
+        if reader.done:
+            return
+    for value in reader.end():
+        yield value
 
 
 # == sending a request and opening its answer ================================================================
