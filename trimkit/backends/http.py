@@ -39,7 +39,6 @@ from trimkit.backends.transport import (
     StreamState,
     Wait,
     aread_chunks,
-    awith_retries,
     normalize_base_url,
     read_chunks,
     timed_stream,
@@ -343,19 +342,15 @@ class OpenAIHTTPBackend(ServerBackend):
 
     def _open(self, path: str, body: dict[str, Any], state: StreamState, deadline: Deadline, client: Any = None,
               headers: Mapping[str, str] | None = None) -> Opened:
-        return self.transport.retried(lambda wait: run_sync(self._opening(path, body, state, wait, client, headers)), deadline, self.base_url)
+        return run_sync(self.transport.retried(lambda wait: self._opening(path, body, state, wait, client, headers), deadline, self.base_url))
 
     def _achunks(self, call: ChatCall, state: StreamState) -> AsyncIterator[Any]:
         """The chunks of an async stream: ONE async generator, which closes its response itself (:func:`aread_chunks`)."""
 
         async def open_() -> Opened:
             http = self.transport.stream_client(needed=self.send_client is None)  # on the loop: its pooled client
-
-            async def attempt(wait: Wait) -> Opened:
-                return await run_async(self._opening("/chat/completions", call.body, state, wait, self.send_client, call.headers, http=http,
-                                                     is_async=True))
-
-            return await awith_retries(attempt, call.deadline, self.base_url, self.limits)
+            return await run_async(self.transport.retried(lambda wait: self._opening("/chat/completions", call.body, state, wait, self.send_client,
+                                                                                     call.headers, http=http, is_async=True), call.deadline, self.base_url))
 
         return aread_chunks(open_, state)
 
@@ -463,8 +458,7 @@ class OpenAIHTTPBackend(ServerBackend):
 
         deadline = self.limits.whole_answer_deadline(retry_deadline_s, deadline_s)
         start = self.clock()
-        response = yield Io(lambda: self.transport.retried(lambda wait: run_sync(attempt(wait)), deadline, url),
-                            lambda: awith_retries(lambda wait: run_async(attempt(wait)), deadline, url, self.limits))
+        response = yield from self.transport.retried(attempt, deadline, url)
         return response, self.evidence.whole_measure(parse_completion(response), self.clock() - start, call.sent, call.predicted,
                                                      self._request_facts(call))
 

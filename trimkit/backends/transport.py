@@ -1,7 +1,7 @@
 """The HTTP wire of the HTTP backend (docs/servers.md §6): wire failures as trimkit errors; server-sent
 events (:class:`EventReader` decides, :func:`iter_events` moves bytes); opening a request over ``httpx``
 or the user's ``openai`` client (:class:`HTTPTransport`, bodies capped); reading an open stream
-(:class:`StreamState`, :func:`read_chunks`); deadlines and retries (:class:`RequestLimits`, :func:`with_retries`).
+(:class:`StreamState`, :func:`read_chunks`); deadlines and retries (:class:`RequestLimits`, :func:`retried`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import attrs
 import httpx
 import tenacity
 
-from trimkit.backends.base import Clock, Io, Measurement, Steps, TimedStream, run_sync
+from trimkit.backends.base import Clock, Io, Measurement, Steps, TimedStream, run_async, run_sync
 from trimkit.backends.replies import (
     MAX_EVENT_BYTES,
     MAX_REPLY_BYTES,
@@ -292,12 +292,14 @@ class Opened:
     close: Callable[[], Any]  # (a coroutine function for an async stream)
     done: Callable[[], bool]  # did the server end the stream properly ([DONE])?
     whole: bool = False  # the server ignored stream=true: ``first`` is a whole completion
+    client: bool = False  # read through the ``openai`` client: its errors are translated (client_read_error)
 
 
-def _discard(value: Any) -> None:
+def _discard(future: concurrent.futures.Future[Any]) -> None:
     """Close what an abandoned attempt opened (a stream); other results need nothing."""
-    if isinstance(value, Opened):
-        value.close()
+    if future.exception() is None and isinstance(future.result(), Opened):
+        with contextlib.suppress(Exception):
+            future.result().close()
 
 
 def _raise(error: BaseException) -> Any:
@@ -409,25 +411,6 @@ def _not_events(stream: Any) -> Any:
     return response if body_kind(headers.get("content-type")) != "sse" else None
 
 
-def _client_items(it: Iterator[Any], url: str) -> Iterator[Any]:
-    """The rest of an ``openai`` client's stream, its decoding errors translated."""
-    while True:
-        with translated(lambda exc: client_read_error(exc, url)):
-            item = next(it, END)
-        if item is END:
-            return
-        yield item
-
-
-async def _aclient_items(it: AsyncIterator[Any], url: str) -> AsyncIterator[Any]:
-    while True:
-        with translated(lambda exc: client_read_error(exc, url)):
-            item = await anext(it, END)
-        if item is END:
-            return
-        yield item
-
-
 class HTTPTransport:
     """The requests of one backend: its URLs, headers, pooled ``httpx`` client and limits."""
 
@@ -458,8 +441,10 @@ class HTTPTransport:
 
     def request_json(self, method: str, url: str, body: Any = None, *, missing_ok: bool = False, deadline: Deadline | None = None) -> Any:
         """A side request, retried like a chat request (a pooled connection the server dropped fails once)."""
-        return with_retries(lambda wait: self.request_json_once(method, url, body, wait=wait, missing_ok=missing_ok),
-                            deadline or self.limits.deadline(), url, self.limits)
+        def attempt(wait: Wait) -> Steps:
+            return (yield Io(self.request_json_once, self.request_json_once, method, url, body, wait=wait, missing_ok=missing_ok))
+
+        return run_sync(self.retried(attempt, deadline or self.limits.deadline(), url))
 
     def request_json_once(self, method: str, url: str, body: Any = None, *, wait: Wait | None = None, missing_ok: bool = False,
                           headers: Mapping[str, str] | None = None) -> Any:
@@ -475,9 +460,9 @@ class HTTPTransport:
         root_only = url.startswith(self.root_url) and not url.startswith(self.base_url)
         return json_answer(status, got, content, url, missing_ok=missing_ok, root_only=root_only)
 
-    def retried(self, attempt: Callable[[Wait], Any], deadline: Deadline, url: str) -> Any:
-        """:func:`with_retries` with this transport's limits; a stream an abandoned attempt opens is closed."""
-        return with_retries(attempt, deadline, url, self.limits, _discard)
+    def retried(self, attempt: Callable[[Wait], Steps], deadline: Deadline, url: str) -> Steps:
+        """:func:`retried` with this transport's limits."""
+        return retried(attempt, deadline, url, self.limits)
 
     def _open_url(self, client: httpx.Client | httpx.AsyncClient, path: str, body: Mapping[str, Any], wait: Wait,
                   headers: Mapping[str, str] | None) -> Steps:
@@ -552,7 +537,7 @@ class HTTPTransport:
                     raise stream_reply_error(response.headers.get("content-type"), head, url)
                 it = stream.__aiter__() if is_async else iter(stream)
                 first = yield Io(next, anext, it, END)
-                return Opened(first, _aclient_items(it, url) if is_async else _client_items(it, url), close, lambda: False)
+                return Opened(first, it, close, lambda: False, client=True)
             except BaseException:
                 with contextlib.suppress(Exception):
                     yield Io(close, close)
@@ -581,7 +566,7 @@ class StreamState:
     started: float | None = None  # time.monotonic() when the request went out
     has_output: bool = False
     served_model: str | None = None  # the model the server says answered (its chunks' ``model``)
-    #: an async stream's open response (what :meth:`AsyncTimedStream.aclose` closes under another task's step)
+    #: the open response (what :meth:`AsyncTimedStream.aclose` closes under another task's step; is it the openai client's?)
     opened: Opened | None = attrs.field(default=None, repr=False)
 
     def begin(self, opened: Opened) -> None:
@@ -625,7 +610,7 @@ class StreamState:
 def read_chunks(open_: Callable[[], Opened], state: StreamState) -> Iterator[Any]:
     """The chunks of a stream, opened on the first ``next()`` (when the TTFT clock starts)."""
     state.started = time.monotonic()
-    opened = open_()
+    opened = state.opened = open_()
     try:
         state.begin(opened)
         for item in itertools.chain((opened.first,), opened.rest or ()):
@@ -657,12 +642,15 @@ async def aread_chunks(open_: Callable[[], Awaitable[Opened]], state: StreamStat
             await opened.close()
 
 
-def _stream_error(url: str, stream_of: Callable[[], TimedStream | None]) -> Callable[[BaseException], BaseException | None]:
+def _stream_error(state: StreamState, stream_of: Callable[[], TimedStream | None]) -> Callable[[BaseException], BaseException | None]:
     """A stream's failure after it was opened as a trimkit error (None: as it is); ``stream_of()`` holds it weakly."""
+    url = state.url
 
     def on_error(exc: BaseException) -> BaseException | None:
         if isinstance(exc, TrimkitError):
             return None
+        if state.opened is not None and state.opened.client and (error := client_read_error(exc, url)) is not None:
+            return error
         if isinstance(exc, httpx.DecodingError):  # a body its Content-Encoding does not decode
             return undecodable(exc, f"the stream from {url}")
         if not is_transport_failure(exc):
@@ -690,7 +678,7 @@ def timed_stream(chunks: Any, state: StreamState, clock: Clock, measure: Callabl
 
     extra: dict[str, Any] = {"abort": functools.partial(_close_opened, state)} if issubclass(cls, AsyncTimedStream) else {}
     ts = cls(chunks, started=None, clock=clock, content_of=content_of, finish=lambda ts: measure(state, ts),
-             on_error=_stream_error(state.url, lambda: ref() if ref is not None else None), **extra)
+             on_error=_stream_error(state, lambda: ref() if ref is not None else None), **extra)
     ref = weakref.ref(ts)
     return ts
 
@@ -847,100 +835,69 @@ class RequestLimits:
                     retry=tenacity.retry_if_exception_type(RETRIED), before_sleep=before_sleep, reraise=True)
 
 
-class RetryRun:
-    """The books of one retried call: its start, the last attempt's error, what each attempt may wait, what to raise."""
+def retried(attempt: Callable[[Wait], Steps], deadline: Deadline, url: str, limits: RequestLimits) -> Steps:
+    """The I/O steps ``attempt(wait)``, retried until it succeeds, a non-transient error, or the deadline (the backoff is a
+    step too: one loop for sync and async callers). A bounded deadline waits for no attempt past it (ServerTimeoutError)."""
+    start, naps = time.monotonic(), list[float]()
+    previous: BaseException | None = None  # the last attempt's error
 
-    def __init__(self, deadline: Deadline, url: str) -> None:
-        self.deadline, self.url = deadline, url
-        self.start = time.monotonic()
-        self.previous: BaseException | None = None
-
-    @contextlib.contextmanager
-    def attempt(self) -> Iterator[Wait]:
-        """Around one attempt: what it may wait; its error is kept (see :meth:`timed_out`)."""
-        try:
-            yield Wait(self.deadline.seconds - (time.monotonic() - self.start), self.deadline.seconds if self.deadline.bounded else None)
-        except BaseException as exc:
-            self.previous = exc
-            raise
-
-    def timed_out(self) -> BaseException:
+    def timed_out() -> BaseException:
         """The previous attempt's error status if there was one (the server was answering, with 503s), else ServerTimeoutError."""
-        if isinstance(self.previous, TransientServerError):
-            return self.previous
-        return ServerTimeoutError(f"{self.url} did not answer within the request's deadline of {self.deadline.seconds:.2f} s "
+        if isinstance(previous, TransientServerError):
+            return previous
+        return ServerTimeoutError(f"{url} did not answer within the request's deadline of {deadline.seconds:.2f} s "
                                   "(no first chunk, or no reply to a side request)")
 
-    def gave_up(self, exc: ServerUnreachableError, retrying: tenacity.BaseRetrying) -> ServerUnreachableError:
-        if isinstance(exc, ServerTimeoutError) and self.deadline.bounded and time.monotonic() - self.start >= self.deadline.seconds:
-            # a bounded deadline is also each read's timeout: whichever fired first, it is the deadline that passed
-            said = self.timed_out()
-            if isinstance(said, ServerUnreachableError):
-                return said
-        attempts = retrying.statistics.get("attempt_number", 1)
-        return type(exc)(f"{exc} (gave up after {attempts} attempts in {time.monotonic() - self.start:.1f} s)")
-
-
-def with_retries(attempt: Callable[[Wait], Any], deadline: Deadline, url: str, limits: RequestLimits,
-                 discard: Callable[[Any], None] = lambda value: None) -> Any:
-    """``attempt(wait)`` until it succeeds, a non-transient error, or the deadline; a bounded deadline
-    waits for no attempt past it (ServerTimeoutError), and what an abandoned attempt opens is ``discard``-ed."""
-    run = RetryRun(deadline, url)
-    retrying = tenacity.Retrying(**limits.retry_arguments(deadline))
+    retrying = tenacity.Retrying(sleep=naps.append, **limits.retry_arguments(deadline))
     try:
         for try_ in retrying:
-            with try_, run.attempt() as wait:
-                if not deadline.bounded:
-                    return attempt(wait)
-                return run_within(lambda wait=wait: attempt(wait), wait.remaining_s, discard, run.timed_out)
-    except ServerUnreachableError as exc:
-        raise run.gave_up(exc, retrying) from exc
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-async def awith_retries(attempt: Callable[[Wait], Awaitable[Any]], deadline: Deadline, url: str, limits: RequestLimits) -> Any:
-    """:func:`with_retries` for asyncio (an attempt past the deadline is cancelled)."""
-    run = RetryRun(deadline, url)
-    retrying = tenacity.AsyncRetrying(**limits.retry_arguments(deadline))
-    try:
-        async for try_ in retrying:
-            with try_, run.attempt() as wait:
-                if not deadline.bounded:
-                    return await attempt(wait)
+            with try_:
+                if naps:
+                    yield Io(time.sleep, asyncio.sleep, naps.pop())
+                wait = Wait(deadline.seconds - (time.monotonic() - start), deadline.seconds if deadline.bounded else None)
                 try:
-                    async with asyncio.timeout(max(wait.remaining_s, 0.0)):
-                        return await attempt(wait)
-                except TimeoutError as exc:
-                    if isinstance(exc, TrimkitError):
-                        raise
-                    raise run.timed_out() from None
+                    if not deadline.bounded:
+                        return (yield from attempt(wait))
+                    return (yield Io(run_within, arun_within, attempt(wait), wait.remaining_s, timed_out))
+                except BaseException as exc:
+                    previous = exc
+                    raise
     except ServerUnreachableError as exc:
-        raise run.gave_up(exc, retrying) from exc
+        elapsed = time.monotonic() - start
+        # a bounded deadline is also each read's timeout: whichever fired first, it is the deadline that passed
+        if isinstance(exc, ServerTimeoutError) and deadline.bounded and elapsed >= deadline.seconds and isinstance(timed_out(), ServerUnreachableError):
+            raise timed_out() from exc
+        raise type(exc)(f"{exc} (gave up after {retrying.statistics.get('attempt_number', 1)} attempts in {elapsed:.1f} s)") from exc
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def run_within(fn: Callable[[], Any], seconds: float, discard: Callable[[Any], None], timed_out: Callable[[], BaseException]) -> Any:
-    """``fn()`` in a worker thread, waited for at most ``seconds`` (then ``timed_out()`` is raised):
+def run_within(steps: Steps, seconds: float, timed_out: Callable[[], BaseException]) -> Any:
+    """``steps`` run in a worker thread, waited for at most ``seconds`` (then ``timed_out()`` is raised):
     a blocking read cannot be given an overall deadline (a server may trickle bytes forever), nor can
     the ``openai`` client's stream be interrupted. The worker ends on its own (each wait is bounded);
-    what it returns after the caller gave up is ``discard``-ed."""
+    a stream it opens after the caller gave up is closed."""
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
     def run() -> None:
         try:
-            future.set_result(fn())
+            future.set_result(run_sync(steps))
         except BaseException as exc:  # handed to the caller
             future.set_exception(exc)
 
     threading.Thread(target=run, name="trimkit-request", daemon=True).start()
     done, _ = concurrent.futures.wait([future], timeout=max(seconds, 0.0))
     if not done:
-        future.add_done_callback(lambda f: _discard_quietly(f, discard))
+        future.add_done_callback(_discard)
         raise timed_out()
     return future.result()
 
 
-def _discard_quietly(future: concurrent.futures.Future[Any], discard: Callable[[Any], None]) -> None:
-    if future.exception() is None:
-        with contextlib.suppress(Exception):
-            discard(future.result())
+async def arun_within(steps: Steps, seconds: float, timed_out: Callable[[], BaseException]) -> Any:
+    """:func:`run_within` for asyncio: the attempt is cancelled at the deadline."""
+    try:
+        async with asyncio.timeout(max(seconds, 0.0)):
+            return await run_async(steps)
+    except TimeoutError as exc:
+        if isinstance(exc, TrimkitError):
+            raise
+        raise timed_out() from None
