@@ -11,7 +11,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -34,7 +34,6 @@ from trimkit.backends.transport import (
     AsyncTimedStream,
     Deadline,
     HTTPTransport,
-    Opened,
     RequestLimits,
     StreamState,
     Wait,
@@ -334,25 +333,22 @@ class OpenAIHTTPBackend(ServerBackend):
                           headers=headers)
         state = StreamState(self.base_url, hide_usage_chunk=call.hide_usage, chunks=[] if collect else None, deadline=call.deadline)
         measure = self.evidence.stream_measure(call.sent, call.predicted, self._request_facts(call))
+        chunks = self._chunks("/chat/completions", call.body, state, call.deadline, self.send_client if not via_url else None, call.headers,
+                              is_async=is_async)
+        return timed_stream(chunks, state, self.clock, measure, cls=AsyncTimedStream if is_async else TimedStream), state
+
+    def _chunks(self, path: str, body: dict[str, Any], state: StreamState, deadline: Deadline, client: Any = None,
+                headers: Mapping[str, str] | None = None, *, is_async: bool = False) -> Any:
+        """The chunks of a stream, opened (retried) on the first step; async: ONE async generator, which closes its response itself
+        (:func:`aread_chunks`), over the loop's pooled client."""
+
+        def opening(http: httpx.AsyncClient | None = None) -> Steps:
+            return self.transport.retried(lambda wait: self._opening(path, body, state, wait, client, headers, http=http, is_async=is_async),
+                                          deadline, self.base_url)
+
         if is_async:
-            return timed_stream(self._achunks(call, state), state, self.clock, measure, cls=AsyncTimedStream), state
-        client = self.send_client if not via_url else None
-        chunks = read_chunks(lambda: self._open("/chat/completions", call.body, state, call.deadline, client, call.headers), state)
-        return timed_stream(chunks, state, self.clock, measure), state
-
-    def _open(self, path: str, body: dict[str, Any], state: StreamState, deadline: Deadline, client: Any = None,
-              headers: Mapping[str, str] | None = None) -> Opened:
-        return run_sync(self.transport.retried(lambda wait: self._opening(path, body, state, wait, client, headers), deadline, self.base_url))
-
-    def _achunks(self, call: ChatCall, state: StreamState) -> AsyncIterator[Any]:
-        """The chunks of an async stream: ONE async generator, which closes its response itself (:func:`aread_chunks`)."""
-
-        async def open_() -> Opened:
-            http = self.transport.stream_client(needed=self.send_client is None)  # on the loop: its pooled client
-            return await run_async(self.transport.retried(lambda wait: self._opening("/chat/completions", call.body, state, wait, self.send_client,
-                                                                                     call.headers, http=http, is_async=True), call.deadline, self.base_url))
-
-        return aread_chunks(open_, state)
+            return aread_chunks(lambda: run_async(opening(self.transport.stream_client(needed=client is None))), state)
+        return read_chunks(lambda: run_sync(opening()), state)
 
     def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
              retry_deadline_s: float | None = None, deadline_s: float | None = None, watch: Any = None,
@@ -408,7 +404,7 @@ class OpenAIHTTPBackend(ServerBackend):
             # the steps left the whole prompt in the slot: all of it but the token llama.cpp re-evaluates
             call = decided["call"] = attrs.evolve(call, predicted=max(len(call.sent) - 1, 0))
             state.hide_usage_chunk = call.hide_usage
-            yield from read_chunks(lambda: self._open("/chat/completions", call.body, state, call.deadline, self.send_client, call.headers), state)
+            yield from self._chunks("/chat/completions", call.body, state, call.deadline, self.send_client, call.headers)
 
         def measure(state: StreamState, ts: TimedStream) -> Measurement:
             call = decided["call"]
@@ -474,7 +470,7 @@ class OpenAIHTTPBackend(ServerBackend):
             body["stream_options"] = {"include_usage": True}
         state = StreamState(self.base_url, hide_usage_chunk=self._include_usage)
         predicted = self.predict_cached_tokens(tokens)
-        chunks = read_chunks(lambda: self._open("/completions", body, state, self.limits.deadline(unbounded=True)), state)
+        chunks = self._chunks("/completions", body, state, self.limits.deadline(unbounded=True))
         return timed_stream(chunks, state, self.clock, self.evidence.stream_measure(tokens, predicted), output_of=probe_output).drain()
 
     def probe_chat(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Measurement:

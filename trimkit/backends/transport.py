@@ -302,41 +302,23 @@ def _discard(future: concurrent.futures.Future[Any]) -> None:
             future.result().close()
 
 
-def _raise(error: BaseException) -> Any:
-    raise error
+def body_cap(status: int, kind: str | None, url: str) -> tuple[int, str, bool]:
+    """How a response that is no event stream is read, ``(cap, what, truncate)``: a whole JSON answer
+    (more than the cap: MalformedReplyError), else the start of what the server sent."""
+    if status < 300 and kind is not None:
+        return MAX_REPLY_BYTES, f"reply from {url}", False
+    return ERROR_BODY_BYTES if status >= 300 else 2048, "error body", True
 
 
-def stream_body_plan(status: int, headers: Any, url: str) -> tuple[int, str, bool, Callable[[bytes], Any]] | None:
-    """A stream request's response that is no event stream (None: it is one): ``(cap, what, truncate,
-    outcome)``: read at most ``cap`` bytes (``truncate``: cut there, else refuse more), then ``outcome(body)``."""
+def answer(status: int, headers: Any, body: bytes, url: str, kind: str | None = "json") -> Any:
+    """A response that is no event stream: its JSON; an error status, a redirect, or a body of no known type (``kind`` None) raise."""
     if status >= 400:
-        return ERROR_BODY_BYTES, "error body", True, lambda body: _raise(status_error(status, body, headers))
-    if 300 <= status < 400:
-        return ERROR_BODY_BYTES, "redirect body", True, lambda body: _raise(redirect_error(status, headers, url))
-    content_type = headers.get("content-type")
-    kind = body_kind(content_type)
-    if kind == "json":  # the server ignored stream=true: one whole response
-        return MAX_REPLY_BYTES, f"reply from {url}", False, lambda body: load_json(body, what=f"reply from {url}")
-    if kind is None:
-        return 2048, "body", True, lambda body: _raise(wrong_content_type(content_type, body, url))
-    return None
-
-
-def json_answer(status: int, headers: Any, content: bytes, url: str, *, missing_ok: bool, root_only: bool) -> Any:
-    """A side request's JSON answer. ``missing_ok``: None for a body that is not JSON, or for 400/422
-    from an endpoint of the server root (``root_only``: another engine's, refused)."""
-    if status >= 400:
-        if missing_ok and status in (400, 422) and root_only:
-            return None
-        raise status_error(status, content, headers)
-    if 300 <= status < 400:
+        raise status_error(status, body, headers)
+    if status >= 300:
         raise redirect_error(status, headers, url)
-    try:
-        return load_json(content, what=f"reply from {url}", status=status)
-    except MalformedReplyError:
-        if missing_ok:
-            return None
-        raise
+    if kind is None:
+        raise wrong_content_type(headers.get("content-type"), body, url)
+    return load_json(body, what=f"reply from {url}", status=status)
 
 
 def capped(chunks: Any, cap: int, what: str, truncate: bool = False) -> Steps:
@@ -352,7 +334,7 @@ def capped(chunks: Any, cap: int, what: str, truncate: bool = False) -> Steps:
     return bytes(out[:cap])
 
 
-def read_capped(byte_chunks: Iterable[bytes], cap: int, what: str, *, truncate: bool = False) -> bytes:
+def read_capped(byte_chunks: Iterable[bytes], cap: int, what: str, truncate: bool = False) -> bytes:
     return run_sync(capped(iter(byte_chunks), cap, what, truncate))
 
 
@@ -455,10 +437,14 @@ class HTTPTransport:
                 status, got = resp.status_code, resp.headers
                 if missing_ok and status in MISSING_STATUSES:
                     return None
-                cap, what = (ERROR_BODY_BYTES, "error body") if status >= 400 else (MAX_REPLY_BYTES, f"reply from {url}")
-                content = read_capped(resp.iter_bytes(), cap, what, truncate=status >= 400)
-        root_only = url.startswith(self.root_url) and not url.startswith(self.base_url)
-        return json_answer(status, got, content, url, missing_ok=missing_ok, root_only=root_only)
+                content = read_capped(resp.iter_bytes(), *body_cap(status, "json", url))
+        try:
+            return answer(status, got, content, url)
+        except ServerError as exc:  # missing_ok: a body that is not JSON, or 400/422 from an endpoint of the server root (another engine's)
+            root_only = url.startswith(self.root_url) and not url.startswith(self.base_url)
+            if missing_ok and (status < 300 or exc.status in (400, 422) and root_only):
+                return None
+            raise
 
     def retried(self, attempt: Callable[[Wait], Steps], deadline: Deadline, url: str) -> Steps:
         """:func:`retried` with this transport's limits."""
@@ -473,11 +459,10 @@ class HTTPTransport:
             resp = yield Io(client.send, client.send, request, stream=True)
             close, data = (resp.aclose, resp.aiter_bytes()) if is_async else (resp.close, resp.iter_bytes())
             try:
-                plan = stream_body_plan(resp.status_code, resp.headers, url)
-                if plan is not None:
-                    cap, what, truncate, outcome = plan
-                    content = yield from capped(data, cap, what, truncate)
-                    return Opened(outcome(content), None, close, lambda: True, whole=True)
+                kind = body_kind(resp.headers.get("content-type"))
+                if resp.status_code >= 300 or kind != "sse":  # an error, or the server ignored stream=true: one whole response
+                    content = yield from capped(data, *body_cap(resp.status_code, kind, url))
+                    return Opened(answer(resp.status_code, resp.headers, content, url, kind), None, close, lambda: True, whole=True)
                 reader = EventReader()
                 events = aiter_events(data, reader) if is_async else iter_events(data, reader)
                 return Opened((yield Io(next, anext, events, END)), events, close, lambda: reader.done)
