@@ -139,12 +139,6 @@ def client_read_error(exc: BaseException, url: str) -> TrimkitError | None:
     return undecodable(exc, f"the stream from {url}") if isinstance(exc, _CLIENT_DECODE_ERRORS) else None
 
 
-def is_transport_failure(exc: BaseException) -> bool:
-    """A broken connection (httpx's, the OS's or the ``openai`` client's)."""
-    openai = _openai()
-    return isinstance(exc, (httpx.TransportError, OSError)) or (openai is not None and isinstance(exc, openai.APIError))
-
-
 @contextlib.contextmanager
 def translated(translate: Callable[[BaseException], TrimkitError | None]) -> Iterator[None]:
     """Raise an exception of the block as the trimkit error ``translate`` gives (as it is: None)."""
@@ -636,10 +630,10 @@ def _stream_error(state: StreamState, stream_of: Callable[[], TimedStream | None
             return None
         if state.opened is not None and state.opened.client and (error := client_read_error(exc, url)) is not None:
             return error
-        if isinstance(exc, httpx.DecodingError):  # a body its Content-Encoding does not decode
-            return undecodable(exc, f"the stream from {url}")
-        if not is_transport_failure(exc):
-            return None
+        openai = _openai()
+        broken = (httpx.TransportError, OSError, openai.APIError) if openai is not None else (httpx.TransportError, OSError)
+        if not isinstance(exc, broken):  # no broken connection: a body its Content-Encoding does not decode, or as it is
+            return transport_error(exc, url)
         ts = stream_of()
         n = ts.n_chunks if ts is not None else 0
         return StreamInterruptedError(f"the stream from {url} broke after {n} chunks: {type(exc).__name__}: {exc}")
