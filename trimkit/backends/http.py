@@ -420,28 +420,23 @@ class OpenAIHTTPBackend(ServerBackend):
         or the client's ``ChatCompletion``. With ``measure_ttft`` it is streamed and assembled (TTFT
         measured); else sent with ``stream=False``: the server's numbers only, ``deadline_s`` (if given)
         bounding the whole answer."""
-        if measure_ttft:
-            ts, state = self._stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s, collect=True, headers=headers)
-            m = ts.drain()
-            return self._assembled(state), m
-        self._check_form(False)
-        return run_sync(self._whole(messages, params, prompt_tokens, retry_deadline_s, deadline_s, headers))
+        return run_sync(self._complete(messages, params, prompt_tokens, measure_ttft, retry_deadline_s, deadline_s, headers, is_async=False))
 
     async def acomplete(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
                         measure_ttft: bool = True, retry_deadline_s: float | None = None, deadline_s: float | None = None,
                         headers: Mapping[str, str] | None = None) -> tuple[Any, Measurement]:
         """Async :meth:`complete`."""
-        if measure_ttft:
-            ts, state = await asyncio.to_thread(self._stream, messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s,
-                                                collect=True, is_async=True, headers=headers)
-            m = await ts.adrain()
-            return self._assembled(state), m
-        self._check_form(True)
-        return await run_async(self._whole(messages, params, prompt_tokens, retry_deadline_s, deadline_s, headers))
+        return await run_async(self._complete(messages, params, prompt_tokens, measure_ttft, retry_deadline_s, deadline_s, headers, is_async=True))
 
-    def _whole(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], prompt_tokens: Sequence[int] | None,
-               retry_deadline_s: float | None, deadline_s: float | None, headers: Mapping[str, str] | None) -> Steps:
-        """One ``stream=False`` request, retried; the URL form's I/O runs off the event loop."""
+    def _complete(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], prompt_tokens: Sequence[int] | None, measure_ttft: bool,
+                  retry_deadline_s: float | None, deadline_s: float | None, headers: Mapping[str, str] | None, *, is_async: bool) -> Steps:
+        """:meth:`complete` as I/O steps: a stream assembled, or one ``stream=False`` request, retried (the URL form's I/O off the event loop)."""
+        if measure_ttft:
+            ts, state = yield Io(self._stream, _off_loop(self._stream), messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s,
+                                 collect=True, is_async=is_async, headers=headers)
+            m = yield Io(TimedStream.drain, AsyncTimedStream.adrain, ts)
+            return self._assembled(state), m
+        self._check_form(is_async)
         call = yield Io(self._call, _off_loop(self._call), messages, params, prompt_tokens, self.limits.deadline(retry_deadline_s, deadline_s),
                         stream=False, headers=headers)
         url = self.base_url + "/chat/completions"

@@ -165,15 +165,6 @@ def wrong_content_type(content_type: str | None, head: bytes, url: str) -> Malfo
                                f"not text/event-stream: {excerpt(head, 200)!r}", field="content-type", server_message=excerpt(head))
 
 
-def stream_reply_error(content_type: str | None, head: bytes, url: str) -> ServerError:
-    """A stream request the ``openai`` client got no event stream for: the server's error if the body is one."""
-    if body_kind(content_type) == "json":
-        parse_completion(load_json(head, what=f"reply from {url}"))  # raises ServerError for {"error": ...}
-        return MalformedReplyError(f"{url} answered a stream request with one JSON body, which this client cannot stream",
-                                   field="content-type", server_message=excerpt(head))
-    return wrong_content_type(content_type, head, url)
-
-
 # == server-sent events ======================================================================================
 
 _LINE = re.compile(rb"([^\r\n]*)(\r\n|\r|\n)")  # a line and its end (a \r last in the bytes may be half a \r\n)
@@ -513,7 +504,10 @@ class HTTPTransport:
                 if response is not None:
                     data = response.aiter_bytes() if is_async else response.iter_bytes()
                     head = yield from capped(data, ERROR_BODY_BYTES, "body", truncate=True)
-                    raise stream_reply_error(response.headers.get("content-type"), head, url)
+                    # the server's error if the body is one (ServerError), else what it is not
+                    parse_completion(answer(200, response.headers, head, url, body_kind(response.headers.get("content-type"))))
+                    raise MalformedReplyError(f"{url} answered a stream request with one JSON body, which this client cannot stream",
+                                              field="content-type", server_message=excerpt(head))
                 it = stream.__aiter__() if is_async else iter(stream)
                 first = yield Io(next, anext, it, END)
                 return Opened(first, it, close, lambda: False, client=True)
