@@ -447,7 +447,8 @@ class OpenAIHTTPBackend(ServerBackend):
                 return (yield Io(once, _off_loop(once), "POST", url, call.body, wait=wait, headers=call.headers))
             return (yield Io(self.transport.create, self.transport.acreate, self.send_client, call.body, wait, url, call.headers))
 
-        deadline = self.limits.whole_answer_deadline(retry_deadline_s, deadline_s)
+        # bounded only by a deadline_s given for this call: the first byte of a whole answer comes after all of it
+        deadline = self.limits.deadline(retry_deadline_s, deadline_s, unbounded=deadline_s is None)
         start = self.clock()
         response = yield from self.transport.retried(attempt, deadline, url)
         return response, self.evidence.whole_measure(parse_completion(response), self.clock() - start, call.sent, call.predicted,

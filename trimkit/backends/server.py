@@ -686,9 +686,7 @@ class ServerLoad:
 
 def _count(value: Any) -> int | None:
     """A request count, or None for anything that is not one."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return int(value) if 0 <= value <= _MAX_COUNT else None
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= _MAX_COUNT else None  # (not NaN, not inf)
 
 
 #: a Prometheus sample line: its name, its labels (values may hold braces and escaped quotes), its value

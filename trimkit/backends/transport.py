@@ -776,10 +776,6 @@ class RequestLimits:
             return Deadline(float(bound), bounded=True)
         return Deadline(float(self.retry_deadline_s if retry_deadline_s is None else retry_deadline_s))
 
-    def whole_answer_deadline(self, retry_deadline_s: float | None, deadline_s: float | None) -> Deadline:
-        """A non-streamed request's: bounded only by a ``deadline_s`` given for it (its first byte comes after the whole answer)."""
-        return self.deadline(retry_deadline_s, deadline_s, unbounded=deadline_s is None)
-
     def read_timeout_s(self, wait: Wait | None) -> float:
         if wait is None or wait.bound_s is None:
             return self.timeout_s
