@@ -11,7 +11,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -34,12 +34,10 @@ from trimkit.backends.transport import (
     AsyncTimedStream,
     Deadline,
     HTTPTransport,
-    Opened,
     RequestLimits,
     StreamState,
     Wait,
     aread_chunks,
-    awith_retries,
     normalize_base_url,
     read_chunks,
     timed_stream,
@@ -335,29 +333,22 @@ class OpenAIHTTPBackend(ServerBackend):
                           headers=headers)
         state = StreamState(self.base_url, hide_usage_chunk=call.hide_usage, chunks=[] if collect else None, deadline=call.deadline)
         measure = self.evidence.stream_measure(call.sent, call.predicted, self._request_facts(call))
+        chunks = self._chunks("/chat/completions", call.body, state, call.deadline, self.send_client if not via_url else None, call.headers,
+                              is_async=is_async)
+        return timed_stream(chunks, state, self.clock, measure, cls=AsyncTimedStream if is_async else TimedStream), state
+
+    def _chunks(self, path: str, body: dict[str, Any], state: StreamState, deadline: Deadline, client: Any = None,
+                headers: Mapping[str, str] | None = None, *, is_async: bool = False) -> Any:
+        """The chunks of a stream, opened (retried) on the first step; async: ONE async generator, which closes its response itself
+        (:func:`aread_chunks`), over the loop's pooled client."""
+
+        def opening(http: httpx.AsyncClient | None = None) -> Steps:
+            return self.transport.retried(lambda wait: self._opening(path, body, state, wait, client, headers, http=http, is_async=is_async),
+                                          deadline, self.base_url)
+
         if is_async:
-            return timed_stream(self._achunks(call, state), state, self.clock, measure, cls=AsyncTimedStream), state
-        client = self.send_client if not via_url else None
-        chunks = read_chunks(lambda: self._open("/chat/completions", call.body, state, call.deadline, client, call.headers), state)
-        return timed_stream(chunks, state, self.clock, measure), state
-
-    def _open(self, path: str, body: dict[str, Any], state: StreamState, deadline: Deadline, client: Any = None,
-              headers: Mapping[str, str] | None = None) -> Opened:
-        return self.transport.retried(lambda wait: run_sync(self._opening(path, body, state, wait, client, headers)), deadline, self.base_url)
-
-    def _achunks(self, call: ChatCall, state: StreamState) -> AsyncIterator[Any]:
-        """The chunks of an async stream: ONE async generator, which closes its response itself (:func:`aread_chunks`)."""
-
-        async def open_() -> Opened:
-            http = self.transport.stream_client(needed=self.send_client is None)  # on the loop: its pooled client
-
-            async def attempt(wait: Wait) -> Opened:
-                return await run_async(self._opening("/chat/completions", call.body, state, wait, self.send_client, call.headers, http=http,
-                                                     is_async=True))
-
-            return await awith_retries(attempt, call.deadline, self.base_url, self.limits)
-
-        return aread_chunks(open_, state)
+            return aread_chunks(lambda: run_async(opening(self.transport.stream_client(needed=client is None))), state)
+        return read_chunks(lambda: run_sync(opening()), state)
 
     def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
              retry_deadline_s: float | None = None, deadline_s: float | None = None, watch: Any = None,
@@ -413,7 +404,7 @@ class OpenAIHTTPBackend(ServerBackend):
             # the steps left the whole prompt in the slot: all of it but the token llama.cpp re-evaluates
             call = decided["call"] = attrs.evolve(call, predicted=max(len(call.sent) - 1, 0))
             state.hide_usage_chunk = call.hide_usage
-            yield from read_chunks(lambda: self._open("/chat/completions", call.body, state, call.deadline, self.send_client, call.headers), state)
+            yield from self._chunks("/chat/completions", call.body, state, call.deadline, self.send_client, call.headers)
 
         def measure(state: StreamState, ts: TimedStream) -> Measurement:
             call = decided["call"]
@@ -429,28 +420,23 @@ class OpenAIHTTPBackend(ServerBackend):
         or the client's ``ChatCompletion``. With ``measure_ttft`` it is streamed and assembled (TTFT
         measured); else sent with ``stream=False``: the server's numbers only, ``deadline_s`` (if given)
         bounding the whole answer."""
-        if measure_ttft:
-            ts, state = self._stream(messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s, collect=True, headers=headers)
-            m = ts.drain()
-            return self._assembled(state), m
-        self._check_form(False)
-        return run_sync(self._whole(messages, params, prompt_tokens, retry_deadline_s, deadline_s, headers))
+        return run_sync(self._complete(messages, params, prompt_tokens, measure_ttft, retry_deadline_s, deadline_s, headers, is_async=False))
 
     async def acomplete(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
                         measure_ttft: bool = True, retry_deadline_s: float | None = None, deadline_s: float | None = None,
                         headers: Mapping[str, str] | None = None) -> tuple[Any, Measurement]:
         """Async :meth:`complete`."""
-        if measure_ttft:
-            ts, state = await asyncio.to_thread(self._stream, messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s,
-                                                collect=True, is_async=True, headers=headers)
-            m = await ts.adrain()
-            return self._assembled(state), m
-        self._check_form(True)
-        return await run_async(self._whole(messages, params, prompt_tokens, retry_deadline_s, deadline_s, headers))
+        return await run_async(self._complete(messages, params, prompt_tokens, measure_ttft, retry_deadline_s, deadline_s, headers, is_async=True))
 
-    def _whole(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], prompt_tokens: Sequence[int] | None,
-               retry_deadline_s: float | None, deadline_s: float | None, headers: Mapping[str, str] | None) -> Steps:
-        """One ``stream=False`` request, retried; the URL form's I/O runs off the event loop."""
+    def _complete(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], prompt_tokens: Sequence[int] | None, measure_ttft: bool,
+                  retry_deadline_s: float | None, deadline_s: float | None, headers: Mapping[str, str] | None, *, is_async: bool) -> Steps:
+        """:meth:`complete` as I/O steps: a stream assembled, or one ``stream=False`` request, retried (the URL form's I/O off the event loop)."""
+        if measure_ttft:
+            ts, state = yield Io(self._stream, _off_loop(self._stream), messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s,
+                                 collect=True, is_async=is_async, headers=headers)
+            m = yield Io(TimedStream.drain, AsyncTimedStream.adrain, ts)
+            return self._assembled(state), m
+        self._check_form(is_async)
         call = yield Io(self._call, _off_loop(self._call), messages, params, prompt_tokens, self.limits.deadline(retry_deadline_s, deadline_s),
                         stream=False, headers=headers)
         url = self.base_url + "/chat/completions"
@@ -461,10 +447,10 @@ class OpenAIHTTPBackend(ServerBackend):
                 return (yield Io(once, _off_loop(once), "POST", url, call.body, wait=wait, headers=call.headers))
             return (yield Io(self.transport.create, self.transport.acreate, self.send_client, call.body, wait, url, call.headers))
 
-        deadline = self.limits.whole_answer_deadline(retry_deadline_s, deadline_s)
+        # bounded only by a deadline_s given for this call: the first byte of a whole answer comes after all of it
+        deadline = self.limits.deadline(retry_deadline_s, deadline_s, unbounded=deadline_s is None)
         start = self.clock()
-        response = yield Io(lambda: self.transport.retried(lambda wait: run_sync(attempt(wait)), deadline, url),
-                            lambda: awith_retries(lambda wait: run_async(attempt(wait)), deadline, url, self.limits))
+        response = yield from self.transport.retried(attempt, deadline, url)
         return response, self.evidence.whole_measure(parse_completion(response), self.clock() - start, call.sent, call.predicted,
                                                      self._request_facts(call))
 
@@ -480,7 +466,7 @@ class OpenAIHTTPBackend(ServerBackend):
             body["stream_options"] = {"include_usage": True}
         state = StreamState(self.base_url, hide_usage_chunk=self._include_usage)
         predicted = self.predict_cached_tokens(tokens)
-        chunks = read_chunks(lambda: self._open("/completions", body, state, self.limits.deadline(unbounded=True)), state)
+        chunks = self._chunks("/completions", body, state, self.limits.deadline(unbounded=True))
         return timed_stream(chunks, state, self.clock, self.evidence.stream_measure(tokens, predicted), output_of=probe_output).drain()
 
     def probe_chat(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Measurement:

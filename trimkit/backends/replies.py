@@ -209,9 +209,7 @@ def _count(value: Any, field: str = "", strict: bool = False) -> int | None:
     """A token count (an integer or integral float, 0..MAX_TOKEN_COUNT); None when absent, or invalid and not ``strict``."""
     if value is None:
         return None
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_COUNT:
-        return value
-    if isinstance(value, float) and math.isfinite(value) and 0 <= value <= MAX_TOKEN_COUNT:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_COUNT:  # (not NaN, not inf)
         return int(value)
     return _invalid(field, f"a token count (0..{MAX_TOKEN_COUNT})", value, strict)
 

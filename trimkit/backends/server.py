@@ -343,18 +343,17 @@ class ServerTokenizer:
         if known is not None:
             return list(known)
         most = 2 * len(text.encode("utf-8", "replace")) + TOKENIZE_SLACK  # byte fallback: at most two tokens a byte
-        if self.info.tokenize_endpoint == "/tokenize":
-            body = {"content": text, "add_special": whole_prompt, "parse_special": True}
-            if self.info.engine == "vllm":
-                body = {"prompt": text, "add_special_tokens": whole_prompt} | _model_field(self.model)
-            tokens = parse_tokens(self.request_json("POST", self.root_url + "/tokenize", body), what="/tokenize reply", max_tokens=most)
-            if whole_prompt and len(tokens) > 1 and tokens[0] == tokens[1] and text.startswith(_BOS_TEXTS):
-                tokens = tokens[1:]  # the template wrote BOS and the tokenizer added another
-            return tokens
-        reply = self.request_json("POST", self.root_url + "/extras/tokenize", {"input": text} | _model_field(self.model))
-        tokens = parse_tokens(reply, what="/extras/tokenize reply", max_tokens=most)
-        prefix = list(self.info.bos_prefix)
-        if not whole_prompt and prefix and tokens[: len(prefix)] == prefix:
+        endpoint = str(self.info.tokenize_endpoint)
+        body: dict[str, Any] = {"content": text, "add_special": whole_prompt, "parse_special": True}
+        if endpoint == "/extras/tokenize":
+            body = {"input": text} | _model_field(self.model)
+        elif self.info.engine == "vllm":
+            body = {"prompt": text, "add_special_tokens": whole_prompt} | _model_field(self.model)
+        tokens = parse_tokens(self.request_json("POST", self.root_url + endpoint, body), what=f"{endpoint} reply", max_tokens=most)
+        prefix = list(self.info.bos_prefix)  # what /extras/tokenize prepends
+        if endpoint == "/tokenize" and whole_prompt and len(tokens) > 1 and tokens[0] == tokens[1] and text.startswith(_BOS_TEXTS):
+            tokens = tokens[1:]  # the template wrote BOS and the tokenizer added another
+        elif not whole_prompt and prefix and tokens[: len(prefix)] == prefix:
             tokens = tokens[len(prefix) :]
         return tokens
 
@@ -610,34 +609,26 @@ class ServerEvidence:
                 self.correction = (1 - alpha) * self.correction + alpha * ratio
             self.last_prompt = list(sent) if sent is not None else None
 
-    def measure(self, stats: ServerStats, *, ttft_s: float | None, total_s: float, client_decode_s: float | None,
-                sent: list[int] | None, predicted_cached: int, finish_reason: str | None, content_chunks: int | None,
-                first_output_s: float | None = None, context_tokens: int | None = None) -> Measurement:
-        """One request's measurement (and what it teaches, learned). An estimated count is compared with
-        the server's after correction, and only a clear shortfall is truncation (or a prompt counted
-        over ``context_tokens``, the window trimkit set, of which the server took in no more)."""
+    def timed_measure(self, stats: ServerStats, ts: TimedStream | None, sent: list[int] | None, predicted_cached: int, finish_reason: str | None,
+                      context_tokens: int | None = None, *, total_s: float = 0.0, server: Mapping[str, Any] | None = None) -> Measurement:
+        """One request's measurement, timed by its stream ``ts`` (None: a whole answer of ``total_s``, no TTFT), and what it teaches,
+        learned. An estimated count is compared with the server's after correction, and only a clear shortfall is truncation (or a
+        prompt counted over ``context_tokens``, the window trimkit set, of which the server took in no more); ``server`` is added."""
         exact = self.counts_exact()
-        sent_n = len(sent) if sent is not None else None
-        if exact or sent_n is None:
-            truncated = detect_truncation(sent_n, stats, predicted_cached=predicted_cached, context_tokens=context_tokens)
-        else:
+        expected = sent_n = len(sent) if sent is not None else None
+        if not exact and sent_n is not None:
             expected = self.corrected_count(sent_n)
-            truncated = detect_truncation(expected, stats, predicted_cached=predicted_cached, tolerance_tokens=max(32, expected // 4),
-                                          context_tokens=context_tokens)
+        tolerance = max(32, expected // 4) if expected is not None and not exact else 0
+        truncated = detect_truncation(expected, stats, predicted_cached=predicted_cached, tolerance_tokens=tolerance, context_tokens=context_tokens)
         self.learn(sent, predicted_cached, stats, truncated)
+        chunks = ts.n_content_chunks if ts is not None else None
         extra: dict[str, Any] = {"predicted_cached_tokens": predicted_cached, "prompt_count_exact": exact, "token_count_correction": self.correction}
-        if stats.completion_tokens is None and content_chunks:
+        if stats.completion_tokens is None and chunks:
             extra["completion_tokens_from"] = "content chunks (server did not report)"
-        m = build_measurement(stats, ttft_s=ttft_s, total_s=total_s, first_output_s=first_output_s, client_decode_s=client_decode_s,
-                              sent_tokens=sent_n, finish_reason=finish_reason, truncated_tokens=truncated, extra=extra)
-        return attrs.evolve(m, completion_tokens=content_chunks) if m.completion_tokens is None and content_chunks else m
-
-    def timed_measure(self, stats: ServerStats, ts: TimedStream, sent: list[int] | None, predicted_cached: int, finish_reason: str | None,
-                      context_tokens: int | None = None) -> Measurement:
-        """:meth:`measure` of a streamed request: the client timing is the stream's."""
-        return self.measure(stats, ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=ts.total_s, client_decode_s=ts.client_decode_s,
-                            sent=sent, predicted_cached=predicted_cached, finish_reason=finish_reason, content_chunks=ts.n_content_chunks,
-                            context_tokens=context_tokens)
+        m = build_measurement(stats, ttft_s=ts.ttft_s if ts else None, total_s=ts.total_s if ts else total_s, first_output_s=ts.first_output_s if ts else None,
+                              client_decode_s=ts.client_decode_s if ts else None, sent_tokens=sent_n, finish_reason=finish_reason,
+                              truncated_tokens=truncated, extra={**extra, **(server or {})})
+        return attrs.evolve(m, completion_tokens=chunks) if m.completion_tokens is None and chunks else m
 
     def stream_measure(self, sent: list[int] | None, predicted_cached: int,
                        facts: Mapping[str, Any] | None = None) -> Callable[[StreamState, TimedStream], Measurement]:
@@ -646,21 +637,15 @@ class ServerEvidence:
 
         def measure(state: StreamState, ts: TimedStream) -> Measurement:
             stats = state.stats_reply.stats if state.stats_reply is not None else ServerStats()
-            m = self.timed_measure(stats, ts, sent, predicted_cached, state.finish_reason)
-            return _with_server(m, {"model": state.served_model} if state.served_model else {}, facts)
+            model = {"model": state.served_model} if state.served_model else {}
+            return self.timed_measure(stats, ts, sent, predicted_cached, state.finish_reason, server={**model, **(facts or {})})
 
         return measure
 
     def whole_measure(self, reply: Reply, total_s: float, sent: list[int], predicted_cached: int, facts: Mapping[str, Any] | None = None) -> Measurement:
         """The measurement of a non-streamed response: the server's numbers only, no TTFT."""
-        m = self.measure(reply.stats, ttft_s=None, total_s=total_s, client_decode_s=None, sent=sent, predicted_cached=predicted_cached,
-                         finish_reason=reply.finish_reason, content_chunks=None)
-        return _with_server(m, {"model": reply.model} if reply.model else {}, facts)
-
-
-def _with_server(m: Measurement, *more: Mapping[str, Any] | None) -> Measurement:
-    added = {k: v for extra in more for k, v in (extra or {}).items()}
-    return attrs.evolve(m, server={**m.server, **added}) if added else m
+        model = {"model": reply.model} if reply.model else {}
+        return self.timed_measure(reply.stats, None, sent, predicted_cached, reply.finish_reason, total_s=total_s, server={**model, **(facts or {})})
 
 
 # == load ====================================================================================================
@@ -701,9 +686,7 @@ class ServerLoad:
 
 def _count(value: Any) -> int | None:
     """A request count, or None for anything that is not one."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return int(value) if 0 <= value <= _MAX_COUNT else None
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= _MAX_COUNT else None  # (not NaN, not inf)
 
 
 #: a Prometheus sample line: its name, its labels (values may hold braces and escaped quotes), its value
@@ -783,18 +766,18 @@ LOAD_ENDPOINTS: tuple[tuple[str, Callable[[bytes], ServerLoad | None]], ...] = (
 
 class ServerLoadReader:
     """Reads a server's load from the endpoints it has (:data:`LOAD_ENDPOINTS`) with ``http`` (the
-    backend's client) at ``root_url``, each ask within ``timeout_s``. An endpoint the server lacks is not
-    asked again for ``recheck_s``, one that failed for ``retry_s``; a reading older than ``stale_s`` is
-    not used. llama.cpp answers ``/slots`` and ``/metrics`` after the prefill batch in progress: the asks
-    can run in the background (:meth:`latest`)."""
+    backend's client) at ``root_url``. llama.cpp answers ``/slots`` and ``/metrics`` after the prefill
+    batch in progress: the asks can run in the background (:meth:`latest`)."""
 
-    def __init__(self, http: httpx.Client, root_url: str, headers: Mapping[str, str] | None = None, *, timeout_s: float = 0.5,
-                 max_age_s: float = 0.5, stale_s: float = 5.0, recheck_s: float = 600.0, retry_s: float = 2.0,
+    timeout_s = 0.5  #: each ask's timeout
+    stale_s = 5.0  #: a reading older than this is not used
+    recheck_s = 600.0  #: an endpoint the server lacks is not asked again for this long ...
+    retry_s = 2.0  #: ... one that failed for this long
+
+    def __init__(self, http: httpx.Client, root_url: str, headers: Mapping[str, str] | None = None, *, max_age_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.http, self.root_url, self.headers = http, root_url.rstrip("/"), dict(headers or {})
-        self.timeout_s, self.max_age_s, self.stale_s = timeout_s, max_age_s, stale_s
-        self.recheck_s, self.retry_s = recheck_s, retry_s
-        self.clock = clock
+        self.max_age_s, self.clock = max_age_s, clock
         self.skip_until: dict[str, float] = {}  # endpoint path → when it may be asked again
         self.last: ServerLoad | None = None
         self._lock = threading.Lock()

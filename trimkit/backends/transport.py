@@ -1,7 +1,7 @@
 """The HTTP wire of the HTTP backend (docs/servers.md §6): wire failures as trimkit errors; server-sent
 events (:class:`EventReader` decides, :func:`iter_events` moves bytes); opening a request over ``httpx``
 or the user's ``openai`` client (:class:`HTTPTransport`, bodies capped); reading an open stream
-(:class:`StreamState`, :func:`read_chunks`); deadlines and retries (:class:`RequestLimits`, :func:`with_retries`).
+(:class:`StreamState`, :func:`read_chunks`); deadlines and retries (:class:`RequestLimits`, :func:`retried`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from typing import Any
 import attrs
 import httpx
 import tenacity
-from httpx_sse import EventSource, ServerSentEvent
 
-from trimkit.backends.base import Clock, Io, Measurement, Steps, TimedStream, run_sync
+from trimkit.backends.base import Clock, Io, Measurement, Steps, TimedStream, run_async, run_sync
 from trimkit.backends.replies import (
     MAX_EVENT_BYTES,
     MAX_REPLY_BYTES,
@@ -140,12 +139,6 @@ def client_read_error(exc: BaseException, url: str) -> TrimkitError | None:
     return undecodable(exc, f"the stream from {url}") if isinstance(exc, _CLIENT_DECODE_ERRORS) else None
 
 
-def is_transport_failure(exc: BaseException) -> bool:
-    """A broken connection (httpx's, the OS's or the ``openai`` client's)."""
-    openai = _openai()
-    return isinstance(exc, (httpx.TransportError, OSError)) or (openai is not None and isinstance(exc, openai.APIError))
-
-
 @contextlib.contextmanager
 def translated(translate: Callable[[BaseException], TrimkitError | None]) -> Iterator[None]:
     """Raise an exception of the block as the trimkit error ``translate`` gives (as it is: None)."""
@@ -172,70 +165,65 @@ def wrong_content_type(content_type: str | None, head: bytes, url: str) -> Malfo
                                f"not text/event-stream: {excerpt(head, 200)!r}", field="content-type", server_message=excerpt(head))
 
 
-def stream_reply_error(content_type: str | None, head: bytes, url: str) -> ServerError:
-    """A stream request the ``openai`` client got no event stream for: the server's error if the body is one."""
-    if body_kind(content_type) == "json":
-        parse_completion(load_json(head, what=f"reply from {url}"))  # raises ServerError for {"error": ...}
-        return MalformedReplyError(f"{url} answered a stream request with one JSON body, which this client cannot stream",
-                                   field="content-type", server_message=excerpt(head))
-    return wrong_content_type(content_type, head, url)
-
-
 # == server-sent events ======================================================================================
 
-_LINE_ENDS = re.compile(rb"[\r\n]+")  # a run of line ends; two or more in a run end an event
-_ONE_LINE_END = (b"\r", b"\n", b"\r\n")
-_END_OF_STREAM = b"\n\n"  # ends a last event that came without its blank line
-_EVENT_STREAM = {"content-type": "text/event-stream"}
+_LINE = re.compile(rb"([^\r\n]*)(\r\n|\r|\n)")  # a line and its end (a \r last in the bytes may be half a \r\n)
 
 
 class EventReader:
-    """The decisions about one event stream, without I/O: :meth:`feed` the bytes, :meth:`end` at the
-    end, :meth:`values` of each event httpx-sse parsed. Data is JSON; ``[DONE]`` ends the stream; an
-    ``error`` event raises ServerError; an event over ``max_event_bytes`` raises MalformedReplyError
-    (nothing past the cap buffered); a stream cut inside an event raises StreamInterruptedError."""
+    """One event stream, parsed without I/O (SSE: ``data:`` lines joined, ``event:``, comments):
+    :meth:`feed` the bytes, :meth:`end` at the end; each gives the JSON values of the events it completed.
+    ``[DONE]`` ends the stream; an ``error`` event raises ServerError; an event over ``max_event_bytes``
+    raises MalformedReplyError (nothing past the cap buffered); a stream cut inside an event raises StreamInterruptedError."""
 
     def __init__(self, max_event_bytes: int | None = None) -> None:
         self.max_event_bytes = MAX_EVENT_BYTES if max_event_bytes is None else max_event_bytes
         self.done = False  #: the server sent ``data: [DONE]``
-        self._pending = 0  # bytes since the blank line that ended the last event
-        self._tail = b""  # the last bytes fed: a run of line ends may continue in the next read
+        self._buf = bytearray()  # a line not ended yet
+        self._size = 0  # bytes of the event being read, in the lines ended so far
+        self._name = ""
+        self._data: list[str] = []
         self._ended = False
 
-    def feed(self, data: bytes) -> Iterator[bytes]:
-        """The bytes to hand to the parser; an event over the cap is cut where it starts, then MalformedReplyError."""
-        tail, buf = self._tail, self._tail + data
-        event_start = None  # in ``data``: where the event being read began
-        for run in _LINE_ENDS.finditer(buf):
-            if run.group() not in _ONE_LINE_END:
-                event_start = max(run.end() - len(tail), 0)
-                self._pending = len(buf) - run.end()
-        if event_start is None:
-            self._pending += len(data)
-        self._tail = buf[-3:]
-        if self._pending <= self.max_event_bytes:
-            yield data
-            return
-        kept = data[: event_start or 0]
-        if (tail + kept).endswith(b"\r"):  # the parser holds a last \r until it sees what follows
-            kept += b"\n"
-        yield kept
-        raise MalformedReplyError(f"the server sent a stream event longer than {self.max_event_bytes} bytes",
-                                  server_message=excerpt(data[event_start or 0 :][:500]))
+    def feed(self, data: bytes) -> Iterator[Any]:
+        """The values of the events ``data`` completes."""
+        self._buf += data
+        if b"\r" in data or b"\n" in data:
+            used = 0
+            for line in _LINE.finditer(self._buf):
+                if line.end() == len(self._buf) and line[2] == b"\r":  # the first half of a \r\n, maybe
+                    break
+                used, self._size = line.end(), self._size + len(line[0])
+                self._check(line[1], 0)
+                yield from self._line(line[1])
+            del self._buf[:used]
+        self._check(self._buf, len(self._buf))
 
-    def end(self) -> bytes:
-        """The bytes that complete a last event sent without its blank line."""
+    def end(self) -> Iterator[Any]:
+        """The value of a last event sent without its blank line."""
         self._ended = True
-        return _END_OF_STREAM
+        return self.feed(b"\n\n")
 
-    def values(self, event: ServerSentEvent) -> tuple[Any, ...]:
-        """The JSON value an event carries (none for ``[DONE]`` or an event without data)."""
-        data = event.data
+    def _check(self, sample: bytes | bytearray, pending: int) -> None:
+        if self._size + pending > self.max_event_bytes and not self._ended and not self.done:
+            raise MalformedReplyError(f"the server sent a stream event longer than {self.max_event_bytes} bytes",
+                                      server_message=excerpt(bytes(sample[:500])))
+
+    def _line(self, line: bytes | bytearray) -> Iterator[Any]:
+        if line:
+            field, _, value = line.decode("utf-8", "replace").partition(":")
+            if field == "data":
+                self._data.append(value.removeprefix(" "))
+            elif field == "event":
+                self._name = value.removeprefix(" ")
+            return
+        name, data, self._size = self._name, "\n".join(self._data), 0
+        self._name, self._data = "", []
         if not data or self.done:
-            return ()
+            return
         if data.strip() == "[DONE]":
             self.done = True
-            return ()
+            return
         if self._ended:  # the stream closed in the middle of this event: cut short, not garbled
             try:
                 json.loads(data)
@@ -244,43 +232,31 @@ class EventReader:
             except (ValueError, RecursionError):
                 pass  # load_json says what is wrong with it
         value = load_json(data, what="stream event")
-        if event.event == "error" or (isinstance(value, Mapping) and value.get("error") is not None and value.get("choices") is None):
+        if name == "error" or (isinstance(value, Mapping) and value.get("error") is not None and value.get("choices") is None):
             message = error_message(value)
             raise ServerError(f"the server reported an error mid-stream: {message}", status=200, server_message=message)
-        return (value,)
+        yield value
 
 
 def iter_events(byte_chunks: Iterable[bytes], reader: EventReader | None = None) -> Iterator[Any]:
     """The JSON events of an event stream's bytes, in order, until ``[DONE]`` or the end."""
     reader = reader or EventReader()
-
-    def body() -> Iterator[bytes]:
-        for data in byte_chunks:
-            yield from reader.feed(data)
-        yield reader.end()
-
-    with contextlib.closing(EventSource(httpx.Response(200, headers=_EVENT_STREAM, content=body())).iter_sse()) as events:
-        for event in events:
-            yield from reader.values(event)
-            if reader.done:
-                return
+    for data in byte_chunks:
+        yield from reader.feed(data)
+        if reader.done:
+            return
+    yield from reader.end()
 
 
 async def aiter_events(byte_chunks: AsyncIterable[bytes], reader: EventReader | None = None) -> AsyncIterator[Any]:
     reader = reader or EventReader()
-
-    async def body() -> AsyncIterator[bytes]:
-        async for data in byte_chunks:
-            for passed in reader.feed(data):
-                yield passed
-        yield reader.end()
-
-    async with contextlib.aclosing(EventSource(httpx.Response(200, headers=_EVENT_STREAM, content=body())).aiter_sse()) as events:
-        async for event in events:
-            for value in reader.values(event):
-                yield value
-            if reader.done:
-                return
+    async for data in byte_chunks:
+        for value in reader.feed(data):
+            yield value
+        if reader.done:
+            return
+    for value in reader.end():
+        yield value
 
 
 # == sending a request and opening its answer ================================================================
@@ -301,49 +277,33 @@ class Opened:
     close: Callable[[], Any]  # (a coroutine function for an async stream)
     done: Callable[[], bool]  # did the server end the stream properly ([DONE])?
     whole: bool = False  # the server ignored stream=true: ``first`` is a whole completion
+    client: bool = False  # read through the ``openai`` client: its errors are translated (client_read_error)
 
 
-def _discard(value: Any) -> None:
+def _discard(future: concurrent.futures.Future[Any]) -> None:
     """Close what an abandoned attempt opened (a stream); other results need nothing."""
-    if isinstance(value, Opened):
-        value.close()
+    if future.exception() is None and isinstance(future.result(), Opened):
+        with contextlib.suppress(Exception):
+            future.result().close()
 
 
-def _raise(error: BaseException) -> Any:
-    raise error
+def body_cap(status: int, kind: str | None, url: str) -> tuple[int, str, bool]:
+    """How a response that is no event stream is read, ``(cap, what, truncate)``: a whole JSON answer
+    (more than the cap: MalformedReplyError), else the start of what the server sent."""
+    if status < 300 and kind is not None:
+        return MAX_REPLY_BYTES, f"reply from {url}", False
+    return ERROR_BODY_BYTES if status >= 300 else 2048, "error body", True
 
 
-def stream_body_plan(status: int, headers: Any, url: str) -> tuple[int, str, bool, Callable[[bytes], Any]] | None:
-    """A stream request's response that is no event stream (None: it is one): ``(cap, what, truncate,
-    outcome)``: read at most ``cap`` bytes (``truncate``: cut there, else refuse more), then ``outcome(body)``."""
+def answer(status: int, headers: Any, body: bytes, url: str, kind: str | None = "json") -> Any:
+    """A response that is no event stream: its JSON; an error status, a redirect, or a body of no known type (``kind`` None) raise."""
     if status >= 400:
-        return ERROR_BODY_BYTES, "error body", True, lambda body: _raise(status_error(status, body, headers))
-    if 300 <= status < 400:
-        return ERROR_BODY_BYTES, "redirect body", True, lambda body: _raise(redirect_error(status, headers, url))
-    content_type = headers.get("content-type")
-    kind = body_kind(content_type)
-    if kind == "json":  # the server ignored stream=true: one whole response
-        return MAX_REPLY_BYTES, f"reply from {url}", False, lambda body: load_json(body, what=f"reply from {url}")
-    if kind is None:
-        return 2048, "body", True, lambda body: _raise(wrong_content_type(content_type, body, url))
-    return None
-
-
-def json_answer(status: int, headers: Any, content: bytes, url: str, *, missing_ok: bool, root_only: bool) -> Any:
-    """A side request's JSON answer. ``missing_ok``: None for a body that is not JSON, or for 400/422
-    from an endpoint of the server root (``root_only``: another engine's, refused)."""
-    if status >= 400:
-        if missing_ok and status in (400, 422) and root_only:
-            return None
-        raise status_error(status, content, headers)
-    if 300 <= status < 400:
+        raise status_error(status, body, headers)
+    if status >= 300:
         raise redirect_error(status, headers, url)
-    try:
-        return load_json(content, what=f"reply from {url}", status=status)
-    except MalformedReplyError:
-        if missing_ok:
-            return None
-        raise
+    if kind is None:
+        raise wrong_content_type(headers.get("content-type"), body, url)
+    return load_json(body, what=f"reply from {url}", status=status)
 
 
 def capped(chunks: Any, cap: int, what: str, truncate: bool = False) -> Steps:
@@ -359,7 +319,7 @@ def capped(chunks: Any, cap: int, what: str, truncate: bool = False) -> Steps:
     return bytes(out[:cap])
 
 
-def read_capped(byte_chunks: Iterable[bytes], cap: int, what: str, *, truncate: bool = False) -> bytes:
+def read_capped(byte_chunks: Iterable[bytes], cap: int, what: str, truncate: bool = False) -> bytes:
     return run_sync(capped(iter(byte_chunks), cap, what, truncate))
 
 
@@ -418,25 +378,6 @@ def _not_events(stream: Any) -> Any:
     return response if body_kind(headers.get("content-type")) != "sse" else None
 
 
-def _client_items(it: Iterator[Any], url: str) -> Iterator[Any]:
-    """The rest of an ``openai`` client's stream, its decoding errors translated."""
-    while True:
-        with translated(lambda exc: client_read_error(exc, url)):
-            item = next(it, END)
-        if item is END:
-            return
-        yield item
-
-
-async def _aclient_items(it: AsyncIterator[Any], url: str) -> AsyncIterator[Any]:
-    while True:
-        with translated(lambda exc: client_read_error(exc, url)):
-            item = await anext(it, END)
-        if item is END:
-            return
-        yield item
-
-
 class HTTPTransport:
     """The requests of one backend: its URLs, headers, pooled ``httpx`` client and limits."""
 
@@ -467,8 +408,10 @@ class HTTPTransport:
 
     def request_json(self, method: str, url: str, body: Any = None, *, missing_ok: bool = False, deadline: Deadline | None = None) -> Any:
         """A side request, retried like a chat request (a pooled connection the server dropped fails once)."""
-        return with_retries(lambda wait: self.request_json_once(method, url, body, wait=wait, missing_ok=missing_ok),
-                            deadline or self.limits.deadline(), url, self.limits)
+        def attempt(wait: Wait) -> Steps:
+            return (yield Io(self.request_json_once, self.request_json_once, method, url, body, wait=wait, missing_ok=missing_ok))
+
+        return run_sync(self.retried(attempt, deadline or self.limits.deadline(), url))
 
     def request_json_once(self, method: str, url: str, body: Any = None, *, wait: Wait | None = None, missing_ok: bool = False,
                           headers: Mapping[str, str] | None = None) -> Any:
@@ -479,14 +422,18 @@ class HTTPTransport:
                 status, got = resp.status_code, resp.headers
                 if missing_ok and status in MISSING_STATUSES:
                     return None
-                cap, what = (ERROR_BODY_BYTES, "error body") if status >= 400 else (MAX_REPLY_BYTES, f"reply from {url}")
-                content = read_capped(resp.iter_bytes(), cap, what, truncate=status >= 400)
-        root_only = url.startswith(self.root_url) and not url.startswith(self.base_url)
-        return json_answer(status, got, content, url, missing_ok=missing_ok, root_only=root_only)
+                content = read_capped(resp.iter_bytes(), *body_cap(status, "json", url))
+        try:
+            return answer(status, got, content, url)
+        except ServerError as exc:  # missing_ok: a body that is not JSON, or 400/422 from an endpoint of the server root (another engine's)
+            root_only = url.startswith(self.root_url) and not url.startswith(self.base_url)
+            if missing_ok and (status < 300 or exc.status in (400, 422) and root_only):
+                return None
+            raise
 
-    def retried(self, attempt: Callable[[Wait], Any], deadline: Deadline, url: str) -> Any:
-        """:func:`with_retries` with this transport's limits; a stream an abandoned attempt opens is closed."""
-        return with_retries(attempt, deadline, url, self.limits, _discard)
+    def retried(self, attempt: Callable[[Wait], Steps], deadline: Deadline, url: str) -> Steps:
+        """:func:`retried` with this transport's limits."""
+        return retried(attempt, deadline, url, self.limits)
 
     def _open_url(self, client: httpx.Client | httpx.AsyncClient, path: str, body: Mapping[str, Any], wait: Wait,
                   headers: Mapping[str, str] | None) -> Steps:
@@ -497,11 +444,10 @@ class HTTPTransport:
             resp = yield Io(client.send, client.send, request, stream=True)
             close, data = (resp.aclose, resp.aiter_bytes()) if is_async else (resp.close, resp.iter_bytes())
             try:
-                plan = stream_body_plan(resp.status_code, resp.headers, url)
-                if plan is not None:
-                    cap, what, truncate, outcome = plan
-                    content = yield from capped(data, cap, what, truncate)
-                    return Opened(outcome(content), None, close, lambda: True, whole=True)
+                kind = body_kind(resp.headers.get("content-type"))
+                if resp.status_code >= 300 or kind != "sse":  # an error, or the server ignored stream=true: one whole response
+                    content = yield from capped(data, *body_cap(resp.status_code, kind, url))
+                    return Opened(answer(resp.status_code, resp.headers, content, url, kind), None, close, lambda: True, whole=True)
                 reader = EventReader()
                 events = aiter_events(data, reader) if is_async else iter_events(data, reader)
                 return Opened((yield Io(next, anext, events, END)), events, close, lambda: reader.done)
@@ -558,10 +504,13 @@ class HTTPTransport:
                 if response is not None:
                     data = response.aiter_bytes() if is_async else response.iter_bytes()
                     head = yield from capped(data, ERROR_BODY_BYTES, "body", truncate=True)
-                    raise stream_reply_error(response.headers.get("content-type"), head, url)
+                    # the server's error if the body is one (ServerError), else what it is not
+                    parse_completion(answer(200, response.headers, head, url, body_kind(response.headers.get("content-type"))))
+                    raise MalformedReplyError(f"{url} answered a stream request with one JSON body, which this client cannot stream",
+                                              field="content-type", server_message=excerpt(head))
                 it = stream.__aiter__() if is_async else iter(stream)
                 first = yield Io(next, anext, it, END)
-                return Opened(first, _aclient_items(it, url) if is_async else _client_items(it, url), close, lambda: False)
+                return Opened(first, it, close, lambda: False, client=True)
             except BaseException:
                 with contextlib.suppress(Exception):
                     yield Io(close, close)
@@ -590,7 +539,7 @@ class StreamState:
     started: float | None = None  # time.monotonic() when the request went out
     has_output: bool = False
     served_model: str | None = None  # the model the server says answered (its chunks' ``model``)
-    #: an async stream's open response (what :meth:`AsyncTimedStream.aclose` closes under another task's step)
+    #: the open response (what :meth:`AsyncTimedStream.aclose` closes under another task's step; is it the openai client's?)
     opened: Opened | None = attrs.field(default=None, repr=False)
 
     def begin(self, opened: Opened) -> None:
@@ -634,7 +583,7 @@ class StreamState:
 def read_chunks(open_: Callable[[], Opened], state: StreamState) -> Iterator[Any]:
     """The chunks of a stream, opened on the first ``next()`` (when the TTFT clock starts)."""
     state.started = time.monotonic()
-    opened = open_()
+    opened = state.opened = open_()
     try:
         state.begin(opened)
         for item in itertools.chain((opened.first,), opened.rest or ()):
@@ -666,16 +615,19 @@ async def aread_chunks(open_: Callable[[], Awaitable[Opened]], state: StreamStat
             await opened.close()
 
 
-def _stream_error(url: str, stream_of: Callable[[], TimedStream | None]) -> Callable[[BaseException], BaseException | None]:
+def _stream_error(state: StreamState, stream_of: Callable[[], TimedStream | None]) -> Callable[[BaseException], BaseException | None]:
     """A stream's failure after it was opened as a trimkit error (None: as it is); ``stream_of()`` holds it weakly."""
+    url = state.url
 
     def on_error(exc: BaseException) -> BaseException | None:
         if isinstance(exc, TrimkitError):
             return None
-        if isinstance(exc, httpx.DecodingError):  # a body its Content-Encoding does not decode
-            return undecodable(exc, f"the stream from {url}")
-        if not is_transport_failure(exc):
-            return None
+        if state.opened is not None and state.opened.client and (error := client_read_error(exc, url)) is not None:
+            return error
+        openai = _openai()
+        broken = (httpx.TransportError, OSError, openai.APIError) if openai is not None else (httpx.TransportError, OSError)
+        if not isinstance(exc, broken):  # no broken connection: a body its Content-Encoding does not decode, or as it is
+            return transport_error(exc, url)
         ts = stream_of()
         n = ts.n_chunks if ts is not None else 0
         return StreamInterruptedError(f"the stream from {url} broke after {n} chunks: {type(exc).__name__}: {exc}")
@@ -699,7 +651,7 @@ def timed_stream(chunks: Any, state: StreamState, clock: Clock, measure: Callabl
 
     extra: dict[str, Any] = {"abort": functools.partial(_close_opened, state)} if issubclass(cls, AsyncTimedStream) else {}
     ts = cls(chunks, started=None, clock=clock, content_of=content_of, finish=lambda ts: measure(state, ts),
-             on_error=_stream_error(state.url, lambda: ref() if ref is not None else None), **extra)
+             on_error=_stream_error(state, lambda: ref() if ref is not None else None), **extra)
     ref = weakref.ref(ts)
     return ts
 
@@ -824,10 +776,6 @@ class RequestLimits:
             return Deadline(float(bound), bounded=True)
         return Deadline(float(self.retry_deadline_s if retry_deadline_s is None else retry_deadline_s))
 
-    def whole_answer_deadline(self, retry_deadline_s: float | None, deadline_s: float | None) -> Deadline:
-        """A non-streamed request's: bounded only by a ``deadline_s`` given for it (its first byte comes after the whole answer)."""
-        return self.deadline(retry_deadline_s, deadline_s, unbounded=deadline_s is None)
-
     def read_timeout_s(self, wait: Wait | None) -> float:
         if wait is None or wait.bound_s is None:
             return self.timeout_s
@@ -856,100 +804,69 @@ class RequestLimits:
                     retry=tenacity.retry_if_exception_type(RETRIED), before_sleep=before_sleep, reraise=True)
 
 
-class RetryRun:
-    """The books of one retried call: its start, the last attempt's error, what each attempt may wait, what to raise."""
+def retried(attempt: Callable[[Wait], Steps], deadline: Deadline, url: str, limits: RequestLimits) -> Steps:
+    """The I/O steps ``attempt(wait)``, retried until it succeeds, a non-transient error, or the deadline (the backoff is a
+    step too: one loop for sync and async callers). A bounded deadline waits for no attempt past it (ServerTimeoutError)."""
+    start, naps = time.monotonic(), list[float]()
+    previous: BaseException | None = None  # the last attempt's error
 
-    def __init__(self, deadline: Deadline, url: str) -> None:
-        self.deadline, self.url = deadline, url
-        self.start = time.monotonic()
-        self.previous: BaseException | None = None
-
-    @contextlib.contextmanager
-    def attempt(self) -> Iterator[Wait]:
-        """Around one attempt: what it may wait; its error is kept (see :meth:`timed_out`)."""
-        try:
-            yield Wait(self.deadline.seconds - (time.monotonic() - self.start), self.deadline.seconds if self.deadline.bounded else None)
-        except BaseException as exc:
-            self.previous = exc
-            raise
-
-    def timed_out(self) -> BaseException:
+    def timed_out() -> BaseException:
         """The previous attempt's error status if there was one (the server was answering, with 503s), else ServerTimeoutError."""
-        if isinstance(self.previous, TransientServerError):
-            return self.previous
-        return ServerTimeoutError(f"{self.url} did not answer within the request's deadline of {self.deadline.seconds:.2f} s "
+        if isinstance(previous, TransientServerError):
+            return previous
+        return ServerTimeoutError(f"{url} did not answer within the request's deadline of {deadline.seconds:.2f} s "
                                   "(no first chunk, or no reply to a side request)")
 
-    def gave_up(self, exc: ServerUnreachableError, retrying: tenacity.BaseRetrying) -> ServerUnreachableError:
-        if isinstance(exc, ServerTimeoutError) and self.deadline.bounded and time.monotonic() - self.start >= self.deadline.seconds:
-            # a bounded deadline is also each read's timeout: whichever fired first, it is the deadline that passed
-            said = self.timed_out()
-            if isinstance(said, ServerUnreachableError):
-                return said
-        attempts = retrying.statistics.get("attempt_number", 1)
-        return type(exc)(f"{exc} (gave up after {attempts} attempts in {time.monotonic() - self.start:.1f} s)")
-
-
-def with_retries(attempt: Callable[[Wait], Any], deadline: Deadline, url: str, limits: RequestLimits,
-                 discard: Callable[[Any], None] = lambda value: None) -> Any:
-    """``attempt(wait)`` until it succeeds, a non-transient error, or the deadline; a bounded deadline
-    waits for no attempt past it (ServerTimeoutError), and what an abandoned attempt opens is ``discard``-ed."""
-    run = RetryRun(deadline, url)
-    retrying = tenacity.Retrying(**limits.retry_arguments(deadline))
+    retrying = tenacity.Retrying(sleep=naps.append, **limits.retry_arguments(deadline))
     try:
         for try_ in retrying:
-            with try_, run.attempt() as wait:
-                if not deadline.bounded:
-                    return attempt(wait)
-                return run_within(lambda wait=wait: attempt(wait), wait.remaining_s, discard, run.timed_out)
-    except ServerUnreachableError as exc:
-        raise run.gave_up(exc, retrying) from exc
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-async def awith_retries(attempt: Callable[[Wait], Awaitable[Any]], deadline: Deadline, url: str, limits: RequestLimits) -> Any:
-    """:func:`with_retries` for asyncio (an attempt past the deadline is cancelled)."""
-    run = RetryRun(deadline, url)
-    retrying = tenacity.AsyncRetrying(**limits.retry_arguments(deadline))
-    try:
-        async for try_ in retrying:
-            with try_, run.attempt() as wait:
-                if not deadline.bounded:
-                    return await attempt(wait)
+            with try_:
+                if naps:
+                    yield Io(time.sleep, asyncio.sleep, naps.pop())
+                wait = Wait(deadline.seconds - (time.monotonic() - start), deadline.seconds if deadline.bounded else None)
                 try:
-                    async with asyncio.timeout(max(wait.remaining_s, 0.0)):
-                        return await attempt(wait)
-                except TimeoutError as exc:
-                    if isinstance(exc, TrimkitError):
-                        raise
-                    raise run.timed_out() from None
+                    if not deadline.bounded:
+                        return (yield from attempt(wait))
+                    return (yield Io(run_within, arun_within, attempt(wait), wait.remaining_s, timed_out))
+                except BaseException as exc:
+                    previous = exc
+                    raise
     except ServerUnreachableError as exc:
-        raise run.gave_up(exc, retrying) from exc
+        elapsed = time.monotonic() - start
+        # a bounded deadline is also each read's timeout: whichever fired first, it is the deadline that passed
+        if isinstance(exc, ServerTimeoutError) and deadline.bounded and elapsed >= deadline.seconds and isinstance(timed_out(), ServerUnreachableError):
+            raise timed_out() from exc
+        raise type(exc)(f"{exc} (gave up after {retrying.statistics.get('attempt_number', 1)} attempts in {elapsed:.1f} s)") from exc
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def run_within(fn: Callable[[], Any], seconds: float, discard: Callable[[Any], None], timed_out: Callable[[], BaseException]) -> Any:
-    """``fn()`` in a worker thread, waited for at most ``seconds`` (then ``timed_out()`` is raised):
+def run_within(steps: Steps, seconds: float, timed_out: Callable[[], BaseException]) -> Any:
+    """``steps`` run in a worker thread, waited for at most ``seconds`` (then ``timed_out()`` is raised):
     a blocking read cannot be given an overall deadline (a server may trickle bytes forever), nor can
     the ``openai`` client's stream be interrupted. The worker ends on its own (each wait is bounded);
-    what it returns after the caller gave up is ``discard``-ed."""
+    a stream it opens after the caller gave up is closed."""
     future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
     def run() -> None:
         try:
-            future.set_result(fn())
+            future.set_result(run_sync(steps))
         except BaseException as exc:  # handed to the caller
             future.set_exception(exc)
 
     threading.Thread(target=run, name="trimkit-request", daemon=True).start()
     done, _ = concurrent.futures.wait([future], timeout=max(seconds, 0.0))
     if not done:
-        future.add_done_callback(lambda f: _discard_quietly(f, discard))
+        future.add_done_callback(_discard)
         raise timed_out()
     return future.result()
 
 
-def _discard_quietly(future: concurrent.futures.Future[Any], discard: Callable[[Any], None]) -> None:
-    if future.exception() is None:
-        with contextlib.suppress(Exception):
-            discard(future.result())
+async def arun_within(steps: Steps, seconds: float, timed_out: Callable[[], BaseException]) -> Any:
+    """:func:`run_within` for asyncio: the attempt is cancelled at the deadline."""
+    try:
+        async with asyncio.timeout(max(seconds, 0.0)):
+            return await run_async(steps)
+    except TimeoutError as exc:
+        if isinstance(exc, TrimkitError):
+            raise
+        raise timed_out() from None
