@@ -301,6 +301,14 @@ def test_any_event_stream_decodes_the_same_however_it_is_cut(lines, newline, cut
     assert frozen(cut[0]) == frozen(whole[0]) and cut[1] == whole[1]
 
 
+def test_unescaped_unicode_line_separators_stay_inside_their_event():
+    # JSON may carry U+2028/U+2029, U+0085, \x0b, \x0c and \x1c-\x1e unescaped; an SSE line ends only at \r, \n or \r\n
+    text = "a\u2028b\u2029c\x85d\x0be\x0cf\x1cg\x1dh\x1ei"
+    data = ("data: " + json.dumps({"choices": [{"delta": {"content": text}}]}, ensure_ascii=False) + "\n\ndata: [DONE]\n\n").encode()
+    events = list(iter_events([data[:9], data[9:31], data[31:]]))
+    assert events == [{"choices": [{"delta": {"content": text}}]}]
+
+
 @PARSER
 @given(shaped | st.binary(max_size=100) | st.text(max_size=100) | st.integers(1, 3000).map(_nested))
 def test_an_error_body_always_gives_a_short_message(body):
