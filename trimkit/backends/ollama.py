@@ -7,6 +7,7 @@ sent with what was taken in.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -229,14 +230,13 @@ class OllamaBackend(ServerBackend):
         body["stream"] = True
         return body
 
-    def _measure(self, lines: _Lines, ts: TimedStream, sent: list[int], predicted: int) -> Measurement:
+    def _measure(self, lines: _Lines, sent: list[int], predicted: int, ts: TimedStream) -> Measurement:
         final = lines.final or {}
         stats = parse_server_stats(final, strict=True) if final else ServerStats()
         reason = final.get("done_reason") if isinstance(final.get("done_reason"), str) else None
         m = self.evidence.timed_measure(stats, ts, sent, predicted, reason, context_tokens=self.n_ctx)
         load = stats.raw.get("load_duration")
-        server = dict(m.server)
-        server["num_ctx"] = self.n_ctx
+        server = {**m.server, "num_ctx": self.n_ctx}
         if isinstance(load, (int, float)) and not isinstance(load, bool) and load >= 0:
             server["load_s"] = load / 1e9
         return attrs.evolve(m, server=server)
@@ -277,11 +277,7 @@ class OllamaBackend(ServerBackend):
 
     def _stream(self, path: str, body: dict[str, Any], sent: list[int], *, is_async: bool, generate: bool = False) -> TimedStream:
         lines = _Lines(self.base_url + path, generate)
-        predicted = self.predict_cached_tokens(sent)
-
-        def finish(ts: TimedStream) -> Measurement:
-            return self._measure(lines, ts, sent, predicted)
-
+        finish = functools.partial(self._measure, lines, sent, self.predict_cached_tokens(sent))
         if is_async:
             held: list[httpx.Response] = []
 
