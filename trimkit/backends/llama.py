@@ -430,7 +430,7 @@ def llama_summarizer(llm: Any, *, n_ctx: int = 4096, max_tokens: int = 200, **ll
 
     def complete(prompt: str) -> str:
         with lock:
-            side = side_llama()
+            side: Any = side_llama()
             tokens = side.tokenize(prompt.encode("utf-8"), add_bos=True, special=False)
             if len(tokens) > n_ctx - max_tokens - 8:  # keep the newest part of an over-long transcript
                 prompt = side.detokenize(tokens[-(n_ctx - max_tokens - 8):]).decode("utf-8", "ignore")
