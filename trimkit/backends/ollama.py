@@ -24,7 +24,6 @@ from trimkit.backends.transport import AsyncTimedStream, redact_url, status_erro
 from trimkit.errors import InvalidInputError, MalformedReplyError, ServerError, StreamInterruptedError, count
 from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey
-from trimkit.planning.tokens import PromptTokenizer
 
 #: ``num_ctx`` when ``n_ctx`` is not given: Ollama's own default under 24 GiB of memory (stated, not guessed)
 DEFAULT_OLLAMA_CTX = 4096
@@ -147,7 +146,7 @@ class OllamaBackend(ServerBackend):
         self._n_ctx = count(n_ctx, "n_ctx", minimum=1) if n_ctx is not None else DEFAULT_OLLAMA_CTX
         self._n_batch = count(n_batch, "n_batch", minimum=1) if n_batch is not None else None
         self.chat_format = chat_format
-        self._tokenizer = local_prompt_tokenizer(chat_format_renderer(chat_format) if chat_format is not None else None, chat_format)
+        self.tokenizer = local_prompt_tokenizer(chat_format_renderer(chat_format) if chat_format is not None else None, chat_format)
         self.clock = clock
         self.base_url = redact_url(str(self.http.base_url).rstrip("/"))
         self._lock = threading.Lock()
@@ -158,12 +157,6 @@ class OllamaBackend(ServerBackend):
     @property
     def n_ctx(self) -> int:
         return self._n_ctx
-
-    @property
-    def tokenizer(self) -> PromptTokenizer:  # type: ignore[override]
-        return self._tokenizer
-
-    background_tokenizer = tokenizer
 
     @property
     def token_count_correction(self) -> float:
