@@ -42,11 +42,8 @@ __all__ = [
     "strategies", "errors", "backends", "testing",
 ]
 
-#: imported on first use: ``import trimkit`` imports no engine (``trimkit[llama]``)
-_IN_PROCESS = {"default_llama": "trimkit.backends.llama", "llama_summarizer": "trimkit.backends.llama"}
-
-
 def __getattr__(name: str) -> Any:
-    if name in _IN_PROCESS:
-        return getattr(errors.require_extra(_IN_PROCESS[name], "llama", f"trimkit.{name}"), name)
+    """The in-process names on first use: ``import trimkit`` imports no engine (``trimkit[llama]``)."""
+    if name in ("default_llama", "llama_summarizer"):
+        return getattr(errors.require_extra("trimkit.backends.llama", "llama", f"trimkit.{name}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,10 +40,10 @@ def _check_id(instance: Any, attribute: Any, value: Any) -> None:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def lone_surrogate(text: str) -> int | None:
-    """Where ``text`` holds a lone surrogate (valid JSON, but not encodable as UTF-8), or None."""
-    m = _SURROGATE.search(text)
-    return None if m is None else m.start()
+def _check_utf8(text: Any, where: str, error: type[Exception] = InvalidMessageError) -> None:
+    """Raise ``error`` if ``text`` holds a lone surrogate (valid JSON, but not encodable as UTF-8)."""
+    if isinstance(text, str) and (m := _SURROGATE.search(text)) is not None:
+        raise error(f"{where} holds a lone surrogate at character {m.start()} (not encodable as UTF-8)")
 
 
 def _check_text(instance: Any, attribute: Any, value: Any) -> None:
@@ -51,8 +51,7 @@ def _check_text(instance: Any, attribute: Any, value: Any) -> None:
         raise InvalidChunkError(f"chunk text must be a str, got {type(value).__name__}")
     if not value.strip():
         raise InvalidChunkError("chunk text is empty")
-    if (at := lone_surrogate(value)) is not None:
-        raise InvalidChunkError(f"chunk text holds a lone surrogate at character {at} (not encodable as UTF-8)")
+    _check_utf8(value, "chunk text", InvalidChunkError)
 
 
 @attrs.frozen
@@ -95,8 +94,7 @@ def validate_params(params: Mapping[str, Any]) -> None:
             text = json.dumps(tool, allow_nan=False, ensure_ascii=False)
         except (TypeError, ValueError, RecursionError) as exc:
             raise InvalidInputError(f"tools[{i}] is not JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
-        if lone_surrogate(text) is not None:
-            raise InvalidInputError(f"tools[{i}] holds a lone surrogate (not encodable as UTF-8)")
+        _check_utf8(text, f"tools[{i}]", InvalidInputError)
 
 
 def coerce_chunks(chunks: Any) -> tuple[Chunk, ...]:
@@ -153,36 +151,49 @@ def message_text(message: Mapping[str, Any]) -> str:
     return "\n".join(parts + tool_call_lines(message))
 
 
+def _check_str(value: Any, where: str, *, optional: bool = False) -> None:
+    if not isinstance(value, str) and not (optional and value is None):
+        raise InvalidMessageError(f"{where} must be a str, got {type(value).__name__}")
+
+
 def _check_function(fn: Any, where: str) -> None:
     if not isinstance(fn, Mapping):
         raise InvalidMessageError(f"{where} must be a dict with 'name' and 'arguments', got {type(fn).__name__}")
-    if not isinstance(fn.get("name"), str):
-        raise InvalidMessageError(f"{where}.name must be a str, got {type(fn.get('name')).__name__}")
-    if "arguments" in fn and not isinstance(fn["arguments"], str):
-        raise InvalidMessageError(f"{where}.arguments must be a str (JSON text), got {type(fn['arguments']).__name__}")
+    _check_str(fn.get("name"), f"{where}.name")
+    _check_str(fn.get("arguments", ""), f"{where}.arguments")  # JSON text
 
 
-def _check_tool_fields(m: Mapping[str, Any], where: str) -> None:
+def _check_fields(m: Mapping[str, Any], where: str) -> None:
+    """The tool fields and content parts of a message with a known role and a ``content``."""
     for key in ("name", "tool_call_id"):
-        value = m.get(key)
-        if value is not None and not isinstance(value, str):
-            raise InvalidMessageError(f"{where}.{key} must be a str, got {type(value).__name__}")
+        _check_str(m.get(key), f"{where}.{key}", optional=True)
     tool_calls = m.get("tool_calls")
-    if tool_calls is not None:
-        if not _is_list(tool_calls):
-            raise InvalidMessageError(f"{where}.tool_calls must be a list of dicts, got {type(tool_calls).__name__}")
-        for j, call in enumerate(tool_calls):
-            here = f"{where}.tool_calls[{j}]"
-            if not isinstance(call, Mapping):
-                raise InvalidMessageError(f"{here} must be a dict, got {type(call).__name__}")
-            for key in ("id", "type"):
-                if call.get(key) is not None and not isinstance(call[key], str):
-                    raise InvalidMessageError(f"{here}.{key} must be a str, got {type(call[key]).__name__}")
-            if "function" not in call:
-                raise InvalidMessageError(f"{here} has no 'function'")
-            _check_function(call["function"], f"{here}.function")
+    if tool_calls is not None and not _is_list(tool_calls):
+        raise InvalidMessageError(f"{where}.tool_calls must be a list of dicts, got {type(tool_calls).__name__}")
+    for j, call in enumerate(tool_calls or ()):
+        here = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, Mapping):
+            raise InvalidMessageError(f"{here} must be a dict, got {type(call).__name__}")
+        for key in ("id", "type"):
+            _check_str(call.get(key), f"{here}.{key}", optional=True)
+        if "function" not in call:
+            raise InvalidMessageError(f"{here} has no 'function'")
+        _check_function(call["function"], f"{here}.function")
     if m.get("function_call") is not None:
         _check_function(m["function_call"], f"{where}.function_call")
+    content, role = m["content"], m["role"]
+    if content is None and not (role == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
+        raise InvalidMessageError(f"{where} ({role}) has content None")
+    if content is not None and not isinstance(content, (str, list)):
+        raise InvalidMessageError(f"{where} ({role}) content must be str, list of parts or None, got {type(content).__name__}")
+    _check_utf8(content, f"{where} ({role}) content")
+    for j, part in enumerate(content if isinstance(content, list) else ()):
+        if not isinstance(part, Mapping) or "type" not in part:
+            raise InvalidMessageError(f"{where}.content[{j}] must be a dict with a 'type'")
+        _check_str(part["type"], f"{where}.content[{j}].type")
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise InvalidMessageError(f"{where}.content[{j}] is a text part without a str 'text'")
+        _check_utf8(part.get("text"), f"{where}.content[{j}].text")
 
 
 def validate_messages(messages: Any) -> None:
@@ -202,26 +213,7 @@ def validate_messages(messages: Any) -> None:
             raise InvalidMessageError(f"messages[{i}] has unknown role {role!r} (expected one of {sorted(ROLES)})")
         if "content" not in m:
             raise InvalidMessageError(f"messages[{i}] ({role}) has no 'content'")
-        _check_tool_fields(m, f"messages[{i}]")
-        content = m["content"]
-        if content is None:
-            if not (role == "assistant" and (m.get("tool_calls") or m.get("function_call"))):
-                raise InvalidMessageError(f"messages[{i}] ({role}) has content None")
-        elif isinstance(content, list):
-            for j, part in enumerate(content):
-                if not isinstance(part, Mapping) or "type" not in part:
-                    raise InvalidMessageError(f"messages[{i}].content[{j}] must be a dict with a 'type'")
-                if not isinstance(part["type"], str):
-                    raise InvalidMessageError(f"messages[{i}].content[{j}].type must be a str, got {type(part['type']).__name__}")
-                if part["type"] == "text" and not isinstance(part.get("text"), str):
-                    raise InvalidMessageError(f"messages[{i}].content[{j}] is a text part without a str 'text'")
-                if isinstance(part.get("text"), str) and (at := lone_surrogate(part["text"])) is not None:
-                    raise InvalidMessageError(f"messages[{i}].content[{j}].text holds a lone surrogate at character {at} (not encodable as UTF-8)")
-        elif isinstance(content, str):
-            if (at := lone_surrogate(content)) is not None:
-                raise InvalidMessageError(f"messages[{i}] ({role}) content holds a lone surrogate at character {at} (not encodable as UTF-8)")
-        else:
-            raise InvalidMessageError(f"messages[{i}] ({role}) content must be str, list of parts or None, got {type(content).__name__}")
+        _check_fields(m, f"messages[{i}]")
     last_user_index(messages)
 
 
@@ -239,15 +231,10 @@ def turn_spans(messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, int]]:
     start: int | None = None
     for i, m in enumerate(messages):
         role = m.get("role")
-        if role in SYSTEM_ROLES:
-            if start is not None:
-                spans.append((start, i))
-                start = None
-            continue
-        if role == "user" and start is not None:
+        if start is not None and (role == "user" or role in SYSTEM_ROLES):
             spans.append((start, i))
-            start = i
-        elif start is None:
+            start = None
+        if start is None and role not in SYSTEM_ROLES:
             start = i
     if start is not None:
         spans.append((start, len(messages)))

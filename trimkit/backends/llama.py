@@ -35,7 +35,7 @@ from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey, attention_doubling_prior, idle_expert_params
 from trimkit.planning.queue import DEFAULT_ENGINE_WAIT_S, engine_lease
 from trimkit.planning.summaries import PromptSummarizer
-from trimkit.planning.tokens import common_prefix_len, reusable_prefix_len
+from trimkit.planning.tokens import common_prefix_len
 
 log = logging.getLogger("trimkit")
 
@@ -115,25 +115,14 @@ def cpu_name() -> str:
     return f"{platform.processor() or platform.machine()} x{os.cpu_count()}"
 
 
-@attrs.frozen
-class PerfCounts:
-    """One request's llama.cpp perf counters: ``evaluated_tokens`` in ``prefill_s``, then ``decode_steps`` in ``decode_s``."""
-
-    evaluated_tokens: int
-    prefill_s: float
-    decode_steps: int
-    decode_s: float
-
-    @classmethod
-    def from_perf(cls, perf: Any) -> PerfCounts:
-        """From ``llama_perf_context_data``; a single evaluated prompt token, booked as a decode step, is moved back."""
-        t_p = float(perf.t_p_eval_ms) / 1000.0
-        t_e = float(perf.t_eval_ms) / 1000.0
-        n_e = int(perf.n_eval)
-        if t_p > 0:
-            return cls(int(perf.n_p_eval), t_p, n_e, t_e)
-        step = t_e / n_e if n_e else 0.0
-        return cls(1 if n_e > 0 else 0, step, max(n_e - 1, 0), max(t_e - step, 0.0))
+def perf_counts(perf: Any) -> tuple[int, float, int, float]:
+    """One request's llama.cpp perf counters (``llama_perf_context_data``): (evaluated tokens, prefill s, decode steps,
+    decode s); a single evaluated prompt token, booked as a decode step, is moved back."""
+    t_p, t_e, n_e = float(perf.t_p_eval_ms) / 1000.0, float(perf.t_eval_ms) / 1000.0, int(perf.n_eval)
+    if t_p > 0:
+        return int(perf.n_p_eval), t_p, n_e, t_e
+    step = t_e / n_e if n_e else 0.0
+    return 1 if n_e > 0 else 0, step, max(n_e - 1, 0), max(t_e - step, 0.0)
 
 
 @attrs.frozen
@@ -202,22 +191,16 @@ class LlamaBackend(Backend):
             extra=f"type_k={getattr(cp, 'type_k', '')},type_v={getattr(cp, 'type_v', '')},swa_full={getattr(cp, 'swa_full', '')}",
         )
 
-    def cached_tokens_in_context(self) -> Sequence[int]:
-        return self.llm.input_ids[: self.llm.n_tokens]
-
     def predict_cached_tokens(self, prompt_tokens: Sequence[int]) -> int:
         """The common prefix ``Llama.generate`` reuses, less the one token it always evaluates again."""
-        if self.prefix_reuse_works is False:
-            return 0
-        held = self.cached_tokens_in_context()
-        return reusable_prefix_len(held, prompt_tokens) if len(held) else 0
+        return self.cache_state(()).cached(prompt_tokens)
 
     def cache_state(self, snaps: Sequence[PrefixSnapshot] | None = None) -> CacheState:
         """The context's tokens and the stored snapshots; nothing once partial KV removal failed on this model."""
         if self.prefix_reuse_works is False:
             return CacheState()
         snaps = list(self.snapshots.values()) if snaps is None else snaps  # another thread may store one
-        return CacheState(prompts=(self.cached_tokens_in_context(),), snapshots=[(s.tokens, s.restore_s) for s in snaps])
+        return CacheState(prompts=(self.llm.input_ids[: self.llm.n_tokens],), snapshots=[(s.tokens, s.restore_s) for s in snaps])
 
     # -- requests ---------------------------------------------------------------------------
     def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
@@ -243,7 +226,7 @@ class LlamaBackend(Backend):
                     state["prompt_len"] = len(tokens)
                 yield from llm.create_chat_completion(messages=list(to_send), **self._call(params, len(tokens)))
             finally:
-                state["perf"] = PerfCounts.from_perf(llama_cpp.llama_perf_context(llm._ctx.ctx))
+                state["perf"] = perf_counts(llama_cpp.llama_perf_context(llm._ctx.ctx))
 
         def on_error(exc: BaseException) -> BaseException | None:
             if isinstance(exc, ValueError) and ("exceed context window" in str(exc) or "could not broadcast" in str(exc)):
@@ -267,14 +250,14 @@ class LlamaBackend(Backend):
         return call
 
     def evaluate_to(self, tokens: Sequence[int], end: int) -> tuple[float, int]:
-        """One step of a watched prefill: make the context hold ``tokens[:end]``, evaluating what it lacks
-        in one batch. Returns (seconds, where the evaluation started). The caller holds the engine."""
+        """Make the context hold ``tokens[:end]`` (and what it held beyond it, if that matches), evaluating what it lacks
+        in one batch: (seconds, where the evaluation started). The caller holds the engine: a watched prefill's step."""
         llm = self.llm
         target = list(tokens[:end])
         start = common_prefix_len(llm.input_ids[: llm.n_tokens], target) if self.prefix_reuse_works is not False else 0
         if start >= len(target):
             return 0.0, len(target)
-        if start < llm.n_tokens and start > 0 and not llm._ctx.kv_cache_seq_rm(-1, start, -1):
+        if 0 < start < llm.n_tokens and not llm._ctx.kv_cache_seq_rm(-1, start, -1):
             start = 0  # this context cannot drop part of its KV cache: evaluate from the start
         llm.n_tokens = start  # eval() drops the KV cells from n_tokens on first
         t0 = self.clock()
@@ -282,14 +265,13 @@ class LlamaBackend(Backend):
         return self.clock() - t0, start
 
     def _measurement(self, ts: TimedStream, state: Mapping[str, Any]) -> Measurement:
-        perf: PerfCounts | None = state.get("perf")
         prompt_len = state["prompt_len"]
         finish_reason = parse_chunk(ts.last_chunk).finish_reason if ts.last_chunk is not None else None  # parsed once already
         common = dict(ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=ts.total_s, prompt_tokens=prompt_len,
                       client_decode_s=ts.client_decode_s, finish_reason=finish_reason, queue_s=ts.queue_s)
-        if perf is None:
+        if "perf" not in state:
             return Measurement(**common)
-        evaluated = perf.evaluated_tokens
+        evaluated, prefill_s, decode_steps, decode_s = state["perf"]
         cached = max(prompt_len - evaluated, 0)
         predicted = state.get("predicted_cached", 0)
         if predicted > 0 and cached == 0 and evaluated >= prompt_len:
@@ -301,9 +283,9 @@ class LlamaBackend(Backend):
         elif cached > 0:
             self._reuse_misses = 0
             self.prefix_reuse_works = True
-        return Measurement(**common, cached_tokens=cached, evaluated_tokens=evaluated, engine_prefill_s=perf.prefill_s,
-                           completion_tokens=perf.decode_steps + 1 if (evaluated or perf.decode_steps) else 0,
-                           engine_decode_s=perf.decode_s, timing_source="llama_perf")
+        return Measurement(**common, cached_tokens=cached, evaluated_tokens=evaluated, engine_prefill_s=prefill_s,
+                           completion_tokens=decode_steps + 1 if (evaluated or decode_steps) else 0, engine_decode_s=decode_s,
+                           timing_source="llama_perf")
 
     # -- calibration probes -------------------------------------------------------------------
     def probe_tokens(self, n: int) -> list[int]:
@@ -391,16 +373,12 @@ class LlamaBackend(Backend):
     # -- KV-only prefix snapshots -------------------------------------------------------------
     def prefill(self, tokens: Sequence[int]) -> None:
         """Make the context hold exactly ``tokens``, reusing the common prefix cached (prewarm, probes)."""
-        tokens = list(tokens)
         self._check_fits(len(tokens))
-        llm = self.llm
         with self.hold_engine():
-            lcp = common_prefix_len(llm.input_ids[: llm.n_tokens], tokens)
-            llm.n_tokens = lcp
-            if lcp < len(tokens):
-                llm.eval(tokens[lcp:])  # eval() drops the KV cells from n_tokens on first
-            else:
-                llm._ctx.kv_cache_seq_rm(-1, len(tokens), -1)
+            self.evaluate_to(tokens, len(tokens))
+            if self.llm.n_tokens > len(tokens):
+                self.llm._ctx.kv_cache_seq_rm(-1, len(tokens), -1)
+                self.llm.n_tokens = len(tokens)
 
     def save_prefix(self, tokens: Sequence[int]) -> PrefixSnapshot:
         """Prefill ``tokens`` and keep the KV cells of sequence 0 for reuse."""
@@ -438,8 +416,6 @@ class LlamaBackend(Backend):
 
     def best_cache(self, prompt_tokens: Sequence[int], cost: Any = None) -> tuple[int, PrefixSnapshot | None]:
         """Cached tokens for ``prompt_tokens`` and the snapshot to restore first (if predicted faster, by ``cost``)."""
-        if self.prefix_reuse_works is False:
-            return 0, None
         snaps = list(self.snapshots.values())
         cached, which = self.cache_state(snaps).best(prompt_tokens, cost)
         return cached, None if which is None else snaps[which]
@@ -449,14 +425,12 @@ def llama_summarizer(llm: Any, *, n_ctx: int = 4096, max_tokens: int = 200, **ll
     """A :class:`~trimkit.planning.summaries.PromptSummarizer` running the same model on a separate
     llama.cpp context (sharing the memory-mapped weights), so summarizing never evicts the KV cache."""
     lock = threading.Lock()
-    holder: dict[str, Any] = {}
+    side_llama = functools.cache(lambda: llama_cpp.Llama(model_path=llm.model_path, n_ctx=n_ctx, verbose=False,
+                                                         chat_format=getattr(llm, "chat_format", None), **llama_kwargs))
 
     def complete(prompt: str) -> str:
         with lock:
-            if "llm" not in holder:
-                holder["llm"] = llama_cpp.Llama(model_path=llm.model_path, n_ctx=n_ctx, verbose=False, chat_format=getattr(llm, "chat_format", None),
-                                                **llama_kwargs)
-            side = holder["llm"]
+            side: Any = side_llama()
             tokens = side.tokenize(prompt.encode("utf-8"), add_bos=True, special=False)
             if len(tokens) > n_ctx - max_tokens - 8:  # keep the newest part of an over-long transcript
                 prompt = side.detokenize(tokens[-(n_ctx - max_tokens - 8):]).decode("utf-8", "ignore")

@@ -7,6 +7,7 @@ sent with what was taken in.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -23,7 +24,6 @@ from trimkit.backends.transport import AsyncTimedStream, redact_url, status_erro
 from trimkit.errors import InvalidInputError, MalformedReplyError, ServerError, StreamInterruptedError, count
 from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey
-from trimkit.planning.tokens import PromptTokenizer
 
 #: ``num_ctx`` when ``n_ctx`` is not given: Ollama's own default under 24 GiB of memory (stated, not guessed)
 DEFAULT_OLLAMA_CTX = 4096
@@ -72,14 +72,19 @@ def plain_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 class _Lines:
-    """The NDJSON lines of one answer, parsed (no I/O): an ``error`` line raises ServerError; the ``done`` line ends it."""
+    """The NDJSON lines of one answer as the client's ``ChatResponse`` (``GenerateResponse``) objects, no I/O: an ``error``
+    line raises ServerError; the ``done`` line ends it."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, generate: bool) -> None:
         self.url = url
+        self.generate = generate
         self.final: Mapping[str, Any] | None = None
         self.n_lines = 0
 
-    def take(self, line: str) -> Mapping[str, Any] | None:
+    def take(self, line: str) -> Any:
+        """The object for ``line``; None for a blank line."""
+        import ollama
+
         if not line.strip():
             return None
         if len(line) > MAX_EVENT_BYTES:
@@ -92,7 +97,13 @@ class _Lines:
         self.n_lines += 1
         if data.get("done") is True:
             self.final = data
-        return data
+            if not self.generate and "message" not in data:  # the final line as Ollama's docs print it (the server sends an empty one)
+                data = {**data, "message": {"role": "assistant", "content": ""}}
+        try:
+            return ollama.GenerateResponse(**data) if self.generate else ollama.ChatResponse(**data)
+        except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+            raise MalformedReplyError(f"{self.url} sent an answer line the ollama client cannot read: {exc}"[:500],
+                                      server_message=str(data)[:200]) from None
 
     def end(self) -> None:
         if self.final is None:
@@ -135,7 +146,7 @@ class OllamaBackend(ServerBackend):
         self._n_ctx = count(n_ctx, "n_ctx", minimum=1) if n_ctx is not None else DEFAULT_OLLAMA_CTX
         self._n_batch = count(n_batch, "n_batch", minimum=1) if n_batch is not None else None
         self.chat_format = chat_format
-        self._tokenizer = local_prompt_tokenizer(chat_format_renderer(chat_format) if chat_format is not None else None, chat_format)
+        self.tokenizer = local_prompt_tokenizer(chat_format_renderer(chat_format) if chat_format is not None else None, chat_format)
         self.clock = clock
         self.base_url = redact_url(str(self.http.base_url).rstrip("/"))
         self._lock = threading.Lock()
@@ -146,12 +157,6 @@ class OllamaBackend(ServerBackend):
     @property
     def n_ctx(self) -> int:
         return self._n_ctx
-
-    @property
-    def tokenizer(self) -> PromptTokenizer:  # type: ignore[override]
-        return self._tokenizer
-
-    background_tokenizer = tokenizer
 
     @property
     def token_count_correction(self) -> float:
@@ -218,44 +223,31 @@ class OllamaBackend(ServerBackend):
         body["stream"] = True
         return body
 
-    def _chunk(self, data: Mapping[str, Any], generate: bool) -> Any:
-        import ollama
-
-        if not generate and "message" not in data and data.get("done") is True:
-            # the final line as Ollama's docs print it has no message (the server sends an empty one)
-            data = {**data, "message": {"role": "assistant", "content": ""}}
-        try:
-            return ollama.GenerateResponse(**data) if generate else ollama.ChatResponse(**data)
-        except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-            raise MalformedReplyError(f"{self.base_url} sent an answer line the ollama client cannot read: {exc}"[:500],
-                                      server_message=str(data)[:200]) from None
-
-    def _measure(self, lines: _Lines, ts: TimedStream, sent: list[int], predicted: int) -> Measurement:
+    def _measure(self, lines: _Lines, sent: list[int], predicted: int, ts: TimedStream) -> Measurement:
         final = lines.final or {}
         stats = parse_server_stats(final, strict=True) if final else ServerStats()
         reason = final.get("done_reason") if isinstance(final.get("done_reason"), str) else None
         m = self.evidence.timed_measure(stats, ts, sent, predicted, reason, context_tokens=self.n_ctx)
         load = stats.raw.get("load_duration")
-        server = dict(m.server)
-        server["num_ctx"] = self.n_ctx
+        server = {**m.server, "num_ctx": self.n_ctx}
         if isinstance(load, (int, float)) and not isinstance(load, bool) and load >= 0:
             server["load_s"] = load / 1e9
         return attrs.evolve(m, server=server)
 
-    def _chunks(self, path: str, body: dict[str, Any], lines: _Lines, generate: bool) -> Iterator[Any]:
+    def _chunks(self, path: str, body: dict[str, Any], lines: _Lines) -> Iterator[Any]:
         try:
             with self._sync_http().stream("POST", path, json=body) as response:
                 if response.status_code != 200:
                     response.read()
                     raise status_error(response.status_code, response.text, response.headers)
                 for line in response.iter_lines():
-                    if (data := lines.take(line)) is not None:
-                        yield self._chunk(data, generate)
+                    if (chunk := lines.take(line)) is not None:
+                        yield chunk
         except httpx.HTTPError as exc:
             raise transport_error(exc, self.base_url) or exc from None
         lines.end()
 
-    async def _achunks(self, path: str, body: dict[str, Any], lines: _Lines, generate: bool, held: list[httpx.Response]) -> AsyncIterator[Any]:
+    async def _achunks(self, path: str, body: dict[str, Any], lines: _Lines, held: list[httpx.Response]) -> AsyncIterator[Any]:
         """The async stream's chunks: one async generator opens and closes the answer
         (:func:`~trimkit.backends.transport.aread_chunks` says why); ``held`` gets the response to abort."""
         response: httpx.Response | None = None
@@ -267,8 +259,8 @@ class OllamaBackend(ServerBackend):
                     await response.aread()
                     raise status_error(response.status_code, response.text, response.headers)
                 async for line in response.aiter_lines():
-                    if (data := lines.take(line)) is not None:
-                        yield self._chunk(data, generate)
+                    if (chunk := lines.take(line)) is not None:
+                        yield chunk
             except httpx.HTTPError as exc:
                 raise transport_error(exc, self.base_url) or exc from None
             lines.end()
@@ -277,12 +269,8 @@ class OllamaBackend(ServerBackend):
                 await response.aclose()
 
     def _stream(self, path: str, body: dict[str, Any], sent: list[int], *, is_async: bool, generate: bool = False) -> TimedStream:
-        lines = _Lines(self.base_url + path)
-        predicted = self.predict_cached_tokens(sent)
-
-        def finish(ts: TimedStream) -> Measurement:
-            return self._measure(lines, ts, sent, predicted)
-
+        lines = _Lines(self.base_url + path, generate)
+        finish = functools.partial(self._measure, lines, sent, self.predict_cached_tokens(sent))
         if is_async:
             held: list[httpx.Response] = []
 
@@ -290,9 +278,9 @@ class OllamaBackend(ServerBackend):
                 for response in held:
                     await response.aclose()
 
-            return AsyncTimedStream(self._achunks(path, body, lines, generate, held), started=None, clock=self.clock, content_of=content_of,
+            return AsyncTimedStream(self._achunks(path, body, lines, held), started=None, clock=self.clock, content_of=content_of,
                                     finish=finish, abort=abort)
-        return TimedStream(self._chunks(path, body, lines, generate), started=None, clock=self.clock, content_of=content_of, finish=finish)
+        return TimedStream(self._chunks(path, body, lines), started=None, clock=self.clock, content_of=content_of, finish=finish)
 
     def _chat(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], prompt_tokens: Sequence[int] | None, *,
               is_async: bool) -> TimedStream:
