@@ -170,6 +170,19 @@ def test_a_request_planned_and_not_sent_counts_for_no_one(chat):
     assert len(chat.queue) == 0
 
 
+def test_a_request_sent_after_it_was_planned_takes_its_place_before_those_planned_after_it():
+    # planned first, it left the line; sent (back in) after a later request entered: still ahead of it
+    q = EngineQueue(FakeClock())
+    first = q.enter()
+    first.done()  # planned, not sent yet
+    second = q.enter()
+    second.estimate(0.5, 0.1)
+    first.estimate(1.0, 0.2)
+    q.enter(first)  # sent now
+    assert q.in_flight() == [first, second]
+    assert q.ahead(second) == [first] and q.wait_s(second) == pytest.approx(1.2)
+
+
 def test_a_request_whose_prompt_is_not_counted_yet_counts_as_much_as_the_one_asking():
     q = EngineQueue(FakeClock())
     first = q.enter()  # still counting its prompt

@@ -8,6 +8,7 @@ asks for the engine until its stream lets go of it (ends, fails, is closed or co
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import statistics
@@ -106,11 +107,12 @@ class EngineQueue:
         self._speeds: deque[float] = deque(maxlen=ANSWER_WINDOW)  # decode tokens/s of recent streams
 
     def enter(self, ticket: Ticket | None = None) -> Ticket:
-        """``ticket`` (default: a new one) at the end of the line."""
+        """``ticket`` (default: a new one, at the end of the line) in the line; one coming back (planned, now sent) takes
+        the place it entered first, before the requests that entered after it."""
         with self._lock:
             ticket = Ticket(self, next(self._seq)) if ticket is None else ticket
             if ticket not in self._tickets:
-                self._tickets.append(ticket)
+                bisect.insort(self._tickets, ticket, key=lambda t: t.seq)
             return ticket
 
     def leave(self, ticket: Ticket) -> None:
