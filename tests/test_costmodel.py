@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tests._core_helpers import PROBES, TRUE_MODEL, exact_samples
 from trimkit.errors import InvalidNumberError
-from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, cross_validate, error_stats, fit_cost_model
+from trimkit.planning.costs import CostModel, ErrorStats, PrefillSample, error_stats, fit_cost_model, heldout_predictions
 
 
 def _rel(actual: float, expected: float) -> float:
@@ -178,7 +178,7 @@ def test_max_new_tokens_brackets_the_budget(overhead, per_token, depth, cached, 
     assert m.prefill_s(n + 1, cached) > seconds
 
 
-# -- error_stats and cross_validate -------------------------------------------------------------
+# -- error_stats of heldout_predictions (leave one probe out) ---------------------------------------
 
 
 def test_error_stats_on_a_hand_computed_example():
@@ -206,7 +206,7 @@ def test_error_stats_of_nothing_is_nan():
     assert math.isnan(stats.median_pct) and math.isnan(stats.p90_pct) and math.isnan(stats.max_pct)
 
 
-def test_cross_validate_on_a_hand_computed_example():
+def test_heldout_error_on_a_hand_computed_example():
     # T(n) = n for n = 1, 2, 3 and T(100) = 110. Each fit of three points interpolates them
     # exactly with a quadratic q(n) = n + C·(n − i)(n − j) (non-negative coefficients), so the
     # held-out predictions can be written down:
@@ -216,32 +216,32 @@ def test_cross_validate_on_a_hand_computed_example():
     #   without 3:   C = 10/(99·98) → predicts 3 + 2C for 3    → 2C/3          = 0.068714 %
     samples = [PrefillSample(1, 0, 1.0), PrefillSample(2, 0, 2.0), PrefillSample(3, 0, 3.0), PrefillSample(100, 0, 110.0)]
     errs = sorted([1000 / 110, 2000 / 9506, 500 / 9603, 2000 / (3 * 9702)])
-    stats = cross_validate(samples, n_batch=512, batched=False)
+    stats = error_stats(heldout_predictions(samples, n_batch=512, batched=False))
     assert stats.n == 4
     assert stats.max_pct == pytest.approx(errs[3], rel=1e-6)
     assert stats.median_pct == pytest.approx((errs[1] + errs[2]) / 2, rel=1e-6)
     assert stats.p90_pct == pytest.approx(errs[2] + 0.7 * (errs[3] - errs[2]), rel=1e-6)
 
 
-def test_cross_validate_holds_out_every_repeat_of_a_probe_together():
+def test_heldout_error_holds_out_every_repeat_of_a_probe_together():
     # with repeats, a probe's own samples must not predict it: held-out error stays the hand value
     samples = [PrefillSample(1, 0, 1.0), PrefillSample(2, 0, 2.0), PrefillSample(3, 0, 3.0)]
     samples += [PrefillSample(100, 0, 110.0), PrefillSample(100, 0, 110.0)]
-    stats = cross_validate(samples, n_batch=512, batched=False)
+    stats = error_stats(heldout_predictions(samples, n_batch=512, batched=False))
     assert stats.n == 5
     assert stats.max_pct == pytest.approx(1000 / 110, rel=1e-6)
 
 
-def test_cross_validate_of_noise_free_samples_is_zero():
-    stats = cross_validate(exact_samples(TRUE_MODEL), n_batch=512, batched=False)
+def test_heldout_error_of_noise_free_samples_is_zero():
+    stats = error_stats(heldout_predictions(exact_samples(TRUE_MODEL), n_batch=512, batched=False))
     assert stats.n == len(PROBES)
     assert stats.max_pct < 1e-6
 
 
-def test_cross_validate_with_fewer_than_four_probes_uses_the_in_sample_fit():
+def test_heldout_error_with_fewer_than_four_probes_uses_the_in_sample_fit():
     # three probes, three coefficients: leaving one out could not fit, so the in-sample error is given
     samples = [PrefillSample(1, 0, 1.0), PrefillSample(2, 0, 2.0), PrefillSample(100, 0, 110.0)]
-    stats = cross_validate(samples, n_batch=512, batched=False)
+    stats = error_stats(heldout_predictions(samples, n_batch=512, batched=False))
     assert stats.n == 3
     assert stats.max_pct < 1e-6
 

@@ -1,5 +1,5 @@
 from trimkit.messages import Chunk
-from trimkit.planning.values import MIN_SENTENCES, excerpts_of, question_idf
+from trimkit.planning.values import MIN_SENTENCES, excerpts_of, text_idf
 
 SENTENCES = [
     "The archive opened in 1950.",
@@ -16,7 +16,7 @@ OTHER = Chunk("The museum flood exhibit opened later. The basement is dry.", id=
 
 
 def test_the_best_matching_sentence_is_kept_with_its_neighbours_in_order():
-    idf = question_idf("When did the flood damage the basement stacks?", [CHUNK, OTHER])
+    idf = text_idf("When did the flood damage the basement stacks?", [CHUNK.text, OTHER.text])
     first, *rest = excerpts_of(CHUNK, idf)
     assert first.spans == ((3, 5),)
     # read as text: an ellipsis where sentences were left out, and no bookkeeping for the model to echo
@@ -30,14 +30,14 @@ def test_the_best_matching_sentence_is_kept_with_its_neighbours_in_order():
 
 
 def test_separate_runs_are_joined_with_an_ellipsis():
-    idf = question_idf("Who was the first director, and when did the new wing open?", [CHUNK, OTHER])
+    idf = text_idf("Who was the first director, and when did the new wing open?", [CHUNK.text, OTHER.text])
     excerpts = excerpts_of(CHUNK, idf)
     last = excerpts[-1]
     assert len(last.spans) == 2 and " … " in last.chunk.text
 
 
 def test_an_excerpt_is_only_the_chunks_sentences_and_ellipses():
-    idf = question_idf("Who was the first director, and when did the new wing open?", [CHUNK, OTHER])
+    idf = text_idf("Who was the first director, and when did the new wing open?", [CHUNK.text, OTHER.text])
     for ex in excerpts_of(CHUNK, idf):
         parts = [p for p in ex.chunk.text.split("…") if p.strip()]
         kept = [" ".join(SENTENCES[a - 1 : b]) for a, b in ex.spans]
@@ -49,12 +49,12 @@ def test_an_excerpt_is_only_the_chunks_sentences_and_ellipses():
 
 
 def test_no_excerpt_without_a_match_or_for_a_short_chunk():
-    assert excerpts_of(CHUNK, question_idf("Tell me about penguins", [CHUNK])) == []
+    assert excerpts_of(CHUNK, text_idf("Tell me about penguins", [CHUNK.text])) == []
     short = Chunk(" ".join(SENTENCES[: MIN_SENTENCES - 1]), id="s")
-    assert excerpts_of(short, question_idf("Who was the first director?", [short])) == []
+    assert excerpts_of(short, text_idf("Who was the first director?", [short.text])) == []
 
 
 def test_an_excerpt_is_always_shorter_than_its_chunk():
-    idf = question_idf("archive 1950 director reading flood repairs wing visitors Sundays", [CHUNK])
+    idf = text_idf("archive 1950 director reading flood repairs wing visitors Sundays", [CHUNK.text])
     for ex in excerpts_of(CHUNK, idf, max_excerpts=5):
         assert len(ex.spans) and sum(b - a + 1 for a, b in ex.spans) <= len(SENTENCES) - 2

@@ -149,10 +149,7 @@ def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int) -> int:
 
 def _features(s: PrefillSample, n_batch: int, batched: bool) -> list[float]:
     n, k = s.new_tokens, s.cached_tokens
-    row = [1.0, float(n), n * k + n * n / 2.0]
-    if batched:
-        row.append(float(math.ceil(n / n_batch)))
-    return row
+    return [1.0, float(n), n * k + n * n / 2.0] + ([float(math.ceil(n / n_batch))] if batched else [])
 
 
 def _nnls_small(rows: Sequence[Sequence[float]], target: Sequence[float], weights: Sequence[float]) -> list[float]:
@@ -175,9 +172,7 @@ def _nnls_small(rows: Sequence[Sequence[float]], target: Sequence[float], weight
             resid = float(np.sum((As @ full - y) ** 2))
             if best is None or resid < best[0] - 1e-18:
                 best = (resid, list(full / scale))
-    if best is None:
-        return [0.0] * m
-    return best[1]
+    return [0.0] * m if best is None else best[1]
 
 
 def probe_noise(rows: Sequence[Sequence[float]], target: Sequence[float], weights: Sequence[float]) -> float:
@@ -262,8 +257,3 @@ def heldout_predictions(samples: Sequence[PrefillSample], *, n_batch: int, batch
     whole = fit(samples) if len(groups) < 4 else None
     fits = {key: whole or fit([s for k, g in groups.items() if k != key for s in g]) for key in groups}
     return [(fits[(s.new_tokens, s.cached_tokens)].prefill_s(s.new_tokens, s.cached_tokens), s.seconds) for s in samples]
-
-
-def cross_validate(samples: Sequence[PrefillSample], *, n_batch: int, batched: bool, depth_prior_tokens: float | None = None) -> ErrorStats:
-    """Leave-one-probe-out error: every probe (new, cached) is predicted by a fit without it."""
-    return error_stats(heldout_predictions(samples, n_batch=n_batch, batched=batched, depth_prior_tokens=depth_prior_tokens))

@@ -31,7 +31,7 @@ from trimkit.messages import (
 )
 from trimkit.planning.costs import CacheState, evaluated_tokens, reusable_cached_tokens
 from trimkit.planning.summaries import Summary, SummaryCache, summary_note
-from trimkit.planning.values import ValueModel, chunk_values, excerpts_of, index_runs, question_idf, rank_chunks, span_label, turn_values
+from trimkit.planning.values import ValueModel, chunk_values, excerpts_of, index_runs, rank_chunks, span_label, text_idf, turn_values
 
 log = logging.getLogger("trimkit")
 #: exact cached counts one plan looks up in the engine's cache state: each tokenizes the whole candidate prompt
@@ -429,7 +429,6 @@ REFILL_TOLERANCE_TOKENS = 3
 
 @attrs.frozen
 class _Item:
-    kind: str  # "turn" | "chunk"
     key: Any  # turn position | chunk id
     variants: tuple[tuple[int, float, Any], ...]  # (tokens, value, the chunk or excerpt as a Chunk; None for a turn)
 
@@ -466,29 +465,22 @@ class _Solver:
         self.turn_owner = next((n for n, p in proposals if p.droppable_turns), "drop_oldest_turns")
         self.chunk_owner = next((n for n, p in proposals if p.droppable_chunks), "cap_rag_chunks")
         self.droppable_turns = frozenset(j for j in droppable_turns if 0 <= j < len(turns) and turns[j][0] not in c0.gone)
-        present = {str(ch.id): ch for ch in c0.kept_chunks}
-        self.droppable_chunks = frozenset().union(*(p.droppable_chunks for _, p in proposals)) & present.keys()
+        self.droppable_chunks = frozenset().union(*(p.droppable_chunks for _, p in proposals)) & {str(ch.id) for ch in c0.kept_chunks}
         excerptable = frozenset().union(*(p.excerpt_chunks for _, p in proposals)) & self.droppable_chunks
         self.leads = [Lead(0, None, "")] + [lead for _, p in proposals for lead in p.leads if 0 < lead.covers <= len(turns)]
         question = message_text(ctx.messages[ctx.last_user])
         self.turn_value = turn_values(ctx.messages, turns, question, values)
         self.chunk_value = chunk_values(ctx.given_chunks, question, values)  # the retriever's order counts
         self.pinned_chunks = tuple(ch for ch in c0.kept_chunks if str(ch.id) not in self.droppable_chunks)
-        self.turn_items = [_Item("turn", j, ((sum(ctx.base[i] for i in range(s, e)), self.turn_value[j], None),))
+        self.turn_items = [_Item(j, ((sum(ctx.base[i] for i in range(s, e)), self.turn_value[j], None),))
                            for j, (s, e) in enumerate(turns) if j in self.droppable_turns]
         # chunk items: whole, or one of its excerpts
         self.chunk_items: list[_Item] = []
-        idf = question_idf(question, ctx.chunks) if excerptable else {}
-        for ch in c0.kept_chunks:
-            cid = str(ch.id)
-            if cid not in self.droppable_chunks:
-                continue
-            v = self.chunk_value.get(cid, 0.0)
-            variants: list[tuple[int, float, Any]] = [(self._chunk_cost(ch), v, ch)]
-            if cid in excerptable:
-                for ex in excerpts_of(ch, idf):
-                    variants.append((self._chunk_cost(ex.chunk), v * ex.value_share, ex.chunk))
-            self.chunk_items.append(_Item("chunk", cid, tuple(variants)))
+        idf = text_idf(question, [c.text for c in ctx.chunks]) if excerptable else {}
+        for ch in (ch for ch in c0.kept_chunks if str(ch.id) in self.droppable_chunks):
+            v = self.chunk_value.get(str(ch.id), 0.0)
+            excerpts = [(ex.chunk, v * ex.value_share) for ex in (excerpts_of(ch, idf) if str(ch.id) in excerptable else [])]
+            self.chunk_items.append(_Item(str(ch.id), tuple((self._chunk_cost(x), xv, x) for x, xv in [(ch, v), *excerpts])))
 
     def _chunk_cost(self, chunk: Chunk) -> int:
         ctx = self.ctx
@@ -503,14 +495,10 @@ class _Solver:
                     continue
                 value, candidate = result
                 ttft = self.ctx.estimate(candidate).ttft_s
-                tie = found is not None and abs(value - found[0]) <= 1e-9 and abs(ttft - found[1]) <= 1e-9
-                if (
-                    found is None
-                    or value > found[0] + 1e-9
-                    or (value >= found[0] - 1e-9 and ttft < found[1] - 1e-9)
-                    or (tie and lead.covers > 0 and candidate == found[2])  # name the start that explains the cache
-                ):
+                if found is None or value > found[0] + 1e-9 or (value >= found[0] - 1e-9 and ttft < found[1] - 1e-9):
                     found = (value, ttft, candidate, lead)
+                elif lead.covers > 0 and candidate == found[2] and abs(value - found[0]) <= 1e-9 and abs(ttft - found[1]) <= 1e-9:
+                    found = (value, ttft, candidate, lead)  # a tie: name the start that explains the cache
         if found is None:
             return None
         _, _, candidate, lead = found
@@ -522,8 +510,13 @@ class _Solver:
         ctx = self.ctx
         if not self.chunk_items:
             return c
-        exact = ctx.exact_tokens(c)
-        allowance = ctx.token_allowance(ctx.cached_for(ctx.layout(c), exact), c.extra_s)
+
+        def priced(x: Candidate) -> tuple[int, int | None]:
+            """Its exact count, and the allowance its own cached prefix leaves."""
+            exact = ctx.exact_tokens(x)
+            return exact, ctx.token_allowance(ctx.cached_for(ctx.layout(x), exact), x.extra_s)
+
+        exact, allowance = priced(c)
         if allowance is None or exact >= allowance:
             return c
         kept = {str(ch.id): ch for ch in c.kept_chunks}
@@ -532,9 +525,7 @@ class _Solver:
         options: list[tuple[float, int, Chunk]] = []
         for it in self.chunk_items:
             current = kept.get(it.key)
-            now_v, now_w = 0.0, 0
-            if current is not None:
-                now_w, now_v = next(((w, v) for w, v, p in it.variants if p.text == current.text), (0, 0.0))
+            now_w, now_v = next(((w, v) for w, v, p in it.variants if current is not None and p.text == current.text), (0, 0.0))
             options += [(v - now_v, w - now_w, p) for w, v, p in it.variants if v > now_v + 1e-12]
         options.sort(key=lambda o: -o[0])
         tries = 0
@@ -542,27 +533,23 @@ class _Solver:
         position = {str(x.id): i for i, x in enumerate(self.base.kept_chunks)}
         for _, delta, ch in options:
             cid = str(ch.id)
-            if cid in upgraded:
-                continue
-            if exact + delta - REFILL_TOLERANCE_TOKENS > allowance:
+            if cid in upgraded or exact + delta - REFILL_TOLERANCE_TOKENS > allowance:
                 continue
             if tries >= MAX_REFILL_COUNTS:
                 break
             tries += 1
             trial_kept = {**kept, cid: ch}
-            order = tuple(trial_kept[k] for k in sorted(trial_kept, key=position.__getitem__))
-            trial = attrs.evolve(c, kept_chunks=order)
-            trial_exact = ctx.exact_tokens(trial)
+            trial = attrs.evolve(c, kept_chunks=tuple(trial_kept[k] for k in sorted(trial_kept, key=position.__getitem__)))
             # a chunk put back ahead of the others can end the cached prefix earlier: price it with its own
-            trial_allowance = ctx.token_allowance(ctx.cached_for(ctx.layout(trial), trial_exact), trial.extra_s)
+            trial_exact, trial_allowance = priced(trial)
             if trial_allowance is not None and trial_exact <= trial_allowance:
                 c, exact, kept = trial, trial_exact, trial_kept
                 upgraded.add(cid)
         return c
 
-    def _lead_candidate(self, lead: Lead, keep: int) -> Candidate:
-        """The scenario's fixed part: the lead, turns ``[covers, keep)`` verbatim, pinned chunks,
-        every other droppable turn out."""
+    def _fixed(self, lead: Lead, keep: int) -> tuple[Candidate, float]:
+        """The scenario's fixed part (the lead, turns ``[covers, keep)`` verbatim, pinned chunks, every other droppable turn
+        out) and its value: a summary is worth a share of the turns it covers; turns no strategy may drop count whole."""
         turns = self.ctx.history_turns
         covered = frozenset(i for s, e in turns[: lead.covers] for i in range(s, e))
         optional = frozenset(i for j, (s, e) in enumerate(turns) if j >= max(keep, lead.covers) and j in self.droppable_turns for i in range(s, e))
@@ -572,7 +559,14 @@ class _Solver:
             removed = c.removed | optional
         else:
             removed = c.removed | covered | optional
-        return attrs.evolve(c, removed=removed - c.summarized, kept_chunks=self.pinned_chunks)
+        value = 0.0
+        for j, v in enumerate(self.turn_value):
+            if j < lead.covers:
+                value += v * self.values.summary_share if lead.summary is not None else 0.0
+            elif j < keep or j not in self.droppable_turns:
+                value += v
+        value += sum(self.chunk_value.get(str(ch.id), 0.0) for ch in self.pinned_chunks)
+        return attrs.evolve(c, removed=removed - c.summarized, kept_chunks=self.pinned_chunks), value
 
     def _keep_options(self, lead: Lead) -> list[int]:
         """How many leading turns after the lead to keep verbatim: from none to all that lie in
@@ -580,21 +574,14 @@ class _Solver:
         ctx = self.ctx
         turns = ctx.history_turns
         start = lead.covers
-        full = self._lead_candidate(lead, len(turns))
+        full = self._fixed(lead, len(turns))[0]
         cached = ctx.estimate(full).cached_tokens
         if cached <= 0:
             return [start]
-        offsets: dict[Any, int] = {}
-        pos = 0
-        for key, n in ctx.layout(full):
-            pos += n
-            offsets[key] = pos
-        last = start
-        for j in range(start, len(turns)):
-            end = offsets.get(turns[j][1] - 1)
-            if end is None or end > cached:
-                break
-            last = j + 1
+        layout = ctx.layout(full)
+        offsets = dict(zip((key for key, _ in layout), itertools.accumulate(n for _, n in layout), strict=True))
+        # the turns whose last message ends inside the cached prefix
+        last = start + sum(1 for _ in itertools.takewhile(lambda t: offsets.get(t[1] - 1, cached + 1) <= cached, turns[start:]))
         # and every turn: the offsets above add per-message counts, which overcount a token or so
         # at each join, so over a long history the last cached turns can look uncached
         if last == start:
@@ -605,21 +592,20 @@ class _Solver:
 
     def _scenario(self, lead: Lead, keep: int) -> tuple[float, Candidate] | None:
         """The most valuable candidate of one scenario that fits, or None. What the knapsack adds can end the fixed part's
-        cached prefix earlier: while the choice does not fit, the room shrinks to what that prefix leaves."""
+        cached prefix earlier: while the choice does not fit, the room shrinks to what that prefix leaves; failing that,
+        the turns alone are chosen, and failing that the fixed part alone."""
         ctx = self.ctx
-        fixed_c = self._lead_candidate(lead, keep)
+        fixed_c, fixed_value = self._fixed(lead, keep)
+        start = max(keep, lead.covers)
         est = ctx.estimate(fixed_c)
         allowance = ctx.token_allowance(est.cached_tokens, fixed_c.extra_s)
-        if allowance is None:
+        if allowance is None or allowance < est.prompt_tokens:
             return None
         room0 = room = allowance - est.prompt_tokens
-        if room0 < 0:
-            return None
-        fixed_value = self._fixed_value(lead, keep)
         for _ in range(MAX_SCENARIO_TIGHTENINGS + 1):
             if room < 0:
                 break
-            value, candidate = self._fill(lead, keep, fixed_c, room)
+            value, candidate = self._fill(start, fixed_c, room)
             after = ctx.estimate(candidate)
             if ctx.fits(after.prompt_tokens, after.ttft_s):
                 return value + fixed_value, candidate
@@ -628,17 +614,18 @@ class _Solver:
             if real is None:
                 break
             room = min(room - 1, real - est.prompt_tokens)
-        value, candidate = self._fill(lead, keep, fixed_c, room0, chunks=False)
-        after = ctx.estimate(candidate)
-        if ctx.fits(after.prompt_tokens, after.ttft_s):
-            return value + fixed_value, candidate
-        return (fixed_value, fixed_c) if ctx.fits(est.prompt_tokens, est.ttft_s) else None
+        for room in (room0, 0):  # room 0: the fixed part itself
+            value, candidate = self._fill(start, fixed_c, room, chunks=False)
+            after = ctx.estimate(candidate)
+            if ctx.fits(after.prompt_tokens, after.ttft_s):
+                return value + fixed_value, candidate
+        return None
 
-    def _fill(self, lead: Lead, keep: int, fixed_c: Candidate, room: int, *, chunks: bool = True) -> tuple[float, Candidate]:
-        """The knapsack's choice of optional turns (and, with ``chunks``, chunks) within ``room``
+    def _fill(self, start: int, fixed_c: Candidate, room: int, *, chunks: bool = True) -> tuple[float, Candidate]:
+        """The knapsack's choice of optional turns from ``start`` (and, with ``chunks``, chunks) within ``room``
         tokens: ``(value, candidate)``."""
         ctx = self.ctx
-        items = [it for it in self.turn_items if it.key >= max(keep, lead.covers)]
+        items = [it for it in self.turn_items if it.key >= start]
         value, chosen = knapsack([[(w, v) for w, v, _ in it.variants] for it in items], room)
         if chunks and self.chunk_items:
             # the RAG template's own text comes with the first chunk: unless a pinned chunk already
@@ -648,22 +635,11 @@ class _Solver:
             value2, chosen2 = knapsack([[(w, v) for w, v, _ in it.variants] for it in all_items], room - shared)
             if value2 > value + 1e-12:
                 items, value, chosen = all_items, value2, chosen2
-        picks = [(it, it.variants[vi][2]) for it, vi in zip(items, chosen, strict=True) if vi >= 0]
-        back = frozenset(i for it, _ in picks if it.kind == "turn" for i in range(*ctx.history_turns[it.key]))
-        picked = {it.key: payload for it, payload in picks if it.kind == "chunk"}
+        picks = [(it.key, it.variants[vi][2]) for it, vi in zip(items, chosen, strict=True) if vi >= 0]
+        back = frozenset(i for key, chunk in picks if chunk is None for i in range(*ctx.history_turns[key]))
+        picked = {key: chunk for key, chunk in picks if chunk is not None}
         kept_chunks = tuple(picked.get(str(ch.id), ch) for ch in self.base.kept_chunks if str(ch.id) in picked or ch in self.pinned_chunks)
         return value, attrs.evolve(fixed_c, removed=fixed_c.removed - back, kept_chunks=kept_chunks)
-
-    def _fixed_value(self, lead: Lead, keep: int) -> float:
-        """Value of what the scenario keeps without choosing: the lead (a summary is worth a share of
-        the turns it covers), turns kept verbatim, and turns no strategy may drop."""
-        total = 0.0
-        for j, v in enumerate(self.turn_value):
-            if j < lead.covers:
-                total += v * self.values.summary_share if lead.summary is not None else 0.0
-            elif j < keep or j not in self.droppable_turns:
-                total += v
-        return total + sum(self.chunk_value.get(str(ch.id), 0.0) for ch in self.pinned_chunks)
 
     # -- the report -----------------------------------------------------------------------------
     def _explain(self, c: Candidate, lead: Lead) -> PlanState:
@@ -682,9 +658,9 @@ class _Solver:
         actions: list[Action] = list(state.actions)
         turns = ctx.history_turns
         act = functools.partial(Action, tokens_before=state.prediction.prompt_tokens, tokens_after=after.prompt_tokens)
+        covered = tuple(i for s, e in turns[: lead.covers] for i in range(s, e))
         if lead.covers:
-            covered = tuple(i for s, e in turns[: lead.covers] for i in range(s, e))
-            span = _span_text(covered)
+            span = span_label(index_runs(covered))
             if lead.summary is not None:
                 sm = lead.summary
                 inline = f", computed inline in {lead.extra_s:.3f} s" if lead.extra_s else ""
@@ -696,12 +672,11 @@ class _Solver:
                 actions.append(act(lead.strategy, f"dropped the {lead.covers} oldest turn(s) (messages {span}), the same cut as the previous "
                                    f"request, so {after.cached_tokens:,} cached tokens are reused", removed_messages=covered,
                                    detail={"turns": lead.covers, "cached_tokens": after.cached_tokens}))
-        lead_gone = {i for s, e in turns[: lead.covers] for i in range(s, e)}
-        dropped = [(j, s, e) for j, (s, e) in enumerate(turns) if s in c.removed and s not in lead_gone and s not in self.base.gone]
+        dropped = [(j, s, e) for j, (s, e) in enumerate(turns) if s in c.removed and s not in covered and s not in self.base.gone]
         if dropped:
             removed = tuple(i for _, s, e in dropped for i in range(s, e))
             details = [item(self.turn_value[j], sum(ctx.base[i] for i in range(s, e)), messages=[s, e - 1]) for j, s, e in dropped]
-            actions.append(act(self.turn_owner, f"dropped {len(dropped)} turn(s) (messages {_span_text(removed)}): the least value per "
+            actions.append(act(self.turn_owner, f"dropped {len(dropped)} turn(s) (messages {span_label(index_runs(removed))}): the least value per "
                                "predicted second", removed_messages=removed, detail={"turns": details}))
         kept = {str(ch.id): ch for ch in c.kept_chunks}
         gone_chunks = [it for it in self.chunk_items if it.key not in kept]
@@ -714,16 +689,10 @@ class _Solver:
         for it in cut:
             ex = kept[it.key]
             info = ex.metadata.get("excerpt", {})
-            tokens = self._chunk_cost(ex)
-            share = next((v for w, v, p in it.variants[1:] if p.text == ex.text), 0.0)
-            whole_tokens, whole_value = it.variants[0][0], it.variants[0][1]
+            tokens, share = next(((w, v) for w, v, p in it.variants[1:] if p.text == ex.text), (self._chunk_cost(ex), 0.0))
+            whole_tokens, whole_value, _ = it.variants[0]
             actions.append(act("excerpt_chunk", f"kept sentences {span_label(info.get('spans', []))} of {info.get('sentences', '?')} of "
                                f"{it.key} (those matching the question, with their neighbours): {whole_tokens - tokens:,} of {whole_tokens:,} tokens cut",
                                detail={"chunk": it.key, "spans": info.get("spans", []), "sentences": info.get("sentences"), **item(share, tokens),
                                        "whole_tokens": whole_tokens, "whole_value": round(whole_value, 4)}))
         return PlanState(ctx, c, tuple(actions))
-
-
-def _span_text(indices: Sequence[int]) -> str:
-    """``[1, 2, 3, 5]`` → ``"1–3, 5"``."""
-    return span_label(index_runs(indices))

@@ -65,20 +65,15 @@ class Chain(Strategy):
 def chain(*strategies: Strategy | Iterable[Strategy]) -> Chain:
     """Compose strategies (or lists / chains of them) into one flat :class:`Chain`."""
     flat: list[Strategy] = []
-
-    def add(item: Any) -> None:
+    for item in strategies:
         if isinstance(item, Chain):
             flat.extend(item.strategies)
         elif isinstance(item, Strategy):
             flat.append(item)
         elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
-            for sub in item:
-                add(sub)
+            flat.extend(chain(*item).strategies)
         else:
             raise InvalidInputError(f"not a strategy: {item!r} (subclass trimkit.strategies.Strategy)")
-
-    for s in strategies:
-        add(s)
     return Chain(tuple(flat))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -171,22 +172,15 @@ class ExtractiveSummarizer:
     name: str = "extractive"
 
     def summarize(self, messages: Sequence[Mapping[str, Any]], *, target_tokens: int, count_tokens: TokenCounter = approx_tokens) -> str:
+        split = [(_label(m), split_sentences(message_text(m))) for m in messages]
+        freq = Counter(w for _, sentences in split for s in sentences for w in set(words(s)))
         candidates: list[tuple[float, int, int, str]] = []  # (score, message index, position, sentence)
-        freq: Counter[str] = Counter()
-        split: list[tuple[str, list[str]]] = []
-        for m in messages:
-            sentences = split_sentences(message_text(m))
-            split.append((_label(m), sentences))
-            for s in sentences:
-                freq.update(set(words(s)))
         for mi, (label, sentences) in enumerate(split):
             for pos, s in enumerate(sentences):
                 ws = set(words(s))
                 score = sum(freq[w] for w in ws) / math.sqrt(1 + len(ws))
-                if pos == 0:
-                    score *= self.lead_bonus
-                if label == "User":
-                    score *= self.user_bonus
+                score *= self.lead_bonus if pos == 0 else 1.0
+                score *= self.user_bonus if label == "User" else 1.0
                 candidates.append((score, mi, pos, s))
         candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
         chosen: list[tuple[int, int, str]] = []
@@ -205,14 +199,8 @@ class ExtractiveSummarizer:
 
     @staticmethod
     def _render(chosen: list[tuple[int, int, str]], split: list[tuple[str, list[str]]]) -> str:
-        by_message: dict[int, list[tuple[int, str]]] = {}
-        for mi, pos, s in chosen:
-            by_message.setdefault(mi, []).append((pos, s))
-        lines = []
-        for mi in sorted(by_message):
-            body = " ".join(s for _, s in sorted(by_message[mi]))
-            lines.append(f"- {split[mi][0]}: {body}")
-        return "\n".join(lines)
+        by_message = itertools.groupby(sorted(chosen), key=lambda c: c[0])  # in message order, each in sentence order
+        return "\n".join(f"- {split[mi][0]}: {' '.join(s for _, _, s in group)}" for mi, group in by_message)
 
 
 def _check_template(instance: Any, attribute: Any, value: Any) -> None:

@@ -343,8 +343,9 @@ class ControlTexts:
 KNOWN = ControlTexts(KNOWN_CONTROL_TEXTS)
 
 
-def neutralize_text(text: str, controls: ControlTexts) -> tuple[str, int]:
-    """``text`` with every control-token text broken by a zero-width space after its first character, and how many."""
+def neutralize_text(text: str, controls: ControlTexts, found: set[str] | None = None) -> tuple[str, int]:
+    """``text`` with every control-token text broken by a zero-width space after its first character, and how many (the
+    texts broken are added to ``found``)."""
     spans = controls.find(text)
     if not spans:
         return text, 0
@@ -353,48 +354,29 @@ def neutralize_text(text: str, controls: ControlTexts) -> tuple[str, int]:
         parts += [text[last : start + 1], ZERO_WIDTH_SPACE, text[start + 1 : end]]
         last = end
     parts.append(text[last:])
+    if found is not None:
+        found.update(text[s:e] for s, e in spans)
     return "".join(parts), len(spans)
 
 
-def _neutralized(text: str, controls: ControlTexts) -> tuple[str, int, set[str]]:
-    """:func:`neutralize_text`, and the control texts it broke."""
-    new, n = neutralize_text(text, controls)
-    return new, n, {text[s:e] for s, e in controls.find(text)} if n else set()
+def _warning(hits: int, names: set[str], where: str) -> str:
+    return f"neutralised {hits} control-token text(s) ({', '.join(sorted(names)[:6])}) in {where}: a zero-width space keeps them plain text"
 
 
 def neutralize_chunks(chunks: Sequence[Chunk], controls: ControlTexts) -> tuple[tuple[Chunk, ...], str | None]:
     """The chunks with their control-token texts neutralised (new Chunk objects), and the report's warning (None: none)."""
     out, hits, names, which = [], 0, set(), []
     for ch in chunks:
-        text, n, found = _neutralized(ch.text, controls)
+        text, n = neutralize_text(ch.text, controls, names)
         if n:
-            names |= found
             hits += n
             which.append(str(ch.id))
             ch = attrs.evolve(ch, text=text)
         out.append(ch)
     if not hits:
         return tuple(chunks), None
-    return tuple(out), (f"neutralised {hits} control-token text(s) ({', '.join(sorted(names)[:6])}) in retrieved chunk(s) "
-                        f"{', '.join(which[:10])}{' …' if len(which) > 10 else ''}: a zero-width space keeps them plain text, "
-                        "so retrieved text cannot forge a turn of the chat template")
-
-
-def _content(content: Any, controls: ControlTexts) -> tuple[Any, int, set[str]]:
-    if isinstance(content, str):
-        return _neutralized(content, controls)
-    if isinstance(content, list):
-        parts, total, names = [], 0, set()
-        for part in content:
-            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                text, n, found = _neutralized(part["text"], controls)
-                if n:
-                    names |= found
-                    part = {**part, "text": text}
-                    total += n
-            parts.append(part)
-        return (parts if total else content), total, names
-    return content, 0, set()
+    where = f"retrieved chunk(s) {', '.join(which[:10])}{' …' if len(which) > 10 else ''}"
+    return tuple(out), _warning(hits, names, where) + ", so retrieved text cannot forge a turn of the chat template"
 
 
 def neutralize_messages(messages: Sequence[Mapping[str, Any]], controls: ControlTexts) -> tuple[Sequence[Mapping[str, Any]], str | None]:
@@ -402,15 +384,20 @@ def neutralize_messages(messages: Sequence[Mapping[str, Any]], controls: Control
     out: list[Mapping[str, Any]] = []
     hits, names, which = 0, set(), []
     for i, m in enumerate(messages):
-        if isinstance(m, Mapping) and m.get("role") not in ("system", "developer") and "content" in m:
-            content, n, found = _content(m["content"], controls)
-            if n:
-                hits += n
-                names |= found
-                which.append(i)
-                m = {**m, "content": content}
+        content = m.get("content") if isinstance(m, Mapping) and m.get("role") not in ("system", "developer") else None
+        if isinstance(content, str):
+            new, n = neutralize_text(content, controls, names)
+        elif isinstance(content, list):  # content parts: each text part
+            parts = [(p, neutralize_text(p["text"], controls, names)) if isinstance(p, Mapping) and isinstance(p.get("text"), str) else (p, (None, 0))
+                     for p in content]
+            new, n = [{**p, "text": t} if k else p for p, (t, k) in parts], sum(k for _, (_, k) in parts)
+        else:
+            n = 0
+        if n:
+            hits += n
+            which.append(i)
+            m = {**m, "content": new}
         out.append(m)
     if not hits:
         return messages, None
-    return out, (f"neutralised {hits} control-token text(s) ({', '.join(sorted(names)[:6])}) in message(s) "
-                 f"{', '.join(map(str, which[:10]))}: a zero-width space keeps them plain text")
+    return out, _warning(hits, names, f"message(s) {', '.join(map(str, which[:10]))}")

@@ -185,12 +185,6 @@ class Excerpt:
     chunk: Chunk
     value_share: float
     spans: tuple[tuple[int, int], ...]  # 1-based inclusive sentence ranges
-    sentences: int
-
-
-def question_idf(question: str, chunks: Sequence[Chunk]) -> dict[str, float]:
-    """IDF over ``chunks`` of each content word of ``question`` (words in no chunk are left out)."""
-    return text_idf(question, [c.text for c in chunks])
 
 
 def index_runs(indices: Iterable[int]) -> tuple[tuple[int, int], ...]:
@@ -252,11 +246,9 @@ def excerpts_of(chunk: Chunk, idf: Mapping[str, float], *, max_excerpts: int = 5
             continue
         last_chars = chars
         text, spans = _render(sentences, sorted(keep))
-        score_share = sum(scores[j] ** 2 for j in keep) / total_score
-        length_share = sum(len(sentences[j]) for j in keep) / total_chars
+        share = 0.75 * (sum(scores[j] ** 2 for j in keep) / total_score) + 0.25 * (chars / total_chars)
         metadata = {**chunk.metadata, "excerpt": {"spans": [list(s) for s in spans], "sentences": n}}
-        excerpt = attrs.evolve(chunk, text=text, metadata=metadata)
-        out.append(Excerpt(excerpt, 0.75 * score_share + 0.25 * length_share, spans, n))
+        out.append(Excerpt(attrs.evolve(chunk, text=text, metadata=metadata), share, spans))
         if len(out) >= max_excerpts:
             break
     return out
