@@ -11,7 +11,7 @@ import attrs
 
 from trimkit.errors import InvalidInputError, count
 from trimkit.planning.solver import Action, Lead, PlanState, Proposal, solve
-from trimkit.planning.summaries import ExtractiveSummarizer, Summarizer, Summary, make_summary
+from trimkit.planning.summaries import ExtractiveSummarizer, Summarizer, make_summary
 from trimkit.planning.values import ValueModel
 
 log = logging.getLogger("trimkit")
@@ -156,15 +156,10 @@ class summarize_history(Strategy):
             covered = _indices(turns[:n])
             state.probe(attrs.evolve(c, summarized=covered, summary=summary))  # a summary sent before may be cached
             return Proposal(leads=tuple(Lead(n, summary, self.name, "cached") for n, summary in found))
-        if not self.inline:
-            return None
-        computed = self._compute(state, turns, turn_messages)
-        if computed is None:
-            return None
-        n, summary = computed
-        return Proposal(leads=(Lead(n, summary, self.name, "inline", summary.seconds),))
+        lead = self._compute(state, turns, turn_messages) if self.inline else None
+        return Proposal(leads=(lead,)) if lead is not None else None
 
-    def _compute(self, state: PlanState, turns: Sequence[tuple[int, int]], turn_messages: list[list[Any]]) -> tuple[int, Summary] | None:
+    def _compute(self, state: PlanState, turns: Sequence[tuple[int, int]], turn_messages: list[list[Any]]) -> Lead | None:
         # the fewest oldest turns whose summary makes room (a fresh summary changes the prompt's start: nothing cached)
         allowance = state.token_allowance(0, state.candidate.extra_s)
         tokens = state.prediction.prompt_tokens + self.target_tokens
@@ -185,7 +180,7 @@ class summarize_history(Strategy):
             return None
         if state.summaries is not None:
             state.summaries.put(covered, summary)
-        return n, summary
+        return Lead(n, summary, self.name, "inline", summary.seconds)
 
 
 @attrs.frozen

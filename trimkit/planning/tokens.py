@@ -365,7 +365,8 @@ def _warning(hits: int, names: set[str], where: str) -> str:
 
 def neutralize_chunks(chunks: Sequence[Chunk], controls: ControlTexts) -> tuple[tuple[Chunk, ...], str | None]:
     """The chunks with their control-token texts neutralised (new Chunk objects), and the report's warning (None: none)."""
-    out, hits, names, which = [], 0, set(), []
+    out, hits, which = [], 0, []
+    names: set[str] = set()
     for ch in chunks:
         text, n = neutralize_text(ch.text, controls, names)
         if n:
@@ -382,17 +383,17 @@ def neutralize_chunks(chunks: Sequence[Chunk], controls: ControlTexts) -> tuple[
 def neutralize_messages(messages: Sequence[Mapping[str, Any]], controls: ControlTexts) -> tuple[Sequence[Mapping[str, Any]], str | None]:
     """The messages (not system or developer ones) with control-token texts neutralised (new dicts), and the warning."""
     out: list[Mapping[str, Any]] = []
-    hits, names, which = 0, set(), []
+    hits, which = 0, []
+    names: set[str] = set()
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, Mapping) and m.get("role") not in ("system", "developer") else None
+        new: Any = content
+        n = 0
         if isinstance(content, str):
             new, n = neutralize_text(content, controls, names)
         elif isinstance(content, list):  # content parts: each text part
-            parts = [(p, neutralize_text(p["text"], controls, names)) if isinstance(p, Mapping) and isinstance(p.get("text"), str) else (p, (None, 0))
-                     for p in content]
-            new, n = [{**p, "text": t} if k else p for p, (t, k) in parts], sum(k for _, (_, k) in parts)
-        else:
-            n = 0
+            texts = [neutralize_text(p["text"], controls, names) if isinstance(p, Mapping) and isinstance(p.get("text"), str) else ("", 0) for p in content]
+            new, n = [{**p, "text": t} if k else p for p, (t, k) in zip(content, texts, strict=True)], sum(k for _, k in texts)
         if n:
             hits += n
             which.append(i)
