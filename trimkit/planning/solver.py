@@ -148,7 +148,6 @@ class RequestContext:
         if chunks:
             self.chunk_overhead = tokenizer.count(rag_template.format(chunks="", question=""))
             self.chunk_separator = tokenizer.count("\n\n")
-        self._system_overhead: int | None = None
         #: tokens added to every estimate after a plan's estimates proved optimistic
         self.correction = 0
         #: the ``cached_tokens`` the caller passed (for ``messages`` as given)
@@ -170,22 +169,19 @@ class RequestContext:
         total = self.chunk_overhead + self.chunk_separator * (len(chunks) - 1)
         for n, c in enumerate(chunks, start=1):
             key = (c.id, n, c.text)  # text too: a chunk cut at a sentence boundary keeps its id
-            cost = self._chunk_costs.get(key)
-            if cost is None:
-                cost = self.tokenizer.count(self.rag_chunk_template.format(id=c.shown_id, text=c.text, n=n))
-                self._chunk_costs[key] = cost
-            total += cost
+            if key not in self._chunk_costs:
+                self._chunk_costs[key] = self.tokenizer.count(self.rag_chunk_template.format(id=c.shown_id, text=c.text, n=n))
+            total += self._chunk_costs[key]
         return total
 
     def summary_tokens(self, summary: Summary) -> int:
         """Tokens the summary adds (a system message of its own when the request has none)."""
-        tokens = self.tokenizer.count(_summary_block(summary))
-        if not self.leading_system:
-            if self._system_overhead is None:
-                probe = [{"role": "system", "content": ""}]
-                self._system_overhead = self.tokenizer.segment_counts(probe).counts[0]
-            tokens += self._system_overhead
-        return tokens
+        return self.tokenizer.count(_summary_block(summary)) + (0 if self.leading_system else self._system_overhead)
+
+    @functools.cached_property
+    def _system_overhead(self) -> int:
+        """Tokens of an empty system message, as the template wraps it."""
+        return int(self.tokenizer.segment_counts([{"role": "system", "content": ""}]).counts[0])
 
     def layout(self, c: Candidate) -> Layout:
         """The candidate as (segment key, tokens) pairs in prompt order; equal keys mean equal text."""
@@ -209,14 +205,10 @@ class RequestContext:
     def cached_for(self, layout: Layout, total: int) -> int:
         """Predicted cached prefix: exact if this very prompt was probed; else, over everything
         known, the cached tokens of the longest prefix shared with a prompt whose count is known."""
-        keys = tuple(k for k, _ in layout)
-        if keys in self.probed:
-            cached = self.probed[keys]
-        else:
-            cached = 0
-            for known_layout, known_cached in self.knowledge:
-                shared = sum(seg[1] for seg, known in itertools.takewhile(lambda pair: pair[0][0] == pair[1][0], zip(layout, known_layout)))
-                cached = max(cached, min(known_cached, shared))
+        cached = self.probed.get(tuple(k for k, _ in layout))
+        if cached is None:
+            cached = max((min(known_cached, sum(seg[1] for seg, _ in itertools.takewhile(lambda p: p[0][0] == p[1][0], zip(layout, known))))
+                          for known, known_cached in self.knowledge), default=0)
         return reusable_cached_tokens(total, cached)
 
     def predict(self, tokens: int, cached: int, extra_s: float = 0.0) -> float:
@@ -559,12 +551,8 @@ class _Solver:
             removed = c.removed | optional
         else:
             removed = c.removed | covered | optional
-        value = 0.0
-        for j, v in enumerate(self.turn_value):
-            if j < lead.covers:
-                value += v * self.values.summary_share if lead.summary is not None else 0.0
-            elif j < keep or j not in self.droppable_turns:
-                value += v
+        share = self.values.summary_share if lead.summary is not None else 0.0
+        value = sum(v * share if j < lead.covers else v for j, v in enumerate(self.turn_value) if j < max(keep, lead.covers) or j not in self.droppable_turns)
         value += sum(self.chunk_value.get(str(ch.id), 0.0) for ch in self.pinned_chunks)
         return attrs.evolve(c, removed=removed - c.summarized, kept_chunks=self.pinned_chunks), value
 
