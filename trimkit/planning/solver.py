@@ -144,10 +144,8 @@ class RequestContext:
         #: the chunks in the caller's (the retriever's) order, which relevance weighs
         self.given_chunks = chunks
         self._chunk_costs: dict[tuple[str | None, int, str], int] = {}
-        self.chunk_overhead = self.chunk_separator = 0
-        if chunks:
-            self.chunk_overhead = tokenizer.count(rag_template.format(chunks="", question=""))
-            self.chunk_separator = tokenizer.count("\n\n")
+        self.chunk_overhead = tokenizer.count(rag_template.format(chunks="", question="")) if chunks else 0
+        self.chunk_separator = tokenizer.count("\n\n") if chunks else 0
         #: tokens added to every estimate after a plan's estimates proved optimistic
         self.correction = 0
         #: the ``cached_tokens`` the caller passed (for ``messages`` as given)
@@ -390,8 +388,7 @@ def knapsack(groups: Sequence[Sequence[tuple[int, float]]], room: int) -> tuple[
     for g, variants in enumerate(groups):
         best = dp.copy()
         arg = choices[g]
-        for vi, (_, value) in enumerate(variants):
-            wq = sizes[g][vi]
+        for vi, ((_, value), wq) in enumerate(zip(variants, sizes[g], strict=True)):
             if wq > cap or value <= 0:
                 continue
             cand = dp[: cap + 1 - wq] + value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import itertools
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -99,10 +100,8 @@ class reuse_prefix(Strategy):
     name: ClassVar[str] = "reuse_prefix"
 
     def propose(self, state: PlanState) -> Proposal | None:
-        if state.caller_cached_tokens > 0:
-            return None
         before = state.prediction
-        if state.probe(state.candidate) is None:
+        if state.caller_cached_tokens > 0 or state.probe(state.candidate) is None:
             return None
         after = state.estimate(state.candidate)
         if after.cached_tokens <= before.cached_tokens:
@@ -152,9 +151,7 @@ class summarize_history(Strategy):
         turn_messages = [[state.messages[i] for i in range(s, e)] for s, e in turns]
         found = state.summaries.prefixes(turn_messages)[-MAX_SUMMARIES:] if state.summaries is not None else []
         if found:
-            n, summary = found[-1]
-            covered = _indices(turns[:n])
-            state.probe(attrs.evolve(c, summarized=covered, summary=summary))  # a summary sent before may be cached
+            state.probe(attrs.evolve(c, summarized=_indices(turns[: found[-1][0]]), summary=found[-1][1]))  # a summary sent before may be cached
             return Proposal(leads=tuple(Lead(n, summary, self.name, "cached") for n, summary in found))
         lead = self._compute(state, turns, turn_messages) if self.inline else None
         return Proposal(leads=(lead,)) if lead is not None else None
@@ -163,12 +160,8 @@ class summarize_history(Strategy):
         # the fewest oldest turns whose summary makes room (a fresh summary changes the prompt's start: nothing cached)
         allowance = state.token_allowance(0, state.candidate.extra_s)
         tokens = state.prediction.prompt_tokens + self.target_tokens
-        n = len(turns)
-        for k, (s, e) in enumerate(turns, start=1):
-            tokens -= sum(state.message_tokens(i) for i in range(s, e))
-            if allowance is not None and tokens <= allowance:
-                n = k
-                break
+        dropped = itertools.accumulate(sum(state.message_tokens(i) for i in range(s, e)) for s, e in turns)
+        n = next((k for k, d in enumerate(dropped, start=1) if allowance is not None and tokens - d <= allowance), len(turns))
         covered = [m for turn in turn_messages[:n] for m in turn]
         try:
             summary = make_summary(self.summarizer or ExtractiveSummarizer(), covered, target_tokens=self.target_tokens,
@@ -206,15 +199,11 @@ class keep_cached_cut(Strategy):
 
     def propose(self, state: PlanState) -> Proposal | None:
         c = state.candidate
-        if c.summary is not None:
-            return None
         turns = state.history_turns
-        if not any(s == self.first_kept for s, _ in turns):
-            return None  # no turn starts where the previous cut was: the conversation changed
+        if c.summary is not None or not any(s == self.first_kept for s, _ in turns):
+            return None  # a summary leads, or no turn starts where the previous cut was (the conversation changed)
         n = sum(1 for _, e in turns if e <= self.first_kept)
-        if n == 0 or any(s in c.gone for s, _ in turns[:n]):
-            return None
-        if state.probe(attrs.evolve(c, removed=c.removed | _indices(turns[:n]))) is None:
+        if n == 0 or any(s in c.gone for s, _ in turns[:n]) or state.probe(attrs.evolve(c, removed=c.removed | _indices(turns[:n]))) is None:
             return None
         return Proposal(leads=(Lead(n, None, self.name, "previous cut"),))
 

@@ -51,13 +51,12 @@ class SizedCache(Generic[K, V]):
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
+        return len(self._entries)
 
     @property
     def size(self) -> int:
-        with self._lock:
-            return self._size
+        """The sum of the sizes held."""
+        return self._size
 
     def get(self, key: K) -> V | None:
         with self._lock:
