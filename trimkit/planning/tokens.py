@@ -162,12 +162,7 @@ _MARK_RE = re.compile("\ue000(\\d+)\ue001")
 
 def _marked(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """``messages`` with each content replaced by its index marker, without tool calls (``message_text`` counts those)."""
-    out = []
-    for i, m in enumerate(messages):
-        mm = {k: v for k, v in m.items() if k not in ("tool_calls", "function_call")}
-        mm["content"] = _MARK.format(i)
-        out.append(mm)
-    return out
+    return [{**{k: v for k, v in m.items() if k not in ("tool_calls", "function_call")}, "content": _MARK.format(i)} for i, m in enumerate(messages)]
 
 
 class PromptTokenizer:

@@ -8,6 +8,7 @@ sentence scores kept) + 0.25 · (share of the length kept)``.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from collections import Counter
@@ -189,13 +190,8 @@ class Excerpt:
 
 def index_runs(indices: Iterable[int]) -> tuple[tuple[int, int], ...]:
     """``[1, 2, 3, 5]`` → ``((1, 3), (5, 5))``: the runs of consecutive indices, as inclusive ranges."""
-    runs: list[list[int]] = []
-    for i in sorted(indices):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return tuple((a, b) for a, b in runs)
+    runs = (list(run) for _, run in itertools.groupby(enumerate(sorted(indices)), key=lambda pair: pair[1] - pair[0]))
+    return tuple((run[0][1], run[-1][1]) for run in runs)
 
 
 def span_label(spans: Sequence[Sequence[int]]) -> str:
