@@ -116,28 +116,19 @@ class TiktokenTokenizer:
 
 def chatml_render(messages: Sequence[Mapping[str, Any]], tools: Any = None) -> str:
     """A generic ChatML rendering, used to estimate template overhead when the real template is unknown."""
-    out = []
-    if tools:
-        out.append("<|im_start|>system\n# Tools\n" + json.dumps(tools) + "<|im_end|>\n")
-    for m in messages:
-        out.append(f"<|im_start|>{m['role']}\n{message_text(m)}<|im_end|>\n")
-    out.append("<|im_start|>assistant\n")
-    return "".join(out)
+    tools_text = "<|im_start|>system\n# Tools\n" + json.dumps(tools) + "<|im_end|>\n" if tools else ""
+    return tools_text + "".join(f"<|im_start|>{m['role']}\n{message_text(m)}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))
-    if n == 0:
-        return 0
     diff = np.nonzero(np.asarray(a[:n]) != np.asarray(b[:n]))[0]
     return int(diff[0]) if diff.size else n
 
 
 def reusable_prefix_len(cached: Sequence[int], prompt: Sequence[int]) -> int:
     """The common prefix an engine holding ``cached`` reuses of ``prompt``: never all of it (see ``evaluated_tokens``)."""
-    if not prompt:
-        return 0
     return reusable_cached_tokens(len(prompt), common_prefix_len(cached, prompt))
 
 
