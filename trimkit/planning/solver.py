@@ -269,10 +269,8 @@ class RequestContext:
             return None
         layout = self.layout(c)
         keys = tuple(k for k, _ in layout)
-        if keys in self.probed:
-            return self.probed[keys]
-        if self.probes_used >= MAX_PROBES:
-            return None
+        if keys in self.probed or self.probes_used >= MAX_PROBES:
+            return self.probed.get(keys)
         self.probes_used += 1
         try:
             tokens = self.tokenizer.prompt_tokens(self.build_messages(c), self.tools)
@@ -447,8 +445,7 @@ class _Solver:
         self.state = state
         self.ctx = ctx = state.ctx
         self.values = values
-        c0 = state.candidate
-        self.base = c0
+        self.base = c0 = state.candidate
         turns = ctx.history_turns
         droppable_turns = frozenset().union(*(p.droppable_turns for _, p in proposals))
         self.turn_owner = next((n for n, p in proposals if p.droppable_turns), "drop_oldest_turns")
