@@ -447,10 +447,9 @@ class _Solver:
         self.values = values
         self.base = c0 = state.candidate
         turns = ctx.history_turns
-        droppable_turns = frozenset().union(*(p.droppable_turns for _, p in proposals))
         self.turn_owner = next((n for n, p in proposals if p.droppable_turns), "drop_oldest_turns")
         self.chunk_owner = next((n for n, p in proposals if p.droppable_chunks), "cap_rag_chunks")
-        self.droppable_turns = frozenset(j for j in droppable_turns if 0 <= j < len(turns) and turns[j][0] not in c0.gone)
+        self.droppable_turns = frozenset(j for _, p in proposals for j in p.droppable_turns if 0 <= j < len(turns) and turns[j][0] not in c0.gone)
         self.droppable_chunks = frozenset().union(*(p.droppable_chunks for _, p in proposals)) & {str(ch.id) for ch in c0.kept_chunks}
         excerptable = frozenset().union(*(p.excerpt_chunks for _, p in proposals)) & self.droppable_chunks
         self.leads = [Lead(0, None, "")] + [lead for _, p in proposals for lead in p.leads if 0 < lead.covers <= len(turns)]

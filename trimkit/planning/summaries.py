@@ -85,8 +85,7 @@ class SummaryCache:
 
     def best_prefix(self, turns: Sequence[Sequence[Mapping[str, Any]]]) -> tuple[int, Summary] | None:
         """``(n, summary)`` of the cached summary covering the longest prefix ``turns[:n]``, or None."""
-        found = self.prefixes(turns)
-        return found[-1] if found else None
+        return next(reversed(self.prefixes(turns)), None)
 
     def prefixes(self, turns: Sequence[Sequence[Mapping[str, Any]]]) -> list[tuple[int, Summary]]:
         """Every cached summary covering a prefix ``turns[:n]``, as ``(n, summary)``, shortest first."""

@@ -85,9 +85,8 @@ def _relevance(chunks: tuple[tuple[str, float | None], ...], question: str, orde
     idf = text_idf(question, texts)
     best_sentence = [max((sentence_score(s, idf) for s in split_sentences(t)), default=0.0) for t in texts]
     top, top_sentence = max(bm25), max(best_sentence)
-    lexical = None
-    if top > 0:
-        lexical = [0.5 * b / top + 0.5 * (m / top_sentence if top_sentence > 0 else 0.0) for b, m in zip(bm25, best_sentence, strict=True)]
+    lexical = ([0.5 * b / top + 0.5 * (m / top_sentence if top_sentence > 0 else 0.0) for b, m in zip(bm25, best_sentence, strict=True)]
+               if top > 0 else None)
     if all(score is not None for _, score in chunks):
         scores = _normalise([float(score) for _, score in chunks])  # type: ignore[arg-type]
         if lexical is None or lexical_weight <= 0:
@@ -100,15 +99,9 @@ def _relevance(chunks: tuple[tuple[str, float | None], ...], question: str, orde
 
 def text_idf(question: str, documents: Sequence[str]) -> dict[str, float]:
     """IDF over ``documents`` of each content word of ``question`` (words in none are left out)."""
-    terms = set(words(question))
     docs = [_term_counts(d) for d in documents]
-    n = len(docs)
-    out = {}
-    for t in terms:
-        df = sum(1 for d in docs if t in d)
-        if df:
-            out[t] = math.log(1.0 + (n - df + 0.5) / (df + 0.5))
-    return out
+    dfs = {t: sum(1 for d in docs if t in d) for t in set(words(question))}
+    return {t: math.log(1.0 + (len(docs) - df + 0.5) / (df + 0.5)) for t, df in dfs.items() if df}
 
 
 def sentence_score(sentence: str, idf: Mapping[str, float]) -> float:
