@@ -38,9 +38,7 @@ class Strategy(abc.ABC):  # noqa: B024 - a strategy implements propose() or __ca
         """Plan ``state`` with this strategy alone: the state the engine reaches, or None when nothing changes."""
         strategies = list(self) if isinstance(self, Chain) else [self]
         out = solve(state, strategies, ValueModel())
-        if out.candidate == state.candidate and out.actions == state.actions:
-            return None
-        return out
+        return None if out.candidate == state.candidate and out.actions == state.actions else out
 
     def __add__(self, other: Strategy | Iterable[Strategy]) -> Chain:
         return chain(self, other)
@@ -84,9 +82,7 @@ def _positive_count(instance: Any, attribute: Any, value: Any) -> None:
 
 def _history(state: PlanState, keep_last_turns: int) -> Sequence[tuple[int, int]]:
     """History turns a strategy may touch: all but the newest ``keep_last_turns`` (the last user's counts as one)."""
-    turns = state.history_turns
-    spare = keep_last_turns - 1
-    return turns[: len(turns) - spare] if spare else turns
+    return state.history_turns[: len(state.history_turns) - (keep_last_turns - 1)]
 
 
 def _indices(turns: Iterable[tuple[int, int]]) -> frozenset[int]:

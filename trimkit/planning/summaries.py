@@ -143,12 +143,8 @@ def _label(message: Mapping[str, Any]) -> str:
 
 
 def _longest(parts: Sequence[str], fits: Callable[[list[str]], bool]) -> list[str]:
-    kept: list[str] = []
-    for part in parts:
-        if not fits([*kept, part]):
-            break
-        kept.append(part)
-    return kept
+    """The longest leading run of ``parts`` that ``fits`` (tried one more part at a time)."""
+    return next((list(parts[:k]) for k in range(len(parts)) if not fits(list(parts[: k + 1]))), list(parts))
 
 
 def cap_to_tokens(text: str, max_tokens: int, count_tokens: TokenCounter) -> str:
