@@ -215,20 +215,14 @@ class PromptTokenizer:
         key = (tuple((m.get("role"), bool(m.get("tool_calls")), m.get("name")) for m in messages), repr(tools) if tools else None)
         if key in self._layouts:
             return self._layouts[key]
-        parts = self._split(messages, tools)  # [text before the first marker, "i", text, "j", text, ...]
-        if parts is None:
-            pieces = None
-        else:
-            found = [int(x) for x in parts[1::2]]
-            # a template may drop a system message ("gemma" does); any other missing marker means it changed the content
-            dropped = set(range(len(messages))) - set(found)
-            if found != sorted(set(found)) or any(i >= len(messages) for i in found) or any(messages[i].get("role") not in SYSTEM_ROLES for i in dropped):
-                pieces = None
-            else:
-                by_index: list[str | None] = [None] * len(messages)
-                for i, piece in zip(found, parts[0:-1:2]):
-                    by_index[i] = piece
-                pieces = (*by_index, parts[-1])
+        parts = self._split(messages, tools) or []  # [text before the first marker, "i", text, "j", text, ...]
+        found = [int(x) for x in parts[1::2]]
+        # a template may drop a system message ("gemma" does); any other missing marker means it changed the content
+        dropped = set(range(len(messages))) - set(found)
+        pieces: tuple[str | None, ...] | None = None
+        if parts and found == sorted(set(found)) and all(i < len(messages) for i in found) and all(messages[i].get("role") in SYSTEM_ROLES for i in dropped):
+            before = dict(zip(found, parts[0:-1:2]))
+            pieces = (*(before.get(i) for i in range(len(messages))), parts[-1])
         if len(self._layouts) > 1024:
             self._layouts.clear()
         self._layouts[key] = pieces
