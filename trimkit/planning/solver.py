@@ -183,13 +183,10 @@ class RequestContext:
 
     def layout(self, c: Candidate) -> Layout:
         """The candidate as (segment key, tokens) pairs in prompt order; equal keys mean equal text."""
-        segs: list[tuple[Hashable, int]] = []
-        gone = c.gone
         summary_tokens = self.summary_tokens(c.summary) if c.summary is not None else 0
-        if c.summary is not None and not self.leading_system:
-            segs.append((("summary", c.summary.text), summary_tokens))
+        segs: list[tuple[Hashable, int]] = [(("summary", c.summary.text), summary_tokens)] if c.summary is not None and not self.leading_system else []
         for i, n in enumerate(self.base):
-            if i in gone:
+            if i in c.gone:
                 continue
             if i == 0 and c.summary is not None and self.leading_system:
                 segs.append((("summary", c.summary.text), n + summary_tokens))
@@ -242,9 +239,7 @@ class RequestContext:
         when nothing changes."""
         if c.unchanged:
             return self.messages  # type: ignore[return-value]
-        out: list[Any] = []
-        if c.summary is not None and not self.leading_system:
-            out.append({"role": "system", "content": summary_note(c.summary)})
+        out: list[Any] = [{"role": "system", "content": summary_note(c.summary)}] if c.summary is not None and not self.leading_system else []
         for i, m in enumerate(self.messages):
             if i in c.gone:
                 continue
@@ -625,7 +620,6 @@ class _Solver:
     # -- the report -----------------------------------------------------------------------------
     def _explain(self, c: Candidate, lead: Lead) -> PlanState:
         ctx = self.ctx
-        state = self.state
         after = ctx.estimate(c)
         new0 = evaluated_tokens(after.prompt_tokens, after.cached_tokens)
 
@@ -636,9 +630,9 @@ class _Solver:
         def item(kind_value: float, tokens: int, **extra: Any) -> dict[str, Any]:
             return {**extra, "tokens": tokens, "value": round(kind_value, 4), "cost_s": round(cost_s(tokens), 4)}
 
-        actions: list[Action] = list(state.actions)
+        actions: list[Action] = list(self.state.actions)
         turns = ctx.history_turns
-        act = functools.partial(Action, tokens_before=state.prediction.prompt_tokens, tokens_after=after.prompt_tokens)
+        act = functools.partial(Action, tokens_before=self.state.prediction.prompt_tokens, tokens_after=after.prompt_tokens)
         covered = tuple(i for s, e in turns[: lead.covers] for i in range(s, e))
         if lead.covers:
             span = span_label(index_runs(covered))
