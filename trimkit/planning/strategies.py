@@ -120,9 +120,7 @@ class cap_rag_chunks(Strategy):
         ranked = [str(c.id) for c in state.chunks]
         kept = {str(c.id) for c in state.candidate.kept_chunks}
         droppable = frozenset(cid for cid in ranked[self.min_chunks :] if cid in kept)
-        if not droppable:
-            return None
-        return Proposal(droppable_chunks=droppable, excerpt_chunks=droppable if self.excerpts else frozenset())
+        return Proposal(droppable_chunks=droppable, excerpt_chunks=droppable if self.excerpts else frozenset()) if droppable else None
 
 
 #: cached summaries (the longest prefixes) offered to the engine per request

@@ -293,9 +293,8 @@ class ControlTexts:
     def __init__(self, texts: Iterable[str]) -> None:
         kept = sorted({t for t in texts if isinstance(t, str) and len(t) >= 3 and not t.isalnum() and not t.isspace()}, key=len, reverse=True)
         self.texts = frozenset(kept)
-        self._by_first: dict[str, tuple[int, ...]] = {}
-        for t in kept:
-            self._by_first[t[0]] = tuple(sorted({*self._by_first.get(t[0], ()), len(t)}, reverse=True))
+        #: each first character, and the lengths of the texts that start with it (longest first)
+        self._by_first = {first: tuple(sorted({len(t) for t in kept if t[0] == first}, reverse=True)) for first in dict.fromkeys(t[0] for t in kept)}
 
     def __len__(self) -> int:
         return len(self.texts)
