@@ -435,7 +435,7 @@ class OpenAIHTTPBackend(ServerBackend):
             ts, state = yield Io(self._stream, _off_loop(self._stream), messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s,
                                  collect=True, is_async=is_async, headers=headers)
             m = yield Io(TimedStream.drain, AsyncTimedStream.adrain, ts)
-            return self._assembled(state), m
+            return self.as_client_response(assemble_chat_completion(state.chunks or [], state.stats_reply)), m
         self._check_form(is_async)
         call = yield Io(self._call, _off_loop(self._call), messages, params, prompt_tokens, self.limits.deadline(retry_deadline_s, deadline_s),
                         stream=False, headers=headers)
@@ -451,11 +451,10 @@ class OpenAIHTTPBackend(ServerBackend):
         deadline = self.limits.deadline(retry_deadline_s, deadline_s, unbounded=deadline_s is None)
         start = self.clock()
         response = yield from self.transport.retried(attempt, deadline, url)
-        return response, self.evidence.whole_measure(parse_completion(response), self.clock() - start, call.sent, call.predicted,
-                                                     self._request_facts(call))
-
-    def _assembled(self, state: StreamState) -> Any:
-        return self.as_client_response(assemble_chat_completion(state.chunks or [], state.stats_reply))
+        reply = parse_completion(response)  # the server's numbers only, no TTFT
+        facts = {"model": reply.model} if reply.model else {}
+        return response, self.evidence.timed_measure(reply.stats, None, call.sent, call.predicted, reply.finish_reason, total_s=self.clock() - start,
+                                                     server=facts | self._request_facts(call))
 
     # -- calibration probes (trimkit.backends.server) ----------------------------------------------------
     def probe_completion(self, text: str, tokens: list[int], *, max_tokens: int = 1, extra: Mapping[str, Any] | None = None) -> Measurement:

@@ -26,7 +26,6 @@ import httpx
 
 from trimkit.backends.base import Backend, Measurement, TimedStream, first_token_overhead_s, probe_text
 from trimkit.backends.replies import (
-    Reply,
     ServerStats,
     build_measurement,
     detect_truncation,
@@ -110,29 +109,21 @@ def parse_models(body: Any) -> ModelList:
     return ModelList(tuple(ids), *(first or ("", None)))
 
 
-def parse_props(body: Any) -> tuple[int | None, str]:
-    """``(n_ctx, build_info)`` from llama.cpp's ``/props``; ``(None, "")`` for a body that is no object."""
+def parse_props(body: Any) -> tuple[int | None, str, dict[str, bool]]:
+    """``(n_ctx, build_info, switches)`` from llama.cpp's ``/props`` (``(None, "", {})`` for a body that is no object); the switches
+    it says: ``is_sleeping`` (the model unloaded after ``--sleep-idle-seconds``), ``endpoint_metrics``, ``endpoint_slots``."""
     what = "/props reply"
     if not isinstance(body, Mapping):
-        return None, ""
+        return None, "", {}
     settings = opt_mapping(body, "default_generation_settings", what, "") or {}
     n_ctx = _context_size(settings.get("n_ctx"), what, "default_generation_settings.n_ctx")
     if n_ctx is None:
         n_ctx = _context_size(body.get("n_ctx"), what, "n_ctx")
-    return n_ctx, _version_text(body.get("build_info"), what, "build_info")
-
-
-def parse_props_switches(body: Any) -> dict[str, bool]:
-    """The switches llama.cpp's ``/props`` says: ``is_sleeping`` (the model unloaded after
-    ``--sleep-idle-seconds``), ``endpoint_metrics``, ``endpoint_slots``."""
-    out: dict[str, bool] = {}
-    for key in ("is_sleeping", "endpoint_metrics", "endpoint_slots") if isinstance(body, Mapping) else ():
-        value = body.get(key)
-        if value is not None and not isinstance(value, bool):
-            fail("/props reply", key, "a boolean", value)
-        if value is not None:
-            out[key] = value
-    return out
+    switches = {key: body[key] for key in ("is_sleeping", "endpoint_metrics", "endpoint_slots") if body.get(key) is not None}
+    for key, value in switches.items():
+        if not isinstance(value, bool):
+            fail(what, key, "a boolean", value)
+    return n_ctx, _version_text(body.get("build_info"), what, "build_info"), switches
 
 
 def parse_version(body: Any) -> str:
@@ -246,8 +237,7 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
     models = parse_models(request_json("GET", base_url + "/models", missing_ok=True, deadline=deadline))
     router = _router(request_json, root_url, models)
     props = request_json("GET", root_url + "/props", missing_ok=True)
-    props_n_ctx, build_info = parse_props(props)
-    switches = parse_props_switches(props)
+    props_n_ctx, build_info, switches = parse_props(props)
     if switches.get("is_sleeping"):
         log.warning("trimkit: %s is sleeping (/props is_sleeping: it unloaded the model, --sleep-idle-seconds): the next request "
                     "pays a model load, which is no prefill and counts in its TTFT", base_url)
@@ -641,11 +631,6 @@ class ServerEvidence:
             return self.timed_measure(stats, ts, sent, predicted_cached, state.finish_reason, server={**model, **(facts or {})})
 
         return measure
-
-    def whole_measure(self, reply: Reply, total_s: float, sent: list[int], predicted_cached: int, facts: Mapping[str, Any] | None = None) -> Measurement:
-        """The measurement of a non-streamed response: the server's numbers only, no TTFT."""
-        model = {"model": reply.model} if reply.model else {}
-        return self.timed_measure(reply.stats, None, sent, predicted_cached, reply.finish_reason, total_s=total_s, server={**model, **(facts or {})})
 
 
 # == load ====================================================================================================
