@@ -235,7 +235,11 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
     """Ask the server what it is: ``/v1/models`` (retried for ``deadline``: a server still starting),
     then ``/workers``, ``/props``, ``/version``, the tokenize endpoints, ``/apply-template`` and ``/openapi.json``, each optional."""
     models = parse_models(request_json("GET", base_url + "/models", missing_ok=True, deadline=deadline))
-    router = _router(request_json, root_url, models)
+    try:  # a router in front of the workers answers GET /workers
+        router = parse_workers(request_json("GET", root_url + "/workers", missing_ok=True))
+    except ServerError as exc:
+        log.debug("trimkit: GET /workers on %s failed (%s): no router recognised", root_url, exc.status)
+        router = None
     props = request_json("GET", root_url + "/props", missing_ok=True)
     props_n_ctx, build_info, switches = parse_props(props)
     if switches.get("is_sleeping"):
@@ -263,7 +267,7 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
     info = ServerInfo(engine=engine_of(models.owned_by, tokenize_endpoint), engine_version=version, model_ids=models.ids, n_ctx=n_ctx,
                       tokenize_endpoint=tokenize_endpoint, apply_template=apply_template, bos_prefix=bos_prefix,
                       metrics_off=switches.get("endpoint_metrics") is False,
-                      router=_router_saw(router, props, tokenize_endpoint, apply_template))
+                      router=_router_saw(router, models, props, tokenize_endpoint, apply_template))
     if info.router is not None:
         log.warning("trimkit: %s is %s. Prefer wrapping the workers themselves (trimkit.wrap_url([...])); through a router, send a "
                     "routing key (routing_key= per call, or auto_routing_key=True) so that a conversation stays on one worker",
@@ -272,38 +276,22 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
     return info
 
 
-def _router(request_json: RequestJSON, root_url: str, models: ModelList) -> RouterInfo | None:
-    """The router ``GET /workers`` says is in front (None for an engine, or a router that refuses the request)."""
-    try:
-        router = parse_workers(request_json("GET", root_url + "/workers", missing_ok=True))
-    except ServerError as exc:
-        log.debug("trimkit: GET /workers on %s failed (%s): no router recognised", root_url, exc.status)
-        return None
-    # sglang-router answers /v1/models itself: model "unknown", owned by "local"
-    return attrs.evolve(router, models_own=models.owned_by == "local" and models.ids in ((), ("unknown",))) if router else None
-
-
-def _router_saw(router: RouterInfo | None, props: Any, tokenize_endpoint: str | None, apply_template: bool) -> RouterInfo | None:
+def _router_saw(router: RouterInfo | None, models: ModelList, props: Any, tokenize_endpoint: str | None, apply_template: bool) -> RouterInfo | None:
     """``router`` with what trimkit's probes reached through it, and what not (vllm-router 0.1.17 forwards
     every path it does not serve to one worker; sglang-router 0.3.2 answers ``/v1/models`` and 404s the rest)."""
     if router is None:
         return None
-    seen = ["/v1/models (the router's own list)" if router.models_own else "/v1/models"]
-    if isinstance(props, Mapping):
-        seen.append("/props")
-    if tokenize_endpoint is not None:
-        seen.append(tokenize_endpoint + (" and /apply-template" if apply_template else ""))
-    if len(seen) > 1 or not router.models_own:
+    own = models.owned_by == "local" and models.ids in ((), ("unknown",))  # sglang-router's own list: model "unknown", owned by "local"
+    seen = ["/v1/models (the router's own list)" if own else "/v1/models", *(["/props"] if isinstance(props, Mapping) else [])]
+    seen += [tokenize_endpoint + (" and /apply-template" if apply_template else "")] if tokenize_endpoint is not None else []
+    if len(seen) > 1 or not own:
         seen[-1] += " — from whichever worker the router picked (identical workers assumed)"
     unseen = ["which worker answered", "each worker's queue and cache (/workers gives a load snapshot; /slots and /metrics, where "
               "forwarded, are one worker's)"]
-    if not isinstance(props, Mapping):
-        unseen.append("/props (the context size: pass n_ctx=)")
-    if tokenize_endpoint is None:
-        unseen.append("a tokenize endpoint (prompt counts are estimates)")
-    if router.models_own:
-        unseen.append("the workers' model names (pass model=)")
-    return attrs.evolve(router, seen=tuple(seen), unseen=tuple(unseen))
+    unseen += [text for text, missing in (("/props (the context size: pass n_ctx=)", not isinstance(props, Mapping)),
+                                          ("a tokenize endpoint (prompt counts are estimates)", tokenize_endpoint is None),
+                                          ("the workers' model names (pass model=)", own)) if missing]
+    return attrs.evolve(router, models_own=own, seen=tuple(seen), unseen=tuple(unseen))
 
 
 class ServerTokenizer:

@@ -11,7 +11,6 @@ import base64
 import concurrent.futures
 import contextlib
 import functools
-import itertools
 import json
 import logging
 import operator
@@ -19,7 +18,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -110,7 +109,7 @@ def client_error(exc: BaseException, url: str, *, streaming: bool = False) -> Tr
         return status_error(exc.status_code, body, getattr(getattr(exc, "response", None), "headers", None))
     if isinstance(exc, openai.APIConnectionError):  # its cause: a timeout, a connection refused, a body that does not decode
         cls = ServerTimeoutError if isinstance(exc, openai.APITimeoutError) else ServerUnreachableError
-        return transport_error(exc.__cause__, url, "the reply") or cls(f"{url} could not be reached: {type(exc).__name__}: {exc}")
+        return transport_error(exc.__cause__, url, "the reply") or cls(f"{url} failed: {type(exc).__name__}: {exc}")
     if isinstance(exc, openai.APIResponseValidationError):
         return undecodable(exc, f"the reply from {url}")
     message = error_message(exc.body) if exc.body is not None else str(exc.message)  # an error event inside the stream
@@ -131,6 +130,8 @@ def translated(translate: Callable[[BaseException], TrimkitError | None]) -> Ite
 
 # == server-sent events ======================================================================================
 
+#: what a stream or body that ended gives as its next event or piece
+END = object()
 _LINE = re.compile(rb"([^\r\n]*)(\r\n|\r|\n)")  # a line and its end (a \r last in the bytes may be half a \r\n)
 
 
@@ -147,7 +148,7 @@ class EventReader:
         self._size = 0  # bytes of the event being read, in the lines ended so far
         self._name = ""
         self._data: list[str] = []
-        self._ended = False
+        self.ended = False  #: the bytes ended (:meth:`end`)
 
     def feed(self, data: bytes) -> Iterator[Any]:
         """The values of the events ``data`` completes."""
@@ -165,11 +166,11 @@ class EventReader:
 
     def end(self) -> Iterator[Any]:
         """The value of a last event sent without its blank line."""
-        self._ended = True
+        self.ended = True
         return self.feed(b"\n\n")
 
     def _check(self, sample: bytes | bytearray, pending: int) -> None:
-        if self._size + pending > self.max_event_bytes and not self._ended and not self.done:
+        if self._size + pending > self.max_event_bytes and not self.ended and not self.done:
             raise MalformedReplyError(f"the server sent a stream event longer than {self.max_event_bytes} bytes",
                                       server_message=excerpt(bytes(sample[:500])))
 
@@ -188,7 +189,7 @@ class EventReader:
         if data.strip() == "[DONE]":
             self.done = True
             return
-        if self._ended:  # the stream closed in the middle of this event: cut short, not garbled
+        if self.ended:  # the stream closed in the middle of this event: cut short, not garbled
             try:
                 json.loads(data)
             except json.JSONDecodeError:
@@ -202,31 +203,33 @@ class EventReader:
         yield value
 
 
+def event_steps(data: Any, reader: EventReader) -> Callable[[], Steps]:
+    """The next event of a stream's bytes ``data`` (an iterator, or an async one), as I/O steps: its JSON value, or END
+    after ``[DONE]`` or the end. One reader for sync and async streams."""
+    pending: Iterator[Any] = iter(())
+
+    def next_event() -> Steps:
+        nonlocal pending
+        while True:
+            for value in pending:  # (the events one read completed: the rest are taken on the next call)
+                return value
+            if reader.done or reader.ended:
+                return END
+            got = yield Io(next, anext, data, END)
+            pending = reader.end() if got is END else reader.feed(got)
+
+    return next_event
+
+
 def iter_events(byte_chunks: Iterable[bytes], reader: EventReader | None = None) -> Iterator[Any]:
     """The JSON events of an event stream's bytes, in order, until ``[DONE]`` or the end."""
-    reader = reader or EventReader()
-    for data in byte_chunks:
-        yield from reader.feed(data)
-        if reader.done:
-            return
-    yield from reader.end()
-
-
-async def aiter_events(byte_chunks: AsyncIterable[bytes], reader: EventReader | None = None) -> AsyncIterator[Any]:
-    reader = reader or EventReader()
-    async for data in byte_chunks:
-        for value in reader.feed(data):
-            yield value
-        if reader.done:
-            return
-    for value in reader.end():
+    next_event = event_steps(iter(byte_chunks), reader or EventReader())
+    while (value := run_sync(next_event())) is not END:
         yield value
 
 
 # == sending a request and opening its answer ================================================================
 
-#: what a stream that ended before its first event gives as its first event
-END = object()
 #: what is read of an error status's body (for its message)
 ERROR_BODY_BYTES = 64 * 1024
 MISSING_STATUSES = (404, 405, 501)
@@ -237,7 +240,7 @@ class Opened:
     """A stream opened up to its first event."""
 
     first: Any  # the first event, or END
-    rest: Any  # iterator or async iterator of the events after it (None: ``whole``)
+    next_event: Callable[[], Steps]  # the next event after it, as I/O steps (END: no more)
     close: Callable[[], Any]  # (a coroutine function for an async stream)
     done: Callable[[], bool]  # did the server end the stream properly ([DONE])?
     whole: bool = False  # the server ignored stream=true: ``first`` is a whole completion
@@ -335,15 +338,6 @@ def without_retries(client: Any) -> Any:
         return with_options(max_retries=0)
     except Exception:  # a client-like object with its own idea of with_options
         return client
-
-
-def _not_events(stream: Any) -> Any:
-    """The HTTP response under an ``openai`` client's stream when it is no event stream, else None."""
-    response = getattr(stream, "response", None)
-    headers = getattr(response, "headers", None)
-    if headers is None or not callable(getattr(headers, "get", None)):
-        return None
-    return response if body_kind(headers.get("content-type")) != "sse" else None
 
 
 class HTTPTransport:
@@ -456,26 +450,25 @@ class HTTPTransport:
                 kind = body_kind(resp.headers.get("content-type"))
                 if resp.status_code >= 300 or kind != "sse":  # an error, or the server ignored stream=true: one whole response
                     content = yield from capped(data, *body_cap(resp.status_code, kind, url))
-                    return Opened(answer(resp.status_code, resp.headers, content, url, kind), None, close, lambda: True, whole=True)
+                    return Opened(answer(resp.status_code, resp.headers, content, url, kind), _no_more, close, lambda: True, whole=True)
                 reader = EventReader()
-                events = aiter_events(data, reader) if is_async else iter_events(data, reader)
-                return Opened((yield Io(next, anext, events, END)), events, close, lambda: reader.done)
+                next_event = event_steps(data, reader)
+                return Opened((yield from next_event()), next_event, close, lambda: reader.done)
             except BaseException:
                 yield Io(close, close)
                 raise
 
     def open_stream(self, path: str, body: Mapping[str, Any], wait: Wait, client: Any = None, headers: Mapping[str, str] | None = None, *,
-                    http: httpx.AsyncClient | None = None, is_async: bool = False) -> Steps:
+                    is_async: bool = False) -> Steps:
         """A stream opened up to its first event, as I/O steps: through the ``openai`` ``client`` when
-        given, else ``POST base_url + path`` over httpx (async: over ``http``); ``headers`` this request's own."""
+        given, else ``POST base_url + path`` over httpx (async: :meth:`stream_client`); ``headers`` this request's own."""
         if client is not None:
             return self._open_client(client, body, wait, headers, is_async=is_async)
-        assert http is not None or not is_async, "an async stream over httpx needs an AsyncClient"
-        return self._open_url(http or self.http, path, body, wait, headers)
+        return self._open_url(self.stream_client() if is_async else self.http, path, body, wait, headers)
 
-    def stream_client(self, *, needed: bool = True) -> httpx.AsyncClient | None:
-        """The ``async_http_client`` given, else the running loop's pooled one, made on first use (None if not ``needed``)."""
-        if self.async_http is not None or not needed:
+    def stream_client(self) -> httpx.AsyncClient:
+        """The ``async_http_client`` given, else the running loop's pooled one, made on first use."""
+        if self.async_http is not None:
             return self.async_http
         loop = asyncio.get_running_loop()
         with self._loop_lock:
@@ -505,17 +498,21 @@ class HTTPTransport:
         close = stream.close if is_async else getattr(stream, "close", lambda: None)
         with translated(lambda exc: client_error(exc, url, streaming=True)):
             try:
-                response = _not_events(stream)
-                if response is not None:
+                response: Any = getattr(stream, "response", None)  # the HTTP response under the client's stream
+                got: Any = getattr(response, "headers", None)
+                if callable(getattr(got, "get", None)) and (kind := body_kind(got.get("content-type"))) != "sse":
                     data = response.aiter_bytes() if is_async else response.iter_bytes()
                     head = yield from capped(data, ERROR_BODY_BYTES, "body", truncate=True)
                     # the server's error if the body is one (ServerError), else what it is not
-                    parse_completion(answer(200, response.headers, head, url, body_kind(response.headers.get("content-type"))))
+                    parse_completion(answer(200, got, head, url, kind))
                     raise MalformedReplyError(f"{url} answered a stream request with one JSON body, which this client cannot stream",
                                               field="content-type", server_message=excerpt(head))
                 it = stream.__aiter__() if is_async else iter(stream)
-                first = yield Io(next, anext, it, END)
-                return Opened(first, it, close, lambda: False, client=True)
+
+                def next_event() -> Steps:
+                    return (yield Io(next, anext, it, END))
+
+                return Opened((yield from next_event()), next_event, close, lambda: False, client=True)
             except BaseException:
                 with contextlib.suppress(Exception):
                     yield Io(close, close)
@@ -547,11 +544,6 @@ class StreamState:
     #: the open response (what :meth:`AsyncTimedStream.aclose` closes under another task's step; is it the openai client's?)
     opened: Opened | None = attrs.field(default=None, repr=False)
 
-    def begin(self, opened: Opened) -> None:
-        if opened.first is END:
-            message = "the server closed the stream without sending a chunk (llama-cpp-python does this when the prompt exceeds its context window)"
-            raise ServerError(message, status=200, server_message="empty stream")
-
     def take(self, item: Any, opened: Opened) -> Any:
         """Parse an event (a chunk, or a whole completion) and record what it says; the chunk to hand on, or ``_SKIP``."""
         self.n_seen += 1
@@ -580,39 +572,43 @@ class StreamState:
                                          "or a finish reason")
 
 
-def read_chunks(open_: Callable[[], Opened], state: StreamState) -> Iterator[Any]:
+def _next_chunk(state: StreamState, open_: Callable[[], Steps]) -> Steps:
+    """The next chunk of a stream to hand on (END: its end), as I/O steps; the first opens it (``open_()``)."""
+    if state.opened is None:
+        state.started = time.monotonic()
+        state.opened = yield from open_()
+        if (item := state.opened.first) is END:
+            message = "the server closed the stream without sending a chunk (llama-cpp-python does this when the prompt exceeds its context window)"
+            raise ServerError(message, status=200, server_message="empty stream")
+    else:
+        item = yield from state.opened.next_event()
+    while item is not END:
+        if (chunk := state.take(item, state.opened)) is not _SKIP:
+            return chunk
+        item = yield from state.opened.next_event()
+    state.end(state.opened)
+    return END
+
+
+def read_chunks(open_: Callable[[], Steps], state: StreamState) -> Iterator[Any]:
     """The chunks of a stream, opened on the first ``next()`` (when the TTFT clock starts)."""
-    state.started = time.monotonic()
-    opened = state.opened = open_()
     try:
-        state.begin(opened)
-        for item in itertools.chain((opened.first,), opened.rest or ()):
-            if (chunk := state.take(item, opened)) is not _SKIP:
-                yield chunk
-        state.end(opened)
-    finally:
-        opened.close()
-
-
-async def aread_chunks(open_: Callable[[], Awaitable[Opened]], state: StreamState) -> AsyncIterator[Any]:
-    """:func:`read_chunks` for asyncio. This generator is the whole stream: it opens the request and
-    closes its response itself (``finally``), so closing it closes the response there and then —
-    never through another async generator, which asyncio would close on its own, in any order."""
-    opened = None
-    state.started = time.monotonic()
-    try:
-        opened = state.opened = await open_()
-        state.begin(opened)
-        if (chunk := state.take(opened.first, opened)) is not _SKIP:
+        while (chunk := run_sync(_next_chunk(state, open_))) is not END:
             yield chunk
-        if opened.rest is not None:
-            async for item in opened.rest:
-                if (chunk := state.take(item, opened)) is not _SKIP:
-                    yield chunk
-        state.end(opened)
     finally:
-        if opened is not None:
-            await opened.close()
+        if state.opened is not None:
+            state.opened.close()
+
+
+async def aread_chunks(open_: Callable[[], Steps], state: StreamState) -> AsyncIterator[Any]:
+    """:func:`read_chunks` for asyncio: ONE async generator, which closes its response itself (``finally``), never through
+    another async generator (asyncio would close that on its own, in any order)."""
+    try:
+        while (chunk := await run_async(_next_chunk(state, open_))) is not END:
+            yield chunk
+    finally:
+        if state.opened is not None:
+            await state.opened.close()
 
 
 def _stream_error(state: StreamState, stream_of: Callable[[], TimedStream | None]) -> Callable[[BaseException], BaseException | None]:
@@ -654,6 +650,11 @@ def timed_stream(chunks: Any, state: StreamState, clock: Clock, measure: Callabl
 async def _close_opened(state: StreamState) -> None:
     if state.opened is not None:  # closing it twice is harmless
         await state.opened.close()
+
+
+def _no_more() -> Steps:
+    return END
+    yield  # pragma: no cover
 
 
 def _raising(exc: BaseException) -> Iterator[Any]:
