@@ -222,7 +222,8 @@ def test_server_facts_parse_or_name_the_field(value):
             assert isinstance(exc, MalformedReplyError)
             continue
         if parse is parse_props:
-            n_ctx, build = result
+            n_ctx, build, switches = result
+            assert all(isinstance(v, bool) for v in switches.values())
             assert (n_ctx is None or 0 < n_ctx <= MAX_CONTEXT_TOKENS) and isinstance(build, str) and len(build) <= 200
         else:
             assert isinstance(result, str) and len(result) <= 200

@@ -298,11 +298,11 @@ class OpenAIHTTPBackend(ServerBackend):
         return facts
 
     def _opening(self, path: str, body: dict[str, Any], state: StreamState, wait: Wait, client: Any = None,
-                 headers: Mapping[str, str] | None = None, **how: Any) -> Steps:
-        """The stream opened (``how``: async or not); a server that refuses ``stream_options`` is asked
+                 headers: Mapping[str, str] | None = None, *, is_async: bool) -> Steps:
+        """The stream opened; a server that refuses ``stream_options`` is asked
         again without (and from now on)."""
         try:
-            return (yield from self.transport.open_stream(path, body, wait, client, headers, **how))
+            return (yield from self.transport.open_stream(path, body, wait, client, headers, is_async=is_async))
         except ServerError as exc:
             if "stream_options" not in body or exc.status not in (400, 422) or "stream_options" not in exc.server_message:
                 raise
@@ -310,7 +310,7 @@ class OpenAIHTTPBackend(ServerBackend):
             self._include_usage = False
             state.hide_usage_chunk = False
             del body["stream_options"]
-            return (yield from self.transport.open_stream(path, body, wait, client, headers, **how))
+            return (yield from self.transport.open_stream(path, body, wait, client, headers, is_async=is_async))
 
     def _check_form(self, is_async: bool) -> None:
         if self.client is not None and self.client_is_async != is_async:
@@ -342,13 +342,10 @@ class OpenAIHTTPBackend(ServerBackend):
         """The chunks of a stream, opened (retried) on the first step; async: ONE async generator, which closes its response itself
         (:func:`aread_chunks`), over the loop's pooled client."""
 
-        def opening(http: httpx.AsyncClient | None = None) -> Steps:
-            return self.transport.retried(lambda wait: self._opening(path, body, state, wait, client, headers, http=http, is_async=is_async),
-                                          deadline, self.base_url)
+        def opening() -> Steps:
+            return self.transport.retried(lambda wait: self._opening(path, body, state, wait, client, headers, is_async=is_async), deadline, self.base_url)
 
-        if is_async:
-            return aread_chunks(lambda: run_async(opening(self.transport.stream_client(needed=client is None))), state)
-        return read_chunks(lambda: run_sync(opening()), state)
+        return (aread_chunks if is_async else read_chunks)(opening, state)
 
     def send(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any], *, prompt_tokens: Sequence[int] | None = None,
              retry_deadline_s: float | None = None, deadline_s: float | None = None, watch: Any = None,
@@ -435,7 +432,7 @@ class OpenAIHTTPBackend(ServerBackend):
             ts, state = yield Io(self._stream, _off_loop(self._stream), messages, params, prompt_tokens, retry_deadline_s, deadline_s=deadline_s,
                                  collect=True, is_async=is_async, headers=headers)
             m = yield Io(TimedStream.drain, AsyncTimedStream.adrain, ts)
-            return self._assembled(state), m
+            return self.as_client_response(assemble_chat_completion(state.chunks or [], state.stats_reply)), m
         self._check_form(is_async)
         call = yield Io(self._call, _off_loop(self._call), messages, params, prompt_tokens, self.limits.deadline(retry_deadline_s, deadline_s),
                         stream=False, headers=headers)
@@ -451,11 +448,10 @@ class OpenAIHTTPBackend(ServerBackend):
         deadline = self.limits.deadline(retry_deadline_s, deadline_s, unbounded=deadline_s is None)
         start = self.clock()
         response = yield from self.transport.retried(attempt, deadline, url)
-        return response, self.evidence.whole_measure(parse_completion(response), self.clock() - start, call.sent, call.predicted,
-                                                     self._request_facts(call))
-
-    def _assembled(self, state: StreamState) -> Any:
-        return self.as_client_response(assemble_chat_completion(state.chunks or [], state.stats_reply))
+        reply = parse_completion(response)  # the server's numbers only, no TTFT
+        facts = {"model": reply.model} if reply.model else {}
+        return response, self.evidence.timed_measure(reply.stats, None, call.sent, call.predicted, reply.finish_reason, total_s=self.clock() - start,
+                                                     server=facts | self._request_facts(call))
 
     # -- calibration probes (trimkit.backends.server) ----------------------------------------------------
     def probe_completion(self, text: str, tokens: list[int], *, max_tokens: int = 1, extra: Mapping[str, Any] | None = None) -> Measurement:

@@ -434,17 +434,11 @@ def _choice(raw: Any, position: int, what: str, holder_keys: tuple[str, ...]) ->
     if not isinstance(raw, Mapping):
         fail(what, path, "an object", raw)
     index = opt_int(raw, "index", what, path, _MAX_INDEX)
-    holder: Mapping[str, Any] | None = None
-    holder_path = path
-    for key in holder_keys:
-        found = opt_mapping(raw, key, what, path)
-        if found is not None and holder is None:
-            holder, holder_path = found, join_path(path, key)
-    holder = holder or {}
+    found = [(join_path(path, key), value) for key in holder_keys if (value := opt_mapping(raw, key, what, path)) is not None]
+    holder_path, holder = found[0] if found else (path, {})
     function_call = opt_mapping(holder, "function_call", what, holder_path)
-    if function_call is not None:
-        opt_str(function_call, "name", what, join_path(holder_path, "function_call"))
-        opt_str(function_call, "arguments", what, join_path(holder_path, "function_call"))
+    for key in ("name", "arguments") if function_call is not None else ():
+        opt_str(function_call, key, what, join_path(holder_path, "function_call"))
     reasoning = opt_str(holder, "reasoning_content", what, holder_path)
     reasoning_alt = opt_str(holder, "reasoning", what, holder_path)
     logprobs = opt_mapping(raw, "logprobs", what, path)

@@ -26,7 +26,6 @@ import httpx
 
 from trimkit.backends.base import Backend, Measurement, TimedStream, first_token_overhead_s, probe_text
 from trimkit.backends.replies import (
-    Reply,
     ServerStats,
     build_measurement,
     detect_truncation,
@@ -110,29 +109,21 @@ def parse_models(body: Any) -> ModelList:
     return ModelList(tuple(ids), *(first or ("", None)))
 
 
-def parse_props(body: Any) -> tuple[int | None, str]:
-    """``(n_ctx, build_info)`` from llama.cpp's ``/props``; ``(None, "")`` for a body that is no object."""
+def parse_props(body: Any) -> tuple[int | None, str, dict[str, bool]]:
+    """``(n_ctx, build_info, switches)`` from llama.cpp's ``/props`` (``(None, "", {})`` for a body that is no object); the switches
+    it says: ``is_sleeping`` (the model unloaded after ``--sleep-idle-seconds``), ``endpoint_metrics``, ``endpoint_slots``."""
     what = "/props reply"
     if not isinstance(body, Mapping):
-        return None, ""
+        return None, "", {}
     settings = opt_mapping(body, "default_generation_settings", what, "") or {}
     n_ctx = _context_size(settings.get("n_ctx"), what, "default_generation_settings.n_ctx")
     if n_ctx is None:
         n_ctx = _context_size(body.get("n_ctx"), what, "n_ctx")
-    return n_ctx, _version_text(body.get("build_info"), what, "build_info")
-
-
-def parse_props_switches(body: Any) -> dict[str, bool]:
-    """The switches llama.cpp's ``/props`` says: ``is_sleeping`` (the model unloaded after
-    ``--sleep-idle-seconds``), ``endpoint_metrics``, ``endpoint_slots``."""
-    out: dict[str, bool] = {}
-    for key in ("is_sleeping", "endpoint_metrics", "endpoint_slots") if isinstance(body, Mapping) else ():
-        value = body.get(key)
-        if value is not None and not isinstance(value, bool):
-            fail("/props reply", key, "a boolean", value)
-        if value is not None:
-            out[key] = value
-    return out
+    switches = {key: body[key] for key in ("is_sleeping", "endpoint_metrics", "endpoint_slots") if body.get(key) is not None}
+    for key, value in switches.items():
+        if not isinstance(value, bool):
+            fail(what, key, "a boolean", value)
+    return n_ctx, _version_text(body.get("build_info"), what, "build_info"), switches
 
 
 def parse_version(body: Any) -> str:
@@ -244,10 +235,13 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
     """Ask the server what it is: ``/v1/models`` (retried for ``deadline``: a server still starting),
     then ``/workers``, ``/props``, ``/version``, the tokenize endpoints, ``/apply-template`` and ``/openapi.json``, each optional."""
     models = parse_models(request_json("GET", base_url + "/models", missing_ok=True, deadline=deadline))
-    router = _router(request_json, root_url, models)
+    try:  # a router in front of the workers answers GET /workers
+        router = parse_workers(request_json("GET", root_url + "/workers", missing_ok=True))
+    except ServerError as exc:
+        log.debug("trimkit: GET /workers on %s failed (%s): no router recognised", root_url, exc.status)
+        router = None
     props = request_json("GET", root_url + "/props", missing_ok=True)
-    props_n_ctx, build_info = parse_props(props)
-    switches = parse_props_switches(props)
+    props_n_ctx, build_info, switches = parse_props(props)
     if switches.get("is_sleeping"):
         log.warning("trimkit: %s is sleeping (/props is_sleeping: it unloaded the model, --sleep-idle-seconds): the next request "
                     "pays a model load, which is no prefill and counts in its TTFT", base_url)
@@ -273,7 +267,7 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
     info = ServerInfo(engine=engine_of(models.owned_by, tokenize_endpoint), engine_version=version, model_ids=models.ids, n_ctx=n_ctx,
                       tokenize_endpoint=tokenize_endpoint, apply_template=apply_template, bos_prefix=bos_prefix,
                       metrics_off=switches.get("endpoint_metrics") is False,
-                      router=_router_saw(router, props, tokenize_endpoint, apply_template))
+                      router=_router_saw(router, models, props, tokenize_endpoint, apply_template))
     if info.router is not None:
         log.warning("trimkit: %s is %s. Prefer wrapping the workers themselves (trimkit.wrap_url([...])); through a router, send a "
                     "routing key (routing_key= per call, or auto_routing_key=True) so that a conversation stays on one worker",
@@ -282,38 +276,22 @@ def probe_server(request_json: RequestJSON, base_url: str, root_url: str, model:
     return info
 
 
-def _router(request_json: RequestJSON, root_url: str, models: ModelList) -> RouterInfo | None:
-    """The router ``GET /workers`` says is in front (None for an engine, or a router that refuses the request)."""
-    try:
-        router = parse_workers(request_json("GET", root_url + "/workers", missing_ok=True))
-    except ServerError as exc:
-        log.debug("trimkit: GET /workers on %s failed (%s): no router recognised", root_url, exc.status)
-        return None
-    # sglang-router answers /v1/models itself: model "unknown", owned by "local"
-    return attrs.evolve(router, models_own=models.owned_by == "local" and models.ids in ((), ("unknown",))) if router else None
-
-
-def _router_saw(router: RouterInfo | None, props: Any, tokenize_endpoint: str | None, apply_template: bool) -> RouterInfo | None:
+def _router_saw(router: RouterInfo | None, models: ModelList, props: Any, tokenize_endpoint: str | None, apply_template: bool) -> RouterInfo | None:
     """``router`` with what trimkit's probes reached through it, and what not (vllm-router 0.1.17 forwards
     every path it does not serve to one worker; sglang-router 0.3.2 answers ``/v1/models`` and 404s the rest)."""
     if router is None:
         return None
-    seen = ["/v1/models (the router's own list)" if router.models_own else "/v1/models"]
-    if isinstance(props, Mapping):
-        seen.append("/props")
-    if tokenize_endpoint is not None:
-        seen.append(tokenize_endpoint + (" and /apply-template" if apply_template else ""))
-    if len(seen) > 1 or not router.models_own:
+    own = models.owned_by == "local" and models.ids in ((), ("unknown",))  # sglang-router's own list: model "unknown", owned by "local"
+    seen = ["/v1/models (the router's own list)" if own else "/v1/models", *(["/props"] if isinstance(props, Mapping) else [])]
+    seen += [tokenize_endpoint + (" and /apply-template" if apply_template else "")] if tokenize_endpoint is not None else []
+    if len(seen) > 1 or not own:
         seen[-1] += " — from whichever worker the router picked (identical workers assumed)"
     unseen = ["which worker answered", "each worker's queue and cache (/workers gives a load snapshot; /slots and /metrics, where "
               "forwarded, are one worker's)"]
-    if not isinstance(props, Mapping):
-        unseen.append("/props (the context size: pass n_ctx=)")
-    if tokenize_endpoint is None:
-        unseen.append("a tokenize endpoint (prompt counts are estimates)")
-    if router.models_own:
-        unseen.append("the workers' model names (pass model=)")
-    return attrs.evolve(router, seen=tuple(seen), unseen=tuple(unseen))
+    unseen += [text for text, missing in (("/props (the context size: pass n_ctx=)", not isinstance(props, Mapping)),
+                                          ("a tokenize endpoint (prompt counts are estimates)", tokenize_endpoint is None),
+                                          ("the workers' model names (pass model=)", own)) if missing]
+    return attrs.evolve(router, models_own=own, seen=tuple(seen), unseen=tuple(unseen))
 
 
 class ServerTokenizer:
@@ -641,11 +619,6 @@ class ServerEvidence:
             return self.timed_measure(stats, ts, sent, predicted_cached, state.finish_reason, server={**model, **(facts or {})})
 
         return measure
-
-    def whole_measure(self, reply: Reply, total_s: float, sent: list[int], predicted_cached: int, facts: Mapping[str, Any] | None = None) -> Measurement:
-        """The measurement of a non-streamed response: the server's numbers only, no TTFT."""
-        model = {"model": reply.model} if reply.model else {}
-        return self.timed_measure(reply.stats, None, sent, predicted_cached, reply.finish_reason, total_s=total_s, server={**model, **(facts or {})})
 
 
 # == load ====================================================================================================

@@ -1,7 +1,7 @@
 """The HTTP wire of the HTTP backend (docs/servers.md §6): wire failures as trimkit errors; server-sent
 events (:class:`EventReader` decides, :func:`iter_events` moves bytes); opening a request over ``httpx``
 or the user's ``openai`` client (:class:`HTTPTransport`, bodies capped); reading an open stream
-(:class:`StreamState`, :func:`read_chunks`); deadlines and retries (:class:`RequestLimits`, :func:`retried`).
+(:class:`StreamState`, :func:`read_chunks`); deadlines and retries (:class:`RequestLimits`, :meth:`HTTPTransport.retried`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import base64
 import concurrent.futures
 import contextlib
 import functools
-import itertools
 import json
 import logging
 import operator
@@ -19,7 +18,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -80,63 +79,41 @@ def status_error(status: int, body: Any, headers: Any = None) -> ServerError:
     return err
 
 
-def unreachable(exc: BaseException, url: str) -> ServerUnreachableError:
-    if isinstance(exc, httpx.TimeoutException):
-        return ServerTimeoutError(f"{url} timed out: {type(exc).__name__}: {exc}")
-    return ServerUnreachableError(f"{url} could not be reached: {type(exc).__name__}: {exc}")
-
-
 def undecodable(exc: BaseException, what: str) -> MalformedReplyError:
     text = f"{type(exc).__name__}: {exc}"
     return MalformedReplyError(f"{what} could not be decoded: {text[:300]}", server_message=text[:500])
 
 
-def transport_error(exc: BaseException, url: str, what: str = "the stream") -> TrimkitError | None:
-    """An ``httpx`` exception: unreachable, or a body its ``Content-Encoding`` does not decode (None: neither)."""
+def transport_error(exc: BaseException | None, url: str, what: str = "the stream") -> TrimkitError | None:
+    """An ``httpx`` exception: unreachable (timed out), or a body its ``Content-Encoding`` does not decode (None: neither)."""
     if isinstance(exc, httpx.TransportError):
-        return unreachable(exc, url)
+        cls = ServerTimeoutError if isinstance(exc, httpx.TimeoutException) else ServerUnreachableError
+        return cls(f"{url} {'timed out' if cls is ServerTimeoutError else 'could not be reached'}: {type(exc).__name__}: {exc}")
     if isinstance(exc, httpx.DecodingError):
         return undecodable(exc, f"{what} from {url}")
     return None
 
 
-def client_error(exc: BaseException, url: str) -> TrimkitError | None:
-    """An ``openai`` client's exception from ``create()`` as a trimkit error (None: the caller's, e.g. a bad argument)."""
+def client_error(exc: BaseException, url: str, *, streaming: bool = False) -> TrimkitError | None:
+    """An ``openai`` client's exception (``streaming``: also one from reading its stream, which may be
+    undecodable) as a trimkit error; None: the caller's own, e.g. a bad argument."""
     if isinstance(exc, TrimkitError):
         return None
-    if isinstance(exc, httpx.TransportError):
-        return unreachable(exc, url)
-    if isinstance(exc, (json.JSONDecodeError, RecursionError)):
-        return undecodable(exc, f"the reply from {url}")
+    if streaming and isinstance(exc, _CLIENT_DECODE_ERRORS) or isinstance(exc, (json.JSONDecodeError, RecursionError)):
+        return undecodable(exc, f"the {'stream' if streaming else 'reply'} from {url}")
     openai = _openai()
-    if openai is None:
-        return None
+    if openai is None or not isinstance(exc, openai.APIError):
+        return transport_error(exc, url, "the reply")
     if isinstance(exc, openai.APIStatusError):
         body = exc.body if exc.body is not None else exc.message
         return status_error(exc.status_code, body, getattr(getattr(exc, "response", None), "headers", None))
-    if isinstance(exc, openai.APITimeoutError):
-        return ServerTimeoutError(f"{url} timed out: {exc}")
-    if isinstance(exc, openai.APIConnectionError):
-        if type(exc.__cause__).__name__ == "DecodingError":  # a body its Content-Encoding does not decode
-            return undecodable(exc.__cause__, f"the reply from {url}")
-        return unreachable(exc, url)
+    if isinstance(exc, openai.APIConnectionError):  # its cause: a timeout, a connection refused, a body that does not decode
+        cls = ServerTimeoutError if isinstance(exc, openai.APITimeoutError) else ServerUnreachableError
+        return transport_error(exc.__cause__, url, "the reply") or cls(f"{url} failed: {type(exc).__name__}: {exc}")
     if isinstance(exc, openai.APIResponseValidationError):
         return undecodable(exc, f"the reply from {url}")
-    if isinstance(exc, openai.APIError):  # an error event inside the stream
-        message = error_message(exc.body) if exc.body is not None else str(exc.message)
-        return ServerError(f"the server reported an error mid-stream: {message}", status=200, server_message=message)
-    return None
-
-
-def client_read_error(exc: BaseException, url: str) -> TrimkitError | None:
-    """An exception from iterating the ``openai`` client's stream: an error event or an undecodable
-    reply; transport failures are left to the stream's handler (StreamInterruptedError)."""
-    if isinstance(exc, (TrimkitError, httpx.TransportError)):
-        return None
-    openai = _openai()
-    if openai is not None and isinstance(exc, openai.APIError):
-        return None if isinstance(exc, (openai.APIConnectionError, openai.APIStatusError)) else client_error(exc, url)
-    return undecodable(exc, f"the stream from {url}") if isinstance(exc, _CLIENT_DECODE_ERRORS) else None
+    message = error_message(exc.body) if exc.body is not None else str(exc.message)  # an error event inside the stream
+    return ServerError(f"the server reported an error mid-stream: {message}", status=200, server_message=message)
 
 
 @contextlib.contextmanager
@@ -151,22 +128,10 @@ def translated(translate: Callable[[BaseException], TrimkitError | None]) -> Ite
         raise error from exc
 
 
-def redirect_error(status: int, headers: Any, url: str) -> ServerError:
-    """A 3xx answer (followed only by an ``http_client`` that does): where it sends the request."""
-    location = headers.get("location") if headers is not None else None
-    where = f" to {redact_url(location)}" if location else ""
-    message = (f"{url} redirected the request (HTTP {status}){where}: trimkit does not follow redirects; use that URL, or pass "
-               "http_client=httpx.Client(follow_redirects=True)")
-    return ServerError(message, status=status, server_message=f"redirect{where}")
-
-
-def wrong_content_type(content_type: str | None, head: bytes, url: str) -> MalformedReplyError:
-    return MalformedReplyError(f"{url} answered a stream request with content type {content_type or 'none'!r}, "
-                               f"not text/event-stream: {excerpt(head, 200)!r}", field="content-type", server_message=excerpt(head))
-
-
 # == server-sent events ======================================================================================
 
+#: what a stream or body that ended gives as its next event or piece
+END = object()
 _LINE = re.compile(rb"([^\r\n]*)(\r\n|\r|\n)")  # a line and its end (a \r last in the bytes may be half a \r\n)
 
 
@@ -183,7 +148,7 @@ class EventReader:
         self._size = 0  # bytes of the event being read, in the lines ended so far
         self._name = ""
         self._data: list[str] = []
-        self._ended = False
+        self.ended = False  #: the bytes ended (:meth:`end`)
 
     def feed(self, data: bytes) -> Iterator[Any]:
         """The values of the events ``data`` completes."""
@@ -201,11 +166,11 @@ class EventReader:
 
     def end(self) -> Iterator[Any]:
         """The value of a last event sent without its blank line."""
-        self._ended = True
+        self.ended = True
         return self.feed(b"\n\n")
 
     def _check(self, sample: bytes | bytearray, pending: int) -> None:
-        if self._size + pending > self.max_event_bytes and not self._ended and not self.done:
+        if self._size + pending > self.max_event_bytes and not self.ended and not self.done:
             raise MalformedReplyError(f"the server sent a stream event longer than {self.max_event_bytes} bytes",
                                       server_message=excerpt(bytes(sample[:500])))
 
@@ -224,7 +189,7 @@ class EventReader:
         if data.strip() == "[DONE]":
             self.done = True
             return
-        if self._ended:  # the stream closed in the middle of this event: cut short, not garbled
+        if self.ended:  # the stream closed in the middle of this event: cut short, not garbled
             try:
                 json.loads(data)
             except json.JSONDecodeError:
@@ -238,31 +203,33 @@ class EventReader:
         yield value
 
 
+def event_steps(data: Any, reader: EventReader) -> Callable[[], Steps]:
+    """The next event of a stream's bytes ``data`` (an iterator, or an async one), as I/O steps: its JSON value, or END
+    after ``[DONE]`` or the end. One reader for sync and async streams."""
+    pending: Iterator[Any] = iter(())
+
+    def next_event() -> Steps:
+        nonlocal pending
+        while True:
+            for value in pending:  # (the events one read completed: the rest are taken on the next call)
+                return value
+            if reader.done or reader.ended:
+                return END
+            got = yield Io(next, anext, data, END)
+            pending = reader.end() if got is END else reader.feed(got)
+
+    return next_event
+
+
 def iter_events(byte_chunks: Iterable[bytes], reader: EventReader | None = None) -> Iterator[Any]:
     """The JSON events of an event stream's bytes, in order, until ``[DONE]`` or the end."""
-    reader = reader or EventReader()
-    for data in byte_chunks:
-        yield from reader.feed(data)
-        if reader.done:
-            return
-    yield from reader.end()
-
-
-async def aiter_events(byte_chunks: AsyncIterable[bytes], reader: EventReader | None = None) -> AsyncIterator[Any]:
-    reader = reader or EventReader()
-    async for data in byte_chunks:
-        for value in reader.feed(data):
-            yield value
-        if reader.done:
-            return
-    for value in reader.end():
+    next_event = event_steps(iter(byte_chunks), reader or EventReader())
+    while (value := run_sync(next_event())) is not END:
         yield value
 
 
 # == sending a request and opening its answer ================================================================
 
-#: what a stream that ended before its first event gives as its first event
-END = object()
 #: what is read of an error status's body (for its message)
 ERROR_BODY_BYTES = 64 * 1024
 MISSING_STATUSES = (404, 405, 501)
@@ -273,11 +240,11 @@ class Opened:
     """A stream opened up to its first event."""
 
     first: Any  # the first event, or END
-    rest: Any  # iterator or async iterator of the events after it (None: ``whole``)
+    next_event: Callable[[], Steps]  # the next event after it, as I/O steps (END: no more)
     close: Callable[[], Any]  # (a coroutine function for an async stream)
     done: Callable[[], bool]  # did the server end the stream properly ([DONE])?
     whole: bool = False  # the server ignored stream=true: ``first`` is a whole completion
-    client: bool = False  # read through the ``openai`` client: its errors are translated (client_read_error)
+    client: bool = False  # read through the ``openai`` client: its errors are translated (client_error)
 
 
 def _discard(future: concurrent.futures.Future[Any]) -> None:
@@ -299,10 +266,14 @@ def answer(status: int, headers: Any, body: bytes, url: str, kind: str | None = 
     """A response that is no event stream: its JSON; an error status, a redirect, or a body of no known type (``kind`` None) raise."""
     if status >= 400:
         raise status_error(status, body, headers)
-    if status >= 300:
-        raise redirect_error(status, headers, url)
+    if status >= 300:  # followed only by an ``http_client`` that does
+        location = headers.get("location") if headers is not None else None
+        where = f" to {redact_url(location)}" if location else ""
+        raise ServerError(f"{url} redirected the request (HTTP {status}){where}: trimkit does not follow redirects; use that URL, or pass "
+                          "http_client=httpx.Client(follow_redirects=True)", status=status, server_message=f"redirect{where}")
     if kind is None:
-        raise wrong_content_type(headers.get("content-type"), body, url)
+        raise MalformedReplyError(f"{url} answered a stream request with content type {headers.get('content-type') or 'none'!r}, "
+                                  f"not text/event-stream: {excerpt(body, 200)!r}", field="content-type", server_message=excerpt(body))
     return load_json(body, what=f"reply from {url}", status=status)
 
 
@@ -369,15 +340,6 @@ def without_retries(client: Any) -> Any:
         return client
 
 
-def _not_events(stream: Any) -> Any:
-    """The HTTP response under an ``openai`` client's stream when it is no event stream, else None."""
-    response = getattr(stream, "response", None)
-    headers = getattr(response, "headers", None)
-    if headers is None or not callable(getattr(headers, "get", None)):
-        return None
-    return response if body_kind(headers.get("content-type")) != "sse" else None
-
-
 class HTTPTransport:
     """The requests of one backend: its URLs, headers, pooled ``httpx`` client and limits."""
 
@@ -432,8 +394,49 @@ class HTTPTransport:
             raise
 
     def retried(self, attempt: Callable[[Wait], Steps], deadline: Deadline, url: str) -> Steps:
-        """:func:`retried` with this transport's limits."""
-        return retried(attempt, deadline, url, self.limits)
+        """The I/O steps ``attempt(wait)``, retried (at least the server's ``Retry-After`` apart, exponential backoff) until it
+        succeeds, a non-transient error, ``max_attempts`` or the deadline (the backoff is a step too: one loop for sync and async
+        callers). A bounded deadline waits for no attempt past it (ServerTimeoutError)."""
+        start, naps, limits = time.monotonic(), list[float](), self.limits
+        previous: BaseException | None = None  # the last attempt's error
+        expo = tenacity.wait_exponential(multiplier=limits.retry_backoff_s, min=limits.retry_backoff_s, max=limits.retry_backoff_max_s)
+
+        def backoff(state: tenacity.RetryCallState) -> float:
+            retry_after = getattr(previous, "retry_after_s", None)
+            return max(expo(state), retry_after) if retry_after else expo(state)
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            log.info("trimkit: attempt %d failed (%s); retrying in %.2f s", state.attempt_number, previous, state.upcoming_sleep)
+
+        def timed_out() -> BaseException:
+            """The previous attempt's error status if there was one (the server was answering, with 503s), else ServerTimeoutError."""
+            if isinstance(previous, TransientServerError):
+                return previous
+            return ServerTimeoutError(f"{url} did not answer within the request's deadline of {deadline.seconds:.2f} s "
+                                      "(no first chunk, or no reply to a side request)")
+
+        stop = tenacity.stop_after_attempt(limits.max_attempts) | tenacity.stop_before_delay(deadline.seconds)
+        retrying = tenacity.Retrying(sleep=naps.append, stop=stop, wait=backoff, retry=tenacity.retry_if_exception_type(RETRIED), before_sleep=before_sleep, reraise=True)
+        try:
+            for try_ in retrying:
+                with try_:
+                    if naps:
+                        yield Io(time.sleep, asyncio.sleep, naps.pop())
+                    wait = Wait(deadline.seconds - (time.monotonic() - start), deadline.seconds if deadline.bounded else None)
+                    try:
+                        if not deadline.bounded:
+                            return (yield from attempt(wait))
+                        return (yield Io(run_within, arun_within, attempt(wait), wait.remaining_s, timed_out))
+                    except BaseException as exc:
+                        previous = exc
+                        raise
+        except ServerUnreachableError as exc:
+            elapsed = time.monotonic() - start
+            # a bounded deadline is also each read's timeout: whichever fired first, it is the deadline that passed
+            if isinstance(exc, ServerTimeoutError) and deadline.bounded and elapsed >= deadline.seconds and isinstance(timed_out(), ServerUnreachableError):
+                raise timed_out() from exc
+            raise type(exc)(f"{exc} (gave up after {retrying.statistics.get('attempt_number', 1)} attempts in {elapsed:.1f} s)") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _open_url(self, client: httpx.Client | httpx.AsyncClient, path: str, body: Mapping[str, Any], wait: Wait,
                   headers: Mapping[str, str] | None) -> Steps:
@@ -447,26 +450,25 @@ class HTTPTransport:
                 kind = body_kind(resp.headers.get("content-type"))
                 if resp.status_code >= 300 or kind != "sse":  # an error, or the server ignored stream=true: one whole response
                     content = yield from capped(data, *body_cap(resp.status_code, kind, url))
-                    return Opened(answer(resp.status_code, resp.headers, content, url, kind), None, close, lambda: True, whole=True)
+                    return Opened(answer(resp.status_code, resp.headers, content, url, kind), _no_more, close, lambda: True, whole=True)
                 reader = EventReader()
-                events = aiter_events(data, reader) if is_async else iter_events(data, reader)
-                return Opened((yield Io(next, anext, events, END)), events, close, lambda: reader.done)
+                next_event = event_steps(data, reader)
+                return Opened((yield from next_event()), next_event, close, lambda: reader.done)
             except BaseException:
                 yield Io(close, close)
                 raise
 
     def open_stream(self, path: str, body: Mapping[str, Any], wait: Wait, client: Any = None, headers: Mapping[str, str] | None = None, *,
-                    http: httpx.AsyncClient | None = None, is_async: bool = False) -> Steps:
+                    is_async: bool = False) -> Steps:
         """A stream opened up to its first event, as I/O steps: through the ``openai`` ``client`` when
-        given, else ``POST base_url + path`` over httpx (async: over ``http``); ``headers`` this request's own."""
+        given, else ``POST base_url + path`` over httpx (async: :meth:`stream_client`); ``headers`` this request's own."""
         if client is not None:
             return self._open_client(client, body, wait, headers, is_async=is_async)
-        assert http is not None or not is_async, "an async stream over httpx needs an AsyncClient"
-        return self._open_url(http or self.http, path, body, wait, headers)
+        return self._open_url(self.stream_client() if is_async else self.http, path, body, wait, headers)
 
-    def stream_client(self, *, needed: bool = True) -> httpx.AsyncClient | None:
-        """The ``async_http_client`` given, else the running loop's pooled one, made on first use (None if not ``needed``)."""
-        if self.async_http is not None or not needed:
+    def stream_client(self) -> httpx.AsyncClient:
+        """The ``async_http_client`` given, else the running loop's pooled one, made on first use."""
+        if self.async_http is not None:
             return self.async_http
         loop = asyncio.get_running_loop()
         with self._loop_lock:
@@ -475,42 +477,42 @@ class HTTPTransport:
                 client = self._loop_clients[loop] = httpx.AsyncClient(headers=self.headers, timeout=self.limits.httpx_timeout())
         return client
 
-    def client_kwargs(self, body: Mapping[str, Any], wait: Wait, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
-        """``create()``'s arguments: the body, a bounded deadline's read timeout (unless the caller gave
-        ``timeout``), ``headers`` joined to a copy of the caller's ``extra_headers``."""
+    def create(self, client: Any, body: Mapping[str, Any], wait: Wait, url: str, headers: Mapping[str, str] | None = None) -> Any:
+        """``client.chat.completions.create(**body)`` (an async client's: its coroutine), its exceptions as trimkit errors; a bounded
+        deadline's read timeout unless the caller gave ``timeout``; ``headers`` joined to a copy of the caller's ``extra_headers``."""
         kwargs = dict(body)
         if wait.bound_s is not None and "timeout" not in kwargs:
             kwargs["timeout"] = self.limits.read_timeout_s(wait)
         if headers:
             kwargs["extra_headers"] = {**(kwargs.get("extra_headers") or {}), **headers}
-        return kwargs
-
-    def create(self, client: Any, body: Mapping[str, Any], wait: Wait, url: str, headers: Mapping[str, str] | None = None) -> Any:
-        """``client.chat.completions.create(**body)``, its exceptions as trimkit errors."""
         with translated(lambda exc: client_error(exc, url)):
-            return client.chat.completions.create(**self.client_kwargs(body, wait, headers))
+            return client.chat.completions.create(**kwargs)
 
     async def acreate(self, client: Any, body: Mapping[str, Any], wait: Wait, url: str, headers: Mapping[str, str] | None = None) -> Any:
         with translated(lambda exc: client_error(exc, url)):
-            return await client.chat.completions.create(**self.client_kwargs(body, wait, headers))
+            return await self.create(client, body, wait, url, headers)
 
     def _open_client(self, client: Any, body: Mapping[str, Any], wait: Wait, headers: Mapping[str, str] | None, *, is_async: bool) -> Steps:
         url = self.base_url
         stream = yield Io(self.create, self.acreate, client, body, wait, url, headers)
         close = stream.close if is_async else getattr(stream, "close", lambda: None)
-        with translated(lambda exc: client_read_error(exc, url) or client_error(exc, url)):
+        with translated(lambda exc: client_error(exc, url, streaming=True)):
             try:
-                response = _not_events(stream)
-                if response is not None:
+                response: Any = getattr(stream, "response", None)  # the HTTP response under the client's stream
+                got: Any = getattr(response, "headers", None)
+                if callable(getattr(got, "get", None)) and (kind := body_kind(got.get("content-type"))) != "sse":
                     data = response.aiter_bytes() if is_async else response.iter_bytes()
                     head = yield from capped(data, ERROR_BODY_BYTES, "body", truncate=True)
                     # the server's error if the body is one (ServerError), else what it is not
-                    parse_completion(answer(200, response.headers, head, url, body_kind(response.headers.get("content-type"))))
+                    parse_completion(answer(200, got, head, url, kind))
                     raise MalformedReplyError(f"{url} answered a stream request with one JSON body, which this client cannot stream",
                                               field="content-type", server_message=excerpt(head))
                 it = stream.__aiter__() if is_async else iter(stream)
-                first = yield Io(next, anext, it, END)
-                return Opened(first, it, close, lambda: False, client=True)
+
+                def next_event() -> Steps:
+                    return (yield Io(next, anext, it, END))
+
+                return Opened((yield from next_event()), next_event, close, lambda: False, client=True)
             except BaseException:
                 with contextlib.suppress(Exception):
                     yield Io(close, close)
@@ -542,16 +544,6 @@ class StreamState:
     #: the open response (what :meth:`AsyncTimedStream.aclose` closes under another task's step; is it the openai client's?)
     opened: Opened | None = attrs.field(default=None, repr=False)
 
-    def begin(self, opened: Opened) -> None:
-        if opened.first is END:
-            message = "the server closed the stream without sending a chunk (llama-cpp-python does this when the prompt exceeds its context window)"
-            raise ServerError(message, status=200, server_message="empty stream")
-
-    def _check_deadline(self) -> None:
-        d = self.deadline
-        if d is not None and d.bounded and self.started is not None and time.monotonic() - self.started > d.seconds:
-            raise ServerTimeoutError(f"{self.url} sent {self.n_seen} chunks but no content within the request's deadline of {d.seconds:.2f} s")
-
     def take(self, item: Any, opened: Opened) -> Any:
         """Parse an event (a chunk, or a whole completion) and record what it says; the chunk to hand on, or ``_SKIP``."""
         self.n_seen += 1
@@ -560,8 +552,8 @@ class StreamState:
         if not self.has_output:
             if reply.output is not None:
                 self.has_output = True
-            elif not reply.usage_only:
-                self._check_deadline()
+            elif not reply.usage_only and (d := self.deadline) is not None and d.bounded and time.monotonic() - (self.started or 0.0) > d.seconds:
+                raise ServerTimeoutError(f"{self.url} sent {self.n_seen} chunks but no content within the request's deadline of {d.seconds:.2f} s")
         self.last = reply
         if self.chunks is not None:
             self.chunks.append(reply)
@@ -580,39 +572,43 @@ class StreamState:
                                          "or a finish reason")
 
 
-def read_chunks(open_: Callable[[], Opened], state: StreamState) -> Iterator[Any]:
+def _next_chunk(state: StreamState, open_: Callable[[], Steps]) -> Steps:
+    """The next chunk of a stream to hand on (END: its end), as I/O steps; the first opens it (``open_()``)."""
+    if state.opened is None:
+        state.started = time.monotonic()
+        state.opened = yield from open_()
+        if (item := state.opened.first) is END:
+            message = "the server closed the stream without sending a chunk (llama-cpp-python does this when the prompt exceeds its context window)"
+            raise ServerError(message, status=200, server_message="empty stream")
+    else:
+        item = yield from state.opened.next_event()
+    while item is not END:
+        if (chunk := state.take(item, state.opened)) is not _SKIP:
+            return chunk
+        item = yield from state.opened.next_event()
+    state.end(state.opened)
+    return END
+
+
+def read_chunks(open_: Callable[[], Steps], state: StreamState) -> Iterator[Any]:
     """The chunks of a stream, opened on the first ``next()`` (when the TTFT clock starts)."""
-    state.started = time.monotonic()
-    opened = state.opened = open_()
     try:
-        state.begin(opened)
-        for item in itertools.chain((opened.first,), opened.rest or ()):
-            if (chunk := state.take(item, opened)) is not _SKIP:
-                yield chunk
-        state.end(opened)
-    finally:
-        opened.close()
-
-
-async def aread_chunks(open_: Callable[[], Awaitable[Opened]], state: StreamState) -> AsyncIterator[Any]:
-    """:func:`read_chunks` for asyncio. This generator is the whole stream: it opens the request and
-    closes its response itself (``finally``), so closing it closes the response there and then —
-    never through another async generator, which asyncio would close on its own, in any order."""
-    opened = None
-    state.started = time.monotonic()
-    try:
-        opened = state.opened = await open_()
-        state.begin(opened)
-        if (chunk := state.take(opened.first, opened)) is not _SKIP:
+        while (chunk := run_sync(_next_chunk(state, open_))) is not END:
             yield chunk
-        if opened.rest is not None:
-            async for item in opened.rest:
-                if (chunk := state.take(item, opened)) is not _SKIP:
-                    yield chunk
-        state.end(opened)
     finally:
-        if opened is not None:
-            await opened.close()
+        if state.opened is not None:
+            state.opened.close()
+
+
+async def aread_chunks(open_: Callable[[], Steps], state: StreamState) -> AsyncIterator[Any]:
+    """:func:`read_chunks` for asyncio: ONE async generator, which closes its response itself (``finally``), never through
+    another async generator (asyncio would close that on its own, in any order)."""
+    try:
+        while (chunk := await run_async(_next_chunk(state, open_))) is not END:
+            yield chunk
+    finally:
+        if state.opened is not None:
+            await state.opened.close()
 
 
 def _stream_error(state: StreamState, stream_of: Callable[[], TimedStream | None]) -> Callable[[BaseException], BaseException | None]:
@@ -622,12 +618,10 @@ def _stream_error(state: StreamState, stream_of: Callable[[], TimedStream | None
     def on_error(exc: BaseException) -> BaseException | None:
         if isinstance(exc, TrimkitError):
             return None
-        if state.opened is not None and state.opened.client and (error := client_read_error(exc, url)) is not None:
-            return error
         openai = _openai()
-        broken = (httpx.TransportError, OSError, openai.APIError) if openai is not None else (httpx.TransportError, OSError)
-        if not isinstance(exc, broken):  # no broken connection: a body its Content-Encoding does not decode, or as it is
-            return transport_error(exc, url)
+        broken = (httpx.TransportError, OSError, *((openai.APIConnectionError, openai.APIStatusError) if openai is not None else ()))
+        if not isinstance(exc, broken):  # an error event, a body that does not decode, or as it is
+            return client_error(exc, url, streaming=True) if state.opened is not None and state.opened.client else transport_error(exc, url)
         ts = stream_of()
         n = ts.n_chunks if ts is not None else 0
         return StreamInterruptedError(f"the stream from {url} broke after {n} chunks: {type(exc).__name__}: {exc}")
@@ -643,11 +637,8 @@ def timed_stream(chunks: Any, state: StreamState, clock: Clock, measure: Callabl
     it runs, which inside httpcore's pool (holding its lock) deadlocked every later request."""
     ref: weakref.ref[TimedStream] | None = None
 
-    def content_of(chunk: Any) -> str | None:
-        reply = state.last
-        if reply is None or reply.raw is not chunk:  # (never: each chunk is yielded right after it is parsed)
-            reply = parse_chunk(chunk)
-        return output_of(reply)
+    def content_of(chunk: Any) -> str | None:  # each chunk is yielded right after it is parsed
+        return output_of(state.last) if state.last is not None else None
 
     extra: dict[str, Any] = {"abort": functools.partial(_close_opened, state)} if issubclass(cls, AsyncTimedStream) else {}
     ts = cls(chunks, started=None, clock=clock, content_of=content_of, finish=lambda ts: measure(state, ts),
@@ -659,6 +650,11 @@ def timed_stream(chunks: Any, state: StreamState, clock: Clock, measure: Callabl
 async def _close_opened(state: StreamState) -> None:
     if state.opened is not None:  # closing it twice is harmless
         await state.opened.close()
+
+
+def _no_more() -> Steps:
+    return END
+    yield  # pragma: no cover
 
 
 def _raising(exc: BaseException) -> Iterator[Any]:
@@ -787,57 +783,6 @@ class RequestLimits:
             return httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s)
         return httpx.Timeout(self.read_timeout_s(wait), connect=max(min(self.connect_timeout_s, wait.remaining_s), MIN_WAIT_S))
 
-    def retry_arguments(self, deadline: Deadline) -> dict[str, Any]:
-        """tenacity's arguments: transient failures retried with exponential backoff (at least the
-        server's ``Retry-After``), within ``max_attempts`` and the deadline."""
-        expo = tenacity.wait_exponential(multiplier=self.retry_backoff_s, min=self.retry_backoff_s, max=self.retry_backoff_max_s)
-
-        def wait(state: tenacity.RetryCallState) -> float:
-            retry_after = getattr(state.outcome.exception() if state.outcome else None, "retry_after_s", None)
-            return max(expo(state), retry_after) if retry_after else expo(state)
-
-        def before_sleep(state: tenacity.RetryCallState) -> None:
-            exc = state.outcome.exception() if state.outcome else None
-            log.info("trimkit: attempt %d failed (%s); retrying in %.2f s", state.attempt_number, exc, state.upcoming_sleep)
-
-        return dict(stop=tenacity.stop_after_attempt(self.max_attempts) | tenacity.stop_before_delay(deadline.seconds), wait=wait,
-                    retry=tenacity.retry_if_exception_type(RETRIED), before_sleep=before_sleep, reraise=True)
-
-
-def retried(attempt: Callable[[Wait], Steps], deadline: Deadline, url: str, limits: RequestLimits) -> Steps:
-    """The I/O steps ``attempt(wait)``, retried until it succeeds, a non-transient error, or the deadline (the backoff is a
-    step too: one loop for sync and async callers). A bounded deadline waits for no attempt past it (ServerTimeoutError)."""
-    start, naps = time.monotonic(), list[float]()
-    previous: BaseException | None = None  # the last attempt's error
-
-    def timed_out() -> BaseException:
-        """The previous attempt's error status if there was one (the server was answering, with 503s), else ServerTimeoutError."""
-        if isinstance(previous, TransientServerError):
-            return previous
-        return ServerTimeoutError(f"{url} did not answer within the request's deadline of {deadline.seconds:.2f} s "
-                                  "(no first chunk, or no reply to a side request)")
-
-    retrying = tenacity.Retrying(sleep=naps.append, **limits.retry_arguments(deadline))
-    try:
-        for try_ in retrying:
-            with try_:
-                if naps:
-                    yield Io(time.sleep, asyncio.sleep, naps.pop())
-                wait = Wait(deadline.seconds - (time.monotonic() - start), deadline.seconds if deadline.bounded else None)
-                try:
-                    if not deadline.bounded:
-                        return (yield from attempt(wait))
-                    return (yield Io(run_within, arun_within, attempt(wait), wait.remaining_s, timed_out))
-                except BaseException as exc:
-                    previous = exc
-                    raise
-    except ServerUnreachableError as exc:
-        elapsed = time.monotonic() - start
-        # a bounded deadline is also each read's timeout: whichever fired first, it is the deadline that passed
-        if isinstance(exc, ServerTimeoutError) and deadline.bounded and elapsed >= deadline.seconds and isinstance(timed_out(), ServerUnreachableError):
-            raise timed_out() from exc
-        raise type(exc)(f"{exc} (gave up after {retrying.statistics.get('attempt_number', 1)} attempts in {elapsed:.1f} s)") from exc
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def run_within(steps: Steps, seconds: float, timed_out: Callable[[], BaseException]) -> Any:
