@@ -329,6 +329,10 @@ def _legacy_decode_points(profile: Any) -> tuple[DecodePoint, ...]:
     return (DecodePoint(LEGACY_DECODE_CONTEXT_TOKENS, tps),) if tps > 0 and math.isfinite(tps) else ()
 
 
+def _tuple(value: Iterable[Any]) -> tuple[Any, ...]:
+    return tuple(value)
+
+
 def _reach(samples: Sequence[PrefillSample]) -> tuple[int, int]:
     """(most new tokens, deepest context) of ``samples``; (0, 0) for none."""
     ok = [s for s in samples if isinstance(s, PrefillSample)]
@@ -363,7 +367,7 @@ class Profile:
     first_token_estimated: bool = attrs.field(default=False, validator=_is(bool))
     #: measured decode speeds at known contexts (calibration's, then served requests'); default: ``decode_tokens_per_s`` at
     #: :data:`LEGACY_DECODE_CONTEXT_TOKENS`; empty when decode was not measured
-    decode_points: tuple[DecodePoint, ...] = attrs.field(default=attrs.Factory(_legacy_decode_points, takes_self=True), converter=tuple,
+    decode_points: tuple[DecodePoint, ...] = attrs.field(default=attrs.Factory(_legacy_decode_points, takes_self=True), converter=_tuple,
                                                          validator=attrs.validators.deep_iterable(_is(DecodePoint)), repr=False)
     #: the architecture's attention doubling length, tokens: the prior of every fit of the samples (0.0: unknown)
     attention_prior_tokens: float = attrs.field(default=0.0, converter=real_float, validator=attrs_non_negative)

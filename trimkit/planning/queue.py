@@ -267,17 +267,15 @@ class EngineLease:
 
     def _wait(self, timeout_s: float, what: str) -> float:
         """Wait (under ``_cond``) until this thread may use the engine, in line; seconds waited."""
-        if self._depth > 0 and self._thread == threading.get_ident():
-            return 0.0
-        if not self.busy and not self._line:
-            return 0.0
+        if (self._depth > 0 and self._thread == threading.get_ident()) or not (self.busy or self._line):
+            return 0.0  # its own section, or a free engine nobody waits for
         me = object()
         self._line.append(me)
         t0 = time.perf_counter()
-        deadline = time.monotonic() + max(float(timeout_s), 0.0)
+        deadline = t0 + max(float(timeout_s), 0.0)
         try:
             while self.busy or self._line[0] is not me:
-                left = deadline - time.monotonic()
+                left = deadline - time.perf_counter()
                 if left <= 0:
                     waited = time.perf_counter() - t0
                     holder = "an unfinished stream" if self._streams else "another thread" if self._depth else "a request ahead"
