@@ -464,15 +464,9 @@ class Profile:
         for (n, k), times in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             measured = statistics.median_high(times)
             predicted = self.model.prefill_s(n, k)
-            rows.append({
-                "new_tokens": n,
-                "cached_tokens": k,
-                "measured_s": measured,
-                "predicted_s": predicted,
-                "error_pct": (predicted - measured) / measured * 100 if measured > 0 else float("nan"),
-                "ms_per_token": measured / n * 1000,
-                "repeats": len(times),
-            })
+            rows.append({"new_tokens": n, "cached_tokens": k, "measured_s": measured, "predicted_s": predicted,
+                         "error_pct": (predicted - measured) / measured * 100 if measured > 0 else float("nan"),
+                         "ms_per_token": measured / n * 1000, "repeats": len(times)})
         return rows
 
     def to_dict(self) -> dict[str, Any]:

@@ -101,8 +101,8 @@ class SpeedEstimate:
     """The host's current speed for one engine, from its recent measured prefills; ``seed`` (calibration's) stands in
     until served requests arrive. Thread-safe."""
 
-    def __init__(self, seed: Iterable[PrefillSample] = (), *, window: int = WINDOW, prior: float = 1.0) -> None:
-        self._samples: deque[PrefillSample] = deque(seed, maxlen=count(window, "window", minimum=1))
+    def __init__(self, seed: Iterable[PrefillSample] = (), *, prior: float = 1.0) -> None:
+        self._samples: deque[PrefillSample] = deque(seed, maxlen=WINDOW)
         self._live = 0
         self._outcomes: deque[float] = deque(maxlen=OUTCOME_WINDOW)
         self.prior = positive_finite(prior, "prior")
