@@ -2,8 +2,8 @@
 
 :class:`SpeedEstimate`: measured ÷ predicted over recent prefills; its middle is the speed factor, its spread the margin.
 :class:`LiveProfile`: calibration's cost model (refitted when served requests show a shape it got wrong), the speed
-factor, the decode line and the first-token overhead. :class:`EngineState`: one engine's live profile and in-flight
-queue (:func:`engine_state`), and the margin a request plans with.
+factor, the decode line and the first-token overhead. :class:`EngineState`: one engine's live profile
+(:func:`engine_state`), the margin a request plans with and the slowdown notice.
 """
 
 from __future__ import annotations
