@@ -318,13 +318,11 @@ def test_extrapolation_is_one_inside_the_probed_range_and_the_overshoot_beyond()
 def test_a_profile_stored_before_these_fields_loads_with_them_derived():
     profile, _ = elapsed(HostFake(STEEP, n_ctx=8192), mode="quick")
     data = json.loads(json.dumps(profile.to_dict()))
-    for name in ("mode", "probed_new_tokens", "probed_context_tokens", "time_budget_s", "first_token_estimated"):
+    for name in ("probed_new_tokens", "probed_context_tokens", "time_budget_s", "first_token_estimated"):
         del data[name]
     old = Profile.from_dict(data)
-    assert old.mode == "quick" and (old.mode != "full") and old.time_budget_s == 0.0 and not old.first_token_estimated
+    assert old.mode == "quick" and old.time_budget_s == 0.0 and not old.first_token_estimated
     assert old.probed_range() == profile.probed_range()
-    data["quick"] = False
-    assert Profile.from_dict(data).mode == "full"
     assert Profile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
 
 
@@ -333,7 +331,6 @@ def test_a_profile_stored_before_these_fields_loads_with_them_derived():
     [
         ({"mode": "fast"}, "mode"),
         ({"mode": 3}, "mode"),
-        ({"mode": "full"}, "contradicts"),  # the file says quick
         ({"probed_new_tokens": -1}, "probed_new_tokens"),
         ({"probed_context_tokens": "many"}, "probed_context_tokens"),
         ({"probed_new_tokens": True}, "probed_new_tokens"),
@@ -351,17 +348,16 @@ def test_a_stored_profile_with_bad_new_fields_is_a_profile_error(edit, match):
         Profile.from_dict(data)
 
 
-def test_a_profile_refuses_an_unknown_mode_and_a_stored_file_whose_mode_contradicts_quick():
+def test_a_profile_refuses_an_unknown_mode_and_a_stored_file_from_before_mode():
     profile, _ = elapsed(HostFake(STEEP, n_ctx=8192), mode="quick")
     with pytest.raises(InvalidInputError):
         attrs.evolve(profile, mode="slow")
     assert attrs.evolve(profile, mode="micro").provisional
     data = profile.to_dict()
     assert data["quick"] is True and Profile.from_dict(data) == profile  # what older readers check
-    with pytest.raises(ProfileError, match="contradicts"):
-        Profile.from_dict({**data, "mode": "full"})
-    legacy = {k: v for k, v in data.items() if k != "mode"}  # a file from before ``mode``
-    assert Profile.from_dict(legacy).mode == "quick"
+    legacy = {k: v for k, v in data.items() if k != "mode"}  # a file from before ``mode``: calibrated again
+    with pytest.raises(ProfileError, match="mode is missing"):
+        Profile.from_dict(legacy)
 
 
 # -- budgets, modes and stored profiles ----------------------------------------------------------

@@ -161,9 +161,7 @@ def test_the_estimate_is_thread_safe():
     assert est.observations == 800 and est.factor(TRUE_MODEL) == pytest.approx(1.2)
 
 
-def test_refuses_a_bad_window_or_prior():
-    with pytest.raises(ValueError):
-        SpeedEstimate(window=0)
+def test_refuses_a_bad_prior():
     with pytest.raises(ValueError):
         SpeedEstimate(prior=float("nan"))
 

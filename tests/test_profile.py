@@ -551,7 +551,6 @@ def _zero_model(d):
         (lambda d: d["samples"][1].update(source=5), "samples[1].source"),
         (lambda d: d["samples"].append([16, 0, 0.1]), "samples[7]"),
         (lambda d: d.update(samples={"a": 1}), "samples must be a list"),
-        (lambda d: d.update(quick="false"), "quick"),
         (lambda d: d.update(alternatives=["design"]), "alternatives"),
         (lambda d: d.update(created_at="yesterday"), "created_at"),
         (lambda d: d.update(calibration_wall_s=-1.0), "calibration_wall_s"),
@@ -564,7 +563,7 @@ def _zero_model(d):
     ],
     ids=[
         "p90-str", "median-list", "n-float", "n-str", "negative-pct", "all-zero-model", "n-batch-float", "tokens-float",
-        "source-int", "sample-list", "samples-dict", "quick-str", "alternatives-list", "created-at-str", "negative-wall",
+        "source-int", "sample-list", "samples-dict", "alternatives-list", "created-at-str", "negative-wall",
         "key-n-ctx-str", "key-model-list", "residual-triple", "residual-str", "schema-true", "drift-inf",
     ],
 )

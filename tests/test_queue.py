@@ -12,6 +12,7 @@ import math
 import threading
 import time
 import weakref
+from types import SimpleNamespace
 
 import attrs
 import httpx
@@ -202,21 +203,23 @@ def test_answer_length_rule():
     assert q.answer_tokens({"max_tokens": 0}) == DEFAULT_ANSWER_TOKENS  # 0 / -1: no cap
     assert q.answer_tokens({"max_tokens": 64}, room=20) == 20  # never past the context
     for n in (10, 30, 20, 1000, 25):
-        q.observe_answer(n)
+        q.observe({}, SimpleNamespace(completion_tokens=n, ttft_s=None, first_output_s=None, total_s=None))
     assert q.answer_tokens({}) == 25  # the median of recent unbounded answers
     assert q.decode_s({"max_tokens": 51}, 25.0) == pytest.approx(2.0)  # 50 tokens after the first
     assert q.decode_s({"max_tokens": 50}, 0.0) == 0.0  # decode speed unknown
-    q.observe_stream(11, 1.0, 1.5)  # 10 tokens after the first in 0.5 s, as the caller saw them
-    q.observe_stream(1, 1.0, 1.5)  # one token: no decode to time
+    # 10 tokens after the first in 0.5 s, as the caller saw them (a capped answer: its length is not learned)
+    q.observe({"max_tokens": 11}, SimpleNamespace(completion_tokens=11, ttft_s=1.0, first_output_s=None, total_s=1.5))
+    q.observe({"max_tokens": 1}, SimpleNamespace(completion_tokens=1, ttft_s=None, first_output_s=1.0, total_s=1.5))  # no decode to time
     assert q.tokens_per_s(25.0) == pytest.approx(20.0)
     assert q.decode_s({"max_tokens": 51}, 25.0) == pytest.approx(2.5)  # the streams' speed wins
+    assert q.answer_tokens({}) == 25
 
 
 def test_an_unbounded_answer_teaches_the_typical_length(chat):
     list(chat.create_chat_completion(messages=ask(), stream=True))  # no max_tokens: the fake answers 16 words at most
-    assert chat.queue.typical_answer_tokens == chat.last_report.completion_tokens
+    assert chat.queue.answer_tokens({}) == chat.last_report.completion_tokens
     list(chat.create_chat_completion(messages=ask(), stream=True, max_tokens=3))  # capped: not a natural length
-    assert chat.queue.typical_answer_tokens == chat.reports[0].completion_tokens
+    assert chat.queue.answer_tokens({}) == chat.reports[0].completion_tokens
 
 
 # -- the plan trims against budget − wait ----------------------------------------------------------------

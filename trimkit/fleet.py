@@ -45,7 +45,7 @@ from trimkit.openai_wrapper import AsyncTrimmedOpenAI, CallDeadlines, ClientChat
 from trimkit.pipeline import Prepared, Request
 from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import Profile
-from trimkit.planning.queue import EngineQueue, Ticket, answer_cap, check_on_busy
+from trimkit.planning.queue import EngineQueue, Ticket, check_on_busy
 from trimkit.report import Report, valid_tokens_per_s_target
 
 __all__ = ["wrap_fleet", "wrap_url", "FleetFrontEnd", "AsyncFleetFrontEnd", "FleetStream", "AsyncFleetStream", "FleetEndpoint",
@@ -410,9 +410,7 @@ class FleetEndpoint:
 
     def observe(self, params: Mapping[str, Any], m: Measurement) -> None:
         """A request finished: it teaches the decode speed here, and without ``max_tokens`` the typical answer length."""
-        self.queue.observe_stream(m.completion_tokens, m.ttft_s, m.total_s)
-        if answer_cap(params) is None:
-            self.queue.observe_answer(m.completion_tokens)
+        self.queue.observe(params, m)
 
     def _started(self) -> None:
         """The first ``slots`` requests sent and in flight are being processed (first come, first served)."""

@@ -44,9 +44,13 @@ def mean_context(prompt_tokens: int, output_tokens: int = 0) -> float:
     return float(prompt_tokens) + max(int(output_tokens) - 2, 0) / 2.0
 
 
-def _source(instance: Any, attribute: Any, value: Any) -> None:
-    if value not in DECODE_SOURCES:
-        raise InvalidInputError(f"source must be one of {', '.join(DECODE_SOURCES)}, got {value!r}")
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator: the value is one of ``choices``, else InvalidInputError."""
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if value not in choices:
+            raise InvalidInputError(f"{attribute.name} must be one of {', '.join(choices)}, got {value!r}")
+
+    return check
 
 
 @attrs.frozen
@@ -58,7 +62,7 @@ class DecodePoint:
     context_tokens: float = attrs.field(converter=lambda v: non_negative_finite(v, "context_tokens"))
     tokens_per_s: float = attrs.field(converter=lambda v: positive_finite(v, "tokens_per_s"))
     steps: int = attrs.field(default=1, converter=lambda v: count(v, "steps", minimum=1))
-    source: str = attrs.field(default="calibration", validator=_source)
+    source: str = attrs.field(default="calibration", validator=_one_of(DECODE_SOURCES))
     spread_pct: float | None = attrs.field(default=None, converter=lambda v: None if v is None else non_negative_finite(v, "spread_pct"))
 
     @classmethod
@@ -314,15 +318,6 @@ def _is(kind: Any) -> Callable[[Any, Any, Any], None]:
     return check
 
 
-def _count(instance: Any, attribute: Any, value: Any) -> None:
-    count(value, attribute.name)
-
-
-def _mode(instance: Any, attribute: Any, value: Any) -> None:
-    if not isinstance(value, str) or value not in CALIBRATION_MODES:
-        raise InvalidInputError(f"mode must be one of {', '.join(CALIBRATION_MODES)}, got {value!r}")
-
-
 def _finite(instance: Any, attribute: Any, value: Any) -> None:
     if not math.isfinite(value):
         raise InvalidNumberError(f"{attribute.name} must be finite, got {value!r}")
@@ -362,10 +357,10 @@ class Profile:
     #: calibration's held-out (predicted, measured) prefill seconds: they seed the learned safety margin
     residuals: tuple[tuple[float, float], ...] = attrs.field(default=(), converter=_pairs, repr=False)
     #: how it was calibrated: "micro" (provisional), "quick" or "full"
-    mode: str = attrs.field(default="full", validator=_mode)
+    mode: str = attrs.field(default="full", validator=_one_of(CALIBRATION_MODES))
     #: the most new tokens and the deepest context (new + cached) probed; by default read off the samples
-    probed_new_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[0], takes_self=True), validator=_count)
-    probed_context_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[1], takes_self=True), validator=_count)
+    probed_new_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[0], takes_self=True), validator=lambda i, a, v: count(v, a.name))
+    probed_context_tokens: int = attrs.field(default=attrs.Factory(lambda self: _reach(self.samples)[1], takes_self=True), validator=lambda i, a, v: count(v, a.name))
     #: the wall-time budget calibration ran under, seconds (0.0: unknown)
     time_budget_s: float = attrs.field(default=0.0, converter=real_float, validator=attrs_non_negative)
     #: True when the first-token overhead was estimated, not measured
@@ -469,15 +464,9 @@ class Profile:
         for (n, k), times in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             measured = statistics.median_high(times)
             predicted = self.model.prefill_s(n, k)
-            rows.append({
-                "new_tokens": n,
-                "cached_tokens": k,
-                "measured_s": measured,
-                "predicted_s": predicted,
-                "error_pct": (predicted - measured) / measured * 100 if measured > 0 else float("nan"),
-                "ms_per_token": measured / n * 1000,
-                "repeats": len(times),
-            })
+            rows.append({"new_tokens": n, "cached_tokens": k, "measured_s": measured, "predicted_s": predicted,
+                         "error_pct": (predicted - measured) / measured * 100 if measured > 0 else float("nan"),
+                         "ms_per_token": measured / n * 1000, "repeats": len(times)})
         return rows
 
     def to_dict(self) -> dict[str, Any]:
@@ -493,11 +482,9 @@ class Profile:
         if type(schema) is not int or schema != SCHEMA_VERSION:  # not True, not 1.0
             shown = repr(schema) if isinstance(schema, (int, str, type(None))) and len(repr(schema)) < 40 else type(schema).__name__
             raise ProfileError(f"profile schema {shown} is not {SCHEMA_VERSION}")
-        quick = _json("bool", data.get("quick", False), "quick")  # files before ``mode``: quick or full
+        if "mode" not in data:  # a file from before ``mode`` (its ``quick`` is not read): calibrated again
+            raise ProfileError("mode is missing (a profile stored by an older trimkit)")
         kwargs = _fields(Profile, data, "")
-        kwargs.setdefault("mode", "quick" if quick else "full")
-        if (kwargs["mode"] != "full") != quick and "quick" in data:
-            raise ProfileError(f"quick={quick} contradicts mode={kwargs['mode']!r} (quick is True for micro and quick profiles)")
         for n in (1, 1000):
             predicted = kwargs["model"].prefill_s(n, 0)
             if not (predicted > 0 and math.isfinite(predicted)):

@@ -40,8 +40,7 @@ DEFAULT_ENGINE_WAIT_S = 120.0
 
 def check_on_busy(value: Any) -> str:
     if not isinstance(value, str) or value not in ON_BUSY:
-        hint = " (on_busy='raise' is gone: use on_infeasible='raise')" if value == "raise" else ""
-        raise InvalidInputError(f"on_busy must be 'trim' or 'wait', got {value!r}{hint}")
+        raise InvalidInputError(f"on_busy must be 'trim' or 'wait', got {value!r}")
     return value
 
 
@@ -50,7 +49,7 @@ def queue_wait(value: Any) -> float | None:
     return None if value is None else non_negative_finite(value, "queue_wait_s")
 
 
-def _count(value: Any) -> bool:
+def _real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -148,48 +147,34 @@ class EngineQueue:
         ahead = self.ahead(ticket)
         return sum(t.remaining_s(now, default) for t in ahead), len(ahead)
 
-    def observe_answer(self, completion_tokens: Any) -> None:
-        """An answer of a request that set no ``max_tokens`` finished with this many tokens."""
-        if isinstance(completion_tokens, int) and not isinstance(completion_tokens, bool) and completion_tokens > 0:
-            with self._lock:
-                self._answers.append(completion_tokens)
-
-    @property
-    def typical_answer_tokens(self) -> int:
+    def answer_tokens(self, params: Mapping[str, Any], room: int | None = None) -> int:
+        """The answer length a request with ``params`` is predicted to decode (its cap, else the median of recent unbounded
+        answers), at most ``room``."""
         with self._lock:
             answers = list(self._answers)
-        return int(statistics.median(answers)) if answers else DEFAULT_ANSWER_TOKENS
-
-    def observe_stream(self, completion_tokens: Any, first_s: Any, total_s: Any) -> None:
-        """A stream finished: ``completion_tokens`` tokens, the first at ``first_s``, the end at ``total_s``."""
-        if all(_count(x) for x in (completion_tokens, first_s, total_s)) and completion_tokens >= 2 and total_s > first_s:
-            with self._lock:
-                self._speeds.append((completion_tokens - 1) / (total_s - first_s))
+        n = answer_cap(params) or (int(statistics.median(answers)) if answers else DEFAULT_ANSWER_TOKENS)
+        return max(min(n, room), 1) if room is not None else n
 
     def tokens_per_s(self, fallback: float) -> float:
+        """The recent streams' median decode speed, else ``fallback``."""
         with self._lock:
             speeds = list(self._speeds)
         return statistics.median(speeds) if speeds else fallback
 
-    def answer_tokens(self, params: Mapping[str, Any], room: int | None = None) -> int:
-        """The answer length a request with ``params`` is predicted to decode, at most ``room``."""
-        cap = answer_cap(params)
-        n = cap if cap is not None else self.typical_answer_tokens
-        return max(min(n, room), 1) if room is not None else n
-
     def decode_s(self, params: Mapping[str, Any], tokens_per_s: float, room: int | None = None) -> float:
         """The predicted decode time after the first token (0 when no speed is known)."""
         speed = self.tokens_per_s(tokens_per_s)
-        if not speed > 0:
-            return 0.0
-        return (self.answer_tokens(params, room) - 1) / speed
+        return (self.answer_tokens(params, room) - 1) / speed if speed > 0 else 0.0
 
     def observe(self, params: Mapping[str, Any], m: Any) -> None:
-        """A request with ``params`` finished, measured as ``m``: its stream's decode speed, and (without ``max_tokens``) its
-        answer's length."""
-        self.observe_stream(m.completion_tokens, m.ttft_s if m.ttft_s is not None else m.first_output_s, m.total_s)
-        if answer_cap(params) is None:
-            self.observe_answer(m.completion_tokens)
+        """A request with ``params`` finished, measured as ``m``: its stream's decode speed (tokens after the first over the
+        time after it), and (without ``max_tokens``) its answer's length."""
+        tokens, first, total = m.completion_tokens, m.ttft_s if m.ttft_s is not None else m.first_output_s, m.total_s
+        with self._lock:
+            if all(_real(x) for x in (tokens, first, total)) and tokens >= 2 and total > first:
+                self._speeds.append((tokens - 1) / (total - first))
+            if answer_cap(params) is None and isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
+                self._answers.append(tokens)
 
 
 def answer_cap(params: Mapping[str, Any]) -> int | None:
@@ -282,17 +267,15 @@ class EngineLease:
 
     def _wait(self, timeout_s: float, what: str) -> float:
         """Wait (under ``_cond``) until this thread may use the engine, in line; seconds waited."""
-        if self._depth > 0 and self._thread == threading.get_ident():
-            return 0.0
-        if not self.busy and not self._line:
-            return 0.0
+        if (self._depth > 0 and self._thread == threading.get_ident()) or not (self.busy or self._line):
+            return 0.0  # its own section, or a free engine nobody waits for
         me = object()
         self._line.append(me)
         t0 = time.perf_counter()
-        deadline = time.monotonic() + max(float(timeout_s), 0.0)
+        deadline = t0 + max(float(timeout_s), 0.0)
         try:
             while self.busy or self._line[0] is not me:
-                left = deadline - time.monotonic()
+                left = deadline - time.perf_counter()
                 if left <= 0:
                     waited = time.perf_counter() - t0
                     holder = "an unfinished stream" if self._streams else "another thread" if self._depth else "a request ahead"

@@ -2,8 +2,8 @@
 
 :class:`SpeedEstimate`: measured ÷ predicted over recent prefills; its middle is the speed factor, its spread the margin.
 :class:`LiveProfile`: calibration's cost model (refitted when served requests show a shape it got wrong), the speed
-factor, the decode line and the first-token overhead. :class:`EngineState`: one engine's live profile and in-flight
-queue (:func:`engine_state`), and the margin a request plans with.
+factor, the decode line and the first-token overhead. :class:`EngineState`: one engine's live profile
+(:func:`engine_state`), the margin a request plans with and the slowdown notice.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import statistics
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -68,7 +68,7 @@ def _is_count(value: Any) -> bool:
 
 def _positive(value: Any) -> bool:
     """A finite real number > 0 (not a bool)."""
-    return isinstance(value, (int, float, numbers.Real)) and not isinstance(value, bool) and math.isfinite(value) and float(value) > 0
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and float(value) > 0
 
 
 def usable_cores() -> int | None:
@@ -79,27 +79,34 @@ def usable_cores() -> int | None:
         return os.cpu_count()
 
 
-def _ratio(model: CostModel, s: PrefillSample) -> float | None:
+def _clip(ratio: float) -> float:
+    return min(max(ratio, 1.0 / RATIO_CLIP), RATIO_CLIP)
+
+
+def _predicted(model: CostModel, s: PrefillSample) -> float | None:
+    """``model``'s prefill seconds for ``s``; None where it cannot price it (a stored sample no model can price)."""
     try:
         predicted = model.prefill_s(s.new_tokens, s.cached_tokens)
     except (ValueError, ArithmeticError):
         return None
-    if not (math.isfinite(predicted) and predicted > 0 and s.seconds > 0 and math.isfinite(s.seconds)):
-        return None
-    return min(max(s.seconds / predicted, 1.0 / RATIO_CLIP), RATIO_CLIP)
+    return predicted if _positive(predicted) else None
+
+
+def _ratio(model: CostModel, s: PrefillSample) -> float | None:
+    predicted = _predicted(model, s)
+    return _clip(s.seconds / predicted) if predicted and _positive(s.seconds) else None
 
 
 class SpeedEstimate:
     """The host's current speed for one engine, from its recent measured prefills; ``seed`` (calibration's) stands in
     until served requests arrive. Thread-safe."""
 
-    def __init__(self, seed: Iterable[PrefillSample] = (), *, window: int = WINDOW, prior: float = 1.0) -> None:
-        self._samples: deque[PrefillSample] = deque(seed, maxlen=count(window, "window", minimum=1))
+    def __init__(self, seed: Iterable[PrefillSample] = (), *, prior: float = 1.0) -> None:
+        self._samples: deque[PrefillSample] = deque(seed, maxlen=WINDOW)
         self._live = 0
         self._outcomes: deque[float] = deque(maxlen=OUTCOME_WINDOW)
         self.prior = positive_finite(prior, "prior")
         self._lock = threading.Lock()
-        self._logged = False
 
     def observe(self, sample: PrefillSample) -> None:
         with self._lock:
@@ -111,7 +118,7 @@ class SpeedEstimate:
         if not (_positive(measured_s) and _positive(predicted_s)):
             return
         with self._lock:
-            self._outcomes.append(min(max(measured_s / predicted_s, 1.0 / RATIO_CLIP), RATIO_CLIP))
+            self._outcomes.append(_clip(measured_s / predicted_s))
 
     @property
     def outcomes(self) -> Sequence[float]:
@@ -149,25 +156,11 @@ class SpeedEstimate:
             middle = self.factor(model)
             spread_ratio = quantile((r / middle for r in ratios), target)
         share = min(max(share, 0.0), 1.0)
-        margin = margin_for_ratio(1.0 + share * (spread_ratio - 1.0), floor=MARGIN_FLOOR * share if share < 1 else MARGIN_FLOOR)
+        margin = margin_for_ratio(1.0 + share * (spread_ratio - 1.0), floor=MARGIN_FLOOR * share)
         outcomes = self.outcomes
         if share < 1 and len(outcomes) >= MIN_OUTCOMES:
             margin = max(margin, margin_for_ratio(quantile(outcomes, target)))
         return margin
-
-    def slowdown_warnings(self, factor: float, hint: Callable[[], str]) -> list[str]:
-        """The notice while ``factor`` is at least :data:`SLOWDOWN_FACTOR` (logged once per spell), else none."""
-        with self._lock:
-            if factor < SLOWDOWN_FACTOR:
-                self._logged = False
-                return []
-            first, self._logged = not self._logged, True
-        text = (f"the engine runs {factor:.1f}× slower than when it was calibrated (its recent prefills): in process the watched "
-                "prefill re-plans each request at its measured pace; another busy process, thermal throttling or a power-saving "
-                "mode slows a host this much") + hint()
-        if first:
-            log.warning("trimkit: %s", text)
-        return [text]
 
 
 #: a measured decode speed counts only over at least this many generated tokens (fewer is mostly noise)
@@ -193,14 +186,7 @@ def _median_ratio(model: CostModel, samples: Sequence[PrefillSample]) -> float:
 
 def calibration_seed(profile: Profile) -> list[PrefillSample]:
     """The larger half of the calibration's samples (a small probe's time is mostly overhead and jitter), at its drift."""
-    priced = []
-    for s in profile.samples:
-        try:
-            predicted = profile.model.prefill_s(s.new_tokens, s.cached_tokens)
-        except (ValueError, ArithmeticError):  # a stored sample no model can price: left out
-            continue
-        if s.source == "calibration" and s.seconds > 0 and math.isfinite(predicted):
-            priced.append((predicted, s))
+    priced = [(p, s) for s in profile.samples if s.source == "calibration" and s.seconds > 0 and (p := _predicted(profile.model, s))]
     calib = [s for _, s in priced]
     if len(priced) >= 4:
         cut = sorted(p for p, _ in priced)[len(priced) // 2]
@@ -359,16 +345,16 @@ class EngineState:
         self.live = LiveProfile(profile, refit_every=REFIT_EVERY, eager_refits=EAGER_REFITS)
         self.speed = self.live.speed
         self.calibration = (profile.key, profile.created_at)
+        self._slowed = False  # the notice was logged in this spell of slowdown
 
     def safety_margin(self, target: float = DEFAULT_TARGET, *, extrapolation: float = 1.0, share: float = 1.0) -> float:
         """The share of a budget to hold back for ``target`` of requests inside it; ``share``: of the prediction uncertain,
         ``extrapolation``: how far beyond the probed range the prompt reaches (its spread counts that many times)."""
         profile = self.live.current
         base = self.speed.margin(profile.model, target, fallback=profile.safety_margin, share=share)
-        x = extrapolation if math.isfinite(extrapolation) and extrapolation > 1.0 else 1.0
-        if x <= 1.0:
+        if not (math.isfinite(extrapolation) and extrapolation > 1.0):
             return base
-        return margin_for_ratio(1.0 + x * (1.0 / (1.0 - base) - 1.0), cap=MARGIN_CAP)
+        return margin_for_ratio(1.0 + extrapolation * (1.0 / (1.0 - base) - 1.0))
 
     def request_margin(self, target: float, budget_s: float, prompt_tokens: int, cached_tokens: int, *, watched: bool = False) -> float:
         """:meth:`safety_margin` for the longest prompt the plan may send; ``watched``: only the tail after the last check."""
@@ -381,7 +367,19 @@ class EngineState:
         return self.safety_margin(target, extrapolation=profile.extrapolation(new, cached_tokens), share=share)
 
     def slowdown_warnings(self) -> list[str]:
-        return self.speed.slowdown_warnings(self.live.speed_factor(), lambda: _threads_hint(self.live.current))
+        """The notice while the host runs at least :data:`SLOWDOWN_FACTOR` times slower than calibrated (logged once per
+        spell), else none."""
+        factor = self.live.speed_factor()
+        with _lock:
+            first, self._slowed = not self._slowed, factor >= SLOWDOWN_FACTOR
+        if factor < SLOWDOWN_FACTOR:
+            return []
+        text = (f"the engine runs {factor:.1f}× slower than when it was calibrated (its recent prefills): in process the watched "
+                "prefill re-plans each request at its measured pace; another busy process, thermal throttling or a power-saving "
+                "mode slows a host this much") + _threads_hint(self.live.current)
+        if first:
+            log.warning("trimkit: %s", text)
+        return [text]
 
     def learn(self, m: Any, *, persist_every: int = 0, watched: bool = False, outcome: tuple[float, float] | None = None) -> Profile | None:
         """What one finished request's Measurement ``m`` teaches the engine; returns the refined profile to store every
@@ -419,17 +417,13 @@ _by_value: dict[Hashable, EngineState] = {}
 _MAX_BY_VALUE = 256
 
 
-def _identity_of(backend: Any) -> Any:
-    try:
-        return backend.engine_identity()
-    except Exception:  # no identity, or one that cannot be told: the backend object is its own engine
-        return backend
-
-
 def engine_state(backend: Any, profile: Profile) -> EngineState:
     """The live state of ``backend``'s engine: the existing one if it grew from ``profile``'s calibration, else a new one.
     Engines named by an object are held weakly, by a value the 256 latest."""
-    identity = _identity_of(backend)
+    try:
+        identity = backend.engine_identity()
+    except Exception:  # no identity, or one that cannot be told: the backend object is its own engine
+        identity = backend
     tag = (profile.key, profile.created_at)
     try:
         weakref.ref(identity)

@@ -67,15 +67,14 @@ class Replan:
 class PrefillWatch:
     """The decisions of one watched prefill; ``margin``: the share of the budget held back for what follows the last step."""
 
-    def __init__(self, tokens: Sequence[int], cached: int, profile: Profile, budget_s: float, *, margin: float, n_batch: int,
-                 first_step_tokens: int = FIRST_STEP_TOKENS, replans: int = 0) -> None:
+    def __init__(self, tokens: Sequence[int], cached: int, profile: Profile, budget_s: float, *, margin: float, n_batch: int, replans: int = 0) -> None:
         self.tokens = tuple(tokens)
         self.cached = max(min(int(cached), len(self.tokens) - 1), 0)
         self.profile = profile
         self.budget_s = float(budget_s)
         self.margin = float(margin)
         self.n_batch = max(int(n_batch), 1)
-        self.first_step_tokens = max(min(int(first_step_tokens), self.n_batch), 1)
+        self.first_step_tokens = min(FIRST_STEP_TOKENS, self.n_batch)
         self.replans = replans
         self.steps: list[WatchStep] = []
         self.position = self.cached  # how far the context holds this prompt
@@ -181,8 +180,7 @@ class PrefillWatch:
     def continue_with(self, tokens: Sequence[int], *, held: int | None = None) -> PrefillWatch:
         """The watch over a re-planned prompt: what the context holds of it (``held``) is its cache; it keeps the steps."""
         kept = common_prefix_len(self.tokens[: self.position], tokens) if held is None else held
-        nxt = PrefillWatch(tokens, kept, self.profile, self.budget_s, margin=self.margin, n_batch=self.n_batch,
-                           first_step_tokens=self.first_step_tokens, replans=self.replans + 1)
+        nxt = PrefillWatch(tokens, kept, self.profile, self.budget_s, margin=self.margin, n_batch=self.n_batch, replans=self.replans + 1)
         nxt.steps = list(self.steps)
         nxt.position = min(kept, len(tuple(tokens)))
         nxt.origin = min(self.origin, nxt.position)
@@ -231,16 +229,14 @@ def cut_chunks(plan: Any, original_last_user: Mapping[str, Any], price: Callable
     # chunks put back go before the plan's last one (its most relevant, next to the question) unless it is evaluated
     kept = (*own[:-1], *extra, *own[-1:]) if fixed < len(own) else (*own, *extra)
 
-    def cut(chosen: Sequence[int]) -> Cut:
-        return render(tuple(kept[i] for i in chosen))
-
     free = sorted(range(fixed, len(kept)), key=lambda i: -value(kept[i]) / max(len(str(kept[i].text)), 1))
 
-    def choice(m: int) -> list[int]:
-        return sorted([*range(fixed), *free[:m]])
+    def cut(m: int) -> Cut:
+        """The evaluated chunks and the ``m`` densest free ones, in the plan's order."""
+        return render(tuple(kept[i] for i in sorted([*range(fixed), *free[:m]])))
 
     if least:
-        return cut(choice(0))
-    if cut(choice(0)).predicted_s > target_s:
+        return cut(0)
+    if cut(0).predicted_s > target_s:
         return None
-    return cut(choice(largest_fitting(lambda m: cut(choice(m)).predicted_s <= target_s, 0, len(free))))  # densest first
+    return cut(largest_fitting(lambda m: cut(m).predicted_s <= target_s, 0, len(free)))
