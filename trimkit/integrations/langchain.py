@@ -164,6 +164,7 @@ class Engine:
     on first use (:attr:`chat`), so that building a chat model does no I/O."""
 
     def __init__(self, inner: Any, ttft_budget_s: float | None, options: Mapping[str, Any]) -> None:
+        self._args = (inner, ttft_budget_s, dict(options))
         client, root = getattr(inner, "client", None), getattr(inner, "root_client", None)
         if client_kind(client) == "llama":
             self.kind, self._client = "llama", client
@@ -173,25 +174,26 @@ class Engine:
             raise InvalidInputError(f"cannot trim {type(inner).__name__}: pass a ChatLlamaCpp (langchain-community) or a ChatOpenAI pointed at a "
                                     "local OpenAI-compatible server (langchain-openai; for Ollama: base_url='http://localhost:11434/v1'); "
                                     "bind tools and arguments on the TrimmedChatModel")
-        options = dict(options)
         check_options(self.kind, options)
+        self._wrap_options = {"ttft_budget_s": ttft_budget_s, **options}
         if self.kind == "openai":
-            options.setdefault("model", getattr(inner, "model_name", None))
-        self._options = options
-        self._ttft_budget_s = ttft_budget_s
+            self._wrap_options.setdefault("model", getattr(inner, "model_name", None))
         self._chat: Any = None
         # held while the wrapper is made and while a request is prepared (one found in the prompt swaps the RAG templates)
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
         # llama-cpp-python's server (by default) cuts the stream in flight short when another request arrives, even a tokenize request
         self._one_at_a_time = threading.Lock()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Engine, self._args  # pickled as made: locks and the wrapper are made again (on first use)
 
     @property
     def chat(self) -> Any:
         if self._chat is None:
-            with self._lock:
+            with self.lock:
                 if self._chat is None:
                     try:
-                        self._chat = wrap(self._client, ttft_budget_s=self._ttft_budget_s, **self._options)
+                        self._chat = wrap(self._client, **self._wrap_options)
                     except TypeError as exc:  # an option trimkit.wrap does not take
                         raise InvalidInputError(f"TrimmedChatModel: {exc}") from None
         return self._chat
@@ -221,23 +223,6 @@ class Engine:
             "include_response_headers": False,
         }
 
-    def prepare(self, messages: Sequence[Mapping[str, Any]], chunks: tuple[Chunk, ...] | None, params: Mapping[str, Any], *,
-                ttft_budget_s: float | None, on_busy: str | None) -> tuple[Prepared, float]:
-        """Plan one request (``chunks`` None: look for a context in the prompt); also returns the seconds finding it took."""
-        t0 = time.perf_counter()
-        match = find_context(messages) if chunks is None and messages else None
-        found_s = time.perf_counter() - t0
-        with self._lock:
-            pipeline = self.chat.pipeline
-            if match is None:
-                return self.chat.prepare(messages, chunks, params, ttft_budget_s=ttft_budget_s, on_busy=on_busy), found_s
-            saved = (pipeline.rag_template, pipeline.rag_chunk_template)
-            pipeline.rag_template, pipeline.rag_chunk_template = match[2], match[3]
-            try:
-                return self.chat.prepare(match[0], match[1], params, ttft_budget_s=ttft_budget_s, on_busy=on_busy), found_s
-            finally:
-                pipeline.rag_template, pipeline.rag_chunk_template = saved
-
 
 def _with_raw_response(create: Any) -> Any:
     """``with_raw_response``: its ``create``/``parse`` return a raw response whose ``.parse()`` is the reply (no headers)."""
@@ -264,7 +249,6 @@ class Call:
         self.chunks = chunks
         self.ttft_budget_s = ttft_budget_s
         self.on_busy = on_busy
-        self.prepared: Prepared | None = None
         self.stream: Any = None
         self.layer_s = 0.0  # this layer's own seconds during the call (not trimkit's planning)
         self._serial: threading.Lock | None = None
@@ -306,32 +290,42 @@ class Call:
                 if serial is not None:
                     serial.acquire()
                     self._serial = serial
-                self.prepared, found_s = self.engine.prepare(messages, self.chunks, params, ttft_budget_s=self.ttft_budget_s, on_busy=self.on_busy)
-                self.layer_s += found_s
-                self.stream = self.engine.chat.execute(self.prepared, params)
+                self.stream = self.engine.chat.execute(self._prepare(messages, params), params)
                 if streamed:
                     return self.stream if self.engine.kind == "llama" else contextlib.closing(_converting(self.stream, base_url))
                 drain(self.stream)
         except BaseException:
             self.close()
             raise
-        self.release()
+        self.close()
         return self.engine.chat.assemble(self.stream)
 
     create_chat_completion = create
 
-    def release(self) -> None:
-        serial, self._serial = self._serial, None
-        if serial is not None:
-            serial.release()
+    def _prepare(self, messages: Sequence[Mapping[str, Any]], params: Mapping[str, Any]) -> Prepared:
+        """Plan the request; without ``rag_chunks``, with the context :func:`find_context` finds in the prompt, put back where it was."""
+        t0 = time.perf_counter()
+        chunks, match = self.chunks, find_context(messages) if self.chunks is None and messages else None
+        self.layer_s += time.perf_counter() - t0
+        chat = self.engine.chat
+        with self.engine.lock:
+            saved = (chat.pipeline.rag_template, chat.pipeline.rag_chunk_template)
+            if match is not None:
+                messages, chunks, chat.pipeline.rag_template, chat.pipeline.rag_chunk_template = match
+            try:
+                return chat.prepare(messages, chunks, params, ttft_budget_s=self.ttft_budget_s, on_busy=self.on_busy)
+            finally:
+                chat.pipeline.rag_template, chat.pipeline.rag_chunk_template = saved
 
     def close(self) -> None:
         """End a stream the caller stopped reading early (frees an in-process engine); let the next request go."""
+        serial, self._serial = self._serial, None
         try:
             if self.stream is not None and self.report is None:
                 self.stream.close()
         finally:
-            self.release()
+            if serial is not None:
+                serial.release()
 
 
 def _emit(data: dict[str, Any], run_manager: CallbackManagerForLLMRun | None) -> None:
@@ -342,10 +336,8 @@ def _emit(data: dict[str, Any], run_manager: CallbackManagerForLLMRun | None) ->
                                       parent_run_id=run_manager.parent_run_id, tags=run_manager.tags, metadata=run_manager.metadata)
             manager.on_custom_event(REPORT_EVENT, data, run_id=run_manager.run_id)
         return
-    try:
+    with contextlib.suppress(RuntimeError):  # not inside a run
         dispatch_custom_event(REPORT_EVENT, data)
-    except RuntimeError:  # not inside a run
-        pass
 
 
 def _retarget(node: Any, inner: BaseChatModel, outer: BaseChatModel) -> tuple[Any, bool]:
@@ -398,11 +390,9 @@ class TrimmedChatModel(BaseChatModel):
         # ``profile`` is trimkit's (a BaseChatModel's ``profile`` field, its capabilities, is the inner model's)
         fields = set(type(self).model_fields) - {"inner", "ttft_budget_s", "trimkit_options", "profile"}
         own = {k: options.pop(k) for k in list(options) if k in fields}
-        for name in INHERITED_FIELDS:
-            if name not in own and name in inner.model_fields_set:
+        for name in INHERITED_FIELDS:  # and ``output_version`` where the inner model's class sets one
+            if name not in own and (name in inner.model_fields_set or name == "output_version" and inner.output_version is not None):
                 own[name] = getattr(inner, name)
-        if "output_version" not in own and getattr(inner, "output_version", None) is not None:
-            own["output_version"] = inner.output_version
         if ttft_budget_s is not None:
             valid_budget(ttft_budget_s)
         engine = Engine(inner, ttft_budget_s, options)  # checks the options; measures nothing
@@ -418,15 +408,6 @@ class TrimmedChatModel(BaseChatModel):
             if name.startswith("_") or inner is None:
                 raise
             return getattr(inner, name)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(super().__getstate__())
-        state["__pydantic_private__"] = None  # the engine (locks, the wrapper): made again on first use
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__({**state, "__pydantic_private__": {"_last_report": None, "_last_layer_s": None}})
-        self._engine = Engine(self.inner, self.ttft_budget_s, self.trimkit_options)
 
     @classmethod
     def is_lc_serializable(cls) -> bool:

@@ -259,60 +259,6 @@ def openai_family(llm: Any) -> bool:
     return module is not None and isinstance(llm, module.OpenAI)
 
 
-class StreamReplies:
-    """LlamaIndex responses from a trimkit stream: :meth:`step` per
-    chunk (the reply so far, the chunk's ``delta``), :meth:`final` the whole reply with the report in
-    ``additional_kwargs["trimkit"]`` (an ``OpenAI`` ``inner``'s conversions and token counts); ``layer_s``: converting."""
-
-    def __init__(self, stream: Any, layer_s: float, inner: Any = None) -> None:
-        self.stream = stream
-        self.layer_s = layer_s
-        self.text = ""
-        self.calls = False  # a tool call began: the message is rebuilt from the chunks so far
-        self.message = ChatMessage(role=MessageRole.ASSISTANT, content="")
-        self.inner = inner if openai_family(inner) else None
-
-    def convert(self, completion: Mapping[str, Any]) -> ChatMessage:
-        """The reply as an ``OpenAI`` / ``OpenAILike`` ``inner`` builds it from its client's ``ChatCompletionMessage``; else
-        (or a message its client would not parse) trimkit's :func:`reply_message`."""
-        if self.inner is not None:
-            from llama_index.llms.openai.utils import from_openai_message
-            from openai.types.chat import ChatCompletionMessage
-
-            try:
-                message = ChatCompletionMessage.model_validate({**completion["choices"][0]["message"], "role": "assistant"})
-            except (LookupError, TypeError, ValueError):  # no choice, or not the shape the openai client reads (pydantic's ValidationError)
-                message = None
-            if message is not None:
-                return from_openai_message(message, modalities=list(getattr(self.inner, "modalities", None) or ["text"]))
-        choices = completion.get("choices") or []
-        return reply_message(choices[0]["message"]) if choices else ChatMessage(role=MessageRole.ASSISTANT, content="")
-
-    def step(self, chunk: Any) -> ChatResponse:
-        t0 = time.perf_counter()
-        choices = [c for c in parse_chunk(chunk).choices if c.index == 0]
-        delta = "".join(c.content or "" for c in choices)
-        self.text += delta
-        self.calls = self.calls or any(c.tool_calls for c in choices)
-        if self.calls:
-            self.message = self.convert(assemble_chat_completion(self.stream.chunks))
-        elif delta:
-            self.message = ChatMessage(role=MessageRole.ASSISTANT, content=self.text)
-        response = ChatResponse(message=self.message, delta=delta, raw=chunk)
-        self.layer_s += time.perf_counter() - t0
-        return response
-
-    def final(self) -> ChatResponse:
-        t0 = time.perf_counter()
-        report = self.stream.report
-        usage = None if report is None else usage_counts(report.prompt_tokens, report.completion_tokens or 0)
-        completion = assemble_chat_completion(self.stream.chunks, usage=usage)
-        extra = dict(self.inner._get_response_token_counts(completion)) if self.inner is not None else {}
-        response = ChatResponse(message=self.convert(completion), delta="", raw=completion, additional_kwargs={**extra, "trimkit": report})
-        self.layer_s += time.perf_counter() - t0
-        return response
-
-
 class TrimmedLLM(FunctionCallingLLM):
     """A LlamaIndex LLM that keeps each chat's TTFT inside ``ttft_budget_s`` (docs/integrations.md).
     ``llm``: as :func:`engine_of` takes it; ``kwargs`` go to :func:`trimkit.wrap` / :func:`trimkit.wrap_url`;
@@ -412,36 +358,71 @@ class TrimmedLLM(FunctionCallingLLM):
                 "ttft_budget_s": self.ttft_budget_s if budget is None else budget}  # None: none, the front-end's default
         return call, time.perf_counter() - t0
 
-    def _finish(self, replies: StreamReplies) -> ChatResponse:
-        """The last response of a finished stream (with the report); remembered as the latest."""
-        final = replies.final()
-        self._last = (replies.stream.report, replies.stream.prepared, replies.layer_s)
+    def _convert(self, completion: Mapping[str, Any]) -> ChatMessage:
+        """The reply as a wrapped ``OpenAI`` / ``OpenAILike`` builds it from its client's ``ChatCompletionMessage``; else
+        (or a message its client would not parse) trimkit's :func:`reply_message`."""
+        if openai_family(self._inner):
+            from llama_index.llms.openai.utils import from_openai_message
+            from openai.types.chat import ChatCompletionMessage
+
+            try:
+                message = ChatCompletionMessage.model_validate({**completion["choices"][0]["message"], "role": "assistant"})
+            except (LookupError, TypeError, ValueError):  # no choice, or not the shape the openai client reads (pydantic's ValidationError)
+                message = None
+            if message is not None:
+                return from_openai_message(message, modalities=list(getattr(self._inner, "modalities", None) or ["text"]))
+        choices = completion.get("choices") or []
+        return reply_message(choices[0]["message"]) if choices else ChatMessage(role=MessageRole.ASSISTANT, content="")
+
+    def _final(self, stream: Any, layer_s: float) -> ChatResponse:
+        """A finished stream's whole reply, its report in ``additional_kwargs["trimkit"]`` (with a wrapped ``OpenAI``'s token
+        counts); remembered as the latest (``layer_s``: the seconds spent converting so far)."""
+        t0 = time.perf_counter()
+        report = stream.report
+        usage = None if report is None else usage_counts(report.prompt_tokens, report.completion_tokens or 0)
+        completion = assemble_chat_completion(stream.chunks, usage=usage)
+        extra = dict(self._inner._get_response_token_counts(completion)) if openai_family(self._inner) else {}
+        final = ChatResponse(message=self._convert(completion), delta="", raw=completion, additional_kwargs={**extra, "trimkit": report})
+        self._last = (report, stream.prepared, layer_s + time.perf_counter() - t0)
         return final
 
     def _inner_errors(self) -> contextlib.AbstractContextManager[None]:
         """Around an ``OpenAI`` / ``OpenAILike``, trimkit's server errors as the ``openai`` errors its client raises."""
         return openai_errors(getattr(getattr(self._front, "backend", None), "base_url", None), openai_family(self._inner))
 
-    def _open(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> StreamReplies:
-        call, layer = self._call(messages, kwargs)
+    def _open(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[Any, float]:
+        call, layer_s = self._call(messages, kwargs)
         create = getattr(self._front, "create_chat_completion", None) or self._front.chat.completions.create
         with self._inner_errors():
-            return StreamReplies(create(**call), layer, self._inner)
+            return create(**call), layer_s
 
-    def _responses(self, replies: StreamReplies) -> ChatResponseGen:
-        with contextlib.closing(replies.stream), self._inner_errors():
-            for chunk in replies.stream:
-                yield replies.step(chunk)
-            yield self._finish(replies)
+    def _responses(self, stream: Any, layer_s: float) -> ChatResponseGen:
+        """A response per chunk (the reply so far, the chunk's ``delta``), then :meth:`_final`'s."""
+        text, calls, message = "", False, ChatMessage(role=MessageRole.ASSISTANT, content="")
+        with contextlib.closing(stream), self._inner_errors():
+            for chunk in stream:
+                t0 = time.perf_counter()
+                choices = [c for c in parse_chunk(chunk).choices if c.index == 0]
+                delta = "".join(c.content or "" for c in choices)
+                text += delta
+                calls = calls or any(c.tool_calls for c in choices)  # a tool call began: the message is rebuilt from the chunks so far
+                if calls:
+                    message = self._convert(assemble_chat_completion(stream.chunks))
+                elif delta:
+                    message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
+                response = ChatResponse(message=message, delta=delta, raw=chunk)
+                layer_s += time.perf_counter() - t0
+                yield response
+            yield self._final(stream, layer_s)
 
     def _stream(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponseGen:
-        return self._responses(self._open(messages, kwargs))  # sent now, read as the caller reads
+        return self._responses(*self._open(messages, kwargs))  # sent now, read as the caller reads
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        replies = self._open(messages, kwargs)
-        with contextlib.closing(replies.stream), self._inner_errors():
-            drain(replies.stream)
-        return self._finish(replies)
+        stream, layer_s = self._open(messages, kwargs)
+        with contextlib.closing(stream), self._inner_errors():
+            drain(stream)
+        return self._final(stream, layer_s)
 
     @staticmethod
     async def _in_threads(responses: ChatResponseGen) -> ChatResponseAsyncGen:
@@ -576,8 +557,7 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
 
     _llm: Any = PrivateAttr(default=None)
     _front: Any = PrivateAttr(default=None)
-    _profile: Profile | None = PrivateAttr(default=None)
-    _tokenizer: Any = PrivateAttr(default=None)
+    _engine: dict[str, Any] = PrivateAttr(default_factory=dict)  # profile= and tokenizer=, without an llm
     _values: ValueModel | None = PrivateAttr(default=None)
     _strategies: Any = PrivateAttr(default=None)
     _plans: deque[Plan] = PrivateAttr()
@@ -603,8 +583,7 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
             self._decode = _decode_params(llm) if isinstance(llm, LLM) else {}
         if self._budget() is None:
             raise InvalidInputError("TrimkitPostprocessor needs a TTFT budget: ttft_budget_s=, or an llm that has one")
-        self._profile = profile
-        self._tokenizer = tokenizer if tokenizer is not None else (PromptTokenizer.estimate() if llm is None else None)
+        self._engine = {"profile": profile, "tokenizer": PromptTokenizer.estimate() if tokenizer is None and llm is None else tokenizer}
         self._values = values
         self._strategies = strategies
         self._plans = deque(maxlen=self.max_plans)
@@ -645,7 +624,7 @@ class TrimkitPostprocessor(BaseNodePostprocessor):
             excerpts = self.excerpts and all(isinstance(_node_of(item, i)[0], TextNode) for i, item in enumerate(nodes))
             strategies = chain(reuse_prefix(), cap_rag_chunks(min_chunks=self.min_nodes, excerpts=excerpts))
         budget = self._budget()
-        engine: dict[str, Any] = {"profile": self._profile, "tokenizer": self._tokenizer}
+        engine = self._engine
         front = self._front
         if front is not None:  # as the front-end plans its own requests: its margin for this prompt, its cache
             backend, tokenizer = front.backend, front.backend.tokenizer
