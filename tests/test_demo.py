@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 
 from trimkit.cli import Timeline, answer_tokens, run_demo, turn_budget
@@ -113,17 +114,14 @@ def test_demo_time_target_option():
         build_parser().parse_args(["demo", "--time-target", "0"])
 
 
-def test_the_demo_plans_decode_with_the_speed_a_request_measured():
-    from types import SimpleNamespace
+def test_the_demo_plans_decode_with_the_speed_a_request_measured(isolated_cache):
+    """The demo sizes answers with its wrapper's live profile, which learns each request's decode speed."""
+    import trimkit
 
-    from trimkit.cli import HostSpeed
-
-    trimmer = SimpleNamespace(profile=SimpleNamespace(decode_tokens_per_s=0.5, predict_ttft_s=lambda n, k=0: n * 0.01))
-    speed = HostSpeed(trimmer)
-    assert speed.decode_tokens_per_s == 0.5 and speed.predict_ttft_s(100) == pytest.approx(1.0)
-    speed.learn(None)
-    speed.learn(SimpleNamespace(decode_tokens_per_s=None))  # a one-token answer measures no decode speed
-    assert speed.decode_tokens_per_s == 0.5
-    speed.learn(SimpleNamespace(decode_tokens_per_s=20.0))
-    assert speed.decode_tokens_per_s == 20.0
-    assert answer_tokens(speed, 32, 1.0) == 20
+    engine = FakeBackend(clock=FakeClock(), decode_tokens_per_s=20.0, reply=" ".join(["word"] * 40))
+    profile = trimkit.calibrate(engine, mode="micro", store=False)
+    plain = trimkit.wrap(engine, profile=attrs.evolve(profile, decode_tokens_per_s=0.5, decode_points=()))
+    assert plain.profile.decode_tokens_per_s == 0.5 and answer_tokens(plain.profile, 32, 1.0) == 1
+    plain.create_chat_completion(messages=[{"role": "user", "content": "hello"}], max_tokens=40)
+    assert plain.profile.decode_tokens_per_s == pytest.approx(20.0, rel=0.05)
+    assert answer_tokens(plain.profile, 32, 1.0) == 20
