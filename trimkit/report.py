@@ -234,8 +234,8 @@ def diagnose(ttft_s: float, decode_tokens_per_s: float, prompt_tokens: int | Non
     verdict = judge(ttft_s, tps, ttft_budget_s=ttft_budget_s, tokens_per_s_target=tokens_per_s_target,
                     reading_speed_tokens_per_s=reading_speed_tokens_per_s, wait_threshold_s=wait_threshold_s)
     stream_s = output_tokens / tps
-    return Diagnosis(*attrs.astuple(verdict, recurse=False), prompt_tokens, output_tokens, stream_s, "prefill" if ttft_s >= stream_s else "decode",
-                     (ttft_s / prompt_tokens * 1000) if prompt_tokens else None)
+    return Diagnosis(**attrs.asdict(verdict, recurse=False), prompt_tokens=prompt_tokens, output_tokens=output_tokens, stream_s=stream_s,
+                     dominant_phase="prefill" if ttft_s >= stream_s else "decode", prefill_ms_per_token=(ttft_s / prompt_tokens * 1000) if prompt_tokens else None)
 
 
 def _fmt_s(value: float | None) -> str:
