@@ -115,13 +115,12 @@ def test_demo_time_target_option():
 
 
 def test_the_demo_plans_decode_with_the_speed_a_request_measured(isolated_cache):
-    """The demo sizes answers with its wrapper's live profile, which learns each request's decode speed."""
-    import trimkit
+    """The demo sizes answers with the decode speed the last request measured, even a two-token answer's (its wrapper's
+    live profile learns from longer answers only): a profile whose decode speed was only estimated cannot keep them short."""
+    from trimkit import calibrate
+    from trimkit.cli import measured_speed
 
-    engine = FakeBackend(clock=FakeClock(), decode_tokens_per_s=20.0, reply=" ".join(["word"] * 40))
-    profile = trimkit.calibrate(engine, mode="micro", store=False)
-    plain = trimkit.wrap(engine, profile=attrs.evolve(profile, decode_tokens_per_s=0.5, decode_points=()))
-    assert plain.profile.decode_tokens_per_s == 0.5 and answer_tokens(plain.profile, 32, 1.0) == 1
-    plain.create_chat_completion(messages=[{"role": "user", "content": "hello"}], max_tokens=40)
-    assert plain.profile.decode_tokens_per_s == pytest.approx(20.0, rel=0.05)
-    assert answer_tokens(plain.profile, 32, 1.0) == 20
+    profile = attrs.evolve(calibrate(FakeBackend(clock=FakeClock()), mode="micro", store=False), decode_tokens_per_s=0.5)
+    assert measured_speed(profile, None) is profile and answer_tokens(profile, 32, 1.0) == 1
+    assert measured_speed(profile, 20.0).decode_tokens_per_s == 20.0 and answer_tokens(measured_speed(profile, 20.0), 32, 1.0) == 20
+    assert measured_speed(profile, 20.0).predict_ttft_s(100) == profile.predict_ttft_s(100)

@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import attrs
 from tqdm import tqdm
 
 from trimkit import __version__
@@ -583,9 +584,15 @@ class Timeline:
 
 
 def decode_s(profile: Any, max_tokens: int) -> float:
-    """Seconds to decode ``max_tokens`` at the profile's speed: a live profile's is the speed the last requests measured."""
+    """Seconds to decode ``max_tokens`` at the profile's speed."""
     tps = profile.decode_tokens_per_s
     return max_tokens / tps if tps > 0 else 0.0
+
+
+def measured_speed(profile: Any, tps: float | None) -> Any:
+    """``profile`` with the decode speed the last request measured (None: its own), even a short answer's, which a live
+    profile does not learn from: a host whose calibration only estimated decode would keep every answer short."""
+    return attrs.evolve(profile, decode_tokens_per_s=tps) if tps else profile
 
 
 def predicted_total_s(profile: Any, prepared: Any, max_tokens: int) -> float:
@@ -602,10 +609,10 @@ def answer_tokens(profile: Any, wanted: int, room_s: float) -> int:
 UNBUDGETED_LABELS = ("long prompt, short answer", "short prompt, long answer", "untrimmed")
 
 
-def sized_request(i: int, trimmer: Any, corpus: Sequence[dict[str, Any]], rag: Any, bound_s: float) -> tuple[Any, int, str]:
+def sized_request(i: int, trimmer: Any, profile: Any, corpus: Sequence[dict[str, Any]], rag: Any, bound_s: float) -> tuple[Any, int, str]:
     """The demo's request ``i`` without a budget (0: the longest prompt of up to :data:`LONG_PROMPT_DOCS` documents whose
-    TTFT and short answer fit ``bound_s``, one if none fits; 1: a short prompt, long answer; 2: ``rag``): ``(prepared, max_tokens, heading)``."""
-    profile = trimmer.profile
+    TTFT and short answer fit ``bound_s``, one if none fits; 1: a short prompt, long answer; 2: ``rag``), sized with
+    ``profile``: ``(prepared, max_tokens, heading)``."""
     if i == 2:
         return rag, answer_tokens(profile, TURN_ANSWER_TOKENS, bound_s / 2), "untrimmed"
     if i == 1:
@@ -642,7 +649,7 @@ def forecast(plain: Any, corpus: Sequence[dict[str, Any]], rag: Any, minimal_ttf
     for i in range(n):
         bound = left_s / (n - i)
         if i < 3:
-            prepared, max_tokens, _ = sized_request(i, plain, corpus, rag, bound)
+            prepared, max_tokens, _ = sized_request(i, plain, profile, corpus, rag, bound)
             predicted = predicted_total_s(profile, prepared, max_tokens)
         else:
             if i == 3:  # the turns' answer length and budget are set once, from the first turn's share
@@ -743,12 +750,16 @@ def run_demo(*, model: str | None = None, budget_s: float | None = None, budget_
           "each sized from the profile\nto its share of the time left. A request predicted not to fit is not run; its "
           "prediction is printed.", flush=True)
     reports: list[dict[str, Any]] = []
+    measured_tps: list[float] = []
+
+    def speed(trimmer: Any) -> Any:
+        return measured_speed(trimmer.profile, measured_tps[-1] if measured_tps else None)
 
     def send(trimmer: Any, prepared: Any, params: dict[str, Any], bound: float, part: str, label: str, **extra: Any) -> tuple[str | None, Any]:
         """Send ``prepared``, printing the answer as it streams, unless predicted over ``bound``; keep its report."""
         nonlocal requests
         requests -= 1
-        predicted = predicted_total_s(trimmer.profile, prepared, params["max_tokens"])
+        predicted = predicted_total_s(speed(trimmer), prepared, params["max_tokens"])
         entry: dict[str, Any] = {"part": part, "label": label, "report": None, **extra}
         reports.append(entry)
         what = (f"{len(prepared.prompt_tokens):,} prompt tokens" + (f" ({prepared.cached_tokens:,} cached)" if prepared.cached_tokens else "")
@@ -766,7 +777,8 @@ def run_demo(*, model: str | None = None, budget_s: float | None = None, budget_
             parts.append(text)
             print(text.replace("\n", "\n           "), end="", flush=True)
         print(flush=True)
-        print(stream.report)  # the wrapper's live profile learns this request's decode speed: the next ones are sized with it
+        print(stream.report)
+        measured_tps.extend(filter(None, [stream.report.decode_tokens_per_s]))
         entry["report"] = stream.report.to_dict()
         return "".join(parts), stream.report
 
@@ -800,7 +812,7 @@ def run_demo(*, model: str | None = None, budget_s: float | None = None, budget_
             _rule(f"3. A RAG chat: {len(history)} earlier messages + 12 retrieved chunks")
             rag = plain.prepare(*rag_request(q0))  # again: what is cached now is not what was cached then
         bound = tl.share(requests)
-        prepared, max_tokens, heading = sized_request(i, plain, corpus, rag, bound)
+        prepared, max_tokens, heading = sized_request(i, plain, speed(plain), corpus, rag, bound)
         print(f"\n-- {heading}")
         send(plain, prepared, {"max_tokens": max_tokens, "temperature": 0.2 if i == 2 else 0.7}, bound, "rag chat" if i == 2 else "two phases", label)
         if i == 1:
@@ -810,9 +822,9 @@ def run_demo(*, model: str | None = None, budget_s: float | None = None, budget_
 
     untrimmed = len(plain.prepare(*rag_request(questions[1]["question"] if len(questions) > 1 else q0)).prompt_tokens)
     bound = tl.share(requests)
-    turn_params: dict[str, Any] = {"max_tokens": answer_tokens(plain.profile, TURN_ANSWER_TOKENS, bound / 2), "temperature": 0.0}  # greedy: reproducible
+    turn_params: dict[str, Any] = {"max_tokens": answer_tokens(speed(plain), TURN_ANSWER_TOKENS, bound / 2), "temperature": 0.0}  # greedy: reproducible
     if budget_s is None:
-        budget_s, derived = turn_budget(plain.profile, untrimmed, minimal_ttft_s, bound, budget_share, turn_params["max_tokens"])
+        budget_s, derived = turn_budget(speed(plain), untrimmed, minimal_ttft_s, bound, budget_share, turn_params["max_tokens"])
     else:
         derived = (f"  budget {budget_s:g} s (--budget); the untrimmed prompt is {untrimmed:,} tokens, "
                    f"predicted {plain.profile.predict_ttft_s(untrimmed, 0):.2f} s with nothing cached")
