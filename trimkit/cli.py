@@ -583,20 +583,16 @@ class Timeline:
         print(f"[{self.elapsed():6.1f} s] {text}", flush=True)
 
 
-def decode_s(profile: Any, max_tokens: int) -> float:
-    """Seconds to decode ``max_tokens`` at the profile's speed."""
+def predicted_s(profile: Any, max_tokens: int, ttft_s: float | None = 0.0) -> float:
+    """A request's predicted TTFT ``ttft_s`` and then ``max_tokens`` of decode at the profile's speed, seconds."""
     tps = profile.decode_tokens_per_s
-    return max_tokens / tps if tps > 0 else 0.0
+    return (ttft_s or 0.0) + (max_tokens / tps if tps > 0 else 0.0)
 
 
 def measured_speed(profile: Any, tps: float | None) -> Any:
     """``profile`` with the decode speed the last request measured (None: its own), even a short answer's, which a live
     profile does not learn from: a host whose calibration only estimated decode would keep every answer short."""
     return attrs.evolve(profile, decode_tokens_per_s=tps) if tps else profile
-
-
-def predicted_total_s(profile: Any, prepared: Any, max_tokens: int) -> float:
-    return (prepared.predicted_ttft_s or 0.0) + decode_s(profile, max_tokens)
 
 
 def answer_tokens(profile: Any, wanted: int, room_s: float) -> int:
@@ -623,7 +619,7 @@ def sized_request(i: int, trimmer: Any, profile: Any, corpus: Sequence[dict[str,
     for docs in range(min(LONG_PROMPT_DOCS, len(corpus)), 0, -1):
         text = "\n\n".join(d["text"] for d in corpus[:docs])
         prepared = trimmer.prepare([{"role": "user", "content": text + "\n\nIn one sentence: what is this text about?"}])
-        if docs == 1 or predicted_total_s(profile, prepared, max_tokens) <= bound_s:
+        if docs == 1 or predicted_s(profile, max_tokens, prepared.predicted_ttft_s) <= bound_s:
             break
     return prepared, max_tokens, f"long prompt ({docs} document{'s' if docs > 1 else ''}), short answer"
 
@@ -635,7 +631,7 @@ def turn_budget(profile: Any, untrimmed: int, minimal_ttft_s: float, bound_s: fl
     budget = profile.predict_ttft_s(share_tokens, 0)
     derived = (f"  budget {budget:.2f} s: the profile's predicted TTFT for {share:.0%} of the untrimmed "
                f"prompt ({share_tokens:,} of {untrimmed:,} tokens, nothing cached) on this host")
-    cap = bound_s - decode_s(profile, max_tokens)
+    cap = bound_s - predicted_s(profile, max_tokens)
     if budget > cap:
         budget = max(cap, minimal_ttft_s)
         derived += f",\n  capped at {budget:.2f} s so a turn (TTFT + {max_tokens} tokens of decode) fits its {bound_s:.1f} s share of the time left"
@@ -650,13 +646,13 @@ def forecast(plain: Any, corpus: Sequence[dict[str, Any]], rag: Any, minimal_ttf
         bound = left_s / (n - i)
         if i < 3:
             prepared, max_tokens, _ = sized_request(i, plain, profile, corpus, rag, bound)
-            predicted = predicted_total_s(profile, prepared, max_tokens)
-        else:
-            if i == 3:  # the turns' answer length and budget are set once, from the first turn's share
-                max_tokens = answer_tokens(profile, TURN_ANSWER_TOKENS, bound / 2)
-                if budget_s is None:
-                    budget_s, _ = turn_budget(profile, len(rag.prompt_tokens), minimal_ttft_s, bound, budget_share, max_tokens)
-            predicted = min(budget_s or 0.0, rag.predicted_ttft_s or 0.0) + decode_s(profile, max_tokens)
+            ttft_s = prepared.predicted_ttft_s
+        elif i == 3:  # the turns' answer length and budget are set once, from the first turn's share (then trimmed to it)
+            max_tokens = answer_tokens(profile, TURN_ANSWER_TOKENS, bound / 2)
+            if budget_s is None:
+                budget_s, _ = turn_budget(profile, len(rag.prompt_tokens), minimal_ttft_s, bound, budget_share, max_tokens)
+            ttft_s = min(budget_s, rag.predicted_ttft_s or 0.0)
+        predicted = predicted_s(profile, max_tokens, ttft_s)
         if predicted <= bound:
             total, ran, left_s = total + predicted, ran + 1, left_s - predicted
     return total, ran
@@ -759,7 +755,7 @@ def run_demo(*, model: str | None = None, budget_s: float | None = None, budget_
         """Send ``prepared``, printing the answer as it streams, unless predicted over ``bound``; keep its report."""
         nonlocal requests
         requests -= 1
-        predicted = predicted_total_s(speed(trimmer), prepared, params["max_tokens"])
+        predicted = predicted_s(speed(trimmer), params["max_tokens"], prepared.predicted_ttft_s)
         entry: dict[str, Any] = {"part": part, "label": label, "report": None, **extra}
         reports.append(entry)
         what = (f"{len(prepared.prompt_tokens):,} prompt tokens" + (f" ({prepared.cached_tokens:,} cached)" if prepared.cached_tokens else "")
