@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 
 from trimkit.cli import Timeline, answer_tokens, run_demo, turn_budget
@@ -113,17 +114,13 @@ def test_demo_time_target_option():
         build_parser().parse_args(["demo", "--time-target", "0"])
 
 
-def test_the_demo_plans_decode_with_the_speed_a_request_measured():
-    from types import SimpleNamespace
+def test_the_demo_plans_decode_with_the_speed_a_request_measured(isolated_cache):
+    """The demo sizes answers with the decode speed the last request measured, even a two-token answer's (its wrapper's
+    live profile learns from longer answers only): a profile whose decode speed was only estimated cannot keep them short."""
+    from trimkit import calibrate
+    from trimkit.cli import measured_speed
 
-    from trimkit.cli import HostSpeed
-
-    trimmer = SimpleNamespace(profile=SimpleNamespace(decode_tokens_per_s=0.5, predict_ttft_s=lambda n, k=0: n * 0.01))
-    speed = HostSpeed(trimmer)
-    assert speed.decode_tokens_per_s == 0.5 and speed.predict_ttft_s(100) == pytest.approx(1.0)
-    speed.learn(None)
-    speed.learn(SimpleNamespace(decode_tokens_per_s=None))  # a one-token answer measures no decode speed
-    assert speed.decode_tokens_per_s == 0.5
-    speed.learn(SimpleNamespace(decode_tokens_per_s=20.0))
-    assert speed.decode_tokens_per_s == 20.0
-    assert answer_tokens(speed, 32, 1.0) == 20
+    profile = attrs.evolve(calibrate(FakeBackend(clock=FakeClock()), mode="micro", store=False), decode_tokens_per_s=0.5)
+    assert measured_speed(profile, None) is profile and answer_tokens(profile, 32, 1.0) == 1
+    assert measured_speed(profile, 20.0).decode_tokens_per_s == 20.0 and answer_tokens(measured_speed(profile, 20.0), 32, 1.0) == 20
+    assert measured_speed(profile, 20.0).predict_ttft_s(100) == profile.predict_ttft_s(100)

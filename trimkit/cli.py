@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import attrs
 from tqdm import tqdm
 
 from trimkit import __version__
@@ -582,93 +583,76 @@ class Timeline:
         print(f"[{self.elapsed():6.1f} s] {text}", flush=True)
 
 
-class HostSpeed:
-    """The wrapper's live profile for TTFT, and the decode speed the last request measured (else the profile's)."""
-
-    def __init__(self, trimmer: Any) -> None:
-        self.trimmer = trimmer
-        self.measured_tps: float | None = None
-
-    def predict_ttft_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        return self.trimmer.profile.predict_ttft_s(new_tokens, cached_tokens)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.measured_tps or self.trimmer.profile.decode_tokens_per_s
-
-    def learn(self, report: Any) -> None:
-        tps = getattr(report, "decode_tokens_per_s", None)
-        if tps is not None and tps > 0:
-            self.measured_tps = tps
+def predicted_s(profile: Any, max_tokens: int, ttft_s: float | None = 0.0) -> float:
+    """A request's predicted TTFT ``ttft_s`` and then ``max_tokens`` of decode at the profile's speed, seconds."""
+    tps = profile.decode_tokens_per_s
+    return (ttft_s or 0.0) + (max_tokens / tps if tps > 0 else 0.0)
 
 
-def decode_s(speed: Any, max_tokens: int) -> float:
-    tps = speed.decode_tokens_per_s
-    return max_tokens / tps if tps > 0 else 0.0
+def measured_speed(profile: Any, tps: float | None) -> Any:
+    """``profile`` with the decode speed the last request measured (None: its own), even a short answer's, which a live
+    profile does not learn from: a host whose calibration only estimated decode would keep every answer short."""
+    return attrs.evolve(profile, decode_tokens_per_s=tps) if tps else profile
 
 
-def predicted_total_s(speed: Any, prepared: Any, max_tokens: int) -> float:
-    return (prepared.predicted_ttft_s or 0.0) + decode_s(speed, max_tokens)
-
-
-def answer_tokens(speed: Any, wanted: int, room_s: float) -> int:
+def answer_tokens(profile: Any, wanted: int, room_s: float) -> int:
     """``wanted``, fewer when their decode would not fit ``room_s`` (at least one: the wait before it is the point)."""
-    tps = speed.decode_tokens_per_s
+    tps = profile.decode_tokens_per_s
     return wanted if tps <= 0 else int(min(wanted, max(room_s * tps, 1)))
 
 
-def _long_request(trimmer: Any, speed: Any, corpus: Sequence[dict[str, Any]], bound_s: float) -> tuple[Any, int, int]:
-    """The longest prompt of up to :data:`LONG_PROMPT_DOCS` documents whose predicted TTFT and short answer fit
-    ``bound_s`` (one document if none fits): ``(prepared, documents, max_tokens)``."""
-    max_tokens = answer_tokens(speed, LONG_PROMPT_ANSWER_TOKENS, bound_s / 2)
+#: the JSON labels of the demo's three requests without a budget
+UNBUDGETED_LABELS = ("long prompt, short answer", "short prompt, long answer", "untrimmed")
 
-    def prompt(docs: int) -> Any:
-        text = "\n\n".join(d["text"] for d in corpus[:docs])
-        return trimmer.prepare([{"role": "user", "content": text + "\n\nIn one sentence: what is this text about?"}])
 
+def sized_request(i: int, trimmer: Any, profile: Any, corpus: Sequence[dict[str, Any]], rag: Any, bound_s: float) -> tuple[Any, int, str]:
+    """The demo's request ``i`` without a budget (0: the longest prompt of up to :data:`LONG_PROMPT_DOCS` documents whose
+    TTFT and short answer fit ``bound_s``, one if none fits; 1: a short prompt, long answer; 2: ``rag``), sized with
+    ``profile``: ``(prepared, max_tokens, heading)``."""
+    if i == 2:
+        return rag, answer_tokens(profile, TURN_ANSWER_TOKENS, bound_s / 2), "untrimmed"
+    if i == 1:
+        prepared = trimmer.prepare(SHORT_PROMPT)
+        max_tokens = answer_tokens(profile, SHORT_PROMPT_ANSWER_TOKENS, bound_s - (prepared.predicted_ttft_s or 0.0))
+        return prepared, max_tokens, f"short prompt, long answer (up to {max_tokens} tokens)"
+    max_tokens = answer_tokens(profile, LONG_PROMPT_ANSWER_TOKENS, bound_s / 2)
     for docs in range(min(LONG_PROMPT_DOCS, len(corpus)), 0, -1):
-        prepared = prompt(docs)
-        if docs == 1 or predicted_total_s(speed, prepared, max_tokens) <= bound_s:
+        text = "\n\n".join(d["text"] for d in corpus[:docs])
+        prepared = trimmer.prepare([{"role": "user", "content": text + "\n\nIn one sentence: what is this text about?"}])
+        if docs == 1 or predicted_s(profile, max_tokens, prepared.predicted_ttft_s) <= bound_s:
             break
-    return prepared, docs, max_tokens
+    return prepared, max_tokens, f"long prompt ({docs} document{'s' if docs > 1 else ''}), short answer"
 
 
-def _short_request(trimmer: Any, speed: Any, bound_s: float) -> tuple[Any, int]:
-    prepared = trimmer.prepare(SHORT_PROMPT)
-    return prepared, answer_tokens(speed, SHORT_PROMPT_ANSWER_TOKENS, bound_s - (prepared.predicted_ttft_s or 0.0))
-
-
-def turn_budget(speed: Any, untrimmed: int, minimal_ttft_s: float, bound_s: float, share: float, max_tokens: int) -> tuple[float, str]:
+def turn_budget(profile: Any, untrimmed: int, minimal_ttft_s: float, bound_s: float, share: float, max_tokens: int) -> tuple[float, str]:
     """The chat's budget without ``--budget``: the predicted TTFT of ``share`` of the untrimmed prompt, capped so a turn
     fits ``bound_s``, never under ``minimal_ttft_s`` (system and question alone). ``(budget, how it was derived)``."""
     share_tokens = max(int(untrimmed * share), 1)
-    budget = speed.predict_ttft_s(share_tokens, 0)
+    budget = profile.predict_ttft_s(share_tokens, 0)
     derived = (f"  budget {budget:.2f} s: the profile's predicted TTFT for {share:.0%} of the untrimmed "
                f"prompt ({share_tokens:,} of {untrimmed:,} tokens, nothing cached) on this host")
-    cap = bound_s - decode_s(speed, max_tokens)
+    cap = bound_s - predicted_s(profile, max_tokens)
     if budget > cap:
         budget = max(cap, minimal_ttft_s)
         derived += f",\n  capped at {budget:.2f} s so a turn (TTFT + {max_tokens} tokens of decode) fits its {bound_s:.1f} s share of the time left"
     return budget, derived
 
 
-def forecast(plain: Any, speed: Any, corpus: Sequence[dict[str, Any]], rag: Any, minimal_ttft_s: float, left_s: float, turns: int,
+def forecast(plain: Any, corpus: Sequence[dict[str, Any]], rag: Any, minimal_ttft_s: float, left_s: float, turns: int,
              budget_s: float | None, budget_share: float) -> tuple[float, int]:
     """What the demo's requests are predicted to take in all, sized as :func:`run_demo` sizes them: ``(seconds, requests that fit)``."""
-    n, total, ran = 3 + turns, 0.0, 0
+    n, total, ran, profile = 3 + turns, 0.0, 0, plain.profile
     for i in range(n):
         bound = left_s / (n - i)
-        if i == 0:
-            prepared, _, max_tokens = _long_request(plain, speed, corpus, bound)
-        elif i == 1:
-            prepared, max_tokens = _short_request(plain, speed, bound)
-        elif i == 2:
-            prepared, max_tokens = rag, answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2)
-        elif i == 3:  # the turns' answer length and budget are set once, from the first turn's share
-            max_tokens = answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2)
+        if i < 3:
+            prepared, max_tokens, _ = sized_request(i, plain, profile, corpus, rag, bound)
+            ttft_s = prepared.predicted_ttft_s
+        elif i == 3:  # the turns' answer length and budget are set once, from the first turn's share (then trimmed to it)
+            max_tokens = answer_tokens(profile, TURN_ANSWER_TOKENS, bound / 2)
             if budget_s is None:
-                budget_s, _ = turn_budget(speed, len(rag.prompt_tokens), minimal_ttft_s, bound, budget_share, max_tokens)
-        predicted = predicted_total_s(speed, prepared, max_tokens) if i < 3 else min(budget_s or 0.0, rag.predicted_ttft_s or 0.0) + decode_s(speed, max_tokens)
+                budget_s, _ = turn_budget(profile, len(rag.prompt_tokens), minimal_ttft_s, bound, budget_share, max_tokens)
+            ttft_s = min(budget_s, rag.predicted_ttft_s or 0.0)
+        predicted = predicted_s(profile, max_tokens, ttft_s)
         if predicted <= bound:
             total, ran, left_s = total + predicted, ran + 1, left_s - predicted
     return total, ran
@@ -762,19 +746,23 @@ def run_demo(*, model: str | None = None, budget_s: float | None = None, budget_
           "each sized from the profile\nto its share of the time left. A request predicted not to fit is not run; its "
           "prediction is printed.", flush=True)
     reports: list[dict[str, Any]] = []
+    measured_tps: list[float] = []
+
+    def speed(trimmer: Any) -> Any:
+        return measured_speed(trimmer.profile, measured_tps[-1] if measured_tps else None)
 
     def send(trimmer: Any, prepared: Any, params: dict[str, Any], bound: float, part: str, label: str, **extra: Any) -> tuple[str | None, Any]:
         """Send ``prepared``, printing the answer as it streams, unless predicted over ``bound``; keep its report."""
         nonlocal requests
         requests -= 1
-        predicted = predicted_total_s(speed, prepared, params["max_tokens"])
-        entry: dict[str, Any] = {"part": part, "label": label, "report": None}
+        predicted = predicted_s(speed(trimmer), params["max_tokens"], prepared.predicted_ttft_s)
+        entry: dict[str, Any] = {"part": part, "label": label, "report": None, **extra}
         reports.append(entry)
         what = (f"{len(prepared.prompt_tokens):,} prompt tokens" + (f" ({prepared.cached_tokens:,} cached)" if prepared.cached_tokens else "")
                 + f": predicted TTFT {prepared.predicted_ttft_s or 0.0:.1f} s + up to {params['max_tokens']} tokens of decode = {predicted:.1f} s")
         if predicted > bound:
             tl.step(f"not run — {what}, over the {bound:.1f} s this request may take (its share of the {tl.left():.0f} s left)")
-            entry.update(not_run={"predicted_s": predicted, "bound_s": bound}, **extra)
+            entry["not_run"] = {"predicted_s": predicted, "bound_s": bound}
             return None, None
         tl.step(f"running — {what}")
         stream = trimmer.execute(prepared, params)
@@ -785,9 +773,9 @@ def run_demo(*, model: str | None = None, budget_s: float | None = None, budget_
             parts.append(text)
             print(text.replace("\n", "\n           "), end="", flush=True)
         print(flush=True)
-        speed.learn(stream.report)
         print(stream.report)
-        entry.update(report=stream.report.to_dict(), **extra)
+        measured_tps.extend(filter(None, [stream.report.decode_tokens_per_s]))
+        entry["report"] = stream.report.to_dict()
         return "".join(parts), stream.report
 
     if llm is None:
@@ -800,7 +788,6 @@ def run_demo(*, model: str | None = None, budget_s: float | None = None, budget_
 
     corpus, history, questions = load_corpus(), load_history(), demo_questions(turns)
     plain = wrap(llm, profile=profile, report_log=report_log)  # no budget: measure and report only
-    speed = HostSpeed(plain)
     chunk_texts = [Chunk(text=d["text"], id=d["id"]) for d in corpus]
 
     def rag_request(question: str) -> tuple[list[Any], list[Any]]:
@@ -810,36 +797,30 @@ def run_demo(*, model: str | None = None, budget_s: float | None = None, budget_
     q0 = questions[0]["question"]
     rag = plain.prepare(*rag_request(q0))
     minimal_ttft_s = plain.prepare([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q0}]).predicted_ttft_s or 0.0
-    est, fit = forecast(plain, speed, corpus, rag, minimal_ttft_s, tl.left(), turns, budget_s, budget_share)
+    est, fit = forecast(plain, corpus, rag, minimal_ttft_s, tl.left(), turns, budget_s, budget_share)
     tl.step(f"estimate: {fit} of {requests} requests fit, predicted {est:.0f} s in all → about {tl.elapsed() + est:.0f} s for the "
             f"demo (target {time_target_s:.0f} s; on this host TTFT {profile.predict_ttft_s(1000, 0):.2f} s for 1,000 prompt "
             f"tokens, decode {profile.decode_tokens_per_s:.1f} tokens/s)")
 
     _rule("2. The two phases: a long prompt and a short one, no budget")
-    bound = tl.share(requests)
-    prepared, docs, max_tokens = _long_request(plain, speed, corpus, bound)
-    print(f"\n-- long prompt ({docs} document{'s' if docs > 1 else ''}), short answer")
-    send(plain, prepared, {"max_tokens": max_tokens, "temperature": 0.7}, bound, "two phases", "long prompt, short answer")
-    bound = tl.share(requests)
-    prepared, max_tokens = _short_request(plain, speed, bound)
-    print(f"\n-- short prompt, long answer (up to {max_tokens} tokens)")
-    send(plain, prepared, {"max_tokens": max_tokens, "temperature": 0.7}, bound, "two phases", "short prompt, long answer")
-    print("\n  The long prompt waits before its first token (prefill grows with the prompt); the short one\n"
-          "  starts at once. Its stream is faster too (each generated token reads the KV cache of the\n"
-          "  prompt: compare the two decode lines), but the wait is what grows most. trimkit aims at the wait.")
-
-    _rule(f"3. A RAG chat: {len(history)} earlier messages + 12 retrieved chunks")
-    print("\n-- untrimmed")
-    bound = tl.share(requests)
-    rag = plain.prepare(*rag_request(q0))  # again: what is cached now is not what was cached then
-    params = {"max_tokens": answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2), "temperature": 0.2}
-    send(plain, rag, params, bound, "rag chat", "untrimmed")
+    for i, label in enumerate(UNBUDGETED_LABELS):
+        if i == 2:
+            _rule(f"3. A RAG chat: {len(history)} earlier messages + 12 retrieved chunks")
+            rag = plain.prepare(*rag_request(q0))  # again: what is cached now is not what was cached then
+        bound = tl.share(requests)
+        prepared, max_tokens, heading = sized_request(i, plain, speed(plain), corpus, rag, bound)
+        print(f"\n-- {heading}")
+        send(plain, prepared, {"max_tokens": max_tokens, "temperature": 0.2 if i == 2 else 0.7}, bound, "rag chat" if i == 2 else "two phases", label)
+        if i == 1:
+            print("\n  The long prompt waits before its first token (prefill grows with the prompt); the short one\n"
+                  "  starts at once. Its stream is faster too (each generated token reads the KV cache of the\n"
+                  "  prompt: compare the two decode lines), but the wait is what grows most. trimkit aims at the wait.")
 
     untrimmed = len(plain.prepare(*rag_request(questions[1]["question"] if len(questions) > 1 else q0)).prompt_tokens)
     bound = tl.share(requests)
-    turn_params: dict[str, Any] = {"max_tokens": answer_tokens(speed, TURN_ANSWER_TOKENS, bound / 2), "temperature": 0.0}  # greedy: reproducible
+    turn_params: dict[str, Any] = {"max_tokens": answer_tokens(speed(plain), TURN_ANSWER_TOKENS, bound / 2), "temperature": 0.0}  # greedy: reproducible
     if budget_s is None:
-        budget_s, derived = turn_budget(speed, untrimmed, minimal_ttft_s, bound, budget_share, turn_params["max_tokens"])
+        budget_s, derived = turn_budget(speed(plain), untrimmed, minimal_ttft_s, bound, budget_share, turn_params["max_tokens"])
     else:
         derived = (f"  budget {budget_s:g} s (--budget); the untrimmed prompt is {untrimmed:,} tokens, "
                    f"predicted {plain.profile.predict_ttft_s(untrimmed, 0):.2f} s with nothing cached")

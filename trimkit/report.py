@@ -180,49 +180,45 @@ class DecodeContext:
 
 
 @attrs.frozen
-class Diagnosis:
-    """The two phases of one request and the :attr:`verdict`; ``verdict``, ``cures``, ``wait_slow``, ``ttft_s``, … are
-    the ``judgement``'s. ``dominant_phase`` and ``stream_s`` are informational only."""
+class Diagnosis(Verdict):
+    """A :class:`Verdict` on one measured request, with its two phases; ``dominant_phase`` and ``stream_s`` are
+    informational only."""
 
-    judgement: Verdict
     prompt_tokens: int | None
     output_tokens: int
     stream_s: float
     dominant_phase: str
     prefill_ms_per_token: float | None
 
-    def __getattr__(self, name: str) -> Any:
-        if name in ("verdict", "cures", "wait_slow", "stream_slow", "ttft_s", "decode_tokens_per_s"):
-            return getattr(self.judgement, name)
-        if name == "verdict_label":
-            return self.judgement.label
-        raise AttributeError(name)
+    @property
+    def verdict_label(self) -> str:
+        return self.label
 
     @property
     def dominant_label(self) -> str:
         return "the wait (prefill)" if self.dominant_phase == "prefill" else "the stream (decode)"
 
     def lines(self) -> list[str]:
-        j = self.judgement
         per_tok = f" ({self.prefill_ms_per_token:.2f} ms per prompt token)" if self.prefill_ms_per_token else ""
         out = [
             f"wait before first token (prefill): {self.ttft_s:.3f} s" + (f" for {self.prompt_tokens} prompt tokens" if self.prompt_tokens else "") + per_tok,
             f"stream (decode): {self.decode_tokens_per_s:.1f} tokens/s → {self.stream_s:.2f} s for {self.output_tokens} output tokens",
-            f"verdict: {j.summary()}",
+            f"verdict: {self.summary()}",
         ]
         if self.cures:
             out.append("what helps:")
             out.extend(f"  - {c}" for c in self.cures)
-        out.extend(f"note: {n}" for n in j.notes)
+        out.extend(f"note: {n}" for n in self.notes)
         return out
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
 
     def to_dict(self) -> dict[str, object]:
-        d = self.judgement.to_dict()  # the verdict and the standards, then this request's own figures
-        d.update(verdict_label=d.pop("label"), summary=self.judgement.summary())
-        d.update((k, getattr(self, k)) for k in ("prompt_tokens", "output_tokens", "stream_s", "dominant_phase", "dominant_label", "prefill_ms_per_token"))
+        own = ("prompt_tokens", "output_tokens", "stream_s", "dominant_phase", "dominant_label", "prefill_ms_per_token")
+        d = {k: v for k, v in super().to_dict().items() if k not in own}  # the verdict and the standards, then this request's own figures
+        d.update(verdict_label=d.pop("label"), summary=self.summary())
+        d.update((k, getattr(self, k)) for k in own)
         return d
 
 
@@ -235,11 +231,11 @@ def diagnose(ttft_s: float, decode_tokens_per_s: float, prompt_tokens: int | Non
     if prompt_tokens is not None:
         count(prompt_tokens, "prompt_tokens", minimum=1)
     count(output_tokens, "output_tokens", minimum=1)
-    judgement = judge(ttft_s, tps, ttft_budget_s=ttft_budget_s, tokens_per_s_target=tokens_per_s_target,
-                      reading_speed_tokens_per_s=reading_speed_tokens_per_s, wait_threshold_s=wait_threshold_s)
+    verdict = judge(ttft_s, tps, ttft_budget_s=ttft_budget_s, tokens_per_s_target=tokens_per_s_target,
+                    reading_speed_tokens_per_s=reading_speed_tokens_per_s, wait_threshold_s=wait_threshold_s)
     stream_s = output_tokens / tps
-    return Diagnosis(judgement, prompt_tokens, output_tokens, stream_s, "prefill" if ttft_s >= stream_s else "decode",
-                     (ttft_s / prompt_tokens * 1000) if prompt_tokens else None)
+    return Diagnosis(**attrs.asdict(verdict, recurse=False), prompt_tokens=prompt_tokens, output_tokens=output_tokens, stream_s=stream_s,
+                     dominant_phase="prefill" if ttft_s >= stream_s else "decode", prefill_ms_per_token=(ttft_s / prompt_tokens * 1000) if prompt_tokens else None)
 
 
 def _fmt_s(value: float | None) -> str:
@@ -641,19 +637,18 @@ class ReportLog:
     """One JSON line per finished request (its ``to_dict()``, less decode parameters that may carry text), appended to
     a path or written to a file-like object; safe to share between threads and wrappers."""
 
-    _path_locks: dict[str, threading.Lock] = {}
+    #: one lock for every report log: a line is written whole, whichever wrappers share a file
+    _lock = threading.Lock()
 
     def __init__(self, target: str | os.PathLike[str] | IO[str]) -> None:
         self.path: str | None = None
         self.stream: IO[str] | None = None
         if isinstance(target, (str, os.PathLike)):
             self.path = os.fspath(target)
-            key = os.path.abspath(self.path)
         elif callable(getattr(target, "write", None)):
-            self.stream, key = target, f"stream:{id(target)}"
+            self.stream = target
         else:
             raise InvalidInputError(f"report_log must be a path or a file-like object with .write, got {type(target).__name__}")
-        self._lock = ReportLog._path_locks.setdefault(key, threading.Lock())
 
     def __call__(self, c: Completed) -> None:
         d = c.report.to_dict()
