@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -74,69 +73,6 @@ def slot_wait_s(remaining_s: Sequence[float], slots: int) -> float:
     for work in remaining_s:
         heapq.heapreplace(free, free[0] + max(work, 0.0))
     return free[0]
-
-
-class HeldPrompts:
-    """The prompts an endpoint's prefix cache is predicted to hold: the last ``capacity`` sent to
-    it (one per slot on llama.cpp; llama-cpp-python's server holds the last one)."""
-
-    def __init__(self, capacity: int = 1) -> None:
-        self.capacity = max(int(capacity), 1)
-        self._prompts: deque[tuple[int, tuple[int, ...]]] = deque()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._prompts)
-
-    def hold(self, key: int, tokens: Sequence[int]) -> None:
-        """``tokens`` were sent (``key``: the request; holding it again replaces its prompt)."""
-        with self._lock:
-            kept = [(k, t) for k, t in self._prompts if k != key]
-            self._prompts = deque([*kept, (key, tuple(tokens))][-self.capacity :])
-
-    def forget(self, key: int) -> None:
-        with self._lock:
-            self._prompts = deque((k, t) for k, t in self._prompts if k != key)
-
-    def prompts(self) -> list[tuple[int, ...]]:
-        with self._lock:
-            return [t for _, t in self._prompts]
-
-
-@attrs.define
-class Health:
-    """Whether an endpoint is in rotation. A failure takes it out (``down``) until ``retry_at``;
-    a probe then puts it back (``up``) or doubles the wait (``probe_failed``), up to ``max_s``."""
-
-    after_s: float = 1.0
-    max_s: float = 30.0
-    down_since: float | None = None
-    retry_at: float = 0.0
-    backoff_s: float = 0.0
-    last_error: str | None = None
-    probing: bool = False
-
-    @property
-    def is_up(self) -> bool:
-        return self.down_since is None
-
-    def down(self, now: float, error: str) -> None:
-        if self.down_since is None:
-            self.down_since = now
-            self.backoff_s = self.after_s
-        self.last_error = error
-        self.retry_at = now + self.backoff_s
-
-    def probe_due(self, now: float) -> bool:
-        return self.down_since is not None and not self.probing and now >= self.retry_at
-
-    def probe_failed(self, now: float, error: str) -> None:
-        self.backoff_s = min(max(self.backoff_s * 2.0, self.after_s), self.max_s)
-        self.last_error = error
-        self.retry_at = now + self.backoff_s
-
-    def up(self) -> None:
-        self.down_since, self.backoff_s, self.retry_at = None, 0.0, 0.0
 
 
 def is_overload(exc: BaseException) -> bool:
@@ -204,21 +140,27 @@ class FleetEndpoint:
     """One replica: ``label`` (its base URL) names it in reports; ``build()`` makes its front-end
     (calibrating unless a profile is stored or given), at construction or when a probe finds it
     up. ``slots``: requests the server runs at once (None: ``/slots``, else :data:`ENGINE_SLOTS`,
-    else 1); ``held_prompts``: prompts its prefix cache holds (None: one per slot)."""
+    else 1); ``held_prompts``: prompts its prefix cache holds (None: one per slot). A failure takes it out of rotation
+    for ``probe_after_s``; a probe then puts it back, or doubles the wait, up to ``probe_max_s``."""
 
-    def __init__(self, label: str, backend: OpenAIHTTPBackend, build: Callable[[], Any], *, health: Health | None = None,
-                 slots: int | None = None, held_prompts: int | None = None, load: ServerLoadReader | None = None,
+    def __init__(self, label: str, backend: OpenAIHTTPBackend, build: Callable[[], Any], *, slots: int | None = None,
+                 held_prompts: int | None = None, load: ServerLoadReader | None = None, probe_after_s: float = 1.0, probe_max_s: float = 30.0,
                  probe_timeout_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.label = label
         self.backend = backend
         self.build = build
         #: the front-end (its pipeline, profile, reports); None until the endpoint was first reached
         self.front: Any = None
-        self.health = health or Health()
+        self.probe_after_s, self.probe_max_s = probe_after_s, probe_max_s
+        #: out of rotation until then, when a probe is due (None: in rotation), for ``backoff_s``; ``last_error``: why
+        self.retry_at: float | None = None
+        self.backoff_s = 0.0
+        self.last_error: str | None = None
+        self._probing = False
         #: this client's requests in flight here (answer lengths learned as on an in-process engine)
         self.queue = EngineQueue(clock)
-        self.held = HeldPrompts(1)
-        self._sent: set[int] = set()  # the tickets of the requests sent
+        #: the prompts its prefix cache is predicted to hold, by request: the last ``held_prompts`` sent
+        self.held: dict[int, tuple[int, ...]] = {}
         self.load = load
         self.probe_timeout_s = probe_timeout_s
         self.clock = clock
@@ -233,13 +175,13 @@ class FleetEndpoint:
         backend.cache_view, backend.cache_state_view = self.cache_view, self.cache_state
 
     def __repr__(self) -> str:
-        state = "up" if self.is_up else f"down ({self.health.last_error})"
+        state = "up" if self.is_up else f"down ({self.last_error})"
         return f"FleetEndpoint({self.label!r}, {state}, {self.in_flight} in flight)"
 
     @property
     def is_up(self) -> bool:
         """In rotation: reached at least once and not marked down since."""
-        return self.front is not None and self.health.is_up
+        return self.front is not None and self.retry_at is None
 
     @property
     def in_flight(self) -> int:
@@ -252,10 +194,6 @@ class FleetEndpoint:
     @property
     def pipeline(self) -> Any:
         return self.front.pipeline if self.front is not None else None
-
-    @property
-    def last_error(self) -> str | None:
-        return self.health.last_error
 
     @property
     def slots(self) -> int:
@@ -277,7 +215,7 @@ class FleetEndpoint:
             self._reach()
         except BackendError as exc:
             log.warning("trimkit: fleet endpoint %s is not reachable yet (%s); it will be probed again", self.label, describe_error(exc))
-            self.health.down(self.clock(), describe_error(exc))
+            self._down(exc)
             return
         info = self.backend.server_info()
         if self.load is not None and info.engine == "llama.cpp" and info.metrics_off:
@@ -300,47 +238,54 @@ class FleetEndpoint:
                 self.backend.transport.request_json_once("GET", self.backend.base_url + "/models", wait=wait, missing_ok=True)
         except BackendError as exc:
             with self._lock:
-                self.health.probe_failed(self.clock(), describe_error(exc))
-                self.health.probing = False
+                self._down(exc, probed=True)
+                self._probing = False
             return False
         with self._lock:
-            self.health.up()
-            self.health.probing = False
+            self.retry_at, self.backoff_s, self._probing = None, 0.0, False
         log.info("trimkit: fleet endpoint %s is back in rotation", self.label)
         return True
 
     def maybe_probe(self, *, wait: bool = False) -> None:
         """Probe it if it is down and its backoff has passed: in a background thread, or here (``wait``)."""
         with self._lock:
-            if not self.health.probe_due(self.clock()):
+            if self.retry_at is None or self._probing or self.clock() < self.retry_at:
                 return
-            self.health.probing = True
+            self._probing = True
         if wait:
             self.probe()
         else:
             threading.Thread(target=self.probe, name=f"trimkit-probe-{self.label}", daemon=True).start()
 
+    def _down(self, exc: BaseException, *, probed: bool = False) -> None:
+        """Out of rotation for ``backoff_s``: ``probe_after_s`` at first, doubled by a failed probe (``probed``)."""
+        if self.retry_at is None:
+            self.backoff_s = self.probe_after_s
+        elif probed:
+            self.backoff_s = min(max(self.backoff_s * 2.0, self.probe_after_s), self.probe_max_s)
+        self.last_error = describe_error(exc)
+        self.retry_at = self.clock() + self.backoff_s
+
     def mark_down(self, exc: BaseException) -> None:
         with self._lock:
-            first = self.health.is_up
+            first = self.retry_at is None
             self.timed_out = is_overload(exc) and (first or self.timed_out)
-            self.health.down(self.clock(), describe_error(exc))
+            self._down(exc)
         if first:
             log.warning("trimkit: fleet endpoint %s taken out of rotation: %s", self.label, describe_error(exc))
 
     def progressed(self) -> None:
         """It sent a chunk or finished a request: alive. Out of rotation by a timeout alone, it is back at once."""
         self.last_progress_at = self.clock()
-        if self.timed_out and not self.health.is_up:
+        if self.timed_out and self.retry_at is not None:
             with self._lock:
-                self.health.up()
-                self.timed_out = False
+                self.retry_at, self.backoff_s, self.timed_out = None, 0.0, False
             log.info("trimkit: fleet endpoint %s answered again: back in rotation", self.label)
 
     @property
     def busy_not_dead(self) -> bool:
         """Out of rotation by a timeout alone, with this client's requests still in flight here."""
-        return not self.health.is_up and self.timed_out and self.in_flight > 0
+        return self.retry_at is not None and self.timed_out and self.in_flight > 0
 
     def alive_since(self, since: float, *, ahead: int = 0) -> bool:
         """Whether a timeout of a request sent at ``since`` is the endpoint being busy, not dead:
@@ -361,15 +306,14 @@ class FleetEndpoint:
         anything was sent; nothing if it does not reuse prefixes."""
         if self.backend.prefix_reuse is False:
             return CacheState()
-        if not len(self.held):
-            return self.backend.evidence.cache_state()
-        return CacheState(prompts=self.held.prompts(), block=self.backend.cache_block_tokens)
+        with self._lock:
+            held = list(self.held.values())
+        return CacheState(prompts=held, block=self.backend.cache_block_tokens) if held else self.backend.evidence.cache_state()
 
     def cost(self, tokens: Sequence[int], params: Mapping[str, Any], now: float, budget_s: float | None = None) -> RouteCost:
         """The untrimmed prompt priced here by this endpoint's own profile: the wait behind this
         client's requests (and one like it for each other client's request the server reports),
         plus the prefill of what is not held."""
-        self.held.capacity = self.held_prompts if self.held_prompts is not None else self.slots
         priced = self.pipeline.price(tokens)  # by this endpoint's own pipeline and profile
         cached, prefill = priced.cached, priced.predicted_s
         decode = self.queue.decode_s(params, self.front.profile.decode_tokens_per_s)
@@ -386,24 +330,23 @@ class FleetEndpoint:
         return RouteCost(self, wait, cached, prefill, decode, len(self.queue), kept, budget_s)
 
     # -- a request's life here ----------------------------------------------------------------------
-    def reserve(self, cost: RouteCost) -> Ticket:
-        """Count a request in, as priced (before it is planned): its place in the queue."""
-        ticket = self.queue.enter()
-        ticket.estimate(cost.planned_prefill_s, cost.decode_s)
-        return ticket
-
     def sent(self, ticket: Ticket, prompt_tokens: Sequence[int]) -> None:
-        """The request went out: its prompt is held from now on."""
-        self.held.hold(ticket.seq, prompt_tokens)
-        self._sent.add(ticket.seq)
+        """The request went out (its ticket's ``prompt_tokens`` say so): its prompt is held from now on, the oldest let go."""
+        ticket.prompt_tokens = tokens = tuple(prompt_tokens)
+        capacity = max(self.held_prompts if self.held_prompts is not None else self.slots, 1)
+        with self._lock:
+            self.held.pop(ticket.seq, None)
+            self.held[ticket.seq] = tokens
+            for seq in list(self.held)[:-capacity]:
+                del self.held[seq]
         self._started()
 
     def release(self, ticket: Ticket, *, failed: bool = False) -> None:
         """The request ended (``failed``: before the server took it; its prompt is not held)."""
-        self._sent.discard(ticket.seq)
         ticket.done()
         if failed:
-            self.held.forget(ticket.seq)
+            with self._lock:
+                self.held.pop(ticket.seq, None)
         else:
             self.progressed()
         self._started()
@@ -416,7 +359,7 @@ class FleetEndpoint:
 
     def _started(self) -> None:
         """The first ``slots`` requests sent and in flight are being processed (first come, first served)."""
-        sent = [t for t in self.queue.in_flight() if t.seq in self._sent]
+        sent = [t for t in self.queue.in_flight() if t.prompt_tokens is not None]
         for ticket in sent[: self.slots]:
             ticket.holding()
 
@@ -548,7 +491,8 @@ class FleetCall:
             with self.fleet.routing_lock:
                 now = self.clock()
                 best = best_route([ep.cost(self.request.tokens or (), self.request.params, now, self.budget_left_s()) for ep in candidates])
-                ticket = best.endpoint.reserve(best)
+                ticket = best.endpoint.queue.enter()  # its place in the queue, as priced (before it is planned)
+                ticket.estimate(best.planned_prefill_s, best.decode_s)
             try:
                 prepared = self._prepare(best)
             except BaseException as exc:
@@ -689,8 +633,8 @@ class FleetFrontEnd(Closing):
     def probe_now(self) -> list[str]:
         """Probe every endpoint out of rotation now, whatever its backoff; the labels back in rotation."""
         for ep in self.endpoints:
-            if not ep.is_up:
-                ep.health.retry_at = 0.0
+            if ep.retry_at is not None:
+                ep.retry_at = 0.0
                 ep.maybe_probe(wait=True)
         return [ep.label for ep in self.endpoints if ep.is_up]
 
@@ -857,8 +801,8 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
                 backend, client = OpenAIHTTPBackend.from_openai_client(target, model=model, **backend_kwargs), target
             load = ServerLoadReader(backend.transport.http, backend.root_url, backend.transport.headers) if read_load else None
             build = functools.partial(twins.front, cls, client, backend, prof, kwargs, reports)
-            endpoints.append(FleetEndpoint(backend.base_url, backend, build, health=Health(probe_after_s, probe_max_s), slots=slots,
-                                           held_prompts=held_prompts, load=load, probe_timeout_s=probe_timeout_s))
+            endpoints.append(FleetEndpoint(backend.base_url, backend, build, slots=slots, held_prompts=held_prompts, load=load,
+                                           probe_after_s=probe_after_s, probe_max_s=probe_max_s, probe_timeout_s=probe_timeout_s))
         fleet = (AsyncFleetFrontEnd if is_async else FleetFrontEnd)(endpoints, ttft_budget_s=ttft_budget_s, retry_deadline_s=retry_deadline_s,
                                                                     unbudgeted_deadline_s=endpoints[0].backend.retry_deadline_s, reports=reports)
         fleet.start(parallel=parallel_calibration)

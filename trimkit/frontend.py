@@ -15,7 +15,6 @@ import attrs
 from trimkit.backends.base import Io, Measurement, Steps, TimedStream
 from trimkit.errors import TrimkitError
 from trimkit.pipeline import Pipeline, Prepared
-from trimkit.planning.queue import Ticket
 from trimkit.report import Report
 
 
@@ -130,21 +129,14 @@ class StreamReporter:
         """The request as sent: the plan's, or the re-plan its watched prefill made."""
         return self.watch.prepared if self.watch is not None else self._prepared
 
-    @property
-    def ticket(self) -> Ticket | None:
-        return getattr(self.prepared, "ticket", None)
-
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
         """Around reading the next chunk: an error that ends the stream gets the report of what
-        was sent and takes the request out of the engine's queue; the first token tells the
-        queue that only the decode is left."""
-        ticket = self.ticket
+        was sent; the first token tells the engine's queue that only the decode is left (the
+        engine's hold takes the request out of it when the stream ends)."""
         try:
             yield
         except BaseException as exc:
-            if ticket is not None:
-                ticket.done()
             if isinstance(exc, TrimkitError):
                 self.pipeline.attach_report(exc, self.timed, self.prepared, self.params)
             if self.listener is not None:
@@ -152,15 +144,13 @@ class StreamReporter:
             if isinstance(exc, (StopIteration, StopAsyncIteration)) and self.at_end is not None:
                 self.at_end(self.report)
             raise
+        ticket = getattr(self.prepared, "ticket", None)
         if ticket is not None and self.timed.first_output_at is not None:
             ticket.first_token()
         if self.listener is not None:
             self.listener.chunk(self)
 
     def closed(self) -> None:
-        ticket = self.ticket
-        if ticket is not None:
-            ticket.done()
         if self.listener is not None:
             self.listener.ended(self, None)
 

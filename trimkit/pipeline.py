@@ -146,8 +146,9 @@ class Pipeline:
         self._lock = threading.Lock()
         self._last_report: Report | None = None
         self._model_name: str | None = None
-        #: where the previous request cut the conversation (the next plan may keep that cut)
-        self.previous_cut = PreviousCut()
+        #: where the previous request cut the conversation, if it dropped turns: the role and text of the first history
+        #: message it kept (the next plan may keep that cut)
+        self._cut: tuple[Any, str] | None = None
 
     ttft_budget_s = _checked("ttft_budget_s", lambda v: None if v is None else valid_budget(v))
     on_busy = _checked("on_busy", check_on_busy)
@@ -279,7 +280,7 @@ class Pipeline:
             raise QueueBudgetError(busy.refusal(budget), wait_s=w, ahead=ahead, report=report)
         if plan is None or budget is None:
             return prepared
-        self.previous_cut.remember(messages, plan)
+        self._remember_cut(messages, plan)
         # the prompt's own part: with on_busy="wait" a wait that breaks the budget is not the prompt's fault
         ttft = sent.predicted_s + busy.counted_wait_s
         if not (plan.feasible and ttft <= budget) and self.on_infeasible == "raise":
@@ -318,13 +319,33 @@ class Pipeline:
         tok = self.backend.tokenizer
         plan = make_plan(
             messages, ttft_budget_s=budget, profile=profile or self.profile, tokenizer=tok, rag_chunks=chunks,
-            strategies=self.previous_cut.strategies_for(messages, self.strategies), tools=tools, cached_tokens=before.cached,
+            strategies=self._strategies_for(messages), tools=tools, cached_tokens=before.cached,
             cache=cache, summaries=self.summaries, rag_template=self.rag_template, rag_chunk_template=self.rag_chunk_template,
             on_infeasible="best_effort", clock=self.clock, values=self.values, safety_margin=margin,
             max_prompt_tokens=max(int(self.backend.n_ctx) - (answer_cap(params) or 0), 1),
         )
         unchanged = plan.passthrough and list(plan.messages) == list(request.as_is)
         return plan, before if unchanged else priced(tok.prompt_tokens(plan.messages, tools))
+
+    def _strategies_for(self, messages: Sequence[Mapping[str, Any]]) -> Any:
+        """The strategies given; else the default chain with :class:`~trimkit.strategies.keep_cached_cut`
+        when this conversation still has a turn starting at the previous cut."""
+        if self.strategies is not None or self._cut is None:
+            return self.strategies
+        role, text = self._cut
+        for j, m in enumerate(messages):
+            if m.get("role") == role and message_text(m) == text and j > 0:
+                return default_strategies(keep_cut=j)
+        return None
+
+    def _remember_cut(self, messages: Sequence[Mapping[str, Any]], plan: Any) -> None:
+        removed = set(getattr(plan, "removed_message_indices", ()) or ())
+        self._cut = None
+        if removed:
+            for i in range(max(removed) + 1, len(messages)):
+                if i not in removed and messages[i].get("role") not in ("system", "developer"):
+                    self._cut = (messages[i].get("role"), message_text(messages[i]))
+                    return
 
     def _estimate(self, ticket: Ticket | None, priced: _Priced, params: Mapping[str, Any]) -> None:
         """Tell the engine's queue the request's predicted work (for the requests behind it)."""
@@ -409,7 +430,7 @@ class Pipeline:
             kept_now = {str(c.id) for c in plan.kept_chunks}
             dropped = [str(c.id) for c in old.kept_chunks if str(c.id) not in kept_now]
             dropped += [f"message {i}" for i in sorted(set(plan.removed_message_indices) - set(old.removed_message_indices))]
-            self.previous_cut.remember(messages, plan)
+            self._remember_cut(messages, plan)
         record = Replan(
             evaluated_tokens=watch.position, prompt_tokens=len(prepared.prompt_tokens), elapsed_s=spent_s, pace=watch.pace,
             projected_ttft_s=watch.projected_ttft_s(spent_s),
@@ -457,7 +478,6 @@ class Pipeline:
                      error: type[BaseException] | None = None) -> Report:
         """The report of a request whose stream failed: ``total_s`` from sending to the failure (0.0 if it never started)."""
         total = ts.total_s if ts.started is not None else 0.0
-        _leave(prepared)
         m = Measurement(ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=total, queue_s=getattr(ts, "queue_s", 0.0))
         return self.report(prepared, m, params, error=error)
 
@@ -490,15 +510,7 @@ class Pipeline:
         self._last_plan = prepared.plan
         if self.background_summaries:
             self._summarize(prepared.plan, background=True)
-        _leave(prepared)
         return report
-
-
-def _leave(prepared: Prepared) -> None:
-    """The request is done with the engine: out of its queue."""
-    ticket = getattr(prepared, "ticket", None)
-    if ticket is not None:
-        ticket.done()
 
 
 def _run_summary(job: Callable[[], Any]) -> None:
@@ -634,30 +646,3 @@ class Prepared:
     def with_warning(self, warning: str) -> Prepared:
         return attrs.evolve(self, warnings=(*self.warnings, warning))
 
-
-class PreviousCut:
-    """Where the previous request cut the conversation, if it dropped turns: the role and text
-    of the first history message it kept."""
-
-    def __init__(self) -> None:
-        self.marker: tuple[Any, str] | None = None
-
-    def strategies_for(self, messages: Sequence[Mapping[str, Any]], strategies: Any) -> Any:
-        """``strategies`` when given; else the default chain with :class:`~trimkit.strategies.keep_cached_cut`
-        when this conversation still has a turn starting at the previous cut."""
-        if strategies is not None or self.marker is None:
-            return strategies
-        role, text = self.marker
-        for j, m in enumerate(messages):
-            if m.get("role") == role and message_text(m) == text and j > 0:
-                return default_strategies(keep_cut=j)
-        return None
-
-    def remember(self, messages: Sequence[Mapping[str, Any]], plan: Any) -> None:
-        removed = set(getattr(plan, "removed_message_indices", ()) or ())
-        self.marker = None
-        if removed:
-            for i in range(max(removed) + 1, len(messages)):
-                if i not in removed and messages[i].get("role") not in ("system", "developer"):
-                    self.marker = (messages[i].get("role"), message_text(messages[i]))
-                    return
