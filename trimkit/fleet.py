@@ -22,7 +22,7 @@ import attrs
 
 from trimkit.backends.base import Io, Measurement, Steps, client_is_async, is_openai_client
 from trimkit.backends.http import OpenAIHTTPBackend
-from trimkit.backends.server import NOT_GIVEN, RoutingOptions, ServerLoad, ServerLoadReader
+from trimkit.backends.server import NOT_GIVEN, RoutingOptions, ServerLoadReader
 from trimkit.backends.transport import Wait, normalize_base_url
 from trimkit.errors import (
     BackendError,
@@ -172,7 +172,8 @@ class FleetEndpoint:
         self.last_progress_at: float | None = None
         #: taken out of rotation by a timeout (or 429) alone, not a refusal or an error
         self.timed_out = False
-        backend.cache_view, backend.cache_state_view = self.cache_view, self.cache_state
+        # the backend predicts its cache from the prompts held here
+        backend.cache_view, backend.cache_state_view = lambda tokens: self.cache_state().cached(tokens), self.cache_state
 
     def __repr__(self) -> str:
         state = "up" if self.is_up else f"down ({self.last_error})"
@@ -199,14 +200,10 @@ class FleetEndpoint:
     def slots(self) -> int:
         if self._slots is not None:
             return self._slots
-        load = self.server_load()
+        load = self.load.latest() if self.load is not None else None
         if load is not None and load.slots:
             return load.slots
         return ENGINE_SLOTS.get(self.backend.server_info().engine, 1)  # probed when the endpoint was reached: no I/O here
-
-    def server_load(self) -> ServerLoad | None:
-        """The server's own load reading, if recent."""
-        return self.load.latest() if self.load is not None else None
 
     # -- reaching it --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -297,10 +294,6 @@ class FleetEndpoint:
         return slot_wait_s([t.remaining_s(now) for t in self.queue.in_flight()], self.slots)
 
     # -- pricing a request --------------------------------------------------------------------------
-    def cache_view(self, tokens: Sequence[int]) -> int:
-        """The prefix of ``tokens`` this server is predicted to hold (its backend's ``predict_cached_tokens``)."""
-        return self.cache_state().cached(tokens)
-
     def cache_state(self) -> CacheState:
         """The prompts recently sent here, in its cache's blocks; the server's own evidence before
         anything was sent; nothing if it does not reuse prefixes."""
@@ -318,7 +311,7 @@ class FleetEndpoint:
         cached, prefill = priced.cached, priced.predicted_s
         decode = self.queue.decode_s(params, self.front.profile.decode_tokens_per_s)
         ahead = [t.remaining_s(now, prefill + decode) for t in self.queue.in_flight()]
-        load = self.server_load()
+        load = self.load.latest() if self.load is not None else None  # the server's own, if recent
         if load is not None:
             ahead += [prefill + decode] * max(load.requests - len(ahead), 0)
         wait = slot_wait_s(ahead, self.slots)
@@ -731,35 +724,6 @@ def _profiles(profile: Any, n: int) -> list[Profile | None]:
     raise InvalidInputError(f"profile must be a Profile (for every endpoint) or a list of {n} (one per endpoint), got {type(profile).__name__}")
 
 
-class _TwinProfiles:
-    """One profile for identical replicas (engine, version, models, context): the first reached
-    loads or calibrates it, every later one starts from it (calibration noise alone must not make
-    one twin look faster; each still refines its own). A twin reached meanwhile waits for it."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.profiles: dict[Any, Profile] = {}
-        self.busy: dict[Any, threading.Lock] = {}
-
-    def front(self, cls: Any, client: Any, backend: OpenAIHTTPBackend, profile: Profile | None, kwargs: Mapping[str, Any],
-              reports: list[Report]) -> Any:
-        """One endpoint's wrapper: its profile given, else an identical replica's, stored, or calibrated now."""
-        twin, turn = None, contextlib.nullcontext()
-        if profile is None:
-            info = backend.server_info()
-            twin = (info.engine, info.engine_version, info.model_ids, backend.n_ctx, backend.model or "")
-            with self.lock:
-                turn = self.busy.setdefault(twin, threading.Lock())  # type: ignore[assignment]
-        with turn:
-            front = cls(client, backend=backend, endpoint_label=backend.base_url, profile=profile or self.profiles.get(twin), **kwargs)
-            front.bound_side_requests()
-            front.pipeline.watch_prefill = False  # the fleet sends in one piece: planned with the whole prediction's margin
-            front.pipeline.reports = reports
-            if twin is not None:
-                self.profiles.setdefault(twin, front.profile)
-        return front
-
-
 def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, model: str | None = None, api_key: str | None = None,
                asynchronous: bool | None = None, profile: Profile | Sequence[Profile] | None = None, retry_deadline_s: float | None = None,
                slots: int | None = None, held_prompts: int | None = None, parallel_calibration: bool = False, read_load: bool = True,
@@ -791,8 +755,26 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
     cls = AsyncTrimmedOpenAI if is_async else TrimmedOpenAI
     kwargs.update(ttft_budget_s=ttft_budget_s, retry_deadline_s=retry_deadline_s)
     endpoints: list[FleetEndpoint] = []
-    twins = _TwinProfiles()
     reports: list[Report] = []
+    twins: dict[Any, Profile] = {}
+    turns: dict[Any, threading.Lock] = {}
+
+    def build(client: Any, backend: OpenAIHTTPBackend, profile: Profile | None) -> Any:
+        """One endpoint's wrapper: its profile given, else an identical replica's (engine, version, models, context: the
+        first reached loads or calibrates it, a twin reached meanwhile waits), stored, or calibrated now."""
+        twin, turn = None, contextlib.nullcontext()
+        if profile is None:
+            info = backend.server_info()
+            twin = (info.engine, info.engine_version, info.model_ids, backend.n_ctx, backend.model or "")
+            turn = turns.setdefault(twin, threading.Lock())  # type: ignore[assignment]  # atomic: one lock per twin
+        with turn:
+            front = cls(client, backend=backend, endpoint_label=backend.base_url, profile=profile or twins.get(twin), **kwargs)
+            front.pipeline.watch_prefill = False  # the fleet sends in one piece: planned with the whole prediction's margin
+            front.pipeline.reports = reports
+            if twin is not None:
+                twins.setdefault(twin, front.profile)  # calibration noise alone must not make one twin look faster
+        return front
+
     try:
         for target, base, prof in zip(targets, urls, profiles):
             if kind == "url":
@@ -800,9 +782,9 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
             else:
                 backend, client = OpenAIHTTPBackend.from_openai_client(target, model=model, **backend_kwargs), target
             load = ServerLoadReader(backend.transport.http, backend.root_url, backend.transport.headers) if read_load else None
-            build = functools.partial(twins.front, cls, client, backend, prof, kwargs, reports)
-            endpoints.append(FleetEndpoint(backend.base_url, backend, build, slots=slots, held_prompts=held_prompts, load=load,
-                                           probe_after_s=probe_after_s, probe_max_s=probe_max_s, probe_timeout_s=probe_timeout_s))
+            endpoints.append(FleetEndpoint(backend.base_url, backend, functools.partial(build, client, backend, prof), slots=slots,
+                                           held_prompts=held_prompts, load=load, probe_after_s=probe_after_s, probe_max_s=probe_max_s,
+                                           probe_timeout_s=probe_timeout_s))
         fleet = (AsyncFleetFrontEnd if is_async else FleetFrontEnd)(endpoints, ttft_budget_s=ttft_budget_s, retry_deadline_s=retry_deadline_s,
                                                                     unbudgeted_deadline_s=endpoints[0].backend.retry_deadline_s, reports=reports)
         fleet.start(parallel=parallel_calibration)

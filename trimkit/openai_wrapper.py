@@ -215,7 +215,6 @@ class OpenAIFrontEnd(FrontEnd):
         #: the routing key of a call that gives none, and the headers a key goes in
         self.routing = RoutingOptions.of(kwargs.pop("auto_routing_key", False), kwargs.pop("routing_headers", None))
         backend_kwargs = split_backend_kwargs(kwargs)
-        own_backend = backend is None
         if backend is None:
             if not is_openai_client(client):
                 raise InvalidInputError(f"cannot wrap {type(client).__name__}: it needs .chat.completions.create (an openai.OpenAI-style client)")
@@ -238,8 +237,9 @@ class OpenAIFrontEnd(FrontEnd):
         except BaseException:
             backend.close()
             raise
-        if own_backend:
-            self.bound_side_requests()
+        if self.is_async:  # async requests go in one piece (the watched prefill's steps are sync requests)
+            self.pipeline.watch_prefill = False
+        self.bound_side_requests()
         self.chat = ClientChat(self)
 
     def _client_part(self, *path: str) -> Any:
@@ -257,7 +257,7 @@ class OpenAIFrontEnd(FrontEnd):
 
     def bound_side_requests(self) -> None:
         """Bound the side requests made while a call is planned (tokenize, server facts) by the
-        default budget's deadlines; construction had the backend's own."""
+        default budget's deadlines; construction (its calibration) had the backend's own."""
         self.backend.retry_deadline_s = self.deadlines.retry_s(self.ttft_budget_s)
         self.backend.deadline_s = self.deadlines.first_chunk_s(self.ttft_budget_s)
 
@@ -378,11 +378,6 @@ class AsyncTrimmedOpenAI(AsyncClosing, OpenAIFrontEnd):
 
     is_async = True
 
-    def __init__(self, client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> None:
-        super().__init__(client, ttft_budget_s, **kwargs)
-        # async requests go in one piece (the watched prefill's steps are sync requests)
-        self.pipeline.watch_prefill = False
-
     async def close(self) -> None:
         aclose = getattr(self.backend, "aclose", None)
         if aclose is not None:
@@ -407,6 +402,4 @@ def wrap_one_url(base_url: str, *, model: str | None = None, ttft_budget_s: floa
     backend_kwargs = split_backend_kwargs(kwargs)
     backend = OpenAIHTTPBackend(base_url, model=model, api_key=api_key, **backend_kwargs)
     cls = AsyncTrimmedOpenAI if asynchronous else TrimmedOpenAI
-    chat = cls(None, ttft_budget_s=ttft_budget_s, backend=backend, **kwargs)
-    chat.bound_side_requests()
-    return chat
+    return cls(None, ttft_budget_s=ttft_budget_s, backend=backend, **kwargs)

@@ -234,15 +234,14 @@ class Pipeline:
         request = messages if isinstance(messages, Request) else self.request(messages, rag_chunks, params)
         budget = self.ttft_budget_s if ttft_budget_s is None else valid_budget(ttft_budget_s)
         busy = self.on_busy if on_busy is None else check_on_busy(on_busy)
-        given = queue_wait(queue_wait_s)
+        given_wait = queue_wait(queue_wait_s)
         # in line while it is planned (a request planned at the same time counts it ahead), out until it is sent
         ticket = self.queue.enter() if self.queue is not None else None
         try:
-            prepared = self._prepare(request, budget, busy, given, ticket, t0)
+            return self._prepare(request, budget, busy, given_wait, ticket, t0)
         finally:
             if ticket is not None:
                 ticket.done()
-        return prepared
 
     def _prepare(self, request: Request, budget: float | None, on_busy: str, given_wait: float | None, ticket: Ticket | None, t0: float) -> Prepared:
         request = self.count(request)
@@ -474,17 +473,13 @@ class Pipeline:
                          prepare_s=prepared.prepare_s or 0.0, sinks=self._sinks)
         return report
 
-    def error_report(self, prepared: Prepared, ts: TimedStream, params: Mapping[str, Any],
-                     error: type[BaseException] | None = None) -> Report:
-        """The report of a request whose stream failed: ``total_s`` from sending to the failure (0.0 if it never started)."""
-        total = ts.total_s if ts.started is not None else 0.0
-        m = Measurement(ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=total, queue_s=getattr(ts, "queue_s", 0.0))
-        return self.report(prepared, m, params, error=error)
-
     def attach_report(self, exc: BaseException, ts: TimedStream, prepared: Prepared, params: Mapping[str, Any]) -> None:
-        """Give an error that carries a report (a BackendError) the report of what was sent, unless it has one."""
+        """Give an error that carries a report (a BackendError) the report of what was sent, unless it has one:
+        ``total_s`` from sending to the failure (0.0 if the stream never started)."""
         if getattr(exc, "report", "absent") is None:
-            exc.report = self.error_report(prepared, ts, params, type(exc))  # type: ignore[attr-defined]
+            total = ts.total_s if ts.started is not None else 0.0
+            m = Measurement(ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=total, queue_s=getattr(ts, "queue_s", 0.0))
+            exc.report = self.report(prepared, m, params, error=type(exc))  # type: ignore[attr-defined]
 
     def finish(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any]) -> Report:
         """A request finished: its report, and what it teaches (drift, margin, next summary)."""
