@@ -558,7 +558,7 @@ def test_held_prompts_and_health():
     assert cached([1, 2, 3, 4, 5]) == 2 and len(ep.held) == 2  # the oldest left
     ep.release(second, failed=True)
     assert cached([1, 2, 3]) == 0
-    ep.start()  # refused: out of rotation for probe_after_s
+    ep.probe(first=True)  # refused: out of rotation for probe_after_s
     assert not ep.is_up and ep.retry_at == 11.0 and "refused" in ep.last_error
     now[0] = 10.5
     ep.maybe_probe(wait=True)  # not due yet

@@ -1,9 +1,8 @@
 """A fleet of OpenAI-compatible endpoints behind one TTFT budget: routing and failover from the client.
 
-``trimkit.wrap_url([...])`` / ``trimkit.wrap([client, ...])`` give a :class:`FleetFrontEnd`
-(:class:`AsyncFleetFrontEnd`). It only routes: each endpoint is a wrapper of its own
-(:class:`FleetEndpoint`) whose pipeline plans and sends; a request goes to the lowest predicted
-TTFT (:class:`FleetCall`), and one that fails before its first token to the next. docs/scaling.md §2."""
+``trimkit.wrap_url([...])`` / ``trimkit.wrap([client, ...])`` give a :class:`FleetFrontEnd` (:class:`AsyncFleetFrontEnd`). It only routes: each endpoint is
+a wrapper of its own (:class:`FleetEndpoint`) whose pipeline plans and sends; a request goes to the lowest predicted TTFT (:class:`FleetCall`), and one that
+fails before its first token to the next. docs/scaling.md §2."""
 from __future__ import annotations
 
 import asyncio
@@ -93,9 +92,8 @@ def describe_error(exc: BaseException) -> str:
 
 @attrs.frozen
 class RouteCost:
-    """A request priced on one endpoint: the wait behind the requests ahead, the prefix held
-    there, the untrimmed prompt's prefill and decode; with a budget, the prompt tokens it could
-    keep within it (``kept_tokens``)."""
+    """A request priced on one endpoint: the wait behind the requests ahead, the prefix held there, the untrimmed prompt's prefill and decode; with a
+    budget, the prompt tokens it could keep within it (``kept_tokens``)."""
 
     endpoint: FleetEndpoint = attrs.field(eq=False, repr=lambda e: e.label)
     wait_s: float
@@ -123,9 +121,8 @@ class RouteCost:
 
 
 def best_route(costs: Sequence[RouteCost]) -> RouteCost:
-    """The lowest predicted TTFT (ties, within :data:`TIE_SHARE` and a millisecond: fewest in
-    flight, then the first). When no endpoint fits the budget untrimmed, the one keeping the most
-    of the prompt wins: a replica holding the prefix behind a long queue would be trimmed to nothing."""
+    """The lowest predicted TTFT (ties, within :data:`TIE_SHARE` and a millisecond: fewest in flight, then the first). When no endpoint fits the budget
+    untrimmed, the one keeping the most of the prompt wins: a replica holding the prefix behind a long queue would be trimmed to nothing."""
     fitting = [c for c in costs if c.fits]
     if not fitting and all(c.kept_tokens is not None for c in costs):
         most = max(c.kept_tokens or 0 for c in costs)
@@ -137,11 +134,10 @@ def best_route(costs: Sequence[RouteCost]) -> RouteCost:
 
 
 class FleetEndpoint:
-    """One replica: ``label`` (its base URL) names it in reports; ``build()`` makes its front-end
-    (calibrating unless a profile is stored or given), at construction or when a probe finds it
-    up. ``slots``: requests the server runs at once (None: ``/slots``, else :data:`ENGINE_SLOTS`,
-    else 1); ``held_prompts``: prompts its prefix cache holds (None: one per slot). A failure takes it out of rotation
-    for ``probe_after_s``; a probe then puts it back, or doubles the wait, up to ``probe_max_s``."""
+    """One replica: ``label`` (its base URL) names it in reports; ``build()`` makes its front-end (calibrating unless a profile is stored or given), at
+    construction or when a probe finds it up. ``slots``: requests the server runs at once (None: ``/slots``, else :data:`ENGINE_SLOTS`, else 1);
+    ``held_prompts``: prompts its prefix cache holds (None: one per slot). A failure takes it out of rotation for ``probe_after_s``; a probe then puts it
+    back, or doubles the wait, up to ``probe_max_s``."""
 
     def __init__(self, label: str, backend: OpenAIHTTPBackend, build: Callable[[], Any], *, slots: int | None = None,
                  held_prompts: int | None = None, load: ServerLoadReader | None = None, probe_after_s: float = 1.0, probe_max_s: float = 30.0,
@@ -206,41 +202,32 @@ class FleetEndpoint:
         return ENGINE_SLOTS.get(self.backend.server_info().engine, 1)  # probed when the endpoint was reached: no I/O here
 
     # -- reaching it --------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Build the front-end and learn what the server is; a failure leaves it down."""
-        try:
-            self._reach()
-        except BackendError as exc:
-            log.warning("trimkit: fleet endpoint %s is not reachable yet (%s); it will be probed again", self.label, describe_error(exc))
-            self._down(exc)
-            return
-        info = self.backend.server_info()
-        if self.load is not None and info.engine == "llama.cpp" and info.metrics_off:
-            log.warning("trimkit: fleet endpoint %s: start llama-server with --metrics so that the fleet sees the requests waiting "
-                        "there (llamacpp:requests_deferred); /slots shows only those running", self.label)
-
-    def _reach(self) -> None:
-        front = self.build()
-        self.backend.server_info()
-        self.front = front
-
-    def probe(self) -> bool:
-        """Is it back? Builds the front-end if it was never reached, else asks ``GET /v1/models``
-        within ``probe_timeout_s``; back in rotation, or its backoff doubled."""
+    def probe(self, *, first: bool = False) -> bool:
+        """Is it up? Builds the front-end and learns what the server is if it was never reached (``first``: at
+        construction), else asks ``GET /v1/models`` within ``probe_timeout_s``; in rotation, or out and its backoff doubled."""
         try:
             if self.front is None:
-                self._reach()
+                front = self.build()
+                self.backend.server_info()
+                self.front = front
             else:
                 wait = Wait(self.probe_timeout_s, self.probe_timeout_s)
                 self.backend.transport.request_json_once("GET", self.backend.base_url + "/models", wait=wait, missing_ok=True)
         except BackendError as exc:
+            if first:
+                log.warning("trimkit: fleet endpoint %s is not reachable yet (%s); it will be probed again", self.label, describe_error(exc))
             with self._lock:
                 self._down(exc, probed=True)
                 self._probing = False
             return False
         with self._lock:
             self.retry_at, self.backoff_s, self._probing = None, 0.0, False
-        log.info("trimkit: fleet endpoint %s is back in rotation", self.label)
+        info = self.backend.server_info()
+        if not first:
+            log.info("trimkit: fleet endpoint %s is back in rotation", self.label)
+        elif self.load is not None and info.engine == "llama.cpp" and info.metrics_off:
+            log.warning("trimkit: fleet endpoint %s: start llama-server with --metrics so that the fleet sees the requests waiting "
+                        "there (llamacpp:requests_deferred); /slots shows only those running", self.label)
         return True
 
     def maybe_probe(self, *, wait: bool = False) -> None:
@@ -304,9 +291,8 @@ class FleetEndpoint:
         return CacheState(prompts=held, block=self.backend.cache_block_tokens) if held else self.backend.evidence.cache_state()
 
     def cost(self, tokens: Sequence[int], params: Mapping[str, Any], now: float, budget_s: float | None = None) -> RouteCost:
-        """The untrimmed prompt priced here by this endpoint's own profile: the wait behind this
-        client's requests (and one like it for each other client's request the server reports),
-        plus the prefill of what is not held."""
+        """The untrimmed prompt priced here by this endpoint's own profile: the wait behind this client's requests (and one like it for each other client's
+        request the server reports), plus the prefill of what is not held."""
         priced = self.pipeline.price(tokens)  # by this endpoint's own pipeline and profile
         cached, prefill = priced.cached, priced.predicted_s
         decode = self.queue.decode_s(params, self.front.profile.decode_tokens_per_s)
@@ -366,10 +352,9 @@ class FleetEndpoint:
 
 @attrs.define(eq=False)
 class Route:
-    """One attempt of a call: the endpoint it goes to, priced (``cost``), its place in that
-    endpoint's queue (``ticket``, until :meth:`release`) and the request that endpoint's pipeline
-    planned; ``last``: no other endpoint was left (it gets the rest of the deadline). It is its
-    stream's listener (:class:`~trimkit.frontend.StreamReporter`)."""
+    """One attempt of a call: the endpoint it goes to, priced (``cost``), its place in that endpoint's queue (``ticket``, until :meth:`release`) and the
+    request that endpoint's pipeline planned; ``last``: no other endpoint was left (it gets the rest of the deadline). It is its stream's listener
+    (:class:`~trimkit.frontend.StreamReporter`)."""
 
     cost: RouteCost
     ticket: Ticket
@@ -425,10 +410,9 @@ class Route:
 
 
 class FleetCall:
-    """One ``create()`` on a fleet, routing only: the endpoint with the least predicted TTFT (its
-    wait and its own profile's prefill) is chosen and its pipeline plans and sends the request,
-    validated and counted once (:meth:`route`); after an endpoint failure before the first token,
-    the next one (:meth:`failed`)."""
+    """One ``create()`` on a fleet, routing only: the endpoint with the least predicted TTFT (its wait and its own profile's prefill) is chosen and its
+    pipeline plans and sends the request, validated and counted once (:meth:`route`); after an endpoint failure before the first token, the next one
+    (:meth:`failed`)."""
 
     def __init__(self, fleet: Any, messages: Any, rag_chunks: Any, budget: float | None, params: Mapping[str, Any], *,
                  on_busy: str | None = None, routing_key: Any = NOT_GIVEN) -> None:
@@ -518,9 +502,8 @@ class FleetCall:
 
     def failed(self, ep: FleetEndpoint, exc: BaseException, route: Route | None = None, *, since: float | None = None,
                ahead: int = 0) -> None:
-        """``ep`` failed before this request's first token: out of rotation, and the call goes on
-        elsewhere; the request's own error is raised. A timeout (or 429) of an endpoint alive
-        since the request was sent (:meth:`FleetEndpoint.alive_since`) is overload: it stays in rotation."""
+        """``ep`` failed before this request's first token: out of rotation, and the call goes on elsewhere; the request's own error is raised. A timeout
+        (or 429) of an endpoint alive since the request was sent (:meth:`FleetEndpoint.alive_since`) is overload: it stays in rotation."""
         if not is_endpoint_failure(exc):
             raise exc
         if route is not None:
@@ -558,10 +541,9 @@ AsyncFleetStream = AsyncReportingStream
 
 
 class FleetFrontEnd(Closing):
-    """Several OpenAI-compatible endpoints behind one sync ``chat.completions.create``: it returns
-    what one endpoint's wrapper returns (with ``stream=True`` a :class:`FleetStream`). It only
-    routes: each endpoint's pipeline plans, and appends to the one list of ``reports``.
-    ``close()`` / ``with`` close every endpoint."""
+    """Several OpenAI-compatible endpoints behind one sync ``chat.completions.create``: it returns what one endpoint's wrapper returns (with ``stream=True``
+    a :class:`FleetStream`). It only routes: each endpoint's pipeline plans, and appends to the one list of ``reports``. ``close()`` / ``with`` close every
+    endpoint."""
 
     is_async = False
 
@@ -605,10 +587,10 @@ class FleetFrontEnd(Closing):
         """Reach every endpoint (build its wrapper), one after the other or in parallel threads; one that is down joins later."""
         if parallel and len(self.endpoints) > 1:
             with ThreadPoolExecutor(max_workers=len(self.endpoints), thread_name_prefix="trimkit-fleet-start") as pool:
-                list(pool.map(lambda ep: ep.start(), self.endpoints))
+                list(pool.map(lambda ep: ep.probe(first=True), self.endpoints))
         else:
             for ep in self.endpoints:
-                ep.start()
+                ep.probe(first=True)
 
     def in_rotation(self, *, exclude: Collection[str] = ()) -> list[FleetEndpoint]:
         """The endpoints that may take a request now (those due a probe probed in the background,
@@ -638,9 +620,8 @@ class FleetFrontEnd(Closing):
                 ep.pipeline.idle(timeout_s)
 
     def call_steps(self, kwargs: dict[str, Any]) -> Steps:
-        """A ``create()`` call, sync or async: routed (:class:`FleetCall`; async: in a worker thread),
-        then sent by that endpoint's :class:`~trimkit.openai_wrapper.Send` as this attempt (:class:`Route`); a
-        failure before the first token routes it again."""
+        """A ``create()`` call, sync or async: routed (:class:`FleetCall`; async: in a worker thread), then sent by that endpoint's
+        :class:`~trimkit.openai_wrapper.Send` as this attempt (:class:`Route`); a failure before the first token routes it again."""
         messages, rag_chunks, budget, params, stream, options, key = call_arguments(kwargs)
         call = FleetCall(self, messages, rag_chunks, budget, params, routing_key=key, **options)
         while True:
@@ -728,11 +709,9 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
                asynchronous: bool | None = None, profile: Profile | Sequence[Profile] | None = None, retry_deadline_s: float | None = None,
                slots: int | None = None, held_prompts: int | None = None, parallel_calibration: bool = False, read_load: bool = True,
                probe_after_s: float = 1.0, probe_max_s: float = 30.0, probe_timeout_s: float = 2.0, **kwargs: Any) -> FleetFrontEnd:
-    """A fleet of OpenAI-compatible endpoints (docs/scaling.md §2): ``targets`` are base URLs
-    (``asynchronous=True`` for the async front-end) or ``openai`` clients, all sync or all async.
-    ``profile``: one for all, one per endpoint, or None. Backend settings
-    (:data:`FLEET_BACKEND_DEFAULTS` unless given) apply to every endpoint, the rest of ``kwargs``
-    to every endpoint's pipeline. No endpoint reachable: :class:`FleetUnavailableError`."""
+    """A fleet of OpenAI-compatible endpoints (docs/scaling.md §2): ``targets`` are base URLs (``asynchronous=True`` for the async front-end) or ``openai``
+    clients, all sync or all async. ``profile``: one for all, one per endpoint, or None. Backend settings (:data:`FLEET_BACKEND_DEFAULTS` unless given)
+    apply to every endpoint, the rest of ``kwargs`` to every endpoint's pipeline. No endpoint reachable: :class:`FleetUnavailableError`."""
     kind = _kind(targets)
     if kind != "url" and asynchronous is not None and asynchronous != (kind == "async"):
         raise InvalidInputError(f"asynchronous={asynchronous} does not match the {kind} clients given")

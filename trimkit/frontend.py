@@ -1,6 +1,5 @@
-"""What every front-end shares: :class:`FrontEnd` (the pipeline's state under the names users
-know) and the reporting streams a wrapped call returns, which build the report when the engine's
-stream ends and keep the request's place in an in-process engine's queue up to date.
+"""What every front-end shares: :class:`FrontEnd` (the pipeline's state under the names users know) and the reporting streams a wrapped call returns, which
+build the report when the engine's stream ends and keep the request's place in an in-process engine's queue up to date.
 """
 
 from __future__ import annotations
@@ -90,10 +89,9 @@ class AsyncClosing:
 
 
 class StreamReporter:
-    """Shared by the sync and async streams: builds the report when the timed stream ends.
-    ``watch``: the driver of the request's watched prefill (a re-plan changes what was sent);
-    ``at_end(report)``: called when the stream is exhausted (it may raise); ``listener``: told of
-    each chunk (``chunk(stream)``) and of the end (``ended(stream, exc)``, None when closed)."""
+    """Shared by the sync and async streams: builds the report when the timed stream ends. ``watch``: the driver of the request's watched prefill (a re-plan
+    changes what was sent); ``at_end(report)``: called when the stream is exhausted (it may raise); ``listener``: told of each chunk (``chunk(stream)``) and
+    of the end (``ended(stream, exc)``, None when closed)."""
 
     _read: Callable[[], Any]  # the next chunk of the engine's stream (the async streams': awaitable)
 
@@ -131,9 +129,8 @@ class StreamReporter:
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
-        """Around reading the next chunk: an error that ends the stream gets the report of what
-        was sent; the first token tells the engine's queue that only the decode is left (the
-        engine's hold takes the request out of it when the stream ends)."""
+        """Around reading the next chunk: an error that ends the stream gets the report of what was sent; the first token tells the engine's queue that only
+        the decode is left (the engine's hold takes the request out of it when the stream ends)."""
         try:
             yield
         except BaseException as exc:
@@ -166,10 +163,9 @@ class StreamReporter:
 
 
 class ReportingStream(Closing, StreamReporter):
-    """The stream a wrapped call returns with ``stream=True``: iterate it like the engine's or
-    client's own; ``.report`` is set once it is exhausted; ``with`` and :meth:`close` work. With an
-    in-process engine it holds the engine until it is exhausted, fails, is closed or is
-    garbage-collected, from any thread."""
+    """The stream a wrapped call returns with ``stream=True``: iterate it like the engine's or client's own; ``.report`` is set once it is exhausted;
+    ``with`` and :meth:`close` work. With an in-process engine it holds the engine until it is exhausted, fails, is closed or is garbage-collected, from any
+    thread."""
 
     def __iter__(self) -> Iterator[Any]:
         return self

@@ -1,8 +1,7 @@
 """The OpenAI-client front-end: a TTFT budget on a model behind an OpenAI-compatible server.
 
-:class:`TrimmedOpenAI` and :class:`AsyncTrimmedOpenAI` are drop-ins for ``openai.OpenAI`` and
-``openai.AsyncOpenAI`` (``create`` also takes ``rag_chunks=``, ``ttft_budget_s=``, ``on_busy=``,
-``routing_key=``); :func:`wrap_one_url` gives the same API over plain ``httpx``. Usage: docs/servers.md.
+:class:`TrimmedOpenAI` and :class:`AsyncTrimmedOpenAI` are drop-ins for ``openai.OpenAI`` and ``openai.AsyncOpenAI`` (``create`` also takes ``rag_chunks=``,
+``ttft_budget_s=``, ``on_busy=``, ``routing_key=``); :func:`wrap_one_url` gives the same API over plain ``httpx``. Usage: docs/servers.md.
 """
 
 from __future__ import annotations
@@ -35,10 +34,9 @@ MIN_RETRY_DEADLINE_S = 5.0
 
 
 def retry_deadline_for(ttft_budget_s: float | None, default_s: float) -> float:
-    """How long a request without its first chunk is retried, and with a budget the call's
-    deadline for every wait before it: ``max(2 × budget, 5 s)``, else ``default_s``. Once the
-    first token is later than twice the budget the answer has failed its purpose, but a tight
-    budget must not turn a dropped keep-alive connection or a brief 503 into an error."""
+    """How long a request without its first chunk is retried, and with a budget the call's deadline for every wait before it: ``max(2 × budget, 5 s)``, else
+    ``default_s``. Once the first token is later than twice the budget the answer has failed its purpose, but a tight budget must not turn a dropped
+    keep-alive connection or a brief 503 into an error."""
     if ttft_budget_s is None:
         return default_s
     return max(2.0 * ttft_budget_s, MIN_RETRY_DEADLINE_S)
@@ -88,9 +86,8 @@ def split_backend_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def call_arguments(kwargs: Mapping[str, Any]) -> tuple[Any, Any, float | None, dict[str, Any], bool, dict[str, Any], Any]:
-    """A ``create()`` call's arguments: (messages, rag_chunks, budget, the parameters passed
-    through, stream, trimkit's options (``on_busy``), the routing key validated: a key, None or
-    :data:`~trimkit.backends.server.NOT_GIVEN`). ``openai.NOT_GIVEN`` values are left out."""
+    """A ``create()`` call's arguments: (messages, rag_chunks, budget, the parameters passed through, stream, trimkit's options (``on_busy``), the routing
+    key validated: a key, None or :data:`~trimkit.backends.server.NOT_GIVEN`). ``openai.NOT_GIVEN`` values are left out."""
     params = {k: v for k, v in kwargs.items() if not _is_not_given(v)}
     if "messages" not in params:
         raise InvalidMessageError("create() needs messages=[...]")
@@ -200,9 +197,8 @@ class ClientChat(_ClientPart):
 
 
 class OpenAIFrontEnd(FrontEnd):
-    """What :class:`TrimmedOpenAI` and :class:`AsyncTrimmedOpenAI` share. ``retry_deadline_s``
-    fixes how long a request is retried before its first chunk (default: :func:`retry_deadline_for`
-    of its budget); backend settings (:data:`BACKEND_KWARGS`) go to the
+    """What :class:`TrimmedOpenAI` and :class:`AsyncTrimmedOpenAI` share. ``retry_deadline_s`` fixes how long a request is retried before its first chunk
+    (default: :func:`retry_deadline_for` of its budget); backend settings (:data:`BACKEND_KWARGS`) go to the
     :class:`~trimkit.backends.http.OpenAIHTTPBackend`, the rest to the :class:`~trimkit.pipeline.Pipeline`."""
 
     is_async = False
@@ -292,11 +288,9 @@ def in_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class Send:
-    """One request's way out through an OpenAI-style front-end, sync or async (its steps yield
-    :class:`~trimkit.backends.base.Io`): sent whole if streaming cannot measure it (``n > 1``),
-    else streamed, and drained and assembled unless a stream was asked for. ``attempt``: a fleet's
-    (:class:`trimkit.fleet.Route`): its deadline, its place in the endpoint's queue, its stream read
-    up to the first token."""
+    """One request's way out through an OpenAI-style front-end, sync or async (its steps yield :class:`~trimkit.backends.base.Io`): sent whole if streaming
+    cannot measure it (``n > 1``), else streamed, and drained and assembled unless a stream was asked for. ``attempt``: a fleet's
+    (:class:`trimkit.fleet.Route`): its deadline, its place in the endpoint's queue, its stream read up to the first token."""
 
     def __init__(self, front: OpenAIFrontEnd, params: Mapping[str, Any], stream: bool, headers: Mapping[str, str] | None = None,
                  attempt: Any = None) -> None:
@@ -325,9 +319,8 @@ class Send:
                 if attempt is not None:  # out of the endpoint's queue before its report
                     attempt.went_out(prepared)
                     attempt.release()
-                pipeline.finish(prepared, m, params)
-                if attempt is not None:
                     attempt.endpoint.observe(params, m)
+                pipeline.finish(prepared, m, params)
                 return response
             # a budgeted sync request to a llama-server is watched while it prefills (OpenAIHTTPBackend.evaluate_to)
             watch = pipeline.watched(prepared)
@@ -358,9 +351,8 @@ class Send:
 
 
 class TrimmedOpenAI(Closing, OpenAIFrontEnd):
-    """An ``openai.OpenAI``-style client whose chat calls keep TTFT inside a budget: ``create``
-    returns the client's ``ChatCompletion``, rebuilt from a stream so that TTFT is measured, or
-    with ``stream=True`` its chunks (with ``.report``). ``close()`` / ``with`` close the client too."""
+    """An ``openai.OpenAI``-style client whose chat calls keep TTFT inside a budget: ``create`` returns the client's ``ChatCompletion``, rebuilt from a
+    stream so that TTFT is measured, or with ``stream=True`` its chunks (with ``.report``). ``close()`` / ``with`` close the client too."""
 
     def execute(self, prepared: Prepared, params: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> ReportingOpenAIStream:
         """Send a prepared request; a stream of the client's chunks that reports when done."""

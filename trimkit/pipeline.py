@@ -1,9 +1,8 @@
 """The request pipeline, written once: validate → plan → send → measure → report.
 
-:class:`Pipeline` decides every request and sends nothing: :meth:`Pipeline.prepare` makes a
-:class:`Prepared` request, :meth:`Pipeline.finish` turns its measurement into a report and learns
-from it. A report attached to an error has ``measurement.total_s`` from sending to the failure.
-On an in-process engine a request enters the engine's queue when it is prepared.
+:class:`Pipeline` decides every request and sends nothing: :meth:`Pipeline.prepare` makes a :class:`Prepared` request, :meth:`Pipeline.finish` turns its
+measurement into a report and learns from it. A report attached to an error has ``measurement.total_s`` from sending to the failure. On an in-process engine
+a request enters the engine's queue when it is prepared.
 """
 
 from __future__ import annotations
@@ -88,9 +87,8 @@ def _summarizer(summarizer: Any) -> Any:
 
 
 class Pipeline:
-    """Validate → plan → (the front-end sends) → measure → report, for any backend. Keyword
-    arguments are :func:`trimkit.wrap`'s; ``model_label(params)`` and ``report_notes(m, params)``
-    let a front-end name the model and add warnings to its reports."""
+    """Validate → plan → (the front-end sends) → measure → report, for any backend. Keyword arguments are :func:`trimkit.wrap`'s; ``model_label(params)``
+    and ``report_notes(m, params)`` let a front-end name the model and add warnings to its reports."""
 
     def __init__(
         self, backend: Backend, *, ttft_budget_s: float | None = None, profile: Profile | None = None, strategies: Any = None,
@@ -145,7 +143,6 @@ class Pipeline:
         self._report_notes = report_notes
         self._lock = threading.Lock()
         self._last_report: Report | None = None
-        self._model_name: str | None = None
         #: where the previous request cut the conversation, if it dropped turns: the role and text of the first history
         #: message it kept (the next plan may keep that cut)
         self._cut: tuple[Any, str] | None = None
@@ -164,6 +161,12 @@ class Pipeline:
     def safety_margin(self) -> float:
         """The fraction of a budget an open-loop request holds back (:mod:`trimkit.planning.speed`)."""
         return self.engine.safety_margin(self.attainment_target)
+
+    @functools.cached_property
+    def _model_name(self) -> str:
+        """The model a report names by default: the GGUF file name in process (the profile key hashes part of the file)."""
+        model = self.backend.profile_key().model
+        return model.split(":")[0] if self.backend.name == "llama_cpp" else model
 
     @property
     def last_report(self) -> Report | None:
@@ -227,9 +230,8 @@ class Pipeline:
 
     def prepare(self, messages: Any, rag_chunks: Any = None, params: Mapping[str, Any] | None = None, *, ttft_budget_s: float | None = None,
                 on_busy: str | None = None, queue_wait_s: float | None = None) -> Prepared:
-        """Validate, plan and check a request without sending it (``messages``: or a :class:`Request`
-        made by :meth:`request`). ``queue_wait_s``: a wait the caller predicts (a fleet router),
-        planned with instead of the engine queue's."""
+        """Validate, plan and check a request without sending it (``messages``: or a :class:`Request` made by :meth:`request`). ``queue_wait_s``: a wait the
+        caller predicts (a fleet router), planned with instead of the engine queue's."""
         t0 = self.clock()
         request = messages if isinstance(messages, Request) else self.request(messages, rag_chunks, params)
         budget = self.ttft_budget_s if ttft_budget_s is None else valid_budget(ttft_budget_s)
@@ -365,11 +367,9 @@ class Pipeline:
         return WatchedPrefill(self, prepared, waited_s=waited_s)
 
     def replan(self, prepared: Prepared, watch: PrefillWatch, spent_s: float, *, grow: bool = False) -> Prepared | None:
-        """``prepared`` planned again ``spent_s`` into it at the measured pace. First the plan's
-        chunks not evaluated yet are cut (the evaluated prefix kept), to the margin's target, else
-        to the budget; only when no such cut fits is the whole request planned again, and only if
-        that is predicted within the budget. ``grow``: put back chunks the plan dropped. None when
-        nothing would change."""
+        """``prepared`` planned again ``spent_s`` into it at the measured pace. First the plan's chunks not evaluated yet are cut (the evaluated prefix
+        kept), to the margin's target, else to the budget; only when no such cut fits is the whole request planned again, and only if that is predicted
+        within the budget. ``grow``: put back chunks the plan dropped. None when nothing would change."""
         if prepared.request is None or prepared.budget_s is None or prepared.plan is None:
             return None
         request = prepared.request
@@ -460,13 +460,7 @@ class Pipeline:
                error: type[BaseException] | None = None) -> Report:
         """The report of ``prepared`` (nothing learned): the one place every report is completed."""
         notes = self._report_notes(m, params) if self._report_notes is not None else ()
-        if self._model_label is not None:
-            model = self._model_label(params)
-        else:  # the GGUF file name in process; computed once (the profile key hashes part of the file)
-            if self._model_name is None:
-                model = self.backend.profile_key().model
-                self._model_name = model.split(":")[0] if self.backend.name == "llama_cpp" else model
-            model = self._model_name
+        model = self._model_label(params) if self._model_label is not None else self._model_name
         report = Report.of_request(prepared, m, params, backend=self.backend.name, model=model, profile=self.profile, notes=notes, sent=sent,
                                    endpoint=self.endpoint_label, tokens_per_s_target=self.tokens_per_s_target)
         report_completed(report, error_type=None if error is None else f"{error.__module__}.{error.__qualname__}",
@@ -537,10 +531,9 @@ def _whole_request(m: Measurement, prepared: Prepared) -> Measurement:
 
 
 class WatchedPrefill:
-    """Runs the watched prefill (:mod:`trimkit.planning.watch`) of one prepared request: called
-    with the backend's ``evaluate(tokens, end) -> (seconds, start)``, its clock and what its
-    context holds, it returns the messages and prompt tokens to generate from (the plan's or a
-    re-plan's). :attr:`prepared` is the request as finally sent; ``waited_s`` counts against the budget."""
+    """Runs the watched prefill (:mod:`trimkit.planning.watch`) of one prepared request: called with the backend's ``evaluate(tokens, end) -> (seconds,
+    start)``, its clock and what its context holds, it returns the messages and prompt tokens to generate from (the plan's or a re-plan's). :attr:`prepared`
+    is the request as finally sent; ``waited_s`` counts against the budget."""
 
     def __init__(self, pipeline: Pipeline, prepared: Prepared, *, waited_s: float = 0.0) -> None:
         self.pipeline = pipeline
@@ -586,9 +579,8 @@ class WatchedPrefill:
 
 def place_chunks(messages: Sequence[Mapping[str, Any]], chunks: Sequence[Chunk], template: str = DEFAULT_RAG_TEMPLATE,
                  chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE) -> list[Mapping[str, Any]]:
-    """A new message list with ``chunks`` placed into the last user message as the planner
-    places them (ranked by score or BM25, the most relevant last), so an untrimmed plan and
-    this placement give the same prompt."""
+    """A new message list with ``chunks`` placed into the last user message as the planner places them (ranked by score or BM25, the most relevant last), so
+    an untrimmed plan and this placement give the same prompt."""
     out = list(messages)
     if not chunks:
         return out
@@ -599,9 +591,8 @@ def place_chunks(messages: Sequence[Mapping[str, Any]], chunks: Sequence[Chunk],
 
 @attrs.frozen
 class Request:
-    """A call's input, validated and neutralised once (:meth:`Pipeline.request`): what every plan of
-    it starts from (a re-plan, a fleet's endpoint); ``tokens``: its prompt as given, counted by
-    ``counted_by`` (a tokenizer's name)."""
+    """A call's input, validated and neutralised once (:meth:`Pipeline.request`): what every plan of it starts from (a re-plan, a fleet's endpoint);
+    ``tokens``: its prompt as given, counted by ``counted_by`` (a tokenizer's name)."""
 
     messages: Any
     chunks: tuple[Chunk, ...]

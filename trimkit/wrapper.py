@@ -1,6 +1,5 @@
-"""The drop-in wrapper ``trimkit.wrap(client, ttft_budget_s=...)`` and the in-process and Ollama
-front-ends (the OpenAI-client ones are :mod:`trimkit.openai_wrapper`). Each holds a
-:class:`~trimkit.pipeline.Pipeline` and only sends.
+"""The drop-in wrapper ``trimkit.wrap(client, ttft_budget_s=...)`` and the in-process and Ollama front-ends (the OpenAI-client ones are
+:mod:`trimkit.openai_wrapper`). Each holds a :class:`~trimkit.pipeline.Pipeline` and only sends.
 """
 
 from __future__ import annotations
@@ -29,9 +28,8 @@ if TYPE_CHECKING:
 
 
 class Trimmer(FrontEnd):
-    """A :class:`~trimkit.backends.base.Backend` behind a TTFT budget, with the chat API of
-    ``llama_cpp.Llama``; :meth:`prepare` plans a request and :meth:`execute` sends it. Keyword
-    arguments are those of :func:`wrap`."""
+    """A :class:`~trimkit.backends.base.Backend` behind a TTFT budget, with the chat API of ``llama_cpp.Llama``; :meth:`prepare` plans a request and
+    :meth:`execute` sends it. Keyword arguments are those of :func:`wrap`."""
 
     is_async = False
 
@@ -39,9 +37,8 @@ class Trimmer(FrontEnd):
         self.pipeline = Pipeline(backend, **kwargs)
 
     def execute(self, prepared: Prepared, params: Mapping[str, Any]) -> ReportingStream:
-        """Send a prepared request: a stream that reports when done. An in-process engine is taken
-        here for the stream, waiting at most the budget (else ``engine_wait_s``) plus twice the
-        predicted wait (then :class:`~trimkit.errors.EngineBusyError`); the wait is reported."""
+        """Send a prepared request: a stream that reports when done. An in-process engine is taken here for the stream, waiting at most the budget (else
+        ``engine_wait_s``) plus twice the predicted wait (then :class:`~trimkit.errors.EngineBusyError`); the wait is reported."""
         return run_sync(self._send(prepared, params))
 
     def _send(self, prepared: Prepared, params: Mapping[str, Any]) -> Steps:
@@ -68,9 +65,8 @@ class Trimmer(FrontEnd):
         return (AsyncReportingStream if self.is_async else ReportingStream)(ts, self.pipeline, prepared, params, watch=watch)
 
     def create_chat_completion(self, messages: Any = None, **kwargs: Any) -> Any:
-        """Like ``Llama.create_chat_completion`` inside the TTFT budget, plus ``rag_chunks=``,
-        ``ttft_budget_s=`` and ``on_busy=``: a ``chat.completion`` dict, or with ``stream=True``
-        a :class:`ReportingStream` (with ``.report``)."""
+        """Like ``Llama.create_chat_completion`` inside the TTFT budget, plus ``rag_chunks=``, ``ttft_budget_s=`` and ``on_busy=``: a ``chat.completion``
+        dict, or with ``stream=True`` a :class:`ReportingStream` (with ``.report``)."""
         rag_chunks = kwargs.pop("rag_chunks", None)
         budget = kwargs.pop("ttft_budget_s", None)
         on_busy = kwargs.pop("on_busy", None)
@@ -102,9 +98,8 @@ class TrimmedLlama(Trimmer):
         super().__init__(backend, **kwargs)
 
     def prewarm(self, messages: Any, *, keep: bool = True) -> Any:
-        """Prefill a stable prefix (system prompt, pinned documents) off the critical path; with
-        ``keep`` also store its KV state, which a later conversation starting with it restores.
-        Returns the snapshot (or None)."""
+        """Prefill a stable prefix (system prompt, pinned documents) off the critical path; with ``keep`` also store its KV state, which a later
+        conversation starting with it restores. Returns the snapshot (or None)."""
         validate_messages(messages)
         tokens = self.backend.tokenizer.prompt_tokens(messages)
         prefix = tokens[: max(len(tokens) - 1, 1)]
@@ -115,9 +110,8 @@ class TrimmedLlama(Trimmer):
 
 
 def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
-    """Wrap the client you already use so that each chat request meets a TTFT budget: a
-    ``llama_cpp.Llama``, an OpenAI-style client, an ``ollama`` client, a trimkit ``Backend``, or a
-    list of OpenAI-style clients (a fleet). ``kwargs``: the table in ``docs/reference.md``."""
+    """Wrap the client you already use so that each chat request meets a TTFT budget: a ``llama_cpp.Llama``, an OpenAI-style client, an ``ollama`` client, a
+    trimkit ``Backend``, or a list of OpenAI-style clients (a fleet). ``kwargs``: the table in ``docs/reference.md``."""
     if isinstance(client, (list, tuple)):
         return wrap_fleet(client, ttft_budget_s, **kwargs)
     kind = client_kind(client)
@@ -167,11 +161,9 @@ def assemble_chat_response(chunks: list[Any]) -> Any:
 
 
 class TrimmedOllama(Trimmer):
-    """An ``ollama.Client`` whose ``chat()`` keeps TTFT inside a budget. ``model``: the model to
-    calibrate and to name when a call does not; ``n_ctx``: the context window every request asks
-    for (default 4096, Ollama's own); ``chat_format``: the template for counting (default: a
-    ChatML estimate); ``on_truncation``: ``"raise"`` (a prompt the server cut raises
-    :class:`PromptTruncatedError` when the stream ends) or ``"warn"``."""
+    """An ``ollama.Client`` whose ``chat()`` keeps TTFT inside a budget. ``model``: the model to calibrate and to name when a call does not; ``n_ctx``: the
+    context window every request asks for (default 4096, Ollama's own); ``chat_format``: the template for counting (default: a ChatML estimate);
+    ``on_truncation``: ``"raise"`` (a prompt the server cut raises :class:`PromptTruncatedError` when the stream ends) or ``"warn"``."""
 
     def __init__(self, client: Any, ttft_budget_s: float | None = None, *, model: str | None = None, n_ctx: int | None = None,
                  n_batch: int | None = None, chat_format: str | None = None, on_truncation: str = "raise", **kwargs: Any) -> None:
