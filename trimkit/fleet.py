@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from trimkit.backends.base import Io, Measurement, Steps, client_is_async, is_openai_client
+from trimkit.backends.base import Io, Steps, client_is_async, is_openai_client
 from trimkit.backends.http import OpenAIHTTPBackend
 from trimkit.backends.server import NOT_GIVEN, RoutingOptions, ServerLoadReader
 from trimkit.backends.transport import Wait, normalize_base_url
@@ -43,7 +43,7 @@ from trimkit.openai_wrapper import AsyncTrimmedOpenAI, CallDeadlines, ClientChat
 from trimkit.pipeline import Prepared, Request
 from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import Profile
-from trimkit.planning.queue import EngineQueue, Ticket, answer_cap, check_on_busy
+from trimkit.planning.queue import EngineQueue, Ticket, check_on_busy
 from trimkit.report import Report, valid_tokens_per_s_target
 
 __all__ = ["wrap_fleet", "wrap_url", "FleetFrontEnd", "AsyncFleetFrontEnd", "FleetStream", "AsyncFleetStream", "FleetEndpoint",
@@ -330,12 +330,6 @@ class FleetEndpoint:
             self.progressed()
         self._started()
 
-    def observe(self, params: Mapping[str, Any], m: Measurement) -> None:
-        """A request finished: it teaches the decode speed here, and without ``max_tokens`` the typical answer length."""
-        self.queue.observe_stream(m.completion_tokens, m.ttft_s, m.total_s)
-        if answer_cap(params) is None:
-            self.queue.observe_answer(m.completion_tokens)
-
     def _started(self) -> None:
         """The first ``slots`` requests sent and in flight are being processed (first come, first served)."""
         sent = [t for t in self.queue.in_flight() if t.prompt_tokens is not None]
@@ -404,7 +398,7 @@ class Route:
         first = rs.timed.first_output_at is not None
         self.release(failed=exc is not None and not finished and not first)
         if finished and rs.report is not None:
-            self.endpoint.observe(rs.params, rs.report.measurement)
+            self.endpoint.queue.observe(rs.params, rs.report.measurement)  # the decode speed here, the answer's length
         elif first and isinstance(exc, TrimkitError) and is_endpoint_failure(exc):
             self.endpoint.mark_down(exc)
 

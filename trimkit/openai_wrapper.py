@@ -319,7 +319,7 @@ class Send:
                 if attempt is not None:  # out of the endpoint's queue before its report
                     attempt.went_out(prepared)
                     attempt.release()
-                    attempt.endpoint.observe(params, m)
+                    attempt.endpoint.queue.observe(params, m)
                 pipeline.finish(prepared, m, params)
                 return response
             # a budgeted sync request to a llama-server is watched while it prefills (OpenAIHTTPBackend.evaluate_to)
