@@ -445,8 +445,7 @@ class FleetCall:
         return max(min(bound, self.deadline_s - self.elapsed_s()), 0.05)
 
     def route(self) -> Route:
-        """The best endpoint for this request, reserved, with the request planned there.
-        Endpoints that fail meanwhile are taken out and the next is tried."""
+        """The best endpoint for this request, reserved, with the request planned there. Endpoints that fail meanwhile are taken out and the next is tried."""
         if self.request is None:  # by any reached endpoint's pipeline (one was reached, or there is no fleet)
             self.request = next(ep.pipeline for ep in self.fleet.endpoints if ep.pipeline is not None).request(*self._given)
         while True:
@@ -512,8 +511,7 @@ class FleetCall:
         self.attempts.append((ep.label, describe_error(exc)))
 
     def unavailable(self, why: str) -> FleetUnavailableError | FleetOverloadedError:
-        """The error when nothing is left to try; :class:`FleetOverloadedError` when an endpoint
-        was alive but busy (retry after ``retry_after_s``)."""
+        """The error when nothing is left to try; :class:`FleetOverloadedError` when an endpoint was alive but busy (retry after ``retry_after_s``)."""
         if self._overloaded or any(ep.busy_not_dead for ep in self.fleet.endpoints):
             waits = [ep.predicted_wait_s(self.clock()) for ep in self.fleet.endpoints if ep.is_up or ep.busy_not_dead]
             retry_after = max(min(waits, default=0.0), MIN_RETRY_AFTER_S)
@@ -587,8 +585,7 @@ class FleetFrontEnd(Closing):
                 ep.probe(first=True)
 
     def in_rotation(self, *, exclude: Collection[str] = ()) -> list[FleetEndpoint]:
-        """The endpoints that may take a request now (those due a probe probed in the background,
-        or here when none is up)."""
+        """The endpoints that may take a request now (those due a probe probed in the background, or here when none is up)."""
         for ep in self.endpoints:
             ep.maybe_probe()
         up = [ep for ep in self.endpoints if ep.is_up and ep.label not in exclude]

@@ -152,8 +152,7 @@ class StreamReporter:
             self.listener.ended(self, None)
 
     def read_ahead(self) -> Steps:
-        """Read up to the first token, sync or async, holding the chunks back for the caller (a
-        fleet's attempt fails over before it); the stream."""
+        """Read up to the first token, sync or async, holding the chunks back for the caller (a fleet's attempt fails over before it); the stream."""
         try:
             while self.timed.first_output_at is None:
                 self.head.append((yield Io(self._read, self._read)))
@@ -185,8 +184,7 @@ class ReportingStream(Closing, StreamReporter):
 
 
 class AsyncReportingStream(AsyncClosing, StreamReporter):
-    """What an async ``create(stream=True)`` returns: ``async for`` it; ``.report`` is set once it
-    is exhausted; ``async with`` and ``await close()`` work."""
+    """What an async ``create(stream=True)`` returns: ``async for`` it; ``.report`` is set once it is exhausted; ``async with`` and ``await close()`` work."""
 
     def __aiter__(self) -> AsyncReportingStream:
         return self

@@ -44,8 +44,7 @@ def retry_deadline_for(ttft_budget_s: float | None, default_s: float) -> float:
 
 @attrs.frozen
 class CallDeadlines:
-    """A wrapper's deadlines: ``unbudgeted_s`` retries a call without a budget; ``fixed_s``, if
-    set, every call."""
+    """A wrapper's deadlines: ``unbudgeted_s`` retries a call without a budget; ``fixed_s``, if set, every call."""
 
     unbudgeted_s: float
     fixed_s: float | None = None
@@ -263,15 +262,13 @@ class OpenAIFrontEnd(FrontEnd):
         if key is NOT_GIVEN and self.routing.auto:
             validate_messages(messages)  # before the key is made of them
         key = self.routing.key(key, messages)
-        # behind a router the cache is predicted on the worker this key stays on (an async call's
-        # worker thread runs in a copy of this context)
+        # behind a router the cache is predicted on the worker this key stays on (an async call's worker thread runs in a copy of this context)
         with planning_for(key):
             prepared = yield Io(self.prepare, in_thread(self.prepare), messages, rag_chunks, params, ttft_budget_s=budget, **options)
         return (yield from Send(self, params, stream, routing_headers(key, self.routing.headers)).steps(prepared))
 
     def assemble(self, rs: StreamReporter) -> Any:
-        """The client's ``ChatCompletion`` (a dict without a client) rebuilt from a drained stream;
-        its ``usage`` the server's, else trimkit's counts."""
+        """The client's ``ChatCompletion`` (a dict without a client) rebuilt from a drained stream; its ``usage`` the server's, else trimkit's counts."""
         response = assemble_chat_completion(rs.chunks)
         if response["usage"] is None and rs.report is not None:
             m = rs.report.measurement

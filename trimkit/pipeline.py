@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -175,8 +174,7 @@ class Pipeline:
 
     # -- summaries of older turns, off the critical path ----------------------------------------
     def idle(self, timeout_s: float | None = None) -> None:
-        """Finish pending background summaries now; with ``background_summaries=False``, compute
-        the one the last response's plan calls for."""
+        """Finish pending background summaries now; with ``background_summaries=False``, compute the one the last response's plan calls for."""
         with self._lock:
             threads = list(self._summary_threads)
         for t in threads:
@@ -356,8 +354,7 @@ class Pipeline:
 
     # -- the watched prefill ----------------------------------------------------------------------
     def watches(self) -> bool:
-        """Whether budgeted requests are watched while they prefill: the backend evaluates in
-        steps (``evaluate_to``) and its ``send`` takes ``watch=``."""
+        """Whether budgeted requests are watched while they prefill: the backend evaluates in steps (``evaluate_to``) and its ``send`` takes ``watch=``."""
         return self.watch_prefill and getattr(self.backend, "evaluate_to", None) is not None and _takes_watch(type(self.backend).send)
 
     def watched(self, prepared: Prepared, *, waited_s: float = 0.0) -> WatchedPrefill | None:
@@ -543,15 +540,13 @@ class WatchedPrefill:
     def __call__(self, evaluate: Callable[[Sequence[int], int], tuple[float, int]], clock: Callable[[], float],
                  held: int) -> tuple[Sequence[Mapping[str, Any]], Sequence[int]]:
         t0 = clock()
-        p = self.prepared
-        pipeline = self.pipeline
+        p, pipeline = self.prepared, self.pipeline
         profile = pipeline.profile
-        budget = p.budget_s - self.waited_s if p.budget_s is not None else math.inf
-        # the target the plan filled to: a stricter one (a margin sized for the planned prompt's
+        assert p.budget_s is not None and p.plan is not None  # what Pipeline.watched() watches
+        # to the target the plan filled to: a stricter one (a margin sized for the planned prompt's
         # tail) re-planned requests running on pace and cut what the plan had kept
-        margin = p.plan.safety_margin if p.plan is not None else \
-            pipeline.engine.safety_margin(pipeline.attainment_target, share=tail_share(profile, len(p.prompt_tokens) - held))
-        watch = PrefillWatch(p.prompt_tokens, held, profile, budget, margin=margin, n_batch=max(int(profile.model.n_batch or 512), 1))
+        watch = PrefillWatch(p.prompt_tokens, held, profile, p.budget_s - self.waited_s, margin=p.plan.safety_margin,
+                             n_batch=max(int(profile.model.n_batch or 512), 1))
         if not watch.watched:
             return p.messages, p.prompt_tokens
         self.prepared = attrs.evolve(p, watched=True)
@@ -560,7 +555,7 @@ class WatchedPrefill:
             seconds, start = evaluate(watch.tokens, end)
             watch.record(end, seconds, start)
             over = watch.over_budget(clock() - t0)
-            if over or (not grown and watch.ahead(clock() - t0) and self.prepared.plan is not None and self.prepared.plan.dropped_chunks):
+            if over or (not grown and watch.ahead(clock() - t0) and self.prepared.plan.dropped_chunks):
                 grown = grown or not over  # one try at putting content back a request
                 replanned = pipeline.replan(self.prepared, watch, clock() - t0 + self.waited_s, grow=not over)
                 if replanned is None:  # it fits as planned after all (or nothing to plan from)
