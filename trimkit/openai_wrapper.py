@@ -205,8 +205,7 @@ class OpenAIFrontEnd(FrontEnd):
 
     def __init__(self, client: Any, ttft_budget_s: float | None = None, *, retry_deadline_s: float | None = None,
                  backend: OpenAIHTTPBackend | None = None, **kwargs: Any) -> None:
-        if retry_deadline_s is not None:
-            positive_finite(retry_deadline_s, "retry_deadline_s")
+        fixed_s = None if retry_deadline_s is None else positive_finite(retry_deadline_s, "retry_deadline_s")
         #: the routing key of a call that gives none, and the headers a key goes in
         self.routing = RoutingOptions.of(kwargs.pop("auto_routing_key", False), kwargs.pop("routing_headers", None))
         backend_kwargs = split_backend_kwargs(kwargs)
@@ -220,7 +219,7 @@ class OpenAIFrontEnd(FrontEnd):
         elif backend_kwargs:
             raise InvalidInputError(f"{sorted(backend_kwargs)} configure the backend: pass them to OpenAIHTTPBackend, not with backend=")
         self.client = client
-        self.deadlines = CallDeadlines(backend.retry_deadline_s, float(retry_deadline_s) if retry_deadline_s is not None else None)
+        self.deadlines = CallDeadlines(backend.retry_deadline_s, fixed_s)
         configured = backend.model
 
         def notes(m: Measurement, params: Mapping[str, Any]) -> tuple[str, ...]:
@@ -327,9 +326,7 @@ class Send:
             retry_s, deadline_s = (front.deadlines.retry_s(budget), front.deadlines.first_chunk_s(budget)) if attempt is None else (attempt.deadline_s,) * 2
             ts = yield Io(backend.send, backend.asend, prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens,
                           retry_deadline_s=retry_s, deadline_s=deadline_s, **extra)
-            prepared = pipeline.sent(prepared)
-            if watch is not None:
-                watch.prepared = prepared
+            prepared = pipeline.sent(prepared, watch=watch)
             if attempt is not None:
                 attempt.went_out(prepared)
         except BaseException:

@@ -367,9 +367,8 @@ class Pipeline:
         """``prepared`` planned again ``spent_s`` into it at the measured pace. First the plan's chunks not evaluated yet are cut (the evaluated prefix
         kept), to the margin's target, else to the budget; only when no such cut fits is the whole request planned again, and only if that is predicted
         within the budget. ``grow``: put back chunks the plan dropped. None when nothing would change."""
-        if prepared.request is None or prepared.budget_s is None or prepared.plan is None:
-            return None
         request = prepared.request
+        assert request is not None and prepared.budget_s is not None and prepared.plan is not None  # what the watch runs on
         messages, params = request.messages, request.params
         tools = params.get("tools")
         tok = self.backend.tokenizer
@@ -442,15 +441,17 @@ class Pipeline:
         )
 
     # -- send (the front-end's), measure, report --------------------------------------------------
-    def sent(self, prepared: Prepared, *, waited_s: float = 0.0) -> Prepared:
-        """Record that ``prepared`` went out after waiting ``waited_s`` for the engine (counted in
-        ``report.measured_ttft_s``, not in ``measurement.ttft_s``)."""
+    def sent(self, prepared: Prepared, *, waited_s: float = 0.0, watch: WatchedPrefill | None = None) -> Prepared:
+        """Record that ``prepared`` went out after waiting ``waited_s`` for the engine (counted in ``report.measured_ttft_s``, not in
+        ``measurement.ttft_s``); its ``watch`` (if watched) goes on from it."""
         if waited_s >= 0.001:
             prepared = prepared.with_warning(
                 f"waited {waited_s:.3f} s for the engine (requests ahead held it, or an idle probe was stopping); "
                 "counted in the measured TTFT, not in measurement.ttft_s"
             )
         self.last_prepared = prepared
+        if watch is not None:
+            watch.prepared = prepared
         return prepared
 
     def report(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any], *, sent: bool = True,

@@ -55,13 +55,11 @@ class Trimmer(FrontEnd):
                 backend.restore_prefix(prepared.snapshot)  # type: ignore[attr-defined]
             watch = self.pipeline.watched(prepared, waited_s=waited)
             extra = {"watch": watch} if watch is not None else {}
-            ts = yield Io(backend.send, getattr(backend, "asend", None), prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens,
+            ts = yield Io(backend.send, getattr(backend, "asend", backend.send), prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens,
                           **extra)
         if waited:
             ts.queue_s = getattr(ts, "queue_s", 0.0) + waited
-        prepared = self.pipeline.sent(prepared, waited_s=waited)
-        if watch is not None:
-            watch.prepared = prepared
+        prepared = self.pipeline.sent(prepared, waited_s=waited, watch=watch)
         return (AsyncReportingStream if self.is_async else ReportingStream)(ts, self.pipeline, prepared, params, watch=watch)
 
     def create_chat_completion(self, messages: Any = None, **kwargs: Any) -> Any:
