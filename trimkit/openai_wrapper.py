@@ -74,11 +74,6 @@ BACKEND_KWARGS = ("model", "n_ctx", "n_batch", "cache_block_tokens", "chat_forma
                   "retry_backoff_s", "retry_backoff_max_s", "headers", "http_client", "async_http_client", "tokenizer")
 
 
-def _is_not_given(value: Any) -> bool:
-    """``openai.NOT_GIVEN`` (and ``openai.Omit``): an argument the caller did not give."""
-    return type(value).__name__ in ("NotGiven", "Omit")
-
-
 def split_backend_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Pop the backend's keyword arguments (:data:`BACKEND_KWARGS`) out of ``kwargs``."""
     return {k: kwargs.pop(k) for k in BACKEND_KWARGS if k in kwargs}
@@ -87,7 +82,7 @@ def split_backend_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 def call_arguments(kwargs: Mapping[str, Any]) -> tuple[Any, Any, float | None, dict[str, Any], bool, dict[str, Any], Any]:
     """A ``create()`` call's arguments: (messages, rag_chunks, budget, the parameters passed through, stream, trimkit's options (``on_busy``), the routing
     key validated: a key, None or :data:`~trimkit.backends.server.NOT_GIVEN`). ``openai.NOT_GIVEN`` values are left out."""
-    params = {k: v for k, v in kwargs.items() if not _is_not_given(v)}
+    params = {k: v for k, v in kwargs.items() if type(v).__name__ not in ("NotGiven", "Omit")}  # openai.NOT_GIVEN, openai.Omit
     if "messages" not in params:
         raise InvalidMessageError("create() needs messages=[...]")
     messages = params.pop("messages")
