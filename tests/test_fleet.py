@@ -34,15 +34,13 @@ from trimkit.errors import InvalidInputError, ServerUnreachableError, StreamInte
 from trimkit.fleet import (
     FLEET_BACKEND_DEFAULTS,
     AsyncFleetFrontEnd,
+    FleetEndpoint,
     FleetFrontEnd,
     FleetStream,
     FleetUnavailableError,
-    Health,
-    HeldPrompts,
     slot_wait_s,
     wrap_fleet,
 )
-from trimkit.planning.costs import CacheState
 from trimkit.testing import FakeBackend, FakeOpenAIServer
 
 SYSTEM = {"role": "system", "content": "You answer questions about the harbour town of Marrowby, briefly and exactly. " * 6}
@@ -331,7 +329,7 @@ def test_an_endpoint_comes_back_after_a_probe(hosts, profile):
     chat.chat.completions.create(messages=ask("lighthouse"), max_tokens=4)
     a = chat.endpoints[0]
     assert not a.is_up
-    assert chat.probe_now() == [B] and a.health.backoff_s == pytest.approx(0.1)  # still refused: the backoff doubles
+    assert chat.probe_now() == [B] and a.backoff_s == pytest.approx(0.1)  # still refused: the backoff doubles
     hosts.refuse.clear()
     time.sleep(0.15)
     chat.chat.completions.create(messages=ask("ferry"), max_tokens=4)  # starts the due probe in the background
@@ -539,26 +537,41 @@ def test_the_slot_wait_is_first_come_first_served():
 
 
 def test_held_prompts_and_health():
-    held = HeldPrompts(capacity=2)
+    from types import SimpleNamespace
 
-    def cached(tokens):  # what an endpoint predicts from them (FleetEndpoint.cache_state)
-        return CacheState(prompts=held.prompts()).cached(tokens)
+    now = [10.0]
 
-    held.hold(1, [1, 2, 3, 4])
-    held.hold(2, [1, 2, 9, 9])
+    def refuse():
+        raise ServerUnreachableError("refused")
+
+    backend = SimpleNamespace(prefix_reuse=True, cache_block_tokens=1, server_info=lambda: SimpleNamespace(engine="llama.cpp", metrics_off=False))
+    ep = FleetEndpoint("x", backend, refuse, slots=1, held_prompts=2, probe_after_s=1.0, probe_max_s=3.0, clock=lambda: now[0])
+    first, second, third = (ep.queue.enter() for _ in range(3))
+
+    def cached(tokens):  # what the endpoint predicts from the prompts it holds
+        return ep.cache_state().cached(tokens)
+
+    ep.sent(first, [1, 2, 3, 4])
+    ep.sent(second, [1, 2, 9, 9])
     assert cached([1, 2, 3, 4, 5]) == 4 and cached([1, 2, 3, 4]) == 3  # one token always evaluated
-    held.hold(3, [7, 7])
-    assert cached([1, 2, 3, 4, 5]) == 2 and len(held) == 2  # the oldest left
-    held.forget(2)
+    ep.sent(third, [7, 7])
+    assert cached([1, 2, 3, 4, 5]) == 2 and len(ep.held) == 2  # the oldest left
+    ep.release(second, failed=True)
     assert cached([1, 2, 3]) == 0
-    h = Health(after_s=1.0, max_s=3.0)
-    h.down(10.0, "refused")
-    assert not h.is_up and not h.probe_due(10.5) and h.probe_due(11.0)
-    h.probe_failed(11.0, "refused")
-    h.probe_failed(13.0, "refused")
-    assert h.backoff_s == 3.0 and h.retry_at == 16.0
-    h.up()
-    assert h.is_up and not h.probe_due(100.0)
+    ep.probe(first=True)  # refused: out of rotation for probe_after_s
+    assert not ep.is_up and ep.retry_at == 11.0 and "refused" in ep.last_error
+    now[0] = 10.5
+    ep.maybe_probe(wait=True)  # not due yet
+    assert ep.backoff_s == 1.0
+    now[0] = 11.0
+    ep.maybe_probe(wait=True)  # due, and refused again: the wait doubles
+    now[0] = 13.0
+    ep.maybe_probe(wait=True)  # up to probe_max_s
+    assert ep.backoff_s == 3.0 and ep.retry_at == 16.0
+    ep.build = object  # it answers now
+    now[0] = 16.0
+    ep.maybe_probe(wait=True)
+    assert ep.is_up and ep.retry_at is None and ep.backoff_s == 0.0
 
 
 def test_when_every_endpoint_must_trim_the_one_that_keeps_the_most_wins():

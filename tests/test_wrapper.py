@@ -392,8 +392,9 @@ def test_an_error_mid_stream_carries_the_report_of_what_was_sent_with_the_time_t
 def test_the_error_report_of_a_stream_that_never_started_has_no_time(trimmer):
     prepared = trimmer.prepare(conversation(1))
     ts = TimedStream(iter(()), started=None, clock=trimmer.pipeline.clock, content_of=chunk_content, finish=lambda ts: None)
-    report = trimmer.pipeline.error_report(prepared, ts, {})
-    assert report.measurement.total_s == 0.0 and report.measurement.ttft_s is None
+    error = StreamInterruptedError("broken")
+    trimmer.pipeline.attach_report(error, ts, prepared, {})
+    assert error.report.measurement.total_s == 0.0 and error.report.measurement.ttft_s is None
 
 
 # -- the Llama front-end over the fake engine ---------------------------------------------------------------

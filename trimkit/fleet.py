@@ -1,9 +1,8 @@
 """A fleet of OpenAI-compatible endpoints behind one TTFT budget: routing and failover from the client.
 
-``trimkit.wrap_url([...])`` / ``trimkit.wrap([client, ...])`` give a :class:`FleetFrontEnd`
-(:class:`AsyncFleetFrontEnd`). It only routes: each endpoint is a wrapper of its own
-(:class:`FleetEndpoint`) whose pipeline plans and sends; a request goes to the lowest predicted
-TTFT (:class:`FleetCall`), and one that fails before its first token to the next. docs/scaling.md §2."""
+``trimkit.wrap_url([...])`` / ``trimkit.wrap([client, ...])`` give a :class:`FleetFrontEnd` (:class:`AsyncFleetFrontEnd`). It only routes: each endpoint is
+a wrapper of its own (:class:`FleetEndpoint`) whose pipeline plans and sends; a request goes to the lowest predicted TTFT (:class:`FleetCall`), and one that
+fails before its first token to the next. docs/scaling.md §2."""
 from __future__ import annotations
 
 import asyncio
@@ -14,16 +13,15 @@ import logging
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
 
-from trimkit.backends.base import Io, Measurement, Steps, client_is_async, is_openai_client
+from trimkit.backends.base import Io, Steps, client_is_async, is_openai_client
 from trimkit.backends.http import OpenAIHTTPBackend
-from trimkit.backends.server import NOT_GIVEN, RoutingOptions, ServerLoad, ServerLoadReader
+from trimkit.backends.server import NOT_GIVEN, RoutingOptions, ServerLoadReader
 from trimkit.backends.transport import Wait, normalize_base_url
 from trimkit.errors import (
     BackendError,
@@ -76,69 +74,6 @@ def slot_wait_s(remaining_s: Sequence[float], slots: int) -> float:
     return free[0]
 
 
-class HeldPrompts:
-    """The prompts an endpoint's prefix cache is predicted to hold: the last ``capacity`` sent to
-    it (one per slot on llama.cpp; llama-cpp-python's server holds the last one)."""
-
-    def __init__(self, capacity: int = 1) -> None:
-        self.capacity = max(int(capacity), 1)
-        self._prompts: deque[tuple[int, tuple[int, ...]]] = deque()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._prompts)
-
-    def hold(self, key: int, tokens: Sequence[int]) -> None:
-        """``tokens`` were sent (``key``: the request; holding it again replaces its prompt)."""
-        with self._lock:
-            kept = [(k, t) for k, t in self._prompts if k != key]
-            self._prompts = deque([*kept, (key, tuple(tokens))][-self.capacity :])
-
-    def forget(self, key: int) -> None:
-        with self._lock:
-            self._prompts = deque((k, t) for k, t in self._prompts if k != key)
-
-    def prompts(self) -> list[tuple[int, ...]]:
-        with self._lock:
-            return [t for _, t in self._prompts]
-
-
-@attrs.define
-class Health:
-    """Whether an endpoint is in rotation. A failure takes it out (``down``) until ``retry_at``;
-    a probe then puts it back (``up``) or doubles the wait (``probe_failed``), up to ``max_s``."""
-
-    after_s: float = 1.0
-    max_s: float = 30.0
-    down_since: float | None = None
-    retry_at: float = 0.0
-    backoff_s: float = 0.0
-    last_error: str | None = None
-    probing: bool = False
-
-    @property
-    def is_up(self) -> bool:
-        return self.down_since is None
-
-    def down(self, now: float, error: str) -> None:
-        if self.down_since is None:
-            self.down_since = now
-            self.backoff_s = self.after_s
-        self.last_error = error
-        self.retry_at = now + self.backoff_s
-
-    def probe_due(self, now: float) -> bool:
-        return self.down_since is not None and not self.probing and now >= self.retry_at
-
-    def probe_failed(self, now: float, error: str) -> None:
-        self.backoff_s = min(max(self.backoff_s * 2.0, self.after_s), self.max_s)
-        self.last_error = error
-        self.retry_at = now + self.backoff_s
-
-    def up(self) -> None:
-        self.down_since, self.backoff_s, self.retry_at = None, 0.0, 0.0
-
-
 def is_overload(exc: BaseException) -> bool:
     """No first chunk within the attempt's deadline, or 429: what a live but busy endpoint gives."""
     return isinstance(exc, ServerTimeoutError) or (isinstance(exc, TransientServerError) and exc.status == 429)
@@ -157,9 +92,8 @@ def describe_error(exc: BaseException) -> str:
 
 @attrs.frozen
 class RouteCost:
-    """A request priced on one endpoint: the wait behind the requests ahead, the prefix held
-    there, the untrimmed prompt's prefill and decode; with a budget, the prompt tokens it could
-    keep within it (``kept_tokens``)."""
+    """A request priced on one endpoint: the wait behind the requests ahead, the prefix held there, the untrimmed prompt's prefill and decode; with a
+    budget, the prompt tokens it could keep within it (``kept_tokens``)."""
 
     endpoint: FleetEndpoint = attrs.field(eq=False, repr=lambda e: e.label)
     wait_s: float
@@ -187,9 +121,8 @@ class RouteCost:
 
 
 def best_route(costs: Sequence[RouteCost]) -> RouteCost:
-    """The lowest predicted TTFT (ties, within :data:`TIE_SHARE` and a millisecond: fewest in
-    flight, then the first). When no endpoint fits the budget untrimmed, the one keeping the most
-    of the prompt wins: a replica holding the prefix behind a long queue would be trimmed to nothing."""
+    """The lowest predicted TTFT (ties, within :data:`TIE_SHARE` and a millisecond: fewest in flight, then the first). When no endpoint fits the budget
+    untrimmed, the one keeping the most of the prompt wins: a replica holding the prefix behind a long queue would be trimmed to nothing."""
     fitting = [c for c in costs if c.fits]
     if not fitting and all(c.kept_tokens is not None for c in costs):
         most = max(c.kept_tokens or 0 for c in costs)
@@ -201,24 +134,29 @@ def best_route(costs: Sequence[RouteCost]) -> RouteCost:
 
 
 class FleetEndpoint:
-    """One replica: ``label`` (its base URL) names it in reports; ``build()`` makes its front-end
-    (calibrating unless a profile is stored or given), at construction or when a probe finds it
-    up. ``slots``: requests the server runs at once (None: ``/slots``, else :data:`ENGINE_SLOTS`,
-    else 1); ``held_prompts``: prompts its prefix cache holds (None: one per slot)."""
+    """One replica: ``label`` (its base URL) names it in reports; ``build()`` makes its front-end (calibrating unless a profile is stored or given), at
+    construction or when a probe finds it up. ``slots``: requests the server runs at once (None: ``/slots``, else :data:`ENGINE_SLOTS`, else 1);
+    ``held_prompts``: prompts its prefix cache holds (None: one per slot). A failure takes it out of rotation for ``probe_after_s``; a probe then puts it
+    back, or doubles the wait, up to ``probe_max_s``."""
 
-    def __init__(self, label: str, backend: OpenAIHTTPBackend, build: Callable[[], Any], *, health: Health | None = None,
-                 slots: int | None = None, held_prompts: int | None = None, load: ServerLoadReader | None = None,
+    def __init__(self, label: str, backend: OpenAIHTTPBackend, build: Callable[[], Any], *, slots: int | None = None,
+                 held_prompts: int | None = None, load: ServerLoadReader | None = None, probe_after_s: float = 1.0, probe_max_s: float = 30.0,
                  probe_timeout_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.label = label
         self.backend = backend
         self.build = build
         #: the front-end (its pipeline, profile, reports); None until the endpoint was first reached
         self.front: Any = None
-        self.health = health or Health()
+        self.probe_after_s, self.probe_max_s = probe_after_s, probe_max_s
+        #: out of rotation until then, when a probe is due (None: in rotation), for ``backoff_s``; ``last_error``: why
+        self.retry_at: float | None = None
+        self.backoff_s = 0.0
+        self.last_error: str | None = None
+        self._probing = False
         #: this client's requests in flight here (answer lengths learned as on an in-process engine)
         self.queue = EngineQueue(clock)
-        self.held = HeldPrompts(1)
-        self._sent: set[int] = set()  # the tickets of the requests sent
+        #: the prompts its prefix cache is predicted to hold, by request: the last ``held_prompts`` sent
+        self.held: dict[int, tuple[int, ...]] = {}
         self.load = load
         self.probe_timeout_s = probe_timeout_s
         self.clock = clock
@@ -230,16 +168,17 @@ class FleetEndpoint:
         self.last_progress_at: float | None = None
         #: taken out of rotation by a timeout (or 429) alone, not a refusal or an error
         self.timed_out = False
-        backend.cache_view, backend.cache_state_view = self.cache_view, self.cache_state
+        # the backend predicts its cache from the prompts held here
+        backend.cache_view, backend.cache_state_view = lambda tokens: self.cache_state().cached(tokens), self.cache_state
 
     def __repr__(self) -> str:
-        state = "up" if self.is_up else f"down ({self.health.last_error})"
+        state = "up" if self.is_up else f"down ({self.last_error})"
         return f"FleetEndpoint({self.label!r}, {state}, {self.in_flight} in flight)"
 
     @property
     def is_up(self) -> bool:
         """In rotation: reached at least once and not marked down since."""
-        return self.front is not None and self.health.is_up
+        return self.front is not None and self.retry_at is None
 
     @property
     def in_flight(self) -> int:
@@ -254,93 +193,83 @@ class FleetEndpoint:
         return self.front.pipeline if self.front is not None else None
 
     @property
-    def last_error(self) -> str | None:
-        return self.health.last_error
-
-    @property
     def slots(self) -> int:
         if self._slots is not None:
             return self._slots
-        load = self.server_load()
+        load = self.load.latest() if self.load is not None else None
         if load is not None and load.slots:
             return load.slots
         return ENGINE_SLOTS.get(self.backend.server_info().engine, 1)  # probed when the endpoint was reached: no I/O here
 
-    def server_load(self) -> ServerLoad | None:
-        """The server's own load reading, if recent."""
-        return self.load.latest() if self.load is not None else None
-
     # -- reaching it --------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Build the front-end and learn what the server is; a failure leaves it down."""
-        try:
-            self._reach()
-        except BackendError as exc:
-            log.warning("trimkit: fleet endpoint %s is not reachable yet (%s); it will be probed again", self.label, describe_error(exc))
-            self.health.down(self.clock(), describe_error(exc))
-            return
-        info = self.backend.server_info()
-        if self.load is not None and info.engine == "llama.cpp" and info.metrics_off:
-            log.warning("trimkit: fleet endpoint %s: start llama-server with --metrics so that the fleet sees the requests waiting "
-                        "there (llamacpp:requests_deferred); /slots shows only those running", self.label)
-
-    def _reach(self) -> None:
-        front = self.build()
-        self.backend.server_info()
-        self.front = front
-
-    def probe(self) -> bool:
-        """Is it back? Builds the front-end if it was never reached, else asks ``GET /v1/models``
-        within ``probe_timeout_s``; back in rotation, or its backoff doubled."""
+    def probe(self, *, first: bool = False) -> bool:
+        """Is it up? Builds the front-end and learns what the server is if it was never reached (``first``: at
+        construction), else asks ``GET /v1/models`` within ``probe_timeout_s``; in rotation, or out and its backoff doubled."""
         try:
             if self.front is None:
-                self._reach()
+                front = self.build()
+                self.backend.server_info()
+                self.front = front
             else:
                 wait = Wait(self.probe_timeout_s, self.probe_timeout_s)
                 self.backend.transport.request_json_once("GET", self.backend.base_url + "/models", wait=wait, missing_ok=True)
         except BackendError as exc:
+            if first:
+                log.warning("trimkit: fleet endpoint %s is not reachable yet (%s); it will be probed again", self.label, describe_error(exc))
             with self._lock:
-                self.health.probe_failed(self.clock(), describe_error(exc))
-                self.health.probing = False
+                self._down(exc, probed=True)
+                self._probing = False
             return False
         with self._lock:
-            self.health.up()
-            self.health.probing = False
-        log.info("trimkit: fleet endpoint %s is back in rotation", self.label)
+            self.retry_at, self.backoff_s, self._probing = None, 0.0, False
+        info = self.backend.server_info()
+        if not first:
+            log.info("trimkit: fleet endpoint %s is back in rotation", self.label)
+        elif self.load is not None and info.engine == "llama.cpp" and info.metrics_off:
+            log.warning("trimkit: fleet endpoint %s: start llama-server with --metrics so that the fleet sees the requests waiting "
+                        "there (llamacpp:requests_deferred); /slots shows only those running", self.label)
         return True
 
     def maybe_probe(self, *, wait: bool = False) -> None:
         """Probe it if it is down and its backoff has passed: in a background thread, or here (``wait``)."""
         with self._lock:
-            if not self.health.probe_due(self.clock()):
+            if self.retry_at is None or self._probing or self.clock() < self.retry_at:
                 return
-            self.health.probing = True
+            self._probing = True
         if wait:
             self.probe()
         else:
             threading.Thread(target=self.probe, name=f"trimkit-probe-{self.label}", daemon=True).start()
 
+    def _down(self, exc: BaseException, *, probed: bool = False) -> None:
+        """Out of rotation for ``backoff_s``: ``probe_after_s`` at first, doubled by a failed probe (``probed``)."""
+        if self.retry_at is None:
+            self.backoff_s = self.probe_after_s
+        elif probed:
+            self.backoff_s = min(max(self.backoff_s * 2.0, self.probe_after_s), self.probe_max_s)
+        self.last_error = describe_error(exc)
+        self.retry_at = self.clock() + self.backoff_s
+
     def mark_down(self, exc: BaseException) -> None:
         with self._lock:
-            first = self.health.is_up
+            first = self.retry_at is None
             self.timed_out = is_overload(exc) and (first or self.timed_out)
-            self.health.down(self.clock(), describe_error(exc))
+            self._down(exc)
         if first:
             log.warning("trimkit: fleet endpoint %s taken out of rotation: %s", self.label, describe_error(exc))
 
     def progressed(self) -> None:
         """It sent a chunk or finished a request: alive. Out of rotation by a timeout alone, it is back at once."""
         self.last_progress_at = self.clock()
-        if self.timed_out and not self.health.is_up:
+        if self.timed_out and self.retry_at is not None:
             with self._lock:
-                self.health.up()
-                self.timed_out = False
+                self.retry_at, self.backoff_s, self.timed_out = None, 0.0, False
             log.info("trimkit: fleet endpoint %s answered again: back in rotation", self.label)
 
     @property
     def busy_not_dead(self) -> bool:
         """Out of rotation by a timeout alone, with this client's requests still in flight here."""
-        return not self.health.is_up and self.timed_out and self.in_flight > 0
+        return self.retry_at is not None and self.timed_out and self.in_flight > 0
 
     def alive_since(self, since: float, *, ahead: int = 0) -> bool:
         """Whether a timeout of a request sent at ``since`` is the endpoint being busy, not dead:
@@ -352,29 +281,23 @@ class FleetEndpoint:
         return slot_wait_s([t.remaining_s(now) for t in self.queue.in_flight()], self.slots)
 
     # -- pricing a request --------------------------------------------------------------------------
-    def cache_view(self, tokens: Sequence[int]) -> int:
-        """The prefix of ``tokens`` this server is predicted to hold (its backend's ``predict_cached_tokens``)."""
-        return self.cache_state().cached(tokens)
-
     def cache_state(self) -> CacheState:
         """The prompts recently sent here, in its cache's blocks; the server's own evidence before
         anything was sent; nothing if it does not reuse prefixes."""
         if self.backend.prefix_reuse is False:
             return CacheState()
-        if not len(self.held):
-            return self.backend.evidence.cache_state()
-        return CacheState(prompts=self.held.prompts(), block=self.backend.cache_block_tokens)
+        with self._lock:
+            held = list(self.held.values())
+        return CacheState(prompts=held, block=self.backend.cache_block_tokens) if held else self.backend.evidence.cache_state()
 
     def cost(self, tokens: Sequence[int], params: Mapping[str, Any], now: float, budget_s: float | None = None) -> RouteCost:
-        """The untrimmed prompt priced here by this endpoint's own profile: the wait behind this
-        client's requests (and one like it for each other client's request the server reports),
-        plus the prefill of what is not held."""
-        self.held.capacity = self.held_prompts if self.held_prompts is not None else self.slots
+        """The untrimmed prompt priced here by this endpoint's own profile: the wait behind this client's requests (and one like it for each other client's
+        request the server reports), plus the prefill of what is not held."""
         priced = self.pipeline.price(tokens)  # by this endpoint's own pipeline and profile
         cached, prefill = priced.cached, priced.predicted_s
         decode = self.queue.decode_s(params, self.front.profile.decode_tokens_per_s)
         ahead = [t.remaining_s(now, prefill + decode) for t in self.queue.in_flight()]
-        load = self.server_load()
+        load = self.load.latest() if self.load is not None else None  # the server's own, if recent
         if load is not None:
             ahead += [prefill + decode] * max(load.requests - len(ahead), 0)
         wait = slot_wait_s(ahead, self.slots)
@@ -386,35 +309,30 @@ class FleetEndpoint:
         return RouteCost(self, wait, cached, prefill, decode, len(self.queue), kept, budget_s)
 
     # -- a request's life here ----------------------------------------------------------------------
-    def reserve(self, cost: RouteCost) -> Ticket:
-        """Count a request in, as priced (before it is planned): its place in the queue."""
-        ticket = self.queue.enter()
-        ticket.estimate(cost.planned_prefill_s, cost.decode_s)
-        return ticket
-
     def sent(self, ticket: Ticket, prompt_tokens: Sequence[int]) -> None:
-        """The request went out: its prompt is held from now on."""
-        self.held.hold(ticket.seq, prompt_tokens)
-        self._sent.add(ticket.seq)
+        """The request went out (its ticket's ``prompt_tokens`` say so): its prompt is held from now on, the oldest let go."""
+        ticket.prompt_tokens = tokens = tuple(prompt_tokens)
+        capacity = max(self.held_prompts if self.held_prompts is not None else self.slots, 1)
+        with self._lock:
+            self.held.pop(ticket.seq, None)
+            self.held[ticket.seq] = tokens
+            for seq in list(self.held)[:-capacity]:
+                del self.held[seq]
         self._started()
 
     def release(self, ticket: Ticket, *, failed: bool = False) -> None:
         """The request ended (``failed``: before the server took it; its prompt is not held)."""
-        self._sent.discard(ticket.seq)
         ticket.done()
         if failed:
-            self.held.forget(ticket.seq)
+            with self._lock:
+                self.held.pop(ticket.seq, None)
         else:
             self.progressed()
         self._started()
 
-    def observe(self, params: Mapping[str, Any], m: Measurement) -> None:
-        """A request finished: it teaches the decode speed here, and without ``max_tokens`` the typical answer length."""
-        self.queue.observe(params, m)
-
     def _started(self) -> None:
         """The first ``slots`` requests sent and in flight are being processed (first come, first served)."""
-        sent = [t for t in self.queue.in_flight() if t.seq in self._sent]
+        sent = [t for t in self.queue.in_flight() if t.prompt_tokens is not None]
         for ticket in sent[: self.slots]:
             ticket.holding()
 
@@ -428,10 +346,9 @@ class FleetEndpoint:
 
 @attrs.define(eq=False)
 class Route:
-    """One attempt of a call: the endpoint it goes to, priced (``cost``), its place in that
-    endpoint's queue (``ticket``, until :meth:`release`) and the request that endpoint's pipeline
-    planned; ``last``: no other endpoint was left (it gets the rest of the deadline). It is its
-    stream's listener (:class:`~trimkit.frontend.StreamReporter`)."""
+    """One attempt of a call: the endpoint it goes to, priced (``cost``), its place in that endpoint's queue (``ticket``, until :meth:`release`) and the
+    request that endpoint's pipeline planned; ``last``: no other endpoint was left (it gets the rest of the deadline). It is its stream's listener
+    (:class:`~trimkit.frontend.StreamReporter`)."""
 
     cost: RouteCost
     ticket: Ticket
@@ -481,16 +398,15 @@ class Route:
         first = rs.timed.first_output_at is not None
         self.release(failed=exc is not None and not finished and not first)
         if finished and rs.report is not None:
-            self.endpoint.observe(rs.params, rs.report.measurement)
+            self.endpoint.queue.observe(rs.params, rs.report.measurement)  # the decode speed here, the answer's length
         elif first and isinstance(exc, TrimkitError) and is_endpoint_failure(exc):
             self.endpoint.mark_down(exc)
 
 
 class FleetCall:
-    """One ``create()`` on a fleet, routing only: the endpoint with the least predicted TTFT (its
-    wait and its own profile's prefill) is chosen and its pipeline plans and sends the request,
-    validated and counted once (:meth:`route`); after an endpoint failure before the first token,
-    the next one (:meth:`failed`)."""
+    """One ``create()`` on a fleet, routing only: the endpoint with the least predicted TTFT (its wait and its own profile's prefill) is chosen and its
+    pipeline plans and sends the request, validated and counted once (:meth:`route`); after an endpoint failure before the first token, the next one
+    (:meth:`failed`)."""
 
     def __init__(self, fleet: Any, messages: Any, rag_chunks: Any, budget: float | None, params: Mapping[str, Any], *,
                  on_busy: str | None = None, routing_key: Any = NOT_GIVEN) -> None:
@@ -529,8 +445,7 @@ class FleetCall:
         return max(min(bound, self.deadline_s - self.elapsed_s()), 0.05)
 
     def route(self) -> Route:
-        """The best endpoint for this request, reserved, with the request planned there.
-        Endpoints that fail meanwhile are taken out and the next is tried."""
+        """The best endpoint for this request, reserved, with the request planned there. Endpoints that fail meanwhile are taken out and the next is tried."""
         if self.request is None:  # by any reached endpoint's pipeline (one was reached, or there is no fleet)
             self.request = next(ep.pipeline for ep in self.fleet.endpoints if ep.pipeline is not None).request(*self._given)
         while True:
@@ -546,7 +461,8 @@ class FleetCall:
             with self.fleet.routing_lock:
                 now = self.clock()
                 best = best_route([ep.cost(self.request.tokens or (), self.request.params, now, self.budget_left_s()) for ep in candidates])
-                ticket = best.endpoint.reserve(best)
+                ticket = best.endpoint.queue.enter()  # its place in the queue, as priced (before it is planned)
+                ticket.estimate(best.planned_prefill_s, best.decode_s)
             try:
                 prepared = self._prepare(best)
             except BaseException as exc:
@@ -579,9 +495,8 @@ class FleetCall:
 
     def failed(self, ep: FleetEndpoint, exc: BaseException, route: Route | None = None, *, since: float | None = None,
                ahead: int = 0) -> None:
-        """``ep`` failed before this request's first token: out of rotation, and the call goes on
-        elsewhere; the request's own error is raised. A timeout (or 429) of an endpoint alive
-        since the request was sent (:meth:`FleetEndpoint.alive_since`) is overload: it stays in rotation."""
+        """``ep`` failed before this request's first token: out of rotation, and the call goes on elsewhere; the request's own error is raised. A timeout
+        (or 429) of an endpoint alive since the request was sent (:meth:`FleetEndpoint.alive_since`) is overload: it stays in rotation."""
         if not is_endpoint_failure(exc):
             raise exc
         if route is not None:
@@ -596,8 +511,7 @@ class FleetCall:
         self.attempts.append((ep.label, describe_error(exc)))
 
     def unavailable(self, why: str) -> FleetUnavailableError | FleetOverloadedError:
-        """The error when nothing is left to try; :class:`FleetOverloadedError` when an endpoint
-        was alive but busy (retry after ``retry_after_s``)."""
+        """The error when nothing is left to try; :class:`FleetOverloadedError` when an endpoint was alive but busy (retry after ``retry_after_s``)."""
         if self._overloaded or any(ep.busy_not_dead for ep in self.fleet.endpoints):
             waits = [ep.predicted_wait_s(self.clock()) for ep in self.fleet.endpoints if ep.is_up or ep.busy_not_dead]
             retry_after = max(min(waits, default=0.0), MIN_RETRY_AFTER_S)
@@ -619,10 +533,9 @@ AsyncFleetStream = AsyncReportingStream
 
 
 class FleetFrontEnd(Closing):
-    """Several OpenAI-compatible endpoints behind one sync ``chat.completions.create``: it returns
-    what one endpoint's wrapper returns (with ``stream=True`` a :class:`FleetStream`). It only
-    routes: each endpoint's pipeline plans, and appends to the one list of ``reports``.
-    ``close()`` / ``with`` close every endpoint."""
+    """Several OpenAI-compatible endpoints behind one sync ``chat.completions.create``: it returns what one endpoint's wrapper returns (with ``stream=True``
+    a :class:`FleetStream`). It only routes: each endpoint's pipeline plans, and appends to the one list of ``reports``. ``close()`` / ``with`` close every
+    endpoint."""
 
     is_async = False
 
@@ -666,14 +579,13 @@ class FleetFrontEnd(Closing):
         """Reach every endpoint (build its wrapper), one after the other or in parallel threads; one that is down joins later."""
         if parallel and len(self.endpoints) > 1:
             with ThreadPoolExecutor(max_workers=len(self.endpoints), thread_name_prefix="trimkit-fleet-start") as pool:
-                list(pool.map(lambda ep: ep.start(), self.endpoints))
+                list(pool.map(lambda ep: ep.probe(first=True), self.endpoints))
         else:
             for ep in self.endpoints:
-                ep.start()
+                ep.probe(first=True)
 
     def in_rotation(self, *, exclude: Collection[str] = ()) -> list[FleetEndpoint]:
-        """The endpoints that may take a request now (those due a probe probed in the background,
-        or here when none is up)."""
+        """The endpoints that may take a request now (those due a probe probed in the background, or here when none is up)."""
         for ep in self.endpoints:
             ep.maybe_probe()
         up = [ep for ep in self.endpoints if ep.is_up and ep.label not in exclude]
@@ -687,8 +599,8 @@ class FleetFrontEnd(Closing):
     def probe_now(self) -> list[str]:
         """Probe every endpoint out of rotation now, whatever its backoff; the labels back in rotation."""
         for ep in self.endpoints:
-            if not ep.is_up:
-                ep.health.retry_at = 0.0
+            if ep.retry_at is not None:
+                ep.retry_at = 0.0
                 ep.maybe_probe(wait=True)
         return [ep.label for ep in self.endpoints if ep.is_up]
 
@@ -699,9 +611,8 @@ class FleetFrontEnd(Closing):
                 ep.pipeline.idle(timeout_s)
 
     def call_steps(self, kwargs: dict[str, Any]) -> Steps:
-        """A ``create()`` call, sync or async: routed (:class:`FleetCall`; async: in a worker thread),
-        then sent by that endpoint's :class:`~trimkit.openai_wrapper.Send` as this attempt (:class:`Route`); a
-        failure before the first token routes it again."""
+        """A ``create()`` call, sync or async: routed (:class:`FleetCall`; async: in a worker thread), then sent by that endpoint's
+        :class:`~trimkit.openai_wrapper.Send` as this attempt (:class:`Route`); a failure before the first token routes it again."""
         messages, rag_chunks, budget, params, stream, options, key = call_arguments(kwargs)
         call = FleetCall(self, messages, rag_chunks, budget, params, routing_key=key, **options)
         while True:
@@ -785,44 +696,13 @@ def _profiles(profile: Any, n: int) -> list[Profile | None]:
     raise InvalidInputError(f"profile must be a Profile (for every endpoint) or a list of {n} (one per endpoint), got {type(profile).__name__}")
 
 
-class _TwinProfiles:
-    """One profile for identical replicas (engine, version, models, context): the first reached
-    loads or calibrates it, every later one starts from it (calibration noise alone must not make
-    one twin look faster; each still refines its own). A twin reached meanwhile waits for it."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.profiles: dict[Any, Profile] = {}
-        self.busy: dict[Any, threading.Lock] = {}
-
-    def front(self, cls: Any, client: Any, backend: OpenAIHTTPBackend, profile: Profile | None, kwargs: Mapping[str, Any],
-              reports: list[Report]) -> Any:
-        """One endpoint's wrapper: its profile given, else an identical replica's, stored, or calibrated now."""
-        twin, turn = None, contextlib.nullcontext()
-        if profile is None:
-            info = backend.server_info()
-            twin = (info.engine, info.engine_version, info.model_ids, backend.n_ctx, backend.model or "")
-            with self.lock:
-                turn = self.busy.setdefault(twin, threading.Lock())  # type: ignore[assignment]
-        with turn:
-            front = cls(client, backend=backend, endpoint_label=backend.base_url, profile=profile or self.profiles.get(twin), **kwargs)
-            front.bound_side_requests()
-            front.pipeline.watch_prefill = False  # the fleet sends in one piece: planned with the whole prediction's margin
-            front.pipeline.reports = reports
-            if twin is not None:
-                self.profiles.setdefault(twin, front.profile)
-        return front
-
-
 def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, model: str | None = None, api_key: str | None = None,
                asynchronous: bool | None = None, profile: Profile | Sequence[Profile] | None = None, retry_deadline_s: float | None = None,
                slots: int | None = None, held_prompts: int | None = None, parallel_calibration: bool = False, read_load: bool = True,
                probe_after_s: float = 1.0, probe_max_s: float = 30.0, probe_timeout_s: float = 2.0, **kwargs: Any) -> FleetFrontEnd:
-    """A fleet of OpenAI-compatible endpoints (docs/scaling.md §2): ``targets`` are base URLs
-    (``asynchronous=True`` for the async front-end) or ``openai`` clients, all sync or all async.
-    ``profile``: one for all, one per endpoint, or None. Backend settings
-    (:data:`FLEET_BACKEND_DEFAULTS` unless given) apply to every endpoint, the rest of ``kwargs``
-    to every endpoint's pipeline. No endpoint reachable: :class:`FleetUnavailableError`."""
+    """A fleet of OpenAI-compatible endpoints (docs/scaling.md §2): ``targets`` are base URLs (``asynchronous=True`` for the async front-end) or ``openai``
+    clients, all sync or all async. ``profile``: one for all, one per endpoint, or None. Backend settings (:data:`FLEET_BACKEND_DEFAULTS` unless given)
+    apply to every endpoint, the rest of ``kwargs`` to every endpoint's pipeline. No endpoint reachable: :class:`FleetUnavailableError`."""
     kind = _kind(targets)
     if kind != "url" and asynchronous is not None and asynchronous != (kind == "async"):
         raise InvalidInputError(f"asynchronous={asynchronous} does not match the {kind} clients given")
@@ -845,8 +725,26 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
     cls = AsyncTrimmedOpenAI if is_async else TrimmedOpenAI
     kwargs.update(ttft_budget_s=ttft_budget_s, retry_deadline_s=retry_deadline_s)
     endpoints: list[FleetEndpoint] = []
-    twins = _TwinProfiles()
     reports: list[Report] = []
+    twins: dict[Any, Profile] = {}
+    turns: dict[Any, threading.Lock] = {}
+
+    def build(client: Any, backend: OpenAIHTTPBackend, profile: Profile | None) -> Any:
+        """One endpoint's wrapper: its profile given, else an identical replica's (engine, version, models, context: the
+        first reached loads or calibrates it, a twin reached meanwhile waits), stored, or calibrated now."""
+        twin, turn = None, contextlib.nullcontext()
+        if profile is None:
+            info = backend.server_info()
+            twin = (info.engine, info.engine_version, info.model_ids, backend.n_ctx, backend.model or "")
+            turn = turns.setdefault(twin, threading.Lock())  # type: ignore[assignment]  # atomic: one lock per twin
+        with turn:
+            front = cls(client, backend=backend, endpoint_label=backend.base_url, profile=profile or twins.get(twin), **kwargs)
+            front.pipeline.watch_prefill = False  # the fleet sends in one piece: planned with the whole prediction's margin
+            front.pipeline.reports = reports
+            if twin is not None:
+                twins.setdefault(twin, front.profile)  # calibration noise alone must not make one twin look faster
+        return front
+
     try:
         for target, base, prof in zip(targets, urls, profiles):
             if kind == "url":
@@ -854,9 +752,9 @@ def wrap_fleet(targets: Sequence[Any], ttft_budget_s: float | None = None, *, mo
             else:
                 backend, client = OpenAIHTTPBackend.from_openai_client(target, model=model, **backend_kwargs), target
             load = ServerLoadReader(backend.transport.http, backend.root_url, backend.transport.headers) if read_load else None
-            build = functools.partial(twins.front, cls, client, backend, prof, kwargs, reports)
-            endpoints.append(FleetEndpoint(backend.base_url, backend, build, health=Health(probe_after_s, probe_max_s), slots=slots,
-                                           held_prompts=held_prompts, load=load, probe_timeout_s=probe_timeout_s))
+            endpoints.append(FleetEndpoint(backend.base_url, backend, functools.partial(build, client, backend, prof), slots=slots,
+                                           held_prompts=held_prompts, load=load, probe_after_s=probe_after_s, probe_max_s=probe_max_s,
+                                           probe_timeout_s=probe_timeout_s))
         fleet = (AsyncFleetFrontEnd if is_async else FleetFrontEnd)(endpoints, ttft_budget_s=ttft_budget_s, retry_deadline_s=retry_deadline_s,
                                                                     unbudgeted_deadline_s=endpoints[0].backend.retry_deadline_s, reports=reports)
         fleet.start(parallel=parallel_calibration)

@@ -1,6 +1,5 @@
-"""What every front-end shares: :class:`FrontEnd` (the pipeline's state under the names users
-know) and the reporting streams a wrapped call returns, which build the report when the engine's
-stream ends and keep the request's place in an in-process engine's queue up to date.
+"""What every front-end shares: :class:`FrontEnd` (the pipeline's state under the names users know) and the reporting streams a wrapped call returns, which
+build the report when the engine's stream ends and keep the request's place in an in-process engine's queue up to date.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import attrs
 from trimkit.backends.base import Io, Measurement, Steps, TimedStream
 from trimkit.errors import TrimkitError
 from trimkit.pipeline import Pipeline, Prepared
-from trimkit.planning.queue import Ticket
 from trimkit.report import Report
 
 
@@ -91,10 +89,9 @@ class AsyncClosing:
 
 
 class StreamReporter:
-    """Shared by the sync and async streams: builds the report when the timed stream ends.
-    ``watch``: the driver of the request's watched prefill (a re-plan changes what was sent);
-    ``at_end(report)``: called when the stream is exhausted (it may raise); ``listener``: told of
-    each chunk (``chunk(stream)``) and of the end (``ended(stream, exc)``, None when closed)."""
+    """Shared by the sync and async streams: builds the report when the timed stream ends. ``watch``: the driver of the request's watched prefill (a re-plan
+    changes what was sent); ``at_end(report)``: called when the stream is exhausted (it may raise); ``listener``: told of each chunk (``chunk(stream)``) and
+    of the end (``ended(stream, exc)``, None when closed)."""
 
     _read: Callable[[], Any]  # the next chunk of the engine's stream (the async streams': awaitable)
 
@@ -130,21 +127,13 @@ class StreamReporter:
         """The request as sent: the plan's, or the re-plan its watched prefill made."""
         return self.watch.prepared if self.watch is not None else self._prepared
 
-    @property
-    def ticket(self) -> Ticket | None:
-        return getattr(self.prepared, "ticket", None)
-
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
-        """Around reading the next chunk: an error that ends the stream gets the report of what
-        was sent and takes the request out of the engine's queue; the first token tells the
-        queue that only the decode is left."""
-        ticket = self.ticket
+        """Around reading the next chunk: an error that ends the stream gets the report of what was sent; the first token tells the engine's queue that only
+        the decode is left (the engine's hold takes the request out of it when the stream ends)."""
         try:
             yield
         except BaseException as exc:
-            if ticket is not None:
-                ticket.done()
             if isinstance(exc, TrimkitError):
                 self.pipeline.attach_report(exc, self.timed, self.prepared, self.params)
             if self.listener is not None:
@@ -152,21 +141,18 @@ class StreamReporter:
             if isinstance(exc, (StopIteration, StopAsyncIteration)) and self.at_end is not None:
                 self.at_end(self.report)
             raise
+        ticket = getattr(self.prepared, "ticket", None)
         if ticket is not None and self.timed.first_output_at is not None:
             ticket.first_token()
         if self.listener is not None:
             self.listener.chunk(self)
 
     def closed(self) -> None:
-        ticket = self.ticket
-        if ticket is not None:
-            ticket.done()
         if self.listener is not None:
             self.listener.ended(self, None)
 
     def read_ahead(self) -> Steps:
-        """Read up to the first token, sync or async, holding the chunks back for the caller (a
-        fleet's attempt fails over before it); the stream."""
+        """Read up to the first token, sync or async, holding the chunks back for the caller (a fleet's attempt fails over before it); the stream."""
         try:
             while self.timed.first_output_at is None:
                 self.head.append((yield Io(self._read, self._read)))
@@ -176,10 +162,9 @@ class StreamReporter:
 
 
 class ReportingStream(Closing, StreamReporter):
-    """The stream a wrapped call returns with ``stream=True``: iterate it like the engine's or
-    client's own; ``.report`` is set once it is exhausted; ``with`` and :meth:`close` work. With an
-    in-process engine it holds the engine until it is exhausted, fails, is closed or is
-    garbage-collected, from any thread."""
+    """The stream a wrapped call returns with ``stream=True``: iterate it like the engine's or client's own; ``.report`` is set once it is exhausted;
+    ``with`` and :meth:`close` work. With an in-process engine it holds the engine until it is exhausted, fails, is closed or is garbage-collected, from any
+    thread."""
 
     def __iter__(self) -> Iterator[Any]:
         return self
@@ -199,8 +184,7 @@ class ReportingStream(Closing, StreamReporter):
 
 
 class AsyncReportingStream(AsyncClosing, StreamReporter):
-    """What an async ``create(stream=True)`` returns: ``async for`` it; ``.report`` is set once it
-    is exhausted; ``async with`` and ``await close()`` work."""
+    """What an async ``create(stream=True)`` returns: ``async for`` it; ``.report`` is set once it is exhausted; ``async with`` and ``await close()`` work."""
 
     def __aiter__(self) -> AsyncReportingStream:
         return self

@@ -1,8 +1,7 @@
 """The OpenAI-client front-end: a TTFT budget on a model behind an OpenAI-compatible server.
 
-:class:`TrimmedOpenAI` and :class:`AsyncTrimmedOpenAI` are drop-ins for ``openai.OpenAI`` and
-``openai.AsyncOpenAI`` (``create`` also takes ``rag_chunks=``, ``ttft_budget_s=``, ``on_busy=``,
-``routing_key=``); :func:`wrap_one_url` gives the same API over plain ``httpx``. Usage: docs/servers.md.
+:class:`TrimmedOpenAI` and :class:`AsyncTrimmedOpenAI` are drop-ins for ``openai.OpenAI`` and ``openai.AsyncOpenAI`` (``create`` also takes ``rag_chunks=``,
+``ttft_budget_s=``, ``on_busy=``, ``routing_key=``); :func:`wrap_one_url` gives the same API over plain ``httpx``. Usage: docs/servers.md.
 """
 
 from __future__ import annotations
@@ -35,10 +34,9 @@ MIN_RETRY_DEADLINE_S = 5.0
 
 
 def retry_deadline_for(ttft_budget_s: float | None, default_s: float) -> float:
-    """How long a request without its first chunk is retried, and with a budget the call's
-    deadline for every wait before it: ``max(2 × budget, 5 s)``, else ``default_s``. Once the
-    first token is later than twice the budget the answer has failed its purpose, but a tight
-    budget must not turn a dropped keep-alive connection or a brief 503 into an error."""
+    """How long a request without its first chunk is retried, and with a budget the call's deadline for every wait before it: ``max(2 × budget, 5 s)``, else
+    ``default_s``. Once the first token is later than twice the budget the answer has failed its purpose, but a tight budget must not turn a dropped
+    keep-alive connection or a brief 503 into an error."""
     if ttft_budget_s is None:
         return default_s
     return max(2.0 * ttft_budget_s, MIN_RETRY_DEADLINE_S)
@@ -46,8 +44,7 @@ def retry_deadline_for(ttft_budget_s: float | None, default_s: float) -> float:
 
 @attrs.frozen
 class CallDeadlines:
-    """A wrapper's deadlines: ``unbudgeted_s`` retries a call without a budget; ``fixed_s``, if
-    set, every call."""
+    """A wrapper's deadlines: ``unbudgeted_s`` retries a call without a budget; ``fixed_s``, if set, every call."""
 
     unbudgeted_s: float
     fixed_s: float | None = None
@@ -77,21 +74,15 @@ BACKEND_KWARGS = ("model", "n_ctx", "n_batch", "cache_block_tokens", "chat_forma
                   "retry_backoff_s", "retry_backoff_max_s", "headers", "http_client", "async_http_client", "tokenizer")
 
 
-def _is_not_given(value: Any) -> bool:
-    """``openai.NOT_GIVEN`` (and ``openai.Omit``): an argument the caller did not give."""
-    return type(value).__name__ in ("NotGiven", "Omit")
-
-
 def split_backend_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Pop the backend's keyword arguments (:data:`BACKEND_KWARGS`) out of ``kwargs``."""
     return {k: kwargs.pop(k) for k in BACKEND_KWARGS if k in kwargs}
 
 
 def call_arguments(kwargs: Mapping[str, Any]) -> tuple[Any, Any, float | None, dict[str, Any], bool, dict[str, Any], Any]:
-    """A ``create()`` call's arguments: (messages, rag_chunks, budget, the parameters passed
-    through, stream, trimkit's options (``on_busy``), the routing key validated: a key, None or
-    :data:`~trimkit.backends.server.NOT_GIVEN`). ``openai.NOT_GIVEN`` values are left out."""
-    params = {k: v for k, v in kwargs.items() if not _is_not_given(v)}
+    """A ``create()`` call's arguments: (messages, rag_chunks, budget, the parameters passed through, stream, trimkit's options (``on_busy``), the routing
+    key validated: a key, None or :data:`~trimkit.backends.server.NOT_GIVEN`). ``openai.NOT_GIVEN`` values are left out."""
+    params = {k: v for k, v in kwargs.items() if type(v).__name__ not in ("NotGiven", "Omit")}  # openai.NOT_GIVEN, openai.Omit
     if "messages" not in params:
         raise InvalidMessageError("create() needs messages=[...]")
     messages = params.pop("messages")
@@ -200,9 +191,8 @@ class ClientChat(_ClientPart):
 
 
 class OpenAIFrontEnd(FrontEnd):
-    """What :class:`TrimmedOpenAI` and :class:`AsyncTrimmedOpenAI` share. ``retry_deadline_s``
-    fixes how long a request is retried before its first chunk (default: :func:`retry_deadline_for`
-    of its budget); backend settings (:data:`BACKEND_KWARGS`) go to the
+    """What :class:`TrimmedOpenAI` and :class:`AsyncTrimmedOpenAI` share. ``retry_deadline_s`` fixes how long a request is retried before its first chunk
+    (default: :func:`retry_deadline_for` of its budget); backend settings (:data:`BACKEND_KWARGS`) go to the
     :class:`~trimkit.backends.http.OpenAIHTTPBackend`, the rest to the :class:`~trimkit.pipeline.Pipeline`."""
 
     is_async = False
@@ -210,12 +200,10 @@ class OpenAIFrontEnd(FrontEnd):
 
     def __init__(self, client: Any, ttft_budget_s: float | None = None, *, retry_deadline_s: float | None = None,
                  backend: OpenAIHTTPBackend | None = None, **kwargs: Any) -> None:
-        if retry_deadline_s is not None:
-            positive_finite(retry_deadline_s, "retry_deadline_s")
+        fixed_s = None if retry_deadline_s is None else positive_finite(retry_deadline_s, "retry_deadline_s")
         #: the routing key of a call that gives none, and the headers a key goes in
         self.routing = RoutingOptions.of(kwargs.pop("auto_routing_key", False), kwargs.pop("routing_headers", None))
         backend_kwargs = split_backend_kwargs(kwargs)
-        own_backend = backend is None
         if backend is None:
             if not is_openai_client(client):
                 raise InvalidInputError(f"cannot wrap {type(client).__name__}: it needs .chat.completions.create (an openai.OpenAI-style client)")
@@ -226,7 +214,7 @@ class OpenAIFrontEnd(FrontEnd):
         elif backend_kwargs:
             raise InvalidInputError(f"{sorted(backend_kwargs)} configure the backend: pass them to OpenAIHTTPBackend, not with backend=")
         self.client = client
-        self.deadlines = CallDeadlines(backend.retry_deadline_s, float(retry_deadline_s) if retry_deadline_s is not None else None)
+        self.deadlines = CallDeadlines(backend.retry_deadline_s, fixed_s)
         configured = backend.model
 
         def notes(m: Measurement, params: Mapping[str, Any]) -> tuple[str, ...]:
@@ -238,8 +226,9 @@ class OpenAIFrontEnd(FrontEnd):
         except BaseException:
             backend.close()
             raise
-        if own_backend:
-            self.bound_side_requests()
+        if self.is_async:  # async requests go in one piece (the watched prefill's steps are sync requests)
+            self.pipeline.watch_prefill = False
+        self.bound_side_requests()
         self.chat = ClientChat(self)
 
     def _client_part(self, *path: str) -> Any:
@@ -257,7 +246,7 @@ class OpenAIFrontEnd(FrontEnd):
 
     def bound_side_requests(self) -> None:
         """Bound the side requests made while a call is planned (tokenize, server facts) by the
-        default budget's deadlines; construction had the backend's own."""
+        default budget's deadlines; construction (its calibration) had the backend's own."""
         self.backend.retry_deadline_s = self.deadlines.retry_s(self.ttft_budget_s)
         self.backend.deadline_s = self.deadlines.first_chunk_s(self.ttft_budget_s)
 
@@ -267,15 +256,13 @@ class OpenAIFrontEnd(FrontEnd):
         if key is NOT_GIVEN and self.routing.auto:
             validate_messages(messages)  # before the key is made of them
         key = self.routing.key(key, messages)
-        # behind a router the cache is predicted on the worker this key stays on (an async call's
-        # worker thread runs in a copy of this context)
+        # behind a router the cache is predicted on the worker this key stays on (an async call's worker thread runs in a copy of this context)
         with planning_for(key):
             prepared = yield Io(self.prepare, in_thread(self.prepare), messages, rag_chunks, params, ttft_budget_s=budget, **options)
         return (yield from Send(self, params, stream, routing_headers(key, self.routing.headers)).steps(prepared))
 
     def assemble(self, rs: StreamReporter) -> Any:
-        """The client's ``ChatCompletion`` (a dict without a client) rebuilt from a drained stream;
-        its ``usage`` the server's, else trimkit's counts."""
+        """The client's ``ChatCompletion`` (a dict without a client) rebuilt from a drained stream; its ``usage`` the server's, else trimkit's counts."""
         response = assemble_chat_completion(rs.chunks)
         if response["usage"] is None and rs.report is not None:
             m = rs.report.measurement
@@ -292,11 +279,9 @@ def in_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class Send:
-    """One request's way out through an OpenAI-style front-end, sync or async (its steps yield
-    :class:`~trimkit.backends.base.Io`): sent whole if streaming cannot measure it (``n > 1``),
-    else streamed, and drained and assembled unless a stream was asked for. ``attempt``: a fleet's
-    (:class:`trimkit.fleet.Route`): its deadline, its place in the endpoint's queue, its stream read
-    up to the first token."""
+    """One request's way out through an OpenAI-style front-end, sync or async (its steps yield :class:`~trimkit.backends.base.Io`): sent whole if streaming
+    cannot measure it (``n > 1``), else streamed, and drained and assembled unless a stream was asked for. ``attempt``: a fleet's
+    (:class:`trimkit.fleet.Route`): its deadline, its place in the endpoint's queue, its stream read up to the first token."""
 
     def __init__(self, front: OpenAIFrontEnd, params: Mapping[str, Any], stream: bool, headers: Mapping[str, str] | None = None,
                  attempt: Any = None) -> None:
@@ -325,9 +310,8 @@ class Send:
                 if attempt is not None:  # out of the endpoint's queue before its report
                     attempt.went_out(prepared)
                     attempt.release()
+                    attempt.endpoint.queue.observe(params, m)
                 pipeline.finish(prepared, m, params)
-                if attempt is not None:
-                    attempt.endpoint.observe(params, m)
                 return response
             # a budgeted sync request to a llama-server is watched while it prefills (OpenAIHTTPBackend.evaluate_to)
             watch = pipeline.watched(prepared)
@@ -337,9 +321,7 @@ class Send:
             retry_s, deadline_s = (front.deadlines.retry_s(budget), front.deadlines.first_chunk_s(budget)) if attempt is None else (attempt.deadline_s,) * 2
             ts = yield Io(backend.send, backend.asend, prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens,
                           retry_deadline_s=retry_s, deadline_s=deadline_s, **extra)
-            prepared = pipeline.sent(prepared)
-            if watch is not None:
-                watch.prepared = prepared
+            prepared = pipeline.sent(prepared, watch=watch)
             if attempt is not None:
                 attempt.went_out(prepared)
         except BaseException:
@@ -358,9 +340,8 @@ class Send:
 
 
 class TrimmedOpenAI(Closing, OpenAIFrontEnd):
-    """An ``openai.OpenAI``-style client whose chat calls keep TTFT inside a budget: ``create``
-    returns the client's ``ChatCompletion``, rebuilt from a stream so that TTFT is measured, or
-    with ``stream=True`` its chunks (with ``.report``). ``close()`` / ``with`` close the client too."""
+    """An ``openai.OpenAI``-style client whose chat calls keep TTFT inside a budget: ``create`` returns the client's ``ChatCompletion``, rebuilt from a
+    stream so that TTFT is measured, or with ``stream=True`` its chunks (with ``.report``). ``close()`` / ``with`` close the client too."""
 
     def execute(self, prepared: Prepared, params: Mapping[str, Any], headers: Mapping[str, str] | None = None) -> ReportingOpenAIStream:
         """Send a prepared request; a stream of the client's chunks that reports when done."""
@@ -377,11 +358,6 @@ class AsyncTrimmedOpenAI(AsyncClosing, OpenAIFrontEnd):
     construction is synchronous (it may calibrate: build it before the loop starts)."""
 
     is_async = True
-
-    def __init__(self, client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> None:
-        super().__init__(client, ttft_budget_s, **kwargs)
-        # async requests go in one piece (the watched prefill's steps are sync requests)
-        self.pipeline.watch_prefill = False
 
     async def close(self) -> None:
         aclose = getattr(self.backend, "aclose", None)
@@ -407,6 +383,4 @@ def wrap_one_url(base_url: str, *, model: str | None = None, ttft_budget_s: floa
     backend_kwargs = split_backend_kwargs(kwargs)
     backend = OpenAIHTTPBackend(base_url, model=model, api_key=api_key, **backend_kwargs)
     cls = AsyncTrimmedOpenAI if asynchronous else TrimmedOpenAI
-    chat = cls(None, ttft_budget_s=ttft_budget_s, backend=backend, **kwargs)
-    chat.bound_side_requests()
-    return chat
+    return cls(None, ttft_budget_s=ttft_budget_s, backend=backend, **kwargs)

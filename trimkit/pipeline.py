@@ -1,9 +1,8 @@
 """The request pipeline, written once: validate → plan → send → measure → report.
 
-:class:`Pipeline` decides every request and sends nothing: :meth:`Pipeline.prepare` makes a
-:class:`Prepared` request, :meth:`Pipeline.finish` turns its measurement into a report and learns
-from it. A report attached to an error has ``measurement.total_s`` from sending to the failure.
-On an in-process engine a request enters the engine's queue when it is prepared.
+:class:`Pipeline` decides every request and sends nothing: :meth:`Pipeline.prepare` makes a :class:`Prepared` request, :meth:`Pipeline.finish` turns its
+measurement into a report and learns from it. A report attached to an error has ``measurement.total_s`` from sending to the failure. On an in-process engine
+a request enters the engine's queue when it is prepared.
 """
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -88,9 +86,8 @@ def _summarizer(summarizer: Any) -> Any:
 
 
 class Pipeline:
-    """Validate → plan → (the front-end sends) → measure → report, for any backend. Keyword
-    arguments are :func:`trimkit.wrap`'s; ``model_label(params)`` and ``report_notes(m, params)``
-    let a front-end name the model and add warnings to its reports."""
+    """Validate → plan → (the front-end sends) → measure → report, for any backend. Keyword arguments are :func:`trimkit.wrap`'s; ``model_label(params)``
+    and ``report_notes(m, params)`` let a front-end name the model and add warnings to its reports."""
 
     def __init__(
         self, backend: Backend, *, ttft_budget_s: float | None = None, profile: Profile | None = None, strategies: Any = None,
@@ -145,9 +142,9 @@ class Pipeline:
         self._report_notes = report_notes
         self._lock = threading.Lock()
         self._last_report: Report | None = None
-        self._model_name: str | None = None
-        #: where the previous request cut the conversation (the next plan may keep that cut)
-        self.previous_cut = PreviousCut()
+        #: where the previous request cut the conversation, if it dropped turns: the role and text of the first history
+        #: message it kept (the next plan may keep that cut)
+        self._cut: tuple[Any, str] | None = None
 
     ttft_budget_s = _checked("ttft_budget_s", lambda v: None if v is None else valid_budget(v))
     on_busy = _checked("on_busy", check_on_busy)
@@ -164,6 +161,12 @@ class Pipeline:
         """The fraction of a budget an open-loop request holds back (:mod:`trimkit.planning.speed`)."""
         return self.engine.safety_margin(self.attainment_target)
 
+    @functools.cached_property
+    def _model_name(self) -> str:
+        """The model a report names by default: the GGUF file name in process (the profile key hashes part of the file)."""
+        model = self.backend.profile_key().model
+        return model.split(":")[0] if self.backend.name == "llama_cpp" else model
+
     @property
     def last_report(self) -> Report | None:
         with self._lock:
@@ -171,8 +174,7 @@ class Pipeline:
 
     # -- summaries of older turns, off the critical path ----------------------------------------
     def idle(self, timeout_s: float | None = None) -> None:
-        """Finish pending background summaries now; with ``background_summaries=False``, compute
-        the one the last response's plan calls for."""
+        """Finish pending background summaries now; with ``background_summaries=False``, compute the one the last response's plan calls for."""
         with self._lock:
             threads = list(self._summary_threads)
         for t in threads:
@@ -226,22 +228,20 @@ class Pipeline:
 
     def prepare(self, messages: Any, rag_chunks: Any = None, params: Mapping[str, Any] | None = None, *, ttft_budget_s: float | None = None,
                 on_busy: str | None = None, queue_wait_s: float | None = None) -> Prepared:
-        """Validate, plan and check a request without sending it (``messages``: or a :class:`Request`
-        made by :meth:`request`). ``queue_wait_s``: a wait the caller predicts (a fleet router),
-        planned with instead of the engine queue's."""
+        """Validate, plan and check a request without sending it (``messages``: or a :class:`Request` made by :meth:`request`). ``queue_wait_s``: a wait the
+        caller predicts (a fleet router), planned with instead of the engine queue's."""
         t0 = self.clock()
         request = messages if isinstance(messages, Request) else self.request(messages, rag_chunks, params)
         budget = self.ttft_budget_s if ttft_budget_s is None else valid_budget(ttft_budget_s)
         busy = self.on_busy if on_busy is None else check_on_busy(on_busy)
-        given = queue_wait(queue_wait_s)
+        given_wait = queue_wait(queue_wait_s)
         # in line while it is planned (a request planned at the same time counts it ahead), out until it is sent
         ticket = self.queue.enter() if self.queue is not None else None
         try:
-            prepared = self._prepare(request, budget, busy, given, ticket, t0)
+            return self._prepare(request, budget, busy, given_wait, ticket, t0)
         finally:
             if ticket is not None:
                 ticket.done()
-        return prepared
 
     def _prepare(self, request: Request, budget: float | None, on_busy: str, given_wait: float | None, ticket: Ticket | None, t0: float) -> Prepared:
         request = self.count(request)
@@ -279,7 +279,7 @@ class Pipeline:
             raise QueueBudgetError(busy.refusal(budget), wait_s=w, ahead=ahead, report=report)
         if plan is None or budget is None:
             return prepared
-        self.previous_cut.remember(messages, plan)
+        self._remember_cut(messages, plan)
         # the prompt's own part: with on_busy="wait" a wait that breaks the budget is not the prompt's fault
         ttft = sent.predicted_s + busy.counted_wait_s
         if not (plan.feasible and ttft <= budget) and self.on_infeasible == "raise":
@@ -318,13 +318,33 @@ class Pipeline:
         tok = self.backend.tokenizer
         plan = make_plan(
             messages, ttft_budget_s=budget, profile=profile or self.profile, tokenizer=tok, rag_chunks=chunks,
-            strategies=self.previous_cut.strategies_for(messages, self.strategies), tools=tools, cached_tokens=before.cached,
+            strategies=self._strategies_for(messages), tools=tools, cached_tokens=before.cached,
             cache=cache, summaries=self.summaries, rag_template=self.rag_template, rag_chunk_template=self.rag_chunk_template,
             on_infeasible="best_effort", clock=self.clock, values=self.values, safety_margin=margin,
             max_prompt_tokens=max(int(self.backend.n_ctx) - (answer_cap(params) or 0), 1),
         )
         unchanged = plan.passthrough and list(plan.messages) == list(request.as_is)
         return plan, before if unchanged else priced(tok.prompt_tokens(plan.messages, tools))
+
+    def _strategies_for(self, messages: Sequence[Mapping[str, Any]]) -> Any:
+        """The strategies given; else the default chain with :class:`~trimkit.strategies.keep_cached_cut`
+        when this conversation still has a turn starting at the previous cut."""
+        if self.strategies is not None or self._cut is None:
+            return self.strategies
+        role, text = self._cut
+        for j, m in enumerate(messages):
+            if m.get("role") == role and message_text(m) == text and j > 0:
+                return default_strategies(keep_cut=j)
+        return None
+
+    def _remember_cut(self, messages: Sequence[Mapping[str, Any]], plan: Any) -> None:
+        removed = set(getattr(plan, "removed_message_indices", ()) or ())
+        self._cut = None
+        if removed:
+            for i in range(max(removed) + 1, len(messages)):
+                if i not in removed and messages[i].get("role") not in ("system", "developer"):
+                    self._cut = (messages[i].get("role"), message_text(messages[i]))
+                    return
 
     def _estimate(self, ticket: Ticket | None, priced: _Priced, params: Mapping[str, Any]) -> None:
         """Tell the engine's queue the request's predicted work (for the requests behind it)."""
@@ -334,8 +354,7 @@ class Pipeline:
 
     # -- the watched prefill ----------------------------------------------------------------------
     def watches(self) -> bool:
-        """Whether budgeted requests are watched while they prefill: the backend evaluates in
-        steps (``evaluate_to``) and its ``send`` takes ``watch=``."""
+        """Whether budgeted requests are watched while they prefill: the backend evaluates in steps (``evaluate_to``) and its ``send`` takes ``watch=``."""
         return self.watch_prefill and getattr(self.backend, "evaluate_to", None) is not None and _takes_watch(type(self.backend).send)
 
     def watched(self, prepared: Prepared, *, waited_s: float = 0.0) -> WatchedPrefill | None:
@@ -345,14 +364,11 @@ class Pipeline:
         return WatchedPrefill(self, prepared, waited_s=waited_s)
 
     def replan(self, prepared: Prepared, watch: PrefillWatch, spent_s: float, *, grow: bool = False) -> Prepared | None:
-        """``prepared`` planned again ``spent_s`` into it at the measured pace. First the plan's
-        chunks not evaluated yet are cut (the evaluated prefix kept), to the margin's target, else
-        to the budget; only when no such cut fits is the whole request planned again, and only if
-        that is predicted within the budget. ``grow``: put back chunks the plan dropped. None when
-        nothing would change."""
-        if prepared.request is None or prepared.budget_s is None or prepared.plan is None:
-            return None
+        """``prepared`` planned again ``spent_s`` into it at the measured pace. First the plan's chunks not evaluated yet are cut (the evaluated prefix
+        kept), to the margin's target, else to the budget; only when no such cut fits is the whole request planned again, and only if that is predicted
+        within the budget. ``grow``: put back chunks the plan dropped. None when nothing would change."""
         request = prepared.request
+        assert request is not None and prepared.budget_s is not None and prepared.plan is not None  # what the watch runs on
         messages, params = request.messages, request.params
         tools = params.get("tools")
         tok = self.backend.tokenizer
@@ -409,7 +425,7 @@ class Pipeline:
             kept_now = {str(c.id) for c in plan.kept_chunks}
             dropped = [str(c.id) for c in old.kept_chunks if str(c.id) not in kept_now]
             dropped += [f"message {i}" for i in sorted(set(plan.removed_message_indices) - set(old.removed_message_indices))]
-            self.previous_cut.remember(messages, plan)
+            self._remember_cut(messages, plan)
         record = Replan(
             evaluated_tokens=watch.position, prompt_tokens=len(prepared.prompt_tokens), elapsed_s=spent_s, pace=watch.pace,
             projected_ttft_s=watch.projected_ttft_s(spent_s),
@@ -425,46 +441,37 @@ class Pipeline:
         )
 
     # -- send (the front-end's), measure, report --------------------------------------------------
-    def sent(self, prepared: Prepared, *, waited_s: float = 0.0) -> Prepared:
-        """Record that ``prepared`` went out after waiting ``waited_s`` for the engine (counted in
-        ``report.measured_ttft_s``, not in ``measurement.ttft_s``)."""
+    def sent(self, prepared: Prepared, *, waited_s: float = 0.0, watch: WatchedPrefill | None = None) -> Prepared:
+        """Record that ``prepared`` went out after waiting ``waited_s`` for the engine (counted in ``report.measured_ttft_s``, not in
+        ``measurement.ttft_s``); its ``watch`` (if watched) goes on from it."""
         if waited_s >= 0.001:
             prepared = prepared.with_warning(
                 f"waited {waited_s:.3f} s for the engine (requests ahead held it, or an idle probe was stopping); "
                 "counted in the measured TTFT, not in measurement.ttft_s"
             )
         self.last_prepared = prepared
+        if watch is not None:
+            watch.prepared = prepared
         return prepared
 
     def report(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any], *, sent: bool = True,
                error: type[BaseException] | None = None) -> Report:
         """The report of ``prepared`` (nothing learned): the one place every report is completed."""
         notes = self._report_notes(m, params) if self._report_notes is not None else ()
-        if self._model_label is not None:
-            model = self._model_label(params)
-        else:  # the GGUF file name in process; computed once (the profile key hashes part of the file)
-            if self._model_name is None:
-                model = self.backend.profile_key().model
-                self._model_name = model.split(":")[0] if self.backend.name == "llama_cpp" else model
-            model = self._model_name
+        model = self._model_label(params) if self._model_label is not None else self._model_name
         report = Report.of_request(prepared, m, params, backend=self.backend.name, model=model, profile=self.profile, notes=notes, sent=sent,
                                    endpoint=self.endpoint_label, tokens_per_s_target=self.tokens_per_s_target)
         report_completed(report, error_type=None if error is None else f"{error.__module__}.{error.__qualname__}",
                          prepare_s=prepared.prepare_s or 0.0, sinks=self._sinks)
         return report
 
-    def error_report(self, prepared: Prepared, ts: TimedStream, params: Mapping[str, Any],
-                     error: type[BaseException] | None = None) -> Report:
-        """The report of a request whose stream failed: ``total_s`` from sending to the failure (0.0 if it never started)."""
-        total = ts.total_s if ts.started is not None else 0.0
-        _leave(prepared)
-        m = Measurement(ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=total, queue_s=getattr(ts, "queue_s", 0.0))
-        return self.report(prepared, m, params, error=error)
-
     def attach_report(self, exc: BaseException, ts: TimedStream, prepared: Prepared, params: Mapping[str, Any]) -> None:
-        """Give an error that carries a report (a BackendError) the report of what was sent, unless it has one."""
+        """Give an error that carries a report (a BackendError) the report of what was sent, unless it has one:
+        ``total_s`` from sending to the failure (0.0 if the stream never started)."""
         if getattr(exc, "report", "absent") is None:
-            exc.report = self.error_report(prepared, ts, params, type(exc))  # type: ignore[attr-defined]
+            total = ts.total_s if ts.started is not None else 0.0
+            m = Measurement(ttft_s=ts.ttft_s, first_output_s=ts.first_output_s, total_s=total, queue_s=getattr(ts, "queue_s", 0.0))
+            exc.report = self.report(prepared, m, params, error=type(exc))  # type: ignore[attr-defined]
 
     def finish(self, prepared: Prepared, m: Measurement, params: Mapping[str, Any]) -> Report:
         """A request finished: its report, and what it teaches (drift, margin, next summary)."""
@@ -490,15 +497,7 @@ class Pipeline:
         self._last_plan = prepared.plan
         if self.background_summaries:
             self._summarize(prepared.plan, background=True)
-        _leave(prepared)
         return report
-
-
-def _leave(prepared: Prepared) -> None:
-    """The request is done with the engine: out of its queue."""
-    ticket = getattr(prepared, "ticket", None)
-    if ticket is not None:
-        ticket.done()
 
 
 def _run_summary(job: Callable[[], Any]) -> None:
@@ -530,10 +529,9 @@ def _whole_request(m: Measurement, prepared: Prepared) -> Measurement:
 
 
 class WatchedPrefill:
-    """Runs the watched prefill (:mod:`trimkit.planning.watch`) of one prepared request: called
-    with the backend's ``evaluate(tokens, end) -> (seconds, start)``, its clock and what its
-    context holds, it returns the messages and prompt tokens to generate from (the plan's or a
-    re-plan's). :attr:`prepared` is the request as finally sent; ``waited_s`` counts against the budget."""
+    """Runs the watched prefill (:mod:`trimkit.planning.watch`) of one prepared request: called with the backend's ``evaluate(tokens, end) -> (seconds,
+    start)``, its clock and what its context holds, it returns the messages and prompt tokens to generate from (the plan's or a re-plan's). :attr:`prepared`
+    is the request as finally sent; ``waited_s`` counts against the budget."""
 
     def __init__(self, pipeline: Pipeline, prepared: Prepared, *, waited_s: float = 0.0) -> None:
         self.pipeline = pipeline
@@ -543,15 +541,13 @@ class WatchedPrefill:
     def __call__(self, evaluate: Callable[[Sequence[int], int], tuple[float, int]], clock: Callable[[], float],
                  held: int) -> tuple[Sequence[Mapping[str, Any]], Sequence[int]]:
         t0 = clock()
-        p = self.prepared
-        pipeline = self.pipeline
+        p, pipeline = self.prepared, self.pipeline
         profile = pipeline.profile
-        budget = p.budget_s - self.waited_s if p.budget_s is not None else math.inf
-        # the target the plan filled to: a stricter one (a margin sized for the planned prompt's
+        assert p.budget_s is not None and p.plan is not None  # what Pipeline.watched() watches
+        # to the target the plan filled to: a stricter one (a margin sized for the planned prompt's
         # tail) re-planned requests running on pace and cut what the plan had kept
-        margin = p.plan.safety_margin if p.plan is not None else \
-            pipeline.engine.safety_margin(pipeline.attainment_target, share=tail_share(profile, len(p.prompt_tokens) - held))
-        watch = PrefillWatch(p.prompt_tokens, held, profile, budget, margin=margin, n_batch=max(int(profile.model.n_batch or 512), 1))
+        watch = PrefillWatch(p.prompt_tokens, held, profile, p.budget_s - self.waited_s, margin=p.plan.safety_margin,
+                             n_batch=max(int(profile.model.n_batch or 512), 1))
         if not watch.watched:
             return p.messages, p.prompt_tokens
         self.prepared = attrs.evolve(p, watched=True)
@@ -560,7 +556,7 @@ class WatchedPrefill:
             seconds, start = evaluate(watch.tokens, end)
             watch.record(end, seconds, start)
             over = watch.over_budget(clock() - t0)
-            if over or (not grown and watch.ahead(clock() - t0) and self.prepared.plan is not None and self.prepared.plan.dropped_chunks):
+            if over or (not grown and watch.ahead(clock() - t0) and self.prepared.plan.dropped_chunks):
                 grown = grown or not over  # one try at putting content back a request
                 replanned = pipeline.replan(self.prepared, watch, clock() - t0 + self.waited_s, grow=not over)
                 if replanned is None:  # it fits as planned after all (or nothing to plan from)
@@ -579,9 +575,8 @@ class WatchedPrefill:
 
 def place_chunks(messages: Sequence[Mapping[str, Any]], chunks: Sequence[Chunk], template: str = DEFAULT_RAG_TEMPLATE,
                  chunk_template: str = DEFAULT_RAG_CHUNK_TEMPLATE) -> list[Mapping[str, Any]]:
-    """A new message list with ``chunks`` placed into the last user message as the planner
-    places them (ranked by score or BM25, the most relevant last), so an untrimmed plan and
-    this placement give the same prompt."""
+    """A new message list with ``chunks`` placed into the last user message as the planner places them (ranked by score or BM25, the most relevant last), so
+    an untrimmed plan and this placement give the same prompt."""
     out = list(messages)
     if not chunks:
         return out
@@ -592,9 +587,8 @@ def place_chunks(messages: Sequence[Mapping[str, Any]], chunks: Sequence[Chunk],
 
 @attrs.frozen
 class Request:
-    """A call's input, validated and neutralised once (:meth:`Pipeline.request`): what every plan of
-    it starts from (a re-plan, a fleet's endpoint); ``tokens``: its prompt as given, counted by
-    ``counted_by`` (a tokenizer's name)."""
+    """A call's input, validated and neutralised once (:meth:`Pipeline.request`): what every plan of it starts from (a re-plan, a fleet's endpoint);
+    ``tokens``: its prompt as given, counted by ``counted_by`` (a tokenizer's name)."""
 
     messages: Any
     chunks: tuple[Chunk, ...]
@@ -634,30 +628,3 @@ class Prepared:
     def with_warning(self, warning: str) -> Prepared:
         return attrs.evolve(self, warnings=(*self.warnings, warning))
 
-
-class PreviousCut:
-    """Where the previous request cut the conversation, if it dropped turns: the role and text
-    of the first history message it kept."""
-
-    def __init__(self) -> None:
-        self.marker: tuple[Any, str] | None = None
-
-    def strategies_for(self, messages: Sequence[Mapping[str, Any]], strategies: Any) -> Any:
-        """``strategies`` when given; else the default chain with :class:`~trimkit.strategies.keep_cached_cut`
-        when this conversation still has a turn starting at the previous cut."""
-        if strategies is not None or self.marker is None:
-            return strategies
-        role, text = self.marker
-        for j, m in enumerate(messages):
-            if m.get("role") == role and message_text(m) == text and j > 0:
-                return default_strategies(keep_cut=j)
-        return None
-
-    def remember(self, messages: Sequence[Mapping[str, Any]], plan: Any) -> None:
-        removed = set(getattr(plan, "removed_message_indices", ()) or ())
-        self.marker = None
-        if removed:
-            for i in range(max(removed) + 1, len(messages)):
-                if i not in removed and messages[i].get("role") not in ("system", "developer"):
-                    self.marker = (messages[i].get("role"), message_text(messages[i]))
-                    return

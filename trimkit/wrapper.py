@@ -1,6 +1,5 @@
-"""The drop-in wrapper ``trimkit.wrap(client, ttft_budget_s=...)`` and the in-process and Ollama
-front-ends (the OpenAI-client ones are :mod:`trimkit.openai_wrapper`). Each holds a
-:class:`~trimkit.pipeline.Pipeline` and only sends.
+"""The drop-in wrapper ``trimkit.wrap(client, ttft_budget_s=...)`` and the in-process and Ollama front-ends (the OpenAI-client ones are
+:mod:`trimkit.openai_wrapper`). Each holds a :class:`~trimkit.pipeline.Pipeline` and only sends.
 """
 
 from __future__ import annotations
@@ -29,46 +28,43 @@ if TYPE_CHECKING:
 
 
 class Trimmer(FrontEnd):
-    """A :class:`~trimkit.backends.base.Backend` behind a TTFT budget, with the chat API of
-    ``llama_cpp.Llama``; :meth:`prepare` plans a request and :meth:`execute` sends it. Keyword
-    arguments are those of :func:`wrap`."""
+    """A :class:`~trimkit.backends.base.Backend` behind a TTFT budget, with the chat API of ``llama_cpp.Llama``; :meth:`prepare` plans a request and
+    :meth:`execute` sends it. Keyword arguments are those of :func:`wrap`."""
+
+    is_async = False
 
     def __init__(self, backend: Backend, **kwargs: Any) -> None:
         self.pipeline = Pipeline(backend, **kwargs)
 
     def execute(self, prepared: Prepared, params: Mapping[str, Any]) -> ReportingStream:
-        """Send a prepared request: a stream that reports when done. An in-process engine is taken
-        here for the stream, waiting at most the budget (else ``engine_wait_s``) plus twice the
-        predicted wait (then :class:`~trimkit.errors.EngineBusyError`); the wait is reported."""
+        """Send a prepared request: a stream that reports when done. An in-process engine is taken here for the stream, waiting at most the budget (else
+        ``engine_wait_s``) plus twice the predicted wait (then :class:`~trimkit.errors.EngineBusyError`); the wait is reported."""
+        return run_sync(self._send(prepared, params))
+
+    def _send(self, prepared: Prepared, params: Mapping[str, Any]) -> Steps:
+        """:meth:`execute`, sync or async: the stream, holding an in-process engine (its lease's section, the request's ticket
+        in its queue until the stream ends) and watched while it prefills where the backend can."""
         backend = self.pipeline.backend
-        with self._engine_section(prepared) as waited:
+        lease = getattr(backend, "engine", None)
+        section: AbstractContextManager[float] = contextlib.nullcontext(0.0)
+        if isinstance(lease, EngineLease):
+            bound = wait_bound_s(prepared.budget_s, prepared.queue_wait_s, getattr(backend, "engine_wait_s", DEFAULT_ENGINE_WAIT_S))
+            section = lease.section(bound, prepared.ticket)
+        with section as waited:
             if prepared.snapshot is not None:
                 backend.restore_prefix(prepared.snapshot)  # type: ignore[attr-defined]
-            watch = self.pipeline.watched(prepared, waited_s=waited or 0.0)
+            watch = self.pipeline.watched(prepared, waited_s=waited)
             extra = {"watch": watch} if watch is not None else {}
-            ts = backend.send(prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens, **extra)
+            ts = yield Io(backend.send, getattr(backend, "asend", backend.send), prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens,
+                          **extra)
         if waited:
             ts.queue_s = getattr(ts, "queue_s", 0.0) + waited
-        prepared = self.pipeline.sent(prepared, waited_s=waited or 0.0)
-        if watch is not None:
-            watch.prepared = prepared
-        return ReportingStream(ts, self.pipeline, prepared, params, watch=watch)
-
-    def _engine_section(self, prepared: Prepared) -> AbstractContextManager[float]:
-        """The engine for this request (yields the seconds waited): a section of its lease, the request's ticket in the
-        engine's queue until its stream ends; ``hold_engine`` for a backend without a lease; nothing for a server."""
-        backend = self.pipeline.backend
-        bound = wait_bound_s(prepared.budget_s, getattr(prepared, "queue_wait_s", None), getattr(backend, "engine_wait_s", DEFAULT_ENGINE_WAIT_S))
-        lease = getattr(backend, "engine", None)
-        if isinstance(lease, EngineLease):
-            return lease.section(bound, getattr(prepared, "ticket", None))
-        hold_engine = getattr(backend, "hold_engine", None)
-        return hold_engine(bound) if hold_engine is not None else contextlib.nullcontext(0.0)
+        prepared = self.pipeline.sent(prepared, waited_s=waited, watch=watch)
+        return (AsyncReportingStream if self.is_async else ReportingStream)(ts, self.pipeline, prepared, params, watch=watch)
 
     def create_chat_completion(self, messages: Any = None, **kwargs: Any) -> Any:
-        """Like ``Llama.create_chat_completion`` inside the TTFT budget, plus ``rag_chunks=``,
-        ``ttft_budget_s=`` and ``on_busy=``: a ``chat.completion`` dict, or with ``stream=True``
-        a :class:`ReportingStream` (with ``.report``)."""
+        """Like ``Llama.create_chat_completion`` inside the TTFT budget, plus ``rag_chunks=``, ``ttft_budget_s=`` and ``on_busy=``: a ``chat.completion``
+        dict, or with ``stream=True`` a :class:`ReportingStream` (with ``.report``)."""
         rag_chunks = kwargs.pop("rag_chunks", None)
         budget = kwargs.pop("ttft_budget_s", None)
         on_busy = kwargs.pop("on_busy", None)
@@ -100,9 +96,8 @@ class TrimmedLlama(Trimmer):
         super().__init__(backend, **kwargs)
 
     def prewarm(self, messages: Any, *, keep: bool = True) -> Any:
-        """Prefill a stable prefix (system prompt, pinned documents) off the critical path; with
-        ``keep`` also store its KV state, which a later conversation starting with it restores.
-        Returns the snapshot (or None)."""
+        """Prefill a stable prefix (system prompt, pinned documents) off the critical path; with ``keep`` also store its KV state, which a later
+        conversation starting with it restores. Returns the snapshot (or None)."""
         validate_messages(messages)
         tokens = self.backend.tokenizer.prompt_tokens(messages)
         prefix = tokens[: max(len(tokens) - 1, 1)]
@@ -113,9 +108,8 @@ class TrimmedLlama(Trimmer):
 
 
 def wrap(client: Any, ttft_budget_s: float | None = None, **kwargs: Any) -> Any:
-    """Wrap the client you already use so that each chat request meets a TTFT budget: a
-    ``llama_cpp.Llama``, an OpenAI-style client, an ``ollama`` client, a trimkit ``Backend``, or a
-    list of OpenAI-style clients (a fleet). ``kwargs``: the table in ``docs/reference.md``."""
+    """Wrap the client you already use so that each chat request meets a TTFT budget: a ``llama_cpp.Llama``, an OpenAI-style client, an ``ollama`` client, a
+    trimkit ``Backend``, or a list of OpenAI-style clients (a fleet). ``kwargs``: the table in ``docs/reference.md``."""
     if isinstance(client, (list, tuple)):
         return wrap_fleet(client, ttft_budget_s, **kwargs)
     kind = client_kind(client)
@@ -165,13 +159,9 @@ def assemble_chat_response(chunks: list[Any]) -> Any:
 
 
 class TrimmedOllama(Trimmer):
-    """An ``ollama.Client`` whose ``chat()`` keeps TTFT inside a budget. ``model``: the model to
-    calibrate and to name when a call does not; ``n_ctx``: the context window every request asks
-    for (default 4096, Ollama's own); ``chat_format``: the template for counting (default: a
-    ChatML estimate); ``on_truncation``: ``"raise"`` (a prompt the server cut raises
-    :class:`PromptTruncatedError` when the stream ends) or ``"warn"``."""
-
-    is_async = False
+    """An ``ollama.Client`` whose ``chat()`` keeps TTFT inside a budget. ``model``: the model to calibrate and to name when a call does not; ``n_ctx``: the
+    context window every request asks for (default 4096, Ollama's own); ``chat_format``: the template for counting (default: a ChatML estimate);
+    ``on_truncation``: ``"raise"`` (a prompt the server cut raises :class:`PromptTruncatedError` when the stream ends) or ``"warn"``."""
 
     def __init__(self, client: Any, ttft_budget_s: float | None = None, *, model: str | None = None, n_ctx: int | None = None,
                  n_batch: int | None = None, chat_format: str | None = None, on_truncation: str = "raise", **kwargs: Any) -> None:
@@ -221,8 +211,7 @@ class TrimmedOllama(Trimmer):
     def _chat(self, model: str, messages: Any, kwargs: dict[str, Any]) -> Steps:
         """A ``chat()`` call, sync or async (planned in a worker thread): sent, and drained unless streamed."""
         prepared, params, stream = yield Io(self._prepare, in_thread(self._prepare), model, messages, kwargs)
-        ts = yield Io(self.backend.send, self.backend.asend, prepared.messages, send_params(params), prompt_tokens=prepared.prompt_tokens)
-        out = (AsyncReportingStream if self.is_async else ReportingStream)(ts, self.pipeline, self.pipeline.sent(prepared), params)
+        out = yield from self._send(prepared, params)
         out.at_end = self._truncated
         if stream:
             return out
