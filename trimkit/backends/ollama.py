@@ -202,7 +202,6 @@ class OllamaBackend(ServerBackend):
         model = body.get("model") or self.model
         if not model:
             raise InvalidInputError("name the model: chat(model=...) or wrap(client, model=...)")
-        body["model"] = model
         options = dict(body.get("options") or {})
         asked = options.get("num_ctx")
         if asked is not None and asked != self.n_ctx:
@@ -211,10 +210,7 @@ class OllamaBackend(ServerBackend):
         options["num_ctx"] = self.n_ctx
         if params.get("max_tokens") is not None and "num_predict" not in options:  # calibration's probes name it so
             options["num_predict"] = params["max_tokens"]
-        body["options"] = options
-        body["messages"] = client_messages(messages)
-        body["stream"] = True
-        return body
+        return {**body, "model": model, "options": options, "messages": client_messages(messages), "stream": True}
 
     def _measure(self, lines: _Lines, sent: list[int], predicted: int, ts: TimedStream) -> Measurement:
         final = lines.final or {}
