@@ -6,6 +6,7 @@ dependency errors (httpx, llama_cpp, openai) are translated into these at the bo
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import numbers
@@ -185,8 +186,9 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:40] + f"... ({len(text)} characters)"
 
 
-def _finite(value: Any, name: str, error: type[Exception]) -> float:
-    """``value`` as a finite float, else ``error`` (bools refused; ``10**400`` is not finite)."""
+def finite(value: Any, name: str, *, above: float | None = None, at_least: float | None = None, below: float | None = None,
+           error: type[Exception] = InvalidNumberError) -> float:
+    """``value`` as a finite float within the bounds given, else ``error`` (bools refused; ``10**400`` is not finite)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise error(f"{name} must be a number, got {type(value).__name__} {_short(value)}")
     try:
@@ -195,14 +197,18 @@ def _finite(value: Any, name: str, error: type[Exception]) -> float:
         raise error(f"{name} must be finite, got an int too large for a float ({_short(value)})") from None
     if not math.isfinite(v):
         raise error(f"{name} must be finite, got {_short(value)}")
+    for out, bound in ((above is not None and v <= above, f"> {above}"), (at_least is not None and v < at_least, f">= {at_least}"),
+                       (below is not None and v >= below, f"below {below}")):
+        if out:
+            raise error(f"{name} must be {bound}, got {_short(value)}")
     return v
 
 
-def positive_finite(value: Any, name: str, *, error: type[Exception] = InvalidNumberError) -> float:
-    v = _finite(value, name, error)
-    if v <= 0:
-        raise error(f"{name} must be > 0, got {_short(value)}")
-    return v
+#: the bounds trimkit's numbers keep: ``name(value, label)`` as a float, else InvalidNumberError (``budget``: InvalidBudgetError)
+positive_finite = functools.partial(finite, above=0)
+non_negative_finite = functools.partial(finite, at_least=0)
+fraction = functools.partial(finite, at_least=0, below=1)  # a safety margin
+open_share = functools.partial(finite, above=0, below=1)  # an attainment target
 
 
 def real_float(value: Any) -> float:
@@ -215,13 +221,6 @@ def real_float(value: Any) -> float:
         raise InvalidNumberError(f"expected a number a float can hold, got {_short(value)}") from None
 
 
-def non_negative_finite(value: Any, name: str) -> float:
-    v = _finite(value, name, InvalidNumberError)
-    if v < 0:
-        raise InvalidNumberError(f"{name} must be a finite number >= 0, got {_short(value)}")
-    return v
-
-
 def count(value: Any, name: str, *, minimum: int = 0) -> int:
     """``value`` if it is an int >= ``minimum`` (bools are refused)."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -232,23 +231,9 @@ def count(value: Any, name: str, *, minimum: int = 0) -> int:
 
 
 def budget(value: Any, name: str = "ttft_budget_s") -> float:
-    return positive_finite(value, name, error=InvalidBudgetError)
+    """A TTFT budget: finite and > 0, else :class:`InvalidBudgetError`."""
+    return finite(value, name, above=0, error=InvalidBudgetError)
 
 
 def attrs_non_negative(instance: Any, attribute: Any, value: Any) -> None:
     non_negative_finite(value, attribute.name)
-
-
-def fraction(value: Any, name: str) -> float:
-    """A share in ``[0, 1)`` (a safety margin)."""
-    v = non_negative_finite(value, name)
-    if v >= 1.0:
-        raise InvalidNumberError(f"{name} must be below 1, got {_short(value)}")
-    return v
-
-
-def open_share(value: Any, name: str) -> float:
-    """A share strictly between 0 and 1 (an attainment target)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
-        raise InvalidInputError(f"{name} must be a number strictly between 0 and 1, got {_short(value)}")
-    return float(value)

@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from trimkit.errors import InvalidChunkError, InvalidInputError, InvalidMessageError, _finite
+from trimkit.errors import InvalidChunkError, InvalidInputError, InvalidMessageError, finite
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 SYSTEM_ROLES = frozenset({"system", "developer"})
@@ -29,7 +29,7 @@ def _score(value: Any) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidChunkError(f"chunk score must be a finite number or None, got {type(value).__name__}")
-    return _finite(value if isinstance(value, int) else float(value), "chunk score", InvalidChunkError)
+    return finite(value if isinstance(value, int) else float(value), "chunk score", error=InvalidChunkError)
 
 
 def _check_id(instance: Any, attribute: Any, value: Any) -> None:
@@ -106,28 +106,22 @@ def coerce_chunks(chunks: Any) -> tuple[Chunk, ...]:
     out: list[Chunk] = []
     seen: set[str] = set()
     for i, c in enumerate(chunks):
-        if isinstance(c, Chunk):
-            chunk = c if c.id is not None else attrs.evolve(c, id=f"chunk-{i}", label=c.label or str(i + 1))
-        elif isinstance(c, (str, Mapping)):
+        if isinstance(c, (str, Mapping)):
             c = {"text": c} if isinstance(c, str) else c
             if "text" not in c:
                 raise InvalidChunkError(f"rag_chunks[{i}] has no 'text'")
-            cid = c.get("id")
             try:
-                chunk = Chunk(text=c["text"], score=c.get("score"), id=f"chunk-{i}" if cid is None else str(cid), label=str(i + 1) if cid is None else None)
+                c = Chunk(text=c["text"], score=c.get("score"), id=None if c.get("id") is None else str(c["id"]))
             except InvalidChunkError as exc:
                 raise InvalidChunkError(f"rag_chunks[{i}]: {exc}") from None
-        else:
+        elif not isinstance(c, Chunk):
             raise InvalidChunkError(f"rag_chunks[{i}] must be str, Chunk or dict, got {type(c).__name__}")
-        assert chunk.id is not None
-        if chunk.id in seen:
-            # "a#2" may itself be taken (ids "a#2", "a", "a"): extend until the id is unique
-            unique = f"{chunk.id}#{i}"
-            while unique in seen:
-                unique += f"#{i}"
-            chunk = attrs.evolve(chunk, id=unique)
-        seen.add(chunk.id)  # type: ignore[arg-type]
-        out.append(chunk)
+        # a chunk without an id is "chunk-i", shown as its position; a taken id gets "#i" until it is unique
+        cid, label = (c.id, c.label) if c.id is not None else (f"chunk-{i}", c.label or str(i + 1))
+        while cid in seen:
+            cid += f"#{i}"
+        seen.add(cid)
+        out.append(c if (cid, label) == (c.id, c.label) else attrs.evolve(c, id=cid, label=label))
     return tuple(out)
 
 
@@ -207,10 +201,9 @@ def validate_messages(messages: Any) -> None:
         if not isinstance(m, Mapping):
             raise InvalidMessageError(f"messages[{i}] must be a dict, got {type(m).__name__}")
         role = m.get("role")
-        if role is None:
-            raise InvalidMessageError(f"messages[{i}] has no 'role'")
         if not isinstance(role, str) or role not in ROLES:  # a list role would make `in` raise TypeError
-            raise InvalidMessageError(f"messages[{i}] has unknown role {role!r} (expected one of {sorted(ROLES)})")
+            what = "no 'role'" if role is None else f"unknown role {role!r} (expected one of {sorted(ROLES)})"
+            raise InvalidMessageError(f"messages[{i}] has {what}")
         if "content" not in m:
             raise InvalidMessageError(f"messages[{i}] ({role}) has no 'content'")
         _check_fields(m, f"messages[{i}]")

@@ -311,10 +311,7 @@ class LlamaBackend(Backend):
         llm = self.llm
         seq = self.probe_tokens(new_tokens + cached_tokens)
         with self.hold_engine():
-            if cached_tokens == 0:
-                llm.reset()
-            else:
-                self.prefill(seq[:cached_tokens])
+            self.prefill(seq[:cached_tokens])  # none: the context emptied
             t0 = self.clock()
             llm.eval(seq[cached_tokens:])
             return self.clock() - t0
@@ -322,7 +319,6 @@ class LlamaBackend(Backend):
     def measure_prefill_within(self, new_tokens: int, cached_tokens: int, should_abort: Callable[[], bool]) -> float | None:
         """:meth:`measure_prefill`, stopped once ``should_abort()`` is true (None then, the context left empty):
         a probe that runs far past its prediction ends at calibration's deadline."""
-        self._check_fits(new_tokens + cached_tokens)
         with self.hold_engine(), abort_when(self.llm, should_abort) as abort:
             try:
                 return self.measure_prefill(new_tokens, cached_tokens)
@@ -383,7 +379,6 @@ class LlamaBackend(Backend):
     def save_prefix(self, tokens: Sequence[int]) -> PrefixSnapshot:
         """Prefill ``tokens`` and keep the KV cells of sequence 0 for reuse."""
         tokens = list(tokens)
-        self._check_fits(len(tokens))
         with self.hold_engine():
             t0 = self.clock()
             self.prefill(tokens)
@@ -492,16 +487,12 @@ def format_gemma3(messages: Sequence[Mapping[str, Any]], add_generation_prompt: 
 gemma3_chat_handler = llama_chat_format.chat_formatter_to_chat_completion_handler(format_gemma3)
 
 
-def _register() -> None:
-    registry = llama_chat_format.LlamaChatCompletionHandlerRegistry()
-    existing = registry._chat_handlers.get(GEMMA3_CHAT_FORMAT)
-    if existing is None or getattr(handler_formatter(existing), "__module__", None) == __name__:  # free, or ours (a reload)
-        registry.register_chat_completion_handler(GEMMA3_CHAT_FORMAT, gemma3_chat_handler, overwrite=True)
-    else:  # pragma: no cover - a future llama-cpp-python might ship its own "gemma-3"
-        log.debug("trimkit: chat format %r is already registered; default_llama() passes its own handler", GEMMA3_CHAT_FORMAT)
-
-
-_register()
+_registry = llama_chat_format.LlamaChatCompletionHandlerRegistry()
+_existing = _registry._chat_handlers.get(GEMMA3_CHAT_FORMAT)
+if _existing is None or getattr(handler_formatter(_existing), "__module__", None) == __name__:  # free, or ours (a reload)
+    _registry.register_chat_completion_handler(GEMMA3_CHAT_FORMAT, gemma3_chat_handler, overwrite=True)
+else:  # pragma: no cover - a future llama-cpp-python might ship its own "gemma-3"
+    log.debug("trimkit: chat format %r is already registered; default_llama() passes its own handler", GEMMA3_CHAT_FORMAT)
 
 
 def default_llama(model: str = DEFAULT_MODEL, **llama_kwargs: Any) -> Any:

@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import jinja2
@@ -23,19 +24,6 @@ from trimkit.planning.tokens import KNOWN_CONTROL_TEXTS, ControlTexts, PromptTok
 log = logging.getLogger("trimkit")
 
 Render = Callable[..., str]
-
-
-class LlamaTextTokenizer:
-    """A ``Llama``'s tokenizer for message text: no BOS, special tokens parsed as in the rendered prompt."""
-
-    exact = True
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-        self.name = "llama.cpp:" + os.path.basename(getattr(llm, "model_path", "model"))
-
-    def encode(self, text: str) -> list[int]:
-        return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
 
 def _chat_format_module() -> Any:
@@ -92,7 +80,9 @@ def chat_formatter(llm: Any) -> Any:
 def llama_prompt_tokenizer(llm: Any) -> PromptTokenizer:
     """A :class:`~trimkit.planning.tokens.PromptTokenizer` that renders and tokenizes exactly as
     ``llm.create_chat_completion`` does (a ChatML estimate, with a warning, for a custom handler)."""
-    text_tok = LlamaTextTokenizer(llm)
+    # the tokenizer for message text: no BOS, special tokens parsed as in the rendered prompt
+    text_tok = SimpleNamespace(name="llama.cpp:" + os.path.basename(getattr(llm, "model_path", "model")), exact=True,
+                               encode=lambda text: llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
     formatter = chat_formatter(llm)
     added_special = [False]  # whether the template adds BOS itself
     if formatter is None:

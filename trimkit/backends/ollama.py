@@ -13,14 +13,13 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
-import attrs
 import httpx
 
 from trimkit.backends.base import Clock, Measurement, TimedStream, is_ollama_client
 from trimkit.backends.llama_format import chat_format_renderer
 from trimkit.backends.replies import MAX_EVENT_BYTES, ServerStats, as_mapping, error_message, load_json, parse_server_stats
 from trimkit.backends.server import ServerBackend, ServerEvidence, local_prompt_tokenizer
-from trimkit.backends.transport import AsyncTimedStream, redact_url, status_error, transport_error
+from trimkit.backends.transport import AsyncTimedStream, redact_url, status_error, translated, transport_error
 from trimkit.errors import InvalidInputError, MalformedReplyError, ServerError, StreamInterruptedError, count
 from trimkit.planning.costs import CacheState
 from trimkit.planning.profile import ProfileKey
@@ -45,19 +44,15 @@ def _plain(value: Any) -> Any:
 
 def client_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     """The messages as the ``ollama`` client sends them (its ``_copy_messages``: images as base64)."""
-    try:
-        from ollama._client import _copy_messages
-    except ImportError:  # pragma: no cover - another client version
-        return [_plain(m) for m in messages]
+    from ollama._client import _copy_messages
+
     return [m.model_dump(exclude_none=True) for m in _copy_messages(messages)]
 
 
 def client_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
     """The tools as the ``ollama`` client sends them (a Python function becomes its JSON schema), so they are counted as sent."""
-    try:
-        from ollama._client import _copy_tools
-    except ImportError:  # pragma: no cover - another client version
-        return [_plain(t) for t in tools]
+    from ollama._client import _copy_tools
+
     try:
         return [t.model_dump(exclude_none=True) for t in _copy_tools(tools)]
     except (TypeError, ValueError) as exc:
@@ -183,13 +178,11 @@ class OllamaBackend(ServerBackend):
     def engine_version(self) -> str:
         """Ollama's version (``GET /api/version``), asked once; ``""`` when not told."""
         if self._version is None:
-            try:
+            with translated(lambda exc: transport_error(exc, self.base_url, "/api/version")):
                 response = self._sync_http().get("/api/version")
-                data = load_json(response.content, what="/api/version reply") if response.status_code == 200 else {}
-                version = data.get("version") if isinstance(data, Mapping) else None
-                self._version = version if isinstance(version, str) else ""
-            except httpx.HTTPError as exc:
-                raise transport_error(exc, self.base_url, "/api/version") or exc from None
+            data = load_json(response.content, what="/api/version reply") if response.status_code == 200 else {}
+            version = data.get("version") if isinstance(data, Mapping) else None
+            self._version = version if isinstance(version, str) else ""
         return self._version
 
     def engine_identity(self) -> Any:
@@ -209,7 +202,6 @@ class OllamaBackend(ServerBackend):
         model = body.get("model") or self.model
         if not model:
             raise InvalidInputError("name the model: chat(model=...) or wrap(client, model=...)")
-        body["model"] = model
         options = dict(body.get("options") or {})
         asked = options.get("num_ctx")
         if asked is not None and asked != self.n_ctx:
@@ -218,33 +210,24 @@ class OllamaBackend(ServerBackend):
         options["num_ctx"] = self.n_ctx
         if params.get("max_tokens") is not None and "num_predict" not in options:  # calibration's probes name it so
             options["num_predict"] = params["max_tokens"]
-        body["options"] = options
-        body["messages"] = client_messages(messages)
-        body["stream"] = True
-        return body
+        return {**body, "model": model, "options": options, "messages": client_messages(messages), "stream": True}
 
     def _measure(self, lines: _Lines, sent: list[int], predicted: int, ts: TimedStream) -> Measurement:
         final = lines.final or {}
         stats = parse_server_stats(final, strict=True) if final else ServerStats()
         reason = final.get("done_reason") if isinstance(final.get("done_reason"), str) else None
-        m = self.evidence.timed_measure(stats, ts, sent, predicted, reason, context_tokens=self.n_ctx)
         load = stats.raw.get("load_duration")
-        server = {**m.server, "num_ctx": self.n_ctx}
-        if isinstance(load, (int, float)) and not isinstance(load, bool) and load >= 0:
-            server["load_s"] = load / 1e9
-        return attrs.evolve(m, server=server)
+        loaded = {"load_s": load / 1e9} if isinstance(load, (int, float)) and not isinstance(load, bool) and load >= 0 else {}
+        return self.evidence.timed_measure(stats, ts, sent, predicted, reason, context_tokens=self.n_ctx, server={"num_ctx": self.n_ctx, **loaded})
 
     def _chunks(self, path: str, body: dict[str, Any], lines: _Lines) -> Iterator[Any]:
-        try:
-            with self._sync_http().stream("POST", path, json=body) as response:
-                if response.status_code != 200:
-                    response.read()
-                    raise status_error(response.status_code, response.text, response.headers)
-                for line in response.iter_lines():
-                    if (chunk := lines.take(line)) is not None:
-                        yield chunk
-        except httpx.HTTPError as exc:
-            raise transport_error(exc, self.base_url) or exc from None
+        with translated(lambda exc: transport_error(exc, self.base_url)), self._sync_http().stream("POST", path, json=body) as response:
+            if response.status_code != 200:
+                response.read()
+                raise status_error(response.status_code, response.text, response.headers)
+            for line in response.iter_lines():
+                if (chunk := lines.take(line)) is not None:
+                    yield chunk
         lines.end()
 
     async def _achunks(self, path: str, body: dict[str, Any], lines: _Lines, held: list[httpx.Response]) -> AsyncIterator[Any]:
@@ -252,7 +235,7 @@ class OllamaBackend(ServerBackend):
         (:func:`~trimkit.backends.transport.aread_chunks` says why); ``held`` gets the response to abort."""
         response: httpx.Response | None = None
         try:
-            try:
+            with translated(lambda exc: transport_error(exc, self.base_url)):
                 response = await self.http.send(self.http.build_request("POST", path, json=body), stream=True)
                 held.append(response)
                 if response.status_code != 200:
@@ -261,8 +244,6 @@ class OllamaBackend(ServerBackend):
                 async for line in response.aiter_lines():
                     if (chunk := lines.take(line)) is not None:
                         yield chunk
-            except httpx.HTTPError as exc:
-                raise transport_error(exc, self.base_url) or exc from None
             lines.end()
         finally:
             if response is not None:
