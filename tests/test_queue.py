@@ -528,6 +528,33 @@ def test_the_lease_serves_waiters_first_come_first_served_and_bounds_each_wait()
         assert waited == 0.0 and again == 0.0
 
 
+def test_the_lease_serves_requests_in_the_order_their_waits_were_predicted_not_the_order_they_reach_it():
+    # the first request planned takes longer to plan and reaches the lock second: it is still served first, as the
+    # second one's predicted wait (the first one's work) assumed; a waiter without a request keeps its arrival's place
+    lease = EngineLease()
+    first, second = lease.queue.enter(), lease.queue.enter()
+    first.done()
+    second.done()  # both planned; neither sent yet
+    release, _ = lease.hold()
+    got: list[str] = []
+
+    def send(name: str, ticket: object) -> None:
+        with lease.section(JOIN_S, ticket):  # type: ignore[arg-type]
+            got.append(name)
+
+    threads = []
+    for n, (name, ticket) in enumerate((("second", second), ("first", first), ("no ticket", None))):
+        t = threading.Thread(target=send, args=(name, ticket), daemon=True)
+        t.start()
+        threads.append(t)
+        wait_until(lambda n=n + 1: lease.waiters == n, f"{n + 1} waiter(s)")
+    assert lease.queue.ahead(second) == [first]
+    release()
+    for t in threads:
+        t.join(JOIN_S)
+    assert got == ["first", "second", "no ticket"] and lease.waiters == 0 and len(lease.queue) == 0
+
+
 def test_busy_decision_and_wait_bound():
     assert busy_decision("trim", 1.0, 0.0, 0.1).plan_budget_s == 1.0
     d = busy_decision("trim", 1.0, 0.45, 0.1, ahead=2)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import operator
 import statistics
 import threading
 import time
@@ -237,8 +238,8 @@ def wait_bound_s(budget_s: float | None, wait_s: float | None, default_s: float)
 
 
 class EngineLease:
-    """One ``Llama``'s lock and its :attr:`queue` (``clock``: the engine's): one holder at a time, waiters served first come,
-    first served.
+    """One ``Llama``'s lock and its :attr:`queue` (``clock``: the engine's): one holder at a time, waiters served in the order
+    their requests entered the queue (a request's ticket: the order its wait was predicted in), others first come, first served.
 
     ``with lease.section(timeout_s, ticket):`` holds it for a block in this thread (re-entrant; ``with lease:`` uses the
     default bound), the request's ticket in the engine's queue meanwhile; :meth:`hold` takes it for a stream, released once
@@ -253,7 +254,7 @@ class EngineLease:
         self._depth = 0
         self._ticket: Ticket | None = None  # the section's request, until a stream takes it over
         self._streams = 0  # open stream holds
-        self._line: deque[object] = deque()  # the waiters, first come first
+        self._line: list[tuple[int, object]] = []  # the waiters, by their request's place in the queue
 
     @property
     def busy(self) -> bool:
@@ -265,12 +266,13 @@ class EngineLease:
         with self._cond:
             return len(self._line)
 
-    def _wait(self, timeout_s: float, what: str) -> float:
-        """Wait (under ``_cond``) until this thread may use the engine, in line; seconds waited."""
+    def _wait(self, timeout_s: float, what: str, ticket: Ticket | None = None) -> float:
+        """Wait (under ``_cond``) until this thread may use the engine, in line (``ticket``: at its request's place in the
+        queue, which a request that finished planning later may reach the lock before); seconds waited."""
         if (self._depth > 0 and self._thread == threading.get_ident()) or not (self.busy or self._line):
             return 0.0  # its own section, or a free engine nobody waits for
-        me = object()
-        self._line.append(me)
+        me = (ticket.seq if ticket is not None else next(self.queue._seq), object())
+        bisect.insort(self._line, me, key=operator.itemgetter(0))
         t0 = time.perf_counter()
         deadline = t0 + max(float(timeout_s), 0.0)
         try:
@@ -292,7 +294,7 @@ class EngineLease:
 
     def __enter__(self, timeout_s: float = DEFAULT_ENGINE_WAIT_S, ticket: Ticket | None = None) -> float:
         with self._cond:
-            waited = self._wait(timeout_s, "call")
+            waited = self._wait(timeout_s, "call", ticket)
             self._thread = threading.get_ident()
             self._ticket = self._ticket or ticket
             self._depth += 1
