@@ -171,6 +171,20 @@ def test_a_request_planned_and_not_sent_counts_for_no_one(chat):
     assert len(chat.queue) == 0
 
 
+def test_a_request_sent_at_once_keeps_its_place_from_its_plan_to_its_send(chat):
+    # create_chat_completion plans with send_now=True: between plan and send it is still ahead of later requests, so a
+    # later one finding the engine free waits for it
+    now = chat.prepare(ask(1), None, {"max_tokens": MAX_TOKENS}, send_now=True)
+    assert [t.seq for t in chat.queue.in_flight()] == [now.ticket.seq]
+    later = chat.prepare(ask(2), None, {"max_tokens": MAX_TOKENS})
+    assert later.queue_ahead == 1 and len(chat.queue) == 1
+    list(chat.execute(now, {"max_tokens": MAX_TOKENS}))
+    assert len(chat.queue) == 0
+    with pytest.raises(InvalidInputError):
+        chat.prepare(ask(3), None, {"max_tokens": MAX_TOKENS}, ttft_budget_s=-1.0, send_now=True)
+    assert len(chat.queue) == 0
+
+
 def test_a_request_sent_after_it_was_planned_takes_its_place_before_those_planned_after_it():
     # planned first, it left the line; sent (back in) after a later request entered: still ahead of it
     q = EngineQueue(FakeClock())
@@ -553,6 +567,55 @@ def test_the_lease_serves_requests_in_the_order_their_waits_were_predicted_not_t
     for t in threads:
         t.join(JOIN_S)
     assert got == ["first", "second", "no ticket"] and lease.waiters == 0 and len(lease.queue) == 0
+
+
+def test_a_request_does_not_take_the_free_engine_ahead_of_one_planned_before_it():
+    # the second request's predicted wait counted the first one's work: while the first is still planned, the second
+    # waits for it even though the engine is free; the first one's plan may use the engine itself (an inline summary)
+    lease = EngineLease()
+    first, second = lease.queue.enter(), lease.queue.enter()
+    second.done()  # planned; the first is still being planned
+    got: list[str] = []
+
+    def send(name: str, ticket: object) -> None:
+        with lease.section(JOIN_S, ticket):  # type: ignore[arg-type]
+            got.append(name)
+
+    later = threading.Thread(target=send, args=("second", second), daemon=True)
+    later.start()
+    wait_until(lambda: lease.waiters == 1, "the second request waiting")
+    with lease.section(JOIN_S):  # the first one's plan summarizes on the same engine: not held back
+        got.append("summary")
+    assert got == ["summary"] and not lease.busy and lease.waiters == 1
+    earlier = threading.Thread(target=send, args=("first", first), daemon=True)
+    earlier.start()  # its plan ended; it is sent
+    for t in (earlier, later):
+        t.join(JOIN_S)
+    assert got == ["summary", "first", "second"] and lease.waiters == 0 and len(lease.queue) == 0
+
+
+def test_a_plan_that_ends_unsent_or_never_ends_holds_nobody_back_for_long():
+    lease = EngineLease()
+    first, second = lease.queue.enter(), lease.queue.enter()
+    second.done()
+    got: list[str] = []
+
+    def send() -> None:
+        with lease.section(JOIN_S, second):
+            got.append("second")
+
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+    wait_until(lambda: lease.waiters == 1, "the second request waiting")
+    assert got == []
+    first.done()  # planned, then refused or only prepared: nothing is sent
+    t.join(JOIN_S)
+    assert got == ["second"] and not lease.busy
+    stuck, third = lease.queue.enter(), lease.queue.enter()
+    third.done()
+    with lease.section(0.05, third) as waited:  # a plan that never ends: the request goes once its own bound has passed
+        assert waited >= 0.05 and stuck in lease.queue.in_flight()
+    assert not lease.busy and lease.waiters == 0
 
 
 def test_busy_decision_and_wait_bound():

@@ -227,9 +227,10 @@ class Pipeline:
         return attrs.evolve(request, tokens=tuple(tok.prompt_tokens(request.as_is, request.params.get("tools"))), counted_by=tok.name)
 
     def prepare(self, messages: Any, rag_chunks: Any = None, params: Mapping[str, Any] | None = None, *, ttft_budget_s: float | None = None,
-                on_busy: str | None = None, queue_wait_s: float | None = None) -> Prepared:
+                on_busy: str | None = None, queue_wait_s: float | None = None, send_now: bool = False) -> Prepared:
         """Validate, plan and check a request without sending it (``messages``: or a :class:`Request` made by :meth:`request`). ``queue_wait_s``: a wait the
-        caller predicts (a fleet router), planned with instead of the engine queue's."""
+        caller predicts (a fleet router), planned with instead of the engine queue's. ``send_now``: the caller sends it at once, and it keeps its place in
+        the engine's queue until then (its ticket is the caller's to end if it does not)."""
         t0 = self.clock()
         request = messages if isinstance(messages, Request) else self.request(messages, rag_chunks, params)
         budget = self.ttft_budget_s if ttft_budget_s is None else valid_budget(ttft_budget_s)
@@ -238,10 +239,14 @@ class Pipeline:
         # in line while it is planned (a request planned at the same time counts it ahead), out until it is sent
         ticket = self.queue.enter() if self.queue is not None else None
         try:
-            return self._prepare(request, budget, busy, given_wait, ticket, t0)
-        finally:
+            prepared = self._prepare(request, budget, busy, given_wait, ticket, t0)
+        except BaseException:
             if ticket is not None:
                 ticket.done()
+            raise
+        if ticket is not None and not send_now:
+            ticket.done()
+        return prepared
 
     def _prepare(self, request: Request, budget: float | None, on_busy: str, given_wait: float | None, ticket: Ticket | None, t0: float) -> Prepared:
         request = self.count(request)

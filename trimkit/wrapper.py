@@ -68,7 +68,7 @@ class Trimmer(FrontEnd):
         rag_chunks = kwargs.pop("rag_chunks", None)
         budget = kwargs.pop("ttft_budget_s", None)
         on_busy = kwargs.pop("on_busy", None)
-        prepared = self.prepare(messages, rag_chunks, kwargs, ttft_budget_s=budget, on_busy=on_busy)
+        prepared = self.prepare(messages, rag_chunks, kwargs, ttft_budget_s=budget, on_busy=on_busy, send_now=True)
         rs = self.execute(prepared, kwargs)
         if kwargs.get("stream", False):
             return rs

@@ -313,7 +313,7 @@ class Call:
             if match is not None:
                 messages, chunks, chat.pipeline.rag_template, chat.pipeline.rag_chunk_template = match
             try:
-                return chat.prepare(messages, chunks, params, ttft_budget_s=self.ttft_budget_s, on_busy=self.on_busy)
+                return chat.prepare(messages, chunks, params, ttft_budget_s=self.ttft_budget_s, on_busy=self.on_busy, send_now=True)
             finally:
                 chat.pipeline.rag_template, chat.pipeline.rag_chunk_template = saved
 

@@ -1,6 +1,6 @@
 """One engine's concurrency: the requests in flight, the wait they predict, and the lock they take (docs/scaling.md §1).
 
-One in-process ``Llama`` serves one request at a time (:class:`EngineLease`, first come, first served). Every wrapper of
+One in-process ``Llama`` serves one request at a time (:class:`EngineLease`, in the order the waits were predicted). Every wrapper of
 the engine shares one :class:`EngineQueue`: a request's predicted wait is the remaining work of those in flight ahead of
 it, and the context it finds is the last one's prompt. A request is in flight while it is planned and from the moment it
 asks for the engine until its stream lets go of it (ends, fails, is closed or collected).
@@ -105,6 +105,7 @@ class EngineQueue:
         self._tickets: list[Ticket] = []
         self._answers: deque[int] = deque(maxlen=ANSWER_WINDOW)
         self._speeds: deque[float] = deque(maxlen=ANSWER_WINDOW)  # decode tokens/s of recent streams
+        self.on_leave: Callable[[], None] | None = None  # called after a ticket left (its lease wakes its waiters)
 
     def enter(self, ticket: Ticket | None = None) -> Ticket:
         """``ticket`` (default: a new one, at the end of the line) in the line; one coming back (planned, now sent) takes
@@ -117,8 +118,11 @@ class EngineQueue:
 
     def leave(self, ticket: Ticket) -> None:
         with self._lock:
-            if ticket in self._tickets:
-                self._tickets.remove(ticket)
+            if ticket not in self._tickets:
+                return
+            self._tickets.remove(ticket)
+        if self.on_leave is not None:  # (outside the lock: the lease's waiters look at the queue)
+            self.on_leave()
 
     def in_flight(self) -> list[Ticket]:
         """The requests in flight, in entry order."""
@@ -238,8 +242,12 @@ def wait_bound_s(budget_s: float | None, wait_s: float | None, default_s: float)
 
 
 class EngineLease:
-    """One ``Llama``'s lock and its :attr:`queue` (``clock``: the engine's): one holder at a time, waiters served in the order
-    their requests entered the queue (a request's ticket: the order its wait was predicted in), others first come, first served.
+    """One ``Llama``'s lock and its :attr:`queue` (``clock``: the engine's): one holder at a time, requests served in the order
+    they entered the queue (a request's ticket: the order its wait was predicted in), others first come, first served.
+
+    A request does not take the engine ahead of one that entered the queue before it and is still being planned: that one's
+    predicted wait did not count it. It takes it anyway once its own wait bound has passed (a plan that never ends), and a
+    waiter without a request (calibration, an inline summary, which a plan may need) is never held back by a plan.
 
     ``with lease.section(timeout_s, ticket):`` holds it for a block in this thread (re-entrant; ``with lease:`` uses the
     default bound), the request's ticket in the engine's queue meanwhile; :meth:`hold` takes it for a stream, released once
@@ -254,7 +262,12 @@ class EngineLease:
         self._depth = 0
         self._ticket: Ticket | None = None  # the section's request, until a stream takes it over
         self._streams = 0  # open stream holds
-        self._line: list[tuple[int, object]] = []  # the waiters, by their request's place in the queue
+        self._line: list[tuple[int, object, Ticket | None]] = []  # the waiters, by their request's place in the queue
+        self.queue.on_leave = self._wake  # a plan ended: a request held back by it may go
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     @property
     def busy(self) -> bool:
@@ -266,18 +279,32 @@ class EngineLease:
         with self._cond:
             return len(self._line)
 
+    def _planning(self) -> float:
+        """The place in the queue of the first request still being planned (neither waiting here nor served yet), or inf."""
+        waiting = {id(t) for _, _, t in self._line}
+        return min((t.seq for t in self.queue.in_flight() if t.held_at is None and id(t) not in waiting), default=math.inf)
+
+    def _next(self) -> object | None:
+        """The waiter whose turn it is: the first in line not held back by an earlier request still planned."""
+        planning = self._planning()
+        return next((key for seq, key, t in self._line if t is None or seq < planning), None)
+
     def _wait(self, timeout_s: float, what: str, ticket: Ticket | None = None) -> float:
         """Wait (under ``_cond``) until this thread may use the engine, in line (``ticket``: at its request's place in the
         queue, which a request that finished planning later may reach the lock before); seconds waited."""
-        if (self._depth > 0 and self._thread == threading.get_ident()) or not (self.busy or self._line):
-            return 0.0  # its own section, or a free engine nobody waits for
-        me = (ticket.seq if ticket is not None else next(self.queue._seq), object())
+        held_back = ticket is not None and self._planning() < ticket.seq
+        if (self._depth > 0 and self._thread == threading.get_ident()) or not (self.busy or self._line or held_back):
+            return 0.0  # its own section, or a free engine nobody waits for or plans ahead of it
+        me = (ticket.seq if ticket is not None else next(self.queue._seq), object(), ticket)
         bisect.insort(self._line, me, key=operator.itemgetter(0))
+        self._cond.notify_all()  # a request held back by this one's plan may go
         t0 = time.perf_counter()
         deadline = t0 + max(float(timeout_s), 0.0)
         try:
-            while self.busy or self._line[0] is not me:
+            while self.busy or self._next() is not me[1]:
                 left = deadline - time.perf_counter()
+                if left <= 0 and not self.busy and self._next() is None:
+                    break  # only plans that have not ended held it back: its bound has passed, it goes
                 if left <= 0:
                     waited = time.perf_counter() - t0
                     holder = "an unfinished stream" if self._streams else "another thread" if self._depth else "a request ahead"
