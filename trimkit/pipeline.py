@@ -236,7 +236,7 @@ class Pipeline:
         budget = self.ttft_budget_s if ttft_budget_s is None else valid_budget(ttft_budget_s)
         busy = self.on_busy if on_busy is None else check_on_busy(on_busy)
         given_wait = queue_wait(queue_wait_s)
-        # in line while it is planned (a request planned at the same time counts it ahead), out until it is sent
+        # in line while it is planned (a request planned at the same time counts it ahead), out until it is sent (send_now: kept)
         ticket = self.queue.enter() if self.queue is not None else None
         try:
             prepared = self._prepare(request, budget, busy, given_wait, ticket, t0)

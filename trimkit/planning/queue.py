@@ -247,7 +247,7 @@ class EngineLease:
 
     A request does not take the engine ahead of one that entered the queue before it and is still being planned: that one's
     predicted wait did not count it. It takes it anyway once its own wait bound has passed (a plan that never ends), and a
-    waiter without a request (calibration, an inline summary, which a plan may need) is never held back by a plan.
+    waiter without a request (a calibration step, any engine use a plan itself makes) is never held back by a plan.
 
     ``with lease.section(timeout_s, ticket):`` holds it for a block in this thread (re-entrant; ``with lease:`` uses the
     default bound), the request's ticket in the engine's queue meanwhile; :meth:`hold` takes it for a stream, released once
